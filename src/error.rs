@@ -1,0 +1,151 @@
+//! The one error type of the crate.
+//!
+//! Every variant names the thing that failed, the reason, and — where there is one — the fix, so the
+//! CLI can print a single line that a user can act on. Library code returns these; only `main` turns
+//! them into an exit status.
+
+use std::path::PathBuf;
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in megatrain.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A user-supplied input (file, string, flag value) is unusable.
+    #[error("{what} `{subject}`: {reason}{}", fix_suffix(.fix))]
+    BadInput {
+        /// What kind of input (e.g. "topology file", "synthetic topology").
+        what: &'static str,
+        /// The input itself (a path or the offending string).
+        subject: String,
+        /// Why it is unusable.
+        reason: String,
+        /// How to fix it, if known.
+        fix: Option<String>,
+    },
+
+    /// An I/O operation on a named file failed.
+    #[error("{op} `{}`: {source}{}", .path.display(), fix_suffix(.fix))]
+    Io {
+        /// What we were doing ("read", "write", "create", ...).
+        op: &'static str,
+        /// The file involved.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+        /// How to fix it, if known.
+        fix: Option<String>,
+    },
+
+    /// A call into a system library (hwloc, CUDA, io_uring) failed.
+    #[error("{library}: {op} failed: {reason}{}", fix_suffix(.fix))]
+    System {
+        /// The library ("hwloc", "CUDA driver", ...).
+        library: &'static str,
+        /// The operation that failed.
+        op: String,
+        /// The library's own error text.
+        reason: String,
+        /// How to fix it, if known.
+        fix: Option<String>,
+    },
+}
+
+fn fix_suffix(fix: &Option<String>) -> String {
+    match fix {
+        Some(f) => format!(" (fix: {f})"),
+        None => String::new(),
+    }
+}
+
+impl Error {
+    /// A `BadInput` error with a fix.
+    pub fn bad_input(
+        what: &'static str,
+        subject: impl Into<String>,
+        reason: impl Into<String>,
+        fix: Option<&str>,
+    ) -> Self {
+        Error::BadInput {
+            what,
+            subject: subject.into(),
+            reason: reason.into(),
+            fix: fix.map(str::to_owned),
+        }
+    }
+
+    /// An `Io` error on `path`.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+            fix: None,
+        }
+    }
+
+    /// A `System` error from `library`.
+    pub fn system(library: &'static str, op: impl Into<String>, reason: impl ToString) -> Self {
+        Error::System {
+            library,
+            op: op.into(),
+            reason: reason.to_string(),
+            fix: None,
+        }
+    }
+
+    /// Attach (or replace) the fix hint.
+    #[must_use]
+    pub fn with_fix(mut self, hint: impl Into<String>) -> Self {
+        let hint = Some(hint.into());
+        match &mut self {
+            Error::BadInput { fix, .. } | Error::Io { fix, .. } | Error::System { fix, .. } => {
+                *fix = hint;
+            }
+        }
+        self
+    }
+
+    /// Process exit status the CLI uses for this error: 2 for bad user input (like a usage error),
+    /// 1 for failures of the machine or a library.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::BadInput { .. } => 2,
+            Error::Io { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound
+                | std::io::ErrorKind::PermissionDenied
+                | std::io::ErrorKind::InvalidData
+                | std::io::ErrorKind::IsADirectory
+                | std::io::ErrorKind::NotADirectory
+                | std::io::ErrorKind::AlreadyExists => 2,
+                _ => 1,
+            },
+            Error::System { .. } => 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_names_subject_reason_and_fix() {
+        let e = Error::bad_input(
+            "topology file",
+            "x.xml",
+            "not XML",
+            Some("export with lstopo"),
+        );
+        assert_eq!(
+            e.to_string(),
+            "topology file `x.xml`: not XML (fix: export with lstopo)"
+        );
+        assert_eq!(e.exit_code(), 2);
+        let e = Error::system("hwloc", "load", "boom").with_fix("reinstall");
+        assert_eq!(e.to_string(), "hwloc: load failed: boom (fix: reinstall)");
+        assert_eq!(e.exit_code(), 1);
+    }
+}

@@ -1,0 +1,11 @@
+//! megatrain: full-precision LLM training on one GPU with the whole training state in host memory.
+//!
+//! See `docs/ARCHITECTURE.md` for the module map and the data flow of a training step.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod error;
+pub mod topology;
+pub mod util;
+
+pub use error::{Error, Result};

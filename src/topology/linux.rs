@@ -1,0 +1,321 @@
+//! Live-machine facts that hwloc does not report, read from Linux (sysfs, procfs, syscalls).
+//!
+//! Every reader tolerates a missing file (containers hide parts of sysfs): the field stays `None`.
+
+use super::{BlockDevice, HostMemory, HugePages, IoUringStatus, LinkKind, Machine, MemlockLimit};
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+fn read_trim(path: impl AsRef<Path>) -> Option<String> {
+    fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+fn read_u64(path: impl AsRef<Path>) -> Option<u64> {
+    read_trim(path)?.parse().ok()
+}
+
+/// Fill in everything only the live machine can tell.
+pub fn complete_live(m: &mut Machine) {
+    let single_node = m.numa_nodes.len() == 1;
+    for node in &mut m.numa_nodes {
+        let dir = PathBuf::from(format!("/sys/devices/system/node/node{}", node.os_index));
+        node.free_bytes = node_meminfo(&dir, "MemFree:");
+        if single_node {
+            // One node: /proc/meminfo is authoritative. (On some VMs the per-node counters miss
+            // hot-plugged memory: this one's node0 reports 4.2 GiB of its 23.5 GiB.)
+            if let Some(total) = meminfo("/proc/meminfo", "MemTotal:") {
+                node.memory_bytes = total;
+            }
+            node.free_bytes = meminfo("/proc/meminfo", "MemFree:").or(node.free_bytes);
+        }
+        let hp = huge_pages_in(&dir.join("hugepages"));
+        if !hp.is_empty() {
+            node.huge_pages = hp;
+        }
+    }
+    m.memory = HostMemory {
+        huge_pages: huge_pages_in(Path::new("/sys/kernel/mm/hugepages")),
+        transparent_huge_pages: read_trim("/sys/kernel/mm/transparent_hugepage/enabled")
+            .and_then(|s| bracketed(&s)),
+        memlock: memlock(),
+    };
+    m.io_uring = Some(io_uring_status());
+    let driver = nvidia_driver_version();
+    for gpu in &mut m.gpus {
+        gpu.driver_version.clone_from(&driver);
+        if gpu.link.kind == LinkKind::CoherentNvlink {
+            continue;
+        }
+        if let Some((generation, width)) = pcie_link(&gpu.pci_bus_id) {
+            gpu.link.kind = LinkKind::Pcie;
+            gpu.link.pcie_generation = Some(generation);
+            gpu.link.pcie_width = Some(width);
+            gpu.link.inferred = false;
+        }
+    }
+    if let Some(devs) = block_devices() {
+        m.block_devices = devs;
+    }
+}
+
+/// A field of a node's `meminfo` ("Node 0 MemFree:   12345 kB"), in bytes.
+fn node_meminfo(dir: &Path, key: &str) -> Option<u64> {
+    let text = fs::read_to_string(dir.join("meminfo")).ok()?;
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace().skip(2);
+        (it.next()? == key)
+            .then(|| it.next()?.parse::<u64>().ok())
+            .flatten()
+            .map(|kib| kib * 1024)
+    })
+}
+
+/// A field of `/proc/meminfo` ("MemTotal:   12345 kB"), in bytes.
+fn meminfo(path: &str, key: &str) -> Option<u64> {
+    let text = fs::read_to_string(path).ok()?;
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(key)?;
+        rest.split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+            .map(|k| k * 1024)
+    })
+}
+
+/// Huge pages below a `hugepages/` directory (`hugepages-2048kB/nr_hugepages`, ...).
+fn huge_pages_in(dir: &Path) -> Vec<HugePages> {
+    let Ok(rd) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<HugePages> = rd
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            let kib: u64 = name
+                .strip_prefix("hugepages-")?
+                .strip_suffix("kB")?
+                .parse()
+                .ok()?;
+            Some(HugePages {
+                page_bytes: kib * 1024,
+                total: read_u64(e.path().join("nr_hugepages")).unwrap_or(0),
+                free: read_u64(e.path().join("free_hugepages")),
+            })
+        })
+        .collect();
+    out.sort_by_key(|h| h.page_bytes);
+    out
+}
+
+/// The bracketed choice in a sysfs selector such as "always [madvise] never".
+fn bracketed(s: &str) -> Option<String> {
+    let a = s.find('[')?;
+    let b = s[a..].find(']')? + a;
+    Some(s[a + 1..b].to_owned())
+}
+
+/// This process's `RLIMIT_MEMLOCK`.
+pub fn memlock() -> Option<MemlockLimit> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit struct through a valid, exclusive pointer.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    if rc != 0 {
+        return None;
+    }
+    let conv = |v: libc::rlim_t| (v != libc::RLIM_INFINITY).then_some(v);
+    Some(MemlockLimit {
+        soft_bytes: conv(lim.rlim_cur),
+        hard_bytes: conv(lim.rlim_max),
+    })
+}
+
+/// Whether an io_uring can be created here, and why not.
+pub fn io_uring_status() -> IoUringStatus {
+    let sysctl = read_trim("/proc/sys/kernel/io_uring_disabled").and_then(|s| s.parse().ok());
+    match io_uring::IoUring::new(8) {
+        Ok(_) => IoUringStatus {
+            available: true,
+            sysctl_disabled: sysctl,
+            detail: "io_uring_setup succeeded".to_owned(),
+        },
+        Err(e) => {
+            let why = match e.raw_os_error() {
+                Some(libc::ENOSYS) => "the kernel has no io_uring (ENOSYS)".to_owned(),
+                Some(libc::EPERM) => format!(
+                    "io_uring is not permitted (EPERM; kernel.io_uring_disabled={}; seccomp or container policy may also block it)",
+                    sysctl.map_or("?".to_owned(), |v: u8| v.to_string())
+                ),
+                _ => format!("io_uring_setup failed: {e}"),
+            };
+            IoUringStatus {
+                available: false,
+                sysctl_disabled: sysctl,
+                detail: why,
+            }
+        }
+    }
+}
+
+/// The NVIDIA kernel module's version, from `/proc/driver/nvidia/version`
+/// ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ...").
+fn nvidia_driver_version() -> Option<String> {
+    let text = fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = text.lines().next()?;
+    let after = line.split("Kernel Module").nth(1)?;
+    after.split_whitespace().next().map(str::to_owned)
+}
+
+/// PCIe generation from a sysfs link speed such as "32.0 GT/s PCIe".
+fn pcie_generation(speed: &str) -> Option<u8> {
+    let gts: f64 = speed.split_whitespace().next()?.parse().ok()?;
+    [
+        (2.5, 1),
+        (5.0, 2),
+        (8.0, 3),
+        (16.0, 4),
+        (32.0, 5),
+        (64.0, 6),
+    ]
+    .iter()
+    .find(|(v, _)| (gts - v).abs() < 0.1)
+    .map(|&(_, g)| g)
+}
+
+/// The generation and width the link to a PCI device trains to under load: the minimum of the
+/// device's and its upstream port's maxima. (The *current* speed of an idle NVIDIA GPU is often
+/// Gen1: it downclocks its link to save power.)
+pub fn pcie_link(bus_id: &str) -> Option<(u8, u8)> {
+    let dev = fs::canonicalize(format!("/sys/bus/pci/devices/{bus_id}")).ok()?;
+    let one = |dir: &Path| -> Option<(u8, u8)> {
+        let generation = pcie_generation(&read_trim(dir.join("max_link_speed"))?)?;
+        let width: u8 = read_trim(dir.join("max_link_width"))?.parse().ok()?;
+        Some((generation, width))
+    };
+    let (mut g, mut w) = one(&dev)?;
+    if let Some((pg, pw)) = dev.parent().and_then(one) {
+        g = g.min(pg);
+        w = w.min(pw);
+    }
+    Some((g, w))
+}
+
+fn looks_like_bus_id(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && s.chars()
+            .enumerate()
+            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+}
+
+/// Block devices from `/sys/block`, with their mounts. `None` if sysfs is not readable.
+pub fn block_devices() -> Option<Vec<BlockDevice>> {
+    let mounts = mounts_by_dev();
+    let mut out = Vec::new();
+    for e in fs::read_dir("/sys/block").ok()?.flatten() {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        if ["loop", "ram", "zram", "sr", "fd"]
+            .iter()
+            .any(|p| name.starts_with(p))
+        {
+            continue;
+        }
+        let dir = e.path();
+        let real = fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
+        let pci_bus_id = real
+            .components()
+            .rev()
+            .filter_map(|c| c.as_os_str().to_str())
+            .find(|c| looks_like_bus_id(c))
+            .map(str::to_owned);
+        let numa_node = pci_bus_id.as_ref().and_then(|b| {
+            read_trim(format!("/sys/bus/pci/devices/{b}/numa_node"))?
+                .parse::<i64>()
+                .ok()
+                .and_then(|n| u32::try_from(n).ok())
+        });
+        // The device itself and its partitions (sda1, nvme0n1p1) may be mounted.
+        let mut devnums = vec![read_trim(dir.join("dev"))];
+        if let Ok(parts) = fs::read_dir(&dir) {
+            for p in parts.flatten() {
+                if p.file_name().to_string_lossy().starts_with(&name) {
+                    devnums.push(read_trim(p.path().join("dev")));
+                }
+            }
+        }
+        let mut mount_points: Vec<String> = devnums
+            .into_iter()
+            .flatten()
+            .flat_map(|d| mounts.get(&d).cloned().unwrap_or_default())
+            .collect();
+        mount_points.sort();
+        mount_points.dedup();
+        out.push(BlockDevice {
+            transport: super::hwloc::transport_of(&name).to_owned(),
+            model: read_trim(dir.join("device/model")),
+            size_bytes: read_u64(dir.join("size")).map(|s| s * 512),
+            rotational: read_u64(dir.join("queue/rotational")).map(|r| r == 1),
+            numa_node,
+            pci_bus_id,
+            mount_points,
+            name,
+        });
+    }
+    super::hwloc::sort_block_devices(&mut out);
+    Some(out)
+}
+
+/// "major:minor" → mount points, from /proc/self/mountinfo.
+fn mounts_by_dev() -> BTreeMap<String, Vec<String>> {
+    let mut map: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    if let Ok(text) = fs::read_to_string("/proc/self/mountinfo") {
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 4 {
+                map.entry(f[2].to_owned())
+                    .or_default()
+                    .push(f[4].replace("\\040", " "));
+            }
+        }
+    }
+    map
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_selectors_and_speeds() {
+        assert_eq!(
+            bracketed("always [madvise] never").as_deref(),
+            Some("madvise")
+        );
+        assert_eq!(bracketed("none"), None);
+        assert_eq!(pcie_generation("32.0 GT/s PCIe"), Some(5));
+        assert_eq!(pcie_generation("2.5 GT/s PCIe"), Some(1));
+        assert_eq!(pcie_generation("Unknown"), None);
+        assert!(looks_like_bus_id("0000:4e:00.0"));
+        assert!(!looks_like_bus_id("pci0000:00"));
+    }
+
+    #[test]
+    fn live_memlock_and_uring_are_reported() {
+        // Both are syscalls that answer on any Linux; the values depend on the machine.
+        assert!(memlock().is_some());
+        let s = io_uring_status();
+        assert!(!s.detail.is_empty());
+    }
+}

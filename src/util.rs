@@ -1,0 +1,88 @@
+//! Small helpers shared by several modules.
+
+use crate::{Error, Result};
+use std::io::Write;
+use std::path::Path;
+
+/// Bytes in binary units with one decimal: "503.9 GiB".
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Write `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
+/// An existing file at `path` is untouched unless the whole write succeeds.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| {
+            Error::bad_input(
+                "output path",
+                path.display().to_string(),
+                "names no file",
+                None,
+            )
+        })?;
+    if !dir.is_dir() {
+        return Err(Error::io(
+            "write",
+            path,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("directory `{}` does not exist", dir.display()),
+            ),
+        )
+        .with_fix("create the directory first, or choose another path"));
+    }
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        f.write_all(bytes)
+            .map_err(|e| Error::io("write", &tmp, e))?;
+        f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io("rename into place", path, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(2 * 1024 * 1024), "2.0 MiB");
+        assert_eq!(human_bytes(541_165_879_296), "504.0 GiB");
+    }
+
+    #[test]
+    fn atomic_write_replaces_only_on_success() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("out.txt");
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        let bad = dir.path().join("missing-dir/out.txt");
+        assert!(write_atomic(&bad, b"x").is_err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install what a fresh Debian 12 machine with only rustup lacks to build and test megatrain.
+# Idempotent: installs nothing that is already there.
+set -euo pipefail
+
+APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup-deps: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup-deps: cargo not found; install Rust with rustup (https://rustup.rs) first" >&2
+  exit 1
+fi
+if command -v rustup >/dev/null 2>&1; then
+  for c in rustfmt clippy; do
+    rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c" >/dev/null
+  done
+fi
