@@ -5,6 +5,9 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod error;
+pub mod host;
+pub mod model;
+pub mod store;
 pub mod topology;
 pub mod util;
 

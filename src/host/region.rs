@@ -1,0 +1,371 @@
+//! NUMA-bound host memory regions: anonymous mmap, bound to a node with `mbind` before first
+//! touch, huge pages (transparent via madvise, or explicit hugetlbfs pages), prefaulted in
+//! parallel by threads pinned to the node's CPUs, optionally locked, unmapped on drop.
+//!
+//! A region is raw memory. Who may read or write which byte is decided by its owner (the host
+//! store hands out exclusive unit guards); the region only guarantees that the memory stays
+//! mapped for as long as any `Arc<Region>` exists.
+
+use crate::{Error, Result};
+use std::ptr::NonNull;
+
+/// Alignment of every shard inside a region: DMA engines and O_DIRECT want 4 KiB.
+pub const SHARD_ALIGN: usize = 4096;
+
+/// Which pages back a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PageKind {
+    /// 4 KiB pages, with `MADV_HUGEPAGE` so THP in `madvise` mode backs them with 2 MiB pages.
+    #[default]
+    Transparent,
+    /// Explicit 2 MiB hugetlbfs pages (`vm.nr_hugepages`), which must be reserved beforehand.
+    Huge2M,
+    /// Explicit 1 GiB hugetlbfs pages.
+    Huge1G,
+}
+
+impl PageKind {
+    /// The page size in bytes.
+    pub fn page_bytes(self) -> usize {
+        match self {
+            PageKind::Transparent => 4096,
+            PageKind::Huge2M => 2 << 20,
+            PageKind::Huge1G => 1 << 30,
+        }
+    }
+}
+
+/// How to allocate a region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionSpec {
+    /// What the region holds, for error messages ("params of node 1", ...).
+    pub label: String,
+    /// Size in bytes (rounded up to the page size).
+    pub bytes: usize,
+    /// NUMA node (OS index) to bind to; `None` leaves the kernel's default policy.
+    pub node: Option<u32>,
+    /// CPUs (OS indices) that prefault the pages; empty = the calling thread only.
+    pub prefault_cpus: Vec<usize>,
+    /// Page kind.
+    pub pages: PageKind,
+    /// Lock the pages in RAM (`mlock`); needs `RLIMIT_MEMLOCK` ≥ `bytes` or CAP_IPC_LOCK.
+    pub lock: bool,
+}
+
+/// A registration of a region with a device (e.g. `cuMemHostRegister`), undone on drop.
+pub trait Registration: Send + Sync + std::fmt::Debug {}
+
+/// Something that can page-lock host memory for fast DMA (the CUDA device implements it).
+pub trait HostRegistrar {
+    /// Register `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay mapped until the returned registration is dropped.
+    unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Box<dyn Registration>>;
+}
+
+/// A mapped, NUMA-bound, prefaulted memory region.
+#[derive(Debug)]
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    spec: RegionSpec,
+    locked: bool,
+    registration: Option<Box<dyn Registration>>,
+}
+
+// SAFETY: a Region is plain memory plus its bookkeeping; the raw pointer is owned by the region and
+// valid until drop. Concurrent access discipline is the owner's (see module docs).
+unsafe impl Send for Region {}
+// SAFETY: as above; `&Region` only exposes the pointer and metadata.
+unsafe impl Sync for Region {}
+
+const MPOL_BIND: libc::c_int = 2;
+/// mbind flag: fail if existing pages are not on the node (there are none yet: we bind first).
+const MPOL_MF_STRICT: libc::c_uint = 1;
+
+fn round_up(v: usize, to: usize) -> usize {
+    v.div_ceil(to) * to
+}
+
+impl Region {
+    /// Map, bind, prefault and (optionally) lock a region.
+    pub fn allocate(spec: RegionSpec) -> Result<Region> {
+        let page = spec.pages.page_bytes();
+        let len = round_up(spec.bytes.max(1), page);
+        if spec.lock {
+            check_memlock(len, &spec.label)?;
+        }
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        match spec.pages {
+            PageKind::Transparent => {}
+            PageKind::Huge2M => flags |= libc::MAP_HUGETLB | (21 << libc::MAP_HUGE_SHIFT),
+            PageKind::Huge1G => flags |= libc::MAP_HUGETLB | (30 << libc::MAP_HUGE_SHIFT),
+        }
+        // SAFETY: anonymous mapping with no address hint; the kernel picks a fresh range.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            let fix = match spec.pages {
+                PageKind::Transparent => "free memory or lower the RAM budget".to_owned(),
+                k => format!(
+                    "reserve {} huge pages of {} MiB (e.g. `sysctl vm.nr_hugepages=...` or /sys/devices/system/node/nodeN/hugepages) or use transparent huge pages",
+                    len / k.page_bytes(),
+                    k.page_bytes() >> 20
+                ),
+            };
+            return Err(
+                Error::system("mmap", format!("map {len} bytes for {}", spec.label), e)
+                    .with_fix(fix),
+            );
+        }
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| Error::system("mmap", "map", "returned a null pointer"))?;
+        // From here on, `region` unmaps on every error path.
+        let mut region = Region {
+            ptr,
+            len,
+            spec,
+            locked: false,
+            registration: None,
+        };
+        if region.spec.pages == PageKind::Transparent {
+            // SAFETY: advising our own fresh mapping. Failure only means no THP (e.g. THP
+            // disabled), which is not an error.
+            unsafe { libc::madvise(raw, len, libc::MADV_HUGEPAGE) };
+        }
+        if let Some(node) = region.spec.node {
+            region.bind(node)?;
+        }
+        region.prefault();
+        if region.spec.lock {
+            // SAFETY: locking our own mapping.
+            if unsafe { libc::mlock(raw, len) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(Error::system(
+                    "mlock",
+                    format!("lock {} ({len} bytes)", region.spec.label),
+                    e,
+                )
+                .with_fix("raise `ulimit -l` (memlock) or run with CAP_IPC_LOCK"));
+            }
+            region.locked = true;
+        }
+        Ok(region)
+    }
+
+    fn bind(&self, node: u32) -> Result<()> {
+        let bits = usize::BITS as usize;
+        let idx = node as usize;
+        let mut mask = vec![0usize; idx / bits + 1];
+        mask[idx / bits] |= 1 << (idx % bits);
+        let maxnode = mask.len() * bits;
+        // SAFETY: mbind on our own fresh mapping, with a nodemask buffer of `maxnode` bits.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr(),
+                self.len,
+                MPOL_BIND,
+                mask.as_ptr(),
+                maxnode,
+                MPOL_MF_STRICT,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::system(
+                "mbind",
+                format!("bind {} to NUMA node {node}", self.spec.label),
+                e,
+            )
+            .with_fix(
+                "check the node exists and is allowed (`megatrain probe`, cpuset/cgroup limits)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Touch every page, from threads pinned to the node's CPUs, so the pages are placed now
+    /// (by the binding) and no page fault lands in the training loop.
+    fn prefault(&self) {
+        let page = self.spec.pages.page_bytes();
+        let cpus = &self.spec.prefault_cpus;
+        let threads = cpus.len().max(1);
+        let pages = self.len / page;
+        let per = pages.div_ceil(threads);
+        let base = self.ptr.as_ptr() as usize;
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let first = t * per;
+                let last = ((t + 1) * per).min(pages);
+                if first >= last {
+                    continue;
+                }
+                let cpu = cpus.get(t).copied();
+                s.spawn(move || {
+                    if let Some(cpu) = cpu {
+                        // Best effort: placement is already decided by mbind.
+                        let _ = crate::host::affinity::pin_current_thread(&[cpu]);
+                    }
+                    for p in first..last {
+                        // SAFETY: p < pages, so the byte is inside our mapping; each thread
+                        // writes a disjoint set of pages, and nothing else sees the region yet.
+                        unsafe { std::ptr::write_volatile((base + p * page) as *mut u8, 0) };
+                    }
+                });
+            }
+        });
+    }
+
+    /// Start of the region.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Mapped length in bytes (a multiple of the page size).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: regions have at least one page.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// How the region was requested.
+    pub fn spec(&self) -> &RegionSpec {
+        &self.spec
+    }
+
+    /// Whether the pages are locked.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// Page-lock the region with a device (e.g. CUDA's `cuMemHostRegister`).
+    pub fn register_with(&mut self, registrar: &dyn HostRegistrar) -> Result<()> {
+        // SAFETY: the registration is stored in `self` and dropped before the munmap in Drop.
+        let reg = unsafe { registrar.register(self.ptr, self.len)? };
+        self.registration = Some(reg);
+        Ok(())
+    }
+
+    /// Whether a device registration is held.
+    pub fn is_registered(&self) -> bool {
+        self.registration.is_some()
+    }
+
+    /// The NUMA node that holds the page at `offset`, from `get_mempolicy(MPOL_F_NODE|MPOL_F_ADDR)`.
+    pub fn node_of(&self, offset: usize) -> Result<u32> {
+        if offset >= self.len {
+            return Err(Error::bad_input(
+                "region offset",
+                offset.to_string(),
+                "past the end of the region",
+                None,
+            ));
+        }
+        const MPOL_F_NODE: libc::c_ulong = 1;
+        const MPOL_F_ADDR: libc::c_ulong = 2;
+        let mut node: libc::c_int = -1;
+        // SAFETY: get_mempolicy writes one int; the address is inside our mapping.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_get_mempolicy,
+                &mut node as *mut libc::c_int,
+                std::ptr::null_mut::<libc::c_ulong>(),
+                0usize,
+                self.ptr.as_ptr().add(offset),
+                MPOL_F_NODE | MPOL_F_ADDR,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::system(
+                "get_mempolicy",
+                "query page node",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        u32::try_from(node)
+            .map_err(|_| Error::system("get_mempolicy", "query page node", "negative node"))
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // Unregister before unmapping.
+        self.registration = None;
+        // SAFETY: unmapping exactly the mapping we created; no references into it outlive `self`
+        // (borrows of the memory are tied to `&self`, and Arc owners keep `self` alive).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Fail early, with the fix, if `bytes` cannot be locked under `RLIMIT_MEMLOCK`.
+pub fn check_memlock(bytes: usize, what: &str) -> Result<()> {
+    let Some(lim) = crate::topology::linux::memlock() else {
+        return Ok(());
+    };
+    // CAP_IPC_LOCK bypasses the limit; root usually has it.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return Ok(());
+    }
+    match lim.soft_bytes {
+        Some(soft) if (bytes as u64) > soft => Err(Error::bad_input(
+            "memory lock",
+            what,
+            format!(
+                "memlock limit is {}, need {}",
+                crate::util::human_bytes(soft),
+                crate::util::human_bytes(bytes as u64)
+            ),
+            Some("raise `ulimit -l` (e.g. `ulimit -l unlimited`, or memlock in /etc/security/limits.conf) or run with CAP_IPC_LOCK"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(bytes: usize, node: Option<u32>) -> RegionSpec {
+        RegionSpec {
+            label: "test".into(),
+            bytes,
+            node,
+            prefault_cpus: vec![0, 1],
+            pages: PageKind::Transparent,
+            lock: false,
+        }
+    }
+
+    #[test]
+    fn allocates_binds_and_reports_node() {
+        let r = Region::allocate(spec(3 * 4096 + 5, Some(0))).unwrap();
+        assert_eq!(r.len(), 4 * 4096);
+        assert_eq!(r.as_ptr() as usize % 4096, 0);
+        for off in [0, 4096, 3 * 4096 + 100] {
+            assert_eq!(r.node_of(off).unwrap(), 0);
+        }
+        assert!(r.node_of(r.len()).is_err());
+    }
+
+    #[test]
+    fn binding_to_a_missing_node_is_a_clear_error() {
+        let e = Region::allocate(spec(4096, Some(1000))).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("NUMA node 1000"), "{msg}");
+    }
+}

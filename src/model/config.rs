@@ -1,0 +1,400 @@
+//! Llama-family model configuration, read from a Hugging Face `config.json`.
+//!
+//! Accepts Llama, Mistral and Qwen2 (q/k/v bias), tied embeddings, and both transformers-4 and
+//! transformers-5 spellings (`torch_dtype`/`dtype`, top-level `rope_theta` or
+//! `rope_parameters.rope_theta`). Anything we do not implement — another architecture, a RoPE
+//! scaling type, an activation other than SiLU, MLP bias — is an error naming it, never silently
+//! wrong. Keys we do not use (token ids, dtype, ...) are ignored: HF configs carry many.
+
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::Path;
+
+/// Architectures we implement, by their `architectures[0]` name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Architecture {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM` (Llama with an optional sliding window).
+    Mistral,
+    /// `Qwen2ForCausalLM` (Llama with q/k/v bias).
+    Qwen2,
+}
+
+impl Architecture {
+    /// The HF class name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// The HF `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// The shape of a Llama-family decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Which architecture.
+    pub architecture: Architecture,
+    /// Vocabulary size V.
+    pub vocab_size: usize,
+    /// Model width C.
+    pub hidden_size: usize,
+    /// MLP width I.
+    pub intermediate_size: usize,
+    /// Decoder layers L.
+    pub num_layers: usize,
+    /// Query heads NH.
+    pub num_heads: usize,
+    /// Key/value heads NKV (NH = MHA, 1 = MQA, else GQA).
+    pub num_kv_heads: usize,
+    /// Head dimension HD (usually C / NH).
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base θ.
+    pub rope_theta: f64,
+    /// Longest position the model was configured for.
+    pub max_position_embeddings: usize,
+    /// LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections have a bias (Qwen2, or Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// o projection has a bias (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// Mistral sliding-window attention size; sequences longer than it are refused.
+    pub sliding_window: Option<usize>,
+}
+
+fn bad(origin: &str, reason: impl Into<String>) -> Error {
+    Error::bad_input("model config", origin, reason, None)
+}
+
+fn get_usize(v: &Value, key: &str, origin: &str) -> Result<Option<usize>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                bad(
+                    origin,
+                    format!("`{key}` must be a non-negative integer, found {x}"),
+                )
+            }),
+    }
+}
+
+fn need_usize(v: &Value, key: &str, origin: &str) -> Result<usize> {
+    get_usize(v, key, origin)?.ok_or_else(|| bad(origin, format!("`{key}` is missing")))
+}
+
+fn get_f64(v: &Value, key: &str, origin: &str) -> Result<Option<f64>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| bad(origin, format!("`{key}` must be a number, found {x}"))),
+    }
+}
+
+fn get_bool(v: &Value, key: &str, origin: &str) -> Result<Option<bool>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| bad(origin, format!("`{key}` must be true or false, found {x}"))),
+    }
+}
+
+impl ModelConfig {
+    /// Read `config.json` from a file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::io("read model config", path, e))?;
+        Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// Parse the text of a `config.json`; `origin` names it in errors.
+    pub fn from_json_str(text: &str, origin: &str) -> Result<Self> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| bad(origin, format!("not valid JSON: {e}")))?;
+        if !v.is_object() {
+            return Err(bad(origin, "not a JSON object"));
+        }
+        let arch_name = match v.get("architectures") {
+            Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or("").to_owned(),
+            _ => match v.get("model_type").and_then(Value::as_str) {
+                Some("llama") => "LlamaForCausalLM".into(),
+                Some("mistral") => "MistralForCausalLM".into(),
+                Some("qwen2") => "Qwen2ForCausalLM".into(),
+                Some(other) => other.to_owned(),
+                None => {
+                    return Err(bad(
+                        origin,
+                        "neither `architectures` nor `model_type` is set",
+                    ))
+                }
+            },
+        };
+        let architecture = match arch_name.as_str() {
+            "LlamaForCausalLM" => Architecture::Llama,
+            "MistralForCausalLM" => Architecture::Mistral,
+            "Qwen2ForCausalLM" => Architecture::Qwen2,
+            other => {
+                return Err(Error::bad_input(
+                    "model config",
+                    origin,
+                    format!("architecture `{other}` is not supported"),
+                    Some("megatrain implements LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"),
+                ))
+            }
+        };
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(bad(
+                    origin,
+                    format!("hidden_act `{act}` is not supported (only `silu`)"),
+                ));
+            }
+        }
+        if get_bool(&v, "mlp_bias", origin)? == Some(true) {
+            return Err(bad(origin, "`mlp_bias: true` is not supported"));
+        }
+        // RoPE: transformers 4 puts `rope_theta` (and `rope_scaling`) at the top level;
+        // transformers 5 nests them in `rope_parameters`.
+        let rope_params = v.get("rope_parameters").filter(|x| !x.is_null());
+        let rope_theta = match rope_params {
+            Some(rp) => get_f64(rp, "rope_theta", origin)?,
+            None => None,
+        }
+        .or(get_f64(&v, "rope_theta", origin)?)
+        .unwrap_or(10000.0);
+        for scaling in [v.get("rope_scaling"), rope_params] {
+            if let Some(s) = scaling.filter(|x| !x.is_null()) {
+                let ty = s
+                    .get("rope_type")
+                    .or_else(|| s.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                if ty != "default" {
+                    return Err(bad(
+                        origin,
+                        format!("RoPE scaling type `{ty}` is not supported (only unscaled RoPE)"),
+                    ));
+                }
+            }
+        }
+        let hidden_size = need_usize(&v, "hidden_size", origin)?;
+        let num_heads = need_usize(&v, "num_attention_heads", origin)?;
+        let num_kv_heads = get_usize(&v, "num_key_value_heads", origin)?.unwrap_or(num_heads);
+        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(bad(
+                origin,
+                format!("num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"),
+            ));
+        }
+        let head_dim =
+            match get_usize(&v, "head_dim", origin)? {
+                Some(hd) => hd,
+                None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+                None => return Err(bad(
+                    origin,
+                    "hidden_size is not a multiple of num_attention_heads and head_dim is unset",
+                )),
+            };
+        if head_dim % 2 != 0 {
+            return Err(bad(
+                origin,
+                format!("head_dim {head_dim} is odd; RoPE needs an even head dimension"),
+            ));
+        }
+        let attention_bias = get_bool(&v, "attention_bias", origin)?.unwrap_or(false);
+        let (qkv_bias, o_bias) = match architecture {
+            Architecture::Qwen2 => (true, false),
+            _ => (attention_bias, attention_bias),
+        };
+        let sliding_window = match architecture {
+            Architecture::Mistral => get_usize(&v, "sliding_window", origin)?,
+            Architecture::Qwen2 if get_bool(&v, "use_sliding_window", origin)? == Some(true) => {
+                return Err(bad(
+                    origin,
+                    "Qwen2 `use_sliding_window: true` is not supported",
+                ));
+            }
+            _ => None,
+        };
+        let cfg = ModelConfig {
+            architecture,
+            vocab_size: need_usize(&v, "vocab_size", origin)?,
+            hidden_size,
+            intermediate_size: need_usize(&v, "intermediate_size", origin)?,
+            num_layers: need_usize(&v, "num_hidden_layers", origin)?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: get_f64(&v, "rms_norm_eps", origin)?.unwrap_or(1e-6),
+            rope_theta,
+            max_position_embeddings: get_usize(&v, "max_position_embeddings", origin)?
+                .unwrap_or(2048),
+            tie_word_embeddings: get_bool(&v, "tie_word_embeddings", origin)?.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            sliding_window,
+        };
+        if cfg.vocab_size == 0
+            || cfg.hidden_size == 0
+            || cfg.intermediate_size == 0
+            || cfg.num_layers == 0
+        {
+            return Err(bad(
+                origin,
+                "vocab_size, hidden_size, intermediate_size and num_hidden_layers must be positive",
+            ));
+        }
+        Ok(cfg)
+    }
+
+    /// The `config.json` that transformers loads unchanged (transformers-4 spelling, which
+    /// transformers 5 also reads).
+    pub fn to_hf_json(&self) -> String {
+        let mut v = serde_json::json!({
+            "architectures": [self.architecture.hf_name()],
+            "model_type": self.architecture.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "float32",
+        });
+        if self.architecture != Architecture::Qwen2 {
+            v["attention_bias"] = Value::Bool(self.qkv_bias);
+            v["mlp_bias"] = Value::Bool(false);
+        }
+        if self.architecture == Architecture::Mistral {
+            v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
+        }
+        serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+
+    /// q projection output width NH·HD.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// k/v projection output width NKV·HD.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Parameters of one decoder layer.
+    pub fn params_per_layer(&self) -> usize {
+        let c = self.hidden_size;
+        let mut n = 2 * c // two norms
+            + self.q_dim() * c
+            + 2 * self.kv_dim() * c
+            + c * self.q_dim()
+            + 3 * self.intermediate_size * c;
+        if self.qkv_bias {
+            n += self.q_dim() + 2 * self.kv_dim();
+        }
+        if self.o_bias {
+            n += c;
+        }
+        n
+    }
+
+    /// All parameters (tied embeddings counted once).
+    pub fn num_params(&self) -> usize {
+        let emb = self.vocab_size * self.hidden_size;
+        let head = if self.tie_word_embeddings { 0 } else { emb };
+        emb + self.num_layers * self.params_per_layer() + self.hidden_size + head
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA3_8B: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "attention_bias": false, "bos_token_id": 128000,
+      "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+      "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32,
+      "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+      "rope_scaling": null, "rope_theta": 500000.0, "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16", "vocab_size": 128256
+    }"#;
+
+    #[test]
+    fn llama3_8b_counts_8_03b_params() {
+        let c = ModelConfig::from_json_str(LLAMA3_8B, "llama3").unwrap();
+        assert_eq!(c.num_params(), 8_030_261_248);
+        assert_eq!(c.head_dim, 128);
+        assert_eq!(c.rope_theta, 500000.0);
+    }
+
+    #[test]
+    fn transformers5_spelling() {
+        let t5 = LLAMA3_8B
+            .replace(
+                "\"rope_theta\": 500000.0,",
+                "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 250000.0},",
+            )
+            .replace("torch_dtype", "dtype");
+        let c = ModelConfig::from_json_str(&t5, "t5").unwrap();
+        assert_eq!(c.rope_theta, 250000.0);
+    }
+
+    #[test]
+    fn qwen2_has_qkv_bias_and_unsupported_things_are_named() {
+        let q = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,
+            "tie_word_embeddings":true}"#;
+        let c = ModelConfig::from_json_str(q, "q").unwrap();
+        assert!(c.qkv_bias && !c.o_bias && c.tie_word_embeddings);
+        let e = ModelConfig::from_json_str(&q.replace("Qwen2ForCausalLM", "GPT2LMHeadModel"), "g")
+            .unwrap_err();
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        let e = ModelConfig::from_json_str(
+            &LLAMA3_8B.replace(
+                "\"rope_scaling\": null",
+                "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
+            ),
+            "l31",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("llama3"), "{e}");
+        let e = ModelConfig::from_json_str("{\"architectures\":[\"LlamaForCausalLM\"]}", "x")
+            .unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn hf_json_round_trips() {
+        let c = ModelConfig::from_json_str(LLAMA3_8B, "l").unwrap();
+        let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
+        assert_eq!(back, c);
+    }
+}

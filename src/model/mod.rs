@@ -1,0 +1,3 @@
+//! Llama-family models: configuration (and, to come, the stateless layer templates).
+
+pub mod config;

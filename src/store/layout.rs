@@ -1,0 +1,367 @@
+//! The layer-major state layout: which tensors make up each streamed unit, and the byte size of
+//! each of the unit's shards (fp32 params, fp32 grads, Adam m, Adam v, bf16 shadow).
+//!
+//! A *unit* is what the streamer moves as one piece: the embedding, one decoder layer, or the head
+//! (final norm, plus the LM head when it is not tied). Inside a unit, tensors are packed in a fixed
+//! order at 16-element (64-byte) boundaries, the same offsets in every shard kind, so one index
+//! addresses a parameter, its gradient and its moments. Every shard starts on a 4 KiB boundary
+//! (DMA and O_DIRECT).
+
+use crate::host::SHARD_ALIGN;
+use crate::model::config::ModelConfig;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Tensors inside a unit start at multiples of this many elements (64 bytes of fp32: one cache
+/// line, and whole SIMD vectors).
+pub const TENSOR_ALIGN_ELEMS: usize = 16;
+
+/// Gradient-exact or lean.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// fp32 gradients of every unit are kept until the step's global norm is known: exact
+    /// global-norm clipping, 16 B/param.
+    #[default]
+    Exact,
+    /// Each unit's gradients are consumed by AdamW as they land, from a few reused buffers:
+    /// 12 B/param, clipping is not global.
+    Lean,
+}
+
+/// The kinds of per-unit shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardKind {
+    /// fp32 master parameters.
+    Params,
+    /// fp32 gradients (exact mode).
+    Grads,
+    /// Adam first moment.
+    AdamM,
+    /// Adam second moment.
+    AdamV,
+    /// bf16 copy of the parameters, streamed instead of fp32 in bf16 mode.
+    Bf16Shadow,
+}
+
+impl ShardKind {
+    /// All kinds, in storage order.
+    pub const ALL: [ShardKind; 5] = [
+        ShardKind::Params,
+        ShardKind::Grads,
+        ShardKind::AdamM,
+        ShardKind::AdamV,
+        ShardKind::Bf16Shadow,
+    ];
+
+    /// Bytes per element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            ShardKind::Bf16Shadow => 2,
+            _ => 4,
+        }
+    }
+
+    /// Index into per-kind arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardKind::Params => "params",
+            ShardKind::Grads => "grads",
+            ShardKind::AdamM => "adam_m",
+            ShardKind::AdamV => "adam_v",
+            ShardKind::Bf16Shadow => "bf16_shadow",
+        }
+    }
+}
+
+/// Which piece of the model a unit is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnitKind {
+    /// Token embedding (and, when tied, the LM head).
+    Embedding,
+    /// Decoder layer i.
+    Block(usize),
+    /// Final norm (and the LM head when not tied).
+    Head,
+}
+
+/// One tensor inside a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Hugging Face name (`model.layers.3.self_attn.q_proj.weight`).
+    pub name: String,
+    /// Shape, HF convention (Linear weights are `[out, in]`).
+    pub shape: Vec<usize>,
+    /// First element inside the unit.
+    pub offset: usize,
+}
+
+impl TensorSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A unit: its tensors and its element count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitLayout {
+    /// Which unit.
+    pub kind: UnitKind,
+    /// Tensors, in packing order.
+    pub tensors: Vec<TensorSpec>,
+    /// Elements including the padding between tensors (what a shard holds).
+    pub numel: usize,
+    /// Real parameters (without padding).
+    pub params: usize,
+}
+
+impl UnitLayout {
+    /// Bytes of this unit's shard of `kind`, rounded up to [`SHARD_ALIGN`].
+    pub fn shard_bytes(&self, kind: ShardKind) -> usize {
+        (self.numel * kind.elem_bytes()).div_ceil(SHARD_ALIGN) * SHARD_ALIGN
+    }
+
+    /// A tensor by its suffix after the layer prefix (`self_attn.q_proj.weight`) or full name.
+    pub fn tensor(&self, suffix: &str) -> Option<&TensorSpec> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == suffix || t.name.ends_with(&format!(".{suffix}")))
+    }
+}
+
+/// Where a named tensor lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorLoc {
+    /// Index into [`StateLayout::units`].
+    pub unit: usize,
+    /// Index into that unit's `tensors`.
+    pub index: usize,
+}
+
+/// The whole layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateLayout {
+    /// The model.
+    pub config: ModelConfig,
+    /// Exact or lean.
+    pub mode: Mode,
+    /// Whether a bf16 shadow of the params is kept (bf16 streaming).
+    pub bf16_shadow: bool,
+    /// Units in streaming order: embedding, blocks 0..L-1, head.
+    pub units: Vec<UnitLayout>,
+    /// HF tensor name → location.
+    pub manifest: BTreeMap<String, TensorLoc>,
+}
+
+fn pack(kind: UnitKind, tensors: Vec<(String, Vec<usize>)>) -> UnitLayout {
+    let mut offset = 0;
+    let mut params = 0;
+    let tensors = tensors
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = TensorSpec {
+                name,
+                shape,
+                offset,
+            };
+            params += t.numel();
+            offset += t.numel().div_ceil(TENSOR_ALIGN_ELEMS) * TENSOR_ALIGN_ELEMS;
+            t
+        })
+        .collect();
+    UnitLayout {
+        kind,
+        tensors,
+        numel: offset,
+        params,
+    }
+}
+
+/// The tensors of decoder layer `i`, HF names and shapes, in packing order.
+pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
+    let p = format!("model.layers.{i}");
+    let (h, q, kv, im) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let mut t = vec![
+        (format!("{p}.input_layernorm.weight"), vec![h]),
+        (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+        (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+        (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+    ];
+    if c.qkv_bias {
+        t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+    }
+    t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+    if c.o_bias {
+        t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+    }
+    t.extend([
+        (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+        (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),
+        (format!("{p}.mlp.up_proj.weight"), vec![im, h]),
+        (format!("{p}.mlp.down_proj.weight"), vec![h, im]),
+    ]);
+    t
+}
+
+impl StateLayout {
+    /// Lay out `config`'s state.
+    pub fn new(config: &ModelConfig, mode: Mode, bf16_shadow: bool) -> Self {
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        let mut units = vec![pack(
+            UnitKind::Embedding,
+            vec![("model.embed_tokens.weight".into(), vec![v, h])],
+        )];
+        for i in 0..config.num_layers {
+            units.push(pack(UnitKind::Block(i), block_tensors(config, i)));
+        }
+        let mut head = vec![("model.norm.weight".to_owned(), vec![h])];
+        if !config.tie_word_embeddings {
+            head.push(("lm_head.weight".into(), vec![v, h]));
+        }
+        units.push(pack(UnitKind::Head, head));
+        let manifest = units
+            .iter()
+            .enumerate()
+            .flat_map(|(u, unit)| {
+                unit.tensors
+                    .iter()
+                    .enumerate()
+                    .map(move |(index, t)| (t.name.clone(), TensorLoc { unit: u, index }))
+            })
+            .collect();
+        StateLayout {
+            config: config.clone(),
+            mode,
+            bf16_shadow,
+            units,
+            manifest,
+        }
+    }
+
+    /// Whether shards of `kind` exist in this layout.
+    pub fn has(&self, kind: ShardKind) -> bool {
+        match kind {
+            ShardKind::Grads => self.mode == Mode::Exact,
+            ShardKind::Bf16Shadow => self.bf16_shadow,
+            _ => true,
+        }
+    }
+
+    /// The shard kinds this layout keeps.
+    pub fn kinds(&self) -> impl Iterator<Item = ShardKind> + '_ {
+        ShardKind::ALL.into_iter().filter(|k| self.has(*k))
+    }
+
+    /// Look up a tensor by HF name.
+    pub fn tensor(&self, name: &str) -> Result<(usize, &TensorSpec)> {
+        let loc = self.manifest.get(name).ok_or_else(|| {
+            Error::bad_input("tensor name", name, "not a parameter of this model", None)
+        })?;
+        Ok((loc.unit, &self.units[loc.unit].tensors[loc.index]))
+    }
+
+    /// Real parameters of the model.
+    pub fn num_params(&self) -> usize {
+        self.units.iter().map(|u| u.params).sum()
+    }
+
+    /// Bytes of all shards of `kind`.
+    pub fn kind_bytes(&self, kind: ShardKind) -> u64 {
+        if !self.has(kind) {
+            return 0;
+        }
+        self.units.iter().map(|u| u.shard_bytes(kind) as u64).sum()
+    }
+
+    /// Largest unit, in elements.
+    pub fn max_unit_numel(&self) -> usize {
+        self.units.iter().map(|u| u.numel).max().unwrap_or(0)
+    }
+
+    /// Lean mode's reusable gradient buffers: two of the largest unit (one being filled by the
+    /// device, one being consumed by AdamW). Zero in exact mode.
+    pub fn lean_grad_buffer_bytes(&self) -> u64 {
+        match self.mode {
+            Mode::Exact => 0,
+            Mode::Lean => {
+                2 * ((self.max_unit_numel() * 4).div_ceil(SHARD_ALIGN) * SHARD_ALIGN) as u64
+            }
+        }
+    }
+
+    /// All host bytes the state needs.
+    pub fn total_bytes(&self) -> u64 {
+        self.kinds().map(|k| self.kind_bytes(k)).sum::<u64>() + self.lean_grad_buffer_bytes()
+    }
+
+    /// Host bytes per parameter.
+    pub fn bytes_per_param(&self) -> f64 {
+        self.total_bytes() as f64 / self.num_params().max(1) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(tied: bool, layers: usize) -> ModelConfig {
+        let json = format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,
+            "num_hidden_layers":{layers},"num_attention_heads":32,"num_key_value_heads":8,
+            "vocab_size":128256,"tie_word_embeddings":{tied}}}"#
+        );
+        ModelConfig::from_json_str(&json, "t").unwrap()
+    }
+
+    #[test]
+    fn manifest_covers_every_parameter_once() {
+        let c = cfg(false, 4);
+        let l = StateLayout::new(&c, Mode::Exact, false);
+        assert_eq!(l.num_params(), c.num_params());
+        assert_eq!(l.units.len(), 4 + 2);
+        assert_eq!(l.manifest.len(), 1 + 4 * 9 + 2);
+        let (u, t) = l.tensor("model.layers.2.mlp.down_proj.weight").unwrap();
+        assert_eq!(u, 3);
+        assert_eq!(t.shape, vec![4096, 14336]);
+        assert!(l.tensor("lm_head.bias").is_err());
+        for unit in &l.units {
+            for w in unit.tensors.windows(2) {
+                assert!(w[0].offset + w[0].numel() <= w[1].offset);
+                assert_eq!(w[1].offset % TENSOR_ALIGN_ELEMS, 0);
+            }
+            for k in l.kinds() {
+                assert_eq!(unit.shard_bytes(k) % SHARD_ALIGN, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_per_param_exact_lean_and_shadow() {
+        let c = cfg(false, 32);
+        let exact = StateLayout::new(&c, Mode::Exact, false).bytes_per_param();
+        let lean = StateLayout::new(&c, Mode::Lean, false).bytes_per_param();
+        let shadow = StateLayout::new(&c, Mode::Exact, true).bytes_per_param();
+        assert!((exact - 16.0).abs() < 0.01, "{exact}");
+        // 12 B/param plus two buffers of the largest unit (the 0.5B-param embedding).
+        assert!(lean > 12.0 && lean < 12.6, "{lean}");
+        assert!((shadow - 18.0).abs() < 0.01, "{shadow}");
+    }
+
+    #[test]
+    fn tied_embedding_has_no_lm_head() {
+        let l = StateLayout::new(&cfg(true, 2), Mode::Exact, false);
+        assert!(l.tensor("lm_head.weight").is_err());
+        assert_eq!(l.units.last().unwrap().tensors.len(), 1);
+    }
+}

@@ -1,0 +1,340 @@
+//! The host state store: every unit's shards in NUMA-bound regions, as placed by
+//! [`placement::place`], with exclusive per-unit access.
+//!
+//! Ownership: a unit's shards are reachable only through a [`UnitGuard`], and at most one guard
+//! per unit exists at a time ([`HostStore::take`] fails while one is out). A guard can be moved
+//! into an AdamW job or a device copy; the memory stays mapped while any guard or the store
+//! lives (regions are reference-counted), so a job that outlives its submitter is still sound.
+
+pub mod layout;
+pub mod placement;
+
+use crate::host::{PageKind, Region, RegionSpec};
+use crate::{Error, Result};
+use layout::{ShardKind, StateLayout};
+use placement::Placement;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Options for allocating the store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// Page kind of every region.
+    pub pages: PageKind,
+    /// mlock every region.
+    pub lock: bool,
+    /// Bind regions to their planned node (off only for tests of unbound placement).
+    pub unbound: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ShardLoc {
+    region: usize,
+    offset: usize,
+}
+
+#[derive(Debug)]
+struct Inner {
+    layout: StateLayout,
+    placement: Placement,
+    regions: Vec<Region>,
+    /// `locs[unit][kind]`.
+    locs: Vec<[Option<ShardLoc>; 5]>,
+    busy: Vec<AtomicBool>,
+}
+
+/// The host state store.
+#[derive(Debug, Clone)]
+pub struct HostStore {
+    inner: Arc<Inner>,
+}
+
+impl HostStore {
+    /// Allocate, bind and prefault every shard as `placement` says. Shards start zeroed.
+    pub fn allocate(
+        layout: StateLayout,
+        placement: Placement,
+        opts: &StoreOptions,
+    ) -> Result<Self> {
+        if placement.shard_node.len() != layout.units.len() {
+            return Err(Error::bad_input(
+                "placement",
+                "shard_node",
+                format!(
+                    "{} units placed, layout has {}",
+                    placement.shard_node.len(),
+                    layout.units.len()
+                ),
+                None,
+            ));
+        }
+        // One region per (node, kind): each kind's shards for that node, back to back.
+        let mut sizes: BTreeMap<(u32, ShardKind), usize> = BTreeMap::new();
+        let mut locs = vec![[None; 5]; layout.units.len()];
+        let mut pending: Vec<(usize, ShardKind, (u32, ShardKind), usize)> = Vec::new();
+        for (u, unit) in layout.units.iter().enumerate() {
+            for k in layout.kinds() {
+                let node = placement.node_of(u, k).ok_or_else(|| {
+                    Error::bad_input(
+                        "placement",
+                        format!("unit {u}"),
+                        format!("no node for {}", k.name()),
+                        None,
+                    )
+                })?;
+                let size = sizes.entry((node, k)).or_insert(0);
+                pending.push((u, k, (node, k), *size));
+                *size += unit.shard_bytes(k);
+            }
+        }
+        let keys: Vec<(u32, ShardKind)> = sizes.keys().copied().collect();
+        let mut regions = Vec::with_capacity(keys.len());
+        for &(node, kind) in &keys {
+            let cpus = placement
+                .nodes
+                .iter()
+                .find(|n| n.node == node)
+                .map(|n| n.adam_cpus.clone())
+                .unwrap_or_default();
+            regions.push(Region::allocate(RegionSpec {
+                label: format!("{} on NUMA node {node}", kind.name()),
+                bytes: sizes[&(node, kind)],
+                node: (!opts.unbound).then_some(node),
+                prefault_cpus: cpus,
+                pages: opts.pages,
+                lock: opts.lock,
+            })?);
+        }
+        for (u, k, key, offset) in pending {
+            let region = keys.iter().position(|x| *x == key).unwrap_or(0);
+            locs[u][k.index()] = Some(ShardLoc { region, offset });
+        }
+        let busy = (0..layout.units.len())
+            .map(|_| AtomicBool::new(false))
+            .collect();
+        Ok(HostStore {
+            inner: Arc::new(Inner {
+                layout,
+                placement,
+                regions,
+                locs,
+                busy,
+            }),
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &StateLayout {
+        &self.inner.layout
+    }
+
+    /// The placement.
+    pub fn placement(&self) -> &Placement {
+        &self.inner.placement
+    }
+
+    /// Number of units.
+    pub fn num_units(&self) -> usize {
+        self.inner.layout.units.len()
+    }
+
+    /// Bytes mapped for the state (all regions).
+    pub fn mapped_bytes(&self) -> u64 {
+        self.inner.regions.iter().map(|r| r.len() as u64).sum()
+    }
+
+    /// The NUMA node that actually holds the first page of `unit`'s `kind` shard (from the
+    /// kernel, not from the plan).
+    pub fn resident_node(&self, unit: usize, kind: ShardKind) -> Result<u32> {
+        let loc = self.loc(unit, kind)?;
+        self.inner.regions[loc.region].node_of(loc.offset)
+    }
+
+    fn loc(&self, unit: usize, kind: ShardKind) -> Result<ShardLoc> {
+        self.inner
+            .locs
+            .get(unit)
+            .and_then(|l| l[kind.index()])
+            .ok_or_else(|| {
+                Error::bad_input(
+                    "shard",
+                    format!("unit {unit}"),
+                    format!("has no {} shard", kind.name()),
+                    None,
+                )
+            })
+    }
+
+    /// Exclusive access to `unit`'s shards. Fails if another guard for it is out.
+    pub fn take(&self, unit: usize) -> Result<UnitGuard> {
+        let flag = self.inner.busy.get(unit).ok_or_else(|| {
+            Error::bad_input(
+                "unit",
+                unit.to_string(),
+                format!("the store has {} units", self.num_units()),
+                None,
+            )
+        })?;
+        if flag
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return Err(Error::bad_input(
+                "unit",
+                unit.to_string(),
+                "is already in use (a guard for it is out)",
+                None,
+            ));
+        }
+        Ok(UnitGuard {
+            store: self.clone(),
+            unit,
+        })
+    }
+}
+
+/// Exclusive access to one unit's shards; releases the unit on drop.
+#[derive(Debug)]
+pub struct UnitGuard {
+    store: HostStore,
+    unit: usize,
+}
+
+/// Mutable views of all of a unit's shards at once.
+#[derive(Debug)]
+pub struct UnitShards<'a> {
+    /// fp32 params.
+    pub params: &'a mut [f32],
+    /// fp32 grads (exact mode).
+    pub grads: Option<&'a mut [f32]>,
+    /// Adam m.
+    pub m: &'a mut [f32],
+    /// Adam v.
+    pub v: &'a mut [f32],
+    /// bf16 shadow (raw bits).
+    pub shadow: Option<&'a mut [u16]>,
+}
+
+impl UnitGuard {
+    /// Which unit.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// The unit's element count (length of every shard view).
+    pub fn numel(&self) -> usize {
+        self.store.inner.layout.units[self.unit].numel
+    }
+
+    /// The store this guard belongs to.
+    pub fn store(&self) -> &HostStore {
+        &self.store
+    }
+
+    fn ptr(&self, kind: ShardKind) -> Option<*mut u8> {
+        let loc = self.store.loc(self.unit, kind).ok()?;
+        let region = &self.store.inner.regions[loc.region];
+        // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
+        Some(unsafe { region.as_ptr().add(loc.offset) })
+    }
+
+    /// All shards as slices.
+    pub fn shards(&mut self) -> UnitShards<'_> {
+        let n = self.numel();
+        let f32s = |p: Option<*mut u8>| {
+            // SAFETY: the shard holds ≥ n elements (shard_bytes rounds numel·size up), is 4 KiB
+            // aligned, lives as long as the store, and this guard is the unit's only accessor;
+            // distinct kinds are distinct, non-overlapping shards.
+            p.map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) })
+        };
+        let params = f32s(self.ptr(ShardKind::Params)).unwrap_or_default();
+        let grads = f32s(self.ptr(ShardKind::Grads));
+        let m = f32s(self.ptr(ShardKind::AdamM)).unwrap_or_default();
+        let v = f32s(self.ptr(ShardKind::AdamV)).unwrap_or_default();
+        // SAFETY: as above, for the 2-byte shadow elements.
+        let shadow = self
+            .ptr(ShardKind::Bf16Shadow)
+            .map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<u16>(), n) });
+        UnitShards {
+            params,
+            grads,
+            m,
+            v,
+            shadow,
+        }
+    }
+
+    /// The fp32 params.
+    pub fn params(&mut self) -> &mut [f32] {
+        self.shards().params
+    }
+
+    /// The fp32 grads, in exact mode.
+    pub fn grads(&mut self) -> Option<&mut [f32]> {
+        self.shards().grads
+    }
+}
+
+impl Drop for UnitGuard {
+    fn drop(&mut self) {
+        self.store.inner.busy[self.unit].store(false, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layout::Mode;
+    use super::placement::{place, RamBudget};
+    use super::*;
+    use crate::model::config::ModelConfig;
+    use crate::topology::{probe, TopologySource};
+
+    fn store(mode: Mode, shadow: bool) -> HostStore {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}"#,
+            "t",
+        )
+        .unwrap();
+        let layout = StateLayout::new(&cfg, mode, shadow);
+        let machine = probe(&TopologySource::Live).unwrap();
+        let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
+        HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn guards_are_exclusive_and_shards_disjoint() {
+        let s = store(Mode::Exact, true);
+        let mut g = s.take(1).unwrap();
+        assert!(s.take(1).is_err());
+        let other = s.take(2).unwrap();
+        let sh = g.shards();
+        let n = sh.params.len();
+        sh.params.fill(1.0);
+        sh.grads.unwrap().fill(2.0);
+        sh.m.fill(3.0);
+        sh.v.fill(4.0);
+        sh.shadow.unwrap().fill(5);
+        let sh = g.shards();
+        assert!(sh.params.iter().all(|x| *x == 1.0));
+        assert!(sh.v.iter().all(|x| *x == 4.0));
+        assert_eq!(n, g.numel());
+        drop(g);
+        assert!(s.take(1).is_ok());
+        drop(other);
+        assert!(s.take(99).is_err());
+    }
+
+    #[test]
+    fn shards_are_resident_where_planned() {
+        let s = store(Mode::Lean, false);
+        for u in 0..s.num_units() {
+            for k in s.layout().kinds() {
+                let planned = s.placement().node_of(u, k).unwrap();
+                assert_eq!(s.resident_node(u, k).unwrap(), planned);
+            }
+        }
+        assert!(s.take(0).unwrap().grads().is_none());
+    }
+}
