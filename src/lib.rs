@@ -7,6 +7,7 @@
 pub mod error;
 pub mod host;
 pub mod model;
+pub mod optim;
 pub mod store;
 pub mod topology;
 pub mod util;

@@ -11,5 +11,13 @@ echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 echo "== cargo clippy --all-targets --features cuda -- -D warnings (no CUDA toolkit needed)"
 cargo clippy --all-targets --features cuda --quiet -- -D warnings
+echo "== aarch64 (Grace) cross-check of the NEON paths"
+if rustup target list --installed 2>/dev/null | grep -q aarch64-unknown-linux-gnu \
+   || rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1; then
+  # `clippy` type-checks without linking, so the host's hwloc pkg-config entry is enough.
+  PKG_CONFIG_ALLOW_CROSS=1 cargo clippy --target aarch64-unknown-linux-gnu --lib --quiet -- -D warnings
+else
+  echo "SKIP: rustup could not add the aarch64-unknown-linux-gnu target (offline?); NEON paths not checked"
+fi
 echo "== cargo test"
 cargo test --all-targets

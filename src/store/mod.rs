@@ -194,6 +194,50 @@ impl HostStore {
     }
 }
 
+/// A NUMA-bound fp32 gradient buffer for lean mode: the device drains one unit's gradients into
+/// it, and the AdamW pool consumes it.
+#[derive(Debug)]
+pub struct GradBuffer {
+    region: Region,
+    len: usize,
+}
+
+impl GradBuffer {
+    /// A zeroed buffer of `len` elements on `node` (prefaulted by `cpus`).
+    pub fn allocate(len: usize, node: Option<u32>, cpus: Vec<usize>) -> Result<Self> {
+        let region = Region::allocate(RegionSpec {
+            label: format!("gradient buffer ({len} elements)"),
+            bytes: len * 4,
+            node,
+            prefault_cpus: cpus,
+            pages: PageKind::Transparent,
+            lock: false,
+        })?;
+        Ok(GradBuffer { region, len })
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Start of the buffer.
+    pub fn as_ptr(&self) -> *const f32 {
+        self.region.as_ptr().cast()
+    }
+
+    /// The buffer as a slice.
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: the region holds ≥ len·4 bytes, is page aligned, and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr().cast(), self.len) }
+    }
+}
+
 /// Exclusive access to one unit's shards; releases the unit on drop.
 #[derive(Debug)]
 pub struct UnitGuard {

@@ -4,8 +4,8 @@
 //! Rules (DESIGN.md §1): what the GPU streams every step — the params it computes with (fp32, or
 //! the bf16 shadow in bf16 mode) and, in exact mode, the gradients it writes back — goes on the
 //! GPU-local node(s) first, then on the nodes nearest to them. Adam m/v (and the fp32 params when
-//! only the shadow is streamed) are spread over all nodes by free capacity, keeping one unit's
-//! optimizer state on one node so that node's worker threads update it without remote traffic.
+//! only the shadow is streamed) are spread over all nodes in proportion to their CPUs, keeping one
+//! unit's optimizer state on one node so that node's worker threads update it locally.
 
 use super::layout::{Mode, ShardKind, StateLayout};
 use crate::topology::{Machine, MemoryKind};
@@ -189,18 +189,30 @@ pub fn place(
             shard_node[u][k.index()] = Some(node);
         }
     }
-    // Optimizer state: one unit's kinds together, on the node with the most room left.
+    // Optimizer state: one unit's kinds together, on the node whose workers have the least
+    // optimizer work per CPU so far (AdamW is bandwidth-bound: spreading it over every socket's
+    // memory controllers is what makes it fast), among the nodes where it still fits.
+    let threads: Vec<u64> = hosts
+        .iter()
+        .map(|n| n.hardware_threads.max(1) as u64)
+        .collect();
+    let mut opt_bytes = vec![0u64; nodes.len()];
     for (u, unit) in layout.units.iter().enumerate() {
         let kinds = optimizer_kinds(layout);
         let bytes: u64 = kinds.iter().map(|k| unit.shard_bytes(*k) as u64).sum();
-        let best = nodes
-            .iter_mut()
-            .filter(|n| n.bytes + bytes <= n.capacity)
-            .max_by_key(|n| (n.capacity - n.bytes, std::cmp::Reverse(n.node)))
+        let best = (0..nodes.len())
+            .filter(|&i| nodes[i].bytes + bytes <= nodes[i].capacity)
+            .min_by(|&a, &b| {
+                // Compare (opt_bytes + bytes) / threads across nodes without floats.
+                let ka = u128::from(opt_bytes[a] + bytes) * u128::from(threads[b]);
+                let kb = u128::from(opt_bytes[b] + bytes) * u128::from(threads[a]);
+                ka.cmp(&kb).then(nodes[a].node.cmp(&nodes[b].node))
+            })
             .ok_or_else(|| not_enough_ram(layout, need, capacity))?;
-        best.bytes += bytes;
+        nodes[best].bytes += bytes;
+        opt_bytes[best] += bytes;
         for k in kinds {
-            shard_node[u][k.index()] = Some(best.node);
+            shard_node[u][k.index()] = Some(nodes[best].node);
         }
     }
     for n in &mut nodes {

@@ -1,0 +1,7 @@
+//! The CPU AdamW engine: the update kernel (scalar reference + SIMD) and per-node worker pools.
+
+pub mod adamw;
+pub mod pool;
+
+pub use adamw::{AdamWConfig, StepScalars};
+pub use pool::{unit_segments, AdamJob, AdamPool, Segment};

@@ -1,0 +1,476 @@
+//! Per-NUMA-node AdamW worker pools.
+//!
+//! Each node that holds optimizer state gets worker threads pinned to its CPUs. One unit's update
+//! is one job: [`AdamPool::submit`] takes the unit's [`UnitGuard`] (and, in lean mode, the
+//! gradient buffer), splits the unit into one contiguous chunk per worker, and returns an
+//! [`AdamJob`] the streamer can poll or wait on. The guard travels with the job, so the shards are
+//! exclusively the pool's until the job completes and hands them back.
+
+use super::adamw::{self, AdamSlices, AdamWConfig, Isa, StepScalars};
+use crate::store::layout::StateLayout;
+use crate::store::placement::Placement;
+use crate::store::{GradBuffer, UnitGuard};
+use crate::{Error, Result};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Chunks handed to workers start at multiples of this many elements (256 B: whole cache lines
+/// and SIMD vectors, so workers never share a line).
+const CHUNK_ALIGN: usize = 64;
+
+/// A range of a unit updated with one set of scalars (one tensor, with its padding).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Segment {
+    /// First element.
+    pub start: usize,
+    /// One past the last element.
+    pub end: usize,
+    /// The step's scalars for this tensor.
+    pub scalars: StepScalars,
+}
+
+/// The per-tensor scalars of one unit's update at step `t`.
+///
+/// `decay_norms = false` exempts 1-D tensors (norm weights, biases) from weight decay.
+pub fn unit_segments(
+    layout: &StateLayout,
+    unit: usize,
+    cfg: &AdamWConfig,
+    t: u64,
+    grad_scale: f32,
+    decay_norms: bool,
+) -> Vec<Segment> {
+    let u = &layout.units[unit];
+    u.tensors
+        .iter()
+        .enumerate()
+        .map(|(i, tensor)| Segment {
+            start: tensor.offset,
+            end: u.tensors.get(i + 1).map_or(u.numel, |n| n.offset),
+            scalars: StepScalars::new(cfg, t, decay_norms || tensor.shape.len() > 1, grad_scale),
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Ptrs {
+    p: *mut f32,
+    g: *const f32,
+    m: *mut f32,
+    v: *mut f32,
+    shadow: *mut u16,
+}
+
+// SAFETY: the pointers target shards that the submitting job keeps alive and exclusive (it holds
+// the unit guard and the gradient buffer) until every task has reported completion; tasks work on
+// disjoint ranges.
+unsafe impl Send for Ptrs {}
+
+#[derive(Debug)]
+enum Work {
+    Adam {
+        ptrs: Ptrs,
+        segments: Arc<[Segment]>,
+    },
+    /// STREAM triad a = b + s·c, for the bandwidth reference.
+    Triad {
+        a: *mut f32,
+        b: *const f32,
+        c: *const f32,
+        s: f32,
+    },
+}
+
+// SAFETY: as for `Ptrs`: the submitter keeps the memory alive until completion; ranges disjoint.
+unsafe impl Send for Work {}
+
+#[derive(Debug)]
+struct Task {
+    work: Work,
+    start: usize,
+    end: usize,
+    isa: Isa,
+    done: Arc<Completion>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    remaining: usize,
+    sumsq: f64,
+    failure: Option<String>,
+}
+
+#[derive(Debug)]
+struct Completion {
+    state: Mutex<State>,
+    cv: Condvar,
+    started: Instant,
+}
+
+impl Completion {
+    fn new(tasks: usize) -> Arc<Self> {
+        Arc::new(Completion {
+            state: Mutex::new(State {
+                remaining: tasks,
+                ..State::default()
+            }),
+            cv: Condvar::new(),
+            started: Instant::now(),
+        })
+    }
+
+    fn finish(&self, sumsq: f64, failure: Option<String>) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.remaining -= 1;
+        s.sumsq += sumsq;
+        if s.failure.is_none() {
+            s.failure = failure;
+        }
+        if s.remaining == 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    fn wait(&self) -> (f64, Option<String>) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while s.remaining > 0 {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        (s.sumsq, s.failure.take())
+    }
+
+    fn is_done(&self) -> bool {
+        self.state.lock().map_or(true, |s| s.remaining == 0)
+    }
+}
+
+fn run_task(task: &Task) -> f64 {
+    match &task.work {
+        Work::Adam { ptrs, segments } => {
+            let mut sumsq = 0.0;
+            for seg in segments.iter() {
+                let lo = seg.start.max(task.start);
+                let hi = seg.end.min(task.end);
+                if lo >= hi {
+                    continue;
+                }
+                let n = hi - lo;
+                // SAFETY: [lo, hi) lies inside the unit (segments tile [0, numel)) and inside this
+                // task's range, which no other task touches; the memory is kept alive by the job.
+                let x = unsafe {
+                    AdamSlices {
+                        p: std::slice::from_raw_parts_mut(ptrs.p.add(lo), n),
+                        g: std::slice::from_raw_parts(ptrs.g.add(lo), n),
+                        m: std::slice::from_raw_parts_mut(ptrs.m.add(lo), n),
+                        v: std::slice::from_raw_parts_mut(ptrs.v.add(lo), n),
+                        shadow: (!ptrs.shadow.is_null())
+                            .then(|| std::slice::from_raw_parts_mut(ptrs.shadow.add(lo), n)),
+                    }
+                };
+                sumsq += adamw::step_with(task.isa, x, &seg.scalars);
+            }
+            sumsq
+        }
+        Work::Triad { a, b, c, s } => {
+            let n = task.end - task.start;
+            // SAFETY: the range is this task's alone; the bench keeps the arrays alive.
+            let (a, b, c) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(a.add(task.start), n),
+                    std::slice::from_raw_parts(b.add(task.start), n),
+                    std::slice::from_raw_parts(c.add(task.start), n),
+                )
+            };
+            for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
+                *a = *b + *s * *c;
+            }
+            0.0
+        }
+    }
+}
+
+#[derive(Debug)]
+struct NodeWorkers {
+    node: u32,
+    senders: Vec<Sender<Task>>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+/// Worker pools, one per NUMA node holding optimizer state.
+#[derive(Debug)]
+pub struct AdamPool {
+    nodes: Vec<NodeWorkers>,
+    isa: Isa,
+}
+
+/// What a finished job hands back.
+#[derive(Debug)]
+pub struct AdamDone {
+    /// The unit, exclusively the caller's again.
+    pub guard: UnitGuard,
+    /// The lean-mode gradient buffer, if one was passed in.
+    pub grads: Option<GradBuffer>,
+    /// Σ g_raw² over the unit (before clipping), f64.
+    pub sumsq: f64,
+    /// Wall time from submission to completion.
+    pub elapsed: Duration,
+}
+
+/// One unit's update in flight. Dropping it waits for completion.
+#[derive(Debug)]
+pub struct AdamJob {
+    guard: Option<UnitGuard>,
+    grads: Option<GradBuffer>,
+    done: Arc<Completion>,
+}
+
+impl AdamJob {
+    /// True once every worker has finished its chunk.
+    pub fn is_done(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// Block until the update is complete and take the unit back.
+    pub fn wait(mut self) -> Result<AdamDone> {
+        let (sumsq, failure) = self.done.wait();
+        let elapsed = self.done.started.elapsed();
+        if let Some(f) = failure {
+            return Err(Error::system("AdamW worker", "update", f));
+        }
+        let guard = self
+            .guard
+            .take()
+            .ok_or_else(|| Error::system("AdamW pool", "wait", "job already consumed"))?;
+        Ok(AdamDone {
+            guard,
+            grads: self.grads.take(),
+            sumsq,
+            elapsed,
+        })
+    }
+}
+
+impl Drop for AdamJob {
+    fn drop(&mut self) {
+        // The guard (and buffer) must outlive the workers' use of the memory.
+        self.done.wait();
+    }
+}
+
+/// A triad run in flight (bench only). Dropping it waits.
+#[derive(Debug)]
+pub struct TriadJob(Arc<Completion>);
+
+impl TriadJob {
+    /// Block until done.
+    pub fn wait(self) {
+        self.0.wait();
+    }
+}
+
+impl Drop for TriadJob {
+    fn drop(&mut self) {
+        self.0.wait();
+    }
+}
+
+impl AdamPool {
+    /// Start `threads` workers (default: one per CPU) for each `(node, cpus)`, worker i pinned to
+    /// `cpus[i % len]`. Uses the best SIMD path of this CPU.
+    pub fn new(nodes: &[(u32, Vec<usize>)], threads: Option<usize>) -> Result<Self> {
+        Self::with_isa(nodes, threads, adamw::detect())
+    }
+
+    /// As [`AdamPool::new`] with a chosen implementation (benchmarks and tests).
+    pub fn with_isa(nodes: &[(u32, Vec<usize>)], threads: Option<usize>, isa: Isa) -> Result<Self> {
+        let mut out = Vec::new();
+        for (node, cpus) in nodes {
+            let n = threads.unwrap_or(cpus.len()).max(1);
+            let mut senders = Vec::new();
+            let mut handles = Vec::new();
+            for i in 0..n {
+                let (tx, rx) = channel::<Task>();
+                let cpu = cpus.get(i % cpus.len().max(1)).copied();
+                let h = std::thread::Builder::new()
+                    .name(format!("adamw-n{node}-{i}"))
+                    .spawn(move || {
+                        if let Some(cpu) = cpu {
+                            // Best effort: a cgroup may forbid it; the work is still correct.
+                            let _ = crate::host::affinity::pin_current_thread(&[cpu]);
+                        }
+                        while let Ok(task) = rx.recv() {
+                            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                run_task(&task)
+                            }));
+                            match r {
+                                Ok(s) => task.done.finish(s, None),
+                                Err(_) => task.done.finish(0.0, Some("worker panicked".into())),
+                            }
+                        }
+                    })
+                    .map_err(|e| Error::system("std::thread", "spawn AdamW worker", e))?;
+                senders.push(tx);
+                handles.push(h);
+            }
+            out.push(NodeWorkers {
+                node: *node,
+                senders,
+                handles,
+            });
+        }
+        Ok(AdamPool { nodes: out, isa })
+    }
+
+    /// One pool per node that holds optimizer state in `placement`.
+    pub fn for_placement(placement: &Placement, threads: Option<usize>) -> Result<Self> {
+        let nodes: Vec<(u32, Vec<usize>)> = placement
+            .nodes
+            .iter()
+            .filter(|n| !n.adam_cpus.is_empty())
+            .map(|n| (n.node, n.adam_cpus.clone()))
+            .collect();
+        Self::new(&nodes, threads)
+    }
+
+    /// The SIMD path the workers use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Workers on `node`.
+    pub fn threads_on(&self, node: u32) -> usize {
+        self.nodes
+            .iter()
+            .find(|n| n.node == node)
+            .map_or(0, |n| n.senders.len())
+    }
+
+    fn workers(&self, node: u32) -> Result<&NodeWorkers> {
+        self.nodes.iter().find(|n| n.node == node).ok_or_else(|| {
+            Error::bad_input("AdamW pool", format!("node {node}"), "has no workers", None)
+        })
+    }
+
+    fn dispatch(
+        &self,
+        node: u32,
+        numel: usize,
+        work: impl Fn() -> Work,
+    ) -> Result<Arc<Completion>> {
+        let w = self.workers(node)?;
+        let chunk = numel.div_ceil(w.senders.len()).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
+        let ranges: Vec<(usize, usize)> = (0..w.senders.len())
+            .map(|i| (i * chunk, ((i + 1) * chunk).min(numel)))
+            .filter(|(a, b)| a < b)
+            .collect();
+        let completion = Completion::new(ranges.len().max(1));
+        if ranges.is_empty() {
+            completion.finish(0.0, None);
+        }
+        for (i, (start, end)) in ranges.into_iter().enumerate() {
+            let task = Task {
+                work: work(),
+                start,
+                end,
+                isa: self.isa,
+                done: completion.clone(),
+            };
+            if w.senders[i].send(task).is_err() {
+                completion.finish(0.0, Some("worker thread is gone".into()));
+            }
+        }
+        Ok(completion)
+    }
+
+    /// Update one unit on `node`'s workers. `grads` is the lean-mode buffer; `None` uses the
+    /// unit's gradient shard (exact mode). `segments` come from [`unit_segments`].
+    pub fn submit(
+        &self,
+        node: u32,
+        mut guard: UnitGuard,
+        grads: Option<GradBuffer>,
+        segments: Vec<Segment>,
+    ) -> Result<AdamJob> {
+        let numel = guard.numel();
+        if let Some(b) = &grads {
+            if b.len() < numel {
+                return Err(Error::bad_input(
+                    "gradient buffer",
+                    format!("unit {}", guard.unit()),
+                    format!("holds {} elements, the unit needs {numel}", b.len()),
+                    None,
+                ));
+            }
+        }
+        if segments.last().map_or(0, |s| s.end) != numel {
+            return Err(Error::bad_input(
+                "AdamW segments",
+                format!("unit {}", guard.unit()),
+                "do not cover the unit",
+                None,
+            ));
+        }
+        let sh = guard.shards();
+        let g: *const f32 = match (&grads, sh.grads) {
+            (Some(b), _) => b.as_ptr(),
+            (None, Some(g)) => g.as_ptr(),
+            (None, None) => {
+                return Err(Error::bad_input(
+                    "AdamW job",
+                    format!("unit {}", guard.unit()),
+                    "lean mode needs a gradient buffer",
+                    None,
+                ))
+            }
+        };
+        let ptrs = Ptrs {
+            p: sh.params.as_mut_ptr(),
+            g,
+            m: sh.m.as_mut_ptr(),
+            v: sh.v.as_mut_ptr(),
+            shadow: sh.shadow.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()),
+        };
+        let segments: Arc<[Segment]> = segments.into();
+        let done = self.dispatch(node, numel, || Work::Adam {
+            ptrs,
+            segments: segments.clone(),
+        })?;
+        Ok(AdamJob {
+            guard: Some(guard),
+            grads,
+            done,
+        })
+    }
+
+    /// STREAM triad `a = b + s·c` over `n` elements on `node`'s workers (the bandwidth reference
+    /// for `bench adam`).
+    ///
+    /// # Safety
+    /// `a`, `b`, `c` must be valid for `n` elements, `a` must not overlap `b` or `c`, and all three
+    /// must stay alive and untouched by anyone else until the returned job is dropped or waited.
+    pub unsafe fn triad(
+        &self,
+        node: u32,
+        a: *mut f32,
+        b: *const f32,
+        c: *const f32,
+        s: f32,
+        n: usize,
+    ) -> Result<TriadJob> {
+        let done = self.dispatch(node, n, || Work::Triad { a, b, c, s })?;
+        Ok(TriadJob(done))
+    }
+}
+
+impl Drop for AdamPool {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            n.senders.clear(); // closes the channels; workers exit their loops
+            for h in n.handles.drain(..) {
+                let _ = h.join();
+            }
+        }
+    }
+}

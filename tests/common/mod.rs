@@ -1,0 +1,81 @@
+//! Helpers shared by the integration tests: golden files.
+#![allow(dead_code, clippy::unwrap_used, clippy::print_stderr)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+/// Magic string in every golden file's metadata.
+pub const MAGIC: &str = "megatrain-golden";
+/// Golden format version this code reads.
+pub const VERSION: &str = "1";
+
+/// A golden file: named f32 tensors plus string metadata.
+pub struct Golden {
+    pub meta: HashMap<String, String>,
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+impl Golden {
+    /// Open `tests/golden/{name}`, checking magic and version.
+    pub fn open(name: &str) -> Golden {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden")
+            .join(name);
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let meta = header.metadata().clone().unwrap_or_default();
+        assert_eq!(
+            meta.get("magic").map(String::as_str),
+            Some(MAGIC),
+            "{name}: not a megatrain golden"
+        );
+        assert_eq!(
+            meta.get("version").map(String::as_str),
+            Some(VERSION),
+            "{name}: golden version"
+        );
+        let tensors = st
+            .tensors()
+            .into_iter()
+            .map(|(k, v)| {
+                assert_eq!(v.dtype(), safetensors::Dtype::F32, "{k}");
+                let data = v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                (k, (v.shape().to_vec(), data))
+            })
+            .collect();
+        Golden { meta, tensors }
+    }
+
+    /// A tensor's data.
+    pub fn get(&self, name: &str) -> &[f32] {
+        &self
+            .tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("golden has no `{name}`"))
+            .1
+    }
+
+    /// A tensor's shape.
+    pub fn shape(&self, name: &str) -> &[usize] {
+        &self
+            .tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("golden has no `{name}`"))
+            .0
+    }
+}
+
+/// max |a − b| / max(max |b|, floor): one relative error for a whole tensor.
+pub fn rel_err(a: &[f32], b: &[f32], floor: f32) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(floor, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
