@@ -20,6 +20,87 @@ struct Cli {
 enum Command {
     /// Show the machine: packages, NUMA nodes, GPUs, NVMe, and what is close to what.
     Probe(ProbeArgs),
+    /// Measure a component next to the physical limit measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// CPU AdamW (the real store and worker pool) vs a STREAM triad on the same node and threads.
+    Adam(BenchAdamArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchAdamArgs {
+    /// Parameters per iteration (K/M/G suffixes allowed).
+    #[arg(long, default_value = "64M", value_parser = megatrain::bench::parse_count)]
+    params: usize,
+    /// Worker threads (default: every CPU of the node).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// NUMA node (default: the first node with CPUs).
+    #[arg(long)]
+    node: Option<u32>,
+    /// Also write the bf16 shadow of the parameters (30 B/param).
+    #[arg(long)]
+    shadow: bool,
+    /// Timed repetitions; the median is reported.
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// Force an implementation instead of the best this CPU has.
+    #[arg(long, value_enum)]
+    isa: Option<IsaArg>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum IsaArg {
+    Scalar,
+    Avx2,
+    Avx512,
+    Neon,
+}
+
+fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
+    use megatrain::optim::adamw::Isa;
+    let isa = args.isa.map(|i| match i {
+        IsaArg::Scalar => Isa::Scalar,
+        IsaArg::Avx2 => Isa::Avx2,
+        IsaArg::Avx512 => Isa::Avx512,
+        IsaArg::Neon => Isa::Neon,
+    });
+    if let Some(i) = isa {
+        if !megatrain::optim::adamw::supported(i) {
+            return Err(megatrain::Error::bad_input(
+                "--isa",
+                format!("{i:?}"),
+                "this CPU does not support it",
+                None,
+            ));
+        }
+    }
+    let machine = topology::probe(&TopologySource::Live)?;
+    let report = megatrain::bench::adam::run(
+        &machine,
+        &megatrain::bench::adam::AdamBenchArgs {
+            params: args.params,
+            threads: args.threads,
+            node: args.node,
+            shadow: args.shadow,
+            reps: args.reps,
+            isa,
+        },
+    )?;
+    let text = if args.json {
+        serde_json::to_string_pretty(&report).unwrap_or_default()
+    } else {
+        megatrain::bench::adam::render(&report)
+    };
+    println!("{}", text.trim_end());
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -67,6 +148,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Probe(args) => probe(args),
+        Command::Bench(BenchCommand::Adam(args)) => bench_adam(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

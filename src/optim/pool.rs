@@ -183,9 +183,7 @@ fn run_task(task: &Task) -> f64 {
                     std::slice::from_raw_parts(c.add(task.start), n),
                 )
             };
-            for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
-                *a = *b + *s * *c;
-            }
+            adamw::triad(task.isa, a, b, c, *s);
             0.0
         }
     }
