@@ -96,6 +96,9 @@ impl Region {
         if spec.lock {
             check_memlock(len, &spec.label)?;
         }
+        if spec.pages != PageKind::Transparent {
+            check_huge_pages(spec.pages, len / page, spec.node, &spec.label)?;
+        }
         let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         match spec.pages {
             PageKind::Transparent => {}
@@ -311,6 +314,33 @@ impl Drop for Region {
     }
 }
 
+/// Fail early, with the fix, if fewer than `pages` explicit huge pages of `kind` are free (on
+/// `node` when given, else machine-wide).
+pub fn check_huge_pages(kind: PageKind, pages: usize, node: Option<u32>, what: &str) -> Result<()> {
+    let kib = kind.page_bytes() / 1024;
+    let dir = match node {
+        Some(n) => format!("/sys/devices/system/node/node{n}/hugepages/hugepages-{kib}kB"),
+        None => format!("/sys/kernel/mm/hugepages/hugepages-{kib}kB"),
+    };
+    let free: usize = std::fs::read_to_string(format!("{dir}/free_hugepages"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    if free < pages {
+        let place = node.map_or("the machine".to_owned(), |n| format!("NUMA node {n}"));
+        return Err(Error::bad_input(
+            "huge pages",
+            what,
+            format!("need {pages} free {} MiB pages on {place}, {free} are free", kind.page_bytes() >> 20),
+            Some(&format!(
+                "reserve them: `echo {} > {dir}/nr_hugepages` (as root), or use transparent huge pages",
+                pages.max(1)
+            )),
+        ));
+    }
+    Ok(())
+}
+
 /// Fail early, with the fix, if `bytes` cannot be locked under `RLIMIT_MEMLOCK`.
 pub fn check_memlock(bytes: usize, what: &str) -> Result<()> {
     let Some(lim) = crate::topology::linux::memlock() else {
@@ -360,6 +390,69 @@ mod tests {
             assert_eq!(r.node_of(off).unwrap(), 0);
         }
         assert!(r.node_of(r.len()).is_err());
+    }
+
+    #[test]
+    fn explicit_huge_pages_are_checked_up_front() {
+        let free_2m: usize = std::fs::read_to_string(
+            "/sys/devices/system/node/node0/hugepages/hugepages-2048kB/free_hugepages",
+        )
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+        let want = free_2m + 1;
+        let mut sp = spec(want * (2 << 20), Some(0));
+        sp.pages = PageKind::Huge2M;
+        let msg = Region::allocate(sp).unwrap_err().to_string();
+        assert!(
+            msg.contains("nr_hugepages") && msg.contains("NUMA node 0"),
+            "{msg}"
+        );
+    }
+
+    /// A registrar that records what it was given (the CUDA one cannot run on this machine).
+    #[derive(Debug, Default)]
+    struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<(usize, usize, bool)>>>);
+    #[derive(Debug)]
+    struct Rec(
+        std::sync::Arc<std::sync::Mutex<Vec<(usize, usize, bool)>>>,
+        usize,
+    );
+    impl Registration for Rec {}
+    impl Drop for Rec {
+        fn drop(&mut self) {
+            self.0.lock().unwrap()[self.1].2 = false;
+        }
+    }
+    impl HostRegistrar for Recorder {
+        unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Box<dyn Registration>> {
+            let mut v = self.0.lock().unwrap();
+            v.push((ptr.as_ptr() as usize, len, true));
+            Ok(Box::new(Rec(self.0.clone(), v.len() - 1)))
+        }
+    }
+
+    #[test]
+    fn registration_covers_the_region_and_ends_before_unmap() {
+        let rec = Recorder::default();
+        let mut r = Region::allocate(spec(10_000, Some(0))).unwrap();
+        r.register_with(&rec).unwrap();
+        assert!(r.is_registered());
+        let (ptr, len) = (r.as_ptr() as usize, r.len());
+        assert_eq!(rec.0.lock().unwrap()[0], (ptr, len, true));
+        drop(r);
+        assert!(!rec.0.lock().unwrap()[0].2, "registration released on drop");
+    }
+
+    #[test]
+    fn locked_region_is_locked() {
+        let mut sp = spec(64 * 1024, Some(0));
+        sp.lock = true;
+        match Region::allocate(sp) {
+            Ok(r) => assert!(r.is_locked()),
+            // Unprivileged with a small memlock limit: the error must name the fix.
+            Err(e) => assert!(e.to_string().contains("ulimit -l"), "{e}"),
+        }
     }
 
     #[test]
