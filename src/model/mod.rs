@@ -1,3 +1,4 @@
 //! Llama-family models: configuration (and, to come, the stateless layer templates).
 
 pub mod config;
+pub mod ops;

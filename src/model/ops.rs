@@ -1,0 +1,820 @@
+//! CPU kernels of the Llama family, forward and explicit backward: the reference every other
+//! backend is checked against. Shapes are written beside the code (`// [N, C]`); matrices are
+//! row-major; a Linear weight is `[out, in]` and `y = x·Wᵀ` (HF convention).
+
+use rayon::prelude::*;
+
+/// C[m, n] (row-major) = (accumulate ? C : 0) + A·B, where A is m×k and B is k×n, each given by
+/// its row and column strides (so a transpose is just swapped strides).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    c: &mut [f32],
+    a: &[f32],
+    (a_rs, a_cs): (usize, usize),
+    b: &[f32],
+    (b_rs, b_cs): (usize, usize),
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    assert!(c.len() >= m * n, "gemm: C too small");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(0.0);
+        }
+        return;
+    }
+    assert!(
+        (m - 1) * a_rs + (k - 1) * a_cs < a.len(),
+        "gemm: A too small"
+    );
+    assert!(
+        (k - 1) * b_rs + (n - 1) * b_cs < b.len(),
+        "gemm: B too small"
+    );
+    // SAFETY: the asserts above bound every index gemm reads or writes; C does not alias A or B
+    // (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            if m * n * k >= 1 << 15 {
+                gemm::Parallelism::Rayon(0)
+            } else {
+                gemm::Parallelism::None
+            },
+        );
+    }
+}
+
+/// y[N, out] = x[N, in]·Wᵀ (+ b), W is `[out, in]`.
+pub fn linear_fwd(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
+    gemm(y, x, (din, 1), w, (1, din), n, din, dout, false);
+    if let Some(b) = bias {
+        y[..n * dout].par_chunks_mut(dout).for_each(|row| {
+            for (v, bb) in row.iter_mut().zip(b) {
+                *v += *bb;
+            }
+        });
+    }
+}
+
+/// Backward of [`linear_fwd`]: dx (= or +=) dy·W, dW += dyᵀ·x, db += Σ_rows dy.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_bwd(
+    dx: &mut [f32],
+    dx_accumulate: bool,
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dy: &[f32],
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
+    gemm(dx, dy, (dout, 1), w, (din, 1), n, dout, din, dx_accumulate);
+    // dW[out, in] += dyᵀ[out, N] · x[N, in]
+    gemm(dw, dy, (1, dout), x, (din, 1), dout, n, din, true);
+    if let Some(db) = db {
+        db.par_iter_mut().enumerate().for_each(|(o, d)| {
+            let mut s = 0.0f32;
+            for r in 0..n {
+                s += dy[r * dout + o];
+            }
+            *d += s;
+        });
+    }
+}
+
+/// RMSNorm: y = w ⊙ (x · rsqrt(mean(x²) + eps)) per row; stores 1/rms per row in `rstd`.
+pub fn rmsnorm_fwd(y: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], c: usize, eps: f32) {
+    y.par_chunks_mut(c)
+        .zip(rstd.par_iter_mut())
+        .zip(x.par_chunks(c))
+        .for_each(|((yr, r), xr)| {
+            let ms = xr
+                .iter()
+                .map(|v| f64::from(*v) * f64::from(*v))
+                .sum::<f64>()
+                / c as f64;
+            let inv = 1.0 / ((ms as f32) + eps).sqrt();
+            *r = inv;
+            for ((o, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
+                *o = *wv * (*xv * inv);
+            }
+        });
+}
+
+/// Backward of [`rmsnorm_fwd`]: dx (+)= ..., dw += Σ_rows dy ⊙ x · rstd.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_bwd(
+    dx: &mut [f32],
+    dx_accumulate: bool,
+    dw: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+    c: usize,
+) {
+    dx.par_chunks_mut(c)
+        .zip(dy.par_chunks(c))
+        .zip(x.par_chunks(c))
+        .zip(rstd.par_iter())
+        .for_each(|(((dxr, dyr), xr), r)| {
+            let dot: f64 = dyr
+                .iter()
+                .zip(xr)
+                .zip(w)
+                .map(|((g, xv), wv)| f64::from(*g * *wv) * f64::from(*xv))
+                .sum();
+            let k = (dot / c as f64) as f32 * r * r * r;
+            for (((o, g), xv), wv) in dxr.iter_mut().zip(dyr).zip(xr).zip(w) {
+                let v = *r * (*wv * *g) - k * *xv;
+                if dx_accumulate {
+                    *o += v;
+                } else {
+                    *o = v;
+                }
+            }
+        });
+    // dw: reduce over rows, parallel over columns.
+    let rows = rstd.len();
+    dw.par_iter_mut().enumerate().for_each(|(j, d)| {
+        let mut s = 0.0f32;
+        for r in 0..rows {
+            s += dy[r * c + j] * x[r * c + j] * rstd[r];
+        }
+        *d += s;
+    });
+}
+
+/// Rotary position embedding tables, computed as HF does in fp32:
+/// `inv_freq[i] = 1 / θ^(2i/hd)`, `angle = pos · inv_freq[i]`.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Positions covered.
+    pub max_pos: usize,
+    cos: Vec<f32>, // [max_pos, hd/2]
+    sin: Vec<f32>, // [max_pos, hd/2]
+}
+
+impl Rope {
+    /// Tables for positions `0..max_pos`.
+    pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
+        let half = head_dim / 2;
+        let base = theta as f32;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(max_pos * half);
+        let mut sin = Vec::with_capacity(max_pos * half);
+        for p in 0..max_pos {
+            for f in &inv {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Rope {
+            head_dim,
+            max_pos,
+            cos,
+            sin,
+        }
+    }
+
+    /// Rotate `x` [B·T, heads·hd] in place (`inverse` = the backward, Rᵀ).
+    pub fn apply(&self, x: &mut [f32], t: usize, heads: usize, inverse: bool) {
+        let hd = self.head_dim;
+        let half = hd / 2;
+        assert!(t <= self.max_pos, "sequence longer than the RoPE table");
+        x.par_chunks_mut(heads * hd)
+            .enumerate()
+            .for_each(|(row, xr)| {
+                let pos = row % t;
+                let (c, s) = (
+                    &self.cos[pos * half..(pos + 1) * half],
+                    &self.sin[pos * half..(pos + 1) * half],
+                );
+                for h in xr.chunks_mut(hd) {
+                    for i in 0..half {
+                        let (a, b) = (h[i], h[i + half]);
+                        if inverse {
+                            h[i] = a * c[i] + b * s[i];
+                            h[i + half] = b * c[i] - a * s[i];
+                        } else {
+                            h[i] = a * c[i] - b * s[i];
+                            h[i + half] = b * c[i] + a * s[i];
+                        }
+                    }
+                }
+            });
+    }
+}
+
+/// SwiGLU: h = silu(g) ⊙ u.
+pub fn swiglu_fwd(h: &mut [f32], g: &[f32], u: &[f32]) {
+    h.par_iter_mut()
+        .zip(g.par_iter().zip(u.par_iter()))
+        .for_each(|(o, (g, u))| {
+            *o = *g / (1.0 + (-*g).exp()) * *u;
+        });
+}
+
+/// Backward of [`swiglu_fwd`]: writes dg and du.
+pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f32]) {
+    dg.par_iter_mut()
+        .zip(du.par_iter_mut())
+        .zip(dh.par_iter().zip(g.par_iter().zip(u.par_iter())))
+        .for_each(|((dg, du), (dh, (g, u)))| {
+            let sig = 1.0 / (1.0 + (-*g).exp());
+            let silu = *g * sig;
+            *du = *dh * silu;
+            *dg = *dh * *u * (sig * (1.0 + *g * (1.0 - sig)));
+        });
+}
+
+/// Attention shape: B sequences of T tokens, NH query heads, NKV kv heads, head dim HD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Batch.
+    pub b: usize,
+    /// Sequence length.
+    pub t: usize,
+    /// Query heads.
+    pub nh: usize,
+    /// Key/value heads.
+    pub nkv: usize,
+    /// Head dimension.
+    pub hd: usize,
+}
+
+/// Query/key tile edge of the flash-style kernels.
+pub const ATTN_TILE: usize = 64;
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let n8 = a.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        for l in 0..8 {
+            acc[l] += a[i + l] * b[i + l];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: used only to hand disjoint head slices of one buffer to parallel tasks (see callers).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+/// Causal GQA attention, tiled with an online softmax: no T×T matrix exists. q [B·T, NH·HD],
+/// k/v [B·T, NKV·HD], o [B·T, NH·HD]; `lse` [B, NH, T] receives the row log-sum-exp for the
+/// backward. Query head h reads kv head h / (NH/NKV).
+pub fn attention_fwd(
+    o: &mut [f32],
+    lse: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: AttnShape,
+) {
+    let AttnShape { t, nh, nkv, hd, .. } = s;
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (qs, kvs) = (nh * hd, nkv * hd);
+    let optr = SendPtr(o.as_mut_ptr());
+    let tiles = t.div_ceil(ATTN_TILE);
+    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse_row)| {
+        let optr = optr;
+        let (bi, h) = (bh / nh, bh % nh);
+        let kh = h / group;
+        let mut sc = vec![0.0f32; ATTN_TILE];
+        let mut acc = vec![0.0f32; ATTN_TILE * hd];
+        for qt in 0..tiles {
+            let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
+            let mut mx = [f32::NEG_INFINITY; ATTN_TILE];
+            let mut l = [0.0f32; ATTN_TILE];
+            acc.fill(0.0);
+            for kt in 0..=qt {
+                let (j0, j1) = (kt * ATTN_TILE, ((kt + 1) * ATTN_TILE).min(t));
+                for i in i0..i1 {
+                    let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
+                    let jend = j1.min(i + 1);
+                    if jend <= j0 {
+                        continue;
+                    }
+                    let mut m_new = mx[i - i0];
+                    for j in j0..jend {
+                        let kj = &k[(bi * t + j) * kvs + kh * hd..][..hd];
+                        sc[j - j0] = dot(qi, kj) * scale;
+                        m_new = m_new.max(sc[j - j0]);
+                    }
+                    let corr = (mx[i - i0] - m_new).exp();
+                    let a = &mut acc[(i - i0) * hd..][..hd];
+                    if corr != 1.0 {
+                        a.iter_mut().for_each(|x| *x *= corr);
+                    }
+                    let mut lsum = l[i - i0] * corr;
+                    for j in j0..jend {
+                        let p = (sc[j - j0] - m_new).exp();
+                        lsum += p;
+                        let vj = &v[(bi * t + j) * kvs + kh * hd..][..hd];
+                        for (x, vv) in a.iter_mut().zip(vj) {
+                            *x += p * *vv;
+                        }
+                    }
+                    l[i - i0] = lsum;
+                    mx[i - i0] = m_new;
+                }
+            }
+            for i in i0..i1 {
+                let inv = 1.0 / l[i - i0];
+                // SAFETY: row (bi, i), head h of `o`: this task (bi, h) is its only writer.
+                let orow = unsafe {
+                    std::slice::from_raw_parts_mut(optr.0.add((bi * t + i) * qs + h * hd), hd)
+                };
+                for (x, a) in orow.iter_mut().zip(&acc[(i - i0) * hd..][..hd]) {
+                    *x = *a * inv;
+                }
+                lse_row[i] = mx[i - i0] + l[i - i0].ln();
+            }
+        }
+    });
+}
+
+/// Backward of [`attention_fwd`], recomputing the probabilities tile by tile from q, k and `lse`.
+/// Writes dq, dk, dv (not accumulating).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    d_o: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    s: AttnShape,
+) {
+    let AttnShape { b, t, nh, nkv, hd } = s;
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (qs, kvs) = (nh * hd, nkv * hd);
+    dq.fill(0.0);
+    dk.fill(0.0);
+    dv.fill(0.0);
+    let (dqp, dkp, dvp) = (
+        SendPtr(dq.as_mut_ptr()),
+        SendPtr(dk.as_mut_ptr()),
+        SendPtr(dv.as_mut_ptr()),
+    );
+    // One task per (sequence, kv head): it alone writes that kv head's dk/dv and its query
+    // heads' dq.
+    (0..b * nkv).into_par_iter().for_each(|task| {
+        let (dqp, dkp, dvp) = (dqp, dkp, dvp);
+        let (bi, kh) = (task / nkv, task % nkv);
+        let mut dd = vec![0.0f32; t];
+        for h in kh * group..(kh + 1) * group {
+            for (i, d) in dd.iter_mut().enumerate() {
+                let r = (bi * t + i) * qs + h * hd;
+                *d = dot(&d_o[r..r + hd], &o[r..r + hd]);
+            }
+            for i in 0..t {
+                let r = (bi * t + i) * qs + h * hd;
+                let (qi, doi) = (&q[r..r + hd], &d_o[r..r + hd]);
+                let li = lse[(bi * nh + h) * t + i];
+                // SAFETY: dq row (bi, i) head h belongs to this task only.
+                let dqi = unsafe { std::slice::from_raw_parts_mut(dqp.0.add(r), hd) };
+                for j in 0..=i {
+                    let c = (bi * t + j) * kvs + kh * hd;
+                    let (kj, vj) = (&k[c..c + hd], &v[c..c + hd]);
+                    let p = (dot(qi, kj) * scale - li).exp();
+                    let dp = dot(doi, vj);
+                    let ds = p * (dp - dd[i]) * scale;
+                    // SAFETY: dk/dv rows (bi, j) head kh belong to this task only.
+                    let (dkj, dvj) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(dkp.0.add(c), hd),
+                            std::slice::from_raw_parts_mut(dvp.0.add(c), hd),
+                        )
+                    };
+                    for x in 0..hd {
+                        dvj[x] += p * doi[x];
+                        dqi[x] += ds * kj[x];
+                        dkj[x] += ds * qi[x];
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Reference attention with the full T×T score matrix (tests only compare against it).
+pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], s: AttnShape) {
+    let AttnShape { b, t, nh, nkv, hd } = s;
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (qs, kvs) = (nh * hd, nkv * hd);
+    for bi in 0..b {
+        for h in 0..nh {
+            let kh = h / group;
+            for i in 0..t {
+                let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
+                let sc: Vec<f32> = (0..=i)
+                    .map(|j| dot(qi, &k[(bi * t + j) * kvs + kh * hd..][..hd]) * scale)
+                    .collect();
+                let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = sc.iter().map(|x| (x - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                let orow = &mut o[(bi * t + i) * qs + h * hd..][..hd];
+                orow.fill(0.0);
+                for (j, p) in e.iter().enumerate() {
+                    let vj = &v[(bi * t + j) * kvs + kh * hd..][..hd];
+                    for (x, vv) in orow.iter_mut().zip(vj) {
+                        *x += p / z * vv;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rows of logits materialised at once by [`lm_head_ce`]: chunk × V floats.
+pub const CE_CHUNK_ROWS: usize = 256;
+
+/// Fused LM head + cross-entropy, chunked over tokens so B·T·V logits never exist at once.
+///
+/// h [N, C], w [V, C]. Returns Σ loss over the N rows (caller divides by the step's token count).
+/// With `grad_scale` = 1/(tokens of the step): dh = dlogits·W is written, dW += dlogitsᵀ·h.
+#[allow(clippy::too_many_arguments)]
+pub fn lm_head_ce(
+    dh: &mut [f32],
+    dw: &mut [f32],
+    h: &[f32],
+    w: &[f32],
+    targets: &[u32],
+    n: usize,
+    c: usize,
+    vocab: usize,
+    grad_scale: f32,
+    scratch: &mut Vec<f32>,
+) -> f64 {
+    let rows = CE_CHUNK_ROWS.min(n.max(1));
+    scratch.resize(rows * vocab, 0.0);
+    let mut total = 0.0f64;
+    for r0 in (0..n).step_by(rows) {
+        let r1 = (r0 + rows).min(n);
+        let m = r1 - r0;
+        let logits = &mut scratch[..m * vocab]; // [m, V]
+        gemm(
+            logits,
+            &h[r0 * c..r1 * c],
+            (c, 1),
+            w,
+            (1, c),
+            m,
+            c,
+            vocab,
+            false,
+        );
+        total += logits
+            .par_chunks_mut(vocab)
+            .zip(targets[r0..r1].par_iter())
+            .map(|(row, &tg)| {
+                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();
+                let lse = mx + z.ln();
+                let loss = f64::from(lse - row[tg as usize]);
+                for x in row.iter_mut() {
+                    *x = (*x - lse).exp() * grad_scale;
+                }
+                row[tg as usize] -= grad_scale;
+                loss
+            })
+            .sum::<f64>();
+        // dh[m, C] = dlogits[m, V] · W[V, C];  dW[V, C] += dlogitsᵀ · h
+        gemm(
+            &mut dh[r0 * c..r1 * c],
+            logits,
+            (vocab, 1),
+            w,
+            (c, 1),
+            m,
+            vocab,
+            c,
+            false,
+        );
+        gemm(
+            dw,
+            logits,
+            (1, vocab),
+            &h[r0 * c..r1 * c],
+            (c, 1),
+            vocab,
+            m,
+            c,
+            true,
+        );
+    }
+    total
+}
+
+/// Logits [N, V] = h·Wᵀ, for tests and inference on small inputs.
+pub fn logits(out: &mut [f32], h: &[f32], w: &[f32], n: usize, c: usize, vocab: usize) {
+    gemm(out, h, (c, 1), w, (1, c), n, c, vocab, false);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn rnd(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        a.iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    }
+
+    /// Central finite difference of a scalar f64 loss in f64-accumulated fp32 code.
+    fn fd_check(
+        name: &str,
+        x: &mut [f32],
+        analytic: &[f32],
+        mut loss: impl FnMut(&[f32]) -> f64,
+        picks: usize,
+    ) {
+        let eps = 1e-2f32;
+        let mut worst = 0.0f64;
+        for p in 0..picks {
+            let i = (p * 7919 + 13) % x.len();
+            let orig = x[i];
+            x[i] = orig + eps;
+            let lp = loss(x);
+            x[i] = orig - eps;
+            let lm = loss(x);
+            x[i] = orig;
+            let num = (lp - lm) / (2.0 * f64::from(eps));
+            let err = (num - f64::from(analytic[i])).abs()
+                / (num.abs().max(f64::from(analytic[i]).abs()).max(1e-2));
+            worst = worst.max(err);
+        }
+        assert!(worst < 2e-2, "{name}: finite-difference rel err {worst}");
+    }
+
+    #[test]
+    fn gemm_transposes_match_naive() {
+        let (m, k, n) = (5, 7, 3);
+        let a = rnd(m * k, 1);
+        let b = rnd(k * n, 2);
+        let mut c = vec![0.0; m * n];
+        gemm(&mut c, &a, (k, 1), &b, (n, 1), m, k, n, false);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|x| a[i * k + x] * b[x * n + j]).sum();
+                assert!((c[i * n + j] - want).abs() < 1e-5);
+            }
+        }
+        // Aᵀ stored as [k, m].
+        let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+        let mut c2 = vec![0.0; m * n];
+        gemm(&mut c2, &at, (1, m), &b, (n, 1), m, k, n, false);
+        assert!(max_rel(&c2, &c) < 1e-6);
+    }
+
+    #[test]
+    fn tiled_attention_matches_naive_on_ragged_lengths() {
+        for (t, nh, nkv) in [(1, 2, 1), (63, 4, 2), (65, 4, 4), (130, 6, 1)] {
+            let s = AttnShape {
+                b: 2,
+                t,
+                nh,
+                nkv,
+                hd: 16,
+            };
+            let (q, k, v) = (
+                rnd(2 * t * nh * 16, 1),
+                rnd(2 * t * nkv * 16, 2),
+                rnd(2 * t * nkv * 16, 3),
+            );
+            let (mut o1, mut o2) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+            let mut lse = vec![0.0; 2 * nh * t];
+            attention_fwd(&mut o1, &mut lse, &q, &k, &v, s);
+            attention_naive(&mut o2, &q, &k, &v, s);
+            assert!(max_rel(&o1, &o2) < 1e-5, "t={t}: {}", max_rel(&o1, &o2));
+        }
+    }
+
+    #[test]
+    fn attention_backward_finite_differences() {
+        let s = AttnShape {
+            b: 1,
+            t: 70,
+            nh: 4,
+            nkv: 2,
+            hd: 8,
+        };
+        let (mut q, mut k, mut v) = (rnd(70 * 32, 4), rnd(70 * 16, 5), rnd(70 * 16, 6));
+        let w = rnd(70 * 32, 7); // loss = Σ w ⊙ o
+        let fwd = |q: &[f32], k: &[f32], v: &[f32]| {
+            let mut o = vec![0.0; q.len()];
+            let mut lse = vec![0.0; 4 * 70];
+            attention_fwd(&mut o, &mut lse, q, k, v, s);
+            (o, lse)
+        };
+        let (o, lse) = fwd(&q, &k, &v);
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        attention_bwd(&mut dq, &mut dk, &mut dv, &w, &q, &k, &v, &o, &lse, s);
+        let loss = |o: &[f32]| {
+            o.iter()
+                .zip(&w)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+        };
+        let (k0, v0) = (k.clone(), v.clone());
+        fd_check("dq", &mut q, &dq, |q| loss(&fwd(q, &k0, &v0).0), 40);
+        let q0 = q.clone();
+        fd_check("dk", &mut k, &dk, |k| loss(&fwd(&q0, k, &v0).0), 40);
+        fd_check("dv", &mut v, &dv, |v| loss(&fwd(&q0, &k0, v).0), 40);
+    }
+
+    #[test]
+    fn chunked_ce_matches_naive_and_finite_differences() {
+        let (n, c, vocab) = (CE_CHUNK_ROWS + 37, 12, 50);
+        let (mut h, w) = (rnd(n * c, 1), rnd(vocab * c, 2));
+        let targets: Vec<u32> = (0..n).map(|i| (i * 31 % vocab) as u32).collect();
+        let (mut dh, mut dw, mut scratch) = (vec![0.0; n * c], vec![0.0; vocab * c], Vec::new());
+        let scale = 1.0 / n as f32;
+        let loss = lm_head_ce(
+            &mut dh,
+            &mut dw,
+            &h,
+            &w,
+            &targets,
+            n,
+            c,
+            vocab,
+            scale,
+            &mut scratch,
+        ) / n as f64;
+        // Naive: full logits, log-softmax in f64.
+        let naive = |h: &[f32]| {
+            let mut lg = vec![0.0; n * vocab];
+            logits(&mut lg, h, &w, n, c, vocab);
+            (0..n)
+                .map(|i| {
+                    let row = &lg[i * vocab..(i + 1) * vocab];
+                    let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                    let z: f64 = row.iter().map(|x| (f64::from(*x) - mx).exp()).sum();
+                    mx + z.ln() - f64::from(row[targets[i] as usize])
+                })
+                .sum::<f64>()
+                / n as f64
+        };
+        assert!(
+            (loss - naive(&h)).abs() < 1e-5 * loss.abs(),
+            "{loss} vs {}",
+            naive(&h)
+        );
+        fd_check("dh", &mut h, &dh, naive, 30);
+    }
+
+    #[test]
+    fn rmsnorm_swiglu_rope_backward_finite_differences() {
+        let (rows, c) = (5, 24);
+        let (mut x, mut w) = (rnd(rows * c, 1), rnd(c, 2));
+        let gy = rnd(rows * c, 3);
+        let f = |x: &[f32], w: &[f32]| {
+            let (mut y, mut r) = (vec![0.0; rows * c], vec![0.0; rows]);
+            rmsnorm_fwd(&mut y, &mut r, x, w, c, 1e-5);
+            (y, r)
+        };
+        let (_, r) = f(&x, &w);
+        let (mut dx, mut dw) = (vec![0.0; rows * c], vec![0.0; c]);
+        rmsnorm_bwd(&mut dx, false, &mut dw, &gy, &x, &w, &r, c);
+        let loss = |y: &[f32]| {
+            y.iter()
+                .zip(&gy)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+        };
+        let w0 = w.clone();
+        fd_check("rmsnorm dx", &mut x, &dx, |x| loss(&f(x, &w0).0), 30);
+        let x0 = x.clone();
+        fd_check("rmsnorm dw", &mut w, &dw, |w| loss(&f(&x0, w).0), 20);
+
+        let (mut g, mut u) = (rnd(60, 4), rnd(60, 5));
+        let dh = rnd(60, 6);
+        let (mut dg, mut du) = (vec![0.0; 60], vec![0.0; 60]);
+        swiglu_bwd(&mut dg, &mut du, &dh, &g, &u);
+        let sw = |g: &[f32], u: &[f32]| {
+            let mut h = vec![0.0; 60];
+            swiglu_fwd(&mut h, g, u);
+            h.iter()
+                .zip(&dh)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+        };
+        let u0 = u.clone();
+        fd_check("swiglu dg", &mut g, &dg, |g| sw(g, &u0), 30);
+        let g0 = g.clone();
+        fd_check("swiglu du", &mut u, &du, |u| sw(&g0, u), 30);
+
+        // RoPE is a rotation: backward(forward(x)) = x, and it preserves norms.
+        let rope = Rope::new(8, 10000.0, 16);
+        let x0 = rnd(2 * 16 * 3 * 8, 9);
+        let mut y = x0.clone();
+        rope.apply(&mut y, 16, 3, false);
+        let n0: f32 = x0.iter().map(|v| v * v).sum();
+        let n1: f32 = y.iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-4 * n0);
+        rope.apply(&mut y, 16, 3, true);
+        assert!(max_rel(&y, &x0) < 1e-6);
+    }
+
+    #[test]
+    fn linear_backward_finite_differences() {
+        let (n, din, dout) = (4, 6, 5);
+        let (mut x, mut w, mut b) = (rnd(n * din, 1), rnd(dout * din, 2), rnd(dout, 3));
+        let gy = rnd(n * dout, 4);
+        let f = |x: &[f32], w: &[f32], b: &[f32]| {
+            let mut y = vec![0.0; n * dout];
+            linear_fwd(&mut y, x, w, Some(b), n, din, dout);
+            y.iter()
+                .zip(&gy)
+                .map(|(a, g)| f64::from(*a) * f64::from(*g))
+                .sum::<f64>()
+        };
+        let (mut dx, mut dw, mut db) = (vec![0.0; n * din], vec![0.0; dout * din], vec![0.0; dout]);
+        linear_bwd(
+            &mut dx,
+            false,
+            &mut dw,
+            Some(&mut db),
+            &gy,
+            &x,
+            &w,
+            n,
+            din,
+            dout,
+        );
+        let (w0, b0) = (w.clone(), b.clone());
+        fd_check("linear dx", &mut x, &dx, |x| f(x, &w0, &b0), 20);
+        let x0 = x.clone();
+        fd_check("linear dw", &mut w, &dw, |w| f(&x0, w, &b0), 20);
+        fd_check("linear db", &mut b, &db, |b| f(&x0, &w0, b), 5);
+    }
+}
