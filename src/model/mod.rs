@@ -1,4 +1,6 @@
 //! Llama-family models: configuration (and, to come, the stateless layer templates).
 
 pub mod config;
+pub mod layers;
 pub mod ops;
+pub mod reference;

@@ -307,6 +307,13 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `SendPtr`, not its raw field).
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 /// Causal GQA attention, tiled with an online softmax: no T×T matrix exists. q [B·T, NH·HD],
 /// k/v [B·T, NKV·HD], o [B·T, NH·HD]; `lse` [B, NH, T] receives the row log-sum-exp for the
 /// backward. Query head h reads kv head h / (NH/NKV).
@@ -325,7 +332,6 @@ pub fn attention_fwd(
     let optr = SendPtr(o.as_mut_ptr());
     let tiles = t.div_ceil(ATTN_TILE);
     lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse_row)| {
-        let optr = optr;
         let (bi, h) = (bh / nh, bh % nh);
         let kh = h / group;
         let mut sc = vec![0.0f32; ATTN_TILE];
@@ -371,7 +377,7 @@ pub fn attention_fwd(
                 let inv = 1.0 / l[i - i0];
                 // SAFETY: row (bi, i), head h of `o`: this task (bi, h) is its only writer.
                 let orow = unsafe {
-                    std::slice::from_raw_parts_mut(optr.0.add((bi * t + i) * qs + h * hd), hd)
+                    std::slice::from_raw_parts_mut(optr.at((bi * t + i) * qs + h * hd), hd)
                 };
                 for (x, a) in orow.iter_mut().zip(&acc[(i - i0) * hd..][..hd]) {
                     *x = *a * inv;
@@ -412,7 +418,6 @@ pub fn attention_bwd(
     // One task per (sequence, kv head): it alone writes that kv head's dk/dv and its query
     // heads' dq.
     (0..b * nkv).into_par_iter().for_each(|task| {
-        let (dqp, dkp, dvp) = (dqp, dkp, dvp);
         let (bi, kh) = (task / nkv, task % nkv);
         let mut dd = vec![0.0f32; t];
         for h in kh * group..(kh + 1) * group {
@@ -425,7 +430,7 @@ pub fn attention_bwd(
                 let (qi, doi) = (&q[r..r + hd], &d_o[r..r + hd]);
                 let li = lse[(bi * nh + h) * t + i];
                 // SAFETY: dq row (bi, i) head h belongs to this task only.
-                let dqi = unsafe { std::slice::from_raw_parts_mut(dqp.0.add(r), hd) };
+                let dqi = unsafe { std::slice::from_raw_parts_mut(dqp.at(r), hd) };
                 for j in 0..=i {
                     let c = (bi * t + j) * kvs + kh * hd;
                     let (kj, vj) = (&k[c..c + hd], &v[c..c + hd]);
@@ -435,8 +440,8 @@ pub fn attention_bwd(
                     // SAFETY: dk/dv rows (bi, j) head kh belong to this task only.
                     let (dkj, dvj) = unsafe {
                         (
-                            std::slice::from_raw_parts_mut(dkp.0.add(c), hd),
-                            std::slice::from_raw_parts_mut(dvp.0.add(c), hd),
+                            std::slice::from_raw_parts_mut(dkp.at(c), hd),
+                            std::slice::from_raw_parts_mut(dvp.at(c), hd),
                         )
                     };
                     for x in 0..hd {

@@ -1,0 +1,638 @@
+//! Stateless layer templates: code plus shapes. Weights and gradient buffers are the unit's flat
+//! shards, bound per call; scratch lives in a caller-owned [`Workspace`] reused by every layer.
+//! Nothing persists between calls. Backward recomputes a block's internals from its saved input
+//! (activation checkpointing at layer boundaries).
+
+use super::config::ModelConfig;
+use super::ops::{self, AttnShape, Rope};
+use crate::store::layout::UnitLayout;
+use crate::{Error, Result};
+
+fn offset(unit: &UnitLayout, suffix: &str) -> Result<usize> {
+    unit.tensor(suffix).map(|t| t.offset).ok_or_else(|| {
+        Error::bad_input("unit layout", suffix, "tensor missing from the unit", None)
+    })
+}
+
+fn opt_offset(unit: &UnitLayout, suffix: &str, present: bool) -> Result<Option<usize>> {
+    if present {
+        offset(unit, suffix).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Scratch for one layer's forward and backward over N = B·T tokens. Sized once for the largest
+/// layer; its size does not depend on the number of layers.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    h1: Vec<f32>,    // [N, C]   normed input
+    rstd1: Vec<f32>, // [N]
+    q: Vec<f32>,     // [N, NH·HD]
+    k: Vec<f32>,     // [N, NKV·HD]
+    v: Vec<f32>,     // [N, NKV·HD]
+    att: Vec<f32>,   // [N, NH·HD] attention output
+    lse: Vec<f32>,   // [B, NH, T]
+    x2: Vec<f32>,    // [N, C]   after the attention residual
+    h2: Vec<f32>,    // [N, C]
+    rstd2: Vec<f32>, // [N]
+    gate: Vec<f32>,  // [N, I]
+    up: Vec<f32>,    // [N, I]
+    act: Vec<f32>,   // [N, I]
+    // backward
+    d_i1: Vec<f32>,  // [N, I]
+    d_i2: Vec<f32>,  // [N, I]
+    d_i3: Vec<f32>,  // [N, I]
+    d_att: Vec<f32>, // [N, NH·HD]
+    d_c: Vec<f32>,   // [N, C]
+    d_c2: Vec<f32>,  // [N, C]
+    dq: Vec<f32>,    // [N, NH·HD]
+    dk: Vec<f32>,    // [N, NKV·HD]
+    dv: Vec<f32>,    // [N, NKV·HD]
+    ce: Vec<f32>,    // [CE_CHUNK_ROWS, V]
+}
+
+impl Workspace {
+    /// Scratch for `n` tokens of `cfg`'s layers.
+    pub fn new(cfg: &ModelConfig, b: usize, t: usize) -> Self {
+        let n = b * t;
+        let (c, qd, kvd, i) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let z = |len: usize| vec![0.0f32; len];
+        Workspace {
+            h1: z(n * c),
+            rstd1: z(n),
+            q: z(n * qd),
+            k: z(n * kvd),
+            v: z(n * kvd),
+            att: z(n * qd),
+            lse: z(b * cfg.num_heads * t),
+            x2: z(n * c),
+            h2: z(n * c),
+            rstd2: z(n),
+            gate: z(n * i),
+            up: z(n * i),
+            act: z(n * i),
+            d_i1: z(n * i),
+            d_i2: z(n * i),
+            d_i3: z(n * i),
+            d_att: z(n * qd),
+            d_c: z(n * c),
+            d_c2: z(n * c),
+            dq: z(n * qd),
+            dk: z(n * kvd),
+            dv: z(n * kvd),
+            ce: Vec::new(),
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * [
+            &self.h1,
+            &self.rstd1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.lse,
+            &self.x2,
+            &self.h2,
+            &self.rstd2,
+            &self.gate,
+            &self.up,
+            &self.act,
+            &self.d_i1,
+            &self.d_i2,
+            &self.d_i3,
+            &self.d_att,
+            &self.d_c,
+            &self.d_c2,
+            &self.dq,
+            &self.dk,
+            &self.dv,
+            &self.ce,
+        ]
+        .iter()
+        .map(|v| v.capacity())
+        .sum::<usize>()
+    }
+}
+
+/// Token embedding.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    c: usize,
+    vocab: usize,
+}
+
+impl Embedding {
+    /// The template for `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        Embedding {
+            c: cfg.hidden_size,
+            vocab: cfg.vocab_size,
+        }
+    }
+
+    /// x[N, C] = E[tokens].
+    pub fn forward(&self, p: &[f32], tokens: &[u32], x: &mut [f32]) {
+        for (row, &tok) in x.chunks_mut(self.c).zip(tokens) {
+            let t = tok as usize;
+            row.copy_from_slice(&p[t * self.c..(t + 1) * self.c]);
+        }
+    }
+
+    /// dE[tokens] += dx.
+    pub fn backward(&self, g: &mut [f32], tokens: &[u32], dx: &[f32]) {
+        for (row, &tok) in dx.chunks(self.c).zip(tokens) {
+            let t = tok as usize;
+            debug_assert!(t < self.vocab);
+            for (d, v) in g[t * self.c..(t + 1) * self.c].iter_mut().zip(row) {
+                *d += *v;
+            }
+        }
+    }
+}
+
+/// One decoder layer: RMSNorm → GQA attention with RoPE → residual → RMSNorm → SwiGLU MLP →
+/// residual.
+#[derive(Debug, Clone)]
+pub struct DecoderBlock {
+    c: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    inter: usize,
+    eps: f32,
+    ln1: usize,
+    wq: usize,
+    wk: usize,
+    wv: usize,
+    bq: Option<usize>,
+    bk: Option<usize>,
+    bv: Option<usize>,
+    wo: usize,
+    bo: Option<usize>,
+    ln2: usize,
+    wg: usize,
+    wu: usize,
+    wd: usize,
+}
+
+impl DecoderBlock {
+    /// The template for a block unit of `cfg`.
+    pub fn new(cfg: &ModelConfig, unit: &UnitLayout) -> Result<Self> {
+        Ok(DecoderBlock {
+            c: cfg.hidden_size,
+            nh: cfg.num_heads,
+            nkv: cfg.num_kv_heads,
+            hd: cfg.head_dim,
+            inter: cfg.intermediate_size,
+            eps: cfg.rms_norm_eps as f32,
+            ln1: offset(unit, "input_layernorm.weight")?,
+            wq: offset(unit, "self_attn.q_proj.weight")?,
+            wk: offset(unit, "self_attn.k_proj.weight")?,
+            wv: offset(unit, "self_attn.v_proj.weight")?,
+            bq: opt_offset(unit, "self_attn.q_proj.bias", cfg.qkv_bias)?,
+            bk: opt_offset(unit, "self_attn.k_proj.bias", cfg.qkv_bias)?,
+            bv: opt_offset(unit, "self_attn.v_proj.bias", cfg.qkv_bias)?,
+            wo: offset(unit, "self_attn.o_proj.weight")?,
+            bo: opt_offset(unit, "self_attn.o_proj.bias", cfg.o_bias)?,
+            ln2: offset(unit, "post_attention_layernorm.weight")?,
+            wg: offset(unit, "mlp.gate_proj.weight")?,
+            wu: offset(unit, "mlp.up_proj.weight")?,
+            wd: offset(unit, "mlp.down_proj.weight")?,
+        })
+    }
+
+    fn qd(&self) -> usize {
+        self.nh * self.hd
+    }
+
+    fn kvd(&self) -> usize {
+        self.nkv * self.hd
+    }
+
+    /// Forward internals up to the MLP activation, kept in `ws` for the backward.
+    fn internals(&self, p: &[f32], x: &[f32], ws: &mut Workspace, rope: &Rope, b: usize, t: usize) {
+        let (n, c, qd, kvd, i) = (b * t, self.c, self.qd(), self.kvd(), self.inter);
+        let w = |off: usize, len: usize| &p[off..off + len];
+        ops::rmsnorm_fwd(
+            &mut ws.h1[..n * c],
+            &mut ws.rstd1[..n],
+            x,
+            w(self.ln1, c),
+            c,
+            self.eps,
+        );
+        let h1 = &ws.h1[..n * c];
+        ops::linear_fwd(
+            &mut ws.q[..n * qd],
+            h1,
+            w(self.wq, qd * c),
+            self.bq.map(|o| w(o, qd)),
+            n,
+            c,
+            qd,
+        );
+        ops::linear_fwd(
+            &mut ws.k[..n * kvd],
+            h1,
+            w(self.wk, kvd * c),
+            self.bk.map(|o| w(o, kvd)),
+            n,
+            c,
+            kvd,
+        );
+        ops::linear_fwd(
+            &mut ws.v[..n * kvd],
+            h1,
+            w(self.wv, kvd * c),
+            self.bv.map(|o| w(o, kvd)),
+            n,
+            c,
+            kvd,
+        );
+        rope.apply(&mut ws.q[..n * qd], t, self.nh, false);
+        rope.apply(&mut ws.k[..n * kvd], t, self.nkv, false);
+        let shape = AttnShape {
+            b,
+            t,
+            nh: self.nh,
+            nkv: self.nkv,
+            hd: self.hd,
+        };
+        ops::attention_fwd(
+            &mut ws.att[..n * qd],
+            &mut ws.lse[..b * self.nh * t],
+            &ws.q[..n * qd],
+            &ws.k[..n * kvd],
+            &ws.v[..n * kvd],
+            shape,
+        );
+        // x2 = x + att·Woᵀ (+ bo)
+        ops::linear_fwd(
+            &mut ws.x2[..n * c],
+            &ws.att[..n * qd],
+            w(self.wo, c * qd),
+            self.bo.map(|o| w(o, c)),
+            n,
+            qd,
+            c,
+        );
+        for (a, xv) in ws.x2[..n * c].iter_mut().zip(x) {
+            *a += *xv;
+        }
+        ops::rmsnorm_fwd(
+            &mut ws.h2[..n * c],
+            &mut ws.rstd2[..n],
+            &ws.x2[..n * c],
+            w(self.ln2, c),
+            c,
+            self.eps,
+        );
+        ops::linear_fwd(
+            &mut ws.gate[..n * i],
+            &ws.h2[..n * c],
+            w(self.wg, i * c),
+            None,
+            n,
+            c,
+            i,
+        );
+        ops::linear_fwd(
+            &mut ws.up[..n * i],
+            &ws.h2[..n * c],
+            w(self.wu, i * c),
+            None,
+            n,
+            c,
+            i,
+        );
+        ops::swiglu_fwd(&mut ws.act[..n * i], &ws.gate[..n * i], &ws.up[..n * i]);
+    }
+
+    /// y[N, C] = block(x[N, C]) with this unit's params `p`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        y: &mut [f32],
+        ws: &mut Workspace,
+        rope: &Rope,
+        b: usize,
+        t: usize,
+    ) {
+        let (n, c, i) = (b * t, self.c, self.inter);
+        self.internals(p, x, ws, rope, b, t);
+        ops::linear_fwd(
+            &mut y[..n * c],
+            &ws.act[..n * i],
+            &p[self.wd..self.wd + c * i],
+            None,
+            n,
+            i,
+            c,
+        );
+        for (a, r) in y[..n * c].iter_mut().zip(&ws.x2[..n * c]) {
+            *a += *r;
+        }
+    }
+
+    /// Given the block's input `x` (the checkpoint) and dL/dy, accumulate the unit's gradients into
+    /// `g` and write dL/dx into `dx`. Recomputes the forward internals first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        x: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        ws: &mut Workspace,
+        rope: &Rope,
+        b: usize,
+        t: usize,
+    ) {
+        let (n, c, qd, kvd, i) = (b * t, self.c, self.qd(), self.kvd(), self.inter);
+        self.internals(p, x, ws, rope, b, t);
+        let w = |off: usize, len: usize| &p[off..off + len];
+        let ws = &mut *ws;
+        // MLP: y = x2 + act·Wdᵀ, act = silu(gate) ⊙ up
+        ops::linear_bwd(
+            &mut ws.d_i1[..n * i],
+            false,
+            &mut g[self.wd..self.wd + c * i],
+            None,
+            dy,
+            &ws.act[..n * i],
+            w(self.wd, c * i),
+            n,
+            i,
+            c,
+        );
+        ops::swiglu_bwd(
+            &mut ws.d_i2[..n * i],
+            &mut ws.d_i3[..n * i],
+            &ws.d_i1[..n * i],
+            &ws.gate[..n * i],
+            &ws.up[..n * i],
+        );
+        ops::linear_bwd(
+            &mut ws.d_c[..n * c],
+            false,
+            &mut g[self.wg..self.wg + i * c],
+            None,
+            &ws.d_i2[..n * i],
+            &ws.h2[..n * c],
+            w(self.wg, i * c),
+            n,
+            c,
+            i,
+        );
+        ops::linear_bwd(
+            &mut ws.d_c[..n * c],
+            true,
+            &mut g[self.wu..self.wu + i * c],
+            None,
+            &ws.d_i3[..n * i],
+            &ws.h2[..n * c],
+            w(self.wu, i * c),
+            n,
+            c,
+            i,
+        );
+        // dx2 = dy + rmsnorm_bwd(dh2)
+        ws.d_c2[..n * c].copy_from_slice(&dy[..n * c]);
+        ops::rmsnorm_bwd(
+            &mut ws.d_c2[..n * c],
+            true,
+            &mut g[self.ln2..self.ln2 + c],
+            &ws.d_c[..n * c],
+            &ws.x2[..n * c],
+            w(self.ln2, c),
+            &ws.rstd2[..n],
+            c,
+        );
+        // Attention: x2 = x + att·Woᵀ (+ bo)
+        {
+            let (gw, gb) = split_two(g, (self.wo, c * qd), self.bo.map(|o| (o, c)));
+            ops::linear_bwd(
+                &mut ws.d_att[..n * qd],
+                false,
+                gw,
+                gb,
+                &ws.d_c2[..n * c],
+                &ws.att[..n * qd],
+                w(self.wo, c * qd),
+                n,
+                qd,
+                c,
+            );
+        }
+        let shape = AttnShape {
+            b,
+            t,
+            nh: self.nh,
+            nkv: self.nkv,
+            hd: self.hd,
+        };
+        ops::attention_bwd(
+            &mut ws.dq[..n * qd],
+            &mut ws.dk[..n * kvd],
+            &mut ws.dv[..n * kvd],
+            &ws.d_att[..n * qd],
+            &ws.q[..n * qd],
+            &ws.k[..n * kvd],
+            &ws.v[..n * kvd],
+            &ws.att[..n * qd],
+            &ws.lse[..b * self.nh * t],
+            shape,
+        );
+        rope.apply(&mut ws.dq[..n * qd], t, self.nh, true);
+        rope.apply(&mut ws.dk[..n * kvd], t, self.nkv, true);
+        // dh1 = dq·Wq + dk·Wk + dv·Wv, with the weight and bias gradients.
+        for (first, (wo, wl), bias, d) in [
+            (
+                true,
+                (self.wq, qd * c),
+                self.bq.map(|o| (o, qd)),
+                &ws.dq[..n * qd],
+            ),
+            (
+                false,
+                (self.wk, kvd * c),
+                self.bk.map(|o| (o, kvd)),
+                &ws.dk[..n * kvd],
+            ),
+            (
+                false,
+                (self.wv, kvd * c),
+                self.bv.map(|o| (o, kvd)),
+                &ws.dv[..n * kvd],
+            ),
+        ] {
+            let dout = wl / c;
+            let (gw, gb) = split_two(g, (wo, wl), bias);
+            ops::linear_bwd(
+                &mut ws.d_c[..n * c],
+                !first,
+                gw,
+                gb,
+                d,
+                &ws.h1[..n * c],
+                w(wo, wl),
+                n,
+                c,
+                dout,
+            );
+        }
+        // dx = dx2 + rmsnorm_bwd(dh1)
+        dx[..n * c].copy_from_slice(&ws.d_c2[..n * c]);
+        ops::rmsnorm_bwd(
+            &mut dx[..n * c],
+            true,
+            &mut g[self.ln1..self.ln1 + c],
+            &ws.d_c[..n * c],
+            x,
+            w(self.ln1, c),
+            &ws.rstd1[..n],
+            c,
+        );
+    }
+}
+
+/// Two disjoint mutable ranges of `g` (a weight gradient and an optional bias gradient).
+fn split_two(
+    g: &mut [f32],
+    (wo, wl): (usize, usize),
+    bias: Option<(usize, usize)>,
+) -> (&mut [f32], Option<&mut [f32]>) {
+    match bias {
+        None => (&mut g[wo..wo + wl], None),
+        Some((bo, bl)) if bo >= wo + wl => {
+            let (a, b) = g.split_at_mut(bo);
+            (&mut a[wo..wo + wl], Some(&mut b[..bl]))
+        }
+        Some((bo, bl)) => {
+            let (a, b) = g.split_at_mut(wo);
+            (&mut b[..wl], Some(&mut a[bo..bo + bl]))
+        }
+    }
+}
+
+/// Final norm + LM head + loss. The LM head weight is this unit's `lm_head.weight`, or the
+/// embedding matrix when tied (the caller binds the right slice).
+#[derive(Debug, Clone)]
+pub struct Head {
+    c: usize,
+    vocab: usize,
+    eps: f32,
+    norm: usize,
+    /// Offset of `lm_head.weight` in the head unit; `None` when tied to the embedding.
+    pub lm_head: Option<usize>,
+}
+
+impl Head {
+    /// The template for the head unit of `cfg`.
+    pub fn new(cfg: &ModelConfig, unit: &UnitLayout) -> Result<Self> {
+        Ok(Head {
+            c: cfg.hidden_size,
+            vocab: cfg.vocab_size,
+            eps: cfg.rms_norm_eps as f32,
+            norm: offset(unit, "model.norm.weight")?,
+            lm_head: opt_offset(unit, "lm_head.weight", !cfg.tie_word_embeddings)?,
+        })
+    }
+
+    /// The final norm's weight inside the head unit's shard.
+    pub fn norm_range(&self) -> std::ops::Range<usize> {
+        self.norm..self.norm + self.c
+    }
+
+    /// Σ loss over the N rows of x_L, and the gradients: dx_L written, the norm weight's gradient
+    /// into `g_norm`, the LM head's into `g_w` (`grad_scale` = 1/tokens of the step).
+    #[allow(clippy::too_many_arguments)]
+    pub fn loss_backward(
+        &self,
+        norm_w: &[f32],
+        g_norm: &mut [f32],
+        w: &[f32],
+        g_w: &mut [f32],
+        x: &[f32],
+        targets: &[u32],
+        dx: &mut [f32],
+        grad_scale: f32,
+        ws: &mut Workspace,
+    ) -> f64 {
+        let (n, c, v) = (targets.len(), self.c, self.vocab);
+        ops::rmsnorm_fwd(
+            &mut ws.h1[..n * c],
+            &mut ws.rstd1[..n],
+            x,
+            norm_w,
+            c,
+            self.eps,
+        );
+        let loss = ops::lm_head_ce(
+            &mut ws.d_c[..n * c],
+            &mut g_w[..v * c],
+            &ws.h1[..n * c],
+            &w[..v * c],
+            targets,
+            n,
+            c,
+            v,
+            grad_scale,
+            &mut ws.ce,
+        );
+        ops::rmsnorm_bwd(
+            &mut dx[..n * c],
+            false,
+            g_norm,
+            &ws.d_c[..n * c],
+            x,
+            norm_w,
+            &ws.rstd1[..n],
+            c,
+        );
+        loss
+    }
+
+    /// Logits [N, V] of x_L (tests and evaluation; training never materialises them).
+    pub fn logits(&self, p_head: &[f32], w: &[f32], x: &[f32], n: usize, out: &mut [f32]) {
+        let c = self.c;
+        let mut h = vec![0.0; n * c];
+        let mut r = vec![0.0; n];
+        ops::rmsnorm_fwd(
+            &mut h,
+            &mut r,
+            x,
+            &p_head[self.norm..self.norm + c],
+            c,
+            self.eps,
+        );
+        ops::logits(out, &h, w, n, c, self.vocab);
+    }
+
+    /// Σ loss only (validation).
+    pub fn loss(&self, p_head: &[f32], w: &[f32], x: &[f32], targets: &[u32]) -> f64 {
+        let (n, v) = (targets.len(), self.vocab);
+        let mut out = vec![0.0; n * v];
+        self.logits(p_head, w, x, n, &mut out);
+        out.chunks(v)
+            .zip(targets)
+            .map(|(row, &tg)| {
+                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();
+                f64::from(mx + z.ln() - row[tg as usize])
+            })
+            .sum()
+    }
+}

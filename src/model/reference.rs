@@ -1,0 +1,189 @@
+//! One micro-batch's forward and backward with every unit resident in memory: the reference the
+//! streamed engine must reproduce bit for bit, and the path the goldens check.
+
+use super::config::ModelConfig;
+use super::layers::{DecoderBlock, Embedding, Head, Workspace};
+use super::ops::Rope;
+use crate::store::layout::StateLayout;
+use crate::{Error, Result};
+
+/// The templates of every unit of a model, plus its RoPE tables.
+#[derive(Debug, Clone)]
+pub struct Templates {
+    /// The model.
+    pub config: ModelConfig,
+    /// Unit 0.
+    pub embedding: Embedding,
+    /// Units 1..=L.
+    pub blocks: Vec<DecoderBlock>,
+    /// Unit L+1.
+    pub head: Head,
+    /// RoPE tables up to the sequence length.
+    pub rope: Rope,
+}
+
+impl Templates {
+    /// Templates for `layout`, for sequences of up to `max_t` tokens.
+    pub fn new(layout: &StateLayout, max_t: usize) -> Result<Self> {
+        let cfg = &layout.config;
+        if let Some(w) = cfg.sliding_window {
+            if max_t > w {
+                return Err(Error::bad_input(
+                    "sequence length",
+                    max_t.to_string(),
+                    format!("exceeds the model's sliding window ({w}); sliding-window attention is not implemented"),
+                    Some("use a sequence length ≤ the sliding window"),
+                ));
+            }
+        }
+        let l = cfg.num_layers;
+        Ok(Templates {
+            config: cfg.clone(),
+            embedding: Embedding::new(cfg),
+            blocks: (0..l)
+                .map(|i| DecoderBlock::new(cfg, &layout.units[1 + i]))
+                .collect::<Result<_>>()?,
+            head: Head::new(cfg, &layout.units[l + 1])?,
+            rope: Rope::new(cfg.head_dim, cfg.rope_theta, max_t),
+        })
+    }
+
+    /// Check token ids against the vocabulary.
+    pub fn check_tokens(&self, tokens: &[u32], what: &str) -> Result<()> {
+        if let Some(bad) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(Error::bad_input(
+                "token id",
+                bad.to_string(),
+                format!("in {what}: ≥ vocab size {}", self.config.vocab_size),
+                Some("tokenize with the model's tokenizer, or raise vocab_size"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Forward and backward of one micro-batch of `b` sequences of `t` tokens with every unit
+/// resident. `params[u]`/`grads[u]` are unit u's shards; gradients accumulate. Returns Σ loss over
+/// the micro-batch's tokens; `grad_scale` is 1/(tokens in the whole step).
+#[allow(clippy::too_many_arguments)]
+pub fn step_resident(
+    tm: &Templates,
+    params: &[&[f32]],
+    grads: &mut [&mut [f32]],
+    tokens: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+    grad_scale: f32,
+    ws: &mut Workspace,
+) -> Result<f64> {
+    let (n, c, l) = (b * t, tm.config.hidden_size, tm.blocks.len());
+    if tokens.len() != n || targets.len() != n {
+        return Err(Error::bad_input(
+            "batch",
+            format!("{b}×{t}"),
+            format!("got {} tokens and {} targets", tokens.len(), targets.len()),
+            None,
+        ));
+    }
+    tm.check_tokens(tokens, "inputs")?;
+    tm.check_tokens(targets, "targets")?;
+    // Layer-boundary checkpoints x_0..x_L.
+    let mut xs = vec![vec![0.0f32; n * c]; l + 1];
+    tm.embedding.forward(params[0], tokens, &mut xs[0]);
+    for (i, blk) in tm.blocks.iter().enumerate() {
+        let (done, rest) = xs.split_at_mut(i + 1);
+        blk.forward(params[1 + i], &done[i], &mut rest[0], ws, &tm.rope, b, t);
+    }
+    let mut dx = vec![0.0f32; n * c];
+    let mut dnext = vec![0.0f32; n * c];
+    let head_unit = l + 1;
+    let nr = tm.head.norm_range();
+    let p_head = params[head_unit];
+    let loss = match tm.head.lm_head {
+        Some(off) => {
+            // lm_head.weight follows the norm in the head unit's shard.
+            let v = tm.config.vocab_size;
+            let (g_lo, g_w) = grads[head_unit].split_at_mut(off);
+            tm.head.loss_backward(
+                &p_head[nr.clone()],
+                &mut g_lo[nr],
+                &p_head[off..off + v * c],
+                &mut g_w[..v * c],
+                &xs[l],
+                targets,
+                &mut dx,
+                grad_scale,
+                ws,
+            )
+        }
+        None => {
+            // Tied: the LM head is the embedding matrix (unit 0).
+            let (first, rest) = grads.split_at_mut(1);
+            let g_head = &mut *rest[head_unit - 1];
+            tm.head.loss_backward(
+                &p_head[nr.clone()],
+                &mut g_head[nr],
+                params[0],
+                first[0],
+                &xs[l],
+                targets,
+                &mut dx,
+                grad_scale,
+                ws,
+            )
+        }
+    };
+    for i in (0..l).rev() {
+        tm.blocks[i].backward(
+            params[1 + i],
+            grads[1 + i],
+            &xs[i],
+            &dx,
+            &mut dnext,
+            ws,
+            &tm.rope,
+            b,
+            t,
+        );
+        std::mem::swap(&mut dx, &mut dnext);
+    }
+    tm.embedding.backward(grads[0], tokens, &dx);
+    Ok(loss)
+}
+
+/// Logits [B·T, V] with every unit resident (tests and evaluation; training never builds them).
+pub fn forward_logits(
+    tm: &Templates,
+    params: &[&[f32]],
+    tokens: &[u32],
+    b: usize,
+    t: usize,
+    ws: &mut Workspace,
+) -> Result<Vec<f32>> {
+    let (n, c, l, v) = (
+        b * t,
+        tm.config.hidden_size,
+        tm.blocks.len(),
+        tm.config.vocab_size,
+    );
+    tm.check_tokens(tokens, "inputs")?;
+    let mut x = vec![0.0f32; n * c];
+    let mut y = vec![0.0f32; n * c];
+    tm.embedding.forward(params[0], tokens, &mut x);
+    for (i, blk) in tm.blocks.iter().enumerate() {
+        blk.forward(params[1 + i], &x, &mut y, ws, &tm.rope, b, t);
+        std::mem::swap(&mut x, &mut y);
+    }
+    let p_head = params[l + 1];
+    let w = match tm.head.lm_head {
+        Some(off) => &p_head[off..off + v * c],
+        None => &params[0][..v * c],
+    };
+    let mut out = vec![0.0f32; n * v];
+    tm.head.logits(p_head, w, &x, n, &mut out);
+    Ok(out)
+}

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Golden data for megatrain's Llama-family layers, from Hugging Face transformers (fp32, eager).
+
+For each small config writes tests/golden/model_{case}.safetensors with metadata
+  magic "megatrain-golden", version "1", config (the model's config.json as transformers writes
+  it), batch, seq, adamw (hyperparameters of the optimizer steps)
+and tensors (all float32; token ids are exact small integers):
+  param.{hf_name}   every parameter, randomized (norm weights around 1, biases non-zero)
+  tokens [B, T], targets [B, T]
+  logits [B, T, V], loss [1]   (mean cross-entropy over B·T)
+  grad.{hf_name}    d loss / d param
+  step_loss [S]     loss at each of S AdamW steps on the same batch (torch.optim.AdamW)
+  final.{hf_name}   parameters after the S steps
+Cases cover MHA, GQA, MQA, tied embeddings, Qwen2 q/k/v bias, Mistral, and sequence lengths that
+are not a multiple of the 64-token attention tile. Run:  python3 tools/golden_model.py
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+MAGIC, VERSION = "megatrain-golden", "1"
+STEPS = 3
+ADAMW = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
+
+BASE = dict(hidden_size=32, intermediate_size=88, num_hidden_layers=2, vocab_size=97,
+            rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+            hidden_act="silu", tie_word_embeddings=False)
+CASES = {
+    "mha": (dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4), 2, 37),
+    "gqa": (dict(model_type="llama", num_attention_heads=8, num_key_value_heads=2), 1, 70),
+    "mqa": (dict(model_type="llama", num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0), 2, 33),
+    "tied": (dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), 2, 65),
+    "qwen2": (dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                   use_sliding_window=False), 1, 50),
+    "mistral": (dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None), 2, 20),
+}
+
+
+def make(case, over, b, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    d = dict(BASE)
+    d.update(over)
+    model_type = d.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **d)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    model.eval()  # no dropout (there is none in these models anyway)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+    out = {}
+    names = [n for n, _ in model.named_parameters()]
+    for n, p in model.named_parameters():
+        out[f"param.{n}"] = p.detach().clone()
+    v = cfg.vocab_size
+    tokens = torch.randint(0, v, (b, t + 1), generator=g)
+    inp, tgt = tokens[:, :t], tokens[:, 1:]
+    out["tokens"], out["targets"] = inp.float(), tgt.float()
+    logits = model(input_ids=inp).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, v), tgt.reshape(-1))
+    loss.backward()
+    out["logits"], out["loss"] = logits.detach().clone(), loss.detach().reshape(1).clone()
+    for n, p in model.named_parameters():
+        out[f"grad.{n}"] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]),
+                            eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        l = F.cross_entropy(model(input_ids=inp).logits.float().reshape(-1, v), tgt.reshape(-1))
+        l.backward()
+        opt.step()
+        losses.append(l.item())
+    out["step_loss"] = torch.tensor(losses, dtype=torch.float32)
+    for n, p in model.named_parameters():
+        out[f"final.{n}"] = p.detach().clone()
+    meta = {"magic": MAGIC, "version": VERSION, "generator": "tools/golden_model.py",
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "config": model.config.to_json_string(), "batch": str(b), "seq": str(t),
+            "adamw": json.dumps(ADAMW), "params": json.dumps(names)}
+    return out, meta
+
+
+def main():
+    torch.set_num_threads(2)
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden")
+    os.makedirs(root, exist_ok=True)
+    for i, (case, (over, b, t)) in enumerate(CASES.items()):
+        out, meta = make(case, over, b, t, 100 + i)
+        path = os.path.join(root, f"model_{case}.safetensors")
+        save_file({k: v.contiguous() for k, v in out.items()}, path, metadata=meta)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
