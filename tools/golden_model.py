@@ -90,6 +90,15 @@ def make(case, over, b, t, seed):
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "config": model.config.to_json_string(), "batch": str(b), "seq": str(t),
             "adamw": json.dumps(ADAMW), "params": json.dumps(names)}
+    if case == "gqa":
+        # A real sharded HF checkpoint of the initial weights (restored from `out`), for the
+        # safetensors import tests.
+        hf_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", "hf_gqa")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(out[f"param.{n}"])
+        model.save_pretrained(hf_dir, max_shard_size="40KB", safe_serialization=True)
+        print(f"wrote {hf_dir}", file=sys.stderr)
     return out, meta
 
 

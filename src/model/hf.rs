@@ -1,0 +1,416 @@
+//! Hugging Face checkpoints in and out: safetensors (one file, or shards with
+//! `model.safetensors.index.json`) into the layer-major host store, and the store back out as
+//! `config.json` + sharded fp32 safetensors + index, which `transformers` loads unchanged.
+//!
+//! Files are memory-mapped; each tensor is copied once, straight into its unit's params shard
+//! (bf16/fp16 checkpoints are widened to fp32 on the way). No whole-model copy is made.
+
+use super::config::ModelConfig;
+use crate::store::layout::StateLayout;
+use crate::store::{HostStore, UnitGuard};
+use crate::{Error, Result};
+use safetensors::{Dtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Index file name of sharded checkpoints.
+pub const INDEX: &str = "model.safetensors.index.json";
+/// Single-file checkpoint name.
+pub const SINGLE: &str = "model.safetensors";
+
+/// The safetensors files of a checkpoint directory (or a single file path).
+pub fn checkpoint_files(path: &Path) -> Result<Vec<PathBuf>> {
+    if path.is_file() {
+        return Ok(vec![path.to_owned()]);
+    }
+    if !path.is_dir() {
+        return Err(Error::io(
+            "open checkpoint",
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+        ));
+    }
+    let index = path.join(INDEX);
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io("read", &index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            Error::bad_input(
+                "checkpoint index",
+                index.display().to_string(),
+                format!("not valid JSON: {e}"),
+                None,
+            )
+        })?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| {
+                Error::bad_input(
+                    "checkpoint index",
+                    index.display().to_string(),
+                    "has no `weight_map` object",
+                    None,
+                )
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_owned))
+            .collect();
+        files.sort();
+        files.dedup();
+        let files: Vec<PathBuf> = files.iter().map(|f| path.join(f)).collect();
+        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+            return Err(Error::bad_input(
+                "checkpoint",
+                path.display().to_string(),
+                format!(
+                    "the index names shard `{}`, which is missing",
+                    missing.display()
+                ),
+                Some("download or copy the complete checkpoint"),
+            ));
+        }
+        return Ok(files);
+    }
+    let single = path.join(SINGLE);
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    Err(Error::bad_input(
+        "checkpoint",
+        path.display().to_string(),
+        format!("contains neither {SINGLE} nor {INDEX}"),
+        Some("point at a Hugging Face model directory (config.json + safetensors)"),
+    ))
+}
+
+/// Read `config.json` of a checkpoint directory.
+pub fn load_config(dir: &Path) -> Result<ModelConfig> {
+    ModelConfig::from_file(&dir.join("config.json"))
+}
+
+fn widen(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> std::result::Result<(), String> {
+    match dtype {
+        Dtype::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Dtype::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+            }
+        }
+        Dtype::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not supported (F32, BF16 or F16)"
+            ))
+        }
+    }
+    Ok(())
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalize.
+            let mut e = 127 - 15 + 1;
+            let mut m = m;
+            while m & 0x400 == 0 {
+                m <<= 1;
+                e -= 1;
+            }
+            sign | (e << 23) | ((m & 0x3ff) << 13)
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// What a load did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Files read.
+    pub files: usize,
+    /// Tensors loaded.
+    pub tensors: usize,
+    /// Tensors skipped on purpose (RoPE buffers, a tied `lm_head.weight`).
+    pub skipped: Vec<String>,
+}
+
+/// Load an HF checkpoint into `store`'s params shards. Every parameter of the layout must be
+/// present with the right shape; unknown tensors are errors (a checkpoint for another config).
+pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
+    let layout = store.layout();
+    let files = checkpoint_files(path)?;
+    let mut guards: Vec<UnitGuard> = (0..store.num_units())
+        .map(|u| store.take(u))
+        .collect::<Result<_>>()?;
+    let mut seen: BTreeMap<&str, PathBuf> = BTreeMap::new();
+    let mut skipped = Vec::new();
+    for file in &files {
+        let shown = file.display().to_string();
+        let f = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
+        // SAFETY: the mapping is read-only and private to this function; a concurrent writer to
+        // the checkpoint file would change what we read but cannot break memory safety of the
+        // byte slice we copy from (it stays mapped until `map` drops).
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io("mmap", file, e))?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| {
+            Error::bad_input(
+                "safetensors file",
+                &shown,
+                format!("corrupt or truncated: {e}"),
+                Some("re-download or re-export the checkpoint"),
+            )
+        })?;
+        for (name, view) in st.iter() {
+            if name.ends_with("rotary_emb.inv_freq")
+                || (name == "lm_head.weight" && layout.config.tie_word_embeddings)
+            {
+                skipped.push(name.to_owned());
+                continue;
+            }
+            let (unit, spec) = layout.tensor(name).map_err(|_| {
+                Error::bad_input(
+                    "checkpoint tensor",
+                    name,
+                    format!(
+                        "in {shown} is not a parameter of this model ({} layers, config.json)",
+                        layout.config.num_layers
+                    ),
+                    Some("check that config.json belongs to these weights"),
+                )
+            })?;
+            if view.shape() != spec.shape.as_slice() {
+                return Err(Error::bad_input(
+                    "checkpoint tensor",
+                    name,
+                    format!(
+                        "in {shown} has shape {:?}, the model needs {:?}",
+                        view.shape(),
+                        spec.shape
+                    ),
+                    Some("check that config.json belongs to these weights"),
+                ));
+            }
+            let (key, _) = layout
+                .manifest
+                .get_key_value(name)
+                .ok_or_else(|| Error::bad_input("tensor", name, "not in manifest", None))?;
+            if let Some(prev) = seen.insert(key.as_str(), file.clone()) {
+                return Err(Error::bad_input(
+                    "checkpoint tensor",
+                    name,
+                    format!("appears in both {} and {shown}", prev.display()),
+                    None,
+                ));
+            }
+            let dst = &mut guards[unit].params()[spec.offset..spec.offset + spec.numel()];
+            widen(view.dtype(), view.data(), dst).map_err(|why| {
+                Error::bad_input(
+                    "checkpoint tensor",
+                    name,
+                    format!("in {shown}: {why}"),
+                    None,
+                )
+            })?;
+        }
+    }
+    if let Some(missing) = layout
+        .manifest
+        .keys()
+        .find(|k| !seen.contains_key(k.as_str()))
+    {
+        return Err(Error::bad_input(
+            "checkpoint",
+            path.display().to_string(),
+            format!(
+                "tensor `{missing}` is missing (searched {} file(s))",
+                files.len()
+            ),
+            Some("check that config.json belongs to these weights and the checkpoint is complete"),
+        ));
+    }
+    Ok(LoadReport {
+        files: files.len(),
+        tensors: seen.len(),
+        skipped,
+    })
+}
+
+/// A borrowed fp32 tensor for the safetensors writer.
+struct F32View<'a> {
+    shape: Vec<usize>,
+    data: &'a [f32],
+}
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        // SAFETY: f32 has no padding or invalid bit patterns as bytes; safetensors is
+        // little-endian, which the assertion in `export_store` guarantees we are.
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(self.data.as_ptr().cast::<u8>(), self.data.len() * 4)
+        })
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+/// Plan the shards: tensors in layout order, a new shard when the next tensor would pass
+/// `max_shard_bytes` (a tensor larger than the limit gets a shard of its own).
+fn plan_shards(layout: &StateLayout, max_shard_bytes: u64) -> Vec<Vec<(usize, usize)>> {
+    let mut shards: Vec<Vec<(usize, usize)>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (u, unit) in layout.units.iter().enumerate() {
+        for (i, t) in unit.tensors.iter().enumerate() {
+            let bytes = 4 * t.numel() as u64;
+            if size > 0 && size + bytes > max_shard_bytes {
+                shards.push(Vec::new());
+                size = 0;
+            }
+            shards.last_mut().map(|s| s.push((u, i)));
+            size += bytes;
+        }
+    }
+    shards
+}
+
+/// Write `store`'s params as an HF checkpoint in `out` (which must not exist, or be empty):
+/// `config.json`, `model-0000k-of-0000n.safetensors` (fp32), and the index. Written into a
+/// temporary directory beside `out`, fsynced, then renamed: a failure leaves nothing half-written.
+pub fn export_store(store: &HostStore, out: &Path, max_shard_bytes: u64) -> Result<()> {
+    assert!(
+        cfg!(target_endian = "little"),
+        "safetensors export assumes a little-endian host"
+    );
+    let layout = store.layout();
+    if out.exists() {
+        let empty = std::fs::read_dir(out)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
+        if !empty {
+            return Err(Error::bad_input(
+                "export directory",
+                out.display().to_string(),
+                "already exists and is not empty; refusing to overwrite",
+                Some("choose a new directory or remove the old export"),
+            ));
+        }
+        std::fs::remove_dir(out).map_err(|e| Error::io("remove empty directory", out, e))?;
+    }
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "export".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = write_export(store, layout, &tmp, max_shard_bytes).and_then(|()| {
+        std::fs::rename(&tmp, out).map_err(|e| Error::io("rename export into place", out, e))?;
+        // Make the rename durable.
+        if let Ok(d) = std::fs::File::open(parent) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_export(
+    store: &HostStore,
+    layout: &StateLayout,
+    dir: &Path,
+    max_shard_bytes: u64,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+    crate::util::write_atomic(
+        &dir.join("config.json"),
+        layout.config.to_hf_json().as_bytes(),
+    )?;
+    let shards = plan_shards(layout, max_shard_bytes);
+    let n = shards.len();
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    for (k, shard) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
+        let path = dir.join(&file);
+        // Hold the guards of the units this shard reads while it is written.
+        let mut guards: HashMap<usize, UnitGuard> = HashMap::new();
+        for &(u, _) in shard {
+            if let std::collections::hash_map::Entry::Vacant(e) = guards.entry(u) {
+                e.insert(store.take(u)?);
+            }
+        }
+        let mut views: Vec<(String, F32View<'_>)> = Vec::new();
+        let params: HashMap<usize, &[f32]> =
+            guards.iter_mut().map(|(u, g)| (*u, &*g.params())).collect();
+        for &(u, i) in shard {
+            let t = &layout.units[u].tensors[i];
+            weight_map.insert(t.name.clone(), file.clone());
+            total += 4 * t.numel() as u64;
+            views.push((
+                t.name.clone(),
+                F32View {
+                    shape: t.shape.clone(),
+                    data: &params[&u][t.offset..t.offset + t.numel()],
+                },
+            ));
+        }
+        let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+        safetensors::serialize_to_file(views, Some(meta), &path).map_err(|e| {
+            Error::io(
+                "write safetensors",
+                &path,
+                std::io::Error::other(e.to_string()),
+            )
+        })?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| Error::io("fsync", &path, e))?;
+    }
+    let index =
+        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    crate::util::write_atomic(
+        &dir.join(INDEX),
+        serde_json::to_string_pretty(&index)
+            .unwrap_or_default()
+            .as_bytes(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_widening() {
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+        assert!(f16_to_f32(0x7e00).is_nan());
+        assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
+    }
+}

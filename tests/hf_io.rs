@@ -1,0 +1,197 @@
+//! Hugging Face checkpoints: a real sharded checkpoint written by transformers loads into the
+//! store; export → import is bit-exact; broken checkpoints give errors naming tensor and file.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::Golden;
+use megatrain::model::hf;
+use megatrain::store::layout::{Mode, StateLayout};
+use megatrain::store::placement::{place, RamBudget};
+use megatrain::store::{HostStore, StoreOptions};
+use megatrain::topology::{probe, TopologySource};
+use std::path::{Path, PathBuf};
+
+fn hf_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/hf_gqa")
+}
+
+fn store_for(dir: &Path) -> HostStore {
+    let cfg = hf::load_config(dir).unwrap();
+    let layout = StateLayout::new(&cfg, Mode::Lean, false);
+    let m = probe(&TopologySource::Live).unwrap();
+    let p = place(&m, &layout, None, RamBudget::default()).unwrap();
+    HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
+}
+
+fn params(store: &HostStore) -> Vec<Vec<f32>> {
+    (0..store.num_units())
+        .map(|u| store.take(u).unwrap().params().to_vec())
+        .collect()
+}
+
+#[test]
+fn transformers_checkpoint_loads_exactly() {
+    let store = store_for(&hf_dir());
+    let r = hf::load_into_store(&hf_dir(), &store).unwrap();
+    assert_eq!(r.files, 4, "the golden checkpoint is sharded");
+    assert_eq!(r.tensors, store.layout().manifest.len());
+    let g = Golden::open("model_gqa.safetensors");
+    let p = params(&store);
+    for (name, loc) in &store.layout().manifest {
+        let t = &store.layout().units[loc.unit].tensors[loc.index];
+        let ours = &p[loc.unit][t.offset..t.offset + t.numel()];
+        let want = g.get(&format!("param.{name}"));
+        assert!(
+            ours.iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
+    let store = store_for(&hf_dir());
+    hf::load_into_store(&hf_dir(), &store).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("export");
+    hf::export_store(&store, &out, 20_000).unwrap();
+    let files = hf::checkpoint_files(&out).unwrap();
+    assert!(files.len() > 1, "small shard limit gives several shards");
+    let cfg = hf::load_config(&out).unwrap();
+    assert_eq!(&cfg, &store.layout().config);
+    let again = store_for(&out);
+    hf::load_into_store(&out, &again).unwrap();
+    assert_eq!(
+        params(&store)
+            .iter()
+            .map(|u| u.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>(),
+        params(&again)
+            .iter()
+            .map(|u| u.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    );
+    // A second export to the same place is refused and the first stays intact.
+    let e = hf::export_store(&store, &out, 20_000).unwrap_err();
+    assert!(e.to_string().contains("refusing to overwrite"), "{e}");
+    hf::load_into_store(&out, &again).unwrap();
+    // No temporary directories are left behind.
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+    // For tools/check_hf_export.py (transformers loads the export unchanged).
+    if let Some(keep) = std::env::var_os("MEGATRAIN_KEEP_EXPORT") {
+        hf::export_store(&store, Path::new(&keep), 20_000).unwrap();
+    }
+}
+
+/// Copy the golden checkpoint, let `edit` break it, and return the load error text.
+fn broken(edit: impl FnOnce(&Path)) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(hf_dir()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    edit(tmp.path());
+    let store = store_for(&hf_dir());
+    hf::load_into_store(tmp.path(), &store)
+        .unwrap_err()
+        .to_string()
+}
+
+fn shard_with(dir: &Path, name: &str) -> PathBuf {
+    let idx: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(hf::INDEX)).unwrap()).unwrap();
+    dir.join(idx["weight_map"][name].as_str().unwrap())
+}
+
+/// Rewrite the shard holding `name` with `f` applied to its tensor list.
+fn rewrite(
+    dir: &Path,
+    name: &str,
+    f: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let path = shard_with(dir, name);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut ts: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    f(&mut ts);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = ts
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+const Q: &str = "model.layers.1.self_attn.q_proj.weight";
+
+#[test]
+fn missing_tensor_is_named() {
+    let msg = broken(|d| rewrite(d, Q, |ts| ts.retain(|t| t.0 != Q)));
+    assert!(msg.contains(Q) && msg.contains("missing"), "{msg}");
+}
+
+#[test]
+fn wrong_shape_names_tensor_and_file() {
+    let msg = broken(|d| {
+        rewrite(d, Q, |ts| {
+            let t = ts.iter_mut().find(|t| t.0 == Q).unwrap();
+            t.2[0] /= 2;
+            t.3.truncate(t.3.len() / 2);
+        })
+    });
+    assert!(
+        msg.contains(Q) && msg.contains("shape") && msg.contains(".safetensors"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let msg = broken(|d| {
+        rewrite(d, Q, |ts| {
+            let t = ts.iter_mut().find(|t| t.0 == Q).unwrap();
+            t.1 = safetensors::Dtype::I32;
+        })
+    });
+    assert!(msg.contains(Q) && msg.contains("I32"), "{msg}");
+}
+
+#[test]
+fn truncated_and_corrupt_files_are_named() {
+    let msg = broken(|d| {
+        let p = shard_with(d, Q);
+        let b = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &b[..b.len() - 100]).unwrap();
+    });
+    assert!(
+        msg.contains("corrupt or truncated") && msg.contains(".safetensors"),
+        "{msg}"
+    );
+    let msg = broken(|d| {
+        std::fs::write(shard_with(d, Q), b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").unwrap()
+    });
+    assert!(msg.contains("corrupt or truncated"), "{msg}");
+    let msg = broken(|d| std::fs::remove_file(shard_with(d, Q)).unwrap());
+    assert!(
+        msg.contains("missing") && msg.contains(".safetensors"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn directory_without_weights_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = hf::checkpoint_files(tmp.path()).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+}
