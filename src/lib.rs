@@ -5,6 +5,8 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod bench;
+pub mod device;
+pub mod engine;
 pub mod error;
 pub mod host;
 pub mod model;

@@ -1,0 +1,260 @@
+//! The device abstraction, with CUDA's semantics: buffers from a bounded pool, FIFO streams,
+//! events that order work across streams, async copies from registered host memory, and the layer
+//! ops as kernels. [`cpu::CpuDevice`] implements it for real (one worker thread per stream); the
+//! CUDA device adds kernels and copies, not new control flow.
+
+pub mod cpu;
+
+use crate::Result;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// A device buffer (f32 elements), by id.
+pub type BufId = usize;
+
+/// The three streams of the pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum StreamKind {
+    /// Host → device copies (weights, checkpoints).
+    CopyIn = 0,
+    /// Kernels.
+    Compute = 1,
+    /// Device → host copies (gradients, checkpoints).
+    CopyOut = 2,
+}
+
+impl StreamKind {
+    /// All streams.
+    pub const ALL: [StreamKind; 3] = [StreamKind::CopyIn, StreamKind::Compute, StreamKind::CopyOut];
+
+    /// Name for traces.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamKind::CopyIn => "copy-in (htod)",
+            StreamKind::Compute => "compute",
+            StreamKind::CopyOut => "copy-out (dtoh)",
+        }
+    }
+}
+
+/// A one-shot event: recorded on one stream, waited on by others or by the host.
+#[derive(Debug, Clone, Default)]
+pub struct Event(Arc<(Mutex<bool>, Condvar)>);
+
+impl Event {
+    /// A new, unsignalled event.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Mark done and wake waiters.
+    pub fn signal(&self) {
+        let (m, cv) = &*self.0;
+        *m.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+
+    /// True once signalled.
+    pub fn query(&self) -> bool {
+        *self.0 .0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Block until signalled.
+    pub fn synchronize(&self) {
+        let (m, cv) = &*self.0;
+        let mut done = m.lock().unwrap_or_else(|e| e.into_inner());
+        while !*done {
+            done = cv.wait(done).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// A view of registered host memory that a copy reads or writes.
+///
+/// Like a pointer handed to `cudaMemcpyAsync`: whoever builds one promises the memory stays valid
+/// and untouched by anyone else until the copy's completion event fires.
+#[derive(Debug, Clone, Copy)]
+pub struct HostRef {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: a HostRef is only dereferenced by the stream that executes the copy, while its creator
+// keeps the memory alive and unaliased (the contract of `HostRef::new`).
+unsafe impl Send for HostRef {}
+
+impl HostRef {
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid, and not be accessed by anyone else, until every device
+    /// command using this view has completed (its stream's following event has fired).
+    pub unsafe fn new(ptr: *mut f32, len: usize) -> Self {
+        HostRef { ptr, len }
+    }
+
+    /// From a mutable slice.
+    ///
+    /// # Safety
+    /// As for [`HostRef::new`]: the slice's memory must outlive the copies, untouched meanwhile.
+    pub unsafe fn from_slice(s: &mut [f32]) -> Self {
+        HostRef {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// # Safety
+    /// See [`HostRef::new`].
+    pub(crate) unsafe fn slice<'a>(&self) -> &'a mut [f32] {
+        // SAFETY: forwarded contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A `(buffer, element offset)` inside device memory.
+pub type At = (BufId, usize);
+
+/// The layer ops, as data: what the compute stream runs. Buffers are device buffers; offsets
+/// are element offsets. Token ids and targets are host data shared with the device
+/// (`Arc<[u32]>`), like a kernel argument upload.
+#[derive(Debug, Clone)]
+pub enum Kernel {
+    /// x = E[tokens]; E at `w`.
+    EmbedFwd { w: At, tokens: Arc<[u32]>, x: BufId },
+    /// y = block(x) with the unit's weights at `w`.
+    BlockFwd {
+        layer: usize,
+        w: BufId,
+        x: BufId,
+        y: BufId,
+    },
+    /// Head loss + backward: norm weight at `head_w` (unit shard), LM weight at `lm_w`; grads to
+    /// `head_g` (unit shard) and `lm_g`; dx written; Σ loss added to `loss`.
+    HeadLossBwd {
+        head_w: BufId,
+        head_g: BufId,
+        lm_w: At,
+        lm_g: At,
+        x: BufId,
+        targets: Arc<[u32]>,
+        dx: BufId,
+        grad_scale: f32,
+        loss: Arc<Mutex<f64>>,
+    },
+    /// Block backward: grads accumulate into `g`; dx written.
+    BlockBwd {
+        layer: usize,
+        w: BufId,
+        g: BufId,
+        x: BufId,
+        dy: BufId,
+        dx: BufId,
+    },
+    /// dE[tokens] += dx.
+    EmbedBwd {
+        g: At,
+        tokens: Arc<[u32]>,
+        dx: BufId,
+    },
+    /// buf[..len] = 0.
+    Zero { buf: BufId, len: usize },
+}
+
+impl Kernel {
+    /// Name for traces.
+    pub fn name(&self) -> String {
+        match self {
+            Kernel::EmbedFwd { .. } => "embed_fwd".into(),
+            Kernel::BlockFwd { layer, .. } => format!("block{layer}_fwd"),
+            Kernel::HeadLossBwd { .. } => "head_loss_bwd".into(),
+            Kernel::BlockBwd { layer, .. } => format!("block{layer}_bwd"),
+            Kernel::EmbedBwd { .. } => "embed_bwd".into(),
+            Kernel::Zero { .. } => "zero".into(),
+        }
+    }
+}
+
+/// A command on a stream.
+#[derive(Debug)]
+pub enum Cmd {
+    /// Host → device: `src` into `dst` at element `offset`.
+    HtoD {
+        dst: BufId,
+        offset: usize,
+        src: HostRef,
+        label: String,
+    },
+    /// Device → host: `len` elements of `src` from `offset` into `dst` (`+=` if `accumulate`).
+    DtoH {
+        dst: HostRef,
+        src: BufId,
+        offset: usize,
+        accumulate: bool,
+        label: String,
+    },
+    /// A kernel.
+    Kernel(Kernel),
+    /// Signal the event when everything before it on this stream is done.
+    Record(Event),
+    /// Hold this stream until the event fires.
+    Wait(Event),
+}
+
+/// One executed command, for metrics and traces.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpRecord {
+    /// Stream.
+    pub stream: StreamKind,
+    /// What ran.
+    pub name: String,
+    /// Start, seconds since the device's epoch.
+    pub start: f64,
+    /// End, seconds since the device's epoch.
+    pub end: f64,
+    /// Bytes copied (copies only).
+    pub bytes: u64,
+}
+
+/// Device memory accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct MemStats {
+    /// Bytes allocated now.
+    pub in_use: u64,
+    /// High-water mark since creation (or the last reset).
+    pub peak: u64,
+    /// The pool's capacity.
+    pub capacity: u64,
+}
+
+/// A compute device.
+pub trait Device: Send + Sync + std::fmt::Debug {
+    /// Human-readable name.
+    fn name(&self) -> String;
+    /// Allocate `len` f32 elements from the bounded pool (fails like cudaMalloc past capacity).
+    fn alloc(&self, len: usize, label: &str) -> Result<BufId>;
+    /// Return a buffer to the pool.
+    fn free(&self, buf: BufId);
+    /// Enqueue a command on a stream (FIFO per stream).
+    fn submit(&self, stream: StreamKind, cmd: Cmd);
+    /// Block until every stream is idle.
+    fn synchronize(&self);
+    /// Memory accounting.
+    fn memory(&self) -> MemStats;
+    /// Reset the peak to the current use.
+    fn reset_peak(&self);
+    /// Executed commands since the last call (the device's timeline), emptied.
+    fn take_records(&self) -> Vec<OpRecord>;
+    /// The instant record times are relative to.
+    fn epoch(&self) -> Instant;
+    /// The first error a stream hit (an op on bad buffers, a kernel panic), if any.
+    fn take_error(&self) -> Option<String>;
+}

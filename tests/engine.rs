@@ -1,0 +1,331 @@
+//! The streaming engine on the CPU device: streamed steps equal the resident reference bit for
+//! bit, device memory is the planned working set whatever the depth, random per-op delays change
+//! nothing, and exact and lean modes agree.
+#![allow(clippy::unwrap_used)]
+
+use megatrain::device::cpu::{CpuDevice, CpuDeviceConfig};
+use megatrain::device::Device;
+use megatrain::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
+use megatrain::model::config::ModelConfig;
+use megatrain::model::layers::Workspace;
+use megatrain::model::reference::{step_resident, Templates};
+use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig};
+use megatrain::optim::{unit_segments, AdamPool};
+use megatrain::store::layout::{Mode, StateLayout};
+use megatrain::store::placement::{place, RamBudget};
+use megatrain::store::{HostStore, StoreOptions};
+use megatrain::topology::{probe, TopologySource};
+use std::sync::Arc;
+
+const B: usize = 2;
+const T: usize = 24;
+
+fn cfg(layers: usize, tied: bool) -> ModelConfig {
+    ModelConfig::from_json_str(
+        &format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
+            "num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,
+            "tie_word_embeddings":{tied}}}"#
+        ),
+        "t",
+    )
+    .unwrap()
+}
+
+fn rand(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+/// Random initial params per unit (norm weights near 1).
+fn init(layout: &StateLayout) -> Vec<Vec<f32>> {
+    layout
+        .units
+        .iter()
+        .enumerate()
+        .map(|(u, unit)| {
+            let mut p = rand(unit.numel, u as u64 + 1, 0.1);
+            for t in &unit.tensors {
+                if t.shape.len() == 1 {
+                    p[t.offset..t.offset + t.numel()]
+                        .iter_mut()
+                        .for_each(|x| *x += 1.0);
+                }
+            }
+            p
+        })
+        .collect()
+}
+
+fn batch(seed: u64, vocab: u32) -> MicroBatch {
+    let toks: Vec<u32> = rand(B * T + 1, seed, 1.0)
+        .iter()
+        .map(|x| ((x.abs() * 1000.0) as u32) % vocab)
+        .collect();
+    MicroBatch {
+        tokens: toks[..B * T].to_vec().into(),
+        targets: toks[1..].to_vec().into(),
+    }
+}
+
+struct Rig {
+    streamer: Streamer,
+    device: Arc<CpuDevice>,
+}
+
+fn rig(
+    c: &ModelConfig,
+    mode: Mode,
+    mbs: usize,
+    cp: Checkpoints,
+    clip: f64,
+    jitter: Option<(u64, u64)>,
+    params: &[Vec<f32>],
+) -> Rig {
+    let layout = StateLayout::new(c, mode, false);
+    let machine = probe(&TopologySource::Live).unwrap();
+    let placement = place(&machine, &layout, None, RamBudget::default()).unwrap();
+    let store = HostStore::allocate(layout.clone(), placement, &StoreOptions::default()).unwrap();
+    for (u, p) in params.iter().enumerate() {
+        store.take(u).unwrap().params().copy_from_slice(p);
+    }
+    let pool = AdamPool::for_placement(store.placement(), Some(2)).unwrap();
+    let tm = Arc::new(Templates::new(&layout, T).unwrap());
+    let device = Arc::new(
+        CpuDevice::new(
+            CpuDeviceConfig {
+                capacity_bytes: 64 << 20,
+                link: None,
+                jitter,
+                batch: B,
+                seq: T,
+            },
+            tm.clone(),
+        )
+        .unwrap(),
+    );
+    let streamer = Streamer::new(
+        device.clone(),
+        store,
+        pool,
+        tm,
+        StreamerConfig {
+            batch: B,
+            seq: T,
+            micro_batches: mbs,
+            checkpoints: cp,
+            adam: AdamWConfig {
+                weight_decay: 0.1,
+                ..Default::default()
+            },
+            grad_clip: clip,
+            decay_norms: true,
+        },
+    )
+    .unwrap();
+    Rig { streamer, device }
+}
+
+fn unit_params(s: &mut Streamer) -> Vec<Vec<f32>> {
+    s.finish().unwrap();
+    (0..s.store().num_units())
+        .map(|u| s.store().take(u).unwrap().params().to_vec())
+        .collect()
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|u| u.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+/// The resident reference: per micro-batch grads in zeroed buffers, summed on the host in order,
+/// global-norm clipping, then AdamW on every unit.
+fn reference(
+    c: &ModelConfig,
+    params: &[Vec<f32>],
+    batches: &[MicroBatch],
+    clip: f64,
+    lr: f64,
+) -> (f64, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let layout = StateLayout::new(c, Mode::Exact, false);
+    let tm = Templates::new(&layout, T).unwrap();
+    let mut ws = Workspace::new(c, B, T);
+    let total = (B * T * batches.len()) as f32;
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+    let mut loss = 0.0;
+    for (j, mb) in batches.iter().enumerate() {
+        let mut g1: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+        let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
+        let mut gr: Vec<&mut [f32]> = g1.iter_mut().map(|v| &mut v[..]).collect();
+        loss += step_resident(
+            &tm,
+            &refs,
+            &mut gr,
+            &mb.tokens,
+            &mb.targets,
+            B,
+            T,
+            1.0 / total,
+            &mut ws,
+        )
+        .unwrap();
+        for (a, b) in grads.iter_mut().zip(&g1) {
+            if j == 0 {
+                a.copy_from_slice(b);
+            } else {
+                a.iter_mut().zip(b).for_each(|(x, y)| *x += *y);
+            }
+        }
+    }
+    let norm: f64 = grads.iter().map(|g| adamw::sumsq(g)).sum::<f64>().sqrt();
+    let coef = if clip > 0.0 {
+        (clip / (norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    };
+    let cfg = AdamWConfig {
+        lr,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut p = params.to_vec();
+    for u in 0..p.len() {
+        let (mut m, mut v) = (vec![0.0; p[u].len()], vec![0.0; p[u].len()]);
+        for seg in unit_segments(&layout, u, &cfg, 1, coef as f32, true) {
+            let r = seg.start..seg.end;
+            adamw::step(
+                AdamSlices {
+                    p: &mut p[u][r.clone()],
+                    g: &grads[u][r.clone()],
+                    m: &mut m[r.clone()],
+                    v: &mut v[r],
+                    shadow: None,
+                },
+                &seg.scalars,
+            );
+        }
+    }
+    (loss / total as f64, grads, p)
+}
+
+#[test]
+fn streamed_step_is_bit_identical_to_resident() {
+    for (tied, cp, mbs, clip) in [
+        (false, Checkpoints::Host, 1, 0.0),
+        (true, Checkpoints::Host, 2, 0.5),
+        (false, Checkpoints::Device, 2, 0.0),
+        (true, Checkpoints::Device, 1, 1e-3),
+    ] {
+        let c = cfg(3, tied);
+        let params = init(&StateLayout::new(&c, Mode::Exact, false));
+        let batches: Vec<MicroBatch> = (0..mbs).map(|j| batch(10 + j as u64, 61)).collect();
+        let (loss, grads, after) = reference(&c, &params, &batches, clip, 1e-3);
+        let mut r = rig(&c, Mode::Exact, mbs, cp, clip, None, &params);
+        let m = r.streamer.step(&batches, 1e-3).unwrap();
+        assert_eq!(m.loss.to_bits(), loss.to_bits(), "{tied} {cp:?}: loss");
+        let got_grads: Vec<Vec<f32>> = {
+            r.streamer.finish().unwrap();
+            (0..r.streamer.store().num_units())
+                .map(|u| {
+                    r.streamer
+                        .store()
+                        .take(u)
+                        .unwrap()
+                        .grads()
+                        .unwrap()
+                        .to_vec()
+                })
+                .collect()
+        };
+        assert_eq!(bits(&got_grads), bits(&grads), "{tied} {cp:?}: grads");
+        assert_eq!(
+            bits(&unit_params(&mut r.streamer)),
+            bits(&after),
+            "{tied} {cp:?}: params after AdamW"
+        );
+        assert!(m.clip_coef <= 1.0 && m.grad_norm > 0.0);
+    }
+}
+
+#[test]
+fn device_peak_is_the_planned_working_set_for_any_depth() {
+    let mut peaks = Vec::new();
+    for layers in [2, 32] {
+        let c = cfg(layers, false);
+        let params = init(&StateLayout::new(&c, Mode::Exact, false));
+        let mut r = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+        let planned: u64 = r.device.memory().in_use;
+        let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
+        assert_eq!(
+            m.device_peak_bytes, planned,
+            "{layers} layers: peak equals the allocation made up front"
+        );
+        peaks.push(m.device_peak_bytes);
+    }
+    assert_eq!(peaks[0], peaks[1], "device memory must not grow with depth");
+}
+
+#[test]
+fn random_delays_on_every_stream_change_no_bits() {
+    let c = cfg(3, true);
+    let params = init(&StateLayout::new(&c, Mode::Exact, false));
+    let batches: Vec<Vec<MicroBatch>> = (0..3)
+        .map(|s| vec![batch(100 + s, 61), batch(200 + s, 61)])
+        .collect();
+    let run = |jitter: Option<(u64, u64)>| {
+        let mut r = rig(&c, Mode::Exact, 2, Checkpoints::Host, 1.0, jitter, &params);
+        let losses: Vec<u64> = batches
+            .iter()
+            .map(|b| r.streamer.step(b, 1e-3).unwrap().loss.to_bits())
+            .collect();
+        (losses, bits(&unit_params(&mut r.streamer)))
+    };
+    let want = run(None);
+    for seed in 1..=12 {
+        assert_eq!(run(Some((seed, 300))), want, "jitter seed {seed}");
+    }
+}
+
+#[test]
+fn exact_and_lean_agree_without_clipping() {
+    let c = cfg(2, false);
+    let params = init(&StateLayout::new(&c, Mode::Exact, false));
+    let b = vec![batch(7, 61)];
+    let mut ex = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+    let mut le = rig(&c, Mode::Lean, 1, Checkpoints::Host, 0.0, None, &params);
+    for _ in 0..3 {
+        let a = ex.streamer.step(&b, 1e-3).unwrap();
+        let l = le.streamer.step(&b, 1e-3).unwrap();
+        assert_eq!(a.loss.to_bits(), l.loss.to_bits());
+        assert!((a.grad_norm - l.grad_norm).abs() <= 1e-9 * a.grad_norm);
+    }
+    assert_eq!(
+        bits(&unit_params(&mut ex.streamer)),
+        bits(&unit_params(&mut le.streamer))
+    );
+}
+
+#[test]
+fn lean_mode_refuses_gradient_accumulation_and_bad_batches_are_named() {
+    let c = cfg(2, false);
+    let layout = StateLayout::new(&c, Mode::Lean, false);
+    let params = init(&layout);
+    let r =
+        std::panic::catch_unwind(|| rig(&c, Mode::Lean, 2, Checkpoints::Host, 0.0, None, &params));
+    assert!(r.is_err(), "lean + grad accumulation must be refused");
+    let mut ok = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+    let mut bad = batch(1, 61);
+    let mut t = bad.tokens.to_vec();
+    t[3] = 999;
+    bad.tokens = t.into();
+    let e = ok.streamer.step(&[bad], 1e-3).unwrap_err().to_string();
+    assert!(e.contains("999") && e.contains("vocab"), "{e}");
+}
