@@ -29,6 +29,35 @@ enum Command {
 enum BenchCommand {
     /// CPU AdamW (the real store and worker pool) vs a STREAM triad on the same node and threads.
     Adam(BenchAdamArgs),
+    /// The streaming pipeline on the CPU device with an emulated link: step time vs the serial sum
+    /// and the ideal max(compute, transfer, AdamW), for link-, compute- and AdamW-bound cases.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchEngineArgs {
+    /// Measured steps per configuration (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Write each configuration's timeline (Chrome trace JSON, opens in Perfetto) into this directory.
+    #[arg(long, value_name = "DIR")]
+    trace_dir: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_engine(args: &BenchEngineArgs) -> Result<()> {
+    let machine = topology::probe(&TopologySource::Live)?;
+    let cases =
+        megatrain::bench::engine::run(&machine, args.steps.max(1), args.trace_dir.as_deref())?;
+    let text = if args.json {
+        serde_json::to_string_pretty(&cases).unwrap_or_default()
+    } else {
+        megatrain::bench::engine::render(&cases)
+    };
+    println!("{}", text.trim_end());
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -149,6 +178,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Probe(args) => probe(args),
         Command::Bench(BenchCommand::Adam(args)) => bench_adam(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

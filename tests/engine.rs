@@ -329,3 +329,51 @@ fn lean_mode_refuses_gradient_accumulation_and_bad_batches_are_named() {
     let e = ok.streamer.step(&[bad], 1e-3).unwrap_err().to_string();
     assert!(e.contains("999") && e.contains("vocab"), "{e}");
 }
+
+#[test]
+fn metrics_count_the_bytes_and_the_trace_has_every_track() {
+    let c = cfg(3, false);
+    let layout = StateLayout::new(&c, Mode::Exact, false);
+    let params = init(&layout);
+    let mut r = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+    let m1 = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
+    let m2 = r.streamer.step(&[batch(2, 61)], 1e-3).unwrap();
+    r.streamer.finish().unwrap();
+    // Weights: every unit in the forward, all but the resident last block again in the backward
+    // (the head once: loss and backward are one kernel). Checkpoints x0..x(L-2) come back in.
+    let unit_bytes: Vec<u64> = layout.units.iter().map(|u| 4 * u.numel as u64).collect();
+    let l = c.num_layers;
+    let act = 4 * (B * T * c.hidden_size) as u64;
+    let weights_in: u64 = unit_bytes.iter().sum::<u64>() + unit_bytes[1..l].iter().sum::<u64>();
+    assert_eq!(m1.htod_bytes, weights_in + (l as u64 - 1) * act);
+    // Out: every unit's gradients once, checkpoints x0..x(L-1).
+    assert_eq!(
+        m1.dtoh_bytes,
+        unit_bytes.iter().sum::<u64>() + l as u64 * act
+    );
+    assert_eq!(m2.htod_bytes, m1.htod_bytes);
+    assert!(m2.compute_s > 0.0 && m2.wall_s > 0.0);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.json");
+    r.streamer.timeline().write_chrome(&path).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let tracks: Vec<String> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .map(|e| e["args"]["name"].as_str().unwrap().to_owned())
+        .collect();
+    for want in [
+        "compute",
+        "copy-in (htod)",
+        "copy-out (dtoh)",
+        "adamw node 0",
+    ] {
+        assert!(
+            tracks.iter().any(|t| t == want),
+            "track {want} missing from {tracks:?}"
+        );
+    }
+}

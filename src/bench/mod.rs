@@ -2,6 +2,7 @@
 //! same run.
 
 pub mod adam;
+pub mod engine;
 
 /// Parse a count with an optional K/M/G suffix (powers of 1000): "64M" → 64 000 000.
 pub fn parse_count(s: &str) -> Result<usize, String> {

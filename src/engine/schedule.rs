@@ -188,6 +188,8 @@ impl Builder {
     /// Weight slot holding `unit`, copying it in unless already resident.
     fn weights(&mut self, unit: usize, keep: Option<DevBuf>) -> DevBuf {
         if let Some(s) = self.w_content.iter().position(|c| *c == Some(unit)) {
+            // The next copy goes to the other slot: the one this unit's user is not about to read.
+            self.next_w = 1 - s;
             return DevBuf::W(s);
         }
         let mut s = self.next_w;

@@ -72,8 +72,12 @@ pub struct StepMetrics {
     pub htod_s: f64,
     /// Σ device→host copy time, seconds.
     pub dtoh_s: f64,
-    /// Σ AdamW job time of the jobs completed during this step, seconds.
+    /// Time the AdamW pools were busy with jobs that completed during this step (the union of the
+    /// jobs' submit→done intervals: jobs queue on the same workers), seconds.
     pub optimizer_s: f64,
+    /// Σ host→device copy time before the loss (the forward's weight stream), seconds. Gradients
+    /// only flow after it, so `htod_before_loss_s + dtoh_s` bounds a link-bound step from below.
+    pub htod_before_loss_s: f64,
     /// Time the host thread spent blocked on the device or on AdamW, seconds.
     pub host_wait_s: f64,
     /// Bytes host→device.
@@ -107,7 +111,7 @@ pub struct Streamer {
     step: u64,
     prev_norm: Option<f64>,
     timeline: Timeline,
-    optimizer_s: f64,
+    adam_spans: Vec<(f64, f64)>,
     lean_sumsq: f64,
 }
 
@@ -197,7 +201,7 @@ impl Streamer {
             step: 0,
             prev_norm: None,
             timeline,
-            optimizer_s: 0.0,
+            adam_spans: Vec::new(),
             lean_sumsq: 0.0,
         })
     }
@@ -229,7 +233,8 @@ impl Streamer {
         let t0 = Instant::now();
         let done = p.job.wait()?;
         let waited = t0.elapsed().as_secs_f64();
-        self.optimizer_s += done.elapsed.as_secs_f64();
+        self.adam_spans
+            .push((p.submitted, p.submitted + done.elapsed.as_secs_f64()));
         self.timeline.push(Span {
             track: format!(
                 "adamw node {}",
@@ -308,7 +313,6 @@ impl Streamer {
         let mut coef = 1.0f64;
         let mut host_wait = 0.0f64;
         let mut adam_steps: HashMap<usize, usize> = HashMap::new();
-        self.optimizer_s = 0.0;
         let lean = self.store.layout().mode == Mode::Lean;
         if lean {
             // Lean clipping uses the previous step's global norm (stale by one step).
@@ -493,11 +497,20 @@ impl Streamer {
             clip_coef: coef,
             lr,
             tokens: total_tokens as u64,
-            optimizer_s: self.optimizer_s,
+            optimizer_s: union_length(std::mem::take(&mut self.adam_spans)),
             host_wait_s: host_wait,
             device_peak_bytes: self.device.memory().peak,
             ..StepMetrics::default()
         };
+        let loss_start = records
+            .iter()
+            .find(|r| r.name == "head_loss_bwd")
+            .map_or(f64::INFINITY, |r| r.start);
+        m.htod_before_loss_s = records
+            .iter()
+            .filter(|r| r.stream == StreamKind::CopyIn && r.start < loss_start)
+            .map(|r| r.end - r.start)
+            .sum();
         for r in &records {
             let d = r.end - r.start;
             match r.stream {
@@ -685,6 +698,24 @@ impl Streamer {
             },
         }
     }
+}
+
+/// Total length covered by a set of intervals.
+fn union_length(mut v: Vec<(f64, f64)>) -> f64 {
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut cur: Option<(f64, f64)> = None;
+    for (a, b) in v {
+        cur = match cur {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + cur.map_or(0.0, |(s, e)| e - s)
 }
 
 impl Drop for Streamer {
