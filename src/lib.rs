@@ -13,6 +13,7 @@ pub mod model;
 pub mod optim;
 pub mod store;
 pub mod topology;
+pub mod train;
 pub mod util;
 
 pub use error::{Error, Result};

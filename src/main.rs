@@ -23,6 +23,371 @@ enum Command {
     /// Measure a component next to the physical limit measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Train a model (every key of CONFIG.toml is also a flag; flags win).
+    Train(Box<TrainArgs>),
+    /// Write a training checkpoint as a Hugging Face model (config.json + safetensors).
+    Export(ExportArgs),
+}
+
+#[derive(Debug, Args)]
+struct ExportArgs {
+    /// A checkpoint directory (`.../step-00000100`) or a checkpoint root (the newest is used).
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    /// Output directory (must not exist or be empty).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Args)]
+struct TrainArgs {
+    /// TOML file with any of the settings below (keys use `_`).
+    config: Option<PathBuf>,
+    /// Train the embedded default: a 3M-parameter byte-level Llama on this repository's own docs
+    /// and source, through the full streaming pipeline, about 3 minutes on 2 cores.
+    #[arg(long)]
+    demo: bool,
+    /// Where the demo writes its outputs.
+    #[arg(long, value_name = "DIR", default_value = "out")]
+    demo_dir: PathBuf,
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
+    #[arg(long, value_name = "CONFIG.json")]
+    model: Option<PathBuf>,
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    data_dtype: Option<megatrain::train::config::DataDtype>,
+    #[arg(long, value_name = "FILE")]
+    val_data: Option<PathBuf>,
+    #[arg(long)]
+    seq_len: Option<usize>,
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    #[arg(long)]
+    steps: Option<u64>,
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    beta1: Option<f64>,
+    #[arg(long)]
+    beta2: Option<f64>,
+    #[arg(long)]
+    eps: Option<f64>,
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    #[arg(long)]
+    decay_norms: Option<bool>,
+    /// Global-norm clipping (0 disables).
+    #[arg(long)]
+    grad_clip: Option<f64>,
+    #[arg(long, value_enum)]
+    lr_schedule: Option<megatrain::train::config::LrSchedule>,
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    shuffle: bool,
+    #[arg(long, value_name = "FILE.jsonl")]
+    metrics: Option<PathBuf>,
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    #[arg(long)]
+    keep_checkpoints: Option<usize>,
+    #[arg(long)]
+    resume: bool,
+    #[arg(long, value_name = "DIR")]
+    export_hf: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    device: Option<megatrain::train::config::DeviceKind>,
+    #[arg(long)]
+    device_memory: Option<u64>,
+    #[arg(long, value_enum)]
+    precision: Option<megatrain::train::config::Precision>,
+    #[arg(long, value_enum)]
+    mode: Option<megatrain::store::layout::Mode>,
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    #[arg(long)]
+    val_every: Option<u64>,
+    #[arg(long)]
+    val_batches: Option<usize>,
+}
+
+impl TrainArgs {
+    /// Flags over the file's values.
+    fn merge(
+        &self,
+        mut c: megatrain::train::config::TrainConfig,
+    ) -> megatrain::train::config::TrainConfig {
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone().into(); } )* };
+        }
+        set!(
+            init_from,
+            model,
+            data,
+            val_data,
+            metrics,
+            checkpoint_dir,
+            export_hf,
+            trace
+        );
+        macro_rules! setv {
+            ($($f:ident),*) => { $( if let Some(v) = self.$f { c.$f = v; } )* };
+        }
+        setv!(
+            data_dtype,
+            seq_len,
+            batch_size,
+            grad_accum,
+            steps,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            decay_norms,
+            grad_clip,
+            lr_schedule,
+            warmup_steps,
+            seed,
+            checkpoint_every,
+            keep_checkpoints,
+            device,
+            device_memory,
+            precision,
+            mode,
+            val_every,
+            val_batches
+        );
+        c.shuffle |= self.shuffle;
+        c.resume |= self.resume;
+        c
+    }
+}
+
+struct Reporter {
+    bar: Option<indicatif::ProgressBar>,
+    total: u64,
+    last_plain: std::time::Instant,
+}
+
+impl megatrain::train::Progress for Reporter {
+    fn start(&mut self, first: u64, total: u64, params: usize) {
+        self.total = total;
+        eprintln!("training {params} parameters, steps {first}..={total}");
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_position(first.saturating_sub(1));
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}")
+            {
+                bar.set_style(style);
+            }
+            self.bar = Some(bar);
+        }
+    }
+    fn step(&mut self, m: &megatrain::engine::StepMetrics, val: Option<f64>) {
+        let msg = format!(
+            "loss {:.4}{} · {:.0} tok/s · lr {:.2e}",
+            m.loss,
+            val.map_or(String::new(), |v| format!(" (val {v:.4})")),
+            m.tokens as f64 / m.wall_s,
+            m.lr
+        );
+        match &self.bar {
+            Some(b) => {
+                b.set_position(m.step);
+                b.set_message(msg);
+            }
+            None => {
+                if m.step == 1
+                    || m.step == self.total
+                    || val.is_some()
+                    || self.last_plain.elapsed().as_secs() >= 5
+                {
+                    eprintln!("step {}/{} {msg}", m.step, self.total);
+                    self.last_plain = std::time::Instant::now();
+                }
+            }
+        }
+    }
+    fn checkpoint(&mut self, d: &std::path::Path) {
+        let line = format!("checkpoint {}", d.display());
+        match &self.bar {
+            Some(b) => b.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+    fn note(&mut self, line: &str) {
+        eprintln!("{line}");
+    }
+}
+
+/// Prepare the embedded default job under `dir` and return its configuration.
+fn demo_config(dir: &std::path::Path) -> Result<megatrain::train::config::TrainConfig> {
+    use megatrain::train::config::{LrSchedule, TrainConfig};
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let run = dir.join(format!("demo-{stamp}"));
+    let data = run.join("data");
+    std::fs::create_dir_all(&data)
+        .map_err(|e| megatrain::Error::io("create directory", &data, e))?;
+    let bytes = megatrain::train::corpus::bytes();
+    let split = bytes.len() * 95 / 100;
+    let tokens = |b: &[u8]| {
+        b.iter()
+            .flat_map(|&x| u16::from(x).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    megatrain::util::write_atomic(&data.join("train.bin"), &tokens(&bytes[..split]))?;
+    megatrain::util::write_atomic(&data.join("val.bin"), &tokens(&bytes[split..]))?;
+    megatrain::util::write_atomic(
+        &run.join("model.json"),
+        megatrain::train::corpus::MODEL_JSON.as_bytes(),
+    )?;
+    eprintln!(
+        "demo: {} bytes of this repository's docs and source as byte tokens ({} train / {} validation) in {}",
+        bytes.len(),
+        split,
+        bytes.len() - split,
+        run.display()
+    );
+    Ok(TrainConfig {
+        model: Some(run.join("model.json")),
+        data: Some(data.join("train.bin")),
+        val_data: Some(data.join("val.bin")),
+        seq_len: 128,
+        batch_size: 8,
+        steps: 300,
+        lr: 2e-3,
+        lr_schedule: LrSchedule::Cosine,
+        warmup_steps: 20,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        shuffle: true,
+        metrics: Some(run.join("metrics.jsonl")),
+        checkpoint_dir: Some(run.join("checkpoints")),
+        checkpoint_every: 100,
+        export_hf: Some(run.join("hf")),
+        val_every: 50,
+        val_batches: 4,
+        ..TrainConfig::default()
+    })
+}
+
+fn train(args: &TrainArgs) -> Result<()> {
+    let base = match (&args.config, args.demo) {
+        (Some(p), _) => megatrain::train::config::TrainConfig::from_toml_file(p)?,
+        (None, true) => demo_config(&args.demo_dir)?,
+        (None, false) => megatrain::train::config::TrainConfig::default(),
+    };
+    let cfg = args.merge(base);
+    cfg.validate()?;
+    eprint!("{}", cfg.table());
+    let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = interrupt.clone();
+    let _ = ctrlc::set_handler(move || {
+        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // A second Ctrl-C: stop now (the last checkpoint on disk is intact).
+            std::process::exit(130);
+        }
+        eprintln!(
+            "\ninterrupt: finishing this step and writing a checkpoint (Ctrl-C again to stop now)"
+        );
+    });
+    let mut rep = Reporter {
+        bar: None,
+        total: 0,
+        last_plain: std::time::Instant::now(),
+    };
+    let s = megatrain::train::run(&cfg, interrupt, &mut rep)?;
+    if let Some(b) = &rep.bar {
+        b.finish();
+    }
+    eprintln!(
+        "\ndone: {} steps, loss {} → {}{}, {:.0} tokens/s",
+        s.steps,
+        s.first_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        s.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        s.val_loss
+            .map_or(String::new(), |v| format!(" (validation {v:.4})")),
+        s.tokens_per_s
+    );
+    for (what, p) in [
+        ("checkpoint", &s.checkpoint),
+        ("HF export", &s.export),
+        ("metrics", &s.metrics),
+        ("loss curve", &s.plot),
+        ("trace", &s.trace),
+    ] {
+        if let Some(p) = p {
+            eprintln!("  {what:<11} {}", p.display());
+        }
+    }
+    if s.interrupted {
+        return Err(megatrain::Error::bad_input(
+            "training",
+            "interrupted",
+            "stopped by Ctrl-C after writing a checkpoint",
+            Some("continue with --resume"),
+        ));
+    }
+    Ok(())
+}
+
+fn export(args: &ExportArgs) -> Result<()> {
+    use megatrain::train::checkpoint;
+    let dir = if args.checkpoint.join("MANIFEST.json").exists() {
+        args.checkpoint.clone()
+    } else {
+        checkpoint::latest(&args.checkpoint)?.ok_or_else(|| {
+            megatrain::Error::bad_input(
+                "checkpoint",
+                args.checkpoint.display().to_string(),
+                "contains no checkpoint",
+                None,
+            )
+        })?
+    };
+    let state: checkpoint::TrainState = serde_json::from_slice(
+        &std::fs::read(dir.join("state.json"))
+            .map_err(|e| megatrain::Error::io("read", dir.join("state.json"), e))?,
+    )
+    .map_err(|e| {
+        megatrain::Error::bad_input(
+            "checkpoint",
+            dir.display().to_string(),
+            format!("state.json: {e}"),
+            None,
+        )
+    })?;
+    let layout = megatrain::store::layout::StateLayout::new(
+        &state.model,
+        megatrain::store::layout::Mode::Lean,
+        false,
+    );
+    let machine = topology::probe(&TopologySource::Live)?;
+    let placement =
+        megatrain::store::placement::place(&machine, &layout, None, Default::default())?;
+    let store = megatrain::store::HostStore::allocate(layout, placement, &Default::default())?;
+    checkpoint::load(&dir, &store)?;
+    megatrain::model::hf::export_store(&store, &args.out, 2 << 30)?;
+    eprintln!(
+        "exported {} (step {}) to {}",
+        dir.display(),
+        state.step,
+        args.out.display()
+    );
+    Ok(())
 }
 
 #[derive(Debug, Subcommand)]
@@ -179,6 +544,8 @@ fn main() -> ExitCode {
         Command::Probe(args) => probe(args),
         Command::Bench(BenchCommand::Adam(args)) => bench_adam(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Train(args) => train(args),
+        Command::Export(args) => export(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -206,6 +206,18 @@ impl Streamer {
         })
     }
 
+    /// Continue a resumed run: the next step is `steps_done + 1` (AdamW's bias correction counts
+    /// from it), and lean clipping uses `prev_norm`.
+    pub fn resume_at(&mut self, steps_done: u64, prev_norm: Option<f64>) {
+        self.step = steps_done;
+        self.prev_norm = prev_norm;
+    }
+
+    /// Last global gradient norm.
+    pub fn prev_norm(&self) -> Option<f64> {
+        self.prev_norm
+    }
+
     /// The plan being run.
     pub fn plan(&self) -> &Plan {
         &self.plan

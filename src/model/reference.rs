@@ -187,3 +187,45 @@ pub fn forward_logits(
     tm.head.logits(p_head, w, &x, n, &mut out);
     Ok(out)
 }
+
+/// Σ loss of a batch with every unit resident, without materialising more than 256 rows of logits
+/// (validation).
+pub fn eval_loss(
+    tm: &Templates,
+    params: &[&[f32]],
+    tokens: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+    ws: &mut Workspace,
+) -> Result<f64> {
+    let (n, c, l, v) = (
+        b * t,
+        tm.config.hidden_size,
+        tm.blocks.len(),
+        tm.config.vocab_size,
+    );
+    tm.check_tokens(tokens, "inputs")?;
+    tm.check_tokens(targets, "targets")?;
+    let mut x = vec![0.0f32; n * c];
+    let mut y = vec![0.0f32; n * c];
+    tm.embedding.forward(params[0], tokens, &mut x);
+    for (i, blk) in tm.blocks.iter().enumerate() {
+        blk.forward(params[1 + i], &x, &mut y, ws, &tm.rope, b, t);
+        std::mem::swap(&mut x, &mut y);
+    }
+    let p_head = params[l + 1];
+    let w = match tm.head.lm_head {
+        Some(off) => &p_head[off..off + v * c],
+        None => &params[0][..v * c],
+    };
+    let rows = super::ops::CE_CHUNK_ROWS;
+    let mut total = 0.0;
+    for r0 in (0..n).step_by(rows) {
+        let r1 = (r0 + rows).min(n);
+        total += tm
+            .head
+            .loss(p_head, w, &x[r0 * c..r1 * c], &targets[r0..r1]);
+    }
+    Ok(total)
+}

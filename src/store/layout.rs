@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 pub const TENSOR_ALIGN_ELEMS: usize = 16;
 
 /// Gradient-exact or lean.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// fp32 gradients of every unit are kept until the step's global norm is known: exact

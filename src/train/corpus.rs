@@ -1,0 +1,84 @@
+//! The embedded default job's corpus: this repository's own documentation and source, compiled
+//! into the binary (text we wrote, free to ship), read as bytes (vocabulary 256).
+
+/// The corpus files, in a fixed order.
+pub const FILES: &[(&str, &str)] = &[
+    ("README.md", include_str!("../../README.md")),
+    (
+        "docs/ARCHITECTURE.md",
+        include_str!("../../docs/ARCHITECTURE.md"),
+    ),
+    (
+        "docs/probe-schema.md",
+        include_str!("../../docs/probe-schema.md"),
+    ),
+    ("src/error.rs", include_str!("../error.rs")),
+    ("src/util.rs", include_str!("../util.rs")),
+    ("src/topology/mod.rs", include_str!("../topology/mod.rs")),
+    (
+        "src/topology/hwloc.rs",
+        include_str!("../topology/hwloc.rs"),
+    ),
+    (
+        "src/topology/links.rs",
+        include_str!("../topology/links.rs"),
+    ),
+    (
+        "src/topology/linux.rs",
+        include_str!("../topology/linux.rs"),
+    ),
+    (
+        "src/topology/render.rs",
+        include_str!("../topology/render.rs"),
+    ),
+    ("src/host/region.rs", include_str!("../host/region.rs")),
+    ("src/store/layout.rs", include_str!("../store/layout.rs")),
+    (
+        "src/store/placement.rs",
+        include_str!("../store/placement.rs"),
+    ),
+    ("src/store/mod.rs", include_str!("../store/mod.rs")),
+    ("src/optim/adamw.rs", include_str!("../optim/adamw.rs")),
+    ("src/optim/pool.rs", include_str!("../optim/pool.rs")),
+    ("src/model/config.rs", include_str!("../model/config.rs")),
+    ("src/model/ops.rs", include_str!("../model/ops.rs")),
+    ("src/model/layers.rs", include_str!("../model/layers.rs")),
+    ("src/model/hf.rs", include_str!("../model/hf.rs")),
+    ("src/device/mod.rs", include_str!("../device/mod.rs")),
+    ("src/device/cpu.rs", include_str!("../device/cpu.rs")),
+    (
+        "src/engine/schedule.rs",
+        include_str!("../engine/schedule.rs"),
+    ),
+    (
+        "src/engine/streamer.rs",
+        include_str!("../engine/streamer.rs"),
+    ),
+];
+
+/// The corpus as byte tokens.
+pub fn bytes() -> Vec<u8> {
+    let mut v = Vec::new();
+    for (_, text) in FILES {
+        v.extend_from_slice(text.as_bytes());
+        v.push(b'\n');
+    }
+    v
+}
+
+/// The default model: a small Llama with a byte vocabulary (about 3.3M parameters).
+pub const MODEL_JSON: &str = r#"{
+  "architectures": ["LlamaForCausalLM"],
+  "model_type": "llama",
+  "vocab_size": 256,
+  "hidden_size": 256,
+  "intermediate_size": 688,
+  "num_hidden_layers": 4,
+  "num_attention_heads": 8,
+  "num_key_value_heads": 4,
+  "max_position_embeddings": 1024,
+  "rms_norm_eps": 1e-5,
+  "rope_theta": 10000.0,
+  "tie_word_embeddings": true,
+  "hidden_act": "silu"
+}"#;

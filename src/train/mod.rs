@@ -1,0 +1,399 @@
+//! The trainer: data, the streamed training loop, validation, checkpoints, metrics, exports.
+//!
+//! Library code: it reports progress through [`Progress`] and never prints; the CLI decides how
+//! to show it.
+
+pub mod checkpoint;
+pub mod config;
+pub mod corpus;
+pub mod data;
+pub mod plot;
+
+use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
+use crate::engine::{Checkpoints, MicroBatch, StepMetrics, Streamer, StreamerConfig};
+use crate::model::config::ModelConfig;
+use crate::model::layers::Workspace;
+use crate::model::reference::{eval_loss, Templates};
+use crate::optim::{AdamPool, AdamWConfig};
+use crate::store::layout::StateLayout;
+use crate::store::placement::{place, RamBudget};
+use crate::store::{HostStore, StoreOptions};
+use crate::topology::{probe, TopologySource};
+use crate::{Error, Result};
+use checkpoint::TrainState;
+use config::TrainConfig;
+use data::{Cursor, Loader, TokenFile};
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// What the trainer tells its caller.
+pub trait Progress {
+    /// Training is about to start at `first_step` (> 1 when resumed) of `total`.
+    fn start(&mut self, _first_step: u64, _total: u64, _params: usize) {}
+    /// A step finished.
+    fn step(&mut self, _m: &StepMetrics, _val_loss: Option<f64>) {}
+    /// A checkpoint was written.
+    fn checkpoint(&mut self, _dir: &std::path::Path) {}
+    /// A one-line note (resumed from, exported to, ...).
+    fn note(&mut self, _line: &str) {}
+}
+
+/// Where the run's outputs went.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Summary {
+    /// Steps done in total.
+    pub steps: u64,
+    /// First and last training loss of this run.
+    pub first_loss: Option<f64>,
+    /// Last training loss.
+    pub last_loss: Option<f64>,
+    /// Last validation loss.
+    pub val_loss: Option<f64>,
+    /// Mean tokens/s over this run's steps.
+    pub tokens_per_s: f64,
+    /// Newest checkpoint.
+    pub checkpoint: Option<PathBuf>,
+    /// HF export.
+    pub export: Option<PathBuf>,
+    /// Metrics file.
+    pub metrics: Option<PathBuf>,
+    /// Loss curve.
+    pub plot: Option<PathBuf>,
+    /// Chrome trace.
+    pub trace: Option<PathBuf>,
+    /// Stopped early by an interrupt.
+    pub interrupted: bool,
+}
+
+/// Deterministic N(0, σ²) samples (splitmix64 + Box–Muller).
+fn normal_fill(x: &mut [f32], seed: u64, std: f32) {
+    let mut s = seed;
+    let mut next = || {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    for pair in x.chunks_mut(2) {
+        let (u1, u2) = (next().max(1e-300), next());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        pair[0] = (r * t.cos()) as f32 * std;
+        if pair.len() > 1 {
+            pair[1] = (r * t.sin()) as f32 * std;
+        }
+    }
+}
+
+/// Random init as HF does for Llama: N(0, 0.02) for matrices and embeddings, 1 for norm weights,
+/// 0 for biases; seeded per tensor.
+fn random_init(store: &HostStore, seed: u64) -> Result<()> {
+    let layout = store.layout().clone();
+    for (u, unit) in layout.units.iter().enumerate() {
+        let mut g = store.take(u)?;
+        let p = g.params();
+        for (i, t) in unit.tensors.iter().enumerate() {
+            let dst = &mut p[t.offset..t.offset + t.numel()];
+            if t.name.ends_with("norm.weight") {
+                dst.fill(1.0);
+            } else if t.name.ends_with(".bias") {
+                dst.fill(0.0);
+            } else {
+                normal_fill(
+                    dst,
+                    seed ^ ((u as u64) << 32 | i as u64).wrapping_mul(0xD134_2543_DE82_EF95),
+                    0.02,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Validation loss (mean per token) over `batches` micro-batches of `loader`, with the current
+/// params resident on the host (the streamer must be idle).
+fn validate(
+    streamer: &mut Streamer,
+    tm: &Templates,
+    loader: &mut Loader,
+    batches: usize,
+    b: usize,
+    t: usize,
+    ws: &mut Workspace,
+) -> Result<f64> {
+    streamer.finish()?;
+    let store = streamer.store();
+    let mut guards: Vec<_> = (0..store.num_units())
+        .map(|u| store.take(u))
+        .collect::<Result<_>>()?;
+    let params: Vec<Vec<f32>> = guards.iter_mut().map(|g| g.params().to_vec()).collect();
+    drop(guards);
+    let refs: Vec<&[f32]> = params.iter().map(|p| &p[..]).collect();
+    let mut total = 0.0;
+    for _ in 0..batches.max(1) {
+        let (x, y) = loader.next_batch();
+        total += eval_loss(tm, &refs, &x, &y, b, t, ws)?;
+    }
+    Ok(total / (batches.max(1) * b * t) as f64)
+}
+
+/// Run training as `cfg` says. `interrupt` is polled after every step: when set, the trainer
+/// finishes the step, writes a checkpoint and returns.
+pub fn run(
+    cfg: &TrainConfig,
+    interrupt: Arc<AtomicBool>,
+    progress: &mut dyn Progress,
+) -> Result<Summary> {
+    cfg.validate()?;
+    let data_path = cfg.data.clone().ok_or_else(|| {
+        Error::bad_input(
+            "setting",
+            "data",
+            "no training data given",
+            Some("pass --data FILE (or run `megatrain train --demo`)"),
+        )
+    })?;
+    // The model: from the checkpoint being resumed, an HF checkpoint, or a config.json.
+    let resume_dir = match (&cfg.checkpoint_dir, cfg.resume) {
+        (Some(d), true) => checkpoint::latest(d)?,
+        _ => None,
+    };
+    let model: ModelConfig = match (&resume_dir, &cfg.init_from, &cfg.model) {
+        (Some(d), _, _) => {
+            let st: TrainState = serde_json::from_slice(
+                &std::fs::read(d.join("state.json"))
+                    .map_err(|e| Error::io("read", d.join("state.json"), e))?,
+            )
+            .map_err(|e| {
+                Error::bad_input(
+                    "checkpoint",
+                    d.display().to_string(),
+                    format!("state.json: {e}"),
+                    None,
+                )
+            })?;
+            st.model
+        }
+        (None, Some(dir), _) => crate::model::hf::load_config(dir)?,
+        (None, None, Some(path)) => ModelConfig::from_file(path)?,
+        (None, None, None) => {
+            return Err(Error::bad_input(
+                "setting",
+                "model",
+                "no model given",
+                Some("pass --model config.json (random init) or --init-from HF_DIR"),
+            ))
+        }
+    };
+    let (b, t) = (cfg.batch_size, cfg.seq_len);
+    if t > model.max_position_embeddings {
+        return Err(Error::bad_input(
+            "--seq-len",
+            t.to_string(),
+            format!(
+                "exceeds max_position_embeddings {}",
+                model.max_position_embeddings
+            ),
+            None,
+        ));
+    }
+    // Data first: bad data must fail before anything big is allocated.
+    let train_file = TokenFile::open(&data_path, cfg.data_dtype, model.vocab_size)?;
+    let mut val_loader = match &cfg.val_data {
+        Some(p) => Some(Loader::new(
+            TokenFile::open(p, cfg.data_dtype, model.vocab_size)?,
+            t,
+            b,
+            false,
+            cfg.seed,
+            Cursor::default(),
+        )?),
+        None => None,
+    };
+
+    let layout = StateLayout::new(&model, cfg.mode, false);
+    let machine = probe(&TopologySource::Live)?;
+    let placement = place(&machine, &layout, None, RamBudget::default())?;
+    let store = HostStore::allocate(layout.clone(), placement, &StoreOptions::default())?;
+    let mut start_step = 0;
+    let mut cursor = Cursor::default();
+    let mut prev_norm = None;
+    if let Some(d) = &resume_dir {
+        let st = checkpoint::load(d, &store)?;
+        start_step = st.step;
+        cursor = st.cursor;
+        prev_norm = st.prev_norm;
+        progress.note(&format!("resumed from {} (step {})", d.display(), st.step));
+    } else if let Some(dir) = &cfg.init_from {
+        let r = crate::model::hf::load_into_store(dir, &store)?;
+        progress.note(&format!(
+            "loaded {} tensors from {}",
+            r.tensors,
+            dir.display()
+        ));
+    } else {
+        random_init(&store, cfg.seed)?;
+    }
+    let mut loader = Loader::new(train_file, t, b, cfg.shuffle, cfg.seed, cursor)?;
+
+    let tm = Arc::new(Templates::new(&layout, t)?);
+    let device = Arc::new(CpuDevice::new(
+        CpuDeviceConfig {
+            capacity_bytes: cfg.device_memory,
+            link: None,
+            jitter: None,
+            batch: b,
+            seq: t,
+        },
+        tm.clone(),
+    )?);
+    let pool = AdamPool::for_placement(store.placement(), None)?;
+    let mut streamer = Streamer::new(
+        device,
+        store,
+        pool,
+        tm.clone(),
+        StreamerConfig {
+            batch: b,
+            seq: t,
+            micro_batches: cfg.grad_accum,
+            checkpoints: Checkpoints::Host,
+            adam: AdamWConfig {
+                lr: cfg.lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+                weight_decay: cfg.weight_decay,
+            },
+            grad_clip: cfg.grad_clip,
+            decay_norms: cfg.decay_norms,
+        },
+    )?;
+    streamer.resume_at(start_step, prev_norm);
+    let mut ws = Workspace::new(&model, b, t);
+
+    let mut metrics_file = match &cfg.metrics {
+        Some(p) => {
+            if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+            }
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(start_step > 0)
+                .write(true)
+                .truncate(start_step == 0)
+                .open(p)
+                .map_err(|e| Error::io("open metrics", p, e))?;
+            Some(std::io::BufWriter::new(f))
+        }
+        None => None,
+    };
+    let mut summary = Summary {
+        steps: start_step,
+        metrics: cfg.metrics.clone(),
+        ..Summary::default()
+    };
+    let mut curve: Vec<(u64, f64)> = Vec::new();
+    let mut val_curve: Vec<(u64, f64)> = Vec::new();
+    let (mut tok, mut secs) = (0u64, 0.0f64);
+    progress.start(start_step + 1, cfg.steps, layout.num_params());
+    let save = |streamer: &mut Streamer, step: u64, loader: &Loader| -> Result<Option<PathBuf>> {
+        let Some(root) = &cfg.checkpoint_dir else {
+            return Ok(None);
+        };
+        streamer.finish()?;
+        let state = TrainState {
+            format: checkpoint::FORMAT,
+            step,
+            cursor: loader.cursor,
+            prev_norm: streamer.prev_norm(),
+            model: model.clone(),
+            config: cfg.clone(),
+        };
+        checkpoint::save(root, streamer.store(), &state, cfg.keep_checkpoints).map(Some)
+    };
+    for step in start_step + 1..=cfg.steps {
+        let batches: Vec<MicroBatch> = (0..cfg.grad_accum)
+            .map(|_| {
+                let (x, y) = loader.next_batch();
+                MicroBatch {
+                    tokens: x.into(),
+                    targets: y.into(),
+                }
+            })
+            .collect();
+        let m = streamer.step(&batches, cfg.lr_at(step))?;
+        if !m.loss.is_finite() {
+            return Err(Error::system("trainer", format!("step {step}"), format!("loss is {} (diverged)", m.loss))
+                .with_fix("lower --lr, raise --warmup-steps, or enable --grad-clip; earlier checkpoints are intact"));
+        }
+        tok += m.tokens;
+        secs += m.wall_s;
+        summary.first_loss.get_or_insert(m.loss);
+        summary.last_loss = Some(m.loss);
+        summary.steps = step;
+        curve.push((step, m.loss));
+        let val = match (&mut val_loader, cfg.val_every) {
+            (Some(vl), every) if (every > 0 && step % every == 0) || step == cfg.steps => {
+                let v = validate(&mut streamer, &tm, vl, cfg.val_batches, b, t, &mut ws)?;
+                val_curve.push((step, v));
+                summary.val_loss = Some(v);
+                Some(v)
+            }
+            _ => None,
+        };
+        if let Some(f) = metrics_file.as_mut() {
+            let line = serde_json::json!({
+                "step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
+                "tokens_per_s": m.tokens as f64 / m.wall_s, "device_peak_bytes": m.device_peak_bytes,
+                "compute_s": m.compute_s, "transfer_s": m.htod_s + m.dtoh_s, "optimizer_s": m.optimizer_s,
+                "io_wait_s": m.host_wait_s, "wall_s": m.wall_s, "clip_coef": m.clip_coef,
+                "htod_bytes": m.htod_bytes, "dtoh_bytes": m.dtoh_bytes, "val_loss": val,
+            });
+            writeln!(f, "{line}").map_err(|e| {
+                Error::io("write metrics", cfg.metrics.clone().unwrap_or_default(), e)
+            })?;
+            f.flush().map_err(|e| {
+                Error::io("write metrics", cfg.metrics.clone().unwrap_or_default(), e)
+            })?;
+        }
+        progress.step(&m, val);
+        let stop = interrupt.load(Ordering::SeqCst);
+        if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)
+            || step == cfg.steps
+            || stop
+        {
+            if let Some(d) = save(&mut streamer, step, &loader)? {
+                progress.checkpoint(&d);
+                summary.checkpoint = Some(d);
+            }
+        }
+        if stop {
+            summary.interrupted = true;
+            break;
+        }
+    }
+    streamer.finish()?;
+    summary.tokens_per_s = if secs > 0.0 { tok as f64 / secs } else { 0.0 };
+    if let Some(out) = &cfg.export_hf {
+        crate::model::hf::export_store(streamer.store(), out, 2 << 30)?;
+        summary.export = Some(out.clone());
+    }
+    if let Some(p) = &cfg.metrics {
+        let svg = p.with_extension("svg");
+        crate::util::write_atomic(
+            &svg,
+            plot::loss_svg(&curve, &val_curve, "megatrain: loss per step").as_bytes(),
+        )?;
+        summary.plot = Some(svg);
+    }
+    if let Some(p) = &cfg.trace {
+        streamer.timeline().write_chrome(p)?;
+        summary.trace = Some(p.clone());
+    }
+    Ok(summary)
+}
