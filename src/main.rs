@@ -267,7 +267,7 @@ fn demo_config(dir: &std::path::Path) -> Result<megatrain::train::config::TrainC
         val_data: Some(data.join("val.bin")),
         seq_len: 128,
         batch_size: 8,
-        steps: 300,
+        steps: 600,
         lr: 2e-3,
         lr_schedule: LrSchedule::Cosine,
         warmup_steps: 20,
@@ -276,10 +276,10 @@ fn demo_config(dir: &std::path::Path) -> Result<megatrain::train::config::TrainC
         shuffle: true,
         metrics: Some(run.join("metrics.jsonl")),
         checkpoint_dir: Some(run.join("checkpoints")),
-        checkpoint_every: 100,
+        checkpoint_every: 200,
         export_hf: Some(run.join("hf")),
-        val_every: 50,
-        val_batches: 4,
+        val_every: 100,
+        val_batches: 8,
         ..TrainConfig::default()
     })
 }

@@ -233,6 +233,14 @@ impl TrainConfig {
                 Some("use --precision fp32"),
             ));
         }
+        if self.mode == Mode::Lean && self.grad_accum > 1 {
+            return Err(Error::bad_input(
+                "--grad-accum",
+                self.grad_accum.to_string(),
+                "lean mode consumes each unit's gradients as they land, so it cannot accumulate micro-batches",
+                Some("use --mode exact for gradient accumulation"),
+            ));
+        }
         if self.resume && self.checkpoint_dir.is_none() {
             return bad(
                 "resume",

@@ -1,0 +1,280 @@
+//! The trainer end to end: resume is bit-identical, a killed checkpoint write leaves the previous
+//! checkpoint loadable, bad input is refused cleanly, and the outputs are written.
+#![allow(clippy::unwrap_used)]
+
+use megatrain::train::checkpoint;
+use megatrain::train::config::{LrSchedule, TrainConfig};
+use megatrain::train::{run, Progress};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+struct Quiet;
+impl Progress for Quiet {}
+
+const MODEL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
+  "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,"tie_word_embeddings":true}"#;
+
+fn setup(dir: &Path, tokens: usize) -> (PathBuf, PathBuf) {
+    let model = dir.join("model.json");
+    std::fs::write(&model, MODEL).unwrap();
+    let data = dir.join("train.bin");
+    let mut s = 12345u64;
+    let bytes: Vec<u8> = (0..tokens)
+        .flat_map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s % 61) as u16).to_le_bytes()
+        })
+        .collect();
+    std::fs::write(&data, bytes).unwrap();
+    (model, data)
+}
+
+fn cfg(dir: &Path, model: PathBuf, data: PathBuf, steps: u64) -> TrainConfig {
+    TrainConfig {
+        model: Some(model),
+        data: Some(data),
+        seq_len: 16,
+        batch_size: 2,
+        grad_accum: 2,
+        steps,
+        lr: 3e-3,
+        lr_schedule: LrSchedule::Cosine,
+        warmup_steps: 2,
+        shuffle: true,
+        seed: 7,
+        checkpoint_dir: Some(dir.join("ckpt")),
+        metrics: Some(dir.join("metrics.jsonl")),
+        device_memory: 256 << 20,
+        ..TrainConfig::default()
+    }
+}
+
+fn read(p: &Path) -> Vec<u8> {
+    std::fs::read(p).unwrap()
+}
+
+#[test]
+fn resume_is_bit_identical() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 4000);
+    let straight = cfg(a.path(), m.clone(), d.clone(), 6);
+    let s1 = run(&straight, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
+    assert!(s1.last_loss.unwrap() < s1.first_loss.unwrap(), "loss falls");
+
+    // The same 6-step run, stopped after step 3 by an interrupt (as Ctrl-C does), then resumed.
+    let b = tempfile::tempdir().unwrap();
+    let h = cfg(b.path(), m.clone(), d.clone(), 6);
+    struct StopAt3(Arc<AtomicBool>);
+    impl Progress for StopAt3 {
+        fn step(&mut self, m: &megatrain::engine::StepMetrics, _: Option<f64>) {
+            if m.step == 3 {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+    let flag = Arc::new(AtomicBool::new(false));
+    let s2 = run(&h, flag.clone(), &mut StopAt3(flag)).unwrap();
+    assert!(s2.interrupted && s2.steps == 3);
+    let resumed = TrainConfig { resume: true, ..h };
+    let s3 = run(&resumed, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
+    assert_eq!(s3.steps, 6);
+    let (ca, cb) = (s1.checkpoint.unwrap(), s3.checkpoint.unwrap());
+    for f in ["params.f32", "adam_m.f32", "adam_v.f32"] {
+        assert!(
+            read(&ca.join(f)) == read(&cb.join(f)),
+            "{f} differs after resume"
+        );
+    }
+    // Per-step losses agree bit for bit too.
+    let losses = |p: &Path| -> Vec<String> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                format!("{}:{}", v["step"], v["loss"])
+            })
+            .collect()
+    };
+    assert_eq!(
+        losses(&a.path().join("metrics.jsonl")),
+        losses(&b.path().join("metrics.jsonl"))
+    );
+    assert!(a.path().join("metrics.svg").exists());
+}
+
+#[test]
+fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 4000);
+    let c = TrainConfig {
+        checkpoint_every: 1,
+        keep_checkpoints: 5,
+        ..cfg(a.path(), m, d, 3)
+    };
+    run(&c, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
+    let root = a.path().join("ckpt");
+    let newest = checkpoint::latest(&root).unwrap().unwrap();
+    assert!(newest.ends_with("step-00000003"));
+    // A crashed writer's temporary directory is ignored.
+    std::fs::create_dir(root.join(".step-00000004.tmp-1")).unwrap();
+    assert_eq!(checkpoint::latest(&root).unwrap().unwrap(), newest);
+    // Flip one byte of the newest: refused, naming step 2 as the newest good one.
+    let p = newest.join("adam_v.f32");
+    let mut b = read(&p);
+    b[17] ^= 0x40;
+    std::fs::write(&p, b).unwrap();
+    let e = checkpoint::latest(&root).unwrap_err().to_string();
+    assert!(
+        e.contains("step-00000003") && e.contains("crc32c") && e.contains("step-00000002"),
+        "{e}"
+    );
+    let resumed = TrainConfig {
+        resume: true,
+        steps: 4,
+        ..c
+    };
+    let e = run(&resumed, Arc::new(AtomicBool::new(false)), &mut Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("step-00000002"), "{e}");
+}
+
+fn megatrain(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn kill_9_during_checkpoint_writes_leaves_a_loadable_checkpoint() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 20000);
+    let ck = a.path().join("ckpt");
+    for (attempt, delay_ms) in [(0, 900u64), (1, 1300), (2, 1700)] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+            .args([
+                "train",
+                "--model",
+                m.to_str().unwrap(),
+                "--data",
+                d.to_str().unwrap(),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--steps",
+                "100000",
+                "--checkpoint-every",
+                "1",
+                "--checkpoint-dir",
+                ck.to_str().unwrap(),
+                "--device-memory",
+                "268435456",
+            ])
+            .args(if attempt > 0 {
+                vec!["--resume"]
+            } else {
+                vec![]
+            })
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let newest = checkpoint::latest(&ck)
+            .unwrap()
+            .expect("a checkpoint survives the kill");
+        checkpoint::verify(&newest).unwrap();
+    }
+}
+
+#[test]
+fn bad_inputs_exit_nonzero_with_one_clear_line() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 400);
+    let (m, d) = (
+        m.to_str().unwrap().to_owned(),
+        d.to_str().unwrap().to_owned(),
+    );
+    let toml = a.path().join("c.toml");
+    std::fs::write(&toml, "lr = 1e-3\nlearning_rate = 2\n").unwrap();
+    let odd = a.path().join("odd.bin");
+    std::fs::write(&odd, [1u8, 2, 3]).unwrap();
+    let big = a.path().join("big.bin");
+    std::fs::write(&big, [1u8, 0, 200, 0]).unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["train", toml.to_str().unwrap()], "learning_rate"),
+        (
+            vec!["train", "--model", &m, "--data", "/nonexistent/x.bin"],
+            "/nonexistent/x.bin",
+        ),
+        (
+            vec!["train", "--model", &m, "--data", odd.to_str().unwrap()],
+            "multiple of 2",
+        ),
+        (
+            vec!["train", "--model", &m, "--data", big.to_str().unwrap()],
+            "vocab",
+        ),
+        (
+            vec![
+                "train",
+                "--model",
+                &m,
+                "--data",
+                &d,
+                "--seq-len",
+                "200",
+                "--batch-size",
+                "4",
+            ],
+            "fewer than one batch",
+        ),
+        (
+            vec!["train", "--model", &m, "--data", &d, "--device", "cuda"],
+            "cuda",
+        ),
+        (vec!["train", "--data", &d], "model"),
+        (
+            vec![
+                "train",
+                "--model",
+                &m,
+                "--data",
+                &d,
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--mode",
+                "lean",
+                "--grad-accum",
+                "2",
+            ],
+            "lean",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (rc, err) = megatrain(&args);
+        assert_ne!(rc, 0, "{args:?}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        let last = err.lines().last().unwrap_or("");
+        assert!(
+            last.starts_with("error: ") && last.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+    let (rc, _) = megatrain(&["train", "--no-such-flag"]);
+    assert_eq!(rc, 2);
+}
