@@ -8,6 +8,7 @@ pub mod config;
 pub mod corpus;
 pub mod data;
 pub mod plot;
+pub mod prepare;
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::engine::{Checkpoints, MicroBatch, StepMetrics, Streamer, StreamerConfig};

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Golden data for `megatrain train`, from PyTorch + transformers (fp32, eager), with megatrain's
+data and loss semantics:
+
+  rows of T+1 consecutive tokens (row r = tokens[r(T+1):(r+1)(T+1)]), no shuffle, B rows per
+  micro-batch, M micro-batches per step; loss = mean over every token of the step; global-norm
+  clipping (clip_grad_norm_) when max_norm > 0; torch.optim.AdamW, weight decay on every tensor;
+  lr(t) = lr·t/warmup for t ≤ warmup, then cosine to 0 over the remaining steps.
+
+For each case writes tests/golden/train_{case}/ with
+  init/         the initial weights, as transformers saves them (the CLI's --init-from)
+  data.bin      u16 tokens
+  golden.safetensors  metadata: magic, version, settings (JSON); tensors: loss [S], grad_norm [S],
+                final.{name} (weights after S steps)
+Run:  python3 tools/golden_train.py
+"""
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+MAGIC, VERSION = "megatrain-golden", "1"
+BASE = dict(hidden_size=32, intermediate_size=72, num_hidden_layers=2, vocab_size=61, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=128, hidden_act="silu")
+CASES = {
+    "mha": dict(heads=4, kv=4, tied=False, B=2, T=16, M=1, steps=4, clip=0.0, lr=3e-3, warmup=0, wd=0.1),
+    "gqa": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=0.0, lr=3e-3, warmup=2, wd=0.0),
+    "tied": dict(heads=4, kv=2, tied=True, B=1, T=24, M=1, steps=4, clip=0.0, lr=2e-3, warmup=0, wd=0.01),
+    "clip": dict(heads=4, kv=1, tied=False, B=2, T=16, M=1, steps=4, clip=0.5, lr=3e-3, warmup=1, wd=0.1),
+    "accum": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1),
+}
+
+
+def lr_at(c, t):
+    if t <= c["warmup"]:
+        return c["lr"] * t / c["warmup"]
+    span = max(c["steps"] - c["warmup"], 1)
+    p = min((t - c["warmup"]) / span, 1.0)
+    return c["lr"] * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def run(case, c, seed):
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", f"train_{case}")
+    os.makedirs(root, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    d = dict(BASE, num_attention_heads=c["heads"], num_key_value_heads=c["kv"], tie_word_embeddings=c["tied"])
+    cfg = AutoConfig.for_model("llama", **d)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(os.path.join(root, "init"), safe_serialization=True)
+    B, T, M, S = c["B"], c["T"], c["M"], c["steps"]
+    rows = B * M * S + 1
+    tokens = torch.randint(0, cfg.vocab_size, (rows * (T + 1),), generator=g)
+    with open(os.path.join(root, "data.bin"), "wb") as f:
+        f.write(tokens.to(torch.int32).numpy().astype("<u2").tobytes())
+    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=c["wd"])
+    losses, norms = [], []
+    r = 0
+    for t in range(1, S + 1):
+        for pg in opt.param_groups:
+            pg["lr"] = lr_at(c, t)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(M):
+            batch = torch.stack([tokens[(r + i) * (T + 1):(r + i + 1) * (T + 1)] for i in range(B)])
+            r += B
+            logits = model(input_ids=batch[:, :T]).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1), reduction="sum") / (B * T * M)
+            loss.backward()
+            total += loss.item()
+        params = [p for p in model.parameters()]
+        norm = torch.nn.utils.clip_grad_norm_(params, c["clip"] if c["clip"] > 0 else float("inf"))
+        losses.append(total)
+        norms.append(norm.item())
+        opt.step()
+    out = {"loss": torch.tensor(losses, dtype=torch.float32), "grad_norm": torch.tensor(norms, dtype=torch.float32)}
+    for n, p in model.named_parameters():
+        out[f"final.{n}"] = p.detach().clone()
+    meta = {"magic": MAGIC, "version": VERSION, "generator": "tools/golden_train.py", "torch": torch.__version__,
+            "settings": json.dumps(c)}
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(root, "golden.safetensors"), metadata=meta)
+    print(f"wrote {root}", file=sys.stderr)
+
+
+def main():
+    torch.set_num_threads(1)
+    for i, (case, c) in enumerate(CASES.items()):
+        run(case, c, 300 + i)
+
+
+if __name__ == "__main__":
+    main()
