@@ -278,3 +278,45 @@ fn bad_inputs_exit_nonzero_with_one_clear_line() {
     let (rc, _) = megatrain(&["train", "--no-such-flag"]);
     assert_eq!(rc, 2);
 }
+
+#[test]
+fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 20000);
+    let ck = a.path().join("ckpt");
+    let child = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args([
+            "train",
+            "--model",
+            m.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--steps",
+            "100000",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--device-memory",
+            "268435456",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: sending SIGINT to our own child process.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("interrupt") && err.contains("--resume"),
+        "{err}"
+    );
+    let newest = checkpoint::latest(&ck)
+        .unwrap()
+        .expect("a checkpoint on Ctrl-C");
+    checkpoint::verify(&newest).unwrap();
+}
