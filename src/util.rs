@@ -20,6 +20,20 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
+/// `n` deterministic pseudo-random values, uniform in [-scale, scale) (xorshift64): reproducible
+/// data for tests and benchmarks without an RNG dependency.
+pub fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
 /// Write `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
 /// An existing file at `path` is untouched unless the whole write succeeds.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {

@@ -33,15 +33,7 @@ fn cfg(layers: usize, tied: bool) -> ModelConfig {
 }
 
 fn rand(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
+    megatrain::util::uniform(n, seed, scale)
 }
 
 /// Random initial params per unit (norm weights near 1).

@@ -575,15 +575,7 @@ mod tests {
     use super::*;
 
     pub(crate) fn rnd(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-            })
-            .collect()
+        crate::util::uniform(n, seed, 1.0)
     }
 
     fn max_rel(a: &[f32], b: &[f32]) -> f32 {

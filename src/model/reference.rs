@@ -155,15 +155,16 @@ pub fn step_resident(
     Ok(loss)
 }
 
-/// Logits [B·T, V] with every unit resident (tests and evaluation; training never builds them).
-pub fn forward_logits(
+/// x_L (the final hidden states, before the final norm) and the LM-head weight slice, with every
+/// unit resident.
+fn forward_hidden<'p>(
     tm: &Templates,
-    params: &[&[f32]],
+    params: &[&'p [f32]],
     tokens: &[u32],
     b: usize,
     t: usize,
     ws: &mut Workspace,
-) -> Result<Vec<f32>> {
+) -> Result<(Vec<f32>, &'p [f32])> {
     let (n, c, l, v) = (
         b * t,
         tm.config.hidden_size,
@@ -183,8 +184,23 @@ pub fn forward_logits(
         Some(off) => &p_head[off..off + v * c],
         None => &params[0][..v * c],
     };
+    Ok((x, w))
+}
+
+/// Logits [B·T, V] with every unit resident (tests and evaluation; training never builds them).
+pub fn forward_logits(
+    tm: &Templates,
+    params: &[&[f32]],
+    tokens: &[u32],
+    b: usize,
+    t: usize,
+    ws: &mut Workspace,
+) -> Result<Vec<f32>> {
+    let (n, v) = (b * t, tm.config.vocab_size);
+    let (x, w) = forward_hidden(tm, params, tokens, b, t, ws)?;
     let mut out = vec![0.0f32; n * v];
-    tm.head.logits(p_head, w, &x, n, &mut out);
+    tm.head
+        .logits(params[tm.blocks.len() + 1], w, &x, n, &mut out);
     Ok(out)
 }
 
@@ -199,26 +215,10 @@ pub fn eval_loss(
     t: usize,
     ws: &mut Workspace,
 ) -> Result<f64> {
-    let (n, c, l, v) = (
-        b * t,
-        tm.config.hidden_size,
-        tm.blocks.len(),
-        tm.config.vocab_size,
-    );
-    tm.check_tokens(tokens, "inputs")?;
+    let (n, c) = (b * t, tm.config.hidden_size);
     tm.check_tokens(targets, "targets")?;
-    let mut x = vec![0.0f32; n * c];
-    let mut y = vec![0.0f32; n * c];
-    tm.embedding.forward(params[0], tokens, &mut x);
-    for (i, blk) in tm.blocks.iter().enumerate() {
-        blk.forward(params[1 + i], &x, &mut y, ws, &tm.rope, b, t);
-        std::mem::swap(&mut x, &mut y);
-    }
-    let p_head = params[l + 1];
-    let w = match tm.head.lm_head {
-        Some(off) => &p_head[off..off + v * c],
-        None => &params[0][..v * c],
-    };
+    let (x, w) = forward_hidden(tm, params, tokens, b, t, ws)?;
+    let p_head = params[tm.blocks.len() + 1];
     let rows = super::ops::CE_CHUNK_ROWS;
     let mut total = 0.0;
     for r0 in (0..n).step_by(rows) {

@@ -598,17 +598,8 @@ mod arm {
 mod tests {
     use super::*;
 
-    /// A small deterministic generator (xorshift) so tests need no RNG crate.
     pub(crate) fn randn(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-            })
-            .collect()
+        crate::util::uniform(n, seed, 2.0)
     }
 
     fn run(
