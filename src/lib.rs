@@ -11,6 +11,7 @@ pub mod error;
 pub mod host;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod store;
 pub mod topology;
 pub mod train;

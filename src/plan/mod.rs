@@ -1,0 +1,535 @@
+//! `megatrain plan`: the memory plan and the performance model, as pure functions over a
+//! hardware description and a model. Every time it prints is a **prediction** from the figures
+//! below (or from a calibration measured with `megatrain bench`), never a measurement.
+
+pub mod presets;
+
+use crate::model::config::ModelConfig;
+use crate::store::layout::{Mode, ShardKind, StateLayout};
+use serde::{Deserialize, Serialize};
+
+/// What the performance model needs to know about a machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hardware {
+    /// Preset name or "live".
+    pub name: String,
+    /// GPU model.
+    pub gpu: String,
+    /// GPU memory, bytes.
+    pub gpu_memory_bytes: u64,
+    /// Dense fp32 (CUDA-core) TFLOP/s.
+    pub fp32_tflops: f64,
+    /// Dense bf16 tensor-core TFLOP/s (fp32 accumulate).
+    pub bf16_tflops: f64,
+    /// Fraction of peak the GEMM-heavy layers reach (calibrated by a run; 0.6 by default).
+    pub compute_efficiency: f64,
+    /// Host→device GB/s (pinned, measured where known).
+    pub htod_gbps: f64,
+    /// Device→host GB/s.
+    pub dtoh_gbps: f64,
+    /// Host RAM usable for the state, bytes.
+    pub host_ram_bytes: u64,
+    /// GB/s the CPU AdamW engine reaches over all sockets (≈ 0.9 × STREAM triad).
+    pub adam_gbps: f64,
+    /// NVMe GB/s (read = write) over the spill directories, if any.
+    pub nvme_gbps: Option<f64>,
+    /// Where the figures come from.
+    pub sources: String,
+}
+
+/// What to plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlanRequest {
+    /// Tokens per optimizer step (all micro-batches).
+    pub tokens_per_step: u64,
+    /// Sequence length.
+    pub seq_len: u64,
+    /// Stream bf16 weights (and compute in bf16) instead of fp32.
+    pub bf16: bool,
+    /// Exact or lean.
+    pub mode: Mode,
+    /// Spill Adam m/v to NVMe.
+    pub spill_moments: bool,
+}
+
+/// Bytes per tier.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryPlan {
+    /// Host bytes of the training state (params, grads, m, v, shadow, lean buffers).
+    pub host_state_bytes: u64,
+    /// Host bytes of offloaded layer-boundary checkpoints.
+    pub host_checkpoint_bytes: u64,
+    /// Device working set: weight and gradient slots, one layer's activations, buffers.
+    pub device_bytes: u64,
+    /// NVMe bytes (spilled Adam moments).
+    pub nvme_bytes: u64,
+    /// Host bytes per parameter.
+    pub host_bytes_per_param: f64,
+}
+
+/// Predicted step time, seconds per component.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TimePlan {
+    /// GPU compute (forward, recompute, backward).
+    pub compute_s: f64,
+    /// Host→device (weights twice per step).
+    pub htod_s: f64,
+    /// Device→host (gradients once).
+    pub dtoh_s: f64,
+    /// CPU AdamW.
+    pub adam_s: f64,
+    /// NVMe traffic of spilled moments.
+    pub nvme_s: f64,
+    /// Predicted step: the slowest component (the pipeline overlaps the rest).
+    pub step_s: f64,
+    /// Which component bounds it.
+    pub bottleneck: String,
+    /// Tokens per second.
+    pub tokens_per_s: f64,
+    /// Model FLOPs utilization: 6·N·tokens / (step · peak).
+    pub mfu: f64,
+}
+
+/// The whole answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// Parameters.
+    pub params: u64,
+    /// Memory per tier.
+    pub memory: MemoryPlan,
+    /// Whether host state and device working set fit.
+    pub fits: bool,
+    /// Why not, if not.
+    pub missing: Option<String>,
+    /// The smallest change that fits, if it does not.
+    pub suggestion: Option<String>,
+    /// Predicted times.
+    pub time: TimePlan,
+    /// Always "prediction".
+    pub kind: &'static str,
+}
+
+/// Datasheet peaks (dense TFLOP/s fp32, bf16) of GPUs the probe can name.
+fn gpu_peaks(name: &str) -> Option<(f64, f64)> {
+    let n = name.to_ascii_lowercase();
+    [
+        ("h200", 67.0, 989.0),
+        ("gh200", 67.0, 989.0),
+        ("h100", 67.0, 989.0),
+        ("a100", 19.5, 312.0),
+        ("4090", 82.6, 165.2),
+        ("l40s", 91.6, 362.0),
+        ("b200", 80.0, 2250.0),
+    ]
+    .iter()
+    .find(|(k, _, _)| n.contains(k))
+    .map(|&(_, a, b)| (a, b))
+}
+
+/// Hardware from a probe description (`megatrain probe --json`): GPU `gpu`'s peaks from its name,
+/// its link from the PCIe generation × width (or NVLink-C2C), host RAM from the DRAM nodes, and
+/// an AdamW rate of 5 GB/s per core unless `adam_gbps` (from `megatrain bench adam --json`) is
+/// given. Returns the assumptions made, to print beside the plan.
+pub fn hardware_from_machine(
+    m: &crate::topology::Machine,
+    gpu: usize,
+    adam_gbps: Option<f64>,
+    nvme_gbps: Option<f64>,
+) -> crate::Result<(Hardware, Vec<String>)> {
+    let mut notes = Vec::new();
+    let g = m.gpus.get(gpu).ok_or_else(|| {
+        crate::Error::bad_input(
+            "--machine",
+            "GPUs",
+            format!(
+                "the description has {} GPU(s), GPU {gpu} was asked for",
+                m.gpus.len()
+            ),
+            Some("use a machine preset, or a probe of a machine with a GPU"),
+        )
+    })?;
+    let name = g.name.clone().unwrap_or_else(|| "unknown GPU".into());
+    let (fp32, bf16) = gpu_peaks(&name).ok_or_else(|| {
+        crate::Error::bad_input(
+            "--machine",
+            name.clone(),
+            "no datasheet figures for this GPU",
+            Some("use a machine preset"),
+        )
+    })?;
+    let link = match (g.link.kind, g.link.pcie_generation, g.link.pcie_width) {
+        (crate::topology::LinkKind::CoherentNvlink, _, _) => 340.0,
+        (_, Some(gen), Some(w)) => {
+            // ~87% of the raw link rate is what pinned copies reach (nvbandwidth on Gen4/Gen5).
+            let lane = [0.25, 0.5, 0.985, 1.969, 3.938, 7.56][usize::from(gen.clamp(1, 6)) - 1];
+            0.87 * lane * f64::from(w)
+        }
+        _ => {
+            notes.push("link unknown: assumed PCIe Gen4 x16 (27 GB/s)".into());
+            27.0
+        }
+    };
+    let adam = adam_gbps.unwrap_or_else(|| {
+        notes.push(format!("AdamW rate assumed 5 GB/s per core ({} cores); pass --calibration from `megatrain bench adam --json`", m.cores));
+        5.0 * m.cores as f64
+    });
+    Ok((
+        Hardware {
+            name: m
+                .hostname
+                .clone()
+                .unwrap_or_else(|| "probed machine".into()),
+            gpu: name,
+            gpu_memory_bytes: g.memory_bytes.unwrap_or(0),
+            fp32_tflops: fp32,
+            bf16_tflops: bf16,
+            compute_efficiency: 0.6,
+            htod_gbps: link,
+            dtoh_gbps: link,
+            host_ram_bytes: m.memory_bytes(crate::topology::MemoryKind::Dram)
+                + m.memory_bytes(crate::topology::MemoryKind::Hbm),
+            adam_gbps: adam,
+            nvme_gbps,
+            sources: "probe description + datasheet peaks".into(),
+        },
+        notes,
+    ))
+}
+
+/// Share of host RAM and GPU memory the plan may use.
+pub const USABLE: f64 = 0.9;
+
+/// Memory per tier for `model` under `req`.
+pub fn memory(model: &ModelConfig, req: &PlanRequest) -> MemoryPlan {
+    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let c = model.hidden_size as u64;
+    let tokens_mb = req.seq_len.max(1) * (req.tokens_per_step / req.seq_len.max(1)).clamp(1, 16);
+    let mut host = layout.total_bytes();
+    let moments = layout.kind_bytes(ShardKind::AdamM) + layout.kind_bytes(ShardKind::AdamV);
+    let nvme = if req.spill_moments { moments } else { 0 };
+    host -= nvme;
+    if req.spill_moments {
+        // Staging for the layer being updated and the next one being prefetched.
+        host += 2 * 2 * 4 * layout.max_unit_numel() as u64;
+    }
+    let ckpt = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
+    let elem = if req.bf16 { 2 } else { 4 };
+    let slots = 2 * layout.max_unit_numel() as u64 * (elem + 4); // weights (streamed dtype) + fp32 grads
+    let i = model.intermediate_size as u64;
+    let act = tokens_mb * 4 * (10 * c + 5 * i + 2 * (model.q_dim() + model.kv_dim()) as u64);
+    MemoryPlan {
+        host_state_bytes: host,
+        host_checkpoint_bytes: ckpt,
+        device_bytes: slots + act,
+        nvme_bytes: nvme,
+        host_bytes_per_param: host as f64 / layout.num_params().max(1) as f64,
+    }
+}
+
+/// FLOPs of one step: 2·N per token for the forward, again for the recompute, 4·N for the
+/// backward (8·N in all), plus causal attention (4·T·d per token per layer forward, ×4).
+pub fn step_flops(model: &ModelConfig, tokens: u64, seq: u64) -> f64 {
+    let n = model.num_params() as f64;
+    let attn = 4.0 * (seq as f64 / 2.0) * model.q_dim() as f64 * model.num_layers as f64;
+    tokens as f64 * (8.0 * n + 4.0 * attn)
+}
+
+/// Predicted times.
+pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
+    let n = model.num_params() as f64;
+    let peak = if req.bf16 {
+        hw.bf16_tflops
+    } else {
+        hw.fp32_tflops
+    } * 1e12;
+    let compute_s =
+        step_flops(model, req.tokens_per_step, req.seq_len) / (peak * hw.compute_efficiency);
+    let micro = (req.tokens_per_step / req.seq_len.max(1) / 16).max(1) as f64;
+    let elem = if req.bf16 { 2.0 } else { 4.0 };
+    let htod_s = micro * 2.0 * n * elem / (hw.htod_gbps * 1e9);
+    let dtoh_s = micro * n * 4.0 / (hw.dtoh_gbps * 1e9);
+    let adam_bytes = if req.bf16 { 30.0 } else { 28.0 };
+    let adam_s = n * adam_bytes / (hw.adam_gbps * 1e9);
+    let nvme_s = if req.spill_moments {
+        hw.nvme_gbps
+            .map_or(f64::INFINITY, |g| 2.0 * 8.0 * n / (g * 1e9))
+    } else {
+        0.0
+    };
+    let parts = [
+        ("GPU compute", compute_s),
+        ("host→device", htod_s),
+        ("device→host", dtoh_s),
+        ("CPU AdamW", adam_s),
+        ("NVMe", nvme_s),
+    ];
+    let (bottleneck, step_s) = parts
+        .iter()
+        .fold(("", 0.0f64), |a, &(k, v)| if v > a.1 { (k, v) } else { a });
+    let useful = 6.0 * n * req.tokens_per_step as f64;
+    TimePlan {
+        compute_s,
+        htod_s,
+        dtoh_s,
+        adam_s,
+        nvme_s,
+        step_s,
+        bottleneck: bottleneck.to_owned(),
+        tokens_per_s: req.tokens_per_step as f64 / step_s,
+        mfu: useful / (step_s * peak),
+    }
+}
+
+fn fits(m: &MemoryPlan, hw: &Hardware) -> Result<(), String> {
+    let host_cap = (hw.host_ram_bytes as f64 * USABLE) as u64;
+    let dev_cap = (hw.gpu_memory_bytes as f64 * USABLE) as u64;
+    let host_need = m.host_state_bytes + m.host_checkpoint_bytes;
+    let mut why = Vec::new();
+    if host_need > host_cap {
+        why.push(format!(
+            "host needs {} of {} usable: {} missing",
+            crate::util::human_bytes(host_need),
+            crate::util::human_bytes(host_cap),
+            crate::util::human_bytes(host_need - host_cap)
+        ));
+    }
+    if m.device_bytes > dev_cap {
+        why.push(format!(
+            "GPU needs {} of {} usable: {} missing",
+            crate::util::human_bytes(m.device_bytes),
+            crate::util::human_bytes(dev_cap),
+            crate::util::human_bytes(m.device_bytes - dev_cap)
+        ));
+    }
+    if why.is_empty() {
+        Ok(())
+    } else {
+        Err(why.join("; "))
+    }
+}
+
+/// Plan `model` on `hw`.
+pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
+    let mem = memory(model, req);
+    let verdict = fits(&mem, hw);
+    let suggestion = verdict.is_err().then(|| {
+        // The smallest change first: each alternative alone, then combined.
+        let mut tries: Vec<(String, PlanRequest)> = Vec::new();
+        if req.mode == Mode::Exact {
+            tries.push((
+                "--mode lean".into(),
+                PlanRequest {
+                    mode: Mode::Lean,
+                    ..req.clone()
+                },
+            ));
+        }
+        if !req.bf16 {
+            tries.push((
+                "--precision bf16".into(),
+                PlanRequest {
+                    bf16: true,
+                    ..req.clone()
+                },
+            ));
+        }
+        if hw.nvme_gbps.is_some() && !req.spill_moments {
+            tries.push((
+                "spill Adam m/v to NVMe".into(),
+                PlanRequest {
+                    spill_moments: true,
+                    ..req.clone()
+                },
+            ));
+            tries.push((
+                "--mode lean and spill m/v to NVMe".into(),
+                PlanRequest {
+                    spill_moments: true,
+                    mode: Mode::Lean,
+                    ..req.clone()
+                },
+            ));
+        }
+        if req.seq_len > 512 {
+            tries.push((
+                format!("--seq-len {}", req.seq_len / 2),
+                PlanRequest {
+                    seq_len: req.seq_len / 2,
+                    tokens_per_step: req.tokens_per_step / 2,
+                    ..req.clone()
+                },
+            ));
+        }
+        tries
+            .into_iter()
+            .find(|(_, r)| fits(&memory(model, r), hw).is_ok())
+            .map_or_else(
+                || {
+                    "nothing tried fits: more host RAM (or an NVMe spill directory) is needed"
+                        .to_owned()
+                },
+                |(what, _)| what,
+            )
+    });
+    Plan {
+        params: model.num_params() as u64,
+        time: time(model, hw, req),
+        fits: verdict.is_ok(),
+        missing: verdict.err(),
+        suggestion,
+        memory: mem,
+        kind: "prediction",
+    }
+}
+
+/// The plan as text.
+pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> String {
+    let hb = crate::util::human_bytes;
+    let t = &p.time;
+    let ms = |s: f64| {
+        if s.is_finite() {
+            format!("{:.1} ms", s * 1e3)
+        } else {
+            "∞ (no NVMe given)".into()
+        }
+    };
+    let mut s = format!(
+        "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
+         {} tokens/step, seq {}, {}, {} mode{}\n\n\
+         memory\n  host state       {:>12}  ({:.1} B/param)\n  host checkpoints {:>12}\n  GPU working set  {:>12}  of {}\n  NVMe             {:>12}\n  fits: {}\n",
+        p.params as f64 / 1e9,
+        hw.name,
+        hw.gpu,
+        req.tokens_per_step,
+        req.seq_len,
+        if req.bf16 { "bf16 streaming" } else { "fp32" },
+        match req.mode {
+            Mode::Exact => "exact",
+            Mode::Lean => "lean",
+        },
+        if req.spill_moments { ", Adam m/v on NVMe" } else { "" },
+        hb(p.memory.host_state_bytes),
+        p.memory.host_bytes_per_param,
+        hb(p.memory.host_checkpoint_bytes),
+        hb(p.memory.device_bytes),
+        hb(hw.gpu_memory_bytes),
+        hb(p.memory.nvme_bytes),
+        if p.fits { "yes".to_owned() } else { format!("NO — {}", p.missing.clone().unwrap_or_default()) },
+    );
+    if let Some(sg) = &p.suggestion {
+        s += &format!("  smallest change that fits: {sg}\n");
+    }
+    s += &format!(
+        "\npredicted step (a model, not a measurement)\n  GPU compute {}\n  host→device {}\n  device→host {}\n  CPU AdamW   {}\n  NVMe        {}\n  step        {}  bound by {}\n  {:.0} tokens/s, MFU {:.1}%\n",
+        ms(t.compute_s),
+        ms(t.htod_s),
+        ms(t.dtoh_s),
+        ms(t.adam_s),
+        ms(t.nvme_s),
+        ms(t.step_s),
+        t.bottleneck,
+        t.tokens_per_s,
+        100.0 * t.mfu
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: u64) -> PlanRequest {
+        PlanRequest {
+            tokens_per_step: tokens,
+            seq_len: 4096,
+            bf16: false,
+            mode: Mode::Exact,
+            spill_moments: false,
+        }
+    }
+
+    #[test]
+    fn fits_and_does_not_fit_with_the_smallest_change() {
+        let hw = presets::machine("h200-1.5tb").unwrap();
+        let p8 = plan(&presets::model("llama-3-8b").unwrap(), &hw, &req(8192));
+        assert!(p8.fits && p8.suggestion.is_none());
+        assert!((p8.memory.host_bytes_per_param - 16.0).abs() < 0.1);
+        let p405 = plan(&presets::model("llama-3-405b").unwrap(), &hw, &req(8192));
+        assert!(!p405.fits);
+        assert!(p405.missing.as_deref().unwrap_or("").contains("missing"));
+        assert!(p405.suggestion.is_some());
+        // 120B on 1.5 TB (MegaTrain's headline): exact mode's 16 B/param (1.9 TB) does not fit,
+        // lean mode's 12 B/param (1.43 TB) does, within 90% of the RAM.
+        let m120 = presets::model("llama-120b").unwrap();
+        let p = plan(&m120, &hw, &req(8192));
+        assert!(!p.fits);
+        assert_eq!(p.suggestion.as_deref(), Some("--mode lean"));
+        assert!(
+            plan(
+                &m120,
+                &hw,
+                &PlanRequest {
+                    mode: Mode::Lean,
+                    ..req(8192)
+                }
+            )
+            .fits
+        );
+        // 405B: even its fp32 params alone (1.6 TB) exceed the machine; nothing tried fits.
+        let hw_nvme = Hardware {
+            nvme_gbps: Some(12.0),
+            ..hw.clone()
+        };
+        let p = plan(
+            &presets::model("llama-3-405b").unwrap(),
+            &hw_nvme,
+            &req(8192),
+        );
+        assert!(
+            p.suggestion
+                .as_deref()
+                .unwrap_or("")
+                .contains("nothing tried fits"),
+            "{:?}",
+            p.suggestion
+        );
+    }
+
+    #[test]
+    fn bottlenecks_move_with_tokens_and_link() {
+        let m = presets::model("qwen2.5-14b").unwrap();
+        let pcie = presets::machine("h100-512gb").unwrap();
+        let small = time(
+            &m,
+            &pcie,
+            &PlanRequest {
+                bf16: true,
+                ..req(1024)
+            },
+        );
+        assert_ne!(
+            small.bottleneck, "GPU compute",
+            "few tokens in bf16: the link or AdamW bounds"
+        );
+        let big = time(
+            &m,
+            &pcie,
+            &PlanRequest {
+                bf16: true,
+                ..req(1 << 20)
+            },
+        );
+        assert_eq!(big.bottleneck, "GPU compute");
+        assert!(big.mfu > 0.3 && big.mfu <= 0.6 + 1e-9, "{}", big.mfu);
+        // C2C moves 6x the bytes per second of PCIe5: the link-bound time shrinks accordingly.
+        let c2c = time(
+            &m,
+            &presets::machine("gh200-480gb").unwrap(),
+            &PlanRequest {
+                bf16: true,
+                ..req(1024)
+            },
+        );
+        assert!(c2c.htod_s * 5.0 < small.htod_s);
+    }
+}

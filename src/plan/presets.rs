@@ -1,0 +1,175 @@
+//! Machine and model presets for `megatrain plan`. Machine figures are datasheet peaks for the
+//! GPU and, for links and memory, measurements published by others where we know of them; each
+//! preset names its sources. They are inputs to a prediction, not our measurements.
+
+use super::Hardware;
+use crate::model::config::{Architecture, ModelConfig};
+
+const GB: u64 = 1_000_000_000;
+const GIB: u64 = 1 << 30;
+
+/// A machine preset by name.
+pub fn machine(name: &str) -> Option<Hardware> {
+    let h = |name: &str,
+             gpu: &str,
+             mem: u64,
+             fp32: f64,
+             bf16: f64,
+             htod: f64,
+             dtoh: f64,
+             ram: u64,
+             adam: f64,
+             src: &str| Hardware {
+        name: name.into(),
+        gpu: gpu.into(),
+        gpu_memory_bytes: mem,
+        fp32_tflops: fp32,
+        bf16_tflops: bf16,
+        compute_efficiency: 0.6,
+        htod_gbps: htod,
+        dtoh_gbps: dtoh,
+        host_ram_bytes: ram,
+        adam_gbps: adam,
+        nvme_gbps: None,
+        sources: src.into(),
+    };
+    Some(match name {
+        "h200-1.5tb" => h(
+            name,
+            "H200 SXM 141GB",
+            141 * GB,
+            67.0,
+            989.0,
+            55.0,
+            55.0,
+            1536 * GIB,
+            400.0,
+            "GPU: NVIDIA H200 datasheet (dense fp32 67 TF, bf16 989 TF); link: ~55 GB/s pinned H2D on PCIe5 H100/H200 hosts (nvbandwidth, DESIGN.md §1); host: 2-socket DDR5, AdamW assumed 0.9 × ~450 GB/s triad",
+        ),
+        "gh200-480gb" => h(
+            name,
+            "GH200 (H100 96GB)",
+            96 * GB,
+            67.0,
+            989.0,
+            340.0,
+            300.0,
+            480 * GB,
+            350.0,
+            "GPU: NVIDIA GH200 datasheet; link: NVLink-C2C ~340 GB/s H2D measured (nvbandwidth reports, DESIGN.md §1), D2H assumed 300; host: Grace LPDDR5X 480 GB, AdamW assumed 0.9 × ~390 GB/s triad",
+        ),
+        "h100-512gb" => h(
+            name,
+            "H100 SXM 80GB",
+            80 * GB,
+            67.0,
+            989.0,
+            55.0,
+            55.0,
+            512 * GIB,
+            200.0,
+            "GPU: NVIDIA H100 SXM datasheet; link: ~55 GB/s PCIe5 (nvbandwidth); host: 1-socket DDR5 512 GB, AdamW assumed 0.9 × ~220 GB/s triad",
+        ),
+        "rtx4090-256gb" => h(
+            name,
+            "GeForce RTX 4090 24GB",
+            24 * GB,
+            82.6,
+            165.2,
+            25.0,
+            25.0,
+            256 * GIB,
+            70.0,
+            "GPU: NVIDIA Ada whitepaper (fp32 82.6 TF, bf16 with fp32 accumulate 165 TF dense); link: PCIe4 x16 ~25 GB/s; host: workstation DDR5 256 GB, AdamW assumed 0.9 × ~80 GB/s",
+        ),
+        _ => return None,
+    })
+}
+
+/// Machine preset names.
+pub const MACHINES: [&str; 4] = ["h200-1.5tb", "gh200-480gb", "h100-512gb", "rtx4090-256gb"];
+
+#[allow(clippy::too_many_arguments)]
+fn llama_like(
+    arch: Architecture,
+    v: usize,
+    h: usize,
+    i: usize,
+    l: usize,
+    nh: usize,
+    nkv: usize,
+    tied: bool,
+    theta: f64,
+) -> ModelConfig {
+    ModelConfig {
+        architecture: arch,
+        vocab_size: v,
+        hidden_size: h,
+        intermediate_size: i,
+        num_layers: l,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: h / nh,
+        rms_norm_eps: 1e-5,
+        rope_theta: theta,
+        max_position_embeddings: 131072,
+        tie_word_embeddings: tied,
+        qkv_bias: arch == Architecture::Qwen2,
+        o_bias: false,
+        sliding_window: None,
+    }
+}
+
+/// A model preset by name (configurations as published on the Hugging Face Hub).
+pub fn model(name: &str) -> Option<ModelConfig> {
+    use Architecture::{Llama, Qwen2};
+    Some(match name {
+        "llama-3-8b" => llama_like(Llama, 128256, 4096, 14336, 32, 32, 8, false, 500000.0),
+        "llama-3-70b" => llama_like(Llama, 128256, 8192, 28672, 80, 64, 8, false, 500000.0),
+        "llama-3-405b" => llama_like(Llama, 128256, 16384, 53248, 126, 128, 8, false, 500000.0),
+        "qwen2.5-14b" => llama_like(Qwen2, 152064, 5120, 13824, 48, 40, 8, false, 1000000.0),
+        "qwen2.5-32b" => llama_like(Qwen2, 152064, 5120, 27648, 64, 40, 8, false, 1000000.0),
+        "qwen2.5-72b" => llama_like(Qwen2, 152064, 8192, 29568, 80, 64, 8, false, 1000000.0),
+        // Our own 120B configuration (MegaTrain reports a 120B model without publishing its
+        // config): Llama-3 style, d = 12288, 74 layers.
+        "llama-120b" => llama_like(Llama, 128256, 12288, 33792, 74, 96, 8, false, 500000.0),
+        _ => return None,
+    })
+}
+
+/// Model preset names.
+pub const MODELS: [&str; 7] = [
+    "llama-3-8b",
+    "llama-3-70b",
+    "llama-3-405b",
+    "qwen2.5-14b",
+    "qwen2.5-32b",
+    "qwen2.5-72b",
+    "llama-120b",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_counts_match_published_totals() {
+        // Totals from the models' Hub pages / safetensors indexes (parameters, not bytes).
+        for (name, published) in [
+            ("llama-3-8b", 8_030_261_248u64),
+            ("llama-3-70b", 70_553_706_496),
+            ("llama-3-405b", 405_853_388_800),
+            ("qwen2.5-14b", 14_770_033_664),
+            ("qwen2.5-32b", 32_763_876_352),
+            ("qwen2.5-72b", 72_706_203_648),
+        ] {
+            let n = model(name).unwrap().num_params() as u64;
+            assert_eq!(n, published, "{name}");
+        }
+        let n = model("llama-120b").unwrap().num_params() as f64;
+        assert!((n / 1e9 - 120.0).abs() < 2.0, "{n}");
+        for m in MACHINES {
+            assert!(machine(m).is_some());
+        }
+    }
+}
