@@ -29,6 +29,122 @@ enum Command {
     Export(ExportArgs),
     /// Tokenize text (.txt, or .jsonl with one document per line) into a token file for --data.
     Prepare(PrepareCliArgs),
+    /// Will it fit, and how fast will it go: memory per tier and a predicted step time.
+    Plan(PlanArgs),
+}
+
+#[derive(Debug, Args)]
+struct PlanArgs {
+    /// A model preset (llama-3-8b, llama-3-70b, llama-3-405b, qwen2.5-14b, qwen2.5-32b,
+    /// qwen2.5-72b, llama-120b) or an HF config.json.
+    #[arg(long)]
+    model: String,
+    /// A machine preset (h200-1.5tb, gh200-480gb, h100-512gb, rtx4090-256gb) or a
+    /// `megatrain probe --json` file.
+    #[arg(long)]
+    machine: String,
+    /// GPU index within a probed machine.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Tokens per optimizer step.
+    #[arg(long, default_value_t = 65536)]
+    tokens_per_step: u64,
+    /// Sequence length.
+    #[arg(long, default_value_t = 4096)]
+    seq_len: u64,
+    /// Tokens per micro-batch (default: the largest that fits the GPU).
+    #[arg(long)]
+    micro_batch_tokens: Option<u64>,
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: megatrain::train::config::Precision,
+    #[arg(long, value_enum, default_value = "exact")]
+    mode: megatrain::store::layout::Mode,
+    /// NVMe directories for spilling Adam m/v (each assumed 3 GB/s unless calibrated).
+    #[arg(long, value_name = "DIR")]
+    nvme: Vec<PathBuf>,
+    /// `megatrain bench adam --json` output measured on the machine (sets the AdamW rate).
+    #[arg(long, value_name = "bench.json")]
+    calibration: Option<PathBuf>,
+    #[arg(long)]
+    json: bool,
+}
+
+fn plan(a: &PlanArgs) -> Result<()> {
+    use megatrain::plan::{self as pl, presets};
+    let model = match presets::model(&a.model) {
+        Some(m) => m,
+        None => megatrain::model::config::ModelConfig::from_file(std::path::Path::new(&a.model))
+            .map_err(|e| e.with_fix(format!("or use a preset: {}", presets::MODELS.join(", "))))?,
+    };
+    let adam = match &a.calibration {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| megatrain::Error::io("read calibration", p, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                megatrain::Error::bad_input(
+                    "calibration",
+                    p.display().to_string(),
+                    format!("not JSON: {e}"),
+                    None,
+                )
+            })?;
+            Some(v["adam"]["gbytes_per_s"].as_f64().ok_or_else(|| {
+                megatrain::Error::bad_input(
+                    "calibration",
+                    p.display().to_string(),
+                    "no adam.gbytes_per_s",
+                    Some("write it with `megatrain bench adam --json`"),
+                )
+            })?)
+        }
+        None => None,
+    };
+    let nvme = (!a.nvme.is_empty()).then(|| 3.0 * a.nvme.len() as f64);
+    let mut notes = Vec::new();
+    let mut hw = match presets::machine(&a.machine) {
+        Some(h) => h,
+        None => {
+            let path = std::path::Path::new(&a.machine);
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                megatrain::Error::io("read machine", path, e)
+                    .with_fix(format!("or use a preset: {}", presets::MACHINES.join(", ")))
+            })?;
+            let m = megatrain::topology::Machine::from_json(&text, &a.machine)?;
+            let (h, n) = pl::hardware_from_machine(&m, a.gpu, adam, nvme)?;
+            notes = n;
+            h
+        }
+    };
+    if let Some(g) = adam {
+        hw.adam_gbps = g;
+    }
+    if nvme.is_some() {
+        hw.nvme_gbps = nvme;
+        notes.push(format!(
+            "NVMe assumed 3 GB/s per directory ({} given)",
+            a.nvme.len()
+        ));
+    }
+    let req = pl::PlanRequest {
+        tokens_per_step: a.tokens_per_step,
+        seq_len: a.seq_len,
+        bf16: a.precision == megatrain::train::config::Precision::Bf16,
+        mode: a.mode,
+        spill_moments: !a.nvme.is_empty(),
+        micro_batch_tokens: a.micro_batch_tokens,
+    };
+    let p = pl::plan(&model, &hw, &req);
+    if a.json {
+        let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "assumptions": notes });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        print!("{}", pl::render(&a.model, &hw, &req, &p));
+        for n in &notes {
+            println!("  assumption: {n}");
+        }
+        println!("  sources: {}", hw.sources);
+    }
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -593,6 +709,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(args),
         Command::Export(args) => export(args),
         Command::Prepare(args) => prepare(args),
+        Command::Plan(args) => plan(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -50,6 +50,22 @@ pub struct PlanRequest {
     pub mode: Mode,
     /// Spill Adam m/v to NVMe.
     pub spill_moments: bool,
+    /// Tokens per micro-batch; `None` lets [`plan`] pick the largest whole number of sequences
+    /// (dividing the step) whose device working set fits. Weights cross the link twice per
+    /// micro-batch, so larger micro-batches cost device memory and save link time.
+    pub micro_batch_tokens: Option<u64>,
+}
+
+impl PlanRequest {
+    fn micro_tokens(&self) -> u64 {
+        self.micro_batch_tokens
+            .unwrap_or(self.seq_len)
+            .clamp(1, self.tokens_per_step.max(1))
+    }
+
+    fn micro_batches(&self) -> u64 {
+        self.tokens_per_step.div_ceil(self.micro_tokens()).max(1)
+    }
 }
 
 /// Bytes per tier.
@@ -95,6 +111,8 @@ pub struct TimePlan {
 pub struct Plan {
     /// Parameters.
     pub params: u64,
+    /// Tokens per micro-batch used (chosen by the planner unless given).
+    pub micro_batch_tokens: u64,
     /// Memory per tier.
     pub memory: MemoryPlan,
     /// Whether host state and device working set fit.
@@ -203,7 +221,7 @@ pub const USABLE: f64 = 0.9;
 pub fn memory(model: &ModelConfig, req: &PlanRequest) -> MemoryPlan {
     let layout = StateLayout::new(model, req.mode, req.bf16);
     let c = model.hidden_size as u64;
-    let tokens_mb = req.seq_len.max(1) * (req.tokens_per_step / req.seq_len.max(1)).clamp(1, 16);
+    let tokens_mb = req.micro_tokens();
     let mut host = layout.total_bytes();
     let moments = layout.kind_bytes(ShardKind::AdamM) + layout.kind_bytes(ShardKind::AdamV);
     let nvme = if req.spill_moments { moments } else { 0 };
@@ -244,7 +262,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     } * 1e12;
     let compute_s =
         step_flops(model, req.tokens_per_step, req.seq_len) / (peak * hw.compute_efficiency);
-    let micro = (req.tokens_per_step / req.seq_len.max(1) / 16).max(1) as f64;
+    let micro = req.micro_batches() as f64;
     let elem = if req.bf16 { 2.0 } else { 4.0 };
     let htod_s = micro * 2.0 * n * elem / (hw.htod_gbps * 1e9);
     let dtoh_s = micro * n * 4.0 / (hw.dtoh_gbps * 1e9);
@@ -310,6 +328,31 @@ fn fits(m: &MemoryPlan, hw: &Hardware) -> Result<(), String> {
 
 /// Plan `model` on `hw`.
 pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
+    let req = &match req.micro_batch_tokens {
+        Some(_) => req.clone(),
+        // Lean mode cannot accumulate micro-batches: the whole step is one micro-batch.
+        None if req.mode == Mode::Lean => PlanRequest {
+            micro_batch_tokens: Some(req.tokens_per_step),
+            ..req.clone()
+        },
+        None => {
+            // The largest whole number of sequences dividing the step whose device working set
+            // and host checkpoints fit (both grow with the micro-batch).
+            let seqs = (req.tokens_per_step / req.seq_len.max(1)).max(1);
+            let pick = (1..=seqs)
+                .rev()
+                .filter(|k| seqs % k == 0)
+                .map(|k| PlanRequest {
+                    micro_batch_tokens: Some(k * req.seq_len),
+                    ..req.clone()
+                })
+                .find(|r| fits(&memory(model, r), hw).is_ok());
+            pick.unwrap_or_else(|| PlanRequest {
+                micro_batch_tokens: Some(req.seq_len),
+                ..req.clone()
+            })
+        }
+    };
     let mem = memory(model, req);
     let verdict = fits(&mem, hw);
     let suggestion = verdict.is_err().then(|| {
@@ -373,6 +416,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     });
     Plan {
         params: model.num_params() as u64,
+        micro_batch_tokens: req.micro_tokens(),
         time: time(model, hw, req),
         fits: verdict.is_ok(),
         missing: verdict.err(),
@@ -395,12 +439,13 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     };
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
-         {} tokens/step, seq {}, {}, {} mode{}\n\n\
+         {} tokens/step in micro-batches of {}, seq {}, {}, {} mode{}\n\n\
          memory\n  host state       {:>12}  ({:.1} B/param)\n  host checkpoints {:>12}\n  GPU working set  {:>12}  of {}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         hw.name,
         hw.gpu,
         req.tokens_per_step,
+        p.micro_batch_tokens,
         req.seq_len,
         if req.bf16 { "bf16 streaming" } else { "fp32" },
         match req.mode {
