@@ -99,7 +99,7 @@ fn plan(a: &PlanArgs) -> Result<()> {
         }
         None => None,
     };
-    let nvme = (!a.nvme.is_empty()).then(|| 3.0 * a.nvme.len() as f64);
+    let nvme = (!a.nvme.is_empty()).then_some(3.0 * a.nvme.len() as f64);
     let mut notes = Vec::new();
     let mut hw = match presets::machine(&a.machine) {
         Some(h) => h,

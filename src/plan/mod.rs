@@ -341,7 +341,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
             let seqs = (req.tokens_per_step / req.seq_len.max(1)).max(1);
             let pick = (1..=seqs)
                 .rev()
-                .filter(|k| seqs % k == 0)
+                .filter(|k| seqs.is_multiple_of(*k))
                 .map(|k| PlanRequest {
                     micro_batch_tokens: Some(k * req.seq_len),
                     ..req.clone()
@@ -490,6 +490,7 @@ mod tests {
             bf16: false,
             mode: Mode::Exact,
             spill_moments: false,
+            micro_batch_tokens: Some(tokens),
         }
     }
 
