@@ -559,6 +559,50 @@ enum BenchCommand {
     /// The streaming pipeline on the CPU device with an emulated link: step time vs the serial sum
     /// and the ideal max(compute, transfer, AdamW), for link-, compute- and AdamW-bound cases.
     Engine(BenchEngineArgs),
+    /// Sequential write/read GB/s of the spill I/O engine per block size and queue depth.
+    Nvme(BenchNvmeArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchNvmeArgs {
+    /// Directory on the device to test (repeat for several devices; blocks are striped).
+    #[arg(long, required = true)]
+    dir: Vec<PathBuf>,
+    /// Bytes per pass (K/M/G suffixes, powers of 1000).
+    #[arg(long, default_value = "512M", value_parser = megatrain::bench::parse_count)]
+    size: usize,
+    /// Passes per case; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Use the pread/pwrite fallback instead of io_uring.
+    #[arg(long)]
+    no_uring: bool,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
+    use megatrain::spill::io::EngineKind;
+    let engine = if a.no_uring {
+        EngineKind::Sync
+    } else {
+        EngineKind::Auto
+    };
+    let r = megatrain::bench::nvme::run(
+        &a.dir,
+        a.size as u64,
+        a.reps,
+        engine,
+        &[128 << 10, 1 << 20, 4 << 20],
+        &[1, 4, 16, 32, 64],
+    )?;
+    let text = if a.json {
+        serde_json::to_string_pretty(&r).unwrap_or_default()
+    } else {
+        megatrain::bench::nvme::render(&r)
+    };
+    println!("{}", text.trim_end());
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -706,6 +750,7 @@ fn main() -> ExitCode {
         Command::Probe(args) => probe(args),
         Command::Bench(BenchCommand::Adam(args)) => bench_adam(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Bench(BenchCommand::Nvme(args)) => bench_nvme(args),
         Command::Train(args) => train(args),
         Command::Export(args) => export(args),
         Command::Prepare(args) => prepare(args),
