@@ -3,7 +3,7 @@
 # Idempotent: installs nothing that is already there.
 set -euo pipefail
 
-APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev)
+APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev gcc libc6-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
