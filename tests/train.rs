@@ -189,7 +189,13 @@ fn kill_9_during_checkpoint_writes_leaves_a_loadable_checkpoint() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        // Wait until checkpoints are being written (startup time varies with the build and the
+        // machine's load), then kill at an arbitrary point of the write loop.
+        let t0 = std::time::Instant::now();
+        while checkpoint::latest(&ck).ok().flatten().is_none() && t0.elapsed().as_secs() < 60 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms / 10));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         let newest = checkpoint::latest(&ck)
@@ -284,6 +290,7 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
     let a = tempfile::tempdir().unwrap();
     let (m, d) = setup(a.path(), 20000);
     let ck = a.path().join("ckpt");
+    let metrics = a.path().join("m.jsonl");
     let child = Command::new(env!("CARGO_BIN_EXE_megatrain"))
         .args([
             "train",
@@ -299,13 +306,20 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
             "100000",
             "--checkpoint-dir",
             ck.to_str().unwrap(),
+            "--metrics",
+            metrics.to_str().unwrap(),
             "--device-memory",
             "268435456",
         ])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let t0 = std::time::Instant::now();
+    // Wait until training is under way (a first metrics line), whatever the startup time.
+    while std::fs::metadata(&metrics).map_or(true, |m| m.len() == 0) && t0.elapsed().as_secs() < 60
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     // SAFETY: sending SIGINT to our own child process.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
     let out = child.wait_with_output().unwrap();
