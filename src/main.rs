@@ -561,6 +561,33 @@ enum BenchCommand {
     Engine(BenchEngineArgs),
     /// Sequential write/read GB/s of the spill I/O engine per block size and queue depth.
     Nvme(BenchNvmeArgs),
+    /// Copy bandwidth: host memcpy between every NUMA node pair; host↔device cases (waived
+    /// without a CUDA device, with the reason).
+    Link(BenchLinkArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchLinkArgs {
+    /// Bytes per copy (K/M/G suffixes, powers of 1000).
+    #[arg(long, default_value = "256M", value_parser = megatrain::bench::parse_count)]
+    size: usize,
+    /// Copies per case; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_link(a: &BenchLinkArgs) -> Result<()> {
+    let machine = topology::probe(&TopologySource::Live)?;
+    let r = megatrain::bench::link::run(&machine, a.size.max(4096), a.reps)?;
+    let text = if a.json {
+        serde_json::to_string_pretty(&r).unwrap_or_default()
+    } else {
+        megatrain::bench::link::render(&r)
+    };
+    println!("{}", text.trim_end());
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -751,6 +778,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Adam(args)) => bench_adam(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Bench(BenchCommand::Nvme(args)) => bench_nvme(args),
+        Command::Bench(BenchCommand::Link(args)) => bench_link(args),
         Command::Train(args) => train(args),
         Command::Export(args) => export(args),
         Command::Prepare(args) => prepare(args),

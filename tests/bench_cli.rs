@@ -52,3 +52,18 @@ fn bench_adam_reports_both_kernels() {
     assert!(v["triad"]["gbytes_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["ratio"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn bench_link_measures_every_numa_pair_and_waives_gpu_cases() {
+    let v = json(&["bench", "link", "--size", "16M", "--reps", "2", "--json"]);
+    let nodes = v["nodes"].as_array().unwrap().len();
+    let m = v["memcpy_gbps"].as_array().unwrap();
+    assert_eq!(m.len(), nodes);
+    assert!(m.iter().all(|row| row
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|x| x.as_f64().unwrap() > 0.0)));
+    let waived = v["waived"].as_array().unwrap();
+    assert!(!waived.is_empty(), "host↔device cases must be reported");
+}

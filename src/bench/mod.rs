@@ -3,6 +3,7 @@
 
 pub mod adam;
 pub mod engine;
+pub mod link;
 pub mod nvme;
 
 /// Parse a count with an optional K/M/G suffix (powers of 1000): "64M" → 64 000 000.
