@@ -269,6 +269,12 @@ struct TrainArgs {
     device: Option<megatrain::train::config::DeviceKind>,
     #[arg(long)]
     device_memory: Option<u64>,
+    /// Pages backing the host store (2m/1g need reserved hugetlbfs pages).
+    #[arg(long, value_enum)]
+    huge_pages: Option<megatrain::host::PageKind>,
+    /// mlock the host store.
+    #[arg(long)]
+    lock_memory: bool,
     #[arg(long, value_enum)]
     precision: Option<megatrain::train::config::Precision>,
     #[arg(long, value_enum)]
@@ -323,6 +329,7 @@ impl TrainArgs {
             keep_checkpoints,
             device,
             device_memory,
+            huge_pages,
             precision,
             mode,
             val_every,
@@ -330,6 +337,7 @@ impl TrainArgs {
         );
         c.shuffle |= self.shuffle;
         c.resume |= self.resume;
+        c.lock_memory |= self.lock_memory;
         c
     }
 }

@@ -13,14 +13,31 @@ use std::ptr::NonNull;
 pub const SHARD_ALIGN: usize = 4096;
 
 /// Which pages back a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum PageKind {
     /// 4 KiB pages, with `MADV_HUGEPAGE` so THP in `madvise` mode backs them with 2 MiB pages.
     #[default]
+    #[value(name = "transparent")]
+    #[serde(rename = "transparent")]
     Transparent,
     /// Explicit 2 MiB hugetlbfs pages (`vm.nr_hugepages`), which must be reserved beforehand.
+    #[value(name = "2m")]
+    #[serde(rename = "2m")]
     Huge2M,
     /// Explicit 1 GiB hugetlbfs pages.
+    #[value(name = "1g")]
+    #[serde(rename = "1g")]
     Huge1G,
 }
 

@@ -108,6 +108,10 @@ pub struct TrainConfig {
     pub device: DeviceKind,
     /// Device memory budget (bytes) of the CPU device.
     pub device_memory: u64,
+    /// Pages backing the host store: transparent, or reserved hugetlbfs pages (2m, 1g).
+    pub huge_pages: crate::host::PageKind,
+    /// mlock the host store (needs a memlock limit ≥ the store, or CAP_IPC_LOCK).
+    pub lock_memory: bool,
     /// Streaming precision.
     pub precision: Precision,
     /// Exact or lean.
@@ -151,6 +155,8 @@ impl Default for TrainConfig {
             export_hf: None,
             device: DeviceKind::Cpu,
             device_memory: 2 << 30,
+            huge_pages: crate::host::PageKind::Transparent,
+            lock_memory: false,
             precision: Precision::Fp32,
             mode: Mode::Exact,
             trace: None,

@@ -219,7 +219,15 @@ pub fn run(
     let layout = StateLayout::new(&model, cfg.mode, false);
     let machine = probe(&TopologySource::Live)?;
     let placement = place(&machine, &layout, None, RamBudget::default())?;
-    let store = HostStore::allocate(layout.clone(), placement, &StoreOptions::default())?;
+    let store = HostStore::allocate(
+        layout.clone(),
+        placement,
+        &StoreOptions {
+            pages: cfg.huge_pages,
+            lock: cfg.lock_memory,
+            unbound: false,
+        },
+    )?;
     let mut start_step = 0;
     let mut cursor = Cursor::default();
     let mut prev_norm = None;
