@@ -528,18 +528,7 @@ fn export(args: &ExportArgs) -> Result<()> {
             )
         })?
     };
-    let state: checkpoint::TrainState = serde_json::from_slice(
-        &std::fs::read(dir.join("state.json"))
-            .map_err(|e| megatrain::Error::io("read", dir.join("state.json"), e))?,
-    )
-    .map_err(|e| {
-        megatrain::Error::bad_input(
-            "checkpoint",
-            dir.display().to_string(),
-            format!("state.json: {e}"),
-            None,
-        )
-    })?;
+    let state = checkpoint::read_state(&dir)?;
     let layout = megatrain::store::layout::StateLayout::new(
         &state.model,
         megatrain::store::layout::Mode::Lean,
@@ -589,12 +578,7 @@ struct BenchLinkArgs {
 fn bench_link(a: &BenchLinkArgs) -> Result<()> {
     let machine = topology::probe(&TopologySource::Live)?;
     let r = megatrain::bench::link::run(&machine, a.size.max(4096), a.reps)?;
-    let text = if a.json {
-        serde_json::to_string_pretty(&r).unwrap_or_default()
-    } else {
-        megatrain::bench::link::render(&r)
-    };
-    println!("{}", text.trim_end());
+    print_report(a.json, &r, megatrain::bench::link::render);
     Ok(())
 }
 
@@ -631,12 +615,7 @@ fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
         &[128 << 10, 1 << 20, 4 << 20],
         &[1, 4, 16, 32, 64],
     )?;
-    let text = if a.json {
-        serde_json::to_string_pretty(&r).unwrap_or_default()
-    } else {
-        megatrain::bench::nvme::render(&r)
-    };
-    println!("{}", text.trim_end());
+    print_report(a.json, &r, megatrain::bench::nvme::render);
     Ok(())
 }
 
@@ -657,12 +636,11 @@ fn bench_engine(args: &BenchEngineArgs) -> Result<()> {
     let machine = topology::probe(&TopologySource::Live)?;
     let cases =
         megatrain::bench::engine::run(&machine, args.steps.max(1), args.trace_dir.as_deref())?;
-    let text = if args.json {
-        serde_json::to_string_pretty(&cases).unwrap_or_default()
-    } else {
-        megatrain::bench::engine::render(&cases)
-    };
-    println!("{}", text.trim_end());
+    print_report(
+        args.json,
+        cases.as_slice(),
+        megatrain::bench::engine::render,
+    );
     Ok(())
 }
 
@@ -699,6 +677,16 @@ enum IsaArg {
     Neon,
 }
 
+/// Print a bench report as JSON (`--json`) or as its text table.
+fn print_report<T: serde::Serialize + ?Sized>(json: bool, report: &T, render: fn(&T) -> String) {
+    let text = if json {
+        serde_json::to_string_pretty(report).unwrap_or_default()
+    } else {
+        render(report)
+    };
+    println!("{}", text.trim_end());
+}
+
 fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
     use megatrain::optim::adamw::Isa;
     let isa = args.isa.map(|i| match i {
@@ -729,12 +717,7 @@ fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
             isa,
         },
     )?;
-    let text = if args.json {
-        serde_json::to_string_pretty(&report).unwrap_or_default()
-    } else {
-        megatrain::bench::adam::render(&report)
-    };
-    println!("{}", text.trim_end());
+    print_report(args.json, &report, megatrain::bench::adam::render);
     Ok(())
 }
 

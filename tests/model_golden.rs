@@ -55,13 +55,28 @@ fn tokens(c: &Case, key: &str) -> Vec<u32> {
     c.g.get(key).iter().map(|&x| x as u32).collect()
 }
 
+/// One resident forward + backward over the golden batch: mean loss, gradients into `grads`.
+fn mean_loss_and_grads(
+    c: &Case,
+    tm: &Templates,
+    params: &[Vec<f32>],
+    grads: &mut [Vec<f32>],
+    toks: &[u32],
+    tgts: &[u32],
+    ws: &mut Workspace,
+) -> f64 {
+    let n = c.b * c.t;
+    let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
+    let mut gr: Vec<&mut [f32]> = grads.iter_mut().map(|v| &mut v[..]).collect();
+    step_resident(tm, &refs, &mut gr, toks, tgts, c.b, c.t, 1.0 / n as f32, ws).unwrap() / n as f64
+}
+
 fn check_case(case: &str) {
     let c = load(case);
     let tm = Templates::new(&c.layout, c.t).unwrap();
     let mut ws = Workspace::new(&c.layout.config, c.b, c.t);
     let mut params = units(&c, "param");
     let (toks, tgts) = (tokens(&c, "tokens"), tokens(&c, "targets"));
-    let n = c.b * c.t;
 
     let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
     let logits = forward_logits(&tm, &refs, &toks, c.b, c.t, &mut ws).unwrap();
@@ -69,22 +84,7 @@ fn check_case(case: &str) {
     assert!(e < TOL, "{case}: logits rel err {e:e}");
 
     let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
-    let loss = {
-        let mut gr: Vec<&mut [f32]> = grads.iter_mut().map(|v| &mut v[..]).collect();
-        step_resident(
-            &tm,
-            &refs,
-            &mut gr,
-            &toks,
-            &tgts,
-            c.b,
-            c.t,
-            1.0 / n as f32,
-            &mut ws,
-        )
-        .unwrap()
-            / n as f64
-    };
+    let loss = mean_loss_and_grads(&c, &tm, &params, &mut grads, &toks, &tgts, &mut ws);
     let want = f64::from(c.g.get("loss")[0]);
     assert!(
         ((loss - want) / want).abs() < 1e-6,
@@ -117,23 +117,7 @@ fn check_case(case: &str) {
     let step_loss = c.g.get("step_loss").to_vec();
     for (s, want) in step_loss.iter().enumerate() {
         grads.iter_mut().for_each(|g| g.fill(0.0));
-        let loss = {
-            let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
-            let mut gr: Vec<&mut [f32]> = grads.iter_mut().map(|v| &mut v[..]).collect();
-            step_resident(
-                &tm,
-                &refs,
-                &mut gr,
-                &toks,
-                &tgts,
-                c.b,
-                c.t,
-                1.0 / n as f32,
-                &mut ws,
-            )
-            .unwrap()
-                / n as f64
-        };
+        let loss = mean_loss_and_grads(&c, &tm, &params, &mut grads, &toks, &tgts, &mut ws);
         assert!(
             ((loss - f64::from(*want)) / f64::from(*want)).abs() < 1e-5,
             "{case}: step {s} loss {loss} vs {want}"

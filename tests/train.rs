@@ -155,37 +155,38 @@ fn megatrain(args: &[&str]) -> (i32, String) {
     )
 }
 
+/// `megatrain train` on the small model with a step count it will never reach (the test stops it).
+fn endless_run(m: &Path, d: &Path, ck: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    c.args([
+        "train",
+        "--model",
+        m.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+    ])
+    .args(["--seq-len", "16", "--batch-size", "2", "--steps", "100000"])
+    .args([
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--device-memory",
+        "268435456",
+    ])
+    .args(extra);
+    c
+}
+
 #[test]
 fn kill_9_during_checkpoint_writes_leaves_a_loadable_checkpoint() {
     let a = tempfile::tempdir().unwrap();
     let (m, d) = setup(a.path(), 20000);
     let ck = a.path().join("ckpt");
     for (attempt, delay_ms) in [(0, 900u64), (1, 1300), (2, 1700)] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-            .args([
-                "train",
-                "--model",
-                m.to_str().unwrap(),
-                "--data",
-                d.to_str().unwrap(),
-                "--seq-len",
-                "16",
-                "--batch-size",
-                "2",
-                "--steps",
-                "100000",
-                "--checkpoint-every",
-                "1",
-                "--checkpoint-dir",
-                ck.to_str().unwrap(),
-                "--device-memory",
-                "268435456",
-            ])
-            .args(if attempt > 0 {
-                vec!["--resume"]
-            } else {
-                vec![]
-            })
+        let mut extra = vec!["--checkpoint-every", "1"];
+        if attempt > 0 {
+            extra.push("--resume");
+        }
+        let mut child = endless_run(&m, &d, &ck, &extra)
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
@@ -307,26 +308,7 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
     let (m, d) = setup(a.path(), 20000);
     let ck = a.path().join("ckpt");
     let metrics = a.path().join("m.jsonl");
-    let child = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args([
-            "train",
-            "--model",
-            m.to_str().unwrap(),
-            "--data",
-            d.to_str().unwrap(),
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "2",
-            "--steps",
-            "100000",
-            "--checkpoint-dir",
-            ck.to_str().unwrap(),
-            "--metrics",
-            metrics.to_str().unwrap(),
-            "--device-memory",
-            "268435456",
-        ])
+    let child = endless_run(&m, &d, &ck, &["--metrics", metrics.to_str().unwrap()])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();

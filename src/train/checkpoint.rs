@@ -227,6 +227,20 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     }
 }
 
+/// A checkpoint's `state.json` (step, cursor, model and run configuration), without the tensors.
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let path = dir.join("state.json");
+    let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        Error::bad_input(
+            "checkpoint",
+            dir.display().to_string(),
+            format!("state.json: {e}"),
+            None,
+        )
+    })
+}
+
 /// Load a verified checkpoint into `store`; returns its state.
 pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
     verify(dir).map_err(|why| {
@@ -237,18 +251,7 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
             None,
         )
     })?;
-    let state: TrainState = serde_json::from_slice(
-        &std::fs::read(dir.join("state.json"))
-            .map_err(|e| Error::io("read", dir.join("state.json"), e))?,
-    )
-    .map_err(|e| {
-        Error::bad_input(
-            "checkpoint",
-            dir.display().to_string(),
-            format!("state.json: {e}"),
-            None,
-        )
-    })?;
+    let state = read_state(dir)?;
     if state.model != store.layout().config {
         return Err(Error::bad_input(
             "checkpoint",

@@ -164,21 +164,7 @@ pub fn run(
         _ => None,
     };
     let model: ModelConfig = match (&resume_dir, &cfg.init_from, &cfg.model) {
-        (Some(d), _, _) => {
-            let st: TrainState = serde_json::from_slice(
-                &std::fs::read(d.join("state.json"))
-                    .map_err(|e| Error::io("read", d.join("state.json"), e))?,
-            )
-            .map_err(|e| {
-                Error::bad_input(
-                    "checkpoint",
-                    d.display().to_string(),
-                    format!("state.json: {e}"),
-                    None,
-                )
-            })?;
-            st.model
-        }
+        (Some(d), _, _) => checkpoint::read_state(d)?.model,
         (None, Some(dir), _) => crate::model::hf::load_config(dir)?,
         (None, None, Some(path)) => ModelConfig::from_file(path)?,
         (None, None, None) => {
