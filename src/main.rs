@@ -596,6 +596,15 @@ struct BenchNvmeArgs {
     /// Use the pread/pwrite fallback instead of io_uring.
     #[arg(long)]
     no_uring: bool,
+    /// Block sizes to test (comma-separated, K/M suffixes).
+    #[arg(long, value_delimiter = ',', default_value = "128Ki,1Mi,4Mi", value_parser = megatrain::bench::parse_count)]
+    block: Vec<usize>,
+    /// Queue depths to test (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32,64")]
+    qd: Vec<usize>,
+    /// Also run fio (Debian's `fio`) on the same directories and cases and print both.
+    #[arg(long)]
+    fio: bool,
     #[arg(long)]
     json: bool,
 }
@@ -607,14 +616,27 @@ fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
     } else {
         EngineKind::Auto
     };
-    let r = megatrain::bench::nvme::run(
+    if let Some(b) = a.block.iter().find(|b| **b == 0 || !b.is_multiple_of(4096)) {
+        return Err(megatrain::Error::bad_input(
+            "--block",
+            b.to_string(),
+            "must be a positive multiple of 4 KiB (O_DIRECT)",
+            Some("e.g. --block 128Ki,1Mi,4Mi"),
+        ));
+    }
+    let mut r = megatrain::bench::nvme::run(
         &a.dir,
         a.size as u64,
         a.reps,
         engine,
-        &[128 << 10, 1 << 20, 4 << 20],
-        &[1, 4, 16, 32, 64],
+        &a.block,
+        &a.qd,
     )?;
+    if a.fio {
+        for c in &mut r.cases {
+            c.fio = Some(megatrain::bench::nvme::fio(&a.dir, a.size as u64, a.reps, c)?);
+        }
+    }
     print_report(a.json, &r, megatrain::bench::nvme::render);
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! registered buffers and O_DIRECT, or the fallback) for block sizes 128 KiB / 1 MiB / 4 MiB and
 //! queue depths 1–64, striped over the given directories; median of N passes, like fio's summary.
 
+use crate::host::{PageKind, Region, RegionSpec};
 use crate::spill::io::{EngineKind, IoEngine, Request};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -21,6 +22,17 @@ pub struct NvmeCase {
     pub write_gbps: f64,
     /// Median read GB/s.
     pub read_gbps: f64,
+    /// fio's figures for the same case, when asked for.
+    pub fio: Option<FioCase>,
+}
+
+/// fio on the same directories, block size and queue depth.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct FioCase {
+    /// Median write GB/s.
+    pub write_gbps: f64,
+    /// Median read GB/s.
+    pub read_gbps: f64,
 }
 
 /// The report.
@@ -32,6 +44,8 @@ pub struct NvmeReport {
     pub bytes_per_pass: u64,
     /// io_uring in use.
     pub uring: bool,
+    /// Registered (fixed) buffers in use.
+    pub fixed_buffers: bool,
     /// O_DIRECT in use.
     pub direct: bool,
     /// Passes per case (median reported).
@@ -96,69 +110,86 @@ pub fn run(
     }
     let mut cases = Vec::new();
     let mut uring = false;
+    let mut fixed = false;
     for &bs in blocks {
         for &qd in depths {
-            let mut eng = IoEngine::new(engine, qd, qd, bs)?;
+            let mut eng = IoEngine::new(engine, qd)?;
             uring = eng.is_uring();
-            for i in 0..qd {
-                eng.buf(i).fill(i as u8 | 1);
-            }
+            // One buffer per in-flight request (request i uses buffer i mod qd).
+            let buf = Region::allocate(RegionSpec {
+                label: format!("bench buffers ({qd} x {bs} bytes)"),
+                bytes: qd * bs,
+                node: None,
+                prefault_cpus: Vec::new(),
+                pages: PageKind::Transparent,
+                lock: false,
+            })?;
+            // SAFETY: the region outlives `eng` (declared before it is dropped below).
+            fixed = unsafe { eng.register(&[(buf.as_ptr(), qd * bs)], bs) }.is_ok();
+            // SAFETY: fresh region of qd·bs bytes.
+            unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), qd * bs) }.fill(0x5a);
             let blocks_total = (size as usize / bs).max(qd);
-            let mut pass = |write: bool| -> Result<f64> {
-                let t0 = Instant::now();
-                let mut b = 0;
-                while b < blocks_total {
-                    let n = qd.min(blocks_total - b);
-                    let reqs: Vec<Request> = (0..n)
-                        .map(|k| {
-                            let blk = b + k;
-                            let (f, per) = (blk % files.len(), blk / files.len());
-                            Request {
-                                fd: files[f].1.as_raw_fd(),
-                                write,
-                                offset: (per * bs) as u64,
-                                buf: k,
-                                len: bs,
-                            }
-                        })
-                        .collect();
-                    for r in eng.run(&reqs) {
-                        match r {
-                            Ok(x) if x == bs => {}
-                            Ok(x) => {
-                                return Err(Error::system(
-                                    "bench nvme",
-                                    "I/O",
-                                    format!("short transfer of {x} bytes"),
-                                ))
-                            }
-                            Err(e) => return Err(Error::system("bench nvme", "I/O", e)),
+            let reqs = |write: bool| -> Vec<Request> {
+                (0..blocks_total)
+                    .map(|blk| {
+                        let (f, per) = (blk % files.len(), blk / files.len());
+                        Request {
+                            fd: files[f].1.as_raw_fd(),
+                            write,
+                            offset: (per * bs) as u64,
+                            // SAFETY: (blk mod qd)·bs + bs ≤ qd·bs.
+                            addr: unsafe { buf.as_ptr().add((blk % qd) * bs) },
+                            len: bs,
                         }
-                    }
-                    b += n;
-                }
+                    })
+                    .collect()
+            };
+            let (wreqs, rreqs) = (reqs(true), reqs(false));
+            let mut pass = |write: bool| -> Result<f64> {
+                let failure = std::sync::Mutex::new(None::<String>);
+                let t0 = Instant::now();
+                // SAFETY: the buffer region stays valid; the bench data is never read back, so
+                // requests sharing a buffer only race on bytes nobody looks at.
+                unsafe {
+                    eng.run(
+                        if write { &wreqs } else { &rreqs },
+                        |_| {},
+                        |_, r| {
+                            let bad = match r {
+                                Ok(x) if x == bs => None,
+                                Ok(x) => Some(format!("short transfer of {x} of {bs} bytes")),
+                                Err(e) => Some(e.to_string()),
+                            };
+                            if let (Some(b), Ok(mut f)) = (bad, failure.lock()) {
+                                f.get_or_insert(b);
+                            }
+                        },
+                    )
+                };
                 if write {
                     for (p, f) in &files {
                         f.sync_data().map_err(|e| Error::io("fdatasync", p, e))?;
                     }
                 }
-                Ok((blocks_total * bs) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+                let secs = t0.elapsed().as_secs_f64();
+                if let Some(f) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    return Err(Error::system("bench nvme", "I/O", f));
+                }
+                Ok((blocks_total * bs) as f64 / secs / 1e9)
             };
-            pass(true)?; // warm-up: allocate the blocks
+            pass(true)?; // warm-up: lays the blocks out, as fio's first pass does
             let (mut w, mut r) = (Vec::new(), Vec::new());
             for _ in 0..reps.max(1) {
                 w.push(pass(true)?);
                 r.push(pass(false)?);
             }
-            let med = |mut v: Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
+            drop(eng);
             cases.push(NvmeCase {
                 block_bytes: bs,
                 queue_depth: qd,
-                write_gbps: med(w),
-                read_gbps: med(r),
+                write_gbps: median(w),
+                read_gbps: median(r),
+                fio: None,
             });
         }
     }
@@ -169,19 +200,104 @@ pub fn run(
         dirs: dirs.to_vec(),
         bytes_per_pass: size,
         uring,
+        fixed_buffers: fixed,
         direct,
         reps,
         cases,
     })
 }
 
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// fio's figures for the same case: one job per directory, O_DIRECT, io_uring, the same block
+/// size and (summed over jobs) queue depth, `size` bytes in all, fdatasync at the end of writes;
+/// a warm-up pass, then the median of `reps` passes.
+pub fn fio(dirs: &[PathBuf], size: u64, reps: usize, c: &NvmeCase) -> Result<FioCase> {
+    let run_one = |rw: &str| -> Result<f64> {
+        let mut cmd = std::process::Command::new("fio");
+        cmd.args([
+            "--output-format=json",
+            "--group_reporting",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--end_fsync=1",
+            "--thread",
+        ]);
+        let n = dirs.len();
+        for (k, d) in dirs.iter().enumerate() {
+            cmd.arg(format!("--name=megatrain-fio-{k}"))
+                .arg(format!("--directory={}", d.display()))
+                .arg(format!("--filename=.megatrain-fio-{k}-{}.bin", std::process::id()))
+                .arg(format!("--rw={rw}"))
+                .arg(format!("--bs={}", c.block_bytes))
+                .arg(format!("--iodepth={}", c.queue_depth.div_ceil(n).max(1)))
+                .arg(format!("--size={}", size.div_ceil(n as u64)));
+        }
+        let out = cmd.output().map_err(|e| {
+            Error::system("fio", "run", e).with_fix("install fio (`apt install fio`) or drop --fio")
+        })?;
+        if !out.status.success() {
+            return Err(Error::system(
+                "fio",
+                "run",
+                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            ));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        // fio may print notices before the JSON object.
+        let json = text.find('{').map_or("", |i| &text[i..]);
+        let v: serde_json::Value = serde_json::from_str(json)
+            .map_err(|e| Error::system("fio", "parse its JSON output", e))?;
+        let side = if rw == "write" { "write" } else { "read" };
+        let bw: f64 = v["jobs"]
+            .as_array()
+            .map(|jobs| {
+                jobs.iter()
+                    .filter_map(|j| j[side]["bw_bytes"].as_f64())
+                    .sum()
+            })
+            .unwrap_or(0.0);
+        Ok(bw / 1e9)
+    };
+    let cleanup = || {
+        for (k, d) in dirs.iter().enumerate() {
+            let _ = std::fs::remove_file(d.join(format!(
+                ".megatrain-fio-{k}-{}.bin",
+                std::process::id()
+            )));
+        }
+    };
+    let result = (|| {
+        run_one("write")?; // warm-up: lays the file out
+        let (mut w, mut r) = (Vec::new(), Vec::new());
+        for _ in 0..reps.max(1) {
+            w.push(run_one("write")?);
+            r.push(run_one("read")?);
+        }
+        Ok(FioCase {
+            write_gbps: median(w),
+            read_gbps: median(r),
+        })
+    })();
+    cleanup();
+    result
+}
+
 /// Text table.
 pub fn render(r: &NvmeReport) -> String {
+    let with_fio = r.cases.iter().any(|c| c.fio.is_some());
     let mut s = format!(
-        "megatrain bench nvme — {} dir(s), {} per pass, {}, {}, median of {}\n\n{:>9} {:>4} {:>11} {:>11}\n",
+        "megatrain bench nvme — {} dir(s), {} per pass, {}, {}, median of {}\n\n{:>9} {:>4} {:>11} {:>11}",
         r.dirs.len(),
         crate::util::human_bytes(r.bytes_per_pass),
-        if r.uring { "io_uring (registered buffers)" } else { "pread/pwrite fallback" },
+        match (r.uring, r.fixed_buffers) {
+            (true, true) => "io_uring (registered buffers)",
+            (true, false) => "io_uring",
+            _ => "pread/pwrite threads (fallback)",
+        },
         if r.direct { "O_DIRECT" } else { "buffered (O_DIRECT refused)" },
         r.reps,
         "block",
@@ -189,14 +305,34 @@ pub fn render(r: &NvmeReport) -> String {
         "write GB/s",
         "read GB/s"
     );
+    if with_fio {
+        s += &format!(
+            " {:>10} {:>10} {:>8} {:>8}",
+            "fio write", "fio read", "write %", "read %"
+        );
+    }
+    s += "\n";
     for c in &r.cases {
         s += &format!(
-            "{:>9} {:>4} {:>11.2} {:>11.2}\n",
+            "{:>9} {:>4} {:>11.2} {:>11.2}",
             crate::util::human_bytes(c.block_bytes as u64),
             c.queue_depth,
             c.write_gbps,
             c.read_gbps
         );
+        if let Some(f) = c.fio {
+            s += &format!(
+                " {:>10.2} {:>10.2} {:>7.0}% {:>7.0}%",
+                f.write_gbps,
+                f.read_gbps,
+                100.0 * c.write_gbps / f.write_gbps.max(1e-9),
+                100.0 * c.read_gbps / f.read_gbps.max(1e-9)
+            );
+        }
+        s += "\n";
+    }
+    if with_fio {
+        s += "fio: --direct=1 --ioengine=io_uring --end_fsync=1, one job per directory, same block size, queue depth and bytes\n";
     }
     s
 }

@@ -10,6 +10,8 @@ use crate::{Error, Result};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 
 /// How to set up the store.
 #[derive(Debug, Clone)]
@@ -39,12 +41,14 @@ struct SpillFile {
 pub struct ExtentStore {
     files: Vec<SpillFile>,
     extent_bytes: usize,
+    direct: bool,
     slot: Vec<u8>,
-    crc: Vec<Option<u32>>,
+    /// crc32c and byte length of each extent's current copy (`None`: never written).
+    crc: Vec<Option<(u32, u32)>>,
     engine: IoEngine,
     /// One line per fallback taken (io_uring, O_DIRECT).
     pub warnings: Vec<String>,
-    /// Test seam: fail the next write batch with this OS error after writing half of it.
+    /// Test seam: fail the second half of the next write with this OS error.
     pub inject_write_error: Option<i32>,
 }
 
@@ -67,8 +71,7 @@ impl ExtentStore {
                 None,
             ));
         }
-        let qd = cfg.queue_depth.max(1);
-        let engine = IoEngine::new(cfg.engine, qd, qd, cfg.extent_bytes)?;
+        let engine = IoEngine::new(cfg.engine, cfg.queue_depth.max(1))?;
         let mut warnings: Vec<String> = engine
             .fallback_reason
             .iter()
@@ -77,6 +80,7 @@ impl ExtentStore {
         let n = cfg.dirs.len();
         let per_file = cfg.extents.div_ceil(n);
         let mut files = Vec::new();
+        let mut direct = cfg.direct;
         for (k, d) in cfg.dirs.iter().enumerate() {
             std::fs::create_dir_all(d).map_err(|e| Error::io("create spill directory", d, e))?;
             let path = d.join(format!("megatrain-spill-{k}.bin"));
@@ -88,13 +92,15 @@ impl ExtentStore {
                 }
                 o.open(&path)
             };
-            let file = match open(cfg.direct) {
+            let file = match open(direct) {
                 Ok(f) => f,
-                Err(e) if cfg.direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                     warnings.push(format!(
                         "spill I/O: O_DIRECT refused on {} (tmpfs?); using buffered I/O",
                         path.display()
                     ));
+                    direct = false;
+                    // Files opened earlier keep O_DIRECT; that is fine, alignment is kept anyway.
                     open(false).map_err(|e| Error::io("open spill file", &path, e))?
                 }
                 Err(e) => return Err(Error::io("open spill file", &path, e)),
@@ -108,14 +114,17 @@ impl ExtentStore {
                 } else {
                     "check the directory's filesystem and permissions"
                 };
-                return Err(Error::io("preallocate spill file", &path, e)
-                    .with_fix(format!("{fix} (needs {} bytes)", bytes)));
+                return Err(Error::io("preallocate spill file", &path, e).with_fix(format!(
+                    "{fix} (needs {})",
+                    crate::util::human_bytes(bytes as u64)
+                )));
             }
             files.push(SpillFile { path, file });
         }
         Ok(ExtentStore {
             files,
             extent_bytes: cfg.extent_bytes,
+            direct,
             slot: vec![0; cfg.extents],
             crc: vec![None; cfg.extents],
             engine,
@@ -129,6 +138,26 @@ impl ExtentStore {
         self.engine.is_uring()
     }
 
+    /// True when every spill file uses O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Extent size in bytes.
+    pub fn extent_bytes(&self) -> usize {
+        self.extent_bytes
+    }
+
+    /// Register memory the store reads into and writes from (staging) as fixed buffers, cut at
+    /// extent boundaries. Best effort; returns why not.
+    ///
+    /// # Safety
+    /// The ranges must stay mapped for the store's life.
+    pub unsafe fn register(&mut self, ranges: &[(*mut u8, usize)]) -> std::result::Result<(), String> {
+        // SAFETY: forwarded contract.
+        unsafe { self.engine.register(ranges, self.extent_bytes) }
+    }
+
     fn place(&self, extent: usize, slot: u8) -> (usize, u64) {
         let n = self.files.len();
         (
@@ -137,7 +166,7 @@ impl ExtentStore {
         )
     }
 
-    fn check_range(&self, first: usize, bytes: usize) -> Result<usize> {
+    fn check_range(&self, first: usize, addr: *const u8, bytes: usize) -> Result<usize> {
         let count = bytes.div_ceil(self.extent_bytes);
         if first + count > self.slot.len() {
             return Err(Error::bad_input(
@@ -147,135 +176,193 @@ impl ExtentStore {
                 None,
             ));
         }
+        if !(addr as usize).is_multiple_of(4096) || !bytes.is_multiple_of(4096) {
+            return Err(Error::system(
+                "spill",
+                "direct I/O",
+                format!("buffer at {addr:p} of {bytes} bytes is not 4 KiB aligned"),
+            ));
+        }
         Ok(count)
     }
 
-    /// Write `data` to extents `first..`; `label` (e.g. "adam_m of layer 3") names it in errors.
+    fn chunk(&self, e: usize, total: usize) -> (usize, usize) {
+        let start = e * self.extent_bytes;
+        (start, self.extent_bytes.min(total - start))
+    }
+
+    /// Write `data` (4 KiB aligned, a multiple of 4 KiB) to extents `first..`; `label` (e.g.
+    /// "adam_m of layer 3") names it in errors. Each extent goes to its spare slot and becomes
+    /// current only once the whole call succeeded.
     pub fn write(&mut self, first: usize, data: &[u8], label: &str) -> Result<()> {
-        let count = self.check_range(first, data.len())?;
+        let count = self.check_range(first, data.as_ptr(), data.len())?;
+        let mut reqs = Vec::with_capacity(count);
+        for e in 0..count {
+            let (start, len) = self.chunk(e, data.len());
+            let (f, off) = self.place(first + e, 1 - self.slot[first + e]);
+            reqs.push(Request {
+                fd: self.files[f].file.as_raw_fd(),
+                write: true,
+                offset: off,
+                // The kernel only reads through this pointer for a write.
+                addr: data[start..].as_ptr().cast_mut(),
+                len,
+            });
+        }
+        let crcs: Vec<AtomicU32> = (0..count).map(|_| AtomicU32::new(0)).collect();
+        let results: Mutex<Vec<Option<std::io::Result<usize>>>> =
+            Mutex::new((0..count).map(|_| None).collect());
+        let run = match self.inject_write_error {
+            Some(_) => count.div_ceil(2),
+            None => count,
+        };
         let eb = self.extent_bytes;
-        let batch = self.engine.buffers();
-        for b0 in (0..count).step_by(batch) {
-            let b1 = (b0 + batch).min(count);
-            let mut reqs = Vec::new();
-            let mut crcs = Vec::new();
-            for (k, e) in (b0..b1).enumerate() {
-                let src = &data[e * eb..((e + 1) * eb).min(data.len())];
-                let buf = self.engine.buf(k);
-                buf[..src.len()].copy_from_slice(src);
-                buf[src.len()..].fill(0);
-                crcs.push(crc32c::crc32c(buf));
-                let (f, off) = self.place(first + e, 1 - self.slot[first + e]);
-                reqs.push(Request {
-                    fd: self.files[f].file.as_raw_fd(),
-                    write: true,
-                    offset: off,
-                    buf: k,
-                    len: eb,
-                });
-            }
-            let mut results = self.engine.run(
-                &reqs[..if self.inject_write_error.is_some() {
-                    reqs.len().div_ceil(2)
-                } else {
-                    reqs.len()
-                }],
+        // SAFETY: `data` is borrowed for the whole call (valid, not mutated by anyone).
+        unsafe {
+            self.engine.run(
+                &reqs[..run],
+                |i| {
+                    let (start, len) = (i * eb, eb.min(data.len() - i * eb));
+                    crcs[i].store(crc32c::crc32c(&data[start..start + len]), Ordering::Relaxed);
+                },
+                |i, r| {
+                    if let Ok(mut v) = results.lock() {
+                        v[i] = Some(r);
+                    }
+                },
             );
-            if let Some(errno) = self.inject_write_error.take() {
-                results.resize_with(reqs.len(), || Err(std::io::Error::from_raw_os_error(errno)));
+        }
+        let mut results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let Some(errno) = self.inject_write_error.take() {
+            for r in results.iter_mut().skip(run) {
+                *r = Some(Err(std::io::Error::from_raw_os_error(errno)));
             }
-            for (k, r) in results.into_iter().enumerate() {
-                let (f, off) = self.place(first + b0 + k, 1 - self.slot[first + b0 + k]);
-                let path = &self.files[f].path;
-                match r {
-                    Ok(n) if n == eb => {}
-                    Ok(n) => {
-                        return Err(Error::io(
-                            "write spill extent",
-                            path,
-                            std::io::Error::other(format!(
-                                "short write of {n} of {eb} bytes at offset {off} ({label})"
-                            )),
-                        ))
-                    }
-                    Err(e) => {
-                        let fix = if e.raw_os_error() == Some(libc::ENOSPC) {
-                            "free space or add a spill directory; the previous copy is intact"
-                        } else {
-                            "check the device; the previous copy is intact"
-                        };
-                        return Err(Error::io(
-                            "write spill extent",
-                            path,
-                            std::io::Error::new(e.kind(), format!("{e} at offset {off} ({label})")),
-                        )
-                        .with_fix(fix));
-                    }
+        }
+        for (k, r) in results.into_iter().enumerate() {
+            let (f, off) = self.place(first + k, 1 - self.slot[first + k]);
+            let path = &self.files[f].path;
+            let len = reqs[k].len;
+            match r {
+                Some(Ok(n)) if n == len => {}
+                Some(Ok(n)) => {
+                    return Err(Error::io(
+                        "write spill extent",
+                        path,
+                        std::io::Error::other(format!(
+                            "short write of {n} of {len} bytes at offset {off} ({label})"
+                        )),
+                    )
+                    .with_fix("check the device and free space; the previous copy is intact"))
+                }
+                Some(Err(e)) => {
+                    let fix = if e.raw_os_error() == Some(libc::ENOSPC) {
+                        "free space or add a spill directory; the previous copy is intact"
+                    } else {
+                        "check the device; the previous copy is intact"
+                    };
+                    return Err(Error::io(
+                        "write spill extent",
+                        path,
+                        std::io::Error::new(e.kind(), format!("{e} at offset {off} ({label})")),
+                    )
+                    .with_fix(fix));
+                }
+                None => {
+                    return Err(Error::system(
+                        "spill",
+                        "write",
+                        format!("no completion for {label} at offset {off}"),
+                    ))
                 }
             }
-            // Every extent of the batch is written: make the new copies current.
-            for (k, c) in crcs.into_iter().enumerate() {
-                let e = first + b0 + k;
-                self.slot[e] = 1 - self.slot[e];
-                self.crc[e] = Some(c);
-            }
+        }
+        // Every extent is on disk: make the new copies current.
+        for (k, c) in crcs.into_iter().enumerate() {
+            let e = first + k;
+            self.slot[e] = 1 - self.slot[e];
+            self.crc[e] = Some((c.into_inner(), reqs[k].len as u32));
         }
         Ok(())
     }
 
-    /// Read extents `first..` into `out`, verifying every checksum.
+    /// Read extents `first..` into `out` (4 KiB aligned, a multiple of 4 KiB), verifying every
+    /// checksum.
     pub fn read(&mut self, first: usize, out: &mut [u8], label: &str) -> Result<()> {
-        let count = self.check_range(first, out.len())?;
-        let eb = self.extent_bytes;
-        let batch = self.engine.buffers();
-        for b0 in (0..count).step_by(batch) {
-            let b1 = (b0 + batch).min(count);
-            let mut reqs = Vec::new();
-            for (k, e) in (b0..b1).enumerate() {
-                let (f, off) = self.place(first + e, self.slot[first + e]);
-                reqs.push(Request {
-                    fd: self.files[f].file.as_raw_fd(),
-                    write: false,
-                    offset: off,
-                    buf: k,
-                    len: eb,
-                });
-            }
-            let results = self.engine.run(&reqs);
-            for (k, r) in results.into_iter().enumerate() {
-                let e = first + b0 + k;
-                let (f, off) = self.place(e, self.slot[e]);
-                let path = self.files[f].path.clone();
-                let err = |why: String| {
-                    Error::io(
-                        "read spill extent",
-                        &path,
-                        std::io::Error::new(
-                            std::io::ErrorKind::InvalidData,
-                            format!("{why} at offset {off} ({label})"),
-                        ),
-                    )
-                };
-                match r {
-                    Ok(n) if n == eb => {}
-                    Ok(n) => return Err(err(format!("short read of {n} of {eb} bytes"))),
-                    Err(x) => return Err(err(x.to_string())),
+        let count = self.check_range(first, out.as_ptr(), out.len())?;
+        let total = out.len();
+        let mut reqs = Vec::with_capacity(count);
+        for e in 0..count {
+            let (start, len) = self.chunk(e, total);
+            let (f, off) = self.place(first + e, self.slot[first + e]);
+            reqs.push(Request {
+                fd: self.files[f].file.as_raw_fd(),
+                write: false,
+                offset: off,
+                addr: out[start..].as_mut_ptr(),
+                len,
+            });
+        }
+        for (k, r) in reqs.iter().enumerate() {
+            match self.crc[first + k] {
+                Some((_, l)) if l as usize == r.len => {}
+                Some((_, l)) => {
+                    return Err(self.read_error(
+                        first + k,
+                        label,
+                        format!("extent holds {l} bytes, the read asks {}", r.len),
+                    ))
                 }
-                let buf = self.engine.buf(k);
-                match self.crc[e] {
-                    Some(c) if c == crc32c::crc32c(buf) => {}
-                    Some(_) => {
-                        return Err(err("crc32c mismatch: the spill file is corrupt".into()))
-                    }
-                    None => return Err(err("extent was never written".into())),
-                }
-                let end = ((b0 + k + 1) * eb).min(out.len());
-                let dst = &mut out[(b0 + k) * eb..end];
-                let n = dst.len();
-                dst.copy_from_slice(&buf[..n]);
+                None => return Err(self.read_error(first + k, label, "was never written".into())),
             }
         }
-        Ok(())
+        let base = out.as_ptr() as usize;
+        let spans: Vec<(usize, usize)> = reqs
+            .iter()
+            .map(|r| (r.addr as usize - base, r.len))
+            .collect();
+        let want: Vec<Option<(u32, u32)>> = self.crc[first..first + count].to_vec();
+        let failures: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+        let after = |i: usize, r: std::io::Result<usize>| {
+            let (start, len) = spans[i];
+            let why = match r {
+                Ok(n) if n == len => {
+                    // SAFETY: the read completed; this range of `out` is ours until `run`
+                    // returns and no other request overlaps it.
+                    let got =
+                        unsafe { std::slice::from_raw_parts((base + start) as *const u8, len) };
+                    match want[i] {
+                        Some((c, _)) if c == crc32c::crc32c(got) => None,
+                        _ => Some("crc32c mismatch: the spill file is corrupt".to_owned()),
+                    }
+                }
+                Ok(n) => Some(format!("short read of {n} of {len} bytes")),
+                Err(e) => Some(e.to_string()),
+            };
+            if let (Some(w), Ok(mut f)) = (why, failures.lock()) {
+                f.push((i, w));
+            }
+        };
+        // SAFETY: `out` is exclusively borrowed for the whole call; requests cover disjoint
+        // parts of it.
+        unsafe { self.engine.run(&reqs, |_| {}, after) };
+        let mut failures = failures.into_inner().unwrap_or_else(|e| e.into_inner());
+        failures.sort();
+        match failures.into_iter().next() {
+            Some((i, why)) => Err(self.read_error(first + i, label, why)),
+            None => Ok(()),
+        }
+    }
+
+    fn read_error(&self, e: usize, label: &str, why: String) -> Error {
+        let (f, off) = self.place(e, self.slot[e]);
+        Error::io(
+            "read spill extent",
+            &self.files[f].path,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{why} at offset {off} ({label})"),
+            ),
+        )
     }
 
     /// Durability point: fdatasync every spill file.
@@ -297,6 +384,7 @@ impl ExtentStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::{PageKind, Region, RegionSpec};
 
     fn cfg(dirs: Vec<PathBuf>, engine: EngineKind) -> SpillConfig {
         SpillConfig {
@@ -309,11 +397,30 @@ mod tests {
         }
     }
 
-    fn data(n: usize, seed: u64) -> Vec<u8> {
-        crate::util::uniform(n, seed, 1.0)
-            .iter()
-            .map(|x| (x.to_bits() >> 7) as u8)
-            .collect()
+    /// Page-aligned random bytes (O_DIRECT needs aligned memory).
+    pub(crate) struct Buf(Region, usize);
+
+    impl Buf {
+        pub(crate) fn new(n: usize, seed: u64) -> Buf {
+            let r = Region::allocate(RegionSpec {
+                label: "test data".into(),
+                bytes: n,
+                node: None,
+                prefault_cpus: Vec::new(),
+                pages: PageKind::Transparent,
+                lock: false,
+            })
+            .unwrap();
+            let mut b = Buf(r, n);
+            for (d, x) in b.bytes().iter_mut().zip(crate::util::uniform(n, seed, 1.0)) {
+                *d = (x.to_bits() >> 7) as u8;
+            }
+            b
+        }
+        pub(crate) fn bytes(&mut self) -> &mut [u8] {
+            // SAFETY: the region holds ≥ n bytes and `&mut self` is exclusive.
+            unsafe { std::slice::from_raw_parts_mut(self.0.as_ptr(), self.1) }
+        }
     }
 
     #[test]
@@ -326,44 +433,57 @@ mod tests {
                 s.uses_uring(),
                 engine == EngineKind::Auto && crate::topology::linux::io_uring_status().available
             );
-            let d1 = data(20 * (64 << 10) + 1234, 1); // 21 extents, the last partial
-            s.write(3, &d1, "test").unwrap();
-            let d2 = data(5 * (64 << 10), 2);
-            s.write(30, &d2, "test").unwrap();
-            let mut out = vec![0u8; d1.len()];
-            s.read(3, &mut out, "test").unwrap();
-            assert!(out == d1);
+            let mut d1 = Buf::new(20 * (64 << 10) + 3 * 4096, 1); // 21 extents, the last partial
+            s.write(3, d1.bytes(), "test").unwrap();
+            let mut d2 = Buf::new(5 * (64 << 10), 2);
+            s.write(30, d2.bytes(), "test").unwrap();
+            let mut out = Buf::new(d1.1, 9);
+            s.read(3, out.bytes(), "test").unwrap();
+            assert!(out.bytes() == d1.bytes());
             // Overwrite: the other slot becomes current; reads see the new data.
-            let d3 = data(d1.len(), 3);
-            s.write(3, &d3, "test").unwrap();
-            s.read(3, &mut out, "test").unwrap();
-            assert!(out == d3);
+            let mut d3 = Buf::new(d1.1, 3);
+            s.write(3, d3.bytes(), "test").unwrap();
+            s.read(3, out.bytes(), "test").unwrap();
+            assert!(out.bytes() == d3.bytes());
             s.sync().unwrap();
+            // A read of a different length than was written is refused, not misread.
+            let mut short = Buf::new(4096, 0);
+            let e = s.read(23, short.bytes(), "tail").unwrap_err().to_string();
+            assert!(e.contains("holds") && e.contains("tail"), "{e}");
         }
+    }
+
+    #[test]
+    fn unaligned_buffers_are_refused() {
+        let a = tempfile::tempdir().unwrap();
+        let mut s = ExtentStore::create(&cfg(vec![a.path().into()], EngineKind::Auto)).unwrap();
+        let mut d = Buf::new(3 * 4096, 1);
+        let e = s.write(0, &d.bytes()[1..4097], "x").unwrap_err();
+        assert!(e.to_string().contains("aligned"), "{e}");
     }
 
     #[test]
     fn a_flipped_byte_is_detected_and_named() {
         let a = tempfile::tempdir().unwrap();
         let mut s = ExtentStore::create(&cfg(vec![a.path().into()], EngineKind::Auto)).unwrap();
-        let d = data(2 * (64 << 10), 4);
-        s.write(0, &d, "adam_v of layer 7").unwrap();
+        let mut d = Buf::new(2 * (64 << 10), 4);
+        s.write(0, d.bytes(), "adam_v of layer 7").unwrap();
         let path = a.path().join("megatrain-spill-0.bin");
         // Extent 1's current copy: slot 1 (first write went to the slot after 0) at ((1*2)+1)*64K.
         let off = 3 * (64 << 10) + 100;
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[off] ^= 0x10;
         std::fs::write(&path, bytes).unwrap();
-        let mut out = vec![0u8; d.len()];
+        let mut out = Buf::new(d.1, 0);
         let e = s
-            .read(0, &mut out, "adam_v of layer 7")
+            .read(0, out.bytes(), "adam_v of layer 7")
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("crc32c")
                 && e.contains("megatrain-spill-0.bin")
                 && e.contains("layer 7")
-                && e.contains("offset"),
+                && e.contains(&format!("offset {}", 3 * (64 << 10))),
             "{e}"
         );
     }
@@ -372,41 +492,57 @@ mod tests {
     fn a_failed_write_keeps_the_previous_copy() {
         let a = tempfile::tempdir().unwrap();
         let mut s = ExtentStore::create(&cfg(vec![a.path().into()], EngineKind::Auto)).unwrap();
-        let good = data(6 * (64 << 10), 5);
-        s.write(0, &good, "m").unwrap();
+        let mut good = Buf::new(6 * (64 << 10), 5);
+        s.write(0, good.bytes(), "m").unwrap();
         s.inject_write_error = Some(libc::ENOSPC);
         let e = s
-            .write(0, &data(good.len(), 6), "adam_m of layer 2")
+            .write(0, Buf::new(good.1, 6).bytes(), "adam_m of layer 2")
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("No space left") && e.contains("layer 2") && e.contains("intact"),
             "{e}"
         );
-        let mut out = vec![0u8; good.len()];
-        s.read(0, &mut out, "m").unwrap();
-        assert!(out == good, "the last good copy survives a failed write");
+        let mut out = Buf::new(good.1, 0);
+        s.read(0, out.bytes(), "m").unwrap();
+        assert!(out.bytes() == good.bytes(), "the last good copy survives a failed write");
+    }
+
+    #[test]
+    fn preallocation_beyond_the_free_space_is_a_clear_error() {
+        let a = tempfile::tempdir().unwrap();
+        let mut c = cfg(vec![a.path().into()], EngineKind::Auto);
+        c.extent_bytes = 1 << 30;
+        c.extents = 1 << 16; // 128 TiB with both slots: more than any test machine's disk
+        let e = ExtentStore::create(&c).unwrap_err().to_string();
+        assert!(e.contains("preallocate") && e.contains("megatrain-spill-0.bin"), "{e}");
     }
 
     #[test]
     #[allow(clippy::print_stderr)]
-    fn o_direct_refused_falls_back_to_buffered_with_a_warning() {
+    fn buffered_io_when_o_direct_is_off_or_refused() {
+        // The config switch forces buffered I/O on any filesystem.
+        let a = tempfile::tempdir().unwrap();
+        let mut c = cfg(vec![a.path().into()], EngineKind::Auto);
+        c.direct = false;
+        let mut s = ExtentStore::create(&c).unwrap();
+        assert!(!s.is_direct());
+        let mut x = Buf::new(64 << 10, 7);
+        s.write(0, x.bytes(), "t").unwrap();
+        let mut out = Buf::new(x.1, 0);
+        s.read(0, out.bytes(), "t").unwrap();
+        assert!(out.bytes() == x.bytes());
+        // tmpfs: modern kernels accept O_DIRECT there; where refused, the warning says so.
         let shm = std::path::Path::new("/dev/shm");
         if !shm.is_dir() {
-            eprintln!("SKIP: no /dev/shm tmpfs to test the O_DIRECT fallback");
+            eprintln!("SKIP (part): no /dev/shm tmpfs to try O_DIRECT on");
             return;
         }
         let d = tempfile::tempdir_in(shm).unwrap();
-        let mut s = match ExtentStore::create(&cfg(vec![d.path().into()], EngineKind::Auto)) {
-            Ok(s) => s,
-            Err(e) => panic!("{e}"),
-        };
-        let x = data(64 << 10, 7);
-        s.write(0, &x, "t").unwrap();
-        let mut out = vec![0u8; x.len()];
-        s.read(0, &mut out, "t").unwrap();
-        assert!(out == x);
-        // Modern tmpfs accepts O_DIRECT; where it does not, the warning says so.
+        let mut s = ExtentStore::create(&cfg(vec![d.path().into()], EngineKind::Auto)).unwrap();
+        s.write(0, x.bytes(), "t").unwrap();
+        s.read(0, out.bytes(), "t").unwrap();
+        assert!(out.bytes() == x.bytes());
         assert!(
             s.warnings
                 .iter()
@@ -414,5 +550,6 @@ mod tests {
             "{:?}",
             s.warnings
         );
+        assert_eq!(s.is_direct(), !s.warnings.iter().any(|w| w.contains("O_DIRECT")));
     }
 }
