@@ -602,6 +602,10 @@ struct BenchNvmeArgs {
     /// Queue depths to test (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,32,64")]
     qd: Vec<usize>,
+    /// Pages backing the I/O buffers: transparent (THP, what the spill tier uses) or small
+    /// (4 KiB, like fio's malloc'd buffers).
+    #[arg(long, default_value = "transparent")]
+    pages: megatrain::host::PageKind,
     /// Also run fio (Debian's `fio`) on the same directories and cases and print both.
     #[arg(long)]
     fio: bool,
@@ -624,19 +628,16 @@ fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
             Some("e.g. --block 128Ki,1Mi,4Mi"),
         ));
     }
-    let mut r = megatrain::bench::nvme::run(
+    let r = megatrain::bench::nvme::run(
         &a.dir,
         a.size as u64,
         a.reps,
         engine,
         &a.block,
         &a.qd,
+        a.pages,
+        a.fio,
     )?;
-    if a.fio {
-        for c in &mut r.cases {
-            c.fio = Some(megatrain::bench::nvme::fio(&a.dir, a.size as u64, a.reps, c)?);
-        }
-    }
     print_report(a.json, &r, megatrain::bench::nvme::render);
     Ok(())
 }

@@ -46,6 +46,8 @@ pub struct NvmeReport {
     pub uring: bool,
     /// Registered (fixed) buffers in use.
     pub fixed_buffers: bool,
+    /// Pages backing the I/O buffers.
+    pub pages: PageKind,
     /// O_DIRECT in use.
     pub direct: bool,
     /// Passes per case (median reported).
@@ -62,6 +64,8 @@ pub fn run(
     engine: EngineKind,
     blocks: &[usize],
     depths: &[usize],
+    pages: PageKind,
+    with_fio: bool,
 ) -> Result<NvmeReport> {
     if dirs.is_empty() {
         return Err(Error::bad_input(
@@ -121,7 +125,7 @@ pub fn run(
                 bytes: qd * bs,
                 node: None,
                 prefault_cpus: Vec::new(),
-                pages: PageKind::Transparent,
+                pages,
                 lock: false,
             })?;
             // SAFETY: the region outlives `eng` (declared before it is dropped below).
@@ -178,10 +182,21 @@ pub fn run(
                 Ok((blocks_total * bs) as f64 / secs / 1e9)
             };
             pass(true)?; // warm-up: lays the blocks out, as fio's first pass does
-            let (mut w, mut r) = (Vec::new(), Vec::new());
+            if with_fio {
+                fio_pass(dirs, size, bs, qd, "write")?;
+            }
+            // Passes alternate between the tools, so drift of the device (or of a VM host's
+            // cache) hits both alike.
+            let (mut w, mut r, mut fw, mut fr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for _ in 0..reps.max(1) {
                 w.push(pass(true)?);
+                if with_fio {
+                    fw.push(fio_pass(dirs, size, bs, qd, "write")?);
+                }
                 r.push(pass(false)?);
+                if with_fio {
+                    fr.push(fio_pass(dirs, size, bs, qd, "read")?);
+                }
             }
             drop(eng);
             cases.push(NvmeCase {
@@ -189,18 +204,27 @@ pub fn run(
                 queue_depth: qd,
                 write_gbps: median(w),
                 read_gbps: median(r),
-                fio: None,
+                fio: with_fio.then(|| FioCase {
+                    write_gbps: median(fw),
+                    read_gbps: median(fr),
+                }),
             });
         }
     }
     for (p, _) in &files {
         let _ = std::fs::remove_file(p);
     }
+    if with_fio {
+        for (k, d) in dirs.iter().enumerate() {
+            let _ = std::fs::remove_file(d.join(fio_file(k)));
+        }
+    }
     Ok(NvmeReport {
         dirs: dirs.to_vec(),
         bytes_per_pass: size,
         uring,
         fixed_buffers: fixed,
+        pages,
         direct,
         reps,
         cases,
@@ -212,85 +236,60 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// fio's figures for the same case: one job per directory, O_DIRECT, io_uring, the same block
-/// size and (summed over jobs) queue depth, `size` bytes in all, fdatasync at the end of writes;
-/// a warm-up pass, then the median of `reps` passes.
-pub fn fio(dirs: &[PathBuf], size: u64, reps: usize, c: &NvmeCase) -> Result<FioCase> {
-    let run_one = |rw: &str| -> Result<f64> {
-        let mut cmd = std::process::Command::new("fio");
-        cmd.args([
-            "--output-format=json",
-            "--group_reporting",
-            "--ioengine=io_uring",
-            "--direct=1",
-            "--end_fsync=1",
-            "--thread",
-        ]);
-        let n = dirs.len();
-        for (k, d) in dirs.iter().enumerate() {
-            cmd.arg(format!("--name=megatrain-fio-{k}"))
-                .arg(format!("--directory={}", d.display()))
-                .arg(format!("--filename=.megatrain-fio-{k}-{}.bin", std::process::id()))
-                .arg(format!("--rw={rw}"))
-                .arg(format!("--bs={}", c.block_bytes))
-                .arg(format!("--iodepth={}", c.queue_depth.div_ceil(n).max(1)))
-                .arg(format!("--size={}", size.div_ceil(n as u64)));
-        }
-        let out = cmd.output().map_err(|e| {
-            Error::system("fio", "run", e).with_fix("install fio (`apt install fio`) or drop --fio")
-        })?;
-        if !out.status.success() {
-            return Err(Error::system(
-                "fio",
-                "run",
-                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            ));
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        // fio may print notices before the JSON object.
-        let json = text.find('{').map_or("", |i| &text[i..]);
-        let v: serde_json::Value = serde_json::from_str(json)
-            .map_err(|e| Error::system("fio", "parse its JSON output", e))?;
-        let side = if rw == "write" { "write" } else { "read" };
-        let bw: f64 = v["jobs"]
-            .as_array()
-            .map(|jobs| {
-                jobs.iter()
-                    .filter_map(|j| j[side]["bw_bytes"].as_f64())
-                    .sum()
-            })
-            .unwrap_or(0.0);
-        Ok(bw / 1e9)
-    };
-    let cleanup = || {
-        for (k, d) in dirs.iter().enumerate() {
-            let _ = std::fs::remove_file(d.join(format!(
-                ".megatrain-fio-{k}-{}.bin",
-                std::process::id()
-            )));
-        }
-    };
-    let result = (|| {
-        run_one("write")?; // warm-up: lays the file out
-        let (mut w, mut r) = (Vec::new(), Vec::new());
-        for _ in 0..reps.max(1) {
-            w.push(run_one("write")?);
-            r.push(run_one("read")?);
-        }
-        Ok(FioCase {
-            write_gbps: median(w),
-            read_gbps: median(r),
-        })
-    })();
-    cleanup();
-    result
+fn fio_file(k: usize) -> String {
+    format!(".megatrain-fio-{k}-{}.bin", std::process::id())
+}
+
+/// One fio pass on the same case: one job per directory, O_DIRECT, io_uring, the same block size
+/// and (summed over jobs) queue depth, `size` bytes in all, fdatasync at the end of writes.
+/// Returns GB/s.
+fn fio_pass(dirs: &[PathBuf], size: u64, bs: usize, qd: usize, rw: &str) -> Result<f64> {
+    let mut cmd = std::process::Command::new("fio");
+    cmd.args([
+        "--output-format=json",
+        "--group_reporting",
+        "--ioengine=io_uring",
+        "--direct=1",
+        "--end_fsync=1",
+        "--thread",
+    ]);
+    let n = dirs.len();
+    for (k, d) in dirs.iter().enumerate() {
+        cmd.arg(format!("--name=megatrain-fio-{k}"))
+            .arg(format!("--directory={}", d.display()))
+            .arg(format!("--filename={}", fio_file(k)))
+            .arg(format!("--rw={rw}"))
+            .arg(format!("--bs={bs}"))
+            .arg(format!("--iodepth={}", qd.div_ceil(n).max(1)))
+            .arg(format!("--size={}", size.div_ceil(n as u64)));
+    }
+    let out = cmd.output().map_err(|e| {
+        Error::system("fio", "run", e).with_fix("install fio (`apt install fio`) or drop --fio")
+    })?;
+    if !out.status.success() {
+        return Err(Error::system(
+            "fio",
+            "run",
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // fio may print notices before the JSON object.
+    let json = text.find('{').map_or("", |i| &text[i..]);
+    let v: serde_json::Value = serde_json::from_str(json)
+        .map_err(|e| Error::system("fio", "parse its JSON output", e))?;
+    let bw: f64 = v["jobs"]
+        .as_array()
+        .map(|jobs| jobs.iter().filter_map(|j| j[rw]["bw_bytes"].as_f64()).sum())
+        .unwrap_or(0.0);
+    Ok(bw / 1e9)
 }
 
 /// Text table.
 pub fn render(r: &NvmeReport) -> String {
     let with_fio = r.cases.iter().any(|c| c.fio.is_some());
     let mut s = format!(
-        "megatrain bench nvme — {} dir(s), {} per pass, {}, {}, median of {}\n\n{:>9} {:>4} {:>11} {:>11}",
+        "megatrain bench nvme — {} dir(s), {} per pass, {}, {}, {} buffers, median of {}\n\n{:>9} {:>4} {:>11} {:>11}",
         r.dirs.len(),
         crate::util::human_bytes(r.bytes_per_pass),
         match (r.uring, r.fixed_buffers) {
@@ -299,6 +298,12 @@ pub fn render(r: &NvmeReport) -> String {
             _ => "pread/pwrite threads (fallback)",
         },
         if r.direct { "O_DIRECT" } else { "buffered (O_DIRECT refused)" },
+        match r.pages {
+            PageKind::Small => "4 KiB-page",
+            PageKind::Transparent => "THP",
+            PageKind::Huge2M => "2 MiB hugetlb",
+            PageKind::Huge1G => "1 GiB hugetlb",
+        },
         r.reps,
         "block",
         "qd",
@@ -332,7 +337,7 @@ pub fn render(r: &NvmeReport) -> String {
         s += "\n";
     }
     if with_fio {
-        s += "fio: --direct=1 --ioengine=io_uring --end_fsync=1, one job per directory, same block size, queue depth and bytes\n";
+        s += "fio: --direct=1 --ioengine=io_uring --end_fsync=1, one job per directory, same block size, queue depth and bytes; its buffers are malloc'd (4 KiB pages)\n";
     }
     s
 }

@@ -39,13 +39,17 @@ pub enum PageKind {
     #[value(name = "1g")]
     #[serde(rename = "1g")]
     Huge1G,
+    /// 4 KiB pages only (`MADV_NOHUGEPAGE`): what a plain `malloc` gives, for comparisons.
+    #[value(name = "small")]
+    #[serde(rename = "small")]
+    Small,
 }
 
 impl PageKind {
     /// The page size in bytes.
     pub fn page_bytes(self) -> usize {
         match self {
-            PageKind::Transparent => 4096,
+            PageKind::Transparent | PageKind::Small => 4096,
             PageKind::Huge2M => 2 << 20,
             PageKind::Huge1G => 1 << 30,
         }
@@ -113,12 +117,12 @@ impl Region {
         if spec.lock {
             check_memlock(len, &spec.label)?;
         }
-        if spec.pages != PageKind::Transparent {
+        if matches!(spec.pages, PageKind::Huge2M | PageKind::Huge1G) {
             check_huge_pages(spec.pages, len / page, spec.node, &spec.label)?;
         }
         let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         match spec.pages {
-            PageKind::Transparent => {}
+            PageKind::Transparent | PageKind::Small => {}
             PageKind::Huge2M => flags |= libc::MAP_HUGETLB | (21 << libc::MAP_HUGE_SHIFT),
             PageKind::Huge1G => flags |= libc::MAP_HUGETLB | (30 << libc::MAP_HUGE_SHIFT),
         }
@@ -136,7 +140,9 @@ impl Region {
         if raw == libc::MAP_FAILED {
             let e = std::io::Error::last_os_error();
             let fix = match spec.pages {
-                PageKind::Transparent => "free memory or lower the RAM budget".to_owned(),
+                PageKind::Transparent | PageKind::Small => {
+                    "free memory or lower the RAM budget".to_owned()
+                }
                 k => format!(
                     "reserve {} huge pages of {} MiB (e.g. `sysctl vm.nr_hugepages=...` or /sys/devices/system/node/nodeN/hugepages) or use transparent huge pages",
                     len / k.page_bytes(),
@@ -162,6 +168,10 @@ impl Region {
             // SAFETY: advising our own fresh mapping. Failure only means no THP (e.g. THP
             // disabled), which is not an error.
             unsafe { libc::madvise(raw, len, libc::MADV_HUGEPAGE) };
+        }
+        if region.spec.pages == PageKind::Small {
+            // SAFETY: as above.
+            unsafe { libc::madvise(raw, len, libc::MADV_NOHUGEPAGE) };
         }
         if let Some(node) = region.spec.node {
             region.bind(node)?;
