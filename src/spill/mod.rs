@@ -1,6 +1,8 @@
-//! The NVMe tier (in progress): batched io_uring I/O with registered buffers and a pread/pwrite
-//! fallback ([`io`]), and a checksummed, double-slotted extent store striped over directories
-//! ([`extents`]). Not yet wired into the host store or the trainer.
+//! The NVMe tier: positional I/O with a queue depth on io_uring (registered buffers) or a
+//! pread/pwrite thread pool ([`io`]); a checksummed, double-slotted extent store striped over
+//! directories ([`extents`]); and the tier the host store keeps spilled shards in, staged through
+//! a bounded set of RAM slots by one I/O thread ([`tier`]).
 
 pub mod extents;
 pub mod io;
+pub mod tier;

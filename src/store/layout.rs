@@ -93,6 +93,17 @@ pub enum UnitKind {
     Head,
 }
 
+impl UnitKind {
+    /// A short human name: "embedding", "layer 3", "head".
+    pub fn describe(self) -> String {
+        match self {
+            UnitKind::Embedding => "embedding".into(),
+            UnitKind::Block(i) => format!("layer {i}"),
+            UnitKind::Head => "head".into(),
+        }
+    }
+}
+
 /// One tensor inside a unit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorSpec {

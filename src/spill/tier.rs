@@ -1,0 +1,840 @@
+//! The NVMe tier of the host store: shards that do not fit in RAM live in an [`ExtentStore`] and
+//! are staged through a bounded set of RAM slots.
+//!
+//! One slot holds all of one unit's spilled shards (Adam m and v). A unit is *leased* while the
+//! AdamW pool updates it; releasing a lease writes the slot back asynchronously. One I/O thread
+//! owns the extent store and serves reads (prefetches) and write-backs in order, so while unit i
+//! is updated, unit i+1 is read and unit i−1 written back — with three slots nothing waits on I/O
+//! unless the device is slower than AdamW.
+//!
+//! Slot life cycle (`State::slots`): Free → Reading(u) → Ready(u) → Leased(u) → Writing(u) →
+//! Clean(u) (a cached copy, reusable without a read) → evicted for another unit. A failed write
+//! leaves the slot Failed(u): the data stays in RAM, the last good copy stays on disk, and every
+//! later use of the unit reports the error.
+
+use super::extents::{ExtentStore, SpillConfig};
+use crate::host::{PageKind, Region, RegionSpec};
+use crate::store::layout::{ShardKind, StateLayout};
+use crate::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// Where one spilled shard lives.
+#[derive(Debug, Clone)]
+struct SpilledShard {
+    kind: ShardKind,
+    first_extent: usize,
+    bytes: usize,
+    /// f32 elements (the unit's numel; `bytes` is rounded up to 4 KiB).
+    numel: usize,
+    /// Offset inside a staging slot.
+    slot_offset: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Free,
+    Reading(usize),
+    Ready(usize),
+    Leased(usize),
+    Writing(usize),
+    Clean(usize),
+    Failed(usize),
+}
+
+impl Phase {
+    fn unit(self) -> Option<usize> {
+        match self {
+            Phase::Free => None,
+            Phase::Reading(u)
+            | Phase::Ready(u)
+            | Phase::Leased(u)
+            | Phase::Writing(u)
+            | Phase::Clean(u)
+            | Phase::Failed(u) => Some(u),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    phase: Vec<Phase>,
+    last_used: Vec<u64>,
+    tick: u64,
+    /// Units whose shards are on disk (never-written units stage as zeros, like RAM shards).
+    written: Vec<bool>,
+    /// The error that made a unit unusable, if any.
+    error: Vec<Option<String>>,
+}
+
+enum Cmd {
+    Read { unit: usize, slot: usize, zero: bool },
+    Write { unit: usize, slot: usize },
+    Sync(Sender<Result<()>>),
+}
+
+/// Counters since creation.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SpillStats {
+    /// Bytes read from the spill files.
+    pub bytes_read: u64,
+    /// Bytes written to the spill files.
+    pub bytes_written: u64,
+    /// Seconds the I/O thread spent in reads and writes.
+    pub io_seconds: f64,
+    /// Seconds callers waited in [`SpillTier::lease`] for data to arrive.
+    pub wait_seconds: f64,
+    /// Leases served from a slot without a read (prefetched or cached).
+    pub hits: u64,
+    /// Leases that had to wait for a read they started themselves.
+    pub misses: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    read: AtomicU64,
+    written: AtomicU64,
+    io_ns: AtomicU64,
+    wait_ns: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+struct Shared {
+    units: Vec<Vec<SpilledShard>>,
+    names: Vec<String>,
+    slots: Vec<Region>,
+    slot_bytes: usize,
+    state: Mutex<State>,
+    cv: Condvar,
+    tx: Mutex<Option<Sender<Cmd>>>,
+    counters: Counters,
+    /// Test seam: the next write-back fails half-way with this OS error.
+    inject: AtomicU64,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("slots", &self.slots.len())
+            .field("slot_bytes", &self.slot_bytes)
+            .finish()
+    }
+}
+
+/// How to build the tier.
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    /// Files, engine, O_DIRECT, queue depth and extent size (`extents` is computed).
+    pub io: SpillConfig,
+    /// Staging slots (each holds one unit's spilled shards); at least 1, 3 to overlap fully.
+    pub slots: usize,
+    /// NUMA node for the staging slots (where the AdamW workers for spilled units run).
+    pub node: Option<u32>,
+    /// CPUs that prefault the slots.
+    pub cpus: Vec<usize>,
+    /// Page kind of the slots.
+    pub pages: PageKind,
+}
+
+/// The tier. Cheap to share by reference; dropping it stops its I/O thread.
+#[derive(Debug)]
+pub struct SpillTier {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    /// Fallbacks taken (io_uring, O_DIRECT) and notes (no fixed buffers), one line each.
+    pub warnings: Vec<String>,
+    uring: bool,
+    direct: bool,
+}
+
+/// Exclusive use of one unit's staged shards; dropping it releases them (written back if
+/// marked dirty, which is the default).
+#[derive(Debug)]
+pub struct Lease {
+    shared: Arc<Shared>,
+    unit: usize,
+    slot: usize,
+    dirty: bool,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Bytes of one staging slot: the largest unit's spilled shards.
+pub fn slot_bytes(layout: &StateLayout, units: &[usize], kinds: &[ShardKind]) -> usize {
+    units
+        .iter()
+        .map(|&u| kinds.iter().map(|&k| layout.units[u].shard_bytes(k)).sum())
+        .max()
+        .unwrap_or(0)
+}
+
+impl SpillTier {
+    /// Create the spill files for `kinds` of `units` (the others stay in RAM), allocate the
+    /// staging slots and start the I/O thread.
+    pub fn create(
+        layout: &StateLayout,
+        units: &[usize],
+        kinds: &[ShardKind],
+        cfg: &TierConfig,
+    ) -> Result<Self> {
+        if let Some(k) = kinds
+            .iter()
+            .find(|k| !matches!(k, ShardKind::AdamM | ShardKind::AdamV))
+        {
+            return Err(Error::bad_input(
+                "spill",
+                k.name(),
+                "only Adam m and v can spill (the GPU streams the other shards every step)",
+                Some("spill m and v"),
+            ));
+        }
+        let eb = cfg.io.extent_bytes;
+        let mut spilled = vec![Vec::new(); layout.units.len()];
+        let mut next_extent = 0;
+        for &u in units {
+            let unit = layout.units.get(u).ok_or_else(|| {
+                Error::bad_input("spill", format!("unit {u}"), "not in the layout", None)
+            })?;
+            let mut off = 0;
+            for &k in kinds {
+                let bytes = unit.shard_bytes(k);
+                spilled[u].push(SpilledShard {
+                    kind: k,
+                    first_extent: next_extent,
+                    bytes,
+                    numel: unit.numel,
+                    slot_offset: off,
+                });
+                next_extent += bytes.div_ceil(eb);
+                off += bytes;
+            }
+        }
+        let slot_bytes = slot_bytes(layout, units, kinds).max(4096);
+        let nslots = cfg.slots.max(1);
+        let mut slots = Vec::with_capacity(nslots);
+        for i in 0..nslots {
+            slots.push(Region::allocate(RegionSpec {
+                label: format!("NVMe staging slot {i}"),
+                bytes: slot_bytes,
+                node: cfg.node,
+                prefault_cpus: cfg.cpus.clone(),
+                pages: cfg.pages,
+                lock: false,
+            })?);
+        }
+        let mut io = cfg.io.clone();
+        io.extents = next_extent.max(1);
+        let mut store = ExtentStore::create(&io)?;
+        let ranges: Vec<(*mut u8, usize)> = slots.iter().map(|r| (r.as_ptr(), r.len())).collect();
+        let mut warnings = store.warnings.clone();
+        // SAFETY: the slots live in `Shared`, which the I/O thread (owner of `store`) keeps alive
+        // until after it drops `store`.
+        if let Err(why) = unsafe { store.register(&ranges) } {
+            if store.uses_uring() {
+                warnings.push(format!(
+                    "spill I/O: staging slots not registered with io_uring ({why}); using plain reads and writes"
+                ));
+            }
+        }
+        let (uring, direct) = (store.uses_uring(), store.is_direct());
+        let (tx, rx) = channel();
+        let n = layout.units.len();
+        let names = layout
+            .units
+            .iter()
+            .map(|u| u.kind.describe())
+            .collect::<Vec<_>>();
+        let shared = Arc::new(Shared {
+            units: spilled,
+            names,
+            slots,
+            slot_bytes,
+            state: Mutex::new(State {
+                phase: vec![Phase::Free; nslots],
+                last_used: vec![0; nslots],
+                tick: 0,
+                written: vec![false; n],
+                error: vec![None; n],
+            }),
+            cv: Condvar::new(),
+            tx: Mutex::new(Some(tx)),
+            counters: Counters::default(),
+            inject: AtomicU64::new(0),
+        });
+        let s2 = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("spill-io".into())
+            .spawn(move || io_thread(&s2, store, &rx))
+            .map_err(|e| Error::system("std::thread", "spawn the spill I/O thread", e))?;
+        Ok(SpillTier {
+            shared,
+            thread: Some(thread),
+            warnings,
+            uring,
+            direct,
+        })
+    }
+
+    /// True when `unit` has spilled shards.
+    pub fn holds(&self, unit: usize) -> bool {
+        self.shared.units.get(unit).is_some_and(|s| !s.is_empty())
+    }
+
+    /// The kinds spilled for `unit`.
+    pub fn kinds(&self, unit: usize) -> Vec<ShardKind> {
+        self.shared
+            .units
+            .get(unit)
+            .map(|s| s.iter().map(|x| x.kind).collect())
+            .unwrap_or_default()
+    }
+
+    /// Staging bytes (slots × slot size).
+    pub fn staging_bytes(&self) -> u64 {
+        (self.shared.slots.len() * self.shared.slot_bytes) as u64
+    }
+
+    /// Number of staging slots.
+    pub fn slots(&self) -> usize {
+        self.shared.slots.len()
+    }
+
+    /// True when io_uring is in use (else the pread/pwrite threads).
+    pub fn uses_uring(&self) -> bool {
+        self.uring
+    }
+
+    /// True when the spill files use O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Counters since creation.
+    pub fn stats(&self) -> SpillStats {
+        let c = &self.shared.counters;
+        SpillStats {
+            bytes_read: c.read.load(Ordering::Relaxed),
+            bytes_written: c.written.load(Ordering::Relaxed),
+            io_seconds: c.io_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            wait_seconds: c.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Start reading `unit` into a free (or cached, clean) slot if one is available; never waits
+    /// and never evicts data that is needed. Returns whether the unit is (or will be) staged.
+    pub fn prefetch(&self, unit: usize) -> bool {
+        if !self.holds(unit) {
+            return false;
+        }
+        let mut st = lock(&self.shared.state);
+        if st.phase.iter().any(|p| p.unit() == Some(unit)) {
+            return true;
+        }
+        match pick_slot(&st, false) {
+            Some(slot) => self.start_read(&mut st, unit, slot).is_ok(),
+            None => false,
+        }
+    }
+
+    fn start_read(&self, st: &mut State, unit: usize, slot: usize) -> Result<()> {
+        st.phase[slot] = Phase::Reading(unit);
+        let zero = !st.written[unit];
+        send(&self.shared, Cmd::Read { unit, slot, zero })
+    }
+
+    /// Exclusive use of `unit`'s staged shards, waiting for a read if needed.
+    pub fn lease(&self, unit: usize) -> Result<Lease> {
+        if !self.holds(unit) {
+            return Err(Error::bad_input(
+                "spill",
+                format!("unit {unit}"),
+                "has no spilled shards",
+                None,
+            ));
+        }
+        let t0 = Instant::now();
+        let mut started = false;
+        let mut st = lock(&self.shared.state);
+        loop {
+            if let Some(e) = &st.error[unit] {
+                return Err(Error::system(
+                    "NVMe spill tier",
+                    format!("stage {}", self.shared.names[unit]),
+                    e.clone(),
+                ));
+            }
+            match st.phase.iter().position(|p| p.unit() == Some(unit)) {
+                Some(slot) => match st.phase[slot] {
+                    Phase::Ready(_) | Phase::Clean(_) => {
+                        st.phase[slot] = Phase::Leased(unit);
+                        st.tick += 1;
+                        st.last_used[slot] = st.tick;
+                        let c = &self.shared.counters;
+                        if started {
+                            c.misses.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            c.hits.fetch_add(1, Ordering::Relaxed);
+                        }
+                        c.wait_ns
+                            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        return Ok(Lease {
+                            shared: self.shared.clone(),
+                            unit,
+                            slot,
+                            dirty: true,
+                        });
+                    }
+                    Phase::Leased(_) => {
+                        return Err(Error::system(
+                            "NVMe spill tier",
+                            format!("stage {}", self.shared.names[unit]),
+                            "it is already leased",
+                        ))
+                    }
+                    Phase::Failed(_) => {
+                        return Err(Error::system(
+                            "NVMe spill tier",
+                            format!("stage {}", self.shared.names[unit]),
+                            "its last write-back failed",
+                        ))
+                    }
+                    // A read or a write-back of this unit is in flight: wait for it.
+                    _ => {}
+                },
+                None => {
+                    if let Some(slot) = pick_slot(&st, true) {
+                        self.start_read(&mut st, unit, slot)?;
+                        started = true;
+                        continue;
+                    }
+                }
+            }
+            st = self
+                .shared
+                .cv
+                .wait(st)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Wait until no read or write-back is in flight, then fdatasync the spill files. Returns the
+    /// first write-back error, if any unit has one.
+    pub fn flush(&self) -> Result<()> {
+        {
+            let mut st = lock(&self.shared.state);
+            while st
+                .phase
+                .iter()
+                .any(|p| matches!(p, Phase::Reading(_) | Phase::Writing(_)))
+            {
+                st = self
+                    .shared
+                    .cv
+                    .wait(st)
+                    .unwrap_or_else(|e| e.into_inner());
+            }
+            self.check_locked(&st)?;
+        }
+        let (tx, rx) = channel();
+        send(&self.shared, Cmd::Sync(tx))?;
+        rx.recv()
+            .map_err(|_| Error::system("NVMe spill tier", "sync", "the I/O thread is gone"))?
+    }
+
+    /// Test seam: make the next write-back fail half-way with OS error `errno` (e.g. ENOSPC).
+    pub fn inject_write_error(&self, errno: i32) {
+        self.shared.inject.store(errno as u64, Ordering::Relaxed);
+    }
+
+    /// The first write-back error, if any (reads fail the lease that needed them).
+    pub fn check(&self) -> Result<()> {
+        self.check_locked(&lock(&self.shared.state))
+    }
+
+    fn check_locked(&self, st: &State) -> Result<()> {
+        for (slot, p) in st.phase.iter().enumerate() {
+            if let Phase::Failed(u) = p {
+                let why = st.error[*u].clone().unwrap_or_default();
+                return Err(Error::system(
+                    "NVMe spill tier",
+                    format!("write back {} (slot {slot})", self.shared.names[*u]),
+                    why,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A slot for a new unit: a free one, else the least recently used clean (cached) one, else —
+/// when `evict_prefetched` — the least recently used prefetched one nobody has leased yet.
+fn pick_slot(st: &State, evict_prefetched: bool) -> Option<usize> {
+    if let Some(i) = st.phase.iter().position(|p| *p == Phase::Free) {
+        return Some(i);
+    }
+    let lru = |f: &dyn Fn(Phase) -> bool| {
+        (0..st.phase.len())
+            .filter(|&i| f(st.phase[i]))
+            .min_by_key(|&i| st.last_used[i])
+    };
+    lru(&|p| matches!(p, Phase::Clean(_)))
+        .or_else(|| evict_prefetched.then(|| lru(&|p| matches!(p, Phase::Ready(_))))?)
+}
+
+fn send(shared: &Shared, cmd: Cmd) -> Result<()> {
+    let tx = shared.tx.lock().unwrap_or_else(|e| e.into_inner());
+    tx.as_ref()
+        .and_then(|t| t.send(cmd).ok())
+        .ok_or_else(|| Error::system("NVMe spill tier", "queue I/O", "the I/O thread has stopped"))
+}
+
+impl Lease {
+    /// The unit.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// The staged shard of `kind` (f32 elements), if that kind is spilled for this unit.
+    pub fn shard(&mut self, kind: ShardKind) -> Option<&mut [f32]> {
+        let s = self.shared.units[self.unit]
+            .iter()
+            .find(|s| s.kind == kind)?;
+        let region = &self.shared.slots[self.slot];
+        // SAFETY: slot_offset + numel·4 ≤ slot_offset + bytes ≤ slot size (slot_bytes is the max
+        // over units; only f32 kinds spill); the lease
+        // is the slot's only user while it is Leased; `&mut self` makes the view exclusive.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(region.as_ptr().add(s.slot_offset).cast(), s.numel)
+        })
+    }
+
+    /// Release without writing back (the data was only read).
+    pub fn release_clean(mut self) {
+        self.dirty = false;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut st = lock(&self.shared.state);
+        if self.dirty {
+            st.phase[self.slot] = Phase::Writing(self.unit);
+            if send(
+                &self.shared,
+                Cmd::Write {
+                    unit: self.unit,
+                    slot: self.slot,
+                },
+            )
+            .is_err()
+            {
+                st.phase[self.slot] = Phase::Failed(self.unit);
+                st.error[self.unit] = Some("the spill I/O thread has stopped".into());
+            }
+        } else {
+            st.phase[self.slot] = Phase::Clean(self.unit);
+        }
+        self.shared.cv.notify_all();
+    }
+}
+
+impl Drop for SpillTier {
+    fn drop(&mut self) {
+        // Closing the channel ends the I/O thread after the queued work.
+        self.shared
+            .tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn io_thread(shared: &Shared, mut store: ExtentStore, rx: &Receiver<Cmd>) {
+    while let Ok(cmd) = rx.recv() {
+        let t0 = Instant::now();
+        match cmd {
+            Cmd::Sync(reply) => {
+                let _ = reply.send(store.sync());
+            }
+            Cmd::Read { unit, slot, zero } => {
+                let r = if zero {
+                    slot_bytes_mut(shared, slot).fill(0);
+                    Ok(())
+                } else {
+                    shard_io(shared, &mut store, unit, slot, false)
+                };
+                let mut st = lock(&shared.state);
+                match r {
+                    Ok(()) => st.phase[slot] = Phase::Ready(unit),
+                    Err(e) => {
+                        st.phase[slot] = Phase::Free;
+                        st.error[unit] = Some(e.to_string());
+                    }
+                }
+                shared.cv.notify_all();
+            }
+            Cmd::Write { unit, slot } => {
+                let r = shard_io(shared, &mut store, unit, slot, true);
+                let mut st = lock(&shared.state);
+                match r {
+                    Ok(()) => {
+                        st.phase[slot] = Phase::Clean(unit);
+                        st.written[unit] = true;
+                    }
+                    Err(e) => {
+                        st.phase[slot] = Phase::Failed(unit);
+                        st.error[unit] = Some(e.to_string());
+                    }
+                }
+                shared.cv.notify_all();
+            }
+        }
+        shared
+            .counters
+            .io_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+    // `store` (and its ring with the slots registered) drops here, before `shared` can.
+}
+
+fn slot_bytes_mut(shared: &Shared, slot: usize) -> &mut [u8] {
+    let r = &shared.slots[slot];
+    // SAFETY: the slot is Reading or Writing: only the I/O thread touches it until it changes
+    // the phase under the state lock.
+    unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), shared.slot_bytes) }
+}
+
+fn shard_io(
+    shared: &Shared,
+    store: &mut ExtentStore,
+    unit: usize,
+    slot: usize,
+    write: bool,
+) -> Result<()> {
+    if write {
+        let e = shared.inject.swap(0, Ordering::Relaxed);
+        if e != 0 {
+            store.inject_write_error = Some(e as i32);
+        }
+    }
+    let bytes = slot_bytes_mut(shared, slot);
+    for s in &shared.units[unit] {
+        let label = format!("{} of {}", s.kind.name(), shared.names[unit]);
+        let buf = &mut bytes[s.slot_offset..s.slot_offset + s.bytes];
+        if write {
+            store.write(s.first_extent, buf, &label)?;
+            shared
+                .counters
+                .written
+                .fetch_add(s.bytes as u64, Ordering::Relaxed);
+        } else {
+            store.read(s.first_extent, buf, &label)?;
+            shared
+                .counters
+                .read
+                .fetch_add(s.bytes as u64, Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::ModelConfig;
+    use crate::spill::io::EngineKind;
+    use crate::store::layout::Mode;
+
+    fn layout(layers: usize) -> StateLayout {
+        let json = format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}}"#
+        );
+        StateLayout::new(&ModelConfig::from_json_str(&json, "t").unwrap(), Mode::Exact, false)
+    }
+
+    fn tier(
+        l: &StateLayout,
+        dir: &std::path::Path,
+        slots: usize,
+        engine: EngineKind,
+        direct: bool,
+    ) -> SpillTier {
+        let units: Vec<usize> = (0..l.units.len()).collect();
+        SpillTier::create(
+            l,
+            &units,
+            &[ShardKind::AdamM, ShardKind::AdamV],
+            &TierConfig {
+                io: SpillConfig {
+                    dirs: vec![dir.join("a"), dir.join("b")],
+                    extent_bytes: 16 << 10,
+                    extents: 0,
+                    engine,
+                    direct,
+                    queue_depth: 8,
+                },
+                slots,
+                node: None,
+                cpus: Vec::new(),
+                pages: PageKind::Transparent,
+            },
+        )
+        .unwrap()
+    }
+
+    fn pattern(unit: usize, kind: usize, step: usize, i: usize) -> f32 {
+        (unit * 1_000_003 + kind * 7_919 + step * 104_729 + i) as f32 * 1e-3
+    }
+
+    /// Random-ish shards through the tier with 2 slots for 6 units (every lease after the
+    /// first two evicts), on io_uring+O_DIRECT and on the pread/pwrite threads without O_DIRECT.
+    #[test]
+    fn shards_round_trip_through_the_tier_on_both_engines() {
+        let l = layout(4);
+        for (engine, direct) in [(EngineKind::Auto, true), (EngineKind::Sync, false)] {
+            let d = tempfile::tempdir().unwrap();
+            let t = tier(&l, d.path(), 2, engine, direct);
+            assert_eq!(t.uses_uring(), engine == EngineKind::Auto && t.warnings.is_empty());
+            for u in 0..l.units.len() {
+                let mut lease = t.lease(u).unwrap();
+                // A never-written unit stages as zeros, like a fresh RAM shard.
+                assert!(lease.shard(ShardKind::AdamM).unwrap().iter().all(|x| *x == 0.0));
+                for (k, kind) in [ShardKind::AdamM, ShardKind::AdamV].into_iter().enumerate() {
+                    for (i, x) in lease.shard(kind).unwrap().iter_mut().enumerate() {
+                        *x = pattern(u, k, 0, i);
+                    }
+                }
+            }
+            t.flush().unwrap();
+            for u in (0..l.units.len()).rev() {
+                let mut lease = t.lease(u).unwrap();
+                for (k, kind) in [ShardKind::AdamM, ShardKind::AdamV].into_iter().enumerate() {
+                    let s = lease.shard(kind).unwrap();
+                    assert_eq!(s.len(), l.units[u].numel);
+                    assert!(s.iter().enumerate().all(|(i, x)| *x == pattern(u, k, 0, i)));
+                }
+                lease.release_clean();
+            }
+            let st = t.stats();
+            let all: u64 = (0..l.units.len())
+                .map(|u| 2 * l.units[u].shard_bytes(ShardKind::AdamM) as u64)
+                .sum();
+            assert_eq!(st.bytes_written, all);
+            assert!(st.bytes_read >= all - 2 * t.shared.slot_bytes as u64, "{st:?}");
+        }
+    }
+
+    /// Five training-shaped steps over 10 units: prefetch u+1, lease u, update, release (write
+    /// back) — the values after every step are exact, and prefetch turns reads into hits.
+    #[test]
+    fn prefetch_update_write_back_sequence() {
+        let l = layout(8);
+        let d = tempfile::tempdir().unwrap();
+        let t = tier(&l, d.path(), 3, EngineKind::Auto, true);
+        let n = l.units.len();
+        for step in 0..5 {
+            t.prefetch(0);
+            for u in 0..n {
+                if u + 1 < n {
+                    t.prefetch(u + 1);
+                }
+                let mut lease = t.lease(u).unwrap();
+                let m = lease.shard(ShardKind::AdamM).unwrap();
+                for (i, x) in m.iter_mut().enumerate() {
+                    assert_eq!(*x, if step == 0 { 0.0 } else { pattern(u, 0, step - 1, i) });
+                    *x = pattern(u, 0, step, i);
+                }
+            }
+        }
+        t.flush().unwrap();
+        let st = t.stats();
+        assert!(st.hits >= st.misses, "prefetch should serve most leases: {st:?}");
+        assert!(st.bytes_read > 0 && st.bytes_written > 0);
+    }
+
+    #[test]
+    fn a_flipped_byte_on_disk_is_reported_with_file_offset_and_layer() {
+        let l = layout(2);
+        let d = tempfile::tempdir().unwrap();
+        let t = tier(&l, d.path(), 1, EngineKind::Auto, true);
+        for u in 0..l.units.len() {
+            let mut lease = t.lease(u).unwrap();
+            lease.shard(ShardKind::AdamV).unwrap().fill(u as f32 + 0.5);
+        }
+        t.flush().unwrap();
+        // Flip one byte in every 16 KiB extent copy of both files.
+        for f in ["a", "b"] {
+            let p = d.path().join(f).join(format!(
+                "megatrain-spill-{}.bin",
+                if f == "a" { 0 } else { 1 }
+            ));
+            let mut b = std::fs::read(&p).unwrap();
+            for k in (100..b.len()).step_by(16 << 10) {
+                b[k] ^= 0x40;
+            }
+            std::fs::write(&p, b).unwrap();
+        }
+        // Unit 1 (layer 0) was evicted by unit 2: leasing it reads the damaged copy.
+        let e = t.lease(1).unwrap_err().to_string();
+        assert!(
+            e.contains("crc32c") && e.contains("layer 0") && e.contains("offset") && e.contains("megatrain-spill-"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_failed_write_back_is_reported_and_the_unit_refused() {
+        let l = layout(2);
+        let d = tempfile::tempdir().unwrap();
+        let t = tier(&l, d.path(), 2, EngineKind::Auto, true);
+        t.lease(1).unwrap().shard(ShardKind::AdamM).unwrap().fill(1.0);
+        t.flush().unwrap();
+        t.inject_write_error(libc::ENOSPC);
+        t.lease(1).unwrap().shard(ShardKind::AdamM).unwrap().fill(2.0);
+        let e = t.flush().unwrap_err().to_string();
+        assert!(e.contains("No space left") && e.contains("layer 0"), "{e}");
+        assert!(t.check().is_err());
+        assert!(t.lease(1).is_err(), "a unit whose write-back failed is not handed out");
+        // Other units keep working.
+        t.lease(2).unwrap().shard(ShardKind::AdamM).unwrap().fill(3.0);
+    }
+
+    #[test]
+    fn only_optimizer_state_can_spill() {
+        let l = layout(1);
+        let d = tempfile::tempdir().unwrap();
+        let e = SpillTier::create(
+            &l,
+            &[0],
+            &[ShardKind::Params],
+            &TierConfig {
+                io: SpillConfig {
+                    dirs: vec![d.path().into()],
+                    extent_bytes: 4096,
+                    extents: 0,
+                    engine: EngineKind::Auto,
+                    direct: true,
+                    queue_depth: 4,
+                },
+                slots: 1,
+                node: None,
+                cpus: Vec::new(),
+                pages: PageKind::Transparent,
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("only Adam m and v"), "{e}");
+    }
+}
