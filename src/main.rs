@@ -275,6 +275,24 @@ struct TrainArgs {
     /// mlock the host store.
     #[arg(long)]
     lock_memory: bool,
+    /// Directory for the NVMe spill tier (repeat, one per device).
+    #[arg(long, value_name = "DIR")]
+    nvme: Vec<PathBuf>,
+    /// When Adam m/v go to NVMe (auto: only what RAM lacks, and only with --nvme).
+    #[arg(long, value_enum)]
+    spill: Option<megatrain::store::placement::SpillPolicy>,
+    /// RAM staging slots of the spill tier.
+    #[arg(long)]
+    spill_staging: Option<usize>,
+    /// Spill I/O engine: auto, uring, sync (pread/pwrite threads).
+    #[arg(long)]
+    io_engine: Option<megatrain::spill::io::EngineKind>,
+    /// Buffered spill I/O instead of O_DIRECT.
+    #[arg(long)]
+    no_direct_io: bool,
+    /// Cap on the host RAM the state may use (K/M/G suffixes).
+    #[arg(long, value_parser = megatrain::bench::parse_count)]
+    ram_budget: Option<usize>,
     #[arg(long, value_enum)]
     precision: Option<megatrain::train::config::Precision>,
     #[arg(long, value_enum)]
@@ -330,11 +348,21 @@ impl TrainArgs {
             device,
             device_memory,
             huge_pages,
+            spill,
+            spill_staging,
+            io_engine,
             precision,
             mode,
             val_every,
             val_batches
         );
+        if !self.nvme.is_empty() {
+            c.nvme = self.nvme.clone();
+        }
+        if let Some(b) = self.ram_budget {
+            c.ram_budget = Some(b as u64);
+        }
+        c.direct_io &= !self.no_direct_io;
         c.shuffle |= self.shuffle;
         c.resume |= self.resume;
         c.lock_memory |= self.lock_memory;
@@ -628,16 +656,16 @@ fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
             Some("e.g. --block 128Ki,1Mi,4Mi"),
         ));
     }
-    let r = megatrain::bench::nvme::run(
-        &a.dir,
-        a.size as u64,
-        a.reps,
+    let r = megatrain::bench::nvme::run(&megatrain::bench::nvme::NvmeBench {
+        dirs: a.dir.clone(),
+        size: a.size as u64,
+        reps: a.reps,
         engine,
-        &a.block,
-        &a.qd,
-        a.pages,
-        a.fio,
-    )?;
+        blocks: a.block.clone(),
+        depths: a.qd.clone(),
+        pages: a.pages,
+        with_fio: a.fio,
+    })?;
     print_report(a.json, &r, megatrain::bench::nvme::render);
     Ok(())
 }

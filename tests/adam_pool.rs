@@ -50,7 +50,7 @@ fn pool_equals_scalar_reference_exact_and_lean() {
                 rand(n, 4 * u as u64 + 3),
             );
             let v0: Vec<f32> = v0.iter().map(|x| x * x).collect();
-            let sh = guard.shards();
+            let sh = guard.shards().unwrap();
             sh.params.copy_from_slice(&p0);
             sh.m.copy_from_slice(&m0);
             sh.v.copy_from_slice(&v0);
@@ -94,7 +94,7 @@ fn pool_equals_scalar_reference_exact_and_lean() {
             assert_eq!(done.guard.unit(), u);
             assert_eq!(done.grads.is_some(), mode == Mode::Lean);
             let (p, m, v, sh, sumsq) = &expected[u];
-            let got = done.guard.shards();
+            let got = done.guard.shards().unwrap();
             assert!(
                 got.params
                     .iter()

@@ -107,6 +107,66 @@ fn resume_is_bit_identical() {
     assert!(a.path().join("metrics.svg").exists());
 }
 
+/// The same run with Adam m/v on NVMe (all units, or what a RAM budget forces out) writes the
+/// same checkpoints bit for bit, and resuming a spilled run is bit-identical too.
+#[test]
+fn spilling_to_nvme_changes_no_bit_and_resumes() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 4000);
+    let plain = run(
+        &cfg(a.path(), m.clone(), d.clone(), 4),
+        Arc::new(AtomicBool::new(false)),
+        &mut Quiet,
+    )
+    .unwrap();
+    let want = plain.checkpoint.unwrap();
+    let layout = megatrain::store::layout::StateLayout::new(
+        &megatrain::model::config::ModelConfig::from_json_str(MODEL, "t").unwrap(),
+        megatrain::store::layout::Mode::Exact,
+        false,
+    );
+    for (policy, budget) in [
+        (megatrain::store::placement::SpillPolicy::All, None),
+        (
+            megatrain::store::placement::SpillPolicy::Auto,
+            Some(layout.total_bytes() - 4096),
+        ),
+    ] {
+        let b = tempfile::tempdir().unwrap();
+        let c = TrainConfig {
+            nvme: vec![b.path().join("nvme")],
+            spill: policy,
+            ram_budget: budget,
+            spill_staging: 2,
+            checkpoint_every: 2,
+            ..cfg(b.path(), m.clone(), d.clone(), 4)
+        };
+        let got = run(&c, Arc::new(AtomicBool::new(false)), &mut Quiet)
+            .unwrap()
+            .checkpoint
+            .unwrap();
+        for f in ["params.f32", "adam_m.f32", "adam_v.f32"] {
+            assert!(read(&want.join(f)) == read(&got.join(f)), "{policy:?}: {f}");
+        }
+        // Resume from step 2 with the spill tier (m/v come back from the checkpoint).
+        std::fs::remove_dir_all(&got).unwrap();
+        let again = run(
+            &TrainConfig { resume: true, ..c },
+            Arc::new(AtomicBool::new(false)),
+            &mut Quiet,
+        )
+        .unwrap();
+        assert_eq!(again.steps, 4);
+        let got = again.checkpoint.unwrap();
+        for f in ["params.f32", "adam_m.f32", "adam_v.f32"] {
+            assert!(
+                read(&want.join(f)) == read(&got.join(f)),
+                "{policy:?} resumed: {f}"
+            );
+        }
+    }
+}
+
 #[test]
 fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
     let a = tempfile::tempdir().unwrap();
@@ -253,6 +313,26 @@ fn bad_inputs_exit_nonzero_with_one_clear_line() {
             "cuda",
         ),
         (vec!["train", "--data", &d], "model"),
+        (
+            vec!["train", "--model", &m, "--data", &d, "--spill", "all"],
+            "--nvme",
+        ),
+        (
+            vec![
+                "train",
+                "--model",
+                &m,
+                "--data",
+                &d,
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--ram-budget",
+                "20K",
+            ],
+            "--nvme DIR",
+        ),
         (
             vec![
                 "train",

@@ -189,6 +189,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         shard_node: vec![[Some(node.os_index); 5]; layout.units.len()],
         lean_buffers_node: None,
         stream_order: vec![node.os_index],
+        spill: None,
     };
     let store = HostStore::allocate(layout, placement, &StoreOptions::default())?;
     let pool = match args.isa {
@@ -198,7 +199,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
     // Realistic values: v > 0, gradients of mixed sign.
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
-        let sh = g.shards();
+        let sh = g.shards()?;
         for (i, x) in sh.params.iter_mut().enumerate() {
             *x = ((i % 97) as f32 - 48.0) * 1e-3;
         }

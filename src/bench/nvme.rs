@@ -56,17 +56,41 @@ pub struct NvmeReport {
     pub cases: Vec<NvmeCase>,
 }
 
-/// Run the sweep: `size` bytes per pass over `dirs`.
-pub fn run(
-    dirs: &[PathBuf],
-    size: u64,
-    reps: usize,
-    engine: EngineKind,
-    blocks: &[usize],
-    depths: &[usize],
-    pages: PageKind,
-    with_fio: bool,
-) -> Result<NvmeReport> {
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct NvmeBench {
+    /// One directory per device; blocks are striped over them.
+    pub dirs: Vec<PathBuf>,
+    /// Bytes per pass.
+    pub size: u64,
+    /// Passes per case (median reported).
+    pub reps: usize,
+    /// io_uring or the pread/pwrite threads.
+    pub engine: EngineKind,
+    /// Block sizes.
+    pub blocks: Vec<usize>,
+    /// Queue depths.
+    pub depths: Vec<usize>,
+    /// Pages backing the I/O buffers.
+    pub pages: PageKind,
+    /// Run fio on every case too, passes interleaved with ours.
+    pub with_fio: bool,
+}
+
+/// Run the sweep.
+pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
+    let NvmeBench {
+        dirs,
+        size,
+        reps,
+        engine,
+        blocks,
+        depths,
+        pages,
+        with_fio,
+    } = b;
+    let (dirs, size, reps, engine, pages, with_fio) =
+        (dirs.as_slice(), *size, *reps, *engine, *pages, *with_fio);
     if dirs.is_empty() {
         return Err(Error::bad_input(
             "--dir",
@@ -116,7 +140,7 @@ pub fn run(
     let mut uring = false;
     let mut fixed = false;
     for &bs in blocks {
-        for &qd in depths {
+        for &qd in depths.iter() {
             let mut eng = IoEngine::new(engine, qd)?;
             uring = eng.is_uring();
             // One buffer per in-flight request (request i uses buffer i mod qd).
@@ -276,8 +300,8 @@ fn fio_pass(dirs: &[PathBuf], size: u64, bs: usize, qd: usize, rw: &str) -> Resu
     let text = String::from_utf8_lossy(&out.stdout);
     // fio may print notices before the JSON object.
     let json = text.find('{').map_or("", |i| &text[i..]);
-    let v: serde_json::Value = serde_json::from_str(json)
-        .map_err(|e| Error::system("fio", "parse its JSON output", e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| Error::system("fio", "parse its JSON output", e))?;
     let bw: f64 = v["jobs"]
         .as_array()
         .map(|jobs| jobs.iter().filter_map(|j| j[rw]["bw_bytes"].as_f64()).sum())

@@ -86,6 +86,12 @@ pub struct StepMetrics {
     pub dtoh_bytes: u64,
     /// Device memory high-water mark, bytes.
     pub device_peak_bytes: u64,
+    /// Bytes read from the NVMe spill tier during the step.
+    pub nvme_read_bytes: u64,
+    /// Bytes written to the NVMe spill tier during the step.
+    pub nvme_write_bytes: u64,
+    /// Time AdamW jobs waited for spilled state to arrive from NVMe, seconds.
+    pub nvme_wait_s: f64,
 }
 
 struct PendingAdam {
@@ -113,6 +119,9 @@ pub struct Streamer {
     timeline: Timeline,
     adam_spans: Vec<(f64, f64)>,
     lean_sumsq: f64,
+    /// Units in the order the plan updates them (prefetch hints for the NVMe tier).
+    adam_order: Vec<usize>,
+    spill_seen: crate::spill::tier::SpillStats,
 }
 
 impl std::fmt::Debug for PendingAdam {
@@ -186,6 +195,15 @@ impl Streamer {
         };
         let units = store.num_units();
         let timeline = Timeline::new(device.epoch());
+        let adam_order: Vec<usize> = plan
+            .steps
+            .iter()
+            .filter_map(|s| match s.op {
+                Op::Adam { unit, .. } => Some(unit),
+                _ => None,
+            })
+            .collect();
+        let spill_seen = store.spill_stats();
         Ok(Streamer {
             device,
             store,
@@ -203,6 +221,8 @@ impl Streamer {
             timeline,
             adam_spans: Vec::new(),
             lean_sumsq: 0.0,
+            adam_order,
+            spill_seen,
         })
     }
 
@@ -315,6 +335,11 @@ impl Streamer {
         }
         self.step += 1;
         self.device.reset_peak();
+        self.store.check_spill()?;
+        // The first unit to be updated: its m/v can come in from NVMe during the forward.
+        if let Some(&u) = self.adam_order.first() {
+            self.store.prefetch(u);
+        }
         let total_tokens = (n * batches.len()) as f64;
         let loss = Arc::new(Mutex::new(0.0f64));
         let steps = self.plan.steps.clone();
@@ -410,6 +435,12 @@ impl Streamer {
                             let node = self.store.placement().worker_node(unit).unwrap_or(0);
                             let submitted = self.device.epoch().elapsed().as_secs_f64();
                             let job = self.pool.submit(node, guard, buf, segs)?;
+                            // Read the next unit's spilled state while this one updates.
+                            if let Some(k) = self.adam_order.iter().position(|&x| x == unit) {
+                                if let Some(&next) = self.adam_order.get(k + 1) {
+                                    self.store.prefetch(next);
+                                }
+                            }
                             self.pending.insert(
                                 unit,
                                 PendingAdam {
@@ -538,6 +569,12 @@ impl Streamer {
             }
         }
         self.timeline.extend_device(records);
+        let spill = self.store.spill_stats();
+        m.nvme_read_bytes = spill.bytes_read - self.spill_seen.bytes_read;
+        m.nvme_write_bytes = spill.bytes_written - self.spill_seen.bytes_written;
+        m.nvme_wait_s = spill.wait_seconds - self.spill_seen.wait_seconds;
+        self.spill_seen = spill;
+        self.store.check_spill()?;
         m.wall_s = wall.elapsed().as_secs_f64();
         Ok(m)
     }

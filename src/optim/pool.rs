@@ -100,17 +100,32 @@ struct State {
     remaining: usize,
     sumsq: f64,
     failure: Option<String>,
+    /// The unit, when the job handed it to the stager (spilled units).
+    guard: Option<UnitGuard>,
 }
 
-#[derive(Debug)]
+/// What runs when the last task of a job finishes (staged jobs: unstage and hand back).
+type OnDone = Box<dyn FnOnce(f64, Option<String>) + Send>;
+
 struct Completion {
     state: Mutex<State>,
     cv: Condvar,
     started: Instant,
+    on_done: Mutex<Option<OnDone>>,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion").finish_non_exhaustive()
+    }
 }
 
 impl Completion {
     fn new(tasks: usize) -> Arc<Self> {
+        Self::with_on_done(tasks, None)
+    }
+
+    fn with_on_done(tasks: usize, on_done: Option<OnDone>) -> Arc<Self> {
         Arc::new(Completion {
             state: Mutex::new(State {
                 remaining: tasks,
@@ -118,6 +133,7 @@ impl Completion {
             }),
             cv: Condvar::new(),
             started: Instant::now(),
+            on_done: Mutex::new(on_done),
         })
     }
 
@@ -129,8 +145,33 @@ impl Completion {
             s.failure = failure;
         }
         if s.remaining == 0 {
-            self.cv.notify_all();
+            let cb = self
+                .on_done
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            match cb {
+                Some(cb) => {
+                    let (sumsq, failure) = (s.sumsq, s.failure.take());
+                    drop(s);
+                    cb(sumsq, failure);
+                }
+                None => self.cv.notify_all(),
+            }
         }
+    }
+
+    /// Hand the unit back to whoever waits on this completion.
+    fn put_guard(&self, g: UnitGuard) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).guard = Some(g);
+    }
+
+    fn take_guard(&self) -> Option<UnitGuard> {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .guard
+            .take()
     }
 
     fn wait(&self) -> (f64, Option<String>) {
@@ -196,11 +237,147 @@ struct NodeWorkers {
     handles: Vec<JoinHandle<()>>,
 }
 
-/// Worker pools, one per NUMA node holding optimizer state.
+/// A job for a unit whose optimizer state is on NVMe: the stager stages it, then dispatches.
+struct StageJob {
+    guard: UnitGuard,
+    /// Lean-mode gradient buffer (null: the unit's own gradient shard).
+    grads: GradPtr,
+    segments: Arc<[Segment]>,
+    senders: Vec<Sender<Task>>,
+    isa: Isa,
+    outer: Arc<Completion>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GradPtr(*const f32);
+
+// SAFETY: the buffer behind it is owned by the job's `AdamJob`, which waits for completion
+// before releasing it.
+unsafe impl Send for GradPtr {}
+
+/// Worker pools, one per NUMA node holding optimizer state, plus the stager for spilled units.
 #[derive(Debug)]
 pub struct AdamPool {
     nodes: Vec<NodeWorkers>,
     isa: Isa,
+    stager: Option<Sender<StageJob>>,
+    stager_thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StageJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageJob")
+            .field("unit", &self.guard.unit())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Split `numel` elements into one cache-line-aligned range per worker and send the tasks.
+fn dispatch_on(
+    senders: &[Sender<Task>],
+    isa: Isa,
+    numel: usize,
+    work: impl Fn() -> Work,
+    on_done: Option<OnDone>,
+) -> Arc<Completion> {
+    let chunk = numel.div_ceil(senders.len().max(1)).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
+    let ranges: Vec<(usize, usize)> = (0..senders.len())
+        .map(|i| (i * chunk, ((i + 1) * chunk).min(numel)))
+        .filter(|(a, b)| a < b)
+        .collect();
+    let completion = Completion::with_on_done(ranges.len().max(1), on_done);
+    if ranges.is_empty() {
+        completion.finish(0.0, None);
+    }
+    for (i, (start, end)) in ranges.into_iter().enumerate() {
+        let task = Task {
+            work: work(),
+            start,
+            end,
+            isa,
+            done: completion.clone(),
+        };
+        if senders[i].send(task).is_err() {
+            completion.finish(0.0, Some("worker thread is gone".into()));
+        }
+    }
+    completion
+}
+
+fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>) -> Result<Ptrs> {
+    let unit = guard.unit();
+    let sh = guard.shards()?;
+    let g: *const f32 = match (lean, sh.grads) {
+        (Some(b), _) => b,
+        (None, Some(g)) => g.as_ptr(),
+        (None, None) => {
+            return Err(Error::bad_input(
+                "AdamW job",
+                format!("unit {unit}"),
+                "lean mode needs a gradient buffer",
+                None,
+            ))
+        }
+    };
+    Ok(Ptrs {
+        p: sh.params.as_mut_ptr(),
+        g,
+        m: sh.m.as_mut_ptr(),
+        v: sh.v.as_mut_ptr(),
+        shadow: sh.shadow.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()),
+    })
+}
+
+/// The stager: stage each spilled unit (waiting for its read), prefetch the next queued one,
+/// dispatch the update; the last task unstages (write-back starts) and hands the unit back.
+fn stager_loop(rx: &std::sync::mpsc::Receiver<StageJob>) {
+    let mut backlog = std::collections::VecDeque::new();
+    loop {
+        if backlog.is_empty() {
+            match rx.recv() {
+                Ok(j) => backlog.push_back(j),
+                Err(_) => return,
+            }
+        }
+        while let Ok(j) = rx.try_recv() {
+            backlog.push_back(j);
+        }
+        let Some(mut job) = backlog.pop_front() else {
+            continue;
+        };
+        let staged = job.guard.stage();
+        if let Some(next) = backlog.front() {
+            next.guard.store().prefetch(next.guard.unit());
+        }
+        let lean = (!job.grads.0.is_null()).then_some(job.grads.0);
+        let ptrs = match staged.and_then(|()| unit_ptrs(&mut job.guard, lean)) {
+            Ok(p) => p,
+            Err(e) => {
+                job.guard.unstage_clean();
+                job.outer.put_guard(job.guard);
+                job.outer.finish(0.0, Some(e.to_string()));
+                continue;
+            }
+        };
+        let numel = job.guard.numel();
+        let (mut guard, outer) = (job.guard, job.outer.clone());
+        let on_done: OnDone = Box::new(move |sumsq, failure| {
+            guard.unstage();
+            outer.put_guard(guard);
+            outer.finish(sumsq, failure);
+        });
+        let segments = job.segments.clone();
+        dispatch_on(
+            &job.senders,
+            job.isa,
+            numel,
+            || Work::Adam {
+                ptrs,
+                segments: segments.clone(),
+            },
+            Some(on_done),
+        );
+    }
 }
 
 /// What a finished job hands back.
@@ -234,13 +411,14 @@ impl AdamJob {
     pub fn wait(mut self) -> Result<AdamDone> {
         let (sumsq, failure) = self.done.wait();
         let elapsed = self.done.started.elapsed();
-        if let Some(f) = failure {
-            return Err(Error::system("AdamW worker", "update", f));
-        }
         let guard = self
             .guard
             .take()
+            .or_else(|| self.done.take_guard())
             .ok_or_else(|| Error::system("AdamW pool", "wait", "job already consumed"))?;
+        if let Some(f) = failure {
+            return Err(Error::system("AdamW worker", "update", f));
+        }
         Ok(AdamDone {
             guard,
             grads: self.grads.take(),
@@ -318,7 +496,17 @@ impl AdamPool {
                 handles,
             });
         }
-        Ok(AdamPool { nodes: out, isa })
+        let (tx, rx) = channel::<StageJob>();
+        let stager = std::thread::Builder::new()
+            .name("adamw-stager".into())
+            .spawn(move || stager_loop(&rx))
+            .map_err(|e| Error::system("std::thread", "spawn the AdamW stager", e))?;
+        Ok(AdamPool {
+            nodes: out,
+            isa,
+            stager: Some(tx),
+            stager_thread: Some(stager),
+        })
     }
 
     /// One pool per node that holds optimizer state in `placement`.
@@ -358,28 +546,7 @@ impl AdamPool {
         work: impl Fn() -> Work,
     ) -> Result<Arc<Completion>> {
         let w = self.workers(node)?;
-        let chunk = numel.div_ceil(w.senders.len()).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
-        let ranges: Vec<(usize, usize)> = (0..w.senders.len())
-            .map(|i| (i * chunk, ((i + 1) * chunk).min(numel)))
-            .filter(|(a, b)| a < b)
-            .collect();
-        let completion = Completion::new(ranges.len().max(1));
-        if ranges.is_empty() {
-            completion.finish(0.0, None);
-        }
-        for (i, (start, end)) in ranges.into_iter().enumerate() {
-            let task = Task {
-                work: work(),
-                start,
-                end,
-                isa: self.isa,
-                done: completion.clone(),
-            };
-            if w.senders[i].send(task).is_err() {
-                completion.finish(0.0, Some("worker thread is gone".into()));
-            }
-        }
-        Ok(completion)
+        Ok(dispatch_on(&w.senders, self.isa, numel, work, None))
     }
 
     /// Update one unit on `node`'s workers. `grads` is the lean-mode buffer; `None` uses the
@@ -410,27 +577,29 @@ impl AdamPool {
                 None,
             ));
         }
-        let sh = guard.shards();
-        let g: *const f32 = match (&grads, sh.grads) {
-            (Some(b), _) => b.as_ptr(),
-            (None, Some(g)) => g.as_ptr(),
-            (None, None) => {
-                return Err(Error::bad_input(
-                    "AdamW job",
-                    format!("unit {}", guard.unit()),
-                    "lean mode needs a gradient buffer",
-                    None,
-                ))
-            }
-        };
-        let ptrs = Ptrs {
-            p: sh.params.as_mut_ptr(),
-            g,
-            m: sh.m.as_mut_ptr(),
-            v: sh.v.as_mut_ptr(),
-            shadow: sh.shadow.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()),
-        };
         let segments: Arc<[Segment]> = segments.into();
+        if guard.store().is_spilled(guard.unit()) {
+            let senders = self.workers(node)?.senders.clone();
+            let outer = Completion::new(1);
+            let job = StageJob {
+                grads: GradPtr(grads.as_ref().map_or(std::ptr::null(), |b| b.as_ptr())),
+                guard,
+                segments,
+                senders,
+                isa: self.isa,
+                outer: outer.clone(),
+            };
+            self.stager
+                .as_ref()
+                .and_then(|s| s.send(job).ok())
+                .ok_or_else(|| Error::system("AdamW pool", "submit", "the stager is gone"))?;
+            return Ok(AdamJob {
+                guard: None,
+                grads,
+                done: outer,
+            });
+        }
+        let ptrs = unit_ptrs(&mut guard, grads.as_ref().map(|b| b.as_ptr()))?;
         let done = self.dispatch(node, numel, || Work::Adam {
             ptrs,
             segments: segments.clone(),
@@ -464,6 +633,10 @@ impl AdamPool {
 
 impl Drop for AdamPool {
     fn drop(&mut self) {
+        self.stager = None; // the stager exits once its queue is empty
+        if let Some(h) = self.stager_thread.take() {
+            let _ = h.join();
+        }
         for n in &mut self.nodes {
             n.senders.clear(); // closes the channels; workers exit their loops
             for h in n.handles.drain(..) {

@@ -114,10 +114,12 @@ impl ExtentStore {
                 } else {
                     "check the directory's filesystem and permissions"
                 };
-                return Err(Error::io("preallocate spill file", &path, e).with_fix(format!(
-                    "{fix} (needs {})",
-                    crate::util::human_bytes(bytes as u64)
-                )));
+                return Err(
+                    Error::io("preallocate spill file", &path, e).with_fix(format!(
+                        "{fix} (needs {})",
+                        crate::util::human_bytes(bytes as u64)
+                    )),
+                );
             }
             files.push(SpillFile { path, file });
         }
@@ -153,7 +155,10 @@ impl ExtentStore {
     ///
     /// # Safety
     /// The ranges must stay mapped for the store's life.
-    pub unsafe fn register(&mut self, ranges: &[(*mut u8, usize)]) -> std::result::Result<(), String> {
+    pub unsafe fn register(
+        &mut self,
+        ranges: &[(*mut u8, usize)],
+    ) -> std::result::Result<(), String> {
         // SAFETY: forwarded contract.
         unsafe { self.engine.register(ranges, self.extent_bytes) }
     }
@@ -505,7 +510,10 @@ mod tests {
         );
         let mut out = Buf::new(good.1, 0);
         s.read(0, out.bytes(), "m").unwrap();
-        assert!(out.bytes() == good.bytes(), "the last good copy survives a failed write");
+        assert!(
+            out.bytes() == good.bytes(),
+            "the last good copy survives a failed write"
+        );
     }
 
     #[test]
@@ -515,7 +523,10 @@ mod tests {
         c.extent_bytes = 1 << 30;
         c.extents = 1 << 16; // 128 TiB with both slots: more than any test machine's disk
         let e = ExtentStore::create(&c).unwrap_err().to_string();
-        assert!(e.contains("preallocate") && e.contains("megatrain-spill-0.bin"), "{e}");
+        assert!(
+            e.contains("preallocate") && e.contains("megatrain-spill-0.bin"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -550,6 +561,9 @@ mod tests {
             "{:?}",
             s.warnings
         );
-        assert_eq!(s.is_direct(), !s.warnings.iter().any(|w| w.contains("O_DIRECT")));
+        assert_eq!(
+            s.is_direct(),
+            !s.warnings.iter().any(|w| w.contains("O_DIRECT"))
+        );
     }
 }

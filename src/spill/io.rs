@@ -89,7 +89,9 @@ impl IoEngine {
                     Ok(r) => (Some(r), None),
                     Err(e) if kind == EngineKind::Auto => (
                         None,
-                        Some(format!("io_uring unavailable ({e}); using pread/pwrite threads")),
+                        Some(format!(
+                            "io_uring unavailable ({e}); using pread/pwrite threads"
+                        )),
                     ),
                     Err(e) => {
                         return Err(Error::system("io_uring", "set up a ring", e).with_fix(
@@ -261,10 +263,7 @@ impl IoEngine {
                     for i in next..reqs.len() {
                         after(
                             i,
-                            Err(std::io::Error::new(
-                                e.kind(),
-                                format!("not submitted: {e}"),
-                            )),
+                            Err(std::io::Error::new(e.kind(), format!("not submitted: {e}"))),
                         );
                         done += 1;
                     }

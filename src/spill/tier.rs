@@ -71,8 +71,15 @@ struct State {
 }
 
 enum Cmd {
-    Read { unit: usize, slot: usize, zero: bool },
-    Write { unit: usize, slot: usize },
+    Read {
+        unit: usize,
+        slot: usize,
+        zero: bool,
+    },
+    Write {
+        unit: usize,
+        slot: usize,
+    },
     Sync(Sender<Result<()>>),
 }
 
@@ -417,11 +424,7 @@ impl SpillTier {
                     }
                 }
             }
-            st = self
-                .shared
-                .cv
-                .wait(st)
-                .unwrap_or_else(|e| e.into_inner());
+            st = self.shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -435,11 +438,7 @@ impl SpillTier {
                 .iter()
                 .any(|p| matches!(p, Phase::Reading(_) | Phase::Writing(_)))
             {
-                st = self
-                    .shared
-                    .cv
-                    .wait(st)
-                    .unwrap_or_else(|e| e.into_inner());
+                st = self.shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
             }
             self.check_locked(&st)?;
         }
@@ -516,6 +515,16 @@ impl Lease {
         })
     }
 
+    /// Start of the staged shard of `kind`, if that kind is spilled for this unit (for views
+    /// whose lifetime the caller ties to the lease).
+    pub(crate) fn shard_ptr(&self, kind: ShardKind) -> Option<*mut f32> {
+        let s = self.shared.units[self.unit]
+            .iter()
+            .find(|s| s.kind == kind)?;
+        // SAFETY: slot_offset < slot size, inside the slot region.
+        Some(unsafe { self.shared.slots[self.slot].as_ptr().add(s.slot_offset) }.cast())
+    }
+
     /// Release without writing back (the data was only read).
     pub fn release_clean(mut self) {
         self.dirty = false;
@@ -569,7 +578,11 @@ fn io_thread(shared: &Shared, mut store: ExtentStore, rx: &Receiver<Cmd>) {
             }
             Cmd::Read { unit, slot, zero } => {
                 let r = if zero {
-                    slot_bytes_mut(shared, slot).fill(0);
+                    let r = &shared.slots[slot];
+                    // SAFETY: the slot is Reading: this thread is its only user until it sets
+                    // the phase under the state lock; the region holds slot_bytes bytes.
+                    unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), shared.slot_bytes) }
+                        .fill(0);
                     Ok(())
                 } else {
                     shard_io(shared, &mut store, unit, slot, false)
@@ -608,13 +621,6 @@ fn io_thread(shared: &Shared, mut store: ExtentStore, rx: &Receiver<Cmd>) {
     // `store` (and its ring with the slots registered) drops here, before `shared` can.
 }
 
-fn slot_bytes_mut(shared: &Shared, slot: usize) -> &mut [u8] {
-    let r = &shared.slots[slot];
-    // SAFETY: the slot is Reading or Writing: only the I/O thread touches it until it changes
-    // the phase under the state lock.
-    unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), shared.slot_bytes) }
-}
-
 fn shard_io(
     shared: &Shared,
     store: &mut ExtentStore,
@@ -628,7 +634,10 @@ fn shard_io(
             store.inject_write_error = Some(e as i32);
         }
     }
-    let bytes = slot_bytes_mut(shared, slot);
+    let r = &shared.slots[slot];
+    // SAFETY: the slot is Reading or Writing (the I/O thread calls this): its only user until
+    // the phase changes under the state lock; the region holds slot_bytes bytes.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), shared.slot_bytes) };
     for s in &shared.units[unit] {
         let label = format!("{} of {}", s.kind.name(), shared.names[unit]);
         let buf = &mut bytes[s.slot_offset..s.slot_offset + s.bytes];
@@ -661,7 +670,11 @@ mod tests {
             r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
             "num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}}"#
         );
-        StateLayout::new(&ModelConfig::from_json_str(&json, "t").unwrap(), Mode::Exact, false)
+        StateLayout::new(
+            &ModelConfig::from_json_str(&json, "t").unwrap(),
+            Mode::Exact,
+            false,
+        )
     }
 
     fn tier(
@@ -706,11 +719,18 @@ mod tests {
         for (engine, direct) in [(EngineKind::Auto, true), (EngineKind::Sync, false)] {
             let d = tempfile::tempdir().unwrap();
             let t = tier(&l, d.path(), 2, engine, direct);
-            assert_eq!(t.uses_uring(), engine == EngineKind::Auto && t.warnings.is_empty());
+            assert_eq!(
+                t.uses_uring(),
+                engine == EngineKind::Auto && t.warnings.is_empty()
+            );
             for u in 0..l.units.len() {
                 let mut lease = t.lease(u).unwrap();
                 // A never-written unit stages as zeros, like a fresh RAM shard.
-                assert!(lease.shard(ShardKind::AdamM).unwrap().iter().all(|x| *x == 0.0));
+                assert!(lease
+                    .shard(ShardKind::AdamM)
+                    .unwrap()
+                    .iter()
+                    .all(|x| *x == 0.0));
                 for (k, kind) in [ShardKind::AdamM, ShardKind::AdamV].into_iter().enumerate() {
                     for (i, x) in lease.shard(kind).unwrap().iter_mut().enumerate() {
                         *x = pattern(u, k, 0, i);
@@ -732,7 +752,10 @@ mod tests {
                 .map(|u| 2 * l.units[u].shard_bytes(ShardKind::AdamM) as u64)
                 .sum();
             assert_eq!(st.bytes_written, all);
-            assert!(st.bytes_read >= all - 2 * t.shared.slot_bytes as u64, "{st:?}");
+            assert!(
+                st.bytes_read >= all - 2 * t.shared.slot_bytes as u64,
+                "{st:?}"
+            );
         }
     }
 
@@ -753,14 +776,24 @@ mod tests {
                 let mut lease = t.lease(u).unwrap();
                 let m = lease.shard(ShardKind::AdamM).unwrap();
                 for (i, x) in m.iter_mut().enumerate() {
-                    assert_eq!(*x, if step == 0 { 0.0 } else { pattern(u, 0, step - 1, i) });
+                    assert_eq!(
+                        *x,
+                        if step == 0 {
+                            0.0
+                        } else {
+                            pattern(u, 0, step - 1, i)
+                        }
+                    );
                     *x = pattern(u, 0, step, i);
                 }
             }
         }
         t.flush().unwrap();
         let st = t.stats();
-        assert!(st.hits >= st.misses, "prefetch should serve most leases: {st:?}");
+        assert!(
+            st.hits >= st.misses,
+            "prefetch should serve most leases: {st:?}"
+        );
         assert!(st.bytes_read > 0 && st.bytes_written > 0);
     }
 
@@ -789,7 +822,10 @@ mod tests {
         // Unit 1 (layer 0) was evicted by unit 2: leasing it reads the damaged copy.
         let e = t.lease(1).unwrap_err().to_string();
         assert!(
-            e.contains("crc32c") && e.contains("layer 0") && e.contains("offset") && e.contains("megatrain-spill-"),
+            e.contains("crc32c")
+                && e.contains("layer 0")
+                && e.contains("offset")
+                && e.contains("megatrain-spill-"),
             "{e}"
         );
     }
@@ -799,16 +835,31 @@ mod tests {
         let l = layout(2);
         let d = tempfile::tempdir().unwrap();
         let t = tier(&l, d.path(), 2, EngineKind::Auto, true);
-        t.lease(1).unwrap().shard(ShardKind::AdamM).unwrap().fill(1.0);
+        t.lease(1)
+            .unwrap()
+            .shard(ShardKind::AdamM)
+            .unwrap()
+            .fill(1.0);
         t.flush().unwrap();
         t.inject_write_error(libc::ENOSPC);
-        t.lease(1).unwrap().shard(ShardKind::AdamM).unwrap().fill(2.0);
+        t.lease(1)
+            .unwrap()
+            .shard(ShardKind::AdamM)
+            .unwrap()
+            .fill(2.0);
         let e = t.flush().unwrap_err().to_string();
         assert!(e.contains("No space left") && e.contains("layer 0"), "{e}");
         assert!(t.check().is_err());
-        assert!(t.lease(1).is_err(), "a unit whose write-back failed is not handed out");
+        assert!(
+            t.lease(1).is_err(),
+            "a unit whose write-back failed is not handed out"
+        );
         // Other units keep working.
-        t.lease(2).unwrap().shard(ShardKind::AdamM).unwrap().fill(3.0);
+        t.lease(2)
+            .unwrap()
+            .shard(ShardKind::AdamM)
+            .unwrap()
+            .fill(3.0);
     }
 
     #[test]

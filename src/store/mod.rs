@@ -10,6 +10,9 @@ pub mod layout;
 pub mod placement;
 
 use crate::host::{PageKind, Region, RegionSpec};
+use crate::spill::extents::SpillConfig;
+use crate::spill::io::EngineKind;
+use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig};
 use crate::{Error, Result};
 use layout::{ShardKind, StateLayout};
 use placement::Placement;
@@ -26,6 +29,36 @@ pub struct StoreOptions {
     pub lock: bool,
     /// Bind regions to their planned node (off only for tests of unbound placement).
     pub unbound: bool,
+    /// The NVMe tier's files and I/O settings; required when the placement spills.
+    pub spill: Option<SpillOptions>,
+}
+
+/// Where and how spilled shards are written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpillOptions {
+    /// One directory per NVMe device.
+    pub dirs: Vec<std::path::PathBuf>,
+    /// io_uring, the pread/pwrite threads, or automatic.
+    pub engine: EngineKind,
+    /// O_DIRECT (off: buffered I/O).
+    pub direct: bool,
+    /// Requests in flight.
+    pub queue_depth: usize,
+    /// Extent (and request) size in bytes.
+    pub extent_bytes: usize,
+}
+
+impl SpillOptions {
+    /// Defaults for `dirs`: automatic engine, O_DIRECT, 4 MiB requests, 32 in flight.
+    pub fn new(dirs: Vec<std::path::PathBuf>) -> Self {
+        SpillOptions {
+            dirs,
+            engine: EngineKind::Auto,
+            direct: true,
+            queue_depth: 32,
+            extent_bytes: 4 << 20,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -42,6 +75,7 @@ struct Inner {
     /// `locs[unit][kind]`.
     locs: Vec<[Option<ShardLoc>; 5]>,
     busy: Vec<AtomicBool>,
+    spill: Option<SpillTier>,
 }
 
 /// The host state store.
@@ -73,8 +107,17 @@ impl HostStore {
         let mut sizes: BTreeMap<(u32, ShardKind), usize> = BTreeMap::new();
         let mut locs = vec![[None; 5]; layout.units.len()];
         let mut pending: Vec<(usize, ShardKind, (u32, ShardKind), usize)> = Vec::new();
+        let spill_plan = placement.spill.clone();
+        let spilled = |u: usize, k: ShardKind| {
+            spill_plan
+                .as_ref()
+                .is_some_and(|p| p.kinds.contains(&k) && p.units.contains(&u))
+        };
         for (u, unit) in layout.units.iter().enumerate() {
             for k in layout.kinds() {
+                if spilled(u, k) {
+                    continue;
+                }
                 let node = placement.node_of(u, k).ok_or_else(|| {
                     Error::bad_input(
                         "placement",
@@ -113,6 +156,44 @@ impl HostStore {
         let busy = (0..layout.units.len())
             .map(|_| AtomicBool::new(false))
             .collect();
+        let spill = match (&spill_plan, &opts.spill) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(Error::bad_input(
+                    "placement",
+                    "NVMe spill",
+                    "the placement spills optimizer state but no spill directory was given",
+                    Some("pass --nvme DIR (one per NVMe device)"),
+                ))
+            }
+            (Some(p), Some(o)) => {
+                let cpus = placement
+                    .nodes
+                    .iter()
+                    .find(|n| n.node == p.node)
+                    .map(|n| n.adam_cpus.clone())
+                    .unwrap_or_default();
+                Some(SpillTier::create(
+                    &layout,
+                    &p.units,
+                    &p.kinds,
+                    &TierConfig {
+                        io: SpillConfig {
+                            dirs: o.dirs.clone(),
+                            extent_bytes: o.extent_bytes,
+                            extents: 0,
+                            engine: o.engine,
+                            direct: o.direct,
+                            queue_depth: o.queue_depth,
+                        },
+                        slots: p.slots,
+                        node: (!opts.unbound).then_some(p.node),
+                        cpus,
+                        pages: opts.pages,
+                    },
+                )?)
+            }
+        };
         Ok(HostStore {
             inner: Arc::new(Inner {
                 layout,
@@ -120,8 +201,37 @@ impl HostStore {
                 regions,
                 locs,
                 busy,
+                spill,
             }),
         })
+    }
+
+    /// The NVMe tier, when the placement spills.
+    pub fn spill(&self) -> Option<&SpillTier> {
+        self.inner.spill.as_ref()
+    }
+
+    /// The NVMe tier's counters (zero without one).
+    pub fn spill_stats(&self) -> SpillStats {
+        self.spill().map(SpillTier::stats).unwrap_or_default()
+    }
+
+    /// True when `unit` has shards on NVMe.
+    pub fn is_spilled(&self, unit: usize) -> bool {
+        self.spill().is_some_and(|t| t.holds(unit))
+    }
+
+    /// Start reading `unit`'s spilled shards into a free staging slot (a hint; no-op for units
+    /// in RAM or when no slot is free).
+    pub fn prefetch(&self, unit: usize) {
+        if let Some(t) = self.spill() {
+            t.prefetch(unit);
+        }
+    }
+
+    /// Fail if a write-back to NVMe has failed.
+    pub fn check_spill(&self) -> Result<()> {
+        self.spill().map_or(Ok(()), SpillTier::check)
     }
 
     /// The layout.
@@ -190,6 +300,7 @@ impl HostStore {
         Ok(UnitGuard {
             store: self.clone(),
             unit,
+            lease: None,
         })
     }
 }
@@ -243,6 +354,8 @@ impl GradBuffer {
 pub struct UnitGuard {
     store: HostStore,
     unit: usize,
+    /// The staged NVMe shards while staged.
+    lease: Option<Lease>,
 }
 
 /// Mutable views of all of a unit's shards at once.
@@ -283,40 +396,86 @@ impl UnitGuard {
         Some(unsafe { region.as_ptr().add(loc.offset) })
     }
 
-    /// All shards as slices.
-    pub fn shards(&mut self) -> UnitShards<'_> {
+    /// Stage the unit's spilled shards (Adam m/v on NVMe) into RAM, waiting for the read.
+    /// No-op for a unit whose shards are all in RAM or that is already staged.
+    pub fn stage(&mut self) -> Result<()> {
+        if self.lease.is_none() {
+            if let Some(t) = self.store.spill().filter(|t| t.holds(self.unit)) {
+                self.lease = Some(t.lease(self.unit)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Release staged shards, writing them back to NVMe (asynchronously).
+    pub fn unstage(&mut self) {
+        self.lease = None;
+    }
+
+    /// Release staged shards that were only read (no write-back).
+    pub fn unstage_clean(&mut self) {
+        if let Some(l) = self.lease.take() {
+            l.release_clean();
+        }
+    }
+
+    /// All shards as slices. Spilled shards must be staged first ([`UnitGuard::stage`]).
+    pub fn shards(&mut self) -> Result<UnitShards<'_>> {
         let n = self.numel();
         let f32s = |p: Option<*mut u8>| {
             // SAFETY: the shard holds ≥ n elements (shard_bytes rounds numel·size up), is 4 KiB
-            // aligned, lives as long as the store, and this guard is the unit's only accessor;
-            // distinct kinds are distinct, non-overlapping shards.
+            // aligned, lives as long as the store (or the lease, for a staged shard), and this
+            // guard is the unit's only accessor; distinct kinds are distinct, non-overlapping
+            // shards.
             p.map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) })
         };
+        let moment = |kind: ShardKind| -> Result<Option<*mut u8>> {
+            if let Some(p) = self.ptr(kind) {
+                return Ok(Some(p));
+            }
+            match &self.lease {
+                Some(l) => Ok(l.shard_ptr(kind).map(|p| p.cast())),
+                None if self.store.is_spilled(self.unit) => Err(Error::system(
+                    "host store",
+                    format!("access unit {}", self.unit),
+                    "its optimizer state is on NVMe and not staged",
+                )),
+                None => Ok(None),
+            }
+        };
+        let (pm, pv) = (moment(ShardKind::AdamM)?, moment(ShardKind::AdamV)?);
         let params = f32s(self.ptr(ShardKind::Params)).unwrap_or_default();
         let grads = f32s(self.ptr(ShardKind::Grads));
-        let m = f32s(self.ptr(ShardKind::AdamM)).unwrap_or_default();
-        let v = f32s(self.ptr(ShardKind::AdamV)).unwrap_or_default();
+        let m = f32s(pm).unwrap_or_default();
+        let v = f32s(pv).unwrap_or_default();
         // SAFETY: as above, for the 2-byte shadow elements.
         let shadow = self
             .ptr(ShardKind::Bf16Shadow)
             .map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<u16>(), n) });
-        UnitShards {
+        Ok(UnitShards {
             params,
             grads,
             m,
             v,
             shadow,
-        }
+        })
+    }
+
+    fn f32_view(&mut self, kind: ShardKind) -> Option<&mut [f32]> {
+        let n = self.numel();
+        // SAFETY: as in `shards`; `&mut self` makes the view exclusive.
+        self.ptr(kind)
+            .map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) })
     }
 
     /// The fp32 params.
     pub fn params(&mut self) -> &mut [f32] {
-        self.shards().params
+        self.f32_view(ShardKind::Params).unwrap_or_default()
     }
 
     /// The fp32 grads, in exact mode.
     pub fn grads(&mut self) -> Option<&mut [f32]> {
-        self.shards().grads
+        self.f32_view(ShardKind::Grads)
     }
 }
 
@@ -353,14 +512,14 @@ mod tests {
         let mut g = s.take(1).unwrap();
         assert!(s.take(1).is_err());
         let other = s.take(2).unwrap();
-        let sh = g.shards();
+        let sh = g.shards().unwrap();
         let n = sh.params.len();
         sh.params.fill(1.0);
         sh.grads.unwrap().fill(2.0);
         sh.m.fill(3.0);
         sh.v.fill(4.0);
         sh.shadow.unwrap().fill(5);
-        let sh = g.shards();
+        let sh = g.shards().unwrap();
         assert!(sh.params.iter().all(|x| *x == 1.0));
         assert!(sh.v.iter().all(|x| *x == 4.0));
         assert_eq!(n, g.numel());

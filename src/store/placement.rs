@@ -55,6 +55,56 @@ pub struct Placement {
     pub lean_buffers_node: Option<u32>,
     /// Node order for streamed data: GPU-local first, then by distance.
     pub stream_order: Vec<u32>,
+    /// What lives on NVMe instead of RAM, if anything.
+    pub spill: Option<SpillPlan>,
+}
+
+/// The NVMe part of a placement: which units' optimizer state spills, and its RAM staging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpillPlan {
+    /// Units whose `kinds` live on NVMe.
+    pub units: Vec<usize>,
+    /// Spilled kinds (Adam m and v).
+    pub kinds: Vec<ShardKind>,
+    /// Node of the staging slots; the spilled units' AdamW workers run there.
+    pub node: u32,
+    /// Staging slots.
+    pub slots: usize,
+    /// Bytes per slot (the largest spilled unit's m+v).
+    pub slot_bytes: u64,
+    /// Bytes on NVMe (one copy; the files hold two slots per extent).
+    pub nvme_bytes: u64,
+}
+
+/// When optimizer state may go to NVMe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SpillPolicy {
+    /// Never: a state that does not fit in RAM is an error.
+    #[default]
+    Never,
+    /// Spill as few units' m/v as needed to fit the RAM budget.
+    Auto,
+    /// Spill every unit's m/v.
+    All,
+}
+
+/// The spill part of a placement request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpillRequest {
+    /// When to spill.
+    pub policy: SpillPolicy,
+    /// Staging slots (at least 1; 3 overlaps read, update and write-back).
+    pub slots: usize,
+}
+
+impl Default for SpillRequest {
+    fn default() -> Self {
+        SpillRequest {
+            policy: SpillPolicy::Never,
+            slots: 3,
+        }
+    }
 }
 
 impl Placement {
@@ -89,12 +139,67 @@ fn optimizer_kinds(layout: &StateLayout) -> Vec<ShardKind> {
     k
 }
 
-/// Place `layout` on `machine`. `gpu` is the index into `machine.gpus` the run uses, if any.
+/// Place `layout` on `machine` with everything in RAM. `gpu` is the index into `machine.gpus`
+/// the run uses, if any.
 pub fn place(
     machine: &Machine,
     layout: &StateLayout,
     gpu: Option<usize>,
     budget: RamBudget,
+) -> Result<Placement> {
+    place_with_spill(machine, layout, gpu, budget, SpillRequest::default())
+}
+
+/// The units whose m/v spill under `req` given `capacity` bytes of RAM, and the staging bytes
+/// that costs. Blocks spill first, from the last layer down (the first to be updated in a step,
+/// so their reads start earliest), then the head and the embedding.
+fn choose_spill(
+    layout: &StateLayout,
+    req: SpillRequest,
+    capacity: u64,
+) -> Option<(Vec<usize>, u64)> {
+    let mv = |u: usize| {
+        (layout.units[u].shard_bytes(ShardKind::AdamM)
+            + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
+    };
+    let need = layout.total_bytes();
+    let n = layout.units.len();
+    let mut order: Vec<usize> = (1..n.saturating_sub(1)).rev().collect();
+    order.extend([n - 1, 0].into_iter().filter(|&u| u < n));
+    order.dedup();
+    let slots = req.slots.max(1) as u64;
+    match req.policy {
+        SpillPolicy::Never => None,
+        SpillPolicy::All => {
+            let staging = slots * order.iter().map(|&u| mv(u)).max().unwrap_or(0);
+            Some((order, staging))
+        }
+        SpillPolicy::Auto => {
+            if need <= capacity {
+                return None;
+            }
+            let (mut chosen, mut freed, mut biggest) = (Vec::new(), 0u64, 0u64);
+            for u in order {
+                chosen.push(u);
+                freed += mv(u);
+                biggest = biggest.max(mv(u));
+                if need - freed + slots * biggest <= capacity {
+                    return Some((chosen, slots * biggest));
+                }
+            }
+            // Even spilling everything does not fit: report the full spill (the caller errors).
+            Some((chosen, slots * biggest))
+        }
+    }
+}
+
+/// Place `layout` on `machine`, spilling Adam m/v to NVMe as `spill` allows.
+pub fn place_with_spill(
+    machine: &Machine,
+    layout: &StateLayout,
+    gpu: Option<usize>,
+    budget: RamBudget,
+    spill: SpillRequest,
 ) -> Result<Placement> {
     let hosts: Vec<&crate::topology::NumaNode> = machine
         .numa_nodes
@@ -155,9 +260,20 @@ pub fn place(
         })
         .collect();
     let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
-    let need = layout.total_bytes();
+    let full = layout.total_bytes();
+    let spilled = choose_spill(layout, spill, capacity);
+    let is_spilled = |u: usize| spilled.as_ref().is_some_and(|(s, _)| s.contains(&u));
+    let spilled_bytes: u64 = (0..layout.units.len())
+        .filter(|&u| is_spilled(u))
+        .map(|u| {
+            (layout.units[u].shard_bytes(ShardKind::AdamM)
+                + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
+        })
+        .sum();
+    let staging = spilled.as_ref().map_or(0, |(_, s)| *s);
+    let need = full - spilled_bytes + staging;
     if need > capacity {
-        return Err(not_enough_ram(layout, need, capacity));
+        return Err(not_enough_ram(layout, full, capacity, spill.policy));
     }
 
     let idx = |nodes: &[NodePlan], os: u32| nodes.iter().position(|n| n.node == os);
@@ -178,14 +294,14 @@ pub fn place(
     if lean > 0 {
         lean_buffers_node = Some(
             place_first_fit(&mut nodes, lean)
-                .ok_or_else(|| not_enough_ram(layout, need, capacity))?,
+                .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?,
         );
     }
     for (u, unit) in layout.units.iter().enumerate() {
         for k in streamed_kinds(layout) {
             let bytes = unit.shard_bytes(k) as u64;
             let node = place_first_fit(&mut nodes, bytes)
-                .ok_or_else(|| not_enough_ram(layout, need, capacity))?;
+                .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?;
             shard_node[u][k.index()] = Some(node);
         }
     }
@@ -197,8 +313,40 @@ pub fn place(
         .map(|n| n.hardware_threads.max(1) as u64)
         .collect();
     let mut opt_bytes = vec![0u64; nodes.len()];
+    // The staging slots first (they are one block of memory), where the AdamW workers of the
+    // spilled units will run.
+    let mut spill_plan = None;
+    if let Some((units, staging)) = &spilled {
+        let best = (0..nodes.len())
+            .filter(|&i| nodes[i].bytes + staging <= nodes[i].capacity)
+            .max_by_key(|&i| (threads[i], nodes[i].capacity - nodes[i].bytes))
+            .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?;
+        nodes[best].bytes += staging;
+        opt_bytes[best] += staging;
+        let mut sorted = units.clone();
+        sorted.sort_unstable();
+        spill_plan = Some(SpillPlan {
+            units: sorted,
+            kinds: vec![ShardKind::AdamM, ShardKind::AdamV],
+            node: nodes[best].node,
+            slots: spill.slots.max(1),
+            slot_bytes: staging / spill.slots.max(1) as u64,
+            nvme_bytes: spilled_bytes,
+        });
+    }
     for (u, unit) in layout.units.iter().enumerate() {
-        let kinds = optimizer_kinds(layout);
+        let kinds: Vec<ShardKind> = optimizer_kinds(layout)
+            .into_iter()
+            .filter(|k| !(is_spilled(u) && matches!(k, ShardKind::AdamM | ShardKind::AdamV)))
+            .collect();
+        if let (true, Some(p)) = (is_spilled(u), &spill_plan) {
+            for k in [ShardKind::AdamM, ShardKind::AdamV] {
+                shard_node[u][k.index()] = Some(p.node);
+            }
+        }
+        if kinds.is_empty() {
+            continue;
+        }
         let bytes: u64 = kinds.iter().map(|k| unit.shard_bytes(*k) as u64).sum();
         let best = (0..nodes.len())
             .filter(|&i| nodes[i].bytes + bytes <= nodes[i].capacity)
@@ -208,7 +356,7 @@ pub fn place(
                 let kb = u128::from(opt_bytes[b] + bytes) * u128::from(threads[a]);
                 ka.cmp(&kb).then(nodes[a].node.cmp(&nodes[b].node))
             })
-            .ok_or_else(|| not_enough_ram(layout, need, capacity))?;
+            .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?;
         nodes[best].bytes += bytes;
         opt_bytes[best] += bytes;
         for k in kinds {
@@ -232,10 +380,11 @@ pub fn place(
         shard_node,
         lean_buffers_node,
         stream_order,
+        spill: spill_plan,
     })
 }
 
-fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64) -> Error {
+fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, policy: SpillPolicy) -> Error {
     let grads = layout.kind_bytes(ShardKind::Grads);
     let mv = layout.kind_bytes(ShardKind::AdamM) + layout.kind_bytes(ShardKind::AdamV);
     let lean_extra = {
@@ -255,7 +404,9 @@ fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64) -> Error {
     if layout.mode == Mode::Exact {
         consider("--mode lean", need - grads + lean_extra);
     }
-    consider("spill Adam m/v to NVMe", need - mv);
+    if policy != SpillPolicy::All {
+        consider("spill Adam m/v to NVMe (--nvme DIR)", need - mv);
+    }
     if layout.mode == Mode::Exact {
         consider("--mode lean and spill m/v", need - grads + lean_extra - mv);
     }
@@ -339,5 +490,63 @@ mod tests {
         let l = StateLayout::new(&tiny(2), Mode::Lean, false);
         let e = place(&m, &l, Some(3), RamBudget::default()).unwrap_err();
         assert!(e.to_string().contains("0 GPU"), "{e}");
+    }
+
+    #[test]
+    fn spill_auto_moves_only_what_the_budget_lacks_and_all_moves_everything() {
+        let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
+        let l = StateLayout::new(&tiny(8), Mode::Exact, false);
+        let mv = |u: usize| {
+            (l.units[u].shard_bytes(ShardKind::AdamM) + l.units[u].shard_bytes(ShardKind::AdamV))
+                as u64
+        };
+        let total = l.total_bytes();
+        // Two blocks' m/v short: with three slots of staging to pay for, five blocks must spill.
+        let budget = RamBudget {
+            fraction: 1.0,
+            total_bytes: Some(total - 2 * mv(1)),
+        };
+        let req = |policy| SpillRequest { policy, slots: 3 };
+        assert!(
+            place(&m, &l, None, budget).is_err(),
+            "does not fit without spilling"
+        );
+        let p = place_with_spill(&m, &l, None, budget, req(SpillPolicy::Auto)).unwrap();
+        let sp = p.spill.clone().unwrap();
+        assert_eq!(
+            sp.units,
+            vec![4, 5, 6, 7, 8],
+            "the last layers first, only what is needed"
+        );
+        assert_eq!(sp.slot_bytes, mv(8));
+        assert_eq!(sp.nvme_bytes, 5 * mv(8));
+        let placed: u64 = p.nodes.iter().map(|n| n.bytes).sum();
+        assert_eq!(
+            placed,
+            total - sp.nvme_bytes + 3 * sp.slot_bytes,
+            "staging is charged"
+        );
+        assert!(p.nodes.iter().all(|n| n.bytes <= n.capacity));
+        // Spilled units are updated where their staging slots are.
+        for &u in &sp.units {
+            assert_eq!(p.worker_node(u), Some(sp.node));
+        }
+        let holds = |n: u32| p.nodes.iter().find(|x| x.node == n).unwrap();
+        assert!(!holds(sp.node).adam_cpus.is_empty());
+        // Auto with room to spare spills nothing; All spills every unit.
+        let roomy = place_with_spill(&m, &l, None, RamBudget::default(), req(SpillPolicy::Auto));
+        assert!(roomy.unwrap().spill.is_none());
+        let all = place_with_spill(&m, &l, None, RamBudget::default(), req(SpillPolicy::All))
+            .unwrap()
+            .spill
+            .unwrap();
+        assert_eq!(all.units, (0..l.units.len()).collect::<Vec<_>>());
+        // Not even a full spill fits: the error still names the missing bytes.
+        let tiny_budget = RamBudget {
+            fraction: 1.0,
+            total_bytes: Some(4096),
+        };
+        let e = place_with_spill(&m, &l, None, tiny_budget, req(SpillPolicy::Auto)).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
     }
 }

@@ -75,11 +75,13 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
             let (mut crc, mut size) = (0u32, 0u64);
             for u in 0..store.num_units() {
                 let mut g = store.take(u)?;
-                let sh = g.shards();
+                if kind != ShardKind::Params {
+                    g.stage()?; // optimizer state on NVMe: read it in
+                }
                 let data: &[f32] = match kind {
-                    ShardKind::Params => sh.params,
-                    ShardKind::AdamM => sh.m,
-                    _ => sh.v,
+                    ShardKind::Params => g.params(),
+                    ShardKind::AdamM => g.shards()?.m,
+                    _ => g.shards()?.v,
                 };
                 // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
                 // the file is little-endian like the host (see hf.rs's guard).
@@ -90,6 +92,7 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
                 size += bytes.len() as u64;
                 w.write_all(bytes)
                     .map_err(|e| Error::io("write", &path, e))?;
+                g.unstage_clean();
             }
             let f = w
                 .into_inner()
@@ -268,11 +271,13 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
         );
         for u in 0..store.num_units() {
             let mut g = store.take(u)?;
-            let sh = g.shards();
+            if kind != ShardKind::Params {
+                g.stage()?;
+            }
             let data: &mut [f32] = match kind {
-                ShardKind::Params => sh.params,
-                ShardKind::AdamM => sh.m,
-                _ => sh.v,
+                ShardKind::Params => g.params(),
+                ShardKind::AdamM => g.shards()?.m,
+                _ => g.shards()?.v,
             };
             // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
             let bytes = unsafe {
@@ -280,6 +285,7 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
             };
             f.read_exact(bytes)
                 .map_err(|e| Error::io("read", &path, e))?;
+            g.unstage(); // written back to NVMe if spilled
         }
     }
     Ok(state)

@@ -112,6 +112,20 @@ pub struct TrainConfig {
     pub huge_pages: crate::host::PageKind,
     /// mlock the host store (needs a memlock limit ≥ the store, or CAP_IPC_LOCK).
     pub lock_memory: bool,
+    /// Directories for the NVMe spill tier (one per device).
+    pub nvme: Vec<PathBuf>,
+    /// When Adam m/v go to NVMe: never, auto (only as many units as the RAM budget needs; the
+    /// default, and only with `nvme` set), all.
+    pub spill: crate::store::placement::SpillPolicy,
+    /// RAM staging slots of the spill tier (each one unit's m+v; 3 overlaps read, update and
+    /// write-back).
+    pub spill_staging: usize,
+    /// Spill I/O engine: auto (io_uring, else pread/pwrite threads), uring, sync.
+    pub io_engine: crate::spill::io::EngineKind,
+    /// O_DIRECT for the spill files (off: buffered I/O).
+    pub direct_io: bool,
+    /// Cap on the host RAM the state may use, bytes (default: 90% of free memory).
+    pub ram_budget: Option<u64>,
     /// Streaming precision.
     pub precision: Precision,
     /// Exact or lean.
@@ -157,6 +171,12 @@ impl Default for TrainConfig {
             device_memory: 2 << 30,
             huge_pages: crate::host::PageKind::Transparent,
             lock_memory: false,
+            nvme: Vec::new(),
+            spill: crate::store::placement::SpillPolicy::Auto,
+            spill_staging: 3,
+            io_engine: crate::spill::io::EngineKind::Auto,
+            direct_io: true,
+            ram_budget: None,
             precision: Precision::Fp32,
             mode: Mode::Exact,
             trace: None,
@@ -222,6 +242,16 @@ impl TrainConfig {
                 "give one: a checkpoint to start from or a config for a random init",
                 "drop one of them",
             );
+        }
+        if self.spill == crate::store::placement::SpillPolicy::All && self.nvme.is_empty() {
+            return bad(
+                "spill",
+                "`all` needs a spill directory",
+                "pass --nvme DIR (one per NVMe device)",
+            );
+        }
+        if self.spill_staging == 0 {
+            return bad("spill_staging", "must be ≥ 1", "e.g. --spill-staging 3");
         }
         if self.device == DeviceKind::Cuda {
             return Err(Error::bad_input(

@@ -17,8 +17,8 @@ use crate::model::layers::Workspace;
 use crate::model::reference::{eval_loss, Templates};
 use crate::optim::{AdamPool, AdamWConfig};
 use crate::store::layout::StateLayout;
-use crate::store::placement::{place, RamBudget};
-use crate::store::{HostStore, StoreOptions};
+use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
+use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, TopologySource};
 use crate::{Error, Result};
 use checkpoint::TrainState;
@@ -204,7 +204,33 @@ pub fn run(
 
     let layout = StateLayout::new(&model, cfg.mode, false);
     let machine = probe(&TopologySource::Live)?;
-    let placement = place(&machine, &layout, None, RamBudget::default())?;
+    let placement = place_with_spill(
+        &machine,
+        &layout,
+        None,
+        RamBudget {
+            total_bytes: cfg.ram_budget,
+            ..RamBudget::default()
+        },
+        SpillRequest {
+            policy: if cfg.nvme.is_empty() {
+                SpillPolicy::Never
+            } else {
+                cfg.spill
+            },
+            slots: cfg.spill_staging,
+        },
+    )?;
+    if let Some(p) = &placement.spill {
+        progress.note(&format!(
+            "spilling Adam m/v of {} of {} units to NVMe ({} on disk, {} slots x {} staging in RAM)",
+            p.units.len(),
+            layout.units.len(),
+            crate::util::human_bytes(p.nvme_bytes),
+            p.slots,
+            crate::util::human_bytes(p.slot_bytes)
+        ));
+    }
     let store = HostStore::allocate(
         layout.clone(),
         placement,
@@ -212,8 +238,18 @@ pub fn run(
             pages: cfg.huge_pages,
             lock: cfg.lock_memory,
             unbound: false,
+            spill: (!cfg.nvme.is_empty()).then(|| SpillOptions {
+                engine: cfg.io_engine,
+                direct: cfg.direct_io,
+                ..SpillOptions::new(cfg.nvme.clone())
+            }),
         },
     )?;
+    if let Some(t) = store.spill() {
+        for w in &t.warnings {
+            progress.note(&format!("warning: {w}"));
+        }
+    }
     let mut start_step = 0;
     let mut cursor = Cursor::default();
     let mut prev_norm = None;
