@@ -678,6 +678,9 @@ struct BenchEngineArgs {
     /// Write each configuration's timeline (Chrome trace JSON, opens in Perfetto) into this directory.
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<PathBuf>,
+    /// Directory for the spill-bound cases' files (default: the system temp directory).
+    #[arg(long, value_name = "DIR")]
+    nvme: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -685,8 +688,13 @@ struct BenchEngineArgs {
 
 fn bench_engine(args: &BenchEngineArgs) -> Result<()> {
     let machine = topology::probe(&TopologySource::Live)?;
-    let cases =
-        megatrain::bench::engine::run(&machine, args.steps.max(1), args.trace_dir.as_deref())?;
+    let nvme = args.nvme.clone().unwrap_or_else(std::env::temp_dir);
+    let cases = megatrain::bench::engine::run(
+        &machine,
+        args.steps.max(1),
+        &nvme,
+        args.trace_dir.as_deref(),
+    )?;
     print_report(
         args.json,
         cases.as_slice(),

@@ -3,6 +3,7 @@
 //! below (or from a calibration measured with `megatrain bench`), never a measurement.
 
 pub mod presets;
+pub mod sim;
 
 use crate::model::config::ModelConfig;
 use crate::store::layout::{Mode, ShardKind, StateLayout};
@@ -227,8 +228,8 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest) -> MemoryPlan {
     let nvme = if req.spill_moments { moments } else { 0 };
     host -= nvme;
     if req.spill_moments {
-        // Staging for the layer being updated and the next one being prefetched.
-        host += 2 * 2 * 4 * layout.max_unit_numel() as u64;
+        // The spill tier's three staging slots (read ahead, update, write back), m+v each.
+        host += 3 * 2 * 4 * layout.max_unit_numel() as u64;
     }
     let ckpt = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
     let elem = if req.bf16 { 2 } else { 4 };
@@ -252,7 +253,58 @@ pub fn step_flops(model: &ModelConfig, tokens: u64, seq: u64) -> f64 {
     tokens as f64 * (8.0 * n + 4.0 * attn)
 }
 
-/// Predicted times.
+/// The step model's costs for `model` on `hw` with `micro_batches` micro-batches of
+/// `tokens_mb` tokens: kernels from FLOPs at the calibrated share of peak, copies from the link,
+/// AdamW and the norm from the host's AdamW rate, spilled m/v from the NVMe rate.
+fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u64) -> sim::Costs {
+    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let rate = if req.bf16 {
+        hw.bf16_tflops
+    } else {
+        hw.fp32_tflops
+    } * 1e12
+        * hw.compute_efficiency;
+    let tk = tokens_mb as f64;
+    let block = layout.units.get(1).map_or(0, |u| u.params) as f64;
+    let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
+    let head = (model.vocab_size * model.hidden_size) as f64;
+    let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
+    let adam_bytes = if req.bf16 { 30.0 } else { 28.0 };
+    let adam_bps = hw.adam_gbps * 1e9;
+    let nvme = |k: usize| match (req.spill_moments, hw.nvme_gbps) {
+        (true, Some(g)) => 8.0 * k as f64 / (g * 1e9),
+        _ => 0.0,
+    };
+    sim::Costs {
+        weight_elem_bytes: if req.bf16 { 2.0 } else { 4.0 },
+        ckpt_bytes: tk * model.hidden_size as f64 * 4.0,
+        htod_bps: hw.htod_gbps * 1e9,
+        dtoh_bps: hw.dtoh_gbps * 1e9,
+        copy_latency_s: 10e-6,
+        kernels: sim::KernelCosts {
+            embed_fwd: 0.0,
+            block_fwd: (2.0 * block * tk + attn) / rate,
+            head: 6.0 * head * tk / rate,
+            block_bwd: (6.0 * block * tk + 3.0 * attn) / rate,
+            embed_bwd: 0.0,
+            zero: 0.0,
+        },
+        adam_s: numel
+            .iter()
+            .map(|&k| k as f64 * adam_bytes / adam_bps)
+            .collect(),
+        norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
+        nvme_read_s: numel.iter().map(|&k| nvme(k)).collect(),
+        nvme_write_s: numel.iter().map(|&k| nvme(k)).collect(),
+        staging_slots: 3,
+        unit_numel: numel,
+        shared_cores: None,
+    }
+}
+
+/// Predicted times: the engine's step plan replayed by [`sim::simulate`]. Steps of many
+/// micro-batches are extrapolated from one and two (each further micro-batch adds the same
+/// period), so planning a 405B model with thousands of micro-batches stays instant.
 pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     let n = model.num_params() as f64;
     let peak = if req.bf16 {
@@ -260,41 +312,70 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     } else {
         hw.fp32_tflops
     } * 1e12;
-    let compute_s =
-        step_flops(model, req.tokens_per_step, req.seq_len) / (peak * hw.compute_efficiency);
-    let micro = req.micro_batches() as f64;
-    let elem = if req.bf16 { 2.0 } else { 4.0 };
-    let htod_s = micro * 2.0 * n * elem / (hw.htod_gbps * 1e9);
-    let dtoh_s = micro * n * 4.0 / (hw.dtoh_gbps * 1e9);
-    let adam_bytes = if req.bf16 { 30.0 } else { 28.0 };
-    let adam_s = n * adam_bytes / (hw.adam_gbps * 1e9);
-    let nvme_s = if req.spill_moments {
-        hw.nvme_gbps
-            .map_or(f64::INFINITY, |g| 2.0 * 8.0 * n / (g * 1e9))
+    let micro = req.micro_batches();
+    let useful = 6.0 * n * req.tokens_per_step as f64;
+    if req.spill_moments && hw.nvme_gbps.is_none() {
+        return TimePlan {
+            compute_s: 0.0,
+            htod_s: 0.0,
+            dtoh_s: 0.0,
+            adam_s: 0.0,
+            nvme_s: f64::INFINITY,
+            step_s: f64::INFINITY,
+            bottleneck: "NVMe".into(),
+            tokens_per_s: 0.0,
+            mfu: 0.0,
+        };
+    }
+    let costs = sim_costs(model, hw, req, req.micro_tokens());
+    let run = |m: u64| {
+        let spec = crate::engine::schedule::PlanSpec {
+            layers: model.num_layers,
+            tied: model.tie_word_embeddings,
+            micro_batches: m as usize,
+            mode: req.mode,
+            checkpoints: crate::engine::schedule::Checkpoints::Host,
+        };
+        sim::simulate(&crate::engine::schedule::plan(&spec), &costs)
+    };
+    let p1 = run(1);
+    let p = if micro <= 1 {
+        p1
     } else {
-        0.0
+        let p2 = run(2);
+        let k = (micro - 1) as f64;
+        let ex = |a: f64, b: f64| a + k * (b - a);
+        sim::Prediction {
+            step_s: ex(p1.step_s, p2.step_s),
+            compute_s: ex(p1.compute_s, p2.compute_s),
+            htod_s: ex(p1.htod_s, p2.htod_s),
+            dtoh_s: ex(p1.dtoh_s, p2.dtoh_s),
+            adam_s: p2.adam_s,
+            nvme_s: p2.nvme_s,
+            bottleneck: p2.bottleneck,
+        }
     };
     let parts = [
-        ("GPU compute", compute_s),
-        ("host→device", htod_s),
-        ("device→host", dtoh_s),
-        ("CPU AdamW", adam_s),
-        ("NVMe", nvme_s),
+        ("GPU compute", p.compute_s),
+        ("host→device", p.htod_s),
+        ("device→host", p.dtoh_s),
+        ("CPU AdamW", p.adam_s),
+        ("NVMe", p.nvme_s),
     ];
-    let (bottleneck, step_s) = parts
+    let bottleneck = parts
         .iter()
-        .fold(("", 0.0f64), |a, &(k, v)| if v > a.1 { (k, v) } else { a });
-    let useful = 6.0 * n * req.tokens_per_step as f64;
+        .fold(("", -1.0f64), |a, &(k, v)| if v > a.1 { (k, v) } else { a })
+        .0;
     TimePlan {
-        compute_s,
-        htod_s,
-        dtoh_s,
-        adam_s,
-        nvme_s,
-        step_s,
+        compute_s: p.compute_s,
+        htod_s: p.htod_s,
+        dtoh_s: p.dtoh_s,
+        adam_s: p.adam_s,
+        nvme_s: p.nvme_s,
+        step_s: p.step_s,
         bottleneck: bottleneck.to_owned(),
-        tokens_per_s: req.tokens_per_step as f64 / step_s,
-        mfu: useful / (step_s * peak),
+        tokens_per_s: req.tokens_per_step as f64 / p.step_s,
+        mfu: useful / (p.step_s * peak),
     }
 }
 

@@ -336,7 +336,9 @@ impl SpillTier {
     }
 
     /// Start reading `unit` into a free (or cached, clean) slot if one is available; never waits
-    /// and never evicts data that is needed. Returns whether the unit is (or will be) staged.
+    /// and never evicts data that is needed. At most `slots − 1` units are prefetched ahead, so a
+    /// lease never has to evict a prefetch (which would be read twice). Returns whether the unit
+    /// is (or will be) staged.
     pub fn prefetch(&self, unit: usize) -> bool {
         if !self.holds(unit) {
             return false;
@@ -344,6 +346,14 @@ impl SpillTier {
         let mut st = lock(&self.shared.state);
         if st.phase.iter().any(|p| p.unit() == Some(unit)) {
             return true;
+        }
+        let ahead = st
+            .phase
+            .iter()
+            .filter(|p| matches!(p, Phase::Reading(_) | Phase::Ready(_)))
+            .count();
+        if ahead + 1 >= st.phase.len() {
+            return false;
         }
         match pick_slot(&st, false) {
             Some(slot) => self.start_read(&mut st, unit, slot).is_ok(),

@@ -1,0 +1,567 @@
+//! The step-time model: the engine's own step plan ([`crate::engine::schedule::plan`]) replayed
+//! on modelled resources, with a duration for every op.
+//!
+//! Resources are the three device streams and the host thread (each runs its ops in plan order),
+//! the AdamW pool and the NVMe I/O thread (each serves requests in arrival order). An op starts
+//! once its resource is free and everything it waits for has finished: the plan's own waits,
+//! plus what the streamer adds between steps — a unit's weights are copied only after its
+//! previous AdamW update, a lean gradient buffer is refilled only after the update that used it,
+//! a spilled unit is updated only after its m/v are read, and a staging slot is reused only
+//! after its write-back. Six consecutive steps are replayed and the mean period of the last three is the
+//! prediction, so exact mode's AdamW overlapping the next forward and lean mode's AdamW chasing
+//! the backward are both in it.
+
+use crate::device::StreamKind;
+use crate::engine::schedule::{KernelOp, Lane, Op, Plan};
+use serde::Serialize;
+
+/// Seconds per kernel kind (one micro-batch).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct KernelCosts {
+    /// Embedding gather.
+    pub embed_fwd: f64,
+    /// One decoder block forward.
+    pub block_fwd: f64,
+    /// Final norm + LM head + loss + their backward.
+    pub head: f64,
+    /// One decoder block backward (with its recompute).
+    pub block_bwd: f64,
+    /// Embedding gradient scatter.
+    pub embed_bwd: f64,
+    /// Zeroing one gradient buffer.
+    pub zero: f64,
+}
+
+/// The duration of everything the plan does.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Costs {
+    /// Elements per unit.
+    pub unit_numel: Vec<usize>,
+    /// Bytes per streamed weight element (4 fp32, 2 bf16).
+    pub weight_elem_bytes: f64,
+    /// Bytes of one layer-boundary checkpoint.
+    pub ckpt_bytes: f64,
+    /// Host→device bytes/s.
+    pub htod_bps: f64,
+    /// Device→host bytes/s.
+    pub dtoh_bps: f64,
+    /// Fixed cost per copy, s.
+    pub copy_latency_s: f64,
+    /// Kernels.
+    pub kernels: KernelCosts,
+    /// AdamW seconds per unit.
+    pub adam_s: Vec<f64>,
+    /// Σg² seconds per unit (exact mode's norm, on the host thread).
+    pub norm_s: Vec<f64>,
+    /// NVMe read seconds per unit (0: not spilled).
+    pub nvme_read_s: Vec<f64>,
+    /// NVMe write seconds per unit.
+    pub nvme_write_s: Vec<f64>,
+    /// Staging slots of the NVMe tier.
+    pub staging_slots: usize,
+    /// When compute kernels and AdamW run on the same CPU cores (the CPU device), how they
+    /// share them; `None` for a GPU, whose kernels do not compete with the host's AdamW.
+    pub shared_cores: Option<SharedCores>,
+}
+
+/// Compute kernels and AdamW workers sharing `cores` CPU cores: while both run, every thread
+/// gets `cores / (compute_threads + adam_threads)` of a core (fair scheduling), so each side
+/// slows by what it loses.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SharedCores {
+    /// Cores.
+    pub cores: f64,
+    /// Threads the compute kernels use.
+    pub compute_threads: f64,
+    /// AdamW worker threads.
+    pub adam_threads: f64,
+    /// Share of the NVMe I/O thread's time that is CPU work (checksums), 0 for pure waiting.
+    pub io_cpu_fraction: f64,
+}
+
+impl SharedCores {
+    /// Rates (compute, AdamW, I/O) relative to running alone, given which of them run.
+    fn rates(&self, compute: bool, adam: bool, io: bool) -> (f64, f64, f64) {
+        let ct = if compute { self.compute_threads } else { 0.0 };
+        let at = if adam { self.adam_threads } else { 0.0 };
+        let it = if io { self.io_cpu_fraction } else { 0.0 };
+        let total = ct + at + it;
+        if total <= self.cores {
+            return (1.0, 1.0, 1.0);
+        }
+        let share = self.cores / total;
+        let alone = |t: f64| t.min(self.cores).max(1e-9);
+        let f = self.io_cpu_fraction;
+        (
+            (self.compute_threads * share / alone(self.compute_threads)).min(1.0),
+            (self.adam_threads * share / alone(self.adam_threads)).min(1.0),
+            1.0 / ((1.0 - f) + f / share.min(1.0)),
+        )
+    }
+}
+
+/// Predicted step time and each resource's busy time per step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Steady-state step period, s.
+    pub step_s: f64,
+    /// Compute stream busy, s per step.
+    pub compute_s: f64,
+    /// Copy-in stream busy.
+    pub htod_s: f64,
+    /// Copy-out stream busy.
+    pub dtoh_s: f64,
+    /// AdamW pool busy.
+    pub adam_s: f64,
+    /// NVMe I/O busy.
+    pub nvme_s: f64,
+    /// The busiest resource.
+    pub bottleneck: &'static str,
+}
+
+const COPY_IN: usize = 0;
+const COMPUTE: usize = 1;
+const COPY_OUT: usize = 2;
+const HOST: usize = 3;
+const POOL: usize = 4;
+const IO: usize = 5;
+const NAMES: [&str; 6] = [
+    "host→device",
+    "GPU compute",
+    "device→host",
+    "host thread",
+    "CPU AdamW",
+    "NVMe",
+];
+
+#[derive(Debug)]
+struct Task {
+    res: usize,
+    dur: f64,
+    deps: Vec<usize>,
+    step: usize,
+}
+
+/// FIFO in submission order (streams, host thread) or in arrival order (pool, I/O).
+fn in_submission_order(res: usize) -> bool {
+    res <= HOST
+}
+
+/// Replay `plan` for three steps under `costs`.
+pub fn simulate(plan: &Plan, costs: &Costs) -> Prediction {
+    const STEPS: usize = 6;
+    const WARM: usize = 3;
+    let units = costs.unit_numel.len();
+    let mut tasks: Vec<Task> = Vec::new();
+    let push = |tasks: &mut Vec<Task>, res, dur: f64, deps: Vec<usize>, step| {
+        tasks.push(Task {
+            res,
+            dur: dur.max(0.0),
+            deps,
+            step,
+        });
+        tasks.len() - 1
+    };
+    let spilled = |u: usize| costs.nvme_read_s.get(u).is_some_and(|r| *r > 0.0);
+    let mut last_job: Vec<Option<usize>> = vec![None; units];
+    let mut last_write: Vec<Option<usize>> = vec![None; units];
+    let mut lean_user: Vec<Option<usize>> = Vec::new();
+    let mut starts = Vec::new();
+    let mut prev_done: Vec<usize> = Vec::new();
+    for step in 0..=STEPS {
+        let start = push(&mut tasks, HOST, 0.0, prev_done.clone(), step);
+        starts.push(start);
+        if step == STEPS {
+            break;
+        }
+        let mut id_of = vec![0usize; plan.steps.len()];
+        let mut device_tasks = Vec::new();
+        let mut jobs = Vec::new();
+        let mut writes_this_step: Vec<usize> = Vec::new();
+        for (i, st) in plan.steps.iter().enumerate() {
+            let mut deps: Vec<usize> = st.waits.iter().map(|&w| id_of[w]).collect();
+            deps.push(start);
+            let (res, dur) = match (&st.lane, &st.op) {
+                (Lane::Stream(s), op) => {
+                    let res = match s {
+                        StreamKind::CopyIn => COPY_IN,
+                        StreamKind::Compute => COMPUTE,
+                        StreamKind::CopyOut => COPY_OUT,
+                    };
+                    let dur = match op {
+                        Op::CopyWeights { unit, .. } => {
+                            if let Some(j) = last_job[*unit] {
+                                deps.push(j);
+                            }
+                            costs.copy_latency_s
+                                + costs.unit_numel[*unit] as f64 * costs.weight_elem_bytes
+                                    / costs.htod_bps
+                        }
+                        Op::CkptIn { .. } => {
+                            costs.copy_latency_s + costs.ckpt_bytes / costs.htod_bps
+                        }
+                        Op::CkptOut { .. } => {
+                            costs.copy_latency_s + costs.ckpt_bytes / costs.dtoh_bps
+                        }
+                        Op::CopyGrads { unit, lean, .. } => {
+                            if let Some(k) = lean {
+                                if let Some(Some(j)) = lean_user.get(*k) {
+                                    deps.push(*j);
+                                }
+                            }
+                            costs.copy_latency_s
+                                + costs.unit_numel[*unit] as f64 * 4.0 / costs.dtoh_bps
+                        }
+                        Op::Kernel(k) => match k {
+                            KernelOp::EmbedFwd { .. } => costs.kernels.embed_fwd,
+                            KernelOp::BlockFwd { .. } => costs.kernels.block_fwd,
+                            KernelOp::HeadLossBwd { .. } => costs.kernels.head,
+                            KernelOp::BlockBwd { .. } => costs.kernels.block_bwd,
+                            KernelOp::EmbedBwd { .. } => costs.kernels.embed_bwd,
+                            KernelOp::Zero { .. } => costs.kernels.zero,
+                        },
+                        _ => 0.0,
+                    };
+                    (res, dur)
+                }
+                (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
+                (Lane::Host, _) => (HOST, 0.0),
+            };
+            let id = push(&mut tasks, res, dur, deps, step);
+            id_of[i] = id;
+            if res != HOST {
+                device_tasks.push(id);
+            }
+            if let Op::Adam { unit, lean } = st.op {
+                let mut jdeps = vec![id];
+                if spilled(unit) {
+                    // The read is issued when the previous unit's update is submitted (the
+                    // streamer's hint) and needs a staging slot whose write-back is done.
+                    let mut rdeps = vec![jobs.last().map_or(start, |&(_, sub)| sub)];
+                    let slots = costs.staging_slots.max(1);
+                    if writes_this_step.len() + 1 >= slots {
+                        rdeps.push(writes_this_step[writes_this_step.len() + 1 - slots]);
+                    } else if let Some(w) = last_write[unit] {
+                        rdeps.push(w);
+                    }
+                    let r = push(&mut tasks, IO, costs.nvme_read_s[unit], rdeps, step);
+                    jdeps.push(r);
+                }
+                let j = push(&mut tasks, POOL, costs.adam_s[unit], jdeps, step);
+                jobs.push((j, id));
+                last_job[unit] = Some(j);
+                if let Some(k) = lean {
+                    if lean_user.len() <= k {
+                        lean_user.resize(k + 1, None);
+                    }
+                    lean_user[k] = Some(j);
+                }
+                if spilled(unit) {
+                    let w = push(&mut tasks, IO, costs.nvme_write_s[unit], vec![j], step);
+                    writes_this_step.push(w);
+                    last_write[unit] = Some(w);
+                }
+            }
+        }
+        // `step()` returns when the device work is done; lean mode also waits for its updates
+        // (the global norm comes out of them).
+        prev_done = device_tasks;
+        let lean = plan
+            .steps
+            .iter()
+            .any(|s| matches!(s.op, Op::Adam { lean: Some(_), .. }));
+        if lean {
+            prev_done.extend(jobs.iter().map(|&(j, _)| j));
+        }
+    }
+    let (start_t, busy) = schedule(&tasks, costs.shared_cores);
+    let period = (start_t[starts[STEPS]] - start_t[starts[WARM]]) / (STEPS - WARM) as f64;
+    let per_step = |r: usize| {
+        busy.iter()
+            .filter(|(res, step, _)| *res == r && *step >= WARM)
+            .map(|x| x.2)
+            .sum::<f64>()
+            / (STEPS - WARM) as f64
+            + 0.0 // an empty sum is -0.0
+    };
+    let parts = [
+        (COMPUTE, per_step(COMPUTE)),
+        (COPY_IN, per_step(COPY_IN)),
+        (COPY_OUT, per_step(COPY_OUT)),
+        (POOL, per_step(POOL)),
+        (IO, per_step(IO)),
+    ];
+    let bottleneck = parts
+        .iter()
+        .fold(
+            (COMPUTE, -1.0),
+            |a, &(r, v)| if v > a.1 { (r, v) } else { a },
+        )
+        .0;
+    Prediction {
+        step_s: period,
+        compute_s: parts[0].1,
+        htod_s: parts[1].1,
+        dtoh_s: parts[2].1,
+        adam_s: parts[3].1,
+        nvme_s: parts[4].1,
+        bottleneck: NAMES[bottleneck],
+    }
+}
+
+/// Event-driven replay. At each event time, every task whose dependencies have finished starts
+/// if its resource is idle (and, on a submission-ordered resource, it is next in order; on the
+/// others the earliest-ready waiting task goes first). Running tasks progress at rate 1, except
+/// compute and AdamW when they share CPU cores. Returns each task's start time and
+/// (resource, step, busy seconds) per task.
+fn schedule(tasks: &[Task], shared: Option<SharedCores>) -> (Vec<f64>, Vec<(usize, usize, f64)>) {
+    let n = tasks.len();
+    let mut start = vec![f64::NAN; n];
+    let mut end = vec![f64::NAN; n];
+    let mut busy_s = vec![0.0f64; n];
+    let mut queue: Vec<Vec<usize>> = vec![Vec::new(); 6];
+    for (i, t) in tasks.iter().enumerate() {
+        queue[t.res].push(i);
+    }
+    let mut head = [0usize; 6];
+    // Per resource: the running task and its remaining work (seconds at rate 1).
+    let mut running: [Option<(usize, f64)>; 6] = [None; 6];
+    // Arrival-ordered resources: their tasks not yet started.
+    let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); 6];
+    for (i, t) in tasks.iter().enumerate() {
+        if !in_submission_order(t.res) {
+            waiting[t.res].push(i);
+        }
+    }
+    let mut now = 0.0f64;
+    let mut finished = 0;
+    while finished < n {
+        // Start what can start now (zero-length tasks finish at once and may unlock more).
+        loop {
+            let mut started_any = false;
+            for r in 0..6 {
+                if running[r].is_some() {
+                    continue;
+                }
+                let ready = |i: usize| tasks[i].deps.iter().all(|&d| end[d] <= now);
+                let pick = if in_submission_order(r) {
+                    queue[r].get(head[r]).copied().filter(|&i| ready(i))
+                } else {
+                    waiting[r]
+                        .iter()
+                        .copied()
+                        .filter(|&i| ready(i))
+                        .min_by(|&a, &b| {
+                            let ra = tasks[a].deps.iter().map(|&d| end[d]).fold(0.0, f64::max);
+                            let rb = tasks[b].deps.iter().map(|&d| end[d]).fold(0.0, f64::max);
+                            ra.total_cmp(&rb).then(a.cmp(&b))
+                        })
+                };
+                if let Some(i) = pick {
+                    start[i] = now;
+                    if in_submission_order(r) {
+                        head[r] += 1;
+                    } else {
+                        waiting[r].retain(|&x| x != i);
+                    }
+                    if tasks[i].dur <= 0.0 {
+                        end[i] = now;
+                        finished += 1;
+                    } else {
+                        running[r] = Some((i, tasks[i].dur));
+                    }
+                    started_any = true;
+                }
+            }
+            if !started_any {
+                break;
+            }
+        }
+        if finished >= n {
+            break;
+        }
+        // Rates of what runs.
+        let mut rate = [1.0f64; 6];
+        if let Some(sc) = shared {
+            let (c, a, io) = sc.rates(
+                running[COMPUTE].is_some(),
+                running[POOL].is_some(),
+                running[IO].is_some(),
+            );
+            rate[COMPUTE] = c;
+            rate[POOL] = a;
+            rate[IO] = io;
+        }
+        // Advance to the next finish; whatever finishes then (at least one task) ends exactly
+        // there, so rounding can never stall the clock.
+        let fin: Vec<Option<f64>> = (0..6)
+            .map(|r| running[r].map(|(_, rem)| now + rem / rate[r]))
+            .collect();
+        let next = fin.iter().flatten().fold(f64::INFINITY, |a, &b| a.min(b));
+        if !next.is_finite() {
+            break; // nothing runs and nothing can start: a cycle (not for engine plans)
+        }
+        let dt = next - now;
+        for r in 0..6 {
+            if let (Some((i, rem)), Some(f)) = (running[r], fin[r]) {
+                busy_s[i] += dt;
+                if f <= next {
+                    end[i] = next;
+                    finished += 1;
+                    running[r] = None;
+                } else {
+                    running[r] = Some((i, (rem - dt * rate[r]).max(0.0)));
+                }
+            }
+        }
+        now = next;
+    }
+    let busy = tasks
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.res, t.step, busy_s[i]))
+        .collect();
+    (start, busy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::schedule::{plan, Checkpoints, PlanSpec};
+    use crate::store::layout::Mode;
+
+    fn costs(units: usize) -> Costs {
+        Costs {
+            unit_numel: vec![1_000_000; units],
+            weight_elem_bytes: 4.0,
+            ckpt_bytes: 0.0,
+            htod_bps: 1e12,
+            dtoh_bps: 1e12,
+            copy_latency_s: 0.0,
+            kernels: KernelCosts {
+                embed_fwd: 0.0,
+                block_fwd: 0.0,
+                head: 0.0,
+                block_bwd: 0.0,
+                embed_bwd: 0.0,
+                zero: 0.0,
+            },
+            adam_s: vec![0.0; units],
+            norm_s: vec![0.0; units],
+            nvme_read_s: vec![0.0; units],
+            nvme_write_s: vec![0.0; units],
+            staging_slots: 3,
+            shared_cores: None,
+        }
+    }
+
+    fn spec(layers: usize, mode: Mode) -> PlanSpec {
+        PlanSpec {
+            layers,
+            tied: false,
+            micro_batches: 1,
+            mode,
+            checkpoints: Checkpoints::Host,
+        }
+    }
+
+    #[test]
+    fn compute_bound_step_is_the_sum_of_the_kernels() {
+        let mut c = costs(6);
+        c.kernels.block_fwd = 1.0;
+        c.kernels.block_bwd = 3.0;
+        c.kernels.head = 2.0;
+        let p = simulate(&plan(&spec(4, Mode::Exact)), &c);
+        assert!((p.step_s - (4.0 + 12.0 + 2.0)).abs() < 1e-3, "{p:?}");
+        assert_eq!(p.bottleneck, "GPU compute");
+    }
+
+    #[test]
+    fn link_bound_step_is_the_weight_stream_plus_the_gradient_drain_tail() {
+        let mut c = costs(6);
+        c.htod_bps = 4e6; // 1 s per unit copy
+        c.dtoh_bps = 1e12;
+        let p = simulate(&plan(&spec(4, Mode::Exact)), &c);
+        // Weights stream in once for the forward and once for the backward (less what is still
+        // resident when the backward starts), one unit per second.
+        assert!(p.step_s >= 9.0 && p.step_s <= 12.0, "{p:?}");
+        assert_eq!(p.bottleneck, "host→device");
+    }
+
+    #[test]
+    fn exact_mode_adamw_overlaps_only_the_next_forward() {
+        let mut c = costs(6);
+        c.kernels.block_fwd = 1.0;
+        c.kernels.block_bwd = 1.0;
+        c.adam_s = vec![2.0; 6];
+        let ex = simulate(&plan(&spec(4, Mode::Exact)), &c);
+        let le = simulate(&plan(&spec(4, Mode::Lean)), &c);
+        // 12 s of AdamW per step; exact cannot start it before the backward ends (4 s of it),
+        // lean starts it as gradients land but must finish it before the step returns.
+        assert!(ex.step_s >= 12.0 + 4.0 - 1e-9, "{ex:?}");
+        assert!(le.step_s >= 12.0 + 1.0 - 1e-9, "{le:?}");
+        assert_eq!(ex.bottleneck, "CPU AdamW");
+    }
+
+    #[test]
+    fn spill_bound_step_is_the_nvme_traffic() {
+        let mut c = costs(6);
+        c.kernels.block_fwd = 0.1;
+        c.nvme_read_s = vec![1.0; 6];
+        c.nvme_write_s = vec![1.0; 6];
+        for mode in [Mode::Exact, Mode::Lean] {
+            let p = simulate(&plan(&spec(4, mode)), &c);
+            assert!(p.step_s >= 12.0 - 1e-9 && p.step_s < 14.0, "{mode:?} {p:?}");
+            assert_eq!(p.bottleneck, "NVMe");
+        }
+    }
+}
+
+#[cfg(test)]
+mod contention_tests {
+    use super::*;
+
+    #[test]
+    fn shared_cores_slow_both_sides_while_they_overlap() {
+        let sc = SharedCores {
+            cores: 2.0,
+            compute_threads: 2.0,
+            adam_threads: 1.0,
+            io_cpu_fraction: 0.0,
+        };
+        let (c, a, _) = sc.rates(true, true, false);
+        assert!((c - 2.0 / 3.0).abs() < 1e-12 && (a - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(sc.rates(true, false, true), (1.0, 1.0, 1.0));
+        let free = SharedCores { cores: 4.0, ..sc };
+        assert_eq!(free.rates(true, true, false), (1.0, 1.0, 1.0));
+        // An I/O thread that is half CPU work, beside 2 compute threads on 2 cores.
+        let io = SharedCores {
+            io_cpu_fraction: 0.5,
+            ..sc
+        };
+        let (c, _, r) = io.rates(true, false, true);
+        assert!((c - 0.8).abs() < 1e-12 && (r - 1.0 / (0.5 + 0.5 / 0.8)).abs() < 1e-12);
+        // Two 1 s tasks on compute and pool at once finish together after 1.5 s.
+        let tasks = vec![
+            Task {
+                res: COMPUTE,
+                dur: 1.0,
+                deps: vec![],
+                step: 0,
+            },
+            Task {
+                res: POOL,
+                dur: 1.0,
+                deps: vec![],
+                step: 0,
+            },
+        ];
+        let (_, busy) = schedule(&tasks, Some(sc));
+        assert!(
+            (busy[0].2 - 1.5).abs() < 1e-9 && (busy[1].2 - 1.5).abs() < 1e-9,
+            "{busy:?}"
+        );
+        let (_, alone) = schedule(&tasks, None);
+        assert!((alone[0].2 - 1.0).abs() < 1e-9);
+    }
+}
