@@ -62,9 +62,10 @@ struct PlanArgs {
     /// NVMe directories for spilling Adam m/v (each assumed 3 GB/s unless calibrated).
     #[arg(long, value_name = "DIR")]
     nvme: Vec<PathBuf>,
-    /// `megatrain bench adam --json` output measured on the machine (sets the AdamW rate).
+    /// Measurements from the machine (repeatable): `megatrain bench adam --json` sets the AdamW
+    /// rate, `megatrain bench nvme --json` the NVMe rate (and implies spilling m/v).
     #[arg(long, value_name = "bench.json")]
-    calibration: Option<PathBuf>,
+    calibration: Vec<PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -76,30 +77,37 @@ fn plan(a: &PlanArgs) -> Result<()> {
         None => megatrain::model::config::ModelConfig::from_file(std::path::Path::new(&a.model))
             .map_err(|e| e.with_fix(format!("or use a preset: {}", presets::MODELS.join(", "))))?,
     };
-    let adam = match &a.calibration {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| megatrain::Error::io("read calibration", p, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-                megatrain::Error::bad_input(
-                    "calibration",
-                    p.display().to_string(),
-                    format!("not JSON: {e}"),
-                    None,
-                )
-            })?;
-            Some(v["adam"]["gbytes_per_s"].as_f64().ok_or_else(|| {
-                megatrain::Error::bad_input(
-                    "calibration",
-                    p.display().to_string(),
-                    "no adam.gbytes_per_s",
-                    Some("write it with `megatrain bench adam --json`"),
-                )
-            })?)
+    let (mut adam, mut nvme_measured) = (None, None);
+    for p in &a.calibration {
+        let text =
+            std::fs::read_to_string(p).map_err(|e| megatrain::Error::io("read calibration", p, e))?;
+        let bad = |why: String| {
+            megatrain::Error::bad_input(
+                "calibration",
+                p.display().to_string(),
+                why,
+                Some("pass the JSON of `megatrain bench adam --json` or `megatrain bench nvme --json`"),
+            )
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        if let Some(g) = v["adam"]["gbytes_per_s"].as_f64() {
+            adam = Some(g);
+        } else if let Some(cases) = v["cases"].as_array().filter(|c| {
+            c.iter().any(|x| x["read_gbps"].is_number())
+        }) {
+            // The spill tier streams large extents at a deep queue: take the best case, and the
+            // slower of its read and write (a step does both).
+            let best = cases
+                .iter()
+                .filter_map(|c| Some(c["read_gbps"].as_f64()?.min(c["write_gbps"].as_f64()?)))
+                .fold(0.0f64, f64::max);
+            nvme_measured = Some(best);
+        } else {
+            return Err(bad("neither an AdamW nor an NVMe benchmark".into()));
         }
-        None => None,
-    };
-    let nvme = (!a.nvme.is_empty()).then_some(3.0 * a.nvme.len() as f64);
+    }
+    let nvme = nvme_measured.or((!a.nvme.is_empty()).then_some(3.0 * a.nvme.len() as f64));
     let mut notes = Vec::new();
     let mut hw = match presets::machine(&a.machine) {
         Some(h) => h,
@@ -120,17 +128,19 @@ fn plan(a: &PlanArgs) -> Result<()> {
     }
     if nvme.is_some() {
         hw.nvme_gbps = nvme;
-        notes.push(format!(
-            "NVMe assumed 3 GB/s per directory ({} given)",
-            a.nvme.len()
-        ));
+        if nvme_measured.is_none() {
+            notes.push(format!(
+                "NVMe assumed 3 GB/s per directory ({} given); pass --calibration from `megatrain bench nvme --json`",
+                a.nvme.len()
+            ));
+        }
     }
     let req = pl::PlanRequest {
         tokens_per_step: a.tokens_per_step,
         seq_len: a.seq_len,
         bf16: a.precision == megatrain::train::config::Precision::Bf16,
         mode: a.mode,
-        spill_moments: !a.nvme.is_empty(),
+        spill_moments: nvme.is_some(),
         micro_batch_tokens: a.micro_batch_tokens,
     };
     let p = pl::plan(&model, &hw, &req);
