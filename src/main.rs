@@ -79,8 +79,8 @@ fn plan(a: &PlanArgs) -> Result<()> {
     };
     let (mut adam, mut nvme_measured) = (None, None);
     for p in &a.calibration {
-        let text =
-            std::fs::read_to_string(p).map_err(|e| megatrain::Error::io("read calibration", p, e))?;
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| megatrain::Error::io("read calibration", p, e))?;
         let bad = |why: String| {
             megatrain::Error::bad_input(
                 "calibration",
@@ -93,9 +93,10 @@ fn plan(a: &PlanArgs) -> Result<()> {
             serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         if let Some(g) = v["adam"]["gbytes_per_s"].as_f64() {
             adam = Some(g);
-        } else if let Some(cases) = v["cases"].as_array().filter(|c| {
-            c.iter().any(|x| x["read_gbps"].is_number())
-        }) {
+        } else if let Some(cases) = v["cases"]
+            .as_array()
+            .filter(|c| c.iter().any(|x| x["read_gbps"].is_number()))
+        {
             // The spill tier streams large extents at a deep queue: take the best case, and the
             // slower of its read and write (a step does both).
             let best = cases
@@ -362,12 +363,14 @@ impl TrainArgs {
             spill_staging,
             io_engine,
             precision,
-            mode,
             val_every,
             val_batches
         );
         if !self.nvme.is_empty() {
             c.nvme = self.nvme.clone();
+        }
+        if let Some(m) = self.mode {
+            c.mode = Some(m);
         }
         if let Some(b) = self.ram_budget {
             c.ram_budget = Some(b as u64);

@@ -167,6 +167,38 @@ fn spilling_to_nvme_changes_no_bit_and_resumes() {
     }
 }
 
+/// With the mode unset, the planner picks lean when only the lean state fits the RAM budget (and
+/// records it, so a resume keeps it); with room, exact.
+#[test]
+fn the_planner_chooses_the_mode_when_it_is_unset() {
+    let a = tempfile::tempdir().unwrap();
+    let (m, d) = setup(a.path(), 4000);
+    let model = megatrain::model::config::ModelConfig::from_json_str(MODEL, "t").unwrap();
+    let bytes =
+        |mode| megatrain::store::layout::StateLayout::new(&model, mode, false).total_bytes();
+    let (exact, lean) = (
+        bytes(megatrain::store::layout::Mode::Exact),
+        bytes(megatrain::store::layout::Mode::Lean),
+    );
+    assert!(lean < exact);
+    for (budget, want) in [(None, "exact"), (Some(lean + (exact - lean) / 2), "lean")] {
+        let b = tempfile::tempdir().unwrap();
+        let c = TrainConfig {
+            grad_accum: 1,
+            ram_budget: budget,
+            ..cfg(b.path(), m.clone(), d.clone(), 2)
+        };
+        assert_eq!(c.mode, None);
+        let s = run(&c, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
+        let st = checkpoint::read_state(&s.checkpoint.unwrap()).unwrap();
+        assert_eq!(
+            serde_json::to_value(st.config.mode).unwrap(),
+            serde_json::json!(want),
+            "budget {budget:?}"
+        );
+    }
+}
+
 #[test]
 fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
     let a = tempfile::tempdir().unwrap();

@@ -128,8 +128,9 @@ pub struct TrainConfig {
     pub ram_budget: Option<u64>,
     /// Streaming precision.
     pub precision: Precision,
-    /// Exact or lean.
-    pub mode: Mode,
+    /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
+    /// fits (and there is no gradient accumulation), else exact with m/v spilled.
+    pub mode: Option<Mode>,
     /// Chrome trace of every step.
     pub trace: Option<PathBuf>,
     /// Validate every N steps (0: only at the end).
@@ -178,7 +179,7 @@ impl Default for TrainConfig {
             direct_io: true,
             ram_budget: None,
             precision: Precision::Fp32,
-            mode: Mode::Exact,
+            mode: None,
             trace: None,
             val_every: 0,
             val_batches: 8,
@@ -269,7 +270,7 @@ impl TrainConfig {
                 Some("use --precision fp32"),
             ));
         }
-        if self.mode == Mode::Lean && self.grad_accum > 1 {
+        if self.mode == Some(Mode::Lean) && self.grad_accum > 1 {
             return Err(Error::bad_input(
                 "--grad-accum",
                 self.grad_accum.to_string(),

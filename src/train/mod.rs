@@ -16,7 +16,7 @@ use crate::model::config::ModelConfig;
 use crate::model::layers::Workspace;
 use crate::model::reference::{eval_loss, Templates};
 use crate::optim::{AdamPool, AdamWConfig};
-use crate::store::layout::StateLayout;
+use crate::store::layout::{Mode, StateLayout};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, TopologySource};
@@ -202,25 +202,64 @@ pub fn run(
         None => None,
     };
 
-    let layout = StateLayout::new(&model, cfg.mode, false);
     let machine = probe(&TopologySource::Live)?;
-    let placement = place_with_spill(
-        &machine,
-        &layout,
-        None,
-        RamBudget {
-            total_bytes: cfg.ram_budget,
-            ..RamBudget::default()
+    let budget = RamBudget {
+        total_bytes: cfg.ram_budget,
+        ..RamBudget::default()
+    };
+    let spill_req = SpillRequest {
+        policy: if cfg.nvme.is_empty() {
+            SpillPolicy::Never
+        } else {
+            cfg.spill
         },
-        SpillRequest {
-            policy: if cfg.nvme.is_empty() {
-                SpillPolicy::Never
+        slots: cfg.spill_staging,
+    };
+    // The mode: as set, as the resumed run had it, or the planner's choice.
+    let resumed_mode = match &resume_dir {
+        Some(d) => checkpoint::read_state(d)?.config.mode,
+        None => None,
+    };
+    let mode = match cfg.mode.or(resumed_mode) {
+        Some(m) => m,
+        None => {
+            let fits = |m: Mode| {
+                place_with_spill(
+                    &machine,
+                    &StateLayout::new(&model, m, false),
+                    None,
+                    budget,
+                    SpillRequest::default(),
+                )
+                .is_ok()
+            };
+            let m = if fits(Mode::Exact) || cfg.grad_accum > 1 || !fits(Mode::Lean) {
+                Mode::Exact
             } else {
-                cfg.spill
-            },
-            slots: cfg.spill_staging,
-        },
-    )?;
+                Mode::Lean
+            };
+            progress.note(&format!(
+                "mode: {} (chosen: {})",
+                match m {
+                    Mode::Exact => "exact",
+                    Mode::Lean => "lean",
+                },
+                match m {
+                    Mode::Lean => "the exact state does not fit the RAM budget, the lean one does",
+                    Mode::Exact if fits(Mode::Exact) => "the whole exact state fits in RAM",
+                    Mode::Exact => "lean does not fit either (or gradient accumulation needs exact); spilling decides",
+                }
+            ));
+            m
+        }
+    };
+    let cfg = &TrainConfig {
+        mode: Some(mode),
+        ..cfg.clone()
+    };
+    cfg.validate()?;
+    let layout = StateLayout::new(&model, mode, false);
+    let placement = place_with_spill(&machine, &layout, None, budget, spill_req)?;
     if let Some(p) = &placement.spill {
         progress.note(&format!(
             "spilling Adam m/v of {} of {} units to NVMe ({} on disk, {} slots x {} staging in RAM)",
