@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test suite: formatting, lints (default and `cuda` feature), and every test.
+# The test suite: formatting, lints (default and `cuda` feature), every test, and every CUDA
+# kernel compiled by NVRTC (installed from PyPI wheels; no GPU or toolkit needed).
 # This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,3 +22,6 @@ else
 fi
 echo "== cargo test"
 cargo test --all-targets
+echo "== CUDA kernels through NVRTC for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"
+eval "$(bash tools/setup-cuda-wheels.sh)"
+MEGATRAIN_REQUIRE_NVRTC=1 cargo test --features cuda --test kernels -- --nocapture

@@ -4,6 +4,10 @@
 //! CUDA device adds kernels and copies, not new control flow.
 
 pub mod cpu;
+pub mod kernels;
+pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
 
 use crate::Result;
 use std::sync::{Arc, Condvar, Mutex};

@@ -1,0 +1,256 @@
+// Causal grouped-query attention, flash style: tiles of K/V (or Q/dO) in shared memory, an online
+// softmax, no T×T matrix. The backward recomputes probabilities from the forward's log-sum-exp.
+//
+// Layouts: q, out, dout, dq [B, T, NH, hd]; k, v, dk, dv [B, T, NKV, hd]; lse, delta [B, NH, T]
+// fp32. Query head h reads kv head h / (NH / NKV) (repeat_interleave). hd ≤ 256 (MAX_PER_LANE ×
+// 32). One warp per query row (forward, dq) or per key row (dk/dv); a block holds ROWS warps and a
+// tile of `tile` rows of the other side, `tile` chosen by the host so the tiles fit in shared
+// memory (launch geometry in src/device/launch.rs).
+#include "common.cuh"
+
+#define MAX_PER_LANE 8
+#define ROWS 8
+
+// Lanes own dims lane, lane + 32, … of a row.
+template <typename T>
+__device__ __forceinline__ void load_row(float* r, const T* __restrict__ p, int hd) {
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int k = 0; k < MAX_PER_LANE; k++) {
+        const int d = lane + k * WARP;
+        r[k] = d < hd ? ld(p[d]) : 0.0f;
+    }
+}
+
+// Dot of a lane-distributed row with a shared-memory row, summed over the warp.
+__device__ __forceinline__ float dot_shared(const float* r, const float* s, int hd) {
+    const int lane = threadIdx.x % WARP;
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAX_PER_LANE; k++) {
+        const int d = lane + k * WARP;
+        if (d < hd) acc += r[k] * s[d];
+    }
+    return warp_sum(acc);
+}
+
+// Copy `rows` rows (from `first`) of a [B, T, H, hd] tensor's head `head` into shared memory.
+template <typename T>
+__device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ src, long long b,
+                                          int t, int heads, int head, int hd, int first,
+                                          int rows) {
+    for (int i = threadIdx.x; i < rows * hd; i += blockDim.x) {
+        const int r = i / hd, d = i % hd;
+        const int pos = first + r;
+        dst[i] = pos < t ? ld(src[((b * t + pos) * heads + head) * (long long)hd + d]) : 0.0f;
+    }
+}
+
+template <typename T>
+__device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
+                              const T* __restrict__ q, const T* __restrict__ k,
+                              const T* __restrict__ v, int t, int nh, int nkv, int hd, int tile,
+                              float scale) {
+    extern __shared__ float smem[];
+    float* ks = smem;              // [tile, hd]
+    float* vs = smem + tile * hd;  // [tile, hd]
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const long long b = blockIdx.z;
+    const int h = blockIdx.y, g = h / (nh / nkv);
+    const int first = blockIdx.x * ROWS;
+    const int i = first + warp;  // this warp's query row
+    const bool live = i < t;
+    float qr[MAX_PER_LANE], o[MAX_PER_LANE];
+    if (live) load_row(qr, q + ((b * t + i) * nh + h) * (long long)hd, hd);
+#pragma unroll
+    for (int x = 0; x < MAX_PER_LANE; x++) {
+        qr[x] *= scale;
+        o[x] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    const int last = min(first + ROWS, t) - 1;  // the block's last query row
+    for (int j0 = 0; j0 <= last; j0 += tile) {
+        __syncthreads();
+        load_tile(ks, k, b, t, nkv, g, hd, j0, tile);
+        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);
+        __syncthreads();
+        if (!live) continue;
+        const int jn = min(tile, i - j0 + 1);
+        for (int jj = 0; jj < jn; jj++) {
+            const float s = dot_shared(qr, ks + jj * hd, hd);
+            const float mn = fmaxf(m, s);
+            const float corr = __expf(m - mn), p = __expf(s - mn);
+            l = l * corr + p;
+#pragma unroll
+            for (int x = 0; x < MAX_PER_LANE; x++) {
+                const int d = lane + x * WARP;
+                o[x] = o[x] * corr + (d < hd ? p * vs[jj * hd + d] : 0.0f);
+            }
+            m = mn;
+        }
+    }
+    if (!live) return;
+    const float inv = 1.0f / l;
+    T* orow = out + ((b * t + i) * nh + h) * (long long)hd;
+#pragma unroll
+    for (int x = 0; x < MAX_PER_LANE; x++) {
+        const int d = lane + x * WARP;
+        if (d < hd) st(&orow[d], o[x] * inv);
+    }
+    if (lane == 0) lse[(b * nh + h) * t + i] = m + __logf(l);
+}
+
+// dq_i = scale · Σ_j p_ij (dout_i·v_j − D_i) k_j, with D_i = dout_i·out_i (written for the dk/dv
+// kernel) and p_ij = exp(scale q_i·k_j − lse_i).
+template <typename T>
+__device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
+                                 const T* __restrict__ dout, const T* __restrict__ out,
+                                 const T* __restrict__ q, const T* __restrict__ k,
+                                 const T* __restrict__ v, const float* __restrict__ lse, int t,
+                                 int nh, int nkv, int hd, int tile, float scale) {
+    extern __shared__ float smem[];
+    float* ks = smem;
+    float* vs = smem + tile * hd;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const long long b = blockIdx.z;
+    const int h = blockIdx.y, g = h / (nh / nkv);
+    const int first = blockIdx.x * ROWS;
+    const int i = first + warp;
+    const bool live = i < t;
+    float qr[MAX_PER_LANE], dor[MAX_PER_LANE], acc[MAX_PER_LANE];
+    float di = 0.0f, li = 0.0f;
+    if (live) {
+        const long long row = ((b * t + i) * nh + h) * (long long)hd;
+        load_row(qr, q + row, hd);
+        load_row(dor, dout + row, hd);
+        float orow[MAX_PER_LANE];
+        load_row(orow, out + row, hd);
+        float part = 0.0f;
+#pragma unroll
+        for (int x = 0; x < MAX_PER_LANE; x++) part += dor[x] * orow[x];
+        di = warp_sum(part);
+        li = lse[(b * nh + h) * t + i];
+        if (lane == 0) delta[(b * nh + h) * t + i] = di;
+    }
+#pragma unroll
+    for (int x = 0; x < MAX_PER_LANE; x++) {
+        qr[x] *= scale;
+        acc[x] = 0.0f;
+    }
+    const int last = min(first + ROWS, t) - 1;
+    for (int j0 = 0; j0 <= last; j0 += tile) {
+        __syncthreads();
+        load_tile(ks, k, b, t, nkv, g, hd, j0, tile);
+        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);
+        __syncthreads();
+        if (!live) continue;
+        const int jn = min(tile, i - j0 + 1);
+        for (int jj = 0; jj < jn; jj++) {
+            const float p = __expf(dot_shared(qr, ks + jj * hd, hd) - li);
+            const float ds = p * (dot_shared(dor, vs + jj * hd, hd) - di);
+#pragma unroll
+            for (int x = 0; x < MAX_PER_LANE; x++) {
+                const int d = lane + x * WARP;
+                if (d < hd) acc[x] += ds * ks[jj * hd + d];
+            }
+        }
+    }
+    if (!live) return;
+    T* drow = dq + ((b * t + i) * nh + h) * (long long)hd;
+#pragma unroll
+    for (int x = 0; x < MAX_PER_LANE; x++) {
+        const int d = lane + x * WARP;
+        if (d < hd) st(&drow[d], acc[x] * scale);
+    }
+}
+
+// For kv head g's key row j: dv_j = Σ_{h in g} Σ_{i ≥ j} p_ij dout_i,
+// dk_j = scale · Σ_{h in g} Σ_{i ≥ j} p_ij (dout_i·v_j − D_i) q_i. No atomics: one warp owns a row.
+template <typename T>
+__device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
+                                 const T* __restrict__ dout, const T* __restrict__ q,
+                                 const T* __restrict__ k, const T* __restrict__ v,
+                                 const float* __restrict__ lse, const float* __restrict__ delta,
+                                 int t, int nh, int nkv, int hd, int tile, float scale) {
+    extern __shared__ float smem[];
+    float* qs = smem;                       // [tile, hd]
+    float* ds_ = smem + tile * hd;          // [tile, hd] (dout rows)
+    float* ls = smem + 2 * tile * hd;       // [tile] lse
+    float* dls = smem + 2 * tile * hd + tile;  // [tile] delta
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const long long b = blockIdx.z;
+    const int g = blockIdx.y, group = nh / nkv;
+    const int first = blockIdx.x * ROWS;
+    const int j = first + warp;
+    const bool live = j < t;
+    float kr[MAX_PER_LANE], vr[MAX_PER_LANE], dkr[MAX_PER_LANE], dvr[MAX_PER_LANE];
+    if (live) {
+        const long long row = ((b * t + j) * nkv + g) * (long long)hd;
+        load_row(kr, k + row, hd);
+        load_row(vr, v + row, hd);
+    }
+#pragma unroll
+    for (int x = 0; x < MAX_PER_LANE; x++) {
+        kr[x] *= scale;
+        dkr[x] = 0.0f;
+        dvr[x] = 0.0f;
+    }
+    for (int h = g * group; h < (g + 1) * group; h++) {
+        for (int i0 = first; i0 < t; i0 += tile) {
+            __syncthreads();
+            load_tile(qs, q, b, t, nh, h, hd, i0, tile);
+            load_tile(ds_, dout, b, t, nh, h, hd, i0, tile);
+            for (int r = threadIdx.x; r < tile; r += blockDim.x) {
+                const int pos = i0 + r;
+                ls[r] = pos < t ? lse[(b * nh + h) * t + pos] : 0.0f;
+                dls[r] = pos < t ? delta[(b * nh + h) * t + pos] : 0.0f;
+            }
+            __syncthreads();
+            if (!live) continue;
+            for (int ii = max(0, j - i0); ii < tile && i0 + ii < t; ii++) {
+                const float p = __expf(dot_shared(kr, qs + ii * hd, hd) - ls[ii]);
+                const float dp = dot_shared(vr, ds_ + ii * hd, hd);
+                const float dsc = p * (dp - dls[ii]);
+#pragma unroll
+                for (int x = 0; x < MAX_PER_LANE; x++) {
+                    const int d = lane + x * WARP;
+                    if (d < hd) {
+                        dvr[x] += p * ds_[ii * hd + d];
+                        dkr[x] += dsc * qs[ii * hd + d];
+                    }
+                }
+            }
+        }
+    }
+    if (!live) return;
+    const long long row = ((b * t + j) * nkv + g) * (long long)hd;
+#pragma unroll
+    for (int x = 0; x < MAX_PER_LANE; x++) {
+        const int d = lane + x * WARP;
+        if (d < hd) {
+            st(&dk[row + d], dkr[x] * scale);
+            st(&dv[row + d], dvr[x]);
+        }
+    }
+}
+
+#define ATTENTION(name, T)                                                                        \
+    extern "C" __global__ void attention_fwd_##name(T* out, float* lse, const T* q, const T* k,  \
+                                                    const T* v, int t, int nh, int nkv, int hd, \
+                                                    int tile, float scale) {                    \
+        attention_fwd<T>(out, lse, q, k, v, t, nh, nkv, hd, tile, scale);                       \
+    }                                                                                           \
+    extern "C" __global__ void attention_bwd_##name(T* dq, float* delta, const T* dout,          \
+                                                    const T* out, const T* q, const T* k,       \
+                                                    const T* v, const float* lse, int t, int nh, \
+                                                    int nkv, int hd, int tile, float scale) {   \
+        attention_bwd_dq<T>(dq, delta, dout, out, q, k, v, lse, t, nh, nkv, hd, tile, scale);   \
+    }                                                                                           \
+    extern "C" __global__ void attention_bwd_kv_##name(T* dk, T* dv, const T* dout, const T* q,  \
+                                                       const T* k, const T* v, const float* lse, \
+                                                       const float* delta, int t, int nh,        \
+                                                       int nkv, int hd, int tile, float scale) { \
+        attention_bwd_kv<T>(dk, dv, dout, q, k, v, lse, delta, t, nh, nkv, hd, tile, scale);    \
+    }
+
+FOR_DTYPES(ATTENTION)

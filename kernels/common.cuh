@@ -1,0 +1,69 @@
+// megatrain CUDA kernels: shared definitions.
+//
+// Every kernel file includes this header and instantiates its kernels for each storage dtype with
+// a macro, so the exported symbols are `{op}_{fwd|bwd}_{dtype}` (`f32`, `bf16`), `extern "C"` so
+// the host looks them up by name. Arithmetic is fp32 whatever the storage dtype; weight gradients
+// are always fp32. Shapes are written beside pointers: `// [N, C]`.
+//
+// Compiled at start-up by NVRTC (`--std=c++17`, `-arch=sm_80|sm_90`), with the CUDA headers of
+// the toolkit or of the `nvidia-cuda-runtime-cu12` wheel on the include path.
+#pragma once
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+// Load any storage dtype as fp32; store fp32 into any storage dtype (round to nearest even).
+__device__ __forceinline__ float ld(float x) { return x; }
+__device__ __forceinline__ float ld(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, ≤ 1024); every thread gets the result.
+// `scratch` holds ≥ 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : NEG_INF;
+    return warp_max(t);
+}
+
+// Grid-stride loop over n elements.
+#define FOR_EACH(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
+         i += (long long)gridDim.x * blockDim.x)
+
+// Instantiate a kernel body macro for both storage dtypes.
+#define FOR_DTYPES(M) M(f32, float) M(bf16, bf16)

@@ -1,0 +1,51 @@
+// RMSNorm y = w · x · rsqrt(mean(x²) + eps), one block per row; backward recomputes from rstd.
+#include "common.cuh"
+
+#define RMSNORM(name, T)                                                                         \
+    extern "C" __global__ void rmsnorm_fwd_##name(T* __restrict__ out,        /* [N, C] */     \
+                                                  float* __restrict__ rstd,   /* [N] */        \
+                                                  const T* __restrict__ x,    /* [N, C] */     \
+                                                  const T* __restrict__ w,    /* [C] */        \
+                                                  int n, int c, float eps) {                   \
+        __shared__ float scratch[WARP];                                                        \
+        const long long row = blockIdx.x;                                                      \
+        if (row >= n) return;                                                                  \
+        const T* xr = x + row * c;                                                             \
+        float ss = 0.0f;                                                                       \
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {                                    \
+            const float v = ld(xr[j]);                                                         \
+            ss += v * v;                                                                       \
+        }                                                                                      \
+        ss = block_sum(ss, scratch);                                                           \
+        const float r = rsqrtf(ss / (float)c + eps);                                           \
+        if (threadIdx.x == 0) rstd[row] = r;                                                   \
+        for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
+            st(&out[row * c + j], ld(w[j]) * (ld(xr[j]) * r));                                 \
+    }                                                                                          \
+    /* dx = r·(w∘dy) − x·r³/C · Σ(w∘dy∘x);  dw += Σ_rows dy∘x·r (fp32, atomics per column) */ \
+    extern "C" __global__ void rmsnorm_bwd_##name(T* __restrict__ dx,          /* [N, C] */    \
+                                                  float* __restrict__ dw,      /* [C] */       \
+                                                  const T* __restrict__ dout,  /* [N, C] */    \
+                                                  const T* __restrict__ x,     /* [N, C] */    \
+                                                  const T* __restrict__ w,     /* [C] */       \
+                                                  const float* __restrict__ rstd, /* [N] */    \
+                                                  int n, int c) {                              \
+        __shared__ float scratch[WARP];                                                        \
+        const long long row = blockIdx.x;                                                      \
+        if (row >= n) return;                                                                  \
+        const T* xr = x + row * c;                                                             \
+        const T* dyr = dout + row * c;                                                         \
+        const float r = rstd[row];                                                             \
+        float dot = 0.0f;                                                                      \
+        for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
+            dot += ld(w[j]) * ld(dyr[j]) * ld(xr[j]);                                          \
+        dot = block_sum(dot, scratch);                                                         \
+        const float k = dot * r * r * r / (float)c;                                            \
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {                                    \
+            const float xv = ld(xr[j]), dy = ld(dyr[j]);                                       \
+            st(&dx[row * c + j], r * ld(w[j]) * dy - xv * k);                                  \
+            atomicAdd(&dw[j], dy * xv * r);                                                    \
+        }                                                                                      \
+    }
+
+FOR_DTYPES(RMSNORM)

@@ -1,0 +1,30 @@
+// SwiGLU: out = silu(gate) · up, elementwise over [N, I].
+#include "common.cuh"
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+#define SWIGLU(name, T)                                                                          \
+    extern "C" __global__ void swiglu_fwd_##name(T* __restrict__ out,        /* [N, I] */      \
+                                                 const T* __restrict__ gate, /* [N, I] */      \
+                                                 const T* __restrict__ up,   /* [N, I] */      \
+                                                 long long n) {                                \
+        FOR_EACH(i, n) {                                                                       \
+            const float g = ld(gate[i]);                                                       \
+            st(&out[i], g * sigmoid(g) * ld(up[i]));                                           \
+        }                                                                                      \
+    }                                                                                          \
+    /* d gate = dout·up·σ(g)(1 + g(1 − σ(g))),  d up = dout·silu(g) */                         \
+    extern "C" __global__ void swiglu_bwd_##name(T* __restrict__ dgate,      /* [N, I] */      \
+                                                 T* __restrict__ dup,        /* [N, I] */      \
+                                                 const T* __restrict__ dout, /* [N, I] */      \
+                                                 const T* __restrict__ gate,                   \
+                                                 const T* __restrict__ up, long long n) {      \
+        FOR_EACH(i, n) {                                                                       \
+            const float g = ld(gate[i]), u = ld(up[i]), d = ld(dout[i]);                       \
+            const float s = sigmoid(g);                                                        \
+            st(&dgate[i], d * u * s * (1.0f + g * (1.0f - s)));                                \
+            st(&dup[i], d * g * s);                                                            \
+        }                                                                                      \
+    }
+
+FOR_DTYPES(SWIGLU)

@@ -1,0 +1,245 @@
+//! Launch geometry of the CUDA kernels (`kernels/*.cu`): grid, block and shared memory from the
+//! shapes, with the limits checked here — in every build, tested without a GPU — rather than
+//! discovered as a launch failure on one.
+
+use crate::{Error, Result};
+
+/// Threads per block of the elementwise and row kernels.
+pub const BLOCK: u32 = 256;
+/// Query (or key) rows per attention block: one warp each (`ROWS` in attention.cu).
+pub const ATTN_ROWS: u32 = 8;
+/// Largest head dimension the attention kernels hold in registers (`MAX_PER_LANE` × 32).
+pub const ATTN_MAX_HEAD_DIM: usize = 256;
+/// Shared memory a block may use without opting in (all architectures since sm_70).
+pub const DEFAULT_SMEM: usize = 48 << 10;
+/// gridDim.y and gridDim.z limits.
+const GRID_YZ_MAX: usize = 65_535;
+/// gridDim.x limit.
+const GRID_X_MAX: usize = (1 << 31) - 1;
+
+/// A launch configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// Blocks (x, y, z).
+    pub grid: (u32, u32, u32),
+    /// Threads per block (x).
+    pub block: u32,
+    /// Dynamic shared memory, bytes.
+    pub smem: u32,
+}
+
+/// Elementwise kernels (grid-stride loops): enough blocks to fill `sms` multiprocessors several
+/// times over, never more than the work needs.
+pub fn elementwise(n: usize, sms: u32) -> Launch {
+    let need = n.div_ceil(BLOCK as usize).max(1);
+    let cap = (sms.max(1) as usize) * 32;
+    Launch {
+        grid: (need.min(cap).min(GRID_X_MAX) as u32, 1, 1),
+        block: BLOCK,
+        smem: 0,
+    }
+}
+
+/// One block per row (RMSNorm, cross-entropy): `rows` blocks of up to 1024 threads, a multiple of
+/// 32 no larger than the row needs.
+pub fn per_row(rows: usize, cols: usize) -> Result<Launch> {
+    if rows > GRID_X_MAX {
+        return Err(Error::bad_input(
+            "kernel launch",
+            format!("{rows} rows"),
+            format!("exceeds the grid limit {GRID_X_MAX}"),
+            None,
+        ));
+    }
+    let threads = cols.div_ceil(32).clamp(1, 32) * 32;
+    Ok(Launch {
+        grid: (rows.max(1) as u32, 1, 1),
+        block: threads as u32,
+        smem: 0,
+    })
+}
+
+/// Column reductions (bias gradient): one thread per column.
+pub fn per_column(cols: usize) -> Launch {
+    Launch {
+        grid: (cols.div_ceil(BLOCK as usize).max(1) as u32, 1, 1),
+        block: BLOCK,
+        smem: 0,
+    }
+}
+
+/// The attention kernels' shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Batch.
+    pub b: usize,
+    /// Sequence length.
+    pub t: usize,
+    /// Query heads.
+    pub nh: usize,
+    /// Key/value heads.
+    pub nkv: usize,
+    /// Head dimension.
+    pub hd: usize,
+}
+
+/// Geometry of the three attention kernels for one shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnLaunch {
+    /// `attention_fwd_*` and `attention_bwd_*` (dq): a block per 8 query rows of one head.
+    pub rows: Launch,
+    /// `attention_bwd_kv_*`: a block per 8 key rows of one kv head.
+    pub kv: Launch,
+    /// Rows of the other side held in shared memory per tile (the kernels' `tile` argument).
+    pub tile: u32,
+}
+
+/// Attention geometry within `smem_limit` bytes of shared memory per block.
+pub fn attention(s: AttnShape, smem_limit: usize) -> Result<AttnLaunch> {
+    let bad = |why: String| {
+        Err(Error::bad_input(
+            "attention shape",
+            format!("{s:?}"),
+            why,
+            None,
+        ))
+    };
+    if s.hd == 0 || s.hd > ATTN_MAX_HEAD_DIM || !s.hd.is_multiple_of(2) {
+        return bad(format!(
+            "head_dim must be even and ≤ {ATTN_MAX_HEAD_DIM} for the CUDA attention kernels"
+        ));
+    }
+    if s.nkv == 0 || !s.nh.is_multiple_of(s.nkv) {
+        return bad("num_attention_heads must be a multiple of num_key_value_heads".into());
+    }
+    if s.b > GRID_YZ_MAX || s.nh > GRID_YZ_MAX || s.b == 0 || s.t == 0 {
+        return bad(format!("batch and heads must be 1..={GRID_YZ_MAX}"));
+    }
+    // fwd/dq: K and V tiles; kv: Q and dO tiles plus two floats per row.
+    let per_row_fwd = 2 * s.hd * 4;
+    let per_row_kv = (2 * s.hd + 2) * 4;
+    let tile = (smem_limit / per_row_kv).min(64).min(s.t.max(1));
+    if tile == 0 {
+        return bad(format!(
+            "one tile row needs {per_row_kv} bytes of shared memory, {smem_limit} available"
+        ));
+    }
+    let blocks = s.t.div_ceil(ATTN_ROWS as usize) as u32;
+    Ok(AttnLaunch {
+        rows: Launch {
+            grid: (blocks, s.nh as u32, s.b as u32),
+            block: ATTN_ROWS * 32,
+            smem: (tile * per_row_fwd) as u32,
+        },
+        kv: Launch {
+            grid: (blocks, s.nkv as u32, s.b as u32),
+            block: ATTN_ROWS * 32,
+            smem: (tile * per_row_kv) as u32,
+        },
+        tile: tile as u32,
+    })
+}
+
+/// Rows of LM-head logits per cross-entropy chunk so that `rows × vocab` fp32 logits stay within
+/// `budget_bytes` of device memory (at least one row, at most `n`).
+pub fn logit_chunk_rows(n: usize, vocab: usize, budget_bytes: usize) -> usize {
+    (budget_bytes / (vocab.max(1) * 4)).clamp(1, n.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elementwise_covers_the_work_and_respects_limits() {
+        assert_eq!(elementwise(1, 132).grid.0, 1);
+        assert_eq!(elementwise(256 * 10, 132).grid.0, 10);
+        let big = elementwise(1 << 40, 132);
+        assert_eq!(
+            big.grid.0,
+            132 * 32,
+            "grid-stride: capped at 32 blocks per SM"
+        );
+        assert_eq!(big.block, BLOCK);
+    }
+
+    #[test]
+    fn row_kernels_size_blocks_to_the_row() {
+        assert_eq!(per_row(4096, 4096).unwrap().block, 1024);
+        assert_eq!(per_row(10, 64).unwrap().block, 64);
+        assert_eq!(per_row(10, 1).unwrap().block, 32);
+        assert_eq!(per_row(10, 100).unwrap().block, 128);
+        assert!(per_row(usize::MAX, 8).is_err());
+        assert_eq!(per_column(4097).grid.0, 17);
+    }
+
+    #[test]
+    fn attention_tiles_fit_shared_memory_for_every_llama_head_dim() {
+        for hd in [64, 80, 96, 128, 256] {
+            let s = AttnShape {
+                b: 2,
+                t: 4096,
+                nh: 32,
+                nkv: 8,
+                hd,
+            };
+            let l = attention(s, DEFAULT_SMEM).unwrap();
+            assert!(l.rows.smem as usize <= DEFAULT_SMEM && l.kv.smem as usize <= DEFAULT_SMEM);
+            assert!(l.tile >= 16, "hd {hd}: tile {}", l.tile);
+            assert_eq!(l.rows.grid, (512, 32, 2));
+            assert_eq!(l.kv.grid, (512, 8, 2));
+            assert_eq!(l.rows.block, 256);
+        }
+        // Short sequences do not load tiles longer than the sequence.
+        let short = attention(
+            AttnShape {
+                b: 1,
+                t: 5,
+                nh: 4,
+                nkv: 4,
+                hd: 64,
+            },
+            DEFAULT_SMEM,
+        )
+        .unwrap();
+        assert_eq!((short.tile, short.rows.grid.0), (5, 1));
+    }
+
+    #[test]
+    fn unsupported_attention_shapes_are_named() {
+        let s = AttnShape {
+            b: 1,
+            t: 8,
+            nh: 6,
+            nkv: 4,
+            hd: 64,
+        };
+        assert!(attention(s, DEFAULT_SMEM)
+            .unwrap_err()
+            .to_string()
+            .contains("multiple"));
+        let s = AttnShape {
+            nh: 4,
+            hd: 512,
+            ..s
+        };
+        assert!(attention(s, DEFAULT_SMEM)
+            .unwrap_err()
+            .to_string()
+            .contains("256"));
+        let s = AttnShape {
+            hd: 64,
+            b: 70_000,
+            ..s
+        };
+        assert!(attention(s, DEFAULT_SMEM).is_err());
+        assert!(attention(AttnShape { b: 1, ..s }, 100).is_err());
+    }
+
+    #[test]
+    fn logit_chunks_stay_in_budget() {
+        assert_eq!(logit_chunk_rows(8192, 128_256, 256 << 20), 523);
+        assert_eq!(logit_chunk_rows(10, 32_000, 1 << 30), 10);
+        assert_eq!(logit_chunk_rows(10, 1 << 30, 16), 1);
+    }
+}
