@@ -304,6 +304,9 @@ struct TrainArgs {
     /// Cap on the host RAM the state may use (K/M/G suffixes).
     #[arg(long, value_parser = megatrain::bench::parse_count)]
     ram_budget: Option<usize>,
+    /// Where activation checkpoints live (default: device when they fit, else host).
+    #[arg(long, value_enum)]
+    activations: Option<megatrain::train::config::Activations>,
     #[arg(long, value_enum)]
     precision: Option<megatrain::train::config::Precision>,
     #[arg(long, value_enum)]
@@ -371,6 +374,9 @@ impl TrainArgs {
         }
         if let Some(m) = self.mode {
             c.mode = Some(m);
+        }
+        if let Some(a) = self.activations {
+            c.activations = Some(a);
         }
         if let Some(b) = self.ram_budget {
             c.ram_budget = Some(b as u64);

@@ -196,7 +196,39 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
             serde_json::json!(want),
             "budget {budget:?}"
         );
+        // The activation checkpoints of this tiny model fit the 256 MiB device: kept there.
+        assert_eq!(
+            serde_json::to_value(st.config.activations).unwrap(),
+            serde_json::json!("device")
+        );
     }
+    // A device with room for the host-offloaded working set but not for all checkpoints.
+    let layout = megatrain::store::layout::StateLayout::new(
+        &model,
+        megatrain::store::layout::Mode::Exact,
+        false,
+    );
+    let need = |cp| megatrain::engine::device_bytes(&layout, 2, 16, 1, cp);
+    let (dev, host) = (
+        need(megatrain::engine::Checkpoints::Device),
+        need(megatrain::engine::Checkpoints::Host),
+    );
+    assert!(host < dev);
+    // The CPU device's own workspace: one layer's scratch and a chunk of logits.
+    let workspace = megatrain::model::layers::Workspace::new(&model, 2, 16).bytes() as u64
+        + 4 * (megatrain::model::ops::CE_CHUNK_ROWS.min(32) * model.vocab_size) as u64;
+    let b = tempfile::tempdir().unwrap();
+    let small = TrainConfig {
+        device_memory: workspace + host + (dev - host) / 2,
+        grad_accum: 1,
+        ..cfg(b.path(), m.clone(), d.clone(), 2)
+    };
+    let s = run(&small, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
+    let st = checkpoint::read_state(&s.checkpoint.unwrap()).unwrap();
+    assert_eq!(
+        serde_json::to_value(st.config.activations).unwrap(),
+        serde_json::json!("host")
+    );
 }
 
 #[test]

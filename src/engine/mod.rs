@@ -6,4 +6,4 @@ pub mod streamer;
 pub mod trace;
 
 pub use schedule::Checkpoints;
-pub use streamer::{MicroBatch, StepMetrics, Streamer, StreamerConfig};
+pub use streamer::{device_bytes, MicroBatch, StepMetrics, Streamer, StreamerConfig};

@@ -13,7 +13,7 @@ use crate::device::{At, BufId, Cmd, Device, Event, HostRef, Kernel, StreamKind};
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{unit_segments, AdamJob, AdamPool};
-use crate::store::layout::Mode;
+use crate::store::layout::{Mode, StateLayout};
 use crate::store::{GradBuffer, HostStore, UnitGuard};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -132,6 +132,38 @@ impl std::fmt::Debug for PendingAdam {
     }
 }
 
+/// Elements of plan buffer `b` for micro-batches of `n` tokens.
+pub fn buffer_len(layout: &StateLayout, n: usize, b: DevBuf) -> usize {
+    match b {
+        DevBuf::W(_) | DevBuf::G(_) => layout.max_unit_numel(),
+        DevBuf::GEmb => layout.units[0].numel,
+        DevBuf::D(_) | DevBuf::A(_) => n * layout.config.hidden_size,
+    }
+}
+
+/// Bytes of device buffers the streamer allocates for this shape (the planned working set, the
+/// same for any depth with host checkpoints).
+pub fn device_bytes(
+    layout: &StateLayout,
+    batch: usize,
+    seq: usize,
+    micro_batches: usize,
+    checkpoints: Checkpoints,
+) -> u64 {
+    let spec = PlanSpec {
+        layers: layout.config.num_layers,
+        tied: layout.config.tie_word_embeddings,
+        micro_batches,
+        mode: layout.mode,
+        checkpoints,
+    };
+    plan(&spec)
+        .buffers
+        .iter()
+        .map(|b| 4 * buffer_len(layout, batch * seq, *b) as u64)
+        .sum()
+}
+
 impl Streamer {
     /// Plan the step and allocate its device buffers.
     pub fn new(
@@ -171,11 +203,7 @@ impl Streamer {
         let max_unit = layout.max_unit_numel();
         let mut bufs = HashMap::new();
         for b in &plan.buffers {
-            let len = match b {
-                DevBuf::W(_) | DevBuf::G(_) => max_unit,
-                DevBuf::GEmb => layout.units[0].numel,
-                DevBuf::D(_) | DevBuf::A(_) => n * c.hidden_size,
-            };
+            let len = buffer_len(&layout, n, *b);
             bufs.insert(*b, device.alloc(len, &format!("{b:?}"))?);
         }
         let ckpt = match cfg.checkpoints {

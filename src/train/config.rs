@@ -48,6 +48,16 @@ pub enum Precision {
     Bf16,
 }
 
+/// Where layer-boundary activations (the recompute checkpoints) live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Activations {
+    /// All L+1 on the device: no copies, device memory grows with depth.
+    Device,
+    /// Offloaded to host memory: two device slots whatever the depth.
+    Host,
+}
+
 /// Every setting of a training run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -126,6 +136,9 @@ pub struct TrainConfig {
     pub direct_io: bool,
     /// Cap on the host RAM the state may use, bytes (default: 90% of free memory).
     pub ram_budget: Option<u64>,
+    /// Where activation checkpoints live; unset: on the device when they fit its memory beside
+    /// the working set, else offloaded to host.
+    pub activations: Option<Activations>,
     /// Streaming precision.
     pub precision: Precision,
     /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
@@ -178,6 +191,7 @@ impl Default for TrainConfig {
             io_engine: crate::spill::io::EngineKind::Auto,
             direct_io: true,
             ram_budget: None,
+            activations: None,
             precision: Precision::Fp32,
             mode: None,
             trace: None,

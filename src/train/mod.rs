@@ -321,6 +321,60 @@ pub fn run(
         },
         tm.clone(),
     )?);
+    // Activation checkpoints: as set, else on the device when they fit beside the working set.
+    let checkpoints = match cfg.activations {
+        Some(config::Activations::Device) => Checkpoints::Device,
+        Some(config::Activations::Host) => Checkpoints::Host,
+        None => {
+            let mem = crate::device::Device::memory(device.as_ref());
+            let need =
+                crate::engine::device_bytes(&layout, b, t, cfg.grad_accum, Checkpoints::Device);
+            let cp = if mem.in_use + need <= mem.capacity {
+                Checkpoints::Device
+            } else {
+                Checkpoints::Host
+            };
+            progress.note(&format!(
+                "activations: {} (chosen: device needs {} with them there, {} available)",
+                match cp {
+                    Checkpoints::Device => "on the device",
+                    Checkpoints::Host => "offloaded to host",
+                },
+                crate::util::human_bytes(need),
+                crate::util::human_bytes(mem.capacity.saturating_sub(mem.in_use))
+            ));
+            cp
+        }
+    };
+    // Recorded, so a resumed run and the checkpoint's configuration say what was used.
+    let cfg = &TrainConfig {
+        activations: Some(match checkpoints {
+            Checkpoints::Device => config::Activations::Device,
+            Checkpoints::Host => config::Activations::Host,
+        }),
+        ..cfg.clone()
+    };
+    {
+        let mem = crate::device::Device::memory(device.as_ref());
+        let need = crate::engine::device_bytes(&layout, b, t, cfg.grad_accum, checkpoints);
+        let free = mem.capacity.saturating_sub(mem.in_use);
+        if need > free {
+            return Err(Error::bad_input(
+                "device memory",
+                crate::util::human_bytes(mem.capacity),
+                format!(
+                    "the step's working set needs {} (weight and gradient slots, activations) but {} is free after the layer workspace",
+                    crate::util::human_bytes(need),
+                    crate::util::human_bytes(free)
+                ),
+                Some(&format!(
+                    "raise --device-memory by {} or lower --batch-size / --seq-len{}",
+                    crate::util::human_bytes(need - free),
+                    if checkpoints == Checkpoints::Device { ", or pass --activations host" } else { "" }
+                )),
+            ));
+        }
+    }
     let pool = AdamPool::for_placement(store.placement(), None)?;
     let mut streamer = Streamer::new(
         device,
@@ -331,7 +385,7 @@ pub fn run(
             batch: b,
             seq: t,
             micro_batches: cfg.grad_accum,
-            checkpoints: Checkpoints::Host,
+            checkpoints,
             adam: AdamWConfig {
                 lr: cfg.lr,
                 beta1: cfg.beta1,
