@@ -31,6 +31,83 @@ enum Command {
     Prepare(PrepareCliArgs),
     /// Will it fit, and how fast will it go: memory per tier and a predicted step time.
     Plan(PlanArgs),
+    /// Check a device on this machine: every CUDA kernel and GEMM against the CPU reference on
+    /// fresh random inputs, then the host↔device bandwidth (needs a GPU and `--features cuda`).
+    Selftest(SelftestArgs),
+}
+
+#[derive(Debug, Args)]
+struct SelftestArgs {
+    /// The device to check.
+    #[arg(long, value_enum)]
+    device: megatrain::train::config::DeviceKind,
+    /// GPU index.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+#[cfg(not(feature = "cuda"))]
+fn selftest(a: &SelftestArgs) -> Result<()> {
+    Err(megatrain::Error::bad_input(
+        "selftest",
+        format!("--device {:?}", a.device).to_lowercase(),
+        "this binary was built without CUDA support",
+        Some("build with `cargo build --release --features cuda` (no toolkit needed to build) and run on a GPU machine"),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn selftest(a: &SelftestArgs) -> Result<()> {
+    use megatrain::device::cuda;
+    if a.device != megatrain::train::config::DeviceKind::Cuda {
+        return Err(megatrain::Error::bad_input(
+            "selftest",
+            "--device cpu",
+            "the CPU device is the reference itself; it is checked by the test suite",
+            Some("use --device cuda"),
+        ));
+    }
+    let rt = cuda::CudaRuntime::open(a.gpu)?;
+    println!(
+        "megatrain selftest — {} (sm_{}{}, {} SMs), driver {}.{}, kernels compiled by NVRTC at start-up\n",
+        rt.name,
+        rt.cc.0,
+        rt.cc.1,
+        rt.sms,
+        rt.driver / 1000,
+        rt.driver % 1000 / 10
+    );
+    let checks = cuda::selftest_kernels(&rt, a.seed)?;
+    println!(
+        "{:<32} {:>12} {:>10}  result",
+        "check", "max rel err", "tolerance"
+    );
+    for c in &checks {
+        println!(
+            "{:<32} {:>12.3e} {:>10.0e}  {}",
+            c.name,
+            c.max_rel_err,
+            c.tolerance,
+            if c.pass { "pass" } else { "FAIL" }
+        );
+    }
+    let (htod, dtoh) = cuda::selftest_link(&rt)?;
+    println!("\nlink (256 MiB, page-locked, median of 5): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
+    println!(
+        "not checked: training steps CPU vs CUDA (the CUDA streaming device is not built yet)"
+    );
+    let failed = checks.iter().filter(|c| !c.pass).count();
+    if failed > 0 {
+        return Err(megatrain::Error::system(
+            "selftest",
+            "kernels",
+            format!("{failed} of {} checks failed", checks.len()),
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -852,6 +929,7 @@ fn main() -> ExitCode {
         Command::Export(args) => export(args),
         Command::Prepare(args) => prepare(args),
         Command::Plan(args) => plan(args),
+        Command::Selftest(args) => selftest(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

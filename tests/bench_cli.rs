@@ -67,3 +67,25 @@ fn bench_link_measures_every_numa_pair_and_waives_gpu_cases() {
     let waived = v["waived"].as_array().unwrap();
     assert!(!waived.is_empty(), "host↔device cases must be reported");
 }
+
+/// Without a GPU, `megatrain selftest --device cuda` exits non-zero with one line saying why (no
+/// CUDA in this build, or no driver on this machine).
+#[test]
+#[allow(clippy::print_stderr)]
+fn selftest_without_a_gpu_says_why() {
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("SKIP: this machine has a GPU; run `megatrain selftest --device cuda` itself");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["selftest", "--device", "cuda"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.starts_with("error: ")
+            && (err.contains("without CUDA support") || err.contains("no NVIDIA driver")),
+        "{err}"
+    );
+}

@@ -68,20 +68,7 @@ pub fn per_column(cols: usize) -> Launch {
     }
 }
 
-/// The attention kernels' shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttnShape {
-    /// Batch.
-    pub b: usize,
-    /// Sequence length.
-    pub t: usize,
-    /// Query heads.
-    pub nh: usize,
-    /// Key/value heads.
-    pub nkv: usize,
-    /// Head dimension.
-    pub hd: usize,
-}
+pub use crate::model::ops::AttnShape;
 
 /// Geometry of the three attention kernels for one shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,6 +4,8 @@
 //! CUDA device adds kernels and copies, not new control flow.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod kernels;
 pub mod launch;
 #[cfg(feature = "cuda")]

@@ -215,6 +215,11 @@ impl Rope {
         }
     }
 
+    /// The tables, `[max_pos, hd/2]` each: (cos, sin).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// Rotate `x` [B·T, heads·hd] in place (`inverse` = the backward, Rᵀ).
     pub fn apply(&self, x: &mut [f32], t: usize, heads: usize, inverse: bool) {
         let hd = self.head_dim;
