@@ -76,6 +76,8 @@ pub struct EngineCase {
     pub spilled: bool,
     /// Median NVMe bytes (read + written) per step.
     pub nvme_bytes: u64,
+    /// Median time the NVMe I/O thread was busy per step, s.
+    pub nvme_s: f64,
     /// The planner's predicted step, s.
     pub predicted_s: f64,
     /// What the planner says bounds the step.
@@ -517,6 +519,7 @@ fn run_case(
         device_peak_bytes: rows.iter().map(|m| m.device_peak_bytes).max().unwrap_or(0),
         spilled: spill,
         nvme_bytes,
+        nvme_s: med(|m| m.nvme_busy_s),
         predicted_s: pred.step_s,
         predicted_bottleneck: pred.bottleneck.to_owned(),
         predicted_parts: [

@@ -92,6 +92,8 @@ pub struct StepMetrics {
     pub nvme_write_bytes: u64,
     /// Time AdamW jobs waited for spilled state to arrive from NVMe, seconds.
     pub nvme_wait_s: f64,
+    /// Time the NVMe I/O thread was busy during the step, seconds.
+    pub nvme_busy_s: f64,
 }
 
 struct PendingAdam {
@@ -601,6 +603,7 @@ impl Streamer {
         m.nvme_read_bytes = spill.bytes_read - self.spill_seen.bytes_read;
         m.nvme_write_bytes = spill.bytes_written - self.spill_seen.bytes_written;
         m.nvme_wait_s = spill.wait_seconds - self.spill_seen.wait_seconds;
+        m.nvme_busy_s = spill.io_seconds - self.spill_seen.io_seconds;
         self.spill_seen = spill;
         self.store.check_spill()?;
         m.wall_s = wall.elapsed().as_secs_f64();
