@@ -629,6 +629,250 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
             out.push(compare(name, &rt.download(&yd)?, &want, tol));
         }
     }
+    // The same Linear in bf16 with fp32 accumulation and an fp32 result (cublasGemmEx).
+    {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t as Op, cudaDataType_t,
+        };
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (mm, nn, kk) = (65usize, 130usize, 257usize);
+        let (x, w) = (rnd(mm * kk, 16, 1.0), rnd(nn * kk, 17, 1.0));
+        let r16 = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
+                .collect()
+        };
+        let mut want = vec![0.0f32; mm * nn];
+        ops::linear_fwd(&mut want, &r16(&x), &r16(&w), None, mm, kk, nn);
+        let blas = cudarc::cublas::CudaBlas::new(st.clone())
+            .map_err(|e| Error::system("cuBLAS", "create a handle", format!("{e:?}")))?;
+        let (xd, wd) = (rt.upload_bf16(&x)?, rt.upload_bf16(&w)?);
+        let mut yd = drv(st.alloc_zeros::<f32>(mm * nn), "alloc")?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        {
+            let (a, _ra) = wd.device_ptr(st);
+            let (b, _rb) = xd.device_ptr(st);
+            let (c, _rc) = yd.device_ptr_mut(st);
+            // SAFETY: A = w [N, K] bf16, B = x [M, K] bf16, C = y [M, N] fp32, as described.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    Op::CUBLAS_OP_T,
+                    Op::CUBLAS_OP_N,
+                    nn as i32,
+                    mm as i32,
+                    kk as i32,
+                    (&alpha as *const f32).cast(),
+                    a as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    kk as i32,
+                    b as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    kk as i32,
+                    (&beta as *const f32).cast(),
+                    c as *mut _,
+                    cudaDataType_t::CUDA_R_32F,
+                    nn as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| Error::system("cuBLAS", "gemm_ex bf16", format!("{e:?}")))?;
+        }
+        out.push(compare(
+            "gemm_bf16 (fp32 accumulate)",
+            &rt.download(&yd)?,
+            &want,
+            10.0 * TOL_F32,
+        ));
+    }
+
+    // Embedding gather and scatter-add (repeated tokens), bias and residual adds.
+    {
+        let (n, c, vocab) = (50usize, 96usize, 40usize);
+        let wte = rnd(vocab * c, 18, 1.0);
+        let tokens: Vec<u32> = (0..n).map(|i| (i * 7 % 13) as u32).collect();
+        let dy = rnd(n * c, 19, 1.0);
+        let mut x_ref = vec![0.0f32; n * c];
+        let mut dw_ref = vec![0.0f32; vocab * c];
+        for (r, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            x_ref[r * c..(r + 1) * c].copy_from_slice(&wte[t * c..(t + 1) * c]);
+            for j in 0..c {
+                dw_ref[t * c + j] += dy[r * c + j];
+            }
+        }
+        let (wd, dyd) = (rt.upload(&wte)?, rt.upload(&dy)?);
+        let td = drv(st.clone_htod(&tokens), "copy to the device")?;
+        let mut xd = drv(st.alloc_zeros::<f32>(n * c), "alloc")?;
+        let mut dwd = drv(st.alloc_zeros::<f32>(vocab * c), "alloc")?;
+        let l = launch::elementwise(n * c, rt.sms);
+        let (ni, ci) = (n as i32, c as i32);
+        launch!(rt, "embedding_fwd_f32", l, &mut xd, &wd, &td, &ni, &ci);
+        launch!(rt, "embedding_bwd_f32", l, &mut dwd, &dyd, &td, &ni, &ci);
+        out.push(compare(
+            "embedding_fwd_f32",
+            &rt.download(&xd)?,
+            &x_ref,
+            0.0,
+        ));
+        out.push(compare(
+            "embedding_bwd_f32",
+            &rt.download(&dwd)?,
+            &dw_ref,
+            TOL_F32,
+        ));
+
+        let bias = rnd(c, 20, 1.0);
+        let mut y_ref = dy.clone();
+        let mut db_ref = vec![0.0f32; c];
+        for r in 0..n {
+            for j in 0..c {
+                y_ref[r * c + j] += bias[j] + x_ref[r * c + j];
+                db_ref[j] += dy[r * c + j];
+            }
+        }
+        let bd = rt.upload(&bias)?;
+        let mut yd = rt.upload(&dy)?;
+        let mut dbd = drv(st.alloc_zeros::<f32>(c), "alloc")?;
+        let total = (n * c) as i64;
+        launch!(rt, "bias_fwd_f32", l, &mut yd, &bd, &ni, &ci);
+        launch!(rt, "add_fwd_f32", l, &mut yd, &xd, &total);
+        launch!(
+            rt,
+            "bias_bwd_f32",
+            launch::per_column(c),
+            &mut dbd,
+            &dyd,
+            &ni,
+            &ci
+        );
+        out.push(compare(
+            "bias_fwd_f32 + add_fwd_f32",
+            &rt.download(&yd)?,
+            &y_ref,
+            TOL_F32,
+        ));
+        out.push(compare(
+            "bias_bwd_f32",
+            &rt.download(&dbd)?,
+            &db_ref,
+            TOL_F32,
+        ));
+    }
+
+    // bf16 storage of the attention, SwiGLU and cross-entropy kernels (fp32 math inside).
+    {
+        let r16 = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
+                .collect()
+        };
+        let s = AttnShape {
+            b: 1,
+            t: 45,
+            nh: 4,
+            nkv: 4,
+            hd: 128,
+        };
+        let (qn, kn) = (s.b * s.t * s.nh * s.hd, s.b * s.t * s.nkv * s.hd);
+        let (q, k, v) = (rnd(qn, 21, 1.0), rnd(kn, 22, 1.0), rnd(kn, 23, 1.0));
+        let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; s.b * s.nh * s.t]);
+        ops::attention_fwd(&mut o_ref, &mut lse_ref, &r16(&q), &r16(&k), &r16(&v), s);
+        let g = launch::attention(s, launch::DEFAULT_SMEM)?;
+        let (qd, kd, vd) = (
+            rt.upload_bf16(&q)?,
+            rt.upload_bf16(&k)?,
+            rt.upload_bf16(&v)?,
+        );
+        let mut od = drv(st.alloc_zeros::<u16>(qn), "alloc")?;
+        let mut lsed = drv(st.alloc_zeros::<f32>(s.b * s.nh * s.t), "alloc")?;
+        let (ti, nhi, nkvi, hdi, tile) = (
+            s.t as i32,
+            s.nh as i32,
+            s.nkv as i32,
+            s.hd as i32,
+            g.tile as i32,
+        );
+        let scale = 1.0 / (s.hd as f32).sqrt();
+        launch!(
+            rt,
+            "attention_fwd_bf16",
+            g.rows,
+            &mut od,
+            &mut lsed,
+            &qd,
+            &kd,
+            &vd,
+            &ti,
+            &nhi,
+            &nkvi,
+            &hdi,
+            &tile,
+            &scale
+        );
+        out.push(compare(
+            "attention_fwd_bf16 out",
+            &rt.download_bf16(&od)?,
+            &o_ref,
+            TOL_BF16,
+        ));
+
+        let m = 4099usize;
+        let (gg, u) = (rnd(m, 24, 3.0), rnd(m, 25, 1.0));
+        let mut h_ref = vec![0.0; m];
+        ops::swiglu_fwd(&mut h_ref, &r16(&gg), &r16(&u));
+        let (gd, ud) = (rt.upload_bf16(&gg)?, rt.upload_bf16(&u)?);
+        let mut hd = drv(st.alloc_zeros::<u16>(m), "alloc")?;
+        let mi = m as i64;
+        launch!(
+            rt,
+            "swiglu_fwd_bf16",
+            launch::elementwise(m, rt.sms),
+            &mut hd,
+            &gd,
+            &ud,
+            &mi
+        );
+        out.push(compare(
+            "swiglu_fwd_bf16",
+            &rt.download_bf16(&hd)?,
+            &h_ref,
+            TOL_BF16,
+        ));
+
+        let (rows, vocab) = (9usize, 1001usize);
+        let z = rnd(rows * vocab, 26, 4.0);
+        let z16 = r16(&z);
+        let targets: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
+        let loss_ref: Vec<f32> = (0..rows)
+            .map(|r| {
+                let zr = &z16[r * vocab..(r + 1) * vocab];
+                let mx = zr.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
+                mx + zr.iter().map(|x| (x - mx).exp()).sum::<f32>().ln() - zr[targets[r] as usize]
+            })
+            .collect();
+        let zd = rt.upload_bf16(&z)?;
+        let td = drv(st.clone_htod(&targets), "copy to the device")?;
+        let mut ld = drv(st.alloc_zeros::<f32>(rows), "alloc")?;
+        let (ri, vi) = (rows as i32, vocab as i32);
+        launch!(
+            rt,
+            "cross_entropy_fwd_bf16",
+            launch::per_row(rows, vocab)?,
+            &mut ld,
+            &zd,
+            &td,
+            &ri,
+            &vi
+        );
+        out.push(compare(
+            "cross_entropy_fwd_bf16",
+            &rt.download(&ld)?,
+            &loss_ref,
+            TOL_F32 * 10.0,
+        ));
+    }
     drv(st.synchronize(), "synchronize")?;
     Ok(out)
 }
