@@ -9,6 +9,21 @@ use crate::{Error, Result};
 use serde::Serialize;
 use std::time::Instant;
 
+/// One host↔device case.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkCase {
+    /// Host NUMA node of the buffer (and of the thread issuing the copies).
+    pub node: u32,
+    /// "htod", "dtoh", "bidirectional" (both at once; GB/s of both directions summed).
+    pub direction: &'static str,
+    /// Page-locked (cuMemHostRegister) or pageable host memory.
+    pub pinned: bool,
+    /// Bytes per copy.
+    pub bytes: usize,
+    /// Median GB/s.
+    pub gbps: f64,
+}
+
 /// The report.
 #[derive(Debug, Clone, Serialize)]
 pub struct LinkReport {
@@ -20,8 +35,21 @@ pub struct LinkReport {
     pub nodes: Vec<u32>,
     /// `memcpy_gbps[i][j]`: from node i's memory to node j's.
     pub memcpy_gbps: Vec<Vec<f64>>,
+    /// The GPU measured, its link as the probe sees it, and the host↔device cases.
+    pub gpu: Option<GpuLinkReport>,
     /// GPU cases and why they did not run.
     pub waived: Vec<String>,
+}
+
+/// The host↔device part.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuLinkReport {
+    /// Device name.
+    pub name: String,
+    /// "NVLink-C2C" or "PCIe Gen5 x16" (from the probe).
+    pub link: String,
+    /// Every case.
+    pub cases: Vec<LinkCase>,
 }
 
 fn region(node: u32, bytes: usize, cpus: &[usize], label: &str) -> Result<Region> {
@@ -99,31 +127,78 @@ pub fn run(machine: &Machine, bytes: usize, reps: usize) -> Result<LinkReport> {
         }
     }
     let why = match &machine.cuda {
-        Some(c) if c.available => None,
+        Some(c) if c.available && !machine.gpus.is_empty() => None,
         Some(c) => Some(c.detail.clone()),
         None => Some("built without the `cuda` feature".to_owned()),
     };
-    let waived = match why {
-        Some(w) => [
-            "host→device (pinned)",
-            "device→host (pinned)",
-            "bidirectional",
-            "host→device (pageable)",
-        ]
-        .iter()
-        .map(|c| format!("{c}: WAIVED — no CUDA device ({w})"))
-        .collect(),
-        None => {
-            vec!["host↔device cases: the CUDA device is not wired into megatrain yet".to_owned()]
-        }
+    let (gpu, waived) = match why {
+        Some(w) => (
+            None,
+            [
+                "host→device (pinned)",
+                "device→host (pinned)",
+                "bidirectional",
+                "host→device (pageable)",
+            ]
+            .iter()
+            .map(|c| format!("{c}: WAIVED — no CUDA device ({w})"))
+            .collect(),
+        ),
+        None => (Some(gpu_cases(machine, &nodes, bytes, reps)?), Vec::new()),
     };
     Ok(LinkReport {
         bytes: bytes as u64,
         reps,
         nodes: nodes.iter().map(|n| n.os_index).collect(),
         memcpy_gbps: m,
+        gpu,
         waived,
     })
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_cases(
+    machine: &Machine,
+    nodes: &[&crate::topology::NumaNode],
+    bytes: usize,
+    reps: usize,
+) -> Result<GpuLinkReport> {
+    let g = &machine.gpus[0];
+    let link = match g.link.kind {
+        crate::topology::LinkKind::CoherentNvlink => "NVLink-C2C".to_owned(),
+        _ => match (g.link.pcie_generation, g.link.pcie_width) {
+            (Some(gen), Some(w)) => format!("PCIe Gen{gen} x{w}"),
+            _ => "PCIe".to_owned(),
+        },
+    };
+    let mut on = Vec::new();
+    for n in nodes
+        .iter()
+        .filter(|n| n.kind == MemoryKind::Dram && n.hardware_threads > 0)
+    {
+        on.push((n.os_index, affinity::parse_cpu_list(&n.cpus)?));
+    }
+    // 1 MiB … 1 GiB by ×16, up to the requested size.
+    let sizes: Vec<usize> = [1usize << 20, 16 << 20, 256 << 20, 1 << 30]
+        .into_iter()
+        .filter(|s| *s <= bytes.max(1 << 20))
+        .collect();
+    let (name, cases) = crate::device::cuda::bench_link(0, &on, &sizes, reps)?;
+    Ok(GpuLinkReport { name, link, cases })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_cases(
+    _: &Machine,
+    _: &[&crate::topology::NumaNode],
+    _: usize,
+    _: usize,
+) -> Result<GpuLinkReport> {
+    Err(Error::system(
+        "bench link",
+        "host↔device cases",
+        "this build has no CUDA support",
+    ))
 }
 
 /// nvbandwidth-style matrix.
@@ -147,6 +222,55 @@ pub fn render(r: &LinkReport) -> String {
         s += "\n";
     }
     s += "\n";
+    if let Some(g) = &r.gpu {
+        let largest = g.cases.iter().map(|c| c.bytes).max().unwrap_or(0);
+        s += &format!(
+            "host↔device — {} over {}, {} per copy, median of {} (GB/s; bidirectional = both ways summed)\n{:>8} {:>13} {:>13} {:>13} {:>15} {:>15}\n",
+            g.name,
+            g.link,
+            crate::util::human_bytes(largest as u64),
+            r.reps,
+            "node",
+            "htod pinned",
+            "dtoh pinned",
+            "bidir pinned",
+            "htod pageable",
+            "dtoh pageable"
+        );
+        for n in &r.nodes {
+            let get = |d: &str, p: bool| {
+                g.cases
+                    .iter()
+                    .find(|c| {
+                        c.node == *n && c.direction == d && c.pinned == p && c.bytes == largest
+                    })
+                    .map_or("-".to_owned(), |c| format!("{:.1}", c.gbps))
+            };
+            s += &format!(
+                "{:>8} {:>13} {:>13} {:>13} {:>15} {:>15}\n",
+                format!("P#{n}"),
+                get("htod", true),
+                get("dtoh", true),
+                get("bidirectional", true),
+                get("htod", false),
+                get("dtoh", false)
+            );
+        }
+        s += "\npinned host→device by size (first node):\n";
+        if let Some(first) = r.nodes.first() {
+            for c in g
+                .cases
+                .iter()
+                .filter(|c| c.node == *first && c.direction == "htod" && c.pinned)
+            {
+                s += &format!(
+                    "  {:>10}  {:.1} GB/s\n",
+                    crate::util::human_bytes(c.bytes as u64),
+                    c.gbps
+                );
+            }
+        }
+    }
     for w in &r.waived {
         s += &format!("{w}\n");
     }

@@ -45,6 +45,25 @@ fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, op: &str) -> R
 impl CudaRuntime {
     /// Open GPU `ordinal`: check the driver, create the context, compile and load every kernel.
     pub fn open(ordinal: usize) -> Result<Self> {
+        let mut rt = Self::open_context(ordinal)?;
+        let tc = nvrtc::locate()?;
+        nvrtc::load(&tc)?;
+        let arch = format!("sm_{}{}", rt.cc.0, rt.cc.1);
+        for (f, c) in FILES.iter().zip(nvrtc::compile_all(&tc, &arch)?) {
+            let module = drv(
+                rt.ctx.load_module(cudarc::nvrtc::Ptx::from_src(c.ptx)),
+                &format!("load {}", f.file),
+            )?;
+            for s in f.symbols {
+                rt.functions
+                    .insert(*s, drv(module.load_function(s), &format!("find {s}"))?);
+            }
+        }
+        Ok(rt)
+    }
+
+    /// Open GPU `ordinal` without the kernels (copies only: `bench link`).
+    pub fn open_context(ordinal: usize) -> Result<Self> {
         // SAFETY: only probes for the library; cudarc panics on first use without it.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(Error::system(
@@ -92,19 +111,6 @@ impl CudaRuntime {
             "multiprocessor count",
         )? as u32;
         let stream = drv(ctx.new_stream(), "create a stream")?;
-        let tc = nvrtc::locate()?;
-        nvrtc::load(&tc)?;
-        let arch = format!("sm_{}{}", cc.0, cc.1);
-        let mut functions = HashMap::new();
-        for (f, c) in FILES.iter().zip(nvrtc::compile_all(&tc, &arch)?) {
-            let module = drv(
-                ctx.load_module(cudarc::nvrtc::Ptx::from_src(c.ptx)),
-                &format!("load {}", f.file),
-            )?;
-            for s in f.symbols {
-                functions.insert(*s, drv(module.load_function(s), &format!("find {s}"))?);
-            }
-        }
         Ok(CudaRuntime {
             ctx,
             stream,
@@ -112,7 +118,7 @@ impl CudaRuntime {
             cc,
             sms,
             driver: v,
-            functions,
+            functions: HashMap::new(),
         })
     }
 
@@ -928,4 +934,122 @@ pub fn selftest_link(rt: &CudaRuntime) -> Result<(f64, f64)> {
     // SAFETY: unregistering what was registered above.
     unsafe { cudarc::driver::sys::cuMemHostUnregister(host.as_ptr().cast()) };
     Ok((htod, dtoh))
+}
+
+/// Host↔device copies per NUMA node (memory bound there, calling thread pinned there),
+/// page-locked and pageable, for each size in `sizes`, median of `reps` timed with events.
+pub fn bench_link(
+    ordinal: usize,
+    nodes: &[(u32, Vec<usize>)],
+    sizes: &[usize],
+    reps: usize,
+) -> Result<(String, Vec<crate::bench::link::LinkCase>)> {
+    let rt = CudaRuntime::open_context(ordinal)?;
+    let other = drv(rt.ctx.new_stream(), "create a stream")?;
+    let max = sizes.iter().copied().max().unwrap_or(0).div_ceil(4) * 4;
+    let mut dev = drv(
+        rt.stream.alloc_zeros::<f32>(max / 4),
+        "allocate the device buffer",
+    )?;
+    let dev2 = drv(
+        other.alloc_zeros::<f32>(max / 4),
+        "allocate the device buffer",
+    )?;
+    let mut out = Vec::new();
+    for (node, cpus) in nodes {
+        // Best effort: a cgroup may forbid it; the copies are still measured.
+        let _ = crate::host::affinity::pin_current_thread(cpus);
+        let host = crate::host::Region::allocate(crate::host::RegionSpec {
+            label: format!("link bench buffer on node {node}"),
+            bytes: max,
+            node: Some(*node),
+            prefault_cpus: cpus.clone(),
+            pages: crate::host::PageKind::Transparent,
+            lock: false,
+        })?;
+        let host2 = crate::host::Region::allocate(crate::host::RegionSpec {
+            label: format!("link bench buffer on node {node}"),
+            bytes: max,
+            node: Some(*node),
+            prefault_cpus: cpus.clone(),
+            pages: crate::host::PageKind::Transparent,
+            lock: false,
+        })?;
+        for pinned in [true, false] {
+            if pinned {
+                for h in [&host, &host2] {
+                    // SAFETY: our own mapped region, unregistered below before it is unmapped.
+                    let r = unsafe {
+                        cudarc::driver::sys::cuMemHostRegister_v2(
+                            h.as_ptr().cast(),
+                            max,
+                            cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+                        )
+                    };
+                    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                        return Err(Error::system(
+                            "CUDA driver",
+                            format!("page-lock {} with cuMemHostRegister", crate::util::human_bytes(max as u64)),
+                            format!("{r:?}"),
+                        )
+                        .with_fix("raise the memlock limit (`ulimit -l unlimited`) or run with CAP_IPC_LOCK"));
+                    }
+                }
+            }
+            for &bytes in sizes {
+                let n = bytes / 4;
+                // SAFETY: both regions hold `max` ≥ bytes bytes; nothing else touches them.
+                let (h1, h2) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(host.as_ptr().cast::<f32>(), n),
+                        std::slice::from_raw_parts_mut(host2.as_ptr().cast::<f32>(), n),
+                    )
+                };
+                for direction in ["htod", "dtoh", "bidirectional"] {
+                    let mut times = Vec::new();
+                    for _ in 0..=reps.max(1) {
+                        let a = drv(rt.ctx.new_event(None), "event")?;
+                        let b = drv(rt.ctx.new_event(None), "event")?;
+                        drv(a.record(&rt.stream), "record")?;
+                        drv(other.wait(&a), "wait")?;
+                        let mut d1 = dev.slice_mut(..n);
+                        let d2 = dev2.slice(..n);
+                        match direction {
+                            "htod" => drv(rt.stream.memcpy_htod(&*h1, &mut d1), "htod")?,
+                            "dtoh" => drv(rt.stream.memcpy_dtoh(&d1, &mut *h1), "dtoh")?,
+                            _ => {
+                                drv(rt.stream.memcpy_htod(&*h1, &mut d1), "htod")?;
+                                drv(other.memcpy_dtoh(&d2, &mut *h2), "dtoh")?;
+                                drv(rt.stream.join(&other), "join")?;
+                            }
+                        }
+                        drv(b.record(&rt.stream), "record")?;
+                        drv(b.synchronize(), "synchronize")?;
+                        times.push(f64::from(drv(a.elapsed_ms(&b), "elapsed")?));
+                    }
+                    times.remove(0); // warm-up
+                    times.sort_by(f64::total_cmp);
+                    let moved = if direction == "bidirectional" {
+                        2 * bytes
+                    } else {
+                        bytes
+                    };
+                    out.push(crate::bench::link::LinkCase {
+                        node: *node,
+                        direction,
+                        pinned,
+                        bytes,
+                        gbps: moved as f64 / (times[times.len() / 2] * 1e-3) / 1e9,
+                    });
+                }
+            }
+            if pinned {
+                for h in [&host, &host2] {
+                    // SAFETY: registered above.
+                    unsafe { cudarc::driver::sys::cuMemHostUnregister(h.as_ptr().cast()) };
+                }
+            }
+        }
+    }
+    Ok((rt.name.clone(), out))
 }
