@@ -939,3 +939,108 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every key of the training configuration is a flag of `megatrain train`, and setting each
+    /// flag changes the merged configuration (a flag without its line in `merge` would be
+    /// silently ignored).
+    #[test]
+    fn every_train_setting_is_a_flag_and_every_flag_is_merged() {
+        let cmd = Cli::command();
+        let train = cmd.find_subcommand("train").unwrap();
+        let flags: Vec<String> = train
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_owned))
+            .collect();
+        let defaults =
+            serde_json::to_value(megatrain::train::config::TrainConfig::default()).unwrap();
+        for key in defaults.as_object().unwrap().keys() {
+            let flag = key.replace('_', "-");
+            let negated = format!("no-{flag}");
+            assert!(
+                flags.contains(&flag) || flags.contains(&negated),
+                "setting `{key}` has no --{flag} flag"
+            );
+        }
+        // Each flag with a sample value moves the merged config off the default.
+        let samples: &[(&str, &str)] = &[
+            ("--init-from", "/x"),
+            ("--model", "/x"),
+            ("--data", "/x"),
+            ("--data-dtype", "u32"),
+            ("--val-data", "/x"),
+            ("--seq-len", "7"),
+            ("--batch-size", "7"),
+            ("--grad-accum", "7"),
+            ("--steps", "7"),
+            ("--lr", "0.5"),
+            ("--beta1", "0.5"),
+            ("--beta2", "0.5"),
+            ("--eps", "0.5"),
+            ("--weight-decay", "0.5"),
+            ("--decay-norms", "false"),
+            ("--grad-clip", "0.5"),
+            ("--lr-schedule", "cosine"),
+            ("--warmup-steps", "7"),
+            ("--seed", "7"),
+            ("--metrics", "/x"),
+            ("--checkpoint-dir", "/x"),
+            ("--checkpoint-every", "7"),
+            ("--keep-checkpoints", "7"),
+            ("--export-hf", "/x"),
+            ("--device", "cuda"),
+            ("--device-memory", "7"),
+            ("--huge-pages", "2m"),
+            ("--nvme", "/x"),
+            ("--spill", "all"),
+            ("--spill-staging", "7"),
+            ("--io-engine", "sync"),
+            ("--ram-budget", "7"),
+            ("--activations", "host"),
+            ("--precision", "bf16"),
+            ("--mode", "lean"),
+            ("--trace", "/x"),
+            ("--val-every", "7"),
+            ("--val-batches", "7"),
+        ];
+        let switches = ["--shuffle", "--resume", "--lock-memory", "--no-direct-io"];
+        let base = megatrain::train::config::TrainConfig::default();
+        let merged = |args: &[&str]| {
+            let mut v = vec!["megatrain", "train"];
+            v.extend_from_slice(args);
+            match Cli::try_parse_from(v).unwrap().command {
+                Command::Train(a) => a.merge(base.clone()),
+                _ => unreachable!(),
+            }
+        };
+        for (flag, value) in samples {
+            assert_ne!(
+                merged(&[flag, value]),
+                base,
+                "{flag} {value} is ignored by merge"
+            );
+        }
+        for s in switches {
+            assert_ne!(merged(&[s]), base, "{s} is ignored by merge");
+        }
+        let covered: Vec<&str> = samples
+            .iter()
+            .map(|(f, _)| *f)
+            .chain(switches)
+            .map(|f| f.trim_start_matches("--"))
+            .collect();
+        for f in &flags {
+            if !["demo", "demo-dir", "config", "help"].contains(&f.as_str()) {
+                assert!(
+                    covered.contains(&f.as_str()),
+                    "--{f} has no sample in this test"
+                );
+            }
+        }
+    }
+}
