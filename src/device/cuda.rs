@@ -212,6 +212,24 @@ fn compare(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
     }
 }
 
+/// What the CPU reference sees of a bf16-stored input: the value rounded to bf16 (RNE).
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
+    v.iter().map(|x| bf16_to_f32(f32_to_bf16(*x))).collect()
+}
+
+/// The attention kernels' scalar arguments: t, nh, nkv, hd, tile, softmax scale.
+fn attn_args(s: AttnShape, g: &launch::AttnLaunch) -> (i32, i32, i32, i32, i32, f32) {
+    (
+        s.t as i32,
+        s.nh as i32,
+        s.nkv as i32,
+        s.hd as i32,
+        g.tile as i32,
+        1.0 / (s.hd as f32).sqrt(),
+    )
+}
+
 /// Tolerances: fp32 kernels differ from the CPU only in summation order and FMA; bf16 storage
 /// rounds every stored value to 8 bits of mantissa.
 const TOL_F32: f64 = 1e-4;
@@ -286,12 +304,7 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
             TOL_F32,
         ));
         // bf16 storage: the reference sees the same rounded inputs.
-        let r16 = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
-                .collect()
-        };
-        let (x16, w16) = (r16(&x), r16(&w));
+        let (x16, w16) = (round_bf16(&x), round_bf16(&w));
         let mut y16_ref = vec![0.0; n * c];
         ops::rmsnorm_fwd(&mut y16_ref, &mut rstd_ref, &x16, &w16, c, 1e-5);
         let (xb, wb) = (rt.upload_bf16(&x)?, rt.upload_bf16(&w)?);
@@ -420,14 +433,7 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
         );
         let mut od = drv(st.alloc_zeros::<f32>(qn), "alloc")?;
         let mut lsed = drv(st.alloc_zeros::<f32>(s.b * s.nh * s.t), "alloc")?;
-        let (ti, nhi, nkvi, hdi, tile) = (
-            s.t as i32,
-            s.nh as i32,
-            s.nkv as i32,
-            s.hd as i32,
-            g.tile as i32,
-        );
-        let scale = 1.0 / (s.hd as f32).sqrt();
+        let (ti, nhi, nkvi, hdi, tile, scale) = attn_args(s, &g);
         launch!(
             rt,
             "attention_fwd_f32",
@@ -584,10 +590,7 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
         ));
         let mut bd = drv(st.alloc_zeros::<u16>(x.len()), "alloc")?;
         launch!(rt, "cast_fwd_f32_bf16", l, &mut bd, &xd, &ni);
-        let want16: Vec<f32> = x
-            .iter()
-            .map(|v| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*v)))
-            .collect();
+        let want16 = round_bf16(&x);
         // Round-to-nearest-even on both sides: bit-exact.
         out.push(compare(
             "cast_fwd_f32_bf16",
@@ -643,13 +646,16 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (mm, nn, kk) = (65usize, 130usize, 257usize);
         let (x, w) = (rnd(mm * kk, 16, 1.0), rnd(nn * kk, 17, 1.0));
-        let r16 = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
-                .collect()
-        };
         let mut want = vec![0.0f32; mm * nn];
-        ops::linear_fwd(&mut want, &r16(&x), &r16(&w), None, mm, kk, nn);
+        ops::linear_fwd(
+            &mut want,
+            &round_bf16(&x),
+            &round_bf16(&w),
+            None,
+            mm,
+            kk,
+            nn,
+        );
         let blas = cudarc::cublas::CudaBlas::new(st.clone())
             .map_err(|e| Error::system("cuBLAS", "create a handle", format!("{e:?}")))?;
         let (xd, wd) = (rt.upload_bf16(&x)?, rt.upload_bf16(&w)?);
@@ -769,11 +775,6 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
 
     // bf16 storage of the attention, SwiGLU and cross-entropy kernels (fp32 math inside).
     {
-        let r16 = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
-                .collect()
-        };
         let s = AttnShape {
             b: 1,
             t: 45,
@@ -784,7 +785,14 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
         let (qn, kn) = (s.b * s.t * s.nh * s.hd, s.b * s.t * s.nkv * s.hd);
         let (q, k, v) = (rnd(qn, 21, 1.0), rnd(kn, 22, 1.0), rnd(kn, 23, 1.0));
         let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; s.b * s.nh * s.t]);
-        ops::attention_fwd(&mut o_ref, &mut lse_ref, &r16(&q), &r16(&k), &r16(&v), s);
+        ops::attention_fwd(
+            &mut o_ref,
+            &mut lse_ref,
+            &round_bf16(&q),
+            &round_bf16(&k),
+            &round_bf16(&v),
+            s,
+        );
         let g = launch::attention(s, launch::DEFAULT_SMEM)?;
         let (qd, kd, vd) = (
             rt.upload_bf16(&q)?,
@@ -793,14 +801,7 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
         );
         let mut od = drv(st.alloc_zeros::<u16>(qn), "alloc")?;
         let mut lsed = drv(st.alloc_zeros::<f32>(s.b * s.nh * s.t), "alloc")?;
-        let (ti, nhi, nkvi, hdi, tile) = (
-            s.t as i32,
-            s.nh as i32,
-            s.nkv as i32,
-            s.hd as i32,
-            g.tile as i32,
-        );
-        let scale = 1.0 / (s.hd as f32).sqrt();
+        let (ti, nhi, nkvi, hdi, tile, scale) = attn_args(s, &g);
         launch!(
             rt,
             "attention_fwd_bf16",
@@ -827,7 +828,7 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
         let m = 4099usize;
         let (gg, u) = (rnd(m, 24, 3.0), rnd(m, 25, 1.0));
         let mut h_ref = vec![0.0; m];
-        ops::swiglu_fwd(&mut h_ref, &r16(&gg), &r16(&u));
+        ops::swiglu_fwd(&mut h_ref, &round_bf16(&gg), &round_bf16(&u));
         let (gd, ud) = (rt.upload_bf16(&gg)?, rt.upload_bf16(&u)?);
         let mut hd = drv(st.alloc_zeros::<u16>(m), "alloc")?;
         let mi = m as i64;
@@ -849,7 +850,7 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
 
         let (rows, vocab) = (9usize, 1001usize);
         let z = rnd(rows * vocab, 26, 4.0);
-        let z16 = r16(&z);
+        let z16 = round_bf16(&z);
         let targets: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
         let loss_ref: Vec<f32> = (0..rows)
             .map(|r| {
