@@ -49,7 +49,8 @@ pub struct PlanRequest {
     pub bf16: bool,
     /// Exact or lean.
     pub mode: Mode,
-    /// Spill Adam m/v to NVMe.
+    /// Allow spilling Adam m/v to NVMe: the units the host RAM lacks room for, last layers first
+    /// (the placement's own choice).
     pub spill_moments: bool,
     /// Tokens per micro-batch; `None` lets [`plan`] pick the largest whole number of sequences
     /// (dividing the step) whose device working set fits. Weights cross the link twice per
@@ -80,6 +81,10 @@ pub struct MemoryPlan {
     pub device_bytes: u64,
     /// NVMe bytes (spilled Adam moments).
     pub nvme_bytes: u64,
+    /// Units whose m/v spill (of `units`).
+    pub nvme_units: usize,
+    /// Units in the layout.
+    pub units: usize,
     /// Host bytes per parameter.
     pub host_bytes_per_param: f64,
 }
@@ -218,19 +223,47 @@ pub fn hardware_from_machine(
 /// Share of host RAM and GPU memory the plan may use.
 pub const USABLE: f64 = 0.9;
 
-/// Memory per tier for `model` under `req`.
-pub fn memory(model: &ModelConfig, req: &PlanRequest) -> MemoryPlan {
+/// The units whose Adam m/v go to NVMe under `req` on `hw`: the placement's own choice (the last
+/// layers first, only what the usable host RAM lacks once checkpoints are paid for), with the
+/// staging bytes it costs.
+pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (Vec<usize>, u64) {
+    if !req.spill_moments {
+        return (Vec::new(), 0);
+    }
+    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let ckpt = (model.num_layers as u64 + 1) * req.micro_tokens() * model.hidden_size as u64 * 4;
+    let capacity = ((hw.host_ram_bytes as f64 * USABLE) as u64).saturating_sub(ckpt);
+    crate::store::placement::choose_spill(
+        &layout,
+        crate::store::placement::SpillRequest {
+            policy: crate::store::placement::SpillPolicy::Auto,
+            slots: 3,
+        },
+        capacity,
+    )
+    .map(|(mut u, staging)| {
+        u.sort_unstable();
+        (u, staging)
+    })
+    .unwrap_or_default()
+}
+
+/// Memory per tier for `model` under `req` on `hw`.
+pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPlan {
     let layout = StateLayout::new(model, req.mode, req.bf16);
     let c = model.hidden_size as u64;
     let tokens_mb = req.micro_tokens();
     let mut host = layout.total_bytes();
-    let moments = layout.kind_bytes(ShardKind::AdamM) + layout.kind_bytes(ShardKind::AdamV);
-    let nvme = if req.spill_moments { moments } else { 0 };
-    host -= nvme;
-    if req.spill_moments {
-        // The spill tier's three staging slots (read ahead, update, write back), m+v each.
-        host += 3 * 2 * 4 * layout.max_unit_numel() as u64;
-    }
+    let (spilled, staging) = spilled_units(model, req, hw);
+    let nvme: u64 = spilled
+        .iter()
+        .map(|&u| {
+            (layout.units[u].shard_bytes(ShardKind::AdamM)
+                + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
+        })
+        .sum();
+    // The spill tier's staging slots (read ahead, update, write back) replace what spills.
+    host = host - nvme + staging;
     let ckpt = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
     let elem = if req.bf16 { 2 } else { 4 };
     let slots = 2 * layout.max_unit_numel() as u64 * (elem + 4); // weights (streamed dtype) + fp32 grads
@@ -241,6 +274,8 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest) -> MemoryPlan {
         host_checkpoint_bytes: ckpt,
         device_bytes: slots + act,
         nvme_bytes: nvme,
+        nvme_units: spilled.len(),
+        units: layout.units.len(),
         host_bytes_per_param: host as f64 / layout.num_params().max(1) as f64,
     }
 }
@@ -271,7 +306,8 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
     let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
     let adam_bytes = if req.bf16 { 30.0 } else { 28.0 };
     let adam_bps = hw.adam_gbps * 1e9;
-    let nvme = |k: usize| match (req.spill_moments, hw.nvme_gbps) {
+    let (spilled, _) = spilled_units(model, req, hw);
+    let nvme = |u: usize, k: usize| match (spilled.contains(&u), hw.nvme_gbps) {
         (true, Some(g)) => 8.0 * k as f64 / (g * 1e9),
         _ => 0.0,
     };
@@ -294,8 +330,8 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
             .map(|&k| k as f64 * adam_bytes / adam_bps)
             .collect(),
         norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
-        nvme_read_s: numel.iter().map(|&k| nvme(k)).collect(),
-        nvme_write_s: numel.iter().map(|&k| nvme(k)).collect(),
+        nvme_read_s: numel.iter().enumerate().map(|(u, &k)| nvme(u, k)).collect(),
+        nvme_write_s: numel.iter().enumerate().map(|(u, &k)| nvme(u, k)).collect(),
         staging_slots: 3,
         unit_numel: numel,
         shared_cores: None,
@@ -427,14 +463,14 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
                     micro_batch_tokens: Some(k * req.seq_len),
                     ..req.clone()
                 })
-                .find(|r| fits(&memory(model, r), hw).is_ok());
+                .find(|r| fits(&memory(model, r, hw), hw).is_ok());
             pick.unwrap_or_else(|| PlanRequest {
                 micro_batch_tokens: Some(req.seq_len),
                 ..req.clone()
             })
         }
     };
-    let mem = memory(model, req);
+    let mem = memory(model, req, hw);
     let verdict = fits(&mem, hw);
     let suggestion = verdict.is_err().then(|| {
         // The smallest change first: each alternative alone, then combined.
@@ -486,7 +522,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         }
         tries
             .into_iter()
-            .find(|(_, r)| fits(&memory(model, r), hw).is_ok())
+            .find(|(_, r)| fits(&memory(model, r, hw), hw).is_ok())
             .map_or_else(
                 || {
                     "nothing tried fits: more host RAM (or an NVMe spill directory) is needed"
@@ -533,7 +569,11 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
             Mode::Exact => "exact",
             Mode::Lean => "lean",
         },
-        if req.spill_moments { ", Adam m/v on NVMe" } else { "" },
+        if p.memory.nvme_units > 0 {
+            format!(", Adam m/v of {} of {} units on NVMe", p.memory.nvme_units, p.memory.units)
+        } else {
+            String::new()
+        },
         hb(p.memory.host_state_bytes),
         p.memory.host_bytes_per_param,
         hb(p.memory.host_checkpoint_bytes),
@@ -573,6 +613,52 @@ mod tests {
             spill_moments: false,
             micro_batch_tokens: Some(tokens),
         }
+    }
+
+    /// With NVMe, the plan spills what the placement would: a strict subset when RAM is only
+    /// somewhat short, and the step then pays NVMe time for those units only.
+    #[test]
+    fn nvme_spills_only_what_ram_lacks() {
+        let mut hw = presets::machine("h100-512gb").unwrap();
+        hw.nvme_gbps = Some(6.0);
+        let m70 = presets::model("llama-3-70b").unwrap();
+        let r = PlanRequest {
+            mode: Mode::Lean,
+            spill_moments: true,
+            ..req(16384)
+        };
+        let p = plan(&m70, &hw, &r);
+        assert!(p.fits, "{:?}", p.missing);
+        assert!(
+            p.memory.nvme_units > 0 && p.memory.nvme_units < p.memory.units,
+            "{} of {}",
+            p.memory.nvme_units,
+            p.memory.units
+        );
+        let all = StateLayout::new(&m70, Mode::Lean, false);
+        let mv = all.kind_bytes(ShardKind::AdamM) + all.kind_bytes(ShardKind::AdamV);
+        assert!(p.memory.nvme_bytes < mv);
+        // NVMe time: 16 B per spilled parameter at 6 GB/s.
+        let (units, _) = spilled_units(&m70, &r, &hw);
+        let params: usize = units.iter().map(|&u| all.units[u].numel).sum();
+        let want = 16.0 * params as f64 / 6e9;
+        assert!(
+            (p.time.nvme_s - want).abs() < 1e-6 * want,
+            "{} vs {want}",
+            p.time.nvme_s
+        );
+        // Without NVMe allowed, the same request does not fit.
+        assert!(
+            !plan(
+                &m70,
+                &hw,
+                &PlanRequest {
+                    spill_moments: false,
+                    ..r
+                }
+            )
+            .fits
+        );
     }
 
     #[test]

@@ -151,9 +151,9 @@ pub fn place(
 }
 
 /// The units whose m/v spill under `req` given `capacity` bytes of RAM, and the staging bytes
-/// that costs. Blocks spill first, from the last layer down (the first to be updated in a step,
+/// that costs (`None`: nothing spills). The planner (`megatrain plan`) uses the same choice. Blocks spill first, from the last layer down (the first to be updated in a step,
 /// so their reads start earliest), then the head and the embedding.
-fn choose_spill(
+pub fn choose_spill(
     layout: &StateLayout,
     req: SpillRequest,
     capacity: u64,
