@@ -67,17 +67,29 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
     let _ = std::fs::remove_dir_all(&tmp);
     let result = (|| -> Result<()> {
         std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-        let mut files = Vec::new();
-        for (name, kind) in FILES {
+        // One pass over the units, all three files at once: a spilled unit's m/v are staged
+        // (read from NVMe) once, not once per file.
+        struct Out {
+            path: PathBuf,
+            w: std::io::BufWriter<std::fs::File>,
+            crc: u32,
+            size: u64,
+        }
+        let mut outs = Vec::new();
+        for (name, _) in FILES {
             let path = tmp.join(name);
             let f = std::fs::File::create(&path).map_err(|e| Error::io("create", &path, e))?;
-            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-            let (mut crc, mut size) = (0u32, 0u64);
-            for u in 0..store.num_units() {
-                let mut g = store.take(u)?;
-                if kind != ShardKind::Params {
-                    g.stage()?; // optimizer state on NVMe: read it in
-                }
+            outs.push(Out {
+                path,
+                w: std::io::BufWriter::with_capacity(1 << 20, f),
+                crc: 0,
+                size: 0,
+            });
+        }
+        for u in 0..store.num_units() {
+            let mut g = store.take(u)?;
+            g.stage()?; // optimizer state on NVMe: read it in (no-op in RAM)
+            for (o, (_, kind)) in outs.iter_mut().zip(FILES) {
                 let data: &[f32] = match kind {
                     ShardKind::Params => g.params(),
                     ShardKind::AdamM => g.shards()?.m,
@@ -88,17 +100,20 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
                 let bytes = unsafe {
                     std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4)
                 };
-                crc = crc32c::crc32c_append(crc, bytes);
-                size += bytes.len() as u64;
-                w.write_all(bytes)
-                    .map_err(|e| Error::io("write", &path, e))?;
-                g.unstage_clean();
+                o.crc = crc32c::crc32c_append(o.crc, bytes);
+                o.size += bytes.len() as u64;
+                o.w.write_all(bytes)
+                    .map_err(|e| Error::io("write", &o.path, e))?;
             }
-            let f = w
-                .into_inner()
-                .map_err(|e| Error::io("write", &path, e.into_error()))?;
-            f.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
-            files.push((name.to_owned(), size, crc));
+            g.unstage_clean();
+        }
+        let mut files = Vec::new();
+        for (o, (name, _)) in outs.into_iter().zip(FILES) {
+            let f =
+                o.w.into_inner()
+                    .map_err(|e| Error::io("write", &o.path, e.into_error()))?;
+            f.sync_all().map_err(|e| Error::io("fsync", &o.path, e))?;
+            files.push((name.to_owned(), o.size, o.crc));
         }
         let state_json = serde_json::to_vec_pretty(state)
             .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
@@ -263,17 +278,18 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
             Some("resume with the checkpoint's own model settings"),
         ));
     }
-    for (name, kind) in FILES {
+    // One pass over the units with the three files open: a spilled unit is staged and written
+    // back once.
+    let mut readers = Vec::new();
+    for (name, _) in FILES {
         let path = dir.join(name);
-        let mut f = std::io::BufReader::with_capacity(
-            1 << 20,
-            std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?,
-        );
-        for u in 0..store.num_units() {
-            let mut g = store.take(u)?;
-            if kind != ShardKind::Params {
-                g.stage()?;
-            }
+        let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
+        readers.push((path, std::io::BufReader::with_capacity(1 << 20, f)));
+    }
+    for u in 0..store.num_units() {
+        let mut g = store.take(u)?;
+        g.stage()?;
+        for ((path, f), (_, kind)) in readers.iter_mut().zip(FILES) {
             let data: &mut [f32] = match kind {
                 ShardKind::Params => g.params(),
                 ShardKind::AdamM => g.shards()?.m,
@@ -284,9 +300,9 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
                 std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), data.len() * 4)
             };
             f.read_exact(bytes)
-                .map_err(|e| Error::io("read", &path, e))?;
-            g.unstage(); // written back to NVMe if spilled
+                .map_err(|e| Error::io("read", path.as_path(), e))?;
         }
+        g.unstage(); // written back to NVMe if spilled
     }
     Ok(state)
 }
