@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Install NVRTC, the CUDA headers and ptxas from NVIDIA's PyPI wheels into a venv (no toolkit,
-# no GPU needed), then print the variables megatrain reads:
+# Install NVRTC, the CUDA headers and ptxas from NVIDIA's PyPI wheels (no toolkit, no GPU needed),
+# then print the variables megatrain reads:
 #   eval "$(tools/setup-cuda-wheels.sh)"
-# The venv lives in ${MEGATRAIN_CUDA_VENV:-$HOME/.cache/megatrain/cuda-wheels}.
+# Into a venv at ${MEGATRAIN_CUDA_VENV:-$HOME/.cache/megatrain/cuda-wheels}, or, where Python has no
+# venv module (Debian without python3-venv), into a plain `pip install --target` directory there.
 set -euo pipefail
-venv="${MEGATRAIN_CUDA_VENV:-$HOME/.cache/megatrain/cuda-wheels}"
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv" >&2
-fi
+dir="${MEGATRAIN_CUDA_VENV:-$HOME/.cache/megatrain/cuda-wheels}"
 # Pinned: the versions the kernels were last checked with.
-"$venv/bin/pip" install --quiet --disable-pip-version-check \
-    nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-nvcc-cu12==12.9.86 >&2
-site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-nvcc-cu12==12.9.86)
+if [ -x "$dir/bin/python" ] || python3 -m venv "$dir" >&2 2>/dev/null; then
+    "$dir/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2
+    site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+else
+    echo "note: no python3 venv module; installing the wheels with pip --target" >&2
+    python3 -m pip install --quiet --disable-pip-version-check --target "$dir/site" "${wheels[@]}" >&2
+    site="$dir/site"
+fi
 lib="$site/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
 inc="$site/nvidia/cuda_runtime/include"
 ptxas="$site/nvidia/cuda_nvcc/bin/ptxas"
