@@ -187,6 +187,7 @@ fn plan(a: &PlanArgs) -> Result<()> {
     }
     let nvme = nvme_measured.or((!a.nvme.is_empty()).then_some(3.0 * a.nvme.len() as f64));
     let mut notes = Vec::new();
+    let mut described = None;
     let mut hw = match presets::machine(&a.machine) {
         Some(h) => h,
         None => {
@@ -198,6 +199,7 @@ fn plan(a: &PlanArgs) -> Result<()> {
             let m = megatrain::topology::Machine::from_json(&text, &a.machine)?;
             let (h, n) = pl::hardware_from_machine(&m, a.gpu, adam, nvme)?;
             notes = n;
+            described = Some(m);
             h
         }
     };
@@ -222,11 +224,42 @@ fn plan(a: &PlanArgs) -> Result<()> {
         micro_batch_tokens: a.micro_batch_tokens,
     };
     let p = pl::plan(&model, &hw, &req);
+    // Per NUMA node, where the machine is described (a probe), by the trainer's placement.
+    let nodes = described
+        .as_ref()
+        .map(|m| pl::per_node(m, a.gpu, &model, &req).map_err(|e| e.to_string()));
     if a.json {
-        let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "assumptions": notes });
+        let per_node = match &nodes {
+            Some(Ok(n)) => serde_json::to_value(n).unwrap_or_default(),
+            Some(Err(e)) => serde_json::json!({ "error": e }),
+            None => serde_json::Value::Null,
+        };
+        let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "numa_nodes": per_node, "assumptions": notes });
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         print!("{}", pl::render(&a.model, &hw, &req, &p));
+        match &nodes {
+            Some(Ok(n)) => {
+                println!("  host state per NUMA node (the trainer's placement):");
+                for x in n {
+                    println!(
+                        "    node {:<3} {:>12} of {:>12} usable{}",
+                        x.node,
+                        megatrain::util::human_bytes(x.bytes),
+                        megatrain::util::human_bytes(x.capacity),
+                        if x.adam_cpus.is_empty() {
+                            ""
+                        } else {
+                            ", AdamW workers here"
+                        }
+                    );
+                }
+            }
+            Some(Err(e)) => println!("  host state per NUMA node: does not place: {e}"),
+            None => println!(
+                "  host state per NUMA node: give a `megatrain probe --json` machine to see it"
+            ),
+        }
         for n in &notes {
             println!("  assumption: {n}");
         }

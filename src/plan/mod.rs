@@ -543,6 +543,36 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     }
 }
 
+/// Host bytes per NUMA node of a described machine: the trainer's own placement of `model`
+/// under `req` (spilling as [`spilled_units`] does), within the usable share of each node.
+pub fn per_node(
+    machine: &crate::topology::Machine,
+    gpu: usize,
+    model: &ModelConfig,
+    req: &PlanRequest,
+) -> crate::Result<Vec<crate::store::placement::NodePlan>> {
+    use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
+    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let p = place_with_spill(
+        machine,
+        &layout,
+        (gpu < machine.gpus.len()).then_some(gpu),
+        RamBudget {
+            fraction: USABLE,
+            total_bytes: None,
+        },
+        SpillRequest {
+            policy: if req.spill_moments {
+                SpillPolicy::Auto
+            } else {
+                SpillPolicy::Never
+            },
+            slots: 3,
+        },
+    )?;
+    Ok(p.nodes)
+}
+
 /// The plan as text.
 pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> String {
     let hb = crate::util::human_bytes;
@@ -659,6 +689,35 @@ mod tests {
             )
             .fits
         );
+    }
+
+    /// Per-node bytes of a described machine come from the trainer's placement: they add up to
+    /// the state and stay within each node's usable share.
+    #[test]
+    fn per_node_bytes_are_the_placement() {
+        let mut m = crate::topology::probe(&crate::topology::TopologySource::Synthetic(
+            "pack:2 numa:2 core:4 pu:1".into(),
+        ))
+        .unwrap();
+        for n in &mut m.numa_nodes {
+            n.memory_bytes = 64 << 30;
+        }
+        let model = presets::model("llama-3-8b").unwrap();
+        let r = req(8192);
+        let nodes = per_node(&m, 0, &model, &r).unwrap();
+        assert_eq!(nodes.len(), 4);
+        let total: u64 = nodes.iter().map(|n| n.bytes).sum();
+        assert_eq!(
+            total,
+            StateLayout::new(&model, Mode::Exact, false).total_bytes()
+        );
+        assert!(nodes.iter().all(|n| n.bytes <= n.capacity));
+        // Too little RAM: the placement's error, naming what is missing.
+        for n in &mut m.numa_nodes {
+            n.memory_bytes = 8 << 30;
+        }
+        let e = per_node(&m, 0, &model, &r).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
     }
 
     #[test]
