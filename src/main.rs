@@ -140,7 +140,8 @@ struct PlanArgs {
     #[arg(long, value_name = "DIR")]
     nvme: Vec<PathBuf>,
     /// Measurements from the machine (repeatable): `megatrain bench adam --json` sets the AdamW
-    /// rate, `megatrain bench nvme --json` the NVMe rate (and implies spilling m/v).
+    /// rate, `megatrain bench nvme --json` the NVMe rate (and allows spilling m/v),
+    /// `megatrain bench link --json` on a GPU machine the host↔device rates.
     #[arg(long, value_name = "bench.json")]
     calibration: Vec<PathBuf>,
     #[arg(long)]
@@ -154,7 +155,7 @@ fn plan(a: &PlanArgs) -> Result<()> {
         None => megatrain::model::config::ModelConfig::from_file(std::path::Path::new(&a.model))
             .map_err(|e| e.with_fix(format!("or use a preset: {}", presets::MODELS.join(", "))))?,
     };
-    let (mut adam, mut nvme_measured) = (None, None);
+    let (mut adam, mut nvme_measured, mut link_measured) = (None, None, None);
     for p in &a.calibration {
         let text = std::fs::read_to_string(p)
             .map_err(|e| megatrain::Error::io("read calibration", p, e))?;
@@ -163,13 +164,24 @@ fn plan(a: &PlanArgs) -> Result<()> {
                 "calibration",
                 p.display().to_string(),
                 why,
-                Some("pass the JSON of `megatrain bench adam --json` or `megatrain bench nvme --json`"),
+                Some("pass the JSON of `megatrain bench adam|nvme|link --json`"),
             )
         };
         let v: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         if let Some(g) = v["adam"]["gbytes_per_s"].as_f64() {
             adam = Some(g);
+        } else if let Some(cases) = v["gpu"]["cases"].as_array() {
+            // `bench link` on a GPU machine: the best page-locked copy each way (the store is
+            // page-locked and placed GPU-local).
+            let best = |dir: &str| {
+                cases
+                    .iter()
+                    .filter(|c| c["direction"] == dir && c["pinned"] == true)
+                    .filter_map(|c| c["gbps"].as_f64())
+                    .fold(0.0f64, f64::max)
+            };
+            link_measured = Some((best("htod"), best("dtoh")));
         } else if let Some(cases) = v["cases"]
             .as_array()
             .filter(|c| c.iter().any(|x| x["read_gbps"].is_number()))
@@ -182,7 +194,7 @@ fn plan(a: &PlanArgs) -> Result<()> {
                 .fold(0.0f64, f64::max);
             nvme_measured = Some(best);
         } else {
-            return Err(bad("neither an AdamW nor an NVMe benchmark".into()));
+            return Err(bad("not an AdamW, NVMe or (GPU) link benchmark".into()));
         }
     }
     let nvme = nvme_measured.or((!a.nvme.is_empty()).then_some(3.0 * a.nvme.len() as f64));
@@ -205,6 +217,13 @@ fn plan(a: &PlanArgs) -> Result<()> {
     };
     if let Some(g) = adam {
         hw.adam_gbps = g;
+    }
+    if let Some((h, d)) = link_measured.filter(|(h, d)| *h > 0.0 && *d > 0.0) {
+        hw.htod_gbps = h;
+        hw.dtoh_gbps = d;
+        notes.push(format!(
+            "link calibrated: {h:.1} GB/s host→device, {d:.1} GB/s device→host"
+        ));
     }
     if nvme.is_some() {
         hw.nvme_gbps = nvme;

@@ -89,3 +89,71 @@ fn selftest_without_a_gpu_says_why() {
         "{err}"
     );
 }
+
+/// `plan --calibration` takes the bench commands' own JSON: the AdamW and NVMe rates measured
+/// here replace the preset's, and a host-only link report (no GPU cases) is refused by name.
+#[test]
+fn plan_calibrates_from_bench_json() {
+    let d = tempfile::tempdir().unwrap();
+    let adam = json(&["bench", "adam", "--params", "1M", "--reps", "1", "--json"]);
+    let nvme = json(&[
+        "bench",
+        "nvme",
+        "--dir",
+        d.path().to_str().unwrap(),
+        "--size",
+        "4M",
+        "--reps",
+        "1",
+        "--block",
+        "1Mi",
+        "--qd",
+        "4",
+        "--json",
+    ]);
+    let (pa, pn) = (d.path().join("adam.json"), d.path().join("nvme.json"));
+    std::fs::write(&pa, adam.to_string()).unwrap();
+    std::fs::write(&pn, nvme.to_string()).unwrap();
+    let v = json(&[
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--machine",
+        "h100-512gb",
+        "--calibration",
+        pa.to_str().unwrap(),
+        "--calibration",
+        pn.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(v["machine"]["adam_gbps"], adam["adam"]["gbytes_per_s"]);
+    let c = &nvme["cases"][0];
+    let want = c["read_gbps"]
+        .as_f64()
+        .unwrap()
+        .min(c["write_gbps"].as_f64().unwrap());
+    assert_eq!(v["machine"]["nvme_gbps"].as_f64().unwrap(), want);
+    assert_eq!(v["request"]["spill_moments"], true);
+
+    let link = d.path().join("link.json");
+    let host_only = json(&["bench", "link", "--size", "1M", "--reps", "1", "--json"]);
+    std::fs::write(&link, host_only.to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args([
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--machine",
+            "h100-512gb",
+            "--calibration",
+        ])
+        .arg(&link)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("link benchmark") && err.contains("link.json"),
+        "{err}"
+    );
+}
