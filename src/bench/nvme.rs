@@ -210,15 +210,23 @@ pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
                 fio_pass(dirs, size, bs, qd, "write")?;
             }
             // Passes alternate between the tools, so drift of the device (or of a VM host's
-            // cache) hits both alike.
+            // cache) hits both alike; which tool goes first alternates too, so neither always
+            // reads the file written last (a host cache would favour it).
             let (mut w, mut r, mut fw, mut fr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for _ in 0..reps.max(1) {
-                w.push(pass(true)?);
-                if with_fio {
+            for rep in 0..reps.max(1) {
+                let fio_first = with_fio && rep % 2 == 1;
+                if fio_first {
                     fw.push(fio_pass(dirs, size, bs, qd, "write")?);
                 }
+                w.push(pass(true)?);
+                if with_fio && !fio_first {
+                    fw.push(fio_pass(dirs, size, bs, qd, "write")?);
+                }
+                if fio_first {
+                    fr.push(fio_pass(dirs, size, bs, qd, "read")?);
+                }
                 r.push(pass(false)?);
-                if with_fio {
+                if with_fio && !fio_first {
                     fr.push(fio_pass(dirs, size, bs, qd, "read")?);
                 }
             }
