@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use megatrain::host::{PageKind, Region, RegionSpec};
+use megatrain::host::{Region, RegionSpec};
 use megatrain::spill::extents::{ExtentStore, SpillConfig};
 use megatrain::spill::io::EngineKind;
 
@@ -17,15 +17,7 @@ fn bench(c: &mut Criterion) {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
     let dir = tempfile::tempdir_in(base).unwrap();
-    let buf = Region::allocate(RegionSpec {
-        label: "bench".into(),
-        bytes: BYTES,
-        node: None,
-        prefault_cpus: Vec::new(),
-        pages: PageKind::Transparent,
-        lock: false,
-    })
-    .unwrap();
+    let buf = Region::allocate(RegionSpec::scratch("bench", BYTES)).unwrap();
     // SAFETY: a fresh region of BYTES bytes, used only here.
     let data = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), BYTES) };
     for (i, b) in data.iter_mut().enumerate() {

@@ -10,6 +10,7 @@
 //! by the machine, not by the schedule; the link is emulated (copies sleep to the modelled time),
 //! so it overlaps freely.
 
+use super::median;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
 use crate::engine::schedule::{self, PlanSpec};
 use crate::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
@@ -106,11 +107,6 @@ fn model() -> ModelConfig {
         o_bias: false,
         sliding_window: None,
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// One configuration.
@@ -252,14 +248,10 @@ fn calibrate_nvme(dir: &std::path::Path, shard_bytes: usize) -> Result<(f64, f64
         direct: true,
         queue_depth: 32,
     })?;
-    let buf = crate::host::Region::allocate(crate::host::RegionSpec {
-        label: "nvme calibration".into(),
-        bytes: 2 * bytes,
-        node: None,
-        prefault_cpus: Vec::new(),
-        pages: crate::host::PageKind::Transparent,
-        lock: false,
-    })?;
+    let buf = crate::host::Region::allocate(crate::host::RegionSpec::scratch(
+        "nvme calibration",
+        2 * bytes,
+    ))?;
     // SAFETY: a fresh region of 2·bytes bytes, only used here.
     let data = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), 2 * bytes) };
     data.fill(7);

@@ -2,6 +2,7 @@
 //! registered buffers and O_DIRECT, or the fallback) for block sizes 128 KiB / 1 MiB / 4 MiB and
 //! queue depths 1–64, striped over the given directories; median of N passes, like fio's summary.
 
+use super::median;
 use crate::host::{PageKind, Region, RegionSpec};
 use crate::spill::io::{EngineKind, IoEngine, Request};
 use crate::{Error, Result};
@@ -145,12 +146,8 @@ pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
             uring = eng.is_uring();
             // One buffer per in-flight request (request i uses buffer i mod qd).
             let buf = Region::allocate(RegionSpec {
-                label: format!("bench buffers ({qd} x {bs} bytes)"),
-                bytes: qd * bs,
-                node: None,
-                prefault_cpus: Vec::new(),
                 pages,
-                lock: false,
+                ..RegionSpec::scratch(format!("bench buffers ({qd} x {bs} bytes)"), qd * bs)
             })?;
             // SAFETY: the region outlives `eng` (declared before it is dropped below).
             fixed = unsafe { eng.register(&[(buf.as_ptr(), qd * bs)], bs) }.is_ok();
@@ -261,11 +258,6 @@ pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
         reps,
         cases,
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn fio_file(k: usize) -> String {

@@ -884,57 +884,83 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
     Ok(out)
 }
 
-/// Host→device and device→host GB/s of a 256 MiB copy from page-locked (registered) host memory,
-/// median of 5, timed with events.
-pub fn selftest_link(rt: &CudaRuntime) -> Result<(f64, f64)> {
-    let n = 64usize << 20; // f32 elements: 256 MiB
-    let host = crate::host::Region::allocate(crate::host::RegionSpec {
-        label: "selftest pinned buffer".into(),
-        bytes: n * 4,
-        node: None,
-        prefault_cpus: Vec::new(),
-        pages: crate::host::PageKind::Transparent,
-        lock: false,
-    })?;
-    // SAFETY: registering our own mapped region; unregistered below before it is unmapped.
+/// Page-lock `region` with `cuMemHostRegister` (portable), so copies from it are truly async.
+fn page_lock(region: &crate::host::Region) -> Result<()> {
+    // SAFETY: registering our own mapped region; callers unregister (`unlock`) before it is
+    // unmapped.
     let r = unsafe {
         cudarc::driver::sys::cuMemHostRegister_v2(
-            host.as_ptr().cast(),
-            n * 4,
+            region.as_ptr().cast(),
+            region.len(),
             cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
         )
     };
     if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
         return Err(Error::system(
             "CUDA driver",
-            "page-lock 256 MiB with cuMemHostRegister",
+            format!(
+                "page-lock {} with cuMemHostRegister",
+                crate::util::human_bytes(region.len() as u64)
+            ),
             format!("{r:?}"),
         )
         .with_fix("raise the memlock limit (`ulimit -l unlimited`) or run with CAP_IPC_LOCK"));
     }
+    Ok(())
+}
+
+/// Undo [`page_lock`].
+fn unlock(region: &crate::host::Region) {
+    // SAFETY: the region was registered by `page_lock` and is still mapped.
+    unsafe { cudarc::driver::sys::cuMemHostUnregister(region.as_ptr().cast()) };
+}
+
+/// Median milliseconds of `reps` runs of `f` on `stream` (after one warm-up), timed with events
+/// recorded around it; `other` is made to wait for the start so it can join in.
+fn time_ms(
+    rt: &CudaRuntime,
+    other: Option<&CudaStream>,
+    reps: usize,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    let mut v = Vec::new();
+    for _ in 0..=reps.max(1) {
+        let a = drv(rt.ctx.new_event(None), "event")?;
+        let b = drv(rt.ctx.new_event(None), "event")?;
+        drv(a.record(&rt.stream), "record")?;
+        if let Some(o) = other {
+            drv(o.wait(&a), "wait")?;
+        }
+        f()?;
+        drv(b.record(&rt.stream), "record")?;
+        drv(b.synchronize(), "synchronize")?;
+        v.push(f64::from(drv(a.elapsed_ms(&b), "elapsed")?));
+    }
+    v.remove(0); // warm-up
+    Ok(crate::bench::median(v))
+}
+
+/// Host→device and device→host GB/s of a 256 MiB copy from page-locked (registered) host memory,
+/// median of 5, timed with events.
+pub fn selftest_link(rt: &CudaRuntime) -> Result<(f64, f64)> {
+    let n = 64usize << 20; // f32 elements: 256 MiB
+    let host = crate::host::Region::allocate(crate::host::RegionSpec::scratch(
+        "selftest pinned buffer",
+        n * 4,
+    ))?;
+    page_lock(&host)?;
     // SAFETY: the region holds n f32 and is registered.
     let hs = unsafe { std::slice::from_raw_parts_mut(host.as_ptr().cast::<f32>(), n) };
     let mut dev = drv(rt.stream.alloc_zeros::<f32>(n), "alloc 256 MiB")?;
-    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        let mut v = Vec::new();
-        for _ in 0..6 {
-            let a = drv(rt.ctx.new_event(None), "event")?;
-            let b = drv(rt.ctx.new_event(None), "event")?;
-            drv(a.record(&rt.stream), "record")?;
-            f()?;
-            drv(b.record(&rt.stream), "record")?;
-            drv(b.synchronize(), "synchronize")?;
-            v.push(f64::from(drv(a.elapsed_ms(&b), "elapsed")?));
-        }
-        v.remove(0); // warm-up
-        v.sort_by(f64::total_cmp);
-        Ok((n * 4) as f64 / (v[v.len() / 2] * 1e-3) / 1e9)
-    };
-    let htod = time(&mut || drv(rt.stream.memcpy_htod(&*hs, &mut dev), "htod"))?;
-    let dtoh = time(&mut || drv(rt.stream.memcpy_dtoh(&dev, &mut *hs), "dtoh"))?;
-    // SAFETY: unregistering what was registered above.
-    unsafe { cudarc::driver::sys::cuMemHostUnregister(host.as_ptr().cast()) };
-    Ok((htod, dtoh))
+    let gbps = |ms: f64| (n * 4) as f64 / (ms * 1e-3) / 1e9;
+    let htod = time_ms(rt, None, 5, &mut || {
+        drv(rt.stream.memcpy_htod(&*hs, &mut dev), "htod")
+    });
+    let dtoh = time_ms(rt, None, 5, &mut || {
+        drv(rt.stream.memcpy_dtoh(&dev, &mut *hs), "dtoh")
+    });
+    unlock(&host);
+    Ok((gbps(htod?), gbps(dtoh?)))
 }
 
 /// Host↔device copies per NUMA node (memory bound there, calling thread pinned there),
@@ -960,41 +986,20 @@ pub fn bench_link(
     for (node, cpus) in nodes {
         // Best effort: a cgroup may forbid it; the copies are still measured.
         let _ = crate::host::affinity::pin_current_thread(cpus);
-        let host = crate::host::Region::allocate(crate::host::RegionSpec {
-            label: format!("link bench buffer on node {node}"),
-            bytes: max,
-            node: Some(*node),
-            prefault_cpus: cpus.clone(),
-            pages: crate::host::PageKind::Transparent,
-            lock: false,
-        })?;
-        let host2 = crate::host::Region::allocate(crate::host::RegionSpec {
-            label: format!("link bench buffer on node {node}"),
-            bytes: max,
-            node: Some(*node),
-            prefault_cpus: cpus.clone(),
-            pages: crate::host::PageKind::Transparent,
-            lock: false,
-        })?;
+        let buffer = || {
+            crate::host::Region::allocate(crate::host::RegionSpec {
+                node: Some(*node),
+                prefault_cpus: cpus.clone(),
+                ..crate::host::RegionSpec::scratch(format!("link bench buffer on node {node}"), max)
+            })
+        };
+        let (host, host2) = (buffer()?, buffer()?);
         for pinned in [true, false] {
             if pinned {
-                for h in [&host, &host2] {
-                    // SAFETY: our own mapped region, unregistered below before it is unmapped.
-                    let r = unsafe {
-                        cudarc::driver::sys::cuMemHostRegister_v2(
-                            h.as_ptr().cast(),
-                            max,
-                            cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
-                        )
-                    };
-                    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-                        return Err(Error::system(
-                            "CUDA driver",
-                            format!("page-lock {} with cuMemHostRegister", crate::util::human_bytes(max as u64)),
-                            format!("{r:?}"),
-                        )
-                        .with_fix("raise the memlock limit (`ulimit -l unlimited`) or run with CAP_IPC_LOCK"));
-                    }
+                page_lock(&host)?;
+                if let Err(e) = page_lock(&host2) {
+                    unlock(&host);
+                    return Err(e);
                 }
             }
             for &bytes in sizes {
@@ -1007,29 +1012,28 @@ pub fn bench_link(
                     )
                 };
                 for direction in ["htod", "dtoh", "bidirectional"] {
-                    let mut times = Vec::new();
-                    for _ in 0..=reps.max(1) {
-                        let a = drv(rt.ctx.new_event(None), "event")?;
-                        let b = drv(rt.ctx.new_event(None), "event")?;
-                        drv(a.record(&rt.stream), "record")?;
-                        drv(other.wait(&a), "wait")?;
+                    let ms = time_ms(&rt, Some(&other), reps, &mut || {
                         let mut d1 = dev.slice_mut(..n);
-                        let d2 = dev2.slice(..n);
                         match direction {
-                            "htod" => drv(rt.stream.memcpy_htod(&*h1, &mut d1), "htod")?,
-                            "dtoh" => drv(rt.stream.memcpy_dtoh(&d1, &mut *h1), "dtoh")?,
+                            "htod" => drv(rt.stream.memcpy_htod(&*h1, &mut d1), "htod"),
+                            "dtoh" => drv(rt.stream.memcpy_dtoh(&d1, &mut *h1), "dtoh"),
                             _ => {
                                 drv(rt.stream.memcpy_htod(&*h1, &mut d1), "htod")?;
-                                drv(other.memcpy_dtoh(&d2, &mut *h2), "dtoh")?;
-                                drv(rt.stream.join(&other), "join")?;
+                                drv(other.memcpy_dtoh(&dev2.slice(..n), &mut *h2), "dtoh")?;
+                                drv(rt.stream.join(&other), "join")
                             }
                         }
-                        drv(b.record(&rt.stream), "record")?;
-                        drv(b.synchronize(), "synchronize")?;
-                        times.push(f64::from(drv(a.elapsed_ms(&b), "elapsed")?));
-                    }
-                    times.remove(0); // warm-up
-                    times.sort_by(f64::total_cmp);
+                    });
+                    let ms = match ms {
+                        Ok(ms) => ms,
+                        Err(e) => {
+                            if pinned {
+                                unlock(&host);
+                                unlock(&host2);
+                            }
+                            return Err(e);
+                        }
+                    };
                     let moved = if direction == "bidirectional" {
                         2 * bytes
                     } else {
@@ -1040,15 +1044,13 @@ pub fn bench_link(
                         direction,
                         pinned,
                         bytes,
-                        gbps: moved as f64 / (times[times.len() / 2] * 1e-3) / 1e9,
+                        gbps: moved as f64 / (ms * 1e-3) / 1e9,
                     });
                 }
             }
             if pinned {
-                for h in [&host, &host2] {
-                    // SAFETY: registered above.
-                    unsafe { cudarc::driver::sys::cuMemHostUnregister(h.as_ptr().cast()) };
-                }
+                unlock(&host);
+                unlock(&host2);
             }
         }
     }

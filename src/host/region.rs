@@ -73,6 +73,21 @@ pub struct RegionSpec {
     pub lock: bool,
 }
 
+impl RegionSpec {
+    /// An unbound, unlocked region of `bytes` on transparent huge pages, prefaulted by the caller
+    /// (I/O staging, benchmark buffers); change fields with struct update syntax.
+    pub fn scratch(label: impl Into<String>, bytes: usize) -> Self {
+        RegionSpec {
+            label: label.into(),
+            bytes,
+            node: None,
+            prefault_cpus: Vec::new(),
+            pages: PageKind::Transparent,
+            lock: false,
+        }
+    }
+}
+
 /// A registration of a region with a device (e.g. `cuMemHostRegister`), undone on drop.
 pub trait Registration: Send + Sync + std::fmt::Debug {}
 

@@ -389,7 +389,7 @@ impl ExtentStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::{PageKind, Region, RegionSpec};
+    use crate::host::{Region, RegionSpec};
 
     fn cfg(dirs: Vec<PathBuf>, engine: EngineKind) -> SpillConfig {
         SpillConfig {
@@ -407,15 +407,7 @@ mod tests {
 
     impl Buf {
         pub(crate) fn new(n: usize, seed: u64) -> Buf {
-            let r = Region::allocate(RegionSpec {
-                label: "test data".into(),
-                bytes: n,
-                node: None,
-                prefault_cpus: Vec::new(),
-                pages: PageKind::Transparent,
-                lock: false,
-            })
-            .unwrap();
+            let r = Region::allocate(RegionSpec::scratch("test data", n)).unwrap();
             let mut b = Buf(r, n);
             for (d, x) in b.bytes().iter_mut().zip(crate::util::uniform(n, seed, 1.0)) {
                 *d = (x.to_bits() >> 7) as u8;

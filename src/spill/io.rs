@@ -358,21 +358,13 @@ impl Drop for IoEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::{PageKind, Region, RegionSpec};
+    use crate::host::{Region, RegionSpec};
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     use std::sync::Mutex;
 
     fn region(bytes: usize) -> Region {
-        Region::allocate(RegionSpec {
-            label: "io test".into(),
-            bytes,
-            node: None,
-            prefault_cpus: Vec::new(),
-            pages: PageKind::Transparent,
-            lock: false,
-        })
-        .unwrap()
+        Region::allocate(RegionSpec::scratch("io test", bytes)).unwrap()
     }
 
     /// Both engines, registered and not, O_DIRECT: write 64 blocks, read them back.

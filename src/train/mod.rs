@@ -163,8 +163,13 @@ pub fn run(
         (Some(d), true) => checkpoint::latest(d)?,
         _ => None,
     };
-    let model: ModelConfig = match (&resume_dir, &cfg.init_from, &cfg.model) {
-        (Some(d), _, _) => checkpoint::read_state(d)?.model,
+    // The resumed run's state.json, read once: its model and the mode it ran in.
+    let resumed = match &resume_dir {
+        Some(d) => Some(checkpoint::read_state(d)?),
+        None => None,
+    };
+    let model: ModelConfig = match (&resumed, &cfg.init_from, &cfg.model) {
+        (Some(st), _, _) => st.model.clone(),
         (None, Some(dir), _) => crate::model::hf::load_config(dir)?,
         (None, None, Some(path)) => ModelConfig::from_file(path)?,
         (None, None, None) => {
@@ -216,11 +221,7 @@ pub fn run(
         slots: cfg.spill_staging,
     };
     // The mode: as set, as the resumed run had it, or the planner's choice.
-    let resumed_mode = match &resume_dir {
-        Some(d) => checkpoint::read_state(d)?.config.mode,
-        None => None,
-    };
-    let mode = match cfg.mode.or(resumed_mode) {
+    let mode = match cfg.mode.or(resumed.as_ref().and_then(|st| st.config.mode)) {
         Some(m) => m,
         None => {
             let fits = |m: Mode| {
