@@ -513,16 +513,12 @@ impl Lease {
 
     /// The staged shard of `kind` (f32 elements), if that kind is spilled for this unit.
     pub fn shard(&mut self, kind: ShardKind) -> Option<&mut [f32]> {
-        let s = self.shared.units[self.unit]
-            .iter()
-            .find(|s| s.kind == kind)?;
-        let region = &self.shared.slots[self.slot];
-        // SAFETY: slot_offset + numel·4 ≤ slot_offset + bytes ≤ slot size (slot_bytes is the max
-        // over units; only f32 kinds spill); the lease
-        // is the slot's only user while it is Leased; `&mut self` makes the view exclusive.
-        Some(unsafe {
-            std::slice::from_raw_parts_mut(region.as_ptr().add(s.slot_offset).cast(), s.numel)
-        })
+        let p = self.shard_ptr(kind)?;
+        let numel = self.shared.units[self.unit].first().map_or(0, |s| s.numel);
+        // SAFETY: the shard holds numel f32 (numel·4 ≤ its bytes ≤ what the slot holds past its
+        // offset; only f32 kinds spill); the lease is the slot's only user while it is Leased, and
+        // `&mut self` makes the view exclusive.
+        Some(unsafe { std::slice::from_raw_parts_mut(p, numel) })
     }
 
     /// Start of the staged shard of `kind`, if that kind is spilled for this unit (for views
