@@ -3,8 +3,9 @@
 //! link model (bandwidth and latency per direction) that makes copies take as long as they would
 //! over PCIe or NVLink-C2C. Random per-command delays can be injected to shake out ordering bugs.
 
+use super::host_backend::{HostBackend, HostP};
+use super::program::{self, Shape, Ws};
 use super::{BufId, Cmd, Device, Event, Kernel, MemStats, OpRecord, StreamKind};
-use crate::model::layers::Workspace;
 use crate::model::reference::Templates;
 use crate::{Error, Result};
 use std::sync::mpsc::{channel, Sender};
@@ -187,10 +188,8 @@ fn xorshift(s: &mut u64) -> u64 {
 impl CpuDevice {
     /// Start the device's three stream threads. `templates` are the layer ops it runs.
     pub fn new(cfg: CpuDeviceConfig, templates: Arc<Templates>) -> Result<Self> {
-        let ws = Workspace::new(&templates.config, cfg.batch, cfg.seq);
-        let workspace_bytes = ws.bytes() as u64
-            + 4 * (crate::model::ops::CE_CHUNK_ROWS.min(cfg.batch * cfg.seq)
-                * templates.config.vocab_size) as u64;
+        let (layout, elems) = Ws::layout(&templates.config, cfg.batch, cfg.seq);
+        let workspace_bytes = 4 * elems as u64;
         if workspace_bytes > cfg.capacity_bytes {
             return Err(Error::system(
                 "CPU device",
@@ -215,7 +214,10 @@ impl CpuDevice {
         });
         let mut senders = Vec::new();
         let mut handles = Vec::new();
-        let mut ws = Some(ws);
+        let mut ws = Some(Workspace {
+            layout,
+            mem: vec![0.0f32; elems],
+        });
         for stream in StreamKind::ALL {
             let (tx, rx) = channel::<Cmd>();
             let shared = shared.clone();
@@ -394,6 +396,15 @@ fn execute(
     }
 }
 
+/// The compute stream's layer workspace: the program's scratch regions in one buffer.
+#[derive(Debug)]
+struct Workspace {
+    layout: Ws<usize>,
+    mem: Vec<f32>,
+}
+
+/// Run a layer op through the device program on the CPU backend, holding every buffer it touches
+/// (for writing where it writes) while it runs.
 fn run_kernel(
     shared: &Shared,
     k: Kernel,
@@ -402,120 +413,53 @@ fn run_kernel(
     b: usize,
     t: usize,
 ) -> std::result::Result<(), String> {
-    let n = b * t;
-    let c = tm.config.hidden_size;
-    let v = tm.config.vocab_size;
-    let get = |id| shared.buffer(id);
-    match k {
-        Kernel::Zero { buf, len } => {
-            let bb = get(buf)?;
-            let mut d = bb.write()?;
-            let len = len.min(d.len());
-            d[..len].fill(0.0);
+    let mut ids = k.buffers();
+    ids.sort_unstable();
+    ids.dedup_by(|later, first| {
+        // Same buffer: held for writing if any use writes it.
+        if later.0 == first.0 {
+            first.1 |= later.1;
+            true
+        } else {
+            false
         }
-        Kernel::EmbedFwd { w, tokens, x } => {
-            let (wb, xb) = (get(w.0)?, get(x)?);
-            let (wv, mut xv) = (wb.read()?, xb.write()?);
-            tm.embedding.forward(&wv[w.1..], &tokens, &mut xv[..n * c]);
-        }
-        Kernel::BlockFwd { layer, w, x, y } => {
-            let (wb, xb, yb) = (get(w)?, get(x)?, get(y)?);
-            let (wv, xv, mut yv) = (wb.read()?, xb.read()?, yb.write()?);
-            tm.blocks[layer].forward(&wv, &xv[..n * c], &mut yv[..n * c], ws, &tm.rope, b, t);
-        }
-        Kernel::BlockBwd {
-            layer,
-            w,
-            g,
-            x,
-            dy,
-            dx,
-        } => {
-            let (wb, gb, xb, dyb, dxb) = (get(w)?, get(g)?, get(x)?, get(dy)?, get(dx)?);
-            let (wv, mut gv, xv, dyv, mut dxv) = (
-                wb.read()?,
-                gb.write()?,
-                xb.read()?,
-                dyb.read()?,
-                dxb.write()?,
-            );
-            tm.blocks[layer].backward(
-                &wv,
-                &mut gv,
-                &xv[..n * c],
-                &dyv[..n * c],
-                &mut dxv[..n * c],
-                ws,
-                &tm.rope,
-                b,
-                t,
-            );
-        }
-        Kernel::HeadLossBwd {
-            head_w,
-            head_g,
-            lm_w,
-            lm_g,
-            x,
-            targets,
-            dx,
-            grad_scale,
-            loss,
-        } => {
-            let nr = tm.head.norm_range();
-            let (hwb, lwb, xb, dxb) = (get(head_w)?, get(lm_w.0)?, get(x)?, get(dx)?);
-            let hwv = hwb.read()?;
-            let lwv = if lm_w.0 == head_w {
-                None
-            } else {
-                Some(lwb.read()?)
-            };
-            let lw: &[f32] = lwv.as_deref().unwrap_or(&hwv);
-            let (xv, mut dxv) = (xb.read()?, dxb.write()?);
-            let hgb = get(head_g)?;
-            let mut hgv = hgb.write()?;
-            let s = if lm_g.0 == head_g {
-                // Untied: norm weight [0, C) and LM head [off, off+V·C) in the same shard.
-                if lm_g.1 < nr.end {
-                    return Err("LM head gradient overlaps the norm gradient".into());
-                }
-                let (lo, hi) = hgv.split_at_mut(lm_g.1);
-                tm.head.loss_backward(
-                    &hwv[nr.clone()],
-                    &mut lo[nr],
-                    &lw[lm_w.1..lm_w.1 + v * c],
-                    &mut hi[..v * c],
-                    &xv[..n * c],
-                    &targets,
-                    &mut dxv[..n * c],
-                    grad_scale,
-                    ws,
-                )
-            } else {
-                let lgb = get(lm_g.0)?;
-                let mut lgv = lgb.write()?;
-                tm.head.loss_backward(
-                    &hwv[nr.clone()],
-                    &mut hgv[nr],
-                    &lw[lm_w.1..lm_w.1 + v * c],
-                    &mut lgv[lm_g.1..lm_g.1 + v * c],
-                    &xv[..n * c],
-                    &targets,
-                    &mut dxv[..n * c],
-                    grad_scale,
-                    ws,
-                )
-            };
-            *loss.lock().unwrap_or_else(|e| e.into_inner()) += s;
-        }
-        Kernel::EmbedBwd { g, tokens, dx } => {
-            let (gb, dxb) = (get(g.0)?, get(dx)?);
-            let (mut gv, dxv) = (gb.write()?, dxb.read()?);
-            tm.embedding
-                .backward(&mut gv[g.1..], &tokens, &dxv[..n * c]);
+    });
+    let cells = ids
+        .iter()
+        .map(|(id, _)| shared.buffer(*id))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let mut reads = Vec::new();
+    let mut writes = Vec::new();
+    let mut ptrs: Vec<(BufId, HostP)> = Vec::new();
+    for ((id, w), cell) in ids.iter().zip(&cells) {
+        if *w {
+            let mut v = cell.write()?;
+            // SAFETY: the write view is held (exclusive) until the program returns.
+            ptrs.push((*id, unsafe { HostP::write(&mut v) }));
+            writes.push(v);
+        } else {
+            let v = cell.read()?;
+            // SAFETY: the read view is held (no writer) until the program returns.
+            ptrs.push((*id, unsafe { HostP::read(&v) }));
+            reads.push(v);
         }
     }
-    Ok(())
+    let lens: Vec<usize> = cells.iter().map(|c| c.len).collect();
+    let resolve = |id: BufId| -> Result<(HostP, usize)> {
+        ptrs.iter()
+            .zip(&lens)
+            .find(|((i, _), _)| *i == id)
+            .map(|((_, p), len)| (*p, *len))
+            .ok_or_else(|| Error::system("CPU device", k.name(), format!("buffer {id} not held")))
+    };
+    // SAFETY: the workspace belongs to the compute stream's thread, which runs this.
+    let base = unsafe { HostP::write(&mut ws.mem) };
+    let w = ws.layout.at::<HostBackend<'_>>(base);
+    let mut be = HostBackend::new(&tm.rope);
+    let r = program::run(&mut be, tm, &k, &resolve, &w, Shape { b, t });
+    drop(writes);
+    drop(reads);
+    r.map_err(|e| e.to_string())
 }
 
 impl Device for CpuDevice {

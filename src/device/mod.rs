@@ -6,10 +6,12 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod host_backend;
 pub mod kernels;
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+pub mod program;
 
 use crate::Result;
 use std::sync::{Arc, Condvar, Mutex};
@@ -185,6 +187,41 @@ impl Kernel {
             Kernel::BlockBwd { layer, .. } => format!("block{layer}_bwd"),
             Kernel::EmbedBwd { .. } => "embed_bwd".into(),
             Kernel::Zero { .. } => "zero".into(),
+        }
+    }
+
+    /// The device buffers it touches, each with whether it writes them.
+    pub fn buffers(&self) -> Vec<(BufId, bool)> {
+        match self {
+            Kernel::EmbedFwd { w, x, .. } => vec![(w.0, false), (*x, true)],
+            Kernel::BlockFwd { w, x, y, .. } => vec![(*w, false), (*x, false), (*y, true)],
+            Kernel::HeadLossBwd {
+                head_w,
+                head_g,
+                lm_w,
+                lm_g,
+                x,
+                dx,
+                ..
+            } => vec![
+                (*head_w, false),
+                (*head_g, true),
+                (lm_w.0, false),
+                (lm_g.0, true),
+                (*x, false),
+                (*dx, true),
+            ],
+            Kernel::BlockBwd {
+                w, g, x, dy, dx, ..
+            } => vec![
+                (*w, false),
+                (*g, true),
+                (*x, false),
+                (*dy, false),
+                (*dx, true),
+            ],
+            Kernel::EmbedBwd { g, dx, .. } => vec![(g.0, true), (*dx, false)],
+            Kernel::Zero { buf, .. } => vec![(*buf, true)],
         }
     }
 }

@@ -163,25 +163,27 @@ impl Embedding {
 /// residual.
 #[derive(Debug, Clone)]
 pub struct DecoderBlock {
-    c: usize,
-    nh: usize,
-    nkv: usize,
-    hd: usize,
-    inter: usize,
-    eps: f32,
-    ln1: usize,
-    wq: usize,
-    wk: usize,
-    wv: usize,
-    bq: Option<usize>,
-    bk: Option<usize>,
-    bv: Option<usize>,
-    wo: usize,
-    bo: Option<usize>,
-    ln2: usize,
-    wg: usize,
-    wu: usize,
-    wd: usize,
+    pub(crate) c: usize,
+    pub(crate) nh: usize,
+    pub(crate) nkv: usize,
+    pub(crate) hd: usize,
+    pub(crate) inter: usize,
+    pub(crate) eps: f32,
+    pub(crate) ln1: usize,
+    pub(crate) wq: usize,
+    pub(crate) wk: usize,
+    pub(crate) wv: usize,
+    pub(crate) bq: Option<usize>,
+    pub(crate) bk: Option<usize>,
+    pub(crate) bv: Option<usize>,
+    pub(crate) wo: usize,
+    pub(crate) bo: Option<usize>,
+    pub(crate) ln2: usize,
+    pub(crate) wg: usize,
+    pub(crate) wu: usize,
+    pub(crate) wd: usize,
+    /// Elements of the unit's shard.
+    pub(crate) numel: usize,
 }
 
 impl DecoderBlock {
@@ -207,6 +209,7 @@ impl DecoderBlock {
             wg: offset(unit, "mlp.gate_proj.weight")?,
             wu: offset(unit, "mlp.up_proj.weight")?,
             wd: offset(unit, "mlp.down_proj.weight")?,
+            numel: unit.numel,
         })
     }
 

@@ -79,12 +79,29 @@ pub fn linear_fwd(
 ) {
     gemm(y, x, (din, 1), w, (1, din), n, din, dout, false);
     if let Some(b) = bias {
-        y[..n * dout].par_chunks_mut(dout).for_each(|row| {
-            for (v, bb) in row.iter_mut().zip(b) {
-                *v += *bb;
-            }
-        });
+        bias_fwd(&mut y[..n * dout], b);
     }
+}
+
+/// y[r, :] += b for every row of y (rows of `b.len()`).
+pub fn bias_fwd(y: &mut [f32], b: &[f32]) {
+    y.par_chunks_mut(b.len()).for_each(|row| {
+        for (v, bb) in row.iter_mut().zip(b) {
+            *v += *bb;
+        }
+    });
+}
+
+/// db += Σ_rows dy, dy `[n, db.len()]`.
+pub fn bias_bwd(db: &mut [f32], dy: &[f32], n: usize) {
+    let dout = db.len();
+    db.par_iter_mut().enumerate().for_each(|(o, d)| {
+        let mut s = 0.0f32;
+        for r in 0..n {
+            s += dy[r * dout + o];
+        }
+        *d += s;
+    });
 }
 
 /// Backward of [`linear_fwd`]: dx (= or +=) dy·W, dW += dyᵀ·x, db += Σ_rows dy.
@@ -105,13 +122,7 @@ pub fn linear_bwd(
     // dW[out, in] += dyᵀ[out, N] · x[N, in]
     gemm(dw, dy, (1, dout), x, (din, 1), dout, n, din, true);
     if let Some(db) = db {
-        db.par_iter_mut().enumerate().for_each(|(o, d)| {
-            let mut s = 0.0f32;
-            for r in 0..n {
-                s += dy[r * dout + o];
-            }
-            *d += s;
-        });
+        bias_bwd(&mut db[..dout], dy, n);
     }
 }
 
@@ -512,6 +523,7 @@ pub fn lm_head_ce(
 ) -> f64 {
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     scratch.resize(rows * vocab, 0.0);
+    let mut losses = [0.0f32; CE_CHUNK_ROWS];
     let mut total = 0.0f64;
     for r0 in (0..n).step_by(rows) {
         let r1 = (r0 + rows).min(n);
@@ -528,21 +540,17 @@ pub fn lm_head_ce(
             vocab,
             false,
         );
-        total += logits
-            .par_chunks_mut(vocab)
-            .zip(targets[r0..r1].par_iter())
-            .map(|(row, &tg)| {
-                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();
-                let lse = mx + z.ln();
-                let loss = f64::from(lse - row[tg as usize]);
-                for x in row.iter_mut() {
-                    *x = (*x - lse).exp() * grad_scale;
-                }
-                row[tg as usize] -= grad_scale;
-                loss
-            })
-            .sum::<f64>();
+        cross_entropy(
+            logits,
+            &mut losses[..m],
+            &targets[r0..r1],
+            vocab,
+            grad_scale,
+        );
+        // Row by row, in order: the device program sums its per-row losses the same way.
+        for l in &losses[..m] {
+            total += f64::from(*l);
+        }
         // dh[m, C] = dlogits[m, V] · W[V, C];  dW[V, C] += dlogitsᵀ · h
         gemm(
             &mut dh[r0 * c..r1 * c],
@@ -568,6 +576,31 @@ pub fn lm_head_ce(
         );
     }
     total
+}
+
+/// Cross-entropy over a chunk of logits `[rows, vocab]`: per-row loss `lse(z) − z[target]` into
+/// `losses`, and in place `z = scale·(softmax(z) − onehot(target))`.
+pub fn cross_entropy(
+    logits: &mut [f32],
+    losses: &mut [f32],
+    targets: &[u32],
+    vocab: usize,
+    scale: f32,
+) {
+    logits
+        .par_chunks_mut(vocab)
+        .zip(losses.par_iter_mut())
+        .zip(targets.par_iter())
+        .for_each(|((row, loss), &tg)| {
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();
+            let lse = mx + z.ln();
+            *loss = lse - row[tg as usize];
+            for x in row.iter_mut() {
+                *x = (*x - lse).exp() * scale;
+            }
+            row[tg as usize] -= scale;
+        });
 }
 
 /// Logits [N, V] = h·Wᵀ, for tests and inference on small inputs.

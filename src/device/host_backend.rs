@@ -1,0 +1,403 @@
+//! The device program's primitives on the CPU: each one is the CPU reference op
+//! ([`crate::model::ops`]), on ranges of host buffers that are checked before use — inside their
+//! buffer, outputs disjoint from every other range of the call, outputs only in buffers the
+//! caller holds for writing. A range the program gets wrong is an error here, where on a GPU it
+//! would be silent memory corruption.
+
+use super::program::{Backend, Gemm};
+use crate::model::ops::{self, AttnShape, Rope};
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// A host address: `off` elements into a buffer of `cap` elements at `base`.
+#[derive(Debug, Clone, Copy)]
+pub struct HostP {
+    base: *mut f32,
+    cap: usize,
+    off: usize,
+    writable: bool,
+}
+
+impl HostP {
+    /// The start of a buffer the caller holds for reading only.
+    ///
+    /// # Safety
+    /// `s` must stay valid, and unwritten by anyone else, while ranges derived from it are used.
+    pub unsafe fn read(s: &[f32]) -> Self {
+        HostP {
+            base: s.as_ptr().cast_mut(),
+            cap: s.len(),
+            off: 0,
+            writable: false,
+        }
+    }
+
+    /// The start of a buffer the caller holds exclusively.
+    ///
+    /// # Safety
+    /// `s` must stay valid, and untouched by anyone else, while ranges derived from it are used.
+    pub unsafe fn write(s: &mut [f32]) -> Self {
+        HostP {
+            base: s.as_mut_ptr(),
+            cap: s.len(),
+            off: 0,
+            writable: true,
+        }
+    }
+
+    fn range(&self, len: usize) -> std::ops::Range<usize> {
+        let a = self.base as usize + 4 * self.off;
+        a..a + 4 * len
+    }
+}
+
+/// Token ids on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct HostIds {
+    ptr: *const u32,
+    len: usize,
+}
+
+/// The slices of one call: outputs, then inputs.
+type Views<'a, const W: usize, const R: usize> = ([&'a mut [f32]; W], [&'a [f32]; R]);
+
+/// Checked slices for one call: `outs` are written, `ins` read.
+fn views<'a, const W: usize, const R: usize>(
+    op: &str,
+    outs: [(HostP, usize); W],
+    ins: [(HostP, usize); R],
+) -> Result<Views<'a, W, R>> {
+    let bad = |why: String| Error::system("device program", op, why);
+    for (p, len) in outs.iter().chain(&ins) {
+        if p.off + len > p.cap {
+            return Err(bad(format!(
+                "{len} elements at {} overflow a buffer of {}",
+                p.off, p.cap
+            )));
+        }
+    }
+    let all: Vec<(HostP, usize)> = outs.iter().chain(&ins).copied().collect();
+    for (i, (p, len)) in outs.iter().enumerate() {
+        if !p.writable {
+            return Err(bad(format!(
+                "output {i} is in a buffer held for reading only"
+            )));
+        }
+        let r = p.range(*len);
+        for (j, (q, qlen)) in all.iter().enumerate() {
+            let s = q.range(*qlen);
+            if j != i && r.start < s.end && s.start < r.end {
+                return Err(bad(format!("output {i} overlaps operand {j}")));
+            }
+        }
+    }
+    // SAFETY: every range lies inside its buffer (checked above), whose validity and
+    // exclusivity the constructors of `HostP` promise; outputs overlap no other range of the call.
+    let o = outs.map(|(p, len)| unsafe { std::slice::from_raw_parts_mut(p.base.add(p.off), len) });
+    // SAFETY: as above; inputs are only read.
+    let i = ins
+        .map(|(p, len)| unsafe { std::slice::from_raw_parts(p.base.add(p.off).cast_const(), len) });
+    Ok((o, i))
+}
+
+/// The CPU backend: RoPE tables and the CPU reference ops.
+#[derive(Debug)]
+pub struct HostBackend<'r> {
+    rope: &'r Rope,
+}
+
+impl<'r> HostBackend<'r> {
+    /// A backend rotating with `rope`'s tables.
+    pub fn new(rope: &'r Rope) -> Self {
+        HostBackend { rope }
+    }
+
+    fn ids<'a>(&self, ids: HostIds, n: usize, op: &str) -> Result<&'a [u32]> {
+        if n > ids.len {
+            return Err(Error::system(
+                "device program",
+                op,
+                format!("{n} ids wanted, {} uploaded", ids.len),
+            ));
+        }
+        // SAFETY: `upload_ids` took this pointer from a slice the caller keeps alive for the run.
+        Ok(unsafe { std::slice::from_raw_parts(ids.ptr, n) })
+    }
+}
+
+impl Backend for HostBackend<'_> {
+    type P = HostP;
+    type Ids = HostIds;
+
+    fn off(p: HostP, elems: usize) -> HostP {
+        HostP {
+            off: p.off + elems,
+            ..p
+        }
+    }
+
+    fn ids_off(ids: HostIds, n: usize) -> HostIds {
+        HostIds {
+            ptr: ids.ptr.wrapping_add(n),
+            len: ids.len.saturating_sub(n),
+        }
+    }
+
+    fn upload_ids(&mut self, ids: &[u32]) -> Result<HostIds> {
+        Ok(HostIds {
+            ptr: ids.as_ptr(),
+            len: ids.len(),
+        })
+    }
+
+    fn gemm(&mut self, g: Gemm<HostP>) -> Result<()> {
+        let (a_len, b_len) = (g.m * g.k, g.k * g.n);
+        let ([c], [a, b]) = views("gemm", [(g.c, g.m * g.n)], [(g.a, a_len), (g.b, b_len)])?;
+        let a_st = if g.ta { (1, g.m) } else { (g.k, 1) };
+        let b_st = if g.tb { (1, g.k) } else { (g.n, 1) };
+        ops::gemm(c, a, a_st, b, b_st, g.m, g.k, g.n, g.accumulate);
+        Ok(())
+    }
+
+    fn bias_fwd(&mut self, y: HostP, b: HostP, rows: usize, cols: usize) -> Result<()> {
+        let ([y], [b]) = views("bias_fwd", [(y, rows * cols)], [(b, cols)])?;
+        ops::bias_fwd(y, b);
+        Ok(())
+    }
+
+    fn bias_bwd(&mut self, db: HostP, dy: HostP, rows: usize, cols: usize) -> Result<()> {
+        let ([db], [dy]) = views("bias_bwd", [(db, cols)], [(dy, rows * cols)])?;
+        ops::bias_bwd(db, dy, rows);
+        Ok(())
+    }
+
+    fn add(&mut self, y: HostP, x: HostP, len: usize) -> Result<()> {
+        let ([y], [x]) = views("add", [(y, len)], [(x, len)])?;
+        for (a, b) in y.iter_mut().zip(x) {
+            *a += *b;
+        }
+        Ok(())
+    }
+
+    fn copy(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
+        let ([d], [s]) = views("copy", [(dst, len)], [(src, len)])?;
+        d.copy_from_slice(s);
+        Ok(())
+    }
+
+    fn zero(&mut self, dst: HostP, len: usize) -> Result<()> {
+        let ([d], []) = views("zero", [(dst, len)], [])?;
+        d.fill(0.0);
+        Ok(())
+    }
+
+    fn rmsnorm_fwd(
+        &mut self,
+        y: HostP,
+        rstd: HostP,
+        x: HostP,
+        w: HostP,
+        rows: usize,
+        c: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let ([y, r], [x, w]) = views(
+            "rmsnorm_fwd",
+            [(y, rows * c), (rstd, rows)],
+            [(x, rows * c), (w, c)],
+        )?;
+        ops::rmsnorm_fwd(y, r, x, w, c, eps);
+        Ok(())
+    }
+
+    fn rmsnorm_bwd(
+        &mut self,
+        dx: HostP,
+        dw: HostP,
+        dy: HostP,
+        x: HostP,
+        w: HostP,
+        rstd: HostP,
+        rows: usize,
+        c: usize,
+    ) -> Result<()> {
+        let ([dx, dw], [dy, x, w, r]) = views(
+            "rmsnorm_bwd",
+            [(dx, rows * c), (dw, c)],
+            [(dy, rows * c), (x, rows * c), (w, c), (rstd, rows)],
+        )?;
+        ops::rmsnorm_bwd(dx, false, dw, dy, x, w, r, c);
+        Ok(())
+    }
+
+    fn rope(&mut self, x: HostP, rows: usize, t: usize, heads: usize, inverse: bool) -> Result<()> {
+        let ([x], []) = views("rope", [(x, rows * heads * self.rope.head_dim)], [])?;
+        if t > self.rope.max_pos {
+            return Err(Error::system(
+                "device program",
+                "rope",
+                format!("sequence of {t} beyond the table's {}", self.rope.max_pos),
+            ));
+        }
+        self.rope.apply(x, t, heads, inverse);
+        Ok(())
+    }
+
+    fn attention_fwd(
+        &mut self,
+        o: HostP,
+        lse: HostP,
+        q: HostP,
+        k: HostP,
+        v: HostP,
+        s: AttnShape,
+    ) -> Result<()> {
+        let (n, qd, kvd) = (s.b * s.t, s.nh * s.hd, s.nkv * s.hd);
+        let ([o, l], [q, k, v]) = views(
+            "attention_fwd",
+            [(o, n * qd), (lse, s.b * s.nh * s.t)],
+            [(q, n * qd), (k, n * kvd), (v, n * kvd)],
+        )?;
+        ops::attention_fwd(o, l, q, k, v, s);
+        Ok(())
+    }
+
+    fn attention_bwd(
+        &mut self,
+        dq: HostP,
+        dk: HostP,
+        dv: HostP,
+        _delta: HostP,
+        d_o: HostP,
+        q: HostP,
+        k: HostP,
+        v: HostP,
+        o: HostP,
+        lse: HostP,
+        s: AttnShape,
+    ) -> Result<()> {
+        let (n, qd, kvd) = (s.b * s.t, s.nh * s.hd, s.nkv * s.hd);
+        let ([dq, dk, dv], [d_o, q, k, v, o, l]) = views(
+            "attention_bwd",
+            [(dq, n * qd), (dk, n * kvd), (dv, n * kvd)],
+            [
+                (d_o, n * qd),
+                (q, n * qd),
+                (k, n * kvd),
+                (v, n * kvd),
+                (o, n * qd),
+                (lse, s.b * s.nh * s.t),
+            ],
+        )?;
+        ops::attention_bwd(dq, dk, dv, d_o, q, k, v, o, l, s);
+        Ok(())
+    }
+
+    fn swiglu_fwd(&mut self, h: HostP, g: HostP, u: HostP, len: usize) -> Result<()> {
+        let ([h], [g, u]) = views("swiglu_fwd", [(h, len)], [(g, len), (u, len)])?;
+        ops::swiglu_fwd(h, g, u);
+        Ok(())
+    }
+
+    fn swiglu_bwd(
+        &mut self,
+        dg: HostP,
+        du: HostP,
+        dh: HostP,
+        g: HostP,
+        u: HostP,
+        len: usize,
+    ) -> Result<()> {
+        let ([dg, du], [dh, g, u]) = views(
+            "swiglu_bwd",
+            [(dg, len), (du, len)],
+            [(dh, len), (g, len), (u, len)],
+        )?;
+        ops::swiglu_bwd(dg, du, dh, g, u);
+        Ok(())
+    }
+
+    fn embed_fwd(
+        &mut self,
+        x: HostP,
+        e: HostP,
+        ids: HostIds,
+        rows: usize,
+        c: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        let ids = self.ids(ids, rows, "embed_fwd")?;
+        let ([x], [e]) = views("embed_fwd", [(x, rows * c)], [(e, vocab * c)])?;
+        for (row, &tok) in x.chunks_mut(c).zip(ids) {
+            let t = tok as usize;
+            row.copy_from_slice(e.get(t * c..(t + 1) * c).ok_or_else(|| {
+                Error::system(
+                    "device program",
+                    "embed_fwd",
+                    format!("token {t} ≥ {vocab}"),
+                )
+            })?);
+        }
+        Ok(())
+    }
+
+    fn embed_bwd(
+        &mut self,
+        de: HostP,
+        ids: HostIds,
+        dx: HostP,
+        rows: usize,
+        c: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        let ids = self.ids(ids, rows, "embed_bwd")?;
+        let ([de], [dx]) = views("embed_bwd", [(de, vocab * c)], [(dx, rows * c)])?;
+        for (row, &tok) in dx.chunks(c).zip(ids) {
+            let t = tok as usize;
+            let dst = de.get_mut(t * c..(t + 1) * c).ok_or_else(|| {
+                Error::system(
+                    "device program",
+                    "embed_bwd",
+                    format!("token {t} ≥ {vocab}"),
+                )
+            })?;
+            for (d, v) in dst.iter_mut().zip(row) {
+                *d += *v;
+            }
+        }
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &mut self,
+        logits: HostP,
+        losses: HostP,
+        targets: HostIds,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let tg = self.ids(targets, rows, "cross_entropy")?;
+        if let Some(bad) = tg.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::system(
+                "device program",
+                "cross_entropy",
+                format!("target {bad} ≥ {vocab}"),
+            ));
+        }
+        let ([z, l], []) = views(
+            "cross_entropy",
+            [(logits, rows * vocab), (losses, rows)],
+            [],
+        )?;
+        ops::cross_entropy(z, l, tg, vocab, scale);
+        Ok(())
+    }
+
+    fn add_loss(&mut self, losses: HostP, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {
+        let ([], [l]) = views("add_loss", [], [(losses, rows)])?;
+        let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
+        *into.lock().unwrap_or_else(|e| e.into_inner()) += s;
+        Ok(())
+    }
+}
