@@ -80,7 +80,11 @@ fn selftest(a: &SelftestArgs) -> Result<()> {
         rt.driver / 1000,
         rt.driver % 1000 / 10
     );
-    let checks = cuda::selftest_kernels(&rt, a.seed)?;
+    let mut checks = cuda::selftest_kernels(&rt, a.seed)?;
+    // Training steps through the streaming CUDA device against the CPU device.
+    checks.extend(megatrain::device::cuda_device::selftest_training(
+        a.gpu, a.seed,
+    )?);
     println!(
         "{:<32} {:>12} {:>10}  result",
         "check", "max rel err", "tolerance"
@@ -96,9 +100,6 @@ fn selftest(a: &SelftestArgs) -> Result<()> {
     }
     let (htod, dtoh) = cuda::selftest_link(&rt)?;
     println!("\nlink (256 MiB, page-locked, median of 5): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
-    println!(
-        "not checked: training steps CPU vs CUDA (the CUDA streaming device is not built yet)"
-    );
     let failed = checks.iter().filter(|c| !c.pass).count();
     if failed > 0 {
         return Err(megatrain::Error::system(
@@ -409,6 +410,9 @@ struct TrainArgs {
     device: Option<megatrain::train::config::DeviceKind>,
     #[arg(long)]
     device_memory: Option<u64>,
+    /// CUDA: TF32 tensor cores for the fp32 GEMMs.
+    #[arg(long)]
+    tf32: bool,
     /// Pages backing the host store (2m/1g need reserved hugetlbfs pages).
     #[arg(long, value_enum)]
     huge_pages: Option<megatrain::host::PageKind>,
@@ -514,6 +518,7 @@ impl TrainArgs {
         c.shuffle |= self.shuffle;
         c.resume |= self.resume;
         c.lock_memory |= self.lock_memory;
+        c.tf32 |= self.tf32;
         c
     }
 }
@@ -1060,7 +1065,13 @@ mod tests {
             ("--val-every", "7"),
             ("--val-batches", "7"),
         ];
-        let switches = ["--shuffle", "--resume", "--lock-memory", "--no-direct-io"];
+        let switches = [
+            "--shuffle",
+            "--resume",
+            "--lock-memory",
+            "--no-direct-io",
+            "--tf32",
+        ];
         let base = megatrain::train::config::TrainConfig::default();
         let merged = |args: &[&str]| {
             let mut v = vec!["megatrain", "train"];

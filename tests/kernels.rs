@@ -70,3 +70,119 @@ fn a_compile_error_carries_the_nvrtc_log() {
         "{e}"
     );
 }
+
+/// The parameter lists of an NVRTC-compiled PTX: entry name → parameter types (`.u64`, …).
+fn ptx_params(ptx: &str) -> std::collections::HashMap<String, Vec<String>> {
+    let mut out = std::collections::HashMap::new();
+    let mut rest = ptx;
+    while let Some(i) = rest.find(".entry ") {
+        rest = &rest[i + 7..];
+        let name_end = rest.find('(').unwrap();
+        let name = rest[..name_end].trim().to_owned();
+        let close = rest.find(')').unwrap();
+        let params = rest[name_end + 1..close]
+            .split(',')
+            .filter_map(|p| p.split_whitespace().nth(1).map(str::to_owned))
+            .collect();
+        out.insert(name, params);
+        rest = &rest[close..];
+    }
+    out
+}
+
+/// Arguments of every `macro!(…)` invocation in `src`, split at top-level commas.
+fn invocations(src: &str, mac: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let mut rest = src;
+    while let Some(i) = rest.find(mac) {
+        rest = &rest[i + mac.len()..];
+        let (mut depth, mut cur, mut args) = (1, String::new(), Vec::new());
+        for ch in rest.chars() {
+            match ch {
+                '(' | '[' | '{' => depth += 1,
+                ')' | ']' | '}' => depth -= 1,
+                _ => {}
+            }
+            if depth == 0 {
+                break;
+            }
+            if ch == ',' && depth == 1 {
+                args.push(cur.trim().to_owned());
+                cur.clear();
+            } else {
+                cur.push(ch);
+            }
+        }
+        if !cur.trim().is_empty() {
+            args.push(cur.trim().to_owned());
+        }
+        out.push(args);
+    }
+    out
+}
+
+/// Every kernel launch in the CUDA backend and the self-test names a kernel that exists and
+/// passes exactly as many arguments as the compiled kernel takes (a GPU would read garbage
+/// otherwise; this is the part of a launch that can be checked without one).
+#[test]
+fn every_launch_passes_the_kernels_parameter_count() {
+    let tc = match nvrtc::locate() {
+        Ok(tc) => tc,
+        Err(e) if std::env::var("MEGATRAIN_REQUIRE_NVRTC").as_deref() == Ok("1") => {
+            panic!("MEGATRAIN_REQUIRE_NVRTC=1 but {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIP: no NVRTC to compile the kernels with: {e}");
+            return;
+        }
+    };
+    nvrtc::load(&tc).unwrap();
+    let mut params = std::collections::HashMap::new();
+    for c in nvrtc::compile_all(&tc, "sm_80").unwrap() {
+        params.extend(ptx_params(&c.ptx));
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for (file, mac) in [
+        ("src/device/cuda_backend.rs", "k!("),
+        ("src/device/cuda.rs", "launch!("),
+    ] {
+        let src = std::fs::read_to_string(root.join(file)).unwrap();
+        for args in invocations(&src, mac) {
+            // (target, name, geometry, args…); skip the macro definitions themselves.
+            if args.len() < 3 || args[0].starts_with('$') {
+                continue;
+            }
+            let names: Vec<String> = if args[1].starts_with('"') {
+                vec![args[1].trim_matches('"').to_owned()]
+            } else if args[1] == "name" {
+                // `name` is picked at run time from a small set: check each candidate.
+                let line = src
+                    .lines()
+                    .filter(|l| l.contains("\"rope_") || l.contains("(\"rope_"))
+                    .flat_map(|l| l.split('"').skip(1).step_by(2).map(str::to_owned))
+                    .filter(|n| n.starts_with("rope_"))
+                    .collect::<Vec<_>>();
+                assert!(!line.is_empty(), "{file}: cannot resolve `name`");
+                line
+            } else {
+                panic!("{file}: launch of `{}` not checkable", args[1]);
+            };
+            for name in names {
+                let p = params
+                    .get(&name)
+                    .unwrap_or_else(|| panic!("{file}: no kernel `{name}`"));
+                assert_eq!(
+                    args.len() - 3,
+                    p.len(),
+                    "{file}: `{name}` takes {} parameters ({p:?}), the launch passes {:?}",
+                    p.len(),
+                    &args[3..]
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 30, "only {checked} launches found");
+    eprintln!("{checked} launches match their kernels' parameter lists");
+}

@@ -10,6 +10,7 @@
 use super::kernels::FILES;
 use super::launch::{self, AttnShape};
 use super::nvrtc;
+use super::selftest::{compare, Check};
 use crate::{Error, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
@@ -38,7 +39,10 @@ pub struct CudaRuntime {
     functions: HashMap<&'static str, CudaFunction>,
 }
 
-fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, op: &str) -> Result<T> {
+pub(crate) fn drv<T>(
+    r: std::result::Result<T, cudarc::driver::DriverError>,
+    op: &str,
+) -> Result<T> {
     r.map_err(|e| Error::system("CUDA driver", op, format!("{e:?}")))
 }
 
@@ -171,45 +175,6 @@ macro_rules! launch {
         // buffers of the sizes the kernel indexes for the given shape.
         drv(unsafe { b.launch(cfg($l)) }, $name)?;
     }};
-}
-
-/// One self-test line.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Check {
-    /// What was checked.
-    pub name: String,
-    /// Largest relative error (|gpu − cpu| / max(|cpu|, 1e-3·max|cpu|)).
-    pub max_rel_err: f64,
-    /// The tolerance for its dtype.
-    pub tolerance: f64,
-    /// Within tolerance.
-    pub pass: bool,
-}
-
-fn compare(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
-    let scale = want.iter().fold(0.0f64, |a, x| a.max(f64::from(x.abs())));
-    let floor = (1e-3 * scale).max(1e-12);
-    let err = if got.len() != want.len() {
-        f64::INFINITY
-    } else {
-        got.iter()
-            .zip(want)
-            .map(|(g, w)| {
-                let (g, w) = (f64::from(*g), f64::from(*w));
-                if g.is_nan() != w.is_nan() {
-                    f64::INFINITY
-                } else {
-                    (g - w).abs() / w.abs().max(floor)
-                }
-            })
-            .fold(0.0, f64::max)
-    };
-    Check {
-        name: name.to_owned(),
-        max_rel_err: err,
-        tolerance: tol,
-        pass: err <= tol,
-    }
 }
 
 /// What the CPU reference sees of a bf16-stored input: the value rounded to bf16 (RNE).

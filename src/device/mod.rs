@@ -6,12 +6,17 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_backend;
+#[cfg(feature = "cuda")]
+pub mod cuda_device;
 pub mod host_backend;
 pub mod kernels;
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 pub mod program;
+pub mod selftest;
 
 use crate::Result;
 use std::sync::{Arc, Condvar, Mutex};
@@ -67,6 +72,11 @@ impl Event {
         *self.0 .0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// True if `other` is this very event (a clone of it).
+    pub fn same(&self, other: &Event) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Block until signalled.
     pub fn synchronize(&self) {
         let (m, cv) = &*self.0;
@@ -118,6 +128,11 @@ impl HostRef {
     /// True if empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The start of the memory (for a device's DMA).
+    pub fn as_ptr(&self) -> *mut f32 {
+        self.ptr
     }
 
     /// # Safety
@@ -300,4 +315,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn epoch(&self) -> Instant;
     /// The first error a stream hit (an op on bad buffers, a kernel panic), if any.
     fn take_error(&self) -> Option<String>;
+    /// What page-locks host memory for this device's copies (none: copies need no pinning).
+    fn registrar(&self) -> Option<Arc<dyn crate::host::HostRegistrar + Send + Sync>> {
+        None
+    }
 }

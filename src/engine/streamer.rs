@@ -112,7 +112,7 @@ pub struct Streamer {
     cfg: StreamerConfig,
     plan: Plan,
     bufs: HashMap<DevBuf, BufId>,
-    ckpt: Vec<Vec<f32>>,
+    ckpt: Vec<GradBuffer>,
     lean: Vec<Option<GradBuffer>>,
     guards: Vec<Option<UnitGuard>>,
     pending: HashMap<usize, PendingAdam>,
@@ -208,18 +208,26 @@ impl Streamer {
             let len = buffer_len(&layout, n, *b);
             bufs.insert(*b, device.alloc(len, &format!("{b:?}"))?);
         }
+        // Host buffers the device copies to and from: near the GPU, page-locked by the device
+        // when it needs that for asynchronous copies.
+        let registrar = device.registrar();
+        let near = store.placement().lean_buffers_node;
+        let host_buffer = |len: usize| -> Result<GradBuffer> {
+            let mut b = GradBuffer::allocate(len, near, Vec::new())?;
+            if let Some(r) = &registrar {
+                b.register_with(r.as_ref())?;
+            }
+            Ok(b)
+        };
         let ckpt = match cfg.checkpoints {
             Checkpoints::Host => (0..c.num_layers)
-                .map(|_| vec![0.0f32; n * c.hidden_size])
-                .collect(),
+                .map(|_| host_buffer(n * c.hidden_size))
+                .collect::<Result<_>>()?,
             Checkpoints::Device => Vec::new(),
         };
         let lean = match layout.mode {
             Mode::Lean => (0..super::schedule::LEAN_BUFFERS)
-                .map(|_| {
-                    GradBuffer::allocate(max_unit, store.placement().lean_buffers_node, Vec::new())
-                        .map(Some)
-                })
+                .map(|_| host_buffer(max_unit).map(Some))
                 .collect::<Result<_>>()?,
             Mode::Exact => Vec::new(),
         };
@@ -636,7 +644,7 @@ impl Streamer {
             Op::CkptIn { index, slot } => {
                 // SAFETY: the host checkpoint buffer lives in `self`; the plan orders its writer
                 // (CkptOut) before this read.
-                let src = unsafe { HostRef::from_slice(&mut self.ckpt[*index]) };
+                let src = unsafe { HostRef::from_slice(self.ckpt[*index].as_mut_slice()) };
                 Cmd::HtoD {
                     dst: self.buf(*slot),
                     offset: 0,
@@ -646,7 +654,8 @@ impl Streamer {
             }
             Op::CkptOut { index, slot } => {
                 // SAFETY: as above; readers of this checkpoint are ordered after this copy.
-                let dst = unsafe { HostRef::from_slice(&mut self.ckpt[*index][..n * c]) };
+                let dst =
+                    unsafe { HostRef::from_slice(&mut self.ckpt[*index].as_mut_slice()[..n * c]) };
                 Cmd::DtoH {
                     dst,
                     src: self.buf(*slot),

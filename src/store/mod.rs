@@ -9,7 +9,7 @@
 pub mod layout;
 pub mod placement;
 
-use crate::host::{PageKind, Region, RegionSpec};
+use crate::host::{HostRegistrar, PageKind, Region, RegionSpec};
 use crate::spill::extents::SpillConfig;
 use crate::spill::io::EngineKind;
 use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig};
@@ -31,7 +31,28 @@ pub struct StoreOptions {
     pub unbound: bool,
     /// The NVMe tier's files and I/O settings; required when the placement spills.
     pub spill: Option<SpillOptions>,
+    /// Page-lock the regions the device copies from and to (params, grads, bf16 shadow) with
+    /// it, so its copies are asynchronous DMA.
+    pub registrar: Option<SharedRegistrar>,
 }
+
+/// A device that page-locks host memory, shared by the store's options.
+#[derive(Clone)]
+pub struct SharedRegistrar(pub Arc<dyn HostRegistrar + Send + Sync>);
+
+impl std::fmt::Debug for SharedRegistrar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedRegistrar")
+    }
+}
+
+impl PartialEq for SharedRegistrar {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for SharedRegistrar {}
 
 /// Where and how spilled shards are written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,14 +161,22 @@ impl HostStore {
                 .find(|n| n.node == node)
                 .map(|n| n.adam_cpus.clone())
                 .unwrap_or_default();
-            regions.push(Region::allocate(RegionSpec {
+            let mut region = Region::allocate(RegionSpec {
                 label: format!("{} on NUMA node {node}", kind.name()),
                 bytes: sizes[&(node, kind)],
                 node: (!opts.unbound).then_some(node),
                 prefault_cpus: cpus,
                 pages: opts.pages,
                 lock: opts.lock,
-            })?);
+            })?;
+            let streamed = matches!(
+                kind,
+                ShardKind::Params | ShardKind::Grads | ShardKind::Bf16Shadow
+            );
+            if let (Some(r), true) = (&opts.registrar, streamed) {
+                region.register_with(r.0.as_ref())?;
+            }
+            regions.push(region);
         }
         for (u, k, key, offset) in pending {
             let region = keys.iter().position(|x| *x == key).unwrap_or(0);
@@ -342,6 +371,16 @@ impl GradBuffer {
         self.region.as_ptr().cast()
     }
 
+    /// Page-lock it for a device's copies.
+    pub fn register_with(&mut self, registrar: &dyn HostRegistrar) -> Result<()> {
+        self.region.register_with(registrar)
+    }
+
+    /// Whether a device registration is held.
+    pub fn is_registered(&self) -> bool {
+        self.region.is_registered()
+    }
+
     /// The buffer as a slice.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         // SAFETY: the region holds ≥ len·4 bytes, is page aligned, and `&mut self` is exclusive.
@@ -504,6 +543,89 @@ mod tests {
         let machine = probe(&TopologySource::Live).unwrap();
         let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
         HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
+    }
+
+    /// A registrar that records each registration's start, length and liveness (the CUDA one
+    /// cannot run here).
+    #[derive(Debug, Default)]
+    struct Recorder(Arc<std::sync::Mutex<Vec<(usize, usize, bool)>>>);
+    #[derive(Debug)]
+    struct Rec(Arc<std::sync::Mutex<Vec<(usize, usize, bool)>>>, usize);
+    impl crate::host::region::Registration for Rec {}
+    impl Drop for Rec {
+        fn drop(&mut self) {
+            self.0.lock().unwrap()[self.1].2 = false;
+        }
+    }
+    impl HostRegistrar for Recorder {
+        unsafe fn register(
+            &self,
+            ptr: std::ptr::NonNull<u8>,
+            len: usize,
+        ) -> Result<Box<dyn crate::host::region::Registration>> {
+            let mut v = self.0.lock().unwrap();
+            v.push((ptr.as_ptr() as usize, len, true));
+            Ok(Box::new(Rec(self.0.clone(), v.len() - 1)))
+        }
+    }
+
+    /// With a device registrar, exactly the regions the device copies from and to are
+    /// page-locked — every params, grads and bf16-shadow shard, no Adam moment — and released
+    /// with the store.
+    #[test]
+    fn streamed_regions_are_registered_and_moments_are_not() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}"#,
+            "t",
+        )
+        .unwrap();
+        let layout = StateLayout::new(&cfg, Mode::Exact, true);
+        let machine = probe(&TopologySource::Live).unwrap();
+        let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
+        let rec = Arc::new(Recorder::default());
+        let log = rec.0.clone();
+        let s = HostStore::allocate(
+            layout.clone(),
+            p,
+            &StoreOptions {
+                registrar: Some(SharedRegistrar(rec)),
+                ..StoreOptions::default()
+            },
+        )
+        .unwrap();
+        let inside = |addr: usize| {
+            log.lock()
+                .unwrap()
+                .iter()
+                .any(|(a, l, live)| *live && addr >= *a && addr < a + l)
+        };
+        for u in 0..s.num_units() {
+            let mut g = s.take(u).unwrap();
+            let sh = g.shards().unwrap();
+            assert!(inside(sh.params.as_ptr() as usize), "params of unit {u}");
+            assert!(
+                inside(sh.grads.unwrap().as_ptr() as usize),
+                "grads of unit {u}"
+            );
+            assert!(
+                inside(sh.shadow.unwrap().as_ptr() as usize),
+                "shadow of unit {u}"
+            );
+            assert!(
+                !inside(sh.m.as_ptr() as usize),
+                "Adam m of unit {u} is not streamed"
+            );
+            assert!(
+                !inside(sh.v.as_ptr() as usize),
+                "Adam v of unit {u} is not streamed"
+            );
+        }
+        drop(s);
+        assert!(
+            log.lock().unwrap().iter().all(|r| !r.2),
+            "every registration released with the store"
+        );
     }
 
     #[test]

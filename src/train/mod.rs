@@ -115,6 +115,45 @@ fn random_init(store: &HostStore, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// The compute device the configuration names, for micro-batches of `b`×`t` tokens.
+fn open_device(
+    cfg: &TrainConfig,
+    tm: &Arc<Templates>,
+    b: usize,
+    t: usize,
+) -> Result<Arc<dyn crate::device::Device>> {
+    match cfg.device {
+        config::DeviceKind::Cpu => Ok(Arc::new(CpuDevice::new(
+            CpuDeviceConfig {
+                capacity_bytes: cfg.device_memory,
+                link: None,
+                jitter: None,
+                batch: b,
+                seq: t,
+            },
+            tm.clone(),
+        )?)),
+        #[cfg(feature = "cuda")]
+        config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda_device::CudaDevice::open(
+            crate::device::cuda_device::CudaDeviceConfig {
+                ordinal: 0,
+                batch: b,
+                seq: t,
+                capacity_bytes: None,
+                tf32: cfg.tf32,
+            },
+            tm.clone(),
+        )?)),
+        #[cfg(not(feature = "cuda"))]
+        config::DeviceKind::Cuda => Err(Error::bad_input(
+            "device",
+            "cuda",
+            "this megatrain was built without CUDA support",
+            Some("rebuild with `cargo build --release --features cuda`"),
+        )),
+    }
+}
+
 /// Validation loss (mean per token) over `batches` micro-batches of `loader`, with the current
 /// params resident on the host (the streamer must be idle).
 fn validate(
@@ -271,10 +310,14 @@ pub fn run(
             crate::util::human_bytes(p.slot_bytes)
         ));
     }
+    let tm = Arc::new(Templates::new(&layout, t)?);
+    let device = open_device(cfg, &tm, b, t)?;
+    progress.note(&format!("device: {}", device.name()));
     let store = HostStore::allocate(
         layout.clone(),
         placement,
         &StoreOptions {
+            registrar: device.registrar().map(crate::store::SharedRegistrar),
             pages: cfg.huge_pages,
             lock: cfg.lock_memory,
             unbound: false,
@@ -311,17 +354,6 @@ pub fn run(
     }
     let mut loader = Loader::new(train_file, t, b, cfg.shuffle, cfg.seed, cursor)?;
 
-    let tm = Arc::new(Templates::new(&layout, t)?);
-    let device = Arc::new(CpuDevice::new(
-        CpuDeviceConfig {
-            capacity_bytes: cfg.device_memory,
-            link: None,
-            jitter: None,
-            batch: b,
-            seq: t,
-        },
-        tm.clone(),
-    )?);
     // Activation checkpoints: as set, else on the device when they fit beside the working set.
     let checkpoints = match cfg.activations {
         Some(config::Activations::Device) => Checkpoints::Device,

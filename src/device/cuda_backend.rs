@@ -1,0 +1,705 @@
+//! The device program's primitives on a GPU (feature `cuda`): the NVRTC-compiled kernels of
+//! `kernels/*.cu` and cuBLAS, all on the compute stream. Addresses are raw `CUdeviceptr`s.
+//!
+//! Everything here is asynchronous: a call enqueues work and returns. Token ids go through a
+//! page-locked staging buffer into one device ids buffer (both reused in stream order); per-row
+//! losses come back through a page-locked buffer and a host function that adds their sum to the
+//! step's loss once the kernels before it are done.
+//!
+//! Not run on a GPU yet (this project has none): every kernel it launches is checked against the
+//! CPU reference by `megatrain selftest --device cuda`, and the program that calls it is checked
+//! bit for bit against the reference layers on the CPU backend.
+
+use super::cuda::{drv, CudaRuntime};
+use super::launch::{self, Launch};
+use super::program::{Backend, Gemm};
+use crate::model::ops::{AttnShape, Rope};
+use crate::{Error, Result};
+use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t as Op};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::{Arc, Mutex};
+
+/// A device address.
+pub type DevPtr = u64;
+
+/// Page-locked host memory from `cuMemHostAlloc`.
+#[derive(Debug)]
+pub struct Pinned {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: plain memory owned by this value; users synchronize access through stream order.
+unsafe impl Send for Pinned {}
+// SAFETY: as above.
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    /// `bytes` of page-locked memory (portable: usable from every context).
+    pub fn new(bytes: usize) -> Result<Self> {
+        // SAFETY: allocates; freed in Drop.
+        let ptr = unsafe {
+            cudarc::driver::result::malloc_host(
+                bytes.max(4),
+                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(|e| {
+            Error::system(
+                "CUDA driver",
+                format!(
+                    "allocate {} of page-locked memory",
+                    crate::util::human_bytes(bytes as u64)
+                ),
+                format!("{e:?}"),
+            )
+            .with_fix("raise the memlock limit (`ulimit -l unlimited`) or free host memory")
+        })?;
+        Ok(Pinned {
+            ptr: ptr.cast(),
+            bytes,
+        })
+    }
+
+    /// The memory.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its size.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc in `new`; owners synchronize before dropping.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+    }
+}
+
+/// A raw pointer handed to a host function.
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+// SAFETY: the memory it points to is kept alive and ordered by the stream the function runs in.
+unsafe impl<T> Send for SendPtr<T> {}
+
+unsafe extern "C" fn run_boxed(arg: *mut std::ffi::c_void) {
+    // SAFETY: `arg` is the Box leaked by `host_fn`, run exactly once here.
+    let f: Box<Box<dyn FnOnce() + Send>> = unsafe { Box::from_raw(arg.cast()) };
+    // A panic must not unwind into the driver.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+}
+
+/// Run `f` on a driver thread once everything enqueued on `stream` before it is done (it holds
+/// the stream until it returns). `f` must not call CUDA.
+pub fn host_fn(stream: &CudaStream, f: impl FnOnce() + Send + 'static) -> Result<()> {
+    let b: Box<Box<dyn FnOnce() + Send>> = Box::new(Box::new(f));
+    let raw = Box::into_raw(b);
+    // SAFETY: `run_boxed` takes ownership of `raw` when the driver calls it.
+    let r = unsafe {
+        cudarc::driver::result::stream::launch_host_function(
+            stream.cu_stream(),
+            run_boxed,
+            raw.cast(),
+        )
+    };
+    if let Err(e) = r {
+        // SAFETY: the driver refused it, so it will never run: reclaim the Box.
+        drop(unsafe { Box::from_raw(raw) });
+        return Err(Error::system(
+            "CUDA driver",
+            "enqueue a host function",
+            format!("{e:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn cfg(l: Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: l.grid,
+        block_dim: (l.block, 1, 1),
+        shared_mem_bytes: l.smem,
+    }
+}
+
+/// Launch kernel `$name` on the backend's stream with `$args` (device pointers as `u64`).
+macro_rules! k {
+    ($be:expr, $name:expr, $l:expr, $($arg:expr),* $(,)?) => {{
+        let f = $be.rt.function($name)?;
+        let mut b = $be.stream.launch_builder(f);
+        $( b.arg($arg); )*
+        // SAFETY: every launch passes the kernel's exact parameter list (kernels/*.cu), and the
+        // program checked each range against its buffer before calling the backend.
+        drv(unsafe { b.launch(cfg($l)) }, $name)?;
+    }};
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        Error::system(
+            "CUDA kernels",
+            what,
+            format!("{v} exceeds the kernels' 32-bit index"),
+        )
+    })
+}
+
+/// The CUDA backend of the device program.
+#[derive(Debug)]
+pub struct CudaBackend {
+    rt: Arc<CudaRuntime>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    head_dim: usize,
+    max_pos: usize,
+    ids: CudaSlice<u32>,
+    ids_stage: Pinned,
+    ids_copied: Option<CudaEvent>,
+    losses: Pinned,
+    smem: usize,
+}
+
+impl CudaBackend {
+    /// A backend on `stream` for micro-batches of up to `n` tokens, rotating with `rope`.
+    /// `tf32` lets cuBLAS use TF32 tensor cores for the fp32 GEMMs.
+    pub fn new(
+        rt: Arc<CudaRuntime>,
+        stream: Arc<CudaStream>,
+        rope: &Rope,
+        n: usize,
+        tf32: bool,
+    ) -> Result<Self> {
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| Error::system("cuBLAS", "create a handle", format!("{e:?}")))?;
+        let mode = if tf32 {
+            cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        // SAFETY: a valid handle owned by `blas`.
+        let r = unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) };
+        if r != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::system(
+                "cuBLAS",
+                "set the math mode",
+                format!("{r:?}"),
+            ));
+        }
+        let (c, s) = rope.tables();
+        let cos = drv(stream.clone_htod(c), "upload the RoPE tables")?;
+        let sin = drv(stream.clone_htod(s), "upload the RoPE tables")?;
+        let ids = drv(
+            stream.alloc_zeros::<u32>(n.max(1)),
+            "allocate the token ids",
+        )?;
+        Ok(CudaBackend {
+            rt,
+            stream,
+            blas,
+            cos,
+            sin,
+            head_dim: rope.head_dim,
+            max_pos: rope.max_pos,
+            ids,
+            ids_stage: Pinned::new(4 * n.max(1))?,
+            ids_copied: None,
+            losses: Pinned::new(4 * n.max(1))?,
+            smem: launch::DEFAULT_SMEM,
+        })
+    }
+
+    fn sms(&self) -> u32 {
+        self.rt.sms
+    }
+
+    fn tables(&self) -> (DevPtr, DevPtr) {
+        let (c, _g1) = self.cos.device_ptr(&self.stream);
+        let (s, _g2) = self.sin.device_ptr(&self.stream);
+        (c, s)
+    }
+}
+
+impl Backend for CudaBackend {
+    type P = DevPtr;
+    type Ids = DevPtr;
+
+    fn off(p: DevPtr, elems: usize) -> DevPtr {
+        p + 4 * elems as u64
+    }
+
+    fn ids_off(ids: DevPtr, n: usize) -> DevPtr {
+        ids + 4 * n as u64
+    }
+
+    fn upload_ids(&mut self, ids: &[u32]) -> Result<DevPtr> {
+        if 4 * ids.len() > self.ids_stage.bytes() {
+            return Err(Error::system(
+                "CUDA device",
+                "upload token ids",
+                format!(
+                    "{} ids for a buffer of {}",
+                    ids.len(),
+                    self.ids_stage.bytes() / 4
+                ),
+            ));
+        }
+        // The previous upload must have left the staging buffer before it is rewritten.
+        if let Some(e) = self.ids_copied.take() {
+            drv(e.synchronize(), "wait for the previous token upload")?;
+        }
+        // SAFETY: the staging buffer holds ≥ ids.len() u32 (checked) and no copy reads it now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                ids.as_ptr(),
+                self.ids_stage.as_ptr().cast::<u32>(),
+                ids.len(),
+            )
+        };
+        let (dst, _g) = self.ids.device_ptr(&self.stream);
+        // SAFETY: page-locked source and a device buffer both of ≥ 4·len bytes.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                self.ids_stage.as_ptr().cast(),
+                4 * ids.len(),
+                self.stream.cu_stream(),
+            )
+        };
+        drv(r.result(), "upload token ids")?;
+        self.ids_copied = Some(drv(
+            self.stream.record_event(None),
+            "record the token upload",
+        )?);
+        Ok(dst)
+    }
+
+    fn gemm(&mut self, g: Gemm<DevPtr>) -> Result<()> {
+        // Row-major C[m, n] = op(A)·op(B) is column-major Cᵀ[n, m] = op(B)ᵀ·op(A)ᵀ: cuBLAS sees
+        // B first. A row-major matrix stored r×c is, to cuBLAS, its transpose with ld = c.
+        let (m, n, k) = (
+            i32_of(g.m, "gemm m")?,
+            i32_of(g.n, "gemm n")?,
+            i32_of(g.k, "gemm k")?,
+        );
+        let (op_b, ldb) = if g.tb {
+            (Op::CUBLAS_OP_T, k)
+        } else {
+            (Op::CUBLAS_OP_N, n)
+        };
+        let (op_a, lda) = if g.ta {
+            (Op::CUBLAS_OP_T, m)
+        } else {
+            (Op::CUBLAS_OP_N, k)
+        };
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the program checked that A, B and C hold m·k, k·n and m·n elements.
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                *self.blas.handle(),
+                op_b,
+                op_a,
+                n,
+                m,
+                k,
+                &alpha,
+                g.b as *const f32,
+                ldb.max(1),
+                g.a as *const f32,
+                lda.max(1),
+                &beta,
+                g.c as *mut f32,
+                n.max(1),
+            )
+        }
+        .map_err(|e| Error::system("cuBLAS", "sgemm", format!("{e:?}")))
+    }
+
+    fn bias_fwd(&mut self, y: DevPtr, b: DevPtr, rows: usize, cols: usize) -> Result<()> {
+        let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        k!(
+            self,
+            "bias_fwd_f32",
+            launch::elementwise(rows * cols, self.sms()),
+            &y,
+            &b,
+            &r,
+            &c
+        );
+        Ok(())
+    }
+
+    fn bias_bwd(&mut self, db: DevPtr, dy: DevPtr, rows: usize, cols: usize) -> Result<()> {
+        let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        k!(
+            self,
+            "bias_bwd_f32",
+            launch::per_column(cols),
+            &db,
+            &dy,
+            &r,
+            &c
+        );
+        Ok(())
+    }
+
+    fn add(&mut self, y: DevPtr, x: DevPtr, len: usize) -> Result<()> {
+        let n = len as i64;
+        k!(
+            self,
+            "add_fwd_f32",
+            launch::elementwise(len, self.sms()),
+            &y,
+            &x,
+            &n
+        );
+        Ok(())
+    }
+
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, len: usize) -> Result<()> {
+        // SAFETY: both ranges were checked by the program; stream-ordered.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, 4 * len, self.stream.cu_stream())
+        };
+        drv(r.result(), "device copy")
+    }
+
+    fn zero(&mut self, dst: DevPtr, len: usize) -> Result<()> {
+        // SAFETY: the range was checked by the program; stream-ordered.
+        let r =
+            unsafe { cudarc::driver::sys::cuMemsetD32Async(dst, 0, len, self.stream.cu_stream()) };
+        drv(r.result(), "zero a device buffer")
+    }
+
+    fn rmsnorm_fwd(
+        &mut self,
+        y: DevPtr,
+        rstd: DevPtr,
+        x: DevPtr,
+        w: DevPtr,
+        rows: usize,
+        c: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
+        k!(
+            self,
+            "rmsnorm_fwd_f32",
+            launch::per_row(rows, c)?,
+            &y,
+            &rstd,
+            &x,
+            &w,
+            &r,
+            &ci,
+            &eps
+        );
+        Ok(())
+    }
+
+    fn rmsnorm_bwd(
+        &mut self,
+        dx: DevPtr,
+        dw: DevPtr,
+        dy: DevPtr,
+        x: DevPtr,
+        w: DevPtr,
+        rstd: DevPtr,
+        rows: usize,
+        c: usize,
+    ) -> Result<()> {
+        let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
+        k!(
+            self,
+            "rmsnorm_bwd_f32",
+            launch::per_row(rows, c)?,
+            &dx,
+            &dw,
+            &dy,
+            &x,
+            &w,
+            &rstd,
+            &r,
+            &ci
+        );
+        Ok(())
+    }
+
+    fn rope(
+        &mut self,
+        x: DevPtr,
+        rows: usize,
+        t: usize,
+        heads: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        if t > self.max_pos {
+            return Err(Error::system(
+                "CUDA kernels",
+                "rope",
+                format!("sequence of {t} beyond the table's {}", self.max_pos),
+            ));
+        }
+        let (cos, sin) = self.tables();
+        let (n, ti, h, hd) = (
+            i32_of(rows, "rows")?,
+            i32_of(t, "t")?,
+            i32_of(heads, "heads")?,
+            i32_of(self.head_dim, "head_dim")?,
+        );
+        let l = launch::elementwise(rows * heads * self.head_dim / 2, self.sms());
+        let name = if inverse {
+            "rope_bwd_f32"
+        } else {
+            "rope_fwd_f32"
+        };
+        k!(self, name, l, &x, &cos, &sin, &n, &ti, &h, &hd);
+        Ok(())
+    }
+
+    fn attention_fwd(
+        &mut self,
+        o: DevPtr,
+        lse: DevPtr,
+        q: DevPtr,
+        kk: DevPtr,
+        v: DevPtr,
+        s: AttnShape,
+    ) -> Result<()> {
+        let g = launch::attention(s, self.smem)?;
+        let (t, nh, nkv, hd, tile) = (
+            s.t as i32,
+            s.nh as i32,
+            s.nkv as i32,
+            s.hd as i32,
+            g.tile as i32,
+        );
+        let scale = 1.0 / (s.hd as f32).sqrt();
+        k!(
+            self,
+            "attention_fwd_f32",
+            g.rows,
+            &o,
+            &lse,
+            &q,
+            &kk,
+            &v,
+            &t,
+            &nh,
+            &nkv,
+            &hd,
+            &tile,
+            &scale
+        );
+        Ok(())
+    }
+
+    fn attention_bwd(
+        &mut self,
+        dq: DevPtr,
+        dk: DevPtr,
+        dv: DevPtr,
+        delta: DevPtr,
+        d_o: DevPtr,
+        q: DevPtr,
+        kk: DevPtr,
+        v: DevPtr,
+        o: DevPtr,
+        lse: DevPtr,
+        s: AttnShape,
+    ) -> Result<()> {
+        let g = launch::attention(s, self.smem)?;
+        let (t, nh, nkv, hd, tile) = (
+            s.t as i32,
+            s.nh as i32,
+            s.nkv as i32,
+            s.hd as i32,
+            g.tile as i32,
+        );
+        let scale = 1.0 / (s.hd as f32).sqrt();
+        k!(
+            self,
+            "attention_bwd_f32",
+            g.rows,
+            &dq,
+            &delta,
+            &d_o,
+            &o,
+            &q,
+            &kk,
+            &v,
+            &lse,
+            &t,
+            &nh,
+            &nkv,
+            &hd,
+            &tile,
+            &scale
+        );
+        k!(
+            self,
+            "attention_bwd_kv_f32",
+            g.kv,
+            &dk,
+            &dv,
+            &d_o,
+            &q,
+            &kk,
+            &v,
+            &lse,
+            &delta,
+            &t,
+            &nh,
+            &nkv,
+            &hd,
+            &tile,
+            &scale
+        );
+        Ok(())
+    }
+
+    fn swiglu_fwd(&mut self, h: DevPtr, g: DevPtr, u: DevPtr, len: usize) -> Result<()> {
+        let n = len as i64;
+        k!(
+            self,
+            "swiglu_fwd_f32",
+            launch::elementwise(len, self.sms()),
+            &h,
+            &g,
+            &u,
+            &n
+        );
+        Ok(())
+    }
+
+    fn swiglu_bwd(
+        &mut self,
+        dg: DevPtr,
+        du: DevPtr,
+        dh: DevPtr,
+        g: DevPtr,
+        u: DevPtr,
+        len: usize,
+    ) -> Result<()> {
+        let n = len as i64;
+        k!(
+            self,
+            "swiglu_bwd_f32",
+            launch::elementwise(len, self.sms()),
+            &dg,
+            &du,
+            &dh,
+            &g,
+            &u,
+            &n
+        );
+        Ok(())
+    }
+
+    fn embed_fwd(
+        &mut self,
+        x: DevPtr,
+        e: DevPtr,
+        ids: DevPtr,
+        rows: usize,
+        c: usize,
+        _vocab: usize,
+    ) -> Result<()> {
+        let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
+        k!(
+            self,
+            "embedding_fwd_f32",
+            launch::elementwise(rows * c, self.sms()),
+            &x,
+            &e,
+            &ids,
+            &n,
+            &ci
+        );
+        Ok(())
+    }
+
+    fn embed_bwd(
+        &mut self,
+        de: DevPtr,
+        ids: DevPtr,
+        dx: DevPtr,
+        rows: usize,
+        c: usize,
+        _vocab: usize,
+    ) -> Result<()> {
+        let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
+        k!(
+            self,
+            "embedding_bwd_f32",
+            launch::elementwise(rows * c, self.sms()),
+            &de,
+            &dx,
+            &ids,
+            &n,
+            &ci
+        );
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &mut self,
+        logits: DevPtr,
+        losses: DevPtr,
+        targets: DevPtr,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let (r, v) = (i32_of(rows, "rows")?, i32_of(vocab, "vocab")?);
+        k!(
+            self,
+            "cross_entropy_bwd_f32",
+            launch::per_row(rows, vocab)?,
+            &logits,
+            &losses,
+            &targets,
+            &r,
+            &v,
+            &scale
+        );
+        Ok(())
+    }
+
+    fn add_loss(&mut self, losses: DevPtr, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {
+        if 4 * rows > self.losses.bytes() {
+            return Err(Error::system(
+                "CUDA device",
+                "read losses",
+                format!("{rows} rows for a buffer of {}", self.losses.bytes() / 4),
+            ));
+        }
+        let host = SendPtr(self.losses.as_ptr().cast::<f32>());
+        // SAFETY: page-locked destination of ≥ 4·rows bytes; the host function below reads it
+        // before anything later on this stream (the next copy into it) runs.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                host.0.cast(),
+                losses,
+                4 * rows,
+                self.stream.cu_stream(),
+            )
+        };
+        drv(r.result(), "copy the losses to the host")?;
+        host_fn(&self.stream, move || {
+            let host = host;
+            // SAFETY: the copy above completed (stream order) and nothing else writes it now.
+            let l = unsafe { std::slice::from_raw_parts(host.0, rows) };
+            let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
+            *into.lock().unwrap_or_else(|e| e.into_inner()) += s;
+        })
+    }
+}

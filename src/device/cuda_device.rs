@@ -1,0 +1,673 @@
+//! The CUDA streaming device (feature `cuda`): the [`Device`] contract on one GPU.
+//!
+//! - Three CUDA streams (copy-in, compute, copy-out). `submit` enqueues at once on the caller's
+//!   thread and returns: copies are `cuMemcpy*Async` from the host memory the streamer hands over
+//!   (the store's params/grads regions are registered with `cuMemHostRegister` through
+//!   [`HostRegistrar`], so those copies are DMA that overlaps compute); kernels are the device
+//!   program ([`super::program`]) on [`CudaBackend`].
+//! - `Record(e)` records a CUDA event on the stream and enqueues a host function that signals
+//!   `e` (what the streamer's host side waits on); `Wait(e)` on another stream becomes
+//!   `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
+//! - `DtoH` with `accumulate` (gradient accumulation) copies through a page-locked staging chunk
+//!   and adds on the host, in stream order.
+//! - Buffers are `cuMemAlloc` allocations counted against the capacity the plan was checked
+//!   against (free memory at start-up, less a reserve for cuBLAS and the driver); the layer
+//!   workspace is allocated once up front. Every timed command is bracketed by two CUDA events,
+//!   turned into the timeline by `take_records`.
+//!
+//! Not run on a GPU yet (this project has none). What is proven without one: the program it runs
+//! is bit-identical to the reference on the CPU backend, every kernel compiles through NVRTC, and
+//! the streamer's use of events and buffers is exercised against the CPU device's checks.
+
+use super::cuda::{drv, CudaRuntime};
+use super::cuda_backend::{host_fn, CudaBackend, DevPtr, Pinned};
+use super::program::{self, Shape, Ws};
+use super::{BufId, Cmd, Device, Event, MemStats, OpRecord, StreamKind};
+use crate::host::region::Registration;
+use crate::host::HostRegistrar;
+use crate::model::reference::Templates;
+use crate::{Error, Result};
+use cudarc::driver::{CudaEvent, CudaStream};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Device memory kept free for cuBLAS' workspace, the context and the kernels' modules.
+pub const RESERVE_BYTES: u64 = 768 << 20;
+
+/// Elements per chunk of an accumulating device→host copy (16 MiB of staging).
+const ACCUM_CHUNK: usize = 4 << 20;
+
+/// How to open a [`CudaDevice`].
+#[derive(Debug, Clone)]
+pub struct CudaDeviceConfig {
+    /// GPU ordinal.
+    pub ordinal: usize,
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Capacity in bytes; `None`: free memory at start-up less [`RESERVE_BYTES`].
+    pub capacity_bytes: Option<u64>,
+    /// TF32 tensor cores for the fp32 GEMMs (cuBLAS `CUBLAS_TF32_TENSOR_OP_MATH`).
+    pub tf32: bool,
+}
+
+#[derive(Debug)]
+struct Buf {
+    ptr: DevPtr,
+    len: usize,
+    label: String,
+}
+
+#[derive(Debug)]
+struct Timed {
+    stream: StreamKind,
+    name: String,
+    bytes: u64,
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+#[derive(Debug)]
+struct Inner {
+    bufs: Vec<Option<Buf>>,
+    in_use: u64,
+    peak: u64,
+    backend: CudaBackend,
+    /// CUDA events recorded for host events not yet known to have fired.
+    recorded: Vec<(Event, CudaEvent)>,
+    timed: Vec<Timed>,
+    staging: Option<Arc<Pinned>>,
+}
+
+/// The CUDA device.
+#[derive(Debug)]
+pub struct CudaDevice {
+    rt: Arc<CudaRuntime>,
+    streams: [Arc<CudaStream>; 3],
+    inner: Mutex<Inner>,
+    error: Arc<Mutex<Option<String>>>,
+    capacity: u64,
+    templates: Arc<Templates>,
+    shape: Shape,
+    ws_layout: Ws<usize>,
+    ws: DevPtr,
+    ws_bytes: u64,
+    epoch: Instant,
+    epoch_event: CudaEvent,
+}
+
+fn alloc_raw(bytes: usize, label: &str, free: u64) -> Result<DevPtr> {
+    let mut p: DevPtr = 0;
+    // SAFETY: writes one device pointer.
+    let r = unsafe { cudarc::driver::sys::cuMemAlloc_v2(&mut p, bytes.max(4)) };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::system(
+            "CUDA device",
+            format!(
+                "allocate {label} ({})",
+                crate::util::human_bytes(bytes as u64)
+            ),
+            format!(
+                "{r:?} with {} free on the GPU",
+                crate::util::human_bytes(free)
+            ),
+        )
+        .with_fix("lower --batch-size / --seq-len, pass --activations host, or free the GPU"));
+    }
+    Ok(p)
+}
+
+fn free_memory() -> Result<(u64, u64)> {
+    let (free, total) = drv(cudarc::driver::result::mem_get_info(), "query free memory")?;
+    Ok((free as u64, total as u64))
+}
+
+impl CudaDevice {
+    /// Open GPU `cfg.ordinal`, compile and load every kernel, allocate the layer workspace.
+    pub fn open(cfg: CudaDeviceConfig, templates: Arc<Templates>) -> Result<Self> {
+        let rt = Arc::new(CudaRuntime::open(cfg.ordinal)?);
+        drv(rt.ctx.bind_to_thread(), "bind the context")?;
+        let (free, total) = free_memory()?;
+        let capacity = cfg
+            .capacity_bytes
+            .unwrap_or(free.saturating_sub(RESERVE_BYTES));
+        let (ws_layout, elems) = Ws::layout(&templates.config, cfg.batch, cfg.seq);
+        let ws_bytes = 4 * elems as u64;
+        if ws_bytes > capacity {
+            return Err(Error::system(
+                "CUDA device",
+                "allocate the layer workspace",
+                format!(
+                    "needs {} but {} of {} is usable",
+                    crate::util::human_bytes(ws_bytes),
+                    crate::util::human_bytes(capacity),
+                    crate::util::human_bytes(total)
+                ),
+            )
+            .with_fix("lower --batch-size / --seq-len"));
+        }
+        let ws = alloc_raw(ws_bytes as usize, "the layer workspace", free)?;
+        let streams = [
+            drv(rt.ctx.new_stream(), "create the copy-in stream")?,
+            drv(rt.ctx.new_stream(), "create the compute stream")?,
+            drv(rt.ctx.new_stream(), "create the copy-out stream")?,
+        ];
+        let backend = CudaBackend::new(
+            rt.clone(),
+            streams[StreamKind::Compute as usize].clone(),
+            &templates.rope,
+            cfg.batch * cfg.seq,
+            cfg.tf32,
+        )?;
+        let epoch_event = drv(
+            streams[StreamKind::Compute as usize].record_event(None),
+            "record the epoch",
+        )?;
+        drv(epoch_event.synchronize(), "synchronize the epoch")?;
+        let epoch = Instant::now();
+        Ok(CudaDevice {
+            rt,
+            streams,
+            inner: Mutex::new(Inner {
+                bufs: Vec::new(),
+                in_use: ws_bytes,
+                peak: ws_bytes,
+                backend,
+                recorded: Vec::new(),
+                timed: Vec::new(),
+                staging: None,
+            }),
+            error: Arc::new(Mutex::new(None)),
+            capacity,
+            templates,
+            shape: Shape {
+                b: cfg.batch,
+                t: cfg.seq,
+            },
+            ws_layout,
+            ws,
+            ws_bytes,
+            epoch,
+            epoch_event,
+        })
+    }
+
+    /// The runtime (device name, compute capability).
+    pub fn runtime(&self) -> &CudaRuntime {
+        &self.rt
+    }
+
+    /// Bytes of the layer workspace.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.ws_bytes
+    }
+
+    /// Copy a device buffer to a Vec (tests and the self-test; synchronizes first).
+    pub fn read(&self, buf: BufId) -> Result<Vec<f32>> {
+        self.synchronize();
+        let g = self.lock();
+        let b = g
+            .bufs
+            .get(buf)
+            .and_then(|b| b.as_ref())
+            .ok_or_else(|| Error::system("CUDA device", "read", format!("no buffer {buf}")))?;
+        let mut v = vec![0.0f32; b.len];
+        // SAFETY: a live allocation of `len` f32; every stream is idle.
+        let r = unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut v, b.ptr) };
+        drv(r, "read a buffer")?;
+        Ok(v)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fail(&self, msg: String) {
+        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if e.is_none() {
+            *e = Some(msg);
+        }
+    }
+
+    fn enqueue(&self, g: &mut Inner, kind: StreamKind, cmd: Cmd) -> Result<()> {
+        let stream = &self.streams[kind as usize];
+        let buf = |g: &Inner, id: BufId| -> Result<(DevPtr, usize)> {
+            g.bufs
+                .get(id)
+                .and_then(|b| b.as_ref())
+                .map(|b| (b.ptr, b.len))
+                .ok_or_else(|| {
+                    Error::system(
+                        "CUDA device",
+                        "find a buffer",
+                        format!("device buffer {id} does not exist (freed or never allocated)"),
+                    )
+                })
+        };
+        let span = |name: String, bytes: u64| -> Result<(String, u64, CudaEvent)> {
+            Ok((name, bytes, drv(stream.record_event(None), "record")?))
+        };
+        let timed = match cmd {
+            Cmd::Record(e) => {
+                g.recorded.retain(|(h, _)| !h.query());
+                let ce = drv(stream.record_event(None), "record an event")?;
+                let signal = e.clone();
+                host_fn(stream, move || signal.signal())?;
+                g.recorded.push((e, ce));
+                None
+            }
+            Cmd::Wait(e) => {
+                if !e.query() {
+                    let ce = g
+                        .recorded
+                        .iter()
+                        .find(|(h, _)| h.same(&e))
+                        .map(|(_, c)| c)
+                        .ok_or_else(|| {
+                            Error::system(
+                                "CUDA device",
+                                format!("wait on {}", kind.name()),
+                                "the event was never recorded (a Wait submitted before its Record)",
+                            )
+                        })?;
+                    drv(stream.wait(ce), "wait on an event")?;
+                }
+                None
+            }
+            Cmd::HtoD {
+                dst,
+                offset,
+                src,
+                label,
+            } => {
+                let (p, len) = buf(g, dst)?;
+                if offset + src.len() > len {
+                    return Err(Error::system(
+                        "CUDA device",
+                        format!("htod {label}"),
+                        format!(
+                            "{} elements at {offset} overflow buffer {dst} of {len}",
+                            src.len()
+                        ),
+                    ));
+                }
+                let start = span(format!("htod {label}"), 4 * src.len() as u64)?;
+                // SAFETY: HostRef's contract keeps the source valid and unwritten until the
+                // stream's next event fires; the destination range was checked.
+                let r = unsafe {
+                    cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                        p + 4 * offset as u64,
+                        src.as_ptr().cast_const().cast(),
+                        4 * src.len(),
+                        stream.cu_stream(),
+                    )
+                };
+                drv(r.result(), "host to device copy")?;
+                Some(start)
+            }
+            Cmd::DtoH {
+                dst,
+                src,
+                offset,
+                accumulate,
+                label,
+            } => {
+                let (p, len) = buf(g, src)?;
+                if offset + dst.len() > len {
+                    return Err(Error::system(
+                        "CUDA device",
+                        format!("dtoh {label}"),
+                        format!(
+                            "{} elements at {offset} overflow buffer {src} of {len}",
+                            dst.len()
+                        ),
+                    ));
+                }
+                let start = span(format!("dtoh {label}"), 4 * dst.len() as u64)?;
+                let from = p + 4 * offset as u64;
+                if accumulate {
+                    self.accumulate_dtoh(g, stream, dst.as_ptr(), from, dst.len())?;
+                } else {
+                    // SAFETY: as for HtoD; the destination is the HostRef's memory.
+                    let r = unsafe {
+                        cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                            dst.as_ptr().cast(),
+                            from,
+                            4 * dst.len(),
+                            stream.cu_stream(),
+                        )
+                    };
+                    drv(r.result(), "device to host copy")?;
+                }
+                Some(start)
+            }
+            Cmd::Kernel(k) => {
+                if kind != StreamKind::Compute {
+                    return Err(Error::system(
+                        "CUDA device",
+                        k.name(),
+                        "kernels run on the compute stream",
+                    ));
+                }
+                let start = span(k.name(), 0)?;
+                let ids: Vec<(BufId, (DevPtr, usize))> = k
+                    .buffers()
+                    .into_iter()
+                    .map(|(id, _)| buf(g, id).map(|b| (id, b)))
+                    .collect::<Result<_>>()?;
+                let resolve = |id: BufId| -> Result<(DevPtr, usize)> {
+                    ids.iter()
+                        .find(|(i, _)| *i == id)
+                        .map(|(_, b)| *b)
+                        .ok_or_else(|| {
+                            Error::system("CUDA device", k.name(), format!("buffer {id} unknown"))
+                        })
+                };
+                let ws = self.ws_layout.at::<CudaBackend>(self.ws);
+                program::run(
+                    &mut g.backend,
+                    &self.templates,
+                    &k,
+                    &resolve,
+                    &ws,
+                    self.shape,
+                )?;
+                Some(start)
+            }
+        };
+        if let Some((name, bytes, start)) = timed {
+            let end = drv(stream.record_event(None), "record")?;
+            g.timed.push(Timed {
+                stream: kind,
+                name,
+                bytes,
+                start,
+                end,
+            });
+        }
+        Ok(())
+    }
+
+    /// `dst[..len] += device[from..]`, through a page-locked staging chunk, in stream order.
+    fn accumulate_dtoh(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        dst: *mut f32,
+        from: DevPtr,
+        len: usize,
+    ) -> Result<()> {
+        let staging = match &g.staging {
+            Some(s) => s.clone(),
+            None => {
+                let s = Arc::new(Pinned::new(4 * ACCUM_CHUNK)?);
+                g.staging = Some(s.clone());
+                s
+            }
+        };
+        #[derive(Clone, Copy)]
+        struct Span(*mut f32, *const f32, usize);
+        // SAFETY: the pointers stay valid until the host function runs: `dst` by the HostRef
+        // contract, the staging chunk because the closure holds its Arc.
+        unsafe impl Send for Span {}
+        for at in (0..len).step_by(ACCUM_CHUNK) {
+            let n = ACCUM_CHUNK.min(len - at);
+            // SAFETY: the chunk holds ACCUM_CHUNK f32; the previous chunk's host function ran
+            // before this copy starts (stream order).
+            let r = unsafe {
+                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                    staging.as_ptr().cast(),
+                    from + 4 * at as u64,
+                    4 * n,
+                    stream.cu_stream(),
+                )
+            };
+            drv(r.result(), "device to host copy (accumulate)")?;
+            let span = Span(dst.wrapping_add(at), staging.as_ptr().cast::<f32>(), n);
+            let keep = staging.clone();
+            host_fn(stream, move || {
+                let span = span;
+                // SAFETY: see `Span`; the copy into the staging chunk completed.
+                let (d, s) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(span.0, span.2),
+                        std::slice::from_raw_parts(span.1, span.2),
+                    )
+                };
+                for (a, b) in d.iter_mut().zip(s) {
+                    *a += *b;
+                }
+                drop(keep);
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} (sm_{}{})",
+            self.rt.name, self.rt.cc.0, self.rt.cc.1
+        )
+    }
+
+    fn alloc(&self, len: usize, label: &str) -> Result<BufId> {
+        let mut g = self.lock();
+        let bytes = 4 * len as u64;
+        if g.in_use + bytes > self.capacity {
+            return Err(Error::system(
+                "CUDA device",
+                format!("allocate {label} ({})", crate::util::human_bytes(bytes)),
+                format!(
+                    "the working set would need {} of the {} usable on the GPU",
+                    crate::util::human_bytes(g.in_use + bytes),
+                    crate::util::human_bytes(self.capacity)
+                ),
+            )
+            .with_fix("lower --batch-size / --seq-len, or pass --activations host"));
+        }
+        let _ = self.rt.ctx.bind_to_thread();
+        let free = free_memory().map(|f| f.0).unwrap_or(0);
+        let ptr = alloc_raw(bytes as usize, label, free)?;
+        g.in_use += bytes;
+        g.peak = g.peak.max(g.in_use);
+        g.bufs.push(Some(Buf {
+            ptr,
+            len,
+            label: label.to_owned(),
+        }));
+        Ok(g.bufs.len() - 1)
+    }
+
+    fn free(&self, buf: BufId) {
+        self.synchronize();
+        let mut g = self.lock();
+        if let Some(b) = g.bufs.get_mut(buf).and_then(Option::take) {
+            // SAFETY: every stream is idle, so nothing uses the allocation any more.
+            let r = unsafe { cudarc::driver::sys::cuMemFree_v2(b.ptr) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                drop(g);
+                self.fail(format!("free {}: {r:?}", b.label));
+                return;
+            }
+            g.in_use -= 4 * b.len as u64;
+        }
+    }
+
+    fn submit(&self, stream: StreamKind, cmd: Cmd) {
+        let mut g = self.lock();
+        if let Err(e) = self
+            .rt
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| Error::system("CUDA driver", "bind the context", format!("{e:?}")))
+            .and_then(|()| self.enqueue(&mut g, stream, cmd))
+        {
+            drop(g);
+            self.fail(format!("{}: {e}", stream.name()));
+        }
+    }
+
+    fn synchronize(&self) {
+        for s in &self.streams {
+            if let Err(e) = s.synchronize() {
+                self.fail(format!("synchronize {:?}: {e:?}", s.cu_stream()));
+            }
+        }
+    }
+
+    fn memory(&self) -> MemStats {
+        let g = self.lock();
+        MemStats {
+            in_use: g.in_use,
+            peak: g.peak,
+            capacity: self.capacity,
+        }
+    }
+
+    fn reset_peak(&self) {
+        let mut g = self.lock();
+        g.peak = g.in_use;
+    }
+
+    fn take_records(&self) -> Vec<OpRecord> {
+        let timed = std::mem::take(&mut self.lock().timed);
+        let mut out = Vec::with_capacity(timed.len());
+        for t in timed {
+            let times = t.end.synchronize().and_then(|()| {
+                Ok((
+                    self.epoch_event.elapsed_ms(&t.start)?,
+                    self.epoch_event.elapsed_ms(&t.end)?,
+                ))
+            });
+            match times {
+                Ok((a, b)) => out.push(OpRecord {
+                    stream: t.stream,
+                    name: t.name,
+                    start: f64::from(a) * 1e-3,
+                    end: f64::from(b) * 1e-3,
+                    bytes: t.bytes,
+                }),
+                Err(e) => self.fail(format!("time {}: {e:?}", t.name)),
+            }
+        }
+        out
+    }
+
+    fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    fn take_error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {
+        Some(Arc::new(CudaRegistrar(self.rt.clone())))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        self.synchronize();
+        let g = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+        for b in g.bufs.drain(..).flatten() {
+            // SAFETY: every stream is idle.
+            unsafe { cudarc::driver::sys::cuMemFree_v2(b.ptr) };
+        }
+        // SAFETY: as above; the workspace was allocated in `open`.
+        unsafe { cudarc::driver::sys::cuMemFree_v2(self.ws) };
+    }
+}
+
+/// Page-locks host regions for the GPU (`cuMemHostRegister`, portable, not write-combined).
+#[derive(Debug)]
+pub struct CudaRegistrar(Arc<CudaRuntime>);
+
+#[derive(Debug)]
+struct CudaRegistration {
+    ptr: usize,
+    _rt: Arc<CudaRuntime>,
+}
+
+impl Registration for CudaRegistration {}
+
+impl Drop for CudaRegistration {
+    fn drop(&mut self) {
+        // SAFETY: registered in `register`; the region is still mapped (Region drops the
+        // registration before unmapping).
+        unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _) };
+    }
+}
+
+impl HostRegistrar for CudaRegistrar {
+    unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Box<dyn Registration>> {
+        drv(self.0.ctx.bind_to_thread(), "bind the context")?;
+        // SAFETY: the caller keeps `ptr..ptr+len` mapped until the registration drops.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                ptr.as_ptr().cast(),
+                len,
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::system(
+                "CUDA driver",
+                format!(
+                    "page-lock {} of host state with cuMemHostRegister",
+                    crate::util::human_bytes(len as u64)
+                ),
+                format!("{r:?}"),
+            )
+            .with_fix(
+                "raise the memlock limit (`ulimit -l unlimited`, or LimitMEMLOCK=infinity for a service) or run with CAP_IPC_LOCK",
+            ));
+        }
+        Ok(Box::new(CudaRegistration {
+            ptr: ptr.as_ptr() as usize,
+            _rt: self.0.clone(),
+        }))
+    }
+}
+
+/// Tolerance of the training check: fp32 on both sides, differing only in summation order
+/// (cuBLAS, atomics in the weight-gradient reductions) compounded over a few steps.
+pub const TOL_TRAINING: f64 = 1e-3;
+
+/// `selftest`'s training check: [`super::selftest::STEPS`] steps of the self-test model on GPU
+/// `ordinal` against the same steps on the CPU device.
+pub fn selftest_training(ordinal: usize, seed: u64) -> Result<Vec<super::selftest::Check>> {
+    use super::selftest::{compare_runs, small_model, train_steps, BATCH, SEQ};
+    let cfg = small_model()?;
+    let layout =
+        crate::store::layout::StateLayout::new(&cfg, crate::store::layout::Mode::Exact, false);
+    let tm = Arc::new(Templates::new(&layout, SEQ)?);
+    let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
+    let cpu = Arc::new(super::cpu::CpuDevice::new(
+        super::cpu::CpuDeviceConfig {
+            capacity_bytes: 1 << 30,
+            link: None,
+            jitter: None,
+            batch: BATCH,
+            seq: SEQ,
+        },
+        tm.clone(),
+    )?);
+    let want = train_steps(&machine, cpu, tm.clone(), seed)?;
+    let gpu = Arc::new(CudaDevice::open(
+        CudaDeviceConfig {
+            ordinal,
+            batch: BATCH,
+            seq: SEQ,
+            capacity_bytes: None,
+            tf32: false,
+        },
+        tm.clone(),
+    )?);
+    let got = train_steps(&machine, gpu, tm, seed)?;
+    Ok(compare_runs(&got, &want, TOL_TRAINING))
+}

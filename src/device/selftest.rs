@@ -1,0 +1,261 @@
+//! What `megatrain selftest` checks on a device, written so the harness itself runs (and is
+//! tested) on the CPU: a few training steps of a small model on the device under test against the
+//! same steps on the CPU device, compared step by step.
+
+use super::Device;
+use crate::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
+use crate::model::config::ModelConfig;
+use crate::model::reference::Templates;
+use crate::optim::adamw::AdamWConfig;
+use crate::optim::AdamPool;
+use crate::store::layout::{Mode, StateLayout};
+use crate::store::placement::{place, RamBudget};
+use crate::store::{HostStore, SharedRegistrar, StoreOptions};
+use crate::topology::Machine;
+use crate::Result;
+use std::sync::Arc;
+
+/// One self-test line.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Check {
+    /// What was checked.
+    pub name: String,
+    /// Largest relative error (|gpu − cpu| / max(|cpu|, 1e-3·max|cpu|)).
+    pub max_rel_err: f64,
+    /// The tolerance for its dtype.
+    pub tolerance: f64,
+    /// Within tolerance.
+    pub pass: bool,
+}
+
+/// Largest relative error of `got` against `want` (relative to each value, floored at 1e-3 of
+/// the largest |want| so near-zero entries do not dominate); any NaN fails.
+pub fn compare(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
+    let scale = want.iter().fold(0.0f64, |a, x| a.max(f64::from(x.abs())));
+    let floor = (1e-3 * scale).max(1e-12);
+    let err = if got.len() != want.len() {
+        f64::INFINITY
+    } else {
+        got.iter()
+            .zip(want)
+            .map(|(g, w)| {
+                let (g, w) = (f64::from(*g), f64::from(*w));
+                if g.is_nan() || w.is_nan() {
+                    f64::INFINITY
+                } else {
+                    (g - w).abs() / w.abs().max(floor)
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    Check {
+        name: name.to_owned(),
+        max_rel_err: err,
+        tolerance: tol,
+        pass: err <= tol,
+    }
+}
+
+/// The self-test's model: Llama-style with q/k/v/o biases (every kernel family runs), untied
+/// head, GQA, a vocabulary larger than one logit chunk's rows.
+pub fn small_model() -> Result<ModelConfig> {
+    ModelConfig::from_json_str(
+        r#"{"architectures":["LlamaForCausalLM"],"hidden_size":128,"intermediate_size":320,
+        "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":700,
+        "attention_bias":true,"tie_word_embeddings":false}"#,
+        "the self-test model",
+    )
+}
+
+/// Sequences per micro-batch of the training check.
+pub const BATCH: usize = 2;
+/// Tokens per sequence of the training check (300 rows: two logit chunks).
+pub const SEQ: usize = 150;
+/// Micro-batches per step (the gradient-accumulating copies run).
+pub const MICRO_BATCHES: usize = 2;
+/// Steps.
+pub const STEPS: usize = 3;
+
+/// What one training run produced: per step the loss and gradient norm, and every unit's
+/// gradients after the first step.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// Loss per step.
+    pub losses: Vec<f64>,
+    /// Global gradient norm per step.
+    pub norms: Vec<f64>,
+    /// Gradients of every unit after step 1.
+    pub grads: Vec<Vec<f32>>,
+}
+
+/// Train [`STEPS`] steps of [`small_model`] from a seeded init on `device` (exact mode, host
+/// activation checkpoints, [`MICRO_BATCHES`] accumulated micro-batches), page-locking the store
+/// with the device's registrar when it has one.
+pub fn train_steps(
+    machine: &Machine,
+    device: Arc<dyn Device>,
+    templates: Arc<Templates>,
+    seed: u64,
+) -> Result<Run> {
+    let cfg = templates.config.clone();
+    let layout = StateLayout::new(&cfg, Mode::Exact, false);
+    let placement = place(machine, &layout, None, RamBudget::default())?;
+    let store = HostStore::allocate(
+        layout.clone(),
+        placement,
+        &StoreOptions {
+            registrar: device.registrar().map(SharedRegistrar),
+            ..StoreOptions::default()
+        },
+    )?;
+    for (u, unit) in layout.units.iter().enumerate() {
+        let mut g = store.take(u)?;
+        let p = g.params();
+        p.copy_from_slice(&crate::util::uniform(unit.numel, seed + u as u64, 0.08));
+        for t in &unit.tensors {
+            if t.shape.len() == 1 && t.name.contains("norm") {
+                p[t.offset..t.offset + t.numel()]
+                    .iter_mut()
+                    .for_each(|x| *x += 1.0);
+            }
+        }
+    }
+    let pool = AdamPool::for_placement(store.placement(), Some(2))?;
+    let mut streamer = Streamer::new(
+        device,
+        store,
+        pool,
+        templates,
+        StreamerConfig {
+            batch: BATCH,
+            seq: SEQ,
+            micro_batches: MICRO_BATCHES,
+            checkpoints: Checkpoints::Host,
+            adam: AdamWConfig {
+                weight_decay: 0.1,
+                ..AdamWConfig::default()
+            },
+            grad_clip: 1.0,
+            decay_norms: true,
+        },
+    )?;
+    let vocab = cfg.vocab_size as u32;
+    let mut run = Run {
+        losses: Vec::new(),
+        norms: Vec::new(),
+        grads: Vec::new(),
+    };
+    // The same micro-batches every step: the loss must fall as the model memorises them.
+    let batches: Vec<MicroBatch> = (0..MICRO_BATCHES)
+        .map(|j| {
+            let s = seed.wrapping_mul(1000) + j as u64;
+            let ids: Vec<u32> = crate::util::uniform(BATCH * SEQ + 1, s, 1.0)
+                .iter()
+                .map(|x| ((x.abs() * 1e6) as u32) % vocab)
+                .collect();
+            MicroBatch {
+                tokens: ids[..BATCH * SEQ].to_vec().into(),
+                targets: ids[1..].to_vec().into(),
+            }
+        })
+        .collect();
+    for step in 0..STEPS {
+        let m = streamer.step(&batches, 3e-3)?;
+        run.losses.push(m.loss);
+        run.norms.push(m.grad_norm);
+        if step == 0 {
+            streamer.finish()?;
+            for u in 0..streamer.store().num_units() {
+                let mut g = streamer.store().take(u)?;
+                run.grads
+                    .push(g.grads().map(|x| x.to_vec()).unwrap_or_default());
+            }
+        }
+    }
+    streamer.finish()?;
+    Ok(run)
+}
+
+/// Compare a device's run with the CPU device's: losses and norms per step, and every unit's
+/// gradients after step 1, within `tol`.
+pub fn compare_runs(got: &Run, want: &Run, tol: f64) -> Vec<Check> {
+    let f = |v: &[f64]| v.iter().map(|x| *x as f32).collect::<Vec<_>>();
+    let mut out = vec![
+        compare(
+            "training: loss per step",
+            &f(&got.losses),
+            &f(&want.losses),
+            tol,
+        ),
+        compare(
+            "training: grad norm per step",
+            &f(&got.norms),
+            &f(&want.norms),
+            tol,
+        ),
+    ];
+    let n = want.grads.len();
+    for (u, (g, w)) in got.grads.iter().zip(&want.grads).enumerate() {
+        let name = match u {
+            0 => "training: step-1 grads, embedding".to_owned(),
+            u if u + 1 == n => "training: step-1 grads, head".to_owned(),
+            u => format!("training: step-1 grads, block {}", u - 1),
+        };
+        out.push(compare(&name, g, w, tol));
+    }
+    if got.grads.len() != n {
+        out.push(Check {
+            name: "training: units with gradients".into(),
+            max_rel_err: f64::INFINITY,
+            tolerance: 0.0,
+            pass: false,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
+    use crate::topology::{probe, TopologySource};
+
+    fn cpu(tm: &Arc<Templates>, jitter: Option<(u64, u64)>) -> Arc<dyn Device> {
+        Arc::new(
+            CpuDevice::new(
+                CpuDeviceConfig {
+                    capacity_bytes: 256 << 20,
+                    link: None,
+                    jitter,
+                    batch: BATCH,
+                    seq: SEQ,
+                },
+                tm.clone(),
+            )
+            .unwrap(),
+        )
+    }
+
+    /// The harness `selftest --device cuda` runs: two CPU devices (one with random delays on
+    /// every stream) agree exactly, and a run from another init is told apart.
+    #[test]
+    fn training_check_passes_on_agreeing_devices_and_fails_otherwise() {
+        let machine = probe(&TopologySource::Live).unwrap();
+        let cfg = small_model().unwrap();
+        let layout = StateLayout::new(&cfg, Mode::Exact, false);
+        let tm = Arc::new(Templates::new(&layout, SEQ).unwrap());
+        let a = train_steps(&machine, cpu(&tm, None), tm.clone(), 7).unwrap();
+        let b = train_steps(&machine, cpu(&tm, Some((3, 200))), tm.clone(), 7).unwrap();
+        assert_eq!(a.losses.len(), STEPS);
+        assert!(
+            a.losses[STEPS - 1] < a.losses[0],
+            "it trains: {:?}",
+            a.losses
+        );
+        let checks = compare_runs(&b, &a, 0.0);
+        assert_eq!(checks.len(), 2 + layout.units.len());
+        assert!(checks.iter().all(|c| c.pass), "{checks:?}");
+        let c = train_steps(&machine, cpu(&tm, None), tm.clone(), 8).unwrap();
+        assert!(compare_runs(&c, &a, 1e-3).iter().any(|c| !c.pass));
+    }
+}
