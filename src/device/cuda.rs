@@ -18,6 +18,11 @@ use cudarc::driver::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Flags of an event that can be timed (`cuEventElapsedTime` fails on cudarc's default,
+/// `CU_EVENT_DISABLE_TIMING`).
+pub const TIMED: cudarc::driver::sys::CUevent_flags =
+    cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+
 /// The CUDA version the bindings are built for (cudarc feature `cuda-12080`).
 pub const MIN_DRIVER: i32 = 12080;
 
@@ -890,8 +895,9 @@ fn time_ms(
 ) -> Result<f64> {
     let mut v = Vec::new();
     for _ in 0..=reps.max(1) {
-        let a = drv(rt.ctx.new_event(None), "event")?;
-        let b = drv(rt.ctx.new_event(None), "event")?;
+        // Timing needs events created with timing on (cudarc's default disables it).
+        let a = drv(rt.ctx.new_event(Some(TIMED)), "event")?;
+        let b = drv(rt.ctx.new_event(Some(TIMED)), "event")?;
         drv(a.record(&rt.stream), "record")?;
         if let Some(o) = other {
             drv(o.wait(&a), "wait")?;

@@ -19,7 +19,7 @@
 //! is bit-identical to the reference on the CPU backend, every kernel compiles through NVRTC, and
 //! the streamer's use of events and buffers is exercised against the CPU device's checks.
 
-use super::cuda::{drv, CudaRuntime};
+use super::cuda::{drv, CudaRuntime, TIMED};
 use super::cuda_backend::{host_fn, CudaBackend, DevPtr, Pinned};
 use super::program::{self, Shape, Ws};
 use super::{BufId, Cmd, Device, Event, MemStats, OpRecord, StreamKind};
@@ -81,13 +81,65 @@ struct Inner {
     staging: Option<Arc<Pinned>>,
 }
 
+/// What the submitting thread and the watchdog share.
+#[derive(Debug)]
+struct Shared {
+    inner: Mutex<Inner>,
+    error: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keep the first error, and fire every host event still pending: a stream that failed
+    /// never reaches them, and the host must not wait forever (it reads the error next).
+    /// Call without the `inner` lock held.
+    fn fail(&self, msg: String) {
+        {
+            let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
+            if e.is_none() {
+                *e = Some(msg);
+            }
+        }
+        for (h, _) in self.lock().recorded.drain(..) {
+            h.signal();
+        }
+    }
+
+    /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
+    /// from querying any pending event.
+    fn check(&self) {
+        let fault = {
+            let mut g = self.lock();
+            g.recorded.retain(|(h, _)| !h.query());
+            g.recorded.iter().find_map(|(_, ce)| {
+                // SAFETY: a live event owned by the list.
+                match unsafe { cudarc::driver::result::event::query(ce.cu_event()) } {
+                    Ok(()) => None,
+                    Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => None,
+                    Err(e) => Some(e),
+                }
+            })
+        };
+        if let Some(e) = fault {
+            self.fail(format!("the GPU reported {e:?} while running the step"));
+        }
+    }
+}
+
+/// How often the watchdog looks for asynchronous faults.
+const WATCHDOG: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// The CUDA device.
 #[derive(Debug)]
 pub struct CudaDevice {
     rt: Arc<CudaRuntime>,
     streams: [Arc<CudaStream>; 3],
-    inner: Mutex<Inner>,
-    error: Arc<Mutex<Option<String>>>,
+    shared: Arc<Shared>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
     capacity: u64,
     templates: Arc<Templates>,
     shape: Shape,
@@ -162,14 +214,12 @@ impl CudaDevice {
             cfg.tf32,
         )?;
         let epoch_event = drv(
-            streams[StreamKind::Compute as usize].record_event(None),
+            streams[StreamKind::Compute as usize].record_event(Some(TIMED)),
             "record the epoch",
         )?;
         drv(epoch_event.synchronize(), "synchronize the epoch")?;
         let epoch = Instant::now();
-        Ok(CudaDevice {
-            rt,
-            streams,
+        let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 bufs: Vec::new(),
                 in_use: ws_bytes,
@@ -179,7 +229,30 @@ impl CudaDevice {
                 timed: Vec::new(),
                 staging: None,
             }),
-            error: Arc::new(Mutex::new(None)),
+            error: Mutex::new(None),
+        });
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watchdog = {
+            let (shared, stop, ctx) = (shared.clone(), stop.clone(), rt.ctx.clone());
+            std::thread::Builder::new()
+                .name("cuda-watchdog".into())
+                .spawn(move || {
+                    if ctx.bind_to_thread().is_err() {
+                        return;
+                    }
+                    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                        shared.check();
+                        std::thread::sleep(WATCHDOG);
+                    }
+                })
+                .map_err(|e| Error::system("std::thread", "spawn the CUDA watchdog", e))?
+        };
+        Ok(CudaDevice {
+            rt,
+            streams,
+            shared,
+            stop,
+            watchdog: Some(watchdog),
             capacity,
             templates,
             shape: Shape {
@@ -221,14 +294,11 @@ impl CudaDevice {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.lock()
     }
 
     fn fail(&self, msg: String) {
-        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
-        if e.is_none() {
-            *e = Some(msg);
-        }
+        self.shared.fail(msg);
     }
 
     fn enqueue(&self, g: &mut Inner, kind: StreamKind, cmd: Cmd) -> Result<()> {
@@ -247,7 +317,11 @@ impl CudaDevice {
                 })
         };
         let span = |name: String, bytes: u64| -> Result<(String, u64, CudaEvent)> {
-            Ok((name, bytes, drv(stream.record_event(None), "record")?))
+            Ok((
+                name,
+                bytes,
+                drv(stream.record_event(Some(TIMED)), "record")?,
+            ))
         };
         let timed = match cmd {
             Cmd::Record(e) => {
@@ -378,7 +452,7 @@ impl CudaDevice {
             }
         };
         if let Some((name, bytes, start)) = timed {
-            let end = drv(stream.record_event(None), "record")?;
+            let end = drv(stream.record_event(Some(TIMED)), "record")?;
             g.timed.push(Timed {
                 stream: kind,
                 name,
@@ -484,6 +558,7 @@ impl Device for CudaDevice {
 
     fn free(&self, buf: BufId) {
         self.synchronize();
+        let _ = self.rt.ctx.bind_to_thread();
         let mut g = self.lock();
         if let Some(b) = g.bufs.get_mut(buf).and_then(Option::take) {
             // SAFETY: every stream is idle, so nothing uses the allocation any more.
@@ -498,6 +573,10 @@ impl Device for CudaDevice {
     }
 
     fn submit(&self, stream: StreamKind, cmd: Cmd) {
+        let record = match &cmd {
+            Cmd::Record(e) => Some(e.clone()),
+            _ => None,
+        };
         let mut g = self.lock();
         if let Err(e) = self
             .rt
@@ -508,6 +587,9 @@ impl Device for CudaDevice {
         {
             drop(g);
             self.fail(format!("{}: {e}", stream.name()));
+            if let Some(e) = record {
+                e.signal();
+            }
         }
     }
 
@@ -562,7 +644,11 @@ impl Device for CudaDevice {
     }
 
     fn take_error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.shared
+            .error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {
@@ -572,8 +658,13 @@ impl Device for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
         self.synchronize();
-        let g = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+        let _ = self.rt.ctx.bind_to_thread();
+        let mut g = self.shared.lock();
         for b in g.bufs.drain(..).flatten() {
             // SAFETY: every stream is idle.
             unsafe { cudarc::driver::sys::cuMemFree_v2(b.ptr) };
