@@ -280,44 +280,29 @@ impl Backend for CudaBackend {
     }
 
     fn gemm(&mut self, g: Gemm<DevPtr>) -> Result<()> {
-        // Row-major C[m, n] = op(A)·op(B) is column-major Cᵀ[n, m] = op(B)ᵀ·op(A)ᵀ: cuBLAS sees
-        // B first. A row-major matrix stored r×c is, to cuBLAS, its transpose with ld = c.
-        let (m, n, k) = (
-            i32_of(g.m, "gemm m")?,
-            i32_of(g.n, "gemm n")?,
-            i32_of(g.k, "gemm k")?,
-        );
-        let (op_b, ldb) = if g.tb {
-            (Op::CUBLAS_OP_T, k)
-        } else {
-            (Op::CUBLAS_OP_N, n)
-        };
-        let (op_a, lda) = if g.ta {
-            (Op::CUBLAS_OP_T, m)
-        } else {
-            (Op::CUBLAS_OP_N, k)
-        };
-        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
+        let c = launch::row_major_gemm(g.m, g.k, g.n, g.ta, g.tb);
+        let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: the program checked that A, B and C hold m·k, k·n and m·n elements.
         unsafe {
             cudarc::cublas::result::sgemm(
                 *self.blas.handle(),
-                op_b,
-                op_a,
-                n,
-                m,
-                k,
+                op(c.trans_first),
+                op(c.trans_second),
+                i32_of(c.m, "gemm m")?,
+                i32_of(c.n, "gemm n")?,
+                i32_of(c.k, "gemm k")?,
                 &alpha,
                 g.b as *const f32,
-                ldb.max(1),
+                i32_of(c.ld_first, "gemm ld")?,
                 g.a as *const f32,
-                lda.max(1),
+                i32_of(c.ld_second, "gemm ld")?,
                 &beta,
                 g.c as *mut f32,
-                n.max(1),
+                i32_of(c.ldc, "gemm ld")?,
             )
         }
         .map_err(|e| Error::system("cuBLAS", "sgemm", format!("{e:?}")))

@@ -133,8 +133,109 @@ pub fn logit_chunk_rows(n: usize, vocab: usize, budget_bytes: usize) -> usize {
     (budget_bytes / (vocab.max(1) * 4)).clamp(1, n.max(1))
 }
 
+/// A column-major BLAS GEMM call: `C = op(first)·op(second) (+ C)` with cuBLAS' argument order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ColMajorGemm {
+    /// `op` of the first matrix is a transpose.
+    pub trans_first: bool,
+    /// `op` of the second matrix is a transpose.
+    pub trans_second: bool,
+    /// Rows of the column-major C.
+    pub m: usize,
+    /// Columns of the column-major C.
+    pub n: usize,
+    /// Inner dimension.
+    pub k: usize,
+    /// Leading dimension of the first matrix.
+    pub ld_first: usize,
+    /// Leading dimension of the second matrix.
+    pub ld_second: usize,
+    /// Leading dimension of C.
+    pub ldc: usize,
+}
+
+/// The cuBLAS call for the row-major, packed `C[m, n] = op(A)·op(B)` of
+/// [`super::program::Gemm`] (`A` m×k, stored k×m when `ta`; `B` k×n, stored n×k when `tb`):
+/// row-major C is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so B goes first, and a row-major matrix
+/// stored r×c is, to BLAS, its transpose with leading dimension c.
+pub fn row_major_gemm(m: usize, k: usize, n: usize, ta: bool, tb: bool) -> ColMajorGemm {
+    ColMajorGemm {
+        trans_first: tb,
+        trans_second: ta,
+        m: n,
+        n: m,
+        k,
+        ld_first: if tb { k } else { n }.max(1),
+        ld_second: if ta { m } else { k }.max(1),
+        ldc: n.max(1),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    /// Column-major `C = op(A)·op(B) + beta·C` exactly as BLAS defines it (the reference the
+    /// cuBLAS mapping is checked against without a GPU).
+    #[allow(clippy::too_many_arguments)]
+    fn blas_sgemm(
+        g: &ColMajorGemm,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        beta: f32,
+    ) {
+        let at = |i: usize, l: usize| {
+            if g.trans_first {
+                a[l + i * g.ld_first]
+            } else {
+                a[i + l * g.ld_first]
+            }
+        };
+        let bt = |l: usize, j: usize| {
+            if g.trans_second {
+                b[j + l * g.ld_second]
+            } else {
+                b[l + j * g.ld_second]
+            }
+        };
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut s = 0.0f64;
+                for l in 0..g.k {
+                    s += f64::from(at(i, l)) * f64::from(bt(l, j));
+                }
+                let o = &mut c[i + j * g.ldc];
+                *o = s as f32 + beta * *o;
+            }
+        }
+    }
+
+    /// The cuBLAS mapping of every transpose combination computes what the CPU GEMM computes.
+    #[test]
+    fn row_major_gemm_maps_onto_column_major_blas() {
+        let (m, k, n) = (5usize, 7usize, 3usize);
+        for (ta, tb, acc) in [
+            (false, false, false),
+            (false, true, true),
+            (true, false, true),
+            (true, true, false),
+        ] {
+            let a = crate::util::uniform(m * k, 1, 1.0);
+            let b = crate::util::uniform(k * n, 2, 1.0);
+            let c0 = crate::util::uniform(m * n, 3, 1.0);
+            let mut want = c0.clone();
+            let a_st = if ta { (1, m) } else { (k, 1) };
+            let b_st = if tb { (1, k) } else { (n, 1) };
+            crate::model::ops::gemm(&mut want, &a, a_st, &b, b_st, m, k, n, acc);
+            let g = row_major_gemm(m, k, n, ta, tb);
+            let mut got = c0.clone();
+            // cuBLAS sees B first, then A.
+            blas_sgemm(&g, &b, &a, &mut got, if acc { 1.0 } else { 0.0 });
+            for (x, y) in got.iter().zip(&want) {
+                assert!((x - y).abs() < 1e-5, "ta={ta} tb={tb}: {x} vs {y}");
+            }
+        }
+    }
     use super::*;
 
     #[test]
