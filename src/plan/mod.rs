@@ -267,8 +267,10 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     let ckpt = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
     let elem = if req.bf16 { 2 } else { 4 };
     let slots = 2 * layout.max_unit_numel() as u64 * (elem + 4); // weights (streamed dtype) + fp32 grads
-    let i = model.intermediate_size as u64;
-    let act = tokens_mb * 4 * (10 * c + 5 * i + 2 * (model.q_dim() + model.kv_dim()) as u64);
+    // The device program's layer workspace (what the devices allocate), plus dx/dy and the two
+    // checkpoint slots of host-offloaded activations.
+    let act = crate::device::program::workspace_bytes(model, 1, tokens_mb as usize)
+        + 4 * tokens_mb * c * 4;
     MemoryPlan {
         host_state_bytes: host,
         host_checkpoint_bytes: ckpt,
