@@ -114,7 +114,9 @@ impl Shared {
         let fault = {
             let mut g = self.lock();
             g.recorded.retain(|(h, _)| !h.query());
-            g.recorded.iter().find_map(|(_, ce)| {
+            // A fault is sticky: every later query reports it, so the oldest pending event is
+            // enough (and keeps the lock short).
+            g.recorded.first().and_then(|(_, ce)| {
                 // SAFETY: a live event owned by the list.
                 match unsafe { cudarc::driver::result::event::query(ce.cu_event()) } {
                     Ok(()) => None,
@@ -280,6 +282,7 @@ impl CudaDevice {
     /// Copy a device buffer to a Vec (tests and the self-test; synchronizes first).
     pub fn read(&self, buf: BufId) -> Result<Vec<f32>> {
         self.synchronize();
+        drv(self.rt.ctx.bind_to_thread(), "bind the context")?;
         let g = self.lock();
         let b = g
             .bufs

@@ -177,13 +177,7 @@ mod tests {
     /// Column-major `C = op(A)·op(B) + beta·C` exactly as BLAS defines it (the reference the
     /// cuBLAS mapping is checked against without a GPU).
     #[allow(clippy::too_many_arguments)]
-    fn blas_sgemm(
-        g: &ColMajorGemm,
-        a: &[f32],
-        b: &[f32],
-        c: &mut [f32],
-        beta: f32,
-    ) {
+    fn blas_sgemm(g: &ColMajorGemm, a: &[f32], b: &[f32], c: &mut [f32], beta: f32) {
         let at = |i: usize, l: usize| {
             if g.trans_first {
                 a[l + i * g.ld_first]

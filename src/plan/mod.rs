@@ -266,7 +266,8 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     host = host - nvme + staging;
     let ckpt = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
     let elem = if req.bf16 { 2 } else { 4 };
-    let slots = 2 * layout.max_unit_numel() as u64 * (elem + 4); // weights (streamed dtype) + fp32 grads
+    // Two slots of weights (streamed dtype) and of fp32 grads.
+    let slots = 2 * layout.max_unit_numel() as u64 * (elem + 4);
     // The device program's layer workspace (what the devices allocate), plus dx/dy and the two
     // checkpoint slots of host-offloaded activations.
     let act = crate::device::program::workspace_bytes(model, 1, tokens_mb as usize)
