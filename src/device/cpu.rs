@@ -329,13 +329,7 @@ fn execute(
             let began = Instant::now();
             let buf = shared.buffer(dst)?;
             let mut d = buf.write()?;
-            if offset + src.len() > d.len() {
-                return Err(format!(
-                    "htod {label}: {} elements at {offset} overflow buffer {dst} of {}",
-                    src.len(),
-                    d.len()
-                ));
-            }
+            super::check_copy(&format!("htod {label}"), src.len(), offset, dst, d.len())?;
             // SAFETY: HostRef's contract: valid and unaliased until this command completes.
             d[offset..offset + src.len()].copy_from_slice(unsafe { src.slice() });
             drop(d);
@@ -358,13 +352,7 @@ fn execute(
             let began = Instant::now();
             let buf = shared.buffer(src)?;
             let s = buf.read()?;
-            if offset + dst.len() > s.len() {
-                return Err(format!(
-                    "dtoh {label}: {} elements at {offset} overflow buffer {src} of {}",
-                    dst.len(),
-                    s.len()
-                ));
-            }
+            super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, s.len())?;
             // SAFETY: HostRef's contract: valid and unaliased until this command completes.
             let h = unsafe { dst.slice() };
             if accumulate {

@@ -162,7 +162,7 @@ impl CudaRuntime {
     }
 }
 
-fn cfg(l: launch::Launch) -> LaunchConfig {
+pub(crate) fn cfg(l: launch::Launch) -> LaunchConfig {
     LaunchConfig {
         grid_dim: l.grid,
         block_dim: (l.block, 1, 1),
@@ -189,7 +189,7 @@ fn round_bf16(v: &[f32]) -> Vec<f32> {
 }
 
 /// The attention kernels' scalar arguments: t, nh, nkv, hd, tile, softmax scale.
-fn attn_args(s: AttnShape, g: &launch::AttnLaunch) -> (i32, i32, i32, i32, i32, f32) {
+pub(crate) fn attn_args(s: AttnShape, g: &launch::AttnLaunch) -> (i32, i32, i32, i32, i32, f32) {
     (
         s.t as i32,
         s.nh as i32,
@@ -858,10 +858,20 @@ pub fn selftest_kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
 fn page_lock(region: &crate::host::Region) -> Result<()> {
     // SAFETY: registering our own mapped region; callers unregister (`unlock`) before it is
     // unmapped.
+    unsafe { host_register(region.as_ptr(), region.len()) }
+}
+
+/// Page-lock `len` bytes at `ptr` for the GPU (`cuMemHostRegister`, portable, not
+/// write-combined), with the memlock fix in the error.
+///
+/// # Safety
+/// `ptr..ptr+len` must stay mapped until `cuMemHostUnregister(ptr)`.
+pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<()> {
+    // SAFETY: forwarded contract.
     let r = unsafe {
         cudarc::driver::sys::cuMemHostRegister_v2(
-            region.as_ptr().cast(),
-            region.len(),
+            ptr.cast(),
+            len,
             cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
         )
     };
@@ -870,11 +880,13 @@ fn page_lock(region: &crate::host::Region) -> Result<()> {
             "CUDA driver",
             format!(
                 "page-lock {} with cuMemHostRegister",
-                crate::util::human_bytes(region.len() as u64)
+                crate::util::human_bytes(len as u64)
             ),
             format!("{r:?}"),
         )
-        .with_fix("raise the memlock limit (`ulimit -l unlimited`) or run with CAP_IPC_LOCK"));
+        .with_fix(
+            "raise the memlock limit (`ulimit -l unlimited`, LimitMEMLOCK=infinity for a service) or run with CAP_IPC_LOCK",
+        ));
     }
     Ok(())
 }

@@ -10,14 +10,14 @@
 //! CPU reference by `megatrain selftest --device cuda`, and the program that calls it is checked
 //! bit for bit against the reference layers on the CPU backend.
 
-use super::cuda::{drv, CudaRuntime};
-use super::launch::{self, Launch};
+use super::cuda::{attn_args, cfg, drv, CudaRuntime};
+use super::launch;
 use super::program::{Backend, Gemm};
 use crate::model::ops::{AttnShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t as Op};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PushKernelArg};
 use std::sync::{Arc, Mutex};
 
 /// A device address.
@@ -116,14 +116,6 @@ pub fn host_fn(stream: &CudaStream, f: impl FnOnce() + Send + 'static) -> Result
         ));
     }
     Ok(())
-}
-
-fn cfg(l: Launch) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: l.grid,
-        block_dim: (l.block, 1, 1),
-        shared_mem_bytes: l.smem,
-    }
 }
 
 /// Launch kernel `$name` on the backend's stream with `$args` (device pointers as `u64`).
@@ -460,14 +452,7 @@ impl Backend for CudaBackend {
         s: AttnShape,
     ) -> Result<()> {
         let g = launch::attention(s, self.smem)?;
-        let (t, nh, nkv, hd, tile) = (
-            s.t as i32,
-            s.nh as i32,
-            s.nkv as i32,
-            s.hd as i32,
-            g.tile as i32,
-        );
-        let scale = 1.0 / (s.hd as f32).sqrt();
+        let (t, nh, nkv, hd, tile, scale) = attn_args(s, &g);
         k!(
             self,
             "attention_fwd_f32",
@@ -502,14 +487,7 @@ impl Backend for CudaBackend {
         s: AttnShape,
     ) -> Result<()> {
         let g = launch::attention(s, self.smem)?;
-        let (t, nh, nkv, hd, tile) = (
-            s.t as i32,
-            s.nh as i32,
-            s.nkv as i32,
-            s.hd as i32,
-            g.tile as i32,
-        );
-        let scale = 1.0 / (s.hd as f32).sqrt();
+        let (t, nh, nkv, hd, tile, scale) = attn_args(s, &g);
         k!(
             self,
             "attention_bwd_f32",

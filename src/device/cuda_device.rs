@@ -360,16 +360,8 @@ impl CudaDevice {
                 label,
             } => {
                 let (p, len) = buf(g, dst)?;
-                if offset + src.len() > len {
-                    return Err(Error::system(
-                        "CUDA device",
-                        format!("htod {label}"),
-                        format!(
-                            "{} elements at {offset} overflow buffer {dst} of {len}",
-                            src.len()
-                        ),
-                    ));
-                }
+                super::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)
+                    .map_err(|e| Error::system("CUDA device", "copy", e))?;
                 let start = span(format!("htod {label}"), 4 * src.len() as u64)?;
                 // SAFETY: HostRef's contract keeps the source valid and unwritten until the
                 // stream's next event fires; the destination range was checked.
@@ -392,16 +384,8 @@ impl CudaDevice {
                 label,
             } => {
                 let (p, len) = buf(g, src)?;
-                if offset + dst.len() > len {
-                    return Err(Error::system(
-                        "CUDA device",
-                        format!("dtoh {label}"),
-                        format!(
-                            "{} elements at {offset} overflow buffer {src} of {len}",
-                            dst.len()
-                        ),
-                    ));
-                }
+                super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)
+                    .map_err(|e| Error::system("CUDA device", "copy", e))?;
                 let start = span(format!("dtoh {label}"), 4 * dst.len() as u64)?;
                 let from = p + 4 * offset as u64;
                 if accumulate {
@@ -701,26 +685,7 @@ impl HostRegistrar for CudaRegistrar {
     unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Box<dyn Registration>> {
         drv(self.0.ctx.bind_to_thread(), "bind the context")?;
         // SAFETY: the caller keeps `ptr..ptr+len` mapped until the registration drops.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemHostRegister_v2(
-                ptr.as_ptr().cast(),
-                len,
-                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            return Err(Error::system(
-                "CUDA driver",
-                format!(
-                    "page-lock {} of host state with cuMemHostRegister",
-                    crate::util::human_bytes(len as u64)
-                ),
-                format!("{r:?}"),
-            )
-            .with_fix(
-                "raise the memlock limit (`ulimit -l unlimited`, or LimitMEMLOCK=infinity for a service) or run with CAP_IPC_LOCK",
-            ));
-        }
+        unsafe { super::cuda::host_register(ptr.as_ptr(), len)? };
         Ok(Box::new(CudaRegistration {
             ptr: ptr.as_ptr() as usize,
             _rt: self.0.clone(),

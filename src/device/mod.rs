@@ -143,6 +143,23 @@ impl HostRef {
     }
 }
 
+/// Check that a copy (`what`: "htod weights unit 3", …) of `n` elements at `offset` fits device
+/// buffer `buf` of `have` elements.
+pub(crate) fn check_copy(
+    what: &str,
+    n: usize,
+    offset: usize,
+    buf: BufId,
+    have: usize,
+) -> std::result::Result<(), String> {
+    if offset + n > have {
+        return Err(format!(
+            "{what}: {n} elements at {offset} overflow buffer {buf} of {have}"
+        ));
+    }
+    Ok(())
+}
+
 /// A `(buffer, element offset)` inside device memory.
 pub type At = (BufId, usize);
 
