@@ -186,3 +186,25 @@ fn every_launch_passes_the_kernels_parameter_count() {
     assert!(checked >= 30, "only {checked} launches found");
     eprintln!("{checked} launches match their kernels' parameter lists");
 }
+
+/// Without a GPU, `train --device cuda` (in a CUDA build) stops before any state is allocated,
+/// exits non-zero and says why.
+#[test]
+fn train_on_cuda_without_a_gpu_says_why() {
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("SKIP: this machine has a GPU; `megatrain selftest --device cuda` checks it");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .current_dir(d.path())
+        .args(["train", "--demo", "--device", "cuda", "--steps", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("error: CUDA driver") && err.contains("no NVIDIA driver"),
+        "{err}"
+    );
+}
