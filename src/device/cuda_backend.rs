@@ -28,6 +28,7 @@ pub type DevPtr = u64;
 pub struct Pinned {
     ptr: *mut u8,
     bytes: usize,
+    ctx: Arc<cudarc::driver::CudaContext>,
 }
 
 // SAFETY: plain memory owned by this value; users synchronize access through stream order.
@@ -37,7 +38,8 @@ unsafe impl Sync for Pinned {}
 
 impl Pinned {
     /// `bytes` of page-locked memory (portable: usable from every context).
-    pub fn new(bytes: usize) -> Result<Self> {
+    pub fn new(ctx: &Arc<cudarc::driver::CudaContext>, bytes: usize) -> Result<Self> {
+        drv(ctx.bind_to_thread(), "bind the context")?;
         // SAFETY: allocates; freed in Drop.
         let ptr = unsafe {
             cudarc::driver::result::malloc_host(
@@ -59,6 +61,7 @@ impl Pinned {
         Ok(Pinned {
             ptr: ptr.cast(),
             bytes,
+            ctx: ctx.clone(),
         })
     }
 
@@ -75,6 +78,8 @@ impl Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
+        // The dropping thread may not have the context current.
+        let _ = self.ctx.bind_to_thread();
         // SAFETY: allocated by cuMemHostAlloc in `new`; owners synchronize before dropping.
         let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
     }
@@ -190,6 +195,8 @@ impl CudaBackend {
             stream.alloc_zeros::<u32>(n.max(1)),
             "allocate the token ids",
         )?;
+        let ids_stage = Pinned::new(&rt.ctx, 4 * n.max(1))?;
+        let losses = Pinned::new(&rt.ctx, 4 * n.max(1))?;
         Ok(CudaBackend {
             rt,
             stream,
@@ -199,9 +206,9 @@ impl CudaBackend {
             head_dim: rope.head_dim,
             max_pos: rope.max_pos,
             ids,
-            ids_stage: Pinned::new(4 * n.max(1))?,
+            ids_stage,
             ids_copied: None,
-            losses: Pinned::new(4 * n.max(1))?,
+            losses,
             smem: launch::DEFAULT_SMEM,
         })
     }

@@ -463,7 +463,7 @@ impl CudaDevice {
         let staging = match &g.staging {
             Some(s) => s.clone(),
             None => {
-                let s = Arc::new(Pinned::new(4 * ACCUM_CHUNK)?);
+                let s = Arc::new(Pinned::new(&self.rt.ctx, 4 * ACCUM_CHUNK)?);
                 g.staging = Some(s.clone());
                 s
             }
@@ -675,6 +675,8 @@ impl Registration for CudaRegistration {}
 
 impl Drop for CudaRegistration {
     fn drop(&mut self) {
+        // The dropping thread may not have the context current.
+        let _ = self._rt.ctx.bind_to_thread();
         // SAFETY: registered in `register`; the region is still mapped (Region drops the
         // registration before unmapping).
         unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _) };
