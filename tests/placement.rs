@@ -157,3 +157,25 @@ fn synthetic_two_and_four_node_machines_balance_adam_state() {
         );
     }
 }
+
+/// A CUDA device finds itself in the topology by PCI address: on the Xeon SNC4 server with four
+/// H100s, each GPU's host state goes to its own sub-NUMA node.
+#[test]
+fn gpus_are_found_by_pci_address_and_stream_from_their_node() {
+    let Some(m) = recorded("ipa20.xml") else {
+        return;
+    };
+    assert!(m.gpus.len() >= 2, "{} GPUs", m.gpus.len());
+    for (i, g) in m.gpus.iter().enumerate() {
+        assert_eq!(m.gpu_by_pci_bus_id(&g.pci_bus_id.to_uppercase()), Some(i));
+        let layout = StateLayout::new(&llama(1024, 2816, 4, 16, 8), Mode::Exact, false);
+        let p = place(&m, &layout, Some(i), RamBudget::default()).unwrap();
+        assert_eq!(
+            p.node_of(1, ShardKind::Params),
+            g.numa_nodes.first().copied(),
+            "GPU {i} at {}",
+            g.pci_bus_id
+        );
+    }
+    assert_eq!(m.gpu_by_pci_bus_id("0000:ff:1f.7"), None);
+}

@@ -41,6 +41,8 @@ pub struct CudaRuntime {
     pub sms: u32,
     /// Driver version (e.g. 12080).
     pub driver: i32,
+    /// PCI address, `dddd:bb:dd.0` (how the topology knows this GPU).
+    pub pci_bus_id: String,
     functions: HashMap<&'static str, CudaFunction>,
 }
 
@@ -119,6 +121,14 @@ impl CudaRuntime {
             ),
             "multiprocessor count",
         )? as u32;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let attr = |a: A| drv(ctx.attribute(a), "PCI address");
+        let pci_bus_id = format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        );
         let stream = drv(ctx.new_stream(), "create a stream")?;
         Ok(CudaRuntime {
             ctx,
@@ -127,6 +137,7 @@ impl CudaRuntime {
             cc,
             sms,
             driver: v,
+            pci_bus_id,
             functions: HashMap::new(),
         })
     }

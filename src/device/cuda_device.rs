@@ -638,6 +638,10 @@ impl Device for CudaDevice {
             .take()
     }
 
+    fn pci_bus_id(&self) -> Option<String> {
+        Some(self.rt.pci_bus_id.clone())
+    }
+
     fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {
         Some(Arc::new(CudaRegistrar(self.rt.clone())))
     }

@@ -332,6 +332,11 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn epoch(&self) -> Instant;
     /// The first error a stream hit (an op on bad buffers, a kernel panic), if any.
     fn take_error(&self) -> Option<String>;
+    /// The GPU's PCI address (`dddd:bb:dd.f`), for placing host state near it; `None` for the
+    /// CPU device.
+    fn pci_bus_id(&self) -> Option<String> {
+        None
+    }
     /// What page-locks host memory for this device's copies (none: copies need no pinning).
     fn registrar(&self) -> Option<Arc<dyn crate::host::HostRegistrar + Send + Sync>> {
         None

@@ -306,6 +306,15 @@ pub struct BlockDevice {
 }
 
 impl Machine {
+    /// The index in `gpus` of the GPU at PCI address `bus_id` (`dddd:bb:dd.f`, any case) — how
+    /// a CUDA device (whose ordinal depends on `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER`)
+    /// finds its place in the topology.
+    pub fn gpu_by_pci_bus_id(&self, bus_id: &str) -> Option<usize> {
+        self.gpus
+            .iter()
+            .position(|g| g.pci_bus_id.eq_ignore_ascii_case(bus_id))
+    }
+
     /// Parse a machine description written by `megatrain probe --json`.
     pub fn from_json(text: &str, origin: &str) -> crate::Result<Self> {
         let m: Machine = serde_json::from_str(text).map_err(|e| {

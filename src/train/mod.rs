@@ -299,7 +299,26 @@ pub fn run(
     };
     cfg.validate()?;
     let layout = StateLayout::new(&model, mode, false);
-    let placement = place_with_spill(&machine, &layout, None, budget, spill_req)?;
+    let tm = Arc::new(Templates::new(&layout, t)?);
+    let device = open_device(cfg, &tm, b, t)?;
+    // A GPU finds its NUMA node by PCI address: params and grads go next to it.
+    let gpu = device
+        .pci_bus_id()
+        .and_then(|id| machine.gpu_by_pci_bus_id(&id));
+    progress.note(&format!(
+        "device: {}{}",
+        device.name(),
+        match (device.pci_bus_id(), gpu) {
+            (Some(id), Some(i)) => format!(
+                " at {id}: host state streamed from NUMA node(s) {:?}",
+                machine.gpus[i].numa_nodes
+            ),
+            (Some(id), None) =>
+                format!(" at {id}: not in the probed topology, placed as for no GPU"),
+            _ => String::new(),
+        }
+    ));
+    let placement = place_with_spill(&machine, &layout, gpu, budget, spill_req)?;
     if let Some(p) = &placement.spill {
         progress.note(&format!(
             "spilling Adam m/v of {} of {} units to NVMe ({} on disk, {} slots x {} staging in RAM)",
@@ -310,9 +329,6 @@ pub fn run(
             crate::util::human_bytes(p.slot_bytes)
         ));
     }
-    let tm = Arc::new(Templates::new(&layout, t)?);
-    let device = open_device(cfg, &tm, b, t)?;
-    progress.note(&format!("device: {}", device.name()));
     let store = HostStore::allocate(
         layout.clone(),
         placement,
