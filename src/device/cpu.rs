@@ -1,5 +1,6 @@
 //! The CPU device: a fixed-capacity arena of buffers, one worker thread per stream, events that
-//! order work across streams, the layer ops run by the CPU reference kernels, and an optional
+//! order work across streams, the layer ops run as the device program ([`super::program`], the
+//! same one the CUDA device runs) on the CPU reference kernels, and an optional
 //! link model (bandwidth and latency per direction) that makes copies take as long as they would
 //! over PCIe or NVLink-C2C. Random per-command delays can be injected to shake out ordering bugs.
 

@@ -1,7 +1,8 @@
 //! The device abstraction, with CUDA's semantics: buffers from a bounded pool, FIFO streams,
 //! events that order work across streams, async copies from registered host memory, and the layer
 //! ops as kernels. [`cpu::CpuDevice`] implements it for real (one worker thread per stream); the
-//! CUDA device adds kernels and copies, not new control flow.
+//! CUDA device (`cuda_device`, feature `cuda`) adds CUDA streams, events and copies, not new
+//! control flow. Both run the layer ops as the same [`program`] on their own [`program::Backend`].
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
