@@ -169,7 +169,7 @@ pub type At = (BufId, usize);
 /// (`Arc<[u32]>`), like a kernel argument upload.
 #[derive(Debug, Clone)]
 pub enum Kernel {
-    /// x = E[tokens]; E at `w`.
+    /// x = E\[tokens\]; E at `w`.
     EmbedFwd { w: At, tokens: Arc<[u32]>, x: BufId },
     /// y = block(x) with the unit's weights at `w`.
     BlockFwd {
@@ -200,7 +200,7 @@ pub enum Kernel {
         dy: BufId,
         dx: BufId,
     },
-    /// dE[tokens] += dx.
+    /// dE\[tokens\] += dx.
     EmbedBwd {
         g: At,
         tokens: Arc<[u32]>,

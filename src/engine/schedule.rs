@@ -53,7 +53,7 @@ pub enum Res {
 /// A device kernel of the plan (micro-batch `mb`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum KernelOp {
-    /// x_0 = E[tokens].
+    /// x_0 = E\[tokens\].
     EmbedFwd { mb: usize, w: DevBuf, x: DevBuf },
     /// x_{i+1} = block_i(x_i).
     BlockFwd {
@@ -83,7 +83,7 @@ pub enum KernelOp {
         dy: DevBuf,
         dx: DevBuf,
     },
-    /// dE[tokens] += dx.
+    /// dE\[tokens\] += dx.
     EmbedBwd { mb: usize, g: DevBuf, dx: DevBuf },
     /// Zero a gradient buffer.
     Zero { buf: DevBuf },

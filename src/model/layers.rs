@@ -139,7 +139,7 @@ impl Embedding {
         }
     }
 
-    /// x[N, C] = E[tokens].
+    /// x[N, C] = E\[tokens\].
     pub fn forward(&self, p: &[f32], tokens: &[u32], x: &mut [f32]) {
         for (row, &tok) in x.chunks_mut(self.c).zip(tokens) {
             let t = tok as usize;
@@ -147,7 +147,7 @@ impl Embedding {
         }
     }
 
-    /// dE[tokens] += dx.
+    /// dE\[tokens\] += dx.
     pub fn backward(&self, g: &mut [f32], tokens: &[u32], dx: &[f32]) {
         for (row, &tok) in dx.chunks(self.c).zip(tokens) {
             let t = tok as usize;
