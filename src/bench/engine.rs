@@ -430,6 +430,7 @@ fn run_case(
     } else {
         (0.0, 0.0, 0.0)
     };
+    let per_unit = |rate: f64| -> Vec<f64> { numel.iter().map(|&k| k as f64 * rate).collect() };
     let costs = Costs {
         weight_elem_bytes: 4.0,
         ckpt_bytes: (n * cfg.hidden_size * 4) as f64,
@@ -437,28 +438,11 @@ fn run_case(
         dtoh_bps: link_gbps * 1e9,
         copy_latency_s: 10e-6,
         kernels,
-        adam_s: numel.iter().map(|&k| k as f64 * adam_per_elem).collect(),
-        norm_s: numel.iter().map(|&k| k as f64 * sumsq_per_elem).collect(),
-        nvme_read_s: numel
-            .iter()
-            .map(|&k| {
-                if spill {
-                    8.0 * k as f64 * r_per_byte
-                } else {
-                    0.0
-                }
-            })
-            .collect(),
-        nvme_write_s: numel
-            .iter()
-            .map(|&k| {
-                if spill {
-                    8.0 * k as f64 * w_per_byte
-                } else {
-                    0.0
-                }
-            })
-            .collect(),
+        adam_s: per_unit(adam_per_elem),
+        norm_s: per_unit(sumsq_per_elem),
+        // m + v of each unit, both zero rates without a spill.
+        nvme_read_s: per_unit(8.0 * r_per_byte),
+        nvme_write_s: per_unit(8.0 * w_per_byte),
         staging_slots: 3,
         unit_numel: numel,
         // The CPU device's kernels (rayon, every core) and the AdamW workers share the cores.

@@ -348,14 +348,6 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn copy(&mut self, dst: DevPtr, src: DevPtr, len: usize) -> Result<()> {
-        // SAFETY: both ranges were checked by the program; stream-ordered.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, 4 * len, self.stream.cu_stream())
-        };
-        drv(r.result(), "device copy")
-    }
-
     fn zero(&mut self, dst: DevPtr, len: usize) -> Result<()> {
         // SAFETY: the range was checked by the program; stream-ordered.
         let r =

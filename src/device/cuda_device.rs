@@ -147,7 +147,6 @@ pub struct CudaDevice {
     shape: Shape,
     ws_layout: Ws<usize>,
     ws: DevPtr,
-    ws_bytes: u64,
     epoch: Instant,
     epoch_event: CudaEvent,
 }
@@ -263,37 +262,9 @@ impl CudaDevice {
             },
             ws_layout,
             ws,
-            ws_bytes,
             epoch,
             epoch_event,
         })
-    }
-
-    /// The runtime (device name, compute capability).
-    pub fn runtime(&self) -> &CudaRuntime {
-        &self.rt
-    }
-
-    /// Bytes of the layer workspace.
-    pub fn workspace_bytes(&self) -> u64 {
-        self.ws_bytes
-    }
-
-    /// Copy a device buffer to a Vec (tests and the self-test; synchronizes first).
-    pub fn read(&self, buf: BufId) -> Result<Vec<f32>> {
-        self.synchronize();
-        drv(self.rt.ctx.bind_to_thread(), "bind the context")?;
-        let g = self.lock();
-        let b = g
-            .bufs
-            .get(buf)
-            .and_then(|b| b.as_ref())
-            .ok_or_else(|| Error::system("CUDA device", "read", format!("no buffer {buf}")))?;
-        let mut v = vec![0.0f32; b.len];
-        // SAFETY: a live allocation of `len` f32; every stream is idle.
-        let r = unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut v, b.ptr) };
-        drv(r, "read a buffer")?;
-        Ok(v)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

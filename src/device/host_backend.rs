@@ -76,7 +76,6 @@ fn views<'a, const W: usize, const R: usize>(
             )));
         }
     }
-    let all: Vec<(HostP, usize)> = outs.iter().chain(&ins).copied().collect();
     for (i, (p, len)) in outs.iter().enumerate() {
         if !p.writable {
             return Err(bad(format!(
@@ -84,7 +83,7 @@ fn views<'a, const W: usize, const R: usize>(
             )));
         }
         let r = p.range(*len);
-        for (j, (q, qlen)) in all.iter().enumerate() {
+        for (j, (q, qlen)) in outs.iter().chain(&ins).enumerate() {
             let s = q.range(*qlen);
             if j != i && r.start < s.end && s.start < r.end {
                 return Err(bad(format!("output {i} overlaps operand {j}")));
@@ -176,12 +175,6 @@ impl Backend for HostBackend<'_> {
         for (a, b) in y.iter_mut().zip(x) {
             *a += *b;
         }
-        Ok(())
-    }
-
-    fn copy(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
-        let ([d], [s]) = views("copy", [(dst, len)], [(src, len)])?;
-        d.copy_from_slice(s);
         Ok(())
     }
 

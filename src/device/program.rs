@@ -66,8 +66,6 @@ pub trait Backend {
     fn bias_bwd(&mut self, db: Self::P, dy: Self::P, rows: usize, cols: usize) -> Result<()>;
     /// `y += x` over `len` elements.
     fn add(&mut self, y: Self::P, x: Self::P, len: usize) -> Result<()>;
-    /// `dst = src` over `len` elements.
-    fn copy(&mut self, dst: Self::P, src: Self::P, len: usize) -> Result<()>;
     /// `dst = 0` over `len` elements.
     fn zero(&mut self, dst: Self::P, len: usize) -> Result<()>;
     /// RMSNorm of `rows` rows of `c`; 1/rms per row into `rstd`.

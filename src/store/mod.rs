@@ -376,11 +376,6 @@ impl GradBuffer {
         self.region.register_with(registrar)
     }
 
-    /// Whether a device registration is held.
-    pub fn is_registered(&self) -> bool {
-        self.region.is_registered()
-    }
-
     /// The buffer as a slice.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         // SAFETY: the region holds ≥ len·4 bytes, is page aligned, and `&mut self` is exclusive.

@@ -273,7 +273,8 @@ pub fn run(
                 )
                 .is_ok()
             };
-            let m = if fits(Mode::Exact) || cfg.grad_accum > 1 || !fits(Mode::Lean) {
+            let exact_fits = fits(Mode::Exact);
+            let m = if exact_fits || cfg.grad_accum > 1 || !fits(Mode::Lean) {
                 Mode::Exact
             } else {
                 Mode::Lean
@@ -286,7 +287,7 @@ pub fn run(
                 },
                 match m {
                     Mode::Lean => "the exact state does not fit the RAM budget, the lean one does",
-                    Mode::Exact if fits(Mode::Exact) => "the whole exact state fits in RAM",
+                    Mode::Exact if exact_fits => "the whole exact state fits in RAM",
                     Mode::Exact => "lean does not fit either (or gradient accumulation needs exact); spilling decides",
                 }
             ));
@@ -302,13 +303,12 @@ pub fn run(
     let tm = Arc::new(Templates::new(&layout, t)?);
     let device = open_device(cfg, &tm, b, t)?;
     // A GPU finds its NUMA node by PCI address: params and grads go next to it.
-    let gpu = device
-        .pci_bus_id()
-        .and_then(|id| machine.gpu_by_pci_bus_id(&id));
+    let pci = device.pci_bus_id();
+    let gpu = pci.as_deref().and_then(|id| machine.gpu_by_pci_bus_id(id));
     progress.note(&format!(
         "device: {}{}",
         device.name(),
-        match (device.pci_bus_id(), gpu) {
+        match (&pci, gpu) {
             (Some(id), Some(i)) => format!(
                 " at {id}: host state streamed from NUMA node(s) {:?}",
                 machine.gpus[i].numa_nodes
