@@ -373,6 +373,7 @@ impl Streamer {
         }
         self.step += 1;
         self.device.reset_peak();
+        // Write-backs run on after a step returns: one that failed since then stops this step.
         self.store.check_spill()?;
         // The first unit to be updated: its m/v can come in from NVMe during the forward.
         if let Some(&u) = self.adam_order.first() {
