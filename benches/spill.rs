@@ -34,6 +34,7 @@ fn bench(c: &mut Criterion) {
             engine,
             direct: true,
             queue_depth: 32,
+            run_id: None,
         })
         .unwrap();
         // SAFETY: `buf` outlives `s` (dropped at the end of this iteration).

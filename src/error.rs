@@ -51,6 +51,19 @@ pub enum Error {
         /// How to fix it, if known.
         fix: Option<String>,
     },
+
+    /// Something failed after training progressed; the trained state was saved first.
+    #[error("{source}; the trained state of step {step} is safe in `{}` (continue with `--resume --checkpoint-dir {}`, or export it with `megatrain export --checkpoint {}`)", .saved.display(), .root.display(), .saved.display())]
+    StateSaved {
+        /// What failed.
+        source: Box<Error>,
+        /// The step saved.
+        step: u64,
+        /// The checkpoint holding it.
+        saved: PathBuf,
+        /// Its checkpoint root (what `--checkpoint-dir` takes).
+        root: PathBuf,
+    },
 }
 
 fn fix_suffix(fix: &Option<String>) -> String {
@@ -104,6 +117,10 @@ impl Error {
             Error::BadInput { fix, .. } | Error::Io { fix, .. } | Error::System { fix, .. } => {
                 *fix = hint;
             }
+            Error::StateSaved { source, .. } => {
+                let inner = std::mem::replace(source.as_mut(), Error::system("", "", ""));
+                **source = inner.with_fix(hint.unwrap_or_default());
+            }
         }
         self
     }
@@ -123,6 +140,7 @@ impl Error {
                 _ => 1,
             },
             Error::System { .. } => 1,
+            Error::StateSaved { source, .. } => source.exit_code(),
         }
     }
 }

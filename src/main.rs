@@ -34,6 +34,13 @@ enum Command {
     /// Check a device on this machine: every CUDA kernel and GEMM against the CPU reference on
     /// fresh random inputs, then the host↔device bandwidth (needs a GPU and `--features cuda`).
     Selftest(SelftestArgs),
+    /// Load an hwloc XML file and exit: `probe --topology` runs this in a child process first,
+    /// so a file that crashes hwloc (C, trusting its input) is an error, not a crash.
+    #[command(name = "__vet-topology", hide = true)]
+    VetTopology {
+        /// The XML file.
+        file: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -258,6 +265,7 @@ fn plan(a: &PlanArgs) -> Result<()> {
         spill_moments: nvme.is_some(),
         micro_batch_tokens: a.micro_batch_tokens,
     };
+    req.validate()?;
     let p = pl::plan(&model, &hw, &req);
     // Per NUMA node, where the machine is described (a probe), by the trainer's placement.
     let nodes = described
@@ -362,10 +370,11 @@ struct TrainArgs {
     /// TOML file with any of the settings below (keys use `_`).
     config: Option<PathBuf>,
     /// Train the embedded default: a 3M-parameter byte-level Llama on this repository's own docs
-    /// and source, through the full streaming pipeline, about 3 minutes on 2 cores.
+    /// and source, through the full streaming pipeline, about 3 minutes on 2 cores. Its outputs
+    /// go to DEMO_DIR/demo; `--demo --resume` continues it.
     #[arg(long)]
     demo: bool,
-    /// Where the demo writes its outputs.
+    /// Where the demo writes its outputs (in a `demo` directory inside).
     #[arg(long, value_name = "DIR", default_value = "out")]
     demo_dir: PathBuf,
     #[arg(long, value_name = "DIR")]
@@ -386,20 +395,20 @@ struct TrainArgs {
     grad_accum: Option<usize>,
     #[arg(long)]
     steps: Option<u64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     beta1: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     beta2: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     eps: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     weight_decay: Option<f64>,
     #[arg(long)]
     decay_norms: Option<bool>,
     /// Global-norm clipping (0 disables).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     grad_clip: Option<f64>,
     #[arg(long, value_enum)]
     lr_schedule: Option<megatrain::train::config::LrSchedule>,
@@ -417,8 +426,10 @@ struct TrainArgs {
     checkpoint_every: Option<u64>,
     #[arg(long)]
     keep_checkpoints: Option<usize>,
-    #[arg(long)]
-    resume: bool,
+    /// Continue from the newest checkpoint in --checkpoint-dir (an error when there is none);
+    /// `--resume auto`: continue if there is one, else start fresh (preemptible jobs).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "always", value_name = "WHEN")]
+    resume: Option<megatrain::train::config::Resume>,
     #[arg(long, value_name = "DIR")]
     export_hf: Option<PathBuf>,
     #[arg(long, value_enum)]
@@ -531,7 +542,9 @@ impl TrainArgs {
         }
         c.direct_io &= !self.no_direct_io;
         c.shuffle |= self.shuffle;
-        c.resume |= self.resume;
+        if let Some(r) = self.resume {
+            c.resume = r;
+        }
         c.lock_memory |= self.lock_memory;
         c.tf32 |= self.tf32;
         c
@@ -596,14 +609,11 @@ impl megatrain::train::Progress for Reporter {
     }
 }
 
-/// Prepare the embedded default job under `dir` and return its configuration.
+/// Prepare the embedded default job in `dir/demo` and return its configuration. The data are
+/// rewritten (identically) each time, so `--demo --resume` continues a demo run.
 fn demo_config(dir: &std::path::Path) -> Result<megatrain::train::config::TrainConfig> {
     use megatrain::train::config::{LrSchedule, TrainConfig};
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let run = dir.join(format!("demo-{stamp}"));
+    let run = dir.join("demo");
     let data = run.join("data");
     std::fs::create_dir_all(&data)
         .map_err(|e| megatrain::Error::io("create directory", &data, e))?;
@@ -650,7 +660,40 @@ fn demo_config(dir: &std::path::Path) -> Result<megatrain::train::config::TrainC
     })
 }
 
-fn train(args: &TrainArgs) -> Result<()> {
+/// Watch SIGINT and SIGTERM (what SLURM and Kubernetes send before SIGKILL): the first sets
+/// `interrupt` (the trainer finishes its step, checkpoints and returns), a second exits at once
+/// (the last checkpoint on disk is intact). Returns the signal received, 0 while none.
+fn watch_signals(
+    interrupt: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    saves: bool,
+) -> Result<std::sync::Arc<std::sync::atomic::AtomicI32>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use std::sync::atomic::Ordering;
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .map_err(|e| megatrain::Error::system("signal-hook", "install signal handlers", e))?;
+    let which = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let seen = which.clone();
+    std::thread::spawn(move || {
+        for sig in signals.forever() {
+            let name = if sig == SIGTERM { "SIGTERM" } else { "interrupt" };
+            if interrupt.swap(true, Ordering::SeqCst) {
+                std::process::exit(128 + sig);
+            }
+            seen.store(sig, Ordering::SeqCst);
+            eprintln!(
+                "\n{name}: finishing this step, then {} (send it again to stop now)",
+                if saves {
+                    "writing a checkpoint and stopping"
+                } else {
+                    "stopping; nothing will be saved (no --checkpoint-dir)"
+                }
+            );
+        }
+    });
+    Ok(which)
+}
+
+fn train(args: &TrainArgs) -> Result<u8> {
     let base = match (&args.config, args.demo) {
         (Some(p), _) => megatrain::train::config::TrainConfig::from_toml_file(p)?,
         (None, true) => demo_config(&args.demo_dir)?,
@@ -660,16 +703,7 @@ fn train(args: &TrainArgs) -> Result<()> {
     cfg.validate()?;
     eprint!("{}", cfg.table());
     let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = interrupt.clone();
-    let _ = ctrlc::set_handler(move || {
-        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            // A second Ctrl-C: stop now (the last checkpoint on disk is intact).
-            std::process::exit(130);
-        }
-        eprintln!(
-            "\ninterrupt: finishing this step and writing a checkpoint (Ctrl-C again to stop now)"
-        );
-    });
+    let signal = watch_signals(interrupt.clone(), cfg.checkpoint_dir.is_some())?;
     let mut rep = Reporter {
         bar: None,
         total: 0,
@@ -680,7 +714,8 @@ fn train(args: &TrainArgs) -> Result<()> {
         b.finish();
     }
     eprintln!(
-        "\ndone: {} steps, loss {} → {}{}, {:.0} tokens/s",
+        "\n{}: {} steps, loss {} → {}{}, {:.0} tokens/s",
+        if s.interrupted { "stopped" } else { "done" },
         s.steps,
         s.first_loss.map_or("-".into(), |l| format!("{l:.4}")),
         s.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
@@ -699,20 +734,34 @@ fn train(args: &TrainArgs) -> Result<()> {
             eprintln!("  {what:<11} {}", p.display());
         }
     }
-    if s.interrupted {
-        return Err(megatrain::Error::bad_input(
-            "training",
-            "interrupted",
-            "stopped by Ctrl-C after writing a checkpoint",
-            Some("continue with --resume"),
-        ));
+    if s.metrics_failures > 0 {
+        eprintln!(
+            "  warning: {} metrics line(s) could not be written",
+            s.metrics_failures
+        );
     }
-    Ok(())
+    if s.interrupted {
+        let sig = signal.load(std::sync::atomic::Ordering::SeqCst);
+        let sig = if sig == 0 { signal_hook::consts::SIGINT } else { sig };
+        eprintln!(
+            "interrupted after step {}: {}",
+            s.steps,
+            match (&s.checkpoint, cfg.checkpoint_dir.is_some()) {
+                (Some(c), _) => format!("checkpoint {} (continue with --resume)", c.display()),
+                (None, true) => "no checkpoint was written".to_owned(),
+                (None, false) => "nothing was saved (no --checkpoint-dir)".to_owned(),
+            }
+        );
+        return Ok(u8::try_from(128 + sig).unwrap_or(130));
+    }
+    Ok(0)
 }
 
 fn export(args: &ExportArgs) -> Result<()> {
     use megatrain::train::checkpoint;
-    let dir = if args.checkpoint.join("MANIFEST.json").exists() {
+    let is_one = args.checkpoint.join("MANIFEST.json").exists()
+        || args.checkpoint.join("params.f32").exists();
+    let dir = if is_one {
         args.checkpoint.clone()
     } else {
         checkpoint::latest(&args.checkpoint)?.ok_or_else(|| {
@@ -720,11 +769,12 @@ fn export(args: &ExportArgs) -> Result<()> {
                 "checkpoint",
                 args.checkpoint.display().to_string(),
                 "contains no checkpoint",
-                None,
+                Some("pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
             )
         })?
     };
-    let state = checkpoint::read_state(&dir)?;
+    // Verified before anything in it is parsed.
+    let state = checkpoint::open(&dir)?;
     let layout = megatrain::store::layout::StateLayout::new(
         &state.model,
         megatrain::store::layout::Mode::Lean,
@@ -735,7 +785,7 @@ fn export(args: &ExportArgs) -> Result<()> {
         megatrain::store::placement::place(&machine, &layout, None, Default::default())?;
     let store = megatrain::store::HostStore::allocate(layout, placement, &Default::default())?;
     checkpoint::load(&dir, &store)?;
-    megatrain::model::hf::export_store(&store, &args.out, 2 << 30)?;
+    megatrain::model::hf::export_store(&store, &args.out, 2 << 30, None)?;
     eprintln!(
         "exported {} (step {}) to {}",
         dir.display(),
@@ -970,6 +1020,11 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         (None, Some(desc)) => TopologySource::Synthetic(desc.clone()),
         (None, None) => TopologySource::Live,
     };
+    if let TopologySource::XmlFile(path) = &source {
+        let exe = std::env::current_exe()
+            .map_err(|e| megatrain::Error::system("megatrain", "find its own executable", e))?;
+        topology::hwloc::vet_in_child(&exe, path)?;
+    }
     let topo = topology::hwloc::load(&source)?;
     let machine = topology::describe(&topo, &source)?;
     if let Some(path) = &args.export_xml {
@@ -989,22 +1044,29 @@ fn probe(args: &ProbeArgs) -> Result<()> {
     Ok(())
 }
 
+fn vet_topology(file: &std::path::Path) -> Result<()> {
+    let source = TopologySource::XmlFile(file.to_owned());
+    let topo = topology::hwloc::load(&source)?;
+    topology::describe(&topo, &source).map(|_| ())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Probe(args) => probe(args),
-        Command::Bench(BenchCommand::Adam(args)) => bench_adam(args),
-        Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
-        Command::Bench(BenchCommand::Nvme(args)) => bench_nvme(args),
-        Command::Bench(BenchCommand::Link(args)) => bench_link(args),
+        Command::Probe(args) => probe(args).map(|()| 0),
+        Command::Bench(BenchCommand::Adam(args)) => bench_adam(args).map(|()| 0),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine(args).map(|()| 0),
+        Command::Bench(BenchCommand::Nvme(args)) => bench_nvme(args).map(|()| 0),
+        Command::Bench(BenchCommand::Link(args)) => bench_link(args).map(|()| 0),
         Command::Train(args) => train(args),
-        Command::Export(args) => export(args),
-        Command::Prepare(args) => prepare(args),
-        Command::Plan(args) => plan(args),
-        Command::Selftest(args) => selftest(args),
+        Command::Export(args) => export(args).map(|()| 0),
+        Command::Prepare(args) => prepare(args).map(|()| 0),
+        Command::Plan(args) => plan(args).map(|()| 0),
+        Command::Selftest(args) => selftest(args).map(|()| 0),
+        Command::VetTopology { file } => vet_topology(file).map(|()| 0),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(e.exit_code())

@@ -57,7 +57,7 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
     hf::load_into_store(&hf_dir(), &store).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("export");
-    hf::export_store(&store, &out, 20_000).unwrap();
+    hf::export_store(&store, &out, 20_000, None).unwrap();
     let files = hf::checkpoint_files(&out).unwrap();
     assert!(files.len() > 1, "small shard limit gives several shards");
     let cfg = hf::load_config(&out).unwrap();
@@ -75,14 +75,14 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
             .collect::<Vec<_>>()
     );
     // A second export to the same place is refused and the first stays intact.
-    let e = hf::export_store(&store, &out, 20_000).unwrap_err();
+    let e = hf::export_store(&store, &out, 20_000, None).unwrap_err();
     assert!(e.to_string().contains("refusing to overwrite"), "{e}");
     hf::load_into_store(&out, &again).unwrap();
     // No temporary directories are left behind.
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
     // For tools/check_hf_export.py (transformers loads the export unchanged).
     if let Some(keep) = std::env::var_os("MEGATRAIN_KEEP_EXPORT") {
-        hf::export_store(&store, Path::new(&keep), 20_000).unwrap();
+        hf::export_store(&store, Path::new(&keep), 20_000, None).unwrap();
     }
 }
 

@@ -110,7 +110,7 @@ fn ipa20_70b_overflows_to_the_nearest_nodes_and_405b_needs_nvme() {
         .to_string();
     eprintln!("{msg}");
     assert!(msg.contains("missing"), "{msg}");
-    assert!(msg.contains("spill Adam m/v to NVMe"), "{msg}");
+    assert!(msg.contains("--nvme DIR"), "{msg}");
 }
 
 #[test]
@@ -179,3 +179,4 @@ fn gpus_are_found_by_pci_address_and_stream_from_their_node() {
     }
     assert_eq!(m.gpu_by_pci_bus_id("0000:ff:1f.7"), None);
 }
+

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use megatrain::train::checkpoint;
-use megatrain::train::config::{LrSchedule, TrainConfig};
+use megatrain::train::config::{LrSchedule, Resume, TrainConfig};
 use megatrain::train::{run, Progress};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,7 +79,7 @@ fn resume_is_bit_identical() {
     let flag = Arc::new(AtomicBool::new(false));
     let s2 = run(&h, flag.clone(), &mut StopAt3(flag)).unwrap();
     assert!(s2.interrupted && s2.steps == 3);
-    let resumed = TrainConfig { resume: true, ..h };
+    let resumed = TrainConfig { resume: Resume::Always, ..h };
     let s3 = run(&resumed, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
     assert_eq!(s3.steps, 6);
     let (ca, cb) = (s1.checkpoint.unwrap(), s3.checkpoint.unwrap());
@@ -151,7 +151,7 @@ fn spilling_to_nvme_changes_no_bit_and_resumes() {
         // Resume from step 2 with the spill tier (m/v come back from the checkpoint).
         std::fs::remove_dir_all(&got).unwrap();
         let again = run(
-            &TrainConfig { resume: true, ..c },
+            &TrainConfig { resume: Resume::Always, ..c },
             Arc::new(AtomicBool::new(false)),
             &mut Quiet,
         )
@@ -258,7 +258,7 @@ fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
         "{e}"
     );
     let resumed = TrainConfig {
-        resume: true,
+        resume: Resume::Always,
         steps: 4,
         ..c
     };

@@ -247,6 +247,7 @@ fn calibrate_nvme(dir: &std::path::Path, shard_bytes: usize) -> Result<(f64, f64
         engine: EngineKind::Auto,
         direct: true,
         queue_depth: 32,
+        run_id: None,
     })?;
     let buf = crate::host::Region::allocate(crate::host::RegionSpec::scratch(
         "nvme calibration",

@@ -186,6 +186,25 @@ fn xorshift(s: &mut u64) -> u64 {
     *s
 }
 
+/// `len` zeros, or an error (not an abort) when the host cannot provide them: the CPU device's
+/// memory is host memory.
+fn zeroed(len: usize, label: &str) -> Result<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        Error::system(
+            "CPU device",
+            format!("allocate {label}"),
+            format!(
+                "the host cannot provide {}",
+                crate::util::human_bytes(4 * len as u64)
+            ),
+        )
+        .with_fix("lower --device-memory, --batch-size or --seq-len")
+    })?;
+    v.resize(len, 0.0);
+    Ok(v)
+}
+
 impl CpuDevice {
     /// Start the device's three stream threads. `templates` are the layer ops it runs.
     pub fn new(cfg: CpuDeviceConfig, templates: Arc<Templates>) -> Result<Self> {
@@ -217,7 +236,7 @@ impl CpuDevice {
         let mut handles = Vec::new();
         let mut ws = Some(Workspace {
             layout,
-            mem: vec![0.0f32; elems],
+            mem: zeroed(elems, "the layer workspace")?,
         });
         for stream in StreamKind::ALL {
             let (tx, rx) = channel::<Cmd>();
@@ -473,7 +492,7 @@ impl Device for CpuDevice {
         a.in_use += bytes;
         a.peak = a.peak.max(a.in_use);
         a.buffers.push(Some(Arc::new(BufCell {
-            data: std::cell::UnsafeCell::new(vec![0.0f32; len]),
+            data: std::cell::UnsafeCell::new(zeroed(len, label)?),
             state: std::sync::atomic::AtomicIsize::new(0),
             label: label.to_owned(),
             len,

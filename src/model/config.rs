@@ -11,6 +11,28 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
+/// The largest sizes a config may have. Real models are far inside them (Llama-3-405B: hidden
+/// 16384, MLP 53248, 126 layers, vocab 128256); within them every size megatrain derives fits
+/// in 64 bits, so a hostile or mistyped config is refused by name instead of overflowing.
+pub mod limits {
+    /// Vocabulary.
+    pub const MAX_VOCAB: usize = 1 << 26;
+    /// Model width.
+    pub const MAX_HIDDEN: usize = 1 << 20;
+    /// MLP width.
+    pub const MAX_INTERMEDIATE: usize = 1 << 22;
+    /// Decoder layers.
+    pub const MAX_LAYERS: usize = 1 << 16;
+    /// Query heads.
+    pub const MAX_HEADS: usize = 1 << 16;
+    /// Head dimension.
+    pub const MAX_HEAD_DIM: usize = 4096;
+    /// Positions.
+    pub const MAX_POSITIONS: usize = 1 << 32;
+    /// Parameters in all (16 B/param of this is 256 TiB: no host holds it).
+    pub const MAX_PARAMS: u64 = 1 << 44;
+}
+
 /// Architectures we implement, by their `architectures[0]` name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -256,17 +278,93 @@ impl ModelConfig {
             o_bias,
             sliding_window,
         };
-        if cfg.vocab_size == 0
-            || cfg.hidden_size == 0
-            || cfg.intermediate_size == 0
-            || cfg.num_layers == 0
-        {
-            return Err(bad(
+        cfg.check_sizes(origin)?;
+        Ok(cfg)
+    }
+
+    /// Check every size against [`limits`] before anything is computed from it: within them
+    /// every product the layout, the planner and the device program form (tensor elements,
+    /// bytes per tier, workspace regions) fits in 64 bits. Each failure names the key.
+    pub fn check_sizes(&self, origin: &str) -> Result<()> {
+        let within = |key: &str, v: usize, min: usize, max: usize| -> Result<()> {
+            if v < min || v > max {
+                return Err(Error::bad_input(
+                    "model config",
+                    origin,
+                    format!("`{key}` is {v}; megatrain supports {min} to {max}"),
+                    Some("check the config.json"),
+                ));
+            }
+            Ok(())
+        };
+        within("vocab_size", self.vocab_size, 1, limits::MAX_VOCAB)?;
+        within("hidden_size", self.hidden_size, 1, limits::MAX_HIDDEN)?;
+        within(
+            "intermediate_size",
+            self.intermediate_size,
+            1,
+            limits::MAX_INTERMEDIATE,
+        )?;
+        within("num_hidden_layers", self.num_layers, 1, limits::MAX_LAYERS)?;
+        within("num_attention_heads", self.num_heads, 1, limits::MAX_HEADS)?;
+        within("num_key_value_heads", self.num_kv_heads, 1, self.num_heads)?;
+        within("head_dim", self.head_dim, 2, limits::MAX_HEAD_DIM)?;
+        within(
+            "num_attention_heads × head_dim",
+            self.num_heads * self.head_dim,
+            1,
+            limits::MAX_HIDDEN * 4,
+        )?;
+        within(
+            "max_position_embeddings",
+            self.max_position_embeddings,
+            1,
+            limits::MAX_POSITIONS,
+        )?;
+        for (key, v) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(origin, format!("`{key}` must be a positive number, found {v}")));
+            }
+        }
+        let params = self.num_params_u128();
+        if params > limits::MAX_PARAMS as u128 {
+            return Err(Error::bad_input(
+                "model config",
                 origin,
-                "vocab_size, hidden_size, intermediate_size and num_hidden_layers must be positive",
+                format!(
+                    "the model has {params} parameters, more than megatrain supports ({})",
+                    limits::MAX_PARAMS
+                ),
+                Some("check vocab_size, hidden_size, intermediate_size and num_hidden_layers"),
             ));
         }
-        Ok(cfg)
+        Ok(())
+    }
+
+    /// [`ModelConfig::num_params`] in 128 bits, for checking configs that are not yet known to
+    /// be within [`limits`].
+    fn num_params_u128(&self) -> u128 {
+        let (v, c, i) = (
+            self.vocab_size as u128,
+            self.hidden_size as u128,
+            self.intermediate_size as u128,
+        );
+        let (q, kv) = (
+            self.num_heads as u128 * self.head_dim as u128,
+            self.num_kv_heads as u128 * self.head_dim as u128,
+        );
+        let mut layer = 2 * c + q * c + 2 * kv * c + c * q + 3 * i * c;
+        if self.qkv_bias {
+            layer += q + 2 * kv;
+        }
+        if self.o_bias {
+            layer += c;
+        }
+        let head = if self.tie_word_embeddings { 0 } else { v * c };
+        v * c + self.num_layers as u128 * layer + c + head
     }
 
     /// The `config.json` that transformers loads unchanged (transformers-4 spelling, which

@@ -298,16 +298,67 @@ fn plan_shards(layout: &StateLayout, max_shard_bytes: u64) -> Vec<Vec<(usize, us
     shards
 }
 
-/// Write `store`'s params as an HF checkpoint in `out` (which must not exist, or be empty):
-/// `config.json`, `model-0000k-of-0000n.safetensors` (fp32), and the index. Written into a
-/// temporary directory beside `out`, fsynced, then renamed: a failure leaves nothing half-written.
-pub fn export_store(store: &HostStore, out: &Path, max_shard_bytes: u64) -> Result<()> {
+/// What an export directory holds now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExportDir {
+    /// Nothing there.
+    Absent,
+    /// An empty directory.
+    Empty,
+    /// An earlier megatrain export (with the run that wrote it, when recorded).
+    Export {
+        /// The run id in its marker file.
+        run_id: Option<String>,
+    },
+    /// Anything else.
+    Other,
+}
+
+/// The marker file megatrain writes into an export: `{"run_id": …}`.
+pub const EXPORT_MARKER: &str = "megatrain-export.json";
+
+/// Look at `out` before exporting there.
+pub fn export_dir_state(out: &Path) -> Result<ExportDir> {
+    if !out.exists() {
+        return Ok(ExportDir::Absent);
+    }
+    if !out.is_dir() {
+        return Ok(ExportDir::Other);
+    }
+    let mut entries = std::fs::read_dir(out).map_err(|e| Error::io("read directory", out, e))?;
+    if entries.next().is_none() {
+        return Ok(ExportDir::Empty);
+    }
+    match std::fs::read(out.join(EXPORT_MARKER)) {
+        Ok(bytes) => {
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            Ok(ExportDir::Export {
+                run_id: v["run_id"].as_str().map(str::to_owned),
+            })
+        }
+        Err(_) => Ok(ExportDir::Other),
+    }
+}
+
+/// Write the store's params as an HF checkpoint directory `out` (config.json, safetensors
+/// shards of at most `max_shard_bytes`, and an index when sharded), through a temporary
+/// directory renamed into place. `out` must be absent or empty — or, when `run_id` is given,
+/// an earlier export of that run, which is replaced only once the new one is complete.
+pub fn export_store(
+    store: &HostStore,
+    out: &Path,
+    max_shard_bytes: u64,
+    run_id: Option<&str>,
+) -> Result<()> {
     let layout = store.layout();
-    if out.exists() {
-        let empty = std::fs::read_dir(out)
-            .map(|mut d| d.next().is_none())
-            .unwrap_or(false);
-        if !empty {
+    let replace = match export_dir_state(out)? {
+        ExportDir::Absent => false,
+        ExportDir::Empty => {
+            std::fs::remove_dir(out).map_err(|e| Error::io("remove empty directory", out, e))?;
+            false
+        }
+        ExportDir::Export { run_id: Some(id) } if Some(id.as_str()) == run_id => true,
+        ExportDir::Export { .. } | ExportDir::Other => {
             return Err(Error::bad_input(
                 "export directory",
                 out.display().to_string(),
@@ -315,8 +366,7 @@ pub fn export_store(store: &HostStore, out: &Path, max_shard_bytes: u64) -> Resu
                 Some("choose a new directory or remove the old export"),
             ));
         }
-        std::fs::remove_dir(out).map_err(|e| Error::io("remove empty directory", out, e))?;
-    }
+    };
     let parent = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -326,8 +376,20 @@ pub fn export_store(store: &HostStore, out: &Path, max_shard_bytes: u64) -> Resu
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "export".into());
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = write_export(store, layout, &tmp, max_shard_bytes).and_then(|()| {
-        std::fs::rename(&tmp, out).map_err(|e| Error::io("rename export into place", out, e))?;
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    let result = write_export(store, layout, &tmp, max_shard_bytes, run_id).and_then(|()| {
+        if replace {
+            std::fs::rename(out, &old).map_err(|e| Error::io("move the old export aside", out, e))?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, out) {
+            if replace {
+                let _ = std::fs::rename(&old, out);
+            }
+            return Err(Error::io("rename export into place", out, e));
+        }
+        if replace {
+            let _ = std::fs::remove_dir_all(&old);
+        }
         // Make the rename durable.
         if let Ok(d) = std::fs::File::open(parent) {
             let _ = d.sync_all();
@@ -345,8 +407,16 @@ fn write_export(
     layout: &StateLayout,
     dir: &Path,
     max_shard_bytes: u64,
+    run_id: Option<&str>,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+    crate::util::failpoint::check("export").map_err(|e| Error::io("write export", dir, e))?;
+    if let Some(id) = run_id {
+        crate::util::write_atomic(
+            &dir.join(EXPORT_MARKER),
+            serde_json::json!({ "run_id": id }).to_string().as_bytes(),
+        )?;
+    }
     crate::util::write_atomic(
         &dir.join("config.json"),
         layout.config.to_hf_json().as_bytes(),

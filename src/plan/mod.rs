@@ -59,6 +59,39 @@ pub struct PlanRequest {
 }
 
 impl PlanRequest {
+    /// Check the counts (each flag named): sequence length up to 2^24 tokens, a step of at
+    /// least one sequence and at most 2^40 tokens, micro-batches within the step.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |flag: &str, v: u64, why: String| {
+            Err(crate::Error::bad_input(
+                "plan",
+                format!("{flag} {v}"),
+                why,
+                Some("see `megatrain plan --help`"),
+            ))
+        };
+        if self.seq_len == 0 || self.seq_len > 1 << 24 {
+            return bad("--seq-len", self.seq_len, "must be between 1 and 16777216".into());
+        }
+        if self.tokens_per_step < self.seq_len || self.tokens_per_step > 1 << 40 {
+            return bad(
+                "--tokens-per-step",
+                self.tokens_per_step,
+                format!("must be between the sequence length ({}) and 2^40", self.seq_len),
+            );
+        }
+        if let Some(m) = self.micro_batch_tokens {
+            if m == 0 || m > self.tokens_per_step {
+                return bad(
+                    "--micro-batch-tokens",
+                    m,
+                    "must be between 1 and --tokens-per-step".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn micro_tokens(&self) -> u64 {
         self.micro_batch_tokens
             .unwrap_or(self.seq_len)
@@ -446,6 +479,112 @@ fn fits(m: &MemoryPlan, hw: &Hardware) -> Result<(), String> {
     }
 }
 
+/// The micro-batch size [`plan`] picks when none is given: the largest whole number of
+/// sequences dividing the step whose device working set and host checkpoints fit (both grow
+/// with the micro-batch), found by bisection over the divisors (memory is monotone in the
+/// micro-batch), so a step of millions of sequences plans as fast as one of eight.
+fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> PlanRequest {
+    let with = |k: u64| PlanRequest {
+        micro_batch_tokens: Some(k * req.seq_len),
+        ..req.clone()
+    };
+    let seqs = (req.tokens_per_step / req.seq_len.max(1)).max(1);
+    let mut divisors: Vec<u64> = Vec::new();
+    let mut d = 1u64;
+    while d.saturating_mul(d) <= seqs {
+        if seqs.is_multiple_of(d) {
+            divisors.push(d);
+            if d != seqs / d {
+                divisors.push(seqs / d);
+            }
+        }
+        d += 1;
+    }
+    divisors.sort_unstable();
+    let fits_with = |k: u64| fits(&memory(model, &with(k), hw), hw).is_ok();
+    // The largest index whose divisor fits, if any.
+    let (mut lo, mut hi) = (0usize, divisors.len());
+    if !fits_with(divisors[0]) {
+        return with(1);
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits_with(divisors[mid]) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    with(divisors[lo])
+}
+
+/// The smallest change to `req` that makes it fit `hw`, as the flags that say it and the
+/// request with it applied (each alternative alone first, then combined); `None` if nothing
+/// tried fits.
+pub fn suggest(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Option<(String, PlanRequest)> {
+    let mut tries: Vec<(String, PlanRequest)> = Vec::new();
+    if req.mode == Mode::Exact {
+        tries.push((
+            "--mode lean".into(),
+            PlanRequest {
+                mode: Mode::Lean,
+                ..req.clone()
+            },
+        ));
+    }
+    if !req.bf16 {
+        tries.push((
+            "--precision bf16".into(),
+            PlanRequest {
+                bf16: true,
+                ..req.clone()
+            },
+        ));
+    }
+    if !req.spill_moments {
+        tries.push((
+            "--nvme DIR".into(),
+            PlanRequest {
+                spill_moments: true,
+                ..req.clone()
+            },
+        ));
+        if req.mode == Mode::Exact {
+            tries.push((
+                "--mode lean --nvme DIR".into(),
+                PlanRequest {
+                    spill_moments: true,
+                    mode: Mode::Lean,
+                    ..req.clone()
+                },
+            ));
+        }
+    }
+    if req.seq_len > 512 {
+        tries.push((
+            format!(
+                "--seq-len {} --tokens-per-step {}",
+                req.seq_len / 2,
+                req.tokens_per_step / 2
+            ),
+            PlanRequest {
+                seq_len: req.seq_len / 2,
+                tokens_per_step: req.tokens_per_step / 2,
+                micro_batch_tokens: req.micro_batch_tokens.map(|m| (m / 2).max(1)),
+                ..req.clone()
+            },
+        ));
+    }
+    tries.into_iter().find(|(_, r)| {
+        // Spilling is planned with an assumed NVMe where none is described.
+        let hw = Hardware {
+            nvme_gbps: hw.nvme_gbps.or(r.spill_moments.then_some(3.0)),
+            ..hw.clone()
+        };
+        fits(&memory(model, r, &hw), &hw).is_ok()
+    })
+}
+
 /// Plan `model` on `hw`.
 pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     let req = &match req.micro_batch_tokens {
@@ -455,84 +594,15 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
             micro_batch_tokens: Some(req.tokens_per_step),
             ..req.clone()
         },
-        None => {
-            // The largest whole number of sequences dividing the step whose device working set
-            // and host checkpoints fit (both grow with the micro-batch).
-            let seqs = (req.tokens_per_step / req.seq_len.max(1)).max(1);
-            let pick = (1..=seqs)
-                .rev()
-                .filter(|k| seqs.is_multiple_of(*k))
-                .map(|k| PlanRequest {
-                    micro_batch_tokens: Some(k * req.seq_len),
-                    ..req.clone()
-                })
-                .find(|r| fits(&memory(model, r, hw), hw).is_ok());
-            pick.unwrap_or_else(|| PlanRequest {
-                micro_batch_tokens: Some(req.seq_len),
-                ..req.clone()
-            })
-        }
+        None => pick_micro_batch(model, hw, req),
     };
     let mem = memory(model, req, hw);
     let verdict = fits(&mem, hw);
     let suggestion = verdict.is_err().then(|| {
-        // The smallest change first: each alternative alone, then combined.
-        let mut tries: Vec<(String, PlanRequest)> = Vec::new();
-        if req.mode == Mode::Exact {
-            tries.push((
-                "--mode lean".into(),
-                PlanRequest {
-                    mode: Mode::Lean,
-                    ..req.clone()
-                },
-            ));
-        }
-        if !req.bf16 {
-            tries.push((
-                "--precision bf16".into(),
-                PlanRequest {
-                    bf16: true,
-                    ..req.clone()
-                },
-            ));
-        }
-        if hw.nvme_gbps.is_some() && !req.spill_moments {
-            tries.push((
-                "spill Adam m/v to NVMe".into(),
-                PlanRequest {
-                    spill_moments: true,
-                    ..req.clone()
-                },
-            ));
-            tries.push((
-                "--mode lean and spill m/v to NVMe".into(),
-                PlanRequest {
-                    spill_moments: true,
-                    mode: Mode::Lean,
-                    ..req.clone()
-                },
-            ));
-        }
-        if req.seq_len > 512 {
-            tries.push((
-                format!("--seq-len {}", req.seq_len / 2),
-                PlanRequest {
-                    seq_len: req.seq_len / 2,
-                    tokens_per_step: req.tokens_per_step / 2,
-                    ..req.clone()
-                },
-            ));
-        }
-        tries
-            .into_iter()
-            .find(|(_, r)| fits(&memory(model, r, hw), hw).is_ok())
-            .map_or_else(
-                || {
-                    "nothing tried fits: more host RAM (or an NVMe spill directory) is needed"
-                        .to_owned()
-                },
-                |(what, _)| what,
-            )
+        suggest(model, hw, req).map_or_else(
+            || "nothing tried fits: a machine with more host RAM or GPU memory is needed".to_owned(),
+            |(what, _)| what,
+        )
     });
     Plan {
         params: model.num_params() as u64,

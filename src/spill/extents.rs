@@ -28,12 +28,63 @@ pub struct SpillConfig {
     pub direct: bool,
     /// In-flight requests per batch.
     pub queue_depth: usize,
+    /// Names this run's files (`megatrain-spill-{id}-{k}.bin`); `None`: a fresh random id.
+    pub run_id: Option<String>,
 }
 
+/// Spill files are named `megatrain-spill-{run id}-{k}.bin`.
+pub const FILE_PREFIX: &str = "megatrain-spill-";
+
+/// A spill file: created by this store, locked (`flock`) while open, deleted when dropped.
 #[derive(Debug)]
 struct SpillFile {
     path: PathBuf,
     file: std::fs::File,
+}
+
+impl Drop for SpillFile {
+    fn drop(&mut self) {
+        // Scratch: the training state is in the checkpoints, never only here.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Delete the spill files in `dir` that no live process holds (left by a run that was killed);
+/// one note per file removed. A file another run holds locked is left alone.
+fn remove_stale_files(dir: &std::path::Path) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut notes = Vec::new();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(FILE_PREFIX) else {
+            continue;
+        };
+        // Only this version's names: {16 hex}-{k}.bin.
+        let ours = rest.len() > 17
+            && rest.as_bytes()[16] == b'-'
+            && rest[..16].bytes().all(|b| b.is_ascii_hexdigit())
+            && rest.ends_with(".bin");
+        if !ours {
+            continue;
+        }
+        let path = e.path();
+        let Ok(f) = std::fs::OpenOptions::new().read(true).open(&path) else {
+            continue;
+        };
+        if crate::util::lock::try_flock(&f).unwrap_or(false) {
+            let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+            if std::fs::remove_file(&path).is_ok() {
+                notes.push(format!(
+                    "spill: removed {} ({}), left by a run that is gone",
+                    path.display(),
+                    crate::util::human_bytes(size)
+                ));
+            }
+        }
+    }
+    notes
 }
 
 /// The store.
@@ -79,14 +130,34 @@ impl ExtentStore {
             .collect();
         let n = cfg.dirs.len();
         let per_file = cfg.extents.div_ceil(n);
-        let mut files = Vec::new();
+        let id = cfg
+            .run_id
+            .clone()
+            .unwrap_or_else(crate::util::lock::random_id);
+        let mut files: Vec<SpillFile> = Vec::new();
         let mut direct = cfg.direct;
         for (k, d) in cfg.dirs.iter().enumerate() {
             std::fs::create_dir_all(d).map_err(|e| Error::io("create spill directory", d, e))?;
-            let path = d.join(format!("megatrain-spill-{k}.bin"));
+            warnings.extend(remove_stale_files(d));
+            let path = d.join(format!("{FILE_PREFIX}{id}-{k}.bin"));
+            let bytes = (per_file * 2 * cfg.extent_bytes) as u64;
+            let free = crate::util::free_space(d)?;
+            if free < bytes {
+                return Err(Error::bad_input(
+                    "spill directory",
+                    d.display().to_string(),
+                    format!(
+                        "the spill file needs {} but the filesystem has {} free",
+                        crate::util::human_bytes(bytes),
+                        crate::util::human_bytes(free)
+                    ),
+                    Some("free space on that device, add another --nvme directory, or raise --ram-budget so less spills"),
+                ));
+            }
             let open = |direct: bool| {
                 let mut o = std::fs::OpenOptions::new();
-                o.read(true).write(true).create(true).truncate(true);
+                // A new file only: another run's file is never truncated.
+                o.read(true).write(true).create_new(true);
                 if direct {
                     o.custom_flags(libc::O_DIRECT);
                 }
@@ -101,13 +172,26 @@ impl ExtentStore {
                     ));
                     direct = false;
                     // Files opened earlier keep O_DIRECT; that is fine, alignment is kept anyway.
-                    open(false).map_err(|e| Error::io("open spill file", &path, e))?
+                    let _ = std::fs::remove_file(&path);
+                    open(false).map_err(|e| Error::io("create spill file", &path, e))?
                 }
-                Err(e) => return Err(Error::io("open spill file", &path, e)),
+                Err(e) => return Err(Error::io("create spill file", &path, e)),
             };
-            let bytes = (per_file * 2 * cfg.extent_bytes) as libc::off_t;
+            // From here the file is ours: dropped (and deleted) with `files` on any error.
+            files.push(SpillFile {
+                path: path.clone(),
+                file,
+            });
+            let file = &files[k].file;
+            if !crate::util::lock::try_flock(file).map_err(|e| Error::io("lock", &path, e))? {
+                return Err(Error::system(
+                    "spill",
+                    format!("lock {}", path.display()),
+                    "a file this run just created is locked by another process",
+                ));
+            }
             // SAFETY: fallocate on our own open file descriptor.
-            if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes) } != 0 {
+            if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) } != 0 {
                 let e = std::io::Error::last_os_error();
                 let fix = if e.raw_os_error() == Some(libc::ENOSPC) {
                     "free space on that device, add another --nvme directory, or spill less"
@@ -117,11 +201,10 @@ impl ExtentStore {
                 return Err(
                     Error::io("preallocate spill file", &path, e).with_fix(format!(
                         "{fix} (needs {})",
-                        crate::util::human_bytes(bytes as u64)
+                        crate::util::human_bytes(bytes)
                     )),
                 );
             }
-            files.push(SpillFile { path, file });
         }
         Ok(ExtentStore {
             files,
@@ -133,6 +216,21 @@ impl ExtentStore {
             warnings,
             inject_write_error: None,
         })
+    }
+
+    /// Bytes the spill files occupy on disk (their preallocated blocks).
+    pub fn disk_bytes(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        self.files
+            .iter()
+            .filter_map(|f| f.file.metadata().ok())
+            .map(|m| m.blocks() * 512)
+            .sum()
+    }
+
+    /// The spill files.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path.clone()).collect()
     }
 
     /// True when io_uring is in use.
@@ -399,8 +497,11 @@ mod tests {
             engine,
             direct: true,
             queue_depth: 8,
+            run_id: Some(ID.into()),
         }
     }
+
+    const ID: &str = "00000000000000aa";
 
     /// Page-aligned random bytes (O_DIRECT needs aligned memory).
     pub(crate) struct Buf(Region, usize);
@@ -465,7 +566,7 @@ mod tests {
         let mut s = ExtentStore::create(&cfg(vec![a.path().into()], EngineKind::Auto)).unwrap();
         let mut d = Buf::new(2 * (64 << 10), 4);
         s.write(0, d.bytes(), "adam_v of layer 7").unwrap();
-        let path = a.path().join("megatrain-spill-0.bin");
+        let path = a.path().join(format!("megatrain-spill-{ID}-0.bin"));
         // Extent 1's current copy: slot 1 (first write went to the slot after 0) at ((1*2)+1)*64K.
         let off = 3 * (64 << 10) + 100;
         let mut bytes = std::fs::read(&path).unwrap();
@@ -478,7 +579,7 @@ mod tests {
             .to_string();
         assert!(
             e.contains("crc32c")
-                && e.contains("megatrain-spill-0.bin")
+                && e.contains(&format!("megatrain-spill-{ID}-0.bin"))
                 && e.contains("layer 7")
                 && e.contains(&format!("offset {}", 3 * (64 << 10))),
             "{e}"
@@ -516,9 +617,59 @@ mod tests {
         c.extents = 1 << 16; // 128 TiB with both slots: more than any test machine's disk
         let e = ExtentStore::create(&c).unwrap_err().to_string();
         assert!(
-            e.contains("preallocate") && e.contains("megatrain-spill-0.bin"),
+            e.contains("needs 128.0 TiB")
+                && e.contains("free")
+                && e.contains(&a.path().display().to_string()),
             "{e}"
         );
+        assert_eq!(
+            std::fs::read_dir(a.path()).unwrap().count(),
+            0,
+            "nothing is left behind"
+        );
+    }
+
+    /// Two stores (two runs) on one directory: each has its own locked file, neither
+    /// truncates the other's, and each file is deleted when its store is dropped.
+    #[test]
+    fn two_runs_on_one_directory_keep_their_own_files() {
+        let a = tempfile::tempdir().unwrap();
+        let mut one = cfg(vec![a.path().into()], EngineKind::Auto);
+        one.run_id = Some("1111111111111111".into());
+        let mut two = one.clone();
+        two.run_id = Some("2222222222222222".into());
+        let mut s1 = ExtentStore::create(&one).unwrap();
+        let mut d = Buf::new(2 * (64 << 10), 9);
+        s1.write(0, d.bytes(), "m").unwrap();
+        let s2 = ExtentStore::create(&two).unwrap();
+        let mut out = Buf::new(d.1, 0);
+        s1.read(0, out.bytes(), "m").unwrap();
+        assert!(out.bytes() == d.bytes(), "the second run did not touch the first's file");
+        assert_eq!(std::fs::read_dir(a.path()).unwrap().count(), 2);
+        // Reported bytes are what the disk holds: both slots of every extent, preallocated.
+        assert!(s2.disk_bytes() >= 2 * 40 * (64 << 10), "{}", s2.disk_bytes());
+        let p1 = s1.paths();
+        drop(s1);
+        assert!(!p1[0].exists(), "a dropped store deletes its file");
+        drop(s2);
+        assert_eq!(std::fs::read_dir(a.path()).unwrap().count(), 0);
+    }
+
+    /// A file left by a killed run (no one holds its lock) is removed by the next store; a
+    /// file another live store holds is not.
+    #[test]
+    fn stale_files_of_dead_runs_are_removed_and_live_ones_kept() {
+        let a = tempfile::tempdir().unwrap();
+        let stale = a.path().join("megatrain-spill-3333333333333333-0.bin");
+        std::fs::write(&stale, vec![0u8; 8192]).unwrap();
+        let mut live_cfg = cfg(vec![a.path().into()], EngineKind::Auto);
+        live_cfg.run_id = Some("4444444444444444".into());
+        let live = ExtentStore::create(&live_cfg).unwrap();
+        assert!(!stale.exists(), "the dead run's file is gone");
+        assert!(live.warnings.iter().any(|w| w.contains("left by a run that is gone")));
+        let s = ExtentStore::create(&cfg(vec![a.path().into()], EngineKind::Auto)).unwrap();
+        assert!(live.paths()[0].exists(), "a live run's file is kept");
+        drop((s, live));
     }
 
     #[test]

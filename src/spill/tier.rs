@@ -152,8 +152,13 @@ pub struct TierConfig {
 pub struct SpillTier {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
-    /// Fallbacks taken (io_uring, O_DIRECT) and notes (no fixed buffers), one line each.
+    /// Fallbacks taken (io_uring, O_DIRECT) and notes (no fixed buffers, stale files
+    /// removed), one line each.
     pub warnings: Vec<String>,
+    /// Bytes the spill files occupy on disk (preallocated: two slots per extent).
+    disk_bytes: u64,
+    /// The spill files (deleted when the tier is dropped).
+    files: Vec<std::path::PathBuf>,
     uring: bool,
     direct: bool,
 }
@@ -238,6 +243,7 @@ impl SpillTier {
         let mut io = cfg.io.clone();
         io.extents = next_extent.max(1);
         let mut store = ExtentStore::create(&io)?;
+        let (disk_bytes, files) = (store.disk_bytes(), store.paths());
         let ranges: Vec<(*mut u8, usize)> = slots.iter().map(|r| (r.as_ptr(), r.len())).collect();
         let mut warnings = store.warnings.clone();
         // SAFETY: the slots live in `Shared`, which the I/O thread (owner of `store`) keeps alive
@@ -283,12 +289,24 @@ impl SpillTier {
             shared,
             thread: Some(thread),
             warnings,
+            disk_bytes,
+            files,
             uring,
             direct,
         })
     }
 
-    /// True when `unit` has spilled shards.
+    /// Bytes the spill files occupy on disk, preallocation included.
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk_bytes
+    }
+
+    /// The spill files (this run's, locked while it runs, deleted with the tier).
+    pub fn files(&self) -> &[std::path::PathBuf] {
+        &self.files
+    }
+
+    /// True when `unit` has shards in this tier.
     pub fn holds(&self, unit: usize) -> bool {
         self.shared.units.get(unit).is_some_and(|s| !s.is_empty())
     }
@@ -703,6 +721,7 @@ mod tests {
                     engine,
                     direct,
                     queue_depth: 8,
+                    run_id: Some("00000000000000bb".into()),
                 },
                 slots,
                 node: None,
@@ -816,7 +835,7 @@ mod tests {
         // Flip one byte in every 16 KiB extent copy of both files.
         for f in ["a", "b"] {
             let p = d.path().join(f).join(format!(
-                "megatrain-spill-{}.bin",
+                "megatrain-spill-00000000000000bb-{}.bin",
                 if f == "a" { 0 } else { 1 }
             ));
             let mut b = std::fs::read(&p).unwrap();
@@ -884,6 +903,7 @@ mod tests {
                     engine: EngineKind::Auto,
                     direct: true,
                     queue_depth: 4,
+                    run_id: None,
                 },
                 slots: 1,
                 node: None,

@@ -67,6 +67,8 @@ pub struct SpillOptions {
     pub queue_depth: usize,
     /// Extent (and request) size in bytes.
     pub extent_bytes: usize,
+    /// The run the spill files belong to (named after it); `None`: a fresh id.
+    pub run_id: Option<String>,
 }
 
 impl SpillOptions {
@@ -78,6 +80,7 @@ impl SpillOptions {
             direct: true,
             queue_depth: 32,
             extent_bytes: 4 << 20,
+            run_id: None,
         }
     }
 }
@@ -214,6 +217,7 @@ impl HostStore {
                             engine: o.engine,
                             direct: o.direct,
                             queue_depth: o.queue_depth,
+                            run_id: o.run_id.clone(),
                         },
                         slots: p.slots,
                         node: (!opts.unbound).then_some(p.node),

@@ -163,15 +163,12 @@ pub fn choose_spill(
             + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
     };
     let need = layout.total_bytes();
-    let n = layout.units.len();
-    let mut order: Vec<usize> = (1..n.saturating_sub(1)).rev().collect();
-    order.extend([n - 1, 0].into_iter().filter(|&u| u < n));
-    order.dedup();
+    let order = spill_order(layout);
     let slots = req.slots.max(1) as u64;
     match req.policy {
         SpillPolicy::Never => None,
         SpillPolicy::All => {
-            let staging = slots * order.iter().map(|&u| mv(u)).max().unwrap_or(0);
+            let staging = staging_bytes(layout, &order, req.slots);
             Some((order, staging))
         }
         SpillPolicy::Auto => {
@@ -193,7 +190,31 @@ pub fn choose_spill(
     }
 }
 
-/// Place `layout` on `machine`, spilling Adam m/v to NVMe as `spill` allows.
+/// The order units spill in: blocks from the last layer down (the first to be updated in a
+/// step, so their reads start earliest), then the head and the embedding.
+fn spill_order(layout: &StateLayout) -> Vec<usize> {
+    let n = layout.units.len();
+    let mut order: Vec<usize> = (1..n.saturating_sub(1)).rev().collect();
+    order.extend([n - 1, 0].into_iter().filter(|&u| u < n));
+    order.dedup();
+    order
+}
+
+/// RAM staging for spilling `units`: `slots` slots of the largest one's m+v.
+fn staging_bytes(layout: &StateLayout, units: &[usize], slots: usize) -> u64 {
+    slots.max(1) as u64
+        * units
+            .iter()
+            .map(|&u| {
+                (layout.units[u].shard_bytes(ShardKind::AdamM)
+                    + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
+            })
+            .max()
+            .unwrap_or(0)
+}
+
+/// Place `layout` on `machine`, spilling Adam m/v to NVMe as `spill` allows. When it does not
+/// fit, the error lists the changes that would fit, each checked by placing again with it.
 pub fn place_with_spill(
     machine: &Machine,
     layout: &StateLayout,
@@ -201,6 +222,135 @@ pub fn place_with_spill(
     budget: RamBudget,
     spill: SpillRequest,
 ) -> Result<Placement> {
+    place_advised(machine, layout, gpu, budget, spill, true)
+}
+
+/// [`place_with_spill`], with `lean_ok = false` when lean mode is not an option (gradient
+/// accumulation needs exact mode), so the advice never suggests it.
+pub fn place_advised(
+    machine: &Machine,
+    layout: &StateLayout,
+    gpu: Option<usize>,
+    budget: RamBudget,
+    spill: SpillRequest,
+    lean_ok: bool,
+) -> Result<Placement> {
+    place_inner(machine, layout, gpu, budget, spill).map_err(|shortage| match shortage {
+        Shortage::Other(e) => e,
+        Shortage::Ram { need, capacity } => {
+            let fixes = fixes(machine, layout, gpu, budget, spill, lean_ok);
+            not_enough_ram(layout, need, capacity, &fixes)
+        }
+    })
+}
+
+/// A change to the request that makes the state fit, as the flags that say it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fix {
+    /// The flags, e.g. `--mode lean --nvme DIR`.
+    pub flags: String,
+    /// The mode with the fix.
+    pub mode: Mode,
+    /// The spill policy with the fix.
+    pub spill: SpillPolicy,
+    /// The RAM budget with the fix (`None`: unchanged).
+    pub ram_budget: Option<u64>,
+}
+
+/// The changes (mode, spilling, RAM budget) under which `layout` fits, smallest first; each
+/// one is checked by placing with it. With `--nvme` given (`spill.policy` is not `Never`),
+/// spilling is not suggested again; `--spill all` never is (auto already spills as much as
+/// needed).
+pub fn fixes(
+    machine: &Machine,
+    layout: &StateLayout,
+    gpu: Option<usize>,
+    budget: RamBudget,
+    spill: SpillRequest,
+    lean_ok: bool,
+) -> Vec<Fix> {
+    let mut candidates: Vec<(String, Mode, SpillPolicy)> = Vec::new();
+    let exact = layout.mode == Mode::Exact;
+    let no_spill = spill.policy == SpillPolicy::Never;
+    if exact && lean_ok {
+        candidates.push(("--mode lean".into(), Mode::Lean, spill.policy));
+    }
+    if no_spill {
+        candidates.push(("--nvme DIR".into(), layout.mode, SpillPolicy::Auto));
+        if exact && lean_ok {
+            candidates.push(("--mode lean --nvme DIR".into(), Mode::Lean, SpillPolicy::Auto));
+        }
+    }
+    let mut out = Vec::new();
+    let try_fit = |mode: Mode, policy: SpillPolicy, b: RamBudget| {
+        let mut l = layout.clone();
+        l.mode = mode;
+        place_inner(machine, &l, gpu, b, SpillRequest { policy, ..spill }).is_ok()
+    };
+    for (flags, mode, policy) in candidates {
+        if try_fit(mode, policy, budget) {
+            out.push(Fix {
+                flags,
+                mode,
+                spill: policy,
+                ram_budget: None,
+            });
+        }
+    }
+    // A --ram-budget below what the machine has: the smallest budget that fits, if one does.
+    if let Some(cap) = budget.total_bytes {
+        let roomy = RamBudget {
+            total_bytes: None,
+            ..budget
+        };
+        if try_fit(layout.mode, spill.policy, roomy) {
+            let (mut lo, mut hi) = (cap, u64::MAX / 2);
+            if let Ok(p) = place_inner(machine, layout, gpu, roomy, spill) {
+                hi = p.nodes.iter().map(|n| n.capacity).sum::<u64>().max(cap);
+            }
+            // The smallest total budget that places, to 1 MiB.
+            while hi - lo > 1 << 20 {
+                let mid = lo + (hi - lo) / 2;
+                let b = RamBudget {
+                    total_bytes: Some(mid),
+                    ..budget
+                };
+                if try_fit(layout.mode, spill.policy, b) {
+                    hi = mid;
+                } else {
+                    lo = mid;
+                }
+            }
+            out.push(Fix {
+                flags: format!("--ram-budget {}Mi", hi.div_ceil(1 << 20)),
+                mode: layout.mode,
+                spill: spill.policy,
+                ram_budget: Some(hi.div_ceil(1 << 20) << 20),
+            });
+        }
+    }
+    out
+}
+
+/// Why a placement failed: short of RAM (the caller adds advice), or anything else.
+enum Shortage {
+    Ram { need: u64, capacity: u64 },
+    Other(Error),
+}
+
+impl From<Error> for Shortage {
+    fn from(e: Error) -> Self {
+        Shortage::Other(e)
+    }
+}
+
+fn place_inner(
+    machine: &Machine,
+    layout: &StateLayout,
+    gpu: Option<usize>,
+    budget: RamBudget,
+    spill: SpillRequest,
+) -> std::result::Result<Placement, Shortage> {
     let hosts: Vec<&crate::topology::NumaNode> = machine
         .numa_nodes
         .iter()
@@ -212,7 +362,8 @@ pub fn place_with_spill(
             "NUMA nodes",
             "no NUMA node with CPUs and memory",
             None,
-        ));
+        )
+        .into());
     }
     let gpu_local: Vec<u32> = match gpu {
         Some(i) => {
@@ -249,7 +400,7 @@ pub fn place_with_spill(
         Some(t) if t < sum => t as f64 / sum as f64,
         _ => 1.0,
     };
-    let mut nodes: Vec<NodePlan> = hosts
+    let nodes: Vec<NodePlan> = hosts
         .iter()
         .zip(&avail)
         .map(|(n, a)| NodePlan {
@@ -260,8 +411,49 @@ pub fn place_with_spill(
         })
         .collect();
     let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
+    let first = choose_spill(layout, spill, capacity);
+    let Some((chosen, _)) = first.clone().filter(|_| spill.policy == SpillPolicy::Auto) else {
+        return place_spilled(machine, layout, &hosts, nodes, stream_order, first, spill.slots);
+    };
+    // Auto: the fewest units (in spill order) whose placement succeeds. The first guess counts
+    // bytes over all nodes; per-node packing can need a few more.
+    let order = spill_order(layout);
+    let mut k = chosen.len();
+    loop {
+        let units = order[..k].to_vec();
+        let staging = staging_bytes(layout, &units, spill.slots);
+        let attempt = place_spilled(
+            machine,
+            layout,
+            &hosts,
+            nodes.clone(),
+            stream_order.clone(),
+            Some((units, staging)),
+            spill.slots,
+        );
+        match attempt {
+            Err(Shortage::Ram { .. }) if k < order.len() => k += 1,
+            other => return other,
+        }
+    }
+}
+
+/// Place with `spilled` (units whose m/v go to NVMe, and the staging bytes) decided.
+fn place_spilled(
+    machine: &Machine,
+    layout: &StateLayout,
+    hosts: &[&crate::topology::NumaNode],
+    mut nodes: Vec<NodePlan>,
+    stream_order: Vec<u32>,
+    spilled: Option<(Vec<usize>, u64)>,
+    slots: usize,
+) -> std::result::Result<Placement, Shortage> {
+    let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
     let full = layout.total_bytes();
-    let spilled = choose_spill(layout, spill, capacity);
+    let spill = SpillRequest {
+        policy: SpillPolicy::Never,
+        slots,
+    };
     let is_spilled = |u: usize| spilled.as_ref().is_some_and(|(s, _)| s.contains(&u));
     let spilled_bytes: u64 = (0..layout.units.len())
         .filter(|&u| is_spilled(u))
@@ -272,8 +464,12 @@ pub fn place_with_spill(
         .sum();
     let staging = spilled.as_ref().map_or(0, |(_, s)| *s);
     let need = full - spilled_bytes + staging;
+    let short = Shortage::Ram {
+        need: full,
+        capacity,
+    };
     if need > capacity {
-        return Err(not_enough_ram(layout, full, capacity, spill.policy));
+        return Err(short);
     }
 
     let idx = |nodes: &[NodePlan], os: u32| nodes.iter().position(|n| n.node == os);
@@ -294,14 +490,20 @@ pub fn place_with_spill(
     if lean > 0 {
         lean_buffers_node = Some(
             place_first_fit(&mut nodes, lean)
-                .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?,
+                .ok_or(Shortage::Ram {
+                    need: full,
+                    capacity,
+                })?,
         );
     }
     for (u, unit) in layout.units.iter().enumerate() {
         for k in streamed_kinds(layout) {
             let bytes = unit.shard_bytes(k) as u64;
             let node = place_first_fit(&mut nodes, bytes)
-                .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?;
+                .ok_or(Shortage::Ram {
+                    need: full,
+                    capacity,
+                })?;
             shard_node[u][k.index()] = Some(node);
         }
     }
@@ -320,7 +522,10 @@ pub fn place_with_spill(
         let best = (0..nodes.len())
             .filter(|&i| nodes[i].bytes + staging <= nodes[i].capacity)
             .max_by_key(|&i| (threads[i], nodes[i].capacity - nodes[i].bytes))
-            .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?;
+            .ok_or(Shortage::Ram {
+                need: full,
+                capacity,
+            })?;
         nodes[best].bytes += staging;
         opt_bytes[best] += staging;
         let mut sorted = units.clone();
@@ -356,7 +561,10 @@ pub fn place_with_spill(
                 let kb = u128::from(opt_bytes[b] + bytes) * u128::from(threads[a]);
                 ka.cmp(&kb).then(nodes[a].node.cmp(&nodes[b].node))
             })
-            .ok_or_else(|| not_enough_ram(layout, full, capacity, spill.policy))?;
+            .ok_or(Shortage::Ram {
+                need: full,
+                capacity,
+            })?;
         nodes[best].bytes += bytes;
         opt_bytes[best] += bytes;
         for k in kinds {
@@ -384,32 +592,15 @@ pub fn place_with_spill(
     })
 }
 
-fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, policy: SpillPolicy) -> Error {
-    let grads = layout.kind_bytes(ShardKind::Grads);
-    let mv = layout.kind_bytes(ShardKind::AdamM) + layout.kind_bytes(ShardKind::AdamV);
-    let lean_extra = {
-        let mut l = layout.clone();
-        l.mode = Mode::Lean;
-        l.lean_grad_buffer_bytes()
+fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, fixes: &[Fix]) -> Error {
+    let fix = if fixes.is_empty() {
+        format!(
+            "no mode or spill setting fits this machine: use one with more RAM (this state needs {}), or a smaller model",
+            human_bytes(need)
+        )
+    } else {
+        format!("any of these fits: {}", fixes.iter().map(|f| f.flags.as_str()).collect::<Vec<_>>().join("; "))
     };
-    let mut options = Vec::new();
-    let mut consider = |what: &str, bytes: u64| {
-        let verdict = if bytes <= capacity {
-            "fits"
-        } else {
-            "still short"
-        };
-        options.push(format!("{what}: {} ({verdict})", human_bytes(bytes)));
-    };
-    if layout.mode == Mode::Exact {
-        consider("--mode lean", need - grads + lean_extra);
-    }
-    if policy != SpillPolicy::All {
-        consider("spill Adam m/v to NVMe (--nvme DIR)", need - mv);
-    }
-    if layout.mode == Mode::Exact {
-        consider("--mode lean and spill m/v", need - grads + lean_extra - mv);
-    }
     Error::bad_input(
         "host memory",
         format!(
@@ -421,9 +612,9 @@ fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, policy: SpillP
             "the state needs {} but the RAM budget is {}: {} missing",
             human_bytes(need),
             human_bytes(capacity),
-            human_bytes(need - capacity)
+            human_bytes(need.saturating_sub(capacity))
         ),
-        Some(&options.join("; ")),
+        Some(&fix),
     )
 }
 
@@ -480,8 +671,69 @@ mod tests {
         let msg = place(&m, &l, None, budget).unwrap_err().to_string();
         assert!(msg.contains("missing"), "{msg}");
         assert!(msg.contains("--mode lean"), "{msg}");
-        assert!(msg.contains("spill Adam m/v to NVMe"), "{msg}");
+        assert!(msg.contains("--nvme DIR"), "{msg}");
+        assert!(msg.contains("--ram-budget"), "{msg}");
         assert!(msg.contains("fits"), "{msg}");
+    }
+
+    /// The advice is true: over budgets from far too small to almost enough, both modes, with
+    /// and without a spill directory, and with lean allowed or not, every suggested fix is
+    /// applied and the state then places; spilling is never suggested when it is already on,
+    /// nor lean when it is not allowed.
+    #[test]
+    fn every_suggested_fix_fits_when_applied() {
+        let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
+        let mut suggested = 0;
+        for mode in [Mode::Exact, Mode::Lean] {
+            let l = StateLayout::new(&tiny(8), mode, false);
+            for policy in [SpillPolicy::Never, SpillPolicy::Auto, SpillPolicy::All] {
+                for lean_ok in [true, false] {
+                    for pct in [5u64, 20, 40, 55, 70, 85, 95, 99] {
+                        let budget = RamBudget {
+                            fraction: 1.0,
+                            total_bytes: Some(l.total_bytes() * pct / 100),
+                        };
+                        let req = SpillRequest { policy, slots: 3 };
+                        if place_with_spill(&m, &l, None, budget, req).is_ok() {
+                            continue;
+                        }
+                        let err = place_advised(&m, &l, None, budget, req, lean_ok)
+                            .unwrap_err()
+                            .to_string();
+                        let fixes = fixes(&m, &l, None, budget, req, lean_ok);
+                        for f in &fixes {
+                            assert!(err.contains(&f.flags), "{err} lacks {}", f.flags);
+                            assert!(
+                                !(policy != SpillPolicy::Never && f.flags.contains("--nvme")),
+                                "{f:?} with --nvme already given"
+                            );
+                            assert!(!(f.mode == Mode::Lean && mode == Mode::Exact && !lean_ok));
+                            assert!(!f.flags.contains("--spill all"));
+                            let mut fixed = l.clone();
+                            fixed.mode = f.mode;
+                            let b = RamBudget {
+                                total_bytes: f.ram_budget.or(budget.total_bytes),
+                                ..budget
+                            };
+                            let r = SpillRequest {
+                                policy: f.spill,
+                                slots: 3,
+                            };
+                            assert!(
+                                place_with_spill(&m, &fixed, None, b, r).is_ok(),
+                                "{} suggested at {pct}% ({mode:?}, {policy:?}) does not fit",
+                                f.flags
+                            );
+                            suggested += 1;
+                        }
+                        if fixes.is_empty() {
+                            assert!(err.contains("no mode or spill setting fits"), "{err}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(suggested > 20, "the sweep exercised the advice ({suggested})");
     }
 
     #[test]

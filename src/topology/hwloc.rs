@@ -66,6 +66,54 @@ pub fn load(source: &TopologySource) -> Result<Topology> {
     }
 }
 
+/// Load the XML file `path` in a child process first (`exe __vet-topology FILE`, where `exe` is
+/// a megatrain binary) and report it if the child dies by a signal. hwloc is C and trusts its
+/// input: a malformed file can crash it — a `Machine` object without `complete_nodeset`
+/// segfaults hwloc 2.9 inside `hwloc_topology_load` — and no check of ours can foresee every
+/// such file. A child that fails with an ordinary error is not reported here: loading the file
+/// in this process then fails with the same error, named as usual.
+pub fn vet_in_child(exe: &Path, path: &Path) -> Result<()> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(exe)
+        .arg("__vet-topology")
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| Error::io("start a child to check the topology file", exe, e))?;
+    let shown = path.display().to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::bad_input(
+                    "topology file",
+                    shown,
+                    "hwloc did not finish reading it within 60 s: the file is malformed",
+                    Some("re-export the machine with `megatrain probe --export-xml FILE` or `lstopo-no-graphics --of xml FILE`"),
+                ));
+            }
+            Err(e) => return Err(Error::io("wait for the topology check", exe, e)),
+        }
+    };
+    match status.signal() {
+        Some(sig) => Err(Error::bad_input(
+            "topology file",
+            shown,
+            format!("hwloc crashed reading it (signal {sig}): the file is malformed, e.g. an object without the cpuset/nodeset attributes hwloc requires"),
+            Some("re-export the machine with `megatrain probe --export-xml FILE` or `lstopo-no-graphics --of xml FILE`"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Read an hwloc XML file and check, before hwloc sees it, that it is an XML topology of a
 /// version hwloc 2.x can import — hwloc itself only says "invalid".
 fn read_topology_xml(path: &Path) -> Result<String> {

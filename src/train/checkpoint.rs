@@ -1,7 +1,9 @@
-//! Training checkpoints: fp32 params and Adam m/v of every unit, the step, the data cursor and the
-//! configuration. Written into a temporary directory, every file fsynced and checksummed (crc32c)
-//! in a manifest written last, then renamed into place; the last K are kept. A checkpoint whose
-//! manifest is missing or whose files do not match it is never loaded.
+//! Training checkpoints: fp32 params and Adam m/v of every unit, the step, the data cursor, the
+//! configuration and the run's identity. Written into a temporary directory, every file fsynced
+//! and checksummed (crc32c) in a manifest written last, then renamed into place; the run's last K
+//! are kept (another run's are never touched). A checkpoint whose manifest is missing, omits a
+//! file, or whose files do not match it is never loaded, and why is named: missing, unreadable
+//! (permissions), truncated or corrupt, each with its own fix.
 
 use super::config::TrainConfig;
 use super::data::Cursor;
@@ -13,8 +15,10 @@ use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-/// Checkpoint format version.
-pub const FORMAT: u32 = 1;
+/// Checkpoint format version written (2: run identity and configuration history).
+pub const FORMAT: u32 = 2;
+/// Oldest format read (1: no run identity; treated as belonging to whoever resumes it).
+const OLDEST_FORMAT: u32 = 1;
 const MANIFEST: &str = "MANIFEST.json";
 const FILES: [(&str, ShardKind); 3] = [
     ("params.f32", ShardKind::Params),
@@ -22,11 +26,27 @@ const FILES: [(&str, ShardKind); 3] = [
     ("adam_v.f32", ShardKind::AdamV),
 ];
 
+/// One setting changed when a run was resumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigChange {
+    /// The step the resumed run started after.
+    pub step: u64,
+    /// The setting.
+    pub key: String,
+    /// Its value before (as JSON text).
+    pub from: String,
+    /// Its value after.
+    pub to: String,
+}
+
 /// Everything besides the tensors.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainState {
     /// Format version.
     pub format: u32,
+    /// The run that wrote it (absent in format 1). A run prunes only its own checkpoints.
+    #[serde(default)]
+    pub run_id: Option<String>,
     /// Optimizer steps done.
     pub step: u64,
     /// Data position after `step`.
@@ -37,6 +57,76 @@ pub struct TrainState {
     pub model: ModelConfig,
     /// The run's configuration.
     pub config: TrainConfig,
+    /// Settings changed on each resume, oldest first.
+    #[serde(default)]
+    pub changes: Vec<ConfigChange>,
+}
+
+/// Why a checkpoint must not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Damage {
+    /// No manifest: the write did not finish.
+    Unfinished,
+    /// The manifest is not what this version writes.
+    BadManifest(String),
+    /// The manifest does not list a file every checkpoint has.
+    Incomplete(String),
+    /// A listed file is gone.
+    Missing(String),
+    /// A file cannot be read (permissions, I/O error): the checkpoint may be fine.
+    Unreadable(String, String),
+    /// A file is shorter or longer than the manifest says.
+    WrongSize {
+        /// The file.
+        file: String,
+        /// Its bytes.
+        have: u64,
+        /// The manifest's bytes.
+        want: u64,
+    },
+    /// A file's bytes do not match its checksum.
+    Corrupt(String),
+}
+
+impl Damage {
+    /// True when the checkpoint's bytes are bad (as opposed to being unreadable by us).
+    pub fn is_damage(&self) -> bool {
+        !matches!(self, Damage::Unreadable(..))
+    }
+
+    /// What to do about it.
+    pub fn fix(&self) -> &'static str {
+        match self {
+            Damage::Unfinished => "it was being written when the run stopped; it is not usable",
+            Damage::BadManifest(_) => "it was written by another megatrain version, or edited",
+            Damage::Incomplete(_) | Damage::Missing(_) => {
+                "restore the missing file (was it moved or deleted?)"
+            }
+            Damage::Unreadable(..) => {
+                "check the file's owner and permissions (`ls -l`) and the disk; the checkpoint itself may be intact"
+            }
+            Damage::WrongSize { .. } => {
+                "it was cut short (a full disk or an interrupted copy): restore it from a good copy"
+            }
+            Damage::Corrupt(_) => "its bytes changed on disk: restore it from a good copy",
+        }
+    }
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Damage::Unfinished => write!(f, "no {MANIFEST} (the write did not finish)"),
+            Damage::BadManifest(why) => write!(f, "{MANIFEST} is unusable: {why}"),
+            Damage::Incomplete(file) => write!(f, "{MANIFEST} does not list {file}"),
+            Damage::Missing(file) => write!(f, "{file} is missing"),
+            Damage::Unreadable(file, why) => write!(f, "{file} cannot be read: {why}"),
+            Damage::WrongSize { file, have, want } => {
+                write!(f, "{file} has {have} bytes, the manifest says {want}")
+            }
+            Damage::Corrupt(file) => write!(f, "{file} fails its crc32c check"),
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -55,7 +145,10 @@ fn fsync_dir(d: &Path) {
     }
 }
 
-/// Write a checkpoint of `store` and `state` under `root`; keep the newest `keep`.
+/// Write a checkpoint of `store` and `state` under `root`; keep the newest `keep` of this run
+/// (`state.run_id`); checkpoints of other runs are never deleted. The caller owns `root` (holds
+/// its [`crate::util::lock::DirLock`]), so unfinished temporary directories there belong to
+/// dead writers and are removed.
 pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
     let final_dir = root.join(dir_name(state.step));
@@ -102,7 +195,8 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
                 };
                 o.crc = crc32c::crc32c_append(o.crc, bytes);
                 o.size += bytes.len() as u64;
-                o.w.write_all(bytes)
+                crate::util::failpoint::check("checkpoint")
+                    .and_then(|()| o.w.write_all(bytes))
                     .map_err(|e| Error::io("write", &o.path, e))?;
             }
             g.unstage_clean();
@@ -144,11 +238,16 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result?;
-    // Keep the newest `keep` checkpoints, and clean temporary directories of dead writers.
-    let mut all = list(root)?;
-    all.sort();
-    while all.len() > keep.max(1) {
-        let (_, d) = all.remove(0);
+    // Keep this run's newest `keep` checkpoints, and clean temporary directories of dead writers.
+    let mut ours: Vec<(u64, PathBuf)> = list(root)?
+        .into_iter()
+        .filter(|(_, d)| {
+            read_state(d).is_ok_and(|st| st.run_id.is_some() && st.run_id == state.run_id)
+        })
+        .collect();
+    ours.sort();
+    while ours.len() > keep.max(1) {
+        let (_, d) = ours.remove(0);
         let _ = std::fs::remove_dir_all(d);
     }
     if let Ok(rd) = std::fs::read_dir(root) {
@@ -162,8 +261,8 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
     Ok(final_dir)
 }
 
-/// Finished checkpoint directories under `root`, as (step, path).
-fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+/// Finished checkpoint directories under `root`, as (step, path), in no particular order.
+pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let rd = match std::fs::read_dir(root) {
         Ok(r) => r,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -179,25 +278,45 @@ fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
         .collect())
 }
 
-/// Check a checkpoint's files against its manifest. `Err(reason)` if it must not be loaded.
-pub fn verify(dir: &Path) -> std::result::Result<(), String> {
-    let text = std::fs::read(dir.join(MANIFEST))
-        .map_err(|_| "no MANIFEST.json (the write did not finish)".to_owned())?;
+/// Check a checkpoint's files against its manifest: every file a checkpoint has must be listed,
+/// present, readable, of the listed size and checksum.
+pub fn verify(dir: &Path) -> std::result::Result<(), Damage> {
+    let text = match std::fs::read(dir.join(MANIFEST)) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Damage::Unfinished),
+        Err(e) => return Err(Damage::Unreadable(MANIFEST.into(), e.to_string())),
+    };
     let m: Manifest =
-        serde_json::from_slice(&text).map_err(|e| format!("MANIFEST.json unreadable: {e}"))?;
-    if m.format != FORMAT {
-        return Err(format!(
-            "format {} (this megatrain reads {FORMAT})",
+        serde_json::from_slice(&text).map_err(|e| Damage::BadManifest(e.to_string()))?;
+    if !(OLDEST_FORMAT..=FORMAT).contains(&m.format) {
+        return Err(Damage::BadManifest(format!(
+            "format {} (this megatrain reads {OLDEST_FORMAT} to {FORMAT})",
             m.format
-        ));
+        )));
+    }
+    for required in FILES.iter().map(|(n, _)| *n).chain(["state.json"]) {
+        if !m.files.iter().any(|(n, _, _)| n == required) {
+            return Err(Damage::Incomplete(required.into()));
+        }
     }
     for (name, size, crc) in &m.files {
+        if name.contains('/') || name.contains("..") {
+            return Err(Damage::BadManifest(format!("it names a file outside: {name}")));
+        }
         let p = dir.join(name);
-        let mut f = std::fs::File::open(&p).map_err(|e| format!("{name}: {e}"))?;
+        let mut f = match std::fs::File::open(&p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Damage::Missing(name.clone()))
+            }
+            Err(e) => return Err(Damage::Unreadable(name.clone(), e.to_string())),
+        };
         let mut buf = vec![0u8; 1 << 20];
         let (mut c, mut n) = (0u32, 0u64);
         loop {
-            let k = f.read(&mut buf).map_err(|e| format!("{name}: {e}"))?;
+            let k = f
+                .read(&mut buf)
+                .map_err(|e| Damage::Unreadable(name.clone(), e.to_string()))?;
             if k == 0 {
                 break;
             }
@@ -205,17 +324,41 @@ pub fn verify(dir: &Path) -> std::result::Result<(), String> {
             n += k as u64;
         }
         if n != *size {
-            return Err(format!("{name} has {n} bytes, the manifest says {size}"));
+            return Err(Damage::WrongSize {
+                file: name.clone(),
+                have: n,
+                want: *size,
+            });
         }
         if c != *crc {
-            return Err(format!("{name} fails its crc32c check"));
+            return Err(Damage::Corrupt(name.clone()));
         }
     }
     Ok(())
 }
 
+/// `verify` as the crate's error: bad input (exit 2) naming the checkpoint, what is wrong with
+/// it and the fix; `also` is appended to the fix (e.g. the newest good checkpoint).
+fn refuse(dir: &Path, damage: &Damage, also: Option<String>) -> Error {
+    let fix = match also {
+        Some(a) => format!("{}; {a}", damage.fix()),
+        None => damage.fix().to_owned(),
+    };
+    let what = if damage.is_damage() {
+        "is damaged"
+    } else {
+        "cannot be read"
+    };
+    Error::bad_input(
+        "checkpoint",
+        dir.display().to_string(),
+        format!("{what}: {damage}"),
+        Some(&fix),
+    )
+}
+
 /// The newest checkpoint under `root`, verified. `Ok(None)` if there is none; an error naming
-/// the newest good one if the newest is damaged.
+/// the newest good one if the newest is damaged or unreadable.
 pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     let mut all = list(root)?;
     all.sort();
@@ -224,52 +367,53 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     };
     match verify(&newest) {
         Ok(()) => Ok(Some(newest)),
-        Err(why) => {
+        Err(damage) => {
             let good = all
                 .iter()
                 .rev()
                 .skip(1)
                 .find(|(_, d)| verify(d).is_ok())
                 .map(|(_, d)| d.clone());
-            let fix = match &good {
-                Some(g) => format!("the newest good checkpoint is {}: move the damaged one aside to resume from it", g.display()),
-                None => "no good checkpoint remains; start without --resume".to_owned(),
+            let also = match (&good, damage.is_damage()) {
+                (Some(g), true) => format!(
+                    "or resume from the newest good checkpoint, {}, by moving the damaged one aside",
+                    g.display()
+                ),
+                (Some(g), false) => format!("the newest good older checkpoint is {}", g.display()),
+                (None, _) => "no older good checkpoint remains".to_owned(),
             };
-            Err(Error::bad_input(
-                "checkpoint",
-                newest.display().to_string(),
-                format!("is damaged: {why}"),
-                Some(&fix),
-            ))
+            Err(refuse(&newest, &damage, Some(also)))
         }
     }
+}
+
+/// Verify the checkpoint in `dir` and read its state (the tensors are read by [`load`]).
+pub fn open(dir: &Path) -> Result<TrainState> {
+    verify(dir).map_err(|d| refuse(dir, &d, None))?;
+    read_state(dir)
 }
 
 /// A checkpoint's `state.json` (step, cursor, model and run configuration), without the tensors.
 pub fn read_state(dir: &Path) -> Result<TrainState> {
     let path = dir.join("state.json");
     let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
-    serde_json::from_slice(&bytes).map_err(|e| {
+    let state: TrainState = serde_json::from_slice(&bytes).map_err(|e| {
         Error::bad_input(
             "checkpoint",
             dir.display().to_string(),
             format!("state.json: {e}"),
             None,
         )
-    })
+    })?;
+    state
+        .model
+        .check_sizes(&format!("{} (state.json)", dir.display()))?;
+    Ok(state)
 }
 
 /// Load a verified checkpoint into `store`; returns its state.
 pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
-    verify(dir).map_err(|why| {
-        Error::bad_input(
-            "checkpoint",
-            dir.display().to_string(),
-            format!("is damaged: {why}"),
-            None,
-        )
-    })?;
-    let state = read_state(dir)?;
+    let state = open(dir)?;
     if state.model != store.layout().config {
         return Err(Error::bad_input(
             "checkpoint",

@@ -6,6 +6,26 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+/// Bounds on the counts a run may ask for. Within them every size derived from the
+/// configuration fits in 64 bits, and what the trainer builds per step (the step plan, the
+/// micro-batches' token lists) stays bounded.
+pub mod limits {
+    /// Longest sequence.
+    pub const MAX_SEQ_LEN: usize = 1 << 24;
+    /// Most tokens in one micro-batch (batch_size × seq_len).
+    pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 26;
+    /// Most micro-batches per step (the step plan holds O(grad_accum × layers) ops).
+    pub const MAX_GRAD_ACCUM: usize = 4096;
+    /// Most tokens per optimizer step (grad_accum × batch_size × seq_len).
+    pub const MAX_STEP_TOKENS: usize = 1 << 28;
+    /// Most optimizer steps.
+    pub const MAX_STEPS: u64 = 1 << 40;
+    /// Most validation micro-batches.
+    pub const MAX_VAL_BATCHES: usize = 1 << 16;
+    /// Most staging slots of the spill tier.
+    pub const MAX_SPILL_STAGING: usize = 64;
+}
+
 /// Learning-rate schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -46,6 +66,54 @@ pub enum Precision {
     Fp32,
     /// bf16 shadow streamed.
     Bf16,
+}
+
+/// Whether a run continues from the newest checkpoint in its checkpoint directory.
+///
+/// In TOML: `resume = true` (always), `resume = false` (never, the default) or
+/// `resume = "auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Resume {
+    /// A fresh run: the checkpoint directory must hold no checkpoints.
+    #[default]
+    Never,
+    /// Continue from the newest checkpoint; an error when there is none.
+    Always,
+    /// Continue when there is a checkpoint, else start fresh (preemptible jobs).
+    Auto,
+}
+
+impl Serialize for Resume {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Resume::Never => s.serialize_bool(false),
+            Resume::Always => s.serialize_bool(true),
+            Resume::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Resume {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Spelling {
+            Flag(bool),
+            Word(String),
+        }
+        match Spelling::deserialize(d)? {
+            Spelling::Flag(true) => Ok(Resume::Always),
+            Spelling::Flag(false) => Ok(Resume::Never),
+            Spelling::Word(w) => match w.as_str() {
+                "auto" => Ok(Resume::Auto),
+                "always" => Ok(Resume::Always),
+                "never" => Ok(Resume::Never),
+                other => Err(serde::de::Error::custom(format!(
+                    "resume `{other}`: expected true, false or \"auto\""
+                ))),
+            },
+        }
+    }
 }
 
 /// Where layer-boundary activations (the recompute checkpoints) live.
@@ -110,8 +178,9 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
-    /// Resume from the newest checkpoint in `checkpoint_dir`.
-    pub resume: bool,
+    /// Continue from the newest checkpoint in `checkpoint_dir`: never, always (an error when
+    /// there is none), auto (when there is one).
+    pub resume: Resume,
     /// Export the final model as an HF checkpoint here.
     pub export_hf: Option<PathBuf>,
     /// Compute device.
@@ -183,7 +252,7 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             checkpoint_every: 0,
             keep_checkpoints: 3,
-            resume: false,
+            resume: Resume::Never,
             export_hf: None,
             device: DeviceKind::Cpu,
             device_memory: 2 << 30,
@@ -210,11 +279,30 @@ impl TrainConfig {
     /// Read a TOML file (unknown keys are errors).
     pub fn from_toml_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io("read config", path, e))?;
-        toml::from_str(&text).map_err(|e| {
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Parse TOML text; `origin` names it in errors, which give the line and the key.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| {
+            let at = e.span().map(|span| {
+                let start = span.start.min(text.len());
+                let line_no = text[..start].matches('\n').count() + 1;
+                let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+                let line = text[line_start..].lines().next().unwrap_or("");
+                let key = line
+                    .split_once('=')
+                    .map(|(k, _)| k.trim().trim_matches('"').to_owned())
+                    .filter(|k| !k.is_empty() && !k.starts_with('['));
+                match key {
+                    Some(k) => format!("line {line_no}, key `{k}`: "),
+                    None => format!("line {line_no}: "),
+                }
+            });
             Error::bad_input(
                 "config file",
-                path.display().to_string(),
-                e.message().to_owned(),
+                origin,
+                format!("{}{}", at.unwrap_or_default(), e.message()),
                 Some("keys are the flag names with `_` for `-` (see `megatrain train --help`)"),
             )
         })
@@ -235,26 +323,92 @@ impl TrainConfig {
         }
     }
 
-    /// Check values that are wrong whatever the data.
+    /// Check values that are wrong whatever the data: every count within [`limits`], every
+    /// real number finite and in its range, settings that exclude each other.
     pub fn validate(&self) -> Result<()> {
         let bad =
             |k: &str, why: &str, fix: &str| Err(Error::bad_input("setting", k, why, Some(fix)));
-        if self.seq_len == 0 || self.batch_size == 0 || self.grad_accum == 0 {
+        let count = |k: &str, v: u64, max: u64| -> Result<()> {
+            if v == 0 || v > max {
+                return Err(Error::bad_input(
+                    "setting",
+                    k,
+                    format!("is {v}; it must be between 1 and {max}"),
+                    Some(&format!("set --{} within that range", k.replace('_', "-"))),
+                ));
+            }
+            Ok(())
+        };
+        count("seq_len", self.seq_len as u64, limits::MAX_SEQ_LEN as u64)?;
+        count("batch_size", self.batch_size as u64, limits::MAX_MICRO_BATCH_TOKENS as u64)?;
+        count("grad_accum", self.grad_accum as u64, limits::MAX_GRAD_ACCUM as u64)?;
+        count("steps", self.steps, limits::MAX_STEPS)?;
+        count("val_batches", self.val_batches as u64, limits::MAX_VAL_BATCHES as u64)?;
+        count("keep_checkpoints", self.keep_checkpoints as u64, 1 << 20)?;
+        count("spill_staging", self.spill_staging as u64, limits::MAX_SPILL_STAGING as u64)?;
+        let micro = self.batch_size as u128 * self.seq_len as u128;
+        if micro > limits::MAX_MICRO_BATCH_TOKENS as u128 {
             return bad(
-                "seq_len/batch_size/grad_accum",
-                "must be positive",
-                "set them ≥ 1",
+                "batch_size × seq_len",
+                &format!(
+                    "is {micro} tokens per micro-batch, more than {}",
+                    limits::MAX_MICRO_BATCH_TOKENS
+                ),
+                "lower --batch-size or --seq-len (and raise --grad-accum)",
+            );
+        }
+        let step = micro * self.grad_accum as u128;
+        if step > limits::MAX_STEP_TOKENS as u128 {
+            return bad(
+                "grad_accum × batch_size × seq_len",
+                &format!(
+                    "is {step} tokens per step, more than {}",
+                    limits::MAX_STEP_TOKENS
+                ),
+                "lower --grad-accum, --batch-size or --seq-len",
             );
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("lr", "must be a positive number", "e.g. --lr 3e-4");
         }
-        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+        let unit = |x: f64| x.is_finite() && (0.0..1.0).contains(&x);
+        if !unit(self.beta1) || !unit(self.beta2) {
             return bad(
                 "beta1/beta2",
                 "must be in [0, 1)",
                 "e.g. --beta1 0.9 --beta2 0.95",
             );
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad(
+                "eps",
+                "must be a positive number (AdamW divides by √v + eps)",
+                "e.g. --eps 1e-8",
+            );
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(
+                "weight_decay",
+                "must be a number ≥ 0",
+                "e.g. --weight-decay 0.1 (0 disables it)",
+            );
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return bad(
+                "grad_clip",
+                "must be a number ≥ 0",
+                "e.g. --grad-clip 1.0 (0 disables clipping)",
+            );
+        }
+        if self.device_memory < 1 << 20 {
+            return bad(
+                "device_memory",
+                "must be at least 1 MiB",
+                "e.g. --device-memory 2G",
+            );
+        }
+        if self.ram_budget == Some(0) {
+            return bad("ram_budget", "must be positive", "e.g. --ram-budget 64G");
         }
         if self.init_from.is_some() && self.model.is_some() {
             return bad(
@@ -269,9 +423,6 @@ impl TrainConfig {
                 "`all` needs a spill directory",
                 "pass --nvme DIR (one per NVMe device)",
             );
-        }
-        if self.spill_staging == 0 {
-            return bad("spill_staging", "must be ≥ 1", "e.g. --spill-staging 3");
         }
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(Error::bad_input(
@@ -304,12 +455,50 @@ impl TrainConfig {
                 Some("use --mode exact for gradient accumulation"),
             ));
         }
-        if self.resume && self.checkpoint_dir.is_none() {
+        if self.resume != Resume::Never && self.checkpoint_dir.is_none() {
             return bad(
                 "resume",
                 "needs a checkpoint directory",
                 "add --checkpoint-dir DIR",
             );
+        }
+        self.check_paths_are_utf8()
+    }
+
+    /// Every path setting, with its key.
+    pub fn paths(&self) -> Vec<(&'static str, &Path)> {
+        let mut v: Vec<(&'static str, &Path)> = [
+            ("init_from", &self.init_from),
+            ("model", &self.model),
+            ("data", &self.data),
+            ("val_data", &self.val_data),
+            ("metrics", &self.metrics),
+            ("checkpoint_dir", &self.checkpoint_dir),
+            ("export_hf", &self.export_hf),
+            ("trace", &self.trace),
+        ]
+        .into_iter()
+        .filter_map(|(k, p)| p.as_deref().map(|p| (k, p)))
+        .collect();
+        v.extend(self.nvme.iter().map(|p| ("nvme", p.as_path())));
+        v
+    }
+
+    /// Paths are recorded in checkpoints as text: a path that is not UTF-8 is refused up front
+    /// (naming the setting) instead of failing when the first checkpoint is written.
+    fn check_paths_are_utf8(&self) -> Result<()> {
+        for (key, p) in self.paths() {
+            if p.to_str().is_none() {
+                return Err(Error::bad_input(
+                    "setting",
+                    key,
+                    format!(
+                        "the path `{}` is not valid UTF-8; megatrain records paths in its checkpoints as text",
+                        p.display()
+                    ),
+                    Some("rename the file or directory (or use a symlink) with a UTF-8 name"),
+                ));
+            }
         }
         Ok(())
     }

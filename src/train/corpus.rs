@@ -13,7 +13,7 @@ pub const FILES: &[(&str, &str)] = &[
         include_str!("../../docs/probe-schema.md"),
     ),
     ("src/error.rs", include_str!("../error.rs")),
-    ("src/util.rs", include_str!("../util.rs")),
+    ("src/util/mod.rs", include_str!("../util/mod.rs")),
     ("src/topology/mod.rs", include_str!("../topology/mod.rs")),
     (
         "src/topology/hwloc.rs",

@@ -20,6 +20,14 @@ pub struct TokenFile {
 impl TokenFile {
     /// Map `path` and check it against the vocabulary (every id < `vocab`).
     pub fn open(path: &Path, dtype: DataDtype, vocab: usize) -> Result<Self> {
+        if path.is_dir() {
+            return Err(Error::bad_input(
+                "data file",
+                path.display().to_string(),
+                "is a directory; --data and --val-data take a token file",
+                Some("pass the .bin file `megatrain prepare` wrote (e.g. DIR/train.bin)"),
+            ));
+        }
         let f = std::fs::File::open(path)
             .map_err(|e| Error::io("open data", path, e).with_fix("check --data / --val-data"))?;
         // SAFETY: read-only private mapping; if another process truncates the file while we train

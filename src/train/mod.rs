@@ -7,8 +7,10 @@ pub mod checkpoint;
 pub mod config;
 pub mod corpus;
 pub mod data;
+pub mod outputs;
 pub mod plot;
 pub mod prepare;
+pub mod run_dir;
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::engine::{Checkpoints, MicroBatch, StepMetrics, Streamer, StreamerConfig};
@@ -19,14 +21,16 @@ use crate::optim::{AdamPool, AdamWConfig};
 use crate::store::layout::{Mode, StateLayout};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
-use crate::topology::{probe, TopologySource};
+use crate::topology::{probe, Machine, TopologySource};
+use crate::util::human_bytes;
 use crate::{Error, Result};
-use checkpoint::TrainState;
+use checkpoint::{ConfigChange, TrainState};
 use config::TrainConfig;
 use data::{Cursor, Loader, TokenFile};
+use outputs::MetricsLog;
+use run_dir::RunDir;
 use serde::Serialize;
-use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -67,6 +71,8 @@ pub struct Summary {
     pub trace: Option<PathBuf>,
     /// Stopped early by an interrupt.
     pub interrupted: bool,
+    /// Metrics lines that could not be written (each failure was a warning).
+    pub metrics_failures: u64,
 }
 
 /// Deterministic N(0, σ²) samples (splitmix64 + Box–Muller).
@@ -181,13 +187,69 @@ fn validate(
     Ok(total / (batches.max(1) * b * t) as f64)
 }
 
+/// Everything a run needs once set up: the resolved configuration, the streamer over the host
+/// store and the device, the data, and where its outputs go.
+struct Session {
+    cfg: TrainConfig,
+    model: ModelConfig,
+    run_id: String,
+    /// The checkpoint directory this run holds (locked for its life).
+    run_dir: Option<RunDir>,
+    /// Settings changed on each resume (recorded in every checkpoint).
+    changes: Vec<ConfigChange>,
+    tm: Arc<Templates>,
+    streamer: Streamer,
+    loader: Loader,
+    val_loader: Option<Loader>,
+    /// The validation workspace, allocated at the first validation.
+    val_ws: Option<Workspace>,
+    metrics: Option<MetricsLog>,
+    start_step: u64,
+    /// The last step whose state is in a checkpoint on disk, and where.
+    saved: Option<(u64, PathBuf)>,
+}
+
+/// Why the loop stopped early.
+enum Stop {
+    /// A step failed: the state may be mid-update, the last checkpoint is what survives.
+    Step(Error),
+    /// Something after a completed step failed (checkpoint write, validation): the state is
+    /// whole and is saved before the error is reported.
+    AfterStep(Error),
+}
+
 /// Run training as `cfg` says. `interrupt` is polled after every step: when set, the trainer
-/// finishes the step, writes a checkpoint and returns.
+/// finishes the step, writes a checkpoint (with a checkpoint directory) and returns.
+///
+/// Every input and output is checked before step 1; a failure after training has progressed
+/// saves the trained state first and names where (`Error::StateSaved`).
 pub fn run(
     cfg: &TrainConfig,
     interrupt: Arc<AtomicBool>,
     progress: &mut dyn Progress,
 ) -> Result<Summary> {
+    let mut s = setup(cfg, progress)?;
+    let mut summary = Summary {
+        steps: s.start_step,
+        metrics: s.metrics.as_ref().map(|m| m.path().to_owned()),
+        ..Summary::default()
+    };
+    progress.start(s.start_step + 1, s.cfg.steps, s.model.num_params());
+    match train_loop(&mut s, &interrupt, progress, &mut summary) {
+        Ok(()) => {}
+        Err(Stop::Step(e)) => return Err(e),
+        Err(Stop::AfterStep(e)) => return Err(rescue(&mut s, summary.steps, e, progress)),
+    }
+    if let Err(e) = write_final_outputs(&mut s, &mut summary) {
+        return Err(rescue(&mut s, summary.steps, e, progress));
+    }
+    summary.metrics_failures = s.metrics.as_ref().map_or(0, |m| m.failed_writes);
+    Ok(summary)
+}
+
+/// Check the configuration, claim the checkpoint directory, resolve the model and the mode,
+/// check the outputs and the memory, then build the store, the device and the streamer.
+fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
     cfg.validate()?;
     let data_path = cfg.data.clone().ok_or_else(|| {
         Error::bad_input(
@@ -197,29 +259,12 @@ pub fn run(
             Some("pass --data FILE (or run `megatrain train --demo`)"),
         )
     })?;
-    // The model: from the checkpoint being resumed, an HF checkpoint, or a config.json.
-    let resume_dir = match (&cfg.checkpoint_dir, cfg.resume) {
-        (Some(d), true) => checkpoint::latest(d)?,
-        _ => None,
-    };
-    // The resumed run's state.json, read once: its model and the mode it ran in.
-    let resumed = match &resume_dir {
-        Some(d) => Some(checkpoint::read_state(d)?),
-        None => None,
-    };
-    let model: ModelConfig = match (&resumed, &cfg.init_from, &cfg.model) {
-        (Some(st), _, _) => st.model.clone(),
-        (None, Some(dir), _) => crate::model::hf::load_config(dir)?,
-        (None, None, Some(path)) => ModelConfig::from_file(path)?,
-        (None, None, None) => {
-            return Err(Error::bad_input(
-                "setting",
-                "model",
-                "no model given",
-                Some("pass --model config.json (random init) or --init-from HF_DIR"),
-            ))
-        }
-    };
+    let run_dir = run_dir::claim(cfg)?;
+    let resumed = run_dir.as_ref().and_then(|r| r.resume_from.clone());
+    if cfg.resume == config::Resume::Auto && resumed.is_none() {
+        progress.note("resume auto: no checkpoint yet, starting fresh");
+    }
+    let model = resolve_model(cfg, resumed.as_ref().map(|(_, st)| st))?;
     let (b, t) = (cfg.batch_size, cfg.seq_len);
     if t > model.max_position_embeddings {
         return Err(Error::bad_input(
@@ -232,19 +277,16 @@ pub fn run(
             None,
         ));
     }
-    // Data first: bad data must fail before anything big is allocated.
+    // Data next: bad data must fail before anything big is allocated.
     let train_file = TokenFile::open(&data_path, cfg.data_dtype, model.vocab_size)?;
-    let mut val_loader = match &cfg.val_data {
-        Some(p) => Some(Loader::new(
-            TokenFile::open(p, cfg.data_dtype, model.vocab_size)?,
-            t,
-            b,
-            false,
-            cfg.seed,
-            Cursor::default(),
-        )?),
+    let val_file = match &cfg.val_data {
+        Some(p) => Some(TokenFile::open(p, cfg.data_dtype, model.vocab_size)?),
         None => None,
     };
+    let run_id = resumed
+        .as_ref()
+        .and_then(|(_, st)| st.run_id.clone())
+        .unwrap_or_else(crate::util::lock::random_id);
 
     let machine = probe(&TopologySource::Live)?;
     let budget = RamBudget {
@@ -259,49 +301,56 @@ pub fn run(
         },
         slots: cfg.spill_staging,
     };
-    // The mode: as set, as the resumed run had it, or the planner's choice.
-    let mode = match cfg.mode.or(resumed.as_ref().and_then(|st| st.config.mode)) {
-        Some(m) => m,
-        None => {
-            let fits = |m: Mode| {
-                place_with_spill(
-                    &machine,
-                    &StateLayout::new(&model, m, false),
-                    None,
-                    budget,
-                    SpillRequest::default(),
-                )
-                .is_ok()
-            };
-            let exact_fits = fits(Mode::Exact);
-            let m = if exact_fits || cfg.grad_accum > 1 || !fits(Mode::Lean) {
-                Mode::Exact
-            } else {
-                Mode::Lean
-            };
-            progress.note(&format!(
-                "mode: {} (chosen: {})",
-                match m {
-                    Mode::Exact => "exact",
-                    Mode::Lean => "lean",
-                },
-                match m {
-                    Mode::Lean => "the exact state does not fit the RAM budget, the lean one does",
-                    Mode::Exact if exact_fits => "the whole exact state fits in RAM",
-                    Mode::Exact => "lean does not fit either (or gradient accumulation needs exact); spilling decides",
-                }
-            ));
-            m
-        }
-    };
-    let cfg = &TrainConfig {
+    let mode = choose_mode(cfg, resumed.as_ref(), &machine, &model, budget, progress);
+    let cfg = TrainConfig {
         mode: Some(mode),
         ..cfg.clone()
     };
     cfg.validate()?;
+    let mut changes = resumed
+        .as_ref()
+        .map(|(_, st)| st.changes.clone())
+        .unwrap_or_default();
+    if let Some((_, st)) = &resumed {
+        let now = run_dir::changed_settings(&st.config, &cfg);
+        if !now.is_empty() {
+            progress.note(&format!(
+                "changed on resume: {}",
+                now.iter()
+                    .map(|(k, a, b)| format!("{k} {a} → {b}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        changes.extend(now.into_iter().map(|(key, from, to)| ConfigChange {
+            step: st.step,
+            key,
+            from,
+            to,
+        }));
+    }
+
+    // Every output, and the host and device memory, before anything big is allocated.
     let layout = StateLayout::new(&model, mode, false);
+    let params = layout.num_params() as u64;
+    outputs::check(&cfg, &run_id, 12 * params + (1 << 20), 4 * params + (1 << 20))?;
+    let prelim = crate::store::placement::place_advised(
+        &machine,
+        &layout,
+        None,
+        budget,
+        spill_req,
+        cfg.grad_accum == 1,
+    )?;
+    let host_room: u64 = prelim
+        .nodes
+        .iter()
+        .map(|n| n.capacity.saturating_sub(n.bytes))
+        .sum();
+    check_device_budget(&cfg, &layout, host_room)?;
+
     let tm = Arc::new(Templates::new(&layout, t)?);
-    let device = open_device(cfg, &tm, b, t)?;
+    let device = open_device(&cfg, &tm, b, t)?;
     // A GPU finds its NUMA node by PCI address: params and grads go next to it.
     let pci = device.pci_bus_id();
     let gpu = pci.as_deref().and_then(|id| machine.gpu_by_pci_bus_id(id));
@@ -321,12 +370,12 @@ pub fn run(
     let placement = place_with_spill(&machine, &layout, gpu, budget, spill_req)?;
     if let Some(p) = &placement.spill {
         progress.note(&format!(
-            "spilling Adam m/v of {} of {} units to NVMe ({} on disk, {} slots x {} staging in RAM)",
+            "spilling Adam m/v of {} of {} units to NVMe ({} of moments, {} slots x {} staging in RAM)",
             p.units.len(),
             layout.units.len(),
-            crate::util::human_bytes(p.nvme_bytes),
+            human_bytes(p.nvme_bytes),
             p.slots,
-            crate::util::human_bytes(p.slot_bytes)
+            human_bytes(p.slot_bytes)
         ));
     }
     let store = HostStore::allocate(
@@ -340,90 +389,56 @@ pub fn run(
             spill: (!cfg.nvme.is_empty()).then(|| SpillOptions {
                 engine: cfg.io_engine,
                 direct: cfg.direct_io,
+                run_id: Some(run_id.clone()),
                 ..SpillOptions::new(cfg.nvme.clone())
             }),
         },
     )?;
-    if let Some(t) = store.spill() {
-        for w in &t.warnings {
+    if let Some(tier) = store.spill() {
+        progress.note(&format!(
+            "spill files: {} on disk",
+            human_bytes(tier.disk_bytes())
+        ));
+        for w in &tier.warnings {
             progress.note(&format!("warning: {w}"));
         }
     }
-    let mut start_step = 0;
-    let mut cursor = Cursor::default();
-    let mut prev_norm = None;
-    if let Some(d) = &resume_dir {
-        let st = checkpoint::load(d, &store)?;
-        start_step = st.step;
-        cursor = st.cursor;
-        prev_norm = st.prev_norm;
-        progress.note(&format!("resumed from {} (step {})", d.display(), st.step));
-    } else if let Some(dir) = &cfg.init_from {
-        let r = crate::model::hf::load_into_store(dir, &store)?;
-        progress.note(&format!(
-            "loaded {} tensors from {}",
-            r.tensors,
-            dir.display()
-        ));
-    } else {
-        random_init(&store, cfg.seed)?;
-    }
-    let mut loader = Loader::new(train_file, t, b, cfg.shuffle, cfg.seed, cursor)?;
-
-    // Activation checkpoints: as set, else on the device when they fit beside the working set.
-    let checkpoints = match cfg.activations {
-        Some(config::Activations::Device) => Checkpoints::Device,
-        Some(config::Activations::Host) => Checkpoints::Host,
+    let (start_step, cursor, prev_norm) = match &resumed {
+        Some((dir, _)) => {
+            let st = checkpoint::load(dir, &store)?;
+            progress.note(&format!("resumed from {} (step {})", dir.display(), st.step));
+            (st.step, st.cursor, st.prev_norm)
+        }
         None => {
-            let mem = crate::device::Device::memory(device.as_ref());
-            let need =
-                crate::engine::device_bytes(&layout, b, t, cfg.grad_accum, Checkpoints::Device);
-            let cp = if mem.in_use + need <= mem.capacity {
-                Checkpoints::Device
-            } else {
-                Checkpoints::Host
-            };
-            progress.note(&format!(
-                "activations: {} (chosen: device needs {} with them there, {} available)",
-                match cp {
-                    Checkpoints::Device => "on the device",
-                    Checkpoints::Host => "offloaded to host",
-                },
-                crate::util::human_bytes(need),
-                crate::util::human_bytes(mem.capacity.saturating_sub(mem.in_use))
-            ));
-            cp
+            match &cfg.init_from {
+                Some(dir) => {
+                    let r = crate::model::hf::load_into_store(dir, &store)?;
+                    progress.note(&format!(
+                        "loaded {} tensors from {}",
+                        r.tensors,
+                        dir.display()
+                    ));
+                }
+                None => random_init(&store, cfg.seed)?,
+            }
+            (0, Cursor::default(), None)
         }
     };
+    let loader = Loader::new(train_file, t, b, cfg.shuffle, cfg.seed, cursor)?;
+    let val_loader = match val_file {
+        Some(f) => Some(Loader::new(f, t, b, false, cfg.seed, Cursor::default())?),
+        None => None,
+    };
+    let checkpoints = choose_activations(&cfg, device.as_ref(), &layout, progress);
     // Recorded, so a resumed run and the checkpoint's configuration say what was used.
-    let cfg = &TrainConfig {
+    let cfg = TrainConfig {
         activations: Some(match checkpoints {
             Checkpoints::Device => config::Activations::Device,
             Checkpoints::Host => config::Activations::Host,
         }),
-        ..cfg.clone()
+        ..cfg
     };
-    {
-        let mem = crate::device::Device::memory(device.as_ref());
-        let need = crate::engine::device_bytes(&layout, b, t, cfg.grad_accum, checkpoints);
-        let free = mem.capacity.saturating_sub(mem.in_use);
-        if need > free {
-            return Err(Error::bad_input(
-                "device memory",
-                crate::util::human_bytes(mem.capacity),
-                format!(
-                    "the step's working set needs {} (weight and gradient slots, activations) but {} is free after the layer workspace",
-                    crate::util::human_bytes(need),
-                    crate::util::human_bytes(free)
-                ),
-                Some(&format!(
-                    "raise --device-memory by {} or lower --batch-size / --seq-len{}",
-                    crate::util::human_bytes(need - free),
-                    if checkpoints == Checkpoints::Device { ", or pass --activations host" } else { "" }
-                )),
-            ));
-        }
-    }
+    check_working_set(&cfg, device.as_ref(), &layout, checkpoints)?;
     let pool = AdamPool::for_placement(store.placement(), None)?;
     let mut streamer = Streamer::new(
         device,
@@ -447,79 +462,276 @@ pub fn run(
         },
     )?;
     streamer.resume_at(start_step, prev_norm);
-    let mut ws = Workspace::new(&model, b, t);
-
-    let mut metrics_file = match &cfg.metrics {
+    let metrics = match &cfg.metrics {
         Some(p) => {
-            if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+            let (log, notes) = MetricsLog::open(p, resumed.as_ref().map(|(_, st)| st.step))?;
+            for n in notes {
+                progress.note(&n);
             }
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(start_step > 0)
-                .write(true)
-                .truncate(start_step == 0)
-                .open(p)
-                .map_err(|e| Error::io("open metrics", p, e))?;
-            Some(std::io::BufWriter::new(f))
+            Some(log)
         }
         None => None,
     };
-    let mut summary = Summary {
-        steps: start_step,
-        metrics: cfg.metrics.clone(),
-        ..Summary::default()
+    Ok(Session {
+        saved: resumed.as_ref().map(|(d, st)| (st.step, d.clone())),
+        cfg,
+        model,
+        run_id,
+        run_dir,
+        changes,
+        tm,
+        streamer,
+        loader,
+        val_loader,
+        val_ws: None,
+        metrics,
+        start_step,
+    })
+}
+
+/// The model: the resumed checkpoint's (a `--model`/`--init-from` given beside `--resume` must
+/// describe the same shapes), an HF checkpoint's, or a `config.json`'s.
+fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<ModelConfig> {
+    let given = match (&cfg.init_from, &cfg.model) {
+        (Some(dir), _) => Some(crate::model::hf::load_config(dir)?),
+        (None, Some(path)) => Some(ModelConfig::from_file(path)?),
+        (None, None) => None,
     };
-    let mut curve: Vec<(u64, f64)> = Vec::new();
-    let mut val_curve: Vec<(u64, f64)> = Vec::new();
-    let (mut tok, mut secs) = (0u64, 0.0f64);
-    progress.start(start_step + 1, cfg.steps, layout.num_params());
-    let save = |streamer: &mut Streamer, step: u64, loader: &Loader| -> Result<Option<PathBuf>> {
-        let Some(root) = &cfg.checkpoint_dir else {
-            return Ok(None);
-        };
-        streamer.finish()?;
-        let state = TrainState {
-            format: checkpoint::FORMAT,
-            step,
-            cursor: loader.cursor,
-            prev_norm: streamer.prev_norm(),
-            model: model.clone(),
-            config: cfg.clone(),
-        };
-        checkpoint::save(root, streamer.store(), &state, cfg.keep_checkpoints).map(Some)
+    match (resumed, given) {
+        (Some(st), Some(g)) if g != st.model => {
+            let (Ok(a), Ok(b)) = (serde_json::to_value(&st.model), serde_json::to_value(&g))
+            else {
+                return Err(Error::system("serde_json", "compare model configs", "unserialisable"));
+            };
+            let diffs: Vec<String> = a
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(k, v)| b.get(k.as_str()) != Some(*v))
+                .map(|(k, v)| format!("{k} {v} → {}", b.get(k.as_str()).cloned().unwrap_or_default()))
+                .collect();
+            Err(Error::bad_input(
+                "resume",
+                cfg.checkpoint_dir
+                    .as_deref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                format!(
+                    "the checkpoint's model differs from the one given: {}",
+                    diffs.join(", ")
+                ),
+                Some("resume with the checkpoint's own model (drop --model/--init-from), or start a new run in another --checkpoint-dir"),
+            ))
+        }
+        (Some(st), _) => Ok(st.model.clone()),
+        (None, Some(g)) => Ok(g),
+        (None, None) => Err(Error::bad_input(
+            "setting",
+            "model",
+            "no model given",
+            Some("pass --model config.json (random init) or --init-from HF_DIR"),
+        )),
+    }
+}
+
+/// The mode: as set, as the resumed run had it, or the planner's choice (exact if its state
+/// fits the RAM budget, else lean if that fits and nothing accumulates, else exact with spill).
+fn choose_mode(
+    cfg: &TrainConfig,
+    resumed: Option<&(PathBuf, TrainState)>,
+    machine: &Machine,
+    model: &ModelConfig,
+    budget: RamBudget,
+    progress: &mut dyn Progress,
+) -> Mode {
+    if let Some(m) = cfg.mode.or(resumed.and_then(|(_, st)| st.config.mode)) {
+        return m;
+    }
+    let fits = |m: Mode| {
+        place_with_spill(
+            machine,
+            &StateLayout::new(model, m, false),
+            None,
+            budget,
+            SpillRequest::default(),
+        )
+        .is_ok()
     };
-    for step in start_step + 1..=cfg.steps {
-        let batches: Vec<MicroBatch> = (0..cfg.grad_accum)
+    let exact_fits = fits(Mode::Exact);
+    let m = if exact_fits || cfg.grad_accum > 1 || !fits(Mode::Lean) {
+        Mode::Exact
+    } else {
+        Mode::Lean
+    };
+    progress.note(&format!(
+        "mode: {} (chosen: {})",
+        match m {
+            Mode::Exact => "exact",
+            Mode::Lean => "lean",
+        },
+        match m {
+            Mode::Lean => "the exact state does not fit the RAM budget, the lean one does",
+            Mode::Exact if exact_fits => "the whole exact state fits in RAM",
+            Mode::Exact =>
+                "lean does not fit either (or gradient accumulation needs exact); spilling decides",
+        }
+    ));
+    m
+}
+
+/// The CPU device's memory is allocated on the host: check the layer workspace and the plan's
+/// buffers against `--device-memory`, and against the host RAM the state leaves (`host_room`),
+/// before the templates and the device are built.
+fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) -> Result<()> {
+    if cfg.device != config::DeviceKind::Cpu {
+        return Ok(());
+    }
+    let (b, t) = (cfg.batch_size, cfg.seq_len);
+    let need = crate::device::program::workspace_bytes(&layout.config, b, t)
+        + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Checkpoints::Host);
+    if need > cfg.device_memory {
+        return Err(Error::bad_input(
+            "device memory",
+            human_bytes(cfg.device_memory),
+            format!(
+                "the step needs at least {} (the layer workspace, weight and gradient slots, activations)",
+                human_bytes(need)
+            ),
+            Some("raise --device-memory, or lower --batch-size / --seq-len"),
+        ));
+    }
+    if need > host_room {
+        return Err(Error::bad_input(
+            "host memory",
+            human_bytes(host_room),
+            format!(
+                "the CPU device's working set needs {} of host memory, but only {} of the RAM budget is left beside the training state",
+                human_bytes(need),
+                human_bytes(host_room)
+            ),
+            Some("lower --batch-size or --seq-len"),
+        ));
+    }
+    Ok(())
+}
+
+/// Activation checkpoints: as set, else on the device when they fit beside the working set.
+fn choose_activations(
+    cfg: &TrainConfig,
+    device: &dyn crate::device::Device,
+    layout: &StateLayout,
+    progress: &mut dyn Progress,
+) -> Checkpoints {
+    match cfg.activations {
+        Some(config::Activations::Device) => Checkpoints::Device,
+        Some(config::Activations::Host) => Checkpoints::Host,
+        None => {
+            let mem = device.memory();
+            let need = crate::engine::device_bytes(
+                layout,
+                cfg.batch_size,
+                cfg.seq_len,
+                cfg.grad_accum,
+                Checkpoints::Device,
+            );
+            let cp = if mem.in_use + need <= mem.capacity {
+                Checkpoints::Device
+            } else {
+                Checkpoints::Host
+            };
+            progress.note(&format!(
+                "activations: {} (chosen: device needs {} with them there, {} available)",
+                match cp {
+                    Checkpoints::Device => "on the device",
+                    Checkpoints::Host => "offloaded to host",
+                },
+                human_bytes(need),
+                human_bytes(mem.capacity.saturating_sub(mem.in_use))
+            ));
+            cp
+        }
+    }
+}
+
+/// The step's working set must fit the device beside its layer workspace.
+fn check_working_set(
+    cfg: &TrainConfig,
+    device: &dyn crate::device::Device,
+    layout: &StateLayout,
+    checkpoints: Checkpoints,
+) -> Result<()> {
+    let mem = device.memory();
+    let need = crate::engine::device_bytes(
+        layout,
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.grad_accum,
+        checkpoints,
+    );
+    let free = mem.capacity.saturating_sub(mem.in_use);
+    if need <= free {
+        return Ok(());
+    }
+    Err(Error::bad_input(
+        "device memory",
+        human_bytes(mem.capacity),
+        format!(
+            "the step's working set needs {} (weight and gradient slots, activations) but {} is free after the layer workspace",
+            human_bytes(need),
+            human_bytes(free)
+        ),
+        Some(&format!(
+            "raise --device-memory by {} or lower --batch-size / --seq-len{}",
+            human_bytes(need - free),
+            if checkpoints == Checkpoints::Device {
+                ", or pass --activations host"
+            } else {
+                ""
+            }
+        )),
+    ))
+}
+
+/// Steps from the session's start to `cfg.steps`: a step, its metrics line, validation when
+/// due, a checkpoint when due, and the interrupt flag.
+fn train_loop(
+    s: &mut Session,
+    interrupt: &AtomicBool,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) -> std::result::Result<(), Stop> {
+    let (mut tokens, mut secs) = (0u64, 0.0f64);
+    for step in s.start_step + 1..=s.cfg.steps {
+        let batches: Vec<MicroBatch> = (0..s.cfg.grad_accum)
             .map(|_| {
-                let (x, y) = loader.next_batch();
+                let (x, y) = s.loader.next_batch();
                 MicroBatch {
                     tokens: x.into(),
                     targets: y.into(),
                 }
             })
             .collect();
-        let m = streamer.step(&batches, cfg.lr_at(step))?;
+        let m = s
+            .streamer
+            .step(&batches, s.cfg.lr_at(step))
+            .map_err(Stop::Step)?;
         if !m.loss.is_finite() {
-            return Err(Error::system("trainer", format!("step {step}"), format!("loss is {} (diverged)", m.loss))
-                .with_fix("lower --lr, raise --warmup-steps, or enable --grad-clip; earlier checkpoints are intact"));
+            return Err(Stop::Step(
+                Error::system("trainer", format!("step {step}"), format!("loss is {} (diverged)", m.loss))
+                    .with_fix("lower --lr, raise --warmup-steps, or enable --grad-clip; earlier checkpoints are intact"),
+            ));
         }
-        tok += m.tokens;
+        tokens += m.tokens;
         secs += m.wall_s;
+        summary.tokens_per_s = if secs > 0.0 { tokens as f64 / secs } else { 0.0 };
         summary.first_loss.get_or_insert(m.loss);
         summary.last_loss = Some(m.loss);
         summary.steps = step;
-        curve.push((step, m.loss));
-        let val = match (&mut val_loader, cfg.val_every) {
-            (Some(vl), every) if (every > 0 && step % every == 0) || step == cfg.steps => {
-                let v = validate(&mut streamer, &tm, vl, cfg.val_batches, b, t, &mut ws)?;
-                val_curve.push((step, v));
-                summary.val_loss = Some(v);
-                Some(v)
-            }
-            _ => None,
-        };
-        if let Some(f) = metrics_file.as_mut() {
+        let val = validate_if_due(s, step).map_err(Stop::AfterStep)?;
+        if val.is_some() {
+            summary.val_loss = val;
+        }
+        if let Some(log) = s.metrics.as_mut() {
             let line = serde_json::json!({
                 "step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
                 "tokens_per_s": m.tokens as f64 / m.wall_s, "device_peak_bytes": m.device_peak_bytes,
@@ -527,20 +739,16 @@ pub fn run(
                 "io_wait_s": m.host_wait_s, "wall_s": m.wall_s, "clip_coef": m.clip_coef,
                 "htod_bytes": m.htod_bytes, "dtoh_bytes": m.dtoh_bytes, "val_loss": val,
             });
-            writeln!(f, "{line}").map_err(|e| {
-                Error::io("write metrics", cfg.metrics.clone().unwrap_or_default(), e)
-            })?;
-            f.flush().map_err(|e| {
-                Error::io("write metrics", cfg.metrics.clone().unwrap_or_default(), e)
-            })?;
+            if let Some(w) = log.append(step, m.loss, val, &line) {
+                progress.note(&w);
+            }
         }
         progress.step(&m, val);
         let stop = interrupt.load(Ordering::SeqCst);
-        if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)
-            || step == cfg.steps
-            || stop
-        {
-            if let Some(d) = save(&mut streamer, step, &loader)? {
+        let due = s.cfg.checkpoint_every > 0 && step % s.cfg.checkpoint_every == 0;
+        if due || step == s.cfg.steps || stop {
+            if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
+                let d = save_checkpoint(s, &root, step).map_err(Stop::AfterStep)?;
                 progress.checkpoint(&d);
                 summary.checkpoint = Some(d);
             }
@@ -550,23 +758,102 @@ pub fn run(
             break;
         }
     }
-    streamer.finish()?;
-    summary.tokens_per_s = if secs > 0.0 { tok as f64 / secs } else { 0.0 };
-    if let Some(out) = &cfg.export_hf {
-        crate::model::hf::export_store(streamer.store(), out, 2 << 30)?;
+    s.streamer.finish().map_err(Stop::Step)
+}
+
+/// Validation loss when it is due at `step`.
+fn validate_if_due(s: &mut Session, step: u64) -> Result<Option<f64>> {
+    let Some(vl) = s.val_loader.as_mut() else {
+        return Ok(None);
+    };
+    let every = s.cfg.val_every;
+    if !((every > 0 && step % every == 0) || step == s.cfg.steps) {
+        return Ok(None);
+    }
+    let (b, t) = (s.cfg.batch_size, s.cfg.seq_len);
+    let ws = s
+        .val_ws
+        .get_or_insert_with(|| Workspace::new(&s.model, b, t));
+    validate(&mut s.streamer, &s.tm, vl, s.cfg.val_batches, b, t, ws).map(Some)
+}
+
+/// Write a checkpoint of the current state (after `step`) under `root`.
+fn save_checkpoint(s: &mut Session, root: &Path, step: u64) -> Result<PathBuf> {
+    s.streamer.finish()?;
+    let state = TrainState {
+        format: checkpoint::FORMAT,
+        run_id: Some(s.run_id.clone()),
+        step,
+        cursor: s.loader.cursor,
+        prev_norm: s.streamer.prev_norm(),
+        model: s.model.clone(),
+        config: s.cfg.clone(),
+        changes: s.changes.clone(),
+    };
+    let d = checkpoint::save(root, s.streamer.store(), &state, s.cfg.keep_checkpoints)?;
+    s.saved = Some((step, d.clone()));
+    Ok(d)
+}
+
+/// The HF export, the loss curve and the trace.
+fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
+    if let Some(out) = &s.cfg.export_hf {
+        crate::model::hf::export_store(s.streamer.store(), out, 2 << 30, Some(&s.run_id))?;
         summary.export = Some(out.clone());
     }
-    if let Some(p) = &cfg.metrics {
-        let svg = p.with_extension("svg");
+    if let Some(log) = &s.metrics {
+        let svg = log.path().with_extension("svg");
         crate::util::write_atomic(
             &svg,
-            plot::loss_svg(&curve, &val_curve, "megatrain: loss per step").as_bytes(),
+            plot::loss_svg(&log.curve, &log.val_curve, "megatrain: loss per step").as_bytes(),
         )?;
         summary.plot = Some(svg);
     }
-    if let Some(p) = &cfg.trace {
-        streamer.timeline().write_chrome(p)?;
+    if let Some(p) = &s.cfg.trace {
+        s.streamer.timeline().write_chrome(p)?;
         summary.trace = Some(p.clone());
     }
-    Ok(summary)
+    Ok(())
+}
+
+/// `error` happened after `step` completed: make sure the trained state is in a checkpoint (the
+/// run's own if it already is or can be written, else a rescue directory beside the working
+/// directory), then return the error naming where.
+fn rescue(s: &mut Session, step: u64, error: Error, progress: &mut dyn Progress) -> Error {
+    if step <= s.start_step {
+        return error;
+    }
+    if let Some((saved_step, dir)) = &s.saved {
+        if *saved_step == step {
+            let root = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+            return Error::StateSaved {
+                source: Box::new(error),
+                step,
+                saved: dir.clone(),
+                root,
+            };
+        }
+    }
+    let mut roots: Vec<PathBuf> = s.run_dir.iter().map(|r| r.root.clone()).collect();
+    let rescue_name = format!("megatrain-rescue-{}", s.run_id);
+    roots.push(PathBuf::from(&rescue_name));
+    roots.push(std::env::temp_dir().join(&rescue_name));
+    for root in roots {
+        progress.note(&format!(
+            "saving the trained state (step {step}) to {} before reporting the error",
+            root.display()
+        ));
+        match save_checkpoint(s, &root, step) {
+            Ok(dir) => {
+                return Error::StateSaved {
+                    source: Box::new(error),
+                    step,
+                    saved: dir,
+                    root,
+                }
+            }
+            Err(e) => progress.note(&format!("  could not: {e}")),
+        }
+    }
+    error
 }

@@ -50,17 +50,27 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         )
     })?;
     let vocab = tk.get_vocab_size(true);
+    // The dtype must hold the largest id the tokenizer can emit, which can exceed its vocabulary
+    // count (ids need not be contiguous).
+    let max_id = tk
+        .get_vocab(true)
+        .values()
+        .copied()
+        .chain(tk.get_added_tokens_decoder().keys().copied())
+        .max()
+        .unwrap_or(0);
+    let fits_u16 = max_id <= u32::from(u16::MAX);
     let dtype = match args.dtype {
-        Some(DataDtype::U16) if vocab > 65536 => {
+        Some(DataDtype::U16) if !fits_u16 => {
             return Err(Error::bad_input(
                 "--dtype",
                 "u16",
-                format!("the tokenizer has {vocab} ids, more than u16 holds"),
-                Some("use --dtype u32"),
+                format!("the tokenizer emits ids up to {max_id}, more than u16 holds (65535)"),
+                Some("use --dtype u32, or leave --dtype unset"),
             ))
         }
         Some(d) => d,
-        None if vocab <= 65536 => DataDtype::U16,
+        None if fits_u16 => DataDtype::U16,
         None => DataDtype::U32,
     };
     let eos_id = match &args.eos {
@@ -111,7 +121,21 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         ids.extend(eos_id);
     }
     let bytes: Vec<u8> = match dtype {
-        DataDtype::U16 => ids.iter().flat_map(|&i| (i as u16).to_le_bytes()).collect(),
+        DataDtype::U16 => {
+            let mut out = Vec::with_capacity(ids.len() * 2);
+            for &i in &ids {
+                let narrow = u16::try_from(i).map_err(|_| {
+                    Error::bad_input(
+                        "--dtype",
+                        "u16",
+                        format!("the tokenizer produced id {i}, more than u16 holds"),
+                        Some("use --dtype u32"),
+                    )
+                })?;
+                out.extend_from_slice(&narrow.to_le_bytes());
+            }
+            out
+        }
         DataDtype::U32 => ids.iter().flat_map(|&i| i.to_le_bytes()).collect(),
     };
     write_out(&args.out, &bytes)?;

@@ -1,5 +1,8 @@
 //! Small helpers shared by several modules.
 
+pub mod failpoint;
+pub mod lock;
+
 use crate::{Error, Result};
 use std::io::Write;
 use std::path::Path;
@@ -77,6 +80,37 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     result
 }
 
+/// Bytes available to an unprivileged writer on the filesystem holding `path` (`statvfs`).
+pub fn free_space(path: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        Error::bad_input(
+            "path",
+            path.display().to_string(),
+            "contains a NUL byte",
+            None,
+        )
+    })?;
+    // SAFETY: statvfs is plain data; all-zero is a valid value that the call overwrites.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-pointer for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(Error::io(
+            "query free space",
+            path,
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// Check that the directory `dir` accepts new files: create and remove a probe file in it.
+pub fn check_writable_dir(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(".megatrain-write-test-{}", std::process::id()));
+    std::fs::File::create(&probe)?;
+    std::fs::remove_file(&probe)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +120,15 @@ mod tests {
         assert_eq!(human_bytes(512), "512 B");
         assert_eq!(human_bytes(2 * 1024 * 1024), "2.0 MiB");
         assert_eq!(human_bytes(541_165_879_296), "504.0 GiB");
+    }
+
+    #[test]
+    fn free_space_and_writability_of_a_temp_dir() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(free_space(d.path()).unwrap() > 0);
+        check_writable_dir(d.path()).unwrap();
+        assert!(free_space(&d.path().join("missing")).is_err());
+        assert!(check_writable_dir(&d.path().join("missing")).is_err());
     }
 
     #[test]
