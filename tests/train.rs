@@ -395,7 +395,7 @@ fn bad_inputs_exit_nonzero_with_one_clear_line() {
                 "--ram-budget",
                 "20K",
             ],
-            "--nvme DIR",
+            "--ram-budget",
         ),
         (
             vec![

@@ -400,10 +400,10 @@ impl TrainConfig {
                 "e.g. --grad-clip 1.0 (0 disables clipping)",
             );
         }
-        if self.device_memory < 1 << 20 {
+        if self.device_memory < 4096 {
             return bad(
                 "device_memory",
-                "must be at least 1 MiB",
+                "must be at least 4 KiB",
                 "e.g. --device-memory 2G",
             );
         }

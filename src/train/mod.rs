@@ -342,11 +342,15 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
         spill_req,
         cfg.grad_accum == 1,
     )?;
-    let host_room: u64 = prelim
-        .nodes
+    // The CPU device's memory is host memory too: what the machine has free beside the state
+    // (the RAM budget caps the state alone).
+    let placed: u64 = prelim.nodes.iter().map(|n| n.bytes).sum();
+    let host_room = machine
+        .numa_nodes
         .iter()
-        .map(|n| n.capacity.saturating_sub(n.bytes))
-        .sum();
+        .map(|n| n.free_bytes.unwrap_or(n.memory_bytes))
+        .sum::<u64>()
+        .saturating_sub(placed);
     check_device_budget(&cfg, &layout, host_room)?;
 
     let tm = Arc::new(Templates::new(&layout, t)?);
@@ -580,7 +584,7 @@ fn choose_mode(
 }
 
 /// The CPU device's memory is allocated on the host: check the layer workspace and the plan's
-/// buffers against `--device-memory`, and against the host RAM the state leaves (`host_room`),
+/// buffers against `--device-memory`, and against the host memory free beside the state (`host_room`),
 /// before the templates and the device are built.
 fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) -> Result<()> {
     if cfg.device != config::DeviceKind::Cpu {
@@ -605,7 +609,7 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
             "host memory",
             human_bytes(host_room),
             format!(
-                "the CPU device's working set needs {} of host memory, but only {} of the RAM budget is left beside the training state",
+                "the CPU device's working set needs {} of host memory, but only {} is free beside the training state",
                 human_bytes(need),
                 human_bytes(host_room)
             ),
