@@ -434,8 +434,9 @@ struct TrainArgs {
     export_hf: Option<PathBuf>,
     #[arg(long, value_enum)]
     device: Option<megatrain::train::config::DeviceKind>,
-    #[arg(long)]
-    device_memory: Option<u64>,
+    /// Device memory budget of the CPU device, bytes (K/M/G or Ki/Mi/Gi suffixes).
+    #[arg(long, value_parser = megatrain::bench::parse_count)]
+    device_memory: Option<usize>,
     /// CUDA: TF32 tensor cores for the fp32 GEMMs.
     #[arg(long)]
     tf32: bool,
@@ -519,7 +520,6 @@ impl TrainArgs {
             checkpoint_every,
             keep_checkpoints,
             device,
-            device_memory,
             huge_pages,
             spill,
             spill_staging,
@@ -539,6 +539,9 @@ impl TrainArgs {
         }
         if let Some(b) = self.ram_budget {
             c.ram_budget = Some(b as u64);
+        }
+        if let Some(b) = self.device_memory {
+            c.device_memory = b as u64;
         }
         c.direct_io &= !self.no_direct_io;
         c.shuffle |= self.shuffle;
@@ -675,7 +678,11 @@ fn watch_signals(
     let seen = which.clone();
     std::thread::spawn(move || {
         for sig in signals.forever() {
-            let name = if sig == SIGTERM { "SIGTERM" } else { "interrupt" };
+            let name = if sig == SIGTERM {
+                "SIGTERM"
+            } else {
+                "interrupt"
+            };
             if interrupt.swap(true, Ordering::SeqCst) {
                 std::process::exit(128 + sig);
             }
@@ -742,7 +749,11 @@ fn train(args: &TrainArgs) -> Result<u8> {
     }
     if s.interrupted {
         let sig = signal.load(std::sync::atomic::Ordering::SeqCst);
-        let sig = if sig == 0 { signal_hook::consts::SIGINT } else { sig };
+        let sig = if sig == 0 {
+            signal_hook::consts::SIGINT
+        } else {
+            sig
+        };
         eprintln!(
             "interrupted after step {}: {}",
             s.steps,

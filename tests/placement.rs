@@ -1,4 +1,4 @@
-//! Placement on recorded real servers (../shared/topologies) and synthetic machines.
+//! Placement on recorded real servers (tests/fixtures/topologies) and synthetic machines.
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 use megatrain::model::config::ModelConfig;
@@ -7,15 +7,12 @@ use megatrain::store::placement::{place, RamBudget};
 use megatrain::topology::{probe, Machine, TopologySource};
 use std::path::{Path, PathBuf};
 
-fn recorded(name: &str) -> Option<Machine> {
-    let dir = std::env::var_os("MEGATRAIN_TOPOLOGIES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/topologies"));
-    if !dir.is_dir() {
-        eprintln!("SKIP: recorded topologies not found at {}", dir.display());
-        return None;
-    }
-    Some(probe(&TopologySource::XmlFile(dir.join(name))).unwrap())
+/// A recorded real server (`tests/fixtures/topologies`, sources in its SOURCES.md).
+fn recorded(name: &str) -> Machine {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/topologies")
+        .join(name);
+    probe(&TopologySource::XmlFile(path)).unwrap()
 }
 
 fn llama(hidden: usize, inter: usize, layers: usize, heads: usize, kv: usize) -> ModelConfig {
@@ -32,9 +29,7 @@ fn llama(hidden: usize, inter: usize, layers: usize, heads: usize, kv: usize) ->
 
 #[test]
 fn ipa20_streams_from_the_gpu_node_and_spreads_adam_state() {
-    let Some(m) = recorded("ipa20.xml") else {
-        return;
-    };
+    let m = recorded("ipa20.xml");
     let gpu = m.gpus.iter().position(|g| g.numa_nodes == vec![1]).unwrap();
     let layout = StateLayout::new(&llama(4096, 14336, 32, 32, 8), Mode::Exact, false);
     let p = place(&m, &layout, Some(gpu), RamBudget::default()).unwrap();
@@ -83,9 +78,7 @@ fn ipa20_streams_from_the_gpu_node_and_spreads_adam_state() {
 
 #[test]
 fn ipa20_70b_overflows_to_the_nearest_nodes_and_405b_needs_nvme() {
-    let Some(m) = recorded("ipa20.xml") else {
-        return;
-    };
+    let m = recorded("ipa20.xml");
     let gpu = m.gpus.iter().position(|g| g.numa_nodes == vec![1]).unwrap();
     let l70 = StateLayout::new(&llama(8192, 28672, 80, 64, 8), Mode::Exact, false);
     let p = place(&m, &l70, Some(gpu), RamBudget::default()).unwrap();
@@ -115,9 +108,7 @@ fn ipa20_70b_overflows_to_the_nearest_nodes_and_405b_needs_nvme() {
 
 #[test]
 fn power9_never_places_state_in_gpu_memory_nodes() {
-    let Some(m) = recorded("nvidiagpunumanodes-kept.xml") else {
-        return;
-    };
+    let m = recorded("nvidiagpunumanodes-kept.xml");
     let layout = StateLayout::new(&llama(1024, 4096, 4, 16, 16), Mode::Lean, false);
     let p = place(&m, &layout, Some(0), RamBudget::default()).unwrap();
     assert!(
@@ -162,9 +153,7 @@ fn synthetic_two_and_four_node_machines_balance_adam_state() {
 /// H100s, each GPU's host state goes to its own sub-NUMA node.
 #[test]
 fn gpus_are_found_by_pci_address_and_stream_from_their_node() {
-    let Some(m) = recorded("ipa20.xml") else {
-        return;
-    };
+    let m = recorded("ipa20.xml");
     assert!(m.gpus.len() >= 2, "{} GPUs", m.gpus.len());
     for (i, g) in m.gpus.iter().enumerate() {
         assert_eq!(m.gpu_by_pci_bus_id(&g.pci_bus_id.to_uppercase()), Some(i));
@@ -179,4 +168,3 @@ fn gpus_are_found_by_pci_address_and_stream_from_their_node() {
     }
     assert_eq!(m.gpu_by_pci_bus_id("0000:ff:1f.7"), None);
 }
-

@@ -7,25 +7,15 @@ use std::process::Command;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
-/// `../shared/topologies` (or `$MEGATRAIN_TOPOLOGIES`); `None` with a message when absent.
-fn topologies() -> Option<PathBuf> {
-    let dir = std::env::var_os("MEGATRAIN_TOPOLOGIES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/topologies"));
-    if dir.is_dir() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "SKIP: recorded topologies not found at {} (set MEGATRAIN_TOPOLOGIES)",
-            dir.display()
-        );
-        None
-    }
+/// Recorded real servers, copied from the team's topology collection with their sources
+/// (`tests/fixtures/topologies/SOURCES.md`).
+fn topologies() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/topologies")
 }
 
-fn recorded(name: &str) -> Option<Machine> {
-    let path = topologies()?.join(name);
-    Some(topology::probe(&TopologySource::XmlFile(path)).unwrap())
+fn recorded(name: &str) -> Machine {
+    let path = topologies().join(name);
+    topology::probe(&TopologySource::XmlFile(path)).unwrap()
 }
 
 fn megatrain(args: &[&str]) -> (i32, String, String) {
@@ -80,9 +70,7 @@ fn live_machine() {
 
 #[test]
 fn ipa20_four_h100_on_odd_snc_nodes() {
-    let Some(m) = recorded("ipa20.xml") else {
-        return;
-    };
+    let m = recorded("ipa20.xml");
     assert_eq!(m.packages.len(), 2);
     assert_eq!(m.numa_nodes.len(), 8);
     assert_eq!(m.cores, 112);
@@ -147,9 +135,7 @@ fn ipa20_four_h100_on_odd_snc_nodes() {
 
 #[test]
 fn g4dnmetal_eight_t4_four_per_socket() {
-    let Some(m) = recorded("g4dnmetal.xml") else {
-        return;
-    };
+    let m = recorded("g4dnmetal.xml");
     assert_eq!(m.packages.len(), 2);
     assert_eq!(m.gpus.len(), 8);
     assert!(m.gpus.iter().all(|g| g.name.as_deref() == Some("Tesla T4")));
@@ -179,9 +165,7 @@ fn g4dnmetal_eight_t4_four_per_socket() {
 
 #[test]
 fn jrc0832_eight_nodes_no_gpu() {
-    let Some(m) = recorded("topo.jrc0832.xml") else {
-        return;
-    };
+    let m = recorded("topo.jrc0832.xml");
     assert_eq!(m.numa_nodes.len(), 8);
     assert!(m.gpus.is_empty());
     assert_eq!(m.cores, 128);
@@ -193,9 +177,7 @@ fn jrc0832_eight_nodes_no_gpu() {
 
 #[test]
 fn jwb0004_a100_on_odd_nps4_nodes() {
-    let Some(m) = recorded("topo.jwb0004.xml") else {
-        return;
-    };
+    let m = recorded("topo.jwb0004.xml");
     let nodes: Vec<Vec<u32>> = m.gpus.iter().map(|g| g.numa_nodes.clone()).collect();
     assert_eq!(nodes, vec![vec![3], vec![1], vec![7], vec![5]]);
     assert!(m.gpus.iter().all(|g| g.link.pcie_generation == Some(4)));
@@ -203,9 +185,7 @@ fn jwb0004_a100_on_odd_nps4_nodes() {
 
 #[test]
 fn power9_gpu_memory_as_numa_nodes() {
-    let Some(m) = recorded("nvidiagpunumanodes-kept.xml") else {
-        return;
-    };
+    let m = recorded("nvidiagpunumanodes-kept.xml");
     let gpu_mem: Vec<_> = m
         .numa_nodes
         .iter()
@@ -231,7 +211,7 @@ fn power9_gpu_memory_as_numa_nodes() {
 
 #[test]
 fn every_recorded_topology_loads_and_round_trips() {
-    let Some(dir) = topologies() else { return };
+    let dir = topologies();
     let mut n = 0;
     for e in std::fs::read_dir(&dir).unwrap() {
         let path = e.unwrap().path();
@@ -271,7 +251,7 @@ fn synthetic_and_export_round_trip_through_cli() {
 
 #[test]
 fn json_from_cli_equals_library_description() {
-    let Some(dir) = topologies() else { return };
+    let dir = topologies();
     let path = dir.join("ipa20.xml");
     let (rc, out, err) = megatrain(&["probe", "--json", "--topology", path.to_str().unwrap()]);
     assert_eq!(rc, 0, "{err}");

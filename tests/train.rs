@@ -79,7 +79,10 @@ fn resume_is_bit_identical() {
     let flag = Arc::new(AtomicBool::new(false));
     let s2 = run(&h, flag.clone(), &mut StopAt3(flag)).unwrap();
     assert!(s2.interrupted && s2.steps == 3);
-    let resumed = TrainConfig { resume: Resume::Always, ..h };
+    let resumed = TrainConfig {
+        resume: Resume::Always,
+        ..h
+    };
     let s3 = run(&resumed, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
     assert_eq!(s3.steps, 6);
     let (ca, cb) = (s1.checkpoint.unwrap(), s3.checkpoint.unwrap());
@@ -151,7 +154,10 @@ fn spilling_to_nvme_changes_no_bit_and_resumes() {
         // Resume from step 2 with the spill tier (m/v come back from the checkpoint).
         std::fs::remove_dir_all(&got).unwrap();
         let again = run(
-            &TrainConfig { resume: Resume::Always, ..c },
+            &TrainConfig {
+                resume: Resume::Always,
+                ..c
+            },
             Arc::new(AtomicBool::new(false)),
             &mut Quiet,
         )

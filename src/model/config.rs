@@ -326,7 +326,10 @@ impl ModelConfig {
             ("rope_theta", self.rope_theta),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(bad(origin, format!("`{key}` must be a positive number, found {v}")));
+                return Err(bad(
+                    origin,
+                    format!("`{key}` must be a positive number, found {v}"),
+                ));
             }
         }
         let params = self.num_params_u128();

@@ -379,7 +379,8 @@ pub fn export_store(
     let old = parent.join(format!(".{name}.old-{}", std::process::id()));
     let result = write_export(store, layout, &tmp, max_shard_bytes, run_id).and_then(|()| {
         if replace {
-            std::fs::rename(out, &old).map_err(|e| Error::io("move the old export aside", out, e))?;
+            std::fs::rename(out, &old)
+                .map_err(|e| Error::io("move the old export aside", out, e))?;
         }
         if let Err(e) = std::fs::rename(&tmp, out) {
             if replace {

@@ -71,13 +71,20 @@ impl PlanRequest {
             ))
         };
         if self.seq_len == 0 || self.seq_len > 1 << 24 {
-            return bad("--seq-len", self.seq_len, "must be between 1 and 16777216".into());
+            return bad(
+                "--seq-len",
+                self.seq_len,
+                "must be between 1 and 16777216".into(),
+            );
         }
         if self.tokens_per_step < self.seq_len || self.tokens_per_step > 1 << 40 {
             return bad(
                 "--tokens-per-step",
                 self.tokens_per_step,
-                format!("must be between the sequence length ({}) and 2^40", self.seq_len),
+                format!(
+                    "must be between the sequence length ({}) and 2^40",
+                    self.seq_len
+                ),
             );
         }
         if let Some(m) = self.micro_batch_tokens {
@@ -521,7 +528,11 @@ fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Pl
 /// The smallest change to `req` that makes it fit `hw`, as the flags that say it and the
 /// request with it applied (each alternative alone first, then combined); `None` if nothing
 /// tried fits.
-pub fn suggest(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Option<(String, PlanRequest)> {
+pub fn suggest(
+    model: &ModelConfig,
+    hw: &Hardware,
+    req: &PlanRequest,
+) -> Option<(String, PlanRequest)> {
     let mut tries: Vec<(String, PlanRequest)> = Vec::new();
     if req.mode == Mode::Exact {
         tries.push((
@@ -600,7 +611,10 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     let verdict = fits(&mem, hw);
     let suggestion = verdict.is_err().then(|| {
         suggest(model, hw, req).map_or_else(
-            || "nothing tried fits: a machine with more host RAM or GPU memory is needed".to_owned(),
+            || {
+                "nothing tried fits: a machine with more host RAM or GPU memory is needed"
+                    .to_owned()
+            },
             |(what, _)| what,
         )
     });

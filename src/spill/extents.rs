@@ -198,12 +198,8 @@ impl ExtentStore {
                 } else {
                     "check the directory's filesystem and permissions"
                 };
-                return Err(
-                    Error::io("preallocate spill file", &path, e).with_fix(format!(
-                        "{fix} (needs {})",
-                        crate::util::human_bytes(bytes)
-                    )),
-                );
+                return Err(Error::io("preallocate spill file", &path, e)
+                    .with_fix(format!("{fix} (needs {})", crate::util::human_bytes(bytes))));
             }
         }
         Ok(ExtentStore {
@@ -644,10 +640,17 @@ mod tests {
         let s2 = ExtentStore::create(&two).unwrap();
         let mut out = Buf::new(d.1, 0);
         s1.read(0, out.bytes(), "m").unwrap();
-        assert!(out.bytes() == d.bytes(), "the second run did not touch the first's file");
+        assert!(
+            out.bytes() == d.bytes(),
+            "the second run did not touch the first's file"
+        );
         assert_eq!(std::fs::read_dir(a.path()).unwrap().count(), 2);
         // Reported bytes are what the disk holds: both slots of every extent, preallocated.
-        assert!(s2.disk_bytes() >= 2 * 40 * (64 << 10), "{}", s2.disk_bytes());
+        assert!(
+            s2.disk_bytes() >= 2 * 40 * (64 << 10),
+            "{}",
+            s2.disk_bytes()
+        );
         let p1 = s1.paths();
         drop(s1);
         assert!(!p1[0].exists(), "a dropped store deletes its file");
@@ -666,7 +669,10 @@ mod tests {
         live_cfg.run_id = Some("4444444444444444".into());
         let live = ExtentStore::create(&live_cfg).unwrap();
         assert!(!stale.exists(), "the dead run's file is gone");
-        assert!(live.warnings.iter().any(|w| w.contains("left by a run that is gone")));
+        assert!(live
+            .warnings
+            .iter()
+            .any(|w| w.contains("left by a run that is gone")));
         let s = ExtentStore::create(&cfg(vec![a.path().into()], EngineKind::Auto)).unwrap();
         assert!(live.paths()[0].exists(), "a live run's file is kept");
         drop((s, live));

@@ -278,7 +278,11 @@ pub fn fixes(
     if no_spill {
         candidates.push(("--nvme DIR".into(), layout.mode, SpillPolicy::Auto));
         if exact && lean_ok {
-            candidates.push(("--mode lean --nvme DIR".into(), Mode::Lean, SpillPolicy::Auto));
+            candidates.push((
+                "--mode lean --nvme DIR".into(),
+                Mode::Lean,
+                SpillPolicy::Auto,
+            ));
         }
     }
     let mut out = Vec::new();
@@ -413,7 +417,15 @@ fn place_inner(
     let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
     let first = choose_spill(layout, spill, capacity);
     let Some((chosen, _)) = first.clone().filter(|_| spill.policy == SpillPolicy::Auto) else {
-        return place_spilled(machine, layout, &hosts, nodes, stream_order, first, spill.slots);
+        return place_spilled(
+            machine,
+            layout,
+            &hosts,
+            nodes,
+            stream_order,
+            first,
+            spill.slots,
+        );
     };
     // Auto: the fewest units (in spill order) whose placement succeeds. The first guess counts
     // bytes over all nodes; per-node packing can need a few more.
@@ -488,22 +500,18 @@ fn place_spilled(
         None
     };
     if lean > 0 {
-        lean_buffers_node = Some(
-            place_first_fit(&mut nodes, lean)
-                .ok_or(Shortage::Ram {
-                    need: full,
-                    capacity,
-                })?,
-        );
+        lean_buffers_node = Some(place_first_fit(&mut nodes, lean).ok_or(Shortage::Ram {
+            need: full,
+            capacity,
+        })?);
     }
     for (u, unit) in layout.units.iter().enumerate() {
         for k in streamed_kinds(layout) {
             let bytes = unit.shard_bytes(k) as u64;
-            let node = place_first_fit(&mut nodes, bytes)
-                .ok_or(Shortage::Ram {
-                    need: full,
-                    capacity,
-                })?;
+            let node = place_first_fit(&mut nodes, bytes).ok_or(Shortage::Ram {
+                need: full,
+                capacity,
+            })?;
             shard_node[u][k.index()] = Some(node);
         }
     }
@@ -599,7 +607,14 @@ fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, fixes: &[Fix])
             human_bytes(need)
         )
     } else {
-        format!("any of these fits: {}", fixes.iter().map(|f| f.flags.as_str()).collect::<Vec<_>>().join("; "))
+        format!(
+            "any of these fits: {}",
+            fixes
+                .iter()
+                .map(|f| f.flags.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
+        )
     };
     Error::bad_input(
         "host memory",
@@ -733,7 +748,10 @@ mod tests {
                 }
             }
         }
-        assert!(suggested > 20, "the sweep exercised the advice ({suggested})");
+        assert!(
+            suggested > 20,
+            "the sweep exercised the advice ({suggested})"
+        );
     }
 
     #[test]

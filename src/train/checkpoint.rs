@@ -301,7 +301,9 @@ pub fn verify(dir: &Path) -> std::result::Result<(), Damage> {
     }
     for (name, size, crc) in &m.files {
         if name.contains('/') || name.contains("..") {
-            return Err(Damage::BadManifest(format!("it names a file outside: {name}")));
+            return Err(Damage::BadManifest(format!(
+                "it names a file outside: {name}"
+            )));
         }
         let p = dir.join(name);
         let mut f = match std::fs::File::open(&p) {

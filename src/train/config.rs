@@ -340,12 +340,28 @@ impl TrainConfig {
             Ok(())
         };
         count("seq_len", self.seq_len as u64, limits::MAX_SEQ_LEN as u64)?;
-        count("batch_size", self.batch_size as u64, limits::MAX_MICRO_BATCH_TOKENS as u64)?;
-        count("grad_accum", self.grad_accum as u64, limits::MAX_GRAD_ACCUM as u64)?;
+        count(
+            "batch_size",
+            self.batch_size as u64,
+            limits::MAX_MICRO_BATCH_TOKENS as u64,
+        )?;
+        count(
+            "grad_accum",
+            self.grad_accum as u64,
+            limits::MAX_GRAD_ACCUM as u64,
+        )?;
         count("steps", self.steps, limits::MAX_STEPS)?;
-        count("val_batches", self.val_batches as u64, limits::MAX_VAL_BATCHES as u64)?;
+        count(
+            "val_batches",
+            self.val_batches as u64,
+            limits::MAX_VAL_BATCHES as u64,
+        )?;
         count("keep_checkpoints", self.keep_checkpoints as u64, 1 << 20)?;
-        count("spill_staging", self.spill_staging as u64, limits::MAX_SPILL_STAGING as u64)?;
+        count(
+            "spill_staging",
+            self.spill_staging as u64,
+            limits::MAX_SPILL_STAGING as u64,
+        )?;
         let micro = self.batch_size as u128 * self.seq_len as u128;
         if micro > limits::MAX_MICRO_BATCH_TOKENS as u128 {
             return bad(
@@ -547,5 +563,144 @@ mod tests {
         }
         .validate()
         .is_err());
+    }
+
+    /// Values wrong whatever the data are refused by key: non-positive eps, negative weight
+    /// decay or clip, zero or unbounded counts, non-finite numbers.
+    #[test]
+    fn out_of_range_values_are_refused_by_key() {
+        let ok = TrainConfig::default();
+        ok.validate().unwrap();
+        let cases: Vec<(TrainConfig, &str)> = vec![
+            (
+                TrainConfig {
+                    eps: 0.0,
+                    ..ok.clone()
+                },
+                "eps",
+            ),
+            (
+                TrainConfig {
+                    eps: -1e-8,
+                    ..ok.clone()
+                },
+                "eps",
+            ),
+            (
+                TrainConfig {
+                    weight_decay: -0.1,
+                    ..ok.clone()
+                },
+                "weight_decay",
+            ),
+            (
+                TrainConfig {
+                    grad_clip: -1.0,
+                    ..ok.clone()
+                },
+                "grad_clip",
+            ),
+            (
+                TrainConfig {
+                    grad_clip: f64::INFINITY,
+                    ..ok.clone()
+                },
+                "grad_clip",
+            ),
+            (
+                TrainConfig {
+                    lr: f64::NAN,
+                    ..ok.clone()
+                },
+                "lr",
+            ),
+            (
+                TrainConfig {
+                    beta1: f64::NAN,
+                    ..ok.clone()
+                },
+                "beta1/beta2",
+            ),
+            (
+                TrainConfig {
+                    steps: 0,
+                    ..ok.clone()
+                },
+                "steps",
+            ),
+            (
+                TrainConfig {
+                    grad_accum: 1 << 40,
+                    ..ok.clone()
+                },
+                "grad_accum",
+            ),
+            (
+                TrainConfig {
+                    seq_len: 0,
+                    ..ok.clone()
+                },
+                "seq_len",
+            ),
+            (
+                TrainConfig {
+                    batch_size: 1 << 20,
+                    seq_len: 1 << 10,
+                    ..ok.clone()
+                },
+                "batch_size × seq_len",
+            ),
+            (
+                TrainConfig {
+                    keep_checkpoints: 0,
+                    ..ok.clone()
+                },
+                "keep_checkpoints",
+            ),
+            (
+                TrainConfig {
+                    resume: Resume::Auto,
+                    ..ok.clone()
+                },
+                "resume",
+            ),
+        ];
+        for (c, key) in cases {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.starts_with(&format!("setting `{key}`")), "{key}: {e}");
+        }
+    }
+
+    /// TOML errors name the line and the key; `resume` takes true, false or "auto".
+    #[test]
+    fn toml_errors_name_line_and_key_and_resume_spellings() {
+        let e = TrainConfig::from_toml_str("steps = 5\nlr = \"fast\"\n", "run.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("run.toml") && e.contains("line 2, key `lr`"),
+            "{e}"
+        );
+        let e = TrainConfig::from_toml_str("batch_size = -3\n", "run.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 1, key `batch_size`"), "{e}");
+        for (text, want) in [
+            ("resume = true", Resume::Always),
+            ("resume = false", Resume::Never),
+            ("resume = \"auto\"", Resume::Auto),
+        ] {
+            assert_eq!(TrainConfig::from_toml_str(text, "t").unwrap().resume, want);
+        }
+        assert!(TrainConfig::from_toml_str("resume = \"maybe\"", "t").is_err());
+        let back: TrainConfig = toml::from_str(
+            &toml::to_string(&TrainConfig {
+                resume: Resume::Auto,
+                ..TrainConfig::default()
+            })
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(back.resume, Resume::Auto);
     }
 }

@@ -333,7 +333,12 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
     // Every output, and the host and device memory, before anything big is allocated.
     let layout = StateLayout::new(&model, mode, false);
     let params = layout.num_params() as u64;
-    outputs::check(&cfg, &run_id, 12 * params + (1 << 20), 4 * params + (1 << 20))?;
+    outputs::check(
+        &cfg,
+        &run_id,
+        12 * params + (1 << 20),
+        4 * params + (1 << 20),
+    )?;
     let prelim = crate::store::placement::place_advised(
         &machine,
         &layout,
@@ -410,7 +415,11 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
     let (start_step, cursor, prev_norm) = match &resumed {
         Some((dir, _)) => {
             let st = checkpoint::load(dir, &store)?;
-            progress.note(&format!("resumed from {} (step {})", dir.display(), st.step));
+            progress.note(&format!(
+                "resumed from {} (step {})",
+                dir.display(),
+                st.step
+            ));
             (st.step, st.cursor, st.prev_norm)
         }
         None => {
@@ -503,16 +512,24 @@ fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<Mode
     };
     match (resumed, given) {
         (Some(st), Some(g)) if g != st.model => {
-            let (Ok(a), Ok(b)) = (serde_json::to_value(&st.model), serde_json::to_value(&g))
-            else {
-                return Err(Error::system("serde_json", "compare model configs", "unserialisable"));
+            let (Ok(a), Ok(b)) = (serde_json::to_value(&st.model), serde_json::to_value(&g)) else {
+                return Err(Error::system(
+                    "serde_json",
+                    "compare model configs",
+                    "unserialisable",
+                ));
             };
             let diffs: Vec<String> = a
                 .as_object()
                 .into_iter()
                 .flatten()
                 .filter(|(k, v)| b.get(k.as_str()) != Some(*v))
-                .map(|(k, v)| format!("{k} {v} → {}", b.get(k.as_str()).cloned().unwrap_or_default()))
+                .map(|(k, v)| {
+                    format!(
+                        "{k} {v} → {}",
+                        b.get(k.as_str()).cloned().unwrap_or_default()
+                    )
+                })
                 .collect();
             Err(Error::bad_input(
                 "resume",
@@ -727,7 +744,11 @@ fn train_loop(
         }
         tokens += m.tokens;
         secs += m.wall_s;
-        summary.tokens_per_s = if secs > 0.0 { tokens as f64 / secs } else { 0.0 };
+        summary.tokens_per_s = if secs > 0.0 {
+            tokens as f64 / secs
+        } else {
+            0.0
+        };
         summary.first_loss.get_or_insert(m.loss);
         summary.last_loss = Some(m.loss);
         summary.steps = step;

@@ -75,7 +75,12 @@ fn need_space(what: &str, dir: &Path, need: u64, fix: &str) -> Result<()> {
 /// Check every output of `cfg` before training: the metrics and trace files, the HF export
 /// directory (absent, empty, or an earlier export of this run `run_id`), and room for one
 /// checkpoint (`checkpoint_bytes`) and for the export (`export_bytes`).
-pub fn check(cfg: &TrainConfig, run_id: &str, checkpoint_bytes: u64, export_bytes: u64) -> Result<()> {
+pub fn check(
+    cfg: &TrainConfig,
+    run_id: &str,
+    checkpoint_bytes: u64,
+    export_bytes: u64,
+) -> Result<()> {
     if let Some(p) = &cfg.metrics {
         check_file_output("metrics", p)?;
     }
@@ -167,7 +172,7 @@ impl MetricsLog {
             }
             if dropped + garbled > 0 {
                 notes.push(format!(
-                    "metrics: kept {} line(s) up to step {upto}, dropped {dropped} of later steps (they run again){}",
+                    "metrics: kept {} line(s) up to step {upto} and dropped {dropped} line(s) of later steps (they run again){}",
                     curve.len(),
                     if garbled > 0 {
                         format!(" and {garbled} unreadable line(s)")
@@ -204,7 +209,13 @@ impl MetricsLog {
     }
 
     /// Append one step's line. `Some(warning)` on the first failure (later ones are counted).
-    pub fn append(&mut self, step: u64, loss: f64, val: Option<f64>, line: &serde_json::Value) -> Option<String> {
+    pub fn append(
+        &mut self,
+        step: u64,
+        loss: f64,
+        val: Option<f64>,
+        line: &serde_json::Value,
+    ) -> Option<String> {
         self.curve.push((step, loss));
         if let Some(v) = val {
             self.val_curve.push((step, v));

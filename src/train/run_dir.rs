@@ -44,8 +44,7 @@ pub fn claim(cfg: &TrainConfig) -> Result<Option<RunDir>> {
             Some("check the path (a typo?), or pass `--resume auto` to start fresh when there is no checkpoint yet"),
         ));
     }
-    std::fs::create_dir_all(root)
-        .map_err(|e| Error::io("create checkpoint directory", root, e))?;
+    std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
     crate::util::check_writable_dir(root).map_err(|e| {
         Error::io("write into checkpoint directory", root, e)
             .with_fix("make it writable, or choose another --checkpoint-dir")
