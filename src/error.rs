@@ -112,14 +112,14 @@ impl Error {
     /// Attach (or replace) the fix hint.
     #[must_use]
     pub fn with_fix(mut self, hint: impl Into<String>) -> Self {
-        let hint = Some(hint.into());
+        let hint = hint.into();
         match &mut self {
             Error::BadInput { fix, .. } | Error::Io { fix, .. } | Error::System { fix, .. } => {
-                *fix = hint;
+                *fix = Some(hint);
             }
             Error::StateSaved { source, .. } => {
                 let inner = std::mem::replace(source.as_mut(), Error::system("", "", ""));
-                **source = inner.with_fix(hint.unwrap_or_default());
+                **source = inner.with_fix(hint);
             }
         }
         self

@@ -5,7 +5,7 @@ use megatrain::model::config::ModelConfig;
 use megatrain::store::layout::{Mode, ShardKind, StateLayout};
 use megatrain::store::placement::{place, RamBudget};
 use megatrain::topology::{probe, Machine, TopologySource};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// A recorded real server (`tests/fixtures/topologies`, sources in its SOURCES.md).
 fn recorded(name: &str) -> Machine {

@@ -103,7 +103,7 @@ fn steps_in_metrics(p: &Path) -> Vec<u64> {
         .collect()
 }
 
-/// 1. A second run on a directory in use is refused at once, naming the holder's PID and host.
+/// Issue item 1: A second run on a directory in use is refused at once, naming the holder's PID and host.
 #[test]
 fn a_second_run_on_a_checkpoint_directory_in_use_is_refused_naming_the_holder() {
     let f = fixture();
@@ -137,7 +137,7 @@ fn a_second_run_on_a_checkpoint_directory_in_use_is_refused_naming_the_holder() 
     );
 }
 
-/// 1. A fresh run into a directory holding checkpoints is refused; pruning never deletes another
+/// Issue item 1: A fresh run into a directory holding checkpoints is refused; pruning never deletes another
 /// run's checkpoints.
 #[test]
 fn a_run_never_mixes_with_or_prunes_another_runs_checkpoints() {
@@ -204,7 +204,7 @@ fn a_run_never_mixes_with_or_prunes_another_runs_checkpoints() {
     assert_eq!(mine, 2, "the resumed run keeps 2 of its own: {run_ids:?}");
 }
 
-/// 2. `--resume` means resume; `--resume auto` starts fresh when there is nothing.
+/// Issue item 2: `--resume` means resume; `--resume auto` starts fresh when there is nothing.
 #[test]
 fn resume_on_a_missing_or_empty_directory_is_an_error_and_auto_starts_fresh() {
     let f = fixture();
@@ -243,7 +243,7 @@ fn resume_on_a_missing_or_empty_directory_is_an_error_and_auto_starts_fresh() {
     assert!(err.contains("resumed from"), "{err}");
 }
 
-/// 2. Resuming keeps the metrics history: lines up to the checkpoint stay, the later ones
+/// Issue item 2: Resuming keeps the metrics history: lines up to the checkpoint stay, the later ones
 /// (steps that run again) go, no step appears twice, and the plot covers the whole run.
 #[test]
 fn resume_keeps_every_earlier_metrics_line_without_duplicates() {
@@ -270,7 +270,7 @@ fn resume_keeps_every_earlier_metrics_line_without_duplicates() {
     assert!(svg.contains("<svg"), "the plot is written");
 }
 
-/// 2. `--demo` writes to a fixed directory and can be resumed.
+/// Issue item 2: `--demo` writes to a fixed directory and can be resumed.
 #[test]
 fn the_demo_is_resumable() {
     let d = tempfile::tempdir().unwrap();
@@ -302,7 +302,7 @@ fn the_demo_is_resumable() {
     assert!(d.path().join("demo/checkpoints/step-00000003").is_dir());
 }
 
-/// 3. Resume checks the model (differing fields named) and reports changed settings, which
+/// Issue item 3: Resume checks the model (differing fields named) and reports changed settings, which
 /// the checkpoint records.
 #[test]
 fn resume_refuses_another_model_and_records_changed_settings() {
@@ -364,7 +364,7 @@ fn resume_refuses_another_model_and_records_changed_settings() {
     );
 }
 
-/// 4. Every output is checked before step 1: nothing trains, nothing is written.
+/// Issue item 4: Every output is checked before step 1: nothing trains, nothing is written.
 #[test]
 fn unusable_outputs_are_refused_before_training() {
     let f = fixture();
@@ -408,7 +408,7 @@ fn unusable_outputs_are_refused_before_training() {
     );
 }
 
-/// 4. A path that is not UTF-8 is refused up front, by its setting.
+/// Issue item 4: A path that is not UTF-8 is refused up front, by its setting.
 #[test]
 fn non_utf8_paths_are_refused_by_name() {
     use std::os::unix::ffi::OsStrExt;
@@ -424,7 +424,7 @@ fn non_utf8_paths_are_refused_by_name() {
     );
 }
 
-/// 4. A metrics write that fails (a full disk: /dev/full answers ENOSPC) is a warning.
+/// Issue item 4: A metrics write that fails (a full disk: /dev/full answers ENOSPC) is a warning.
 #[test]
 fn a_failing_metrics_write_is_a_warning_not_the_end_of_the_run() {
     let f = fixture();
@@ -449,7 +449,7 @@ fn a_failing_metrics_write_is_a_warning_not_the_end_of_the_run() {
     assert!(ck.join("step-00000003").is_dir());
 }
 
-/// 4. A late failure (the export hits ENOSPC) without a checkpoint directory: the trained state
+/// Issue item 4: A late failure (the export hits ENOSPC) without a checkpoint directory: the trained state
 /// is saved to a named rescue checkpoint first, which resumes and exports.
 #[test]
 fn a_late_failure_saves_the_trained_state_first_and_names_it() {
@@ -481,7 +481,7 @@ fn a_late_failure_saves_the_trained_state_first_and_names_it() {
     assert!(out.join("config.json").exists());
 }
 
-/// 4. A checkpoint write that fails mid-run (a transient ENOSPC) stops the run only after the
+/// Issue item 4: A checkpoint write that fails mid-run (a transient ENOSPC) stops the run only after the
 /// state is saved again, and the error names where.
 #[test]
 fn a_failing_checkpoint_write_rescues_the_state() {
@@ -511,7 +511,7 @@ fn a_failing_checkpoint_write_rescues_the_state() {
     );
 }
 
-/// 5. `prepare` picks the dtype from the largest id the tokenizer can emit.
+/// Issue item 5: `prepare` picks the dtype from the largest id the tokenizer can emit.
 #[test]
 fn prepare_never_truncates_token_ids() {
     let d = tempfile::tempdir().unwrap();
@@ -558,7 +558,7 @@ fn prepare_never_truncates_token_ids() {
     assert!(last_line(&err).contains("70000"), "{err}");
 }
 
-/// 6. Two runs on one NVMe directory at once: each its own locked file, both finish with the
+/// Issue item 6: Two runs on one NVMe directory at once: each its own locked file, both finish with the
 /// result of a run alone, and both delete their files on exit.
 #[test]
 fn two_runs_share_an_nvme_directory_without_touching_each_others_files() {
@@ -618,7 +618,7 @@ fn two_runs_share_an_nvme_directory_without_touching_each_others_files() {
     );
 }
 
-/// 7, 8. Hostile sizes and counts are clean errors, quickly, with no allocation first.
+/// Issue item 7, 8: Hostile sizes and counts are clean errors, quickly, with no allocation first.
 #[test]
 fn hostile_sizes_and_counts_are_clean_errors() {
     let f = fixture();
@@ -680,7 +680,7 @@ fn hostile_sizes_and_counts_are_clean_errors() {
     );
 }
 
-/// 9. An XML file that crashes hwloc is an error naming the file, not a segfault.
+/// Issue item 9: An XML file that crashes hwloc is an error naming the file, not a segfault.
 #[test]
 fn a_topology_that_crashes_hwloc_is_an_error() {
     let f = fixture();
@@ -714,7 +714,7 @@ fn regex_free_strip(text: &str, attr: &str) -> String {
     out
 }
 
-/// 10. A checkpoint's problems are told apart, each with its own fix; `export` verifies before
+/// Issue item 10: A checkpoint's problems are told apart, each with its own fix; `export` verifies before
 /// it parses.
 #[test]
 fn checkpoint_problems_are_told_apart() {
@@ -787,7 +787,7 @@ fn checkpoint_problems_are_told_apart() {
     }
 }
 
-/// 13. SIGTERM (SLURM, Kubernetes) finishes the step, checkpoints and exits 143 without an
+/// Issue item 13: SIGTERM (SLURM, Kubernetes) finishes the step, checkpoints and exits 143 without an
 /// `error:` line; Ctrl-C without a checkpoint directory promises nothing and exits 130.
 #[test]
 fn sigterm_and_ctrl_c_stop_cleanly_with_the_signal_exit_status() {

@@ -225,6 +225,17 @@ pub fn place_with_spill(
     place_advised(machine, layout, gpu, budget, spill, true)
 }
 
+/// Whether `layout` places under `budget` and `spill` (no advice is computed).
+pub fn fits(
+    machine: &Machine,
+    layout: &StateLayout,
+    gpu: Option<usize>,
+    budget: RamBudget,
+    spill: SpillRequest,
+) -> bool {
+    place_inner(machine, layout, gpu, budget, spill).is_ok()
+}
+
 /// [`place_with_spill`], with `lean_ok = false` when lean mode is not an option (gradient
 /// accumulation needs exact mode), so the advice never suggests it.
 pub fn place_advised(
@@ -286,10 +297,17 @@ pub fn fixes(
         }
     }
     let mut out = Vec::new();
-    let try_fit = |mode: Mode, policy: SpillPolicy, b: RamBudget| {
+    let lean_layout = (exact && lean_ok).then(|| {
         let mut l = layout.clone();
-        l.mode = mode;
-        place_inner(machine, &l, gpu, b, SpillRequest { policy, ..spill }).is_ok()
+        l.mode = Mode::Lean;
+        l
+    });
+    let try_fit = |mode: Mode, policy: SpillPolicy, b: RamBudget| {
+        let l = match (&lean_layout, mode == layout.mode) {
+            (Some(lean), false) => lean,
+            _ => layout,
+        };
+        place_inner(machine, l, gpu, b, SpillRequest { policy, ..spill }).is_ok()
     };
     for (flags, mode, policy) in candidates {
         if try_fit(mode, policy, budget) {
@@ -312,8 +330,8 @@ pub fn fixes(
             if let Ok(p) = place_inner(machine, layout, gpu, roomy, spill) {
                 hi = p.nodes.iter().map(|n| n.capacity).sum::<u64>().max(cap);
             }
-            // The smallest total budget that places, to 1 MiB.
-            while hi - lo > 1 << 20 {
+            // The smallest total budget that places, to 1 MiB or 0.1%.
+            while hi - lo > (1 << 20).max(hi / 1000) {
                 let mid = lo + (hi - lo) / 2;
                 let b = RamBudget {
                     total_bytes: Some(mid),
@@ -428,13 +446,13 @@ fn place_inner(
         );
     };
     // Auto: the fewest units (in spill order) whose placement succeeds. The first guess counts
-    // bytes over all nodes; per-node packing can need a few more.
+    // bytes over all nodes; per-node packing can need more. Spilling more frees more RAM, so
+    // the count is found by doubling then bisection: O(log units) placements.
     let order = spill_order(layout);
-    let mut k = chosen.len();
-    loop {
+    let attempt = |k: usize| {
         let units = order[..k].to_vec();
         let staging = staging_bytes(layout, &units, spill.slots);
-        let attempt = place_spilled(
+        place_spilled(
             machine,
             layout,
             &hosts,
@@ -442,12 +460,33 @@ fn place_inner(
             stream_order.clone(),
             Some((units, staging)),
             spill.slots,
-        );
-        match attempt {
-            Err(Shortage::Ram { .. }) if k < order.len() => k += 1,
-            other => return other,
+        )
+    };
+    let (mut fail, mut step) = (chosen.len(), 1usize);
+    match attempt(fail) {
+        Err(Shortage::Ram { .. }) if fail < order.len() => {}
+        other => return other,
+    }
+    let mut good = loop {
+        let k = (fail + step).min(order.len());
+        match attempt(k) {
+            Ok(p) => break (k, p),
+            Err(Shortage::Ram { .. }) if k < order.len() => {
+                fail = k;
+                step *= 2;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    while good.0 - fail > 1 {
+        let mid = fail + (good.0 - fail) / 2;
+        match attempt(mid) {
+            Ok(p) => good = (mid, p),
+            Err(Shortage::Ram { .. }) => fail = mid,
+            Err(e) => return Err(e),
         }
     }
+    Ok(good.1)
 }
 
 /// Place with `spilled` (units whose m/v go to NVMe, and the staging bytes) decided.
@@ -466,7 +505,13 @@ fn place_spilled(
         policy: SpillPolicy::Never,
         slots,
     };
-    let is_spilled = |u: usize| spilled.as_ref().is_some_and(|(s, _)| s.contains(&u));
+    let mut spilled_mask = vec![false; layout.units.len()];
+    for &u in spilled.iter().flat_map(|(s, _)| s) {
+        if let Some(m) = spilled_mask.get_mut(u) {
+            *m = true;
+        }
+    }
+    let is_spilled = |u: usize| spilled_mask[u];
     let spilled_bytes: u64 = (0..layout.units.len())
         .filter(|&u| is_spilled(u))
         .map(|u| {

@@ -569,14 +569,13 @@ fn choose_mode(
         return m;
     }
     let fits = |m: Mode| {
-        place_with_spill(
+        crate::store::placement::fits(
             machine,
             &StateLayout::new(model, m, false),
             None,
             budget,
             SpillRequest::default(),
         )
-        .is_ok()
     };
     let exact_fits = fits(Mode::Exact);
     let m = if exact_fits || cfg.grad_accum > 1 || !fits(Mode::Lean) {
@@ -770,7 +769,7 @@ fn train_loop(
         }
         progress.step(&m, val);
         let stop = interrupt.load(Ordering::SeqCst);
-        let due = s.cfg.checkpoint_every > 0 && step % s.cfg.checkpoint_every == 0;
+        let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);
         if due || step == s.cfg.steps || stop {
             if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
                 let d = save_checkpoint(s, &root, step).map_err(Stop::AfterStep)?;
@@ -792,7 +791,7 @@ fn validate_if_due(s: &mut Session, step: u64) -> Result<Option<f64>> {
         return Ok(None);
     };
     let every = s.cfg.val_every;
-    if !((every > 0 && step % every == 0) || step == s.cfg.steps) {
+    if !((every > 0 && step.is_multiple_of(every)) || step == s.cfg.steps) {
         return Ok(None);
     }
     let (b, t) = (s.cfg.batch_size, s.cfg.seq_len);

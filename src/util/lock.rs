@@ -160,7 +160,7 @@ mod tests {
             e.contains(&format!("PID {}", std::process::id())) && e.contains("use another"),
             "{e}"
         );
-        assert_eq!(e.contains(&hostname()), true, "{e}");
+        assert!(e.contains(&hostname()), "{e}");
         drop(a);
         DirLock::acquire(d.path(), "checkpoint directory", "use another").unwrap();
     }

@@ -1,0 +1,506 @@
+//! Fuzzing in the normal test suite, bounded (about a minute on 2 cores) and deterministic (a
+//! fixed seed): thousands of mutated `config.json`, TOML, safetensors headers and hwloc XML
+//! files go through the code paths the CLI runs, and not one may panic, abort or die by a
+//! signal. The mutants start from real files and from a corpus of inputs that crashed earlier
+//! versions (docs/RELIABILITY.md).
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+use megatrain::model::config::ModelConfig;
+use megatrain::train::config::{Resume, TrainConfig};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Once};
+
+/// Panics in any thread of this process (device and worker threads included).
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+/// The fuzz tests run one at a time, so each one's panic count is its own.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn count_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::SeqCst);
+            default(info);
+        }));
+    });
+}
+
+/// xorshift64*: the mutation source, seeded per test.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len())]
+    }
+}
+
+/// Values that break naive size arithmetic or parsing.
+const EXTREMES: &[&str] = &[
+    "0",
+    "1",
+    "-1",
+    "2",
+    "3",
+    "7",
+    "65535",
+    "65536",
+    "4294967295",
+    "4294967296",
+    "9007199254740993",
+    "4611686018427387904",
+    "9223372036854775807",
+    "9223372036854775808",
+    "18446744073709551615",
+    "18446744073709551616",
+    "1e12",
+    "1e300",
+    "-1e300",
+    "0.5",
+    "1.5",
+    "NaN",
+    "\"x\"",
+    "\"\"",
+    "null",
+    "true",
+    "false",
+    "[]",
+    "{}",
+    "[1,2]",
+    "{\"a\":1}",
+];
+
+fn extreme(rng: &mut Rng) -> &'static str {
+    EXTREMES[rng.below(EXTREMES.len())]
+}
+
+/// A byte-level mutation: flip, insert, delete or duplicate a few bytes.
+fn mutate_bytes(rng: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
+    for _ in 0..1 + rng.below(4) {
+        if b.is_empty() {
+            b.push(b'{');
+        }
+        let i = rng.below(b.len());
+        match rng.below(5) {
+            0 => b[i] ^= 1 << rng.below(8),
+            1 => b.insert(i, *rng.pick(b"{}[]\",:0123456789-e.\\\n\x00\xff<>=/ ")),
+            2 => {
+                b.remove(i);
+            }
+            3 => {
+                let j = (i + rng.below(64)).min(b.len());
+                let chunk = b[i..j].to_vec();
+                b.splice(i..i, chunk);
+            }
+            _ => b.truncate(i),
+        }
+    }
+    b
+}
+
+/// A structural mutation of a JSON object: a key set to an extreme value, removed, or added.
+fn mutate_json(rng: &mut Rng, v: &serde_json::Value, keys: &[&str]) -> String {
+    let mut v = v.clone();
+    for _ in 0..1 + rng.below(3) {
+        let key = *rng.pick(keys);
+        match rng.below(4) {
+            0 => {
+                if let Some(o) = v.as_object_mut() {
+                    o.remove(key);
+                }
+            }
+            _ => {
+                let val: serde_json::Value =
+                    serde_json::from_str(extreme(rng)).unwrap_or(serde_json::Value::Null);
+                v[key] = val;
+            }
+        }
+    }
+    v.to_string()
+}
+
+const MODEL_KEYS: &[&str] = &[
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "rope_scaling",
+    "rope_parameters",
+    "sliding_window",
+    "use_sliding_window",
+];
+
+const TINY: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
+  "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,"tie_word_embeddings":true}"#;
+
+/// Inputs that crashed earlier versions (issue #14), kept as seeds.
+fn crash_corpus() -> Vec<String> {
+    let base: serde_json::Value = serde_json::from_str(TINY).unwrap();
+    [
+        ("vocab_size", "18446744073709551615"),
+        ("intermediate_size", "9223372036854775807"),
+        ("hidden_size", "4611686018427387904"),
+        ("head_dim", "4611686018427387904"),
+        ("vocab_size", "9223372036854775808"),
+        ("head_dim", "0"),
+        ("hidden_size", "1000000000000"),
+    ]
+    .iter()
+    .map(|(k, v)| {
+        let mut c = base.clone();
+        c[*k] = serde_json::from_str(v).unwrap();
+        c.to_string()
+    })
+    .collect()
+}
+
+fn write_tokens(path: &Path, n: usize, vocab: u64) {
+    let mut s = 99u64;
+    let bytes: Vec<u8> = (0..n)
+        .flat_map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s % vocab) as u16).to_le_bytes()
+        })
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+struct Quiet;
+impl megatrain::train::Progress for Quiet {}
+
+/// Mutated config.json files through `megatrain train`'s own path (`train::run`: parse, size
+/// checks, planning, RAM and device checks, and for the small valid ones a real training step).
+#[test]
+fn mutated_model_configs_never_panic() {
+    let _one_at_a_time = serial();
+    count_panics();
+    let before = PANICS.load(Ordering::SeqCst);
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("tokens.bin");
+    write_tokens(&data, 4000, 2);
+    let seeds: Vec<serde_json::Value> = [
+        TINY.to_owned(),
+        std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/hf_gqa/config.json"),
+        )
+        .unwrap(),
+    ]
+    .iter()
+    .map(|t| serde_json::from_str(t).unwrap())
+    .collect();
+    let mut inputs = crash_corpus();
+    let mut rng = Rng(0x5EED_0001);
+    for i in 0..1200 {
+        let seed = &seeds[i % seeds.len()];
+        inputs.push(if rng.below(4) == 0 {
+            String::from_utf8_lossy(&mutate_bytes(&mut rng, seed.to_string().into_bytes()))
+                .into_owned()
+        } else {
+            mutate_json(&mut rng, seed, MODEL_KEYS)
+        });
+    }
+    let (mut ok, mut refused) = (0, 0);
+    for (i, text) in inputs.iter().enumerate() {
+        let path = d.path().join("config.json");
+        std::fs::write(&path, text).unwrap();
+        let cfg = TrainConfig {
+            model: Some(path),
+            data: Some(data.clone()),
+            seq_len: 8,
+            batch_size: 1,
+            steps: 1,
+            device_memory: 64 << 20,
+            ram_budget: Some(256 << 20),
+            resume: Resume::Never,
+            ..TrainConfig::default()
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            megatrain::train::run(
+                &cfg,
+                Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                &mut Quiet,
+            )
+        }));
+        match r {
+            Ok(Ok(_)) => ok += 1,
+            Ok(Err(e)) => {
+                assert!(!e.to_string().is_empty());
+                refused += 1;
+            }
+            Err(_) => panic!("input {i} panicked: {text}"),
+        }
+    }
+    let panics = PANICS.load(Ordering::SeqCst) - before;
+    eprintln!(
+        "config.json: {} inputs, {ok} trained a step, {refused} refused, {panics} panics",
+        inputs.len()
+    );
+    assert_eq!(panics, 0);
+    assert!(ok > 10 && refused > 100, "the mutants exercise both paths");
+}
+
+const TOML_KEYS: &[&str] = &[
+    "seq_len",
+    "batch_size",
+    "grad_accum",
+    "steps",
+    "lr",
+    "beta1",
+    "beta2",
+    "eps",
+    "weight_decay",
+    "grad_clip",
+    "lr_schedule",
+    "warmup_steps",
+    "seed",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "resume",
+    "device",
+    "device_memory",
+    "spill",
+    "spill_staging",
+    "io_engine",
+    "ram_budget",
+    "activations",
+    "precision",
+    "mode",
+    "val_every",
+    "val_batches",
+    "data",
+    "metrics",
+    "nvme",
+    "shuffle",
+    "decay_norms",
+];
+
+/// Mutated run.toml files through the CLI's reading and validation.
+#[test]
+fn mutated_toml_configs_never_panic() {
+    let _one_at_a_time = serial();
+    count_panics();
+    let before = PANICS.load(Ordering::SeqCst);
+    let seed = "seq_len = 128\nbatch_size = 8\ngrad_accum = 2\nsteps = 100\nlr = 3e-4\n\
+                lr_schedule = \"cosine\"\nwarmup_steps = 10\nresume = \"auto\"\n\
+                checkpoint_dir = \"ck\"\nmetrics = \"m.jsonl\"\nnvme = [\"a\"]\n";
+    let mut rng = Rng(0x5EED_0002);
+    let (mut valid, mut refused) = (0, 0);
+    for _ in 0..5000 {
+        let text = if rng.below(2) == 0 {
+            String::from_utf8_lossy(&mutate_bytes(&mut rng, seed.as_bytes().to_vec())).into_owned()
+        } else {
+            let key = rng.pick(TOML_KEYS);
+            let raw = *rng.pick(EXTREMES);
+            let value = match raw {
+                "null" => "\"null\"".to_owned(),
+                "{}" => "{}".to_owned(),
+                "NaN" => "nan".to_owned(),
+                other => other.replace("e300", "e30"),
+            };
+            format!("{seed}{key} = {value}\n")
+        };
+        let r = std::panic::catch_unwind(|| {
+            TrainConfig::from_toml_str(&text, "fuzz.toml").and_then(|c| c.validate())
+        });
+        match r {
+            Ok(Ok(())) => valid += 1,
+            Ok(Err(_)) => refused += 1,
+            Err(_) => panic!("panicked on: {text}"),
+        }
+    }
+    let panics = PANICS.load(Ordering::SeqCst) - before;
+    eprintln!("TOML: 5000 inputs, {valid} valid, {refused} refused, {panics} panics");
+    assert_eq!(panics, 0);
+    assert!(valid > 50 && refused > 500);
+}
+
+/// Mutated safetensors headers (and bodies) through `--init-from`'s loader into a real store.
+#[test]
+fn mutated_safetensors_never_panic() {
+    let _one_at_a_time = serial();
+    count_panics();
+    let before = PANICS.load(Ordering::SeqCst);
+    let cfg = ModelConfig::from_json_str(TINY, "tiny").unwrap();
+    let layout = megatrain::store::layout::StateLayout::new(
+        &cfg,
+        megatrain::store::layout::Mode::Lean,
+        false,
+    );
+    let machine = megatrain::topology::probe(&megatrain::topology::TopologySource::Live).unwrap();
+    let placement = megatrain::store::placement::place(
+        &machine,
+        &layout,
+        None,
+        megatrain::store::placement::RamBudget::default(),
+    )
+    .unwrap();
+    let store =
+        megatrain::store::HostStore::allocate(layout.clone(), placement, &Default::default())
+            .unwrap();
+    // A valid file of the tiny model: written by our own export.
+    let d = tempfile::tempdir().unwrap();
+    let export = d.path().join("export");
+    megatrain::model::hf::export_store(&store, &export, 1 << 30, None).unwrap();
+    let file = std::fs::read(export.join("model-00001-of-00001.safetensors")).unwrap();
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    let body = &file[8 + n..];
+    let names: Vec<String> = header.as_object().unwrap().keys().cloned().collect();
+    let dir = d.path().join("in");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), TINY).unwrap();
+    let mut rng = Rng(0x5EED_0003);
+    let (mut loaded, mut refused) = (0, 0);
+    for _ in 0..2500 {
+        let bytes = match rng.below(3) {
+            0 => mutate_bytes(&mut rng, file.clone()),
+            _ => {
+                let mut h = header.clone();
+                let name = rng.pick(&names).clone();
+                let field = *rng.pick(&["dtype", "shape", "data_offsets", "__metadata__"]);
+                let val: serde_json::Value = match rng.below(4) {
+                    0 => serde_json::json!(
+                        rng.pick(&["F32", "BF16", "F16", "I64", "U8", "F64", "Q4"])
+                    ),
+                    1 => serde_json::json!([rng.next() % 100, rng.next() >> rng.below(64)]),
+                    2 => serde_json::json!([rng.next() >> rng.below(64)]),
+                    _ => serde_json::from_str(extreme(&mut rng)).unwrap_or_default(),
+                };
+                if field == "__metadata__" {
+                    h[field] = val;
+                } else {
+                    h[&name][field] = val;
+                }
+                let text = h.to_string().into_bytes();
+                let mut out = (text.len() as u64).to_le_bytes().to_vec();
+                out.extend(text);
+                out.extend_from_slice(body);
+                out
+            }
+        };
+        std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            megatrain::model::hf::load_into_store(&dir, &store)
+        })) {
+            Ok(Ok(_)) => loaded += 1,
+            Ok(Err(_)) => refused += 1,
+            Err(_) => panic!("panicked on a mutated safetensors file"),
+        }
+    }
+    let panics = PANICS.load(Ordering::SeqCst) - before;
+    eprintln!("safetensors: 2500 inputs, {loaded} loaded, {refused} refused, {panics} panics");
+    assert_eq!(panics, 0);
+    assert!(loaded > 10 && refused > 500);
+}
+
+/// Mutated hwloc XML through `megatrain probe --topology` (a process each: hwloc is C, and a
+/// crash must come back as an error, exit 2 — never a signal or a panic).
+#[test]
+fn mutated_topology_xml_never_crashes_the_cli() {
+    let _one_at_a_time = serial();
+    let src = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/topologies/nvidiagpunumanodes-kept.xml"),
+    )
+    .unwrap();
+    let text = String::from_utf8(src.clone()).unwrap();
+    let attrs = [
+        "cpuset",
+        "complete_cpuset",
+        "nodeset",
+        "complete_nodeset",
+        "os_index",
+        "type",
+        "local_memory",
+        "gp_index",
+        "depth",
+        "attr",
+    ];
+    let d = tempfile::tempdir().unwrap();
+    let mut rng = Rng(0x5EED_0004);
+    let (mut ok, mut refused) = (0, 0);
+    let mut counts = std::collections::BTreeMap::new();
+    for i in 0..1500 {
+        let bytes = if rng.below(2) == 0 {
+            mutate_bytes(&mut rng, src.clone())
+        } else {
+            // Drop or corrupt one attribute occurrence.
+            let attr = rng.pick(&attrs);
+            let pat = format!(" {attr}=\"");
+            let hits: Vec<usize> = text.match_indices(&pat).map(|(k, _)| k).collect();
+            let mut t = text.clone();
+            if let Some(&at) = hits.get(rng.below(hits.len())) {
+                let end = t[at + pat.len()..]
+                    .find('"')
+                    .map_or(t.len(), |e| at + pat.len() + e + 1);
+                let replacement = match rng.below(3) {
+                    0 => String::new(),
+                    1 => format!(
+                        " {attr}=\"{}\"",
+                        rng.pick(&["", "0x", "-1", "0xffffffffffffffffffff", "zz", "0,,0"])
+                    ),
+                    _ => format!(" {attr}=\"{}\"", rng.next()),
+                };
+                t.replace_range(at..end, &replacement);
+            }
+            t.into_bytes()
+        };
+        let path: PathBuf = d.path().join(format!("t{i}.xml"));
+        std::fs::write(&path, &bytes).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
+            .args(["probe", "--json", "--topology"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => ok += 1,
+            // hwloc may print its own warnings first; ours is the last line.
+            Some(2)
+                if err.lines().last().is_some_and(|l| l.starts_with("error: "))
+                    && !err.contains("panicked") =>
+            {
+                refused += 1;
+                let why = if err.contains("crashed") {
+                    "hwloc crashed (caught)"
+                } else {
+                    "refused"
+                };
+                *counts.entry(why).or_insert(0) += 1;
+            }
+            other => panic!("{}: exit {other:?}: {err}", path.display()),
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+    eprintln!("topology XML: 1500 inputs, {ok} loaded, {refused} refused ({counts:?}), 0 crashes");
+    assert!(ok > 50 && refused > 50);
+}
