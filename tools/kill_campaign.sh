@@ -19,7 +19,7 @@ import random, struct, sys
 random.seed(7)
 open(sys.argv[1], "wb").write(b"".join(struct.pack("<H", random.randrange(256)) for _ in range(200000)))
 EOF
-steps=$((kills * 8 + 40))
+steps=$((kills * 40 + 40))
 args=(train --model "$work/model.json" --data "$work/train.bin" --seq-len 32 --batch-size 4
       --steps "$steps" --checkpoint-every 1 --keep-checkpoints 2 --shuffle --seed 3)
 "$bin" "${args[@]}" --checkpoint-dir "$work/straight" 2>/dev/null
