@@ -374,7 +374,23 @@ fn unusable_outputs_are_refused_before_training() {
     let trace_dir = f.path("trace-dir");
     std::fs::create_dir(&trace_dir).unwrap();
     let metrics = f.path("metrics.jsonl");
+    // A model whose one checkpoint (12 B/param) is larger than any disk: 1.4e13 parameters.
+    let huge = f.path("huge.json");
+    std::fs::write(
+        &huge,
+        MODEL
+            .replace("\"hidden_size\":32", "\"hidden_size\":65536")
+            .replace("\"intermediate_size\":72", "\"intermediate_size\":262144")
+            .replace("\"num_hidden_layers\":2", "\"num_hidden_layers\":200")
+            .replace("\"num_attention_heads\":4", "\"num_attention_heads\":512"),
+    )
+    .unwrap();
+    let ck = f.path("ck");
     let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--model", s(&huge), "--checkpoint-dir", s(&ck)],
+            "one checkpoint needs",
+        ),
         (vec!["--export-hf", s(&export)], "not an export of this run"),
         (vec!["--trace", s(&trace_dir)], "is a directory"),
         (
@@ -393,7 +409,14 @@ fn unusable_outputs_are_refused_before_training() {
             args.extend(["--steps", "2"]);
         }
         args.extend(extra.iter().copied());
-        let (rc, err) = run(f.train(&args));
+        let cmd = if extra[0] == "--model" {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+            c.args(["train", "--data", s(&f.data)]).args(&args);
+            c
+        } else {
+            f.train(&args)
+        };
+        let (rc, err) = run(cmd);
         assert_eq!(rc, 2, "{extra:?}: {err}");
         assert!(
             last_line(&err).starts_with("error: ") && last_line(&err).contains(needle),

@@ -525,23 +525,23 @@ fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Pl
     with(divisors[lo])
 }
 
-/// The smallest change to `req` that makes it fit `hw`, as the flags that say it and the
-/// request with it applied (each alternative alone first, then combined); `None` if nothing
-/// tried fits.
+/// The smallest change to `req` (as the user asked it, micro-batch unresolved) that makes it
+/// fit `hw`, as the flags that say it and the request with it applied and resolved (each
+/// alternative alone first, then combined); `None` if nothing tried fits.
 pub fn suggest(
     model: &ModelConfig,
     hw: &Hardware,
     req: &PlanRequest,
 ) -> Option<(String, PlanRequest)> {
     let mut tries: Vec<(String, PlanRequest)> = Vec::new();
+    // Lean mode cannot accumulate micro-batches: a switch to it takes the whole step.
+    let lean = |r: PlanRequest| PlanRequest {
+        mode: Mode::Lean,
+        micro_batch_tokens: None,
+        ..r
+    };
     if req.mode == Mode::Exact {
-        tries.push((
-            "--mode lean".into(),
-            PlanRequest {
-                mode: Mode::Lean,
-                ..req.clone()
-            },
-        ));
+        tries.push(("--mode lean".into(), lean(req.clone())));
     }
     if !req.bf16 {
         tries.push((
@@ -563,11 +563,10 @@ pub fn suggest(
         if req.mode == Mode::Exact {
             tries.push((
                 "--mode lean --nvme DIR".into(),
-                PlanRequest {
+                lean(PlanRequest {
                     spill_moments: true,
-                    mode: Mode::Lean,
                     ..req.clone()
-                },
+                }),
             ));
         }
     }
@@ -586,31 +585,40 @@ pub fn suggest(
             },
         ));
     }
-    tries.into_iter().find(|(_, r)| {
+    tries.into_iter().find_map(|(what, r)| {
         // Spilling is planned with an assumed NVMe where none is described.
         let hw = Hardware {
             nvme_gbps: hw.nvme_gbps.or(r.spill_moments.then_some(3.0)),
             ..hw.clone()
         };
-        fits(&memory(model, r, &hw), &hw).is_ok()
+        let r = resolve(model, &hw, &r);
+        fits(&memory(model, &r, &hw), &hw)
+            .is_ok()
+            .then_some((what, r))
     })
 }
 
-/// Plan `model` on `hw`.
-pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
-    let req = &match req.micro_batch_tokens {
+/// `req` with its micro-batch decided: as given, the whole step in lean mode (which cannot
+/// accumulate micro-batches), else [`pick_micro_batch`].
+pub fn resolve(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> PlanRequest {
+    match req.micro_batch_tokens {
         Some(_) => req.clone(),
-        // Lean mode cannot accumulate micro-batches: the whole step is one micro-batch.
         None if req.mode == Mode::Lean => PlanRequest {
             micro_batch_tokens: Some(req.tokens_per_step),
             ..req.clone()
         },
         None => pick_micro_batch(model, hw, req),
-    };
+    }
+}
+
+/// Plan `model` on `hw`.
+pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
+    let asked = req;
+    let req = &resolve(model, hw, req);
     let mem = memory(model, req, hw);
     let verdict = fits(&mem, hw);
     let suggestion = verdict.is_err().then(|| {
-        suggest(model, hw, req).map_or_else(
+        suggest(model, hw, asked).map_or_else(
             || {
                 "nothing tried fits: a machine with more host RAM or GPU memory is needed"
                     .to_owned()
@@ -890,5 +898,78 @@ mod tests {
             },
         );
         assert!(c2c.htod_s * 5.0 < small.htod_s);
+    }
+
+    /// The plan's advice is true: over every preset model and machine, both modes, short and
+    /// long steps, every suggestion is applied and the plan then fits.
+    #[test]
+    fn every_suggestion_fits_when_applied() {
+        let mut checked = 0;
+        for m in presets::MODELS {
+            let model = presets::model(m).unwrap();
+            for h in presets::MACHINES {
+                let hw = presets::machine(h).unwrap();
+                for mode in [Mode::Exact, Mode::Lean] {
+                    for (tokens, seq) in [(16384, 4096), (65536, 8192)] {
+                        let r = PlanRequest {
+                            tokens_per_step: tokens,
+                            seq_len: seq,
+                            bf16: false,
+                            mode,
+                            spill_moments: false,
+                            micro_batch_tokens: None,
+                        };
+                        let p = plan(&model, &hw, &r);
+                        if p.fits {
+                            continue;
+                        }
+                        if let Some((what, fixed)) = suggest(&model, &hw, &r) {
+                            let hw = Hardware {
+                                nvme_gbps: hw.nvme_gbps.or(fixed.spill_moments.then_some(3.0)),
+                                ..hw.clone()
+                            };
+                            let q = plan(&model, &hw, &fixed);
+                            assert!(q.fits, "{m} on {h}: `{what}` does not fit: {:?}", q.missing);
+                            assert_eq!(p.suggestion.as_deref(), Some(what.as_str()));
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 5, "the sweep exercised the advice ({checked})");
+    }
+
+    /// A step of a trillion tokens plans at once (no per-micro-batch list, bisected divisors),
+    /// and out-of-range counts are refused by flag.
+    #[test]
+    fn huge_steps_plan_quickly_and_bad_counts_are_refused() {
+        let model = presets::model("llama-3-8b").unwrap();
+        let hw = presets::machine("h200-1.5tb").unwrap();
+        let r = PlanRequest {
+            tokens_per_step: 1 << 40,
+            micro_batch_tokens: None,
+            ..req(4096)
+        };
+        r.validate().unwrap();
+        let t0 = std::time::Instant::now();
+        let p = plan(&model, &hw, &r);
+        assert!(p.micro_batch_tokens > 0 && t0.elapsed().as_secs() < 20);
+        for bad in [
+            PlanRequest {
+                seq_len: 0,
+                ..req(4096)
+            },
+            PlanRequest {
+                tokens_per_step: 1 << 41,
+                ..req(4096)
+            },
+            PlanRequest {
+                micro_batch_tokens: Some(0),
+                ..req(4096)
+            },
+        ] {
+            assert!(bad.validate().is_err());
+        }
     }
 }
