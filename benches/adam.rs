@@ -32,7 +32,6 @@ fn bench(c: &mut Criterion) {
                         g: &grad,
                         m: &mut m,
                         v: &mut v,
-                        shadow: None,
                     },
                     &s,
                 )

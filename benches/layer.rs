@@ -18,7 +18,7 @@ fn bench(c: &mut Criterion) {
     .unwrap();
     let (b, t) = (1usize, 512usize);
     let n = b * t;
-    let layout = StateLayout::new(&cfg, Mode::Exact, false);
+    let layout = StateLayout::new(&cfg, Mode::Exact);
     let unit = &layout.units[1];
     let blk = DecoderBlock::new(&cfg, unit).unwrap();
     let p: Vec<f32> = (0..unit.numel)

@@ -786,11 +786,7 @@ fn export(args: &ExportArgs) -> Result<()> {
     };
     // Verified before anything in it is parsed.
     let state = checkpoint::open(&dir)?;
-    let layout = megatrain::store::layout::StateLayout::new(
-        &state.model,
-        megatrain::store::layout::Mode::Lean,
-        false,
-    );
+    let layout = megatrain::store::layout::StateLayout::new(&state.model, megatrain::store::layout::Mode::Lean);
     let machine = topology::probe(&TopologySource::Live)?;
     let placement =
         megatrain::store::placement::place(&machine, &layout, None, Default::default())?;
@@ -943,9 +939,6 @@ struct BenchAdamArgs {
     /// NUMA node (default: the first node with CPUs).
     #[arg(long)]
     node: Option<u32>,
-    /// Also write the bf16 shadow of the parameters (30 B/param).
-    #[arg(long)]
-    shadow: bool,
     /// Timed repetitions; the median is reported.
     #[arg(long, default_value_t = 10)]
     reps: usize,
@@ -1000,7 +993,6 @@ fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
             params: args.params,
             threads: args.threads,
             node: args.node,
-            shadow: args.shadow,
             reps: args.reps,
             isa,
         },

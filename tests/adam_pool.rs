@@ -22,7 +22,7 @@ fn store(mode: Mode) -> HostStore {
         "t",
     )
     .unwrap();
-    let layout = StateLayout::new(&cfg, mode, true);
+    let layout = StateLayout::new(&cfg, mode);
     let machine = probe(&TopologySource::Live).unwrap();
     let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
     HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
@@ -67,7 +67,7 @@ fn pool_equals_scalar_reference_exact_and_lean() {
             };
             let segs = unit_segments(s.layout(), u, &cfg, 3, 0.5, false);
             // The reference, segment by segment, on copies.
-            let (mut p, mut m, mut v, mut sh) = (p0.clone(), m0.clone(), v0.clone(), vec![0u16; n]);
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
             let mut sumsq = 0.0;
             for seg in &segs {
                 let r = seg.start..seg.end;
@@ -77,13 +77,12 @@ fn pool_equals_scalar_reference_exact_and_lean() {
                         p: &mut p[r.clone()],
                         g: &g0[r.clone()],
                         m: &mut m[r.clone()],
-                        v: &mut v[r.clone()],
-                        shadow: Some(&mut sh[r]),
+                        v: &mut v[r],
                     },
                     &seg.scalars,
                 );
             }
-            expected.push((p, m, v, sh, sumsq));
+            expected.push((p, m, v, sumsq));
             let node = s.placement().worker_node(u).unwrap();
             jobs.push(pool.submit(node, guard, buffer, segs).unwrap());
             // The unit belongs to the job until it is waited on.
@@ -93,7 +92,7 @@ fn pool_equals_scalar_reference_exact_and_lean() {
             let mut done = job.wait().unwrap();
             assert_eq!(done.guard.unit(), u);
             assert_eq!(done.grads.is_some(), mode == Mode::Lean);
-            let (p, m, v, sh, sumsq) = &expected[u];
+            let (p, m, v, sumsq) = &expected[u];
             let got = done.guard.shards().unwrap();
             assert!(
                 got.params
@@ -110,7 +109,6 @@ fn pool_equals_scalar_reference_exact_and_lean() {
                 got.v.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "unit {u} v"
             );
-            assert_eq!(got.shadow.unwrap(), &sh[..], "unit {u} shadow");
             assert!(
                 (done.sumsq - sumsq).abs() <= 1e-9 * sumsq,
                 "unit {u} sumsq {} vs {sumsq}",

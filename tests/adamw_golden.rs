@@ -54,7 +54,6 @@ fn run_case(g: &Golden, case: &str, isa: Isa) -> f32 {
                     g: grads[i],
                     m: &mut m[i],
                     v: &mut v[i],
-                    shadow: None,
                 },
                 &s,
             );

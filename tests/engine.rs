@@ -105,7 +105,7 @@ fn rig_spill(
     params: &[Vec<f32>],
     spill: Option<Spill<'_>>,
 ) -> Rig {
-    let layout = StateLayout::new(c, mode, false);
+    let layout = StateLayout::new(c, mode);
     let machine = probe(&TopologySource::Live).unwrap();
     let (req, opts, budget) = match &spill {
         Some(s) => (
@@ -197,7 +197,7 @@ fn reference(
     clip: f64,
     lr: f64,
 ) -> (f64, Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let layout = StateLayout::new(c, Mode::Exact, false);
+    let layout = StateLayout::new(c, Mode::Exact);
     let tm = Templates::new(&layout, T).unwrap();
     let mut ws = Workspace::new(c, B, T);
     let total = (B * T * batches.len()) as f32;
@@ -249,7 +249,6 @@ fn reference(
                     g: &grads[u][r.clone()],
                     m: &mut m[r.clone()],
                     v: &mut v[r],
-                    shadow: None,
                 },
                 &seg.scalars,
             );
@@ -267,7 +266,7 @@ fn streamed_step_is_bit_identical_to_resident() {
         (true, Checkpoints::Device, 1, 1e-3),
     ] {
         let c = cfg(3, tied);
-        let params = init(&StateLayout::new(&c, Mode::Exact, false));
+        let params = init(&StateLayout::new(&c, Mode::Exact));
         let batches: Vec<MicroBatch> = (0..mbs).map(|j| batch(10 + j as u64, 61)).collect();
         let (loss, grads, after) = reference(&c, &params, &batches, clip, 1e-3);
         let mut r = rig(&c, Mode::Exact, mbs, cp, clip, None, &params);
@@ -302,7 +301,7 @@ fn device_peak_is_the_planned_working_set_for_any_depth() {
     let mut peaks = Vec::new();
     for layers in [2, 32] {
         let c = cfg(layers, false);
-        let params = init(&StateLayout::new(&c, Mode::Exact, false));
+        let params = init(&StateLayout::new(&c, Mode::Exact));
         let mut r = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
         let planned: u64 = r.device.memory().in_use;
         let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
@@ -318,7 +317,7 @@ fn device_peak_is_the_planned_working_set_for_any_depth() {
 #[test]
 fn random_delays_on_every_stream_change_no_bits() {
     let c = cfg(3, true);
-    let params = init(&StateLayout::new(&c, Mode::Exact, false));
+    let params = init(&StateLayout::new(&c, Mode::Exact));
     let batches: Vec<Vec<MicroBatch>> = (0..3)
         .map(|s| vec![batch(100 + s, 61), batch(200 + s, 61)])
         .collect();
@@ -339,7 +338,7 @@ fn random_delays_on_every_stream_change_no_bits() {
 #[test]
 fn exact_and_lean_agree_without_clipping() {
     let c = cfg(2, false);
-    let params = init(&StateLayout::new(&c, Mode::Exact, false));
+    let params = init(&StateLayout::new(&c, Mode::Exact));
     let b = vec![batch(7, 61)];
     let mut ex = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
     let mut le = rig(&c, Mode::Lean, 1, Checkpoints::Host, 0.0, None, &params);
@@ -358,7 +357,7 @@ fn exact_and_lean_agree_without_clipping() {
 #[test]
 fn lean_mode_refuses_gradient_accumulation_and_bad_batches_are_named() {
     let c = cfg(2, false);
-    let layout = StateLayout::new(&c, Mode::Lean, false);
+    let layout = StateLayout::new(&c, Mode::Lean);
     let params = init(&layout);
     let r =
         std::panic::catch_unwind(|| rig(&c, Mode::Lean, 2, Checkpoints::Host, 0.0, None, &params));
@@ -375,7 +374,7 @@ fn lean_mode_refuses_gradient_accumulation_and_bad_batches_are_named() {
 #[test]
 fn metrics_count_the_bytes_and_the_trace_has_every_track() {
     let c = cfg(3, false);
-    let layout = StateLayout::new(&c, Mode::Exact, false);
+    let layout = StateLayout::new(&c, Mode::Exact);
     let params = init(&layout);
     let mut r = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
     let m1 = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
@@ -426,7 +425,7 @@ fn metrics_count_the_bytes_and_the_trace_has_every_track() {
 #[test]
 fn spilled_optimizer_state_trains_bit_identically() {
     let c = cfg(4, false);
-    let params = init(&StateLayout::new(&c, Mode::Exact, false));
+    let params = init(&StateLayout::new(&c, Mode::Exact));
     let batches: Vec<Vec<MicroBatch>> = (0..4).map(|s| vec![batch(300 + s, 61)]).collect();
     let run = |mode: Mode, spill: Option<Spill<'_>>| {
         let spilled = spill.is_some();
@@ -462,7 +461,7 @@ fn spilled_optimizer_state_trains_bit_identically() {
             (2, EngineKind::Auto, SpillPolicy::Auto),
         ] {
             let d = tempfile::tempdir().unwrap();
-            let layout = StateLayout::new(&c, mode, false);
+            let layout = StateLayout::new(&c, mode);
             // Auto: a budget 8 KiB short of the whole state forces some units out, not all.
             let budget = (policy == SpillPolicy::Auto).then(|| layout.total_bytes() - 8192);
             let (got, n_spilled) = run(

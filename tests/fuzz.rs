@@ -350,11 +350,7 @@ fn mutated_safetensors_never_panic() {
     count_panics();
     let before = PANICS.load(Ordering::SeqCst);
     let cfg = ModelConfig::from_json_str(TINY, "tiny").unwrap();
-    let layout = megatrain::store::layout::StateLayout::new(
-        &cfg,
-        megatrain::store::layout::Mode::Lean,
-        false,
-    );
+    let layout = megatrain::store::layout::StateLayout::new(&cfg, megatrain::store::layout::Mode::Lean);
     let machine = megatrain::topology::probe(&megatrain::topology::TopologySource::Live).unwrap();
     let placement = megatrain::store::placement::place(
         &machine,

@@ -18,7 +18,7 @@ fn hf_dir() -> PathBuf {
 
 fn store_for(dir: &Path) -> HostStore {
     let cfg = hf::load_config(dir).unwrap();
-    let layout = StateLayout::new(&cfg, Mode::Lean, false);
+    let layout = StateLayout::new(&cfg, Mode::Lean);
     let m = probe(&TopologySource::Live).unwrap();
     let p = place(&m, &layout, None, RamBudget::default()).unwrap();
     HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()

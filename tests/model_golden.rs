@@ -25,7 +25,7 @@ struct Case {
 fn load(case: &str) -> Case {
     let g = Golden::open(&format!("model_{case}.safetensors"));
     let cfg = ModelConfig::from_json_str(&g.meta["config"], case).unwrap();
-    let layout = StateLayout::new(&cfg, Mode::Exact, false);
+    let layout = StateLayout::new(&cfg, Mode::Exact);
     let (b, t) = (
         g.meta["batch"].parse().unwrap(),
         g.meta["seq"].parse().unwrap(),
@@ -131,7 +131,6 @@ fn check_case(case: &str) {
                         g: &grads[u][r.clone()],
                         m: &mut m[u][r.clone()],
                         v: &mut v[u][r],
-                        shadow: None,
                     },
                     &seg.scalars,
                 );

@@ -31,7 +31,7 @@ fn llama(hidden: usize, inter: usize, layers: usize, heads: usize, kv: usize) ->
 fn ipa20_streams_from_the_gpu_node_and_spreads_adam_state() {
     let m = recorded("ipa20.xml");
     let gpu = m.gpus.iter().position(|g| g.numa_nodes == vec![1]).unwrap();
-    let layout = StateLayout::new(&llama(4096, 14336, 32, 32, 8), Mode::Exact, false);
+    let layout = StateLayout::new(&llama(4096, 14336, 32, 32, 8), Mode::Exact);
     let p = place(&m, &layout, Some(gpu), RamBudget::default()).unwrap();
     assert_eq!(p.stream_order[0], 1);
     // Same-socket nodes (distance 12) come before the other socket (21).
@@ -80,7 +80,7 @@ fn ipa20_streams_from_the_gpu_node_and_spreads_adam_state() {
 fn ipa20_70b_overflows_to_the_nearest_nodes_and_405b_needs_nvme() {
     let m = recorded("ipa20.xml");
     let gpu = m.gpus.iter().position(|g| g.numa_nodes == vec![1]).unwrap();
-    let l70 = StateLayout::new(&llama(8192, 28672, 80, 64, 8), Mode::Exact, false);
+    let l70 = StateLayout::new(&llama(8192, 28672, 80, 64, 8), Mode::Exact);
     let p = place(&m, &l70, Some(gpu), RamBudget::default()).unwrap();
     let streamed: std::collections::BTreeSet<u32> = (0..l70.units.len())
         .flat_map(|u| {
@@ -97,7 +97,7 @@ fn ipa20_70b_overflows_to_the_nearest_nodes_and_405b_needs_nvme() {
         "streamed data stays on the GPU's socket: {streamed:?}"
     );
 
-    let l405 = StateLayout::new(&llama(16384, 53248, 126, 128, 8), Mode::Exact, false);
+    let l405 = StateLayout::new(&llama(16384, 53248, 126, 128, 8), Mode::Exact);
     let msg = place(&m, &l405, Some(gpu), RamBudget::default())
         .unwrap_err()
         .to_string();
@@ -109,7 +109,7 @@ fn ipa20_70b_overflows_to_the_nearest_nodes_and_405b_needs_nvme() {
 #[test]
 fn power9_never_places_state_in_gpu_memory_nodes() {
     let m = recorded("nvidiagpunumanodes-kept.xml");
-    let layout = StateLayout::new(&llama(1024, 4096, 4, 16, 16), Mode::Lean, false);
+    let layout = StateLayout::new(&llama(1024, 4096, 4, 16, 16), Mode::Lean);
     let p = place(&m, &layout, Some(0), RamBudget::default()).unwrap();
     assert!(
         p.nodes.iter().all(|n| n.node == 0 || n.node == 8),
@@ -130,7 +130,7 @@ fn synthetic_two_and_four_node_machines_balance_adam_state() {
             n.memory_bytes = 8 << 30;
         }
         assert_eq!(m.numa_nodes.len(), nodes, "{desc}");
-        let layout = StateLayout::new(&llama(512, 1024, 16, 8, 8), Mode::Exact, false);
+        let layout = StateLayout::new(&llama(512, 1024, 16, 8, 8), Mode::Exact);
         let p = place(&m, &layout, None, RamBudget::default()).unwrap();
         let mv: Vec<u64> = p
             .nodes
@@ -157,7 +157,7 @@ fn gpus_are_found_by_pci_address_and_stream_from_their_node() {
     assert!(m.gpus.len() >= 2, "{} GPUs", m.gpus.len());
     for (i, g) in m.gpus.iter().enumerate() {
         assert_eq!(m.gpu_by_pci_bus_id(&g.pci_bus_id.to_uppercase()), Some(i));
-        let layout = StateLayout::new(&llama(1024, 2816, 4, 16, 8), Mode::Exact, false);
+        let layout = StateLayout::new(&llama(1024, 2816, 4, 16, 8), Mode::Exact);
         let p = place(&m, &layout, Some(i), RamBudget::default()).unwrap();
         assert_eq!(
             p.node_of(1, ShardKind::Params),

@@ -126,7 +126,6 @@ fn spilling_to_nvme_changes_no_bit_and_resumes() {
     let layout = megatrain::store::layout::StateLayout::new(
         &megatrain::model::config::ModelConfig::from_json_str(MODEL, "t").unwrap(),
         megatrain::store::layout::Mode::Exact,
-        false,
     );
     for (policy, budget) in [
         (megatrain::store::placement::SpillPolicy::All, None),
@@ -181,7 +180,7 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
     let (m, d) = setup(a.path(), 4000);
     let model = megatrain::model::config::ModelConfig::from_json_str(MODEL, "t").unwrap();
     let bytes =
-        |mode| megatrain::store::layout::StateLayout::new(&model, mode, false).total_bytes();
+        |mode| megatrain::store::layout::StateLayout::new(&model, mode).total_bytes();
     let (exact, lean) = (
         bytes(megatrain::store::layout::Mode::Exact),
         bytes(megatrain::store::layout::Mode::Lean),
@@ -209,11 +208,7 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
         );
     }
     // A device with room for the host-offloaded working set but not for all checkpoints.
-    let layout = megatrain::store::layout::StateLayout::new(
-        &model,
-        megatrain::store::layout::Mode::Exact,
-        false,
-    );
+    let layout = megatrain::store::layout::StateLayout::new(&model, megatrain::store::layout::Mode::Exact);
     let need = |cp| megatrain::engine::device_bytes(&layout, 2, 16, 1, cp);
     let (dev, host) = (
         need(megatrain::engine::Checkpoints::Device),

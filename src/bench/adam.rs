@@ -1,8 +1,8 @@
 //! `megatrain bench adam`: AdamW throughput of the real engine (host store + per-node pool) next
 //! to a STREAM triad measured in the same run, on the same node and the same threads.
 //!
-//! The two are timed alternately so a noisy neighbour slows both alike. Byte accounting: AdamW moves 28 B/param (reads p, g, m, v; writes p, m, v), 30 with the bf16
-//! shadow; the triad `a = b + s·c` moves 12 B/element (STREAM's count; its SIMD paths use
+//! The two are timed alternately so a noisy neighbour slows both alike. Byte accounting: AdamW
+//! moves 28 B/param (reads p, g, m, v; writes p, m, v); the triad `a = b + s·c` moves 12 B/element (STREAM's count; its SIMD paths use
 //! non-temporal stores, so no write-allocate read of `a` goes uncounted). AdamW writes only lines it
 //! has just read, so its 28 B are its real traffic too.
 
@@ -27,8 +27,6 @@ pub struct AdamBenchArgs {
     pub threads: Option<usize>,
     /// NUMA node (default: the first node with CPUs).
     pub node: Option<u32>,
-    /// Also write the bf16 shadow.
-    pub shadow: bool,
     /// Timed repetitions (the median is reported).
     pub reps: usize,
     /// Force an implementation (default: the best this CPU has).
@@ -63,8 +61,6 @@ pub struct AdamBenchReport {
     pub params: usize,
     /// Units (jobs) per iteration.
     pub units: usize,
-    /// bf16 shadow written.
-    pub shadow: bool,
     /// Timed repetitions.
     pub reps: usize,
     /// AdamW.
@@ -163,7 +159,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
     }
 
     let cfg = bench_model(args.params)?;
-    let layout = StateLayout::new(&cfg, Mode::Exact, args.shadow);
+    let layout = StateLayout::new(&cfg, Mode::Exact);
     let need = layout.total_bytes() + 3 * 4 * layout.num_params() as u64;
     let avail = node.free_bytes.unwrap_or(node.memory_bytes);
     if need > avail {
@@ -186,7 +182,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
             bytes: layout.total_bytes(),
             adam_cpus: cpus.clone(),
         }],
-        shard_node: vec![[Some(node.os_index); 5]; layout.units.len()],
+        shard_node: vec![[Some(node.os_index); crate::store::layout::ShardKind::COUNT]; layout.units.len()],
         lean_buffers_node: None,
         stream_order: vec![node.os_index],
         spill: None,
@@ -214,7 +210,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
     let numel: usize = store.layout().units.iter().map(|u| u.numel).sum();
     let adam_cfg = AdamWConfig::default();
     let mut t = 0u64;
-    let per_param = if args.shadow { 30 } else { 28 };
+    let per_param = 28;
     let spec = |label: &str| RegionSpec {
         label: label.to_owned(),
         bytes: numel * 4,
@@ -266,7 +262,6 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         isa: pool.isa(),
         params: n,
         units: store.num_units(),
-        shadow: args.shadow,
         reps: args.reps,
         params_per_s: numel as f64 / adam.median_s,
         ratio: adam.gbytes_per_s / triad.gbytes_per_s,
@@ -279,7 +274,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
 pub fn render(r: &AdamBenchReport) -> String {
     format!(
         "megatrain bench adam — node {} · {} thread(s) · {:?} · {}\n\
-         {} params in {} units (Llama-shaped), bf16 shadow: {}, median of {} alternating runs after a warm-up\n\n\
+         {} params in {} units (Llama-shaped), median of {} alternating runs after a warm-up\n\n\
          {:<26} {:>12} {:>12} {:>12}\n\
          {:<26} {:>12.3} {:>12.2} {:>12}\n\
          {:<26} {:>12.3} {:>12.2} {:>12}\n\n\
@@ -290,16 +285,15 @@ pub fn render(r: &AdamBenchReport) -> String {
         r.cpu.as_deref().unwrap_or("unknown CPU"),
         r.params,
         r.units,
-        r.shadow,
         r.reps,
         "case",
         "median ms",
         "GB/s",
         "B/elem",
-        format!("adamw ({})", if r.shadow { "30 B/param" } else { "28 B/param" }),
+        "adamw (28 B/param)",
         r.adam.median_s * 1e3,
         r.adam.gbytes_per_s,
-        if r.shadow { 30 } else { 28 },
+        28,
         "stream triad (12 B/elem)",
         r.triad.median_s * 1e3,
         r.triad.gbytes_per_s,

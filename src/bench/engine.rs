@@ -221,7 +221,6 @@ fn calibrate_adam(numel: usize, threads: usize, isa: Isa) -> f64 {
                             g,
                             m,
                             v,
-                            shadow: None,
                         },
                         sc,
                     )
@@ -308,7 +307,7 @@ fn run_case(
         spill,
     } = case.clone();
     let cfg = model();
-    let layout = StateLayout::new(&cfg, mode, false);
+    let layout = StateLayout::new(&cfg, mode);
     let spill_dir = nvme_dir.join(format!(".megatrain-bench-engine-{}", std::process::id()));
     let placement = place_with_spill(
         machine,

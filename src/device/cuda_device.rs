@@ -680,7 +680,7 @@ pub fn selftest_training(ordinal: usize, seed: u64) -> Result<Vec<super::selftes
     use super::selftest::{compare_runs, small_model, train_steps, BATCH, SEQ};
     let cfg = small_model()?;
     let layout =
-        crate::store::layout::StateLayout::new(&cfg, crate::store::layout::Mode::Exact, false);
+        crate::store::layout::StateLayout::new(&cfg, crate::store::layout::Mode::Exact);
     let tm = Arc::new(Templates::new(&layout, SEQ)?);
     let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
     let cpu = Arc::new(super::cpu::CpuDevice::new(

@@ -791,7 +791,7 @@ mod tests {
     fn program_matches_the_reference_layers_bit_for_bit() {
         let (b, t) = (2usize, 150usize); // 300 rows: two cross-entropy chunks
         let cfg = model(false);
-        let layout = StateLayout::new(&cfg, Mode::Exact, false);
+        let layout = StateLayout::new(&cfg, Mode::Exact);
         let tm = Templates::new(&layout, t).unwrap();
         let (n, c) = (b * t, cfg.hidden_size);
         let blk = &tm.blocks[0];

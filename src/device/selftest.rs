@@ -98,7 +98,7 @@ pub fn train_steps(
     seed: u64,
 ) -> Result<Run> {
     let cfg = templates.config.clone();
-    let layout = StateLayout::new(&cfg, Mode::Exact, false);
+    let layout = StateLayout::new(&cfg, Mode::Exact);
     let placement = place(machine, &layout, None, RamBudget::default())?;
     let store = HostStore::allocate(
         layout.clone(),
@@ -242,7 +242,7 @@ mod tests {
     fn training_check_passes_on_agreeing_devices_and_fails_otherwise() {
         let machine = probe(&TopologySource::Live).unwrap();
         let cfg = small_model().unwrap();
-        let layout = StateLayout::new(&cfg, Mode::Exact, false);
+        let layout = StateLayout::new(&cfg, Mode::Exact);
         let tm = Arc::new(Templates::new(&layout, SEQ).unwrap());
         let a = train_steps(&machine, cpu(&tm, None), tm.clone(), 7).unwrap();
         let b = train_steps(&machine, cpu(&tm, Some((3, 200))), tm.clone(), 7).unwrap();

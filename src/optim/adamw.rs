@@ -11,8 +11,8 @@
 //! ```
 //! Scalars are computed in f64 and rounded to f32 once, as torch does with Python floats. The SIMD
 //! paths use the same operations in the same order and no FMA, so every path is bit-identical to
-//! the scalar reference (tests assert equality). The optional bf16 shadow is written from the new
-//! p with round-to-nearest-even. The sum of squared raw gradients is fused in (f64 accumulation).
+//! the scalar reference (tests assert equality). The sum of squared raw gradients is fused in (f64
+//! accumulation).
 
 /// AdamW hyperparameters (torch defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -130,18 +130,13 @@ pub struct AdamSlices<'a> {
     pub m: &'a mut [f32],
     /// Adam v.
     pub v: &'a mut [f32],
-    /// Optional bf16 shadow, written from the updated p.
-    pub shadow: Option<&'a mut [u16]>,
 }
 
 impl AdamSlices<'_> {
     fn check(&self) {
         let n = self.p.len();
         assert!(
-            self.g.len() == n
-                && self.m.len() == n
-                && self.v.len() == n
-                && self.shadow.as_ref().is_none_or(|s| s.len() == n),
+            self.g.len() == n && self.m.len() == n && self.v.len() == n,
             "AdamW slices must have equal lengths"
         );
     }
@@ -155,19 +150,10 @@ pub fn step_scalar(x: AdamSlices<'_>, s: &StepScalars) -> f64 {
 
 fn scalar_from(x: AdamSlices<'_>, s: &StepScalars, start: usize) -> f64 {
     let mut sumsq = 0.0f64;
-    let AdamSlices {
-        p,
-        g,
-        m,
-        v,
-        mut shadow,
-    } = x;
+    let AdamSlices { p, g, m, v } = x;
     for i in start..p.len() {
         sumsq += f64::from(g[i]) * f64::from(g[i]);
         element(&mut p[i], g[i], &mut m[i], &mut v[i], s);
-        if let Some(sh) = shadow.as_deref_mut() {
-            sh[i] = f32_to_bf16(p[i]);
-        }
     }
     sumsq
 }
@@ -302,7 +288,6 @@ mod x86 {
             x.m.as_mut_ptr(),
             x.v.as_mut_ptr(),
         );
-        let shp = x.shadow.as_deref().map(|s| s.as_ptr().cast_mut());
         let scale = _mm512_set1_ps(s.grad_scale);
         let decay = _mm512_set1_ps(s.decay);
         let w1 = _mm512_set1_ps(s.w1);
@@ -345,18 +330,6 @@ mod x86 {
                 _mm512_storeu_ps(pp.add(i), pn);
                 _mm512_storeu_ps(mp.add(i), m);
                 _mm512_storeu_ps(vp.add(i), v);
-                if let Some(sh) = shp {
-                    let b = _mm512_castps_si512(pn);
-                    let lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-                    let rounded = _mm512_srli_epi32(
-                        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                        16,
-                    );
-                    let nan = _mm512_cmp_ps_mask(pn, pn, _CMP_UNORD_Q);
-                    let quiet = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
-                    let bits = _mm512_mask_blend_epi32(nan, rounded, quiet);
-                    _mm256_storeu_si256(sh.add(i).cast(), _mm512_cvtepi32_epi16(bits));
-                }
             }
             i += 16;
         }
@@ -378,7 +351,6 @@ mod x86 {
             x.m.as_mut_ptr(),
             x.v.as_mut_ptr(),
         );
-        let shp = x.shadow.as_deref().map(|s| s.as_ptr().cast_mut());
         let scale = _mm256_set1_ps(s.grad_scale);
         let decay = _mm256_set1_ps(s.decay);
         let w1 = _mm256_set1_ps(s.w1);
@@ -418,20 +390,6 @@ mod x86 {
                 _mm256_storeu_ps(pp.add(i), pn);
                 _mm256_storeu_ps(mp.add(i), m);
                 _mm256_storeu_ps(vp.add(i), v);
-                if let Some(sh) = shp {
-                    let b = _mm256_castps_si256(pn);
-                    let lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-                    let rounded = _mm256_srli_epi32(
-                        _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
-                        16,
-                    );
-                    let nan = _mm256_castps_si256(_mm256_cmp_ps(pn, pn, _CMP_UNORD_Q));
-                    let quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
-                    let bits = _mm256_blendv_epi8(rounded, quiet, nan);
-                    // Values are < 2^16: packus keeps them; fix the lane interleave.
-                    let packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
-                    _mm_storeu_si128(sh.add(i).cast(), _mm256_castsi256_si128(packed));
-                }
             }
             i += 8;
         }
@@ -540,7 +498,6 @@ mod arm {
             x.m.as_mut_ptr(),
             x.v.as_mut_ptr(),
         );
-        let shp = x.shadow.as_deref().map(|s| s.as_ptr().cast_mut());
         let scale = vdupq_n_f32(s.grad_scale);
         let decay = vdupq_n_f32(s.decay);
         let w1 = vdupq_n_f32(s.w1);
@@ -577,16 +534,6 @@ mod arm {
                 vst1q_f32(pp.add(i), pn);
                 vst1q_f32(mp.add(i), m);
                 vst1q_f32(vp.add(i), v);
-                if let Some(sh) = shp {
-                    let b = vreinterpretq_u32_f32(pn);
-                    let lsb = vandq_u32(vshrq_n_u32::<16>(b), vdupq_n_u32(1));
-                    let rounded =
-                        vshrq_n_u32::<16>(vaddq_u32(b, vaddq_u32(lsb, vdupq_n_u32(0x7fff))));
-                    let quiet = vorrq_u32(vshrq_n_u32::<16>(b), vdupq_n_u32(0x40));
-                    let ordered = vceqq_f32(pn, pn);
-                    let bits = vbslq_u32(ordered, rounded, quiet);
-                    vst1_u16(sh.add(i), vmovn_u32(bits));
-                }
             }
             i += 4;
         }
@@ -602,18 +549,11 @@ mod tests {
         crate::util::uniform(n, seed, 2.0)
     }
 
-    fn run(
-        isa: Isa,
-        n: usize,
-        s: &StepScalars,
-        shadow: bool,
-        seed: u64,
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<u16>, f64) {
+    fn run(isa: Isa, n: usize, s: &StepScalars, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, f64) {
         let mut p = randn(n, seed);
         let g = randn(n, seed + 1);
         let mut m: Vec<f32> = randn(n, seed + 2).iter().map(|x| x * 0.1).collect();
         let mut v: Vec<f32> = randn(n, seed + 3).iter().map(|x| x * x * 0.01).collect();
-        let mut sh = vec![0u16; n];
         let ss = step_with(
             isa,
             AdamSlices {
@@ -621,11 +561,10 @@ mod tests {
                 g: &g,
                 m: &mut m,
                 v: &mut v,
-                shadow: shadow.then_some(&mut sh[..]),
             },
             s,
         );
-        (p, m, v, sh, ss)
+        (p, m, v, ss)
     }
 
     #[test]
@@ -642,16 +581,15 @@ mod tests {
         for (t, scale, beta1) in [(1u64, 1.0f32, 0.9), (7, 0.37, 0.9), (3, 1.0, 0.3)] {
             let s = StepScalars::new(&AdamWConfig { beta1, ..cfg }, t, t != 7, scale);
             for n in [0usize, 1, 7, 15, 16, 17, 31, 33, 100, 1000, 4099] {
-                let want = run(Isa::Scalar, n, &s, true, n as u64 + 11);
+                let want = run(Isa::Scalar, n, &s, n as u64 + 11);
                 for &isa in &isas {
-                    let got = run(isa, n, &s, true, n as u64 + 11);
+                    let got = run(isa, n, &s, n as u64 + 11);
                     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got.0), bits(&want.0), "{isa:?} p n={n}");
                     assert_eq!(bits(&got.1), bits(&want.1), "{isa:?} m n={n}");
                     assert_eq!(bits(&got.2), bits(&want.2), "{isa:?} v n={n}");
-                    assert_eq!(got.3, want.3, "{isa:?} shadow n={n}");
-                    let rel = (got.4 - want.4).abs() / want.4.max(1e-30);
-                    assert!(rel < 1e-12, "{isa:?} sumsq n={n}: {} vs {}", got.4, want.4);
+                    let rel = (got.3 - want.3).abs() / want.3.max(1e-30);
+                    assert!(rel < 1e-12, "{isa:?} sumsq n={n}: {} vs {}", got.3, want.3);
                 }
             }
         }
@@ -670,14 +608,14 @@ mod tests {
     }
 
     #[test]
-    fn nan_propagates_to_shadow_in_every_path() {
+    fn nan_propagates_in_every_path() {
         let s = StepScalars::new(&AdamWConfig::default(), 1, true, 1.0);
         for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon] {
             let n = 37;
             let mut p = vec![1.0f32; n];
             let mut g = vec![0.5f32; n];
             g[20] = f32::NAN;
-            let (mut m, mut v, mut sh) = (vec![0.0; n], vec![0.0; n], vec![0u16; n]);
+            let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
             step_with(
                 isa,
                 AdamSlices {
@@ -685,11 +623,10 @@ mod tests {
                     g: &g,
                     m: &mut m,
                     v: &mut v,
-                    shadow: Some(&mut sh),
                 },
                 &s,
             );
-            assert!(p[20].is_nan() && bf16_to_f32(sh[20]).is_nan(), "{isa:?}");
+            assert!(p[20].is_nan() && m[20].is_nan(), "{isa:?}");
             assert!(!p[19].is_nan());
         }
     }
@@ -738,7 +675,6 @@ mod tests {
                     g: &g,
                     m: &mut m,
                     v: &mut v,
-                    shadow: None,
                 },
                 &s,
             );

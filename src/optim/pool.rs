@@ -60,7 +60,6 @@ struct Ptrs {
     g: *const f32,
     m: *mut f32,
     v: *mut f32,
-    shadow: *mut u16,
 }
 
 // SAFETY: the pointers target shards that the submitting job keeps alive and exclusive (it holds
@@ -206,8 +205,6 @@ fn run_task(task: &Task) -> f64 {
                         g: std::slice::from_raw_parts(ptrs.g.add(lo), n),
                         m: std::slice::from_raw_parts_mut(ptrs.m.add(lo), n),
                         v: std::slice::from_raw_parts_mut(ptrs.v.add(lo), n),
-                        shadow: (!ptrs.shadow.is_null())
-                            .then(|| std::slice::from_raw_parts_mut(ptrs.shadow.add(lo), n)),
                     }
                 };
                 sumsq += adamw::step_with(task.isa, x, &seg.scalars);
@@ -324,7 +321,6 @@ fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>) -> Result<Ptrs> {
         g,
         m: sh.m.as_mut_ptr(),
         v: sh.v.as_mut_ptr(),
-        shadow: sh.shadow.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()),
     })
 }
 

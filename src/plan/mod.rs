@@ -113,7 +113,7 @@ impl PlanRequest {
 /// Bytes per tier.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MemoryPlan {
-    /// Host bytes of the training state (params, grads, m, v, shadow, lean buffers).
+    /// Host bytes of the training state (params, grads, m, v, lean buffers).
     pub host_state_bytes: u64,
     /// Host bytes of offloaded layer-boundary checkpoints.
     pub host_checkpoint_bytes: u64,
@@ -270,7 +270,7 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
     if !req.spill_moments {
         return (Vec::new(), 0);
     }
-    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let layout = StateLayout::new(model, req.mode);
     let ckpt = (model.num_layers as u64 + 1) * req.micro_tokens() * model.hidden_size as u64 * 4;
     let capacity = ((hw.host_ram_bytes as f64 * USABLE) as u64).saturating_sub(ckpt);
     crate::store::placement::choose_spill(
@@ -290,7 +290,7 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
 
 /// Memory per tier for `model` under `req` on `hw`.
 pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPlan {
-    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let layout = StateLayout::new(model, req.mode);
     let c = model.hidden_size as u64;
     let tokens_mb = req.micro_tokens();
     let mut host = layout.total_bytes();
@@ -335,7 +335,7 @@ pub fn step_flops(model: &ModelConfig, tokens: u64, seq: u64) -> f64 {
 /// `tokens_mb` tokens: kernels from FLOPs at the calibrated share of peak, copies from the link,
 /// AdamW and the norm from the host's AdamW rate, spilled m/v from the NVMe rate.
 fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u64) -> sim::Costs {
-    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let layout = StateLayout::new(model, req.mode);
     let rate = if req.bf16 {
         hw.bf16_tflops
     } else {
@@ -647,7 +647,7 @@ pub fn per_node(
     req: &PlanRequest,
 ) -> crate::Result<Vec<crate::store::placement::NodePlan>> {
     use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
-    let layout = StateLayout::new(model, req.mode, req.bf16);
+    let layout = StateLayout::new(model, req.mode);
     let p = place_with_spill(
         machine,
         &layout,
@@ -760,7 +760,7 @@ mod tests {
             p.memory.nvme_units,
             p.memory.units
         );
-        let all = StateLayout::new(&m70, Mode::Lean, false);
+        let all = StateLayout::new(&m70, Mode::Lean);
         let mv = all.kind_bytes(ShardKind::AdamM) + all.kind_bytes(ShardKind::AdamV);
         assert!(p.memory.nvme_bytes < mv);
         // NVMe time: 16 B per spilled parameter at 6 GB/s.
@@ -804,7 +804,7 @@ mod tests {
         let total: u64 = nodes.iter().map(|n| n.bytes).sum();
         assert_eq!(
             total,
-            StateLayout::new(&model, Mode::Exact, false).total_bytes()
+            StateLayout::new(&model, Mode::Exact).total_bytes()
         );
         assert!(nodes.iter().all(|n| n.bytes <= n.capacity));
         // Too little RAM: the placement's error, naming what is missing.

@@ -697,7 +697,6 @@ mod tests {
         StateLayout::new(
             &ModelConfig::from_json_str(&json, "t").unwrap(),
             Mode::Exact,
-            false,
         )
     }
 

@@ -1,5 +1,5 @@
 //! The layer-major state layout: which tensors make up each streamed unit, and the byte size of
-//! each of the unit's shards (fp32 params, fp32 grads, Adam m, Adam v, bf16 shadow).
+//! each of the unit's shards (fp32 params, fp32 grads, Adam m, Adam v).
 //!
 //! A *unit* is what the streamer moves as one piece: the embedding, one decoder layer, or the head
 //! (final norm, plus the LM head when it is not tied). Inside a unit, tensors are packed in a fixed
@@ -42,26 +42,23 @@ pub enum ShardKind {
     AdamM,
     /// Adam second moment.
     AdamV,
-    /// bf16 copy of the parameters, streamed instead of fp32 in bf16 mode.
-    Bf16Shadow,
 }
 
 impl ShardKind {
     /// All kinds, in storage order.
-    pub const ALL: [ShardKind; 5] = [
+    pub const ALL: [ShardKind; 4] = [
         ShardKind::Params,
         ShardKind::Grads,
         ShardKind::AdamM,
         ShardKind::AdamV,
-        ShardKind::Bf16Shadow,
     ];
+
+    /// How many kinds there are (the length of per-kind arrays).
+    pub const COUNT: usize = 4;
 
     /// Bytes per element.
     pub fn elem_bytes(self) -> usize {
-        match self {
-            ShardKind::Bf16Shadow => 2,
-            _ => 4,
-        }
+        4
     }
 
     /// Index into per-kind arrays.
@@ -76,7 +73,6 @@ impl ShardKind {
             ShardKind::Grads => "grads",
             ShardKind::AdamM => "adam_m",
             ShardKind::AdamV => "adam_v",
-            ShardKind::Bf16Shadow => "bf16_shadow",
         }
     }
 }
@@ -165,8 +161,6 @@ pub struct StateLayout {
     pub config: ModelConfig,
     /// Exact or lean.
     pub mode: Mode,
-    /// Whether a bf16 shadow of the params is kept (bf16 streaming).
-    pub bf16_shadow: bool,
     /// Units in streaming order: embedding, blocks 0..L-1, head.
     pub units: Vec<UnitLayout>,
     /// HF tensor name → location.
@@ -227,7 +221,7 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
 
 impl StateLayout {
     /// Lay out `config`'s state.
-    pub fn new(config: &ModelConfig, mode: Mode, bf16_shadow: bool) -> Self {
+    pub fn new(config: &ModelConfig, mode: Mode) -> Self {
         let (v, h) = (config.vocab_size, config.hidden_size);
         let mut units = vec![pack(
             UnitKind::Embedding,
@@ -254,7 +248,6 @@ impl StateLayout {
         StateLayout {
             config: config.clone(),
             mode,
-            bf16_shadow,
             units,
             manifest,
         }
@@ -264,7 +257,6 @@ impl StateLayout {
     pub fn has(&self, kind: ShardKind) -> bool {
         match kind {
             ShardKind::Grads => self.mode == Mode::Exact,
-            ShardKind::Bf16Shadow => self.bf16_shadow,
             _ => true,
         }
     }
@@ -338,7 +330,7 @@ mod tests {
     #[test]
     fn manifest_covers_every_parameter_once() {
         let c = cfg(false, 4);
-        let l = StateLayout::new(&c, Mode::Exact, false);
+        let l = StateLayout::new(&c, Mode::Exact);
         assert_eq!(l.num_params(), c.num_params());
         assert_eq!(l.units.len(), 4 + 2);
         assert_eq!(l.manifest.len(), 1 + 4 * 9 + 2);
@@ -358,20 +350,18 @@ mod tests {
     }
 
     #[test]
-    fn bytes_per_param_exact_lean_and_shadow() {
+    fn bytes_per_param_exact_and_lean() {
         let c = cfg(false, 32);
-        let exact = StateLayout::new(&c, Mode::Exact, false).bytes_per_param();
-        let lean = StateLayout::new(&c, Mode::Lean, false).bytes_per_param();
-        let shadow = StateLayout::new(&c, Mode::Exact, true).bytes_per_param();
+        let exact = StateLayout::new(&c, Mode::Exact).bytes_per_param();
+        let lean = StateLayout::new(&c, Mode::Lean).bytes_per_param();
         assert!((exact - 16.0).abs() < 0.01, "{exact}");
         // 12 B/param plus two buffers of the largest unit (the 0.5B-param embedding).
         assert!(lean > 12.0 && lean < 12.6, "{lean}");
-        assert!((shadow - 18.0).abs() < 0.01, "{shadow}");
     }
 
     #[test]
     fn tied_embedding_has_no_lm_head() {
-        let l = StateLayout::new(&cfg(true, 2), Mode::Exact, false);
+        let l = StateLayout::new(&cfg(true, 2), Mode::Exact);
         assert!(l.tensor("lm_head.weight").is_err());
         assert_eq!(l.units.last().unwrap().tensors.len(), 1);
     }

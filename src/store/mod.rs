@@ -31,7 +31,7 @@ pub struct StoreOptions {
     pub unbound: bool,
     /// The NVMe tier's files and I/O settings; required when the placement spills.
     pub spill: Option<SpillOptions>,
-    /// Page-lock the regions the device copies from and to (params, grads, bf16 shadow) with
+    /// Page-lock the regions the device copies from and to (params, grads) with
     /// it, so its copies are asynchronous DMA.
     pub registrar: Option<SharedRegistrar>,
 }
@@ -97,7 +97,7 @@ struct Inner {
     placement: Placement,
     regions: Vec<Region>,
     /// `locs[unit][kind]`.
-    locs: Vec<[Option<ShardLoc>; 5]>,
+    locs: Vec<[Option<ShardLoc>; ShardKind::COUNT]>,
     busy: Vec<AtomicBool>,
     spill: Option<SpillTier>,
 }
@@ -129,7 +129,7 @@ impl HostStore {
         }
         // One region per (node, kind): each kind's shards for that node, back to back.
         let mut sizes: BTreeMap<(u32, ShardKind), usize> = BTreeMap::new();
-        let mut locs = vec![[None; 5]; layout.units.len()];
+        let mut locs = vec![[None; ShardKind::COUNT]; layout.units.len()];
         let mut pending: Vec<(usize, ShardKind, (u32, ShardKind), usize)> = Vec::new();
         let spill_plan = placement.spill.clone();
         let spilled = |u: usize, k: ShardKind| {
@@ -172,10 +172,7 @@ impl HostStore {
                 pages: opts.pages,
                 lock: opts.lock,
             })?;
-            let streamed = matches!(
-                kind,
-                ShardKind::Params | ShardKind::Grads | ShardKind::Bf16Shadow
-            );
+            let streamed = matches!(kind, ShardKind::Params | ShardKind::Grads);
             if let (Some(r), true) = (&opts.registrar, streamed) {
                 region.register_with(r.0.as_ref())?;
             }
@@ -407,8 +404,6 @@ pub struct UnitShards<'a> {
     pub m: &'a mut [f32],
     /// Adam v.
     pub v: &'a mut [f32],
-    /// bf16 shadow (raw bits).
-    pub shadow: Option<&'a mut [u16]>,
 }
 
 impl UnitGuard {
@@ -486,16 +481,11 @@ impl UnitGuard {
         let grads = f32s(self.ptr(ShardKind::Grads));
         let m = f32s(pm).unwrap_or_default();
         let v = f32s(pv).unwrap_or_default();
-        // SAFETY: as above, for the 2-byte shadow elements.
-        let shadow = self
-            .ptr(ShardKind::Bf16Shadow)
-            .map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<u16>(), n) });
         Ok(UnitShards {
             params,
             grads,
             m,
             v,
-            shadow,
         })
     }
 
@@ -531,14 +521,14 @@ mod tests {
     use crate::model::config::ModelConfig;
     use crate::topology::{probe, TopologySource};
 
-    fn store(mode: Mode, shadow: bool) -> HostStore {
+    fn store(mode: Mode) -> HostStore {
         let cfg = ModelConfig::from_json_str(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
             "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}"#,
             "t",
         )
         .unwrap();
-        let layout = StateLayout::new(&cfg, mode, shadow);
+        let layout = StateLayout::new(&cfg, mode);
         let machine = probe(&TopologySource::Live).unwrap();
         let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
         HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
@@ -569,7 +559,7 @@ mod tests {
     }
 
     /// With a device registrar, exactly the regions the device copies from and to are
-    /// page-locked — every params, grads and bf16-shadow shard, no Adam moment — and released
+    /// page-locked — every params and grads shard, no Adam moment — and released
     /// with the store.
     #[test]
     fn streamed_regions_are_registered_and_moments_are_not() {
@@ -579,7 +569,7 @@ mod tests {
             "t",
         )
         .unwrap();
-        let layout = StateLayout::new(&cfg, Mode::Exact, true);
+        let layout = StateLayout::new(&cfg, Mode::Exact);
         let machine = probe(&TopologySource::Live).unwrap();
         let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
         let rec = Arc::new(Recorder::default());
@@ -608,10 +598,6 @@ mod tests {
                 "grads of unit {u}"
             );
             assert!(
-                inside(sh.shadow.unwrap().as_ptr() as usize),
-                "shadow of unit {u}"
-            );
-            assert!(
                 !inside(sh.m.as_ptr() as usize),
                 "Adam m of unit {u} is not streamed"
             );
@@ -629,7 +615,7 @@ mod tests {
 
     #[test]
     fn guards_are_exclusive_and_shards_disjoint() {
-        let s = store(Mode::Exact, true);
+        let s = store(Mode::Exact);
         let mut g = s.take(1).unwrap();
         assert!(s.take(1).is_err());
         let other = s.take(2).unwrap();
@@ -639,7 +625,6 @@ mod tests {
         sh.grads.unwrap().fill(2.0);
         sh.m.fill(3.0);
         sh.v.fill(4.0);
-        sh.shadow.unwrap().fill(5);
         let sh = g.shards().unwrap();
         assert!(sh.params.iter().all(|x| *x == 1.0));
         assert!(sh.v.iter().all(|x| *x == 4.0));
@@ -652,7 +637,7 @@ mod tests {
 
     #[test]
     fn shards_are_resident_where_planned() {
-        let s = store(Mode::Lean, false);
+        let s = store(Mode::Lean);
         for u in 0..s.num_units() {
             for k in s.layout().kinds() {
                 let planned = s.placement().node_of(u, k).unwrap();

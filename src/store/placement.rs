@@ -1,11 +1,10 @@
 //! Placement of the host state on NUMA nodes: a pure function of the machine description, the
 //! state layout, the GPU and a RAM budget.
 //!
-//! Rules (DESIGN.md §1): what the GPU streams every step — the params it computes with (fp32, or
-//! the bf16 shadow in bf16 mode) and, in exact mode, the gradients it writes back — goes on the
-//! GPU-local node(s) first, then on the nodes nearest to them. Adam m/v (and the fp32 params when
-//! only the shadow is streamed) are spread over all nodes in proportion to their CPUs, keeping one
-//! unit's optimizer state on one node so that node's worker threads update it locally.
+//! Rules (DESIGN.md §1): what the GPU streams every step — the params it computes with and, in
+//! exact mode, the gradients it writes back — goes on the GPU-local node(s) first, then on the
+//! nodes nearest to them. Adam m/v are spread over all nodes in proportion to their CPUs, keeping
+//! one unit's optimizer state on one node so that node's worker threads update it locally.
 
 use super::layout::{Mode, ShardKind, StateLayout};
 use crate::topology::{Machine, MemoryKind};
@@ -50,7 +49,7 @@ pub struct Placement {
     /// Per node, in OS index order.
     pub nodes: Vec<NodePlan>,
     /// `shard_node[unit][kind.index()]`: the node holding that shard, `None` if the kind is absent.
-    pub shard_node: Vec<[Option<u32>; 5]>,
+    pub shard_node: Vec<[Option<u32>; ShardKind::COUNT]>,
     /// Node of the lean-mode gradient buffers (GPU-local), if any.
     pub lean_buffers_node: Option<u32>,
     /// Node order for streamed data: GPU-local first, then by distance.
@@ -120,11 +119,7 @@ impl Placement {
 }
 
 fn streamed_kinds(layout: &StateLayout) -> Vec<ShardKind> {
-    let mut k = vec![if layout.bf16_shadow {
-        ShardKind::Bf16Shadow
-    } else {
-        ShardKind::Params
-    }];
+    let mut k = vec![ShardKind::Params];
     if layout.mode == Mode::Exact {
         k.push(ShardKind::Grads);
     }
@@ -132,11 +127,8 @@ fn streamed_kinds(layout: &StateLayout) -> Vec<ShardKind> {
 }
 
 fn optimizer_kinds(layout: &StateLayout) -> Vec<ShardKind> {
-    let mut k = vec![ShardKind::AdamM, ShardKind::AdamV];
-    if layout.bf16_shadow {
-        k.push(ShardKind::Params);
-    }
-    k
+    let _ = layout;
+    vec![ShardKind::AdamM, ShardKind::AdamV]
 }
 
 /// Place `layout` on `machine` with everything in RAM. `gpu` is the index into `machine.gpus`
@@ -530,7 +522,7 @@ fn place_spilled(
     }
 
     let idx = |nodes: &[NodePlan], os: u32| nodes.iter().position(|n| n.node == os);
-    let mut shard_node = vec![[None; 5]; layout.units.len()];
+    let mut shard_node = vec![[None; ShardKind::COUNT]; layout.units.len()];
     let mut lean_buffers_node = None;
     let lean = layout.lean_grad_buffer_bytes();
     // Streamed data first, in stream order, first fit.
@@ -703,13 +695,12 @@ mod tests {
     #[test]
     fn every_shard_is_placed_and_capacity_respected() {
         let m = synthetic("pack:2 numa:2 core:4 pu:1", 1);
-        let l = StateLayout::new(&tiny(8), Mode::Exact, false);
+        let l = StateLayout::new(&tiny(8), Mode::Exact);
         let p = place(&m, &l, None, RamBudget::default()).unwrap();
         for (u, s) in p.shard_node.iter().enumerate() {
             for k in l.kinds() {
                 assert!(s[k.index()].is_some(), "unit {u} {k:?}");
             }
-            assert!(s[ShardKind::Bf16Shadow.index()].is_none());
         }
         let placed: u64 = p.nodes.iter().map(|n| n.bytes).sum();
         assert_eq!(placed, l.total_bytes());
@@ -723,7 +714,7 @@ mod tests {
     #[test]
     fn budget_too_small_names_the_missing_bytes_and_options() {
         let m = synthetic("pack:1 numa:1 core:2 pu:1", 1);
-        let l = StateLayout::new(&tiny(8), Mode::Exact, false);
+        let l = StateLayout::new(&tiny(8), Mode::Exact);
         let budget = RamBudget {
             fraction: 1.0,
             total_bytes: Some(l.total_bytes() * 3 / 4),
@@ -745,7 +736,7 @@ mod tests {
         let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
         let mut suggested = 0;
         for mode in [Mode::Exact, Mode::Lean] {
-            let l = StateLayout::new(&tiny(8), mode, false);
+            let l = StateLayout::new(&tiny(8), mode);
             for policy in [SpillPolicy::Never, SpillPolicy::Auto, SpillPolicy::All] {
                 for lean_ok in [true, false] {
                     for pct in [5u64, 20, 40, 55, 70, 85, 95, 99] {
@@ -802,7 +793,7 @@ mod tests {
     #[test]
     fn unknown_gpu_index_is_an_error() {
         let m = synthetic("pack:1 numa:1 core:2 pu:1", 1);
-        let l = StateLayout::new(&tiny(2), Mode::Lean, false);
+        let l = StateLayout::new(&tiny(2), Mode::Lean);
         let e = place(&m, &l, Some(3), RamBudget::default()).unwrap_err();
         assert!(e.to_string().contains("0 GPU"), "{e}");
     }
@@ -810,7 +801,7 @@ mod tests {
     #[test]
     fn spill_auto_moves_only_what_the_budget_lacks_and_all_moves_everything() {
         let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
-        let l = StateLayout::new(&tiny(8), Mode::Exact, false);
+        let l = StateLayout::new(&tiny(8), Mode::Exact);
         let mv = |u: usize| {
             (l.units[u].shard_bytes(ShardKind::AdamM) + l.units[u].shard_bytes(ShardKind::AdamV))
                 as u64

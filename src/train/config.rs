@@ -64,7 +64,7 @@ pub enum DeviceKind {
 pub enum Precision {
     /// fp32 weights streamed.
     Fp32,
-    /// bf16 shadow streamed.
+    /// bf16 streamed (not implemented yet: refused by `validate`).
     Bf16,
 }
 

@@ -331,7 +331,7 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
     }
 
     // Every output, and the host and device memory, before anything big is allocated.
-    let layout = StateLayout::new(&model, mode, false);
+    let layout = StateLayout::new(&model, mode);
     let params = layout.num_params() as u64;
     outputs::check(
         &cfg,
@@ -571,7 +571,7 @@ fn choose_mode(
     let fits = |m: Mode| {
         crate::store::placement::fits(
             machine,
-            &StateLayout::new(model, m, false),
+            &StateLayout::new(model, m),
             None,
             budget,
             SpillRequest::default(),
