@@ -786,13 +786,16 @@ fn export(args: &ExportArgs) -> Result<()> {
     };
     // Verified before anything in it is parsed.
     let state = checkpoint::open(&dir)?;
-    let layout = megatrain::store::layout::StateLayout::new(&state.model, megatrain::store::layout::Mode::Lean);
+    let layout = megatrain::store::layout::StateLayout::new(
+        &state.model,
+        megatrain::store::layout::Mode::Lean,
+    );
     let machine = topology::probe(&TopologySource::Live)?;
     let placement =
         megatrain::store::placement::place(&machine, &layout, None, Default::default())?;
     let store = megatrain::store::HostStore::allocate(layout, placement, &Default::default())?;
     checkpoint::load(&dir, &store)?;
-    megatrain::model::hf::export_store(&store, &args.out, 2 << 30, None)?;
+    megatrain::store::hf::export_store(&store, &args.out, 2 << 30, None)?;
     eprintln!(
         "exported {} (step {}) to {}",
         dir.display(),

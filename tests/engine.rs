@@ -139,7 +139,7 @@ fn rig_spill(
         store.take(u).unwrap().params().copy_from_slice(p);
     }
     let pool = AdamPool::for_placement(store.placement(), Some(2)).unwrap();
-    let tm = Arc::new(Templates::new(&layout, T).unwrap());
+    let tm = Arc::new(Templates::new(&layout.config, T).unwrap());
     let device = Arc::new(
         CpuDevice::new(
             CpuDeviceConfig {
@@ -198,7 +198,7 @@ fn reference(
     lr: f64,
 ) -> (f64, Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let layout = StateLayout::new(c, Mode::Exact);
-    let tm = Templates::new(&layout, T).unwrap();
+    let tm = Templates::new(&layout.config, T).unwrap();
     let mut ws = Workspace::new(c, B, T);
     let total = (B * T * batches.len()) as f32;
     let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();

@@ -350,7 +350,8 @@ fn mutated_safetensors_never_panic() {
     count_panics();
     let before = PANICS.load(Ordering::SeqCst);
     let cfg = ModelConfig::from_json_str(TINY, "tiny").unwrap();
-    let layout = megatrain::store::layout::StateLayout::new(&cfg, megatrain::store::layout::Mode::Lean);
+    let layout =
+        megatrain::store::layout::StateLayout::new(&cfg, megatrain::store::layout::Mode::Lean);
     let machine = megatrain::topology::probe(&megatrain::topology::TopologySource::Live).unwrap();
     let placement = megatrain::store::placement::place(
         &machine,
@@ -365,7 +366,7 @@ fn mutated_safetensors_never_panic() {
     // A valid file of the tiny model: written by our own export.
     let d = tempfile::tempdir().unwrap();
     let export = d.path().join("export");
-    megatrain::model::hf::export_store(&store, &export, 1 << 30, None).unwrap();
+    megatrain::store::hf::export_store(&store, &export, 1 << 30, None).unwrap();
     let file = std::fs::read(export.join("model-00001-of-00001.safetensors")).unwrap();
     let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
@@ -405,7 +406,7 @@ fn mutated_safetensors_never_panic() {
         };
         std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            megatrain::model::hf::load_into_store(&dir, &store)
+            megatrain::store::hf::load_into_store(&dir, &store)
         })) {
             Ok(Ok(_)) => loaded += 1,
             Ok(Err(_)) => refused += 1,

@@ -5,7 +5,7 @@
 mod common;
 
 use common::Golden;
-use megatrain::model::hf;
+use megatrain::store::hf;
 use megatrain::store::layout::{Mode, StateLayout};
 use megatrain::store::placement::{place, RamBudget};
 use megatrain::store::{HostStore, StoreOptions};

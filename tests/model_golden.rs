@@ -73,7 +73,7 @@ fn mean_loss_and_grads(
 
 fn check_case(case: &str) {
     let c = load(case);
-    let tm = Templates::new(&c.layout, c.t).unwrap();
+    let tm = Templates::new(&c.layout.config, c.t).unwrap();
     let mut ws = Workspace::new(&c.layout.config, c.b, c.t);
     let mut params = units(&c, "param");
     let (toks, tgts) = (tokens(&c, "tokens"), tokens(&c, "targets"));

@@ -55,14 +55,14 @@ fn ipa20_streams_from_the_gpu_node_and_spreads_adam_state() {
     let mv = |node: u32| -> u64 {
         (0..layout.units.len())
             .filter(|&u| p.node_of(u, ShardKind::AdamM) == Some(node))
-            .map(|u| 2 * layout.units[u].shard_bytes(ShardKind::AdamM) as u64)
+            .map(|u| 2 * layout.units[u].shard_bytes() as u64)
             .sum()
     };
     let per_node: Vec<u64> = (0..8).map(mv).collect();
     let biggest_unit = 2 * layout
         .units
         .iter()
-        .map(|u| u.shard_bytes(ShardKind::AdamM) as u64)
+        .map(|u| u.shard_bytes() as u64)
         .max()
         .unwrap();
     let (lo, hi) = (
@@ -138,7 +138,7 @@ fn synthetic_two_and_four_node_machines_balance_adam_state() {
             .map(|n| {
                 (0..layout.units.len())
                     .filter(|&u| p.node_of(u, ShardKind::AdamM) == Some(n.node))
-                    .map(|u| 2 * layout.units[u].shard_bytes(ShardKind::AdamM) as u64)
+                    .map(|u| 2 * layout.units[u].shard_bytes() as u64)
                     .sum()
             })
             .collect();

@@ -179,8 +179,7 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
     let a = tempfile::tempdir().unwrap();
     let (m, d) = setup(a.path(), 4000);
     let model = megatrain::model::config::ModelConfig::from_json_str(MODEL, "t").unwrap();
-    let bytes =
-        |mode| megatrain::store::layout::StateLayout::new(&model, mode).total_bytes();
+    let bytes = |mode| megatrain::store::layout::StateLayout::new(&model, mode).total_bytes();
     let (exact, lean) = (
         bytes(megatrain::store::layout::Mode::Exact),
         bytes(megatrain::store::layout::Mode::Lean),
@@ -208,7 +207,8 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
         );
     }
     // A device with room for the host-offloaded working set but not for all checkpoints.
-    let layout = megatrain::store::layout::StateLayout::new(&model, megatrain::store::layout::Mode::Exact);
+    let layout =
+        megatrain::store::layout::StateLayout::new(&model, megatrain::store::layout::Mode::Exact);
     let need = |cp| megatrain::engine::device_bytes(&layout, 2, 16, 1, cp);
     let (dev, host) = (
         need(megatrain::engine::Checkpoints::Device),

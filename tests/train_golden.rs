@@ -107,7 +107,7 @@ fn check(case: &str) {
     // whose gradient sits near eps sensitive to fp32 noise (see tests/model_golden.rs): every
     // element must be within its update size, and all but a small fraction within 1e-5.
     let mut ours = std::collections::HashMap::new();
-    for f in megatrain::model::hf::checkpoint_files(&out).unwrap() {
+    for f in megatrain::store::hf::checkpoint_files(&out).unwrap() {
         ours.extend(read_f32_safetensors(&f));
     }
     let bound = 2.0 * s["steps"].as_f64().unwrap() as f32 * s["lr"].as_f64().unwrap() as f32;

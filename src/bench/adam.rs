@@ -182,7 +182,10 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
             bytes: layout.total_bytes(),
             adam_cpus: cpus.clone(),
         }],
-        shard_node: vec![[Some(node.os_index); crate::store::layout::ShardKind::COUNT]; layout.units.len()],
+        shard_node: vec![
+            [Some(node.os_index); crate::store::layout::ShardKind::COUNT];
+            layout.units.len()
+        ],
         lean_buffers_node: None,
         stream_order: vec![node.os_index],
         spill: None,

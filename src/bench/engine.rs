@@ -213,18 +213,7 @@ fn calibrate_adam(numel: usize, threads: usize, isa: Isa) -> f64 {
                 .zip(v.chunks_mut(chunk))
             {
                 let sc = &sc;
-                s.spawn(move || {
-                    adamw::step_with(
-                        isa,
-                        AdamSlices {
-                            p,
-                            g,
-                            m,
-                            v,
-                        },
-                        sc,
-                    )
-                });
+                s.spawn(move || adamw::step_with(isa, AdamSlices { p, g, m, v }, sc));
             }
         });
     });
@@ -353,7 +342,7 @@ fn run_case(
         crate::optim::adamw::detect()
     };
     let pool = AdamPool::with_isa(&nodes, Some(adam_threads), isa)?;
-    let tm = Arc::new(Templates::new(&layout, seq)?);
+    let tm = Arc::new(Templates::new(&layout.config, seq)?);
     let link = LinkModel {
         htod_gbps: link_gbps,
         dtoh_gbps: link_gbps,
@@ -415,7 +404,7 @@ fn run_case(
     let _ = std::fs::remove_dir_all(&spill_dir);
 
     // The prediction: the same plan, component costs calibrated alone.
-    let tm = Templates::new(&layout, seq)?;
+    let tm = Templates::new(&layout.config, seq)?;
     let kernels = calibrate_kernels(&tm, &layout, batch, seq);
     let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
     let adam_per_elem = calibrate_adam(numel[1], adam_threads, isa);

@@ -679,9 +679,8 @@ pub const TOL_TRAINING: f64 = 1e-3;
 pub fn selftest_training(ordinal: usize, seed: u64) -> Result<Vec<super::selftest::Check>> {
     use super::selftest::{compare_runs, small_model, train_steps, BATCH, SEQ};
     let cfg = small_model()?;
-    let layout =
-        crate::store::layout::StateLayout::new(&cfg, crate::store::layout::Mode::Exact);
-    let tm = Arc::new(Templates::new(&layout, SEQ)?);
+    let layout = crate::store::layout::StateLayout::new(&cfg, crate::store::layout::Mode::Exact);
+    let tm = Arc::new(Templates::new(&layout.config, SEQ)?);
     let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
     let cpu = Arc::new(super::cpu::CpuDevice::new(
         super::cpu::CpuDeviceConfig {

@@ -792,7 +792,7 @@ mod tests {
         let (b, t) = (2usize, 150usize); // 300 rows: two cross-entropy chunks
         let cfg = model(false);
         let layout = StateLayout::new(&cfg, Mode::Exact);
-        let tm = Templates::new(&layout, t).unwrap();
+        let tm = Templates::new(&layout.config, t).unwrap();
         let (n, c) = (b * t, cfg.hidden_size);
         let blk = &tm.blocks[0];
         let numel = layout.units[1].numel;

@@ -243,7 +243,7 @@ mod tests {
         let machine = probe(&TopologySource::Live).unwrap();
         let cfg = small_model().unwrap();
         let layout = StateLayout::new(&cfg, Mode::Exact);
-        let tm = Arc::new(Templates::new(&layout, SEQ).unwrap());
+        let tm = Arc::new(Templates::new(&layout.config, SEQ).unwrap());
         let a = train_steps(&machine, cpu(&tm, None), tm.clone(), 7).unwrap();
         let b = train_steps(&machine, cpu(&tm, Some((3, 200))), tm.clone(), 7).unwrap();
         assert_eq!(a.losses.len(), STEPS);

@@ -5,7 +5,7 @@
 
 use super::config::ModelConfig;
 use super::ops::{self, AttnShape, Rope};
-use crate::store::layout::UnitLayout;
+use super::units::UnitLayout;
 use crate::{Error, Result};
 
 fn offset(unit: &UnitLayout, suffix: &str) -> Result<usize> {

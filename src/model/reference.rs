@@ -4,7 +4,6 @@
 use super::config::ModelConfig;
 use super::layers::{DecoderBlock, Embedding, Head, Workspace};
 use super::ops::Rope;
-use crate::store::layout::StateLayout;
 use crate::{Error, Result};
 
 /// The templates of every unit of a model, plus its RoPE tables.
@@ -23,9 +22,9 @@ pub struct Templates {
 }
 
 impl Templates {
-    /// Templates for `layout`, for sequences of up to `max_t` tokens.
-    pub fn new(layout: &StateLayout, max_t: usize) -> Result<Self> {
-        let cfg = &layout.config;
+    /// Templates for `cfg`, for sequences of up to `max_t` tokens.
+    pub fn new(cfg: &ModelConfig, max_t: usize) -> Result<Self> {
+        let units = super::units::units(cfg);
         if let Some(w) = cfg.sliding_window {
             if max_t > w {
                 return Err(Error::bad_input(
@@ -41,9 +40,9 @@ impl Templates {
             config: cfg.clone(),
             embedding: Embedding::new(cfg),
             blocks: (0..l)
-                .map(|i| DecoderBlock::new(cfg, &layout.units[1 + i]))
+                .map(|i| DecoderBlock::new(cfg, &units[1 + i]))
                 .collect::<Result<_>>()?,
-            head: Head::new(cfg, &layout.units[l + 1])?,
+            head: Head::new(cfg, &units[l + 1])?,
             rope: Rope::new(cfg.head_dim, cfg.rope_theta, max_t),
         })
     }

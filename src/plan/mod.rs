@@ -6,7 +6,7 @@ pub mod presets;
 pub mod sim;
 
 use crate::model::config::ModelConfig;
-use crate::store::layout::{Mode, ShardKind, StateLayout};
+use crate::store::layout::{Mode, StateLayout};
 use serde::{Deserialize, Serialize};
 
 /// What the performance model needs to know about a machine.
@@ -297,10 +297,7 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     let (spilled, staging) = spilled_units(model, req, hw);
     let nvme: u64 = spilled
         .iter()
-        .map(|&u| {
-            (layout.units[u].shard_bytes(ShardKind::AdamM)
-                + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
-        })
+        .map(|&u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
         .sum();
     // The spill tier's staging slots (read ahead, update, write back) replace what spills.
     host = host - nvme + staging;
@@ -761,7 +758,8 @@ mod tests {
             p.memory.units
         );
         let all = StateLayout::new(&m70, Mode::Lean);
-        let mv = all.kind_bytes(ShardKind::AdamM) + all.kind_bytes(ShardKind::AdamV);
+        let mv = all.kind_bytes(crate::store::layout::ShardKind::AdamM)
+            + all.kind_bytes(crate::store::layout::ShardKind::AdamV);
         assert!(p.memory.nvme_bytes < mv);
         // NVMe time: 16 B per spilled parameter at 6 GB/s.
         let (units, _) = spilled_units(&m70, &r, &hw);
@@ -802,10 +800,7 @@ mod tests {
         let nodes = per_node(&m, 0, &model, &r).unwrap();
         assert_eq!(nodes.len(), 4);
         let total: u64 = nodes.iter().map(|n| n.bytes).sum();
-        assert_eq!(
-            total,
-            StateLayout::new(&model, Mode::Exact).total_bytes()
-        );
+        assert_eq!(total, StateLayout::new(&model, Mode::Exact).total_bytes());
         assert!(nodes.iter().all(|n| n.bytes <= n.capacity));
         // Too little RAM: the placement's error, naming what is missing.
         for n in &mut m.numa_nodes {

@@ -14,7 +14,6 @@
 
 use super::extents::{ExtentStore, SpillConfig};
 use crate::host::{PageKind, Region, RegionSpec};
-use crate::store::layout::{ShardKind, StateLayout};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -22,10 +21,24 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+/// One unit whose shards live in the tier: what the store tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierUnit {
+    /// The unit's index in the store.
+    pub unit: usize,
+    /// How errors name it ("layer 3").
+    pub label: String,
+    /// f32 elements of each shard.
+    pub numel: usize,
+    /// Its spilled shards, in order: (name for errors, e.g. "adam_m"; bytes, a multiple of
+    /// 4 KiB). A lease addresses them by position.
+    pub shards: Vec<(&'static str, usize)>,
+}
+
 /// Where one spilled shard lives.
 #[derive(Debug, Clone)]
 struct SpilledShard {
-    kind: ShardKind,
+    name: &'static str,
     first_extent: usize,
     bytes: usize,
     /// f32 elements (the unit's numel; `bytes` is rounded up to 4 KiB).
@@ -178,56 +191,46 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 /// Bytes of one staging slot: the largest unit's spilled shards.
-pub fn slot_bytes(layout: &StateLayout, units: &[usize], kinds: &[ShardKind]) -> usize {
+pub fn slot_bytes(units: &[TierUnit]) -> usize {
     units
         .iter()
-        .map(|&u| kinds.iter().map(|&k| layout.units[u].shard_bytes(k)).sum())
+        .map(|u| u.shards.iter().map(|(_, b)| b).sum())
         .max()
         .unwrap_or(0)
 }
 
 impl SpillTier {
-    /// Create the spill files for `kinds` of `units` (the others stay in RAM), allocate the
-    /// staging slots and start the I/O thread.
-    pub fn create(
-        layout: &StateLayout,
-        units: &[usize],
-        kinds: &[ShardKind],
-        cfg: &TierConfig,
-    ) -> Result<Self> {
-        if let Some(k) = kinds
-            .iter()
-            .find(|k| !matches!(k, ShardKind::AdamM | ShardKind::AdamV))
-        {
-            return Err(Error::bad_input(
-                "spill",
-                k.name(),
-                "only Adam m and v can spill (the GPU streams the other shards every step)",
-                Some("spill m and v"),
-            ));
-        }
+    /// Create the spill files for the shards of `units` (of a store of `total_units`; the
+    /// others stay in RAM), allocate the staging slots and start the I/O thread.
+    pub fn create(units: &[TierUnit], total_units: usize, cfg: &TierConfig) -> Result<Self> {
         let eb = cfg.io.extent_bytes;
-        let mut spilled = vec![Vec::new(); layout.units.len()];
+        let mut spilled = vec![Vec::new(); total_units];
+        let mut names = vec![String::new(); total_units];
         let mut next_extent = 0;
-        for &u in units {
-            let unit = layout.units.get(u).ok_or_else(|| {
-                Error::bad_input("spill", format!("unit {u}"), "not in the layout", None)
+        for tu in units {
+            let slot = spilled.get_mut(tu.unit).ok_or_else(|| {
+                Error::bad_input(
+                    "spill",
+                    format!("unit {}", tu.unit),
+                    format!("the store has {total_units} units"),
+                    None,
+                )
             })?;
+            names[tu.unit].clone_from(&tu.label);
             let mut off = 0;
-            for &k in kinds {
-                let bytes = unit.shard_bytes(k);
-                spilled[u].push(SpilledShard {
-                    kind: k,
+            for &(name, bytes) in &tu.shards {
+                slot.push(SpilledShard {
+                    name,
                     first_extent: next_extent,
                     bytes,
-                    numel: unit.numel,
+                    numel: tu.numel,
                     slot_offset: off,
                 });
                 next_extent += bytes.div_ceil(eb);
                 off += bytes;
             }
         }
-        let slot_bytes = slot_bytes(layout, units, kinds).max(4096);
+        let slot_bytes = slot_bytes(units).max(4096);
         let nslots = cfg.slots.max(1);
         let mut slots = Vec::with_capacity(nslots);
         for i in 0..nslots {
@@ -257,12 +260,7 @@ impl SpillTier {
         }
         let (uring, direct) = (store.uses_uring(), store.is_direct());
         let (tx, rx) = channel();
-        let n = layout.units.len();
-        let names = layout
-            .units
-            .iter()
-            .map(|u| u.kind.describe())
-            .collect::<Vec<_>>();
+        let n = total_units;
         let shared = Arc::new(Shared {
             units: spilled,
             names,
@@ -309,15 +307,6 @@ impl SpillTier {
     /// True when `unit` has shards in this tier.
     pub fn holds(&self, unit: usize) -> bool {
         self.shared.units.get(unit).is_some_and(|s| !s.is_empty())
-    }
-
-    /// The kinds spilled for `unit`.
-    pub fn kinds(&self, unit: usize) -> Vec<ShardKind> {
-        self.shared
-            .units
-            .get(unit)
-            .map(|s| s.iter().map(|x| x.kind).collect())
-            .unwrap_or_default()
     }
 
     /// Staging bytes (slots × slot size).
@@ -529,9 +518,9 @@ impl Lease {
         self.unit
     }
 
-    /// The staged shard of `kind` (f32 elements), if that kind is spilled for this unit.
-    pub fn shard(&mut self, kind: ShardKind) -> Option<&mut [f32]> {
-        let p = self.shard_ptr(kind)?;
+    /// The staged shard at position `index` of the unit's [`TierUnit::shards`] (f32 elements).
+    pub fn shard(&mut self, index: usize) -> Option<&mut [f32]> {
+        let p = self.shard_ptr(index)?;
         let numel = self.shared.units[self.unit].first().map_or(0, |s| s.numel);
         // SAFETY: the shard holds numel f32 (numel·4 ≤ its bytes ≤ what the slot holds past its
         // offset; only f32 kinds spill); the lease is the slot's only user while it is Leased, and
@@ -539,12 +528,10 @@ impl Lease {
         Some(unsafe { std::slice::from_raw_parts_mut(p, numel) })
     }
 
-    /// Start of the staged shard of `kind`, if that kind is spilled for this unit (for views
-    /// whose lifetime the caller ties to the lease).
-    pub(crate) fn shard_ptr(&self, kind: ShardKind) -> Option<*mut f32> {
-        let s = self.shared.units[self.unit]
-            .iter()
-            .find(|s| s.kind == kind)?;
+    /// Start of the staged shard at `index` (for views whose lifetime the caller ties to the
+    /// lease).
+    pub fn shard_ptr(&self, index: usize) -> Option<*mut f32> {
+        let s = self.shared.units[self.unit].get(index)?;
         // SAFETY: slot_offset < slot size, inside the slot region.
         Some(unsafe { self.shared.slots[self.slot].as_ptr().add(s.slot_offset) }.cast())
     }
@@ -663,7 +650,7 @@ fn shard_io(
     // the phase changes under the state lock; the region holds slot_bytes bytes.
     let bytes = unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), shared.slot_bytes) };
     for s in &shared.units[unit] {
-        let label = format!("{} of {}", s.kind.name(), shared.names[unit]);
+        let label = format!("{} of {}", s.name, shared.names[unit]);
         let buf = &mut bytes[s.slot_offset..s.slot_offset + s.bytes];
         if write {
             store.write(s.first_extent, buf, &label)?;
@@ -685,33 +672,48 @@ fn shard_io(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
     use crate::spill::io::EngineKind;
-    use crate::store::layout::Mode;
 
-    fn layout(layers: usize) -> StateLayout {
-        let json = format!(
-            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}}"#
-        );
-        StateLayout::new(
-            &ModelConfig::from_json_str(&json, "t").unwrap(),
-            Mode::Exact,
-        )
+    const M: usize = 0;
+    const V: usize = 1;
+
+    /// Units shaped like a small model's (embedding, `layers` blocks of different size, head),
+    /// each with its Adam m and v.
+    fn layout(layers: usize) -> Vec<TierUnit> {
+        let numel = |u: usize| -> usize {
+            match u {
+                0 => 19_200,
+                u if u == layers + 1 => 64,
+                _ => 41_088,
+            }
+        };
+        (0..layers + 2)
+            .map(|u| {
+                let bytes = (numel(u) * 4).div_ceil(4096) * 4096;
+                TierUnit {
+                    unit: u,
+                    label: match u {
+                        0 => "embedding".into(),
+                        u if u == layers + 1 => "head".into(),
+                        u => format!("layer {}", u - 1),
+                    },
+                    numel: numel(u),
+                    shards: vec![("adam_m", bytes), ("adam_v", bytes)],
+                }
+            })
+            .collect()
     }
 
     fn tier(
-        l: &StateLayout,
+        l: &[TierUnit],
         dir: &std::path::Path,
         slots: usize,
         engine: EngineKind,
         direct: bool,
     ) -> SpillTier {
-        let units: Vec<usize> = (0..l.units.len()).collect();
         SpillTier::create(
             l,
-            &units,
-            &[ShardKind::AdamM, ShardKind::AdamV],
+            l.len(),
             &TierConfig {
                 io: SpillConfig {
                     dirs: vec![dir.join("a"), dir.join("b")],
@@ -747,34 +749,28 @@ mod tests {
                 t.uses_uring(),
                 engine == EngineKind::Auto && t.warnings.is_empty()
             );
-            for u in 0..l.units.len() {
+            for u in 0..l.len() {
                 let mut lease = t.lease(u).unwrap();
                 // A never-written unit stages as zeros, like a fresh RAM shard.
-                assert!(lease
-                    .shard(ShardKind::AdamM)
-                    .unwrap()
-                    .iter()
-                    .all(|x| *x == 0.0));
-                for (k, kind) in [ShardKind::AdamM, ShardKind::AdamV].into_iter().enumerate() {
+                assert!(lease.shard(M).unwrap().iter().all(|x| *x == 0.0));
+                for (k, kind) in [M, V].into_iter().enumerate() {
                     for (i, x) in lease.shard(kind).unwrap().iter_mut().enumerate() {
                         *x = pattern(u, k, 0, i);
                     }
                 }
             }
             t.flush().unwrap();
-            for u in (0..l.units.len()).rev() {
+            for u in (0..l.len()).rev() {
                 let mut lease = t.lease(u).unwrap();
-                for (k, kind) in [ShardKind::AdamM, ShardKind::AdamV].into_iter().enumerate() {
+                for (k, kind) in [M, V].into_iter().enumerate() {
                     let s = lease.shard(kind).unwrap();
-                    assert_eq!(s.len(), l.units[u].numel);
+                    assert_eq!(s.len(), l[u].numel);
                     assert!(s.iter().enumerate().all(|(i, x)| *x == pattern(u, k, 0, i)));
                 }
                 lease.release_clean();
             }
             let st = t.stats();
-            let all: u64 = (0..l.units.len())
-                .map(|u| 2 * l.units[u].shard_bytes(ShardKind::AdamM) as u64)
-                .sum();
+            let all: u64 = (0..l.len()).map(|u| 2 * l[u].shards[0].1 as u64).sum();
             assert_eq!(st.bytes_written, all);
             assert!(
                 st.bytes_read >= all - 2 * t.shared.slot_bytes as u64,
@@ -790,7 +786,7 @@ mod tests {
         let l = layout(8);
         let d = tempfile::tempdir().unwrap();
         let t = tier(&l, d.path(), 3, EngineKind::Auto, true);
-        let n = l.units.len();
+        let n = l.len();
         for step in 0..5 {
             t.prefetch(0);
             for u in 0..n {
@@ -798,7 +794,7 @@ mod tests {
                     t.prefetch(u + 1);
                 }
                 let mut lease = t.lease(u).unwrap();
-                let m = lease.shard(ShardKind::AdamM).unwrap();
+                let m = lease.shard(M).unwrap();
                 for (i, x) in m.iter_mut().enumerate() {
                     assert_eq!(
                         *x,
@@ -826,9 +822,9 @@ mod tests {
         let l = layout(2);
         let d = tempfile::tempdir().unwrap();
         let t = tier(&l, d.path(), 1, EngineKind::Auto, true);
-        for u in 0..l.units.len() {
+        for u in 0..l.len() {
             let mut lease = t.lease(u).unwrap();
-            lease.shard(ShardKind::AdamV).unwrap().fill(u as f32 + 0.5);
+            lease.shard(V).unwrap().fill(u as f32 + 0.5);
         }
         t.flush().unwrap();
         // Flip one byte in every 16 KiB extent copy of both files.
@@ -859,18 +855,10 @@ mod tests {
         let l = layout(2);
         let d = tempfile::tempdir().unwrap();
         let t = tier(&l, d.path(), 2, EngineKind::Auto, true);
-        t.lease(1)
-            .unwrap()
-            .shard(ShardKind::AdamM)
-            .unwrap()
-            .fill(1.0);
+        t.lease(1).unwrap().shard(M).unwrap().fill(1.0);
         t.flush().unwrap();
         t.inject_write_error(libc::ENOSPC);
-        t.lease(1)
-            .unwrap()
-            .shard(ShardKind::AdamM)
-            .unwrap()
-            .fill(2.0);
+        t.lease(1).unwrap().shard(M).unwrap().fill(2.0);
         let e = t.flush().unwrap_err().to_string();
         assert!(e.contains("No space left") && e.contains("layer 0"), "{e}");
         assert!(t.check().is_err());
@@ -879,38 +867,6 @@ mod tests {
             "a unit whose write-back failed is not handed out"
         );
         // Other units keep working.
-        t.lease(2)
-            .unwrap()
-            .shard(ShardKind::AdamM)
-            .unwrap()
-            .fill(3.0);
-    }
-
-    #[test]
-    fn only_optimizer_state_can_spill() {
-        let l = layout(1);
-        let d = tempfile::tempdir().unwrap();
-        let e = SpillTier::create(
-            &l,
-            &[0],
-            &[ShardKind::Params],
-            &TierConfig {
-                io: SpillConfig {
-                    dirs: vec![d.path().into()],
-                    extent_bytes: 4096,
-                    extents: 0,
-                    engine: EngineKind::Auto,
-                    direct: true,
-                    queue_depth: 4,
-                    run_id: None,
-                },
-                slots: 1,
-                node: None,
-                cpus: Vec::new(),
-                pages: PageKind::Transparent,
-            },
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("only Adam m and v"), "{e}");
+        t.lease(2).unwrap().shard(M).unwrap().fill(3.0);
     }
 }

@@ -1,11 +1,8 @@
-//! The layer-major state layout: which tensors make up each streamed unit, and the byte size of
-//! each of the unit's shards (fp32 params, fp32 grads, Adam m, Adam v).
-//!
-//! A *unit* is what the streamer moves as one piece: the embedding, one decoder layer, or the head
-//! (final norm, plus the LM head when it is not tied). Inside a unit, tensors are packed in a fixed
-//! order at 16-element (64-byte) boundaries, the same offsets in every shard kind, so one index
-//! addresses a parameter, its gradient and its moments. Every shard starts on a 4 KiB boundary
-//! (DMA and O_DIRECT).
+//! The layer-major state layout: the model's units ([`crate::model::units`]) and, for each, the
+//! shards the host store keeps (fp32 params, fp32 grads in exact mode, Adam m, Adam v), with their
+//! byte sizes. The tensors sit at the same offsets in every shard kind, so one index addresses a
+//! parameter, its gradient and its moments. Every shard starts on a 4 KiB boundary (DMA and
+//! O_DIRECT).
 
 use crate::host::SHARD_ALIGN;
 use crate::model::config::ModelConfig;
@@ -13,9 +10,9 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Tensors inside a unit start at multiples of this many elements (64 bytes of fp32: one cache
-/// line, and whole SIMD vectors).
-pub const TENSOR_ALIGN_ELEMS: usize = 16;
+pub use crate::model::units::{
+    block_tensors, units, TensorSpec, UnitKind, UnitLayout, TENSOR_ALIGN_ELEMS,
+};
 
 /// Gradient-exact or lean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
@@ -77,74 +74,6 @@ impl ShardKind {
     }
 }
 
-/// Which piece of the model a unit is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum UnitKind {
-    /// Token embedding (and, when tied, the LM head).
-    Embedding,
-    /// Decoder layer i.
-    Block(usize),
-    /// Final norm (and the LM head when not tied).
-    Head,
-}
-
-impl UnitKind {
-    /// A short human name: "embedding", "layer 3", "head".
-    pub fn describe(self) -> String {
-        match self {
-            UnitKind::Embedding => "embedding".into(),
-            UnitKind::Block(i) => format!("layer {i}"),
-            UnitKind::Head => "head".into(),
-        }
-    }
-}
-
-/// One tensor inside a unit.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TensorSpec {
-    /// Hugging Face name (`model.layers.3.self_attn.q_proj.weight`).
-    pub name: String,
-    /// Shape, HF convention (Linear weights are `[out, in]`).
-    pub shape: Vec<usize>,
-    /// First element inside the unit.
-    pub offset: usize,
-}
-
-impl TensorSpec {
-    /// Number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
-
-/// A unit: its tensors and its element count.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UnitLayout {
-    /// Which unit.
-    pub kind: UnitKind,
-    /// Tensors, in packing order.
-    pub tensors: Vec<TensorSpec>,
-    /// Elements including the padding between tensors (what a shard holds).
-    pub numel: usize,
-    /// Real parameters (without padding).
-    pub params: usize,
-}
-
-impl UnitLayout {
-    /// Bytes of this unit's shard of `kind`, rounded up to [`SHARD_ALIGN`].
-    pub fn shard_bytes(&self, kind: ShardKind) -> usize {
-        (self.numel * kind.elem_bytes()).div_ceil(SHARD_ALIGN) * SHARD_ALIGN
-    }
-
-    /// A tensor by its suffix after the layer prefix (`self_attn.q_proj.weight`) or full name.
-    pub fn tensor(&self, suffix: &str) -> Option<&TensorSpec> {
-        self.tensors
-            .iter()
-            .find(|t| t.name == suffix || t.name.ends_with(&format!(".{suffix}")))
-    }
-}
-
 /// Where a named tensor lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorLoc {
@@ -167,74 +96,10 @@ pub struct StateLayout {
     pub manifest: BTreeMap<String, TensorLoc>,
 }
 
-fn pack(kind: UnitKind, tensors: Vec<(String, Vec<usize>)>) -> UnitLayout {
-    let mut offset = 0;
-    let mut params = 0;
-    let tensors = tensors
-        .into_iter()
-        .map(|(name, shape)| {
-            let t = TensorSpec {
-                name,
-                shape,
-                offset,
-            };
-            params += t.numel();
-            offset += t.numel().div_ceil(TENSOR_ALIGN_ELEMS) * TENSOR_ALIGN_ELEMS;
-            t
-        })
-        .collect();
-    UnitLayout {
-        kind,
-        tensors,
-        numel: offset,
-        params,
-    }
-}
-
-/// The tensors of decoder layer `i`, HF names and shapes, in packing order.
-pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
-    let p = format!("model.layers.{i}");
-    let (h, q, kv, im) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    let mut t = vec![
-        (format!("{p}.input_layernorm.weight"), vec![h]),
-        (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-        (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-        (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-    ];
-    if c.qkv_bias {
-        t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
-        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-    }
-    t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-    if c.o_bias {
-        t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
-    }
-    t.extend([
-        (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-        (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),
-        (format!("{p}.mlp.up_proj.weight"), vec![im, h]),
-        (format!("{p}.mlp.down_proj.weight"), vec![h, im]),
-    ]);
-    t
-}
-
 impl StateLayout {
     /// Lay out `config`'s state.
     pub fn new(config: &ModelConfig, mode: Mode) -> Self {
-        let (v, h) = (config.vocab_size, config.hidden_size);
-        let mut units = vec![pack(
-            UnitKind::Embedding,
-            vec![("model.embed_tokens.weight".into(), vec![v, h])],
-        )];
-        for i in 0..config.num_layers {
-            units.push(pack(UnitKind::Block(i), block_tensors(config, i)));
-        }
-        let mut head = vec![("model.norm.weight".to_owned(), vec![h])];
-        if !config.tie_word_embeddings {
-            head.push(("lm_head.weight".into(), vec![v, h]));
-        }
-        units.push(pack(UnitKind::Head, head));
+        let units = units(config);
         let manifest = units
             .iter()
             .enumerate()
@@ -284,7 +149,7 @@ impl StateLayout {
         if !self.has(kind) {
             return 0;
         }
-        self.units.iter().map(|u| u.shard_bytes(kind) as u64).sum()
+        self.units.iter().map(|u| u.shard_bytes() as u64).sum()
     }
 
     /// Largest unit, in elements.
@@ -343,9 +208,7 @@ mod tests {
                 assert!(w[0].offset + w[0].numel() <= w[1].offset);
                 assert_eq!(w[1].offset % TENSOR_ALIGN_ELEMS, 0);
             }
-            for k in l.kinds() {
-                assert_eq!(unit.shard_bytes(k) % SHARD_ALIGN, 0);
-            }
+            assert_eq!(unit.shard_bytes() % SHARD_ALIGN, 0);
         }
     }
 

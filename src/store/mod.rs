@@ -6,13 +6,14 @@
 //! into an AdamW job or a device copy; the memory stays mapped while any guard or the store
 //! lives (regions are reference-counted), so a job that outlives its submitter is still sound.
 
+pub mod hf;
 pub mod layout;
 pub mod placement;
 
 use crate::host::{HostRegistrar, PageKind, Region, RegionSpec};
 use crate::spill::extents::SpillConfig;
 use crate::spill::io::EngineKind;
-use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig};
+use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig, TierUnit};
 use crate::{Error, Result};
 use layout::{ShardKind, StateLayout};
 use placement::Placement;
@@ -152,7 +153,7 @@ impl HostStore {
                 })?;
                 let size = sizes.entry((node, k)).or_insert(0);
                 pending.push((u, k, (node, k), *size));
-                *size += unit.shard_bytes(k);
+                *size += unit.shard_bytes();
             }
         }
         let keys: Vec<(u32, ShardKind)> = sizes.keys().copied().collect();
@@ -202,10 +203,38 @@ impl HostStore {
                     .find(|n| n.node == p.node)
                     .map(|n| n.adam_cpus.clone())
                     .unwrap_or_default();
+                if let Some(k) = p
+                    .kinds
+                    .iter()
+                    .find(|k| !matches!(k, ShardKind::AdamM | ShardKind::AdamV))
+                {
+                    return Err(Error::bad_input(
+                        "spill",
+                        k.name(),
+                        "only Adam m and v can spill (the GPU streams the other shards every step)",
+                        Some("spill m and v"),
+                    ));
+                }
+                let tier_units: Vec<TierUnit> = p
+                    .units
+                    .iter()
+                    .map(|&u| {
+                        let unit = &layout.units[u];
+                        TierUnit {
+                            unit: u,
+                            label: unit.kind.describe(),
+                            numel: unit.numel,
+                            shards: p
+                                .kinds
+                                .iter()
+                                .map(|k| (k.name(), unit.shard_bytes()))
+                                .collect(),
+                        }
+                    })
+                    .collect();
                 Some(SpillTier::create(
-                    &layout,
-                    &p.units,
-                    &p.kinds,
+                    &tier_units,
+                    layout.units.len(),
                     &TierConfig {
                         io: SpillConfig {
                             dirs: o.dirs.clone(),
@@ -467,7 +496,14 @@ impl UnitGuard {
                 return Ok(Some(p));
             }
             match &self.lease {
-                Some(l) => Ok(l.shard_ptr(kind).map(|p| p.cast())),
+                Some(l) => Ok(self
+                    .store
+                    .placement()
+                    .spill
+                    .as_ref()
+                    .and_then(|p| p.kinds.iter().position(|k| *k == kind))
+                    .and_then(|i| l.shard_ptr(i))
+                    .map(|p| p.cast())),
                 None if self.store.is_spilled(self.unit) => Err(Error::system(
                     "host store",
                     format!("access unit {}", self.unit),

@@ -150,10 +150,7 @@ pub fn choose_spill(
     req: SpillRequest,
     capacity: u64,
 ) -> Option<(Vec<usize>, u64)> {
-    let mv = |u: usize| {
-        (layout.units[u].shard_bytes(ShardKind::AdamM)
-            + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
-    };
+    let mv = |u: usize| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64;
     let need = layout.total_bytes();
     let order = spill_order(layout);
     let slots = req.slots.max(1) as u64;
@@ -197,10 +194,7 @@ fn staging_bytes(layout: &StateLayout, units: &[usize], slots: usize) -> u64 {
     slots.max(1) as u64
         * units
             .iter()
-            .map(|&u| {
-                (layout.units[u].shard_bytes(ShardKind::AdamM)
-                    + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
-            })
+            .map(|&u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
             .max()
             .unwrap_or(0)
 }
@@ -506,10 +500,7 @@ fn place_spilled(
     let is_spilled = |u: usize| spilled_mask[u];
     let spilled_bytes: u64 = (0..layout.units.len())
         .filter(|&u| is_spilled(u))
-        .map(|u| {
-            (layout.units[u].shard_bytes(ShardKind::AdamM)
-                + layout.units[u].shard_bytes(ShardKind::AdamV)) as u64
-        })
+        .map(|u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
         .sum();
     let staging = spilled.as_ref().map_or(0, |(_, s)| *s);
     let need = full - spilled_bytes + staging;
@@ -544,7 +535,7 @@ fn place_spilled(
     }
     for (u, unit) in layout.units.iter().enumerate() {
         for k in streamed_kinds(layout) {
-            let bytes = unit.shard_bytes(k) as u64;
+            let bytes = unit.shard_bytes() as u64;
             let node = place_first_fit(&mut nodes, bytes).ok_or(Shortage::Ram {
                 need: full,
                 capacity,
@@ -597,7 +588,7 @@ fn place_spilled(
         if kinds.is_empty() {
             continue;
         }
-        let bytes: u64 = kinds.iter().map(|k| unit.shard_bytes(*k) as u64).sum();
+        let bytes: u64 = kinds.len() as u64 * unit.shard_bytes() as u64;
         let best = (0..nodes.len())
             .filter(|&i| nodes[i].bytes + bytes <= nodes[i].capacity)
             .min_by(|&a, &b| {
@@ -802,10 +793,7 @@ mod tests {
     fn spill_auto_moves_only_what_the_budget_lacks_and_all_moves_everything() {
         let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
         let l = StateLayout::new(&tiny(8), Mode::Exact);
-        let mv = |u: usize| {
-            (l.units[u].shard_bytes(ShardKind::AdamM) + l.units[u].shard_bytes(ShardKind::AdamV))
-                as u64
-        };
+        let mv = |u: usize| (l.units[u].shard_bytes() + l.units[u].shard_bytes()) as u64;
         let total = l.total_bytes();
         // Two blocks' m/v short: with three slots of staging to pay for, five blocks must spill.
         let budget = RamBudget {

@@ -43,7 +43,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("src/model/config.rs", include_str!("../model/config.rs")),
     ("src/model/ops.rs", include_str!("../model/ops.rs")),
     ("src/model/layers.rs", include_str!("../model/layers.rs")),
-    ("src/model/hf.rs", include_str!("../model/hf.rs")),
+    ("src/store/hf.rs", include_str!("../store/hf.rs")),
     ("src/device/mod.rs", include_str!("../device/mod.rs")),
     ("src/device/cpu.rs", include_str!("../device/cpu.rs")),
     (

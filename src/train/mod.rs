@@ -358,7 +358,7 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
         .saturating_sub(placed);
     check_device_budget(&cfg, &layout, host_room)?;
 
-    let tm = Arc::new(Templates::new(&layout, t)?);
+    let tm = Arc::new(Templates::new(&layout.config, t)?);
     let device = open_device(&cfg, &tm, b, t)?;
     // A GPU finds its NUMA node by PCI address: params and grads go next to it.
     let pci = device.pci_bus_id();
@@ -425,7 +425,7 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
         None => {
             match &cfg.init_from {
                 Some(dir) => {
-                    let r = crate::model::hf::load_into_store(dir, &store)?;
+                    let r = crate::store::hf::load_into_store(dir, &store)?;
                     progress.note(&format!(
                         "loaded {} tensors from {}",
                         r.tensors,
@@ -506,7 +506,7 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
 /// describe the same shapes), an HF checkpoint's, or a `config.json`'s.
 fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<ModelConfig> {
     let given = match (&cfg.init_from, &cfg.model) {
-        (Some(dir), _) => Some(crate::model::hf::load_config(dir)?),
+        (Some(dir), _) => Some(crate::store::hf::load_config(dir)?),
         (None, Some(path)) => Some(ModelConfig::from_file(path)?),
         (None, None) => None,
     };
@@ -822,7 +822,7 @@ fn save_checkpoint(s: &mut Session, root: &Path, step: u64) -> Result<PathBuf> {
 /// The HF export, the loss curve and the trace.
 fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
     if let Some(out) = &s.cfg.export_hf {
-        crate::model::hf::export_store(s.streamer.store(), out, 2 << 30, Some(&s.run_id))?;
+        crate::store::hf::export_store(s.streamer.store(), out, 2 << 30, Some(&s.run_id))?;
         summary.export = Some(out.clone());
     }
     if let Some(log) = &s.metrics {

@@ -3,7 +3,7 @@
 //! resumes.
 
 use super::config::TrainConfig;
-use crate::model::hf::{export_dir_state, ExportDir};
+use crate::store::hf::{export_dir_state, ExportDir};
 use crate::util::{free_space, human_bytes};
 use crate::{Error, Result};
 use std::io::Write;

@@ -5,9 +5,9 @@
 //! Files are memory-mapped; each tensor is copied once, straight into its unit's params shard
 //! (bf16/fp16 checkpoints are widened to fp32 on the way). No whole-model copy is made.
 
-use super::config::ModelConfig;
-use crate::store::layout::StateLayout;
-use crate::store::{HostStore, UnitGuard};
+use super::layout::StateLayout;
+use super::{HostStore, UnitGuard};
+use crate::model::config::ModelConfig;
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors, View};
 use std::borrow::Cow;

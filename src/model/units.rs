@@ -1,0 +1,154 @@
+//! How a model's parameters are grouped and packed: the *units* the streamer moves as one piece
+//! (the embedding, one decoder layer, the head) and, inside each, the tensors at fixed offsets.
+//!
+//! Tensors are packed in a fixed order at 16-element (64-byte) boundaries, so one offset
+//! addresses a parameter in every per-unit buffer (params, gradients, Adam moments). Pure shapes:
+//! the host store lays its shards out by these units, the layer templates find their weights by
+//! these offsets.
+
+use super::config::ModelConfig;
+use crate::host::SHARD_ALIGN;
+use serde::{Deserialize, Serialize};
+
+/// Tensors inside a unit start at multiples of this many elements (64 bytes of fp32: one cache
+/// line, and whole SIMD vectors).
+pub const TENSOR_ALIGN_ELEMS: usize = 16;
+
+/// Which piece of the model a unit is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnitKind {
+    /// Token embedding (and, when tied, the LM head).
+    Embedding,
+    /// Decoder layer i.
+    Block(usize),
+    /// Final norm (and the LM head when not tied).
+    Head,
+}
+
+impl UnitKind {
+    /// A short human name: "embedding", "layer 3", "head".
+    pub fn describe(self) -> String {
+        match self {
+            UnitKind::Embedding => "embedding".into(),
+            UnitKind::Block(i) => format!("layer {i}"),
+            UnitKind::Head => "head".into(),
+        }
+    }
+}
+
+/// One tensor inside a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Hugging Face name (`model.layers.3.self_attn.q_proj.weight`).
+    pub name: String,
+    /// Shape, HF convention (Linear weights are `[out, in]`).
+    pub shape: Vec<usize>,
+    /// First element inside the unit.
+    pub offset: usize,
+}
+
+impl TensorSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A unit: its tensors and its element count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitLayout {
+    /// Which unit.
+    pub kind: UnitKind,
+    /// Tensors, in packing order.
+    pub tensors: Vec<TensorSpec>,
+    /// Elements including the padding between tensors (what a shard holds).
+    pub numel: usize,
+    /// Real parameters (without padding).
+    pub params: usize,
+}
+
+impl UnitLayout {
+    /// Bytes of one f32 buffer of this unit (its params, gradients, or an Adam moment),
+    /// rounded up to [`SHARD_ALIGN`] so each starts page-aligned (DMA and O_DIRECT).
+    pub fn shard_bytes(&self) -> usize {
+        (self.numel * 4).div_ceil(SHARD_ALIGN) * SHARD_ALIGN
+    }
+
+    /// A tensor by its suffix after the layer prefix (`self_attn.q_proj.weight`) or full name.
+    pub fn tensor(&self, suffix: &str) -> Option<&TensorSpec> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == suffix || t.name.ends_with(&format!(".{suffix}")))
+    }
+}
+
+fn pack(kind: UnitKind, tensors: Vec<(String, Vec<usize>)>) -> UnitLayout {
+    let mut offset = 0;
+    let mut params = 0;
+    let tensors = tensors
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = TensorSpec {
+                name,
+                shape,
+                offset,
+            };
+            params += t.numel();
+            offset += t.numel().div_ceil(TENSOR_ALIGN_ELEMS) * TENSOR_ALIGN_ELEMS;
+            t
+        })
+        .collect();
+    UnitLayout {
+        kind,
+        tensors,
+        numel: offset,
+        params,
+    }
+}
+
+/// The tensors of decoder layer `i`, HF names and shapes, in packing order.
+pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
+    let p = format!("model.layers.{i}");
+    let (h, q, kv, im) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let mut t = vec![
+        (format!("{p}.input_layernorm.weight"), vec![h]),
+        (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+        (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+        (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+    ];
+    if c.qkv_bias {
+        t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+        t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+        t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+    }
+    t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+    if c.o_bias {
+        t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+    }
+    t.extend([
+        (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+        (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),
+        (format!("{p}.mlp.up_proj.weight"), vec![im, h]),
+        (format!("{p}.mlp.down_proj.weight"), vec![h, im]),
+    ]);
+    t
+}
+
+/// The units of `config`, in streaming order: embedding, blocks 0..L-1, head.
+pub fn units(config: &ModelConfig) -> Vec<UnitLayout> {
+    let (v, h) = (config.vocab_size, config.hidden_size);
+    let mut units = vec![pack(
+        UnitKind::Embedding,
+        vec![("model.embed_tokens.weight".into(), vec![v, h])],
+    )];
+    for i in 0..config.num_layers {
+        units.push(pack(UnitKind::Block(i), block_tensors(config, i)));
+    }
+    let mut head = vec![("model.norm.weight".to_owned(), vec![h])];
+    if !config.tie_word_embeddings {
+        head.push(("lm_head.weight".into(), vec![v, h]));
+    }
+    units.push(pack(UnitKind::Head, head));
+    units
+}
