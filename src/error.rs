@@ -52,6 +52,28 @@ pub enum Error {
         fix: Option<String>,
     },
 
+    /// A CUDA library call failed; the library's own error is the source.
+    #[cfg(feature = "cuda")]
+    #[error("CUDA {}: {op} failed: {source}{}", source.library(), fix_suffix(.fix))]
+    Cuda {
+        /// What we were doing.
+        op: String,
+        /// The library's error.
+        #[source]
+        source: CudaError,
+        /// How to fix it, if known.
+        fix: Option<String>,
+    },
+
+    /// An invariant of megatrain itself broke: a bug, not a user error.
+    #[error("internal error in {what}: {detail} (a bug in megatrain: please report it)")]
+    Internal {
+        /// Which part.
+        what: &'static str,
+        /// What broke.
+        detail: String,
+    },
+
     /// Something failed after training progressed; the trained state was saved first.
     #[error("{source}; the trained state of step {step} is safe in `{}` (continue with `--resume --checkpoint-dir {}`, or export it with `megatrain export --checkpoint {}`)", .saved.display(), .root.display(), .saved.display())]
     StateSaved {
@@ -64,6 +86,29 @@ pub enum Error {
         /// Its checkpoint root (what `--checkpoint-dir` takes).
         root: PathBuf,
     },
+}
+
+/// The error code of a CUDA library (driver or cuBLAS), kept as the source of [`Error::Cuda`].
+#[cfg(feature = "cuda")]
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// The driver API.
+    #[error("{0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// cuBLAS.
+    #[error("{0}")]
+    Cublas(#[from] cudarc::cublas::result::CublasError),
+}
+
+#[cfg(feature = "cuda")]
+impl CudaError {
+    /// "driver" or "cuBLAS".
+    pub fn library(&self) -> &'static str {
+        match self {
+            CudaError::Driver(_) => "driver",
+            CudaError::Cublas(_) => "cuBLAS",
+        }
+    }
 }
 
 fn fix_suffix(fix: &Option<String>) -> String {
@@ -109,6 +154,24 @@ impl Error {
         }
     }
 
+    /// A CUDA library error while doing `op`.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(op: impl Into<String>, source: impl Into<CudaError>) -> Self {
+        Error::Cuda {
+            op: op.into(),
+            source: source.into(),
+            fix: None,
+        }
+    }
+
+    /// A broken invariant of `what` (a bug).
+    pub fn internal(what: &'static str, detail: impl Into<String>) -> Self {
+        Error::Internal {
+            what,
+            detail: detail.into(),
+        }
+    }
+
     /// Attach (or replace) the fix hint.
     #[must_use]
     pub fn with_fix(mut self, hint: impl Into<String>) -> Self {
@@ -117,6 +180,9 @@ impl Error {
             Error::BadInput { fix, .. } | Error::Io { fix, .. } | Error::System { fix, .. } => {
                 *fix = Some(hint);
             }
+            #[cfg(feature = "cuda")]
+            Error::Cuda { fix, .. } => *fix = Some(hint),
+            Error::Internal { .. } => {}
             Error::StateSaved { source, .. } => {
                 let inner = std::mem::replace(source.as_mut(), Error::system("", "", ""));
                 **source = inner.with_fix(hint);
@@ -139,7 +205,9 @@ impl Error {
                 | std::io::ErrorKind::AlreadyExists => 2,
                 _ => 1,
             },
-            Error::System { .. } => 1,
+            Error::System { .. } | Error::Internal { .. } => 1,
+            #[cfg(feature = "cuda")]
+            Error::Cuda { .. } => 1,
             Error::StateSaved { source, .. } => source.exit_code(),
         }
     }

@@ -12,6 +12,7 @@ pub mod host;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod selftest;
 pub mod spill;
 pub mod store;
 pub mod topology;

@@ -68,7 +68,8 @@ fn selftest(a: &SelftestArgs) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn selftest(a: &SelftestArgs) -> Result<()> {
-    use megatrain::device::cuda;
+    use megatrain::device::cuda::CudaRuntime;
+    use megatrain::selftest::{cuda, Check};
     if a.device != megatrain::train::config::DeviceKind::Cuda {
         return Err(megatrain::Error::bad_input(
             "selftest",
@@ -77,7 +78,7 @@ fn selftest(a: &SelftestArgs) -> Result<()> {
             Some("use --device cuda"),
         ));
     }
-    let rt = cuda::CudaRuntime::open(a.gpu)?;
+    let rt = CudaRuntime::open(a.gpu)?;
     println!(
         "megatrain selftest — {} (sm_{}{}, {} SMs), driver {}.{}, kernels compiled by NVRTC at start-up\n",
         rt.name,
@@ -87,10 +88,10 @@ fn selftest(a: &SelftestArgs) -> Result<()> {
         rt.driver / 1000,
         rt.driver % 1000 / 10
     );
-    let print = |checks: &[megatrain::device::selftest::Check]| {
+    let print = |checks: &[Check]| {
         for c in checks {
             println!(
-                "{:<36} {:>12.3e} {:>10.0e}  {}",
+                "{:<44} {:>12.3e} {:>10.0e}  {}",
                 c.name,
                 c.max_rel_err,
                 c.tolerance,
@@ -99,28 +100,28 @@ fn selftest(a: &SelftestArgs) -> Result<()> {
         }
     };
     println!(
-        "{:<36} {:>12} {:>10}  result",
+        "{:<44} {:>12} {:>10}  result",
         "check", "max rel err", "tolerance"
     );
-    let mut checks = cuda::selftest_kernels(&rt, a.seed)?;
+    let mut checks = cuda::kernels(&rt, a.seed)?;
     print(&checks);
     // Training steps through the streaming CUDA device against the CPU device; an error there
     // is a failed check, printed, and the link is still measured.
-    let training = match megatrain::device::cuda_device::selftest_training(a.gpu, a.seed) {
+    let training = match cuda::training(a.gpu, a.seed) {
         Ok(c) => c,
         Err(e) => {
             println!("training steps on the CUDA device stopped: {e}");
-            vec![megatrain::device::selftest::Check {
+            vec![Check {
                 name: "training: steps ran".into(),
                 max_rel_err: f64::INFINITY,
-                tolerance: megatrain::device::cuda_device::TOL_TRAINING,
+                tolerance: cuda::TOL_TRAINING,
                 pass: false,
             }]
         }
     };
     print(&training);
     checks.extend(training);
-    let (htod, dtoh) = cuda::selftest_link(&rt)?;
+    let (htod, dtoh) = cuda::link(&rt)?;
     println!("\nlink (256 MiB, page-locked, median of 5): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
     let failed = checks.iter().filter(|c| !c.pass).count();
     if failed > 0 {

@@ -8,8 +8,8 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
+use megatrain::device::cuda::nvrtc;
 use megatrain::device::kernels::{ARCHS, FILES};
-use megatrain::device::nvrtc;
 
 /// NVRTC, loaded; `None` (after saying why) where there is none and CI does not require it.
 fn toolchain() -> Option<nvrtc::Toolchain> {
@@ -70,7 +70,10 @@ fn a_compile_error_carries_the_nvrtc_log() {
     let bad = megatrain::device::kernels::KernelFile {
         file: "broken.cu",
         source: "#include \"common.cuh\"\nextern \"C\" __global__ void broken_fwd_f32(float* x) { x[0] = undefined_thing; }\n",
-        symbols: &["broken_fwd_f32"],
+        kernels: &[megatrain::device::kernels::Signature {
+            name: "broken_fwd_f32",
+            params: &[megatrain::device::kernels::Param::Ptr],
+        }],
     };
     let e = nvrtc::compile(&tc, &bad, "sm_90").unwrap_err().to_string();
     assert!(
@@ -98,42 +101,12 @@ fn ptx_params(ptx: &str) -> std::collections::HashMap<String, Vec<String>> {
     out
 }
 
-/// Arguments of every `macro!(…)` invocation in `src`, split at top-level commas.
-fn invocations(src: &str, mac: &str) -> Vec<Vec<String>> {
-    let mut out = Vec::new();
-    let mut rest = src;
-    while let Some(i) = rest.find(mac) {
-        rest = &rest[i + mac.len()..];
-        let (mut depth, mut cur, mut args) = (1, String::new(), Vec::new());
-        for ch in rest.chars() {
-            match ch {
-                '(' | '[' | '{' => depth += 1,
-                ')' | ']' | '}' => depth -= 1,
-                _ => {}
-            }
-            if depth == 0 {
-                break;
-            }
-            if ch == ',' && depth == 1 {
-                args.push(cur.trim().to_owned());
-                cur.clear();
-            } else {
-                cur.push(ch);
-            }
-        }
-        if !cur.trim().is_empty() {
-            args.push(cur.trim().to_owned());
-        }
-        out.push(args);
-    }
-    out
-}
-
-/// Every kernel launch in the CUDA backend and the self-test names a kernel that exists and
-/// passes exactly as many arguments as the compiled kernel takes (a GPU would read garbage
-/// otherwise; this is the part of a launch that can be checked without one).
+/// Every kernel's declared signature (what its typed launch wrapper is checked against at every
+/// launch) is exactly the parameter list of the compiled kernel, and every exported kernel has a
+/// typed wrapper (a GPU would read garbage otherwise; this is the part of a launch that can be
+/// checked without one).
 #[test]
-fn every_launch_passes_the_kernels_parameter_count() {
+fn every_signature_matches_the_compiled_kernel_and_every_kernel_has_a_wrapper() {
     let Some(tc) = toolchain() else {
         return;
     };
@@ -141,50 +114,34 @@ fn every_launch_passes_the_kernels_parameter_count() {
     for c in nvrtc::compile_all(&tc, "sm_80").unwrap() {
         params.extend(ptx_params(&c.ptx));
     }
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut checked = 0;
-    for (file, mac) in [
-        ("src/device/cuda_backend.rs", "k!("),
-        ("src/device/cuda.rs", "launch!("),
-    ] {
-        let src = std::fs::read_to_string(root.join(file)).unwrap();
-        for args in invocations(&src, mac) {
-            // (target, name, geometry, args…); skip the macro definitions themselves.
-            if args.len() < 3 || args[0].starts_with('$') {
-                continue;
-            }
-            let names: Vec<String> = if args[1].starts_with('"') {
-                vec![args[1].trim_matches('"').to_owned()]
-            } else if args[1] == "name" {
-                // `name` is picked at run time from a small set: check each candidate.
-                let line = src
-                    .lines()
-                    .filter(|l| l.contains("\"rope_") || l.contains("(\"rope_"))
-                    .flat_map(|l| l.split('"').skip(1).step_by(2).map(str::to_owned))
-                    .filter(|n| n.starts_with("rope_"))
-                    .collect::<Vec<_>>();
-                assert!(!line.is_empty(), "{file}: cannot resolve `name`");
-                line
-            } else {
-                panic!("{file}: launch of `{}` not checkable", args[1]);
-            };
-            for name in names {
-                let p = params
-                    .get(&name)
-                    .unwrap_or_else(|| panic!("{file}: no kernel `{name}`"));
-                assert_eq!(
-                    args.len() - 3,
-                    p.len(),
-                    "{file}: `{name}` takes {} parameters ({p:?}), the launch passes {:?}",
-                    p.len(),
-                    &args[3..]
-                );
-                checked += 1;
-            }
+    for f in FILES {
+        for k in f.kernels {
+            let ptx = params
+                .get(k.name)
+                .unwrap_or_else(|| panic!("{}: no entry {}", f.file, k.name));
+            let declared: Vec<&str> = k.params.iter().map(|p| p.ptx()).collect();
+            assert_eq!(
+                &declared, ptx,
+                "{}: {} is declared {:?}, compiled {ptx:?}",
+                f.file, k.name, k.params
+            );
+            let stem = k
+                .name
+                .strip_suffix("_f32")
+                .or_else(|| k.name.strip_suffix("_bf16"))
+                .unwrap_or(k.name);
+            assert!(
+                megatrain::device::cuda::launches::WRAPPED.contains(&stem)
+                    || megatrain::device::cuda::launches::WRAPPED.contains(&k.name),
+                "{} has no typed launch wrapper",
+                k.name
+            );
+            checked += 1;
         }
     }
-    assert!(checked >= 30, "only {checked} launches found");
-    eprintln!("{checked} launches match their kernels' parameter lists");
+    assert_eq!(checked, params.len(), "every entry point is declared");
+    eprintln!("{checked} kernels match their declared signatures");
 }
 
 /// Without a GPU, `train --device cuda` (in a CUDA build) stops before any state is allocated,

@@ -10,7 +10,6 @@
 //! by the machine, not by the schedule; the link is emulated (copies sleep to the modelled time),
 //! so it overlaps freely.
 
-use super::median;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
 use crate::engine::schedule::{self, PlanSpec};
 use crate::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
@@ -26,6 +25,7 @@ use crate::store::layout::{Mode, StateLayout};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::Machine;
+use crate::util::median;
 use crate::Result;
 use serde::Serialize;
 use std::sync::Arc;

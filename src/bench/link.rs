@@ -183,8 +183,99 @@ fn gpu_cases(
         .into_iter()
         .filter(|s| *s <= bytes.max(1 << 20))
         .collect();
-    let (name, cases) = crate::device::cuda::bench_link(0, &on, &sizes, reps)?;
+    let (name, cases) = gpu_copies(0, &on, &sizes, reps)?;
     Ok(GpuLinkReport { name, link, cases })
+}
+
+/// Host↔device copies per NUMA node (memory bound there, calling thread pinned there),
+/// page-locked and pageable, for each size in `sizes`, median of `reps` timed with events.
+#[cfg(feature = "cuda")]
+fn gpu_copies(
+    ordinal: usize,
+    nodes: &[(u32, Vec<usize>)],
+    sizes: &[usize],
+    reps: usize,
+) -> Result<(String, Vec<LinkCase>)> {
+    use crate::device::cuda::{drv, pinned::PageLock, CudaRuntime};
+    let rt = CudaRuntime::open_context(ordinal)?;
+    let other = drv(rt.ctx.new_stream(), "create a stream")?;
+    let max = sizes.iter().copied().max().unwrap_or(0).div_ceil(4) * 4;
+    let mut dev = drv(
+        rt.stream.alloc_zeros::<f32>(max / 4),
+        "allocate the device buffer",
+    )?;
+    let dev2 = drv(
+        other.alloc_zeros::<f32>(max / 4),
+        "allocate the device buffer",
+    )?;
+    let mut out = Vec::new();
+    for (node, cpus) in nodes {
+        // Best effort: a cgroup may forbid it; the copies are still measured.
+        let _ = affinity::pin_current_thread(cpus);
+        let buffer = || {
+            crate::host::Region::allocate(crate::host::RegionSpec {
+                node: Some(*node),
+                prefault_cpus: cpus.clone(),
+                ..crate::host::RegionSpec::scratch(format!("link bench buffer on node {node}"), max)
+            })
+        };
+        let (host, host2) = (buffer()?, buffer()?);
+        for pinned in [true, false] {
+            // Page-locked for the pinned cases, unlocked (dropped) before the pageable ones.
+            let _locks = if pinned {
+                Some((
+                    PageLock::region(&rt.ctx, &host)?,
+                    PageLock::region(&rt.ctx, &host2)?,
+                ))
+            } else {
+                None
+            };
+            for &bytes in sizes {
+                let n = bytes / 4;
+                // SAFETY: both regions hold `max` ≥ bytes bytes; nothing else touches them.
+                let (h1, h2) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(host.as_ptr().cast::<f32>(), n),
+                        std::slice::from_raw_parts_mut(host2.as_ptr().cast::<f32>(), n),
+                    )
+                };
+                for direction in ["htod", "dtoh", "bidirectional"] {
+                    let ms = rt.time_ms(Some(&other), reps, &mut || {
+                        let mut d1 = dev.slice_mut(..n);
+                        match direction {
+                            "htod" => {
+                                drv(rt.stream.memcpy_htod(&*h1, &mut d1), "copy host to device")
+                            }
+                            "dtoh" => {
+                                drv(rt.stream.memcpy_dtoh(&d1, &mut *h1), "copy device to host")
+                            }
+                            _ => {
+                                drv(rt.stream.memcpy_htod(&*h1, &mut d1), "copy host to device")?;
+                                drv(
+                                    other.memcpy_dtoh(&dev2.slice(..n), &mut *h2),
+                                    "copy device to host",
+                                )?;
+                                drv(rt.stream.join(&other), "join the streams")
+                            }
+                        }
+                    })?;
+                    let moved = if direction == "bidirectional" {
+                        2 * bytes
+                    } else {
+                        bytes
+                    };
+                    out.push(LinkCase {
+                        node: *node,
+                        direction,
+                        pinned,
+                        bytes,
+                        gbps: moved as f64 / (ms * 1e-3) / 1e9,
+                    });
+                }
+            }
+        }
+    }
+    Ok((rt.name.clone(), out))
 }
 
 #[cfg(not(feature = "cuda"))]

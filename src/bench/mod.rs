@@ -6,12 +6,6 @@ pub mod engine;
 pub mod link;
 pub mod nvme;
 
-/// The median (upper median for an even count; 0 for none).
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// Parse a count with an optional K/M/G suffix (powers of 1000): "64M" → 64 000 000.
 pub fn parse_count(s: &str) -> Result<usize, String> {
     let t = s.trim();

@@ -2,9 +2,9 @@
 //! registered buffers and O_DIRECT, or the fallback) for block sizes 128 KiB / 1 MiB / 4 MiB and
 //! queue depths 1–64, striped over the given directories; median of N passes, like fio's summary.
 
-use super::median;
 use crate::host::{PageKind, Region, RegionSpec};
 use crate::spill::io::{EngineKind, IoEngine, Request};
+use crate::util::median;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::os::fd::AsRawFd;

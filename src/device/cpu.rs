@@ -8,6 +8,7 @@ use super::host_backend::{HostBackend, HostP};
 use super::program::{self, Shape, Ws};
 use super::{BufId, Cmd, Device, Event, Kernel, MemStats, OpRecord, StreamKind};
 use crate::model::reference::Templates;
+use crate::util::lock;
 use crate::{Error, Result};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
@@ -68,14 +69,17 @@ struct ReadView<'a>(&'a BufCell);
 struct WriteView<'a>(&'a BufCell);
 
 impl BufCell {
-    fn read(&self) -> std::result::Result<ReadView<'_>, String> {
+    fn read(&self) -> Result<ReadView<'_>> {
         use std::sync::atomic::Ordering::*;
         let mut s = self.state.load(Acquire);
         loop {
             if s < 0 {
-                return Err(format!(
-                    "buffer `{}` read while another stream writes it (missing event)",
-                    self.label
+                return Err(Error::internal(
+                    "CPU device",
+                    format!(
+                        "buffer `{}` read while another stream writes it (missing event)",
+                        self.label
+                    ),
                 ));
             }
             match self.state.compare_exchange_weak(s, s + 1, Acquire, Acquire) {
@@ -85,15 +89,18 @@ impl BufCell {
         }
     }
 
-    fn write(&self) -> std::result::Result<WriteView<'_>, String> {
+    fn write(&self) -> Result<WriteView<'_>> {
         use std::sync::atomic::Ordering::*;
         self.state
             .compare_exchange(0, -1, Acquire, Acquire)
             .map(|_| WriteView(self))
             .map_err(|_| {
-                format!(
-                    "buffer `{}` written while another stream uses it (missing event)",
-                    self.label
+                Error::internal(
+                    "CPU device",
+                    format!(
+                        "buffer `{}` written while another stream uses it (missing event)",
+                        self.label
+                    ),
                 )
             })
     }
@@ -148,24 +155,30 @@ struct Shared {
     arena: Mutex<Arena>,
     capacity: u64,
     records: Mutex<Vec<OpRecord>>,
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<Error>>,
     epoch: Instant,
 }
 
 impl Shared {
-    fn buffer(&self, id: BufId) -> std::result::Result<Buffer, String> {
-        let a = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+    fn buffer(&self, id: BufId) -> Result<Buffer> {
+        let a = lock(&self.arena);
         a.buffers
             .get(id)
             .and_then(|b| b.as_ref())
             .cloned()
-            .ok_or_else(|| format!("device buffer {id} does not exist (freed or never allocated)"))
+            .ok_or_else(|| {
+                Error::internal(
+                    "CPU device",
+                    format!("device buffer {id} does not exist (freed or never allocated)"),
+                )
+            })
     }
 
-    fn fail(&self, msg: String) {
-        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
-        if e.is_none() {
-            *e = Some(msg);
+    /// Keep the first error.
+    fn fail(&self, e: Error) {
+        let mut first = lock(&self.error);
+        if first.is_none() {
+            *first = Some(e);
         }
     }
 }
@@ -270,21 +283,20 @@ impl CpuDevice {
                         match r {
                             Ok(Ok(Some((name, bytes)))) => {
                                 let end = shared.epoch.elapsed().as_secs_f64();
-                                shared
-                                    .records
-                                    .lock()
-                                    .unwrap_or_else(|e| e.into_inner())
-                                    .push(OpRecord {
-                                        stream,
-                                        name,
-                                        start,
-                                        end,
-                                        bytes,
-                                    });
+                                lock(&shared.records).push(OpRecord {
+                                    stream,
+                                    name,
+                                    start,
+                                    end,
+                                    bytes,
+                                });
                             }
                             Ok(Ok(None)) => {}
-                            Ok(Err(msg)) => shared.fail(format!("{}: {msg}", stream.name())),
-                            Err(_) => shared.fail(format!("{}: a kernel panicked", stream.name())),
+                            Ok(Err(e)) => shared.fail(e),
+                            Err(_) => shared.fail(Error::internal(
+                                "CPU device",
+                                format!("a kernel panicked on the {} stream", stream.name()),
+                            )),
                         }
                     }
                 })
@@ -308,14 +320,8 @@ impl CpuDevice {
     /// Copy a device buffer to a Vec (tests; synchronizes first).
     pub fn read(&self, buf: BufId) -> Result<Vec<f32>> {
         self.synchronize();
-        let b = self
-            .shared
-            .buffer(buf)
-            .map_err(|e| Error::system("CPU device", "read", e))?;
-        let v = b
-            .read()
-            .map_err(|e| Error::system("CPU device", "read", e))?
-            .to_vec();
+        let b = self.shared.buffer(buf)?;
+        let v = b.read()?.to_vec();
         Ok(v)
     }
 }
@@ -330,7 +336,7 @@ fn execute(
     ws: Option<&mut Workspace>,
     b: usize,
     t: usize,
-) -> std::result::Result<Option<(String, u64)>, String> {
+) -> Result<Option<(String, u64)>> {
     match cmd {
         Cmd::Record(e) => {
             e.signal();
@@ -394,9 +400,13 @@ fn execute(
         }
         Cmd::Kernel(k) => {
             if stream != StreamKind::Compute {
-                return Err("kernels run on the compute stream".into());
+                return Err(Error::internal(
+                    "CPU device",
+                    format!("{} submitted off the compute stream", k.name()),
+                ));
             }
-            let ws = ws.ok_or("no workspace on this stream")?;
+            let ws =
+                ws.ok_or_else(|| Error::internal("CPU device", "no workspace on this stream"))?;
             let name = k.name();
             run_kernel(shared, k, tm, ws, b, t)?;
             Ok(Some((name, 0)))
@@ -420,7 +430,7 @@ fn run_kernel(
     ws: &mut Workspace,
     b: usize,
     t: usize,
-) -> std::result::Result<(), String> {
+) -> Result<()> {
     let mut ids = k.buffers();
     ids.sort_unstable();
     ids.dedup_by(|later, first| {
@@ -435,7 +445,7 @@ fn run_kernel(
     let cells = ids
         .iter()
         .map(|(id, _)| shared.buffer(*id))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>>>()?;
     let mut reads = Vec::new();
     let mut writes = Vec::new();
     let mut ptrs: Vec<(BufId, HostP)> = Vec::new();
@@ -458,7 +468,9 @@ fn run_kernel(
             .zip(&lens)
             .find(|((i, _), _)| *i == id)
             .map(|((_, p), len)| (*p, *len))
-            .ok_or_else(|| Error::system("CPU device", k.name(), format!("buffer {id} not held")))
+            .ok_or_else(|| {
+                Error::internal("CPU device", format!("{}: buffer {id} not held", k.name()))
+            })
     };
     // SAFETY: the workspace belongs to the compute stream's thread, which runs this.
     let base = unsafe { HostP::write(&mut ws.mem) };
@@ -467,7 +479,7 @@ fn run_kernel(
     let r = program::run(&mut be, tm, &k, &resolve, &w, Shape { b, t });
     drop(writes);
     drop(reads);
-    r.map_err(|e| e.to_string())
+    r
 }
 
 impl Device for CpuDevice {
@@ -476,7 +488,7 @@ impl Device for CpuDevice {
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {
-        let mut a = self.shared.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = lock(&self.shared.arena);
         let bytes = 4 * len as u64;
         if a.in_use + bytes > self.shared.capacity {
             return Err(Error::system(
@@ -501,7 +513,7 @@ impl Device for CpuDevice {
     }
 
     fn free(&self, buf: BufId) {
-        let mut a = self.shared.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = lock(&self.shared.arena);
         if let Some(slot) = a.buffers.get_mut(buf) {
             if let Some(b) = slot.take() {
                 a.in_use -= 4 * b.len as u64;
@@ -511,8 +523,10 @@ impl Device for CpuDevice {
 
     fn submit(&self, stream: StreamKind, cmd: Cmd) {
         if self.senders[stream as usize].send(cmd).is_err() {
-            self.shared
-                .fail(format!("{} stream is gone", stream.name()));
+            self.shared.fail(Error::internal(
+                "CPU device",
+                format!("the {} stream is gone", stream.name()),
+            ));
         }
     }
 
@@ -531,7 +545,7 @@ impl Device for CpuDevice {
     }
 
     fn memory(&self) -> MemStats {
-        let a = self.shared.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let a = lock(&self.shared.arena);
         MemStats {
             in_use: a.in_use,
             peak: a.peak,
@@ -540,30 +554,20 @@ impl Device for CpuDevice {
     }
 
     fn reset_peak(&self) {
-        let mut a = self.shared.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = lock(&self.shared.arena);
         a.peak = a.in_use;
     }
 
     fn take_records(&self) -> Vec<OpRecord> {
-        std::mem::take(
-            &mut *self
-                .shared
-                .records
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-        )
+        std::mem::take(&mut *lock(&self.shared.records))
     }
 
     fn epoch(&self) -> Instant {
         self.shared.epoch
     }
 
-    fn take_error(&self) -> Option<String> {
-        self.shared
-            .error
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
+    fn take_error(&self) -> Option<Error> {
+        lock(&self.shared.error).take()
     }
 }
 

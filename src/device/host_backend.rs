@@ -390,7 +390,7 @@ impl Backend for HostBackend<'_> {
     fn add_loss(&mut self, losses: HostP, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {
         let ([], [l]) = views("add_loss", [], [(losses, rows)])?;
         let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
-        *into.lock().unwrap_or_else(|e| e.into_inner()) += s;
+        *crate::util::lock(&into) += s;
         Ok(())
     }
 }

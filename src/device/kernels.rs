@@ -6,6 +6,41 @@
 /// The shared header every kernel file includes.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 
+/// A kernel parameter's type, as the C signature declares it (and the PTX lists it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Param {
+    /// A device pointer (`T*`; `.u64` in PTX).
+    Ptr,
+    /// `int` or `unsigned` (`.u32`).
+    I32,
+    /// `long long` (`.u64`).
+    I64,
+    /// `float` (`.f32`).
+    F32,
+}
+
+impl Param {
+    /// The PTX parameter type of this C type.
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Param::Ptr | Param::I64 => ".u64",
+            Param::I32 => ".u32",
+            Param::F32 => ".f32",
+        }
+    }
+}
+
+/// An exported kernel: its symbol and parameter list. The typed launch wrappers
+/// (`device::cuda::launches`) check every launch against it, and the test suite checks it against
+/// the compiled PTX, so a wrapper, its signature and the kernel cannot drift apart unseen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Signature {
+    /// `{op}_{fwd|bwd}_{dtype}`.
+    pub name: &'static str,
+    /// Its parameters, in order.
+    pub params: &'static [Param],
+}
+
 /// One kernel file.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelFile {
@@ -13,96 +48,125 @@ pub struct KernelFile {
     pub file: &'static str,
     /// Its source.
     pub source: &'static str,
-    /// The `extern "C"` kernels it must export (`{op}_{fwd|bwd}_{dtype}`).
-    pub symbols: &'static [&'static str],
+    /// The `extern "C"` kernels it must export.
+    pub kernels: &'static [Signature],
 }
 
 /// GPU architectures every kernel is compiled for in CI (A100, H100/H200/GH200).
 pub const ARCHS: &[&str] = &["sm_80", "sm_90"];
+
+use Param::{Ptr, F32, I32, I64};
+
+const fn sig(name: &'static str, params: &'static [Param]) -> Signature {
+    Signature { name, params }
+}
+
+const ATTN_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32];
+const ATTN_BWD: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32,
+];
+const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
+const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
+const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
+const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32];
+const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32];
+const ROPE: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, I32, I32];
+const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
 
 /// Every kernel file.
 pub const FILES: &[KernelFile] = &[
     KernelFile {
         file: "embedding.cu",
         source: include_str!("../../kernels/embedding.cu"),
-        symbols: &[
-            "embedding_fwd_f32",
-            "embedding_bwd_f32",
-            "embedding_fwd_bf16",
-            "embedding_bwd_bf16",
+        kernels: &[
+            sig("embedding_fwd_f32", PTR3_ROWS_COLS),
+            sig("embedding_bwd_f32", PTR3_ROWS_COLS),
+            sig("embedding_fwd_bf16", PTR3_ROWS_COLS),
+            sig("embedding_bwd_bf16", PTR3_ROWS_COLS),
         ],
     },
     KernelFile {
         file: "rmsnorm.cu",
         source: include_str!("../../kernels/rmsnorm.cu"),
-        symbols: &[
-            "rmsnorm_fwd_f32",
-            "rmsnorm_bwd_f32",
-            "rmsnorm_fwd_bf16",
-            "rmsnorm_bwd_bf16",
+        kernels: &[
+            sig("rmsnorm_fwd_f32", RMSNORM_FWD),
+            sig("rmsnorm_bwd_f32", RMSNORM_BWD),
+            sig("rmsnorm_fwd_bf16", RMSNORM_FWD),
+            sig("rmsnorm_bwd_bf16", RMSNORM_BWD),
         ],
     },
     KernelFile {
         file: "rope.cu",
         source: include_str!("../../kernels/rope.cu"),
-        symbols: &[
-            "rope_fwd_f32",
-            "rope_bwd_f32",
-            "rope_fwd_bf16",
-            "rope_bwd_bf16",
+        kernels: &[
+            sig("rope_fwd_f32", ROPE),
+            sig("rope_bwd_f32", ROPE),
+            sig("rope_fwd_bf16", ROPE),
+            sig("rope_bwd_bf16", ROPE),
         ],
     },
     KernelFile {
         file: "swiglu.cu",
         source: include_str!("../../kernels/swiglu.cu"),
-        symbols: &[
-            "swiglu_fwd_f32",
-            "swiglu_bwd_f32",
-            "swiglu_fwd_bf16",
-            "swiglu_bwd_bf16",
+        kernels: &[
+            sig("swiglu_fwd_f32", &[Ptr, Ptr, Ptr, I64]),
+            sig("swiglu_bwd_f32", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
+            sig("swiglu_fwd_bf16", &[Ptr, Ptr, Ptr, I64]),
+            sig("swiglu_bwd_bf16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
         ],
     },
     KernelFile {
         file: "attention.cu",
         source: include_str!("../../kernels/attention.cu"),
-        symbols: &[
-            "attention_fwd_f32",
-            "attention_bwd_f32",
-            "attention_bwd_kv_f32",
-            "attention_fwd_bf16",
-            "attention_bwd_bf16",
-            "attention_bwd_kv_bf16",
+        kernels: &[
+            sig("attention_fwd_f32", ATTN_FWD),
+            sig("attention_bwd_f32", ATTN_BWD),
+            sig("attention_bwd_kv_f32", ATTN_BWD),
+            sig("attention_fwd_bf16", ATTN_FWD),
+            sig("attention_bwd_bf16", ATTN_BWD),
+            sig("attention_bwd_kv_bf16", ATTN_BWD),
         ],
     },
     KernelFile {
         file: "cross_entropy.cu",
         source: include_str!("../../kernels/cross_entropy.cu"),
-        symbols: &[
-            "cross_entropy_fwd_f32",
-            "cross_entropy_bwd_f32",
-            "cross_entropy_fwd_bf16",
-            "cross_entropy_bwd_bf16",
+        kernels: &[
+            sig("cross_entropy_fwd_f32", PTR3_ROWS_COLS),
+            sig("cross_entropy_bwd_f32", CE_BWD),
+            sig("cross_entropy_fwd_bf16", PTR3_ROWS_COLS),
+            sig("cross_entropy_bwd_bf16", CE_BWD),
         ],
     },
     KernelFile {
         file: "cast.cu",
         source: include_str!("../../kernels/cast.cu"),
-        symbols: &["cast_fwd_f32_bf16", "cast_fwd_bf16_f32"],
+        kernels: &[
+            sig("cast_fwd_f32_bf16", PTR2_N64),
+            sig("cast_fwd_bf16_f32", PTR2_N64),
+        ],
     },
     KernelFile {
         file: "reduce.cu",
         source: include_str!("../../kernels/reduce.cu"),
-        symbols: &[
-            "sumsq_fwd_f32",
-            "bias_fwd_f32",
-            "bias_bwd_f32",
-            "add_fwd_f32",
-            "bias_fwd_bf16",
-            "bias_bwd_bf16",
-            "add_fwd_bf16",
+        kernels: &[
+            sig("sumsq_fwd_f32", PTR2_N64),
+            sig("bias_fwd_f32", PTR2_ROWS_COLS),
+            sig("bias_bwd_f32", PTR2_ROWS_COLS),
+            sig("add_fwd_f32", PTR2_N64),
+            sig("bias_fwd_bf16", PTR2_ROWS_COLS),
+            sig("bias_bwd_bf16", PTR2_ROWS_COLS),
+            sig("add_fwd_bf16", PTR2_N64),
         ],
     },
 ];
+
+/// The signature of kernel `name`, if it exists.
+pub fn signature(name: &str) -> Option<&'static Signature> {
+    FILES
+        .iter()
+        .flat_map(|f| f.kernels.iter())
+        .find(|s| s.name == name)
+}
 
 impl KernelFile {
     /// The source with `common.cuh` inlined (NVRTC is given one self-contained program).
@@ -144,8 +208,8 @@ mod tests {
                 "{} inlines the header",
                 f.file
             );
-            for s in f.symbols {
-                assert!(all.insert(*s), "{s} exported twice");
+            for s in f.kernels.iter().map(|k| k.name) {
+                assert!(all.insert(s), "{s} exported twice");
                 let (op_dir, dtype) = s.rsplit_once('_').unwrap();
                 assert!(
                     op_dir.contains("_fwd") || op_dir.contains("_bwd"),

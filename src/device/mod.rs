@@ -1,25 +1,18 @@
 //! The device abstraction, with CUDA's semantics: buffers from a bounded pool, FIFO streams,
 //! events that order work across streams, async copies from registered host memory, and the layer
 //! ops as kernels. [`cpu::CpuDevice`] implements it for real (one worker thread per stream); the
-//! CUDA device (`cuda_device`, feature `cuda`) adds CUDA streams, events and copies, not new
-//! control flow. Both run the layer ops as the same [`program`] on their own [`program::Backend`].
+//! CUDA device ([`cuda`], feature `cuda`) adds CUDA streams, events and copies, not new control
+//! flow. Both run the layer ops as the same [`program`] on their own [`program::Backend`].
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-pub mod cuda_backend;
-#[cfg(feature = "cuda")]
-pub mod cuda_device;
 pub mod host_backend;
 pub mod kernels;
 pub mod launch;
-#[cfg(feature = "cuda")]
-pub mod nvrtc;
 pub mod program;
-pub mod selftest;
 
-use crate::Result;
+use crate::{Error, Result};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -64,13 +57,13 @@ impl Event {
     /// Mark done and wake waiters.
     pub fn signal(&self) {
         let (m, cv) = &*self.0;
-        *m.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *crate::util::lock(m) = true;
         cv.notify_all();
     }
 
     /// True once signalled.
     pub fn query(&self) -> bool {
-        *self.0 .0.lock().unwrap_or_else(|e| e.into_inner())
+        *crate::util::lock(&self.0 .0)
     }
 
     /// True if `other` is this very event (a clone of it).
@@ -81,7 +74,7 @@ impl Event {
     /// Block until signalled.
     pub fn synchronize(&self) {
         let (m, cv) = &*self.0;
-        let mut done = m.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = crate::util::lock(m);
         while !*done {
             done = cv.wait(done).unwrap_or_else(|e| e.into_inner());
         }
@@ -152,10 +145,11 @@ pub(crate) fn check_copy(
     offset: usize,
     buf: BufId,
     have: usize,
-) -> std::result::Result<(), String> {
+) -> Result<()> {
     if offset + n > have {
-        return Err(format!(
-            "{what}: {n} elements at {offset} overflow buffer {buf} of {have}"
+        return Err(Error::internal(
+            "device copy",
+            format!("{what}: {n} elements at {offset} overflow buffer {buf} of {have}"),
         ));
     }
     Ok(())
@@ -331,8 +325,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn take_records(&self) -> Vec<OpRecord>;
     /// The instant record times are relative to.
     fn epoch(&self) -> Instant;
-    /// The first error a stream hit (an op on bad buffers, a kernel panic), if any.
-    fn take_error(&self) -> Option<String>;
+    /// The first error a stream hit (an op on bad buffers, a kernel panic, a GPU fault), if any.
+    fn take_error(&self) -> Option<Error>;
     /// The GPU's PCI address (`dddd:bb:dd.f`), for placing host state near it; `None` for the
     /// CPU device.
     fn pci_bus_id(&self) -> Option<String> {

@@ -437,7 +437,7 @@ impl Streamer {
                     }
                     host_wait += t0.elapsed().as_secs_f64();
                     if let Some(e) = self.device.take_error() {
-                        return Err(Error::system("device", "execute the plan", e));
+                        return Err(e);
                     }
                     match steps[i].op.clone() {
                         Op::Norm { unit } => {
@@ -561,7 +561,7 @@ impl Streamer {
         }
         host_wait += t0.elapsed().as_secs_f64();
         if let Some(e) = self.device.take_error() {
-            return Err(Error::system("device", "execute the plan", e));
+            return Err(e);
         }
         let grad_norm = if lean {
             // The norm comes out of the AdamW pass: wait for the stragglers.
@@ -574,7 +574,7 @@ impl Streamer {
         let records = self.device.take_records();
         let mut m = StepMetrics {
             step: self.step,
-            loss: *loss.lock().unwrap_or_else(|e| e.into_inner()) / total_tokens,
+            loss: *crate::util::lock(&loss) / total_tokens,
             grad_norm,
             clip_coef: coef,
             lr,

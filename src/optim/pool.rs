@@ -137,18 +137,14 @@ impl Completion {
     }
 
     fn finish(&self, sumsq: f64, failure: Option<String>) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = crate::util::lock(&self.state);
         s.remaining -= 1;
         s.sumsq += sumsq;
         if s.failure.is_none() {
             s.failure = failure;
         }
         if s.remaining == 0 {
-            let cb = self
-                .on_done
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take();
+            let cb = crate::util::lock(&self.on_done).take();
             match cb {
                 Some(cb) => {
                     let (sumsq, failure) = (s.sumsq, s.failure.take());
@@ -162,19 +158,15 @@ impl Completion {
 
     /// Hand the unit back to whoever waits on this completion.
     fn put_guard(&self, g: UnitGuard) {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).guard = Some(g);
+        crate::util::lock(&self.state).guard = Some(g);
     }
 
     fn take_guard(&self) -> Option<UnitGuard> {
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .guard
-            .take()
+        crate::util::lock(&self.state).guard.take()
     }
 
     fn wait(&self) -> (f64, Option<String>) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = crate::util::lock(&self.state);
         while s.remaining > 0 {
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }

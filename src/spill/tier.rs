@@ -187,7 +187,7 @@ pub struct Lease {
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    crate::util::lock(m)
 }
 
 /// Bytes of one staging slot: the largest unit's spilled shards.
@@ -506,7 +506,7 @@ fn pick_slot(st: &State, evict_prefetched: bool) -> Option<usize> {
 }
 
 fn send(shared: &Shared, cmd: Cmd) -> Result<()> {
-    let tx = shared.tx.lock().unwrap_or_else(|e| e.into_inner());
+    let tx = crate::util::lock(&shared.tx);
     tx.as_ref()
         .and_then(|t| t.send(cmd).ok())
         .ok_or_else(|| Error::system("NVMe spill tier", "queue I/O", "the I/O thread has stopped"))
@@ -569,11 +569,7 @@ impl Drop for Lease {
 impl Drop for SpillTier {
     fn drop(&mut self) {
         // Closing the channel ends the I/O thread after the queued work.
-        self.shared
-            .tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        crate::util::lock(&self.shared.tx).take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -140,8 +140,8 @@ fn open_device(
             tm.clone(),
         )?)),
         #[cfg(feature = "cuda")]
-        config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda_device::CudaDevice::open(
-            crate::device::cuda_device::CudaDeviceConfig {
+        config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda::CudaDevice::open(
+            crate::device::cuda::CudaDeviceConfig {
                 ordinal: 0,
                 batch: b,
                 seq: t,

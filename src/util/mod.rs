@@ -7,6 +7,21 @@ use crate::{Error, Result};
 use std::io::Write;
 use std::path::Path;
 
+/// Lock `m`, recovering the data of a mutex poisoned by a panicking holder: every holder here
+/// leaves the data consistent at each await point, so a panic elsewhere must not cascade.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The median (upper median for an even count; 0 for none).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Bytes in binary units with one decimal: "503.9 GiB".
 pub fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];

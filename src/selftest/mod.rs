@@ -1,8 +1,12 @@
-//! What `megatrain selftest` checks on a device, written so the harness itself runs (and is
-//! tested) on the CPU: a few training steps of a small model on the device under test against the
-//! same steps on the CPU device, compared step by step.
+//! `megatrain selftest`: what it checks on a device, written so the harness itself runs (and is
+//! tested) on the CPU — every kernel and GEMM against the CPU reference ([`cuda`]), and a few
+//! training steps of a small model on the device under test against the same steps on the CPU
+//! device, compared step by step. It sits above the engine (it trains through the streamer).
 
-use super::Device;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::device::Device;
 use crate::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;

@@ -15,20 +15,20 @@
 //!   workspace is allocated once up front. Every timed command is bracketed by two CUDA events,
 //!   turned into the timeline by `take_records`.
 //!
-//! Not run on a GPU yet (this project has none). What is proven without one: the program it runs
-//! is bit-identical to the reference on the CPU backend, every kernel compiles through NVRTC, and
-//! the streamer's use of events and buffers is exercised against the CPU device's checks.
+//! What is proven without a GPU: the program it runs is bit-identical to the reference on the
+//! CPU backend, every kernel compiles through NVRTC, and the streamer's use of events and buffers
+//! is exercised against the CPU device's checks.
 
-use super::cuda::{drv, CudaRuntime, TIMED};
-use super::cuda_backend::{host_fn, CudaBackend, DevPtr, Pinned};
-use super::program::{self, Shape, Ws};
-use super::{BufId, Cmd, Device, Event, MemStats, OpRecord, StreamKind};
-use crate::host::region::Registration;
+use super::backend::CudaBackend;
+use super::pinned::{host_fn, CudaRegistrar, Pinned};
+use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
+use crate::device::program::{self, Shape, Ws};
+use crate::device::{BufId, Cmd, Device, Event, MemStats, OpRecord, StreamKind};
 use crate::host::HostRegistrar;
 use crate::model::reference::Templates;
+use crate::util::lock;
 use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaStream};
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -85,22 +85,22 @@ struct Inner {
 #[derive(Debug)]
 struct Shared {
     inner: Mutex<Inner>,
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<Error>>,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner)
     }
 
     /// Keep the first error, and fire every host event still pending: a stream that failed
     /// never reaches them, and the host must not wait forever (it reads the error next).
     /// Call without the `inner` lock held.
-    fn fail(&self, msg: String) {
+    fn fail(&self, e: Error) {
         {
-            let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
-            if e.is_none() {
-                *e = Some(msg);
+            let mut first = lock(&self.error);
+            if first.is_none() {
+                *first = Some(e);
             }
         }
         for (h, _) in self.lock().recorded.drain(..) {
@@ -126,7 +126,7 @@ impl Shared {
             })
         };
         if let Some(e) = fault {
-            self.fail(format!("the GPU reported {e:?} while running the step"));
+            self.fail(Error::cuda("run the step (an asynchronous fault)", e));
         }
     }
 }
@@ -155,20 +155,17 @@ fn alloc_raw(bytes: usize, label: &str, free: u64) -> Result<DevPtr> {
     let mut p: DevPtr = 0;
     // SAFETY: writes one device pointer.
     let r = unsafe { cudarc::driver::sys::cuMemAlloc_v2(&mut p, bytes.max(4)) };
-    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::system(
-            "CUDA device",
+    r.result().map_err(|e| {
+        Error::cuda(
             format!(
-                "allocate {label} ({})",
-                crate::util::human_bytes(bytes as u64)
-            ),
-            format!(
-                "{r:?} with {} free on the GPU",
+                "allocate {label} ({}, {} free on the GPU)",
+                crate::util::human_bytes(bytes as u64),
                 crate::util::human_bytes(free)
             ),
+            e,
         )
-        .with_fix("lower --batch-size / --seq-len, pass --activations host, or free the GPU"));
-    }
+        .with_fix("lower --batch-size / --seq-len, pass --activations host, or free the GPU")
+    })?;
     Ok(p)
 }
 
@@ -271,8 +268,8 @@ impl CudaDevice {
         self.shared.lock()
     }
 
-    fn fail(&self, msg: String) {
-        self.shared.fail(msg);
+    fn fail(&self, e: Error) {
+        self.shared.fail(e);
     }
 
     fn enqueue(&self, g: &mut Inner, kind: StreamKind, cmd: Cmd) -> Result<()> {
@@ -283,9 +280,8 @@ impl CudaDevice {
                 .and_then(|b| b.as_ref())
                 .map(|b| (b.ptr, b.len))
                 .ok_or_else(|| {
-                    Error::system(
+                    Error::internal(
                         "CUDA device",
-                        "find a buffer",
                         format!("device buffer {id} does not exist (freed or never allocated)"),
                     )
                 })
@@ -314,10 +310,12 @@ impl CudaDevice {
                         .find(|(h, _)| h.same(&e))
                         .map(|(_, c)| c)
                         .ok_or_else(|| {
-                            Error::system(
+                            Error::internal(
                                 "CUDA device",
-                                format!("wait on {}", kind.name()),
-                                "the event was never recorded (a Wait submitted before its Record)",
+                                format!(
+                                    "a wait on {} for an event never recorded (a Wait submitted before its Record)",
+                                    kind.name()
+                                ),
                             )
                         })?;
                     drv(stream.wait(ce), "wait on an event")?;
@@ -331,8 +329,7 @@ impl CudaDevice {
                 label,
             } => {
                 let (p, len) = buf(g, dst)?;
-                super::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)
-                    .map_err(|e| Error::system("CUDA device", "copy", e))?;
+                crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
                 let start = span(format!("htod {label}"), 4 * src.len() as u64)?;
                 // SAFETY: HostRef's contract keeps the source valid and unwritten until the
                 // stream's next event fires; the destination range was checked.
@@ -355,8 +352,7 @@ impl CudaDevice {
                 label,
             } => {
                 let (p, len) = buf(g, src)?;
-                super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)
-                    .map_err(|e| Error::system("CUDA device", "copy", e))?;
+                crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
                 let start = span(format!("dtoh {label}"), 4 * dst.len() as u64)?;
                 let from = p + 4 * offset as u64;
                 if accumulate {
@@ -377,10 +373,9 @@ impl CudaDevice {
             }
             Cmd::Kernel(k) => {
                 if kind != StreamKind::Compute {
-                    return Err(Error::system(
+                    return Err(Error::internal(
                         "CUDA device",
-                        k.name(),
-                        "kernels run on the compute stream",
+                        format!("{} submitted off the compute stream", k.name()),
                     ));
                 }
                 let start = span(k.name(), 0)?;
@@ -394,7 +389,10 @@ impl CudaDevice {
                         .find(|(i, _)| *i == id)
                         .map(|(_, b)| *b)
                         .ok_or_else(|| {
-                            Error::system("CUDA device", k.name(), format!("buffer {id} unknown"))
+                            Error::internal(
+                                "CUDA device",
+                                format!("{}: buffer {id} unknown", k.name()),
+                            )
                         })
                 };
                 let ws = self.ws_layout.at::<CudaBackend>(self.ws);
@@ -490,16 +488,16 @@ impl Device for CudaDevice {
         let mut g = self.lock();
         let bytes = 4 * len as u64;
         if g.in_use + bytes > self.capacity {
-            return Err(Error::system(
-                "CUDA device",
+            return Err(Error::bad_input(
+                "GPU memory",
                 format!("allocate {label} ({})", crate::util::human_bytes(bytes)),
                 format!(
                     "the working set would need {} of the {} usable on the GPU",
                     crate::util::human_bytes(g.in_use + bytes),
                     crate::util::human_bytes(self.capacity)
                 ),
-            )
-            .with_fix("lower --batch-size / --seq-len, or pass --activations host"));
+                Some("lower --batch-size / --seq-len, or pass --activations host"),
+            ));
         }
         let _ = self.rt.ctx.bind_to_thread();
         let free = free_memory().map(|f| f.0).unwrap_or(0);
@@ -521,9 +519,9 @@ impl Device for CudaDevice {
         if let Some(b) = g.bufs.get_mut(buf).and_then(Option::take) {
             // SAFETY: every stream is idle, so nothing uses the allocation any more.
             let r = unsafe { cudarc::driver::sys::cuMemFree_v2(b.ptr) };
-            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            if let Err(e) = r.result() {
                 drop(g);
-                self.fail(format!("free {}: {r:?}", b.label));
+                self.fail(Error::cuda(format!("free {}", b.label), e));
                 return;
             }
             g.in_use -= 4 * b.len as u64;
@@ -536,15 +534,11 @@ impl Device for CudaDevice {
             _ => None,
         };
         let mut g = self.lock();
-        if let Err(e) = self
-            .rt
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| Error::system("CUDA driver", "bind the context", format!("{e:?}")))
+        if let Err(e) = drv(self.rt.ctx.bind_to_thread(), "bind the context")
             .and_then(|()| self.enqueue(&mut g, stream, cmd))
         {
             drop(g);
-            self.fail(format!("{}: {e}", stream.name()));
+            self.fail(e);
             if let Some(e) = record {
                 e.signal();
             }
@@ -554,7 +548,7 @@ impl Device for CudaDevice {
     fn synchronize(&self) {
         for s in &self.streams {
             if let Err(e) = s.synchronize() {
-                self.fail(format!("synchronize {:?}: {e:?}", s.cu_stream()));
+                self.fail(Error::cuda("synchronize a stream", e));
             }
         }
     }
@@ -591,7 +585,7 @@ impl Device for CudaDevice {
                     end: f64::from(b) * 1e-3,
                     bytes: t.bytes,
                 }),
-                Err(e) => self.fail(format!("time {}: {e:?}", t.name)),
+                Err(e) => self.fail(Error::cuda(format!("time {}", t.name), e)),
             }
         }
         out
@@ -601,12 +595,8 @@ impl Device for CudaDevice {
         self.epoch
     }
 
-    fn take_error(&self) -> Option<String> {
-        self.shared
-            .error
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
+    fn take_error(&self) -> Option<Error> {
+        lock(&self.shared.error).take()
     }
 
     fn pci_bus_id(&self) -> Option<String> {
@@ -614,7 +604,7 @@ impl Device for CudaDevice {
     }
 
     fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {
-        Some(Arc::new(CudaRegistrar(self.rt.clone())))
+        Some(Arc::new(CudaRegistrar(self.rt.ctx.clone())))
     }
 }
 
@@ -634,75 +624,4 @@ impl Drop for CudaDevice {
         // SAFETY: as above; the workspace was allocated in `open`.
         unsafe { cudarc::driver::sys::cuMemFree_v2(self.ws) };
     }
-}
-
-/// Page-locks host regions for the GPU (`cuMemHostRegister`, portable, not write-combined).
-#[derive(Debug)]
-pub struct CudaRegistrar(Arc<CudaRuntime>);
-
-#[derive(Debug)]
-struct CudaRegistration {
-    ptr: usize,
-    _rt: Arc<CudaRuntime>,
-}
-
-impl Registration for CudaRegistration {}
-
-impl Drop for CudaRegistration {
-    fn drop(&mut self) {
-        // The dropping thread may not have the context current.
-        let _ = self._rt.ctx.bind_to_thread();
-        // SAFETY: registered in `register`; the region is still mapped (Region drops the
-        // registration before unmapping).
-        unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _) };
-    }
-}
-
-impl HostRegistrar for CudaRegistrar {
-    unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Box<dyn Registration>> {
-        drv(self.0.ctx.bind_to_thread(), "bind the context")?;
-        // SAFETY: the caller keeps `ptr..ptr+len` mapped until the registration drops.
-        unsafe { super::cuda::host_register(ptr.as_ptr(), len)? };
-        Ok(Box::new(CudaRegistration {
-            ptr: ptr.as_ptr() as usize,
-            _rt: self.0.clone(),
-        }))
-    }
-}
-
-/// Tolerance of the training check: fp32 on both sides, differing only in summation order
-/// (cuBLAS, atomics in the weight-gradient reductions) compounded over a few steps.
-pub const TOL_TRAINING: f64 = 1e-3;
-
-/// `selftest`'s training check: [`super::selftest::STEPS`] steps of the self-test model on GPU
-/// `ordinal` against the same steps on the CPU device.
-pub fn selftest_training(ordinal: usize, seed: u64) -> Result<Vec<super::selftest::Check>> {
-    use super::selftest::{compare_runs, small_model, train_steps, BATCH, SEQ};
-    let cfg = small_model()?;
-    let layout = crate::store::layout::StateLayout::new(&cfg, crate::store::layout::Mode::Exact);
-    let tm = Arc::new(Templates::new(&layout.config, SEQ)?);
-    let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
-    let cpu = Arc::new(super::cpu::CpuDevice::new(
-        super::cpu::CpuDeviceConfig {
-            capacity_bytes: 1 << 30,
-            link: None,
-            jitter: None,
-            batch: BATCH,
-            seq: SEQ,
-        },
-        tm.clone(),
-    )?);
-    let want = train_steps(&machine, cpu, tm.clone(), seed)?;
-    let gpu = Arc::new(CudaDevice::open(
-        CudaDeviceConfig {
-            ordinal,
-            batch: BATCH,
-            seq: SEQ,
-            capacity_bytes: None,
-            tf32: false,
-        },
-        tm.clone(),
-    )?);
-    let got = train_steps(&machine, gpu, tm, seed)?;
-    Ok(compare_runs(&got, &want, TOL_TRAINING))
 }

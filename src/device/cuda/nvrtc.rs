@@ -10,7 +10,7 @@
 //! cudarc's own lookup by soname finds it — cudarc panics when it cannot load a library, which is
 //! why nothing here calls cudarc before [`load`] succeeded.
 
-use super::kernels::{nvrtc_options, KernelFile, FILES};
+use crate::device::kernels::{nvrtc_options, KernelFile, FILES};
 use crate::{Error, Result};
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -177,15 +177,16 @@ pub fn compile(tc: &Toolchain, f: &KernelFile, arch: &str) -> Result<Compiled> {
     })
 }
 
-/// Compile every kernel file for `arch` and check each exports its symbols.
+/// Compile every kernel file for `arch` and check each exports its kernels.
 pub fn compile_all(tc: &Toolchain, arch: &str) -> Result<Vec<Compiled>> {
     FILES
         .iter()
         .map(|f| {
             let c = compile(tc, f, arch)?;
             if let Some(missing) = f
-                .symbols
+                .kernels
                 .iter()
+                .map(|k| k.name)
                 .find(|s| !c.ptx.contains(&format!(".entry {s}(")))
             {
                 return Err(Error::system(

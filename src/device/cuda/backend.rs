@@ -6,84 +6,21 @@
 //! losses come back through a page-locked buffer and a host function that adds their sum to the
 //! step's loss once the kernels before it are done.
 //!
-//! Not run on a GPU yet (this project has none): every kernel it launches is checked against the
-//! CPU reference by `megatrain selftest --device cuda`, and the program that calls it is checked
-//! bit for bit against the reference layers on the CPU backend.
+//! Every kernel it launches is checked against the CPU reference by `megatrain selftest --device
+//! cuda`, and the program that calls it is checked bit for bit against the reference layers on
+//! the CPU backend.
 
-use super::cuda::{attn_args, cfg, drv, CudaRuntime};
-use super::launch;
-use super::program::{Backend, Gemm};
+use super::launches::{i32_of, AttnArgs, Dtype, Launcher};
+use super::pinned::{host_fn, Pinned};
+use super::runtime::{drv, CudaRuntime, DevPtr};
+use crate::device::launch;
+use crate::device::program::{Backend, Gemm};
 use crate::model::ops::{AttnShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t as Op};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::sync::{Arc, Mutex};
-
-/// A device address.
-pub type DevPtr = u64;
-
-/// Page-locked host memory from `cuMemHostAlloc`.
-#[derive(Debug)]
-pub struct Pinned {
-    ptr: *mut u8,
-    bytes: usize,
-    ctx: Arc<cudarc::driver::CudaContext>,
-}
-
-// SAFETY: plain memory owned by this value; users synchronize access through stream order.
-unsafe impl Send for Pinned {}
-// SAFETY: as above.
-unsafe impl Sync for Pinned {}
-
-impl Pinned {
-    /// `bytes` of page-locked memory (portable: usable from every context).
-    pub fn new(ctx: &Arc<cudarc::driver::CudaContext>, bytes: usize) -> Result<Self> {
-        drv(ctx.bind_to_thread(), "bind the context")?;
-        // SAFETY: allocates; freed in Drop.
-        let ptr = unsafe {
-            cudarc::driver::result::malloc_host(
-                bytes.max(4),
-                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        }
-        .map_err(|e| {
-            Error::system(
-                "CUDA driver",
-                format!(
-                    "allocate {} of page-locked memory",
-                    crate::util::human_bytes(bytes as u64)
-                ),
-                format!("{e:?}"),
-            )
-            .with_fix("raise the memlock limit (`ulimit -l unlimited`) or free host memory")
-        })?;
-        Ok(Pinned {
-            ptr: ptr.cast(),
-            bytes,
-            ctx: ctx.clone(),
-        })
-    }
-
-    /// The memory.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    /// Its size.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // The dropping thread may not have the context current.
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by cuMemHostAlloc in `new`; owners synchronize before dropping.
-        let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
-    }
-}
 
 /// A raw pointer handed to a host function.
 #[derive(Clone, Copy)]
@@ -91,59 +28,7 @@ struct SendPtr<T>(*mut T);
 // SAFETY: the memory it points to is kept alive and ordered by the stream the function runs in.
 unsafe impl<T> Send for SendPtr<T> {}
 
-unsafe extern "C" fn run_boxed(arg: *mut std::ffi::c_void) {
-    // SAFETY: `arg` is the Box leaked by `host_fn`, run exactly once here.
-    let f: Box<Box<dyn FnOnce() + Send>> = unsafe { Box::from_raw(arg.cast()) };
-    // A panic must not unwind into the driver.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-}
-
-/// Run `f` on a driver thread once everything enqueued on `stream` before it is done (it holds
-/// the stream until it returns). `f` must not call CUDA.
-pub fn host_fn(stream: &CudaStream, f: impl FnOnce() + Send + 'static) -> Result<()> {
-    let b: Box<Box<dyn FnOnce() + Send>> = Box::new(Box::new(f));
-    let raw = Box::into_raw(b);
-    // SAFETY: `run_boxed` takes ownership of `raw` when the driver calls it.
-    let r = unsafe {
-        cudarc::driver::result::stream::launch_host_function(
-            stream.cu_stream(),
-            run_boxed,
-            raw.cast(),
-        )
-    };
-    if let Err(e) = r {
-        // SAFETY: the driver refused it, so it will never run: reclaim the Box.
-        drop(unsafe { Box::from_raw(raw) });
-        return Err(Error::system(
-            "CUDA driver",
-            "enqueue a host function",
-            format!("{e:?}"),
-        ));
-    }
-    Ok(())
-}
-
-/// Launch kernel `$name` on the backend's stream with `$args` (device pointers as `u64`).
-macro_rules! k {
-    ($be:expr, $name:expr, $l:expr, $($arg:expr),* $(,)?) => {{
-        let f = $be.rt.function($name)?;
-        let mut b = $be.stream.launch_builder(f);
-        $( b.arg($arg); )*
-        // SAFETY: every launch passes the kernel's exact parameter list (kernels/*.cu), and the
-        // program checked each range against its buffer before calling the backend.
-        drv(unsafe { b.launch(cfg($l)) }, $name)?;
-    }};
-}
-
-fn i32_of(v: usize, what: &str) -> Result<i32> {
-    i32::try_from(v).map_err(|_| {
-        Error::system(
-            "CUDA kernels",
-            what,
-            format!("{v} exceeds the kernels' 32-bit index"),
-        )
-    })
-}
+const F32: Dtype = Dtype::F32;
 
 /// The CUDA backend of the device program.
 #[derive(Debug)]
@@ -172,8 +57,7 @@ impl CudaBackend {
         n: usize,
         tf32: bool,
     ) -> Result<Self> {
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| Error::system("cuBLAS", "create a handle", format!("{e:?}")))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda("create a handle", e))?;
         let mode = if tf32 {
             cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
         } else {
@@ -181,13 +65,8 @@ impl CudaBackend {
         };
         // SAFETY: a valid handle owned by `blas`.
         let r = unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) };
-        if r != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(Error::system(
-                "cuBLAS",
-                "set the math mode",
-                format!("{r:?}"),
-            ));
-        }
+        r.result()
+            .map_err(|e| Error::cuda("set the math mode", e))?;
         let (c, s) = rope.tables();
         let cos = drv(stream.clone_htod(c), "upload the RoPE tables")?;
         let sin = drv(stream.clone_htod(s), "upload the RoPE tables")?;
@@ -217,6 +96,13 @@ impl CudaBackend {
         self.rt.sms
     }
 
+    fn k(&self) -> Launcher<'_> {
+        Launcher {
+            rt: &self.rt,
+            stream: &self.stream,
+        }
+    }
+
     fn tables(&self) -> (DevPtr, DevPtr) {
         let (c, _g1) = self.cos.device_ptr(&self.stream);
         let (s, _g2) = self.sin.device_ptr(&self.stream);
@@ -238,11 +124,10 @@ impl Backend for CudaBackend {
 
     fn upload_ids(&mut self, ids: &[u32]) -> Result<DevPtr> {
         if 4 * ids.len() > self.ids_stage.bytes() {
-            return Err(Error::system(
-                "CUDA device",
-                "upload token ids",
+            return Err(Error::internal(
+                "CUDA backend",
                 format!(
-                    "{} ids for a buffer of {}",
+                    "{} token ids for a buffer of {}",
                     ids.len(),
                     self.ids_stage.bytes() / 4
                 ),
@@ -304,48 +189,24 @@ impl Backend for CudaBackend {
                 i32_of(c.ldc, "gemm ld")?,
             )
         }
-        .map_err(|e| Error::system("cuBLAS", "sgemm", format!("{e:?}")))
+        .map_err(|e| Error::cuda("sgemm", e))
     }
 
     fn bias_fwd(&mut self, y: DevPtr, b: DevPtr, rows: usize, cols: usize) -> Result<()> {
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        k!(
-            self,
-            "bias_fwd_f32",
-            launch::elementwise(rows * cols, self.sms()),
-            &y,
-            &b,
-            &r,
-            &c
-        );
-        Ok(())
+        let l = launch::elementwise(rows * cols, self.sms());
+        self.k().bias_fwd(F32, l, y, b, r, c)
     }
 
     fn bias_bwd(&mut self, db: DevPtr, dy: DevPtr, rows: usize, cols: usize) -> Result<()> {
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        k!(
-            self,
-            "bias_bwd_f32",
-            launch::per_column(cols),
-            &db,
-            &dy,
-            &r,
-            &c
-        );
-        Ok(())
+        self.k()
+            .bias_bwd(F32, launch::per_column(cols), db, dy, r, c)
     }
 
     fn add(&mut self, y: DevPtr, x: DevPtr, len: usize) -> Result<()> {
-        let n = len as i64;
-        k!(
-            self,
-            "add_fwd_f32",
-            launch::elementwise(len, self.sms()),
-            &y,
-            &x,
-            &n
-        );
-        Ok(())
+        let l = launch::elementwise(len, self.sms());
+        self.k().add(F32, l, y, x, len as i64)
     }
 
     fn zero(&mut self, dst: DevPtr, len: usize) -> Result<()> {
@@ -366,19 +227,8 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<()> {
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
-        k!(
-            self,
-            "rmsnorm_fwd_f32",
-            launch::per_row(rows, c)?,
-            &y,
-            &rstd,
-            &x,
-            &w,
-            &r,
-            &ci,
-            &eps
-        );
-        Ok(())
+        let l = launch::per_row(rows, c)?;
+        self.k().rmsnorm_fwd(F32, l, y, rstd, x, w, r, ci, eps)
     }
 
     fn rmsnorm_bwd(
@@ -393,20 +243,8 @@ impl Backend for CudaBackend {
         c: usize,
     ) -> Result<()> {
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
-        k!(
-            self,
-            "rmsnorm_bwd_f32",
-            launch::per_row(rows, c)?,
-            &dx,
-            &dw,
-            &dy,
-            &x,
-            &w,
-            &rstd,
-            &r,
-            &ci
-        );
-        Ok(())
+        let l = launch::per_row(rows, c)?;
+        self.k().rmsnorm_bwd(F32, l, dx, dw, dy, x, w, rstd, r, ci)
     }
 
     fn rope(
@@ -418,10 +256,12 @@ impl Backend for CudaBackend {
         inverse: bool,
     ) -> Result<()> {
         if t > self.max_pos {
-            return Err(Error::system(
-                "CUDA kernels",
-                "rope",
-                format!("sequence of {t} beyond the table's {}", self.max_pos),
+            return Err(Error::internal(
+                "CUDA backend",
+                format!(
+                    "RoPE of a sequence of {t} beyond the table's {}",
+                    self.max_pos
+                ),
             ));
         }
         let (cos, sin) = self.tables();
@@ -432,13 +272,7 @@ impl Backend for CudaBackend {
             i32_of(self.head_dim, "head_dim")?,
         );
         let l = launch::elementwise(rows * heads * self.head_dim / 2, self.sms());
-        let name = if inverse {
-            "rope_bwd_f32"
-        } else {
-            "rope_fwd_f32"
-        };
-        k!(self, name, l, &x, &cos, &sin, &n, &ti, &h, &hd);
-        Ok(())
+        self.k().rope(F32, inverse, l, x, cos, sin, n, ti, h, hd)
     }
 
     fn attention_fwd(
@@ -451,24 +285,8 @@ impl Backend for CudaBackend {
         s: AttnShape,
     ) -> Result<()> {
         let g = launch::attention(s, self.smem)?;
-        let (t, nh, nkv, hd, tile, scale) = attn_args(s, &g);
-        k!(
-            self,
-            "attention_fwd_f32",
-            g.rows,
-            &o,
-            &lse,
-            &q,
-            &kk,
-            &v,
-            &t,
-            &nh,
-            &nkv,
-            &hd,
-            &tile,
-            &scale
-        );
-        Ok(())
+        let a = AttnArgs::new(s, &g)?;
+        self.k().attention_fwd(F32, g.rows, o, lse, q, kk, v, a)
     }
 
     fn attention_bwd(
@@ -486,60 +304,16 @@ impl Backend for CudaBackend {
         s: AttnShape,
     ) -> Result<()> {
         let g = launch::attention(s, self.smem)?;
-        let (t, nh, nkv, hd, tile, scale) = attn_args(s, &g);
-        k!(
-            self,
-            "attention_bwd_f32",
-            g.rows,
-            &dq,
-            &delta,
-            &d_o,
-            &o,
-            &q,
-            &kk,
-            &v,
-            &lse,
-            &t,
-            &nh,
-            &nkv,
-            &hd,
-            &tile,
-            &scale
-        );
-        k!(
-            self,
-            "attention_bwd_kv_f32",
-            g.kv,
-            &dk,
-            &dv,
-            &d_o,
-            &q,
-            &kk,
-            &v,
-            &lse,
-            &delta,
-            &t,
-            &nh,
-            &nkv,
-            &hd,
-            &tile,
-            &scale
-        );
-        Ok(())
+        let a = AttnArgs::new(s, &g)?;
+        self.k()
+            .attention_bwd(F32, g.rows, dq, delta, d_o, o, q, kk, v, lse, a)?;
+        self.k()
+            .attention_bwd_kv(F32, g.kv, dk, dv, d_o, q, kk, v, lse, delta, a)
     }
 
     fn swiglu_fwd(&mut self, h: DevPtr, g: DevPtr, u: DevPtr, len: usize) -> Result<()> {
-        let n = len as i64;
-        k!(
-            self,
-            "swiglu_fwd_f32",
-            launch::elementwise(len, self.sms()),
-            &h,
-            &g,
-            &u,
-            &n
-        );
-        Ok(())
+        let l = launch::elementwise(len, self.sms());
+        self.k().swiglu_fwd(F32, l, h, g, u, len as i64)
     }
 
     fn swiglu_bwd(
@@ -551,19 +325,8 @@ impl Backend for CudaBackend {
         u: DevPtr,
         len: usize,
     ) -> Result<()> {
-        let n = len as i64;
-        k!(
-            self,
-            "swiglu_bwd_f32",
-            launch::elementwise(len, self.sms()),
-            &dg,
-            &du,
-            &dh,
-            &g,
-            &u,
-            &n
-        );
-        Ok(())
+        let l = launch::elementwise(len, self.sms());
+        self.k().swiglu_bwd(F32, l, dg, du, dh, g, u, len as i64)
     }
 
     fn embed_fwd(
@@ -576,17 +339,8 @@ impl Backend for CudaBackend {
         _vocab: usize,
     ) -> Result<()> {
         let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
-        k!(
-            self,
-            "embedding_fwd_f32",
-            launch::elementwise(rows * c, self.sms()),
-            &x,
-            &e,
-            &ids,
-            &n,
-            &ci
-        );
-        Ok(())
+        let l = launch::elementwise(rows * c, self.sms());
+        self.k().embedding_fwd(F32, l, x, e, ids, n, ci)
     }
 
     fn embed_bwd(
@@ -599,17 +353,8 @@ impl Backend for CudaBackend {
         _vocab: usize,
     ) -> Result<()> {
         let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
-        k!(
-            self,
-            "embedding_bwd_f32",
-            launch::elementwise(rows * c, self.sms()),
-            &de,
-            &dx,
-            &ids,
-            &n,
-            &ci
-        );
-        Ok(())
+        let l = launch::elementwise(rows * c, self.sms());
+        self.k().embedding_bwd(F32, l, de, dx, ids, n, ci)
     }
 
     fn cross_entropy(
@@ -622,26 +367,19 @@ impl Backend for CudaBackend {
         scale: f32,
     ) -> Result<()> {
         let (r, v) = (i32_of(rows, "rows")?, i32_of(vocab, "vocab")?);
-        k!(
-            self,
-            "cross_entropy_bwd_f32",
-            launch::per_row(rows, vocab)?,
-            &logits,
-            &losses,
-            &targets,
-            &r,
-            &v,
-            &scale
-        );
-        Ok(())
+        let l = launch::per_row(rows, vocab)?;
+        self.k()
+            .cross_entropy_bwd(F32, l, logits, losses, targets, r, v, scale)
     }
 
     fn add_loss(&mut self, losses: DevPtr, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {
         if 4 * rows > self.losses.bytes() {
-            return Err(Error::system(
-                "CUDA device",
-                "read losses",
-                format!("{rows} rows for a buffer of {}", self.losses.bytes() / 4),
+            return Err(Error::internal(
+                "CUDA backend",
+                format!(
+                    "losses of {rows} rows for a buffer of {}",
+                    self.losses.bytes() / 4
+                ),
             ));
         }
         let host = SendPtr(self.losses.as_ptr().cast::<f32>());
@@ -661,7 +399,7 @@ impl Backend for CudaBackend {
             // SAFETY: the copy above completed (stream order) and nothing else writes it now.
             let l = unsafe { std::slice::from_raw_parts(host.0, rows) };
             let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
-            *into.lock().unwrap_or_else(|e| e.into_inner()) += s;
+            *crate::util::lock(&into) += s;
         })
     }
 }

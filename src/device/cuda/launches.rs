@@ -1,0 +1,511 @@
+//! One typed launch wrapper per kernel of `kernels/*.cu`. Each passes its arguments as the
+//! kernel's C signature declares them, and every launch is checked against the declared
+//! [`Signature`](crate::device::kernels::Signature) before it reaches the driver — which the test
+//! suite checks against the compiled PTX — so an argument list cannot drift from its kernel.
+
+use super::runtime::{CudaRuntime, DevPtr};
+use crate::device::kernels::{signature, Param};
+use crate::device::launch::{AttnLaunch, AttnShape, Launch};
+use crate::{Error, Result};
+use cudarc::driver::CudaStream;
+
+/// The storage type of a kernel family (the symbol's `_f32`/`_bf16` suffix); math is fp32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    /// fp32 storage.
+    F32,
+    /// bf16 storage.
+    Bf16,
+}
+
+impl Dtype {
+    fn symbol(self, stem: &str) -> String {
+        match self {
+            Dtype::F32 => format!("{stem}_f32"),
+            Dtype::Bf16 => format!("{stem}_bf16"),
+        }
+    }
+}
+
+/// A kernel argument by value.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    Ptr(DevPtr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    fn param(self) -> Param {
+        match self {
+            Arg::Ptr(_) => Param::Ptr,
+            Arg::I32(_) => Param::I32,
+            Arg::I64(_) => Param::I64,
+            Arg::F32(_) => Param::F32,
+        }
+    }
+
+    /// Where the value lives, as `cuLaunchKernel` takes it.
+    fn as_mut_ptr(&mut self) -> *mut std::ffi::c_void {
+        match self {
+            Arg::Ptr(v) => (v as *mut u64).cast(),
+            Arg::I32(v) => (v as *mut i32).cast(),
+            Arg::I64(v) => (v as *mut i64).cast(),
+            Arg::F32(v) => (v as *mut f32).cast(),
+        }
+    }
+}
+
+/// The scalar arguments the three attention kernels share.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnArgs {
+    t: i32,
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    tile: i32,
+    scale: f32,
+}
+
+impl AttnArgs {
+    /// For `s` with geometry `g`: softmax scale 1/√hd.
+    pub fn new(s: AttnShape, g: &AttnLaunch) -> Result<Self> {
+        Ok(AttnArgs {
+            t: i32_of(s.t, "sequence length")?,
+            nh: i32_of(s.nh, "heads")?,
+            nkv: i32_of(s.nkv, "kv heads")?,
+            hd: i32_of(s.hd, "head dim")?,
+            tile: g.tile as i32,
+            scale: 1.0 / (s.hd as f32).sqrt(),
+        })
+    }
+
+    fn args(self) -> [Arg; 6] {
+        [
+            Arg::I32(self.t),
+            Arg::I32(self.nh),
+            Arg::I32(self.nkv),
+            Arg::I32(self.hd),
+            Arg::I32(self.tile),
+            Arg::F32(self.scale),
+        ]
+    }
+}
+
+/// `v` as a kernel's 32-bit count, or an error naming `what`.
+pub fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        Error::bad_input(
+            "CUDA kernel argument",
+            what.to_owned(),
+            format!("{v} exceeds the kernels' 32-bit index"),
+            Some("lower --batch-size / --seq-len"),
+        )
+    })
+}
+
+/// Launches on one stream.
+#[derive(Debug, Clone, Copy)]
+pub struct Launcher<'a> {
+    /// Where the kernels are loaded.
+    pub rt: &'a CudaRuntime,
+    /// The stream they run on.
+    pub stream: &'a CudaStream,
+}
+
+use Arg::{Ptr, F32, I32, I64};
+
+impl Launcher<'_> {
+    fn launch(&self, name: &str, l: Launch, args: &[Arg]) -> Result<()> {
+        let sig = signature(name)
+            .ok_or_else(|| Error::internal("CUDA launch", format!("no kernel {name}")))?;
+        let given: Vec<Param> = args.iter().map(|a| a.param()).collect();
+        if given != sig.params {
+            return Err(Error::internal(
+                "CUDA launch",
+                format!("{name} takes {:?}, the launch passes {given:?}", sig.params),
+            ));
+        }
+        let f = self.rt.function(name)?;
+        let mut values = args.to_vec();
+        let mut ptrs: Vec<*mut std::ffi::c_void> = values.iter_mut().map(Arg::as_mut_ptr).collect();
+        super::runtime::drv(self.rt.ctx.bind_to_thread(), "bind the context")?;
+        // SAFETY: the argument list matches the kernel's declared (and PTX-checked) parameter
+        // types one for one; `values` outlives the call; every pointer argument addresses a
+        // device range the caller sized for this shape.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                l.grid,
+                (l.block, 1, 1),
+                l.smem,
+                self.stream.cu_stream(),
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| Error::cuda(format!("launch {name}"), e))
+    }
+
+    /// `out[r] = wte[tokens[r]]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_fwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        out: DevPtr,
+        wte: DevPtr,
+        tokens: DevPtr,
+        n: i32,
+        c: i32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("embedding_fwd"),
+            l,
+            &[Ptr(out), Ptr(wte), Ptr(tokens), I32(n), I32(c)],
+        )
+    }
+
+    /// `dwte[tokens[r]] += dout[r]` (fp32 accumulator).
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_bwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        dwte: DevPtr,
+        dout: DevPtr,
+        tokens: DevPtr,
+        n: i32,
+        c: i32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("embedding_bwd"),
+            l,
+            &[Ptr(dwte), Ptr(dout), Ptr(tokens), I32(n), I32(c)],
+        )
+    }
+
+    /// RMSNorm forward; `rstd` [N].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_fwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        out: DevPtr,
+        rstd: DevPtr,
+        x: DevPtr,
+        w: DevPtr,
+        n: i32,
+        c: i32,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("rmsnorm_fwd"),
+            l,
+            &[
+                Ptr(out),
+                Ptr(rstd),
+                Ptr(x),
+                Ptr(w),
+                I32(n),
+                I32(c),
+                F32(eps),
+            ],
+        )
+    }
+
+    /// RMSNorm backward: `dx =`, `dw +=`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_bwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        dx: DevPtr,
+        dw: DevPtr,
+        dout: DevPtr,
+        x: DevPtr,
+        w: DevPtr,
+        rstd: DevPtr,
+        n: i32,
+        c: i32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("rmsnorm_bwd"),
+            l,
+            &[
+                Ptr(dx),
+                Ptr(dw),
+                Ptr(dout),
+                Ptr(x),
+                Ptr(w),
+                Ptr(rstd),
+                I32(n),
+                I32(c),
+            ],
+        )
+    }
+
+    /// RoPE in place (`inverse`: the backward).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        dt: Dtype,
+        inverse: bool,
+        l: Launch,
+        x: DevPtr,
+        cos: DevPtr,
+        sin: DevPtr,
+        n: i32,
+        t: i32,
+        h: i32,
+        hd: i32,
+    ) -> Result<()> {
+        let stem = if inverse { "rope_bwd" } else { "rope_fwd" };
+        self.launch(
+            &dt.symbol(stem),
+            l,
+            &[Ptr(x), Ptr(cos), Ptr(sin), I32(n), I32(t), I32(h), I32(hd)],
+        )
+    }
+
+    /// `out = silu(gate)·up` over `n` elements.
+    pub fn swiglu_fwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        out: DevPtr,
+        gate: DevPtr,
+        up: DevPtr,
+        n: i64,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("swiglu_fwd"),
+            l,
+            &[Ptr(out), Ptr(gate), Ptr(up), I64(n)],
+        )
+    }
+
+    /// SwiGLU backward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_bwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        dgate: DevPtr,
+        dup: DevPtr,
+        dout: DevPtr,
+        gate: DevPtr,
+        up: DevPtr,
+        n: i64,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("swiglu_bwd"),
+            l,
+            &[Ptr(dgate), Ptr(dup), Ptr(dout), Ptr(gate), Ptr(up), I64(n)],
+        )
+    }
+
+    /// Causal GQA attention forward; `lse` [B, NH, T] fp32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_fwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        out: DevPtr,
+        lse: DevPtr,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        a: AttnArgs,
+    ) -> Result<()> {
+        let mut args = vec![Ptr(out), Ptr(lse), Ptr(q), Ptr(k), Ptr(v)];
+        args.extend(a.args());
+        self.launch(&dt.symbol("attention_fwd"), l, &args)
+    }
+
+    /// Attention backward, dq (and `delta` [B, NH, T], fp32 scratch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_bwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        dq: DevPtr,
+        delta: DevPtr,
+        dout: DevPtr,
+        out: DevPtr,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        lse: DevPtr,
+        a: AttnArgs,
+    ) -> Result<()> {
+        let mut args = vec![
+            Ptr(dq),
+            Ptr(delta),
+            Ptr(dout),
+            Ptr(out),
+            Ptr(q),
+            Ptr(k),
+            Ptr(v),
+            Ptr(lse),
+        ];
+        args.extend(a.args());
+        self.launch(&dt.symbol("attention_bwd"), l, &args)
+    }
+
+    /// Attention backward, dk and dv.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_bwd_kv(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        dk: DevPtr,
+        dv: DevPtr,
+        dout: DevPtr,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        lse: DevPtr,
+        delta: DevPtr,
+        a: AttnArgs,
+    ) -> Result<()> {
+        let mut args = vec![
+            Ptr(dk),
+            Ptr(dv),
+            Ptr(dout),
+            Ptr(q),
+            Ptr(k),
+            Ptr(v),
+            Ptr(lse),
+            Ptr(delta),
+        ];
+        args.extend(a.args());
+        self.launch(&dt.symbol("attention_bwd_kv"), l, &args)
+    }
+
+    /// Per-row loss of a chunk of logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_fwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        losses: DevPtr,
+        logits: DevPtr,
+        targets: DevPtr,
+        rows: i32,
+        vocab: i32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("cross_entropy_fwd"),
+            l,
+            &[
+                Ptr(losses),
+                Ptr(logits),
+                Ptr(targets),
+                I32(rows),
+                I32(vocab),
+            ],
+        )
+    }
+
+    /// Per-row loss, and the logits replaced by `scale·(softmax − onehot)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_bwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        logits: DevPtr,
+        losses: DevPtr,
+        targets: DevPtr,
+        rows: i32,
+        vocab: i32,
+        scale: f32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("cross_entropy_bwd"),
+            l,
+            &[
+                Ptr(logits),
+                Ptr(losses),
+                Ptr(targets),
+                I32(rows),
+                I32(vocab),
+                F32(scale),
+            ],
+        )
+    }
+
+    /// fp32 → bf16, nearest-even.
+    pub fn cast_f32_bf16(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
+        self.launch("cast_fwd_f32_bf16", l, &[Ptr(out), Ptr(x), I64(n)])
+    }
+
+    /// bf16 → fp32.
+    pub fn cast_bf16_f32(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
+        self.launch("cast_fwd_bf16_f32", l, &[Ptr(out), Ptr(x), I64(n)])
+    }
+
+    /// `*out += Σ x²` (f64 accumulator).
+    pub fn sumsq(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
+        self.launch("sumsq_fwd_f32", l, &[Ptr(out), Ptr(x), I64(n)])
+    }
+
+    /// `y[r, :] += b`.
+    pub fn bias_fwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        y: DevPtr,
+        b: DevPtr,
+        n: i32,
+        c: i32,
+    ) -> Result<()> {
+        self.launch(&dt.symbol("bias_fwd"), l, &[Ptr(y), Ptr(b), I32(n), I32(c)])
+    }
+
+    /// `db += Σ_rows dy` (fp32 accumulator).
+    pub fn bias_bwd(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        db: DevPtr,
+        dy: DevPtr,
+        n: i32,
+        c: i32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("bias_bwd"),
+            l,
+            &[Ptr(db), Ptr(dy), I32(n), I32(c)],
+        )
+    }
+
+    /// `y += x` over `n` elements.
+    pub fn add(&self, dt: Dtype, l: Launch, y: DevPtr, x: DevPtr, n: i64) -> Result<()> {
+        self.launch(&dt.symbol("add_fwd"), l, &[Ptr(y), Ptr(x), I64(n)])
+    }
+}
+
+/// Every kernel with a wrapper above, by symbol: the test suite checks that this list covers
+/// every exported kernel.
+pub const WRAPPED: &[&str] = &[
+    "embedding_fwd",
+    "embedding_bwd",
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
+    "rope_fwd",
+    "rope_bwd",
+    "swiglu_fwd",
+    "swiglu_bwd",
+    "attention_fwd",
+    "attention_bwd",
+    "attention_bwd_kv",
+    "cross_entropy_fwd",
+    "cross_entropy_bwd",
+    "cast_fwd_f32_bf16",
+    "cast_fwd_bf16_f32",
+    "sumsq_fwd_f32",
+    "bias_fwd",
+    "bias_bwd",
+    "add_fwd",
+];

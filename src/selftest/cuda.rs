@@ -1,0 +1,747 @@
+//! `megatrain selftest --device cuda`: every kernel and GEMM on fresh random inputs against the
+//! CPU reference (a table of cases, each a reference, a launch and a tolerance), a few training
+//! steps on the CUDA device against the CPU device, and the page-locked link.
+
+use super::{compare, compare_runs, small_model, train_steps, Check, BATCH, SEQ};
+use crate::device::cuda::launches::{AttnArgs, Dtype, Launcher};
+use crate::device::cuda::pinned::PageLock;
+use crate::device::cuda::{drv, CudaDevice, CudaDeviceConfig, CudaRuntime, DevPtr};
+use crate::device::launch::{self, AttnShape};
+use crate::model::ops;
+use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
+use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use std::sync::Arc;
+
+/// fp32 kernels differ from the CPU only in summation order and FMA.
+const TOL_F32: f64 = 1e-4;
+/// bf16 storage rounds every stored value to 8 bits of mantissa.
+const TOL_BF16: f64 = 3e-2;
+/// TF32 tensor cores keep 10 bits of mantissa in the products.
+const TOL_TF32: f64 = 1e-2;
+/// Tolerance of the training check: fp32 on both sides, differing only in summation order
+/// (cuBLAS, atomics in the weight-gradient reductions) compounded over a few steps.
+pub const TOL_TRAINING: f64 = 1e-3;
+
+/// What the CPU reference sees of a bf16-stored input: the value rounded to bf16 (RNE).
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|x| bf16_to_f32(f32_to_bf16(*x))).collect()
+}
+
+/// The GPU side of a case: uploads, downloads and launches on the runtime's stream.
+struct Gpu<'a> {
+    rt: &'a CudaRuntime,
+    seed: u64,
+}
+
+impl Gpu<'_> {
+    fn k(&self) -> Launcher<'_> {
+        Launcher {
+            rt: self.rt,
+            stream: &self.rt.stream,
+        }
+    }
+
+    fn rnd(&self, n: usize, k: u64, scale: f32) -> Vec<f32> {
+        crate::util::uniform(n, self.seed.wrapping_add(k), scale)
+    }
+
+    fn up<T: DeviceRepr>(&self, x: &[T]) -> Result<CudaSlice<T>> {
+        drv(self.rt.stream.clone_htod(x), "copy to the device")
+    }
+
+    fn up16(&self, x: &[f32]) -> Result<CudaSlice<u16>> {
+        let bits: Vec<u16> = x.iter().map(|v| f32_to_bf16(*v)).collect();
+        self.up(&bits)
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        drv(self.rt.stream.alloc_zeros::<T>(n), "allocate")
+    }
+
+    fn down(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        drv(self.rt.stream.clone_dtoh(x), "copy to the host")
+    }
+
+    fn down16(&self, x: &CudaSlice<u16>) -> Result<Vec<f32>> {
+        Ok(drv(self.rt.stream.clone_dtoh(x), "copy to the host")?
+            .into_iter()
+            .map(bf16_to_f32)
+            .collect())
+    }
+
+    fn p<T>(&self, x: &CudaSlice<T>) -> DevPtr {
+        x.device_ptr(&self.rt.stream).0
+    }
+
+    fn sms(&self) -> u32 {
+        self.rt.sms
+    }
+}
+
+/// One output compared: its label, what the GPU produced, what the CPU reference did.
+type Out = (String, Vec<f32>, Vec<f32>);
+
+/// One self-test case: a family of kernels (or a GEMM) on fresh inputs.
+struct Case {
+    name: &'static str,
+    tolerance: f64,
+    run: fn(&Gpu<'_>) -> Result<Vec<Out>>,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "rmsnorm f32",
+        tolerance: TOL_F32,
+        run: rmsnorm_f32,
+    },
+    Case {
+        name: "rmsnorm bf16",
+        tolerance: TOL_BF16,
+        run: rmsnorm_bf16,
+    },
+    Case {
+        name: "swiglu f32",
+        tolerance: TOL_F32,
+        run: swiglu_f32,
+    },
+    Case {
+        name: "swiglu bf16",
+        tolerance: TOL_BF16,
+        run: swiglu_bf16,
+    },
+    Case {
+        name: "rope f32",
+        tolerance: TOL_F32,
+        run: rope_f32,
+    },
+    Case {
+        name: "attention f32",
+        tolerance: TOL_F32,
+        run: attention_f32,
+    },
+    Case {
+        name: "attention bf16",
+        tolerance: TOL_BF16,
+        run: attention_bf16,
+    },
+    Case {
+        name: "cross-entropy f32",
+        tolerance: TOL_F32,
+        run: cross_entropy_f32,
+    },
+    Case {
+        name: "cross-entropy bf16",
+        tolerance: 10.0 * TOL_F32,
+        run: cross_entropy_bf16,
+    },
+    Case {
+        name: "sumsq",
+        tolerance: TOL_F32,
+        run: sumsq,
+    },
+    Case {
+        name: "cast f32→bf16 (bit-exact)",
+        tolerance: 0.0,
+        run: cast,
+    },
+    Case {
+        name: "embedding and bias/add f32",
+        tolerance: TOL_F32,
+        run: embedding_bias_add,
+    },
+    Case {
+        name: "gemm f32",
+        tolerance: TOL_F32,
+        run: gemm_f32,
+    },
+    Case {
+        name: "gemm tf32",
+        tolerance: TOL_TF32,
+        run: gemm_tf32,
+    },
+    Case {
+        name: "gemm bf16 (fp32 accumulate)",
+        tolerance: 10.0 * TOL_F32,
+        run: gemm_bf16,
+    },
+];
+
+/// Run every case on fresh random inputs (`seed`) against the CPU reference.
+pub fn kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
+    let gpu = Gpu { rt, seed };
+    let mut out = Vec::new();
+    for case in CASES {
+        for (label, got, want) in (case.run)(&gpu)? {
+            out.push(compare(
+                &format!("{}: {label}", case.name),
+                &got,
+                &want,
+                case.tolerance,
+            ));
+        }
+    }
+    drv(rt.stream.synchronize(), "synchronize")?;
+    Ok(out)
+}
+
+const RMS: (usize, usize, f32) = (64, 1000, 1e-5);
+
+fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (n, c, eps) = RMS;
+    let x = g.rnd(n * c, 1, 2.0);
+    let w: Vec<f32> = g.rnd(c, 2, 0.5).iter().map(|v| v + 1.0).collect();
+    let dy = g.rnd(n * c, 3, 1.0);
+    let (mut y_ref, mut rstd_ref) = (vec![0.0; n * c], vec![0.0; n]);
+    ops::rmsnorm_fwd(&mut y_ref, &mut rstd_ref, &x, &w, c, eps);
+    let (mut dx_ref, mut dw_ref) = (vec![0.0; n * c], vec![0.0; c]);
+    ops::rmsnorm_bwd(&mut dx_ref, false, &mut dw_ref, &dy, &x, &w, &rstd_ref, c);
+    let (xd, wd, dyd) = (g.up(&x)?, g.up(&w)?, g.up(&dy)?);
+    let (yd, rd) = (g.zeros::<f32>(n * c)?, g.zeros::<f32>(n)?);
+    let (dxd, dwd) = (g.zeros::<f32>(n * c)?, g.zeros::<f32>(c)?);
+    let l = launch::per_row(n, c)?;
+    let (ni, ci) = (n as i32, c as i32);
+    let k = g.k();
+    k.rmsnorm_fwd(
+        Dtype::F32,
+        l,
+        g.p(&yd),
+        g.p(&rd),
+        g.p(&xd),
+        g.p(&wd),
+        ni,
+        ci,
+        eps,
+    )?;
+    k.rmsnorm_bwd(
+        Dtype::F32,
+        l,
+        g.p(&dxd),
+        g.p(&dwd),
+        g.p(&dyd),
+        g.p(&xd),
+        g.p(&wd),
+        g.p(&rd),
+        ni,
+        ci,
+    )?;
+    Ok(vec![
+        ("forward".into(), g.down(&yd)?, y_ref),
+        ("backward dx".into(), g.down(&dxd)?, dx_ref),
+        ("backward dw".into(), g.down(&dwd)?, dw_ref),
+    ])
+}
+
+fn rmsnorm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (n, c, eps) = RMS;
+    let x = g.rnd(n * c, 1, 2.0);
+    let w: Vec<f32> = g.rnd(c, 2, 0.5).iter().map(|v| v + 1.0).collect();
+    // The reference sees the same rounded inputs.
+    let (mut y_ref, mut rstd_ref) = (vec![0.0; n * c], vec![0.0; n]);
+    ops::rmsnorm_fwd(
+        &mut y_ref,
+        &mut rstd_ref,
+        &round_bf16(&x),
+        &round_bf16(&w),
+        c,
+        eps,
+    );
+    let (xb, wb) = (g.up16(&x)?, g.up16(&w)?);
+    let (yb, rd) = (g.zeros::<u16>(n * c)?, g.zeros::<f32>(n)?);
+    let l = launch::per_row(n, c)?;
+    g.k().rmsnorm_fwd(
+        Dtype::Bf16,
+        l,
+        g.p(&yb),
+        g.p(&rd),
+        g.p(&xb),
+        g.p(&wb),
+        n as i32,
+        c as i32,
+        eps,
+    )?;
+    Ok(vec![("forward".into(), g.down16(&yb)?, y_ref)])
+}
+
+const SWIGLU_N: usize = 100_003;
+
+fn swiglu_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let m = SWIGLU_N;
+    let (gate, up, dh) = (g.rnd(m, 4, 3.0), g.rnd(m, 5, 1.0), g.rnd(m, 6, 1.0));
+    let mut h_ref = vec![0.0; m];
+    ops::swiglu_fwd(&mut h_ref, &gate, &up);
+    let (mut dg_ref, mut du_ref) = (vec![0.0; m], vec![0.0; m]);
+    ops::swiglu_bwd(&mut dg_ref, &mut du_ref, &dh, &gate, &up);
+    let (gd, ud, dhd) = (g.up(&gate)?, g.up(&up)?, g.up(&dh)?);
+    let (hd, dgd, dud) = (g.zeros::<f32>(m)?, g.zeros::<f32>(m)?, g.zeros::<f32>(m)?);
+    let l = launch::elementwise(m, g.sms());
+    let k = g.k();
+    k.swiglu_fwd(Dtype::F32, l, g.p(&hd), g.p(&gd), g.p(&ud), m as i64)?;
+    k.swiglu_bwd(
+        Dtype::F32,
+        l,
+        g.p(&dgd),
+        g.p(&dud),
+        g.p(&dhd),
+        g.p(&gd),
+        g.p(&ud),
+        m as i64,
+    )?;
+    Ok(vec![
+        ("forward".into(), g.down(&hd)?, h_ref),
+        ("backward dgate".into(), g.down(&dgd)?, dg_ref),
+        ("backward dup".into(), g.down(&dud)?, du_ref),
+    ])
+}
+
+fn swiglu_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let m = 4099usize;
+    let (gate, up) = (g.rnd(m, 24, 3.0), g.rnd(m, 25, 1.0));
+    let mut h_ref = vec![0.0; m];
+    ops::swiglu_fwd(&mut h_ref, &round_bf16(&gate), &round_bf16(&up));
+    let (gd, ud, hd) = (g.up16(&gate)?, g.up16(&up)?, g.zeros::<u16>(m)?);
+    let l = launch::elementwise(m, g.sms());
+    g.k()
+        .swiglu_fwd(Dtype::Bf16, l, g.p(&hd), g.p(&gd), g.p(&ud), m as i64)?;
+    Ok(vec![("forward".into(), g.down16(&hd)?, h_ref)])
+}
+
+fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (bt, t, heads, hd) = (2 * 37usize, 37usize, 6usize, 64usize);
+    let rope = ops::Rope::new(hd, 10_000.0, t);
+    let (cos, sin) = rope.tables();
+    let q = g.rnd(bt * heads * hd, 7, 1.0);
+    let mut out = Vec::new();
+    for inverse in [false, true] {
+        let mut want = q.clone();
+        rope.apply(&mut want, t, heads, inverse);
+        let (qd, cd, sd) = (g.up(&q)?, g.up(cos)?, g.up(sin)?);
+        let l = launch::elementwise(bt * heads * hd / 2, g.sms());
+        g.k().rope(
+            Dtype::F32,
+            inverse,
+            l,
+            g.p(&qd),
+            g.p(&cd),
+            g.p(&sd),
+            bt as i32,
+            t as i32,
+            heads as i32,
+            hd as i32,
+        )?;
+        let label = if inverse { "backward" } else { "forward" };
+        out.push((label.into(), g.down(&qd)?, want));
+    }
+    Ok(out)
+}
+
+/// GQA, T not a multiple of the tile.
+const ATTN: AttnShape = AttnShape {
+    b: 2,
+    t: 70,
+    nh: 8,
+    nkv: 2,
+    hd: 64,
+};
+
+fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let s = ATTN;
+    let (qn, kn, rows) = (
+        s.b * s.t * s.nh * s.hd,
+        s.b * s.t * s.nkv * s.hd,
+        s.b * s.nh * s.t,
+    );
+    let (q, k, v, d_o) = (
+        g.rnd(qn, 8, 1.0),
+        g.rnd(kn, 9, 1.0),
+        g.rnd(kn, 10, 1.0),
+        g.rnd(qn, 11, 1.0),
+    );
+    let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
+    ops::attention_fwd(&mut o_ref, &mut lse_ref, &q, &k, &v, s);
+    let (mut dq_ref, mut dk_ref, mut dv_ref) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
+    ops::attention_bwd(
+        &mut dq_ref,
+        &mut dk_ref,
+        &mut dv_ref,
+        &d_o,
+        &q,
+        &k,
+        &v,
+        &o_ref,
+        &lse_ref,
+        s,
+    );
+    let geo = launch::attention(s, launch::DEFAULT_SMEM)?;
+    let a = AttnArgs::new(s, &geo)?;
+    let (qd, kd, vd, dod) = (g.up(&q)?, g.up(&k)?, g.up(&v)?, g.up(&d_o)?);
+    let (od, lsed, deltad) = (
+        g.zeros::<f32>(qn)?,
+        g.zeros::<f32>(rows)?,
+        g.zeros::<f32>(rows)?,
+    );
+    let (dqd, dkd, dvd) = (
+        g.zeros::<f32>(qn)?,
+        g.zeros::<f32>(kn)?,
+        g.zeros::<f32>(kn)?,
+    );
+    let kk = g.k();
+    kk.attention_fwd(
+        Dtype::F32,
+        geo.rows,
+        g.p(&od),
+        g.p(&lsed),
+        g.p(&qd),
+        g.p(&kd),
+        g.p(&vd),
+        a,
+    )?;
+    kk.attention_bwd(
+        Dtype::F32,
+        geo.rows,
+        g.p(&dqd),
+        g.p(&deltad),
+        g.p(&dod),
+        g.p(&od),
+        g.p(&qd),
+        g.p(&kd),
+        g.p(&vd),
+        g.p(&lsed),
+        a,
+    )?;
+    kk.attention_bwd_kv(
+        Dtype::F32,
+        geo.kv,
+        g.p(&dkd),
+        g.p(&dvd),
+        g.p(&dod),
+        g.p(&qd),
+        g.p(&kd),
+        g.p(&vd),
+        g.p(&lsed),
+        g.p(&deltad),
+        a,
+    )?;
+    Ok(vec![
+        ("forward out".into(), g.down(&od)?, o_ref),
+        ("forward lse".into(), g.down(&lsed)?, lse_ref),
+        ("backward dq".into(), g.down(&dqd)?, dq_ref),
+        ("backward dk".into(), g.down(&dkd)?, dk_ref),
+        ("backward dv".into(), g.down(&dvd)?, dv_ref),
+    ])
+}
+
+fn attention_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let s = AttnShape {
+        b: 1,
+        t: 45,
+        nh: 4,
+        nkv: 4,
+        hd: 128,
+    };
+    let (qn, kn, rows) = (
+        s.b * s.t * s.nh * s.hd,
+        s.b * s.t * s.nkv * s.hd,
+        s.b * s.nh * s.t,
+    );
+    let (q, k, v) = (g.rnd(qn, 21, 1.0), g.rnd(kn, 22, 1.0), g.rnd(kn, 23, 1.0));
+    let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
+    ops::attention_fwd(
+        &mut o_ref,
+        &mut lse_ref,
+        &round_bf16(&q),
+        &round_bf16(&k),
+        &round_bf16(&v),
+        s,
+    );
+    let geo = launch::attention(s, launch::DEFAULT_SMEM)?;
+    let (qd, kd, vd) = (g.up16(&q)?, g.up16(&k)?, g.up16(&v)?);
+    let (od, lsed) = (g.zeros::<u16>(qn)?, g.zeros::<f32>(rows)?);
+    g.k().attention_fwd(
+        Dtype::Bf16,
+        geo.rows,
+        g.p(&od),
+        g.p(&lsed),
+        g.p(&qd),
+        g.p(&kd),
+        g.p(&vd),
+        AttnArgs::new(s, &geo)?,
+    )?;
+    Ok(vec![("forward out".into(), g.down16(&od)?, o_ref)])
+}
+
+/// Loss and `scale·(softmax − onehot)` of each row of `z`, in f32.
+fn cross_entropy_ref(z: &[f32], targets: &[u32], vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let rows = targets.len();
+    let (mut loss, mut grad) = (vec![0.0f32; rows], vec![0.0f32; rows * vocab]);
+    for r in 0..rows {
+        let zr = &z[r * vocab..(r + 1) * vocab];
+        let mx = zr.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
+        let lse = mx + zr.iter().map(|x| (x - mx).exp()).sum::<f32>().ln();
+        loss[r] = lse - zr[targets[r] as usize];
+        for (j, gr) in grad[r * vocab..(r + 1) * vocab].iter_mut().enumerate() {
+            let onehot = if j == targets[r] as usize { 1.0 } else { 0.0 };
+            *gr = scale * ((zr[j] - lse).exp() - onehot);
+        }
+    }
+    (loss, grad)
+}
+
+fn cross_entropy_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (rows, vocab, scale) = (33usize, 5003usize, 0.25f32);
+    let z = g.rnd(rows * vocab, 12, 4.0);
+    let targets: Vec<u32> = (0..rows).map(|r| (r * 131 % vocab) as u32).collect();
+    let (loss_ref, grad_ref) = cross_entropy_ref(&z, &targets, vocab, scale);
+    let (zd, td, ld) = (g.up(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
+    g.k().cross_entropy_bwd(
+        Dtype::F32,
+        launch::per_row(rows, vocab)?,
+        g.p(&zd),
+        g.p(&ld),
+        g.p(&td),
+        rows as i32,
+        vocab as i32,
+        scale,
+    )?;
+    Ok(vec![
+        ("loss".into(), g.down(&ld)?, loss_ref),
+        ("gradient".into(), g.down(&zd)?, grad_ref),
+    ])
+}
+
+fn cross_entropy_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (rows, vocab) = (9usize, 1001usize);
+    let z = g.rnd(rows * vocab, 26, 4.0);
+    let targets: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
+    let (loss_ref, _) = cross_entropy_ref(&round_bf16(&z), &targets, vocab, 1.0);
+    let (zd, td, ld) = (g.up16(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
+    g.k().cross_entropy_fwd(
+        Dtype::Bf16,
+        launch::per_row(rows, vocab)?,
+        g.p(&ld),
+        g.p(&zd),
+        g.p(&td),
+        rows as i32,
+        vocab as i32,
+    )?;
+    Ok(vec![("loss".into(), g.down(&ld)?, loss_ref)])
+}
+
+fn sumsq(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let x = g.rnd(1 << 20, 13, 1.0);
+    let want = crate::optim::adamw::sumsq(&x);
+    let (xd, sd) = (g.up(&x)?, g.zeros::<f64>(1)?);
+    let l = launch::elementwise(x.len(), g.sms());
+    g.k().sumsq(l, g.p(&sd), g.p(&xd), x.len() as i64)?;
+    let got = drv(g.rt.stream.clone_dtoh(&sd), "copy to the host")?[0];
+    Ok(vec![("Σx²".into(), vec![got as f32], vec![want as f32])])
+}
+
+fn cast(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let x = g.rnd(1 << 20, 13, 1.0);
+    let (xd, bd) = (g.up(&x)?, g.zeros::<u16>(x.len())?);
+    let l = launch::elementwise(x.len(), g.sms());
+    g.k().cast_f32_bf16(l, g.p(&bd), g.p(&xd), x.len() as i64)?;
+    // Round-to-nearest-even on both sides: bit-exact.
+    Ok(vec![("values".into(), g.down16(&bd)?, round_bf16(&x))])
+}
+
+fn embedding_bias_add(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (n, c, vocab) = (50usize, 96usize, 40usize);
+    let wte = g.rnd(vocab * c, 18, 1.0);
+    let tokens: Vec<u32> = (0..n).map(|i| (i * 7 % 13) as u32).collect();
+    let dy = g.rnd(n * c, 19, 1.0);
+    let bias = g.rnd(c, 20, 1.0);
+    let mut x_ref = vec![0.0f32; n * c];
+    let mut dw_ref = vec![0.0f32; vocab * c];
+    for (r, &t) in tokens.iter().enumerate() {
+        let t = t as usize;
+        x_ref[r * c..(r + 1) * c].copy_from_slice(&wte[t * c..(t + 1) * c]);
+        for j in 0..c {
+            dw_ref[t * c + j] += dy[r * c + j];
+        }
+    }
+    let mut y_ref = dy.clone();
+    let mut db_ref = vec![0.0f32; c];
+    for r in 0..n {
+        for j in 0..c {
+            y_ref[r * c + j] += bias[j] + x_ref[r * c + j];
+            db_ref[j] += dy[r * c + j];
+        }
+    }
+    let (wd, dyd, td, bd) = (g.up(&wte)?, g.up(&dy)?, g.up(&tokens)?, g.up(&bias)?);
+    let (xd, dwd, dbd, yd) = (
+        g.zeros::<f32>(n * c)?,
+        g.zeros::<f32>(vocab * c)?,
+        g.zeros::<f32>(c)?,
+        g.up(&dy)?,
+    );
+    let l = launch::elementwise(n * c, g.sms());
+    let (ni, ci) = (n as i32, c as i32);
+    let k = g.k();
+    k.embedding_fwd(Dtype::F32, l, g.p(&xd), g.p(&wd), g.p(&td), ni, ci)?;
+    k.embedding_bwd(Dtype::F32, l, g.p(&dwd), g.p(&dyd), g.p(&td), ni, ci)?;
+    k.bias_fwd(Dtype::F32, l, g.p(&yd), g.p(&bd), ni, ci)?;
+    k.add(Dtype::F32, l, g.p(&yd), g.p(&xd), (n * c) as i64)?;
+    k.bias_bwd(
+        Dtype::F32,
+        launch::per_column(c),
+        g.p(&dbd),
+        g.p(&dyd),
+        ni,
+        ci,
+    )?;
+    Ok(vec![
+        ("embedding forward".into(), g.down(&xd)?, x_ref),
+        ("embedding backward".into(), g.down(&dwd)?, dw_ref),
+        ("bias + residual forward".into(), g.down(&yd)?, y_ref),
+        ("bias backward".into(), g.down(&dbd)?, db_ref),
+    ])
+}
+
+/// `y[M, N] = x[M, K] · w[N, K]ᵀ` (a Linear) through cuBLAS in fp32 or TF32.
+fn gemm_sgemm(g: &Gpu<'_>, tf32: bool) -> Result<Vec<Out>> {
+    use cudarc::cublas::{sys::cublasOperation_t as Op, CudaBlas, Gemm, GemmConfig};
+    let (mm, nn, kk) = (129usize, 257usize, 511usize);
+    let (x, w) = (g.rnd(mm * kk, 14, 1.0), g.rnd(nn * kk, 15, 1.0));
+    let mut want = vec![0.0f32; mm * nn];
+    ops::linear_fwd(&mut want, &x, &w, None, mm, kk, nn);
+    let blas = CudaBlas::new(g.rt.stream.clone()).map_err(|e| Error::cuda("create a handle", e))?;
+    let mode = if tf32 {
+        cudarc::cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+    } else {
+        cudarc::cublas::sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+    };
+    // SAFETY: a valid handle owned by `blas`.
+    let r = unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) };
+    r.result()
+        .map_err(|e| Error::cuda("set the math mode", e))?;
+    let (xd, wd) = (g.up(&x)?, g.up(&w)?);
+    let mut yd = g.zeros::<f32>(mm * nn)?;
+    // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ: A = w (transposed), B = x.
+    let cfg = GemmConfig {
+        transa: Op::CUBLAS_OP_T,
+        transb: Op::CUBLAS_OP_N,
+        m: nn as i32,
+        n: mm as i32,
+        k: kk as i32,
+        alpha: 1.0f32,
+        lda: kk as i32,
+        ldb: kk as i32,
+        beta: 0.0f32,
+        ldc: nn as i32,
+    };
+    // SAFETY: the buffers hold M·K, N·K and M·N elements as the config describes.
+    unsafe { blas.gemm(cfg, &wd, &xd, &mut yd) }.map_err(|e| Error::cuda("sgemm", e))?;
+    Ok(vec![("y = x·wᵀ".into(), g.down(&yd)?, want)])
+}
+
+fn gemm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    gemm_sgemm(g, false)
+}
+
+fn gemm_tf32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    gemm_sgemm(g, true)
+}
+
+/// The same Linear in bf16 with fp32 accumulation and an fp32 result (`cublasGemmEx`).
+fn gemm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    use cudarc::cublas::sys::{
+        cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t as Op, cudaDataType_t,
+    };
+    let (mm, nn, kk) = (65usize, 130usize, 257usize);
+    let (x, w) = (g.rnd(mm * kk, 16, 1.0), g.rnd(nn * kk, 17, 1.0));
+    let mut want = vec![0.0f32; mm * nn];
+    ops::linear_fwd(
+        &mut want,
+        &round_bf16(&x),
+        &round_bf16(&w),
+        None,
+        mm,
+        kk,
+        nn,
+    );
+    let blas = cudarc::cublas::CudaBlas::new(g.rt.stream.clone())
+        .map_err(|e| Error::cuda("create a handle", e))?;
+    let (xd, wd, yd) = (g.up16(&x)?, g.up16(&w)?, g.zeros::<f32>(mm * nn)?);
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: A = w [N, K] bf16, B = x [M, K] bf16, C = y [M, N] fp32, as described.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            Op::CUBLAS_OP_T,
+            Op::CUBLAS_OP_N,
+            nn as i32,
+            mm as i32,
+            kk as i32,
+            (&alpha as *const f32).cast(),
+            g.p(&wd) as *const _,
+            cudaDataType_t::CUDA_R_16BF,
+            kk as i32,
+            g.p(&xd) as *const _,
+            cudaDataType_t::CUDA_R_16BF,
+            kk as i32,
+            (&beta as *const f32).cast(),
+            g.p(&yd) as *mut _,
+            cudaDataType_t::CUDA_R_32F,
+            nn as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| Error::cuda("gemm_ex bf16", e))?;
+    Ok(vec![("y = x·wᵀ".into(), g.down(&yd)?, want)])
+}
+
+/// The training check: [`super::STEPS`] steps of the self-test model on GPU `ordinal` against
+/// the same steps on the CPU device.
+pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
+    let cfg = small_model()?;
+    let tm = Arc::new(crate::model::reference::Templates::new(&cfg, SEQ)?);
+    let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
+    let cpu = Arc::new(crate::device::cpu::CpuDevice::new(
+        crate::device::cpu::CpuDeviceConfig {
+            capacity_bytes: 1 << 30,
+            link: None,
+            jitter: None,
+            batch: BATCH,
+            seq: SEQ,
+        },
+        tm.clone(),
+    )?);
+    let want = train_steps(&machine, cpu, tm.clone(), seed)?;
+    let gpu = Arc::new(CudaDevice::open(
+        CudaDeviceConfig {
+            ordinal,
+            batch: BATCH,
+            seq: SEQ,
+            capacity_bytes: None,
+            tf32: false,
+        },
+        tm.clone(),
+    )?);
+    let got = train_steps(&machine, gpu, tm, seed)?;
+    Ok(compare_runs(&got, &want, TOL_TRAINING))
+}
+
+/// Host→device and device→host GB/s of a 256 MiB copy from page-locked host memory, median of
+/// 5, timed with events.
+pub fn link(rt: &CudaRuntime) -> Result<(f64, f64)> {
+    let n = 64usize << 20; // f32 elements: 256 MiB
+    let host = crate::host::Region::allocate(crate::host::RegionSpec::scratch(
+        "selftest pinned buffer",
+        n * 4,
+    ))?;
+    let _locked = PageLock::region(&rt.ctx, &host)?;
+    // SAFETY: the region holds n f32 and is page-locked while `_locked` lives.
+    let hs = unsafe { std::slice::from_raw_parts_mut(host.as_ptr().cast::<f32>(), n) };
+    let mut dev = drv(rt.stream.alloc_zeros::<f32>(n), "allocate 256 MiB")?;
+    let gbps = |ms: f64| (n * 4) as f64 / (ms * 1e-3) / 1e9;
+    let htod = rt.time_ms(None, 5, &mut || {
+        drv(rt.stream.memcpy_htod(&*hs, &mut dev), "copy host to device")
+    })?;
+    let dtoh = rt.time_ms(None, 5, &mut || {
+        drv(rt.stream.memcpy_dtoh(&dev, &mut *hs), "copy device to host")
+    })?;
+    Ok((gbps(htod), gbps(dtoh)))
+}
