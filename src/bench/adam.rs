@@ -34,7 +34,7 @@ pub struct AdamBenchArgs {
 }
 
 /// One measured kernel.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Measured {
     /// Median seconds per iteration.
     pub median_s: f64,
@@ -47,7 +47,7 @@ pub struct Measured {
 }
 
 /// The result of `bench adam`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct AdamBenchReport {
     /// CPU model.
     pub cpu: Option<String>,

@@ -10,12 +10,12 @@ use serde::Serialize;
 use std::time::Instant;
 
 /// One host↔device case.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct LinkCase {
     /// Host NUMA node of the buffer (and of the thread issuing the copies).
     pub node: u32,
     /// "htod", "dtoh", "bidirectional" (both at once; GB/s of both directions summed).
-    pub direction: &'static str,
+    pub direction: String,
     /// Page-locked (cuMemHostRegister) or pageable host memory.
     pub pinned: bool,
     /// Bytes per copy.
@@ -25,7 +25,7 @@ pub struct LinkCase {
 }
 
 /// The report.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct LinkReport {
     /// Bytes per copy.
     pub bytes: u64,
@@ -42,7 +42,7 @@ pub struct LinkReport {
 }
 
 /// The host↔device part.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct GpuLinkReport {
     /// Device name.
     pub name: String,
@@ -266,7 +266,7 @@ fn gpu_copies(
                     };
                     out.push(LinkCase {
                         node: *node,
-                        direction,
+                        direction: direction.to_owned(),
                         pinned,
                         bytes,
                         gbps: moved as f64 / (ms * 1e-3) / 1e9,

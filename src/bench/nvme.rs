@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// One measured case.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct NvmeCase {
     /// Block size, bytes.
     pub block_bytes: usize,
@@ -28,7 +28,7 @@ pub struct NvmeCase {
 }
 
 /// fio on the same directories, block size and queue depth.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
 pub struct FioCase {
     /// Median write GB/s.
     pub write_gbps: f64,
@@ -37,7 +37,7 @@ pub struct FioCase {
 }
 
 /// The report.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct NvmeReport {
     /// Directories (one file each).
     pub dirs: Vec<PathBuf>,

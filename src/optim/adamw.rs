@@ -164,7 +164,9 @@ pub fn sumsq_scalar(x: &[f32]) -> f64 {
 }
 
 /// Which implementation runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
 pub enum Isa {
     /// Plain Rust.
     Scalar,

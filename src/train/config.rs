@@ -126,162 +126,172 @@ pub enum Activations {
     Host,
 }
 
-/// Every setting of a training run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainConfig {
-    /// HF checkpoint directory to start from.
-    pub init_from: Option<PathBuf>,
-    /// HF config.json for a random init.
-    pub model: Option<PathBuf>,
-    /// Training tokens.
-    pub data: Option<PathBuf>,
-    /// Token file element type.
-    pub data_dtype: DataDtype,
-    /// Validation tokens.
-    pub val_data: Option<PathBuf>,
-    /// Tokens per sequence.
-    pub seq_len: usize,
-    /// Sequences per micro-batch.
-    pub batch_size: usize,
-    /// Micro-batches per optimizer step.
-    pub grad_accum: usize,
-    /// Optimizer steps.
-    pub steps: u64,
-    /// Peak learning rate.
-    pub lr: f64,
-    /// AdamW β1.
-    pub beta1: f64,
-    /// AdamW β2.
-    pub beta2: f64,
-    /// AdamW ε.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
-    /// Decay 1-D tensors (norm weights, biases) too.
-    pub decay_norms: bool,
-    /// Global-norm clipping threshold (0 disables).
-    pub grad_clip: f64,
-    /// Learning-rate schedule.
-    pub lr_schedule: LrSchedule,
-    /// Linear warm-up steps.
-    pub warmup_steps: u64,
-    /// Seed of the random init and the shuffle.
-    pub seed: u64,
-    /// Shuffle rows (a seeded permutation per epoch).
-    pub shuffle: bool,
-    /// Metrics JSONL file.
-    pub metrics: Option<PathBuf>,
-    /// Checkpoint directory.
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Checkpoint every N steps (0: only at the end).
-    pub checkpoint_every: u64,
-    /// Checkpoints kept.
-    pub keep_checkpoints: usize,
-    /// Continue from the newest checkpoint in `checkpoint_dir`: never, always (an error when
-    /// there is none), auto (when there is one).
-    pub resume: Resume,
-    /// Export the final model as an HF checkpoint here.
-    pub export_hf: Option<PathBuf>,
-    /// Compute device.
-    pub device: DeviceKind,
-    /// Device memory budget (bytes) of the CPU device (the CUDA device uses the GPU's free
-    /// memory).
-    pub device_memory: u64,
-    /// CUDA: let cuBLAS use TF32 tensor cores for the fp32 GEMMs (faster, ~1e-3 relative error
-    /// per GEMM instead of fp32's ~1e-6).
-    pub tf32: bool,
-    /// Pages backing the host store: transparent, or reserved hugetlbfs pages (2m, 1g).
-    pub huge_pages: crate::host::PageKind,
-    /// mlock the host store (needs a memlock limit ≥ the store, or CAP_IPC_LOCK).
-    pub lock_memory: bool,
-    /// Directories for the NVMe spill tier (one per device).
-    pub nvme: Vec<PathBuf>,
-    /// When Adam m/v go to NVMe: never, auto (only as many units as the RAM budget needs; the
-    /// default, and only with `nvme` set), all.
-    pub spill: crate::store::placement::SpillPolicy,
-    /// RAM staging slots of the spill tier (each one unit's m+v; 3 overlaps read, update and
-    /// write-back).
-    pub spill_staging: usize,
-    /// Spill I/O engine: auto (io_uring, else pread/pwrite threads), uring, sync.
-    pub io_engine: crate::spill::io::EngineKind,
-    /// O_DIRECT for the spill files (off: buffered I/O).
-    pub direct_io: bool,
-    /// Cap on the host RAM the state may use, bytes (default: 90% of free memory).
-    pub ram_budget: Option<u64>,
-    /// Where activation checkpoints live; unset: on the device when they fit its memory beside
-    /// the working set, else offloaded to host.
-    pub activations: Option<Activations>,
-    /// Streaming precision.
-    pub precision: Precision,
-    /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
-    /// fits (and there is no gradient accumulation), else exact with m/v spilled.
-    pub mode: Option<Mode>,
-    /// Chrome trace of every step.
-    pub trace: Option<PathBuf>,
-    /// Validate every N steps (0: only at the end).
-    pub val_every: u64,
-    /// Sequences used per validation.
-    pub val_batches: usize,
+/// Declares every training setting once: [`TrainConfig`] (the resolved configuration, recorded
+/// in checkpoints), its defaults, and [`TrainOverrides`] — the same settings, each optional, read
+/// from a TOML file or from `megatrain train`'s flags (clap `flatten`) — with
+/// [`TrainConfig::apply`] laying them over a configuration. A setting added here is a TOML key
+/// and a flag at once; none can be forgotten.
+///
+/// Per setting: doc, `kind name: Type = default => FlagType [clap attributes]`, where the kind
+/// says how a given flag applies: `value` replaces, `some` sets an optional setting, `list`
+/// replaces a non-empty list.
+macro_rules! settings {
+    ($(
+        $(#[doc = $doc:literal])*
+        $kind:ident $field:ident : $ty:ty = $default:expr => $flag:ty [$($arg:tt)*];
+    )*) => {
+        /// Every setting of a training run.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields, default)]
+        pub struct TrainConfig {
+            $( $(#[doc = $doc])* pub $field: $ty, )*
+        }
+
+        impl Default for TrainConfig {
+            fn default() -> Self {
+                TrainConfig { $( $field: $default, )* }
+            }
+        }
+
+        /// The settings a TOML file or the command line gives: each optional, laid over a
+        /// [`TrainConfig`] by [`TrainConfig::apply`]. Unknown TOML keys are errors.
+        #[derive(Debug, Clone, Default, PartialEq, Deserialize, clap::Args)]
+        #[serde(deny_unknown_fields, default)]
+        pub struct TrainOverrides {
+            $( $(#[doc = $doc])* #[arg(long, $($arg)*)] pub $field: $flag, )*
+        }
+
+        impl TrainConfig {
+            /// `o`'s given settings over these.
+            #[must_use]
+            pub fn apply(mut self, o: TrainOverrides) -> Self {
+                $( settings!(@apply $kind, self.$field, o.$field); )*
+                self
+            }
+        }
+    };
+    (@apply value, $s:expr, $f:expr) => { if let Some(v) = $f { $s = v.into(); } };
+    (@apply some, $s:expr, $f:expr) => { if let Some(v) = $f { $s = Some(v.into()); } };
+    (@apply list, $s:expr, $f:expr) => { if !$f.is_empty() { $s = $f; } };
 }
 
-impl Default for TrainConfig {
-    fn default() -> Self {
-        TrainConfig {
-            init_from: None,
-            model: None,
-            data: None,
-            data_dtype: DataDtype::U16,
-            val_data: None,
-            seq_len: 128,
-            batch_size: 8,
-            grad_accum: 1,
-            steps: 100,
-            lr: 3e-4,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-            decay_norms: true,
-            grad_clip: 1.0,
-            lr_schedule: LrSchedule::Constant,
-            warmup_steps: 0,
-            seed: 0,
-            shuffle: false,
-            metrics: None,
-            checkpoint_dir: None,
-            checkpoint_every: 0,
-            keep_checkpoints: 3,
-            resume: Resume::Never,
-            export_hf: None,
-            device: DeviceKind::Cpu,
-            device_memory: 2 << 30,
-            tf32: false,
-            huge_pages: crate::host::PageKind::Transparent,
-            lock_memory: false,
-            nvme: Vec::new(),
-            spill: crate::store::placement::SpillPolicy::Auto,
-            spill_staging: 3,
-            io_engine: crate::spill::io::EngineKind::Auto,
-            direct_io: true,
-            ram_budget: None,
-            activations: None,
-            precision: Precision::Fp32,
-            mode: None,
-            trace: None,
-            val_every: 0,
-            val_batches: 8,
-        }
-    }
+use crate::host::PageKind;
+use crate::spill::io::EngineKind;
+use crate::store::placement::SpillPolicy;
+use crate::util::size::ByteSize;
+
+settings! {
+    /// HF checkpoint directory to start from.
+    some init_from: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
+    /// HF config.json for a random init.
+    some model: Option<PathBuf> = None => Option<PathBuf> [value_name = "CONFIG.json"];
+    /// Training tokens.
+    some data: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE"];
+    /// Token file element type.
+    value data_dtype: DataDtype = DataDtype::U16 => Option<DataDtype> [value_enum];
+    /// Validation tokens.
+    some val_data: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE"];
+    /// Tokens per sequence.
+    value seq_len: usize = 128 => Option<usize> [];
+    /// Sequences per micro-batch.
+    value batch_size: usize = 8 => Option<usize> [];
+    /// Micro-batches per optimizer step.
+    value grad_accum: usize = 1 => Option<usize> [];
+    /// Optimizer steps.
+    value steps: u64 = 100 => Option<u64> [];
+    /// Peak learning rate.
+    value lr: f64 = 3e-4 => Option<f64> [allow_negative_numbers = true];
+    /// AdamW β1.
+    value beta1: f64 = 0.9 => Option<f64> [allow_negative_numbers = true];
+    /// AdamW β2.
+    value beta2: f64 = 0.999 => Option<f64> [allow_negative_numbers = true];
+    /// AdamW ε.
+    value eps: f64 = 1e-8 => Option<f64> [allow_negative_numbers = true];
+    /// Decoupled weight decay.
+    value weight_decay: f64 = 0.01 => Option<f64> [allow_negative_numbers = true];
+    /// Decay 1-D tensors (norm weights, biases) too.
+    value decay_norms: bool = true => Option<bool> [num_args = 0..=1, default_missing_value = "true"];
+    /// Global-norm clipping threshold (0 disables).
+    value grad_clip: f64 = 1.0 => Option<f64> [allow_negative_numbers = true];
+    /// Learning-rate schedule.
+    value lr_schedule: LrSchedule = LrSchedule::Constant => Option<LrSchedule> [value_enum];
+    /// Linear warm-up steps.
+    value warmup_steps: u64 = 0 => Option<u64> [];
+    /// Seed of the random init and the shuffle.
+    value seed: u64 = 0 => Option<u64> [];
+    /// Shuffle rows (a seeded permutation per epoch).
+    value shuffle: bool = false => Option<bool> [num_args = 0..=1, default_missing_value = "true"];
+    /// Metrics JSONL file (a loss curve SVG is written beside it).
+    some metrics: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE.jsonl"];
+    /// Checkpoint directory (the run holds it locked).
+    some checkpoint_dir: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
+    /// Checkpoint every N steps (0: only at the end).
+    value checkpoint_every: u64 = 0 => Option<u64> [];
+    /// Checkpoints of this run kept.
+    value keep_checkpoints: usize = 3 => Option<usize> [];
+    /// Continue from the newest checkpoint in `checkpoint_dir`: never, always (an error when
+    /// there is none; what `--resume` alone means), auto (when there is one).
+    value resume: Resume = Resume::Never => Option<Resume> [value_enum, num_args = 0..=1, default_missing_value = "always", value_name = "WHEN"];
+    /// Export the final model as an HF checkpoint here.
+    some export_hf: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
+    /// Compute device.
+    value device: DeviceKind = DeviceKind::Cpu => Option<DeviceKind> [value_enum];
+    /// Device memory budget of the CPU device, bytes or a size with a unit (e.g. 64MiB; the
+    /// CUDA device uses the GPU's free memory).
+    value device_memory: u64 = 2 << 30 => Option<ByteSize> [value_name = "SIZE"];
+    /// CUDA: let cuBLAS use TF32 tensor cores for the fp32 GEMMs (faster, ~1e-3 relative error
+    /// per GEMM instead of fp32's ~1e-6).
+    value tf32: bool = false => Option<bool> [num_args = 0..=1, default_missing_value = "true"];
+    /// Pages backing the host store: transparent, or reserved hugetlbfs pages (2m, 1g).
+    value huge_pages: PageKind = PageKind::Transparent => Option<PageKind> [value_enum];
+    /// mlock the host store (needs a memlock limit ≥ the store, or CAP_IPC_LOCK).
+    value lock_memory: bool = false => Option<bool> [num_args = 0..=1, default_missing_value = "true"];
+    /// Directories for the NVMe spill tier (repeat the flag, one per device).
+    list nvme: Vec<PathBuf> = Vec::new() => Vec<PathBuf> [value_name = "DIR"];
+    /// When Adam m/v go to NVMe: never, auto (only as many units as the RAM budget needs; the
+    /// default, and only with `nvme` set), all.
+    value spill: SpillPolicy = SpillPolicy::Auto => Option<SpillPolicy> [value_enum];
+    /// RAM staging slots of the spill tier (each one unit's m+v; 3 overlaps read, update and
+    /// write-back).
+    value spill_staging: usize = 3 => Option<usize> [];
+    /// Spill I/O engine: auto (io_uring, else pread/pwrite threads), uring, sync.
+    value io_engine: EngineKind = EngineKind::Auto => Option<EngineKind> [];
+    /// O_DIRECT for the spill files (false: buffered I/O).
+    value direct_io: bool = true => Option<bool> [num_args = 0..=1, default_missing_value = "true"];
+    /// Cap on the host RAM the state may use, bytes or a size with a unit (default: 90% of
+    /// free memory).
+    some ram_budget: Option<u64> = None => Option<ByteSize> [value_name = "SIZE"];
+    /// Where activation checkpoints live; unset: on the device when they fit its memory beside
+    /// the working set, else offloaded to host.
+    some activations: Option<Activations> = None => Option<Activations> [value_enum];
+    /// Streaming precision.
+    value precision: Precision = Precision::Fp32 => Option<Precision> [value_enum];
+    /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
+    /// fits (and there is no gradient accumulation), else exact with m/v spilled.
+    some mode: Option<Mode> = None => Option<Mode> [value_enum];
+    /// Chrome trace of every step.
+    some trace: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE"];
+    /// Validate every N steps (0: only at the end).
+    value val_every: u64 = 0 => Option<u64> [];
+    /// Sequences used per validation.
+    value val_batches: usize = 8 => Option<usize> [];
 }
 
 impl TrainConfig {
-    /// Read a TOML file (unknown keys are errors).
+    /// Read a TOML file (unknown keys are errors) over the defaults.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io("read config", path, e))?;
         Self::from_toml_str(&text, &path.display().to_string())
     }
 
+    /// Parse TOML text over the defaults; `origin` names it in errors, which give the line and
+    /// the key.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self> {
+        TrainOverrides::from_toml_str(text, origin).map(|o| TrainConfig::default().apply(o))
+    }
+}
+
+impl TrainOverrides {
     /// Parse TOML text; `origin` names it in errors, which give the line and the key.
     pub fn from_toml_str(text: &str, origin: &str) -> Result<Self> {
         toml::from_str(text).map_err(|e| {
@@ -307,7 +317,9 @@ impl TrainConfig {
             )
         })
     }
+}
 
+impl TrainConfig {
     /// Learning rate at 1-based step `t`.
     pub fn lr_at(&self, t: u64) -> f64 {
         let t = t.max(1);

@@ -82,3 +82,61 @@ pub const MODEL_JSON: &str = r#"{
   "tie_word_embeddings": true,
   "hidden_act": "silu"
 }"#;
+
+/// What [`demo`] wrote.
+#[derive(Debug, Clone)]
+pub struct Demo {
+    /// The configuration of the embedded default job.
+    pub config: super::config::TrainConfig,
+    /// Its directory (`dir/demo`).
+    pub dir: std::path::PathBuf,
+    /// Corpus bytes: for training, for validation.
+    pub split: (usize, usize),
+}
+
+/// Prepare the embedded default job in `dir/demo` and return its configuration: the corpus as
+/// byte tokens (95% train, 5% validation), the model's config.json, and where the checkpoints,
+/// metrics and export go. The files are rewritten (identically) each time, so `--demo --resume`
+/// continues a demo run.
+pub fn demo(dir: &std::path::Path) -> crate::Result<Demo> {
+    use super::config::{LrSchedule, TrainConfig};
+    let run = dir.join("demo");
+    let data = run.join("data");
+    std::fs::create_dir_all(&data).map_err(|e| crate::Error::io("create directory", &data, e))?;
+    let bytes = bytes();
+    let split = bytes.len() * 95 / 100;
+    let tokens = |b: &[u8]| {
+        b.iter()
+            .flat_map(|&x| u16::from(x).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    crate::util::write_atomic(&data.join("train.bin"), &tokens(&bytes[..split]))?;
+    crate::util::write_atomic(&data.join("val.bin"), &tokens(&bytes[split..]))?;
+    crate::util::write_atomic(&run.join("model.json"), MODEL_JSON.as_bytes())?;
+    let config = TrainConfig {
+        model: Some(run.join("model.json")),
+        data: Some(data.join("train.bin")),
+        val_data: Some(data.join("val.bin")),
+        seq_len: 128,
+        batch_size: 8,
+        steps: 600,
+        lr: 2e-3,
+        lr_schedule: LrSchedule::Cosine,
+        warmup_steps: 20,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        shuffle: true,
+        metrics: Some(run.join("metrics.jsonl")),
+        checkpoint_dir: Some(run.join("checkpoints")),
+        checkpoint_every: 200,
+        export_hf: Some(run.join("hf")),
+        val_every: 100,
+        val_batches: 8,
+        ..TrainConfig::default()
+    };
+    Ok(Demo {
+        config,
+        dir: run,
+        split: (split, bytes.len() - split),
+    })
+}

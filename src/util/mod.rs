@@ -2,6 +2,7 @@
 
 pub mod failpoint;
 pub mod lock;
+pub mod size;
 
 use crate::{Error, Result};
 use std::io::Write;

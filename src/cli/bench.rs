@@ -1,0 +1,194 @@
+//! `megatrain bench adam|engine|nvme|link`: measured next to the physical limit measured in
+//! the same run. `--json` prints a report `megatrain plan --calibration` reads back.
+
+use super::print_report;
+use clap::{Args, Subcommand};
+use megatrain::bench::Report;
+use megatrain::topology::{self, TopologySource};
+use megatrain::Result;
+use std::path::PathBuf;
+
+/// Run a bench command.
+pub fn run(c: &BenchCommand) -> Result<()> {
+    match c {
+        BenchCommand::Adam(a) => bench_adam(a),
+        BenchCommand::Engine(a) => bench_engine(a),
+        BenchCommand::Nvme(a) => bench_nvme(a),
+        BenchCommand::Link(a) => bench_link(a),
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// CPU AdamW (the real store and worker pool) vs a STREAM triad on the same node and threads.
+    Adam(BenchAdamArgs),
+    /// The streaming pipeline on the CPU device with an emulated link: step time vs the serial sum
+    /// and the ideal max(compute, transfer, AdamW), for link-, compute- and AdamW-bound cases.
+    Engine(BenchEngineArgs),
+    /// Sequential write/read GB/s of the spill I/O engine per block size and queue depth.
+    Nvme(BenchNvmeArgs),
+    /// Copy bandwidth: host memcpy between every NUMA node pair; host↔device cases (waived
+    /// without a CUDA device, with the reason).
+    Link(BenchLinkArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchLinkArgs {
+    /// Bytes per copy (K/M/G suffixes, powers of 1000).
+    #[arg(long, default_value = "256M", value_parser = megatrain::util::size::parse_count)]
+    size: usize,
+    /// Copies per case; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_link(a: &BenchLinkArgs) -> Result<()> {
+    let machine = topology::probe(&TopologySource::Live)?;
+    let r = megatrain::bench::link::run(&machine, a.size.max(4096), a.reps)?;
+    print_report(a.json, &Report::Link(r), Report::render);
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct BenchNvmeArgs {
+    /// Directory on the device to test (repeat for several devices; blocks are striped).
+    #[arg(long, required = true)]
+    dir: Vec<PathBuf>,
+    /// Bytes per pass (K/M/G suffixes, powers of 1000).
+    #[arg(long, default_value = "512M", value_parser = megatrain::util::size::parse_count)]
+    size: usize,
+    /// Passes per case; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Use the pread/pwrite fallback instead of io_uring.
+    #[arg(long)]
+    no_uring: bool,
+    /// Block sizes to test (comma-separated, K/M suffixes).
+    #[arg(long, value_delimiter = ',', default_value = "128Ki,1Mi,4Mi", value_parser = megatrain::util::size::parse_count)]
+    block: Vec<usize>,
+    /// Queue depths to test (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32,64")]
+    qd: Vec<usize>,
+    /// Pages backing the I/O buffers: transparent (THP, what the spill tier uses) or small
+    /// (4 KiB, like fio's malloc'd buffers).
+    #[arg(long, default_value = "transparent")]
+    pages: megatrain::host::PageKind,
+    /// Also run fio (Debian's `fio`) on the same directories and cases and print both.
+    #[arg(long)]
+    fio: bool,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
+    use megatrain::spill::io::EngineKind;
+    let engine = if a.no_uring {
+        EngineKind::Sync
+    } else {
+        EngineKind::Auto
+    };
+    if let Some(b) = a.block.iter().find(|b| **b == 0 || !b.is_multiple_of(4096)) {
+        return Err(megatrain::Error::bad_input(
+            "--block",
+            b.to_string(),
+            "must be a positive multiple of 4 KiB (O_DIRECT)",
+            Some("e.g. --block 128Ki,1Mi,4Mi"),
+        ));
+    }
+    let r = megatrain::bench::nvme::run(&megatrain::bench::nvme::NvmeBench {
+        dirs: a.dir.clone(),
+        size: a.size as u64,
+        reps: a.reps,
+        engine,
+        blocks: a.block.clone(),
+        depths: a.qd.clone(),
+        pages: a.pages,
+        with_fio: a.fio,
+    })?;
+    print_report(a.json, &Report::Nvme(r), Report::render);
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct BenchEngineArgs {
+    /// Measured steps per configuration (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Write each configuration's timeline (Chrome trace JSON, opens in Perfetto) into this directory.
+    #[arg(long, value_name = "DIR")]
+    trace_dir: Option<PathBuf>,
+    /// Directory for the spill-bound cases' files (default: the system temp directory).
+    #[arg(long, value_name = "DIR")]
+    nvme: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_engine(args: &BenchEngineArgs) -> Result<()> {
+    let machine = topology::probe(&TopologySource::Live)?;
+    let nvme = args.nvme.clone().unwrap_or_else(std::env::temp_dir);
+    let cases = megatrain::bench::engine::run(
+        &machine,
+        args.steps.max(1),
+        &nvme,
+        args.trace_dir.as_deref(),
+    )?;
+    print_report(
+        args.json,
+        cases.as_slice(),
+        megatrain::bench::engine::render,
+    );
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAdamArgs {
+    /// Parameters per iteration (K/M/G suffixes allowed).
+    #[arg(long, default_value = "64M", value_parser = megatrain::util::size::parse_count)]
+    params: usize,
+    /// Worker threads (default: every CPU of the node).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// NUMA node (default: the first node with CPUs).
+    #[arg(long)]
+    node: Option<u32>,
+    /// Timed repetitions; the median is reported.
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// Force an implementation instead of the best this CPU has.
+    #[arg(long, value_enum)]
+    isa: Option<megatrain::optim::adamw::Isa>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
+    let isa = args.isa;
+    if let Some(i) = isa {
+        if !megatrain::optim::adamw::supported(i) {
+            return Err(megatrain::Error::bad_input(
+                "--isa",
+                format!("{i:?}"),
+                "this CPU does not support it",
+                None,
+            ));
+        }
+    }
+    let machine = topology::probe(&TopologySource::Live)?;
+    let report = megatrain::bench::adam::run(
+        &machine,
+        &megatrain::bench::adam::AdamBenchArgs {
+            params: args.params,
+            threads: args.threads,
+            node: args.node,
+            reps: args.reps,
+            isa,
+        },
+    )?;
+    print_report(args.json, &Report::Adam(report), Report::render);
+    Ok(())
+}

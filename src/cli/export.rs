@@ -1,0 +1,53 @@
+//! `megatrain export`: a training checkpoint as a Hugging Face model.
+
+use clap::Args;
+use megatrain::topology::{self, TopologySource};
+use megatrain::Result;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory (`.../step-00000100`) or a checkpoint root (the newest is used).
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    /// Output directory (must not exist or be empty).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+}
+
+pub fn run(args: &ExportArgs) -> Result<()> {
+    use megatrain::train::checkpoint;
+    let is_one = args.checkpoint.join("MANIFEST.json").exists()
+        || args.checkpoint.join("params.f32").exists();
+    let dir = if is_one {
+        args.checkpoint.clone()
+    } else {
+        checkpoint::latest(&args.checkpoint)?.ok_or_else(|| {
+            megatrain::Error::bad_input(
+                "checkpoint",
+                args.checkpoint.display().to_string(),
+                "contains no checkpoint",
+                Some("pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
+            )
+        })?
+    };
+    // Verified before anything in it is parsed.
+    let state = checkpoint::open(&dir)?;
+    let layout = megatrain::store::layout::StateLayout::new(
+        &state.model,
+        megatrain::store::layout::Mode::Lean,
+    );
+    let machine = topology::probe(&TopologySource::Live)?;
+    let placement =
+        megatrain::store::placement::place(&machine, &layout, None, Default::default())?;
+    let store = megatrain::store::HostStore::allocate(layout, placement, &Default::default())?;
+    checkpoint::load(&dir, &store)?;
+    megatrain::store::hf::export_store(&store, &args.out, 2 << 30, None)?;
+    eprintln!(
+        "exported {} (step {}) to {}",
+        dir.display(),
+        state.step,
+        args.out.display()
+    );
+    Ok(())
+}

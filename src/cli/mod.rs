@@ -1,0 +1,87 @@
+//! The `megatrain` command line: one module per subcommand, each its clap arguments and the
+//! function that runs it. The only code that prints or exits.
+
+mod bench;
+mod export;
+mod plan;
+mod prepare;
+mod probe;
+mod selftest;
+mod train;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// Full-precision LLM training on one GPU, with the training state in host memory.
+#[derive(Debug, Parser)]
+#[command(name = "megatrain", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show the machine: packages, NUMA nodes, GPUs, NVMe, and what is close to what.
+    Probe(probe::ProbeArgs),
+    /// Measure a component next to the physical limit measured in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Train a model (every key of CONFIG.toml is also a flag; flags win).
+    Train(Box<train::TrainArgs>),
+    /// Write a training checkpoint as a Hugging Face model (config.json + safetensors).
+    Export(export::ExportArgs),
+    /// Tokenize text (.txt, or .jsonl with one document per line) into a token file for --data.
+    Prepare(prepare::PrepareArgs),
+    /// Will it fit, and how fast will it go: memory per tier and a predicted step time.
+    Plan(plan::PlanArgs),
+    /// Check a device on this machine: every CUDA kernel and GEMM against the CPU reference on
+    /// fresh random inputs, training steps against the CPU device, then the host↔device
+    /// bandwidth (needs a GPU and `--features cuda`).
+    Selftest(selftest::SelftestArgs),
+    /// Load an hwloc XML file and exit: `probe --topology` runs this in a child process first,
+    /// so a file that crashes hwloc (C, trusting its input) is an error, not a crash.
+    #[command(name = "__vet-topology", hide = true)]
+    VetTopology {
+        /// The XML file.
+        file: std::path::PathBuf,
+    },
+}
+
+/// Parse the command line, run the command, and turn its outcome into the exit status: 0, the
+/// error's status (2 bad input, 1 machine or library) after one `error:` line, or 128+signal
+/// for a run stopped by a signal.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Probe(a) => probe::run(a).map(|()| 0),
+        Command::Bench(b) => bench::run(b).map(|()| 0),
+        Command::Train(a) => train::run(a),
+        Command::Export(a) => export::run(a).map(|()| 0),
+        Command::Prepare(a) => prepare::run(a).map(|()| 0),
+        Command::Plan(a) => plan::run(a).map(|()| 0),
+        Command::Selftest(a) => selftest::run(a).map(|()| 0),
+        Command::VetTopology { file } => probe::vet(file).map(|()| 0),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// Print a report as JSON (`--json`) or as its text table.
+fn print_report<T: serde::Serialize + ?Sized>(
+    json: bool,
+    report: &T,
+    render: impl Fn(&T) -> String,
+) {
+    let text = if json {
+        serde_json::to_string_pretty(report).unwrap_or_default()
+    } else {
+        render(report)
+    };
+    println!("{}", text.trim_end());
+}

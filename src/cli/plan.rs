@@ -1,0 +1,236 @@
+//! `megatrain plan`: will it fit, and how fast will it go (predictions, from datasheet figures or
+//! from the machine's own `megatrain bench` reports).
+
+use clap::Args;
+use megatrain::bench::Report;
+use megatrain::Result;
+use std::path::{Path, PathBuf};
+
+/// Rates measured on the machine, from `megatrain bench … --json` reports.
+#[derive(Debug, Default)]
+struct Calibration {
+    /// AdamW GB/s (`bench adam`).
+    adam_gbps: Option<f64>,
+    /// NVMe GB/s: the slower of read and write in the best case (`bench nvme`).
+    nvme_gbps: Option<f64>,
+    /// Best page-locked host→device and device→host GB/s (`bench link` on a GPU machine).
+    link_gbps: Option<(f64, f64)>,
+}
+
+impl Calibration {
+    /// Read every report in `files`, by its tagged type.
+    fn read(files: &[PathBuf]) -> Result<Self> {
+        let mut c = Calibration::default();
+        for p in files {
+            match read_report(p)? {
+                Report::Adam(r) => c.adam_gbps = Some(r.adam.gbytes_per_s),
+                Report::Nvme(r) => {
+                    // The spill tier streams large extents at a deep queue: the best case, and
+                    // the slower of its read and write (a step does both).
+                    c.nvme_gbps = Some(
+                        r.cases
+                            .iter()
+                            .map(|x| x.read_gbps.min(x.write_gbps))
+                            .fold(0.0f64, f64::max),
+                    );
+                }
+                Report::Link(r) => {
+                    let gpu = r.gpu.ok_or_else(|| {
+                        bad_calibration(
+                            p,
+                            "a host-only link report (run `megatrain bench link --json` on the GPU machine)",
+                        )
+                    })?;
+                    // The store is page-locked and placed GPU-local: the best pinned copy.
+                    let best = |dir: &str| {
+                        gpu.cases
+                            .iter()
+                            .filter(|x| x.direction == dir && x.pinned)
+                            .map(|x| x.gbps)
+                            .fold(0.0f64, f64::max)
+                    };
+                    c.link_gbps = Some((best("htod"), best("dtoh")));
+                }
+            }
+        }
+        Ok(c)
+    }
+}
+
+fn bad_calibration(p: &Path, why: &str) -> megatrain::Error {
+    megatrain::Error::bad_input(
+        "calibration",
+        p.display().to_string(),
+        why,
+        Some("pass the JSON of `megatrain bench adam|nvme|link --json`"),
+    )
+}
+
+fn read_report(p: &Path) -> Result<Report> {
+    let text =
+        std::fs::read_to_string(p).map_err(|e| megatrain::Error::io("read calibration", p, e))?;
+    serde_json::from_str(&text).map_err(|e| {
+        bad_calibration(
+            p,
+            &format!("not a `megatrain bench adam|nvme|link --json` report: {e}"),
+        )
+    })
+}
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// A model preset (llama-3-8b, llama-3-70b, llama-3-405b, qwen2.5-14b, qwen2.5-32b,
+    /// qwen2.5-72b, llama-120b) or an HF config.json.
+    #[arg(long)]
+    model: String,
+    /// A machine preset (h200-1.5tb, gh200-480gb, h100-512gb, rtx4090-256gb) or a
+    /// `megatrain probe --json` file.
+    #[arg(long)]
+    machine: String,
+    /// GPU index within a probed machine.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Tokens per optimizer step.
+    #[arg(long, default_value_t = 65536)]
+    tokens_per_step: u64,
+    /// Sequence length.
+    #[arg(long, default_value_t = 4096)]
+    seq_len: u64,
+    /// Tokens per micro-batch (default: the largest that fits the GPU).
+    #[arg(long)]
+    micro_batch_tokens: Option<u64>,
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: megatrain::train::config::Precision,
+    #[arg(long, value_enum, default_value = "exact")]
+    mode: megatrain::store::layout::Mode,
+    /// NVMe directories for spilling Adam m/v (each assumed 3 GB/s unless calibrated).
+    #[arg(long, value_name = "DIR")]
+    nvme: Vec<PathBuf>,
+    /// Measurements from the machine (repeatable): `megatrain bench adam --json` sets the AdamW
+    /// rate, `megatrain bench nvme --json` the NVMe rate (and allows spilling m/v),
+    /// `megatrain bench link --json` on a GPU machine the host↔device rates.
+    #[arg(long, value_name = "bench.json")]
+    calibration: Vec<PathBuf>,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: &PlanArgs) -> Result<()> {
+    use megatrain::plan::{self as pl, presets};
+    let model = match presets::model(&a.model) {
+        Some(m) => m,
+        None => megatrain::model::config::ModelConfig::from_file(Path::new(&a.model))
+            .map_err(|e| e.with_fix(format!("or use a preset: {}", presets::MODELS.join(", "))))?,
+    };
+    let cal = Calibration::read(&a.calibration)?;
+    let (hw, described, notes) = hardware(a, &cal)?;
+    let req = pl::PlanRequest {
+        tokens_per_step: a.tokens_per_step,
+        seq_len: a.seq_len,
+        bf16: a.precision == megatrain::train::config::Precision::Bf16,
+        mode: a.mode,
+        spill_moments: hw.nvme_gbps.is_some(),
+        micro_batch_tokens: a.micro_batch_tokens,
+    };
+    req.validate()?;
+    let p = pl::plan(&model, &hw, &req);
+    // Per NUMA node, where the machine is described (a probe), by the trainer's placement.
+    let nodes = described
+        .as_ref()
+        .map(|m| pl::per_node(m, a.gpu, &model, &req).map_err(|e| e.to_string()));
+    if a.json {
+        let per_node = match &nodes {
+            Some(Ok(n)) => serde_json::to_value(n).unwrap_or_default(),
+            Some(Err(e)) => serde_json::json!({ "error": e }),
+            None => serde_json::Value::Null,
+        };
+        let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "numa_nodes": per_node, "assumptions": notes });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        print!("{}", pl::render(&a.model, &hw, &req, &p));
+        print_nodes(nodes.as_ref());
+        for n in &notes {
+            println!("  assumption: {n}");
+        }
+        println!("  sources: {}", hw.sources);
+    }
+    Ok(())
+}
+
+/// The hardware to plan for: a preset, or a probed machine's description, with the
+/// calibration's measured rates laid over it; the machine (when described) and the
+/// assumptions made.
+fn hardware(
+    a: &PlanArgs,
+    cal: &Calibration,
+) -> Result<(
+    megatrain::plan::Hardware,
+    Option<megatrain::topology::Machine>,
+    Vec<String>,
+)> {
+    use megatrain::plan::{self as pl, presets};
+    let nvme = cal
+        .nvme_gbps
+        .or((!a.nvme.is_empty()).then_some(3.0 * a.nvme.len() as f64));
+    let (mut hw, described, mut notes) = match presets::machine(&a.machine) {
+        Some(h) => (h, None, Vec::new()),
+        None => {
+            let path = Path::new(&a.machine);
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                megatrain::Error::io("read machine", path, e)
+                    .with_fix(format!("or use a preset: {}", presets::MACHINES.join(", ")))
+            })?;
+            let m = megatrain::topology::Machine::from_json(&text, &a.machine)?;
+            let (h, n) = pl::hardware_from_machine(&m, a.gpu, cal.adam_gbps, nvme)?;
+            (h, Some(m), n)
+        }
+    };
+    if let Some(g) = cal.adam_gbps {
+        hw.adam_gbps = g;
+    }
+    if let Some((h, d)) = cal.link_gbps.filter(|(h, d)| *h > 0.0 && *d > 0.0) {
+        hw.htod_gbps = h;
+        hw.dtoh_gbps = d;
+        notes.push(format!(
+            "link calibrated: {h:.1} GB/s host→device, {d:.1} GB/s device→host"
+        ));
+    }
+    if nvme.is_some() {
+        hw.nvme_gbps = nvme;
+        if cal.nvme_gbps.is_none() {
+            notes.push(format!(
+                "NVMe assumed 3 GB/s per directory ({} given); pass --calibration from `megatrain bench nvme --json`",
+                a.nvme.len()
+            ));
+        }
+    }
+    Ok((hw, described, notes))
+}
+
+/// Host bytes per NUMA node by the trainer's placement, when the machine is described.
+fn print_nodes(
+    nodes: Option<&std::result::Result<Vec<megatrain::store::placement::NodePlan>, String>>,
+) {
+    match nodes {
+        Some(Ok(n)) => {
+            println!("  host state per NUMA node (the trainer's placement):");
+            for x in n {
+                println!(
+                    "    node {:<3} {:>12} of {:>12} usable{}",
+                    x.node,
+                    megatrain::util::human_bytes(x.bytes),
+                    megatrain::util::human_bytes(x.capacity),
+                    if x.adam_cpus.is_empty() {
+                        ""
+                    } else {
+                        ", AdamW workers here"
+                    }
+                );
+            }
+        }
+        Some(Err(e)) => println!("  host state per NUMA node: does not place: {e}"),
+        None => println!(
+            "  host state per NUMA node: give a `megatrain probe --json` machine to see it"
+        ),
+    }
+}

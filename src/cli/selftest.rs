@@ -1,0 +1,96 @@
+//! `megatrain selftest --device cuda`: every kernel and GEMM against the CPU reference,
+//! training steps against the CPU device, the link.
+
+use clap::Args;
+use megatrain::Result;
+
+#[derive(Debug, Args)]
+pub struct SelftestArgs {
+    /// The device to check.
+    #[arg(long, value_enum)]
+    device: megatrain::train::config::DeviceKind,
+    /// GPU index.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(a: &SelftestArgs) -> Result<()> {
+    Err(megatrain::Error::bad_input(
+        "selftest",
+        format!("--device {:?}", a.device).to_lowercase(),
+        "this binary was built without CUDA support",
+        Some("build with `cargo build --release --features cuda` (no toolkit needed to build) and run on a GPU machine"),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(a: &SelftestArgs) -> Result<()> {
+    use megatrain::device::cuda::CudaRuntime;
+    use megatrain::selftest::{cuda, Check};
+    if a.device != megatrain::train::config::DeviceKind::Cuda {
+        return Err(megatrain::Error::bad_input(
+            "selftest",
+            "--device cpu",
+            "the CPU device is the reference itself; it is checked by the test suite",
+            Some("use --device cuda"),
+        ));
+    }
+    let rt = CudaRuntime::open(a.gpu)?;
+    println!(
+        "megatrain selftest — {} (sm_{}{}, {} SMs), driver {}.{}, kernels compiled by NVRTC at start-up\n",
+        rt.name,
+        rt.cc.0,
+        rt.cc.1,
+        rt.sms,
+        rt.driver / 1000,
+        rt.driver % 1000 / 10
+    );
+    let print = |checks: &[Check]| {
+        for c in checks {
+            println!(
+                "{:<44} {:>12.3e} {:>10.0e}  {}",
+                c.name,
+                c.max_rel_err,
+                c.tolerance,
+                if c.pass { "pass" } else { "FAIL" }
+            );
+        }
+    };
+    println!(
+        "{:<44} {:>12} {:>10}  result",
+        "check", "max rel err", "tolerance"
+    );
+    let mut checks = cuda::kernels(&rt, a.seed)?;
+    print(&checks);
+    // Training steps through the streaming CUDA device against the CPU device; an error there
+    // is a failed check, printed, and the link is still measured.
+    let training = match cuda::training(a.gpu, a.seed) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("training steps on the CUDA device stopped: {e}");
+            vec![Check {
+                name: "training: steps ran".into(),
+                max_rel_err: f64::INFINITY,
+                tolerance: cuda::TOL_TRAINING,
+                pass: false,
+            }]
+        }
+    };
+    print(&training);
+    checks.extend(training);
+    let (htod, dtoh) = cuda::link(&rt)?;
+    println!("\nlink (256 MiB, page-locked, median of 5): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
+    let failed = checks.iter().filter(|c| !c.pass).count();
+    if failed > 0 {
+        return Err(megatrain::Error::system(
+            "selftest",
+            "checks",
+            format!("{failed} of {} checks failed", checks.len()),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,321 @@
+//! `megatrain train`: the configuration (TOML, demo, flags), progress on the terminal, signals,
+//! and what the run wrote.
+
+use clap::Args;
+use megatrain::train::config::{TrainConfig, TrainOverrides};
+use megatrain::Result;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// TOML file with any of the settings below (keys use `_`).
+    config: Option<PathBuf>,
+    /// Train the embedded default: a 3M-parameter byte-level Llama on this repository's own docs
+    /// and source, through the full streaming pipeline, about 3 minutes on 2 cores. Its outputs
+    /// go to DEMO_DIR/demo; `--demo --resume` continues it.
+    #[arg(long)]
+    demo: bool,
+    /// Where the demo writes its outputs (in a `demo` directory inside).
+    #[arg(long, value_name = "DIR", default_value = "out")]
+    demo_dir: PathBuf,
+    #[command(flatten)]
+    settings: TrainOverrides,
+    /// Buffered spill I/O (the same as `--direct-io false`).
+    #[arg(long, hide = true)]
+    no_direct_io: bool,
+}
+
+struct Reporter {
+    bar: Option<indicatif::ProgressBar>,
+    total: u64,
+    last_plain: std::time::Instant,
+}
+
+impl megatrain::train::Progress for Reporter {
+    fn start(&mut self, first: u64, total: u64, params: usize) {
+        self.total = total;
+        eprintln!("training {params} parameters, steps {first}..={total}");
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_position(first.saturating_sub(1));
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}")
+            {
+                bar.set_style(style);
+            }
+            self.bar = Some(bar);
+        }
+    }
+    fn step(&mut self, m: &megatrain::engine::StepMetrics, val: Option<f64>) {
+        let msg = format!(
+            "loss {:.4}{} · {:.0} tok/s · lr {:.2e}",
+            m.loss,
+            val.map_or(String::new(), |v| format!(" (val {v:.4})")),
+            m.tokens as f64 / m.wall_s,
+            m.lr
+        );
+        match &self.bar {
+            Some(b) => {
+                b.set_position(m.step);
+                b.set_message(msg);
+            }
+            None => {
+                if m.step == 1
+                    || m.step == self.total
+                    || val.is_some()
+                    || self.last_plain.elapsed().as_secs() >= 5
+                {
+                    eprintln!("step {}/{} {msg}", m.step, self.total);
+                    self.last_plain = std::time::Instant::now();
+                }
+            }
+        }
+    }
+    fn checkpoint(&mut self, d: &std::path::Path) {
+        let line = format!("checkpoint {}", d.display());
+        match &self.bar {
+            Some(b) => b.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+    fn note(&mut self, line: &str) {
+        eprintln!("{line}");
+    }
+}
+
+/// Watch SIGINT and SIGTERM (what SLURM and Kubernetes send before SIGKILL): the first sets
+/// `interrupt` (the trainer finishes its step, checkpoints and returns), a second exits at once
+/// (the last checkpoint on disk is intact). Returns the signal received, 0 while none.
+fn watch_signals(
+    interrupt: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    saves: bool,
+) -> Result<std::sync::Arc<std::sync::atomic::AtomicI32>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use std::sync::atomic::Ordering;
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .map_err(|e| megatrain::Error::system("signal-hook", "install signal handlers", e))?;
+    let which = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let seen = which.clone();
+    std::thread::spawn(move || {
+        for sig in signals.forever() {
+            let name = if sig == SIGTERM {
+                "SIGTERM"
+            } else {
+                "interrupt"
+            };
+            if interrupt.swap(true, Ordering::SeqCst) {
+                std::process::exit(128 + sig);
+            }
+            seen.store(sig, Ordering::SeqCst);
+            eprintln!(
+                "\n{name}: finishing this step, then {} (send it again to stop now)",
+                if saves {
+                    "writing a checkpoint and stopping"
+                } else {
+                    "stopping; nothing will be saved (no --checkpoint-dir)"
+                }
+            );
+        }
+    });
+    Ok(which)
+}
+
+/// The configuration: the TOML file, the demo's, or the defaults, with the flags over it.
+fn configuration(args: &TrainArgs) -> Result<TrainConfig> {
+    let base = match (&args.config, args.demo) {
+        (Some(p), _) => TrainConfig::from_toml_file(p)?,
+        (None, true) => {
+            let d = megatrain::train::corpus::demo(&args.demo_dir)?;
+            eprintln!(
+                "demo: {} bytes of this repository's docs and source as byte tokens ({} train / {} validation) in {}",
+                d.split.0 + d.split.1,
+                d.split.0,
+                d.split.1,
+                d.dir.display()
+            );
+            d.config
+        }
+        (None, false) => TrainConfig::default(),
+    };
+    let mut cfg = base.apply(args.settings.clone());
+    if args.no_direct_io {
+        cfg.direct_io = false;
+    }
+    Ok(cfg)
+}
+
+/// Train; the exit status is 0, or 128+signal when a signal stopped the run.
+pub fn run(args: &TrainArgs) -> Result<u8> {
+    let cfg = configuration(args)?;
+    cfg.validate()?;
+    eprint!("{}", cfg.table());
+    let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let signal = watch_signals(interrupt.clone(), cfg.checkpoint_dir.is_some())?;
+    let mut rep = Reporter {
+        bar: None,
+        total: 0,
+        last_plain: std::time::Instant::now(),
+    };
+    let s = megatrain::train::run(&cfg, interrupt, &mut rep)?;
+    if let Some(b) = &rep.bar {
+        b.finish();
+    }
+    eprintln!(
+        "\n{}: {} steps, loss {} → {}{}, {:.0} tokens/s",
+        if s.interrupted { "stopped" } else { "done" },
+        s.steps,
+        s.first_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        s.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        s.val_loss
+            .map_or(String::new(), |v| format!(" (validation {v:.4})")),
+        s.tokens_per_s
+    );
+    for (what, p) in [
+        ("checkpoint", &s.checkpoint),
+        ("HF export", &s.export),
+        ("metrics", &s.metrics),
+        ("loss curve", &s.plot),
+        ("trace", &s.trace),
+    ] {
+        if let Some(p) = p {
+            eprintln!("  {what:<11} {}", p.display());
+        }
+    }
+    if s.metrics_failures > 0 {
+        eprintln!(
+            "  warning: {} metrics line(s) could not be written",
+            s.metrics_failures
+        );
+    }
+    if s.interrupted {
+        let sig = signal.load(std::sync::atomic::Ordering::SeqCst);
+        let sig = if sig == 0 {
+            signal_hook::consts::SIGINT
+        } else {
+            sig
+        };
+        eprintln!(
+            "interrupted after step {}: {}",
+            s.steps,
+            match (&s.checkpoint, cfg.checkpoint_dir.is_some()) {
+                (Some(c), _) => format!("checkpoint {} (continue with --resume)", c.display()),
+                (None, true) => "no checkpoint was written".to_owned(),
+                (None, false) => "nothing was saved (no --checkpoint-dir)".to_owned(),
+            }
+        );
+        return Ok(u8::try_from(128 + sig).unwrap_or(130));
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::Parser;
+    use megatrain::train::config::Resume;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn parse(args: &[&str]) -> TrainConfig {
+        let mut v = vec!["megatrain"];
+        v.extend_from_slice(args);
+        configuration(&Cli::try_parse_from(v).unwrap().train).unwrap()
+    }
+
+    /// Flags land in the configuration: values, switches with and without a value, optional
+    /// `--resume [WHEN]`, repeated lists, sizes with units, negative numbers (refused later by
+    /// validation, not by the parser).
+    #[test]
+    fn flags_set_the_configuration() {
+        let d = TrainConfig::default();
+        assert_eq!(parse(&[]), d);
+        let c = parse(&[
+            "--seq-len",
+            "7",
+            "--lr",
+            "0.5",
+            "--shuffle",
+            "--decay-norms",
+            "false",
+            "--resume",
+            "--nvme",
+            "/a",
+            "--nvme",
+            "/b",
+            "--device-memory",
+            "64MiB",
+            "--ram-budget",
+            "2G",
+            "--weight-decay",
+            "-1",
+            "--mode",
+            "lean",
+            "--io-engine",
+            "sync",
+            "--no-direct-io",
+        ]);
+        assert_eq!(
+            (c.seq_len, c.lr, c.shuffle, c.decay_norms),
+            (7, 0.5, true, false)
+        );
+        assert_eq!(c.resume, Resume::Always);
+        assert_eq!(c.nvme, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(
+            (c.device_memory, c.ram_budget),
+            (64 << 20, Some(2_000_000_000))
+        );
+        assert_eq!(c.weight_decay, -1.0);
+        assert_eq!(c.mode, Some(megatrain::store::layout::Mode::Lean));
+        assert!(!c.direct_io);
+        assert_eq!(parse(&["--resume", "auto"]).resume, Resume::Auto);
+        assert!(Cli::try_parse_from(["megatrain", "--no-such-flag"]).is_err());
+    }
+
+    /// Every setting is a TOML key and the flags win over the file.
+    #[test]
+    fn toml_then_flags() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("run.toml");
+        std::fs::write(
+            &p,
+            "seq_len = 9\nlr = 0.25\nresume = \"auto\"\ndevice_memory = \"1GiB\"\n",
+        )
+        .unwrap();
+        let c = parse(&[p.to_str().unwrap(), "--lr", "0.5"]);
+        assert_eq!(
+            (c.seq_len, c.lr, c.resume, c.device_memory),
+            (9, 0.5, Resume::Auto, 1 << 30)
+        );
+        // Every setting round-trips through a file: a configuration with each one off its
+        // default, written as TOML, read back over the defaults, is the same configuration.
+        let full = TrainConfig {
+            init_from: Some("/i".into()),
+            data: Some("/d".into()),
+            val_data: Some("/v".into()),
+            metrics: Some("/m".into()),
+            checkpoint_dir: Some("/c".into()),
+            export_hf: Some("/e".into()),
+            trace: Some("/t".into()),
+            nvme: vec!["/n".into()],
+            ram_budget: Some(12345),
+            activations: Some(megatrain::train::config::Activations::Host),
+            mode: Some(megatrain::store::layout::Mode::Lean),
+            resume: Resume::Auto,
+            shuffle: true,
+            tf32: true,
+            lock_memory: true,
+            direct_io: false,
+            decay_norms: false,
+            device_memory: 777,
+            ..TrainConfig::default()
+        };
+        let text = toml::to_string(&full).unwrap();
+        let back = TrainConfig::default().apply(TrainOverrides::from_toml_str(&text, "t").unwrap());
+        assert_eq!(back, full, "{text}");
+    }
+}
