@@ -160,11 +160,21 @@ fn plan_calibrates_from_bench_json() {
     let other = d.path().join("other.json");
     std::fs::write(&other, "{\"cases\": []}").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args(["plan", "--model", "llama-3-8b", "--machine", "h100-512gb", "--calibration"])
+        .args([
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--machine",
+            "h100-512gb",
+            "--calibration",
+        ])
         .arg(&other)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("not a `megatrain bench") && err.contains("other.json"), "{err}");
+    assert!(
+        err.contains("not a `megatrain bench") && err.contains("other.json"),
+        "{err}"
+    );
 }

@@ -5,7 +5,7 @@
 
 use megatrain::device::cpu::{CpuDevice, CpuDeviceConfig};
 use megatrain::device::Device;
-use megatrain::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
+use megatrain::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
 use megatrain::model::config::ModelConfig;
 use megatrain::model::layers::Workspace;
 use megatrain::model::reference::{step_resident, Templates};
@@ -77,7 +77,7 @@ fn rig(
     c: &ModelConfig,
     mode: Mode,
     mbs: usize,
-    cp: Checkpoints,
+    cp: Activations,
     clip: f64,
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
@@ -99,7 +99,7 @@ fn rig_spill(
     c: &ModelConfig,
     mode: Mode,
     mbs: usize,
-    cp: Checkpoints,
+    cp: Activations,
     clip: f64,
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
@@ -162,7 +162,7 @@ fn rig_spill(
             batch: B,
             seq: T,
             micro_batches: mbs,
-            checkpoints: cp,
+            activations: cp,
             adam: AdamWConfig {
                 weight_decay: 0.1,
                 ..Default::default()
@@ -260,10 +260,10 @@ fn reference(
 #[test]
 fn streamed_step_is_bit_identical_to_resident() {
     for (tied, cp, mbs, clip) in [
-        (false, Checkpoints::Host, 1, 0.0),
-        (true, Checkpoints::Host, 2, 0.5),
-        (false, Checkpoints::Device, 2, 0.0),
-        (true, Checkpoints::Device, 1, 1e-3),
+        (false, Activations::Host, 1, 0.0),
+        (true, Activations::Host, 2, 0.5),
+        (false, Activations::Device, 2, 0.0),
+        (true, Activations::Device, 1, 1e-3),
     ] {
         let c = cfg(3, tied);
         let params = init(&StateLayout::new(&c, Mode::Exact));
@@ -302,7 +302,7 @@ fn device_peak_is_the_planned_working_set_for_any_depth() {
     for layers in [2, 32] {
         let c = cfg(layers, false);
         let params = init(&StateLayout::new(&c, Mode::Exact));
-        let mut r = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+        let mut r = rig(&c, Mode::Exact, 1, Activations::Host, 0.0, None, &params);
         let planned: u64 = r.device.memory().in_use;
         let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
         assert_eq!(
@@ -322,7 +322,7 @@ fn random_delays_on_every_stream_change_no_bits() {
         .map(|s| vec![batch(100 + s, 61), batch(200 + s, 61)])
         .collect();
     let run = |jitter: Option<(u64, u64)>| {
-        let mut r = rig(&c, Mode::Exact, 2, Checkpoints::Host, 1.0, jitter, &params);
+        let mut r = rig(&c, Mode::Exact, 2, Activations::Host, 1.0, jitter, &params);
         let losses: Vec<u64> = batches
             .iter()
             .map(|b| r.streamer.step(b, 1e-3).unwrap().loss.to_bits())
@@ -340,8 +340,8 @@ fn exact_and_lean_agree_without_clipping() {
     let c = cfg(2, false);
     let params = init(&StateLayout::new(&c, Mode::Exact));
     let b = vec![batch(7, 61)];
-    let mut ex = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
-    let mut le = rig(&c, Mode::Lean, 1, Checkpoints::Host, 0.0, None, &params);
+    let mut ex = rig(&c, Mode::Exact, 1, Activations::Host, 0.0, None, &params);
+    let mut le = rig(&c, Mode::Lean, 1, Activations::Host, 0.0, None, &params);
     for _ in 0..3 {
         let a = ex.streamer.step(&b, 1e-3).unwrap();
         let l = le.streamer.step(&b, 1e-3).unwrap();
@@ -360,9 +360,9 @@ fn lean_mode_refuses_gradient_accumulation_and_bad_batches_are_named() {
     let layout = StateLayout::new(&c, Mode::Lean);
     let params = init(&layout);
     let r =
-        std::panic::catch_unwind(|| rig(&c, Mode::Lean, 2, Checkpoints::Host, 0.0, None, &params));
+        std::panic::catch_unwind(|| rig(&c, Mode::Lean, 2, Activations::Host, 0.0, None, &params));
     assert!(r.is_err(), "lean + grad accumulation must be refused");
-    let mut ok = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+    let mut ok = rig(&c, Mode::Exact, 1, Activations::Host, 0.0, None, &params);
     let mut bad = batch(1, 61);
     let mut t = bad.tokens.to_vec();
     t[3] = 999;
@@ -376,7 +376,7 @@ fn metrics_count_the_bytes_and_the_trace_has_every_track() {
     let c = cfg(3, false);
     let layout = StateLayout::new(&c, Mode::Exact);
     let params = init(&layout);
-    let mut r = rig(&c, Mode::Exact, 1, Checkpoints::Host, 0.0, None, &params);
+    let mut r = rig(&c, Mode::Exact, 1, Activations::Host, 0.0, None, &params);
     let m1 = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
     let m2 = r.streamer.step(&[batch(2, 61)], 1e-3).unwrap();
     r.streamer.finish().unwrap();
@@ -429,7 +429,7 @@ fn spilled_optimizer_state_trains_bit_identically() {
     let batches: Vec<Vec<MicroBatch>> = (0..4).map(|s| vec![batch(300 + s, 61)]).collect();
     let run = |mode: Mode, spill: Option<Spill<'_>>| {
         let spilled = spill.is_some();
-        let mut r = rig_spill(&c, mode, 1, Checkpoints::Host, 0.5, None, &params, spill);
+        let mut r = rig_spill(&c, mode, 1, Activations::Host, 0.5, None, &params, spill);
         let mut nvme = (0u64, 0u64);
         let losses: Vec<u64> = batches
             .iter()

@@ -211,8 +211,8 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
         megatrain::store::layout::StateLayout::new(&model, megatrain::store::layout::Mode::Exact);
     let need = |cp| megatrain::engine::device_bytes(&layout, 2, 16, 1, cp);
     let (dev, host) = (
-        need(megatrain::engine::Checkpoints::Device),
-        need(megatrain::engine::Checkpoints::Host),
+        need(megatrain::engine::Activations::Device),
+        need(megatrain::engine::Activations::Host),
     );
     assert!(host < dev);
     // The CPU device's own workspace: one layer's scratch and a chunk of logits.

@@ -11,8 +11,8 @@
 //! so it overlaps freely.
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
-use crate::engine::schedule::{self, PlanSpec};
-use crate::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
+use crate::engine::schedule::{self, Activations, ScheduleSpec};
+use crate::engine::{MicroBatch, Streamer, StreamerConfig};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::reference::Templates;
 use crate::optim::adamw::Isa;
@@ -367,7 +367,7 @@ fn run_case(
             batch,
             seq,
             micro_batches: 1,
-            checkpoints: Checkpoints::Host,
+            activations: Activations::Host,
             adam: AdamWConfig::default(),
             grad_clip: 1.0,
             decay_norms: true,
@@ -442,14 +442,14 @@ fn run_case(
             io_cpu_fraction: io_cpu,
         }),
     };
-    let spec = PlanSpec {
+    let spec = ScheduleSpec {
         layers: cfg.num_layers,
         tied: cfg.tie_word_embeddings,
         micro_batches: 1,
         mode,
-        checkpoints: Checkpoints::Host,
+        activations: Activations::Host,
     };
-    let pred = sim::simulate(&schedule::plan(&spec), &costs);
+    let pred = sim::simulate(&schedule::schedule(&spec), &costs);
     let med = |f: fn(&crate::engine::StepMetrics) -> f64| median(rows.iter().map(f).collect());
     let (step_s, compute_s, htod_s, dtoh_s) = (
         med(|m| m.wall_s),

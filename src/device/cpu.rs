@@ -6,7 +6,7 @@
 
 use super::host_backend::{HostBackend, HostP};
 use super::program::{self, Shape, Ws};
-use super::{BufId, Cmd, Device, Event, Kernel, MemStats, OpRecord, StreamKind};
+use super::{Access, BufId, Cmd, Device, DeviceKernel, Event, MemStats, OpRecord, StreamKind};
 use crate::model::reference::Templates;
 use crate::util::lock;
 use crate::{Error, Result};
@@ -425,13 +425,17 @@ struct Workspace {
 /// (for writing where it writes) while it runs.
 fn run_kernel(
     shared: &Shared,
-    k: Kernel,
+    k: DeviceKernel,
     tm: &Templates,
     ws: &mut Workspace,
     b: usize,
     t: usize,
 ) -> Result<()> {
-    let mut ids = k.buffers();
+    let mut ids: Vec<(BufId, bool)> = k
+        .buffers()
+        .into_iter()
+        .map(|(id, a)| (id, a == Access::Write))
+        .collect();
     ids.sort_unstable();
     ids.dedup_by(|later, first| {
         // Same buffer: held for writing if any use writes it.

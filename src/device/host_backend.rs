@@ -67,7 +67,7 @@ fn views<'a, const W: usize, const R: usize>(
     outs: [(HostP, usize); W],
     ins: [(HostP, usize); R],
 ) -> Result<Views<'a, W, R>> {
-    let bad = |why: String| Error::system("device program", op, why);
+    let bad = |why: String| Error::internal("CPU backend", format!("{op}: {why}"));
     for (p, len) in outs.iter().chain(&ins) {
         if p.off + len > p.cap {
             return Err(bad(format!(
@@ -113,10 +113,9 @@ impl<'r> HostBackend<'r> {
 
     fn ids<'a>(&self, ids: HostIds, n: usize, op: &str) -> Result<&'a [u32]> {
         if n > ids.len {
-            return Err(Error::system(
+            return Err(Error::internal(
                 "device program",
-                op,
-                format!("{n} ids wanted, {} uploaded", ids.len),
+                format!("{op}: {n} ids wanted, {} uploaded", ids.len),
             ));
         }
         // SAFETY: `upload_ids` took this pointer from a slice the caller keeps alive for the run.
@@ -226,10 +225,12 @@ impl Backend for HostBackend<'_> {
     fn rope(&mut self, x: HostP, rows: usize, t: usize, heads: usize, inverse: bool) -> Result<()> {
         let ([x], []) = views("rope", [(x, rows * heads * self.rope.head_dim)], [])?;
         if t > self.rope.max_pos {
-            return Err(Error::system(
+            return Err(Error::internal(
                 "device program",
-                "rope",
-                format!("sequence of {t} beyond the table's {}", self.rope.max_pos),
+                format!(
+                    "rope: sequence of {t} beyond the table's {}",
+                    self.rope.max_pos
+                ),
             ));
         }
         self.rope.apply(x, t, heads, inverse);
@@ -324,11 +325,7 @@ impl Backend for HostBackend<'_> {
         for (row, &tok) in x.chunks_mut(c).zip(ids) {
             let t = tok as usize;
             row.copy_from_slice(e.get(t * c..(t + 1) * c).ok_or_else(|| {
-                Error::system(
-                    "device program",
-                    "embed_fwd",
-                    format!("token {t} ≥ {vocab}"),
-                )
+                Error::internal("device program", format!("embed_fwd: token {t} ≥ {vocab}"))
             })?);
         }
         Ok(())
@@ -348,11 +345,7 @@ impl Backend for HostBackend<'_> {
         for (row, &tok) in dx.chunks(c).zip(ids) {
             let t = tok as usize;
             let dst = de.get_mut(t * c..(t + 1) * c).ok_or_else(|| {
-                Error::system(
-                    "device program",
-                    "embed_bwd",
-                    format!("token {t} ≥ {vocab}"),
-                )
+                Error::internal("device program", format!("embed_bwd: token {t} ≥ {vocab}"))
             })?;
             for (d, v) in dst.iter_mut().zip(row) {
                 *d += *v;
@@ -372,10 +365,9 @@ impl Backend for HostBackend<'_> {
     ) -> Result<()> {
         let tg = self.ids(targets, rows, "cross_entropy")?;
         if let Some(bad) = tg.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::system(
+            return Err(Error::internal(
                 "device program",
-                "cross_entropy",
-                format!("target {bad} ≥ {vocab}"),
+                format!("cross_entropy: target {bad} ≥ {vocab}"),
             ));
         }
         let ([z, l], []) = views(

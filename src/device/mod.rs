@@ -155,56 +155,105 @@ pub(crate) fn check_copy(
     Ok(())
 }
 
-/// A `(buffer, element offset)` inside device memory.
-pub type At = (BufId, usize);
-
-/// The layer ops, as data: what the compute stream runs. Buffers are device buffers; offsets
-/// are element offsets. Token ids and targets are host data shared with the device
-/// (`Arc<[u32]>`), like a kernel argument upload.
-#[derive(Debug, Clone)]
-pub enum Kernel {
-    /// x = E\[tokens\]; E at `w`.
-    EmbedFwd { w: At, tokens: Arc<[u32]>, x: BufId },
-    /// y = block(x) with the unit's weights at `w`.
-    BlockFwd {
-        layer: usize,
-        w: BufId,
-        x: BufId,
-        y: BufId,
-    },
-    /// Head loss + backward: norm weight at `head_w` (unit shard), LM weight at `lm_w`; grads to
-    /// `head_g` (unit shard) and `lm_g`; dx written; Σ loss added to `loss`.
-    HeadLossBwd {
-        head_w: BufId,
-        head_g: BufId,
-        lm_w: At,
-        lm_g: At,
-        x: BufId,
-        targets: Arc<[u32]>,
-        dx: BufId,
-        grad_scale: f32,
-        loss: Arc<Mutex<f64>>,
-    },
-    /// Block backward: grads accumulate into `g`; dx written.
-    BlockBwd {
-        layer: usize,
-        w: BufId,
-        g: BufId,
-        x: BufId,
-        dy: BufId,
-        dx: BufId,
-    },
-    /// dE\[tokens\] += dx.
-    EmbedBwd {
-        g: At,
-        tokens: Arc<[u32]>,
-        dx: BufId,
-    },
-    /// buf[..len] = 0.
-    Zero { buf: BufId, len: usize },
+/// Whether an op reads or writes a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Access {
+    /// Reads it.
+    Read,
+    /// Writes it (maybe reading it too).
+    Write,
 }
 
-impl Kernel {
+/// The host data of one micro-batch the kernels use: token ids, next-token targets (shared
+/// with the device like a kernel argument upload), the loss gradient's scale (1 / tokens of the
+/// step) and the accumulator the summed loss is added to.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// Input token ids, `batch × seq`.
+    pub tokens: Arc<[u32]>,
+    /// Target ids, `batch × seq`.
+    pub targets: Arc<[u32]>,
+    /// Scale of the loss gradient.
+    pub grad_scale: f32,
+    /// Σ loss of the step, added to by the head.
+    pub loss: Arc<Mutex<f64>>,
+}
+
+/// The layer ops, as data, over buffers `B` with micro-batch data `D`: the step schedule names
+/// them with its buffer names and micro-batch indices, the devices run them with device buffers
+/// and a [`Batch`]. Their buffers are declared once, by [`Kernel::buffers`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum Kernel<B, D> {
+    /// `x = E[tokens]`; the embedding weights at `w`.
+    EmbedFwd {
+        /// The micro-batch.
+        batch: D,
+        /// Embedding weights (the unit).
+        w: B,
+        /// Output activations `[N, C]`.
+        x: B,
+    },
+    /// `y = block(x)` with the layer's weights at `w`.
+    BlockFwd {
+        /// Decoder layer.
+        layer: usize,
+        /// The unit's weights.
+        w: B,
+        /// Input `[N, C]`.
+        x: B,
+        /// Output `[N, C]`.
+        y: B,
+    },
+    /// Final norm, LM head, loss and their backward: the head unit's weights at `w`, its
+    /// gradients into `g`; when tied, the embedding's weights and gradient (`tied`) are the LM
+    /// head; `dx` written, Σ loss added to the batch's accumulator.
+    HeadLossBwd {
+        /// The micro-batch.
+        batch: D,
+        /// The head unit's weights.
+        w: B,
+        /// The head unit's gradients.
+        g: B,
+        /// Tied embeddings: (embedding weights, embedding gradient).
+        tied: Option<(B, B)>,
+        /// Input `[N, C]`.
+        x: B,
+        /// Gradient of the input `[N, C]`.
+        dx: B,
+    },
+    /// Block backward (recomputing its internals from `x`): gradients accumulate into `g`,
+    /// `dx` written.
+    BlockBwd {
+        /// Decoder layer.
+        layer: usize,
+        /// The unit's weights.
+        w: B,
+        /// The unit's gradients.
+        g: B,
+        /// The layer's input `[N, C]`.
+        x: B,
+        /// Gradient of its output `[N, C]`.
+        dy: B,
+        /// Gradient of its input `[N, C]`.
+        dx: B,
+    },
+    /// `dE[tokens] += dx`.
+    EmbedBwd {
+        /// The micro-batch.
+        batch: D,
+        /// The embedding's gradient.
+        g: B,
+        /// Gradient of the embedding's output `[N, C]`.
+        dx: B,
+    },
+    /// `buf = 0`.
+    Zero {
+        /// The buffer.
+        buf: B,
+    },
+}
+
+impl<B: Copy, D> Kernel<B, D> {
     /// Name for traces.
     pub fn name(&self) -> String {
         match self {
@@ -217,41 +266,91 @@ impl Kernel {
         }
     }
 
-    /// The device buffers it touches, each with whether it writes them.
-    pub fn buffers(&self) -> Vec<(BufId, bool)> {
+    /// The buffers it touches and how: declared once, here.
+    pub fn buffers(&self) -> Vec<(B, Access)> {
+        use Access::{Read, Write};
         match self {
-            Kernel::EmbedFwd { w, x, .. } => vec![(w.0, false), (*x, true)],
-            Kernel::BlockFwd { w, x, y, .. } => vec![(*w, false), (*x, false), (*y, true)],
+            Kernel::EmbedFwd { w, x, .. } => vec![(*w, Read), (*x, Write)],
+            Kernel::BlockFwd { w, x, y, .. } => vec![(*w, Read), (*x, Read), (*y, Write)],
             Kernel::HeadLossBwd {
-                head_w,
-                head_g,
-                lm_w,
-                lm_g,
-                x,
-                dx,
-                ..
-            } => vec![
-                (*head_w, false),
-                (*head_g, true),
-                (lm_w.0, false),
-                (lm_g.0, true),
-                (*x, false),
-                (*dx, true),
-            ],
+                w, g, tied, x, dx, ..
+            } => {
+                let mut v = vec![(*w, Read), (*x, Read), (*g, Write), (*dx, Write)];
+                if let Some((tw, tg)) = tied {
+                    v.extend([(*tw, Read), (*tg, Write)]);
+                }
+                v
+            }
             Kernel::BlockBwd {
                 w, g, x, dy, dx, ..
             } => vec![
-                (*w, false),
-                (*g, true),
-                (*x, false),
-                (*dy, false),
-                (*dx, true),
+                (*w, Read),
+                (*x, Read),
+                (*dy, Read),
+                (*g, Write),
+                (*dx, Write),
             ],
-            Kernel::EmbedBwd { g, dx, .. } => vec![(g.0, true), (*dx, false)],
-            Kernel::Zero { buf, .. } => vec![(*buf, true)],
+            Kernel::EmbedBwd { g, dx, .. } => vec![(*dx, Read), (*g, Write)],
+            Kernel::Zero { buf } => vec![(*buf, Write)],
+        }
+    }
+
+    /// The same op over other buffers and micro-batch data.
+    pub fn map<B2, D2>(self, fb: impl Fn(B) -> B2, fd: impl FnOnce(D) -> D2) -> Kernel<B2, D2> {
+        match self {
+            Kernel::EmbedFwd { batch, w, x } => Kernel::EmbedFwd {
+                batch: fd(batch),
+                w: fb(w),
+                x: fb(x),
+            },
+            Kernel::BlockFwd { layer, w, x, y } => Kernel::BlockFwd {
+                layer,
+                w: fb(w),
+                x: fb(x),
+                y: fb(y),
+            },
+            Kernel::HeadLossBwd {
+                batch,
+                w,
+                g,
+                tied,
+                x,
+                dx,
+            } => Kernel::HeadLossBwd {
+                batch: fd(batch),
+                w: fb(w),
+                g: fb(g),
+                tied: tied.map(|(a, b)| (fb(a), fb(b))),
+                x: fb(x),
+                dx: fb(dx),
+            },
+            Kernel::BlockBwd {
+                layer,
+                w,
+                g,
+                x,
+                dy,
+                dx,
+            } => Kernel::BlockBwd {
+                layer,
+                w: fb(w),
+                g: fb(g),
+                x: fb(x),
+                dy: fb(dy),
+                dx: fb(dx),
+            },
+            Kernel::EmbedBwd { batch, g, dx } => Kernel::EmbedBwd {
+                batch: fd(batch),
+                g: fb(g),
+                dx: fb(dx),
+            },
+            Kernel::Zero { buf } => Kernel::Zero { buf: fb(buf) },
         }
     }
 }
+
+/// A layer op as a device runs it.
+pub type DeviceKernel = Kernel<BufId, Batch>;
 
 /// A command on a stream.
 #[derive(Debug)]
@@ -271,8 +370,8 @@ pub enum Cmd {
         accumulate: bool,
         label: String,
     },
-    /// A kernel.
-    Kernel(Kernel),
+    /// A layer op.
+    Kernel(DeviceKernel),
     /// Signal the event when everything before it on this stream is done.
     Record(Event),
     /// Hold this stream until the event fires.

@@ -10,7 +10,7 @@
 //! left to prove on a GPU is only that each CUDA kernel matches its CPU op, which `megatrain
 //! selftest --device cuda` checks.
 
-use super::{BufId, Kernel};
+use super::{BufId, DeviceKernel, Kernel};
 use crate::model::config::ModelConfig;
 use crate::model::layers::DecoderBlock;
 use crate::model::ops::{AttnShape, CE_CHUNK_ROWS};
@@ -634,7 +634,7 @@ pub fn head_loss_bwd<B: Backend>(
 pub fn run<B: Backend>(
     be: &mut B,
     tm: &Templates,
-    k: &Kernel,
+    k: &DeviceKernel,
     buf: &dyn Fn(BufId) -> Result<(B::P, usize)>,
     ws: &Ws<B::P>,
     s: Shape,
@@ -645,41 +645,46 @@ pub fn run<B: Backend>(
     let at = |id: BufId, off: usize, len: usize, what: &str| -> Result<B::P> {
         let (p, have) = buf(id)?;
         if off + len > have {
-            return Err(Error::system(
+            return Err(Error::internal(
                 "device program",
-                format!("{} {what}", k.name()),
-                format!("needs {len} elements at {off} of buffer {id}, which holds {have}"),
+                format!(
+                    "{} {what} needs {len} elements at {off} of buffer {id}, which holds {have}",
+                    k.name()
+                ),
             ));
         }
         Ok(B::off(p, off))
     };
     let ids_len = |ids: &[u32], what: &str| -> Result<()> {
         if ids.len() != n {
-            return Err(Error::system(
+            return Err(Error::internal(
                 "device program",
-                format!("{} {what}", k.name()),
-                format!("{} ids for a micro-batch of {n} tokens", ids.len()),
+                format!(
+                    "{} {what}: {} ids for a micro-batch of {n} tokens",
+                    k.name(),
+                    ids.len()
+                ),
             ));
         }
         Ok(())
     };
     match k {
-        Kernel::Zero { buf: id, len } => {
+        Kernel::Zero { buf: id } => {
             let (p, have) = buf(*id)?;
-            be.zero(p, (*len).min(have))
+            be.zero(p, have)
         }
-        Kernel::EmbedFwd { w, tokens, x } => {
-            ids_len(tokens, "tokens")?;
-            let e = at(w.0, w.1, v * c, "embedding")?;
+        Kernel::EmbedFwd { batch, w, x } => {
+            ids_len(&batch.tokens, "tokens")?;
+            let e = at(*w, 0, v * c, "embedding")?;
             let x = at(*x, 0, n * c, "x")?;
-            let ids = be.upload_ids(tokens)?;
+            let ids = be.upload_ids(&batch.tokens)?;
             be.embed_fwd(x, e, ids, n, c, v)
         }
-        Kernel::EmbedBwd { g, tokens, dx } => {
-            ids_len(tokens, "tokens")?;
-            let de = at(g.0, g.1, v * c, "embedding grads")?;
+        Kernel::EmbedBwd { batch, g, dx } => {
+            ids_len(&batch.tokens, "tokens")?;
+            let de = at(*g, 0, v * c, "embedding grads")?;
             let dx = at(*dx, 0, n * c, "dx")?;
-            let ids = be.upload_ids(tokens)?;
+            let ids = be.upload_ids(&batch.tokens)?;
             be.embed_bwd(de, ids, dx, n, c, v)
         }
         Kernel::BlockFwd { layer, w, x, y } => {
@@ -707,31 +712,38 @@ pub fn run<B: Backend>(
             block_bwd(be, blk, p, gr, x, dy, dx, ws, s)
         }
         Kernel::HeadLossBwd {
-            head_w,
-            head_g,
-            lm_w,
-            lm_g,
+            batch,
+            w,
+            g,
+            tied,
             x,
-            targets,
             dx,
-            grad_scale,
-            loss,
         } => {
-            ids_len(targets, "targets")?;
+            ids_len(&batch.targets, "targets")?;
             let nr = tm.head.norm_range();
-            let norm_w = at(*head_w, nr.start, c, "norm weight")?;
-            let norm_g = at(*head_g, nr.start, c, "norm grads")?;
+            let norm_w = at(*w, nr.start, c, "norm weight")?;
+            let norm_g = at(*g, nr.start, c, "norm grads")?;
+            // The LM head: the tied embedding's unit, or the head unit's own tensor.
+            let (lm_w, lm_g) = match (tied, tm.head.lm_head) {
+                (Some((tw, tg)), _) => ((*tw, 0), (*tg, 0)),
+                (None, Some(off)) => ((*w, off), (*g, off)),
+                (None, None) => {
+                    return Err(Error::internal(
+                        "device program",
+                        "an untied head without an LM head tensor",
+                    ))
+                }
+            };
             let lw = at(lm_w.0, lm_w.1, v * c, "LM head")?;
             let lg = at(lm_g.0, lm_g.1, v * c, "LM head grads")?;
-            if lm_g.0 == *head_g && lm_g.1 < nr.end && nr.start < lm_g.1 + v * c {
-                return Err(Error::system(
+            if lm_g.0 == *g && lm_g.1 < nr.end && nr.start < lm_g.1 + v * c {
+                return Err(Error::internal(
                     "device program",
-                    "head_loss_bwd",
-                    "the LM head gradient overlaps the norm gradient",
+                    "head_loss_bwd: the LM head gradient overlaps the norm gradient",
                 ));
             }
             let (x, dx) = (at(*x, 0, n * c, "x")?, at(*dx, 0, n * c, "dx")?);
-            let ids = be.upload_ids(targets)?;
+            let ids = be.upload_ids(&batch.targets)?;
             head_loss_bwd(
                 be,
                 cfg,
@@ -742,21 +754,20 @@ pub fn run<B: Backend>(
                 x,
                 ids,
                 dx,
-                *grad_scale,
+                batch.grad_scale,
                 ws,
                 n,
             )?;
-            be.add_loss(ws.losses, n, loss.clone())
+            be.add_loss(ws.losses, n, batch.loss.clone())
         }
     }
 }
 
 fn block(tm: &Templates, layer: usize) -> Result<&DecoderBlock> {
     tm.blocks.get(layer).ok_or_else(|| {
-        Error::system(
+        Error::internal(
             "device program",
-            "block",
-            format!("layer {layer} of a {}-layer model", tm.blocks.len()),
+            format!("block: layer {layer} of a {}-layer model", tm.blocks.len()),
         )
     })
 }

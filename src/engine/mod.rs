@@ -1,9 +1,9 @@
-//! The streaming engine: the step schedule (a pure plan), the streamer that runs it on a device,
-//! and the timeline it records.
+//! The streaming engine: the step schedule (pure), the streamer that runs it on a device, and
+//! the timeline it records.
 
 pub mod schedule;
 pub mod streamer;
 pub mod trace;
 
-pub use schedule::Checkpoints;
-pub use streamer::{device_bytes, MicroBatch, StepMetrics, Streamer, StreamerConfig};
+pub use schedule::Activations;
+pub use streamer::{clip_coef, device_bytes, MicroBatch, StepMetrics, Streamer, StreamerConfig};

@@ -1,37 +1,47 @@
-//! The step schedule as a pure plan: which op runs where, on which buffers, after what.
+//! The step schedule, a pure plan: which op runs where, on which buffers, after what — within a
+//! step and across steps.
 //!
-//! The planner lists the ops of one optimizer step in submission order, each with the resources it
-//! reads and writes (device slots, host shards). A hazard tracker then derives every dependency:
-//! an op waits for the last writer of what it reads and for the readers and writer of what it
-//! writes, unless FIFO order on the same stream already implies it. So slot reuse is ordered by
-//! construction, and the tests check the plan's properties without running anything.
+//! [`schedule`] lists the ops of one optimizer step in submission order, each with the resources
+//! it reads and writes (device buffers, host shards, the norm and the clip coefficient). A hazard
+//! tracker then derives every dependency: an op waits for the last writer of what it reads and
+//! for the readers and writer of what it writes, unless FIFO order on the same lane already
+//! implies it. Run over two consecutive steps, the same tracker derives the waits *across*
+//! steps ([`Task::prev_waits`]): the next step's copy of a unit's weights waits for its previous
+//! update, a lean gradient buffer is refilled only after the update that used it, the clip
+//! coefficient of a lean step waits for the previous step's norm. Nothing about ordering is
+//! coded anywhere else: the streamer and the step-time model only follow these waits.
+//!
+//! Wait semantics, for both: a wait on a device op is its completion; on [`Op::Adam`], the
+//! AdamW job's completion (not its submission); every device op of a step completes before the
+//! step returns, so the device ops a next step waits for are already done.
 
-use crate::device::StreamKind;
+use crate::device::{Access, Kernel, StreamKind};
 use crate::store::layout::Mode;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
-/// Where layer-boundary checkpoints live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Checkpoints {
-    /// All L+1 on the device (fastest; grows with depth).
+/// Where the layer-boundary activations (the inputs each block's backward recomputes from) live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Activations {
+    /// All L+1 on the device: no copies, device memory grows with depth.
     Device,
-    /// Offloaded to host memory; two device slots (device memory independent of depth).
+    /// Offloaded to host memory: two device buffers whatever the depth.
     Host,
 }
 
-/// A device buffer of the plan.
+/// A device buffer of the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum DevBuf {
-    /// Weight slot (double-buffered).
+    /// Weights of a unit (two, alternating).
     W(usize),
-    /// Gradient slot (double-buffered).
+    /// Gradients of a unit (two, alternating).
     G(usize),
     /// The tied embedding's gradient, alive from the head's backward to the embedding's.
     GEmb,
-    /// dx/dy ping-pong.
+    /// dx/dy of the backward (two, alternating).
     D(usize),
-    /// Activation: checkpoint i (device policy) or slot i (host policy).
+    /// Layer-boundary activation `i` (device activations) or buffer `i % 2` (host ones).
     A(usize),
 }
 
@@ -42,77 +52,78 @@ pub enum Res {
     Dev(DevBuf),
     /// Unit u's params in the host store.
     Params(usize),
-    /// Unit u's gradient destination on the host (store shard, or lean buffer).
+    /// Unit u's gradient shard on the host (exact mode).
     Grads(usize),
-    /// Lean gradient buffer k.
+    /// Lean gradient buffer k on the host.
     Lean(usize),
-    /// Host copy of checkpoint i.
-    Ckpt(usize),
+    /// The host copy of layer-boundary activation i.
+    Act(usize),
+    /// The step's Σg² (exact: from the gradient shards; lean: from the AdamW jobs).
+    Norm,
+    /// The clip coefficient the step's updates use.
+    Coef,
 }
 
-/// A device kernel of the plan (micro-batch `mb`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub enum KernelOp {
-    /// x_0 = E\[tokens\].
-    EmbedFwd { mb: usize, w: DevBuf, x: DevBuf },
-    /// x_{i+1} = block_i(x_i).
-    BlockFwd {
-        mb: usize,
-        layer: usize,
-        w: DevBuf,
-        x: DevBuf,
-        y: DevBuf,
-    },
-    /// Loss, head backward; `lm_w`/`lm_g` are the embedding's slot and gradient when tied.
-    HeadLossBwd {
-        mb: usize,
-        w: DevBuf,
-        g: DevBuf,
-        lm_w: Option<DevBuf>,
-        lm_g: Option<DevBuf>,
-        x: DevBuf,
-        dx: DevBuf,
-    },
-    /// Block backward.
-    BlockBwd {
-        mb: usize,
-        layer: usize,
-        w: DevBuf,
-        g: DevBuf,
-        x: DevBuf,
-        dy: DevBuf,
-        dx: DevBuf,
-    },
-    /// dE\[tokens\] += dx.
-    EmbedBwd { mb: usize, g: DevBuf, dx: DevBuf },
-    /// Zero a gradient buffer.
-    Zero { buf: DevBuf },
-}
-
-/// One op of the plan.
+/// One op of the schedule.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Op {
-    /// Copy unit u's params into a weight slot.
-    CopyWeights { unit: usize, slot: DevBuf },
-    /// Copy checkpoint i from the host into an activation slot.
-    CkptIn { index: usize, slot: DevBuf },
-    /// Copy checkpoint i from an activation slot to the host.
-    CkptOut { index: usize, slot: DevBuf },
-    /// Copy a unit's gradients to the host (`accumulate` into what is there for later micro-batches).
-    CopyGrads {
+    /// Copy unit u's params into weight buffer `to`.
+    CopyWeights {
+        /// The unit.
         unit: usize,
+        /// A `W` buffer.
+        to: DevBuf,
+    },
+    /// Copy activation `index` from the host into device buffer `to`.
+    LoadActivation {
+        /// Layer-boundary index.
+        index: usize,
+        /// An `A` buffer.
+        to: DevBuf,
+    },
+    /// Copy activation `index` from device buffer `from` to the host.
+    SaveActivation {
+        /// Layer-boundary index.
+        index: usize,
+        /// An `A` buffer.
         from: DevBuf,
+    },
+    /// Copy unit u's gradients to the host (`accumulate`: add to what is there, for micro-batches
+    /// after the first), into its shard or, in lean mode, lean buffer `lean`.
+    CopyGrads {
+        /// The unit.
+        unit: usize,
+        /// A `G` buffer (or `GEmb`).
+        from: DevBuf,
+        /// `+=` instead of `=`.
         accumulate: bool,
+        /// Lean buffer, in lean mode.
         lean: Option<usize>,
     },
-    /// A kernel.
-    Kernel(KernelOp),
-    /// Host: add unit u's Σg² to the step's global norm (exact mode).
-    Norm { unit: usize },
-    /// Host: the global norm is complete; compute the clip coefficient.
+    /// A layer op of micro-batch `batch`.
+    Kernel(Kernel<DevBuf, usize>),
+    /// Host: start reading unit u's optimizer state from NVMe if it is spilled (a hint: a no-op
+    /// for a unit in RAM).
+    Prefetch {
+        /// The unit.
+        unit: usize,
+    },
+    /// Host: add unit u's Σg² to the step's norm (exact mode).
+    Norm {
+        /// The unit.
+        unit: usize,
+    },
+    /// Host: the clip coefficient from the norm (exact: this step's; lean: the previous step's).
     Clip,
     /// Host: start unit u's AdamW update on its node's pool (asynchronous).
-    Adam { unit: usize, lean: Option<usize> },
+    Adam {
+        /// The unit.
+        unit: usize,
+        /// Lean buffer holding its gradients, in lean mode.
+        lean: Option<usize>,
+    },
+    /// Host, lean mode: the step's norm from its AdamW jobs (so waits for all of them).
+    LeanNorm,
 }
 
 /// Where an op runs.
@@ -120,13 +131,13 @@ pub enum Op {
 pub enum Lane {
     /// A device stream.
     Stream(StreamKind),
-    /// The host thread that drives the plan.
+    /// The host thread that drives the schedule.
     Host,
 }
 
-/// An op with its dependencies (indices of earlier steps).
+/// An op with its resources and its dependencies.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Step {
+pub struct Task {
     /// Where it runs.
     pub lane: Lane,
     /// What it does.
@@ -135,22 +146,24 @@ pub struct Step {
     pub reads: Vec<Res>,
     /// What it writes.
     pub writes: Vec<Res>,
-    /// Earlier steps it must wait for (not implied by stream order).
+    /// Earlier tasks of this step it must wait for (not implied by lane order).
     pub waits: Vec<usize>,
+    /// Tasks of the previous step it must wait for (by index in the schedule).
+    pub prev_waits: Vec<usize>,
 }
 
-/// The plan of one optimizer step.
+/// The schedule of one optimizer step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Plan {
-    /// Ops in submission order.
-    pub steps: Vec<Step>,
-    /// Device buffers the plan uses.
+pub struct Schedule {
+    /// Tasks in submission order.
+    pub tasks: Vec<Task>,
+    /// Device buffers the schedule uses.
     pub buffers: Vec<DevBuf>,
 }
 
-/// What the plan is for.
+/// What the schedule is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlanSpec {
+pub struct ScheduleSpec {
     /// Decoder layers L (units are 0 = embedding, 1..=L blocks, L+1 head).
     pub layers: usize,
     /// Tied embeddings.
@@ -159,36 +172,44 @@ pub struct PlanSpec {
     pub micro_batches: usize,
     /// Exact or lean.
     pub mode: Mode,
-    /// Checkpoint placement.
-    pub checkpoints: Checkpoints,
+    /// Where the layer-boundary activations live.
+    pub activations: Activations,
 }
 
 /// Lean gradient buffers rotating between the device drain and AdamW.
 pub const LEAN_BUFFERS: usize = 2;
 
 struct Builder {
-    steps: Vec<Step>,
+    tasks: Vec<Task>,
     w_content: [Option<usize>; 2],
     next_w: usize,
     next_g: usize,
     next_lean: usize,
+    /// Units in update order (lean: as their gradients land; exact: 0..=L+1 after the clip).
+    updates: Vec<usize>,
 }
 
 impl Builder {
     fn push(&mut self, lane: Lane, op: Op, reads: Vec<Res>, writes: Vec<Res>) {
-        self.steps.push(Step {
+        self.tasks.push(Task {
             lane,
             op,
             reads,
             writes,
             waits: Vec::new(),
+            prev_waits: Vec::new(),
         });
     }
 
-    /// Weight slot holding `unit`, copying it in unless already resident.
+    fn host(&mut self, op: Op, reads: Vec<Res>, writes: Vec<Res>) {
+        self.push(Lane::Host, op, reads, writes);
+    }
+
+    /// Weight buffer holding `unit`, copying it in unless already resident.
     fn weights(&mut self, unit: usize, keep: Option<DevBuf>) -> DevBuf {
         if let Some(s) = self.w_content.iter().position(|c| *c == Some(unit)) {
-            // The next copy goes to the other slot: the one this unit's user is not about to read.
+            // The next copy goes to the other buffer: the one this unit's user is not about to
+            // read.
             self.next_w = 1 - s;
             return DevBuf::W(s);
         }
@@ -198,32 +219,48 @@ impl Builder {
         }
         self.next_w = 1 - s;
         self.w_content[s] = Some(unit);
-        let slot = DevBuf::W(s);
+        let to = DevBuf::W(s);
         self.push(
             Lane::Stream(StreamKind::CopyIn),
-            Op::CopyWeights { unit, slot },
+            Op::CopyWeights { unit, to },
             vec![Res::Params(unit)],
-            vec![Res::Dev(slot)],
+            vec![Res::Dev(to)],
         );
-        slot
+        to
     }
 
-    fn grad_slot(&mut self) -> DevBuf {
+    fn grad_buffer(&mut self) -> DevBuf {
         let g = DevBuf::G(self.next_g);
         self.next_g = 1 - self.next_g;
         g
     }
 
-    fn kernel(&mut self, k: KernelOp, reads: Vec<DevBuf>, writes: Vec<DevBuf>) {
+    /// A layer op on the compute stream, its resources from the op's own declaration.
+    fn kernel(&mut self, k: Kernel<DevBuf, usize>) {
+        let (mut reads, mut writes) = (Vec::new(), Vec::new());
+        for (b, a) in k.buffers() {
+            match a {
+                Access::Read => reads.push(Res::Dev(b)),
+                Access::Write => writes.push(Res::Dev(b)),
+            }
+        }
         self.push(
             Lane::Stream(StreamKind::Compute),
             Op::Kernel(k),
-            reads.into_iter().map(Res::Dev).collect(),
-            writes.into_iter().map(Res::Dev).collect(),
+            reads,
+            writes,
         );
     }
 
-    fn drain(&mut self, unit: usize, from: DevBuf, spec: &PlanSpec, mb: usize) {
+    fn zeroed_grads(&mut self) -> DevBuf {
+        let g = self.grad_buffer();
+        self.kernel(Kernel::Zero { buf: g });
+        g
+    }
+
+    /// Unit u's gradients leave the device; after the last micro-batch, lean mode updates the
+    /// unit at once (and hints the next spilled read), exact mode adds its Σg² to the norm.
+    fn drain(&mut self, unit: usize, from: DevBuf, spec: &ScheduleSpec, mb: usize) {
         let last = mb + 1 == spec.micro_batches;
         let lean = (spec.mode == Mode::Lean && last).then(|| {
             let k = self.next_lean;
@@ -242,182 +279,83 @@ impl Builder {
             vec![Res::Dev(from)],
             vec![dest],
         );
-        if last {
-            match spec.mode {
-                Mode::Lean => {
-                    let k = lean.unwrap_or(0);
-                    self.push(
-                        Lane::Host,
-                        Op::Adam {
-                            unit,
-                            lean: Some(k),
-                        },
-                        vec![Res::Lean(k)],
-                        vec![Res::Params(unit)],
-                    );
-                }
-                Mode::Exact => self.push(
-                    Lane::Host,
-                    Op::Norm { unit },
-                    vec![Res::Grads(unit)],
-                    vec![],
-                ),
-            }
+        if !last {
+            return;
         }
+        match lean {
+            Some(k) => self.adam(unit, Some(k)),
+            None => self.host(
+                Op::Norm { unit },
+                vec![Res::Grads(unit), Res::Norm],
+                vec![Res::Norm],
+            ),
+        }
+    }
+
+    /// Unit u's update, then the hint for the next unit's spilled state.
+    fn adam(&mut self, unit: usize, lean: Option<usize>) {
+        let grads = lean.map_or(Res::Grads(unit), Res::Lean);
+        self.host(
+            Op::Adam { unit, lean },
+            vec![grads, Res::Coef],
+            vec![Res::Params(unit)],
+        );
+        self.updates.push(unit);
     }
 }
 
-/// Build the plan of one step.
-pub fn plan(spec: &PlanSpec) -> Plan {
+/// The order units are updated in: lean mode as their gradients land (head, blocks from the
+/// last, embedding), exact mode in unit order after the clip.
+fn update_order(spec: &ScheduleSpec) -> Vec<usize> {
+    let head = spec.layers + 1;
+    match spec.mode {
+        Mode::Lean => std::iter::once(head)
+            .chain((1..=spec.layers).rev())
+            .chain([0])
+            .collect(),
+        Mode::Exact => (0..=head).collect(),
+    }
+}
+
+/// Build the schedule of one step.
+pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     let l = spec.layers;
     let head = l + 1;
     let mut b = Builder {
-        steps: Vec::new(),
+        tasks: Vec::new(),
         w_content: [None, None],
         next_w: 0,
         next_g: 0,
         next_lean: 0,
+        updates: Vec::new(),
     };
-    let act = |i: usize| match spec.checkpoints {
-        Checkpoints::Device => DevBuf::A(i),
-        Checkpoints::Host => DevBuf::A(i % 2),
-    };
+    let order = update_order(spec);
+    // The first unit to be updated: its m/v can come in from NVMe during the forward.
+    b.host(Op::Prefetch { unit: order[0] }, vec![], vec![]);
+    if spec.mode == Mode::Lean {
+        // Lean clipping uses the previous step's global norm (stale by one step).
+        b.host(Op::Clip, vec![Res::Norm], vec![Res::Coef]);
+    }
     for mb in 0..spec.micro_batches {
-        // Forward: x_0 .. x_L, weights streamed through the two slots.
-        let w = b.weights(0, None);
-        b.kernel(
-            KernelOp::EmbedFwd { mb, w, x: act(0) },
-            vec![w],
-            vec![act(0)],
-        );
-        for i in 0..l {
-            if spec.checkpoints == Checkpoints::Host {
-                b.push(
-                    Lane::Stream(StreamKind::CopyOut),
-                    Op::CkptOut {
-                        index: i,
-                        slot: act(i),
-                    },
-                    vec![Res::Dev(act(i))],
-                    vec![Res::Ckpt(i)],
-                );
-            }
-            let w = b.weights(1 + i, None);
-            b.kernel(
-                KernelOp::BlockFwd {
-                    mb,
-                    layer: i,
-                    w,
-                    x: act(i),
-                    y: act(i + 1),
-                },
-                vec![w, act(i)],
-                vec![act(i + 1)],
-            );
-        }
-        // Head: loss and backward (tied: the embedding matrix is the LM head).
-        let hw = b.weights(head, None);
-        let (lm_w, lm_g) = if spec.tied {
-            (Some(b.weights(0, Some(hw))), Some(DevBuf::GEmb))
-        } else {
-            (None, None)
-        };
-        let hg = b.grad_slot();
-        b.kernel(KernelOp::Zero { buf: hg }, vec![], vec![hg]);
-        if let Some(ge) = lm_g {
-            b.kernel(KernelOp::Zero { buf: ge }, vec![], vec![ge]);
-        }
-        let mut reads = vec![hw, act(l)];
-        reads.extend(lm_w);
-        let mut writes = vec![hg, DevBuf::D(0)];
-        writes.extend(lm_g);
-        b.kernel(
-            KernelOp::HeadLossBwd {
-                mb,
-                w: hw,
-                g: hg,
-                lm_w,
-                lm_g,
-                x: act(l),
-                dx: DevBuf::D(0),
-            },
-            reads,
-            writes,
-        );
-        b.drain(head, hg, spec, mb);
-        // Blocks in reverse; checkpoint x_i must be on the device.
-        let mut d = 0;
-        for i in (0..l).rev() {
-            let x = act(i);
-            let resident = spec.checkpoints == Checkpoints::Device || i + 1 == l;
-            if !resident {
-                b.push(
-                    Lane::Stream(StreamKind::CopyIn),
-                    Op::CkptIn { index: i, slot: x },
-                    vec![Res::Ckpt(i)],
-                    vec![Res::Dev(x)],
-                );
-            }
-            let w = b.weights(1 + i, None);
-            let g = b.grad_slot();
-            b.kernel(KernelOp::Zero { buf: g }, vec![], vec![g]);
-            let (dy, dx) = (DevBuf::D(d), DevBuf::D(1 - d));
-            b.kernel(
-                KernelOp::BlockBwd {
-                    mb,
-                    layer: i,
-                    w,
-                    g,
-                    x,
-                    dy,
-                    dx,
-                },
-                vec![w, x, dy],
-                vec![g, dx],
-            );
-            d = 1 - d;
-            b.drain(1 + i, g, spec, mb);
-        }
-        // Embedding: only its gradient (tied: accumulated onto the head's).
-        let g = match spec.tied {
-            true => DevBuf::GEmb,
-            false => {
-                let g = b.grad_slot();
-                b.kernel(KernelOp::Zero { buf: g }, vec![], vec![g]);
-                g
-            }
-        };
-        b.kernel(
-            KernelOp::EmbedBwd {
-                mb,
-                g,
-                dx: DevBuf::D(d),
-            },
-            vec![DevBuf::D(d)],
-            vec![g],
-        );
-        b.drain(0, g, spec, mb);
-        b.w_content = [None, None];
+        micro_batch(&mut b, spec, mb);
     }
-    if spec.mode == Mode::Exact {
-        b.push(Lane::Host, Op::Clip, vec![], vec![]);
-        for u in 0..=head {
-            b.push(
-                Lane::Host,
-                Op::Adam {
-                    unit: u,
-                    lean: None,
-                },
-                vec![Res::Grads(u)],
-                vec![Res::Params(u)],
-            );
+    match spec.mode {
+        Mode::Exact => {
+            b.host(Op::Clip, vec![Res::Norm], vec![Res::Coef]);
+            for u in 0..=head {
+                b.adam(u, None);
+            }
+        }
+        Mode::Lean => {
+            let reads = (0..=head).map(Res::Params).collect();
+            b.host(Op::LeanNorm, reads, vec![Res::Norm]);
         }
     }
-    let mut steps = b.steps;
-    track_hazards(&mut steps);
-    let mut buffers: Vec<DevBuf> = steps
+    let mut tasks = with_prefetches(b.tasks, &order);
+    track_hazards(&mut tasks);
+    let mut buffers: Vec<DevBuf> = tasks
         .iter()
-        .flat_map(|s| s.reads.iter().chain(&s.writes))
+        .flat_map(|t| t.reads.iter().chain(&t.writes))
         .filter_map(|r| match r {
             Res::Dev(d) => Some(*d),
             _ => None,
@@ -425,139 +363,399 @@ pub fn plan(spec: &PlanSpec) -> Plan {
         .collect();
     buffers.sort();
     buffers.dedup();
-    Plan { steps, buffers }
+    Schedule { tasks, buffers }
 }
 
-/// Fill in `waits`: read-after-write, write-after-read and write-after-write across lanes.
-/// (The host lane is ordered too: its ops run in submission order.)
-fn track_hazards(steps: &mut [Step]) {
-    #[derive(Default)]
-    struct State {
-        writer: Option<usize>,
-        readers: Vec<usize>,
-    }
-    let mut st: HashMap<Res, State> = HashMap::new();
-    for i in 0..steps.len() {
-        let lane = steps[i].lane;
-        let mut waits: Vec<usize> = Vec::new();
-        let mut need = |j: usize, steps: &[Step]| {
-            let implied = steps[j].lane == lane && matches!(lane, Lane::Stream(_) | Lane::Host);
-            if !implied {
-                waits.push(j);
-            }
+/// After each update, a hint to read the next unit's spilled state (so NVMe reads unit u+1
+/// while AdamW updates u).
+fn with_prefetches(tasks: Vec<Task>, order: &[usize]) -> Vec<Task> {
+    let mut out = Vec::with_capacity(tasks.len() + order.len());
+    for t in tasks {
+        let next = match t.op {
+            Op::Adam { unit, .. } => order
+                .iter()
+                .position(|&u| u == unit)
+                .and_then(|k| order.get(k + 1)),
+            _ => None,
         };
-        for r in &steps[i].reads {
-            if let Some(w) = st.get(r).and_then(|s| s.writer) {
-                need(w, steps);
-            }
-        }
-        for r in &steps[i].writes {
-            if let Some(s) = st.get(r) {
-                if let Some(w) = s.writer {
-                    need(w, steps);
-                }
-                for &rd in &s.readers {
-                    need(rd, steps);
-                }
-            }
-        }
-        waits.sort_unstable();
-        waits.dedup();
-        steps[i].waits = waits;
-        let (reads, writes) = (steps[i].reads.clone(), steps[i].writes.clone());
-        for r in reads {
-            st.entry(r).or_default().readers.push(i);
-        }
-        for r in writes {
-            let s = st.entry(r).or_default();
-            s.writer = Some(i);
-            s.readers.clear();
+        out.push(t);
+        if let Some(&unit) = next {
+            out.push(Task {
+                lane: Lane::Host,
+                op: Op::Prefetch { unit },
+                reads: vec![],
+                writes: vec![],
+                waits: vec![],
+                prev_waits: vec![],
+            });
         }
     }
+    out
+}
+
+/// The ops of micro-batch `mb`: forward through the two weight buffers, head loss and backward,
+/// blocks backward in reverse, embedding backward.
+fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
+    let l = spec.layers;
+    let head = l + 1;
+    let act = |i: usize| match spec.activations {
+        Activations::Device => DevBuf::A(i),
+        Activations::Host => DevBuf::A(i % 2),
+    };
+    let w = b.weights(0, None);
+    b.kernel(Kernel::EmbedFwd {
+        batch: mb,
+        w,
+        x: act(0),
+    });
+    for i in 0..l {
+        if spec.activations == Activations::Host {
+            b.push(
+                Lane::Stream(StreamKind::CopyOut),
+                Op::SaveActivation {
+                    index: i,
+                    from: act(i),
+                },
+                vec![Res::Dev(act(i))],
+                vec![Res::Act(i)],
+            );
+        }
+        let w = b.weights(1 + i, None);
+        b.kernel(Kernel::BlockFwd {
+            layer: i,
+            w,
+            x: act(i),
+            y: act(i + 1),
+        });
+    }
+    // Head: loss and backward (tied: the embedding matrix is the LM head).
+    let hw = b.weights(head, None);
+    let tied = spec.tied.then(|| (b.weights(0, Some(hw)), DevBuf::GEmb));
+    let hg = b.zeroed_grads();
+    if let Some((_, ge)) = tied {
+        b.kernel(Kernel::Zero { buf: ge });
+    }
+    b.kernel(Kernel::HeadLossBwd {
+        batch: mb,
+        w: hw,
+        g: hg,
+        tied,
+        x: act(l),
+        dx: DevBuf::D(0),
+    });
+    b.drain(head, hg, spec, mb);
+    // Blocks in reverse; activation i must be on the device.
+    let mut d = 0;
+    for i in (0..l).rev() {
+        let x = act(i);
+        let resident = spec.activations == Activations::Device || i + 1 == l;
+        if !resident {
+            b.push(
+                Lane::Stream(StreamKind::CopyIn),
+                Op::LoadActivation { index: i, to: x },
+                vec![Res::Act(i)],
+                vec![Res::Dev(x)],
+            );
+        }
+        let w = b.weights(1 + i, None);
+        let g = b.zeroed_grads();
+        let (dy, dx) = (DevBuf::D(d), DevBuf::D(1 - d));
+        b.kernel(Kernel::BlockBwd {
+            layer: i,
+            w,
+            g,
+            x,
+            dy,
+            dx,
+        });
+        d = 1 - d;
+        b.drain(1 + i, g, spec, mb);
+    }
+    // Embedding: only its gradient (tied: accumulated onto the head's).
+    let g = match spec.tied {
+        true => DevBuf::GEmb,
+        false => b.zeroed_grads(),
+    };
+    b.kernel(Kernel::EmbedBwd {
+        batch: mb,
+        g,
+        dx: DevBuf::D(d),
+    });
+    b.drain(0, g, spec, mb);
+    b.w_content = [None, None];
+}
+
+/// Per resource, its last writer and the readers since.
+#[derive(Default, Clone)]
+struct Holders {
+    writer: Option<usize>,
+    readers: Vec<usize>,
+}
+
+/// The waits of task `i` given the holders so far, and the holders updated by it.
+fn hazards(tasks: &[Task], i: usize, st: &mut HashMap<Res, Holders>) -> Vec<usize> {
+    let lane = tasks[i].lane;
+    let mut waits: Vec<usize> = Vec::new();
+    let mut need = |j: usize| {
+        if tasks[j].lane != lane {
+            waits.push(j);
+        }
+    };
+    for r in &tasks[i].reads {
+        if let Some(w) = st.get(r).and_then(|s| s.writer) {
+            need(w);
+        }
+    }
+    for r in &tasks[i].writes {
+        if let Some(s) = st.get(r) {
+            if let Some(w) = s.writer {
+                need(w);
+            }
+            for &rd in &s.readers {
+                need(rd);
+            }
+        }
+    }
+    for r in &tasks[i].reads {
+        st.entry(*r).or_default().readers.push(i);
+    }
+    for r in &tasks[i].writes {
+        let s = st.entry(*r).or_default();
+        s.writer = Some(i);
+        s.readers.clear();
+    }
+    waits.sort_unstable();
+    waits.dedup();
+    waits
+}
+
+/// Fill in `waits` (read-after-write, write-after-read and write-after-write across lanes; each
+/// lane runs in submission order) and `prev_waits`: the same tracking over this step following
+/// another, keeping the waits that point into the previous one. The host lane counts as one
+/// lane, but an `Adam` wait means its job's completion, so host tasks wait on it too.
+fn track_hazards(tasks: &mut [Task]) {
+    let n = tasks.len();
+    let mut st: HashMap<Res, Holders> = HashMap::new();
+    for i in 0..n {
+        let mut w = hazards(tasks, i, &mut st);
+        w.extend(adam_waits_on_host(tasks, i));
+        w.sort_unstable();
+        w.dedup();
+        tasks[i].waits = w;
+    }
+    // A second step, as indices n..2n, after the state the first one left.
+    let twice: Vec<Task> = tasks.iter().chain(tasks.iter()).cloned().collect();
+    for i in 0..n {
+        let w = hazards(&twice, n + i, &mut st);
+        let mut prev: Vec<usize> = w.iter().copied().filter(|&j| j < n).collect();
+        prev.extend(
+            adam_holders(tasks, i)
+                .into_iter()
+                .filter(|&j| matches!(tasks[j].op, Op::Adam { .. })),
+        );
+        prev.sort_unstable();
+        prev.dedup();
+        tasks[i].prev_waits = prev;
+    }
+}
+
+/// What an AdamW job holds while it runs: what its task reads and writes, except the clip
+/// coefficient (read once, when the job is submitted).
+fn job_holds(t: &Task) -> impl Iterator<Item = &Res> {
+    t.reads.iter().chain(&t.writes).filter(|r| **r != Res::Coef)
+}
+
+/// Whether task `t` reads or overwrites what the job of `adam` holds.
+fn touches_job(adam: &Task, t: &Task) -> bool {
+    adam.writes.iter().any(|r| t.reads.contains(r)) || job_holds(adam).any(|r| t.writes.contains(r))
+}
+
+/// On the host lane, lane order implies an Adam task was *submitted* before a later host task
+/// runs, not that its job finished: a host task that reads or overwrites what an Adam job holds
+/// must wait for that job explicitly.
+fn adam_waits_on_host(tasks: &[Task], i: usize) -> Vec<usize> {
+    if tasks[i].lane != Lane::Host {
+        return Vec::new();
+    }
+    (0..i)
+        .filter(|&j| matches!(tasks[j].op, Op::Adam { .. }) && touches_job(&tasks[j], &tasks[i]))
+        .collect()
+}
+
+/// The previous step's Adam tasks whose jobs host task `i` of the next step touches: the host
+/// lane's order does not cover a job still running.
+fn adam_holders(tasks: &[Task], i: usize) -> Vec<usize> {
+    if tasks[i].lane != Lane::Host {
+        return Vec::new();
+    }
+    (0..tasks.len())
+        .filter(|&j| matches!(tasks[j].op, Op::Adam { .. }) && touches_job(&tasks[j], &tasks[i]))
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, cp: Checkpoints) -> PlanSpec {
-        PlanSpec {
+    fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> ScheduleSpec {
+        ScheduleSpec {
             layers,
             tied,
             micro_batches: mb,
             mode,
-            checkpoints: cp,
+            activations: a,
         }
     }
 
-    fn all_specs() -> Vec<PlanSpec> {
+    fn all_specs() -> Vec<ScheduleSpec> {
         let mut v = Vec::new();
         for layers in [1, 2, 5] {
             for tied in [false, true] {
-                for cp in [Checkpoints::Device, Checkpoints::Host] {
-                    v.push(spec(layers, tied, 1, Mode::Exact, cp));
-                    v.push(spec(layers, tied, 3, Mode::Exact, cp));
-                    v.push(spec(layers, tied, 1, Mode::Lean, cp));
+                for a in [Activations::Device, Activations::Host] {
+                    v.push(spec(layers, tied, 1, Mode::Exact, a));
+                    v.push(spec(layers, tied, 3, Mode::Exact, a));
+                    v.push(spec(layers, tied, 1, Mode::Lean, a));
                 }
             }
         }
         v
     }
 
-    #[allow(clippy::needless_range_loop)] // index loops over a dependency matrix read clearer
-    /// Every pair of conflicting accesses on different lanes is ordered through the waits
-    /// (transitively), and same-lane pairs by submission order.
-    #[test]
-    fn every_hazard_is_ordered() {
-        for s in all_specs() {
-            let p = plan(&s);
-            let n = p.steps.len();
-            // before[i][j]: step j completes before step i starts.
-            let mut before = vec![vec![false; n]; n];
-            for i in 0..n {
-                for j in 0..i {
-                    let direct =
-                        p.steps[i].waits.contains(&j) || p.steps[j].lane == p.steps[i].lane;
-                    if direct {
-                        before[i][j] = true;
-                    }
+    /// Whether task j (earlier) completes before task i starts: through waits, lane order
+    /// (except that an Adam task's job is not ordered by the host lane), transitively.
+    fn ordered(s: &Schedule) -> Vec<Vec<bool>> {
+        let t = &s.tasks;
+        let n = t.len();
+        let mut before = vec![vec![false; n]; n];
+        for i in 0..n {
+            for j in 0..i {
+                let adam_job = matches!(t[j].op, Op::Adam { .. });
+                if t[i].waits.contains(&j) || (t[j].lane == t[i].lane && !adam_job) {
+                    before[i][j] = true;
                 }
-                for j in 0..i {
-                    if before[i][j] {
-                        for k in 0..j {
-                            if before[j][k] {
-                                before[i][k] = true;
-                            }
-                        }
+            }
+            for j in 0..i {
+                if before[i][j] {
+                    let (done, row) = before.split_at_mut(i);
+                    for (k, b) in done[j][..j].iter().enumerate() {
+                        row[0][k] |= *b;
                     }
                 }
             }
-            for i in 0..n {
+        }
+        before
+    }
+
+    fn conflict(a: &Task, b: &Task) -> bool {
+        if matches!(a.op, Op::Adam { .. }) {
+            return touches_job(a, b);
+        }
+        a.writes
+            .iter()
+            .any(|r| b.reads.contains(r) || b.writes.contains(r))
+            || a.reads.iter().any(|r| b.writes.contains(r))
+    }
+
+    /// Every pair of conflicting accesses within a step is ordered through the waits (an Adam
+    /// job counts as running until waited for), and every conflict of a task with a task of the
+    /// previous step that is not a device op (done when the step returns) or a host task (run
+    /// before it returns) is a cross-step wait.
+    #[test]
+    fn every_hazard_is_ordered_within_and_across_steps() {
+        for s in all_specs() {
+            let p = schedule(&s);
+            let before = ordered(&p);
+            let t = &p.tasks;
+            for i in 0..t.len() {
                 for j in 0..i {
-                    let (a, b) = (&p.steps[j], &p.steps[i]);
-                    let conflict = a
-                        .writes
-                        .iter()
-                        .any(|r| b.reads.contains(r) || b.writes.contains(r))
-                        || a.reads.iter().any(|r| b.writes.contains(r));
                     assert!(
-                        !conflict || before[i][j],
-                        "{s:?}: step {i} {:?} races step {j} {:?}",
-                        b.op,
-                        a.op
+                        !conflict(&t[j], &t[i]) || before[i][j],
+                        "{s:?}: task {i} {:?} races task {j} {:?}",
+                        t[i].op,
+                        t[j].op
                     );
+                }
+                // Across steps only AdamW jobs can still run when the next step starts.
+                for (j, prev) in t.iter().enumerate() {
+                    if matches!(prev.op, Op::Adam { .. }) && conflict(prev, &t[i]) {
+                        assert!(
+                            t[i].prev_waits.contains(&j) || waits_after(&p, i, j),
+                            "{s:?}: {:?} does not wait for the previous step's {:?}",
+                            t[i].op,
+                            prev.op
+                        );
+                    }
                 }
             }
         }
     }
 
+    /// Whether `i` is ordered after the previous step's `j` some other way: an earlier task of
+    /// this step on its lane waited for `j`, or (lean) the previous step ended after every job.
+    fn waits_after(p: &Schedule, i: usize, j: usize) -> bool {
+        let lean_end = p.tasks.iter().any(|t| t.op == Op::LeanNorm);
+        lean_end
+            || p.tasks[..i]
+                .iter()
+                .any(|t| t.lane == p.tasks[i].lane && t.prev_waits.contains(&j))
+    }
+
+    /// The waits across steps the streamer used to code by hand are the schedule's: a unit's
+    /// weights are copied only after its previous update, exact-mode gradients land only after
+    /// the previous update read them, a lean step's clip waits for the previous norm.
+    #[test]
+    fn cross_step_waits_are_derived() {
+        let s = spec(3, false, 2, Mode::Exact, Activations::Host);
+        let p = schedule(&s);
+        let adam_of = |u: usize| {
+            p.tasks
+                .iter()
+                .position(|t| matches!(t.op, Op::Adam { unit, .. } if unit == u))
+                .unwrap()
+        };
+        for (i, t) in p.tasks.iter().enumerate() {
+            match t.op {
+                Op::CopyWeights { unit, .. } => {
+                    let first = p.tasks[..i]
+                        .iter()
+                        .all(|x| !matches!(x.op, Op::CopyWeights { unit: u, .. } if u == unit));
+                    if first {
+                        assert!(t.prev_waits.contains(&adam_of(unit)), "{:?}", t.op);
+                    }
+                }
+                Op::CopyGrads {
+                    unit,
+                    accumulate: false,
+                    ..
+                } => assert!(t.prev_waits.contains(&adam_of(unit)), "{:?}", t.op),
+                _ => {}
+            }
+        }
+        // Lean: the clip reads the previous step's norm, which the host lane ran before it.
+        let lean = schedule(&spec(2, true, 1, Mode::Lean, Activations::Host));
+        let clip = lean.tasks.iter().position(|t| t.op == Op::Clip).unwrap();
+        let norm = lean
+            .tasks
+            .iter()
+            .position(|t| t.op == Op::LeanNorm)
+            .unwrap();
+        assert!(clip < norm && lean.tasks[clip].lane == Lane::Host);
+        assert!(lean.tasks[norm].writes.contains(&Res::Norm));
+        assert!(lean.tasks[clip].reads.contains(&Res::Norm));
+        // The lean norm waits for every update of its step.
+        let adams: Vec<usize> = (0..lean.tasks.len())
+            .filter(|&i| matches!(lean.tasks[i].op, Op::Adam { .. }))
+            .collect();
+        assert!(adams.iter().all(|a| lean.tasks[norm].waits.contains(a)));
+    }
+
     #[test]
     fn weights_cross_at_most_twice_per_micro_batch() {
         for s in all_specs() {
-            let p = plan(&s);
+            let p = schedule(&s);
             for u in 0..s.layers + 2 {
                 let n = p
-                    .steps
+                    .tasks
                     .iter()
                     .filter(|x| matches!(x.op, Op::CopyWeights { unit, .. } if unit == u))
                     .count();
@@ -568,40 +766,49 @@ mod tests {
     }
 
     #[test]
-    fn device_buffers_do_not_grow_with_depth_when_checkpoints_offload() {
-        let small = plan(&spec(2, false, 1, Mode::Exact, Checkpoints::Host)).buffers;
-        let deep = plan(&spec(32, false, 1, Mode::Exact, Checkpoints::Host)).buffers;
+    fn device_buffers_do_not_grow_with_depth_when_activations_offload() {
+        let small = schedule(&spec(2, false, 1, Mode::Exact, Activations::Host)).buffers;
+        let deep = schedule(&spec(32, false, 1, Mode::Exact, Activations::Host)).buffers;
         assert_eq!(small, deep);
-        let dev = plan(&spec(32, false, 1, Mode::Exact, Checkpoints::Device)).buffers;
+        let dev = schedule(&spec(32, false, 1, Mode::Exact, Activations::Device)).buffers;
         assert_eq!(dev.iter().filter(|b| matches!(b, DevBuf::A(_))).count(), 33);
     }
 
     #[test]
-    fn every_unit_is_updated_once_after_its_gradients() {
+    fn every_unit_is_updated_once_after_its_gradients_and_prefetched_before() {
         for s in all_specs() {
-            let p = plan(&s);
+            let p = schedule(&s);
             for u in 0..s.layers + 2 {
-                let adam: Vec<usize> = (0..p.steps.len())
-                    .filter(|&i| matches!(p.steps[i].op, Op::Adam { unit, .. } if unit == u))
+                let adam: Vec<usize> = (0..p.tasks.len())
+                    .filter(|&i| matches!(p.tasks[i].op, Op::Adam { unit, .. } if unit == u))
                     .collect();
                 assert_eq!(adam.len(), 1, "{s:?} unit {u}");
-                let last_drain = (0..p.steps.len())
-                    .filter(|&i| matches!(p.steps[i].op, Op::CopyGrads { unit, .. } if unit == u))
+                let last_drain = (0..p.tasks.len())
+                    .filter(|&i| matches!(p.tasks[i].op, Op::CopyGrads { unit, .. } if unit == u))
                     .max()
                     .unwrap();
                 assert!(adam[0] > last_drain);
+                let prefetch = p
+                    .tasks
+                    .iter()
+                    .position(|t| t.op == Op::Prefetch { unit: u })
+                    .unwrap();
+                assert!(
+                    prefetch < adam[0],
+                    "{s:?}: unit {u} prefetched after its update"
+                );
             }
             if s.mode == Mode::Lean {
-                // Lean: the update of the head starts before the embedding's backward is even submitted.
+                // Lean: the head's update starts before the embedding's backward is submitted.
                 let adam_head = p
-                    .steps
+                    .tasks
                     .iter()
                     .position(|x| matches!(x.op, Op::Adam { unit, .. } if unit == s.layers + 1))
                     .unwrap();
                 let emb_bwd = p
-                    .steps
+                    .tasks
                     .iter()
-                    .position(|x| matches!(x.op, Op::Kernel(KernelOp::EmbedBwd { .. })))
+                    .position(|x| matches!(x.op, Op::Kernel(Kernel::EmbedBwd { .. })))
                     .unwrap();
                 assert!(adam_head < emb_bwd);
             }

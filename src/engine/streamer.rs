@@ -1,15 +1,17 @@
-//! The streamer: runs a [`Plan`] on any [`Device`] with the host store and the AdamW pool.
+//! The streamer: runs a [`Schedule`] on any [`Device`] with the host store and the AdamW pool.
 //!
-//! The host thread submits device ops in plan order, turning the plan's waits into stream waits
-//! on events. Host ops (gradient norms, the clip coefficient, AdamW launches) are queued and run as
-//! soon as what they wait for has finished, without holding up submission; a device op that needs
-//! a host op (a copy of weights that AdamW is still updating) makes the host finish it first. The
-//! device state is the plan's fixed set of buffers, allocated once: nothing grows with depth
-//! (with host checkpoints) or with the number of steps.
+//! The host thread submits device ops in schedule order, turning the schedule's waits into
+//! stream waits on events. Host ops (prefetch hints, gradient norms, the clip coefficient, AdamW
+//! launches) are queued and run as soon as what they wait for has finished, without holding up
+//! submission; a device op that waits for a host op (a copy of weights that AdamW is still
+//! updating) makes the host finish it first. Every wait — within a step and across steps — is
+//! the schedule's; nothing is ordered by hand here. The device state is the schedule's fixed set
+//! of buffers, allocated once: nothing grows with depth (with host activations) or with the
+//! number of steps.
 
-use super::schedule::{plan, Checkpoints, DevBuf, KernelOp, Lane, Op, Plan, PlanSpec, Res};
+use super::schedule::{schedule, Activations, DevBuf, Lane, Op, Schedule, ScheduleSpec, Task};
 use super::trace::{Span, Timeline};
-use crate::device::{At, BufId, Cmd, Device, Event, HostRef, Kernel, StreamKind};
+use crate::device::{Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, StreamKind};
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{unit_segments, AdamJob, AdamPool};
@@ -30,8 +32,8 @@ pub struct StreamerConfig {
     pub seq: usize,
     /// Micro-batches per optimizer step.
     pub micro_batches: usize,
-    /// Checkpoint placement.
-    pub checkpoints: Checkpoints,
+    /// Where the layer-boundary activations live.
+    pub activations: Activations,
     /// AdamW hyperparameters (lr is overridden per step by [`Streamer::step`]).
     pub adam: AdamWConfig,
     /// Global-norm clipping threshold (0 = off).
@@ -110,9 +112,10 @@ pub struct Streamer {
     pool: AdamPool,
     templates: Arc<Templates>,
     cfg: StreamerConfig,
-    plan: Plan,
+    schedule: Schedule,
     bufs: HashMap<DevBuf, BufId>,
-    ckpt: Vec<GradBuffer>,
+    /// Host copies of the layer-boundary activations (host activations).
+    saved: Vec<GradBuffer>,
     lean: Vec<Option<GradBuffer>>,
     guards: Vec<Option<UnitGuard>>,
     pending: HashMap<usize, PendingAdam>,
@@ -121,9 +124,29 @@ pub struct Streamer {
     timeline: Timeline,
     adam_spans: Vec<(f64, f64)>,
     lean_sumsq: f64,
-    /// Units in the order the plan updates them (prefetch hints for the NVMe tier).
-    adam_order: Vec<usize>,
     spill_seen: crate::spill::tier::SpillStats,
+}
+
+/// What one step is doing while it runs: its tasks' events, which host tasks ran, the norm
+/// and coefficient so far.
+struct StepRun {
+    events: Vec<Option<Event>>,
+    host_done: Vec<bool>,
+    host_queue: VecDeque<usize>,
+    norm_sq: f64,
+    coef: f64,
+    host_wait: f64,
+    adam: AdamWConfig,
+    batches: Vec<Batch>,
+}
+
+/// `min(1, max_norm / (norm + 1e-6))`, torch's `clip_grad_norm_`; 1 when clipping is off.
+pub fn clip_coef(max_norm: f64, norm: f64) -> f64 {
+    if max_norm > 0.0 {
+        (max_norm / (norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    }
 }
 
 impl std::fmt::Debug for PendingAdam {
@@ -134,7 +157,7 @@ impl std::fmt::Debug for PendingAdam {
     }
 }
 
-/// Elements of plan buffer `b` for micro-batches of `n` tokens.
+/// Elements of schedule buffer `b` for micro-batches of `n` tokens.
 pub fn buffer_len(layout: &StateLayout, n: usize, b: DevBuf) -> usize {
     match b {
         DevBuf::W(_) | DevBuf::G(_) => layout.max_unit_numel(),
@@ -143,23 +166,23 @@ pub fn buffer_len(layout: &StateLayout, n: usize, b: DevBuf) -> usize {
     }
 }
 
-/// Bytes of device buffers the streamer allocates for this shape (the planned working set, the
-/// same for any depth with host checkpoints).
+/// Bytes of device buffers the streamer allocates for this shape (the scheduled working set,
+/// the same for any depth with host activations).
 pub fn device_bytes(
     layout: &StateLayout,
     batch: usize,
     seq: usize,
     micro_batches: usize,
-    checkpoints: Checkpoints,
+    activations: Activations,
 ) -> u64 {
-    let spec = PlanSpec {
+    let spec = ScheduleSpec {
         layers: layout.config.num_layers,
         tied: layout.config.tie_word_embeddings,
         micro_batches,
         mode: layout.mode,
-        checkpoints,
+        activations,
     };
-    plan(&spec)
+    schedule(&spec)
         .buffers
         .iter()
         .map(|b| 4 * buffer_len(layout, batch * seq, *b) as u64)
@@ -193,18 +216,18 @@ impl Streamer {
                 None,
             ));
         }
-        let spec = PlanSpec {
+        let spec = ScheduleSpec {
             layers: c.num_layers,
             tied: c.tie_word_embeddings,
             micro_batches: cfg.micro_batches,
             mode: layout.mode,
-            checkpoints: cfg.checkpoints,
+            activations: cfg.activations,
         };
-        let plan = plan(&spec);
+        let schedule = schedule(&spec);
         let n = cfg.batch * cfg.seq;
         let max_unit = layout.max_unit_numel();
         let mut bufs = HashMap::new();
-        for b in &plan.buffers {
+        for b in &schedule.buffers {
             let len = buffer_len(&layout, n, *b);
             bufs.insert(*b, device.alloc(len, &format!("{b:?}"))?);
         }
@@ -219,11 +242,11 @@ impl Streamer {
             }
             Ok(b)
         };
-        let ckpt = match cfg.checkpoints {
-            Checkpoints::Host => (0..c.num_layers)
+        let saved = match cfg.activations {
+            Activations::Host => (0..c.num_layers)
                 .map(|_| host_buffer(n * c.hidden_size))
                 .collect::<Result<_>>()?,
-            Checkpoints::Device => Vec::new(),
+            Activations::Device => Vec::new(),
         };
         let lean = match layout.mode {
             Mode::Lean => (0..super::schedule::LEAN_BUFFERS)
@@ -233,14 +256,6 @@ impl Streamer {
         };
         let units = store.num_units();
         let timeline = Timeline::new(device.epoch());
-        let adam_order: Vec<usize> = plan
-            .steps
-            .iter()
-            .filter_map(|s| match s.op {
-                Op::Adam { unit, .. } => Some(unit),
-                _ => None,
-            })
-            .collect();
         let spill_seen = store.spill_stats();
         Ok(Streamer {
             device,
@@ -248,9 +263,9 @@ impl Streamer {
             pool,
             templates,
             cfg,
-            plan,
+            schedule,
             bufs,
-            ckpt,
+            saved,
             lean,
             guards: (0..units).map(|_| None).collect(),
             pending: HashMap::new(),
@@ -259,7 +274,6 @@ impl Streamer {
             timeline,
             adam_spans: Vec::new(),
             lean_sumsq: 0.0,
-            adam_order,
             spill_seen,
         })
     }
@@ -276,9 +290,9 @@ impl Streamer {
         self.prev_norm
     }
 
-    /// The plan being run.
-    pub fn plan(&self) -> &Plan {
-        &self.plan
+    /// The schedule being run.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
     }
 
     /// The host store.
@@ -334,7 +348,7 @@ impl Streamer {
         }
         self.guards[u]
             .as_mut()
-            .ok_or_else(|| Error::system("streamer", "unit guard", "missing"))
+            .ok_or_else(|| Error::internal("streamer", format!("unit {u}'s guard is missing")))
     }
 
     /// Wait for every running AdamW job (end of training, checkpoints, tests).
@@ -350,22 +364,56 @@ impl Streamer {
     /// Run one optimizer step over `batches` (one per micro-batch) with learning rate `lr`.
     pub fn step(&mut self, batches: &[MicroBatch], lr: f64) -> Result<StepMetrics> {
         let wall = Instant::now();
+        let mut run = self.start_step(batches, lr)?;
+        let tasks = self.schedule.tasks.clone();
+        for (i, t) in tasks.iter().enumerate() {
+            match t.lane {
+                Lane::Host => run.host_queue.push_back(i),
+                Lane::Stream(stream) => self.submit(&tasks, i, stream, &mut run)?,
+            }
+            self.run_host(&tasks, &mut run, None)?;
+        }
+        self.run_host(&tasks, &mut run, Some(tasks.len()))?;
+        // All device work of this step is done once its last events fire.
+        let t0 = Instant::now();
+        for e in run.events.iter().flatten() {
+            e.synchronize();
+        }
+        run.host_wait += t0.elapsed().as_secs_f64();
+        if let Some(e) = self.device.take_error() {
+            return Err(e);
+        }
+        let grad_norm = match self.store.layout().mode {
+            // The norm came out of the AdamW pass (the schedule's LeanNorm waited for it).
+            Mode::Lean => self.lean_sumsq.sqrt(),
+            Mode::Exact => run.norm_sq.sqrt(),
+        };
+        self.prev_norm = Some(grad_norm);
+        let mut m = self.metrics(&run, grad_norm, lr);
+        self.store.check_spill()?;
+        m.wall_s = wall.elapsed().as_secs_f64();
+        Ok(m)
+    }
+
+    /// Check the micro-batches and start the step: its counters, the device's peak, the spill
+    /// tier's health.
+    fn start_step(&mut self, batches: &[MicroBatch], lr: f64) -> Result<StepRun> {
         if batches.len() != self.cfg.micro_batches {
-            return Err(Error::bad_input(
-                "micro-batches",
-                batches.len().to_string(),
-                format!("the plan expects {}", self.cfg.micro_batches),
-                None,
+            return Err(Error::internal(
+                "streamer",
+                format!(
+                    "{} micro-batches for a schedule of {}",
+                    batches.len(),
+                    self.cfg.micro_batches
+                ),
             ));
         }
         let n = self.cfg.batch * self.cfg.seq;
         for mb in batches {
             if mb.tokens.len() != n || mb.targets.len() != n {
-                return Err(Error::bad_input(
-                    "micro-batch",
-                    format!("{} tokens", mb.tokens.len()),
-                    format!("expected {n}"),
-                    None,
+                return Err(Error::internal(
+                    "streamer",
+                    format!("a micro-batch of {} tokens, expected {n}", mb.tokens.len()),
                 ));
             }
             self.templates.check_tokens(&mb.tokens, "inputs")?;
@@ -375,212 +423,205 @@ impl Streamer {
         self.device.reset_peak();
         // Write-backs run on after a step returns: one that failed since then stops this step.
         self.store.check_spill()?;
-        // The first unit to be updated: its m/v can come in from NVMe during the forward.
-        if let Some(&u) = self.adam_order.first() {
-            self.store.prefetch(u);
-        }
-        let total_tokens = (n * batches.len()) as f64;
-        let loss = Arc::new(Mutex::new(0.0f64));
-        let steps = self.plan.steps.clone();
-        let mut events: Vec<Option<Event>> = vec![None; steps.len()];
-        let mut host_done = vec![false; steps.len()];
-        let mut host_queue: VecDeque<usize> = VecDeque::new();
-        let mut norm_sq = 0.0f64;
-        let mut coef = 1.0f64;
-        let mut host_wait = 0.0f64;
-        let mut adam_steps: HashMap<usize, usize> = HashMap::new();
-        let lean = self.store.layout().mode == Mode::Lean;
-        if lean {
-            // Lean clipping uses the previous step's global norm (stale by one step).
-            if let (Some(prev), true) = (self.prev_norm, self.cfg.grad_clip > 0.0) {
-                coef = (self.cfg.grad_clip / (prev + 1e-6)).min(1.0);
-            }
+        if self.store.layout().mode == Mode::Lean {
             self.lean_sumsq = 0.0;
         }
-        let adam_cfg = AdamWConfig {
-            lr,
-            ..self.cfg.adam
-        };
-
-        // Run queued host ops whose waits are done (or all of them up to `upto`, blocking).
-        macro_rules! run_host {
-            ($upto:expr) => {{
-                let upto: Option<usize> = $upto;
-                while let Some(&i) = host_queue.front() {
-                    let must = upto.is_some_and(|u| i <= u);
-                    let ready = steps[i].waits.iter().all(|&w| match steps[w].lane {
-                        Lane::Host => {
-                            host_done[w]
-                                && !adam_steps
-                                    .get(&w)
-                                    .is_some_and(|u| self.pending.contains_key(u))
-                        }
-                        Lane::Stream(_) => events[w].as_ref().is_some_and(Event::query),
-                    });
-                    if !ready && !must {
-                        break;
-                    }
-                    let t0 = Instant::now();
-                    for &w in &steps[i].waits {
-                        match steps[w].lane {
-                            Lane::Stream(_) => {
-                                if let Some(e) = &events[w] {
-                                    e.synchronize();
-                                }
-                            }
-                            Lane::Host => {
-                                if let Some(&u) = adam_steps.get(&w) {
-                                    self.finish_adam(u)?;
-                                }
-                            }
-                        }
-                    }
-                    host_wait += t0.elapsed().as_secs_f64();
-                    if let Some(e) = self.device.take_error() {
-                        return Err(e);
-                    }
-                    match steps[i].op.clone() {
-                        Op::Norm { unit } => {
-                            let g = self.guard(unit)?;
-                            norm_sq += g.grads().map_or(0.0, |x| crate::optim::adamw::sumsq(x));
-                        }
-                        Op::Clip => {
-                            let norm = norm_sq.sqrt();
-                            if self.cfg.grad_clip > 0.0 {
-                                coef = (self.cfg.grad_clip / (norm + 1e-6)).min(1.0);
-                            }
-                        }
-                        Op::Adam { unit, lean } => {
-                            // Exact mode's next step may still be copying the previous one's
-                            // weights: nothing here, the plan ordered those copies before us.
-                            let guard = match self.guards[unit].take() {
-                                Some(g) => g,
-                                None => self.store.take(unit)?,
-                            };
-                            let buf = match lean {
-                                Some(k) => Some(self.lean[k].take().ok_or_else(|| {
-                                    Error::system("streamer", "lean buffer", "in use")
-                                })?),
-                                None => None,
-                            };
-                            let segs = unit_segments(
-                                self.store.layout(),
-                                unit,
-                                &adam_cfg,
-                                self.step,
-                                coef as f32,
-                                self.cfg.decay_norms,
-                            );
-                            let node = self.store.placement().worker_node(unit).unwrap_or(0);
-                            let submitted = self.device.epoch().elapsed().as_secs_f64();
-                            let job = self.pool.submit(node, guard, buf, segs)?;
-                            // Read the next unit's spilled state while this one updates.
-                            if let Some(k) = self.adam_order.iter().position(|&x| x == unit) {
-                                if let Some(&next) = self.adam_order.get(k + 1) {
-                                    self.store.prefetch(next);
-                                }
-                            }
-                            self.pending.insert(
-                                unit,
-                                PendingAdam {
-                                    job,
-                                    lean,
-                                    submitted,
-                                },
-                            );
-                            adam_steps.insert(i, unit);
-                        }
-                        other => {
-                            return Err(Error::system(
-                                "streamer",
-                                "host op",
-                                format!("{other:?} is not a host op"),
-                            ))
-                        }
-                    }
-                    host_done[i] = true;
-                    host_queue.pop_front();
-                }
-            }};
-        }
-
-        for (i, st) in steps.iter().enumerate() {
-            let Lane::Stream(stream) = st.lane else {
-                host_queue.push_back(i);
-                run_host!(None);
-                continue;
-            };
-            // Host ops this op depends on must have run (and AdamW jobs finished).
-            let host_deps: Vec<usize> = st
-                .waits
+        let loss = Arc::new(Mutex::new(0.0f64));
+        let grad_scale = (1.0 / (n * batches.len()) as f64) as f32;
+        let nt = self.schedule.tasks.len();
+        Ok(StepRun {
+            events: vec![None; nt],
+            host_done: vec![false; nt],
+            host_queue: VecDeque::new(),
+            norm_sq: 0.0,
+            coef: 1.0,
+            host_wait: 0.0,
+            adam: AdamWConfig {
+                lr,
+                ..self.cfg.adam
+            },
+            batches: batches
                 .iter()
-                .copied()
-                .filter(|&w| steps[w].lane == Lane::Host)
-                .collect();
-            if let Some(&last) = host_deps.iter().max() {
-                run_host!(Some(last));
-                let t0 = Instant::now();
-                for w in &host_deps {
-                    if let Some(&u) = adam_steps.get(w) {
-                        if self.pending.contains_key(&u) {
-                            self.finish_adam(u)?;
-                        }
-                    }
-                }
-                host_wait += t0.elapsed().as_secs_f64();
-            }
-            // Ops touching a unit an AdamW job of the previous step still owns wait for it.
-            for r in st.reads.iter().chain(&st.writes) {
-                if let Res::Params(u) | Res::Grads(u) = r {
-                    if self.pending.contains_key(u) {
-                        let t0 = Instant::now();
-                        self.finish_adam(*u)?;
-                        host_wait += t0.elapsed().as_secs_f64();
-                    }
-                }
-            }
-            for &w in &st.waits {
-                if let (Lane::Stream(s), Some(e)) = (steps[w].lane, &events[w]) {
-                    if s != stream {
-                        self.device.submit(stream, Cmd::Wait(e.clone()));
-                    }
-                }
-            }
-            let cmd = self.translate(&st.op, batches, &loss, total_tokens)?;
-            self.device.submit(stream, cmd);
-            let e = Event::new();
-            self.device.submit(stream, Cmd::Record(e.clone()));
-            events[i] = Some(e);
-            run_host!(None);
+                .map(|mb| Batch {
+                    tokens: mb.tokens.clone(),
+                    targets: mb.targets.clone(),
+                    grad_scale,
+                    loss: loss.clone(),
+                })
+                .collect(),
+        })
+    }
+
+    /// Submit device task `i` on `stream`: first what it waits for on the host (host tasks run,
+    /// AdamW jobs of this or the previous step finished), then stream waits on the events of
+    /// other streams' tasks, then the command and its completion event.
+    fn submit(
+        &mut self,
+        tasks: &[Task],
+        i: usize,
+        stream: StreamKind,
+        run: &mut StepRun,
+    ) -> Result<()> {
+        let t = &tasks[i];
+        let host_deps: Vec<usize> = t
+            .waits
+            .iter()
+            .copied()
+            .filter(|&w| tasks[w].lane == Lane::Host)
+            .collect();
+        if let Some(&last) = host_deps.iter().max() {
+            self.run_host(tasks, run, Some(last))?;
         }
-        run_host!(Some(steps.len()));
-        // All device work of this step is done once its last events fire.
         let t0 = Instant::now();
-        for e in events.iter().flatten() {
-            e.synchronize();
+        for &w in host_deps.iter().chain(&t.prev_waits) {
+            if let Op::Adam { unit, .. } = tasks[w].op {
+                self.finish_adam(unit)?;
+            }
         }
-        host_wait += t0.elapsed().as_secs_f64();
-        if let Some(e) = self.device.take_error() {
-            return Err(e);
+        run.host_wait += t0.elapsed().as_secs_f64();
+        for &w in &t.waits {
+            if let (Lane::Stream(s), Some(e)) = (tasks[w].lane, &run.events[w]) {
+                if s != stream {
+                    self.device.submit(stream, Cmd::Wait(e.clone()));
+                }
+            }
         }
-        let grad_norm = if lean {
-            // The norm comes out of the AdamW pass: wait for the stragglers.
-            self.finish()?;
-            self.lean_sumsq.sqrt()
-        } else {
-            norm_sq.sqrt()
+        let cmd = self.command(&t.op, &run.batches)?;
+        self.device.submit(stream, cmd);
+        let e = Event::new();
+        self.device.submit(stream, Cmd::Record(e.clone()));
+        run.events[i] = Some(e);
+        Ok(())
+    }
+
+    /// Run queued host tasks in order while what they wait for is done — or, up to task `upto`,
+    /// wait for it.
+    fn run_host(&mut self, tasks: &[Task], run: &mut StepRun, upto: Option<usize>) -> Result<()> {
+        while let Some(&i) = run.host_queue.front() {
+            let must = upto.is_some_and(|u| i <= u);
+            if !must && !self.host_ready(tasks, run, i) {
+                break;
+            }
+            let t0 = Instant::now();
+            for &w in &tasks[i].waits {
+                match (tasks[w].lane, &tasks[w].op, &run.events[w]) {
+                    (Lane::Stream(_), _, Some(e)) => e.synchronize(),
+                    (Lane::Host, Op::Adam { unit, .. }, _) => {
+                        let u = *unit;
+                        self.finish_adam(u)?;
+                    }
+                    _ => {}
+                }
+            }
+            for &w in &tasks[i].prev_waits {
+                if let Op::Adam { unit, .. } = tasks[w].op {
+                    self.finish_adam(unit)?;
+                }
+            }
+            run.host_wait += t0.elapsed().as_secs_f64();
+            if let Some(e) = self.device.take_error() {
+                return Err(e);
+            }
+            self.host_op(&tasks[i].op, run)?;
+            run.host_done[i] = true;
+            run.host_queue.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Whether host task `i` can run without blocking.
+    fn host_ready(&self, tasks: &[Task], run: &StepRun, i: usize) -> bool {
+        let job_done = |w: usize| match tasks[w].op {
+            Op::Adam { unit, .. } => !self.pending.contains_key(&unit),
+            _ => true,
         };
-        self.prev_norm = Some(grad_norm);
+        tasks[i].waits.iter().all(|&w| match tasks[w].lane {
+            Lane::Host => run.host_done[w] && job_done(w),
+            Lane::Stream(_) => run.events[w].as_ref().is_some_and(Event::query),
+        }) && tasks[i].prev_waits.iter().all(|&w| job_done(w))
+    }
+
+    /// One host op.
+    fn host_op(&mut self, op: &Op, run: &mut StepRun) -> Result<()> {
+        match op {
+            Op::Prefetch { unit } => self.store.prefetch(*unit),
+            Op::Norm { unit } => {
+                let g = self.guard(*unit)?;
+                run.norm_sq += g.grads().map_or(0.0, |x| crate::optim::adamw::sumsq(x));
+            }
+            Op::Clip => {
+                let norm = match self.store.layout().mode {
+                    Mode::Exact => Some(run.norm_sq.sqrt()),
+                    // The previous step's norm (none yet on the first step: no clipping).
+                    Mode::Lean => self.prev_norm,
+                };
+                run.coef = norm.map_or(1.0, |n| clip_coef(self.cfg.grad_clip, n));
+            }
+            Op::Adam { unit, lean } => self.submit_adam(*unit, *lean, run)?,
+            // The schedule made this wait for every update of the step; their Σg² is summed.
+            Op::LeanNorm => {}
+            other => {
+                return Err(Error::internal(
+                    "streamer",
+                    format!("{other:?} scheduled on the host"),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Start unit u's AdamW update on its node's pool.
+    fn submit_adam(&mut self, unit: usize, lean: Option<usize>, run: &StepRun) -> Result<()> {
+        // The schedule ordered every copy of this unit's params and gradients before this.
+        let guard = match self.guards[unit].take() {
+            Some(g) => g,
+            None => self.store.take(unit)?,
+        };
+        let buf = match lean {
+            Some(k) => Some(self.lean[k].take().ok_or_else(|| {
+                Error::internal("streamer", format!("lean buffer {k} is still in use"))
+            })?),
+            None => None,
+        };
+        let segs = unit_segments(
+            self.store.layout(),
+            unit,
+            &run.adam,
+            self.step,
+            run.coef as f32,
+            self.cfg.decay_norms,
+        );
+        let node = self.store.placement().worker_node(unit).unwrap_or(0);
+        let submitted = self.device.epoch().elapsed().as_secs_f64();
+        let job = self.pool.submit(node, guard, buf, segs)?;
+        self.pending.insert(
+            unit,
+            PendingAdam {
+                job,
+                lean,
+                submitted,
+            },
+        );
+        Ok(())
+    }
+
+    /// The step's metrics from the device's records and the spill tier's counters.
+    fn metrics(&mut self, run: &StepRun, grad_norm: f64, lr: f64) -> StepMetrics {
         let records = self.device.take_records();
+        let total_tokens = (self.cfg.batch * self.cfg.seq * run.batches.len()) as f64;
+        let loss = run
+            .batches
+            .first()
+            .map_or(0.0, |b| *crate::util::lock(&b.loss));
         let mut m = StepMetrics {
             step: self.step,
-            loss: *crate::util::lock(&loss) / total_tokens,
+            loss: loss / total_tokens,
             grad_norm,
-            clip_coef: coef,
+            clip_coef: run.coef,
             lr,
             tokens: total_tokens as u64,
             optimizer_s: union_length(std::mem::take(&mut self.adam_spans)),
-            host_wait_s: host_wait,
+            host_wait_s: run.host_wait,
             device_peak_bytes: self.device.memory().peak,
             ..StepMetrics::default()
         };
@@ -614,26 +655,19 @@ impl Streamer {
         m.nvme_wait_s = spill.wait_seconds - self.spill_seen.wait_seconds;
         m.nvme_busy_s = spill.io_seconds - self.spill_seen.io_seconds;
         self.spill_seen = spill;
-        self.store.check_spill()?;
-        m.wall_s = wall.elapsed().as_secs_f64();
-        Ok(m)
+        m
     }
 
-    fn translate(
-        &mut self,
-        op: &Op,
-        batches: &[MicroBatch],
-        loss: &Arc<Mutex<f64>>,
-        total_tokens: f64,
-    ) -> Result<Cmd> {
+    /// The device command of a device task.
+    fn command(&mut self, op: &Op, batches: &[Batch]) -> Result<Cmd> {
         let n = self.cfg.batch * self.cfg.seq;
         let c = self.store.layout().config.hidden_size;
         Ok(match op {
-            Op::CopyWeights { unit, slot } => {
-                let dst = self.buf(*slot);
+            Op::CopyWeights { unit, to } => {
+                let dst = self.buf(*to);
                 let g = self.guard(*unit)?;
-                // SAFETY: the guard stays in `self.guards` until an AdamW op takes it, and the plan
-                // orders that op after this copy's completion event.
+                // SAFETY: the guard stays in `self.guards` until an AdamW op takes it, and the
+                // schedule orders that op after this copy's completion event.
                 let src = unsafe { HostRef::from_slice(g.params()) };
                 Cmd::HtoD {
                     dst,
@@ -642,27 +676,27 @@ impl Streamer {
                     label: format!("weights unit {unit}"),
                 }
             }
-            Op::CkptIn { index, slot } => {
-                // SAFETY: the host checkpoint buffer lives in `self`; the plan orders its writer
-                // (CkptOut) before this read.
-                let src = unsafe { HostRef::from_slice(self.ckpt[*index].as_mut_slice()) };
+            Op::LoadActivation { index, to } => {
+                // SAFETY: the host buffer lives in `self`; the schedule orders its writer
+                // (SaveActivation) before this read.
+                let src = unsafe { HostRef::from_slice(self.saved[*index].as_mut_slice()) };
                 Cmd::HtoD {
-                    dst: self.buf(*slot),
+                    dst: self.buf(*to),
                     offset: 0,
                     src,
-                    label: format!("checkpoint x{index}"),
+                    label: format!("activation x{index}"),
                 }
             }
-            Op::CkptOut { index, slot } => {
-                // SAFETY: as above; readers of this checkpoint are ordered after this copy.
+            Op::SaveActivation { index, from } => {
+                // SAFETY: as above; readers of this activation are ordered after this copy.
                 let dst =
-                    unsafe { HostRef::from_slice(&mut self.ckpt[*index].as_mut_slice()[..n * c]) };
+                    unsafe { HostRef::from_slice(&mut self.saved[*index].as_mut_slice()[..n * c]) };
                 Cmd::DtoH {
                     dst,
-                    src: self.buf(*slot),
+                    src: self.buf(*from),
                     offset: 0,
                     accumulate: false,
-                    label: format!("checkpoint x{index}"),
+                    label: format!("activation x{index}"),
                 }
             }
             Op::CopyGrads {
@@ -670,123 +704,72 @@ impl Streamer {
                 from,
                 accumulate,
                 lean,
-            } => {
-                let numel = self.store.layout().units[*unit].numel;
-                let src = self.buf(*from);
-                let dst = match lean {
-                    Some(k) => {
-                        let b = self.lean[*k].as_mut().ok_or_else(|| {
-                            Error::system("streamer", "lean buffer", "still owned by AdamW")
-                        })?;
-                        // SAFETY: the buffer stays in `self.lean` until the AdamW op that consumes it,
-                        // which the plan orders after this copy.
-                        unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..numel]) }
-                    }
-                    None => {
-                        let g = self.guard(*unit)?;
-                        let grads = g.grads().ok_or_else(|| {
-                            Error::system(
-                                "streamer",
-                                "gradients",
-                                "exact mode without a grad shard",
-                            )
-                        })?;
-                        // SAFETY: as for CopyWeights: the guard outlives the copy.
-                        unsafe { HostRef::from_slice(grads) }
-                    }
-                };
-                Cmd::DtoH {
-                    dst,
-                    src,
-                    offset: 0,
-                    accumulate: *accumulate,
-                    label: format!("grads unit {unit}"),
-                }
-            }
-            Op::Kernel(k) => Cmd::Kernel(self.kernel(k, batches, loss, total_tokens)),
+            } => self.grads_command(*unit, *from, *accumulate, *lean)?,
+            Op::Kernel(k) => Cmd::Kernel(self.kernel(k, batches)?),
             other => {
-                return Err(Error::system(
+                return Err(Error::internal(
                     "streamer",
-                    "device op",
-                    format!("{other:?} is a host op"),
+                    format!("{other:?} scheduled on a stream"),
                 ))
             }
         })
     }
 
-    fn kernel(
-        &self,
-        k: &KernelOp,
-        batches: &[MicroBatch],
-        loss: &Arc<Mutex<f64>>,
-        total_tokens: f64,
-    ) -> Kernel {
-        let b = |d: DevBuf| self.buf(d);
-        let head_off = self.templates.head.lm_head;
-        match k {
-            KernelOp::EmbedFwd { mb, w, x } => Kernel::EmbedFwd {
-                w: (b(*w), 0),
-                tokens: batches[*mb].tokens.clone(),
-                x: b(*x),
-            },
-            KernelOp::BlockFwd { layer, w, x, y, .. } => Kernel::BlockFwd {
-                layer: *layer,
-                w: b(*w),
-                x: b(*x),
-                y: b(*y),
-            },
-            KernelOp::HeadLossBwd {
-                mb,
-                w,
-                g,
-                lm_w,
-                lm_g,
-                x,
-                dx,
-            } => {
-                let (lw, lg): (At, At) = match (lm_w, lm_g, head_off) {
-                    (Some(ew), Some(eg), _) => ((b(*ew), 0), (b(*eg), 0)),
-                    (_, _, Some(off)) => ((b(*w), off), (b(*g), off)),
-                    _ => ((b(*w), 0), (b(*g), 0)),
-                };
-                Kernel::HeadLossBwd {
-                    head_w: b(*w),
-                    head_g: b(*g),
-                    lm_w: lw,
-                    lm_g: lg,
-                    x: b(*x),
-                    targets: batches[*mb].targets.clone(),
-                    dx: b(*dx),
-                    grad_scale: (1.0 / total_tokens) as f32,
-                    loss: loss.clone(),
-                }
+    /// Unit u's gradients from `from` to its host shard or lean buffer.
+    fn grads_command(
+        &mut self,
+        unit: usize,
+        from: DevBuf,
+        accumulate: bool,
+        lean: Option<usize>,
+    ) -> Result<Cmd> {
+        let numel = self.store.layout().units[unit].numel;
+        let src = self.buf(from);
+        let dst = match lean {
+            Some(k) => {
+                let b = self.lean[k].as_mut().ok_or_else(|| {
+                    Error::internal(
+                        "streamer",
+                        format!("lean buffer {k} is still owned by AdamW"),
+                    )
+                })?;
+                // SAFETY: the buffer stays in `self.lean` until the AdamW op that consumes it,
+                // which the schedule orders after this copy.
+                unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..numel]) }
             }
-            KernelOp::BlockBwd {
-                layer,
-                w,
-                g,
-                x,
-                dy,
-                dx,
-                ..
-            } => Kernel::BlockBwd {
-                layer: *layer,
-                w: b(*w),
-                g: b(*g),
-                x: b(*x),
-                dy: b(*dy),
-                dx: b(*dx),
-            },
-            KernelOp::EmbedBwd { mb, g, dx } => Kernel::EmbedBwd {
-                g: (b(*g), 0),
-                tokens: batches[*mb].tokens.clone(),
-                dx: b(*dx),
-            },
-            KernelOp::Zero { buf } => Kernel::Zero {
-                buf: b(*buf),
-                len: usize::MAX,
-            },
+            None => {
+                let g = self.guard(unit)?;
+                let grads = g.grads().ok_or_else(|| {
+                    Error::internal("streamer", "exact mode without a gradient shard")
+                })?;
+                // SAFETY: as for CopyWeights: the guard outlives the copy.
+                unsafe { HostRef::from_slice(grads) }
+            }
+        };
+        Ok(Cmd::DtoH {
+            dst,
+            src,
+            offset: 0,
+            accumulate,
+            label: format!("grads unit {unit}"),
+        })
+    }
+
+    /// A scheduled layer op on this device's buffers and this step's micro-batches.
+    fn kernel(&self, k: &Kernel<DevBuf, usize>, batches: &[Batch]) -> Result<DeviceKernel> {
+        let mb = match k {
+            Kernel::EmbedFwd { batch, .. }
+            | Kernel::HeadLossBwd { batch, .. }
+            | Kernel::EmbedBwd { batch, .. } => Some(*batch),
+            _ => None,
+        };
+        if let Some(mb) = mb.filter(|&mb| mb >= batches.len()) {
+            return Err(Error::internal(
+                "streamer",
+                format!("micro-batch {mb} of {}", batches.len()),
+            ));
         }
+        Ok(k.clone().map(|b| self.buf(b), |mb| batches[mb].clone()))
     }
 }
 

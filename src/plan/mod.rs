@@ -405,14 +405,14 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     }
     let costs = sim_costs(model, hw, req, req.micro_tokens());
     let run = |m: u64| {
-        let spec = crate::engine::schedule::PlanSpec {
+        let spec = crate::engine::schedule::ScheduleSpec {
             layers: model.num_layers,
             tied: model.tie_word_embeddings,
             micro_batches: m as usize,
             mode: req.mode,
-            checkpoints: crate::engine::schedule::Checkpoints::Host,
+            activations: crate::engine::schedule::Activations::Host,
         };
-        sim::simulate(&crate::engine::schedule::plan(&spec), &costs)
+        sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)
     };
     let p1 = run(1);
     let p = if micro <= 1 {

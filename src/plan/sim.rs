@@ -1,18 +1,18 @@
-//! The step-time model: the engine's own step plan ([`crate::engine::schedule::plan`]) replayed
-//! on modelled resources, with a duration for every op.
+//! The step-time model: the engine's own step schedule ([`crate::engine::schedule::schedule`])
+//! replayed on modelled resources, with a duration for every op.
 //!
-//! Resources are the three device streams and the host thread (each runs its ops in plan order),
-//! the AdamW pool and the NVMe I/O thread (each serves requests in arrival order). An op starts
-//! once its resource is free and everything it waits for has finished: the plan's own waits,
-//! plus what the streamer adds between steps — a unit's weights are copied only after its
-//! previous AdamW update, a lean gradient buffer is refilled only after the update that used it,
-//! a spilled unit is updated only after its m/v are read, and a staging slot is reused only
-//! after its write-back. Six consecutive steps are replayed and the mean period of the last three is the
-//! prediction, so exact mode's AdamW overlapping the next forward and lean mode's AdamW chasing
-//! the backward are both in it.
+//! Resources are the three device streams and the host thread (each runs its ops in schedule
+//! order), the AdamW pool and the NVMe I/O thread (each serves requests in arrival order). An op
+//! starts once its resource is free and everything it waits for has finished: the schedule's
+//! waits within the step and across steps — the same ones the streamer follows (a wait on an
+//! AdamW op is its job's completion). The NVMe tier is modelled here: a spilled unit's read is
+//! issued at its prefetch op and needs a staging slot whose write-back is done; its update waits
+//! for the read; its write-back follows the update. Six consecutive steps are replayed and the
+//! mean period of the last three is the prediction, so exact mode's AdamW overlapping the next
+//! forward and lean mode's AdamW chasing the backward are both in it.
 
-use crate::device::StreamKind;
-use crate::engine::schedule::{KernelOp, Lane, Op, Plan};
+use crate::device::{Kernel, StreamKind};
+use crate::engine::schedule::{Lane, Op, Schedule};
 use serde::Serialize;
 
 /// Seconds per kernel kind (one micro-batch).
@@ -142,139 +142,128 @@ struct Task {
     step: usize,
 }
 
+fn push_task(tasks: &mut Vec<Task>, res: usize, dur: f64, deps: Vec<usize>, step: usize) -> usize {
+    tasks.push(Task {
+        res,
+        dur: dur.max(0.0),
+        deps,
+        step,
+    });
+    tasks.len() - 1
+}
+
+/// The resource and duration of a schedule op (an Adam op's own cost is its submission; its
+/// job is a task of its own).
+fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
+    let copy = |bytes: f64, bps: f64| costs.copy_latency_s + bytes / bps;
+    let unit_bytes = |u: usize, per: f64| costs.unit_numel[u] as f64 * per;
+    match (lane, op) {
+        (Lane::Stream(s), op) => {
+            let res = match s {
+                StreamKind::CopyIn => COPY_IN,
+                StreamKind::Compute => COMPUTE,
+                StreamKind::CopyOut => COPY_OUT,
+            };
+            let k = &costs.kernels;
+            let dur = match op {
+                Op::CopyWeights { unit, .. } => {
+                    copy(unit_bytes(*unit, costs.weight_elem_bytes), costs.htod_bps)
+                }
+                Op::LoadActivation { .. } => copy(costs.ckpt_bytes, costs.htod_bps),
+                Op::SaveActivation { .. } => copy(costs.ckpt_bytes, costs.dtoh_bps),
+                Op::CopyGrads { unit, .. } => copy(unit_bytes(*unit, 4.0), costs.dtoh_bps),
+                Op::Kernel(Kernel::EmbedFwd { .. }) => k.embed_fwd,
+                Op::Kernel(Kernel::BlockFwd { .. }) => k.block_fwd,
+                Op::Kernel(Kernel::HeadLossBwd { .. }) => k.head,
+                Op::Kernel(Kernel::BlockBwd { .. }) => k.block_bwd,
+                Op::Kernel(Kernel::EmbedBwd { .. }) => k.embed_bwd,
+                Op::Kernel(Kernel::Zero { .. }) => k.zero,
+                _ => 0.0,
+            };
+            (res, dur)
+        }
+        (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
+        (Lane::Host, _) => (HOST, 0.0),
+    }
+}
+
 /// FIFO in submission order (streams, host thread) or in arrival order (pool, I/O).
 fn in_submission_order(res: usize) -> bool {
     res <= HOST
 }
 
-/// Replay `plan` for three steps under `costs`.
-pub fn simulate(plan: &Plan, costs: &Costs) -> Prediction {
+/// Replay `schedule` for six steps under `costs`.
+pub fn simulate(schedule: &Schedule, costs: &Costs) -> Prediction {
     const STEPS: usize = 6;
     const WARM: usize = 3;
     let units = costs.unit_numel.len();
     let mut tasks: Vec<Task> = Vec::new();
-    let push = |tasks: &mut Vec<Task>, res, dur: f64, deps: Vec<usize>, step| {
-        tasks.push(Task {
-            res,
-            dur: dur.max(0.0),
-            deps,
-            step,
-        });
-        tasks.len() - 1
-    };
     let spilled = |u: usize| costs.nvme_read_s.get(u).is_some_and(|r| *r > 0.0);
-    let mut last_job: Vec<Option<usize>> = vec![None; units];
     let mut last_write: Vec<Option<usize>> = vec![None; units];
-    let mut lean_user: Vec<Option<usize>> = Vec::new();
     let mut starts = Vec::new();
     let mut prev_done: Vec<usize> = Vec::new();
+    // What each schedule task of the previous step became (an Adam task: its job).
+    let mut prev_id: Vec<usize> = Vec::new();
     for step in 0..=STEPS {
-        let start = push(&mut tasks, HOST, 0.0, prev_done.clone(), step);
+        let start = push_task(&mut tasks, HOST, 0.0, prev_done.clone(), step);
         starts.push(start);
         if step == STEPS {
             break;
         }
-        let mut id_of = vec![0usize; plan.steps.len()];
-        let mut device_tasks = Vec::new();
-        let mut jobs = Vec::new();
-        let mut writes_this_step: Vec<usize> = Vec::new();
-        for (i, st) in plan.steps.iter().enumerate() {
+        let mut id_of = vec![0usize; schedule.tasks.len()];
+        let mut done = Vec::new();
+        let mut read_of: Vec<Option<usize>> = vec![None; units];
+        let mut writes: Vec<usize> = Vec::new();
+        for (i, st) in schedule.tasks.iter().enumerate() {
             let mut deps: Vec<usize> = st.waits.iter().map(|&w| id_of[w]).collect();
+            deps.extend(
+                st.prev_waits
+                    .iter()
+                    .filter_map(|&w| prev_id.get(w).copied()),
+            );
             deps.push(start);
-            let (res, dur) = match (&st.lane, &st.op) {
-                (Lane::Stream(s), op) => {
-                    let res = match s {
-                        StreamKind::CopyIn => COPY_IN,
-                        StreamKind::Compute => COMPUTE,
-                        StreamKind::CopyOut => COPY_OUT,
-                    };
-                    let dur = match op {
-                        Op::CopyWeights { unit, .. } => {
-                            if let Some(j) = last_job[*unit] {
-                                deps.push(j);
-                            }
-                            costs.copy_latency_s
-                                + costs.unit_numel[*unit] as f64 * costs.weight_elem_bytes
-                                    / costs.htod_bps
-                        }
-                        Op::CkptIn { .. } => {
-                            costs.copy_latency_s + costs.ckpt_bytes / costs.htod_bps
-                        }
-                        Op::CkptOut { .. } => {
-                            costs.copy_latency_s + costs.ckpt_bytes / costs.dtoh_bps
-                        }
-                        Op::CopyGrads { unit, lean, .. } => {
-                            if let Some(k) = lean {
-                                if let Some(Some(j)) = lean_user.get(*k) {
-                                    deps.push(*j);
-                                }
-                            }
-                            costs.copy_latency_s
-                                + costs.unit_numel[*unit] as f64 * 4.0 / costs.dtoh_bps
-                        }
-                        Op::Kernel(k) => match k {
-                            KernelOp::EmbedFwd { .. } => costs.kernels.embed_fwd,
-                            KernelOp::BlockFwd { .. } => costs.kernels.block_fwd,
-                            KernelOp::HeadLossBwd { .. } => costs.kernels.head,
-                            KernelOp::BlockBwd { .. } => costs.kernels.block_bwd,
-                            KernelOp::EmbedBwd { .. } => costs.kernels.embed_bwd,
-                            KernelOp::Zero { .. } => costs.kernels.zero,
-                        },
-                        _ => 0.0,
-                    };
-                    (res, dur)
-                }
-                (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
-                (Lane::Host, _) => (HOST, 0.0),
-            };
-            let id = push(&mut tasks, res, dur, deps, step);
+            let (res, dur) = op_cost(&st.lane, &st.op, costs);
+            let id = push_task(&mut tasks, res, dur, deps, step);
             id_of[i] = id;
-            if res != HOST {
-                device_tasks.push(id);
-            }
-            if let Op::Adam { unit, lean } = st.op {
-                let mut jdeps = vec![id];
-                if spilled(unit) {
-                    // The read is issued when the previous unit's update is submitted (the
-                    // streamer's hint) and needs a staging slot whose write-back is done.
-                    let mut rdeps = vec![jobs.last().map_or(start, |&(_, sub)| sub)];
+            done.push(id);
+            match st.op {
+                Op::Prefetch { unit } if spilled(unit) => {
+                    // The read needs a staging slot whose write-back is done.
+                    let mut rdeps = vec![id];
                     let slots = costs.staging_slots.max(1);
-                    if writes_this_step.len() + 1 >= slots {
-                        rdeps.push(writes_this_step[writes_this_step.len() + 1 - slots]);
+                    if writes.len() + 1 >= slots {
+                        rdeps.push(writes[writes.len() + 1 - slots]);
                     } else if let Some(w) = last_write[unit] {
                         rdeps.push(w);
                     }
-                    let r = push(&mut tasks, IO, costs.nvme_read_s[unit], rdeps, step);
-                    jdeps.push(r);
+                    read_of[unit] = Some(push_task(
+                        &mut tasks,
+                        IO,
+                        costs.nvme_read_s[unit],
+                        rdeps,
+                        step,
+                    ));
                 }
-                let j = push(&mut tasks, POOL, costs.adam_s[unit], jdeps, step);
-                jobs.push((j, id));
-                last_job[unit] = Some(j);
-                if let Some(k) = lean {
-                    if lean_user.len() <= k {
-                        lean_user.resize(k + 1, None);
+                Op::Adam { unit, .. } => {
+                    let mut jdeps = vec![id];
+                    jdeps.extend(read_of[unit]);
+                    let j = push_task(&mut tasks, POOL, costs.adam_s[unit], jdeps, step);
+                    id_of[i] = j;
+                    if spilled(unit) {
+                        let w = push_task(&mut tasks, IO, costs.nvme_write_s[unit], vec![j], step);
+                        writes.push(w);
+                        last_write[unit] = Some(w);
                     }
-                    lean_user[k] = Some(j);
                 }
-                if spilled(unit) {
-                    let w = push(&mut tasks, IO, costs.nvme_write_s[unit], vec![j], step);
-                    writes_this_step.push(w);
-                    last_write[unit] = Some(w);
-                }
+                _ => {}
             }
         }
-        // `step()` returns when the device work is done; lean mode also waits for its updates
-        // (the global norm comes out of them).
-        prev_done = device_tasks;
-        let lean = plan
-            .steps
-            .iter()
-            .any(|s| matches!(s.op, Op::Adam { lean: Some(_), .. }));
-        if lean {
-            prev_done.extend(jobs.iter().map(|&(j, _)| j));
-        }
+        // `step()` returns once every device and host task of the step is done (a lean step's
+        // norm waits for its updates; an exact step's updates run on into the next).
+        prev_done = done;
+        prev_id = id_of;
     }
-    let (start_t, busy) = schedule(&tasks, costs.shared_cores);
+    let (start_t, busy) = replay(&tasks, costs.shared_cores);
     let period = (start_t[starts[STEPS]] - start_t[starts[WARM]]) / (STEPS - WARM) as f64;
     let per_step = |r: usize| {
         busy.iter()
@@ -314,7 +303,7 @@ pub fn simulate(plan: &Plan, costs: &Costs) -> Prediction {
 /// others the earliest-ready waiting task goes first). Running tasks progress at rate 1, except
 /// compute and AdamW when they share CPU cores. Returns each task's start time and
 /// (resource, step, busy seconds) per task.
-fn schedule(tasks: &[Task], shared: Option<SharedCores>) -> (Vec<f64>, Vec<(usize, usize, f64)>) {
+fn replay(tasks: &[Task], shared: Option<SharedCores>) -> (Vec<f64>, Vec<(usize, usize, f64)>) {
     let n = tasks.len();
     let mut start = vec![f64::NAN; n];
     let mut end = vec![f64::NAN; n];
@@ -427,7 +416,7 @@ fn schedule(tasks: &[Task], shared: Option<SharedCores>) -> (Vec<f64>, Vec<(usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::schedule::{plan, Checkpoints, PlanSpec};
+    use crate::engine::schedule::{schedule, Activations, ScheduleSpec};
     use crate::store::layout::Mode;
 
     fn costs(units: usize) -> Costs {
@@ -455,13 +444,13 @@ mod tests {
         }
     }
 
-    fn spec(layers: usize, mode: Mode) -> PlanSpec {
-        PlanSpec {
+    fn spec(layers: usize, mode: Mode) -> ScheduleSpec {
+        ScheduleSpec {
             layers,
             tied: false,
             micro_batches: 1,
             mode,
-            checkpoints: Checkpoints::Host,
+            activations: Activations::Host,
         }
     }
 
@@ -471,7 +460,7 @@ mod tests {
         c.kernels.block_fwd = 1.0;
         c.kernels.block_bwd = 3.0;
         c.kernels.head = 2.0;
-        let p = simulate(&plan(&spec(4, Mode::Exact)), &c);
+        let p = simulate(&schedule(&spec(4, Mode::Exact)), &c);
         assert!((p.step_s - (4.0 + 12.0 + 2.0)).abs() < 1e-3, "{p:?}");
         assert_eq!(p.bottleneck, "GPU compute");
     }
@@ -481,7 +470,7 @@ mod tests {
         let mut c = costs(6);
         c.htod_bps = 4e6; // 1 s per unit copy
         c.dtoh_bps = 1e12;
-        let p = simulate(&plan(&spec(4, Mode::Exact)), &c);
+        let p = simulate(&schedule(&spec(4, Mode::Exact)), &c);
         // Weights stream in once for the forward and once for the backward (less what is still
         // resident when the backward starts), one unit per second.
         assert!(p.step_s >= 9.0 && p.step_s <= 12.0, "{p:?}");
@@ -494,8 +483,8 @@ mod tests {
         c.kernels.block_fwd = 1.0;
         c.kernels.block_bwd = 1.0;
         c.adam_s = vec![2.0; 6];
-        let ex = simulate(&plan(&spec(4, Mode::Exact)), &c);
-        let le = simulate(&plan(&spec(4, Mode::Lean)), &c);
+        let ex = simulate(&schedule(&spec(4, Mode::Exact)), &c);
+        let le = simulate(&schedule(&spec(4, Mode::Lean)), &c);
         // 12 s of AdamW per step; exact cannot start it before the backward ends (4 s of it),
         // lean starts it as gradients land but must finish it before the step returns.
         assert!(ex.step_s >= 12.0 + 4.0 - 1e-9, "{ex:?}");
@@ -510,7 +499,7 @@ mod tests {
         c.nvme_read_s = vec![1.0; 6];
         c.nvme_write_s = vec![1.0; 6];
         for mode in [Mode::Exact, Mode::Lean] {
-            let p = simulate(&plan(&spec(4, mode)), &c);
+            let p = simulate(&schedule(&spec(4, mode)), &c);
             assert!(p.step_s >= 12.0 - 1e-9 && p.step_s < 14.0, "{mode:?} {p:?}");
             assert_eq!(p.bottleneck, "NVMe");
         }
@@ -556,12 +545,12 @@ mod contention_tests {
                 step: 0,
             },
         ];
-        let (_, busy) = schedule(&tasks, Some(sc));
+        let (_, busy) = replay(&tasks, Some(sc));
         assert!(
             (busy[0].2 - 1.5).abs() < 1e-9 && (busy[1].2 - 1.5).abs() < 1e-9,
             "{busy:?}"
         );
-        let (_, alone) = schedule(&tasks, None);
+        let (_, alone) = replay(&tasks, None);
         assert!((alone[0].2 - 1.0).abs() < 1e-9);
     }
 }

@@ -7,7 +7,7 @@
 pub mod cuda;
 
 use crate::device::Device;
-use crate::engine::{Checkpoints, MicroBatch, Streamer, StreamerConfig};
+use crate::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
@@ -134,7 +134,7 @@ pub fn train_steps(
             batch: BATCH,
             seq: SEQ,
             micro_batches: MICRO_BATCHES,
-            checkpoints: Checkpoints::Host,
+            activations: Activations::Host,
             adam: AdamWConfig {
                 weight_decay: 0.1,
                 ..AdamWConfig::default()

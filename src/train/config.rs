@@ -116,15 +116,7 @@ impl<'de> Deserialize<'de> for Resume {
     }
 }
 
-/// Where layer-boundary activations (the recompute checkpoints) live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Activations {
-    /// All L+1 on the device: no copies, device memory grows with depth.
-    Device,
-    /// Offloaded to host memory: two device slots whatever the depth.
-    Host,
-}
+pub use crate::engine::Activations;
 
 /// Declares every training setting once: [`TrainConfig`] (the resolved configuration, recorded
 /// in checkpoints), its defaults, and [`TrainOverrides`] — the same settings, each optional, read

@@ -13,7 +13,7 @@ pub mod prepare;
 pub mod run_dir;
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
-use crate::engine::{Checkpoints, MicroBatch, StepMetrics, Streamer, StreamerConfig};
+use crate::engine::{Activations, MicroBatch, StepMetrics, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::layers::Workspace;
 use crate::model::reference::{eval_loss, Templates};
@@ -442,16 +442,13 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
         Some(f) => Some(Loader::new(f, t, b, false, cfg.seed, Cursor::default())?),
         None => None,
     };
-    let checkpoints = choose_activations(&cfg, device.as_ref(), &layout, progress);
+    let activations = choose_activations(&cfg, device.as_ref(), &layout, progress);
     // Recorded, so a resumed run and the checkpoint's configuration say what was used.
     let cfg = TrainConfig {
-        activations: Some(match checkpoints {
-            Checkpoints::Device => config::Activations::Device,
-            Checkpoints::Host => config::Activations::Host,
-        }),
+        activations: Some(activations),
         ..cfg
     };
-    check_working_set(&cfg, device.as_ref(), &layout, checkpoints)?;
+    check_working_set(&cfg, device.as_ref(), &layout, activations)?;
     let pool = AdamPool::for_placement(store.placement(), None)?;
     let mut streamer = Streamer::new(
         device,
@@ -462,7 +459,7 @@ fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
             batch: b,
             seq: t,
             micro_batches: cfg.grad_accum,
-            checkpoints,
+            activations,
             adam: AdamWConfig {
                 lr: cfg.lr,
                 beta1: cfg.beta1,
@@ -608,7 +605,7 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
     }
     let (b, t) = (cfg.batch_size, cfg.seq_len);
     let need = crate::device::program::workspace_bytes(&layout.config, b, t)
-        + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Checkpoints::Host);
+        + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Activations::Host);
     if need > cfg.device_memory {
         return Err(Error::bad_input(
             "device memory",
@@ -641,10 +638,9 @@ fn choose_activations(
     device: &dyn crate::device::Device,
     layout: &StateLayout,
     progress: &mut dyn Progress,
-) -> Checkpoints {
+) -> Activations {
     match cfg.activations {
-        Some(config::Activations::Device) => Checkpoints::Device,
-        Some(config::Activations::Host) => Checkpoints::Host,
+        Some(a) => a,
         None => {
             let mem = device.memory();
             let need = crate::engine::device_bytes(
@@ -652,18 +648,18 @@ fn choose_activations(
                 cfg.batch_size,
                 cfg.seq_len,
                 cfg.grad_accum,
-                Checkpoints::Device,
+                Activations::Device,
             );
             let cp = if mem.in_use + need <= mem.capacity {
-                Checkpoints::Device
+                Activations::Device
             } else {
-                Checkpoints::Host
+                Activations::Host
             };
             progress.note(&format!(
                 "activations: {} (chosen: device needs {} with them there, {} available)",
                 match cp {
-                    Checkpoints::Device => "on the device",
-                    Checkpoints::Host => "offloaded to host",
+                    Activations::Device => "on the device",
+                    Activations::Host => "offloaded to host",
                 },
                 human_bytes(need),
                 human_bytes(mem.capacity.saturating_sub(mem.in_use))
@@ -678,7 +674,7 @@ fn check_working_set(
     cfg: &TrainConfig,
     device: &dyn crate::device::Device,
     layout: &StateLayout,
-    checkpoints: Checkpoints,
+    activations: Activations,
 ) -> Result<()> {
     let mem = device.memory();
     let need = crate::engine::device_bytes(
@@ -686,7 +682,7 @@ fn check_working_set(
         cfg.batch_size,
         cfg.seq_len,
         cfg.grad_accum,
-        checkpoints,
+        activations,
     );
     let free = mem.capacity.saturating_sub(mem.in_use);
     if need <= free {
@@ -703,7 +699,7 @@ fn check_working_set(
         Some(&format!(
             "raise --device-memory by {} or lower --batch-size / --seq-len{}",
             human_bytes(need - free),
-            if checkpoints == Checkpoints::Device {
+            if activations == Activations::Device {
                 ", or pass --activations host"
             } else {
                 ""
