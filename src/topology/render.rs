@@ -26,6 +26,18 @@ pub fn report(m: &Machine) -> String {
 }
 
 fn write_report(s: &mut String, m: &Machine) -> std::fmt::Result {
+    write_head(s, m)?;
+    write_numa(s, m)?;
+    write_gpus(s, m)?;
+    if !m.gpus.is_empty() {
+        write_gpu_matrices(s, m)?;
+    }
+    write_block_devices(s, m)?;
+    write_host(s, m)
+}
+
+/// The source, the host and the packages.
+fn write_head(s: &mut String, m: &Machine) -> std::fmt::Result {
     let src = match &m.source {
         Source::Live => "this machine".to_owned(),
         Source::Xml { path } => format!("hwloc XML {path}"),
@@ -60,7 +72,11 @@ fn write_report(s: &mut String, m: &Machine) -> std::fmt::Result {
             p.cpu_model.as_deref().unwrap_or("")
         )?;
     }
+    Ok(())
+}
 
+/// NUMA nodes and their distances.
+fn write_numa(s: &mut String, m: &Machine) -> std::fmt::Result {
     writeln!(s, "\nNUMA nodes")?;
     writeln!(
         s,
@@ -119,7 +135,11 @@ fn write_report(s: &mut String, m: &Machine) -> std::fmt::Result {
             writeln!(s)?;
         }
     }
+    Ok(())
+}
 
+/// The GPUs, one line each.
+fn write_gpus(s: &mut String, m: &Machine) -> std::fmt::Result {
     writeln!(s, "\nGPUs: {}", m.gpus.len())?;
     if !m.gpus.is_empty() {
         writeln!(
@@ -181,54 +201,60 @@ fn write_report(s: &mut String, m: &Machine) -> std::fmt::Result {
             "  (Gen?/x? inferred from hwloc's link speed; the widest matching link is shown)"
         )?;
     }
+    Ok(())
+}
 
-    if !m.gpus.is_empty() {
-        writeln!(s, "\nGPU topology (nvidia-smi topo -m legend)")?;
-        write!(s, "  {:<6}", "")?;
-        for g in &m.gpus {
-            write!(s, "{:>7}", format!("GPU{}", g.index))?;
+/// GPU × GPU (`nvidia-smi topo -m` classes) and GPU × NUMA node matrices.
+fn write_gpu_matrices(s: &mut String, m: &Machine) -> std::fmt::Result {
+    writeln!(s, "\nGPU topology (nvidia-smi topo -m legend)")?;
+    write!(s, "  {:<6}", "")?;
+    for g in &m.gpus {
+        write!(s, "{:>7}", format!("GPU{}", g.index))?;
+    }
+    writeln!(s, "  {:<24} NUMA affinity", "CPU affinity")?;
+    for (i, row) in m.gpu_links.iter().enumerate() {
+        write!(s, "  {:<6}", format!("GPU{i}"))?;
+        for c in row {
+            write!(s, "{:>7}", c.to_string())?;
         }
-        writeln!(s, "  {:<24} NUMA affinity", "CPU affinity")?;
-        for (i, row) in m.gpu_links.iter().enumerate() {
-            write!(s, "  {:<6}", format!("GPU{i}"))?;
-            for c in row {
-                write!(s, "{:>7}", c.to_string())?;
-            }
-            let g = &m.gpus[i];
-            writeln!(
-                s,
-                "  {:<24} {}",
-                g.cpus,
-                g.numa_nodes
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(",")
-            )?;
-        }
+        let g = &m.gpus[i];
         writeln!(
             s,
-            "\nGPU x NUMA node (class, NUMA distance from the GPU's local node)"
+            "  {:<24} {}",
+            g.cpus,
+            g.numa_nodes
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         )?;
-        write!(s, "  {:<6}", "")?;
-        for n in &m.numa_nodes {
-            write!(s, "{:>9}", format!("P#{}", n.os_index))?;
+    }
+    writeln!(
+        s,
+        "\nGPU x NUMA node (class, NUMA distance from the GPU's local node)"
+    )?;
+    write!(s, "  {:<6}", "")?;
+    for n in &m.numa_nodes {
+        write!(s, "{:>9}", format!("P#{}", n.os_index))?;
+    }
+    writeln!(s)?;
+    for (i, row) in m.gpu_numa.iter().enumerate() {
+        write!(s, "  {:<6}", format!("GPU{i}"))?;
+        for c in row {
+            let cell = match c.distance {
+                Some(d) => format!("{} {d}", c.class),
+                None => c.class.to_string(),
+            };
+            write!(s, "{cell:>9}")?;
         }
         writeln!(s)?;
-        for (i, row) in m.gpu_numa.iter().enumerate() {
-            write!(s, "  {:<6}", format!("GPU{i}"))?;
-            for c in row {
-                let cell = match c.distance {
-                    Some(d) => format!("{} {d}", c.class),
-                    None => c.class.to_string(),
-                };
-                write!(s, "{cell:>9}")?;
-            }
-            writeln!(s)?;
-        }
-        writeln!(s, "\nLegend:\n{}", links::LEGEND)?;
     }
+    writeln!(s, "\nLegend:\n{}", links::LEGEND)?;
+    Ok(())
+}
 
+/// Block devices.
+fn write_block_devices(s: &mut String, m: &Machine) -> std::fmt::Result {
     writeln!(s, "\nBlock devices: {}", m.block_devices.len())?;
     if !m.block_devices.is_empty() {
         writeln!(
@@ -259,7 +285,11 @@ fn write_report(s: &mut String, m: &Machine) -> std::fmt::Result {
             }
         )?;
     }
+    Ok(())
+}
 
+/// Huge pages, THP, memlock, io_uring and the CUDA driver (live machines only).
+fn write_host(s: &mut String, m: &Machine) -> std::fmt::Result {
     writeln!(s, "\nHost memory and I/O")?;
     if m.source.is_live() {
         let hp: Vec<String> = m

@@ -1,0 +1,670 @@
+//! Setting a run up: the configuration checked, the checkpoint directory claimed, the model and
+//! data resolved, every output and the memory checked before anything big is allocated, then the
+//! device, the host store, the restored state and the streamer.
+
+use super::checkpoint::{self, ConfigChange, TrainState};
+use super::config::{self, TrainConfig};
+use super::data::{Cursor, Loader, TokenFile};
+use super::outputs::{self, MetricsLog};
+use super::run_dir::{self, RunDir};
+use super::Progress;
+use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
+use crate::engine::{Activations, Streamer, StreamerConfig};
+use crate::model::config::ModelConfig;
+use crate::model::layers::Workspace;
+use crate::model::reference::Templates;
+use crate::optim::{AdamPool, AdamWConfig};
+use crate::store::layout::{Mode, StateLayout};
+use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
+use crate::store::{HostStore, SpillOptions, StoreOptions};
+use crate::topology::{probe, Machine, TopologySource};
+use crate::util::human_bytes;
+use crate::{Error, Result};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Everything a run needs once set up: the resolved configuration, the streamer over the host
+/// store and the device, the data, and where its outputs go.
+pub(super) struct Session {
+    pub(super) cfg: TrainConfig,
+    pub(super) model: ModelConfig,
+    pub(super) run_id: String,
+    /// The checkpoint directory this run holds (locked for its life).
+    pub(super) run_dir: Option<RunDir>,
+    /// Settings changed on each resume (recorded in every checkpoint).
+    pub(super) changes: Vec<ConfigChange>,
+    pub(super) tm: Arc<Templates>,
+    pub(super) streamer: Streamer,
+    pub(super) loader: Loader,
+    pub(super) val_loader: Option<Loader>,
+    /// The validation workspace, allocated at the first validation.
+    pub(super) val_ws: Option<Workspace>,
+    pub(super) metrics: Option<MetricsLog>,
+    pub(super) start_step: u64,
+    /// The last step whose state is in a checkpoint on disk, and where.
+    pub(super) saved: Option<(u64, PathBuf)>,
+}
+
+/// What a run starts from: its checkpoint directory, the checkpoint it resumes (if any), the
+/// model, the data, its identity.
+struct Inputs {
+    run_dir: Option<RunDir>,
+    resumed: Option<(PathBuf, TrainState)>,
+    model: ModelConfig,
+    train_file: TokenFile,
+    val_file: Option<TokenFile>,
+    run_id: String,
+}
+
+/// Check the configuration, claim the checkpoint directory, resolve the model and the mode,
+/// check the outputs and the memory, then build the device, the store and the streamer.
+pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
+    cfg.validate()?;
+    let inputs = inputs(cfg, progress)?;
+    let machine = probe(&TopologySource::Live)?;
+    let budget = RamBudget {
+        total_bytes: cfg.ram_budget,
+        ..RamBudget::default()
+    };
+    let spill_req = SpillRequest {
+        policy: if cfg.nvme.is_empty() {
+            SpillPolicy::Never
+        } else {
+            cfg.spill
+        },
+        slots: cfg.spill_staging,
+    };
+    let resumed = inputs.resumed.as_ref();
+    let mode = choose_mode(cfg, resumed, &machine, &inputs.model, budget, progress);
+    let cfg = TrainConfig {
+        mode: Some(mode),
+        ..cfg.clone()
+    };
+    let changes = settings_changed(&cfg, resumed, progress);
+    // Every output, and the host and device memory, before anything big is allocated.
+    let layout = StateLayout::new(&inputs.model, mode);
+    check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
+    let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
+    let device = open_device(&cfg, &tm, cfg.batch_size, cfg.seq_len)?;
+    let store = allocate_store(
+        &cfg,
+        layout,
+        &machine,
+        &*device,
+        (budget, spill_req),
+        &inputs.run_id,
+        progress,
+    )?;
+    let (start_step, cursor, prev_norm) = restore(&cfg, resumed, &store, progress)?;
+    let activations = choose_activations(&cfg, device.as_ref(), store.layout(), progress);
+    // Recorded, so a resumed run and the checkpoint's configuration say what was used.
+    let cfg = TrainConfig {
+        activations: Some(activations),
+        ..cfg
+    };
+    check_working_set(&cfg, device.as_ref(), store.layout(), activations)?;
+    let mut streamer = build_streamer(&cfg, device, store, tm.clone(), activations)?;
+    streamer.resume_at(start_step, prev_norm);
+    let (b, t) = (cfg.batch_size, cfg.seq_len);
+    let loader = Loader::new(inputs.train_file, t, b, cfg.shuffle, cfg.seed, cursor)?;
+    let val_loader = match inputs.val_file {
+        Some(f) => Some(Loader::new(f, t, b, false, cfg.seed, Cursor::default())?),
+        None => None,
+    };
+    let metrics = match &cfg.metrics {
+        Some(p) => {
+            let (log, notes) = MetricsLog::open(p, resumed.map(|(_, st)| st.step))?;
+            for n in notes {
+                progress.note(&n);
+            }
+            Some(log)
+        }
+        None => None,
+    };
+    Ok(Session {
+        saved: resumed.map(|(d, st)| (st.step, d.clone())),
+        cfg,
+        model: inputs.model,
+        run_id: inputs.run_id,
+        run_dir: inputs.run_dir,
+        changes,
+        tm,
+        streamer,
+        loader,
+        val_loader,
+        val_ws: None,
+        metrics,
+        start_step,
+    })
+}
+
+/// The checkpoint directory (claimed), what it resumes, the model, the data (opened and scanned
+/// before anything big is allocated) and the run's identity.
+fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
+    let data_path = cfg.data.clone().ok_or_else(|| {
+        Error::bad_input(
+            "setting",
+            "data",
+            "no training data given",
+            Some("pass --data FILE (or run `megatrain train --demo`)"),
+        )
+    })?;
+    let run_dir = run_dir::claim(cfg)?;
+    let resumed = run_dir.as_ref().and_then(|r| r.resume_from.clone());
+    if cfg.resume == config::Resume::Auto && resumed.is_none() {
+        progress.note("resume auto: no checkpoint yet, starting fresh");
+    }
+    let model = resolve_model(cfg, resumed.as_ref().map(|(_, st)| st))?;
+    if cfg.seq_len > model.max_position_embeddings {
+        return Err(Error::bad_input(
+            "--seq-len",
+            cfg.seq_len.to_string(),
+            format!(
+                "exceeds max_position_embeddings {}",
+                model.max_position_embeddings
+            ),
+            None,
+        ));
+    }
+    let train_file = TokenFile::open(&data_path, cfg.data_dtype, model.vocab_size)?;
+    let val_file = match &cfg.val_data {
+        Some(p) => Some(TokenFile::open(p, cfg.data_dtype, model.vocab_size)?),
+        None => None,
+    };
+    let run_id = resumed
+        .as_ref()
+        .and_then(|(_, st)| st.run_id.clone())
+        .unwrap_or_else(crate::util::lock::random_id);
+    Ok(Inputs {
+        run_dir,
+        resumed,
+        model,
+        train_file,
+        val_file,
+        run_id,
+    })
+}
+
+/// The settings this resumed run changes, printed, added to the checkpoint's history.
+fn settings_changed(
+    cfg: &TrainConfig,
+    resumed: Option<&(PathBuf, TrainState)>,
+    progress: &mut dyn Progress,
+) -> Vec<ConfigChange> {
+    let Some((_, st)) = resumed else {
+        return Vec::new();
+    };
+    let mut changes = st.changes.clone();
+    let now = run_dir::changed_settings(&st.config, cfg);
+    if !now.is_empty() {
+        progress.note(&format!(
+            "changed on resume: {}",
+            now.iter()
+                .map(|(k, a, b)| format!("{k} {a} → {b}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    changes.extend(now.into_iter().map(|(key, from, to)| ConfigChange {
+        step: st.step,
+        key,
+        from,
+        to,
+    }));
+    changes
+}
+
+/// Before anything big is allocated: every output, the state against the RAM budget (placed
+/// once without a GPU), the CPU device's working set against the free host memory beside it.
+fn check_before_allocating(
+    cfg: &TrainConfig,
+    layout: &StateLayout,
+    machine: &Machine,
+    budget: RamBudget,
+    spill: SpillRequest,
+    run_id: &str,
+) -> Result<()> {
+    let params = layout.num_params() as u64;
+    outputs::check(cfg, run_id, 12 * params + (1 << 20), 4 * params + (1 << 20))?;
+    let prelim = crate::store::placement::place_advised(
+        machine,
+        layout,
+        None,
+        budget,
+        spill,
+        cfg.grad_accum == 1,
+    )?;
+    // The CPU device's memory is host memory too: what the machine has free beside the state
+    // (the RAM budget caps the state alone).
+    let placed: u64 = prelim.nodes.iter().map(|n| n.bytes).sum();
+    let host_room = machine
+        .numa_nodes
+        .iter()
+        .map(|n| n.free_bytes.unwrap_or(n.memory_bytes))
+        .sum::<u64>()
+        .saturating_sub(placed);
+    check_device_budget(cfg, layout, host_room)
+}
+
+/// The host store, placed near the device's GPU (found in the topology by PCI address) and
+/// page-locked for its copies.
+#[allow(clippy::too_many_arguments)]
+fn allocate_store(
+    cfg: &TrainConfig,
+    layout: StateLayout,
+    machine: &Machine,
+    device: &dyn crate::device::Device,
+    (budget, spill): (RamBudget, SpillRequest),
+    run_id: &str,
+    progress: &mut dyn Progress,
+) -> Result<HostStore> {
+    let pci = device.pci_bus_id();
+    let gpu = pci.as_deref().and_then(|id| machine.gpu_by_pci_bus_id(id));
+    progress.note(&format!(
+        "device: {}{}",
+        device.name(),
+        match (&pci, gpu) {
+            (Some(id), Some(i)) => format!(
+                " at {id}: host state streamed from NUMA node(s) {:?}",
+                machine.gpus[i].numa_nodes
+            ),
+            (Some(id), None) =>
+                format!(" at {id}: not in the probed topology, placed as for no GPU"),
+            _ => String::new(),
+        }
+    ));
+    let placement = place_with_spill(machine, &layout, gpu, budget, spill)?;
+    if let Some(p) = &placement.spill {
+        progress.note(&format!(
+            "spilling Adam m/v of {} of {} units to NVMe ({} of moments, {} slots x {} staging in RAM)",
+            p.units.len(),
+            layout.units.len(),
+            human_bytes(p.nvme_bytes),
+            p.slots,
+            human_bytes(p.slot_bytes)
+        ));
+    }
+    let store = HostStore::allocate(
+        layout,
+        placement,
+        &StoreOptions {
+            registrar: device.registrar().map(crate::store::SharedRegistrar),
+            pages: cfg.huge_pages,
+            lock: cfg.lock_memory,
+            unbound: false,
+            spill: (!cfg.nvme.is_empty()).then(|| SpillOptions {
+                engine: cfg.io_engine,
+                direct: cfg.direct_io,
+                run_id: Some(run_id.to_owned()),
+                ..SpillOptions::new(cfg.nvme.clone())
+            }),
+        },
+    )?;
+    if let Some(tier) = store.spill() {
+        progress.note(&format!(
+            "spill files: {} on disk",
+            human_bytes(tier.disk_bytes())
+        ));
+        for w in &tier.warnings {
+            progress.note(&format!("warning: {w}"));
+        }
+    }
+    Ok(store)
+}
+
+/// The params (and optimizer state) from the checkpoint resumed, an HF checkpoint or a random
+/// init; the step done, the data cursor and the lean clipping norm to continue from.
+fn restore(
+    cfg: &TrainConfig,
+    resumed: Option<&(PathBuf, TrainState)>,
+    store: &HostStore,
+    progress: &mut dyn Progress,
+) -> Result<(u64, Cursor, Option<f64>)> {
+    if let Some((dir, _)) = resumed {
+        let st = checkpoint::load(dir, store)?;
+        progress.note(&format!(
+            "resumed from {} (step {})",
+            dir.display(),
+            st.step
+        ));
+        return Ok((st.step, st.cursor, st.prev_norm));
+    }
+    match &cfg.init_from {
+        Some(dir) => {
+            let r = crate::store::hf::load_into_store(dir, store)?;
+            progress.note(&format!(
+                "loaded {} tensors from {}",
+                r.tensors,
+                dir.display()
+            ));
+        }
+        None => random_init(store, cfg.seed)?,
+    }
+    Ok((0, Cursor::default(), None))
+}
+
+/// The streamer over `store` and `device`, with the node AdamW pools.
+fn build_streamer(
+    cfg: &TrainConfig,
+    device: Arc<dyn crate::device::Device>,
+    store: HostStore,
+    tm: Arc<Templates>,
+    activations: Activations,
+) -> Result<Streamer> {
+    let pool = AdamPool::for_placement(store.placement(), None)?;
+    Streamer::new(
+        device,
+        store,
+        pool,
+        tm,
+        StreamerConfig {
+            batch: cfg.batch_size,
+            seq: cfg.seq_len,
+            micro_batches: cfg.grad_accum,
+            activations,
+            adam: AdamWConfig {
+                lr: cfg.lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+                weight_decay: cfg.weight_decay,
+            },
+            grad_clip: cfg.grad_clip,
+            decay_norms: cfg.decay_norms,
+        },
+    )
+}
+
+/// The model: the resumed checkpoint's (a `--model`/`--init-from` given beside `--resume` must
+/// describe the same shapes), an HF checkpoint's, or a `config.json`'s.
+fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<ModelConfig> {
+    let given = match (&cfg.init_from, &cfg.model) {
+        (Some(dir), _) => Some(crate::store::hf::load_config(dir)?),
+        (None, Some(path)) => Some(ModelConfig::from_file(path)?),
+        (None, None) => None,
+    };
+    match (resumed, given) {
+        (Some(st), Some(g)) if g != st.model => {
+            let (Ok(a), Ok(b)) = (serde_json::to_value(&st.model), serde_json::to_value(&g)) else {
+                return Err(Error::system(
+                    "serde_json",
+                    "compare model configs",
+                    "unserialisable",
+                ));
+            };
+            let diffs: Vec<String> = a
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(k, v)| b.get(k.as_str()) != Some(*v))
+                .map(|(k, v)| {
+                    format!(
+                        "{k} {v} → {}",
+                        b.get(k.as_str()).cloned().unwrap_or_default()
+                    )
+                })
+                .collect();
+            Err(Error::bad_input(
+                "resume",
+                cfg.checkpoint_dir
+                    .as_deref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                format!(
+                    "the checkpoint's model differs from the one given: {}",
+                    diffs.join(", ")
+                ),
+                Some("resume with the checkpoint's own model (drop --model/--init-from), or start a new run in another --checkpoint-dir"),
+            ))
+        }
+        (Some(st), _) => Ok(st.model.clone()),
+        (None, Some(g)) => Ok(g),
+        (None, None) => Err(Error::bad_input(
+            "setting",
+            "model",
+            "no model given",
+            Some("pass --model config.json (random init) or --init-from HF_DIR"),
+        )),
+    }
+}
+
+/// The mode: as set, as the resumed run had it, or the planner's choice (exact if its state
+/// fits the RAM budget, else lean if that fits and nothing accumulates, else exact with spill).
+fn choose_mode(
+    cfg: &TrainConfig,
+    resumed: Option<&(PathBuf, TrainState)>,
+    machine: &Machine,
+    model: &ModelConfig,
+    budget: RamBudget,
+    progress: &mut dyn Progress,
+) -> Mode {
+    if let Some(m) = cfg.mode.or(resumed.and_then(|(_, st)| st.config.mode)) {
+        return m;
+    }
+    let fits = |m: Mode| {
+        crate::store::placement::fits(
+            machine,
+            &StateLayout::new(model, m),
+            None,
+            budget,
+            SpillRequest::default(),
+        )
+    };
+    let exact_fits = fits(Mode::Exact);
+    let m = if exact_fits || cfg.grad_accum > 1 || !fits(Mode::Lean) {
+        Mode::Exact
+    } else {
+        Mode::Lean
+    };
+    progress.note(&format!(
+        "mode: {} (chosen: {})",
+        match m {
+            Mode::Exact => "exact",
+            Mode::Lean => "lean",
+        },
+        match m {
+            Mode::Lean => "the exact state does not fit the RAM budget, the lean one does",
+            Mode::Exact if exact_fits => "the whole exact state fits in RAM",
+            Mode::Exact =>
+                "lean does not fit either (or gradient accumulation needs exact); spilling decides",
+        }
+    ));
+    m
+}
+
+/// The CPU device's memory is allocated on the host: check the layer workspace and the plan's
+/// buffers against `--device-memory`, and against the host memory free beside the state (`host_room`),
+/// before the templates and the device are built.
+fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) -> Result<()> {
+    if cfg.device != config::DeviceKind::Cpu {
+        return Ok(());
+    }
+    let (b, t) = (cfg.batch_size, cfg.seq_len);
+    let need = crate::device::program::workspace_bytes(&layout.config, b, t)
+        + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Activations::Host);
+    if need > cfg.device_memory {
+        return Err(Error::bad_input(
+            "device memory",
+            human_bytes(cfg.device_memory),
+            format!(
+                "the step needs at least {} (the layer workspace, weight and gradient slots, activations)",
+                human_bytes(need)
+            ),
+            Some("raise --device-memory, or lower --batch-size / --seq-len"),
+        ));
+    }
+    if need > host_room {
+        return Err(Error::bad_input(
+            "host memory",
+            human_bytes(host_room),
+            format!(
+                "the CPU device's working set needs {} of host memory, but only {} is free beside the training state",
+                human_bytes(need),
+                human_bytes(host_room)
+            ),
+            Some("lower --batch-size or --seq-len"),
+        ));
+    }
+    Ok(())
+}
+
+/// Activation checkpoints: as set, else on the device when they fit beside the working set.
+fn choose_activations(
+    cfg: &TrainConfig,
+    device: &dyn crate::device::Device,
+    layout: &StateLayout,
+    progress: &mut dyn Progress,
+) -> Activations {
+    match cfg.activations {
+        Some(a) => a,
+        None => {
+            let mem = device.memory();
+            let need = crate::engine::device_bytes(
+                layout,
+                cfg.batch_size,
+                cfg.seq_len,
+                cfg.grad_accum,
+                Activations::Device,
+            );
+            let cp = if mem.in_use + need <= mem.capacity {
+                Activations::Device
+            } else {
+                Activations::Host
+            };
+            progress.note(&format!(
+                "activations: {} (chosen: device needs {} with them there, {} available)",
+                match cp {
+                    Activations::Device => "on the device",
+                    Activations::Host => "offloaded to host",
+                },
+                human_bytes(need),
+                human_bytes(mem.capacity.saturating_sub(mem.in_use))
+            ));
+            cp
+        }
+    }
+}
+
+/// The step's working set must fit the device beside its layer workspace.
+fn check_working_set(
+    cfg: &TrainConfig,
+    device: &dyn crate::device::Device,
+    layout: &StateLayout,
+    activations: Activations,
+) -> Result<()> {
+    let mem = device.memory();
+    let need = crate::engine::device_bytes(
+        layout,
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.grad_accum,
+        activations,
+    );
+    let free = mem.capacity.saturating_sub(mem.in_use);
+    if need <= free {
+        return Ok(());
+    }
+    Err(Error::bad_input(
+        "device memory",
+        human_bytes(mem.capacity),
+        format!(
+            "the step's working set needs {} (weight and gradient slots, activations) but {} is free after the layer workspace",
+            human_bytes(need),
+            human_bytes(free)
+        ),
+        Some(&format!(
+            "raise --device-memory by {} or lower --batch-size / --seq-len{}",
+            human_bytes(need - free),
+            if activations == Activations::Device {
+                ", or pass --activations host"
+            } else {
+                ""
+            }
+        )),
+    ))
+}
+
+/// The compute device the configuration names, for micro-batches of `b`×`t` tokens.
+fn open_device(
+    cfg: &TrainConfig,
+    tm: &Arc<Templates>,
+    b: usize,
+    t: usize,
+) -> Result<Arc<dyn crate::device::Device>> {
+    match cfg.device {
+        config::DeviceKind::Cpu => Ok(Arc::new(CpuDevice::new(
+            CpuDeviceConfig {
+                capacity_bytes: cfg.device_memory,
+                link: None,
+                jitter: None,
+                batch: b,
+                seq: t,
+            },
+            tm.clone(),
+        )?)),
+        #[cfg(feature = "cuda")]
+        config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda::CudaDevice::open(
+            crate::device::cuda::CudaDeviceConfig {
+                ordinal: 0,
+                batch: b,
+                seq: t,
+                capacity_bytes: None,
+                tf32: cfg.tf32,
+            },
+            tm.clone(),
+        )?)),
+        #[cfg(not(feature = "cuda"))]
+        config::DeviceKind::Cuda => Err(Error::bad_input(
+            "device",
+            "cuda",
+            "this megatrain was built without CUDA support",
+            Some("rebuild with `cargo build --release --features cuda`"),
+        )),
+    }
+}
+
+/// Deterministic N(0, σ²) samples (splitmix64 + Box–Muller).
+fn normal_fill(x: &mut [f32], seed: u64, std: f32) {
+    let mut s = seed;
+    let mut next = || {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    for pair in x.chunks_mut(2) {
+        let (u1, u2) = (next().max(1e-300), next());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        pair[0] = (r * t.cos()) as f32 * std;
+        if pair.len() > 1 {
+            pair[1] = (r * t.sin()) as f32 * std;
+        }
+    }
+}
+
+/// Random init as HF does for Llama: N(0, 0.02) for matrices and embeddings, 1 for norm weights,
+/// 0 for biases; seeded per tensor.
+fn random_init(store: &HostStore, seed: u64) -> Result<()> {
+    let layout = store.layout().clone();
+    for (u, unit) in layout.units.iter().enumerate() {
+        let mut g = store.take(u)?;
+        let p = g.params();
+        for (i, t) in unit.tensors.iter().enumerate() {
+            let dst = &mut p[t.offset..t.offset + t.numel()];
+            if t.name.ends_with("norm.weight") {
+                dst.fill(1.0);
+            } else if t.name.ends_with(".bias") {
+                dst.fill(0.0);
+            } else {
+                normal_fill(
+                    dst,
+                    seed ^ ((u as u64) << 32 | i as u64).wrapping_mul(0xD134_2543_DE82_EF95),
+                    0.02,
+                );
+            }
+        }
+    }
+    Ok(())
+}
