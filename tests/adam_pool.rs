@@ -7,7 +7,7 @@ use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig, Isa};
 use megatrain::optim::{unit_segments, AdamPool};
 use megatrain::store::layout::{Mode, StateLayout};
 use megatrain::store::placement::{place, RamBudget};
-use megatrain::store::{GradBuffer, HostStore, StoreOptions};
+use megatrain::store::{HostBuffer, HostStore, StoreOptions};
 use megatrain::topology::{probe, TopologySource};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
@@ -60,7 +60,7 @@ fn pool_equals_scalar_reference_exact_and_lean() {
                     None
                 }
                 None => {
-                    let mut b = GradBuffer::allocate(n, None, vec![]).unwrap();
+                    let mut b = HostBuffer::allocate(n, None, vec![]).unwrap();
                     b.as_mut_slice().copy_from_slice(&g0);
                     Some(b)
                 }

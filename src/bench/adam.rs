@@ -13,7 +13,7 @@ use crate::optim::{unit_segments, AdamPool};
 use crate::store::layout::{Mode, StateLayout};
 use crate::store::placement::{NodePlan, Placement};
 use crate::store::{HostStore, StoreOptions};
-use crate::topology::Machine;
+use crate::topology::{Machine, NumaNode};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::Instant;
@@ -158,57 +158,11 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         ));
     }
 
-    let cfg = bench_model(args.params)?;
-    let layout = StateLayout::new(&cfg, Mode::Exact);
-    let need = layout.total_bytes() + 3 * 4 * layout.num_params() as u64;
-    let avail = node.free_bytes.unwrap_or(node.memory_bytes);
-    if need > avail {
-        return Err(Error::bad_input(
-            "--params",
-            args.params.to_string(),
-            format!(
-                "needs {} on node {} but {} is free",
-                crate::util::human_bytes(need),
-                node.os_index,
-                crate::util::human_bytes(avail)
-            ),
-            Some("lower --params"),
-        ));
-    }
-    let placement = Placement {
-        nodes: vec![NodePlan {
-            node: node.os_index,
-            capacity: avail,
-            bytes: layout.total_bytes(),
-            adam_cpus: cpus.clone(),
-        }],
-        shard_node: vec![
-            [Some(node.os_index); crate::store::layout::ShardKind::COUNT];
-            layout.units.len()
-        ],
-        lean_buffers_node: None,
-        stream_order: vec![node.os_index],
-        spill: None,
-    };
-    let store = HostStore::allocate(layout, placement, &StoreOptions::default())?;
+    let store = filled_store(node, &cpus, args.params)?;
     let pool = match args.isa {
         Some(isa) => AdamPool::with_isa(&[(node.os_index, cpus.clone())], Some(threads), isa)?,
         None => AdamPool::new(&[(node.os_index, cpus.clone())], Some(threads))?,
     };
-    // Realistic values: v > 0, gradients of mixed sign.
-    for u in 0..store.num_units() {
-        let mut g = store.take(u)?;
-        let sh = g.shards()?;
-        for (i, x) in sh.params.iter_mut().enumerate() {
-            *x = ((i % 97) as f32 - 48.0) * 1e-3;
-        }
-        if let Some(gr) = sh.grads {
-            for (i, x) in gr.iter_mut().enumerate() {
-                *x = ((i % 89) as f32 - 44.0) * 1e-4;
-            }
-        }
-        sh.v.fill(1e-6);
-    }
     let n = store.layout().num_params();
     let numel: usize = store.layout().units.iter().map(|u| u.numel).sum();
     let adam_cfg = AdamWConfig::default();
@@ -271,6 +225,60 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         adam,
         triad,
     })
+}
+
+/// A store of a `params`-parameter model on `node` alone, with realistic values (v > 0,
+/// gradients of mixed sign); refused when it and the triad's arrays do not fit the node's free
+/// memory.
+fn filled_store(node: &NumaNode, cpus: &[usize], params: usize) -> Result<HostStore> {
+    let cfg = bench_model(params)?;
+    let layout = StateLayout::new(&cfg, Mode::Exact);
+    let need = layout.total_bytes() + 3 * 4 * layout.num_params() as u64;
+    let avail = node.free_bytes.unwrap_or(node.memory_bytes);
+    if need > avail {
+        return Err(Error::bad_input(
+            "--params",
+            params.to_string(),
+            format!(
+                "needs {} on node {} but {} is free",
+                crate::util::human_bytes(need),
+                node.os_index,
+                crate::util::human_bytes(avail)
+            ),
+            Some("lower --params"),
+        ));
+    }
+    let placement = Placement {
+        nodes: vec![NodePlan {
+            node: node.os_index,
+            capacity: avail,
+            bytes: layout.total_bytes(),
+            adam_cpus: cpus.to_vec(),
+        }],
+        shard_node: vec![
+            [Some(node.os_index); crate::store::layout::ShardKind::COUNT];
+            layout.units.len()
+        ],
+        lean_buffers_node: None,
+        stream_order: vec![node.os_index],
+        spill: None,
+    };
+    let store = HostStore::allocate(layout, placement, &StoreOptions::default())?;
+    // Realistic values: v > 0, gradients of mixed sign.
+    for u in 0..store.num_units() {
+        let mut g = store.take(u)?;
+        let sh = g.shards()?;
+        for (i, x) in sh.params.iter_mut().enumerate() {
+            *x = ((i % 97) as f32 - 48.0) * 1e-3;
+        }
+        if let Some(gr) = sh.grads {
+            for (i, x) in gr.iter_mut().enumerate() {
+                *x = ((i % 89) as f32 - 44.0) * 1e-4;
+            }
+        }
+        sh.v.fill(1e-6);
+    }
+    Ok(store)
 }
 
 /// The report as text.

@@ -12,7 +12,7 @@
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
 use crate::engine::schedule::{self, Activations, ScheduleSpec};
-use crate::engine::{MicroBatch, Streamer, StreamerConfig};
+use crate::engine::{MicroBatch, StepMetrics, Streamer, StreamerConfig};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::reference::Templates;
 use crate::optim::adamw::Isa;
@@ -277,6 +277,8 @@ fn calibrate_nvme(dir: &std::path::Path, shard_bytes: usize) -> Result<(f64, f64
     }
 }
 
+/// Run `case` for `steps` measured steps (after one warm-up step) and set its figures beside
+/// the planner's prediction.
 fn run_case(
     machine: &Machine,
     case: &Case,
@@ -284,41 +286,48 @@ fn run_case(
     nvme_dir: &std::path::Path,
     trace: Option<&std::path::Path>,
 ) -> Result<EngineCase> {
-    let Case {
-        name,
-        bound,
-        batch,
-        seq,
-        link_gbps,
-        adam_threads,
-        scalar_adam,
-        mode,
-        spill,
-    } = case.clone();
-    let cfg = model();
-    let layout = StateLayout::new(&cfg, mode);
+    let layout = StateLayout::new(&model(), case.mode);
+    let isa = if case.scalar_adam {
+        Isa::Scalar
+    } else {
+        adamw::detect()
+    };
     let spill_dir = nvme_dir.join(format!(".megatrain-bench-engine-{}", std::process::id()));
+    let rows = build_streamer(machine, case, &layout, isa, &spill_dir)
+        .and_then(|s| measure(s, case, steps, trace));
+    let _ = std::fs::remove_dir_all(&spill_dir);
+    let prediction = predict(case, &layout, isa, nvme_dir)?;
+    Ok(summarize(case, &rows?, &prediction))
+}
+
+/// The streamer of `case`: its store (spilled under `spill_dir` if the case spills) with
+/// deterministic weights, AdamW pool and CPU device behind the emulated link.
+fn build_streamer(
+    machine: &Machine,
+    case: &Case,
+    layout: &StateLayout,
+    isa: Isa,
+    spill_dir: &std::path::Path,
+) -> Result<Streamer> {
+    let policy = if case.spill {
+        SpillPolicy::All
+    } else {
+        SpillPolicy::Never
+    };
     let placement = place_with_spill(
         machine,
-        &layout,
+        layout,
         None,
         RamBudget::default(),
-        SpillRequest {
-            policy: if spill {
-                SpillPolicy::All
-            } else {
-                SpillPolicy::Never
-            },
-            slots: 3,
-        },
+        SpillRequest { policy, slots: 3 },
     )?;
     let store = HostStore::allocate(
         layout.clone(),
         placement,
         &StoreOptions {
-            spill: spill.then(|| SpillOptions {
+            spill: case.spill.then(|| SpillOptions {
                 extent_bytes: 1 << 20,
-                ..SpillOptions::new(vec![spill_dir.clone()])
+                ..SpillOptions::new(vec![spill_dir.to_owned()])
             }),
             ..StoreOptions::default()
         },
@@ -336,16 +345,11 @@ fn run_case(
         .filter(|n| !n.adam_cpus.is_empty())
         .map(|n| (n.node, n.adam_cpus.clone()))
         .collect();
-    let isa = if scalar_adam {
-        Isa::Scalar
-    } else {
-        crate::optim::adamw::detect()
-    };
-    let pool = AdamPool::with_isa(&nodes, Some(adam_threads), isa)?;
-    let tm = Arc::new(Templates::new(&layout.config, seq)?);
+    let pool = AdamPool::with_isa(&nodes, Some(case.adam_threads), isa)?;
+    let tm = Arc::new(Templates::new(&layout.config, case.seq)?);
     let link = LinkModel {
-        htod_gbps: link_gbps,
-        dtoh_gbps: link_gbps,
+        htod_gbps: case.link_gbps,
+        dtoh_gbps: case.link_gbps,
         latency_us: 10.0,
     };
     let device = Arc::new(CpuDevice::new(
@@ -353,31 +357,40 @@ fn run_case(
             capacity_bytes: 4 << 30,
             link: Some(link),
             jitter: None,
-            batch,
-            seq,
+            batch: case.batch,
+            seq: case.seq,
         },
         tm.clone(),
     )?);
-    let mut s = Streamer::new(
+    Streamer::new(
         device,
         store,
         pool,
         tm,
         StreamerConfig {
-            batch,
-            seq,
+            batch: case.batch,
+            seq: case.seq,
             micro_batches: 1,
             activations: Activations::Host,
             adam: AdamWConfig::default(),
             grad_clip: 1.0,
             decay_norms: true,
         },
-    )?;
-    let n = batch * seq;
-    let mb = |k: usize| {
-        let toks: Vec<u32> = (0..=n)
-            .map(|i| ((i * 7 + k * 13) % cfg.vocab_size) as u32)
-            .collect();
+    )
+}
+
+/// Step `s` once to warm up, then `steps` times on deterministic tokens; the measured steps'
+/// metrics (the timeline written to `trace` if given).
+fn measure(
+    mut s: Streamer,
+    case: &Case,
+    steps: usize,
+    trace: Option<&std::path::Path>,
+) -> Result<Vec<StepMetrics>> {
+    let n = case.batch * case.seq;
+    let vocab = model().vocab_size;
+    let micro_batch = |k: usize| {
+        let toks: Vec<u32> = (0..=n).map(|i| ((i * 7 + k * 13) % vocab) as u32).collect();
         MicroBatch {
             tokens: toks[..n].to_vec().into(),
             targets: toks[1..].to_vec().into(),
@@ -385,7 +398,7 @@ fn run_case(
     };
     let mut rows = Vec::new();
     for k in 0..steps + 1 {
-        let m = s.step(&[mb(k)], 1e-4)?;
+        let m = s.step(&[micro_batch(k)], 1e-4)?;
         if k > 0 {
             rows.push(m); // the first step warms up (and its AdamW overlaps step 2's forward)
         }
@@ -393,28 +406,31 @@ fn run_case(
     s.finish()?;
     if let Some(dir) = trace {
         s.timeline()
-            .write_chrome(&dir.join(format!("engine-{name}.trace.json")))?;
+            .write_chrome(&dir.join(format!("engine-{}.trace.json", case.name)))?;
     }
-    let nvme_bytes = median(
-        rows.iter()
-            .map(|m| (m.nvme_read_bytes + m.nvme_write_bytes) as f64)
-            .collect(),
-    ) as u64;
-    drop(s);
-    let _ = std::fs::remove_dir_all(&spill_dir);
+    Ok(rows)
+}
 
-    // The prediction: the same plan, component costs calibrated alone.
-    let tm = Templates::new(&layout.config, seq)?;
-    let kernels = calibrate_kernels(&tm, &layout, batch, seq);
+/// The planner's prediction of `case`: the same schedule replayed with component costs
+/// calibrated alone (kernels, AdamW and the norm's Σg² on the same threads, the spill store).
+fn predict(
+    case: &Case,
+    layout: &StateLayout,
+    isa: Isa,
+    nvme_dir: &std::path::Path,
+) -> Result<sim::Prediction> {
+    let cfg = &layout.config;
+    let tm = Templates::new(cfg, case.seq)?;
+    let kernels = calibrate_kernels(&tm, layout, case.batch, case.seq);
     let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
-    let adam_per_elem = calibrate_adam(numel[1], adam_threads, isa);
+    let adam_per_elem = calibrate_adam(numel[1], case.adam_threads, isa);
     let sumsq_per_elem = {
         let x = vec![0.5f32; numel[1]];
         time_it(3, || {
             std::hint::black_box(adamw::sumsq(&x));
         }) / numel[1] as f64
     };
-    let (w_per_byte, r_per_byte, io_cpu) = if spill {
+    let (w_per_byte, r_per_byte, io_cpu) = if case.spill {
         calibrate_nvme(nvme_dir, 4 * numel[1])?
     } else {
         (0.0, 0.0, 0.0)
@@ -422,9 +438,9 @@ fn run_case(
     let per_unit = |rate: f64| -> Vec<f64> { numel.iter().map(|&k| k as f64 * rate).collect() };
     let costs = Costs {
         weight_elem_bytes: 4.0,
-        ckpt_bytes: (n * cfg.hidden_size * 4) as f64,
-        htod_bps: link_gbps * 1e9,
-        dtoh_bps: link_gbps * 1e9,
+        activation_bytes: (case.batch * case.seq * cfg.hidden_size * 4) as f64,
+        htod_bps: case.link_gbps * 1e9,
+        dtoh_bps: case.link_gbps * 1e9,
         copy_latency_s: 10e-6,
         kernels,
         adam_s: per_unit(adam_per_elem),
@@ -438,7 +454,7 @@ fn run_case(
         shared_cores: Some(sim::SharedCores {
             cores: rayon::current_num_threads() as f64,
             compute_threads: rayon::current_num_threads() as f64,
-            adam_threads: adam_threads as f64,
+            adam_threads: case.adam_threads as f64,
             io_cpu_fraction: io_cpu,
         }),
     };
@@ -446,11 +462,15 @@ fn run_case(
         layers: cfg.num_layers,
         tied: cfg.tie_word_embeddings,
         micro_batches: 1,
-        mode,
+        mode: case.mode,
         activations: Activations::Host,
     };
-    let pred = sim::simulate(&schedule::schedule(&spec), &costs);
-    let med = |f: fn(&crate::engine::StepMetrics) -> f64| median(rows.iter().map(f).collect());
+    Ok(sim::simulate(&schedule::schedule(&spec), &costs))
+}
+
+/// `case`'s medians over `rows`, its bounds and ratios, beside `pred`.
+fn summarize(case: &Case, rows: &[StepMetrics], pred: &sim::Prediction) -> EngineCase {
+    let med = |f: fn(&StepMetrics) -> f64| median(rows.iter().map(f).collect());
     let (step_s, compute_s, htod_s, dtoh_s) = (
         med(|m| m.wall_s),
         med(|m| m.compute_s),
@@ -462,14 +482,14 @@ fn run_case(
     let serial_s = compute_s + htod_s + dtoh_s + adam_s;
     let ideal_s = compute_s.max(htod_s).max(dtoh_s).max(adam_s);
     let bound_s = ideal_s.max(med(|m| m.htod_before_loss_s) + dtoh_s);
-    Ok(EngineCase {
-        name: name.to_owned(),
-        bound: bound.to_owned(),
-        tokens: n,
-        link_gbps,
-        adam_threads,
-        scalar_adam,
-        mode,
+    EngineCase {
+        name: case.name.to_owned(),
+        bound: case.bound.to_owned(),
+        tokens: case.batch * case.seq,
+        link_gbps: case.link_gbps,
+        adam_threads: case.adam_threads,
+        scalar_adam: case.scalar_adam,
+        mode: case.mode,
         step_s,
         compute_s,
         htod_s,
@@ -482,8 +502,8 @@ fn run_case(
         ratio_to_bound: step_s / bound_s,
         ratio_to_serial: step_s / serial_s,
         device_peak_bytes: rows.iter().map(|m| m.device_peak_bytes).max().unwrap_or(0),
-        spilled: spill,
-        nvme_bytes,
+        spilled: case.spill,
+        nvme_bytes: med(|m| (m.nvme_read_bytes + m.nvme_write_bytes) as f64) as u64,
         nvme_s: med(|m| m.nvme_busy_s),
         predicted_s: pred.step_s,
         predicted_bottleneck: pred.bottleneck.to_owned(),
@@ -495,7 +515,7 @@ fn run_case(
             pred.nvme_s,
         ],
         ratio_to_prediction: step_s / pred.step_s,
-    })
+    }
 }
 
 /// Run the six configurations; spill files go under `nvme_dir`; with `trace_dir`, write each
@@ -574,7 +594,7 @@ pub fn run(
 /// Text table.
 pub fn render(cases: &[EngineCase]) -> String {
     let mut s = format!(
-        "megatrain bench engine — CPU device, emulated link, model {} params in {} units, host checkpoints\n\
+        "megatrain bench engine — CPU device, emulated link, model {} params in {} units, host activations\n\
          times are medians over the measured steps, in ms; ideal = max(compute, htod, dtoh, adamw);\n\
          bound = max(ideal, htod before the loss + dtoh): gradients cannot leave before the forward ends;\n\
          predicted = the planner's step model (megatrain plan) on the same plan, with each component\n\

@@ -80,19 +80,7 @@ pub struct NvmeBench {
 
 /// Run the sweep.
 pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
-    let NvmeBench {
-        dirs,
-        size,
-        reps,
-        engine,
-        blocks,
-        depths,
-        pages,
-        with_fio,
-    } = b;
-    let (dirs, size, reps, engine, pages, with_fio) =
-        (dirs.as_slice(), *size, *reps, *engine, *pages, *with_fio);
-    if dirs.is_empty() {
+    if b.dirs.is_empty() {
         return Err(Error::bad_input(
             "--dir",
             "",
@@ -100,164 +88,202 @@ pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
             Some("pass --dir DIR (one per NVMe device)"),
         ));
     }
-    let mut files = Vec::new();
-    let mut direct = true;
-    for (k, d) in dirs.iter().enumerate() {
-        std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
-        let p = d.join(format!(".megatrain-bench-{k}-{}.bin", std::process::id()));
-        let open = |dir: bool| {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true).write(true).create(true).truncate(true);
-            if dir {
-                o.custom_flags(libc::O_DIRECT);
-            }
-            o.open(&p)
-        };
-        let f = match open(true) {
-            Ok(f) => f,
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                direct = false;
-                open(false).map_err(|e| Error::io("open", &p, e))?
-            }
-            Err(e) => return Err(Error::io("open", &p, e)),
-        };
-        // SAFETY: fallocate on our own descriptor.
-        if unsafe {
-            libc::fallocate(
-                f.as_raw_fd(),
-                0,
-                0,
-                size.div_ceil(dirs.len() as u64) as libc::off_t,
-            )
-        } != 0
-        {
-            let e = std::io::Error::last_os_error();
-            let _ = std::fs::remove_file(&p);
-            return Err(Error::io("preallocate", &p, e).with_fix("free space or lower --size"));
-        }
-        files.push((p, f));
-    }
+    let files = BenchFiles::create(&b.dirs, b.size)?;
     let mut cases = Vec::new();
-    let mut uring = false;
-    let mut fixed = false;
-    for &bs in blocks {
-        for &qd in depths.iter() {
-            let mut eng = IoEngine::new(engine, qd)?;
+    let (mut uring, mut fixed) = (false, false);
+    for &bs in &b.blocks {
+        for &qd in &b.depths {
+            let mut eng = IoEngine::new(b.engine, qd)?;
             uring = eng.is_uring();
             // One buffer per in-flight request (request i uses buffer i mod qd).
             let buf = Region::allocate(RegionSpec {
-                pages,
+                pages: b.pages,
                 ..RegionSpec::scratch(format!("bench buffers ({qd} x {bs} bytes)"), qd * bs)
             })?;
-            // SAFETY: the region outlives `eng` (declared before it is dropped below).
+            // SAFETY: the region outlives `eng` (dropped at the end of this iteration, after
+            // `eng`, which `run_case` consumes).
             fixed = unsafe { eng.register(&[(buf.as_ptr(), qd * bs)], bs) }.is_ok();
             // SAFETY: fresh region of qd·bs bytes.
             unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), qd * bs) }.fill(0x5a);
-            let blocks_total = (size as usize / bs).max(qd);
-            let reqs = |write: bool| -> Vec<Request> {
-                (0..blocks_total)
-                    .map(|blk| {
-                        let (f, per) = (blk % files.len(), blk / files.len());
-                        Request {
-                            fd: files[f].1.as_raw_fd(),
-                            write,
-                            offset: (per * bs) as u64,
-                            // SAFETY: (blk mod qd)·bs + bs ≤ qd·bs.
-                            addr: unsafe { buf.as_ptr().add((blk % qd) * bs) },
-                            len: bs,
-                        }
-                    })
-                    .collect()
-            };
-            let (wreqs, rreqs) = (reqs(true), reqs(false));
-            let mut pass = |write: bool| -> Result<f64> {
-                let failure = std::sync::Mutex::new(None::<String>);
-                let t0 = Instant::now();
-                // SAFETY: the buffer region stays valid; the bench data is never read back, so
-                // requests sharing a buffer only race on bytes nobody looks at.
-                unsafe {
-                    eng.run(
-                        if write { &wreqs } else { &rreqs },
-                        |_| {},
-                        |_, r| {
-                            let bad = match r {
-                                Ok(x) if x == bs => None,
-                                Ok(x) => Some(format!("short transfer of {x} of {bs} bytes")),
-                                Err(e) => Some(e.to_string()),
-                            };
-                            if let (Some(b), Ok(mut f)) = (bad, failure.lock()) {
-                                f.get_or_insert(b);
-                            }
-                        },
-                    )
-                };
-                if write {
-                    for (p, f) in &files {
-                        f.sync_data().map_err(|e| Error::io("fdatasync", p, e))?;
-                    }
-                }
-                let secs = t0.elapsed().as_secs_f64();
-                if let Some(f) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                    return Err(Error::system("bench nvme", "I/O", f));
-                }
-                Ok((blocks_total * bs) as f64 / secs / 1e9)
-            };
-            pass(true)?; // warm-up: lays the blocks out, as fio's first pass does
-            if with_fio {
-                fio_pass(dirs, size, bs, qd, "write")?;
-            }
-            // Passes alternate between the tools, so drift of the device (or of a VM host's
-            // cache) hits both alike; which tool goes first alternates too, so neither always
-            // reads the file written last (a host cache would favour it).
-            let (mut w, mut r, mut fw, mut fr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for rep in 0..reps.max(1) {
-                let fio_first = with_fio && rep % 2 == 1;
-                if fio_first {
-                    fw.push(fio_pass(dirs, size, bs, qd, "write")?);
-                }
-                w.push(pass(true)?);
-                if with_fio && !fio_first {
-                    fw.push(fio_pass(dirs, size, bs, qd, "write")?);
-                }
-                if fio_first {
-                    fr.push(fio_pass(dirs, size, bs, qd, "read")?);
-                }
-                r.push(pass(false)?);
-                if with_fio && !fio_first {
-                    fr.push(fio_pass(dirs, size, bs, qd, "read")?);
-                }
-            }
-            drop(eng);
-            cases.push(NvmeCase {
-                block_bytes: bs,
-                queue_depth: qd,
-                write_gbps: median(w),
-                read_gbps: median(r),
-                fio: with_fio.then(|| FioCase {
-                    write_gbps: median(fw),
-                    read_gbps: median(fr),
-                }),
-            });
+            cases.push(run_case(b, &files, eng, &buf, bs, qd)?);
         }
     }
-    for (p, _) in &files {
-        let _ = std::fs::remove_file(p);
-    }
-    if with_fio {
-        for (k, d) in dirs.iter().enumerate() {
+    let direct = files.direct;
+    drop(files);
+    if b.with_fio {
+        for (k, d) in b.dirs.iter().enumerate() {
             let _ = std::fs::remove_file(d.join(fio_file(k)));
         }
     }
     Ok(NvmeReport {
-        dirs: dirs.to_vec(),
-        bytes_per_pass: size,
+        dirs: b.dirs.clone(),
+        bytes_per_pass: b.size,
         uring,
         fixed_buffers: fixed,
-        pages,
+        pages: b.pages,
         direct,
-        reps,
+        reps: b.reps,
         cases,
     })
+}
+
+/// The bench's files, one per directory, preallocated to its share of the pass; removed on
+/// drop, whether the bench finished or failed.
+struct BenchFiles {
+    files: Vec<(PathBuf, std::fs::File)>,
+    /// Opened with O_DIRECT (refused by some filesystems, then buffered).
+    direct: bool,
+}
+
+impl BenchFiles {
+    fn create(dirs: &[PathBuf], size: u64) -> Result<Self> {
+        let mut out = BenchFiles {
+            files: Vec::new(),
+            direct: true,
+        };
+        for (k, d) in dirs.iter().enumerate() {
+            std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
+            let p = d.join(format!(".megatrain-bench-{k}-{}.bin", std::process::id()));
+            let f = out.open(&p)?;
+            out.files.push((p.clone(), f));
+            let share = size.div_ceil(dirs.len() as u64) as libc::off_t;
+            // SAFETY: fallocate on our own descriptor.
+            if unsafe { libc::fallocate(out.files[k].1.as_raw_fd(), 0, 0, share) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(Error::io("preallocate", &p, e).with_fix("free space or lower --size"));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Open `p` with O_DIRECT, or buffered (for good) once a filesystem refuses it.
+    fn open(&mut self, p: &std::path::Path) -> Result<std::fs::File> {
+        let open = |direct: bool| {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).write(true).create(true).truncate(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(p)
+        };
+        match open(self.direct) {
+            Err(e) if self.direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                self.direct = false;
+                open(false).map_err(|e| Error::io("open", p, e))
+            }
+            other => other.map_err(|e| Error::io("open", p, e)),
+        }
+    }
+}
+
+impl Drop for BenchFiles {
+    fn drop(&mut self) {
+        for (p, _) in &self.files {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Block size `bs` at queue depth `qd` through `eng` with buffers in `buf`: a warm-up write,
+/// then `reps` write and read passes, interleaved with fio's when asked.
+fn run_case(
+    b: &NvmeBench,
+    files: &BenchFiles,
+    mut eng: IoEngine,
+    buf: &Region,
+    bs: usize,
+    qd: usize,
+) -> Result<NvmeCase> {
+    let blocks_total = (b.size as usize / bs).max(qd);
+    let requests = |write: bool| -> Vec<Request> {
+        (0..blocks_total)
+            .map(|blk| {
+                let (f, per) = (blk % files.files.len(), blk / files.files.len());
+                Request {
+                    fd: files.files[f].1.as_raw_fd(),
+                    write,
+                    offset: (per * bs) as u64,
+                    // SAFETY: (blk mod qd)·bs + bs ≤ qd·bs.
+                    addr: unsafe { buf.as_ptr().add((blk % qd) * bs) },
+                    len: bs,
+                }
+            })
+            .collect()
+    };
+    let (writes, reads) = (requests(true), requests(false));
+    let mut pass = |write: bool| pass(&mut eng, if write { &writes } else { &reads }, files);
+    let fio = |rw: &str| fio_pass(&b.dirs, b.size, bs, qd, rw);
+    pass(true)?; // warm-up: lays the blocks out, as fio's first pass does
+    if b.with_fio {
+        fio("write")?;
+    }
+    // Passes alternate between the tools, so drift of the device (or of a VM host's cache)
+    // hits both alike; which tool goes first alternates too, so neither always reads the file
+    // written last (a host cache would favour it).
+    let (mut w, mut r, mut fw, mut fr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for rep in 0..b.reps.max(1) {
+        let fio_first = b.with_fio && rep % 2 == 1;
+        if fio_first {
+            fw.push(fio("write")?);
+        }
+        w.push(pass(true)?);
+        if b.with_fio && !fio_first {
+            fw.push(fio("write")?);
+        }
+        if fio_first {
+            fr.push(fio("read")?);
+        }
+        r.push(pass(false)?);
+        if b.with_fio && !fio_first {
+            fr.push(fio("read")?);
+        }
+    }
+    Ok(NvmeCase {
+        block_bytes: bs,
+        queue_depth: qd,
+        write_gbps: median(w),
+        read_gbps: median(r),
+        fio: b.with_fio.then(|| FioCase {
+            write_gbps: median(fw),
+            read_gbps: median(fr),
+        }),
+    })
+}
+
+/// One pass of `reqs` (all reads or all writes, each of the same length); GB/s, writes made
+/// durable before the clock stops.
+fn pass(eng: &mut IoEngine, reqs: &[Request], files: &BenchFiles) -> Result<f64> {
+    let (write, len) = (reqs[0].write, reqs[0].len);
+    let failure = std::sync::Mutex::new(None::<String>);
+    let t0 = Instant::now();
+    // SAFETY: the buffer region stays valid; the bench data is never read back, so requests
+    // sharing a buffer only race on bytes nobody looks at.
+    unsafe {
+        eng.run(
+            reqs,
+            |_| {},
+            |_, r| {
+                let bad = match r {
+                    Ok(x) if x == len => None,
+                    Ok(x) => Some(format!("short transfer of {x} of {len} bytes")),
+                    Err(e) => Some(e.to_string()),
+                };
+                if let Some(b) = bad {
+                    crate::util::lock(&failure).get_or_insert(b);
+                }
+            },
+        )
+    };
+    if write {
+        for (p, f) in &files.files {
+            f.sync_data().map_err(|e| Error::io("fdatasync", p, e))?;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    if let Some(f) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(Error::system("bench nvme", "I/O", f));
+    }
+    Ok((reqs.len() * len) as f64 / secs / 1e9)
 }
 
 fn fio_file(k: usize) -> String {

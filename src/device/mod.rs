@@ -22,7 +22,7 @@ pub type BufId = usize;
 /// The three streams of the pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub enum StreamKind {
-    /// Host → device copies (weights, checkpoints).
+    /// Host → device copies (weights, activations).
     CopyIn = 0,
     /// Kernels.
     Compute = 1,

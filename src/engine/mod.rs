@@ -1,9 +1,11 @@
 //! The streaming engine: the step schedule (pure), the streamer that runs it on a device, and
 //! the timeline it records.
 
+pub mod metrics;
 pub mod schedule;
 pub mod streamer;
 pub mod trace;
 
+pub use metrics::StepMetrics;
 pub use schedule::Activations;
-pub use streamer::{clip_coef, device_bytes, MicroBatch, StepMetrics, Streamer, StreamerConfig};
+pub use streamer::{clip_coef, device_bytes, MicroBatch, Streamer, StreamerConfig};

@@ -9,6 +9,7 @@
 //! of buffers, allocated once: nothing grows with depth (with host activations) or with the
 //! number of steps.
 
+use super::metrics::StepMetrics;
 use super::schedule::{schedule, Activations, DevBuf, Lane, Op, Schedule, ScheduleSpec, Task};
 use super::trace::{Span, Timeline};
 use crate::device::{Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, StreamKind};
@@ -16,9 +17,8 @@ use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{unit_segments, AdamJob, AdamPool};
 use crate::store::layout::{Mode, StateLayout};
-use crate::store::{GradBuffer, HostStore, UnitGuard};
+use crate::store::{HostBuffer, HostStore, UnitGuard};
 use crate::{Error, Result};
-use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -51,53 +51,6 @@ pub struct MicroBatch {
     pub targets: Arc<[u32]>,
 }
 
-/// What one step did.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct StepMetrics {
-    /// 1-based optimizer step.
-    pub step: u64,
-    /// Mean loss over the step's tokens.
-    pub loss: f64,
-    /// Global gradient norm before clipping (lean mode: from the AdamW pass).
-    pub grad_norm: f64,
-    /// Clip coefficient applied (1 = none).
-    pub clip_coef: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Tokens processed.
-    pub tokens: u64,
-    /// Wall time of `step`, seconds.
-    pub wall_s: f64,
-    /// Σ compute-stream op time, seconds.
-    pub compute_s: f64,
-    /// Σ host→device copy time, seconds.
-    pub htod_s: f64,
-    /// Σ device→host copy time, seconds.
-    pub dtoh_s: f64,
-    /// Time the AdamW pools were busy with jobs that completed during this step (the union of the
-    /// jobs' submit→done intervals: jobs queue on the same workers), seconds.
-    pub optimizer_s: f64,
-    /// Σ host→device copy time before the loss (the forward's weight stream), seconds. Gradients
-    /// only flow after it, so `htod_before_loss_s + dtoh_s` bounds a link-bound step from below.
-    pub htod_before_loss_s: f64,
-    /// Time the host thread spent blocked on the device or on AdamW, seconds.
-    pub host_wait_s: f64,
-    /// Bytes host→device.
-    pub htod_bytes: u64,
-    /// Bytes device→host.
-    pub dtoh_bytes: u64,
-    /// Device memory high-water mark, bytes.
-    pub device_peak_bytes: u64,
-    /// Bytes read from the NVMe spill tier during the step.
-    pub nvme_read_bytes: u64,
-    /// Bytes written to the NVMe spill tier during the step.
-    pub nvme_write_bytes: u64,
-    /// Time AdamW jobs waited for spilled state to arrive from NVMe, seconds.
-    pub nvme_wait_s: f64,
-    /// Time the NVMe I/O thread was busy during the step, seconds.
-    pub nvme_busy_s: f64,
-}
-
 struct PendingAdam {
     job: AdamJob,
     lean: Option<usize>,
@@ -115,8 +68,8 @@ pub struct Streamer {
     schedule: Schedule,
     bufs: HashMap<DevBuf, BufId>,
     /// Host copies of the layer-boundary activations (host activations).
-    saved: Vec<GradBuffer>,
-    lean: Vec<Option<GradBuffer>>,
+    saved: Vec<HostBuffer>,
+    lean: Vec<Option<HostBuffer>>,
     guards: Vec<Option<UnitGuard>>,
     pending: HashMap<usize, PendingAdam>,
     step: u64,
@@ -235,8 +188,8 @@ impl Streamer {
         // when it needs that for asynchronous copies.
         let registrar = device.registrar();
         let near = store.placement().lean_buffers_node;
-        let host_buffer = |len: usize| -> Result<GradBuffer> {
-            let mut b = GradBuffer::allocate(len, near, Vec::new())?;
+        let host_buffer = |len: usize| -> Result<HostBuffer> {
+            let mut b = HostBuffer::allocate(len, near, Vec::new())?;
             if let Some(r) = &registrar {
                 b.register_with(r.as_ref())?;
             }
@@ -620,34 +573,12 @@ impl Streamer {
             clip_coef: run.coef,
             lr,
             tokens: total_tokens as u64,
-            optimizer_s: union_length(std::mem::take(&mut self.adam_spans)),
+            optimizer_s: super::metrics::union_length(std::mem::take(&mut self.adam_spans)),
             host_wait_s: run.host_wait,
             device_peak_bytes: self.device.memory().peak,
             ..StepMetrics::default()
         };
-        let loss_start = records
-            .iter()
-            .find(|r| r.name == "head_loss_bwd")
-            .map_or(f64::INFINITY, |r| r.start);
-        m.htod_before_loss_s = records
-            .iter()
-            .filter(|r| r.stream == StreamKind::CopyIn && r.start < loss_start)
-            .map(|r| r.end - r.start)
-            .sum();
-        for r in &records {
-            let d = r.end - r.start;
-            match r.stream {
-                StreamKind::Compute => m.compute_s += d,
-                StreamKind::CopyIn => {
-                    m.htod_s += d;
-                    m.htod_bytes += r.bytes;
-                }
-                StreamKind::CopyOut => {
-                    m.dtoh_s += d;
-                    m.dtoh_bytes += r.bytes;
-                }
-            }
-        }
+        m.add_device_records(&records);
         self.timeline.extend_device(records);
         let spill = self.store.spill_stats();
         m.nvme_read_bytes = spill.bytes_read - self.spill_seen.bytes_read;
@@ -771,24 +702,6 @@ impl Streamer {
         }
         Ok(k.clone().map(|b| self.buf(b), |mb| batches[mb].clone()))
     }
-}
-
-/// Total length covered by a set of intervals.
-fn union_length(mut v: Vec<(f64, f64)>) -> f64 {
-    v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut total = 0.0;
-    let mut cur: Option<(f64, f64)> = None;
-    for (a, b) in v {
-        cur = match cur {
-            Some((s, e)) if a <= e => Some((s, e.max(b))),
-            Some((s, e)) => {
-                total += e - s;
-                Some((a, b))
-            }
-            None => Some((a, b)),
-        };
-    }
-    total + cur.map_or(0.0, |(s, e)| e - s)
 }
 
 impl Drop for Streamer {

@@ -99,6 +99,110 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
 }
 
+/// The architecture `architectures[0]` names (or `model_type` implies).
+fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
+    let arch_name = match v.get("architectures") {
+        Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or("").to_owned(),
+        _ => match v.get("model_type").and_then(Value::as_str) {
+            Some("llama") => "LlamaForCausalLM".into(),
+            Some("mistral") => "MistralForCausalLM".into(),
+            Some("qwen2") => "Qwen2ForCausalLM".into(),
+            Some(other) => other.to_owned(),
+            None => {
+                return Err(bad(
+                    origin,
+                    "neither `architectures` nor `model_type` is set",
+                ))
+            }
+        },
+    };
+    match arch_name.as_str() {
+        "LlamaForCausalLM" => Ok(Architecture::Llama),
+        "MistralForCausalLM" => Ok(Architecture::Mistral),
+        "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
+        other => Err(Error::bad_input(
+            "model config",
+            origin,
+            format!("architecture `{other}` is not supported"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"),
+        )),
+    }
+}
+
+/// Refuse the features the layers do not implement: activations other than SiLU, MLP biases.
+fn check_supported_features(v: &Value, origin: &str) -> Result<()> {
+    if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(bad(
+                origin,
+                format!("hidden_act `{act}` is not supported (only `silu`)"),
+            ));
+        }
+    }
+    if get_bool(v, "mlp_bias", origin)? == Some(true) {
+        return Err(bad(origin, "`mlp_bias: true` is not supported"));
+    }
+    Ok(())
+}
+
+/// RoPE's θ (10000 unless set); scaled RoPE is refused. transformers 4 puts `rope_theta` (and
+/// `rope_scaling`) at the top level; transformers 5 nests them in `rope_parameters`.
+fn rope_theta(v: &Value, origin: &str) -> Result<f64> {
+    let rope_params = v.get("rope_parameters").filter(|x| !x.is_null());
+    let rope_theta = match rope_params {
+        Some(rp) => get_f64(rp, "rope_theta", origin)?,
+        None => None,
+    }
+    .or(get_f64(v, "rope_theta", origin)?)
+    .unwrap_or(10000.0);
+    for scaling in [v.get("rope_scaling"), rope_params] {
+        if let Some(s) = scaling.filter(|x| !x.is_null()) {
+            let ty = s
+                .get("rope_type")
+                .or_else(|| s.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            if ty != "default" {
+                return Err(bad(
+                    origin,
+                    format!("RoPE scaling type `{ty}` is not supported (only unscaled RoPE)"),
+                ));
+            }
+        }
+    }
+    Ok(rope_theta)
+}
+
+/// Query heads, key/value heads and the head dimension: heads a positive multiple of key/value
+/// heads, the head dimension even (RoPE rotates pairs).
+fn attention_heads(v: &Value, hidden_size: usize, origin: &str) -> Result<(usize, usize, usize)> {
+    let num_heads = need_usize(v, "num_attention_heads", origin)?;
+    let num_kv_heads = get_usize(v, "num_key_value_heads", origin)?.unwrap_or(num_heads);
+    if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(bad(
+            origin,
+            format!("num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"),
+        ));
+    }
+    let head_dim = match get_usize(v, "head_dim", origin)? {
+        Some(hd) => hd,
+        None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
+        None => {
+            return Err(bad(
+                origin,
+                "hidden_size is not a multiple of num_attention_heads and head_dim is unset",
+            ))
+        }
+    };
+    if head_dim % 2 != 0 {
+        return Err(bad(
+            origin,
+            format!("head_dim {head_dim} is odd; RoPE needs an even head dimension"),
+        ));
+    }
+    Ok((num_heads, num_kv_heads, head_dim))
+}
+
 fn bad(origin: &str, reason: impl Into<String>) -> Error {
     Error::bad_input("model config", origin, reason, None)
 }
@@ -158,93 +262,11 @@ impl ModelConfig {
         if !v.is_object() {
             return Err(bad(origin, "not a JSON object"));
         }
-        let arch_name = match v.get("architectures") {
-            Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or("").to_owned(),
-            _ => match v.get("model_type").and_then(Value::as_str) {
-                Some("llama") => "LlamaForCausalLM".into(),
-                Some("mistral") => "MistralForCausalLM".into(),
-                Some("qwen2") => "Qwen2ForCausalLM".into(),
-                Some(other) => other.to_owned(),
-                None => {
-                    return Err(bad(
-                        origin,
-                        "neither `architectures` nor `model_type` is set",
-                    ))
-                }
-            },
-        };
-        let architecture = match arch_name.as_str() {
-            "LlamaForCausalLM" => Architecture::Llama,
-            "MistralForCausalLM" => Architecture::Mistral,
-            "Qwen2ForCausalLM" => Architecture::Qwen2,
-            other => {
-                return Err(Error::bad_input(
-                    "model config",
-                    origin,
-                    format!("architecture `{other}` is not supported"),
-                    Some("megatrain implements LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"),
-                ))
-            }
-        };
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(bad(
-                    origin,
-                    format!("hidden_act `{act}` is not supported (only `silu`)"),
-                ));
-            }
-        }
-        if get_bool(&v, "mlp_bias", origin)? == Some(true) {
-            return Err(bad(origin, "`mlp_bias: true` is not supported"));
-        }
-        // RoPE: transformers 4 puts `rope_theta` (and `rope_scaling`) at the top level;
-        // transformers 5 nests them in `rope_parameters`.
-        let rope_params = v.get("rope_parameters").filter(|x| !x.is_null());
-        let rope_theta = match rope_params {
-            Some(rp) => get_f64(rp, "rope_theta", origin)?,
-            None => None,
-        }
-        .or(get_f64(&v, "rope_theta", origin)?)
-        .unwrap_or(10000.0);
-        for scaling in [v.get("rope_scaling"), rope_params] {
-            if let Some(s) = scaling.filter(|x| !x.is_null()) {
-                let ty = s
-                    .get("rope_type")
-                    .or_else(|| s.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                if ty != "default" {
-                    return Err(bad(
-                        origin,
-                        format!("RoPE scaling type `{ty}` is not supported (only unscaled RoPE)"),
-                    ));
-                }
-            }
-        }
+        let architecture = architecture(&v, origin)?;
+        check_supported_features(&v, origin)?;
+        let rope_theta = rope_theta(&v, origin)?;
         let hidden_size = need_usize(&v, "hidden_size", origin)?;
-        let num_heads = need_usize(&v, "num_attention_heads", origin)?;
-        let num_kv_heads = get_usize(&v, "num_key_value_heads", origin)?.unwrap_or(num_heads);
-        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(bad(
-                origin,
-                format!("num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"),
-            ));
-        }
-        let head_dim =
-            match get_usize(&v, "head_dim", origin)? {
-                Some(hd) => hd,
-                None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-                None => return Err(bad(
-                    origin,
-                    "hidden_size is not a multiple of num_attention_heads and head_dim is unset",
-                )),
-            };
-        if head_dim % 2 != 0 {
-            return Err(bad(
-                origin,
-                format!("head_dim {head_dim} is odd; RoPE needs an even head dimension"),
-            ));
-        }
+        let (num_heads, num_kv_heads, head_dim) = attention_heads(&v, hidden_size, origin)?;
         let attention_bias = get_bool(&v, "attention_bias", origin)?.unwrap_or(false);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),

@@ -1,7 +1,7 @@
 //! Stateless layer templates: code plus shapes. Weights and gradient buffers are the unit's flat
 //! shards, bound per call; scratch lives in a caller-owned [`Workspace`] reused by every layer.
-//! Nothing persists between calls. Backward recomputes a block's internals from its saved input
-//! (activation checkpointing at layer boundaries).
+//! Nothing persists between calls. Backward recomputes a block's internals from its input
+//! activation, the only one kept between forward and backward.
 
 use super::config::ModelConfig;
 use super::ops::{self, AttnShape, Rope};
@@ -32,24 +32,24 @@ pub struct Workspace {
     k: Vec<f32>,     // [N, NKV·HD]
     v: Vec<f32>,     // [N, NKV·HD]
     att: Vec<f32>,   // [N, NH·HD] attention output
-    lse: Vec<f32>,   // [B, NH, T]
+    lse: Vec<f32>,   // [B, NH, T] attention log-sum-exp
     x2: Vec<f32>,    // [N, C]   after the attention residual
-    h2: Vec<f32>,    // [N, C]
+    h2: Vec<f32>,    // [N, C]   normed x2
     rstd2: Vec<f32>, // [N]
     gate: Vec<f32>,  // [N, I]
     up: Vec<f32>,    // [N, I]
     act: Vec<f32>,   // [N, I]
     // backward
-    d_i1: Vec<f32>,  // [N, I]
-    d_i2: Vec<f32>,  // [N, I]
-    d_i3: Vec<f32>,  // [N, I]
-    d_att: Vec<f32>, // [N, NH·HD]
-    d_c: Vec<f32>,   // [N, C]
-    d_c2: Vec<f32>,  // [N, C]
-    dq: Vec<f32>,    // [N, NH·HD]
-    dk: Vec<f32>,    // [N, NKV·HD]
-    dv: Vec<f32>,    // [N, NKV·HD]
-    ce: Vec<f32>,    // [CE_CHUNK_ROWS, V]
+    d_i1: Vec<f32>,  // [N, I]   dL/d act
+    d_i2: Vec<f32>,  // [N, I]   dL/d gate
+    d_i3: Vec<f32>,  // [N, I]   dL/d up
+    d_att: Vec<f32>, // [N, NH·HD] dL/d att
+    d_c: Vec<f32>,   // [N, C]   dL/d h2, then dL/d h1
+    d_c2: Vec<f32>,  // [N, C]   dL/d x2
+    dq: Vec<f32>,    // [N, NH·HD] dL/d q
+    dk: Vec<f32>,    // [N, NKV·HD] dL/d k
+    dv: Vec<f32>,    // [N, NKV·HD] dL/d v
+    ce: Vec<f32>,    // [CE_CHUNK_ROWS, V] one chunk of logits, then their gradients
 }
 
 impl Workspace {
@@ -348,7 +348,7 @@ impl DecoderBlock {
         }
     }
 
-    /// Given the block's input `x` (the checkpoint) and dL/dy, accumulate the unit's gradients into
+    /// Given the block's input `x` (its kept input activation) and dL/dy, accumulate the unit's gradients into
     /// `g` and write dL/dx into `dx`. Recomputes the forward internals first.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
@@ -363,10 +363,16 @@ impl DecoderBlock {
         b: usize,
         t: usize,
     ) {
-        let (n, c, qd, kvd, i) = (b * t, self.c, self.qd(), self.kvd(), self.inter);
         self.internals(p, x, ws, rope, b, t);
+        self.mlp_backward(p, g, dy, ws, b * t);
+        self.attention_backward(p, g, x, dx, ws, rope, b, t);
+    }
+
+    /// The MLP half of [`Self::backward`]: from dL/dy, the MLP's weight gradients and
+    /// `ws.d_c2` = dL/dx2 (the residual's share plus the second norm's).
+    fn mlp_backward(&self, p: &[f32], g: &mut [f32], dy: &[f32], ws: &mut Workspace, n: usize) {
+        let (c, i) = (self.c, self.inter);
         let w = |off: usize, len: usize| &p[off..off + len];
-        let ws = &mut *ws;
         // MLP: y = x2 + act·Wdᵀ, act = silu(gate) ⊙ up
         ops::linear_bwd(
             &mut ws.d_i1[..n * i],
@@ -423,6 +429,24 @@ impl DecoderBlock {
             &ws.rstd2[..n],
             c,
         );
+    }
+
+    /// The attention half of [`Self::backward`]: from `ws.d_c2` = dL/dx2, the attention's and
+    /// first norm's weight gradients and dL/dx into `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        x: &[f32],
+        dx: &mut [f32],
+        ws: &mut Workspace,
+        rope: &Rope,
+        b: usize,
+        t: usize,
+    ) {
+        let (n, c, qd, kvd) = (b * t, self.c, self.qd(), self.kvd());
+        let w = |off: usize, len: usize| &p[off..off + len];
         // Attention: x2 = x + att·Woᵀ (+ bo)
         {
             let (gw, gb) = split_two(g, (self.wo, c * qd), self.bo.map(|o| (o, c)));

@@ -90,7 +90,7 @@ pub fn step_resident(
     }
     tm.check_tokens(tokens, "inputs")?;
     tm.check_tokens(targets, "targets")?;
-    // Layer-boundary checkpoints x_0..x_L.
+    // Layer-boundary activations x_0..x_L.
     let mut xs = vec![vec![0.0f32; n * c]; l + 1];
     tm.embedding.forward(params[0], tokens, &mut xs[0]);
     for (i, blk) in tm.blocks.iter().enumerate() {

@@ -208,7 +208,6 @@ pub fn supported(isa: Isa) -> bool {
         Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
-        #[allow(unreachable_patterns)]
         _ => false,
     }
 }

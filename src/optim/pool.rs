@@ -9,7 +9,7 @@
 use super::adamw::{self, AdamSlices, AdamWConfig, Isa, StepScalars};
 use crate::store::layout::StateLayout;
 use crate::store::placement::Placement;
-use crate::store::{GradBuffer, UnitGuard};
+use crate::store::{HostBuffer, UnitGuard};
 use crate::{Error, Result};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -374,7 +374,7 @@ pub struct AdamDone {
     /// The unit, exclusively the caller's again.
     pub guard: UnitGuard,
     /// The lean-mode gradient buffer, if one was passed in.
-    pub grads: Option<GradBuffer>,
+    pub grads: Option<HostBuffer>,
     /// Σ g_raw² over the unit (before clipping), f64.
     pub sumsq: f64,
     /// Wall time from submission to completion.
@@ -385,7 +385,7 @@ pub struct AdamDone {
 #[derive(Debug)]
 pub struct AdamJob {
     guard: Option<UnitGuard>,
-    grads: Option<GradBuffer>,
+    grads: Option<HostBuffer>,
     done: Arc<Completion>,
 }
 
@@ -543,7 +543,7 @@ impl AdamPool {
         &self,
         node: u32,
         mut guard: UnitGuard,
-        grads: Option<GradBuffer>,
+        grads: Option<HostBuffer>,
         segments: Vec<Segment>,
     ) -> Result<AdamJob> {
         let numel = guard.numel();

@@ -115,9 +115,9 @@ impl PlanRequest {
 pub struct MemoryPlan {
     /// Host bytes of the training state (params, grads, m, v, lean buffers).
     pub host_state_bytes: u64,
-    /// Host bytes of offloaded layer-boundary checkpoints.
-    pub host_checkpoint_bytes: u64,
-    /// Device working set: weight and gradient slots, one layer's activations, buffers.
+    /// Host bytes of the offloaded layer-boundary activations.
+    pub host_activation_bytes: u64,
+    /// Device working set: double buffers of weights and gradients, one layer's activations, the layer workspace.
     pub device_bytes: u64,
     /// NVMe bytes (spilled Adam moments).
     pub nvme_bytes: u64,
@@ -264,15 +264,16 @@ pub fn hardware_from_machine(
 pub const USABLE: f64 = 0.9;
 
 /// The units whose Adam m/v go to NVMe under `req` on `hw`: the placement's own choice (the last
-/// layers first, only what the usable host RAM lacks once checkpoints are paid for), with the
+/// layers first, only what the usable host RAM lacks once activations are paid for), with the
 /// staging bytes it costs.
 pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (Vec<usize>, u64) {
     if !req.spill_moments {
         return (Vec::new(), 0);
     }
     let layout = StateLayout::new(model, req.mode);
-    let ckpt = (model.num_layers as u64 + 1) * req.micro_tokens() * model.hidden_size as u64 * 4;
-    let capacity = ((hw.host_ram_bytes as f64 * USABLE) as u64).saturating_sub(ckpt);
+    let activations =
+        (model.num_layers as u64 + 1) * req.micro_tokens() * model.hidden_size as u64 * 4;
+    let capacity = ((hw.host_ram_bytes as f64 * USABLE) as u64).saturating_sub(activations);
     crate::store::placement::choose_spill(
         &layout,
         crate::store::placement::SpillRequest {
@@ -301,18 +302,18 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
         .sum();
     // The spill tier's staging slots (read ahead, update, write back) replace what spills.
     host = host - nvme + staging;
-    let ckpt = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
+    let activations = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
     let elem = if req.bf16 { 2 } else { 4 };
-    // Two slots of weights (streamed dtype) and of fp32 grads.
-    let slots = 2 * layout.max_unit_numel() as u64 * (elem + 4);
+    // Two buffers of weights (streamed dtype) and of fp32 grads.
+    let double_buffers = 2 * layout.max_unit_numel() as u64 * (elem + 4);
     // The device program's layer workspace (what the devices allocate), plus dx/dy and the two
-    // checkpoint slots of host-offloaded activations.
+    // buffers of host-offloaded activations.
     let act = crate::device::program::workspace_bytes(model, 1, tokens_mb as usize)
         + 4 * tokens_mb * c * 4;
     MemoryPlan {
         host_state_bytes: host,
-        host_checkpoint_bytes: ckpt,
-        device_bytes: slots + act,
+        host_activation_bytes: activations,
+        device_bytes: double_buffers + act,
         nvme_bytes: nvme,
         nvme_units: spilled.len(),
         units: layout.units.len(),
@@ -353,7 +354,7 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
     };
     sim::Costs {
         weight_elem_bytes: if req.bf16 { 2.0 } else { 4.0 },
-        ckpt_bytes: tk * model.hidden_size as f64 * 4.0,
+        activation_bytes: tk * model.hidden_size as f64 * 4.0,
         htod_bps: hw.htod_gbps * 1e9,
         dtoh_bps: hw.dtoh_gbps * 1e9,
         copy_latency_s: 10e-6,
@@ -455,10 +456,11 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     }
 }
 
-fn fits(m: &MemoryPlan, hw: &Hardware) -> Result<(), String> {
+/// What `m` lacks on `hw`, one line per exhausted memory (empty when it fits).
+fn shortfalls(m: &MemoryPlan, hw: &Hardware) -> Vec<String> {
     let host_cap = (hw.host_ram_bytes as f64 * USABLE) as u64;
     let dev_cap = (hw.gpu_memory_bytes as f64 * USABLE) as u64;
-    let host_need = m.host_state_bytes + m.host_checkpoint_bytes;
+    let host_need = m.host_state_bytes + m.host_activation_bytes;
     let mut why = Vec::new();
     if host_need > host_cap {
         why.push(format!(
@@ -476,15 +478,11 @@ fn fits(m: &MemoryPlan, hw: &Hardware) -> Result<(), String> {
             crate::util::human_bytes(m.device_bytes - dev_cap)
         ));
     }
-    if why.is_empty() {
-        Ok(())
-    } else {
-        Err(why.join("; "))
-    }
+    why
 }
 
 /// The micro-batch size [`plan`] picks when none is given: the largest whole number of
-/// sequences dividing the step whose device working set and host checkpoints fit (both grow
+/// sequences dividing the step whose device working set and host activations fit (both grow
 /// with the micro-batch), found by bisection over the divisors (memory is monotone in the
 /// micro-batch), so a step of millions of sequences plans as fast as one of eight.
 fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> PlanRequest {
@@ -505,7 +503,7 @@ fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Pl
         d += 1;
     }
     divisors.sort_unstable();
-    let fits_with = |k: u64| fits(&memory(model, &with(k), hw), hw).is_ok();
+    let fits_with = |k: u64| shortfalls(&memory(model, &with(k), hw), hw).is_empty();
     // The largest index whose divisor fits, if any.
     let (mut lo, mut hi) = (0usize, divisors.len());
     if !fits_with(divisors[0]) {
@@ -589,8 +587,8 @@ pub fn suggest(
             ..hw.clone()
         };
         let r = resolve(model, &hw, &r);
-        fits(&memory(model, &r, &hw), &hw)
-            .is_ok()
+        shortfalls(&memory(model, &r, &hw), &hw)
+            .is_empty()
             .then_some((what, r))
     })
 }
@@ -613,8 +611,9 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     let asked = req;
     let req = &resolve(model, hw, req);
     let mem = memory(model, req, hw);
-    let verdict = fits(&mem, hw);
-    let suggestion = verdict.is_err().then(|| {
+    let shortfalls = shortfalls(&mem, hw);
+    let fits = shortfalls.is_empty();
+    let suggestion = (!fits).then(|| {
         suggest(model, hw, asked).map_or_else(
             || {
                 "nothing tried fits: a machine with more host RAM or GPU memory is needed"
@@ -627,8 +626,8 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         params: model.num_params() as u64,
         micro_batch_tokens: req.micro_tokens(),
         time: time(model, hw, req),
-        fits: verdict.is_ok(),
-        missing: verdict.err(),
+        fits,
+        missing: (!fits).then(|| shortfalls.join("; ")),
         suggestion,
         memory: mem,
         kind: "prediction",
@@ -679,7 +678,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
          {} tokens/step in micro-batches of {}, seq {}, {}, {} mode{}\n\n\
-         memory\n  host state       {:>12}  ({:.1} B/param)\n  host checkpoints {:>12}\n  GPU working set  {:>12}  of {}\n  NVMe             {:>12}\n  fits: {}\n",
+         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}\n  GPU working set  {:>12}  of {}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         hw.name,
         hw.gpu,
@@ -698,7 +697,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         },
         hb(p.memory.host_state_bytes),
         p.memory.host_bytes_per_param,
-        hb(p.memory.host_checkpoint_bytes),
+        hb(p.memory.host_activation_bytes),
         hb(p.memory.device_bytes),
         hb(hw.gpu_memory_bytes),
         hb(p.memory.nvme_bytes),
@@ -723,248 +722,4 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(tokens: u64) -> PlanRequest {
-        PlanRequest {
-            tokens_per_step: tokens,
-            seq_len: 4096,
-            bf16: false,
-            mode: Mode::Exact,
-            spill_moments: false,
-            micro_batch_tokens: Some(tokens),
-        }
-    }
-
-    /// With NVMe, the plan spills what the placement would: a strict subset when RAM is only
-    /// somewhat short, and the step then pays NVMe time for those units only.
-    #[test]
-    fn nvme_spills_only_what_ram_lacks() {
-        let mut hw = presets::machine("h100-512gb").unwrap();
-        hw.nvme_gbps = Some(6.0);
-        let m70 = presets::model("llama-3-70b").unwrap();
-        let r = PlanRequest {
-            mode: Mode::Lean,
-            spill_moments: true,
-            ..req(16384)
-        };
-        let p = plan(&m70, &hw, &r);
-        assert!(p.fits, "{:?}", p.missing);
-        assert!(
-            p.memory.nvme_units > 0 && p.memory.nvme_units < p.memory.units,
-            "{} of {}",
-            p.memory.nvme_units,
-            p.memory.units
-        );
-        let all = StateLayout::new(&m70, Mode::Lean);
-        let mv = all.kind_bytes(crate::store::layout::ShardKind::AdamM)
-            + all.kind_bytes(crate::store::layout::ShardKind::AdamV);
-        assert!(p.memory.nvme_bytes < mv);
-        // NVMe time: 16 B per spilled parameter at 6 GB/s.
-        let (units, _) = spilled_units(&m70, &r, &hw);
-        let params: usize = units.iter().map(|&u| all.units[u].numel).sum();
-        let want = 16.0 * params as f64 / 6e9;
-        assert!(
-            (p.time.nvme_s - want).abs() < 1e-6 * want,
-            "{} vs {want}",
-            p.time.nvme_s
-        );
-        // Without NVMe allowed, the same request does not fit.
-        assert!(
-            !plan(
-                &m70,
-                &hw,
-                &PlanRequest {
-                    spill_moments: false,
-                    ..r
-                }
-            )
-            .fits
-        );
-    }
-
-    /// Per-node bytes of a described machine come from the trainer's placement: they add up to
-    /// the state and stay within each node's usable share.
-    #[test]
-    fn per_node_bytes_are_the_placement() {
-        let mut m = crate::topology::probe(&crate::topology::TopologySource::Synthetic(
-            "pack:2 numa:2 core:4 pu:1".into(),
-        ))
-        .unwrap();
-        for n in &mut m.numa_nodes {
-            n.memory_bytes = 64 << 30;
-        }
-        let model = presets::model("llama-3-8b").unwrap();
-        let r = req(8192);
-        let nodes = per_node(&m, 0, &model, &r).unwrap();
-        assert_eq!(nodes.len(), 4);
-        let total: u64 = nodes.iter().map(|n| n.bytes).sum();
-        assert_eq!(total, StateLayout::new(&model, Mode::Exact).total_bytes());
-        assert!(nodes.iter().all(|n| n.bytes <= n.capacity));
-        // Too little RAM: the placement's error, naming what is missing.
-        for n in &mut m.numa_nodes {
-            n.memory_bytes = 8 << 30;
-        }
-        let e = per_node(&m, 0, &model, &r).unwrap_err().to_string();
-        assert!(e.contains("missing"), "{e}");
-    }
-
-    #[test]
-    fn fits_and_does_not_fit_with_the_smallest_change() {
-        let hw = presets::machine("h200-1.5tb").unwrap();
-        let p8 = plan(&presets::model("llama-3-8b").unwrap(), &hw, &req(8192));
-        assert!(p8.fits && p8.suggestion.is_none());
-        assert!((p8.memory.host_bytes_per_param - 16.0).abs() < 0.1);
-        let p405 = plan(&presets::model("llama-3-405b").unwrap(), &hw, &req(8192));
-        assert!(!p405.fits);
-        assert!(p405.missing.as_deref().unwrap_or("").contains("missing"));
-        assert!(p405.suggestion.is_some());
-        // 120B on 1.5 TB (MegaTrain's headline): exact mode's 16 B/param (1.9 TB) does not fit,
-        // lean mode's 12 B/param (1.43 TB) does, within 90% of the RAM.
-        let m120 = presets::model("llama-120b").unwrap();
-        let p = plan(&m120, &hw, &req(8192));
-        assert!(!p.fits);
-        assert_eq!(p.suggestion.as_deref(), Some("--mode lean"));
-        assert!(
-            plan(
-                &m120,
-                &hw,
-                &PlanRequest {
-                    mode: Mode::Lean,
-                    ..req(8192)
-                }
-            )
-            .fits
-        );
-        // 405B: even its fp32 params alone (1.6 TB) exceed the machine; nothing tried fits.
-        let hw_nvme = Hardware {
-            nvme_gbps: Some(12.0),
-            ..hw.clone()
-        };
-        let p = plan(
-            &presets::model("llama-3-405b").unwrap(),
-            &hw_nvme,
-            &req(8192),
-        );
-        assert!(
-            p.suggestion
-                .as_deref()
-                .unwrap_or("")
-                .contains("nothing tried fits"),
-            "{:?}",
-            p.suggestion
-        );
-    }
-
-    #[test]
-    fn bottlenecks_move_with_tokens_and_link() {
-        let m = presets::model("qwen2.5-14b").unwrap();
-        let pcie = presets::machine("h100-512gb").unwrap();
-        let small = time(
-            &m,
-            &pcie,
-            &PlanRequest {
-                bf16: true,
-                ..req(1024)
-            },
-        );
-        assert_ne!(
-            small.bottleneck, "GPU compute",
-            "few tokens in bf16: the link or AdamW bounds"
-        );
-        let big = time(
-            &m,
-            &pcie,
-            &PlanRequest {
-                bf16: true,
-                ..req(1 << 20)
-            },
-        );
-        assert_eq!(big.bottleneck, "GPU compute");
-        assert!(big.mfu > 0.3 && big.mfu <= 0.6 + 1e-9, "{}", big.mfu);
-        // C2C moves 6x the bytes per second of PCIe5: the link-bound time shrinks accordingly.
-        let c2c = time(
-            &m,
-            &presets::machine("gh200-480gb").unwrap(),
-            &PlanRequest {
-                bf16: true,
-                ..req(1024)
-            },
-        );
-        assert!(c2c.htod_s * 5.0 < small.htod_s);
-    }
-
-    /// The plan's advice is true: over every preset model and machine, both modes, short and
-    /// long steps, every suggestion is applied and the plan then fits.
-    #[test]
-    fn every_suggestion_fits_when_applied() {
-        let mut checked = 0;
-        for m in presets::MODELS {
-            let model = presets::model(m).unwrap();
-            for h in presets::MACHINES {
-                let hw = presets::machine(h).unwrap();
-                for mode in [Mode::Exact, Mode::Lean] {
-                    for (tokens, seq) in [(16384, 4096), (65536, 8192)] {
-                        let r = PlanRequest {
-                            tokens_per_step: tokens,
-                            seq_len: seq,
-                            bf16: false,
-                            mode,
-                            spill_moments: false,
-                            micro_batch_tokens: None,
-                        };
-                        let p = plan(&model, &hw, &r);
-                        if p.fits {
-                            continue;
-                        }
-                        if let Some((what, fixed)) = suggest(&model, &hw, &r) {
-                            let hw = Hardware {
-                                nvme_gbps: hw.nvme_gbps.or(fixed.spill_moments.then_some(3.0)),
-                                ..hw.clone()
-                            };
-                            let q = plan(&model, &hw, &fixed);
-                            assert!(q.fits, "{m} on {h}: `{what}` does not fit: {:?}", q.missing);
-                            assert_eq!(p.suggestion.as_deref(), Some(what.as_str()));
-                            checked += 1;
-                        }
-                    }
-                }
-            }
-        }
-        assert!(checked > 5, "the sweep exercised the advice ({checked})");
-    }
-
-    /// A step of a trillion tokens plans at once (no per-micro-batch list, bisected divisors),
-    /// and out-of-range counts are refused by flag.
-    #[test]
-    fn huge_steps_plan_quickly_and_bad_counts_are_refused() {
-        let model = presets::model("llama-3-8b").unwrap();
-        let hw = presets::machine("h200-1.5tb").unwrap();
-        let r = PlanRequest {
-            tokens_per_step: 1 << 40,
-            micro_batch_tokens: None,
-            ..req(4096)
-        };
-        r.validate().unwrap();
-        let t0 = std::time::Instant::now();
-        let p = plan(&model, &hw, &r);
-        assert!(p.micro_batch_tokens > 0 && t0.elapsed().as_secs() < 20);
-        for bad in [
-            PlanRequest {
-                seq_len: 0,
-                ..req(4096)
-            },
-            PlanRequest {
-                tokens_per_step: 1 << 41,
-                ..req(4096)
-            },
-            PlanRequest {
-                micro_batch_tokens: Some(0),
-                ..req(4096)
-            },
-        ] {
-            assert!(bad.validate().is_err());
-        }
-    }
-}
+mod tests;

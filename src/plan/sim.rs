@@ -39,8 +39,8 @@ pub struct Costs {
     pub unit_numel: Vec<usize>,
     /// Bytes per streamed weight element (4 fp32, 2 bf16).
     pub weight_elem_bytes: f64,
-    /// Bytes of one layer-boundary checkpoint.
-    pub ckpt_bytes: f64,
+    /// Bytes of one layer-boundary activation.
+    pub activation_bytes: f64,
     /// Host→device bytes/s.
     pub htod_bps: f64,
     /// Device→host bytes/s.
@@ -169,8 +169,8 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
                 Op::CopyWeights { unit, .. } => {
                     copy(unit_bytes(*unit, costs.weight_elem_bytes), costs.htod_bps)
                 }
-                Op::LoadActivation { .. } => copy(costs.ckpt_bytes, costs.htod_bps),
-                Op::SaveActivation { .. } => copy(costs.ckpt_bytes, costs.dtoh_bps),
+                Op::LoadActivation { .. } => copy(costs.activation_bytes, costs.htod_bps),
+                Op::SaveActivation { .. } => copy(costs.activation_bytes, costs.dtoh_bps),
                 Op::CopyGrads { unit, .. } => copy(unit_bytes(*unit, 4.0), costs.dtoh_bps),
                 Op::Kernel(Kernel::EmbedFwd { .. }) => k.embed_fwd,
                 Op::Kernel(Kernel::BlockFwd { .. }) => k.block_fwd,
@@ -423,7 +423,7 @@ mod tests {
         Costs {
             unit_numel: vec![1_000_000; units],
             weight_elem_bytes: 4.0,
-            ckpt_bytes: 0.0,
+            activation_bytes: 0.0,
             htod_bps: 1e12,
             dtoh_bps: 1e12,
             copy_latency_s: 0.0,

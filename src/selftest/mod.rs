@@ -93,7 +93,7 @@ pub struct Run {
 }
 
 /// Train [`STEPS`] steps of [`small_model`] from a seeded init on `device` (exact mode, host
-/// activation checkpoints, [`MICRO_BATCHES`] accumulated micro-batches), page-locking the store
+/// host-kept activations, [`MICRO_BATCHES`] accumulated micro-batches), page-locking the store
 /// with the device's registrar when it has one.
 pub fn train_steps(
     machine: &Machine,

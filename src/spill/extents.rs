@@ -1,6 +1,6 @@
 //! A checksummed extent store on spill files striped over directories (one per NVMe device).
 //!
-//! Extent i lives in file i mod n, with two slots: a write goes to the slot not holding the last
+//! Extent i lives in file i mod n, with two copies: a write goes to the copy not holding the last
 //! good copy and becomes current only when every byte of it is on disk, so a failed write (EIO,
 //! ENOSPC, a crash) never destroys the last good copy. Each extent's crc32c is kept beside it and
 //! checked on every read; a mismatch or a short read is an error naming file, offset and label.
@@ -93,7 +93,8 @@ pub struct ExtentStore {
     files: Vec<SpillFile>,
     extent_bytes: usize,
     direct: bool,
-    slot: Vec<u8>,
+    /// Which of its two on-disk copies (0 or 1) holds each extent's current data.
+    current: Vec<u8>,
     /// crc32c and byte length of each extent's current copy (`None`: never written).
     crc: Vec<Option<(u32, u32)>>,
     engine: IoEngine,
@@ -206,7 +207,7 @@ impl ExtentStore {
             files,
             extent_bytes: cfg.extent_bytes,
             direct,
-            slot: vec![0; cfg.extents],
+            current: vec![0; cfg.extents],
             crc: vec![None; cfg.extents],
             engine,
             warnings,
@@ -252,26 +253,26 @@ impl ExtentStore {
     pub unsafe fn register(
         &mut self,
         ranges: &[(*mut u8, usize)],
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), super::io::NotRegistered> {
         // SAFETY: forwarded contract.
         unsafe { self.engine.register(ranges, self.extent_bytes) }
     }
 
-    fn place(&self, extent: usize, slot: u8) -> (usize, u64) {
+    fn place(&self, extent: usize, copy: u8) -> (usize, u64) {
         let n = self.files.len();
         (
             extent % n,
-            ((extent / n) * 2 + usize::from(slot)) as u64 * self.extent_bytes as u64,
+            ((extent / n) * 2 + usize::from(copy)) as u64 * self.extent_bytes as u64,
         )
     }
 
     fn check_range(&self, first: usize, addr: *const u8, bytes: usize) -> Result<usize> {
         let count = bytes.div_ceil(self.extent_bytes);
-        if first + count > self.slot.len() {
+        if first + count > self.current.len() {
             return Err(Error::bad_input(
                 "spill range",
                 format!("extents {first}..{}", first + count),
-                format!("the store holds {}", self.slot.len()),
+                format!("the store holds {}", self.current.len()),
                 None,
             ));
         }
@@ -291,14 +292,14 @@ impl ExtentStore {
     }
 
     /// Write `data` (4 KiB aligned, a multiple of 4 KiB) to extents `first..`; `label` (e.g.
-    /// "adam_m of layer 3") names it in errors. Each extent goes to its spare slot and becomes
+    /// "adam_m of layer 3") names it in errors. Each extent goes to its spare copy and becomes
     /// current only once the whole call succeeded.
     pub fn write(&mut self, first: usize, data: &[u8], label: &str) -> Result<()> {
         let count = self.check_range(first, data.as_ptr(), data.len())?;
         let mut reqs = Vec::with_capacity(count);
         for e in 0..count {
             let (start, len) = self.chunk(e, data.len());
-            let (f, off) = self.place(first + e, 1 - self.slot[first + e]);
+            let (f, off) = self.place(first + e, 1 - self.current[first + e]);
             reqs.push(Request {
                 fd: self.files[f].file.as_raw_fd(),
                 write: true,
@@ -338,7 +339,7 @@ impl ExtentStore {
             }
         }
         for (k, r) in results.into_iter().enumerate() {
-            let (f, off) = self.place(first + k, 1 - self.slot[first + k]);
+            let (f, off) = self.place(first + k, 1 - self.current[first + k]);
             let path = &self.files[f].path;
             let len = reqs[k].len;
             match r {
@@ -378,7 +379,7 @@ impl ExtentStore {
         // Every extent is on disk: make the new copies current.
         for (k, c) in crcs.into_iter().enumerate() {
             let e = first + k;
-            self.slot[e] = 1 - self.slot[e];
+            self.current[e] = 1 - self.current[e];
             self.crc[e] = Some((c.into_inner(), reqs[k].len as u32));
         }
         Ok(())
@@ -392,7 +393,7 @@ impl ExtentStore {
         let mut reqs = Vec::with_capacity(count);
         for e in 0..count {
             let (start, len) = self.chunk(e, total);
-            let (f, off) = self.place(first + e, self.slot[first + e]);
+            let (f, off) = self.place(first + e, self.current[first + e]);
             reqs.push(Request {
                 fd: self.files[f].file.as_raw_fd(),
                 write: false,
@@ -453,7 +454,7 @@ impl ExtentStore {
     }
 
     fn read_error(&self, e: usize, label: &str, why: String) -> Error {
-        let (f, off) = self.place(e, self.slot[e]);
+        let (f, off) = self.place(e, self.current[e]);
         Error::io(
             "read spill extent",
             &self.files[f].path,
@@ -534,7 +535,7 @@ mod tests {
             let mut out = Buf::new(d1.1, 9);
             s.read(3, out.bytes(), "test").unwrap();
             assert!(out.bytes() == d1.bytes());
-            // Overwrite: the other slot becomes current; reads see the new data.
+            // Overwrite: the other copy becomes current; reads see the new data.
             let mut d3 = Buf::new(d1.1, 3);
             s.write(3, d3.bytes(), "test").unwrap();
             s.read(3, out.bytes(), "test").unwrap();
@@ -563,7 +564,7 @@ mod tests {
         let mut d = Buf::new(2 * (64 << 10), 4);
         s.write(0, d.bytes(), "adam_v of layer 7").unwrap();
         let path = a.path().join(format!("megatrain-spill-{ID}-0.bin"));
-        // Extent 1's current copy: slot 1 (first write went to the slot after 0) at ((1*2)+1)*64K.
+        // Extent 1's current copy: copy 1 (the first write went to the copy after 0) at ((1*2)+1)*64K.
         let off = 3 * (64 << 10) + 100;
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[off] ^= 0x10;
@@ -610,7 +611,7 @@ mod tests {
         let a = tempfile::tempdir().unwrap();
         let mut c = cfg(vec![a.path().into()], EngineKind::Auto);
         c.extent_bytes = 1 << 30;
-        c.extents = 1 << 16; // 128 TiB with both slots: more than any test machine's disk
+        c.extents = 1 << 16; // 128 TiB with both copies: more than any test machine's disk
         let e = ExtentStore::create(&c).unwrap_err().to_string();
         assert!(
             e.contains("needs 128.0 TiB")
@@ -645,7 +646,7 @@ mod tests {
             "the second run did not touch the first's file"
         );
         assert_eq!(std::fs::read_dir(a.path()).unwrap().count(), 2);
-        // Reported bytes are what the disk holds: both slots of every extent, preallocated.
+        // Reported bytes are what the disk holds: both copies of every extent, preallocated.
         assert!(
             s2.disk_bytes() >= 2 * 40 * (64 << 10),
             "{}",

@@ -4,7 +4,7 @@
 //! Requests point straight into the caller's memory (no bounce copy): with O_DIRECT that memory
 //! and every length must be 4 KiB aligned. Memory registered with [`IoEngine::register`] is used
 //! through `ReadFixed`/`WriteFixed` (the kernel skips pinning pages per request). [`IoEngine::run`]
-//! keeps `queue_depth` requests in flight — each completion immediately frees a slot for the next
+//! keeps `queue_depth` requests in flight — each completion immediately makes room for the next
 //! request, as fio does — and blocks in `io_uring_enter` while waiting (no busy polling).
 
 use crate::{Error, Result};
@@ -53,6 +53,24 @@ pub struct Request {
     pub addr: *mut u8,
     /// Bytes.
     pub len: usize,
+}
+
+/// Why [`IoEngine::register`] left the buffers unregistered (requests then use plain reads and
+/// writes).
+#[derive(Debug, thiserror::Error)]
+pub enum NotRegistered {
+    /// The thread-pool engine has no ring to register with.
+    #[error("the fallback engine has no fixed buffers")]
+    NoRing,
+    /// More pieces than the kernel accepts.
+    #[error("{pieces} pieces exceed the kernel's {MAX_FIXED} registered buffers")]
+    TooManyPieces {
+        /// Pieces the ranges were cut into.
+        pieces: usize,
+    },
+    /// `io_uring_register(IORING_REGISTER_BUFFERS)` failed.
+    #[error("register_buffers: {0} (memlock limit?)")]
+    Refused(#[source] std::io::Error),
 }
 
 /// The engine: a ring (or the fallback's thread count) and the registered memory.
@@ -135,9 +153,9 @@ impl IoEngine {
         &mut self,
         ranges: &[(*mut u8, usize)],
         chunk: usize,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), NotRegistered> {
         let Some(ring) = self.ring.as_ref() else {
-            return Err("the fallback engine has no fixed buffers".into());
+            return Err(NotRegistered::NoRing);
         };
         let chunk = chunk.clamp(4096, 1 << 30);
         let mut iov = Vec::new();
@@ -154,15 +172,11 @@ impl IoEngine {
             }
         }
         if iov.len() > MAX_FIXED {
-            return Err(format!(
-                "{} pieces exceed the kernel's {MAX_FIXED} registered buffers",
-                iov.len()
-            ));
+            return Err(NotRegistered::TooManyPieces { pieces: iov.len() });
         }
         // SAFETY: the caller keeps the ranges mapped for the ring's life; the ring is dropped
         // before anything else in `Drop`.
-        unsafe { ring.submitter().register_buffers(&iov) }
-            .map_err(|e| format!("register_buffers: {e} (memlock limit?)"))?;
+        unsafe { ring.submitter().register_buffers(&iov) }.map_err(NotRegistered::Refused)?;
         self.fixed = iov
             .iter()
             .map(|v| (v.iov_base as usize, v.iov_len))

@@ -93,7 +93,8 @@ pub fn load_config(dir: &Path) -> Result<ModelConfig> {
     ModelConfig::from_file(&dir.join("config.json"))
 }
 
-fn widen(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> std::result::Result<(), String> {
+/// Widen `bytes` of `dtype` into `out`; `Err` carries a dtype that is not F32, BF16 or F16.
+fn widen(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> std::result::Result<(), Dtype> {
     match dtype {
         Dtype::F32 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -110,11 +111,7 @@ fn widen(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> std::result::Result<(),
                 *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
             }
         }
-        other => {
-            return Err(format!(
-                "dtype {other:?} is not supported (F32, BF16 or F16)"
-            ))
-        }
+        other => return Err(other),
     }
     Ok(())
 }
@@ -220,11 +217,11 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                 ));
             }
             let dst = &mut guards[unit].params()[spec.offset..spec.offset + spec.numel()];
-            widen(view.dtype(), view.data(), dst).map_err(|why| {
+            widen(view.dtype(), view.data(), dst).map_err(|dtype| {
                 Error::bad_input(
                     "checkpoint tensor",
                     name,
-                    format!("in {shown}: {why}"),
+                    format!("in {shown}: dtype {dtype:?} is not supported (F32, BF16 or F16)"),
                     None,
                 )
             })?;

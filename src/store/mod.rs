@@ -98,7 +98,7 @@ struct Inner {
     placement: Placement,
     regions: Vec<Region>,
     /// `locs[unit][kind]`.
-    locs: Vec<[Option<ShardLoc>; ShardKind::COUNT]>,
+    locs: Vec<UnitLocs>,
     busy: Vec<AtomicBool>,
     spill: Option<SpillTier>,
 }
@@ -128,131 +128,11 @@ impl HostStore {
                 None,
             ));
         }
-        // One region per (node, kind): each kind's shards for that node, back to back.
-        let mut sizes: BTreeMap<(u32, ShardKind), usize> = BTreeMap::new();
-        let mut locs = vec![[None; ShardKind::COUNT]; layout.units.len()];
-        let mut pending: Vec<(usize, ShardKind, (u32, ShardKind), usize)> = Vec::new();
-        let spill_plan = placement.spill.clone();
-        let spilled = |u: usize, k: ShardKind| {
-            spill_plan
-                .as_ref()
-                .is_some_and(|p| p.kinds.contains(&k) && p.units.contains(&u))
-        };
-        for (u, unit) in layout.units.iter().enumerate() {
-            for k in layout.kinds() {
-                if spilled(u, k) {
-                    continue;
-                }
-                let node = placement.node_of(u, k).ok_or_else(|| {
-                    Error::bad_input(
-                        "placement",
-                        format!("unit {u}"),
-                        format!("no node for {}", k.name()),
-                        None,
-                    )
-                })?;
-                let size = sizes.entry((node, k)).or_insert(0);
-                pending.push((u, k, (node, k), *size));
-                *size += unit.shard_bytes();
-            }
-        }
-        let keys: Vec<(u32, ShardKind)> = sizes.keys().copied().collect();
-        let mut regions = Vec::with_capacity(keys.len());
-        for &(node, kind) in &keys {
-            let cpus = placement
-                .nodes
-                .iter()
-                .find(|n| n.node == node)
-                .map(|n| n.adam_cpus.clone())
-                .unwrap_or_default();
-            let mut region = Region::allocate(RegionSpec {
-                label: format!("{} on NUMA node {node}", kind.name()),
-                bytes: sizes[&(node, kind)],
-                node: (!opts.unbound).then_some(node),
-                prefault_cpus: cpus,
-                pages: opts.pages,
-                lock: opts.lock,
-            })?;
-            let streamed = matches!(kind, ShardKind::Params | ShardKind::Grads);
-            if let (Some(r), true) = (&opts.registrar, streamed) {
-                region.register_with(r.0.as_ref())?;
-            }
-            regions.push(region);
-        }
-        for (u, k, key, offset) in pending {
-            let region = keys.iter().position(|x| *x == key).unwrap_or(0);
-            locs[u][k.index()] = Some(ShardLoc { region, offset });
-        }
+        let (regions, locs) = allocate_regions(&layout, &placement, opts)?;
         let busy = (0..layout.units.len())
             .map(|_| AtomicBool::new(false))
             .collect();
-        let spill = match (&spill_plan, &opts.spill) {
-            (None, _) => None,
-            (Some(_), None) => {
-                return Err(Error::bad_input(
-                    "placement",
-                    "NVMe spill",
-                    "the placement spills optimizer state but no spill directory was given",
-                    Some("pass --nvme DIR (one per NVMe device)"),
-                ))
-            }
-            (Some(p), Some(o)) => {
-                let cpus = placement
-                    .nodes
-                    .iter()
-                    .find(|n| n.node == p.node)
-                    .map(|n| n.adam_cpus.clone())
-                    .unwrap_or_default();
-                if let Some(k) = p
-                    .kinds
-                    .iter()
-                    .find(|k| !matches!(k, ShardKind::AdamM | ShardKind::AdamV))
-                {
-                    return Err(Error::bad_input(
-                        "spill",
-                        k.name(),
-                        "only Adam m and v can spill (the GPU streams the other shards every step)",
-                        Some("spill m and v"),
-                    ));
-                }
-                let tier_units: Vec<TierUnit> = p
-                    .units
-                    .iter()
-                    .map(|&u| {
-                        let unit = &layout.units[u];
-                        TierUnit {
-                            unit: u,
-                            label: unit.kind.describe(),
-                            numel: unit.numel,
-                            shards: p
-                                .kinds
-                                .iter()
-                                .map(|k| (k.name(), unit.shard_bytes()))
-                                .collect(),
-                        }
-                    })
-                    .collect();
-                Some(SpillTier::create(
-                    &tier_units,
-                    layout.units.len(),
-                    &TierConfig {
-                        io: SpillConfig {
-                            dirs: o.dirs.clone(),
-                            extent_bytes: o.extent_bytes,
-                            extents: 0,
-                            engine: o.engine,
-                            direct: o.direct,
-                            queue_depth: o.queue_depth,
-                            run_id: o.run_id.clone(),
-                        },
-                        slots: p.slots,
-                        node: (!opts.unbound).then_some(p.node),
-                        cpus,
-                        pages: opts.pages,
-                    },
-                )?)
-            }
-        };
+        let spill = open_spill_tier(&layout, &placement, opts)?;
         Ok(HostStore {
             inner: Arc::new(Inner {
                 layout,
@@ -364,15 +244,16 @@ impl HostStore {
     }
 }
 
-/// A NUMA-bound fp32 gradient buffer for lean mode: the device drains one unit's gradients into
-/// it, and the AdamW pool consumes it.
+/// A NUMA-bound, device-registered fp32 host buffer: a lean-mode gradient buffer (the device
+/// drains one unit's gradients into it, the AdamW pool consumes it) or a host-kept layer
+/// activation.
 #[derive(Debug)]
-pub struct GradBuffer {
+pub struct HostBuffer {
     region: Region,
     len: usize,
 }
 
-impl GradBuffer {
+impl HostBuffer {
     /// A zeroed buffer of `len` elements on `node` (prefaulted by `cpus`).
     pub fn allocate(len: usize, node: Option<u32>, cpus: Vec<usize>) -> Result<Self> {
         let region = Region::allocate(RegionSpec {
@@ -383,7 +264,7 @@ impl GradBuffer {
             pages: PageKind::Transparent,
             lock: false,
         })?;
-        Ok(GradBuffer { region, len })
+        Ok(HostBuffer { region, len })
     }
 
     /// Elements.
@@ -546,6 +427,147 @@ impl UnitGuard {
 impl Drop for UnitGuard {
     fn drop(&mut self) {
         self.store.inner.busy[self.unit].store(false, Ordering::Release);
+    }
+}
+
+/// Where each of a unit's shards lies (by [`ShardKind::index`]); `None` when spilled.
+type UnitLocs = [Option<ShardLoc>; ShardKind::COUNT];
+
+/// One region per (NUMA node, shard kind) holding that kind's resident shards on that node back
+/// to back (streamed kinds registered with the device), and where each unit's shards lie.
+fn allocate_regions(
+    layout: &StateLayout,
+    placement: &Placement,
+    opts: &StoreOptions,
+) -> Result<(Vec<Region>, Vec<UnitLocs>)> {
+    // One region per (node, kind): each kind's shards for that node, back to back.
+    let mut sizes: BTreeMap<(u32, ShardKind), usize> = BTreeMap::new();
+    let mut locs = vec![[None; ShardKind::COUNT]; layout.units.len()];
+    let mut pending: Vec<(usize, ShardKind, (u32, ShardKind), usize)> = Vec::new();
+    let spill_plan = &placement.spill;
+    let spilled = |u: usize, k: ShardKind| {
+        spill_plan
+            .as_ref()
+            .is_some_and(|p| p.kinds.contains(&k) && p.units.contains(&u))
+    };
+    for (u, unit) in layout.units.iter().enumerate() {
+        for k in layout.kinds() {
+            if spilled(u, k) {
+                continue;
+            }
+            let node = placement.node_of(u, k).ok_or_else(|| {
+                Error::bad_input(
+                    "placement",
+                    format!("unit {u}"),
+                    format!("no node for {}", k.name()),
+                    None,
+                )
+            })?;
+            let size = sizes.entry((node, k)).or_insert(0);
+            pending.push((u, k, (node, k), *size));
+            *size += unit.shard_bytes();
+        }
+    }
+    let keys: Vec<(u32, ShardKind)> = sizes.keys().copied().collect();
+    let mut regions = Vec::with_capacity(keys.len());
+    for &(node, kind) in &keys {
+        let cpus = placement
+            .nodes
+            .iter()
+            .find(|n| n.node == node)
+            .map(|n| n.adam_cpus.clone())
+            .unwrap_or_default();
+        let mut region = Region::allocate(RegionSpec {
+            label: format!("{} on NUMA node {node}", kind.name()),
+            bytes: sizes[&(node, kind)],
+            node: (!opts.unbound).then_some(node),
+            prefault_cpus: cpus,
+            pages: opts.pages,
+            lock: opts.lock,
+        })?;
+        let streamed = matches!(kind, ShardKind::Params | ShardKind::Grads);
+        if let (Some(r), true) = (&opts.registrar, streamed) {
+            region.register_with(r.0.as_ref())?;
+        }
+        regions.push(region);
+    }
+    for (u, k, key, offset) in pending {
+        let region = keys.iter().position(|x| *x == key).unwrap_or(0);
+        locs[u][k.index()] = Some(ShardLoc { region, offset });
+    }
+    Ok((regions, locs))
+}
+
+/// The NVMe tier for the units and kinds `placement` spills (only Adam m and v may), or none.
+fn open_spill_tier(
+    layout: &StateLayout,
+    placement: &Placement,
+    opts: &StoreOptions,
+) -> Result<Option<SpillTier>> {
+    match (&placement.spill, &opts.spill) {
+        (None, _) => Ok(None),
+        (Some(_), None) => Err(Error::bad_input(
+            "placement",
+            "NVMe spill",
+            "the placement spills optimizer state but no spill directory was given",
+            Some("pass --nvme DIR (one per NVMe device)"),
+        )),
+        (Some(p), Some(o)) => {
+            let cpus = placement
+                .nodes
+                .iter()
+                .find(|n| n.node == p.node)
+                .map(|n| n.adam_cpus.clone())
+                .unwrap_or_default();
+            if let Some(k) = p
+                .kinds
+                .iter()
+                .find(|k| !matches!(k, ShardKind::AdamM | ShardKind::AdamV))
+            {
+                return Err(Error::bad_input(
+                    "spill",
+                    k.name(),
+                    "only Adam m and v can spill (the GPU streams the other shards every step)",
+                    Some("spill m and v"),
+                ));
+            }
+            let tier_units: Vec<TierUnit> = p
+                .units
+                .iter()
+                .map(|&u| {
+                    let unit = &layout.units[u];
+                    TierUnit {
+                        unit: u,
+                        label: unit.kind.describe(),
+                        numel: unit.numel,
+                        shards: p
+                            .kinds
+                            .iter()
+                            .map(|k| (k.name(), unit.shard_bytes()))
+                            .collect(),
+                    }
+                })
+                .collect();
+            Ok(Some(SpillTier::create(
+                &tier_units,
+                layout.units.len(),
+                &TierConfig {
+                    io: SpillConfig {
+                        dirs: o.dirs.clone(),
+                        extent_bytes: o.extent_bytes,
+                        extents: 0,
+                        engine: o.engine,
+                        direct: o.direct,
+                        queue_depth: o.queue_depth,
+                        run_id: o.run_id.clone(),
+                    },
+                    slots: p.slots,
+                    node: (!opts.unbound).then_some(p.node),
+                    cpus,
+                    pages: opts.pages,
+                },
+            )?))
+        }
     }
 }
 

@@ -20,10 +20,10 @@ pub fn merge_driver_facts(m: &mut Machine) {
                 detail: format!("CUDA driver answered: {n} device(s)"),
             }
         }
-        Err(detail) => CudaStatus {
+        Err(why) => CudaStatus {
             available: false,
             driver_api_version: None,
-            detail,
+            detail: why.to_string(),
         },
     });
 }
@@ -36,31 +36,42 @@ struct DriverDevice {
     multiprocessors: u32,
 }
 
-fn query() -> Result<(String, Vec<DriverDevice>), String> {
+/// Why the driver could not be asked.
+#[derive(Debug, thiserror::Error)]
+enum Unanswered {
+    #[error("libcuda not found (no NVIDIA driver on this machine, or not on the loader path)")]
+    NoDriver,
+    #[error("{call} failed: {error:?}")]
+    Call {
+        call: &'static str,
+        error: result::DriverError,
+    },
+}
+
+/// The `call` that returned `error`.
+fn failed(call: &'static str) -> impl Fn(result::DriverError) -> Unanswered {
+    move |error| Unanswered::Call { call, error }
+}
+
+fn query() -> Result<(String, Vec<DriverDevice>), Unanswered> {
     // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
     if !unsafe { sys::is_culib_present() } {
-        return Err(
-            "libcuda not found (no NVIDIA driver on this machine, or not on the loader path)"
-                .into(),
-        );
+        return Err(Unanswered::NoDriver);
     }
-    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    result::init().map_err(failed("cuInit"))?;
     let mut v: std::ffi::c_int = 0;
     // SAFETY: cuDriverGetVersion writes one int through a valid pointer; the library is loaded.
     unsafe { sys::cuDriverGetVersion(&mut v) }
         .result()
-        .map_err(|e| format!("cuDriverGetVersion failed: {e:?}"))?;
+        .map_err(failed("cuDriverGetVersion"))?;
     let version = format!("{}.{}", v / 1000, (v % 1000) / 10);
-    let count =
-        result::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e:?}"))?;
+    let count = result::device::get_count().map_err(failed("cuDeviceGetCount"))?;
     let mut out = Vec::new();
     for ordinal in 0..count {
-        let dev =
-            result::device::get(ordinal).map_err(|e| format!("cuDeviceGet({ordinal}): {e:?}"))?;
-        let attr = |a: sys::CUdevice_attribute| -> Result<i32, String> {
+        let dev = result::device::get(ordinal).map_err(failed("cuDeviceGet"))?;
+        let attr = |a: sys::CUdevice_attribute| -> Result<i32, Unanswered> {
             // SAFETY: `dev` came from cuDeviceGet above.
-            unsafe { result::device::get_attribute(dev, a) }
-                .map_err(|e| format!("cuDeviceGetAttribute: {e:?}"))
+            unsafe { result::device::get_attribute(dev, a) }.map_err(failed("cuDeviceGetAttribute"))
         };
         use sys::CUdevice_attribute as A;
         let bus_id = format!(
@@ -70,11 +81,11 @@ fn query() -> Result<(String, Vec<DriverDevice>), String> {
             attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
         );
         // SAFETY: `dev` came from cuDeviceGet above.
-        let memory = unsafe { result::device::total_mem(dev) }
-            .map_err(|e| format!("cuDeviceTotalMem: {e:?}"))?;
+        let memory =
+            unsafe { result::device::total_mem(dev) }.map_err(failed("cuDeviceTotalMem"))?;
         out.push(DriverDevice {
             bus_id,
-            name: result::device::get_name(dev).map_err(|e| format!("cuDeviceGetName: {e:?}"))?,
+            name: result::device::get_name(dev).map_err(failed("cuDeviceGetName"))?,
             memory_bytes: memory as u64,
             compute_capability: format!(
                 "{}.{}",

@@ -380,7 +380,6 @@ pub fn probe(source: &TopologySource) -> crate::Result<Machine> {
 /// Describe an already loaded topology: hwloc's facts, plus the live machine's Linux and CUDA
 /// facts when `source` is the live machine.
 pub fn describe(topo: &::hwlocality::Topology, source: &TopologySource) -> crate::Result<Machine> {
-    #[allow(unused_mut)]
     let mut machine = hwloc::describe(topo, source)?;
     if machine.source.is_live() {
         linux::complete_live(&mut machine);

@@ -153,7 +153,12 @@ macro_rules! settings {
             $( $(#[doc = $doc])* #[arg(long, $($arg)*)] pub $field: $flag, )*
         }
 
-        impl TrainConfig {
+        /// A refused setting `key`: `why`, and the `fix` to apply.
+fn bad_setting(key: &str, why: &str, fix: &str) -> Result<()> {
+    Err(Error::bad_input("setting", key, why, Some(fix)))
+}
+
+impl TrainConfig {
             /// `o`'s given settings over these.
             #[must_use]
             pub fn apply(mut self, o: TrainOverrides) -> Self {
@@ -253,7 +258,7 @@ settings! {
     /// Cap on the host RAM the state may use, bytes or a size with a unit (default: 90% of
     /// free memory).
     some ram_budget: Option<u64> = None => Option<ByteSize> [value_name = "SIZE"];
-    /// Where activation checkpoints live; unset: on the device when they fit its memory beside
+    /// Where the layer-boundary activations live; unset: on the device when they fit its memory beside
     /// the working set, else offloaded to host.
     some activations: Option<Activations> = None => Option<Activations> [value_enum];
     /// Streaming precision.
@@ -330,8 +335,14 @@ impl TrainConfig {
     /// Check values that are wrong whatever the data: every count within [`limits`], every
     /// real number finite and in its range, settings that exclude each other.
     pub fn validate(&self) -> Result<()> {
-        let bad =
-            |k: &str, why: &str, fix: &str| Err(Error::bad_input("setting", k, why, Some(fix)));
+        self.check_counts()?;
+        self.check_optimizer()?;
+        self.check_combinations()?;
+        self.check_paths_are_utf8()
+    }
+
+    /// Every count within its limit, micro-batches and steps within the token limits.
+    fn check_counts(&self) -> Result<()> {
         let count = |k: &str, v: u64, max: u64| -> Result<()> {
             if v == 0 || v > max {
                 return Err(Error::bad_input(
@@ -368,7 +379,7 @@ impl TrainConfig {
         )?;
         let micro = self.batch_size as u128 * self.seq_len as u128;
         if micro > limits::MAX_MICRO_BATCH_TOKENS as u128 {
-            return bad(
+            return bad_setting(
                 "batch_size × seq_len",
                 &format!(
                     "is {micro} tokens per micro-batch, more than {}",
@@ -379,7 +390,7 @@ impl TrainConfig {
         }
         let step = micro * self.grad_accum as u128;
         if step > limits::MAX_STEP_TOKENS as u128 {
-            return bad(
+            return bad_setting(
                 "grad_accum × batch_size × seq_len",
                 &format!(
                     "is {step} tokens per step, more than {}",
@@ -388,57 +399,67 @@ impl TrainConfig {
                 "lower --grad-accum, --batch-size or --seq-len",
             );
         }
+        Ok(())
+    }
+
+    /// The optimizer's numbers finite and in range.
+    fn check_optimizer(&self) -> Result<()> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad("lr", "must be a positive number", "e.g. --lr 3e-4");
+            return bad_setting("lr", "must be a positive number", "e.g. --lr 3e-4");
         }
         let unit = |x: f64| x.is_finite() && (0.0..1.0).contains(&x);
         if !unit(self.beta1) || !unit(self.beta2) {
-            return bad(
+            return bad_setting(
                 "beta1/beta2",
                 "must be in [0, 1)",
                 "e.g. --beta1 0.9 --beta2 0.95",
             );
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return bad(
+            return bad_setting(
                 "eps",
                 "must be a positive number (AdamW divides by √v + eps)",
                 "e.g. --eps 1e-8",
             );
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(
+            return bad_setting(
                 "weight_decay",
                 "must be a number ≥ 0",
                 "e.g. --weight-decay 0.1 (0 disables it)",
             );
         }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
-            return bad(
+            return bad_setting(
                 "grad_clip",
                 "must be a number ≥ 0",
                 "e.g. --grad-clip 1.0 (0 disables clipping)",
             );
         }
+        Ok(())
+    }
+
+    /// Settings that only make sense together, or that this build cannot honour.
+    fn check_combinations(&self) -> Result<()> {
         if self.device_memory < 4096 {
-            return bad(
+            return bad_setting(
                 "device_memory",
                 "must be at least 4 KiB",
                 "e.g. --device-memory 2G",
             );
         }
         if self.ram_budget == Some(0) {
-            return bad("ram_budget", "must be positive", "e.g. --ram-budget 64G");
+            return bad_setting("ram_budget", "must be positive", "e.g. --ram-budget 64G");
         }
         if self.init_from.is_some() && self.model.is_some() {
-            return bad(
+            return bad_setting(
                 "init_from/model",
                 "give one: a checkpoint to start from or a config for a random init",
                 "drop one of them",
             );
         }
         if self.spill == crate::store::placement::SpillPolicy::All && self.nvme.is_empty() {
-            return bad(
+            return bad_setting(
                 "spill",
                 "`all` needs a spill directory",
                 "pass --nvme DIR (one per NVMe device)",
@@ -453,7 +474,7 @@ impl TrainConfig {
             ));
         }
         if self.tf32 && self.device != DeviceKind::Cuda {
-            return bad(
+            return bad_setting(
                 "tf32",
                 "TF32 tensor cores exist only on the CUDA device",
                 "drop --tf32 or pass --device cuda",
@@ -476,13 +497,13 @@ impl TrainConfig {
             ));
         }
         if self.resume != Resume::Never && self.checkpoint_dir.is_none() {
-            return bad(
+            return bad_setting(
                 "resume",
                 "needs a checkpoint directory",
                 "add --checkpoint-dir DIR",
             );
         }
-        self.check_paths_are_utf8()
+        Ok(())
     }
 
     /// Every path setting, with its key.

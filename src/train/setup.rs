@@ -487,7 +487,7 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
             "device memory",
             human_bytes(cfg.device_memory),
             format!(
-                "the step needs at least {} (the layer workspace, weight and gradient slots, activations)",
+                "the step needs at least {} (the layer workspace, weight and gradient buffers, activations)",
                 human_bytes(need)
             ),
             Some("raise --device-memory, or lower --batch-size / --seq-len"),
@@ -508,7 +508,7 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
     Ok(())
 }
 
-/// Activation checkpoints: as set, else on the device when they fit beside the working set.
+/// Layer-boundary activations: as set, else on the device when they fit beside the working set.
 fn choose_activations(
     cfg: &TrainConfig,
     device: &dyn crate::device::Device,
@@ -568,7 +568,7 @@ fn check_working_set(
         "device memory",
         human_bytes(mem.capacity),
         format!(
-            "the step's working set needs {} (weight and gradient slots, activations) but {} is free after the layer workspace",
+            "the step's working set needs {} (weight and gradient buffers, activations) but {} is free after the layer workspace",
             human_bytes(need),
             human_bytes(free)
         ),

@@ -23,7 +23,9 @@ use super::backend::CudaBackend;
 use super::pinned::{host_fn, CudaRegistrar, Pinned};
 use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
 use crate::device::program::{self, Shape, Ws};
-use crate::device::{BufId, Cmd, Device, Event, MemStats, OpRecord, StreamKind};
+use crate::device::{
+    BufId, Cmd, Device, DeviceKernel, Event, HostRef, MemStats, OpRecord, StreamKind,
+};
 use crate::host::HostRegistrar;
 use crate::model::reference::Templates;
 use crate::util::lock;
@@ -274,140 +276,25 @@ impl CudaDevice {
 
     fn enqueue(&self, g: &mut Inner, kind: StreamKind, cmd: Cmd) -> Result<()> {
         let stream = &self.streams[kind as usize];
-        let buf = |g: &Inner, id: BufId| -> Result<(DevPtr, usize)> {
-            g.bufs
-                .get(id)
-                .and_then(|b| b.as_ref())
-                .map(|b| (b.ptr, b.len))
-                .ok_or_else(|| {
-                    Error::internal(
-                        "CUDA device",
-                        format!("device buffer {id} does not exist (freed or never allocated)"),
-                    )
-                })
-        };
-        let span = |name: String, bytes: u64| -> Result<(String, u64, CudaEvent)> {
-            Ok((
-                name,
-                bytes,
-                drv(stream.record_event(Some(TIMED)), "record")?,
-            ))
-        };
         let timed = match cmd {
-            Cmd::Record(e) => {
-                g.recorded.retain(|(h, _)| !h.query());
-                let ce = drv(stream.record_event(None), "record an event")?;
-                let signal = e.clone();
-                host_fn(stream, move || signal.signal())?;
-                g.recorded.push((e, ce));
-                None
-            }
-            Cmd::Wait(e) => {
-                if !e.query() {
-                    let ce = g
-                        .recorded
-                        .iter()
-                        .find(|(h, _)| h.same(&e))
-                        .map(|(_, c)| c)
-                        .ok_or_else(|| {
-                            Error::internal(
-                                "CUDA device",
-                                format!(
-                                    "a wait on {} for an event never recorded (a Wait submitted before its Record)",
-                                    kind.name()
-                                ),
-                            )
-                        })?;
-                    drv(stream.wait(ce), "wait on an event")?;
-                }
-                None
-            }
+            Cmd::Record(e) => record(g, stream, e)?,
+            Cmd::Wait(e) => wait(g, stream, kind, &e)?,
             Cmd::HtoD {
                 dst,
                 offset,
                 src,
                 label,
-            } => {
-                let (p, len) = buf(g, dst)?;
-                crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
-                let start = span(format!("htod {label}"), 4 * src.len() as u64)?;
-                // SAFETY: HostRef's contract keeps the source valid and unwritten until the
-                // stream's next event fires; the destination range was checked.
-                let r = unsafe {
-                    cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
-                        p + 4 * offset as u64,
-                        src.as_ptr().cast_const().cast(),
-                        4 * src.len(),
-                        stream.cu_stream(),
-                    )
-                };
-                drv(r.result(), "host to device copy")?;
-                Some(start)
-            }
+            } => htod(g, stream, dst, offset, &src, &label)?,
             Cmd::DtoH {
                 dst,
                 src,
                 offset,
                 accumulate,
                 label,
-            } => {
-                let (p, len) = buf(g, src)?;
-                crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
-                let start = span(format!("dtoh {label}"), 4 * dst.len() as u64)?;
-                let from = p + 4 * offset as u64;
-                if accumulate {
-                    self.accumulate_dtoh(g, stream, dst.as_ptr(), from, dst.len())?;
-                } else {
-                    // SAFETY: as for HtoD; the destination is the HostRef's memory.
-                    let r = unsafe {
-                        cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                            dst.as_ptr().cast(),
-                            from,
-                            4 * dst.len(),
-                            stream.cu_stream(),
-                        )
-                    };
-                    drv(r.result(), "device to host copy")?;
-                }
-                Some(start)
-            }
-            Cmd::Kernel(k) => {
-                if kind != StreamKind::Compute {
-                    return Err(Error::internal(
-                        "CUDA device",
-                        format!("{} submitted off the compute stream", k.name()),
-                    ));
-                }
-                let start = span(k.name(), 0)?;
-                let ids: Vec<(BufId, (DevPtr, usize))> = k
-                    .buffers()
-                    .into_iter()
-                    .map(|(id, _)| buf(g, id).map(|b| (id, b)))
-                    .collect::<Result<_>>()?;
-                let resolve = |id: BufId| -> Result<(DevPtr, usize)> {
-                    ids.iter()
-                        .find(|(i, _)| *i == id)
-                        .map(|(_, b)| *b)
-                        .ok_or_else(|| {
-                            Error::internal(
-                                "CUDA device",
-                                format!("{}: buffer {id} unknown", k.name()),
-                            )
-                        })
-                };
-                let ws = self.ws_layout.at::<CudaBackend>(self.ws);
-                program::run(
-                    &mut g.backend,
-                    &self.templates,
-                    &k,
-                    &resolve,
-                    &ws,
-                    self.shape,
-                )?;
-                Some(start)
-            }
+            } => self.dtoh(g, stream, &dst, src, offset, accumulate, &label)?,
+            Cmd::Kernel(k) => self.kernel(g, stream, kind, &k)?,
         };
-        if let Some((name, bytes, start)) = timed {
+        if let Some(Span { name, bytes, start }) = timed {
             let end = drv(stream.record_event(Some(TIMED)), "record")?;
             g.timed.push(Timed {
                 stream: kind,
@@ -418,6 +305,79 @@ impl CudaDevice {
             });
         }
         Ok(())
+    }
+
+    /// `len` elements of device buffer `src` from `offset` to `dst` (`+=` if `accumulate`).
+    #[allow(clippy::too_many_arguments)]
+    fn dtoh(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        dst: &HostRef,
+        src: BufId,
+        offset: usize,
+        accumulate: bool,
+        label: &str,
+    ) -> Result<Option<Span>> {
+        let (p, len) = g.buf(src)?;
+        crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
+        let start = span(stream, format!("dtoh {label}"), 4 * dst.len() as u64)?;
+        let from = p + 4 * offset as u64;
+        if accumulate {
+            self.accumulate_dtoh(g, stream, dst.as_ptr(), from, dst.len())?;
+        } else {
+            // SAFETY: as for HtoD; the destination is the HostRef's memory.
+            let r = unsafe {
+                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_ptr().cast(),
+                    from,
+                    4 * dst.len(),
+                    stream.cu_stream(),
+                )
+            };
+            drv(r.result(), "device to host copy")?;
+        }
+        Ok(Some(start))
+    }
+
+    /// Layer op `k` on the compute stream, its buffers resolved to device ranges.
+    fn kernel(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        kind: StreamKind,
+        k: &DeviceKernel,
+    ) -> Result<Option<Span>> {
+        if kind != StreamKind::Compute {
+            return Err(Error::internal(
+                "CUDA device",
+                format!("{} submitted off the compute stream", k.name()),
+            ));
+        }
+        let start = span(stream, k.name(), 0)?;
+        let ids: Vec<(BufId, (DevPtr, usize))> = k
+            .buffers()
+            .into_iter()
+            .map(|(id, _)| g.buf(id).map(|b| (id, b)))
+            .collect::<Result<_>>()?;
+        let resolve = |id: BufId| -> Result<(DevPtr, usize)> {
+            ids.iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, b)| *b)
+                .ok_or_else(|| {
+                    Error::internal("CUDA device", format!("{}: buffer {id} unknown", k.name()))
+                })
+        };
+        let ws = self.ws_layout.at::<CudaBackend>(self.ws);
+        program::run(
+            &mut g.backend,
+            &self.templates,
+            k,
+            &resolve,
+            &ws,
+            self.shape,
+        )?;
+        Ok(Some(start))
     }
 
     /// `dst[..len] += device[from..]`, through a page-locked staging chunk, in stream order.
@@ -623,5 +583,95 @@ impl Drop for CudaDevice {
         }
         // SAFETY: as above; the workspace was allocated in `open`.
         unsafe { cudarc::driver::sys::cuMemFree_v2(self.ws) };
+    }
+}
+
+/// A timed command: its name, bytes moved and the event recorded before it.
+struct Span {
+    name: String,
+    bytes: u64,
+    start: CudaEvent,
+}
+
+/// Open a [`Span`] on `stream`.
+fn span(stream: &CudaStream, name: String, bytes: u64) -> Result<Span> {
+    Ok(Span {
+        name,
+        bytes,
+        start: drv(stream.record_event(Some(TIMED)), "record")?,
+    })
+}
+
+/// Signal host event `e` once everything before it on `stream` is done.
+fn record(g: &mut Inner, stream: &CudaStream, e: Event) -> Result<Option<Span>> {
+    g.recorded.retain(|(h, _)| !h.query());
+    let ce = drv(stream.record_event(None), "record an event")?;
+    let signal = e.clone();
+    host_fn(stream, move || signal.signal())?;
+    g.recorded.push((e, ce));
+    Ok(None)
+}
+
+/// Hold `stream` until host event `e` fires (its CUDA event, unless it already has).
+fn wait(g: &mut Inner, stream: &CudaStream, kind: StreamKind, e: &Event) -> Result<Option<Span>> {
+    if !e.query() {
+        let ce = g
+            .recorded
+            .iter()
+            .find(|(h, _)| h.same(e))
+            .map(|(_, c)| c)
+            .ok_or_else(|| {
+                Error::internal(
+                    "CUDA device",
+                    format!(
+                        "a wait on {} for an event never recorded (a Wait submitted before its Record)",
+                        kind.name()
+                    ),
+                )
+            })?;
+        drv(stream.wait(ce), "wait on an event")?;
+    }
+    Ok(None)
+}
+
+/// `src` into device buffer `dst` at element `offset`.
+fn htod(
+    g: &mut Inner,
+    stream: &CudaStream,
+    dst: BufId,
+    offset: usize,
+    src: &HostRef,
+    label: &str,
+) -> Result<Option<Span>> {
+    let (p, len) = g.buf(dst)?;
+    crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
+    let start = span(stream, format!("htod {label}"), 4 * src.len() as u64)?;
+    // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
+    // event fires; the destination range was checked.
+    let r = unsafe {
+        cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+            p + 4 * offset as u64,
+            src.as_ptr().cast_const().cast(),
+            4 * src.len(),
+            stream.cu_stream(),
+        )
+    };
+    drv(r.result(), "host to device copy")?;
+    Ok(Some(start))
+}
+
+impl Inner {
+    /// Device buffer `id`'s address and length in elements.
+    fn buf(&self, id: BufId) -> Result<(DevPtr, usize)> {
+        self.bufs
+            .get(id)
+            .and_then(|b| b.as_ref())
+            .map(|b| (b.ptr, b.len))
+            .ok_or_else(|| {
+                Error::internal(
+                    "CUDA device",
+                    format!("device buffer {id} does not exist (freed or never allocated)"),
+                )
+            })
     }
 }

@@ -7,7 +7,7 @@
 //! one unit's optimizer state on one node so that node's worker threads update it locally.
 
 use super::layout::{Mode, ShardKind, StateLayout};
-use crate::topology::{Machine, MemoryKind};
+use crate::topology::{Machine, MemoryKind, NumaNode};
 use crate::util::human_bytes;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -359,7 +359,7 @@ fn place_inner(
     budget: RamBudget,
     spill: SpillRequest,
 ) -> std::result::Result<Placement, Shortage> {
-    let hosts: Vec<&crate::topology::NumaNode> = machine
+    let hosts: Vec<&NumaNode> = machine
         .numa_nodes
         .iter()
         .filter(|n| matches!(n.kind, MemoryKind::Dram | MemoryKind::Hbm) && n.hardware_threads > 0)
@@ -373,6 +373,27 @@ fn place_inner(
         )
         .into());
     }
+    let stream_order = stream_order(machine, gpu, &hosts)?;
+    let nodes = node_capacities(&hosts, budget);
+    let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
+    let first = choose_spill(layout, spill, capacity);
+    let place = |spilled: Option<(Vec<usize>, u64)>| {
+        let packer = Packer::new(layout, nodes.clone(), stream_order.clone());
+        packer.place(machine, &hosts, spilled, spill.slots)
+    };
+    match first.clone().filter(|_| spill.policy == SpillPolicy::Auto) {
+        Some((chosen, _)) => fewest_spilled_units(layout, chosen.len(), spill.slots, place),
+        None => place(first),
+    }
+}
+
+/// The host nodes in the order streamed shards fill them: the GPU's own nodes first, then by
+/// NUMA distance from them, then by number.
+fn stream_order(
+    machine: &Machine,
+    gpu: Option<usize>,
+    hosts: &[&NumaNode],
+) -> std::result::Result<Vec<u32>, Shortage> {
     let gpu_local: Vec<u32> = match gpu {
         Some(i) => {
             let g = machine.gpus.get(i).ok_or_else(|| {
@@ -395,10 +416,14 @@ fn place_inner(
             .min()
             .unwrap_or(if gpu_local.contains(&n) { 10 } else { 100 })
     };
-    let mut stream_order: Vec<u32> = hosts.iter().map(|n| n.os_index).collect();
-    stream_order.sort_by_key(|&n| (!gpu_local.contains(&n), distance(n), n));
+    let mut order: Vec<u32> = hosts.iter().map(|n| n.os_index).collect();
+    order.sort_by_key(|&n| (!gpu_local.contains(&n), distance(n), n));
+    Ok(order)
+}
 
-    // Capacity per node.
+/// Each host node with its share of `budget` (free memory × fraction, scaled down to the total
+/// when one is given), nothing placed yet.
+fn node_capacities(hosts: &[&NumaNode], budget: RamBudget) -> Vec<NodePlan> {
     let avail: Vec<u64> = hosts
         .iter()
         .map(|n| (n.free_bytes.unwrap_or(n.memory_bytes) as f64 * budget.fraction) as u64)
@@ -408,7 +433,7 @@ fn place_inner(
         Some(t) if t < sum => t as f64 / sum as f64,
         _ => 1.0,
     };
-    let nodes: Vec<NodePlan> = hosts
+    hosts
         .iter()
         .zip(&avail)
         .map(|(n, a)| NodePlan {
@@ -417,38 +442,25 @@ fn place_inner(
             bytes: 0,
             adam_cpus: Vec::new(),
         })
-        .collect();
-    let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
-    let first = choose_spill(layout, spill, capacity);
-    let Some((chosen, _)) = first.clone().filter(|_| spill.policy == SpillPolicy::Auto) else {
-        return place_spilled(
-            machine,
-            layout,
-            &hosts,
-            nodes,
-            stream_order,
-            first,
-            spill.slots,
-        );
-    };
-    // Auto: the fewest units (in spill order) whose placement succeeds. The first guess counts
-    // bytes over all nodes; per-node packing can need more. Spilling more frees more RAM, so
-    // the count is found by doubling then bisection: O(log units) placements.
+        .collect()
+}
+
+/// Auto spill: the fewest units (in spill order) whose placement succeeds, starting from the
+/// `guess` that counted bytes over all nodes (per-node packing can need more). Spilling more
+/// frees more RAM, so the count is found by doubling then bisection: O(log units) placements.
+fn fewest_spilled_units(
+    layout: &StateLayout,
+    guess: usize,
+    slots: usize,
+    place: impl Fn(Option<(Vec<usize>, u64)>) -> std::result::Result<Placement, Shortage>,
+) -> std::result::Result<Placement, Shortage> {
     let order = spill_order(layout);
     let attempt = |k: usize| {
         let units = order[..k].to_vec();
-        let staging = staging_bytes(layout, &units, spill.slots);
-        place_spilled(
-            machine,
-            layout,
-            &hosts,
-            nodes.clone(),
-            stream_order.clone(),
-            Some((units, staging)),
-            spill.slots,
-        )
+        let staging = staging_bytes(layout, &units, slots);
+        place(Some((units, staging)))
     };
-    let (mut fail, mut step) = (chosen.len(), 1usize);
+    let (mut fail, mut step) = (guess, 1usize);
     match attempt(fail) {
         Err(Shortage::Ram { .. }) if fail < order.len() => {}
         other => return other,
@@ -475,157 +487,208 @@ fn place_inner(
     Ok(good.1)
 }
 
-/// Place with `spilled` (units whose m/v go to NVMe, and the staging bytes) decided.
-fn place_spilled(
-    machine: &Machine,
-    layout: &StateLayout,
-    hosts: &[&crate::topology::NumaNode],
-    mut nodes: Vec<NodePlan>,
+/// A placement being packed: the nodes with what they hold so far, and each shard's node.
+struct Packer<'a> {
+    layout: &'a StateLayout,
+    nodes: Vec<NodePlan>,
     stream_order: Vec<u32>,
-    spilled: Option<(Vec<usize>, u64)>,
-    slots: usize,
-) -> std::result::Result<Placement, Shortage> {
-    let capacity: u64 = nodes.iter().map(|n| n.capacity).sum();
-    let full = layout.total_bytes();
-    let spill = SpillRequest {
-        policy: SpillPolicy::Never,
-        slots,
-    };
-    let mut spilled_mask = vec![false; layout.units.len()];
-    for &u in spilled.iter().flat_map(|(s, _)| s) {
-        if let Some(m) = spilled_mask.get_mut(u) {
-            *m = true;
+    shard_node: Vec<[Option<u32>; ShardKind::COUNT]>,
+    /// Optimizer bytes per node (in `nodes` order), to spread AdamW's work.
+    opt_bytes: Vec<u64>,
+}
+
+impl<'a> Packer<'a> {
+    fn new(layout: &'a StateLayout, nodes: Vec<NodePlan>, stream_order: Vec<u32>) -> Self {
+        Packer {
+            layout,
+            opt_bytes: vec![0; nodes.len()],
+            nodes,
+            stream_order,
+            shard_node: vec![[None; ShardKind::COUNT]; layout.units.len()],
         }
-    }
-    let is_spilled = |u: usize| spilled_mask[u];
-    let spilled_bytes: u64 = (0..layout.units.len())
-        .filter(|&u| is_spilled(u))
-        .map(|u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
-        .sum();
-    let staging = spilled.as_ref().map_or(0, |(_, s)| *s);
-    let need = full - spilled_bytes + staging;
-    let short = Shortage::Ram {
-        need: full,
-        capacity,
-    };
-    if need > capacity {
-        return Err(short);
     }
 
-    let idx = |nodes: &[NodePlan], os: u32| nodes.iter().position(|n| n.node == os);
-    let mut shard_node = vec![[None; ShardKind::COUNT]; layout.units.len()];
-    let mut lean_buffers_node = None;
-    let lean = layout.lean_grad_buffer_bytes();
-    // Streamed data first, in stream order, first fit.
-    let place_first_fit = |nodes: &mut Vec<NodePlan>, bytes: u64| -> Option<u32> {
-        for &os in &stream_order {
-            let i = idx(nodes, os)?;
-            if nodes[i].bytes + bytes <= nodes[i].capacity {
-                nodes[i].bytes += bytes;
-                return Some(os);
+    /// What a refusal reports: the whole state against the whole budget.
+    fn short(&self) -> Shortage {
+        Shortage::Ram {
+            need: self.layout.total_bytes(),
+            capacity: self.nodes.iter().map(|n| n.capacity).sum(),
+        }
+    }
+
+    /// Place with `spilled` (units whose m/v go to NVMe, and the staging bytes) decided:
+    /// streamed data first, then the staging slots, then the optimizer state.
+    fn place(
+        mut self,
+        machine: &Machine,
+        hosts: &[&NumaNode],
+        spilled: Option<(Vec<usize>, u64)>,
+        slots: usize,
+    ) -> std::result::Result<Placement, Shortage> {
+        let layout = self.layout;
+        let mut is_spilled = vec![false; layout.units.len()];
+        for &u in spilled.iter().flat_map(|(s, _)| s) {
+            if let Some(m) = is_spilled.get_mut(u) {
+                *m = true;
             }
         }
-        None
-    };
-    if lean > 0 {
-        lean_buffers_node = Some(place_first_fit(&mut nodes, lean).ok_or(Shortage::Ram {
-            need: full,
-            capacity,
-        })?);
-    }
-    for (u, unit) in layout.units.iter().enumerate() {
-        for k in streamed_kinds(layout) {
-            let bytes = unit.shard_bytes() as u64;
-            let node = place_first_fit(&mut nodes, bytes).ok_or(Shortage::Ram {
-                need: full,
-                capacity,
-            })?;
-            shard_node[u][k.index()] = Some(node);
+        let spilled_bytes: u64 = (0..layout.units.len())
+            .filter(|&u| is_spilled[u])
+            .map(|u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
+            .sum();
+        let staging = spilled.as_ref().map_or(0, |(_, s)| *s);
+        let capacity: u64 = self.nodes.iter().map(|n| n.capacity).sum();
+        if layout.total_bytes() - spilled_bytes + staging > capacity {
+            return Err(self.short());
         }
+        let lean_buffers_node = self.place_streamed()?;
+        // AdamW is bandwidth-bound: its work is spread by memory per hardware thread.
+        let threads: Vec<u64> = hosts
+            .iter()
+            .map(|n| n.hardware_threads.max(1) as u64)
+            .collect();
+        let spill = match &spilled {
+            Some((units, staging)) => {
+                Some(self.place_staging(units, *staging, slots, spilled_bytes, &threads)?)
+            }
+            None => None,
+        };
+        self.place_optimizer(&is_spilled, spill.as_ref(), &threads)?;
+        self.assign_adam_cpus(machine)?;
+        Ok(Placement {
+            nodes: self.nodes,
+            shard_node: self.shard_node,
+            lean_buffers_node,
+            stream_order: self.stream_order,
+            spill,
+        })
     }
-    // Optimizer state: one unit's kinds together, on the node whose workers have the least
-    // optimizer work per CPU so far (AdamW is bandwidth-bound: spreading it over every socket's
-    // memory controllers is what makes it fast), among the nodes where it still fits.
-    let threads: Vec<u64> = hosts
-        .iter()
-        .map(|n| n.hardware_threads.max(1) as u64)
-        .collect();
-    let mut opt_bytes = vec![0u64; nodes.len()];
-    // The staging slots first (they are one block of memory), where the AdamW workers of the
-    // spilled units will run.
-    let mut spill_plan = None;
-    if let Some((units, staging)) = &spilled {
+
+    /// The first node in stream order with room for `bytes`, charged with them.
+    fn first_fit(&mut self, bytes: u64) -> std::result::Result<u32, Shortage> {
+        for &os in &self.stream_order {
+            let Some(i) = self.nodes.iter().position(|n| n.node == os) else {
+                break;
+            };
+            if self.nodes[i].bytes + bytes <= self.nodes[i].capacity {
+                self.nodes[i].bytes += bytes;
+                return Ok(os);
+            }
+        }
+        Err(self.short())
+    }
+
+    /// The lean gradient buffers (if any), then every unit's streamed shards, first fit in
+    /// stream order; the lean buffers' node.
+    fn place_streamed(&mut self) -> std::result::Result<Option<u32>, Shortage> {
+        let layout = self.layout;
+        let lean = layout.lean_grad_buffer_bytes();
+        let lean_node = if lean > 0 {
+            Some(self.first_fit(lean)?)
+        } else {
+            None
+        };
+        for (u, unit) in layout.units.iter().enumerate() {
+            for k in streamed_kinds(layout) {
+                let node = self.first_fit(unit.shard_bytes() as u64)?;
+                self.shard_node[u][k.index()] = Some(node);
+            }
+        }
+        Ok(lean_node)
+    }
+
+    /// The staging slots of the spilled `units` (one block of memory), on the node with the
+    /// most hardware threads (then the most room) that holds them: the spilled units' AdamW
+    /// workers run there.
+    fn place_staging(
+        &mut self,
+        units: &[usize],
+        staging: u64,
+        slots: usize,
+        nvme_bytes: u64,
+        threads: &[u64],
+    ) -> std::result::Result<SpillPlan, Shortage> {
+        let nodes = &self.nodes;
         let best = (0..nodes.len())
             .filter(|&i| nodes[i].bytes + staging <= nodes[i].capacity)
             .max_by_key(|&i| (threads[i], nodes[i].capacity - nodes[i].bytes))
-            .ok_or(Shortage::Ram {
-                need: full,
-                capacity,
-            })?;
-        nodes[best].bytes += staging;
-        opt_bytes[best] += staging;
-        let mut sorted = units.clone();
+            .ok_or_else(|| self.short())?;
+        self.nodes[best].bytes += staging;
+        self.opt_bytes[best] += staging;
+        let mut sorted = units.to_vec();
         sorted.sort_unstable();
-        spill_plan = Some(SpillPlan {
+        Ok(SpillPlan {
             units: sorted,
             kinds: vec![ShardKind::AdamM, ShardKind::AdamV],
-            node: nodes[best].node,
-            slots: spill.slots.max(1),
-            slot_bytes: staging / spill.slots.max(1) as u64,
-            nvme_bytes: spilled_bytes,
-        });
+            node: self.nodes[best].node,
+            slots: slots.max(1),
+            slot_bytes: staging / slots.max(1) as u64,
+            nvme_bytes,
+        })
     }
-    for (u, unit) in layout.units.iter().enumerate() {
-        let kinds: Vec<ShardKind> = optimizer_kinds(layout)
-            .into_iter()
-            .filter(|k| !(is_spilled(u) && matches!(k, ShardKind::AdamM | ShardKind::AdamV)))
-            .collect();
-        if let (true, Some(p)) = (is_spilled(u), &spill_plan) {
-            for k in [ShardKind::AdamM, ShardKind::AdamV] {
-                shard_node[u][k.index()] = Some(p.node);
+
+    /// Each unit's optimizer shards together, on the node whose workers have the least
+    /// optimizer work per CPU so far (spreading AdamW over every socket's memory controllers is
+    /// what makes it fast), among the nodes where they still fit. Spilled m and v are recorded
+    /// on the staging node.
+    fn place_optimizer(
+        &mut self,
+        is_spilled: &[bool],
+        spill: Option<&SpillPlan>,
+        threads: &[u64],
+    ) -> std::result::Result<(), Shortage> {
+        let layout = self.layout;
+        let moments = |k: &ShardKind| matches!(k, ShardKind::AdamM | ShardKind::AdamV);
+        for (u, unit) in layout.units.iter().enumerate() {
+            let kinds: Vec<ShardKind> = optimizer_kinds(layout)
+                .into_iter()
+                .filter(|k| !(is_spilled[u] && moments(k)))
+                .collect();
+            if let (true, Some(p)) = (is_spilled[u], spill) {
+                for k in [ShardKind::AdamM, ShardKind::AdamV] {
+                    self.shard_node[u][k.index()] = Some(p.node);
+                }
+            }
+            if kinds.is_empty() {
+                continue;
+            }
+            let bytes: u64 = kinds.len() as u64 * unit.shard_bytes() as u64;
+            let (nodes, opt_bytes) = (&self.nodes, &self.opt_bytes);
+            let best = (0..nodes.len())
+                .filter(|&i| nodes[i].bytes + bytes <= nodes[i].capacity)
+                .min_by(|&a, &b| {
+                    // Compare (opt_bytes + bytes) / threads across nodes without floats.
+                    let ka = u128::from(opt_bytes[a] + bytes) * u128::from(threads[b]);
+                    let kb = u128::from(opt_bytes[b] + bytes) * u128::from(threads[a]);
+                    ka.cmp(&kb).then(nodes[a].node.cmp(&nodes[b].node))
+                })
+                .ok_or_else(|| self.short())?;
+            self.nodes[best].bytes += bytes;
+            self.opt_bytes[best] += bytes;
+            for k in kinds {
+                self.shard_node[u][k.index()] = Some(self.nodes[best].node);
             }
         }
-        if kinds.is_empty() {
-            continue;
-        }
-        let bytes: u64 = kinds.len() as u64 * unit.shard_bytes() as u64;
-        let best = (0..nodes.len())
-            .filter(|&i| nodes[i].bytes + bytes <= nodes[i].capacity)
-            .min_by(|&a, &b| {
-                // Compare (opt_bytes + bytes) / threads across nodes without floats.
-                let ka = u128::from(opt_bytes[a] + bytes) * u128::from(threads[b]);
-                let kb = u128::from(opt_bytes[b] + bytes) * u128::from(threads[a]);
-                ka.cmp(&kb).then(nodes[a].node.cmp(&nodes[b].node))
-            })
-            .ok_or(Shortage::Ram {
-                need: full,
-                capacity,
-            })?;
-        nodes[best].bytes += bytes;
-        opt_bytes[best] += bytes;
-        for k in kinds {
-            shard_node[u][k.index()] = Some(nodes[best].node);
-        }
+        Ok(())
     }
-    for n in &mut nodes {
-        let holds_optimizer = shard_node
-            .iter()
-            .any(|s| s[ShardKind::AdamM.index()] == Some(n.node));
-        if holds_optimizer {
-            let cpus = machine
-                .numa_node(n.node)
-                .map(|x| x.cpus.clone())
-                .unwrap_or_default();
-            n.adam_cpus = crate::host::affinity::parse_cpu_list(&cpus)?;
+
+    /// The AdamW workers' CPUs: those of every node holding optimizer state.
+    fn assign_adam_cpus(&mut self, machine: &Machine) -> std::result::Result<(), Shortage> {
+        for n in &mut self.nodes {
+            let holds_optimizer = self
+                .shard_node
+                .iter()
+                .any(|s| s[ShardKind::AdamM.index()] == Some(n.node));
+            if holds_optimizer {
+                let cpus = machine
+                    .numa_node(n.node)
+                    .map(|x| x.cpus.clone())
+                    .unwrap_or_default();
+                n.adam_cpus = crate::host::affinity::parse_cpu_list(&cpus)?;
+            }
         }
+        Ok(())
     }
-    Ok(Placement {
-        nodes,
-        shard_node,
-        lean_buffers_node,
-        stream_order,
-        spill: spill_plan,
-    })
 }
 
 fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, fixes: &[Fix]) -> Error {
@@ -662,185 +725,4 @@ fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, fixes: &[Fix])
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::config::ModelConfig;
-    use crate::topology::{probe, TopologySource};
-
-    fn tiny(layers: usize) -> ModelConfig {
-        let json = format!(
-            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":512,
-            "num_hidden_layers":{layers},"num_attention_heads":4,"vocab_size":1000}}"#
-        );
-        ModelConfig::from_json_str(&json, "t").unwrap()
-    }
-
-    fn synthetic(desc: &str, gib_per_node: u64) -> Machine {
-        let mut m = probe(&TopologySource::Synthetic(desc.into())).unwrap();
-        for n in &mut m.numa_nodes {
-            n.memory_bytes = gib_per_node << 30;
-        }
-        m
-    }
-
-    #[test]
-    fn every_shard_is_placed_and_capacity_respected() {
-        let m = synthetic("pack:2 numa:2 core:4 pu:1", 1);
-        let l = StateLayout::new(&tiny(8), Mode::Exact);
-        let p = place(&m, &l, None, RamBudget::default()).unwrap();
-        for (u, s) in p.shard_node.iter().enumerate() {
-            for k in l.kinds() {
-                assert!(s[k.index()].is_some(), "unit {u} {k:?}");
-            }
-        }
-        let placed: u64 = p.nodes.iter().map(|n| n.bytes).sum();
-        assert_eq!(placed, l.total_bytes());
-        assert!(p.nodes.iter().all(|n| n.bytes <= n.capacity));
-        // m/v spread: more than one node hosts optimizer state, each with its node's CPUs.
-        let with_workers: Vec<_> = p.nodes.iter().filter(|n| !n.adam_cpus.is_empty()).collect();
-        assert!(with_workers.len() > 1);
-        assert!(with_workers.iter().all(|n| n.adam_cpus.len() == 4));
-    }
-
-    #[test]
-    fn budget_too_small_names_the_missing_bytes_and_options() {
-        let m = synthetic("pack:1 numa:1 core:2 pu:1", 1);
-        let l = StateLayout::new(&tiny(8), Mode::Exact);
-        let budget = RamBudget {
-            fraction: 1.0,
-            total_bytes: Some(l.total_bytes() * 3 / 4),
-        };
-        let msg = place(&m, &l, None, budget).unwrap_err().to_string();
-        assert!(msg.contains("missing"), "{msg}");
-        assert!(msg.contains("--mode lean"), "{msg}");
-        assert!(msg.contains("--nvme DIR"), "{msg}");
-        assert!(msg.contains("--ram-budget"), "{msg}");
-        assert!(msg.contains("fits"), "{msg}");
-    }
-
-    /// The advice is true: over budgets from far too small to almost enough, both modes, with
-    /// and without a spill directory, and with lean allowed or not, every suggested fix is
-    /// applied and the state then places; spilling is never suggested when it is already on,
-    /// nor lean when it is not allowed.
-    #[test]
-    fn every_suggested_fix_fits_when_applied() {
-        let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
-        let mut suggested = 0;
-        for mode in [Mode::Exact, Mode::Lean] {
-            let l = StateLayout::new(&tiny(8), mode);
-            for policy in [SpillPolicy::Never, SpillPolicy::Auto, SpillPolicy::All] {
-                for lean_ok in [true, false] {
-                    for pct in [5u64, 20, 40, 55, 70, 85, 95, 99] {
-                        let budget = RamBudget {
-                            fraction: 1.0,
-                            total_bytes: Some(l.total_bytes() * pct / 100),
-                        };
-                        let req = SpillRequest { policy, slots: 3 };
-                        if place_with_spill(&m, &l, None, budget, req).is_ok() {
-                            continue;
-                        }
-                        let err = place_advised(&m, &l, None, budget, req, lean_ok)
-                            .unwrap_err()
-                            .to_string();
-                        let fixes = fixes(&m, &l, None, budget, req, lean_ok);
-                        for f in &fixes {
-                            assert!(err.contains(&f.flags), "{err} lacks {}", f.flags);
-                            assert!(
-                                !(policy != SpillPolicy::Never && f.flags.contains("--nvme")),
-                                "{f:?} with --nvme already given"
-                            );
-                            assert!(!(f.mode == Mode::Lean && mode == Mode::Exact && !lean_ok));
-                            assert!(!f.flags.contains("--spill all"));
-                            let mut fixed = l.clone();
-                            fixed.mode = f.mode;
-                            let b = RamBudget {
-                                total_bytes: f.ram_budget.or(budget.total_bytes),
-                                ..budget
-                            };
-                            let r = SpillRequest {
-                                policy: f.spill,
-                                slots: 3,
-                            };
-                            assert!(
-                                place_with_spill(&m, &fixed, None, b, r).is_ok(),
-                                "{} suggested at {pct}% ({mode:?}, {policy:?}) does not fit",
-                                f.flags
-                            );
-                            suggested += 1;
-                        }
-                        if fixes.is_empty() {
-                            assert!(err.contains("no mode or spill setting fits"), "{err}");
-                        }
-                    }
-                }
-            }
-        }
-        assert!(
-            suggested > 20,
-            "the sweep exercised the advice ({suggested})"
-        );
-    }
-
-    #[test]
-    fn unknown_gpu_index_is_an_error() {
-        let m = synthetic("pack:1 numa:1 core:2 pu:1", 1);
-        let l = StateLayout::new(&tiny(2), Mode::Lean);
-        let e = place(&m, &l, Some(3), RamBudget::default()).unwrap_err();
-        assert!(e.to_string().contains("0 GPU"), "{e}");
-    }
-
-    #[test]
-    fn spill_auto_moves_only_what_the_budget_lacks_and_all_moves_everything() {
-        let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
-        let l = StateLayout::new(&tiny(8), Mode::Exact);
-        let mv = |u: usize| (l.units[u].shard_bytes() + l.units[u].shard_bytes()) as u64;
-        let total = l.total_bytes();
-        // Two blocks' m/v short: with three slots of staging to pay for, five blocks must spill.
-        let budget = RamBudget {
-            fraction: 1.0,
-            total_bytes: Some(total - 2 * mv(1)),
-        };
-        let req = |policy| SpillRequest { policy, slots: 3 };
-        assert!(
-            place(&m, &l, None, budget).is_err(),
-            "does not fit without spilling"
-        );
-        let p = place_with_spill(&m, &l, None, budget, req(SpillPolicy::Auto)).unwrap();
-        let sp = p.spill.clone().unwrap();
-        assert_eq!(
-            sp.units,
-            vec![4, 5, 6, 7, 8],
-            "the last layers first, only what is needed"
-        );
-        assert_eq!(sp.slot_bytes, mv(8));
-        assert_eq!(sp.nvme_bytes, 5 * mv(8));
-        let placed: u64 = p.nodes.iter().map(|n| n.bytes).sum();
-        assert_eq!(
-            placed,
-            total - sp.nvme_bytes + 3 * sp.slot_bytes,
-            "staging is charged"
-        );
-        assert!(p.nodes.iter().all(|n| n.bytes <= n.capacity));
-        // Spilled units are updated where their staging slots are.
-        for &u in &sp.units {
-            assert_eq!(p.worker_node(u), Some(sp.node));
-        }
-        let holds = |n: u32| p.nodes.iter().find(|x| x.node == n).unwrap();
-        assert!(!holds(sp.node).adam_cpus.is_empty());
-        // Auto with room to spare spills nothing; All spills every unit.
-        let roomy = place_with_spill(&m, &l, None, RamBudget::default(), req(SpillPolicy::Auto));
-        assert!(roomy.unwrap().spill.is_none());
-        let all = place_with_spill(&m, &l, None, RamBudget::default(), req(SpillPolicy::All))
-            .unwrap()
-            .spill
-            .unwrap();
-        assert_eq!(all.units, (0..l.units.len()).collect::<Vec<_>>());
-        // Not even a full spill fits: the error still names the missing bytes.
-        let tiny_budget = RamBudget {
-            fraction: 1.0,
-            total_bytes: Some(4096),
-        };
-        let e = place_with_spill(&m, &l, None, tiny_budget, req(SpillPolicy::Auto)).unwrap_err();
-        assert!(e.to_string().contains("missing"), "{e}");
-    }
-}
+mod tests;

@@ -1,0 +1,532 @@
+//! The layer ops as a sequence of kernel calls, written once for every device.
+//!
+//! A [`Backend`] offers the primitives a GPU has — a GEMM, RMSNorm, RoPE, flash attention, SwiGLU,
+//! the embedding gather/scatter, cross-entropy over a chunk of logits, bias and residual adds —
+//! on device addresses (`Backend::P`). This module composes them into the layer ops of
+//! [`Kernel`]: a block's forward, its backward with recompute, the fused LM head + loss, the
+//! embedding. The composition mirrors the CPU reference ([`crate::model::layers`]) op for op, in
+//! the same order and with the same accumulation, so the CPU device running this program through
+//! [`super::host_backend::HostBackend`] reproduces the reference bit for bit (tested): what is
+//! left to prove on a GPU is only that each CUDA kernel matches its CPU op, which `megatrain
+//! selftest --device cuda` checks.
+
+mod layers;
+
+use super::{Batch, BufId, DeviceKernel, Kernel};
+use crate::model::config::ModelConfig;
+use crate::model::layers::DecoderBlock;
+use crate::model::ops::{AttnShape, CE_CHUNK_ROWS};
+use crate::model::reference::Templates;
+use crate::{Error, Result};
+pub use layers::{block_bwd, block_fwd, head_loss_bwd};
+use std::sync::{Arc, Mutex};
+
+/// `C[m, n] (= or +=) op(A)·op(B)`, row-major and packed: `A` is `m×k` (stored `k×m` when
+/// `ta`), `B` is `k×n` (stored `n×k` when `tb`).
+#[derive(Debug, Clone, Copy)]
+pub struct Gemm<P> {
+    /// Output.
+    pub c: P,
+    /// Left operand.
+    pub a: P,
+    /// `A` is stored transposed.
+    pub ta: bool,
+    /// Right operand.
+    pub b: P,
+    /// `B` is stored transposed.
+    pub tb: bool,
+    /// Rows of C.
+    pub m: usize,
+    /// Inner dimension.
+    pub k: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// `C +=` instead of `C =`.
+    pub accumulate: bool,
+}
+
+/// The primitives a device offers. Addresses are `P` (f32 elements); token ids are `Ids`. Every
+/// output range is disjoint from every other range of the same call; lengths are in elements.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    /// A device address of f32 elements.
+    type P: Copy + std::fmt::Debug;
+    /// A device address of u32 token ids.
+    type Ids: Copy + std::fmt::Debug;
+
+    /// `p` advanced by `elems` elements.
+    fn off(p: Self::P, elems: usize) -> Self::P;
+    /// `ids` advanced by `n` ids.
+    fn ids_off(ids: Self::Ids, n: usize) -> Self::Ids;
+    /// Make host token ids visible to the kernels that follow (in stream order).
+    fn upload_ids(&mut self, ids: &[u32]) -> Result<Self::Ids>;
+
+    /// See [`Gemm`].
+    fn gemm(&mut self, g: Gemm<Self::P>) -> Result<()>;
+    /// `y[r, :] += b` for `rows` rows of `cols`.
+    fn bias_fwd(&mut self, y: Self::P, b: Self::P, rows: usize, cols: usize) -> Result<()>;
+    /// `db += Σ_rows dy`.
+    fn bias_bwd(&mut self, db: Self::P, dy: Self::P, rows: usize, cols: usize) -> Result<()>;
+    /// `y += x` over `len` elements.
+    fn add(&mut self, y: Self::P, x: Self::P, len: usize) -> Result<()>;
+    /// `dst = 0` over `len` elements.
+    fn zero(&mut self, dst: Self::P, len: usize) -> Result<()>;
+    /// RMSNorm of `rows` rows of `c`; 1/rms per row into `rstd`.
+    fn rmsnorm_fwd(
+        &mut self,
+        y: Self::P,
+        rstd: Self::P,
+        x: Self::P,
+        w: Self::P,
+        rows: usize,
+        c: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// Backward of RMSNorm: `dx =`, `dw +=`.
+    fn rmsnorm_bwd(
+        &mut self,
+        dx: Self::P,
+        dw: Self::P,
+        dy: Self::P,
+        x: Self::P,
+        w: Self::P,
+        rstd: Self::P,
+        rows: usize,
+        c: usize,
+    ) -> Result<()>;
+    /// RoPE in place on `rows` rows of `heads` heads (`inverse`: the backward); position = row
+    /// mod `t`.
+    fn rope(
+        &mut self,
+        x: Self::P,
+        rows: usize,
+        t: usize,
+        heads: usize,
+        inverse: bool,
+    ) -> Result<()>;
+    /// Causal GQA attention; `lse` [B, NH, T].
+    fn attention_fwd(
+        &mut self,
+        o: Self::P,
+        lse: Self::P,
+        q: Self::P,
+        k: Self::P,
+        v: Self::P,
+        s: AttnShape,
+    ) -> Result<()>;
+    /// Its backward: dq, dk, dv written; `delta` [B, NH, T] is scratch.
+    fn attention_bwd(
+        &mut self,
+        dq: Self::P,
+        dk: Self::P,
+        dv: Self::P,
+        delta: Self::P,
+        d_o: Self::P,
+        q: Self::P,
+        k: Self::P,
+        v: Self::P,
+        o: Self::P,
+        lse: Self::P,
+        s: AttnShape,
+    ) -> Result<()>;
+    /// `h = silu(g)·u`.
+    fn swiglu_fwd(&mut self, h: Self::P, g: Self::P, u: Self::P, len: usize) -> Result<()>;
+    /// Its backward.
+    fn swiglu_bwd(
+        &mut self,
+        dg: Self::P,
+        du: Self::P,
+        dh: Self::P,
+        g: Self::P,
+        u: Self::P,
+        len: usize,
+    ) -> Result<()>;
+    /// `x[r] = E[ids[r]]` (`E` is `[V, c]`).
+    fn embed_fwd(
+        &mut self,
+        x: Self::P,
+        e: Self::P,
+        ids: Self::Ids,
+        rows: usize,
+        c: usize,
+        vocab: usize,
+    ) -> Result<()>;
+    /// `dE[ids[r]] += dx[r]`.
+    fn embed_bwd(
+        &mut self,
+        de: Self::P,
+        ids: Self::Ids,
+        dx: Self::P,
+        rows: usize,
+        c: usize,
+        vocab: usize,
+    ) -> Result<()>;
+    /// Per-row loss `lse(z) − z[target]` into `losses`, and in place `z = scale·(softmax(z) −
+    /// onehot)`.
+    fn cross_entropy(
+        &mut self,
+        logits: Self::P,
+        losses: Self::P,
+        targets: Self::Ids,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+    ) -> Result<()>;
+    /// Add `Σ losses[..rows]` (summed in order, in f64) to `into` once the kernels before it
+    /// are done.
+    fn add_loss(&mut self, losses: Self::P, rows: usize, into: Arc<Mutex<f64>>) -> Result<()>;
+}
+
+/// Alignment of workspace regions, in elements (256 bytes: what cuBLAS and vector loads like).
+const ALIGN: usize = 64;
+
+/// The layer workspace: named scratch regions inside one device allocation. `P` is an address
+/// (or, from [`Ws::layout`], an element offset). Shapes in elements, for a micro-batch of
+/// `N = B·T` tokens of hidden size `C`, MLP size `I`, `nh` query and `nkv` key/value heads of
+/// `hd` dimensions and a vocabulary of `V`.
+#[derive(Debug, Clone, Copy)]
+pub struct Ws<P> {
+    /// `[N, C]` the first RMSNorm's output (and the head's norm output).
+    pub h1: P,
+    /// `[N]` the first RMSNorm's 1/rms per row (and the head's).
+    pub rstd1: P,
+    /// `[N, nh·hd]` queries after RoPE.
+    pub q: P,
+    /// `[N, nkv·hd]` keys after RoPE.
+    pub k: P,
+    /// `[N, nkv·hd]` values.
+    pub v: P,
+    /// `[N, nh·hd]` attention output (before the output projection).
+    pub att: P,
+    /// `[B, nh, T]` log-sum-exp of each attention row (flash attention's saved statistic).
+    pub lse: P,
+    /// `[B, nh, T]` rowsum(dO ⊙ O), the flash attention backward's scratch.
+    pub delta: P,
+    /// `[N, C]` the residual stream after attention.
+    pub x2: P,
+    /// `[N, C]` the second RMSNorm's output.
+    pub h2: P,
+    /// `[N]` the second RMSNorm's 1/rms per row.
+    pub rstd2: P,
+    /// `[N, I]` the MLP's gate projection.
+    pub gate: P,
+    /// `[N, I]` the MLP's up projection.
+    pub up: P,
+    /// `[N, I]` silu(gate) ⊙ up.
+    pub act: P,
+    /// `[N, I]` dL/d act.
+    pub d_i1: P,
+    /// `[N, I]` dL/d gate.
+    pub d_i2: P,
+    /// `[N, I]` dL/d up.
+    pub d_i3: P,
+    /// `[N, nh·hd]` dL/d att.
+    pub d_att: P,
+    /// `[N, C]` dL/d h2, then dL/d h1 (and the head's dL/d normed x).
+    pub d_c: P,
+    /// `[N, C]` dL/d x2.
+    pub d_c2: P,
+    /// `[N, nh·hd]` dL/d q.
+    pub dq: P,
+    /// `[N, nkv·hd]` dL/d k.
+    pub dk: P,
+    /// `[N, nkv·hd]` dL/d v.
+    pub dv: P,
+    /// `[min(N, CE_CHUNK_ROWS), V]` one chunk of logits, then their gradients.
+    pub ce: P,
+    /// `[N]` per-row cross-entropy loss.
+    pub losses: P,
+}
+
+impl Ws<usize> {
+    /// Offsets of every region for micro-batches of `b`×`t` tokens, and the total elements.
+    pub fn layout(cfg: &ModelConfig, b: usize, t: usize) -> (Self, usize) {
+        let n = b * t;
+        let (c, qd, kvd, i) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let heads_t = b * cfg.num_heads * t;
+        let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
+        let mut end = 0usize;
+        let mut take = |len: usize| {
+            let at = end;
+            end += len.div_ceil(ALIGN) * ALIGN;
+            at
+        };
+        let ws = Ws {
+            h1: take(n * c),
+            rstd1: take(n),
+            q: take(n * qd),
+            k: take(n * kvd),
+            v: take(n * kvd),
+            att: take(n * qd),
+            lse: take(heads_t),
+            delta: take(heads_t),
+            x2: take(n * c),
+            h2: take(n * c),
+            rstd2: take(n),
+            gate: take(n * i),
+            up: take(n * i),
+            act: take(n * i),
+            d_i1: take(n * i),
+            d_i2: take(n * i),
+            d_i3: take(n * i),
+            d_att: take(n * qd),
+            d_c: take(n * c),
+            d_c2: take(n * c),
+            dq: take(n * qd),
+            dk: take(n * kvd),
+            dv: take(n * kvd),
+            ce: take(ce_rows * cfg.vocab_size),
+            losses: take(n),
+        };
+        (ws, end)
+    }
+
+    /// The regions at `base`.
+    pub fn at<B: Backend>(&self, base: B::P) -> Ws<B::P> {
+        let f = |o: usize| B::off(base, o);
+        Ws {
+            h1: f(self.h1),
+            rstd1: f(self.rstd1),
+            q: f(self.q),
+            k: f(self.k),
+            v: f(self.v),
+            att: f(self.att),
+            lse: f(self.lse),
+            delta: f(self.delta),
+            x2: f(self.x2),
+            h2: f(self.h2),
+            rstd2: f(self.rstd2),
+            gate: f(self.gate),
+            up: f(self.up),
+            act: f(self.act),
+            d_i1: f(self.d_i1),
+            d_i2: f(self.d_i2),
+            d_i3: f(self.d_i3),
+            d_att: f(self.d_att),
+            d_c: f(self.d_c),
+            d_c2: f(self.d_c2),
+            dq: f(self.dq),
+            dk: f(self.dk),
+            dv: f(self.dv),
+            ce: f(self.ce),
+            losses: f(self.losses),
+        }
+    }
+}
+
+/// Bytes of the layer workspace for micro-batches of `b`×`t` tokens.
+pub fn workspace_bytes(cfg: &ModelConfig, b: usize, t: usize) -> u64 {
+    4 * Ws::layout(cfg, b, t).1 as u64
+}
+
+/// The shape of one program run.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Sequences per micro-batch.
+    pub b: usize,
+    /// Tokens per sequence.
+    pub t: usize,
+}
+
+impl Shape {
+    pub(crate) fn n(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// Run one [`Kernel`] on a backend. `buf` resolves a device buffer to its address and length in
+/// elements; every range the kernel touches is checked against it first.
+pub fn run<B: Backend>(
+    be: &mut B,
+    tm: &Templates,
+    k: &DeviceKernel,
+    buf: &dyn Fn(BufId) -> Result<(B::P, usize)>,
+    ws: &Ws<B::P>,
+    s: Shape,
+) -> Result<()> {
+    let cfg = &tm.config;
+    let (n, c, v) = (s.n(), cfg.hidden_size, cfg.vocab_size);
+    let at = Ranges { kernel: k, buf };
+    match k {
+        Kernel::Zero { buf: id } => {
+            let (p, have) = buf(*id)?;
+            be.zero(p, have)
+        }
+        Kernel::EmbedFwd { batch, w, x } => {
+            at.ids(&batch.tokens, n, "tokens")?;
+            let e = at.range(*w, 0, v * c, "embedding")?;
+            let x = at.range(*x, 0, n * c, "x")?;
+            let ids = be.upload_ids(&batch.tokens)?;
+            be.embed_fwd(x, e, ids, n, c, v)
+        }
+        Kernel::EmbedBwd { batch, g, dx } => {
+            at.ids(&batch.tokens, n, "tokens")?;
+            let de = at.range(*g, 0, v * c, "embedding grads")?;
+            let dx = at.range(*dx, 0, n * c, "dx")?;
+            let ids = be.upload_ids(&batch.tokens)?;
+            be.embed_bwd(de, ids, dx, n, c, v)
+        }
+        Kernel::BlockFwd { layer, w, x, y } => {
+            let blk = block(tm, *layer)?;
+            let p = at.range(*w, 0, blk.numel, "weights")?;
+            let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
+            block_fwd(be, blk, p, x, y, ws, s)
+        }
+        Kernel::BlockBwd {
+            layer,
+            w,
+            g,
+            x,
+            dy,
+            dx,
+        } => {
+            let blk = block(tm, *layer)?;
+            let p = at.range(*w, 0, blk.numel, "weights")?;
+            let gr = at.range(*g, 0, blk.numel, "grads")?;
+            let (x, dy, dx) = (
+                at.range(*x, 0, n * c, "x")?,
+                at.range(*dy, 0, n * c, "dy")?,
+                at.range(*dx, 0, n * c, "dx")?,
+            );
+            block_bwd(be, blk, p, gr, x, dy, dx, ws, s)
+        }
+        Kernel::HeadLossBwd {
+            batch,
+            w,
+            g,
+            tied,
+            x,
+            dx,
+        } => {
+            let head = HeadBuffers {
+                w: *w,
+                g: *g,
+                tied: *tied,
+                x: *x,
+                dx: *dx,
+            };
+            run_head(be, tm, &at, head, batch, ws, n)
+        }
+    }
+}
+
+/// The buffers of a [`Kernel::HeadLossBwd`].
+struct HeadBuffers {
+    w: BufId,
+    g: BufId,
+    tied: Option<(BufId, BufId)>,
+    x: BufId,
+    dx: BufId,
+}
+
+/// The fused head + loss: the LM head is the tied embedding's unit or the head unit's own
+/// tensor, whose gradient must not overlap the norm's.
+fn run_head<B: Backend>(
+    be: &mut B,
+    tm: &Templates,
+    at: &Ranges<'_, B>,
+    h: HeadBuffers,
+    batch: &Batch,
+    ws: &Ws<B::P>,
+    n: usize,
+) -> Result<()> {
+    let (c, v) = (tm.config.hidden_size, tm.config.vocab_size);
+    at.ids(&batch.targets, n, "targets")?;
+    let nr = tm.head.norm_range();
+    let norm_w = at.range(h.w, nr.start, c, "norm weight")?;
+    let norm_g = at.range(h.g, nr.start, c, "norm grads")?;
+    let (lm_w, lm_g) = match (h.tied, tm.head.lm_head) {
+        (Some((tw, tg)), _) => ((tw, 0), (tg, 0)),
+        (None, Some(off)) => ((h.w, off), (h.g, off)),
+        (None, None) => {
+            return Err(Error::internal(
+                "device program",
+                "an untied head without an LM head tensor",
+            ))
+        }
+    };
+    let lw = at.range(lm_w.0, lm_w.1, v * c, "LM head")?;
+    let lg = at.range(lm_g.0, lm_g.1, v * c, "LM head grads")?;
+    if lm_g.0 == h.g && lm_g.1 < nr.end && nr.start < lm_g.1 + v * c {
+        return Err(Error::internal(
+            "device program",
+            "head_loss_bwd: the LM head gradient overlaps the norm gradient",
+        ));
+    }
+    let (x, dx) = (
+        at.range(h.x, 0, n * c, "x")?,
+        at.range(h.dx, 0, n * c, "dx")?,
+    );
+    let ids = be.upload_ids(&batch.targets)?;
+    head_loss_bwd(
+        be,
+        &tm.config,
+        norm_w,
+        norm_g,
+        lw,
+        lg,
+        x,
+        ids,
+        dx,
+        batch.grad_scale,
+        ws,
+        n,
+    )?;
+    be.add_loss(ws.losses, n, batch.loss.clone())
+}
+
+/// Checked access to a kernel's buffers: every range inside its buffer, every id list one per
+/// token; a violation is an internal error naming the kernel.
+struct Ranges<'a, B: Backend> {
+    kernel: &'a DeviceKernel,
+    buf: &'a dyn Fn(BufId) -> Result<(B::P, usize)>,
+}
+
+impl<B: Backend> Ranges<'_, B> {
+    /// The address of `len` elements at `off` in buffer `id`.
+    fn range(&self, id: BufId, off: usize, len: usize, what: &str) -> Result<B::P> {
+        let (p, have) = (self.buf)(id)?;
+        if off + len > have {
+            return Err(Error::internal(
+                "device program",
+                format!(
+                    "{} {what} needs {len} elements at {off} of buffer {id}, which holds {have}",
+                    self.kernel.name()
+                ),
+            ));
+        }
+        Ok(B::off(p, off))
+    }
+
+    /// `ids` holds one id per token of a micro-batch of `n`.
+    fn ids(&self, ids: &[u32], n: usize, what: &str) -> Result<()> {
+        if ids.len() != n {
+            return Err(Error::internal(
+                "device program",
+                format!(
+                    "{} {what}: {} ids for a micro-batch of {n} tokens",
+                    self.kernel.name(),
+                    ids.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn block(tm: &Templates, layer: usize) -> Result<&DecoderBlock> {
+    tm.blocks.get(layer).ok_or_else(|| {
+        Error::internal(
+            "device program",
+            format!("block: layer {layer} of a {}-layer model", tm.blocks.len()),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests;

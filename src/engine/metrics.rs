@@ -1,0 +1,100 @@
+//! What one step did: the figures the streamer reports per step, from the device's records of
+//! its streams, the AdamW jobs' intervals and the spill tier's counters.
+
+use crate::device::{OpRecord, StreamKind};
+use serde::Serialize;
+
+/// What one step did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StepMetrics {
+    /// 1-based optimizer step.
+    pub step: u64,
+    /// Mean loss over the step's tokens.
+    pub loss: f64,
+    /// Global gradient norm before clipping (lean mode: from the AdamW pass).
+    pub grad_norm: f64,
+    /// Clip coefficient applied (1 = none).
+    pub clip_coef: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Tokens processed.
+    pub tokens: u64,
+    /// Wall time of `step`, seconds.
+    pub wall_s: f64,
+    /// Σ compute-stream op time, seconds.
+    pub compute_s: f64,
+    /// Σ host→device copy time, seconds.
+    pub htod_s: f64,
+    /// Σ device→host copy time, seconds.
+    pub dtoh_s: f64,
+    /// Time the AdamW pools were busy with jobs that completed during this step (the union of the
+    /// jobs' submit→done intervals: jobs queue on the same workers), seconds.
+    pub optimizer_s: f64,
+    /// Σ host→device copy time before the loss (the forward's weight stream), seconds. Gradients
+    /// only flow after it, so `htod_before_loss_s + dtoh_s` bounds a link-bound step from below.
+    pub htod_before_loss_s: f64,
+    /// Time the host thread spent blocked on the device or on AdamW, seconds.
+    pub host_wait_s: f64,
+    /// Bytes host→device.
+    pub htod_bytes: u64,
+    /// Bytes device→host.
+    pub dtoh_bytes: u64,
+    /// Device memory high-water mark, bytes.
+    pub device_peak_bytes: u64,
+    /// Bytes read from the NVMe spill tier during the step.
+    pub nvme_read_bytes: u64,
+    /// Bytes written to the NVMe spill tier during the step.
+    pub nvme_write_bytes: u64,
+    /// Time AdamW jobs waited for spilled state to arrive from NVMe, seconds.
+    pub nvme_wait_s: f64,
+    /// Time the NVMe I/O thread was busy during the step, seconds.
+    pub nvme_busy_s: f64,
+}
+
+impl StepMetrics {
+    /// Add the device's records of a step: Σ time and bytes per stream, and the weight stream's
+    /// time before the loss (the head's kernel).
+    pub fn add_device_records(&mut self, records: &[OpRecord]) {
+        let loss_start = records
+            .iter()
+            .find(|r| r.name == "head_loss_bwd")
+            .map_or(f64::INFINITY, |r| r.start);
+        self.htod_before_loss_s = records
+            .iter()
+            .filter(|r| r.stream == StreamKind::CopyIn && r.start < loss_start)
+            .map(|r| r.end - r.start)
+            .sum();
+        for r in records {
+            let d = r.end - r.start;
+            match r.stream {
+                StreamKind::Compute => self.compute_s += d,
+                StreamKind::CopyIn => {
+                    self.htod_s += d;
+                    self.htod_bytes += r.bytes;
+                }
+                StreamKind::CopyOut => {
+                    self.dtoh_s += d;
+                    self.dtoh_bytes += r.bytes;
+                }
+            }
+        }
+    }
+}
+
+/// Total length covered by a set of intervals.
+pub fn union_length(mut v: Vec<(f64, f64)>) -> f64 {
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut cur: Option<(f64, f64)> = None;
+    for (a, b) in v {
+        cur = match cur {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + cur.map_or(0.0, |(s, e)| e - s)
+}

@@ -1,0 +1,219 @@
+use super::*;
+
+fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> ScheduleSpec {
+    ScheduleSpec {
+        layers,
+        tied,
+        micro_batches: mb,
+        mode,
+        activations: a,
+    }
+}
+
+fn all_specs() -> Vec<ScheduleSpec> {
+    let mut v = Vec::new();
+    for layers in [1, 2, 5] {
+        for tied in [false, true] {
+            for a in [Activations::Device, Activations::Host] {
+                v.push(spec(layers, tied, 1, Mode::Exact, a));
+                v.push(spec(layers, tied, 3, Mode::Exact, a));
+                v.push(spec(layers, tied, 1, Mode::Lean, a));
+            }
+        }
+    }
+    v
+}
+
+/// Whether task j (earlier) completes before task i starts: through waits, lane order
+/// (except that an Adam task's job is not ordered by the host lane), transitively.
+fn ordered(s: &Schedule) -> Vec<Vec<bool>> {
+    let t = &s.tasks;
+    let n = t.len();
+    let mut before = vec![vec![false; n]; n];
+    for i in 0..n {
+        for j in 0..i {
+            let adam_job = matches!(t[j].op, Op::Adam { .. });
+            if t[i].waits.contains(&j) || (t[j].lane == t[i].lane && !adam_job) {
+                before[i][j] = true;
+            }
+        }
+        for j in 0..i {
+            if before[i][j] {
+                let (done, row) = before.split_at_mut(i);
+                for (k, b) in done[j][..j].iter().enumerate() {
+                    row[0][k] |= *b;
+                }
+            }
+        }
+    }
+    before
+}
+
+fn conflict(a: &Task, b: &Task) -> bool {
+    if matches!(a.op, Op::Adam { .. }) {
+        return touches_job(a, b);
+    }
+    a.writes
+        .iter()
+        .any(|r| b.reads.contains(r) || b.writes.contains(r))
+        || a.reads.iter().any(|r| b.writes.contains(r))
+}
+
+/// Every pair of conflicting accesses within a step is ordered through the waits (an Adam
+/// job counts as running until waited for), and every conflict of a task with a task of the
+/// previous step that is not a device op (done when the step returns) or a host task (run
+/// before it returns) is a cross-step wait.
+#[test]
+fn every_hazard_is_ordered_within_and_across_steps() {
+    for s in all_specs() {
+        let p = schedule(&s);
+        let before = ordered(&p);
+        let t = &p.tasks;
+        for i in 0..t.len() {
+            for j in 0..i {
+                assert!(
+                    !conflict(&t[j], &t[i]) || before[i][j],
+                    "{s:?}: task {i} {:?} races task {j} {:?}",
+                    t[i].op,
+                    t[j].op
+                );
+            }
+            // Across steps only AdamW jobs can still run when the next step starts.
+            for (j, prev) in t.iter().enumerate() {
+                if matches!(prev.op, Op::Adam { .. }) && conflict(prev, &t[i]) {
+                    assert!(
+                        t[i].prev_waits.contains(&j) || waits_after(&p, i, j),
+                        "{s:?}: {:?} does not wait for the previous step's {:?}",
+                        t[i].op,
+                        prev.op
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Whether `i` is ordered after the previous step's `j` some other way: an earlier task of
+/// this step on its lane waited for `j`, or (lean) the previous step ended after every job.
+fn waits_after(p: &Schedule, i: usize, j: usize) -> bool {
+    let lean_end = p.tasks.iter().any(|t| t.op == Op::LeanNorm);
+    lean_end
+        || p.tasks[..i]
+            .iter()
+            .any(|t| t.lane == p.tasks[i].lane && t.prev_waits.contains(&j))
+}
+
+/// The waits across steps the streamer used to code by hand are the schedule's: a unit's
+/// weights are copied only after its previous update, exact-mode gradients land only after
+/// the previous update read them, a lean step's clip waits for the previous norm.
+#[test]
+fn cross_step_waits_are_derived() {
+    let s = spec(3, false, 2, Mode::Exact, Activations::Host);
+    let p = schedule(&s);
+    let adam_of = |u: usize| {
+        p.tasks
+            .iter()
+            .position(|t| matches!(t.op, Op::Adam { unit, .. } if unit == u))
+            .unwrap()
+    };
+    for (i, t) in p.tasks.iter().enumerate() {
+        match t.op {
+            Op::CopyWeights { unit, .. } => {
+                let first = p.tasks[..i]
+                    .iter()
+                    .all(|x| !matches!(x.op, Op::CopyWeights { unit: u, .. } if u == unit));
+                if first {
+                    assert!(t.prev_waits.contains(&adam_of(unit)), "{:?}", t.op);
+                }
+            }
+            Op::CopyGrads {
+                unit,
+                accumulate: false,
+                ..
+            } => assert!(t.prev_waits.contains(&adam_of(unit)), "{:?}", t.op),
+            _ => {}
+        }
+    }
+    // Lean: the clip reads the previous step's norm, which the host lane ran before it.
+    let lean = schedule(&spec(2, true, 1, Mode::Lean, Activations::Host));
+    let clip = lean.tasks.iter().position(|t| t.op == Op::Clip).unwrap();
+    let norm = lean
+        .tasks
+        .iter()
+        .position(|t| t.op == Op::LeanNorm)
+        .unwrap();
+    assert!(clip < norm && lean.tasks[clip].lane == Lane::Host);
+    assert!(lean.tasks[norm].writes.contains(&Res::Norm));
+    assert!(lean.tasks[clip].reads.contains(&Res::Norm));
+    // The lean norm waits for every update of its step.
+    let adams: Vec<usize> = (0..lean.tasks.len())
+        .filter(|&i| matches!(lean.tasks[i].op, Op::Adam { .. }))
+        .collect();
+    assert!(adams.iter().all(|a| lean.tasks[norm].waits.contains(a)));
+}
+
+#[test]
+fn weights_cross_at_most_twice_per_micro_batch() {
+    for s in all_specs() {
+        let p = schedule(&s);
+        for u in 0..s.layers + 2 {
+            let n = p
+                .tasks
+                .iter()
+                .filter(|x| matches!(x.op, Op::CopyWeights { unit, .. } if unit == u))
+                .count();
+            assert!(n <= 2 * s.micro_batches, "{s:?}: unit {u} copied {n} times");
+            assert!(n >= s.micro_batches, "{s:?}: unit {u} never copied");
+        }
+    }
+}
+
+#[test]
+fn device_buffers_do_not_grow_with_depth_when_activations_offload() {
+    let small = schedule(&spec(2, false, 1, Mode::Exact, Activations::Host)).buffers;
+    let deep = schedule(&spec(32, false, 1, Mode::Exact, Activations::Host)).buffers;
+    assert_eq!(small, deep);
+    let dev = schedule(&spec(32, false, 1, Mode::Exact, Activations::Device)).buffers;
+    assert_eq!(dev.iter().filter(|b| matches!(b, DevBuf::A(_))).count(), 33);
+}
+
+#[test]
+fn every_unit_is_updated_once_after_its_gradients_and_prefetched_before() {
+    for s in all_specs() {
+        let p = schedule(&s);
+        for u in 0..s.layers + 2 {
+            let adam: Vec<usize> = (0..p.tasks.len())
+                .filter(|&i| matches!(p.tasks[i].op, Op::Adam { unit, .. } if unit == u))
+                .collect();
+            assert_eq!(adam.len(), 1, "{s:?} unit {u}");
+            let last_drain = (0..p.tasks.len())
+                .filter(|&i| matches!(p.tasks[i].op, Op::CopyGrads { unit, .. } if unit == u))
+                .max()
+                .unwrap();
+            assert!(adam[0] > last_drain);
+            let prefetch = p
+                .tasks
+                .iter()
+                .position(|t| t.op == Op::Prefetch { unit: u })
+                .unwrap();
+            assert!(
+                prefetch < adam[0],
+                "{s:?}: unit {u} prefetched after its update"
+            );
+        }
+        if s.mode == Mode::Lean {
+            // Lean: the head's update starts before the embedding's backward is submitted.
+            let adam_head = p
+                .tasks
+                .iter()
+                .position(|x| matches!(x.op, Op::Adam { unit, .. } if unit == s.layers + 1))
+                .unwrap();
+            let emb_bwd = p
+                .tasks
+                .iter()
+                .position(|x| matches!(x.op, Op::Kernel(Kernel::EmbedBwd { .. })))
+                .unwrap();
+            assert!(adam_head < emb_bwd);
+        }
+    }
+}

@@ -1,0 +1,242 @@
+use super::*;
+
+pub(crate) fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    crate::util::uniform(n, seed, 1.0)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+/// Central finite difference of a scalar f64 loss in f64-accumulated fp32 code.
+fn fd_check(
+    name: &str,
+    x: &mut [f32],
+    analytic: &[f32],
+    mut loss: impl FnMut(&[f32]) -> f64,
+    picks: usize,
+) {
+    let eps = 1e-2f32;
+    let mut worst = 0.0f64;
+    for p in 0..picks {
+        let i = (p * 7919 + 13) % x.len();
+        let orig = x[i];
+        x[i] = orig + eps;
+        let lp = loss(x);
+        x[i] = orig - eps;
+        let lm = loss(x);
+        x[i] = orig;
+        let num = (lp - lm) / (2.0 * f64::from(eps));
+        let err = (num - f64::from(analytic[i])).abs()
+            / (num.abs().max(f64::from(analytic[i]).abs()).max(1e-2));
+        worst = worst.max(err);
+    }
+    assert!(worst < 2e-2, "{name}: finite-difference rel err {worst}");
+}
+
+#[test]
+fn gemm_transposes_match_naive() {
+    let (m, k, n) = (5, 7, 3);
+    let a = rnd(m * k, 1);
+    let b = rnd(k * n, 2);
+    let mut c = vec![0.0; m * n];
+    gemm(&mut c, &a, (k, 1), &b, (n, 1), m, k, n, false);
+    for i in 0..m {
+        for j in 0..n {
+            let want: f32 = (0..k).map(|x| a[i * k + x] * b[x * n + j]).sum();
+            assert!((c[i * n + j] - want).abs() < 1e-5);
+        }
+    }
+    // Aᵀ stored as [k, m].
+    let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+    let mut c2 = vec![0.0; m * n];
+    gemm(&mut c2, &at, (1, m), &b, (n, 1), m, k, n, false);
+    assert!(max_rel(&c2, &c) < 1e-6);
+}
+
+#[test]
+fn tiled_attention_matches_naive_on_ragged_lengths() {
+    for (t, nh, nkv) in [(1, 2, 1), (63, 4, 2), (65, 4, 4), (130, 6, 1)] {
+        let s = AttnShape {
+            b: 2,
+            t,
+            nh,
+            nkv,
+            hd: 16,
+        };
+        let (q, k, v) = (
+            rnd(2 * t * nh * 16, 1),
+            rnd(2 * t * nkv * 16, 2),
+            rnd(2 * t * nkv * 16, 3),
+        );
+        let (mut o1, mut o2) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+        let mut lse = vec![0.0; 2 * nh * t];
+        attention_fwd(&mut o1, &mut lse, &q, &k, &v, s);
+        attention_naive(&mut o2, &q, &k, &v, s);
+        assert!(max_rel(&o1, &o2) < 1e-5, "t={t}: {}", max_rel(&o1, &o2));
+    }
+}
+
+#[test]
+fn attention_backward_finite_differences() {
+    let s = AttnShape {
+        b: 1,
+        t: 70,
+        nh: 4,
+        nkv: 2,
+        hd: 8,
+    };
+    let (mut q, mut k, mut v) = (rnd(70 * 32, 4), rnd(70 * 16, 5), rnd(70 * 16, 6));
+    let w = rnd(70 * 32, 7); // loss = Σ w ⊙ o
+    let fwd = |q: &[f32], k: &[f32], v: &[f32]| {
+        let mut o = vec![0.0; q.len()];
+        let mut lse = vec![0.0; 4 * 70];
+        attention_fwd(&mut o, &mut lse, q, k, v, s);
+        (o, lse)
+    };
+    let (o, lse) = fwd(&q, &k, &v);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    attention_bwd(&mut dq, &mut dk, &mut dv, &w, &q, &k, &v, &o, &lse, s);
+    let loss = |o: &[f32]| {
+        o.iter()
+            .zip(&w)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum::<f64>()
+    };
+    let (k0, v0) = (k.clone(), v.clone());
+    fd_check("dq", &mut q, &dq, |q| loss(&fwd(q, &k0, &v0).0), 40);
+    let q0 = q.clone();
+    fd_check("dk", &mut k, &dk, |k| loss(&fwd(&q0, k, &v0).0), 40);
+    fd_check("dv", &mut v, &dv, |v| loss(&fwd(&q0, &k0, v).0), 40);
+}
+
+#[test]
+fn chunked_ce_matches_naive_and_finite_differences() {
+    let (n, c, vocab) = (CE_CHUNK_ROWS + 37, 12, 50);
+    let (mut h, w) = (rnd(n * c, 1), rnd(vocab * c, 2));
+    let targets: Vec<u32> = (0..n).map(|i| (i * 31 % vocab) as u32).collect();
+    let (mut dh, mut dw, mut scratch) = (vec![0.0; n * c], vec![0.0; vocab * c], Vec::new());
+    let scale = 1.0 / n as f32;
+    let loss = lm_head_ce(
+        &mut dh,
+        &mut dw,
+        &h,
+        &w,
+        &targets,
+        n,
+        c,
+        vocab,
+        scale,
+        &mut scratch,
+    ) / n as f64;
+    // Naive: full logits, log-softmax in f64.
+    let naive = |h: &[f32]| {
+        let mut lg = vec![0.0; n * vocab];
+        logits(&mut lg, h, &w, n, c, vocab);
+        (0..n)
+            .map(|i| {
+                let row = &lg[i * vocab..(i + 1) * vocab];
+                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = row.iter().map(|x| (f64::from(*x) - mx).exp()).sum();
+                mx + z.ln() - f64::from(row[targets[i] as usize])
+            })
+            .sum::<f64>()
+            / n as f64
+    };
+    assert!(
+        (loss - naive(&h)).abs() < 1e-5 * loss.abs(),
+        "{loss} vs {}",
+        naive(&h)
+    );
+    fd_check("dh", &mut h, &dh, naive, 30);
+}
+
+#[test]
+fn rmsnorm_swiglu_rope_backward_finite_differences() {
+    let (rows, c) = (5, 24);
+    let (mut x, mut w) = (rnd(rows * c, 1), rnd(c, 2));
+    let gy = rnd(rows * c, 3);
+    let f = |x: &[f32], w: &[f32]| {
+        let (mut y, mut r) = (vec![0.0; rows * c], vec![0.0; rows]);
+        rmsnorm_fwd(&mut y, &mut r, x, w, c, 1e-5);
+        (y, r)
+    };
+    let (_, r) = f(&x, &w);
+    let (mut dx, mut dw) = (vec![0.0; rows * c], vec![0.0; c]);
+    rmsnorm_bwd(&mut dx, false, &mut dw, &gy, &x, &w, &r, c);
+    let loss = |y: &[f32]| {
+        y.iter()
+            .zip(&gy)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum::<f64>()
+    };
+    let w0 = w.clone();
+    fd_check("rmsnorm dx", &mut x, &dx, |x| loss(&f(x, &w0).0), 30);
+    let x0 = x.clone();
+    fd_check("rmsnorm dw", &mut w, &dw, |w| loss(&f(&x0, w).0), 20);
+
+    let (mut g, mut u) = (rnd(60, 4), rnd(60, 5));
+    let dh = rnd(60, 6);
+    let (mut dg, mut du) = (vec![0.0; 60], vec![0.0; 60]);
+    swiglu_bwd(&mut dg, &mut du, &dh, &g, &u);
+    let sw = |g: &[f32], u: &[f32]| {
+        let mut h = vec![0.0; 60];
+        swiglu_fwd(&mut h, g, u);
+        h.iter()
+            .zip(&dh)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum::<f64>()
+    };
+    let u0 = u.clone();
+    fd_check("swiglu dg", &mut g, &dg, |g| sw(g, &u0), 30);
+    let g0 = g.clone();
+    fd_check("swiglu du", &mut u, &du, |u| sw(&g0, u), 30);
+
+    // RoPE is a rotation: backward(forward(x)) = x, and it preserves norms.
+    let rope = Rope::new(8, 10000.0, 16);
+    let x0 = rnd(2 * 16 * 3 * 8, 9);
+    let mut y = x0.clone();
+    rope.apply(&mut y, 16, 3, false);
+    let n0: f32 = x0.iter().map(|v| v * v).sum();
+    let n1: f32 = y.iter().map(|v| v * v).sum();
+    assert!((n0 - n1).abs() < 1e-4 * n0);
+    rope.apply(&mut y, 16, 3, true);
+    assert!(max_rel(&y, &x0) < 1e-6);
+}
+
+#[test]
+fn linear_backward_finite_differences() {
+    let (n, din, dout) = (4, 6, 5);
+    let (mut x, mut w, mut b) = (rnd(n * din, 1), rnd(dout * din, 2), rnd(dout, 3));
+    let gy = rnd(n * dout, 4);
+    let f = |x: &[f32], w: &[f32], b: &[f32]| {
+        let mut y = vec![0.0; n * dout];
+        linear_fwd(&mut y, x, w, Some(b), n, din, dout);
+        y.iter()
+            .zip(&gy)
+            .map(|(a, g)| f64::from(*a) * f64::from(*g))
+            .sum::<f64>()
+    };
+    let (mut dx, mut dw, mut db) = (vec![0.0; n * din], vec![0.0; dout * din], vec![0.0; dout]);
+    linear_bwd(
+        &mut dx,
+        false,
+        &mut dw,
+        Some(&mut db),
+        &gy,
+        &x,
+        &w,
+        n,
+        din,
+        dout,
+    );
+    let (w0, b0) = (w.clone(), b.clone());
+    fd_check("linear dx", &mut x, &dx, |x| f(x, &w0, &b0), 20);
+    let x0 = x.clone();
+    fd_check("linear dw", &mut w, &dw, |w| f(&x0, w, &b0), 20);
+    fd_check("linear db", &mut b, &db, |b| f(&x0, &w0, b), 5);
+}

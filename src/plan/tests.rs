@@ -1,0 +1,243 @@
+use super::*;
+
+fn req(tokens: u64) -> PlanRequest {
+    PlanRequest {
+        tokens_per_step: tokens,
+        seq_len: 4096,
+        bf16: false,
+        mode: Mode::Exact,
+        spill_moments: false,
+        micro_batch_tokens: Some(tokens),
+    }
+}
+
+/// With NVMe, the plan spills what the placement would: a strict subset when RAM is only
+/// somewhat short, and the step then pays NVMe time for those units only.
+#[test]
+fn nvme_spills_only_what_ram_lacks() {
+    let mut hw = presets::machine("h100-512gb").unwrap();
+    hw.nvme_gbps = Some(6.0);
+    let m70 = presets::model("llama-3-70b").unwrap();
+    let r = PlanRequest {
+        mode: Mode::Lean,
+        spill_moments: true,
+        ..req(16384)
+    };
+    let p = plan(&m70, &hw, &r);
+    assert!(p.fits, "{:?}", p.missing);
+    assert!(
+        p.memory.nvme_units > 0 && p.memory.nvme_units < p.memory.units,
+        "{} of {}",
+        p.memory.nvme_units,
+        p.memory.units
+    );
+    let all = StateLayout::new(&m70, Mode::Lean);
+    let mv = all.kind_bytes(crate::store::layout::ShardKind::AdamM)
+        + all.kind_bytes(crate::store::layout::ShardKind::AdamV);
+    assert!(p.memory.nvme_bytes < mv);
+    // NVMe time: 16 B per spilled parameter at 6 GB/s.
+    let (units, _) = spilled_units(&m70, &r, &hw);
+    let params: usize = units.iter().map(|&u| all.units[u].numel).sum();
+    let want = 16.0 * params as f64 / 6e9;
+    assert!(
+        (p.time.nvme_s - want).abs() < 1e-6 * want,
+        "{} vs {want}",
+        p.time.nvme_s
+    );
+    // Without NVMe allowed, the same request does not fit.
+    assert!(
+        !plan(
+            &m70,
+            &hw,
+            &PlanRequest {
+                spill_moments: false,
+                ..r
+            }
+        )
+        .fits
+    );
+}
+
+/// Per-node bytes of a described machine come from the trainer's placement: they add up to
+/// the state and stay within each node's usable share.
+#[test]
+fn per_node_bytes_are_the_placement() {
+    let mut m = crate::topology::probe(&crate::topology::TopologySource::Synthetic(
+        "pack:2 numa:2 core:4 pu:1".into(),
+    ))
+    .unwrap();
+    for n in &mut m.numa_nodes {
+        n.memory_bytes = 64 << 30;
+    }
+    let model = presets::model("llama-3-8b").unwrap();
+    let r = req(8192);
+    let nodes = per_node(&m, 0, &model, &r).unwrap();
+    assert_eq!(nodes.len(), 4);
+    let total: u64 = nodes.iter().map(|n| n.bytes).sum();
+    assert_eq!(total, StateLayout::new(&model, Mode::Exact).total_bytes());
+    assert!(nodes.iter().all(|n| n.bytes <= n.capacity));
+    // Too little RAM: the placement's error, naming what is missing.
+    for n in &mut m.numa_nodes {
+        n.memory_bytes = 8 << 30;
+    }
+    let e = per_node(&m, 0, &model, &r).unwrap_err().to_string();
+    assert!(e.contains("missing"), "{e}");
+}
+
+#[test]
+fn fits_and_does_not_fit_with_the_smallest_change() {
+    let hw = presets::machine("h200-1.5tb").unwrap();
+    let p8 = plan(&presets::model("llama-3-8b").unwrap(), &hw, &req(8192));
+    assert!(p8.fits && p8.suggestion.is_none());
+    assert!((p8.memory.host_bytes_per_param - 16.0).abs() < 0.1);
+    let p405 = plan(&presets::model("llama-3-405b").unwrap(), &hw, &req(8192));
+    assert!(!p405.fits);
+    assert!(p405.missing.as_deref().unwrap_or("").contains("missing"));
+    assert!(p405.suggestion.is_some());
+    // 120B on 1.5 TB (MegaTrain's headline): exact mode's 16 B/param (1.9 TB) does not fit,
+    // lean mode's 12 B/param (1.43 TB) does, within 90% of the RAM.
+    let m120 = presets::model("llama-120b").unwrap();
+    let p = plan(&m120, &hw, &req(8192));
+    assert!(!p.fits);
+    assert_eq!(p.suggestion.as_deref(), Some("--mode lean"));
+    assert!(
+        plan(
+            &m120,
+            &hw,
+            &PlanRequest {
+                mode: Mode::Lean,
+                ..req(8192)
+            }
+        )
+        .fits
+    );
+    // 405B: even its fp32 params alone (1.6 TB) exceed the machine; nothing tried fits.
+    let hw_nvme = Hardware {
+        nvme_gbps: Some(12.0),
+        ..hw.clone()
+    };
+    let p = plan(
+        &presets::model("llama-3-405b").unwrap(),
+        &hw_nvme,
+        &req(8192),
+    );
+    assert!(
+        p.suggestion
+            .as_deref()
+            .unwrap_or("")
+            .contains("nothing tried fits"),
+        "{:?}",
+        p.suggestion
+    );
+}
+
+#[test]
+fn bottlenecks_move_with_tokens_and_link() {
+    let m = presets::model("qwen2.5-14b").unwrap();
+    let pcie = presets::machine("h100-512gb").unwrap();
+    let small = time(
+        &m,
+        &pcie,
+        &PlanRequest {
+            bf16: true,
+            ..req(1024)
+        },
+    );
+    assert_ne!(
+        small.bottleneck, "GPU compute",
+        "few tokens in bf16: the link or AdamW bounds"
+    );
+    let big = time(
+        &m,
+        &pcie,
+        &PlanRequest {
+            bf16: true,
+            ..req(1 << 20)
+        },
+    );
+    assert_eq!(big.bottleneck, "GPU compute");
+    assert!(big.mfu > 0.3 && big.mfu <= 0.6 + 1e-9, "{}", big.mfu);
+    // C2C moves 6x the bytes per second of PCIe5: the link-bound time shrinks accordingly.
+    let c2c = time(
+        &m,
+        &presets::machine("gh200-480gb").unwrap(),
+        &PlanRequest {
+            bf16: true,
+            ..req(1024)
+        },
+    );
+    assert!(c2c.htod_s * 5.0 < small.htod_s);
+}
+
+/// The plan's advice is true: over every preset model and machine, both modes, short and
+/// long steps, every suggestion is applied and the plan then fits.
+#[test]
+fn every_suggestion_fits_when_applied() {
+    let mut checked = 0;
+    for m in presets::MODELS {
+        let model = presets::model(m).unwrap();
+        for h in presets::MACHINES {
+            let hw = presets::machine(h).unwrap();
+            for mode in [Mode::Exact, Mode::Lean] {
+                for (tokens, seq) in [(16384, 4096), (65536, 8192)] {
+                    let r = PlanRequest {
+                        tokens_per_step: tokens,
+                        seq_len: seq,
+                        bf16: false,
+                        mode,
+                        spill_moments: false,
+                        micro_batch_tokens: None,
+                    };
+                    let p = plan(&model, &hw, &r);
+                    if p.fits {
+                        continue;
+                    }
+                    if let Some((what, fixed)) = suggest(&model, &hw, &r) {
+                        let hw = Hardware {
+                            nvme_gbps: hw.nvme_gbps.or(fixed.spill_moments.then_some(3.0)),
+                            ..hw.clone()
+                        };
+                        let q = plan(&model, &hw, &fixed);
+                        assert!(q.fits, "{m} on {h}: `{what}` does not fit: {:?}", q.missing);
+                        assert_eq!(p.suggestion.as_deref(), Some(what.as_str()));
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 5, "the sweep exercised the advice ({checked})");
+}
+
+/// A step of a trillion tokens plans at once (no per-micro-batch list, bisected divisors),
+/// and out-of-range counts are refused by flag.
+#[test]
+fn huge_steps_plan_quickly_and_bad_counts_are_refused() {
+    let model = presets::model("llama-3-8b").unwrap();
+    let hw = presets::machine("h200-1.5tb").unwrap();
+    let r = PlanRequest {
+        tokens_per_step: 1 << 40,
+        micro_batch_tokens: None,
+        ..req(4096)
+    };
+    r.validate().unwrap();
+    let t0 = std::time::Instant::now();
+    let p = plan(&model, &hw, &r);
+    assert!(p.micro_batch_tokens > 0 && t0.elapsed().as_secs() < 20);
+    for bad in [
+        PlanRequest {
+            seq_len: 0,
+            ..req(4096)
+        },
+        PlanRequest {
+            tokens_per_step: 1 << 41,
+            ..req(4096)
+        },
+        PlanRequest {
+            micro_batch_tokens: Some(0),
+            ..req(4096)
+        },
+    ] {
+        assert!(bad.validate().is_err());
+    }
+}
