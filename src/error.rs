@@ -1,8 +1,8 @@
 //! The one error type of the crate.
 //!
 //! Every variant names the thing that failed, the reason, and — where there is one — the fix, so the
-//! CLI can print a single line that a user can act on. Library code returns these; only `main` turns
-//! them into an exit status.
+//! CLI can print a single line that a user can act on. Library code returns these; only the CLI (`cli::main`)
+//! turns them into an exit status.
 
 use std::path::PathBuf;
 
@@ -39,10 +39,11 @@ pub enum Error {
         fix: Option<String>,
     },
 
-    /// A call into a system library (hwloc, CUDA, io_uring) failed.
+    /// A system library (hwloc, io_uring, libc, a CUDA library that is missing or too old) failed;
+    /// a failed CUDA call is an [`Error::Cuda`].
     #[error("{library}: {op} failed: {reason}{}", fix_suffix(.fix))]
     System {
-        /// The library ("hwloc", "CUDA driver", ...).
+        /// The library ("hwloc", "io_uring", "CUDA driver", ...).
         library: &'static str,
         /// The operation that failed.
         op: String,

@@ -60,7 +60,8 @@ fn pool_equals_scalar_reference_exact_and_lean() {
                     None
                 }
                 None => {
-                    let mut b = HostBuffer::allocate(n, None, vec![]).unwrap();
+                    let mut b =
+                        HostBuffer::allocate("lean gradient buffer", n, None, vec![]).unwrap();
                     b.as_mut_slice().copy_from_slice(&g0);
                     Some(b)
                 }

@@ -2,7 +2,7 @@
 //! link-, compute-, AdamW- and NVMe-spill-bound configurations in exact and lean mode. Each reports
 //! the measured step time next to the serial sum of its parts, the ideal
 //! `max(compute, htod, dtoh, AdamW)`, and the **planner's prediction** ([`crate::plan::sim`]):
-//! the same step plan replayed with component costs calibrated *in isolation* (kernels timed
+//! the same step schedule replayed with component costs calibrated *in isolation* (kernels timed
 //! alone, AdamW timed alone on the same threads, the spill store timed alone, the emulated link's
 //! own figures) — so the prediction tests the model of overlap and dependencies, not a fit.
 //!

@@ -26,7 +26,7 @@ pub enum StreamKind {
     CopyIn = 0,
     /// Kernels.
     Compute = 1,
-    /// Device → host copies (gradients, checkpoints).
+    /// Device → host copies (gradients, activations).
     CopyOut = 2,
 }
 

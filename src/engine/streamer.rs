@@ -76,7 +76,9 @@ pub struct Streamer {
     prev_norm: Option<f64>,
     timeline: Timeline,
     adam_spans: Vec<(f64, f64)>,
-    lean_sumsq: f64,
+    /// Lean mode: each unit's Σg² from its AdamW job this step, summed in unit order (jobs
+    /// finish in any order; the norm, and the next step's clipping, must not depend on it).
+    lean_sumsq: Vec<f64>,
     spill_seen: crate::spill::tier::SpillStats,
 }
 
@@ -188,8 +190,8 @@ impl Streamer {
         // when it needs that for asynchronous copies.
         let registrar = device.registrar();
         let near = store.placement().lean_buffers_node;
-        let host_buffer = |len: usize| -> Result<HostBuffer> {
-            let mut b = HostBuffer::allocate(len, near, Vec::new())?;
+        let host_buffer = |label: String, len: usize| -> Result<HostBuffer> {
+            let mut b = HostBuffer::allocate(&label, len, near, Vec::new())?;
             if let Some(r) = &registrar {
                 b.register_with(r.as_ref())?;
             }
@@ -197,13 +199,13 @@ impl Streamer {
         };
         let saved = match cfg.activations {
             Activations::Host => (0..c.num_layers)
-                .map(|_| host_buffer(n * c.hidden_size))
+                .map(|i| host_buffer(format!("activation of layer {i}"), n * c.hidden_size))
                 .collect::<Result<_>>()?,
             Activations::Device => Vec::new(),
         };
         let lean = match layout.mode {
             Mode::Lean => (0..super::schedule::LEAN_BUFFERS)
-                .map(|_| host_buffer(max_unit).map(Some))
+                .map(|k| host_buffer(format!("lean gradient buffer {k}"), max_unit).map(Some))
                 .collect::<Result<_>>()?,
             Mode::Exact => Vec::new(),
         };
@@ -226,7 +228,7 @@ impl Streamer {
             prev_norm: None,
             timeline,
             adam_spans: Vec::new(),
-            lean_sumsq: 0.0,
+            lean_sumsq: Vec::new(),
             spill_seen,
         })
     }
@@ -285,7 +287,7 @@ impl Streamer {
             self.lean[k] = Some(b);
         }
         if self.store.layout().mode == Mode::Lean {
-            self.lean_sumsq += done.sumsq;
+            self.lean_sumsq[u] = done.sumsq;
         }
         self.guards[u] = Some(done.guard);
         Ok(waited)
@@ -338,7 +340,7 @@ impl Streamer {
         }
         let grad_norm = match self.store.layout().mode {
             // The norm came out of the AdamW pass (the schedule's LeanNorm waited for it).
-            Mode::Lean => self.lean_sumsq.sqrt(),
+            Mode::Lean => self.lean_sumsq.iter().sum::<f64>().sqrt(),
             Mode::Exact => run.norm_sq.sqrt(),
         };
         self.prev_norm = Some(grad_norm);
@@ -377,7 +379,7 @@ impl Streamer {
         // Write-backs run on after a step returns: one that failed since then stops this step.
         self.store.check_spill()?;
         if self.store.layout().mode == Mode::Lean {
-            self.lean_sumsq = 0.0;
+            self.lean_sumsq = vec![0.0; self.store.num_units()];
         }
         let loss = Arc::new(Mutex::new(0.0f64));
         let grad_scale = (1.0 / (n * batches.len()) as f64) as f32;

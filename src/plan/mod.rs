@@ -379,7 +379,7 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
     }
 }
 
-/// Predicted times: the engine's step plan replayed by [`sim::simulate`]. Steps of many
+/// Predicted times: the engine's step schedule replayed by [`sim::simulate`]. Steps of many
 /// micro-batches are extrapolated from one and two (each further micro-batch adds the same
 /// period), so planning a 405B model with thousands of micro-batches stays instant.
 pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
@@ -538,15 +538,7 @@ pub fn suggest(
     if req.mode == Mode::Exact {
         tries.push(("--mode lean".into(), lean(req.clone())));
     }
-    if !req.bf16 {
-        tries.push((
-            "--precision bf16".into(),
-            PlanRequest {
-                bf16: true,
-                ..req.clone()
-            },
-        ));
-    }
+    // `--precision bf16` is not offered: the trainer does not stream bf16 yet.
     if !req.spill_moments {
         tries.push((
             "--nvme DIR".into(),

@@ -92,8 +92,8 @@ pub struct Run {
     pub grads: Vec<Vec<f32>>,
 }
 
-/// Train [`STEPS`] steps of [`small_model`] from a seeded init on `device` (exact mode, host
-/// host-kept activations, [`MICRO_BATCHES`] accumulated micro-batches), page-locking the store
+/// Train [`STEPS`] steps of [`small_model`] from a seeded init on `device` (exact mode,
+/// activations kept on the host, [`MICRO_BATCHES`] accumulated micro-batches), page-locking the store
 /// with the device's registrar when it has one.
 pub fn train_steps(
     machine: &Machine,

@@ -254,10 +254,11 @@ pub struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// A zeroed buffer of `len` elements on `node` (prefaulted by `cpus`).
-    pub fn allocate(len: usize, node: Option<u32>, cpus: Vec<usize>) -> Result<Self> {
+    /// A zeroed buffer of `len` elements on `node` (prefaulted by `cpus`); `label` names it in
+    /// errors ("lean gradient buffer", "activation of layer 3").
+    pub fn allocate(label: &str, len: usize, node: Option<u32>, cpus: Vec<usize>) -> Result<Self> {
         let region = Region::allocate(RegionSpec {
-            label: format!("gradient buffer ({len} elements)"),
+            label: format!("{label} ({len} elements)"),
             bytes: len * 4,
             node,
             prefault_cpus: cpus,

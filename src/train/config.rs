@@ -7,14 +7,14 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// Bounds on the counts a run may ask for. Within them every size derived from the
-/// configuration fits in 64 bits, and what the trainer builds per step (the step plan, the
+/// configuration fits in 64 bits, and what the trainer builds per step (the step schedule, the
 /// micro-batches' token lists) stays bounded.
 pub mod limits {
     /// Longest sequence.
     pub const MAX_SEQ_LEN: usize = 1 << 24;
     /// Most tokens in one micro-batch (batch_size × seq_len).
     pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 26;
-    /// Most micro-batches per step (the step plan holds O(grad_accum × layers) ops).
+    /// Most micro-batches per step (the step schedule holds O(grad_accum × layers) tasks).
     pub const MAX_GRAD_ACCUM: usize = 4096;
     /// Most tokens per optimizer step (grad_accum × batch_size × seq_len).
     pub const MAX_STEP_TOKENS: usize = 1 << 28;

@@ -472,7 +472,7 @@ fn choose_mode(
     m
 }
 
-/// The CPU device's memory is allocated on the host: check the layer workspace and the plan's
+/// The CPU device's memory is allocated on the host: check the layer workspace and the schedule's
 /// buffers against `--device-memory`, and against the host memory free beside the state (`host_room`),
 /// before the templates and the device are built.
 fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) -> Result<()> {

@@ -1,5 +1,6 @@
-//! Sizes and counts as people write them: `500000`, `64M` (powers of 1000), `4Mi`, `64MiB`
-//! (powers of 1024), `2G`, `1.5T` is not accepted (integers only, so nothing is rounded).
+//! Sizes and counts as people write them: `500000`, `64M` or `2G` (powers of 1000), `4Mi` or
+//! `64MiB` (powers of 1024). Fractions such as `1.5T` are refused (integers only, so nothing
+//! is rounded).
 
 use crate::{Error, Result};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};

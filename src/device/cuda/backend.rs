@@ -2,7 +2,7 @@
 //! `kernels/*.cu` and cuBLAS, all on the compute stream. Addresses are raw `CUdeviceptr`s.
 //!
 //! Everything here is asynchronous: a call enqueues work and returns. Token ids go through a
-//! page-locked staging buffer into one device ids buffer (both reused in stream order); per-row
+//! page-locked bounce buffer into one device ids buffer (both reused in stream order); per-row
 //! losses come back through a page-locked buffer and a host function that adds their sum to the
 //! step's loss once the kernels before it are done.
 //!
@@ -41,7 +41,7 @@ pub struct CudaBackend {
     head_dim: usize,
     max_pos: usize,
     ids: CudaSlice<u32>,
-    ids_stage: Pinned,
+    ids_bounce: Pinned,
     ids_copied: Option<CudaEvent>,
     losses: Pinned,
     smem: usize,
@@ -74,7 +74,7 @@ impl CudaBackend {
             stream.alloc_zeros::<u32>(n.max(1)),
             "allocate the token ids",
         )?;
-        let ids_stage = Pinned::new(&rt.ctx, 4 * n.max(1))?;
+        let ids_bounce = Pinned::new(&rt.ctx, 4 * n.max(1))?;
         let losses = Pinned::new(&rt.ctx, 4 * n.max(1))?;
         Ok(CudaBackend {
             rt,
@@ -85,7 +85,7 @@ impl CudaBackend {
             head_dim: rope.head_dim,
             max_pos: rope.max_pos,
             ids,
-            ids_stage,
+            ids_bounce,
             ids_copied: None,
             losses,
             smem: launch::DEFAULT_SMEM,
@@ -123,25 +123,25 @@ impl Backend for CudaBackend {
     }
 
     fn upload_ids(&mut self, ids: &[u32]) -> Result<DevPtr> {
-        if 4 * ids.len() > self.ids_stage.bytes() {
+        if 4 * ids.len() > self.ids_bounce.bytes() {
             return Err(Error::internal(
                 "CUDA backend",
                 format!(
                     "{} token ids for a buffer of {}",
                     ids.len(),
-                    self.ids_stage.bytes() / 4
+                    self.ids_bounce.bytes() / 4
                 ),
             ));
         }
-        // The previous upload must have left the staging buffer before it is rewritten.
+        // The previous upload must have left the bounce buffer before it is rewritten.
         if let Some(e) = self.ids_copied.take() {
             drv(e.synchronize(), "wait for the previous token upload")?;
         }
-        // SAFETY: the staging buffer holds ≥ ids.len() u32 (checked) and no copy reads it now.
+        // SAFETY: the bounce buffer holds ≥ ids.len() u32 (checked) and no copy reads it now.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 ids.as_ptr(),
-                self.ids_stage.as_ptr().cast::<u32>(),
+                self.ids_bounce.as_ptr().cast::<u32>(),
                 ids.len(),
             )
         };
@@ -150,7 +150,7 @@ impl Backend for CudaBackend {
         let r = unsafe {
             cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
                 dst,
-                self.ids_stage.as_ptr().cast(),
+                self.ids_bounce.as_ptr().cast(),
                 4 * ids.len(),
                 self.stream.cu_stream(),
             )

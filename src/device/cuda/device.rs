@@ -8,10 +8,10 @@
 //! - `Record(e)` records a CUDA event on the stream and enqueues a host function that signals
 //!   `e` (what the streamer's host side waits on); `Wait(e)` on another stream becomes
 //!   `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
-//! - `DtoH` with `accumulate` (gradient accumulation) copies through a page-locked staging chunk
+//! - `DtoH` with `accumulate` (gradient accumulation) copies through a page-locked bounce chunk
 //!   and adds on the host, in stream order.
-//! - Buffers are `cuMemAlloc` allocations counted against the capacity the plan was checked
-//!   against (free memory at start-up, less a reserve for cuBLAS and the driver); the layer
+//! - Buffers are `cuMemAlloc` allocations counted against the capacity the schedule's buffers
+//!   were checked against (free memory at start-up, less a reserve for cuBLAS and the driver); the layer
 //!   workspace is allocated once up front. Every timed command is bracketed by two CUDA events,
 //!   turned into the timeline by `take_records`.
 //!
@@ -37,7 +37,7 @@ use std::time::Instant;
 /// Device memory kept free for cuBLAS' workspace, the context and the kernels' modules.
 pub const RESERVE_BYTES: u64 = 768 << 20;
 
-/// Elements per chunk of an accumulating device→host copy (16 MiB of staging).
+/// Elements per chunk of an accumulating device→host copy (a 16 MiB bounce chunk).
 const ACCUM_CHUNK: usize = 4 << 20;
 
 /// How to open a [`CudaDevice`].
@@ -80,7 +80,7 @@ struct Inner {
     /// CUDA events recorded for host events not yet known to have fired.
     recorded: Vec<(Event, CudaEvent)>,
     timed: Vec<Timed>,
-    staging: Option<Arc<Pinned>>,
+    bounce: Option<Arc<Pinned>>,
 }
 
 /// What the submitting thread and the watchdog share.
@@ -227,7 +227,7 @@ impl CudaDevice {
                 backend,
                 recorded: Vec::new(),
                 timed: Vec::new(),
-                staging: None,
+                bounce: None,
             }),
             error: Mutex::new(None),
         });
@@ -380,7 +380,7 @@ impl CudaDevice {
         Ok(Some(start))
     }
 
-    /// `dst[..len] += device[from..]`, through a page-locked staging chunk, in stream order.
+    /// `dst[..len] += device[from..]`, through a page-locked bounce chunk, in stream order.
     fn accumulate_dtoh(
         &self,
         g: &mut Inner,
@@ -389,18 +389,18 @@ impl CudaDevice {
         from: DevPtr,
         len: usize,
     ) -> Result<()> {
-        let staging = match &g.staging {
+        let bounce = match &g.bounce {
             Some(s) => s.clone(),
             None => {
                 let s = Arc::new(Pinned::new(&self.rt.ctx, 4 * ACCUM_CHUNK)?);
-                g.staging = Some(s.clone());
+                g.bounce = Some(s.clone());
                 s
             }
         };
         #[derive(Clone, Copy)]
         struct Span(*mut f32, *const f32, usize);
         // SAFETY: the pointers stay valid until the host function runs: `dst` by the HostRef
-        // contract, the staging chunk because the closure holds its Arc.
+        // contract, the bounce chunk because the closure holds its Arc.
         unsafe impl Send for Span {}
         for at in (0..len).step_by(ACCUM_CHUNK) {
             let n = ACCUM_CHUNK.min(len - at);
@@ -408,18 +408,18 @@ impl CudaDevice {
             // before this copy starts (stream order).
             let r = unsafe {
                 cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                    staging.as_ptr().cast(),
+                    bounce.as_ptr().cast(),
                     from + 4 * at as u64,
                     4 * n,
                     stream.cu_stream(),
                 )
             };
             drv(r.result(), "device to host copy (accumulate)")?;
-            let span = Span(dst.wrapping_add(at), staging.as_ptr().cast::<f32>(), n);
-            let keep = staging.clone();
+            let span = Span(dst.wrapping_add(at), bounce.as_ptr().cast::<f32>(), n);
+            let keep = bounce.clone();
             host_fn(stream, move || {
                 let span = span;
-                // SAFETY: see `Span`; the copy into the staging chunk completed.
+                // SAFETY: see `Span`; the copy into the bounce chunk completed.
                 let (d, s) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(span.0, span.2),

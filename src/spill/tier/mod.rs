@@ -168,7 +168,7 @@ pub struct SpillTier {
     /// Fallbacks taken (io_uring, O_DIRECT) and notes (no fixed buffers, stale files
     /// removed), one line each.
     pub warnings: Vec<String>,
-    /// Bytes the spill files occupy on disk (preallocated: two slots per extent).
+    /// Bytes the spill files occupy on disk (preallocated: two copies per extent).
     disk_bytes: u64,
     /// The spill files (deleted when the tier is dropped).
     files: Vec<std::path::PathBuf>,

@@ -71,7 +71,7 @@ pub struct SpillPlan {
     pub slots: usize,
     /// Bytes per slot (the largest spilled unit's m+v).
     pub slot_bytes: u64,
-    /// Bytes on NVMe (one copy; the files hold two slots per extent).
+    /// Bytes on NVMe (one copy; the files hold two copies per extent).
     pub nvme_bytes: u64,
 }
 
