@@ -7,7 +7,10 @@
 set -euo pipefail
 dir="${MEGATRAIN_CUDA_VENV:-$HOME/.cache/megatrain/cuda-wheels}"
 # Pinned: the versions the kernels were last checked with.
-wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-nvcc-cu12==12.9.86)
+# nvidia-cuda-cccl-cu12 holds the libcu++ headers cuda_bf16.h needs when the CUDA emulator
+# (tools/cuemu.sh) compiles kernels for the host.
+wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-nvcc-cu12==12.9.86
+        nvidia-cuda-cccl-cu12==12.9.27)
 if [ -x "$dir/bin/python" ] || python3 -m venv "$dir" >&2 2>/dev/null; then
     "$dir/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2
     site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -19,9 +22,12 @@ fi
 lib="$site/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
 inc="$site/nvidia/cuda_runtime/include"
 ptxas="$site/nvidia/cuda_nvcc/bin/ptxas"
-for f in "$lib" "$inc/cuda_bf16.h" "$ptxas"; do
+host_inc="$site/nvidia/cuda_nvcc/include:$site/nvidia/cuda_cccl/include"
+for f in "$lib" "$inc/cuda_bf16.h" "$ptxas" "$site/nvidia/cuda_nvcc/include/crt/host_defines.h" \
+         "$site/nvidia/cuda_cccl/include/nv/target"; do
     [ -e "$f" ] || { echo "error: $f missing after installing the wheels" >&2; exit 1; }
 done
 echo "export MEGATRAIN_NVRTC_LIB='$lib'"
 echo "export MEGATRAIN_CUDA_INCLUDE='$inc'"
 echo "export MEGATRAIN_PTXAS='$ptxas'"
+echo "export MEGATRAIN_CUDA_HOST_INCLUDE='$host_inc'"

@@ -316,8 +316,13 @@ pub fn render(r: &LinkReport) -> String {
     if let Some(g) = &r.gpu {
         let largest = g.cases.iter().map(|c| c.bytes).max().unwrap_or(0);
         s += &format!(
-            "host↔device — {} over {}, {} per copy, median of {} (GB/s; bidirectional = both ways summed)\n{:>8} {:>13} {:>13} {:>13} {:>15} {:>15}\n",
+            "host↔device — {}{} over {}, {} per copy, median of {} (GB/s; bidirectional = both ways summed)\n{:>8} {:>13} {:>13} {:>13} {:>15} {:>15}\n",
             g.name,
+            if g.name.contains("(cuemu)") {
+                " [EMULATED: host memory copies, not GPU figures]"
+            } else {
+                ""
+            },
             g.link,
             crate::util::human_bytes(largest as u64),
             r.reps,

@@ -60,6 +60,33 @@ pub fn compare(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
     }
 }
 
+/// Largest error of `got` against `want` relative to each element's own error scale `scale`
+/// (for TF32, Σ|x·w| of its dot product); any NaN fails.
+pub fn compare_bounded(name: &str, got: &[f32], want: &[f32], scale: &[f32], tol: f64) -> Check {
+    let err = if got.len() != want.len() || got.len() != scale.len() {
+        f64::INFINITY
+    } else {
+        got.iter()
+            .zip(want)
+            .zip(scale)
+            .map(|((g, w), s)| {
+                let (g, w, s) = (f64::from(*g), f64::from(*w), f64::from(*s));
+                if g.is_nan() || w.is_nan() {
+                    f64::INFINITY
+                } else {
+                    (g - w).abs() / s.max(1e-30)
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    Check {
+        name: name.to_owned(),
+        max_rel_err: err,
+        tolerance: tol,
+        pass: err <= tol,
+    }
+}
+
 /// The self-test's model: Llama-style with q/k/v/o biases (every kernel family runs), untied
 /// head, GQA, a vocabulary larger than one logit chunk's rows.
 pub fn small_model() -> Result<ModelConfig> {

@@ -77,10 +77,32 @@ struct Inner {
     in_use: u64,
     peak: u64,
     backend: CudaBackend,
-    /// CUDA events recorded for host events not yet known to have fired.
-    recorded: Vec<(Event, CudaEvent)>,
+    /// CUDA events recorded for host events still needed by a later `Wait`.
+    recorded: Vec<Recorded>,
     timed: Vec<Timed>,
     bounce: Option<Arc<Pinned>>,
+}
+
+/// A host event's CUDA event. Cross-stream order always goes through the CUDA event
+/// (`cuStreamWaitEvent`), never through "the host function already ran": the driver then
+/// orders the streams itself, and a checker of stream order (the CUDA emulator) sees every
+/// edge. `done` is set only by the submitting thread's own `cuEventQuery`, so a wait it then
+/// skips is one that thread has observed completed.
+#[derive(Debug)]
+struct Recorded {
+    event: Event,
+    cuda: CudaEvent,
+    done: bool,
+}
+
+/// Whether `e` completed (`cuEventQuery`); an asynchronous fault is an error.
+fn completed(e: &CudaEvent) -> Result<bool> {
+    // SAFETY: a live event.
+    match unsafe { cudarc::driver::result::event::query(e.cu_event()) } {
+        Ok(()) => Ok(true),
+        Err(x) if x.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        Err(x) => Err(Error::cuda("run the step (an asynchronous fault)", x)),
+    }
 }
 
 /// What the submitting thread and the watchdog share.
@@ -105,30 +127,26 @@ impl Shared {
                 *first = Some(e);
             }
         }
-        for (h, _) in self.lock().recorded.drain(..) {
-            h.signal();
+        for r in self.lock().recorded.drain(..) {
+            r.event.signal();
         }
     }
 
     /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
     /// from querying any pending event.
     fn check(&self) {
+        // A fault is sticky: every later query reports it, so the oldest pending event is
+        // enough (and keeps the lock short). The watchdog only looks; it prunes nothing (what it
+        // observes, the submitting thread has not).
         let fault = {
-            let mut g = self.lock();
-            g.recorded.retain(|(h, _)| !h.query());
-            // A fault is sticky: every later query reports it, so the oldest pending event is
-            // enough (and keeps the lock short).
-            g.recorded.first().and_then(|(_, ce)| {
-                // SAFETY: a live event owned by the list.
-                match unsafe { cudarc::driver::result::event::query(ce.cu_event()) } {
-                    Ok(()) => None,
-                    Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => None,
-                    Err(e) => Some(e),
-                }
-            })
+            let g = self.lock();
+            g.recorded
+                .iter()
+                .find(|r| !r.done)
+                .and_then(|r| completed(&r.cuda).err())
         };
         if let Some(e) = fault {
-            self.fail(Error::cuda("run the step (an asynchronous fault)", e));
+            self.fail(e);
         }
     }
 }
@@ -602,34 +620,41 @@ fn span(stream: &CudaStream, name: String, bytes: u64) -> Result<Span> {
     })
 }
 
-/// Signal host event `e` once everything before it on `stream` is done.
+/// Signal host event `e` once everything before it on `stream` is done. Events this thread
+/// sees completed (and whose host event fired) are dropped first.
 fn record(g: &mut Inner, stream: &CudaStream, e: Event) -> Result<Option<Span>> {
-    g.recorded.retain(|(h, _)| !h.query());
-    let ce = drv(stream.record_event(None), "record an event")?;
+    for r in g.recorded.iter_mut().filter(|r| !r.done) {
+        r.done = completed(&r.cuda)?;
+    }
+    g.recorded.retain(|r| !(r.done && r.event.query()));
+    let cuda = drv(stream.record_event(None), "record an event")?;
     let signal = e.clone();
     host_fn(stream, move || signal.signal())?;
-    g.recorded.push((e, ce));
+    g.recorded.push(Recorded {
+        event: e,
+        cuda,
+        done: false,
+    });
     Ok(None)
 }
 
-/// Hold `stream` until host event `e` fires (its CUDA event, unless it already has).
+/// Hold `stream` until host event `e` fires: a `cuStreamWaitEvent` on its CUDA event, unless
+/// this thread saw that event complete.
 fn wait(g: &mut Inner, stream: &CudaStream, kind: StreamKind, e: &Event) -> Result<Option<Span>> {
-    if !e.query() {
-        let ce = g
-            .recorded
-            .iter()
-            .find(|(h, _)| h.same(e))
-            .map(|(_, c)| c)
-            .ok_or_else(|| {
-                Error::internal(
-                    "CUDA device",
-                    format!(
-                        "a wait on {} for an event never recorded (a Wait submitted before its Record)",
-                        kind.name()
-                    ),
-                )
-            })?;
-        drv(stream.wait(ce), "wait on an event")?;
+    match g.recorded.iter().find(|r| r.event.same(e)) {
+        Some(r) if !r.done => drv(stream.wait(&r.cuda), "wait on an event")?,
+        Some(_) => {}
+        // Dropped by `record` after this thread saw it complete.
+        None if e.query() => {}
+        None => {
+            return Err(Error::internal(
+                "CUDA device",
+                format!(
+                    "a wait on {} for an event never recorded (a Wait submitted before its Record)",
+                    kind.name()
+                ),
+            ))
+        }
     }
     Ok(None)
 }

@@ -134,6 +134,12 @@ impl CudaRuntime {
         })
     }
 
+    /// Whether this is the CUDA emulator's device (`tools/cuemu.sh`), whose times are host
+    /// times, never GPU figures.
+    pub fn emulated(&self) -> bool {
+        self.name.contains("(cuemu)")
+    }
+
     /// A loaded kernel by name.
     pub fn function(&self, name: &str) -> Result<&CudaFunction> {
         self.functions
