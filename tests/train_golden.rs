@@ -1,6 +1,8 @@
 //! `megatrain train` against PyTorch + transformers (goldens from tools/golden_train.py): per-step
 //! loss and gradient norm, and the final weights, for MHA, GQA, tied, clipping and gradient
-//! accumulation, run through the CLI exactly as a user would.
+//! accumulation, run through the CLI exactly as a user would — on the CPU device, and (feature
+//! `cuda`) on the CUDA device: through the CUDA emulator, or on a real GPU with
+//! `MEGATRAIN_GPU=1`, to the same tolerance.
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 mod common;
@@ -31,14 +33,46 @@ fn read_f32_safetensors(path: &Path) -> std::collections::HashMap<String, Vec<f3
         .collect()
 }
 
+/// Where a case runs.
+#[derive(Clone, Copy)]
+enum On {
+    Cpu,
+    /// The CUDA device; `delays`: with random per-command delays in the emulator's streams, so a
+    /// missing wait changes the result.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        delays: bool,
+    },
+}
+
 fn check(case: &str) {
+    check_on(case, On::Cpu);
+}
+
+fn check_on(case: &str, on: On) {
     let dir = golden_dir(case);
     let g = common::Golden::open(&format!("train_{case}/golden.safetensors"));
     let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let (metrics, out) = (tmp.path().join("m.jsonl"), tmp.path().join("hf"));
     let arg = |k: &str| s[k].to_string();
-    let status = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    let mut command = match on {
+        On::Cpu => Command::new(env!("CARGO_BIN_EXE_megatrain")),
+        #[cfg(feature = "cuda")]
+        On::Cuda { delays } => {
+            let mut c = common::megatrain_cuda();
+            if delays {
+                c.env("CUEMU_DELAYS", "500");
+            }
+            c
+        }
+    };
+    let device: &[&str] = match on {
+        On::Cpu => &[],
+        #[cfg(feature = "cuda")]
+        On::Cuda { .. } => &["--device", "cuda"],
+    };
+    let output = command
         .args([
             "train",
             "--init-from",
@@ -75,10 +109,18 @@ fn check(case: &str) {
             out.to_str().unwrap(),
         ])
         .args(["--device-memory", "268435456"])
-        .stderr(std::process::Stdio::null())
-        .status()
+        .args(device)
+        .output()
         .unwrap();
-    assert!(status.success(), "{case}: megatrain train failed");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{case}: megatrain train failed:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("cuemu: error"),
+        "{case}: the CUDA emulator reported defects:\n{stderr}"
+    );
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
         .unwrap()
         .lines()
@@ -156,4 +198,31 @@ fn clipping() {
 #[test]
 fn grad_accumulation() {
     check("accum");
+}
+
+/// The same cases on the CUDA device.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{check_on, On};
+
+    #[test]
+    fn mha() {
+        check_on("mha", On::Cuda { delays: false });
+    }
+    #[test]
+    fn gqa_with_random_stream_delays() {
+        check_on("gqa", On::Cuda { delays: true });
+    }
+    #[test]
+    fn tied() {
+        check_on("tied", On::Cuda { delays: false });
+    }
+    #[test]
+    fn clipping() {
+        check_on("clip", On::Cuda { delays: false });
+    }
+    #[test]
+    fn grad_accumulation_with_random_stream_delays() {
+        check_on("accum", On::Cuda { delays: true });
+    }
 }

@@ -11,7 +11,16 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 [ "$#" -gt 0 ] || { echo "usage: tools/cuemu.sh CMD [ARGS...]" >&2; exit 2; }
 
-eval "$(bash "$root/tools/setup-cuda-wheels.sh")"
+# The wheels' NVRTC and headers: from the environment when tools/setup-cuda-wheels.sh was already
+# evaluated (the test suite does), else installed now. A nested call keeps the real NVRTC.
+if [ -z "${CUEMU_REAL_NVRTC:-}" ]; then
+  if [ -z "${MEGATRAIN_NVRTC_LIB:-}" ] || [ ! -f "${MEGATRAIN_NVRTC_LIB}" ] \
+     || [ -z "${MEGATRAIN_CUDA_HOST_INCLUDE:-}" ]; then
+    eval "$(bash "$root/tools/setup-cuda-wheels.sh")"
+  fi
+  export CUEMU_REAL_NVRTC="$MEGATRAIN_NVRTC_LIB"
+  export CUEMU_INCLUDE="$MEGATRAIN_CUDA_INCLUDE:$MEGATRAIN_CUDA_HOST_INCLUDE"
+fi
 target="${CARGO_TARGET_DIR:-$root/target}"
 if [ -z "${CUEMU_SKIP_BUILD:-}" ]; then
   (cd "$root" && cargo build --quiet --release -p cuemu)
@@ -24,11 +33,11 @@ stage="$target/cuemu/${CUEMU_NO_CUBLAS:+no-cublas-}lib"
 mkdir -p "$stage"
 names=(libcuda.so libcuda.so.1 libnvrtc.so libnvrtc.so.12)
 [ -n "${CUEMU_NO_CUBLAS:-}" ] || names+=(libcublas.so libcublas.so.12)
-for n in "${names[@]}"; do ln -sfn "$lib" "$stage/$n"; done
-if [ -n "${CUEMU_NO_CUBLAS:-}" ]; then rm -f "$stage/libcublas.so" "$stage/libcublas.so.12"; fi
+# Links are only ever created, never replaced while another run may be loading them.
+for n in "${names[@]}"; do
+  [ "$(readlink "$stage/$n" 2>/dev/null)" = "$lib" ] || ln -sfn "$lib" "$stage/$n"
+done
 
-export CUEMU_REAL_NVRTC="$MEGATRAIN_NVRTC_LIB"
-export CUEMU_INCLUDE="$MEGATRAIN_CUDA_INCLUDE:$MEGATRAIN_CUDA_HOST_INCLUDE"
 export CUEMU_SIMT="$root/tools/cuemu/simt"
 export MEGATRAIN_NVRTC_LIB="$stage/libnvrtc.so.12"
 export LD_LIBRARY_PATH="$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -3,7 +3,9 @@
 # Idempotent: installs nothing that is already there.
 set -euo pipefail
 
-APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev gcc libc6-dev)
+# g++: the CUDA emulator (tools/cuemu.sh) compiles CUDA kernels for the host with it.
+# python3-venv: tools/setup-cuda-wheels.sh installs NVIDIA's PyPI wheels into a venv.
+APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev gcc g++ libc6-dev python3-venv)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite: formatting, lints (default and `cuda` feature), every test, and every CUDA
-# kernel compiled by NVRTC (installed from PyPI wheels; no GPU or toolkit needed).
+# The test suite: formatting, lints (default and `cuda` feature, and the CUDA emulator), every
+# test, every CUDA kernel compiled by NVRTC (installed from PyPI wheels; no GPU or toolkit
+# needed), and the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh).
 # This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,8 @@ echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 echo "== cargo clippy --all-targets --features cuda -- -D warnings (no CUDA toolkit needed)"
 cargo clippy --all-targets --features cuda --quiet -- -D warnings
+echo "== cargo clippy -p cuemu --all-targets -- -D warnings (the CUDA emulator)"
+cargo clippy -p cuemu --all-targets --quiet -- -D warnings
 echo "== aarch64 (Grace) cross-check of the NEON paths"
 if rustup target list --installed 2>/dev/null | grep -q aarch64-unknown-linux-gnu \
    || rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1; then
@@ -22,6 +25,11 @@ else
 fi
 echo "== cargo test"
 cargo test --all-targets
+cargo test -p cuemu
 echo "== CUDA kernels through NVRTC for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"
 eval "$(bash tools/setup-cuda-wheels.sh)"
 MEGATRAIN_REQUIRE_NVRTC=1 cargo test --features cuda --test kernels -- --nocapture
+echo "== the CUDA path under the CUDA emulator: selftest, training vs PyTorch, the emulator's teeth"
+# Every launch of the self-test runs under three thread schedules and shared-memory poisons.
+CUEMU_SCHEDULES=3 cargo test --features cuda --test cuda_gpu
+cargo test --features cuda --test train_golden --test cuemu

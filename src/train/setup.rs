@@ -264,9 +264,12 @@ fn allocate_store(
         "device: {}{}",
         device.name(),
         match (&pci, gpu) {
-            (Some(id), Some(i)) => format!(
+            (Some(id), Some(i)) if !machine.gpus[i].numa_nodes.is_empty() => format!(
                 " at {id}: host state streamed from NUMA node(s) {:?}",
                 machine.gpus[i].numa_nodes
+            ),
+            (Some(id), Some(_)) => format!(
+                " at {id}: the topology does not say which NUMA node it is attached to; placed as for no GPU"
             ),
             (Some(id), None) =>
                 format!(" at {id}: not in the probed topology, placed as for no GPU"),

@@ -79,3 +79,18 @@ pub fn rel_err(a: &[f32], b: &[f32], floor: f32) -> f32 {
         .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
         / scale
 }
+
+/// `megatrain` on the CUDA device: directly on a real GPU when `MEGATRAIN_GPU=1`, else through
+/// `tools/cuemu.sh` (the CUDA emulator). The same test, either way.
+pub fn megatrain_cuda() -> std::process::Command {
+    let bin = env!("CARGO_BIN_EXE_megatrain");
+    if std::env::var("MEGATRAIN_GPU").is_ok_and(|v| v == "1") {
+        std::process::Command::new(bin)
+    } else {
+        let mut c = std::process::Command::new(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/cuemu.sh"),
+        );
+        c.arg(bin);
+        c
+    }
+}

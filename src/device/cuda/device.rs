@@ -80,7 +80,7 @@ struct Inner {
     /// CUDA events recorded for host events still needed by a later `Wait`.
     recorded: Vec<Recorded>,
     timed: Vec<Timed>,
-    bounce: Option<Arc<Pinned>>,
+    bounce: Option<Pinned>,
 }
 
 /// A host event's CUDA event. Cross-stream order always goes through the CUDA event
@@ -110,6 +110,9 @@ fn completed(e: &CudaEvent) -> Result<bool> {
 struct Shared {
     inner: Mutex<Inner>,
     error: Mutex<Option<Error>>,
+    /// The device's streams (copy-in, compute, copy-out), drained before anything waiting on
+    /// them is released.
+    streams: [Arc<CudaStream>; 3],
 }
 
 impl Shared {
@@ -120,6 +123,11 @@ impl Shared {
     /// Keep the first error, and fire every host event still pending: a stream that failed
     /// never reaches them, and the host must not wait forever (it reads the error next).
     /// Call without the `inner` lock held.
+    ///
+    /// The streams are drained first: until the work already queued has finished (or the
+    /// context has failed, which stops it), the host must not treat buffers the GPU still reads
+    /// or writes as free — firing the events early would let it reuse or release them under a
+    /// copy in flight. After a failure nothing new is enqueued ([`CudaDevice::submit`]).
     fn fail(&self, e: Error) {
         {
             let mut first = lock(&self.error);
@@ -127,9 +135,21 @@ impl Shared {
                 *first = Some(e);
             }
         }
+        self.drain();
         for r in self.lock().recorded.drain(..) {
             r.event.signal();
         }
+    }
+
+    /// Wait for everything queued on the streams (a failed context returns at once).
+    fn drain(&self) {
+        for s in &self.streams {
+            let _ = s.synchronize();
+        }
+    }
+
+    fn failed(&self) -> bool {
+        lock(&self.error).is_some()
     }
 
     /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
@@ -169,6 +189,8 @@ pub struct CudaDevice {
     ws: DevPtr,
     epoch: Instant,
     epoch_event: CudaEvent,
+    /// The event the last batch of records was measured from, and its seconds since the epoch.
+    anchor: Mutex<Option<(CudaEvent, f64)>>,
 }
 
 fn alloc_raw(bytes: usize, label: &str, free: u64) -> Result<DevPtr> {
@@ -248,6 +270,7 @@ impl CudaDevice {
                 bounce: None,
             }),
             error: Mutex::new(None),
+            streams: streams.clone(),
         });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let watchdog = {
@@ -255,7 +278,13 @@ impl CudaDevice {
             std::thread::Builder::new()
                 .name("cuda-watchdog".into())
                 .spawn(move || {
-                    if ctx.bind_to_thread().is_err() {
+                    // Without its context the watchdog cannot see a fault, and the first one
+                    // would leave the streamer waiting forever: the device fails instead.
+                    if let Err(e) = ctx.bind_to_thread() {
+                        shared.fail(
+                            Error::cuda("bind the context on the CUDA watchdog thread", e)
+                                .with_fix("check the GPU with nvidia-smi; the driver refused a context it had just created"),
+                        );
                         return;
                     }
                     while !stop.load(std::sync::atomic::Ordering::Acquire) {
@@ -281,6 +310,7 @@ impl CudaDevice {
             ws,
             epoch,
             epoch_event,
+            anchor: Mutex::new(None),
         })
     }
 
@@ -353,7 +383,7 @@ impl CudaDevice {
                     stream.cu_stream(),
                 )
             };
-            drv(r.result(), "device to host copy")?;
+            drv(r.result(), &format!("device to host copy of {label}"))?;
         }
         Ok(Some(start))
     }
@@ -407,18 +437,20 @@ impl CudaDevice {
         from: DevPtr,
         len: usize,
     ) -> Result<()> {
-        let bounce = match &g.bounce {
-            Some(s) => s.clone(),
-            None => {
-                let s = Arc::new(Pinned::new(&self.rt.ctx, 4 * ACCUM_CHUNK)?);
-                g.bounce = Some(s.clone());
-                s
-            }
-        };
+        // The bounce chunk belongs to the device alone (freed when the device drops, after its
+        // streams are drained): a host function never holds it, so none can free page-locked
+        // memory — a CUDA call — from inside the driver's callback.
+        if g.bounce.is_none() {
+            g.bounce = Some(Pinned::new(&self.rt.ctx, 4 * ACCUM_CHUNK)?);
+        }
+        let bounce = g
+            .bounce
+            .as_ref()
+            .map_or(std::ptr::null_mut(), Pinned::as_ptr);
         #[derive(Clone, Copy)]
         struct Span(*mut f32, *const f32, usize);
         // SAFETY: the pointers stay valid until the host function runs: `dst` by the HostRef
-        // contract, the bounce chunk because the closure holds its Arc.
+        // contract, the bounce chunk because the device keeps it until its streams are drained.
         unsafe impl Send for Span {}
         for at in (0..len).step_by(ACCUM_CHUNK) {
             let n = ACCUM_CHUNK.min(len - at);
@@ -426,15 +458,14 @@ impl CudaDevice {
             // before this copy starts (stream order).
             let r = unsafe {
                 cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                    bounce.as_ptr().cast(),
+                    bounce.cast(),
                     from + 4 * at as u64,
                     4 * n,
                     stream.cu_stream(),
                 )
             };
             drv(r.result(), "device to host copy (accumulate)")?;
-            let span = Span(dst.wrapping_add(at), bounce.as_ptr().cast::<f32>(), n);
-            let keep = bounce.clone();
+            let span = Span(dst.wrapping_add(at), bounce.cast::<f32>(), n);
             host_fn(stream, move || {
                 let span = span;
                 // SAFETY: see `Span`; the copy into the bounce chunk completed.
@@ -447,7 +478,6 @@ impl CudaDevice {
                 for (a, b) in d.iter_mut().zip(s) {
                     *a += *b;
                 }
-                drop(keep);
             })?;
         }
         Ok(())
@@ -511,6 +541,14 @@ impl Device for CudaDevice {
             Cmd::Record(e) => Some(e.clone()),
             _ => None,
         };
+        // After a failure nothing more is enqueued: the step is over and reads the error.
+        // A record's host event is fired so nothing waits on it forever.
+        if self.shared.failed() {
+            if let Some(e) = record {
+                e.signal();
+            }
+            return;
+        }
         let mut g = self.lock();
         if let Err(e) = drv(self.rt.ctx.bind_to_thread(), "bind the context")
             .and_then(|()| self.enqueue(&mut g, stream, cmd))
@@ -545,27 +583,52 @@ impl Device for CudaDevice {
         g.peak = g.in_use;
     }
 
+    /// Every time is measured from an anchor in the same batch of records (the first op's
+    /// start), as f32 milliseconds over that short span; the anchor's own time is carried
+    /// from anchor to anchor in f64 seconds. Measured from one event at start-up instead,
+    /// f32 milliseconds would quantise every duration to milliseconds after a few hours.
     fn take_records(&self) -> Vec<OpRecord> {
         let timed = std::mem::take(&mut self.lock().timed);
-        let mut out = Vec::with_capacity(timed.len());
-        for t in timed {
-            let times = t.end.synchronize().and_then(|()| {
-                Ok((
-                    self.epoch_event.elapsed_ms(&t.start)?,
-                    self.epoch_event.elapsed_ms(&t.end)?,
-                ))
-            });
-            match times {
-                Ok((a, b)) => out.push(OpRecord {
-                    stream: t.stream,
-                    name: t.name,
-                    start: f64::from(a) * 1e-3,
-                    end: f64::from(b) * 1e-3,
-                    bytes: t.bytes,
-                }),
-                Err(e) => self.fail(Error::cuda(format!("time {}", t.name), e)),
+        let Some(first) = timed.first() else {
+            return Vec::new();
+        };
+        let mut anchor = lock(&self.anchor);
+        let (since, since_s) = anchor
+            .as_ref()
+            .map_or((&self.epoch_event, 0.0), |(e, s)| (e, *s));
+        let times = timed
+            .iter()
+            .try_fold(Vec::with_capacity(timed.len()), |mut v, t| {
+                t.end.synchronize()?;
+                v.push((
+                    first.start.elapsed_ms(&t.start)?,
+                    first.start.elapsed_ms(&t.end)?,
+                ));
+                Ok::<_, cudarc::driver::DriverError>(v)
+            })
+            .and_then(|v| Ok((since.elapsed_ms(&first.start)?, v)));
+        let (anchor_ms, times) = match times {
+            Ok(t) => t,
+            Err(e) => {
+                drop(anchor);
+                self.fail(Error::cuda("time the step's commands", e));
+                return Vec::new();
             }
+        };
+        let anchor_s = since_s + f64::from(anchor_ms) * 1e-3;
+        let mut out = Vec::with_capacity(timed.len());
+        let mut next_anchor = None;
+        for (t, (a, b)) in timed.into_iter().zip(times) {
+            out.push(OpRecord {
+                stream: t.stream,
+                name: t.name,
+                start: anchor_s + f64::from(a) * 1e-3,
+                end: anchor_s + f64::from(b) * 1e-3,
+                bytes: t.bytes,
+            });
+            next_anchor.get_or_insert(t.start);
         }
+        *anchor = next_anchor.map(|e| (e, anchor_s));
         out
     }
 
@@ -681,7 +744,7 @@ fn htod(
             stream.cu_stream(),
         )
     };
-    drv(r.result(), "host to device copy")?;
+    drv(r.result(), &format!("host to device copy of {label}"))?;
     Ok(Some(start))
 }
 

@@ -1,6 +1,6 @@
 //! Compiling `kernels/*.cu` with NVRTC (feature `cuda`).
 //!
-//! NVRTC is loaded at run time. Where it lives: `MEGATRAIN_NVRTC_LIB` (a path to `libnvrtc.so*`),
+//! NVRTC (and cuBLAS, [`load_cublas`]) is loaded at run time. Where it lives: `MEGATRAIN_NVRTC_LIB` (a path to `libnvrtc.so*`),
 //! else `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64`; the CUDA headers (`cuda_bf16.h`) from
 //! `MEGATRAIN_CUDA_INCLUDE`, else `$CUDA_PATH/include`, `/usr/local/cuda/include`. The PyPI wheels
 //! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` provide both on a machine with no
@@ -73,10 +73,25 @@ pub fn locate() -> Result<Toolchain> {
 
 /// Open NVRTC by its absolute path (idempotent).
 pub fn load(tc: &Toolchain) -> Result<()> {
-    let path = CString::new(tc.library.as_os_str().as_encoded_bytes()).map_err(|_| {
-        Error::bad_input(
+    dlopen_global(&tc.library)?;
+    // SAFETY: the library is loaded, so cudarc's loader finds it and does not panic.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::system(
             "NVRTC",
             tc.library.display().to_string(),
+            "loaded, but cudarc cannot find it by soname (a libnvrtc.so.12 is expected)",
+        ));
+    }
+    Ok(())
+}
+
+/// Open `lib` by its absolute path with `RTLD_GLOBAL` (idempotent), so cudarc's lookup by
+/// soname finds it. The handle is kept for the process.
+pub fn dlopen_global(lib: &Path) -> Result<()> {
+    let path = CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|_| {
+        Error::bad_input(
+            "library",
+            lib.display().to_string(),
             "path contains NUL",
             None,
         )
@@ -94,18 +109,31 @@ pub fn load(tc: &Toolchain) -> Result<()> {
                 CStr::from_ptr(e).to_string_lossy().into_owned()
             }
         };
-        return Err(Error::system(
-            "dlopen",
-            tc.library.display().to_string(),
-            why,
-        ));
+        return Err(Error::system("dlopen", lib.display().to_string(), why));
     }
-    // SAFETY: the library is loaded, so cudarc's loader finds it and does not panic.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(Error::system(
-            "NVRTC",
-            tc.library.display().to_string(),
-            "loaded, but cudarc cannot find it by soname (a libnvrtc.so.12 is expected)",
+    Ok(())
+}
+
+/// Make cuBLAS loadable, or say how: `MEGATRAIN_CUBLAS_LIB` (opened by path), else whatever the
+/// loader finds (`LD_LIBRARY_PATH`, `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64`). cudarc panics
+/// on its first cuBLAS call when the library is missing, so this runs before any.
+pub fn load_cublas() -> Result<()> {
+    let given = candidates(
+        "MEGATRAIN_CUBLAS_LIB",
+        &["lib64/libcublas.so.12", "lib64/libcublas.so"],
+    )
+    .into_iter()
+    .find(|p| p.is_file());
+    if let Some(p) = &given {
+        dlopen_global(p)?;
+    }
+    // SAFETY: only tries to dlopen the library by its usual names.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(Error::bad_input(
+            "cuBLAS",
+            "libcublas.so.12",
+            "not found (MEGATRAIN_CUBLAS_LIB, LD_LIBRARY_PATH, $CUDA_PATH/lib64, /usr/local/cuda/lib64)",
+            Some("install the CUDA toolkit's cuBLAS, or run `tools/setup-cuda-wheels.sh --cublas` and export what it prints"),
         ));
     }
     Ok(())
@@ -118,8 +146,11 @@ pub struct Compiled {
     pub file: &'static str,
     /// Target architecture.
     pub arch: String,
-    /// The PTX.
+    /// The PTX (what `tools/ptxas_report.sh` reads).
     pub ptx: String,
+    /// The CUBIN for `arch`: what the device loads. Loading it needs no PTX JIT, so a driver
+    /// older than this NVRTC (which emits a PTX ISA the driver cannot JIT) still runs it.
+    pub cubin: Vec<u8>,
     /// NVRTC's log (warnings), empty when clean.
     pub log: String,
 }
@@ -155,12 +186,23 @@ pub fn compile(tc: &Toolchain, f: &KernelFile, arch: &str) -> Result<Compiled> {
         .map(|l| c_chars_to_string(&l))
         .unwrap_or_default();
     let ptx = match compiled {
-        // SAFETY: as above; the program compiled.
-        Ok(()) => unsafe { result::get_ptx(prog) }
-            .map(|p| c_chars_to_string(&p))
-            .map_err(|e| {
-                Error::system("NVRTC", format!("get PTX of {}", f.file), format!("{e:?}"))
-            }),
+        Ok(()) => {
+            // SAFETY: as above; the program compiled.
+            let ptx = unsafe { result::get_ptx(prog) }
+                .map(|p| c_chars_to_string(&p))
+                .map_err(|e| {
+                    Error::system("NVRTC", format!("get PTX of {}", f.file), format!("{e:?}"))
+                });
+            // SAFETY: as above.
+            let cubin = unsafe { cubin(prog) }.map_err(|e| {
+                Error::system(
+                    "NVRTC",
+                    format!("get the CUBIN of {} for {arch}", f.file),
+                    e,
+                )
+            });
+            ptx.and_then(|p| cubin.map(|c| (p, c)))
+        }
         Err(e) => Err(Error::system(
             "NVRTC",
             format!("compile {} for {arch}", f.file),
@@ -169,12 +211,35 @@ pub fn compile(tc: &Toolchain, f: &KernelFile, arch: &str) -> Result<Compiled> {
     };
     // SAFETY: destroyed exactly once.
     let _ = unsafe { result::destroy_program(prog) };
+    let (ptx, cubin) = ptx?;
     Ok(Compiled {
         file: f.file,
         arch: arch.to_owned(),
-        ptx: ptx?,
+        ptx,
+        cubin,
         log: log.trim().to_owned(),
     })
+}
+
+/// The CUBIN of a compiled program (its target is a real `sm_XY`).
+///
+/// # Safety
+/// `prog` compiled successfully and is not destroyed yet.
+unsafe fn cubin(prog: cudarc::nvrtc::sys::nvrtcProgram) -> std::result::Result<Vec<u8>, String> {
+    use cudarc::nvrtc::sys;
+    let mut n = 0usize;
+    // SAFETY: the caller's contract; `n` is a valid out-pointer.
+    let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut n) };
+    if r != sys::nvrtcResult::NVRTC_SUCCESS || n == 0 {
+        return Err(format!("nvrtcGetCUBINSize: {r:?}"));
+    }
+    let mut buf = vec![0u8; n];
+    // SAFETY: `buf` holds the `n` bytes NVRTC reported.
+    let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) };
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcGetCUBIN: {r:?}"));
+    }
+    Ok(buf)
 }
 
 /// Compile every kernel file for `arch` and check each exports its kernels.

@@ -50,12 +50,15 @@ impl CudaRuntime {
         let mut rt = Self::open_context(ordinal)?;
         let tc = nvrtc::locate()?;
         nvrtc::load(&tc)?;
+        nvrtc::load_cublas()?;
         let arch = format!("sm_{}{}", rt.cc.0, rt.cc.1);
         for (f, c) in FILES.iter().zip(nvrtc::compile_all(&tc, &arch)?) {
+            // The CUBIN for this device, not the PTX: a driver older than NVRTC cannot JIT
+            // its PTX ISA (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), but runs its CUBIN.
             let module = drv(
                 rt.ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_src(c.ptx.clone())),
-                &format!("load {}", f.file),
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone())),
+                &format!("load {} (CUBIN for {arch})", f.file),
             )?;
             for k in f.kernels {
                 rt.functions.insert(

@@ -138,7 +138,8 @@ fn thread_name() -> String {
         .into_owned()
 }
 
-fn injected(name: &str) -> Option<i32> {
+/// Whether an injected fault (`CUEMU_FAIL`) hits this call of `name`: its code.
+pub fn injected(name: &str) -> Option<i32> {
     static COUNTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let points = &config::get().fail;
     if points.is_empty() {

@@ -48,6 +48,10 @@ pub struct Config {
     pub cxx: String,
     /// `CUEMU_FAIL`: `NAME[@THREAD][:N][=CODE],…` faults to inject.
     pub fail: Vec<FailPoint>,
+    /// `CUEMU_CLOCK_SKIP`: seconds added to the timestamps of events recorded after the
+    /// program's first `cuEventSynchronize` — as if it had been running that long (what hours
+    /// of uptime do to a timeline kept in f32 milliseconds).
+    pub clock_skip: f64,
 }
 
 pub fn get() -> &'static Config {
@@ -104,6 +108,9 @@ fn read() -> Config {
         fail: var("CUEMU_FAIL")
             .map(|v| parse_fail(&v))
             .unwrap_or_default(),
+        clock_skip: var("CUEMU_CLOCK_SKIP")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0),
         profile,
     }
 }

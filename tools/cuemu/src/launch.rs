@@ -530,6 +530,16 @@ impl Launch {
 
 impl Work for Launch {
     fn run(self: Box<Self>, stream: &Stream) {
+        // `CUEMU_FAIL=launch:N`: the Nth kernel to run faults, as a kernel's illegal address
+        // would (asynchronously: the launch call itself succeeded).
+        if let Some(code) = api::injected("launch") {
+            report::warning(&format!(
+                "{} on {}: injected asynchronous fault",
+                self.what, stream.name
+            ));
+            api::set_sticky(code);
+            return;
+        }
         let schedules = &config::get().schedules;
         let snap = if schedules.len() > 1 {
             snapshot(&self.allocs)

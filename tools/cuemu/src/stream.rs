@@ -204,7 +204,7 @@ impl Stream {
                 })
             }
             Cmd::Record(slot) => {
-                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(event_clock());
             }
             Cmd::Wait { stream, seq } => stream.wait_for(seq),
         }
@@ -275,7 +275,7 @@ impl Stream {
                 let acc = Access {
                     agent: self.agent,
                     time,
-                    what: what.clone(),
+                    what: Arc::from(format!("{what} on {}", self.name)),
                 };
                 if let Some(c) = a.log.record(acc, &g.clock, t.write) {
                     hazard.get_or_insert((a.name(), t.write, c));
@@ -343,6 +343,20 @@ impl Stream {
             *g
         };
         Stream::register(Stream::spawn(format!("stream {n}")))
+    }
+}
+
+static SYNCHRONIZED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The time an event records: now, plus `CUEMU_CLOCK_SKIP` once the program has synchronised on
+/// an event.
+fn event_clock() -> Instant {
+    let skip = config::get().clock_skip;
+    let now = Instant::now();
+    if skip > 0.0 && SYNCHRONIZED.load(std::sync::atomic::Ordering::Acquire) {
+        now + Duration::from_secs_f64(skip)
+    } else {
+        now
     }
 }
 
@@ -430,6 +444,7 @@ impl Event {
             r.stream.wait_for(r.seq);
             clock::host_observes(&r.clock);
         }
+        SYNCHRONIZED.store(true, std::sync::atomic::Ordering::Release);
     }
 }
 

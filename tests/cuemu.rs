@@ -1,0 +1,754 @@
+//! The CUDA path run by cuemu, the CUDA emulator (`tools/cuemu.sh`): the emulator's teeth, and
+//! megatrain's CUDA failure paths.
+//!
+//! This binary is its own runner (`harness = false`). Without `CUEMU_SCENARIO` it is the parent:
+//! each check starts a child through `tools/cuemu.sh` — `megatrain` itself, or this binary with
+//! `CUEMU_SCENARIO=<name>`, which then drives the CUDA driver, NVRTC and cuBLAS directly — and
+//! reads what the child and the emulator printed. Arguments that do not start with `-` filter
+//! the checks by name.
+//!
+//! The teeth: each of seven bugs is applied to a copy of a kernel or a launch and must be
+//! reported by the emulator by kind, with the kernel (or GEMM, or call) named — not just show as
+//! a wrong number — while the same scenario without the bug must run clean. These need the
+//! emulator even on a GPU machine; so do the checks of megatrain's failure paths, which use its
+//! fault injection. The checks that hold on real hardware (the self-test, training against
+//! PyTorch) are in `tests/cuda_gpu.rs` and `tests/train_golden.rs`, and run on a GPU with
+//! `MEGATRAIN_GPU=1`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::print_stderr,
+    clippy::print_stdout,
+    clippy::exit
+)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn megatrain() -> &'static str {
+    env!("CARGO_BIN_EXE_megatrain")
+}
+
+/// A command run through the emulator (built on first use by tools/cuemu.sh).
+fn emulated(program: &Path) -> Command {
+    let mut c = Command::new(root().join("tools/cuemu.sh"));
+    c.arg(program);
+    c
+}
+
+/// Run `c` with a time limit; a hang is a failure, not a stuck test suite.
+fn run(mut c: Command, limit: Duration) -> Result<Output, String> {
+    c.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().map_err(|e| format!("cannot start {c:?}: {e}"))?;
+    let t0 = Instant::now();
+    loop {
+        if child.try_wait().map_err(|e| e.to_string())?.is_some() {
+            return child.wait_with_output().map_err(|e| e.to_string());
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().map_err(|e| e.to_string())?;
+            return Err(format!(
+                "still running after {limit:?} (a hang); stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// The emulator's error reports in `stderr`.
+fn reports(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("cuemu: error:"))
+        .collect()
+}
+
+// ---- megatrain on the emulated GPU -----------------------------------------------------------------
+
+const CASE: &str = "tests/golden/train_accum";
+
+/// `megatrain train --device cuda` on the accumulation golden case (tiny, 4 steps).
+fn train(extra: &[&str]) -> Command {
+    let mut c = emulated(Path::new(megatrain()));
+    let d = root().join(CASE);
+    c.args(["train", "--device", "cuda", "--init-from"])
+        .arg(d.join("init"))
+        .arg("--data")
+        .arg(d.join("data.bin"))
+        .args(["--seq-len", "20", "--batch-size", "2", "--grad-accum", "2"])
+        .args(["--steps", "4", "--device-memory", "268435456"])
+        .args(extra);
+    c
+}
+
+fn expect_clean_failure(out: &Output, needle: &str) -> Result<(), String> {
+    let (_, err) = text(out);
+    if out.status.success() {
+        return Err(format!("exited 0; stderr:\n{err}"));
+    }
+    if err.contains("panicked") {
+        return Err(format!("panicked:\n{err}"));
+    }
+    if !reports(&err).is_empty() {
+        return Err(format!(
+            "the emulator found defects on the failure path:\n{}",
+            reports(&err).join("\n")
+        ));
+    }
+    if !err.contains(needle) {
+        return Err(format!("stderr does not name `{needle}`:\n{err}"));
+    }
+    Ok(())
+}
+
+/// A driver 12.8 cannot JIT the PTX ISA 8.8 that NVRTC 12.9 emits: megatrain loads the CUBIN
+/// for the device instead, so it runs there.
+fn runs_on_a_cuda_12_8_driver() -> Result<(), String> {
+    let mut c = train(&[]);
+    c.env("CUEMU_DRIVER", "12080");
+    let out = run(c, Duration::from_secs(300))?;
+    let (_, err) = text(&out);
+    if !out.status.success() || !reports(&err).is_empty() {
+        return Err(format!("failed on an emulated 12.8 driver:\n{err}"));
+    }
+    Ok(())
+}
+
+/// Without libcublas the device open is a clean error naming the library and the fix.
+fn a_missing_cublas_is_named() -> Result<(), String> {
+    let mut c = train(&[]);
+    c.env("CUEMU_NO_CUBLAS", "1");
+    let out = run(c, Duration::from_secs(300))?;
+    expect_clean_failure(&out, "libcublas.so.12")?;
+    if out.status.code() != Some(2) {
+        return Err(format!(
+            "exit status {:?}, not 2 (bad input)",
+            out.status.code()
+        ));
+    }
+    Ok(())
+}
+
+/// An enqueue failure mid-step, with the streams still busy (random delays): a clean error, and
+/// no host memory released, no buffer reused and no CUDA call made from a host function while
+/// copies are in flight.
+fn an_enqueue_failure_drains_before_releasing() -> Result<(), String> {
+    for n in [20, 45, 75] {
+        let mut c = train(&[]);
+        c.env("CUEMU_DELAYS", "3000")
+            .env("CUEMU_FAIL", format!("cuMemcpyHtoDAsync_v2:{n}"));
+        let out = run(c, Duration::from_secs(300))?;
+        expect_clean_failure(&out, "host to device copy of")
+            .map_err(|e| format!("copy {n}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// The watchdog thread cannot bind the context: the run fails saying so (it used to go on
+/// without one, and the first fault would have hung it).
+fn a_watchdog_without_context_fails_the_run() -> Result<(), String> {
+    let mut c = train(&[]);
+    c.env("CUEMU_FAIL", "cuCtxSetCurrent@cuda-watchdog");
+    let out = run(c, Duration::from_secs(300))?;
+    expect_clean_failure(&out, "watchdog")
+}
+
+/// A kernel faulting asynchronously ends the run with the fault, without hanging.
+fn an_asynchronous_fault_ends_the_run() -> Result<(), String> {
+    let mut c = train(&[]);
+    c.env("CUEMU_FAIL", "launch:40");
+    let out = run(c, Duration::from_secs(300))?;
+    expect_clean_failure(&out, "asynchronous fault")
+}
+
+/// After ten hours of uptime an f32 millisecond count since start-up is 4 ms coarse; the
+/// timeline's durations are measured within the step, so they stay exact.
+fn durations_stay_exact_after_hours_of_uptime() -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let metrics = dir.path().join("m.jsonl");
+    let mut c = train(&["--metrics", metrics.to_str().unwrap()]);
+    c.env("CUEMU_CLOCK_SKIP", "36000");
+    let out = run(c, Duration::from_secs(300))?;
+    if !out.status.success() {
+        return Err(text(&out).1);
+    }
+    let lines = std::fs::read_to_string(&metrics).map_err(|e| e.to_string())?;
+    for l in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).map_err(|e| e.to_string())?;
+        for key in ["compute_s", "transfer_s"] {
+            let s = v[key].as_f64().unwrap_or(0.0);
+            let quanta = s / 0.004;
+            if s <= 0.0 || (quanta - quanta.round()).abs() < 1e-6 {
+                return Err(format!(
+                    "step {}: {key} = {s} s, a multiple of the 4 ms an f32 count of 10 h has",
+                    v["step"]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---- the teeth -------------------------------------------------------------------------------------
+
+/// Run scenario `name` in a child under the emulator; with `bug`, expect a report of `kind`
+/// naming every string of `names`; without, expect a clean run.
+fn scenario(
+    name: &str,
+    bug: bool,
+    kind: &str,
+    names: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut c = emulated(&exe);
+    c.env("CUEMU_SCENARIO", name)
+        .env("CUEMU_SCENARIO_BUG", if bug { "1" } else { "0" });
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = run(c, Duration::from_secs(300))?;
+    let (o, err) = text(&out);
+    let found = reports(&err);
+    if !bug {
+        if !found.is_empty() || !out.status.success() {
+            return Err(format!(
+                "{name} without the bug is not clean (exit {:?}):\n{o}{err}",
+                out.status.code()
+            ));
+        }
+        return Ok(());
+    }
+    let hit = found
+        .iter()
+        .find(|l| l.contains(&format!("cuemu: error: {kind}")))
+        .ok_or_else(|| format!("{name}: no `{kind}` report; stderr:\n{err}"))?;
+    if let Some(missing) = names.iter().find(|n| !hit.contains(*n)) {
+        return Err(format!(
+            "{name}: the report does not name `{missing}`: {hit}"
+        ));
+    }
+    Ok(())
+}
+
+fn teeth_deleted_syncthreads_in_attention() -> Result<(), String> {
+    let env = [("CUEMU_SCHEDULES", "3")];
+    scenario("attention", false, "", &[], &env)?;
+    scenario(
+        "attention",
+        true,
+        "schedule-dependent result",
+        &["attention_fwd_f32", "launch #"],
+        &env,
+    )
+}
+
+fn teeth_block_not_a_multiple_of_32_in_a_warp_reduction() -> Result<(), String> {
+    scenario("rmsnorm-block", false, "", &[], &[])?;
+    scenario(
+        "rmsnorm-block",
+        true,
+        "warp operation",
+        &["rmsnorm_fwd_f32", "launch #", "does not exist"],
+        &[],
+    )
+}
+
+fn teeth_grid_one_block_short() -> Result<(), String> {
+    scenario("rmsnorm-grid", false, "", &[], &[])?;
+    scenario(
+        "rmsnorm-grid",
+        true,
+        "read of never-written device memory",
+        &["rmsnorm_fwd_f32", "launch #"],
+        &[],
+    )
+}
+
+fn teeth_out_of_bounds_write() -> Result<(), String> {
+    scenario("rmsnorm-oob", false, "", &[], &[])?;
+    scenario(
+        "rmsnorm-oob",
+        true,
+        "out-of-bounds",
+        &["rmsnorm_fwd_f32", "launch #"],
+        &[],
+    )
+}
+
+fn teeth_wrong_leading_dimension_in_a_gemm() -> Result<(), String> {
+    scenario("gemm-lda", false, "", &[], &[])?;
+    scenario(
+        "gemm-lda",
+        true,
+        "invalid cuBLAS argument",
+        &["cublasSgemm_v2", "lda"],
+        &[],
+    )
+}
+
+fn teeth_removed_stream_wait_between_copy_in_and_compute() -> Result<(), String> {
+    scenario("stream-wait", false, "", &[], &[])?;
+    scenario(
+        "stream-wait",
+        true,
+        "stream hazard",
+        &["rmsnorm_fwd_f32", "cuMemcpyHtoDAsync"],
+        &[],
+    )
+}
+
+fn teeth_host_function_calling_cuda() -> Result<(), String> {
+    scenario("host-function", false, "", &[], &[])?;
+    scenario(
+        "host-function",
+        true,
+        "CUDA call from a host function",
+        &["cuMemAlloc_v2", "host function"],
+        &[],
+    )
+}
+
+// ---- the runner ------------------------------------------------------------------------------------
+
+type Check = (&'static str, fn() -> Result<(), String>);
+
+const CHECKS: &[Check] = &[
+    (
+        "teeth_deleted_syncthreads_in_attention",
+        teeth_deleted_syncthreads_in_attention,
+    ),
+    (
+        "teeth_block_not_a_multiple_of_32_in_a_warp_reduction",
+        teeth_block_not_a_multiple_of_32_in_a_warp_reduction,
+    ),
+    ("teeth_grid_one_block_short", teeth_grid_one_block_short),
+    ("teeth_out_of_bounds_write", teeth_out_of_bounds_write),
+    (
+        "teeth_wrong_leading_dimension_in_a_gemm",
+        teeth_wrong_leading_dimension_in_a_gemm,
+    ),
+    (
+        "teeth_removed_stream_wait_between_copy_in_and_compute",
+        teeth_removed_stream_wait_between_copy_in_and_compute,
+    ),
+    (
+        "teeth_host_function_calling_cuda",
+        teeth_host_function_calling_cuda,
+    ),
+    ("runs_on_a_cuda_12_8_driver", runs_on_a_cuda_12_8_driver),
+    ("a_missing_cublas_is_named", a_missing_cublas_is_named),
+    (
+        "an_enqueue_failure_drains_before_releasing",
+        an_enqueue_failure_drains_before_releasing,
+    ),
+    (
+        "a_watchdog_without_context_fails_the_run",
+        a_watchdog_without_context_fails_the_run,
+    ),
+    (
+        "an_asynchronous_fault_ends_the_run",
+        an_asynchronous_fault_ends_the_run,
+    ),
+    (
+        "durations_stay_exact_after_hours_of_uptime",
+        durations_stay_exact_after_hours_of_uptime,
+    ),
+];
+
+fn main() {
+    if let Ok(name) = std::env::var("CUEMU_SCENARIO") {
+        let bug = std::env::var("CUEMU_SCENARIO_BUG").is_ok_and(|v| v == "1");
+        std::process::exit(match scenarios::run(&name, bug) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("scenario {name}: {e}");
+                1
+            }
+        });
+    }
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let chosen: Vec<&Check> = CHECKS
+        .iter()
+        .filter(|(n, _)| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str())))
+        .collect();
+    println!("\nrunning {} checks", chosen.len());
+    let mut failed = Vec::new();
+    for (name, check) in chosen {
+        let t0 = Instant::now();
+        let r = check();
+        let secs = t0.elapsed().as_secs_f64();
+        match r {
+            Ok(()) => println!("check {name} ... ok ({secs:.1} s)"),
+            Err(e) => {
+                println!("check {name} ... FAILED ({secs:.1} s)\n{e}\n");
+                failed.push(name);
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("\ncheck result: ok");
+    } else {
+        println!(
+            "\ncheck result: FAILED: {}",
+            failed.iter().map(|s| **s).collect::<Vec<_>>().join(", ")
+        );
+        std::process::exit(1);
+    }
+}
+
+/// The children: small programs on the CUDA driver, NVRTC and cuBLAS (the emulator's, here),
+/// each with or without one bug. They use the raw driver API (cudarc's `sys`/`result`) so that
+/// no layer adds the waits or checks whose absence is the point.
+mod scenarios {
+    use cudarc::driver::{result, sys, CudaContext};
+    use megatrain::device::kernels::FILES;
+    use std::ffi::c_void;
+
+    type R<T> = Result<T, String>;
+
+    fn ck(r: sys::CUresult, what: &str) -> R<()> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{what}: {r:?}"))
+        }
+    }
+
+    fn source(file: &str) -> R<String> {
+        FILES
+            .iter()
+            .find(|f| f.file == file)
+            .map(|f| f.program())
+            .ok_or_else(|| format!("no kernel file {file}"))
+    }
+
+    /// Compile `src` (NVRTC, sm_90) and load `kernel`.
+    fn kernel(ctx: &std::sync::Arc<CudaContext>, src: &str, kernel: &str) -> R<sys::CUfunction> {
+        let include =
+            std::env::var("MEGATRAIN_CUDA_INCLUDE").map_err(|_| "MEGATRAIN_CUDA_INCLUDE unset")?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            src,
+            cudarc::nvrtc::CompileOptions {
+                arch: Some("sm_90"),
+                include_paths: vec![include],
+                options: vec!["--std=c++17".into()],
+                ..Default::default()
+            },
+        )
+        .map_err(|e| format!("NVRTC: {e:?}"))?;
+        let m = ctx.load_module(ptx).map_err(|e| format!("load: {e:?}"))?;
+        let f = m
+            .load_function(kernel)
+            .map_err(|e| format!("function: {e:?}"))?;
+        let raw = f.cu_function();
+        std::mem::forget(m);
+        Ok(raw)
+    }
+
+    fn alloc(bytes: usize) -> R<u64> {
+        let mut p = 0u64;
+        // SAFETY: writes one device pointer.
+        ck(unsafe { sys::cuMemAlloc_v2(&mut p, bytes) }, "cuMemAlloc")?;
+        Ok(p)
+    }
+
+    fn stream() -> R<sys::CUstream> {
+        result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| format!("{e:?}"))
+    }
+
+    fn upload(dst: u64, v: &[f32], s: sys::CUstream) -> R<()> {
+        // SAFETY: `dst` holds v.len() floats; a pageable source is staged by the call.
+        let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, v.as_ptr().cast(), 4 * v.len(), s) };
+        ck(r, "copy in")
+    }
+
+    fn download(v: &mut [f32], src: u64, s: sys::CUstream) -> R<()> {
+        // SAFETY: `src` holds v.len() floats; a pageable destination makes the call synchronous.
+        let r = unsafe { sys::cuMemcpyDtoHAsync_v2(v.as_mut_ptr().cast(), src, 4 * v.len(), s) };
+        ck(r, "copy out")?;
+        // SAFETY: a live stream.
+        ck(unsafe { sys::cuStreamSynchronize(s) }, "synchronize")
+    }
+
+    fn launch(
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        s: sys::CUstream,
+        args: &mut [*mut c_void],
+    ) -> R<()> {
+        // SAFETY: the arguments match the kernel's parameters one for one.
+        unsafe { result::launch_kernel(f, grid, (block, 1, 1), smem, s, args) }
+            .map_err(|e| format!("launch: {e:?}"))
+    }
+
+    /// RMSNorm rows: `rows × cols` inputs on the device; returns (out, rstd, x, w, rows, cols).
+    struct Norm {
+        out: u64,
+        rstd: u64,
+        x: u64,
+        w: u64,
+        rows: i32,
+        cols: i32,
+        eps: f32,
+    }
+
+    impl Norm {
+        fn new(s: sys::CUstream) -> R<Norm> {
+            let (rows, cols) = (6usize, 100usize);
+            let x: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                .collect();
+            let w: Vec<f32> = (0..cols).map(|i| 1.0 + i as f32 / 100.0).collect();
+            let n = Norm {
+                out: alloc(4 * rows * cols)?,
+                rstd: alloc(4 * rows)?,
+                x: alloc(4 * rows * cols)?,
+                w: alloc(4 * cols)?,
+                rows: rows as i32,
+                cols: cols as i32,
+                eps: 1e-5,
+            };
+            upload(n.x, &x, s)?;
+            upload(n.w, &w, s)?;
+            Ok(n)
+        }
+
+        fn launch(&mut self, f: sys::CUfunction, grid: u32, block: u32, s: sys::CUstream) -> R<()> {
+            let mut args: [*mut c_void; 7] = [
+                (&mut self.out as *mut u64).cast(),
+                (&mut self.rstd as *mut u64).cast(),
+                (&mut self.x as *mut u64).cast(),
+                (&mut self.w as *mut u64).cast(),
+                (&mut self.rows as *mut i32).cast(),
+                (&mut self.cols as *mut i32).cast(),
+                (&mut self.eps as *mut f32).cast(),
+            ];
+            launch(f, (grid, 1, 1), block, 0, s, &mut args)
+        }
+
+        fn download(&self, s: sys::CUstream) -> R<Vec<f32>> {
+            let mut v = vec![0f32; (self.rows * self.cols) as usize];
+            download(&mut v, self.out, s)?;
+            Ok(v)
+        }
+    }
+
+    pub fn run(name: &str, bug: bool) -> R<()> {
+        let ctx = CudaContext::new(0).map_err(|e| format!("context: {e:?}"))?;
+        let s = stream()?;
+        match name {
+            "attention" => attention(&ctx, s, bug),
+            "rmsnorm-block" => {
+                let f = kernel(&ctx, &source("rmsnorm.cu")?, "rmsnorm_fwd_f32")?;
+                let mut n = Norm::new(s)?;
+                // A warp reduction needs whole warps: 48 threads leave lanes 16..31 of the
+                // second warp absent from its full-mask shuffles.
+                n.launch(f, n.rows as u32, if bug { 48 } else { 64 }, s)?;
+                n.download(s).map(|_| ())
+            }
+            "rmsnorm-grid" => {
+                let f = kernel(&ctx, &source("rmsnorm.cu")?, "rmsnorm_fwd_f32")?;
+                let mut n = Norm::new(s)?;
+                let grid = n.rows as u32 - u32::from(bug);
+                n.launch(f, grid, 64, s)?;
+                n.download(s).map(|_| ())
+            }
+            "rmsnorm-oob" => {
+                let mut src = source("rmsnorm.cu")?;
+                if bug {
+                    let (a, b) = ("rstd[row] = r;", "rstd[row + 1] = r;");
+                    if !src.contains(a) {
+                        return Err("the rmsnorm source changed: cannot apply the bug".into());
+                    }
+                    src = src.replacen(a, b, 1);
+                }
+                let f = kernel(&ctx, &src, "rmsnorm_fwd_f32")?;
+                let mut n = Norm::new(s)?;
+                n.launch(f, n.rows as u32, 64, s)?;
+                n.download(s).map(|_| ())
+            }
+            "gemm-lda" => gemm(&ctx, s, bug),
+            "stream-wait" => stream_wait(&ctx, s, bug),
+            "host-function" => host_function(s, bug),
+            _ => Err(format!("no scenario {name}")),
+        }
+    }
+
+    fn attention(ctx: &std::sync::Arc<CudaContext>, s: sys::CUstream, bug: bool) -> R<()> {
+        use megatrain::device::launch::{attention, AttnShape, DEFAULT_SMEM};
+        let mut src = source("attention.cu")?;
+        if bug {
+            // The barrier between loading a K/V tile and reading it, in the forward kernel.
+            let a =
+                "        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);\n        __syncthreads();\n";
+            if !src.contains(a) {
+                return Err("the attention source changed: cannot apply the bug".into());
+            }
+            src = src.replacen(
+                a,
+                "        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);\n",
+                1,
+            );
+        }
+        let f = kernel(ctx, &src, "attention_fwd_f32")?;
+        let shape = AttnShape {
+            b: 1,
+            t: 20,
+            nh: 2,
+            nkv: 1,
+            hd: 32,
+        };
+        let l = attention(shape, DEFAULT_SMEM).map_err(|e| e.to_string())?;
+        let (q_len, kv_len) = (
+            shape.t * shape.nh * shape.hd,
+            shape.t * shape.nkv * shape.hd,
+        );
+        let val = |n: usize, k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i * 7 + k) % 23) as f32 - 11.0) / 11.0)
+                .collect()
+        };
+        let (mut out, mut lse) = (alloc(4 * q_len)?, alloc(4 * shape.t * shape.nh)?);
+        let (mut q, mut k, mut v) = (alloc(4 * q_len)?, alloc(4 * kv_len)?, alloc(4 * kv_len)?);
+        upload(q, &val(q_len, 1), s)?;
+        upload(k, &val(kv_len, 2), s)?;
+        upload(v, &val(kv_len, 3), s)?;
+        let (mut t, mut nh, mut nkv, mut hd) = (
+            shape.t as i32,
+            shape.nh as i32,
+            shape.nkv as i32,
+            shape.hd as i32,
+        );
+        let (mut tile, mut scale) = (l.tile as i32, 1.0f32 / (shape.hd as f32).sqrt());
+        let mut args: [*mut c_void; 11] = [
+            (&mut out as *mut u64).cast(),
+            (&mut lse as *mut u64).cast(),
+            (&mut q as *mut u64).cast(),
+            (&mut k as *mut u64).cast(),
+            (&mut v as *mut u64).cast(),
+            (&mut t as *mut i32).cast(),
+            (&mut nh as *mut i32).cast(),
+            (&mut nkv as *mut i32).cast(),
+            (&mut hd as *mut i32).cast(),
+            (&mut tile as *mut i32).cast(),
+            (&mut scale as *mut f32).cast(),
+        ];
+        launch(f, l.rows.grid, l.rows.block, l.rows.smem, s, &mut args)?;
+        let mut o = vec![0f32; q_len];
+        download(&mut o, out, s)
+    }
+
+    fn gemm(ctx: &std::sync::Arc<CudaContext>, s: sys::CUstream, bug: bool) -> R<()> {
+        use cudarc::cublas::sys as b;
+        let _ = ctx;
+        let (m, n, k) = (8i32, 6i32, 32i32);
+        let (a, bm, c) = (
+            alloc(4 * (m * k) as usize)?,
+            alloc(4 * (k * n) as usize)?,
+            alloc(4 * (m * n) as usize)?,
+        );
+        upload(a, &vec![0.5; (m * k) as usize], s)?;
+        upload(bm, &vec![0.25; (k * n) as usize], s)?;
+        let mut h: b::cublasHandle_t = std::ptr::null_mut();
+        // SAFETY: cuBLAS handle creation and use with valid pointers; A is k × m stored (op T).
+        unsafe {
+            let st = b::cublasCreate_v2(&mut h);
+            if st != b::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(format!("cublasCreate: {st:?}"));
+            }
+            b::cublasSetStream_v2(h, s as _);
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // op(A) = Aᵀ with A stored k × m: lda must be at least k.
+            let lda = if bug { k - 1 } else { k };
+            let st = b::cublasSgemm_v2(
+                h,
+                b::cublasOperation_t::CUBLAS_OP_T,
+                b::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                &alpha,
+                a as *const f32,
+                lda,
+                bm as *const f32,
+                k,
+                &beta,
+                c as *mut f32,
+                m,
+            );
+            if st != b::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(format!("cublasSgemm: {st:?}"));
+            }
+            b::cublasDestroy_v2(h);
+        }
+        let mut out = vec![0f32; (m * n) as usize];
+        download(&mut out, c, s)?;
+        if out.iter().any(|x| (x - 4.0).abs() > 1e-5) {
+            return Err(format!("wrong GEMM result {}", out[0]));
+        }
+        Ok(())
+    }
+
+    fn stream_wait(ctx: &std::sync::Arc<CudaContext>, compute: sys::CUstream, bug: bool) -> R<()> {
+        let f = kernel(ctx, &source("rmsnorm.cu")?, "rmsnorm_fwd_f32")?;
+        let copy_in = stream()?;
+        let mut n = Norm::new(copy_in)?;
+        // SAFETY: a fresh event on a live stream.
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| format!("{e:?}"))?;
+        // SAFETY: live event and stream.
+        unsafe { result::event::record(ev, copy_in) }.map_err(|e| format!("{e:?}"))?;
+        if !bug {
+            // SAFETY: live stream and event.
+            ck(unsafe { sys::cuStreamWaitEvent(compute, ev, 0) }, "wait")?;
+        }
+        n.launch(f, n.rows as u32, 64, compute)?;
+        n.download(compute).map(|_| ())
+    }
+
+    unsafe extern "C" fn calls_cuda(_: *mut c_void) {
+        let mut p = 0u64;
+        // SAFETY: a (forbidden) CUDA call from a host function; it must be refused, not run.
+        unsafe { sys::cuMemAlloc_v2(&mut p, 64) };
+    }
+
+    unsafe extern "C" fn host_only(data: *mut c_void) {
+        // SAFETY: `data` points to the counter `host_function` keeps alive until synchronised.
+        unsafe { *data.cast::<u64>() += 1 };
+    }
+
+    fn host_function(s: sys::CUstream, bug: bool) -> R<()> {
+        let mut counter = 0u64;
+        let f: unsafe extern "C" fn(*mut c_void) = if bug { calls_cuda } else { host_only };
+        // SAFETY: the counter outlives the stream synchronisation below.
+        let r = unsafe { sys::cuLaunchHostFunc(s, Some(f), (&mut counter as *mut u64).cast()) };
+        ck(r, "host function")?;
+        // SAFETY: a live stream.
+        ck(unsafe { sys::cuStreamSynchronize(s) }, "synchronize")?;
+        if !bug && counter != 1 {
+            return Err("the host function did not run".into());
+        }
+        Ok(())
+    }
+}
