@@ -60,6 +60,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
+// D = A·B + C on the tensor cores for one warp (all 32 lanes), shape m16n8k16: A 16×16 bf16
+// (row-major, four 32-bit registers per lane), B 16×8 bf16 (column-major, two), C and D 16×8
+// fp32 (four floats), in the PTX ISA's fragment layouts for mma.m16n8k16. The CUDA emulator
+// (tools/cuemu) substitutes its own implementation of the same layouts (__CUEMU__), so kernels
+// reach the tensor cores only through wrappers like this one.
+__device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned a[4],
+                                                  const unsigned b[2], const float c[4]) {
+#ifdef __CUEMU__
+    cuemu_mma_m16n8k16_bf16(d, a, b, c, __LINE__);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
+          "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+}
+
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \

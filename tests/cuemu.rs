@@ -323,6 +323,13 @@ fn teeth_host_function_calling_cuda() -> Result<(), String> {
     )
 }
 
+/// The emulated tensor-core instruction follows the PTX ISA's fragment layouts: a kernel that
+/// loads A, B and C into fragments by the documented formulas and stores D back gets
+/// D = A·B + C.
+fn mma_follows_the_ptx_fragment_layouts() -> Result<(), String> {
+    scenario("mma", false, "", &[], &[])
+}
+
 // ---- the runner ------------------------------------------------------------------------------------
 
 type Check = (&'static str, fn() -> Result<(), String>);
@@ -349,6 +356,10 @@ const CHECKS: &[Check] = &[
     (
         "teeth_host_function_calling_cuda",
         teeth_host_function_calling_cuda,
+    ),
+    (
+        "mma_follows_the_ptx_fragment_layouts",
+        mma_follows_the_ptx_fragment_layouts,
     ),
     ("runs_on_a_cuda_12_8_driver", runs_on_a_cuda_12_8_driver),
     ("a_missing_cublas_is_named", a_missing_cublas_is_named),
@@ -591,6 +602,7 @@ mod scenarios {
             "gemm-lda" => gemm(&ctx, s, bug),
             "stream-wait" => stream_wait(&ctx, s, bug),
             "host-function" => host_function(s, bug),
+            "mma" => mma(&ctx, s),
             _ => Err(format!("no scenario {name}")),
         }
     }
@@ -725,6 +737,87 @@ mod scenarios {
         }
         n.launch(f, n.rows as u32, 64, compute)?;
         n.download(compute).map(|_| ())
+    }
+
+    /// One warp: fragments gathered by the PTX ISA's formulas for mma.m16n8k16 (bf16 A row-major,
+    /// B column-major, fp32 C/D), the product through common.cuh's wrapper, D scattered back.
+    const MMA_KERNEL: &str = r#"
+extern "C" __global__ void mma_test(float* d, const unsigned short* a, const unsigned short* b,
+                                    const float* c) {
+    // a: A [16][16], b: B [16][8] (k, n), c and d: [16][8]; all row-major.
+    const unsigned lane = threadIdx.x, grp = lane >> 2, tig = lane & 3;
+    unsigned ra[4], rb[2];
+    float rc[4], rd[4];
+    for (unsigned r = 0; r < 4; r++) {
+        unsigned v = 0;
+        for (unsigned h = 0; h < 2; h++) {
+            const unsigned i = 2 * r + h;
+            const unsigned row = grp + ((i == 2 || i == 3 || i == 6 || i == 7) ? 8 : 0);
+            const unsigned col = 2 * tig + (i & 1) + (i >= 4 ? 8 : 0);
+            v |= (unsigned)a[row * 16 + col] << (16 * h);
+        }
+        ra[r] = v;
+    }
+    for (unsigned r = 0; r < 2; r++) {
+        unsigned v = 0;
+        for (unsigned h = 0; h < 2; h++) {
+            const unsigned i = 2 * r + h;
+            const unsigned k = 2 * tig + (i & 1) + (i >= 2 ? 8 : 0);
+            v |= (unsigned)b[k * 8 + grp] << (16 * h);
+        }
+        rb[r] = v;
+    }
+    for (unsigned i = 0; i < 4; i++) rc[i] = c[(grp + (i >= 2 ? 8 : 0)) * 8 + 2 * tig + (i & 1)];
+    mma_m16n8k16_bf16(rd, ra, rb, rc);
+    for (unsigned i = 0; i < 4; i++) d[(grp + (i >= 2 ? 8 : 0)) * 8 + 2 * tig + (i & 1)] = rd[i];
+}
+"#;
+
+    fn mma(ctx: &std::sync::Arc<CudaContext>, s: sys::CUstream) -> R<()> {
+        let common = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/common.cuh"),
+        )
+        .map_err(|e| e.to_string())?;
+        let f = kernel(ctx, &format!("{common}\n{MMA_KERNEL}"), "mma_test")?;
+        // Values exact in bf16 (multiples of 1/8 up to ±2), so every product is exact.
+        let val = |i: usize, k: usize| (((i * 13 + k * 7) % 33) as f32 - 16.0) / 8.0;
+        let a: Vec<f32> = (0..256).map(|i| val(i, 1)).collect();
+        let b: Vec<f32> = (0..128).map(|i| val(i, 2)).collect();
+        let c: Vec<f32> = (0..128).map(|i| val(i, 3) * 0.5).collect();
+        let bits =
+            |v: &[f32]| -> Vec<u16> { v.iter().map(|x| (x.to_bits() >> 16) as u16).collect() };
+        let (da, db, dc, dd) = (alloc(512)?, alloc(256)?, alloc(512)?, alloc(512)?);
+        let up16 = |dst: u64, v: &[u16]| -> R<()> {
+            // SAFETY: `dst` holds v.len() halfwords.
+            let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, v.as_ptr().cast(), 2 * v.len(), s) };
+            ck(r, "copy in")
+        };
+        up16(da, &bits(&a))?;
+        up16(db, &bits(&b))?;
+        upload(dc, &c, s)?;
+        let (mut pd, mut pa, mut pb, mut pc) = (dd, da, db, dc);
+        let mut args: [*mut c_void; 4] = [
+            (&mut pd as *mut u64).cast(),
+            (&mut pa as *mut u64).cast(),
+            (&mut pb as *mut u64).cast(),
+            (&mut pc as *mut u64).cast(),
+        ];
+        launch(f, (1, 1, 1), 32, 0, s, &mut args)?;
+        let mut d = vec![0f32; 128];
+        download(&mut d, dd, s)?;
+        for r in 0..16 {
+            for col in 0..8 {
+                let want = f64::from(c[r * 8 + col])
+                    + (0..16)
+                        .map(|k| f64::from(a[r * 16 + k]) * f64::from(b[k * 8 + col]))
+                        .sum::<f64>();
+                let got = f64::from(d[r * 8 + col]);
+                if (got - want).abs() > 1e-5 * want.abs().max(1.0) {
+                    return Err(format!("D[{r}][{col}] = {got}, A·B + C = {want}"));
+                }
+            }
+        }
+        Ok(())
     }
 
     unsafe extern "C" fn calls_cuda(_: *mut c_void) {

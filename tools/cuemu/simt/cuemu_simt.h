@@ -53,6 +53,8 @@ void* cuemu_shared_static(const void* tag, size_t bytes, size_t align, int line)
 void* cuemu_shared_dynamic(void);
 __attribute__((noreturn)) void cuemu_trap(const char* what, int line);
 void cuemu_unsupported(const char* what, int line);
+void cuemu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b, const float* c,
+                             int line);
 }
 
 #define threadIdx (::cuemu_self()->thread_idx)

@@ -98,13 +98,14 @@ enum {
     OP_ANY = 5,
     OP_ALL = 6,
     OP_SYNCWARP = 7,
+    OP_MMA = 8,
 };
 
 const char* op_name(int op) {
     static const char* names[] = {"__shfl_sync",   "__shfl_up_sync", "__shfl_down_sync",
                                   "__shfl_xor_sync", "__ballot_sync",  "__any_sync",
-                                  "__all_sync",    "__syncwarp"};
-    return op >= 0 && op < 8 ? names[op] : "warp operation";
+                                  "__all_sync",    "__syncwarp",     "mma.sync.m16n8k16"};
+    return op >= 0 && op < 9 ? names[op] : "warp operation";
 }
 
 struct Fiber {
@@ -124,6 +125,11 @@ struct Fiber {
     uint64_t value = 0;
     int arg = 0, width = 32;
     uint64_t result = 0;
+    // Pending mma: this lane's fragments.
+    const unsigned* mma_a = nullptr;
+    const unsigned* mma_b = nullptr;
+    const float* mma_c = nullptr;
+    float* mma_d = nullptr;
     // Pending __syncthreads_{count,and,or}.
     int bar_op = 0, bar_pred = 0, bar_result = 0;
 };
@@ -479,6 +485,49 @@ Fiber* lane_fiber(Block* b, unsigned warp, unsigned lane) {
     return i < b->n ? b->fibers[i] : nullptr;
 }
 
+float bf16_value(unsigned bits) {
+    unsigned u = bits << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for warp `w`, from every lane's fragments
+// in the PTX ISA's layouts (groupID = lane >> 2, threadID_in_group = lane % 4; two bf16 per 32-bit
+// register, the lower-indexed one in the low half):
+//   A 16×16: a_i at row groupID (+8 for i in 2,3,6,7), col 2·tig + (i & 1) (+8 for i ≥ 4)
+//   B 16×8:  b_i at row 2·tig + (i & 1) (+8 for i ≥ 2), col groupID
+//   C/D 16×8: c_i at row groupID (+8 for i ≥ 2), col 2·tig + (i & 1)
+// Products of bf16 values are exact in fp32; they are summed in k order onto C.
+void mma_m16n8k16_bf16(Block* b, unsigned w) {
+    float A[16][16], B[16][8], C[16][8];
+    for (unsigned l = 0; l < 32; l++) {
+        const Fiber* g = lane_fiber(b, w, l);
+        unsigned grp = l >> 2, tig = l & 3;
+        for (unsigned i = 0; i < 8; i++) {
+            unsigned bits = (g->mma_a[i / 2] >> (16 * (i & 1))) & 0xffffu;
+            unsigned row = grp + ((i == 2 || i == 3 || i == 6 || i == 7) ? 8 : 0);
+            unsigned col = 2 * tig + (i & 1) + (i >= 4 ? 8 : 0);
+            A[row][col] = bf16_value(bits);
+        }
+        for (unsigned i = 0; i < 4; i++) {
+            unsigned bits = (g->mma_b[i / 2] >> (16 * (i & 1))) & 0xffffu;
+            B[2 * tig + (i & 1) + (i >= 2 ? 8 : 0)][grp] = bf16_value(bits);
+            C[grp + (i >= 2 ? 8 : 0)][2 * tig + (i & 1)] = g->mma_c[i];
+        }
+    }
+    for (unsigned l = 0; l < 32; l++) {
+        Fiber* g = lane_fiber(b, w, l);
+        unsigned grp = l >> 2, tig = l & 3;
+        for (unsigned i = 0; i < 4; i++) {
+            unsigned row = grp + (i >= 2 ? 8 : 0), col = 2 * tig + (i & 1);
+            float acc = C[row][col];
+            for (unsigned k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
+            g->mma_d[i] = acc;
+        }
+    }
+}
+
 // If every lane `f`'s mask names waits at the same warp operation, complete it for all.
 void try_warp(Block* b, Fiber* f) {
     unsigned mask = f->mask, w = f->warp;
@@ -509,6 +558,16 @@ void try_warp(Block* b, Fiber* f) {
                  g->lane);
             return;
         }
+    }
+    if (f->op == OP_MMA) {
+        mma_m16n8k16_bf16(b, w);
+        b->waiting[w] &= ~mask;
+        for (unsigned l = 0; l < 32; l++) {
+            Fiber* g = lane_fiber(b, w, l);
+            g->state = RUNNABLE;
+            b->next.push_back(g->linear);
+        }
+        return;
     }
     // All arrived: compute each lane's result.
     for (unsigned l = 0; l < 32; l++) {
@@ -617,6 +676,29 @@ EXPORT __attribute__((noinline)) uint64_t cuemu_warp_op(int op, unsigned mask, u
     // them) let the schedule decide which lane goes on first.
     to_scheduler(f);
     return f->result;
+}
+
+// One warp's mma.sync.m16n8k16 with bf16 inputs and fp32 accumulators (all 32 lanes take part).
+EXPORT __attribute__((noinline)) void cuemu_mma_m16n8k16_bf16(float* d, const unsigned* a,
+                                                              const unsigned* bfrag, const float* c,
+                                                              int line) {
+    Fiber* f = tl_fiber;
+    Block* b = tl_block;
+    f->site = __builtin_return_address(0);
+    f->line = line;
+    f->op = OP_MMA;
+    f->mask = 0xffffffffu;
+    f->value = 0;
+    f->arg = 0;
+    f->width = 32;
+    f->mma_a = a;
+    f->mma_b = bfrag;
+    f->mma_c = c;
+    f->mma_d = d;
+    f->state = AT_WARP;
+    b->waiting[f->warp] |= 1u << f->lane;
+    try_warp(b, f);
+    to_scheduler(f);
 }
 
 EXPORT unsigned cuemu_activemask(void) {
