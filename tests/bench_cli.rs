@@ -46,11 +46,39 @@ fn bench_nvme_sweeps_blocks_and_depths() {
 }
 
 #[test]
-fn bench_adam_reports_both_kernels() {
+fn bench_adam_reports_every_state_format_beside_the_triad() {
     let v = json(&["bench", "adam", "--params", "2M", "--reps", "2", "--json"]);
-    assert!(v["adam"]["gbytes_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["triad"]["gbytes_per_s"].as_f64().unwrap() > 0.0);
-    assert!(v["ratio"].as_f64().unwrap() > 0.0);
+    let cases = v["adam"].as_array().unwrap();
+    let states: Vec<&str> = cases.iter().map(|c| c["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["fp32", "bf16", "int8"]);
+    for c in cases {
+        assert!(c["measured"]["gbytes_per_s"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["params_per_s"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["ratio"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    // The bytes each format moves per parameter: 28 (fp32), 20 (bf16), 16 + scales (int8).
+    let bytes: Vec<f64> = cases
+        .iter()
+        .map(|c| c["bytes_per_param"].as_f64().unwrap())
+        .collect();
+    assert_eq!(bytes[0], 28.0);
+    assert_eq!(bytes[1], 20.0);
+    assert!(bytes[2] > 16.0 && bytes[2] < 16.01, "{bytes:?}");
+    // One format on request.
+    let v = json(&[
+        "bench",
+        "adam",
+        "--params",
+        "1M",
+        "--reps",
+        "1",
+        "--adam-state",
+        "int8",
+        "--json",
+    ]);
+    assert_eq!(v["adam"].as_array().unwrap().len(), 1);
+    assert_eq!(v["adam"][0]["state"], "int8");
 }
 
 #[test]
@@ -126,7 +154,26 @@ fn plan_calibrates_from_bench_json() {
         pn.to_str().unwrap(),
         "--json",
     ]);
-    assert_eq!(v["machine"]["adam_gbps"], adam["adam"]["gbytes_per_s"]);
+    assert_eq!(
+        v["machine"]["adam_gbps"], adam["adam"][0]["measured"]["gbytes_per_s"],
+        "the fp32 case calibrates an fp32 plan"
+    );
+    let v8 = json(&[
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--machine",
+        "h100-512gb",
+        "--adam-state",
+        "int8",
+        "--calibration",
+        pa.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(
+        v8["machine"]["adam_gbps"], adam["adam"][2]["measured"]["gbytes_per_s"],
+        "the int8 case calibrates an int8 plan"
+    );
     let c = &nvme["cases"][0];
     let want = c["read_gbps"]
         .as_f64()

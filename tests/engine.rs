@@ -169,6 +169,7 @@ fn rig_spill(
             },
             grad_clip: clip,
             decay_norms: true,
+            seed: 0,
         },
     )
     .unwrap();

@@ -1,16 +1,21 @@
-//! `megatrain bench adam`: AdamW throughput of the real engine (host store + per-node pool) next
-//! to a STREAM triad measured in the same run, on the same node and the same threads.
+//! `megatrain bench adam`: AdamW throughput of the real engine (host store + per-node pool), for
+//! each `--adam-state` format, next to a STREAM triad measured in the same run, on the same node
+//! and the same threads.
 //!
-//! The two are timed alternately so a noisy neighbour slows both alike. Byte accounting: AdamW
-//! moves 28 B/param (reads p, g, m, v; writes p, m, v); the triad `a = b + s·c` moves 12 B/element (STREAM's count; its SIMD paths use
-//! non-temporal stores, so no write-allocate read of `a` goes uncounted). AdamW writes only lines it
-//! has just read, so its 28 B are its real traffic too.
+//! The cases are timed in turn, repetition by repetition, so a noisy neighbour slows all alike.
+//! Byte accounting per parameter: AdamW reads p, g, m, v and writes p, m, v: 28 B with fp32
+//! moments, 20 B with bf16, 16 B with int8 (plus 16 B of block scales per 2,048 elements); the
+//! triad `a = b + s·c` moves 12 B/element (STREAM's count; its SIMD paths use non-temporal stores,
+//! so no write-allocate read of `a` goes uncounted). AdamW writes only lines it has just read, so
+//! its bytes are its real traffic too. At the memory-bandwidth limit, params/s scale inversely
+//! with the bytes: compact moments are faster by 28/20 and 28/16.
 
 use crate::host::{PageKind, Region, RegionSpec};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::optim::adamw::{AdamWConfig, Isa};
-use crate::optim::{unit_segments, AdamPool};
-use crate::store::layout::{Mode, StateLayout};
+use crate::optim::moments;
+use crate::optim::{unit_segments, AdamPool, Salts};
+use crate::store::layout::{AdamState, Mode, StateLayout};
 use crate::store::placement::{NodePlan, Placement};
 use crate::store::{HostStore, StoreOptions};
 use crate::topology::{Machine, NumaNode};
@@ -31,6 +36,8 @@ pub struct AdamBenchArgs {
     pub reps: usize,
     /// Force an implementation (default: the best this CPU has).
     pub isa: Option<Isa>,
+    /// The moment formats to measure (each in its own store).
+    pub states: Vec<AdamState>,
 }
 
 /// One measured kernel.
@@ -44,6 +51,21 @@ pub struct Measured {
     pub bytes: u64,
     /// bytes / median_s, in GB/s (1e9).
     pub gbytes_per_s: f64,
+}
+
+/// AdamW with one moment format.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct AdamCase {
+    /// The moment format.
+    pub state: AdamState,
+    /// The timing, bytes by the accounting above.
+    pub measured: Measured,
+    /// Bytes moved per parameter.
+    pub bytes_per_param: f64,
+    /// Parameters per second.
+    pub params_per_s: f64,
+    /// GB/s ÷ the triad's GB/s.
+    pub ratio: f64,
 }
 
 /// The result of `bench adam`.
@@ -63,46 +85,50 @@ pub struct AdamBenchReport {
     pub units: usize,
     /// Timed repetitions.
     pub reps: usize,
-    /// AdamW.
-    pub adam: Measured,
-    /// Parameters per second.
-    pub params_per_s: f64,
+    /// AdamW, per moment format.
+    pub adam: Vec<AdamCase>,
     /// STREAM triad on the same node and threads.
     pub triad: Measured,
-    /// adam GB/s ÷ triad GB/s.
-    pub ratio: f64,
 }
 
-/// Time `a` and `b` alternately (`reps` times each, after one warm-up of each), so drift on a
-/// shared machine affects both alike; report the medians.
-fn measure_pair(
-    reps: usize,
-    bytes: (u64, u64),
-    mut a: impl FnMut() -> Result<()>,
-    mut b: impl FnMut() -> Result<()>,
-) -> Result<(Measured, Measured)> {
-    a()?;
-    b()?;
-    let (mut ta, mut tb) = (Vec::new(), Vec::new());
-    for _ in 0..reps.max(1) {
-        let s = Instant::now();
-        a()?;
-        ta.push(s.elapsed().as_secs_f64());
-        let s = Instant::now();
-        b()?;
-        tb.push(s.elapsed().as_secs_f64());
+impl AdamBenchReport {
+    /// The case of `state`, if measured.
+    pub fn case(&self, state: AdamState) -> Option<&AdamCase> {
+        self.adam.iter().find(|c| c.state == state)
     }
-    let summarize = |mut t: Vec<f64>, bytes: u64| {
-        t.sort_by(f64::total_cmp);
-        let median = t[t.len() / 2];
-        Measured {
-            median_s: median,
-            min_s: t[0],
-            bytes,
-            gbytes_per_s: bytes as f64 / median / 1e9,
+}
+
+/// A case to time: its bytes per run and the run.
+type Case<'a> = (u64, Box<dyn FnMut() -> Result<()> + 'a>);
+
+/// Time `cases` in turn (`reps` times each, after one warm-up of each), so drift on a shared
+/// machine affects all alike; report the medians.
+fn measure_in_turn(reps: usize, mut cases: Vec<Case<'_>>) -> Result<Vec<Measured>> {
+    for (_, run) in &mut cases {
+        run()?;
+    }
+    let mut times = vec![Vec::new(); cases.len()];
+    for _ in 0..reps.max(1) {
+        for ((_, run), t) in cases.iter_mut().zip(&mut times) {
+            let s = Instant::now();
+            run()?;
+            t.push(s.elapsed().as_secs_f64());
         }
-    };
-    Ok((summarize(ta, bytes.0), summarize(tb, bytes.1)))
+    }
+    Ok(cases
+        .iter()
+        .zip(times)
+        .map(|((bytes, _), mut t)| {
+            t.sort_by(f64::total_cmp);
+            let median = t[t.len() / 2];
+            Measured {
+                median_s: median,
+                min_s: t[0],
+                bytes: *bytes,
+                gbytes_per_s: *bytes as f64 / median / 1e9,
+            }
+        })
+        .collect())
 }
 
 /// A Llama-shaped model of about `params` parameters in 8 layers (tiny vocabulary), so the
@@ -158,16 +184,22 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         ));
     }
 
-    let store = filled_store(node, &cpus, args.params)?;
+    if args.states.is_empty() {
+        return Err(Error::bad_input(
+            "--adam-state",
+            "",
+            "no format to measure",
+            Some("pass fp32, bf16 and/or int8"),
+        ));
+    }
+    let stores = filled_stores(node, &cpus, args.params, &args.states)?;
     let pool = match args.isa {
         Some(isa) => AdamPool::with_isa(&[(node.os_index, cpus.clone())], Some(threads), isa)?,
         None => AdamPool::new(&[(node.os_index, cpus.clone())], Some(threads))?,
     };
-    let n = store.layout().num_params();
-    let numel: usize = store.layout().units.iter().map(|u| u.numel).sum();
-    let adam_cfg = AdamWConfig::default();
-    let mut t = 0u64;
-    let per_param = 28;
+    let layout = stores[0].layout();
+    let (n, units) = (layout.num_params(), layout.units.len());
+    let numel: usize = layout.units.iter().map(|u| u.numel).sum();
     let spec = |label: &str| RegionSpec {
         label: label.to_owned(),
         bytes: numel * 4,
@@ -179,22 +211,22 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
     let a = Region::allocate(spec("triad a"))?;
     let b = Region::allocate(spec("triad b"))?;
     let c = Region::allocate(spec("triad c"))?;
-    let (adam, triad) = measure_pair(
-        args.reps,
-        (per_param * numel as u64, 12 * numel as u64),
-        || {
-            t += 1;
-            let mut jobs = Vec::with_capacity(store.num_units());
-            for u in 0..store.num_units() {
-                let segs = unit_segments(store.layout(), u, &adam_cfg, t, 1.0, true);
-                jobs.push(pool.submit(node.os_index, store.take(u)?, None, segs)?);
-            }
-            for j in jobs {
-                j.wait()?;
-            }
-            Ok(())
-        },
-        || {
+    let mut cases: Vec<Case<'_>> = Vec::new();
+    for store in &stores {
+        let bytes = (moments::update_bytes_per_param(store.layout().adam) * numel as f64) as u64;
+        let mut t = 0u64;
+        let (pool, node) = (&pool, node.os_index);
+        cases.push((
+            bytes,
+            Box::new(move || {
+                t += 1;
+                update_all(pool, node, store, t)
+            }),
+        ));
+    }
+    cases.push((
+        12 * numel as u64,
+        Box::new(|| {
             // SAFETY: three distinct regions of ≥ numel f32 each, alive for this closure and
             // touched by no one else; the job is waited before returning.
             let job = unsafe {
@@ -209,31 +241,67 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
             };
             job.wait();
             Ok(())
-        },
-    )?;
-
+        }),
+    ));
+    let mut measured = measure_in_turn(args.reps, cases)?;
+    let triad = measured
+        .pop()
+        .ok_or_else(|| Error::internal("bench adam", "no triad"))?;
+    let adam = stores
+        .iter()
+        .zip(measured)
+        .map(|(store, m)| AdamCase {
+            state: store.layout().adam,
+            bytes_per_param: moments::update_bytes_per_param(store.layout().adam),
+            params_per_s: numel as f64 / m.median_s,
+            ratio: m.gbytes_per_s / triad.gbytes_per_s,
+            measured: m,
+        })
+        .collect();
     Ok(AdamBenchReport {
         cpu: machine.packages.first().and_then(|p| p.cpu_model.clone()),
         node: node.os_index,
         threads,
         isa: pool.isa(),
         params: n,
-        units: store.num_units(),
+        units,
         reps: args.reps,
-        params_per_s: numel as f64 / adam.median_s,
-        ratio: adam.gbytes_per_s / triad.gbytes_per_s,
         adam,
         triad,
     })
 }
 
-/// A store of a `params`-parameter model on `node` alone, with realistic values (v > 0,
-/// gradients of mixed sign); refused when it and the triad's arrays do not fit the node's free
-/// memory.
-fn filled_store(node: &NumaNode, cpus: &[usize], params: usize) -> Result<HostStore> {
+/// One AdamW step (number `t`) over every unit of `store`, all units in flight at once.
+fn update_all(pool: &AdamPool, node: u32, store: &HostStore, t: u64) -> Result<()> {
+    let cfg = AdamWConfig::default();
+    let mut jobs = Vec::with_capacity(store.num_units());
+    for u in 0..store.num_units() {
+        let segs = unit_segments(store.layout(), u, &cfg, t, 1.0, true);
+        let salts = Salts::new(0, t, u);
+        jobs.push(pool.submit(node, store.take(u)?, None, segs, salts)?);
+    }
+    for j in jobs {
+        j.wait()?;
+    }
+    Ok(())
+}
+
+/// One store per format of a `params`-parameter model on `node` alone, with realistic values
+/// (v > 0, gradients of mixed sign); refused when they and the triad's arrays do not fit the
+/// node's free memory.
+fn filled_stores(
+    node: &NumaNode,
+    cpus: &[usize],
+    params: usize,
+    states: &[AdamState],
+) -> Result<Vec<HostStore>> {
     let cfg = bench_model(params)?;
-    let layout = StateLayout::new(&cfg, Mode::Exact);
-    let need = layout.total_bytes() + 3 * 4 * layout.num_params() as u64;
+    let layouts: Vec<StateLayout> = states
+        .iter()
+        .map(|s| StateLayout::new(&cfg, Mode::Exact).with_adam_state(*s))
+        .collect();
+    let need = layouts.iter().map(StateLayout::total_bytes).sum::<u64>()
+        + 3 * 4 * layouts[0].num_params() as u64;
     let avail = node.free_bytes.unwrap_or(node.memory_bytes);
     if need > avail {
         return Err(Error::bad_input(
@@ -245,9 +313,22 @@ fn filled_store(node: &NumaNode, cpus: &[usize], params: usize) -> Result<HostSt
                 node.os_index,
                 crate::util::human_bytes(avail)
             ),
-            Some("lower --params"),
+            Some("lower --params, or measure fewer --adam-state formats"),
         ));
     }
+    layouts
+        .into_iter()
+        .map(|layout| filled_store(node, cpus, avail, layout))
+        .collect()
+}
+
+/// A store of `layout` on `node` alone, filled.
+fn filled_store(
+    node: &NumaNode,
+    cpus: &[usize],
+    avail: u64,
+    layout: StateLayout,
+) -> Result<HostStore> {
     let placement = Placement {
         nodes: vec![NodePlan {
             node: node.os_index,
@@ -264,9 +345,10 @@ fn filled_store(node: &NumaNode, cpus: &[usize], params: usize) -> Result<HostSt
         spill: None,
     };
     let store = HostStore::allocate(layout, placement, &StoreOptions::default())?;
-    // Realistic values: v > 0, gradients of mixed sign.
+    let state = store.layout().adam;
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
+        let numel = g.numel();
         let sh = g.shards()?;
         for (i, x) in sh.params.iter_mut().enumerate() {
             *x = ((i % 97) as f32 - 48.0) * 1e-3;
@@ -276,20 +358,17 @@ fn filled_store(node: &NumaNode, cpus: &[usize], params: usize) -> Result<HostSt
                 *x = ((i % 89) as f32 - 44.0) * 1e-4;
             }
         }
-        sh.v.fill(1e-6);
+        moments::from_f32(state, &vec![1e-6; numel], sh.v, false);
     }
     Ok(store)
 }
 
 /// The report as text.
 pub fn render(r: &AdamBenchReport) -> String {
-    format!(
+    let mut out = format!(
         "megatrain bench adam — node {} · {} thread(s) · {:?} · {}\n\
-         {} params in {} units (Llama-shaped), median of {} alternating runs after a warm-up\n\n\
-         {:<26} {:>12} {:>12} {:>12}\n\
-         {:<26} {:>12.3} {:>12.2} {:>12}\n\
-         {:<26} {:>12.3} {:>12.2} {:>12}\n\n\
-         AdamW: {:.3} G params/s, {:.1}% of the triad bandwidth measured in this run\n",
+         {} params in {} units (Llama-shaped), median of {} runs in turn after a warm-up\n\n\
+         {:<30} {:>10} {:>9} {:>7} {:>10} {:>9}\n",
         r.node,
         r.threads,
         r.isa,
@@ -301,15 +380,39 @@ pub fn render(r: &AdamBenchReport) -> String {
         "median ms",
         "GB/s",
         "B/elem",
-        "adamw (28 B/param)",
-        r.adam.median_s * 1e3,
-        r.adam.gbytes_per_s,
-        28,
-        "stream triad (12 B/elem)",
+        "G param/s",
+        "÷ triad",
+    );
+    for c in &r.adam {
+        out += &format!(
+            "{:<30} {:>10.3} {:>9.2} {:>7.2} {:>10.3} {:>8.1}%\n",
+            format!("adamw, {} moments", c.state.name()),
+            c.measured.median_s * 1e3,
+            c.measured.gbytes_per_s,
+            c.bytes_per_param,
+            c.params_per_s / 1e9,
+            100.0 * c.ratio
+        );
+    }
+    out += &format!(
+        "{:<30} {:>10.3} {:>9.2} {:>7} {:>10} {:>9}\n",
+        "stream triad",
         r.triad.median_s * 1e3,
         r.triad.gbytes_per_s,
         12,
-        r.params_per_s / 1e9,
-        100.0 * r.ratio
-    )
+        "",
+        ""
+    );
+    if let Some(fp32) = r.case(AdamState::Fp32) {
+        for c in r.adam.iter().filter(|c| c.state != AdamState::Fp32) {
+            out += &format!(
+                "\n{} moments: {:.2}x the params/s of fp32 (the bytes predict {:.2}x)",
+                c.state.name(),
+                c.params_per_s / fp32.params_per_s,
+                fp32.bytes_per_param / c.bytes_per_param
+            );
+        }
+        out.push('\n');
+    }
+    out
 }

@@ -375,6 +375,7 @@ fn build_streamer(
             adam: AdamWConfig::default(),
             grad_clip: 1.0,
             decay_norms: true,
+            seed: 0,
         },
     )
 }

@@ -161,6 +161,14 @@ pub struct BenchAdamArgs {
     /// Force an implementation instead of the best this CPU has.
     #[arg(long, value_enum)]
     isa: Option<megatrain::optim::adamw::Isa>,
+    /// The Adam moment formats to measure, each in its own store (comma-separated).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "fp32,bf16,int8"
+    )]
+    adam_state: Vec<megatrain::store::layout::AdamState>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -187,6 +195,7 @@ fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
             node: args.node,
             reps: args.reps,
             isa,
+            states: args.adam_state.clone(),
         },
     )?;
     print_report(args.json, &Report::Adam(report), Report::render);

@@ -33,10 +33,12 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     };
     // Verified before anything in it is parsed.
     let state = checkpoint::open(&dir)?;
+    // The checkpoint's own moment format: loaded as saved, nothing converted.
     let layout = megatrain::store::layout::StateLayout::new(
         &state.model,
         megatrain::store::layout::Mode::Lean,
-    );
+    )
+    .with_adam_state(checkpoint::adam_state_of(&state));
     let machine = topology::probe(&TopologySource::Live)?;
     let placement =
         megatrain::store::placement::place(&machine, &layout, None, Default::default())?;

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 /// Rates measured on the machine, from `megatrain bench … --json` reports.
 #[derive(Debug, Default)]
 struct Calibration {
-    /// AdamW GB/s (`bench adam`).
-    adam_gbps: Option<f64>,
+    /// AdamW GB/s (`bench adam`), per moment format measured.
+    adam_gbps: Vec<(megatrain::store::layout::AdamState, f64)>,
     /// NVMe GB/s: the slower of read and write in the best case (`bench nvme`).
     nvme_gbps: Option<f64>,
     /// Best page-locked host→device and device→host GB/s (`bench link` on a GPU machine).
@@ -18,12 +18,32 @@ struct Calibration {
 }
 
 impl Calibration {
+    /// The AdamW rate measured for `state`, else for fp32 (the same DRAM rate, if the compact
+    /// update keeps up with it), else for any format measured.
+    fn adam_gbps(&self, state: megatrain::store::layout::AdamState) -> Option<f64> {
+        let of = |s| {
+            self.adam_gbps
+                .iter()
+                .find(|(x, _)| *x == s)
+                .map(|(_, g)| *g)
+        };
+        of(state)
+            .or_else(|| of(megatrain::store::layout::AdamState::Fp32))
+            .or_else(|| self.adam_gbps.first().map(|(_, g)| *g))
+    }
+
     /// Read every report in `files`, by its tagged type.
     fn read(files: &[PathBuf]) -> Result<Self> {
         let mut c = Calibration::default();
         for p in files {
             match read_report(p)? {
-                Report::Adam(r) => c.adam_gbps = Some(r.adam.gbytes_per_s),
+                Report::Adam(r) => {
+                    c.adam_gbps = r
+                        .adam
+                        .iter()
+                        .map(|x| (x.state, x.measured.gbytes_per_s))
+                        .collect();
+                }
                 Report::Nvme(r) => {
                     // The spill tier streams large extents at a deep queue: the best case, and
                     // the slower of its read and write (a step does both).
@@ -103,6 +123,9 @@ pub struct PlanArgs {
     precision: megatrain::train::config::Precision,
     #[arg(long, value_enum, default_value = "exact")]
     mode: megatrain::store::layout::Mode,
+    /// How Adam m and v are stored: fp32 (8 B/param), bf16 (4 B/param), int8 (≈ 2 B/param).
+    #[arg(long, value_enum, default_value = "fp32")]
+    adam_state: megatrain::store::layout::AdamState,
     /// NVMe directories for spilling Adam m/v (each assumed 3 GB/s unless calibrated).
     #[arg(long, value_name = "DIR")]
     nvme: Vec<PathBuf>,
@@ -129,6 +152,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         seq_len: a.seq_len,
         bf16: a.precision == megatrain::train::config::Precision::Bf16,
         mode: a.mode,
+        adam_state: a.adam_state,
         spill_moments: hw.nvme_gbps.is_some(),
         micro_batch_tokens: a.micro_batch_tokens,
     };
@@ -181,11 +205,11 @@ fn hardware(
                     .with_fix(format!("or use a preset: {}", presets::MACHINES.join(", ")))
             })?;
             let m = megatrain::topology::Machine::from_json(&text, &a.machine)?;
-            let (h, n) = pl::hardware_from_machine(&m, a.gpu, cal.adam_gbps, nvme)?;
+            let (h, n) = pl::hardware_from_machine(&m, a.gpu, cal.adam_gbps(a.adam_state), nvme)?;
             (h, Some(m), n)
         }
     };
-    if let Some(g) = cal.adam_gbps {
+    if let Some(g) = cal.adam_gbps(a.adam_state) {
         hw.adam_gbps = g;
     }
     if let Some((h, d)) = cal.link_gbps.filter(|(h, d)| *h > 0.0 && *d > 0.0) {

@@ -15,7 +15,7 @@ use super::trace::{Span, Timeline};
 use crate::device::{Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, StreamKind};
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
-use crate::optim::{unit_segments, AdamJob, AdamPool};
+use crate::optim::{unit_segments, AdamJob, AdamPool, Salts};
 use crate::store::layout::{Mode, StateLayout};
 use crate::store::{HostBuffer, HostStore, UnitGuard};
 use crate::{Error, Result};
@@ -40,6 +40,8 @@ pub struct StreamerConfig {
     pub grad_clip: f64,
     /// Also decay 1-D tensors (norm weights, biases).
     pub decay_norms: bool,
+    /// The run's seed (the stochastic rounding of bf16 Adam moments).
+    pub seed: u64,
 }
 
 /// One micro-batch: input tokens and next-token targets, `batch × seq` each.
@@ -548,7 +550,8 @@ impl Streamer {
         );
         let node = self.store.placement().worker_node(unit).unwrap_or(0);
         let submitted = self.device.epoch().elapsed().as_secs_f64();
-        let job = self.pool.submit(node, guard, buf, segs)?;
+        let salts = Salts::new(self.cfg.seed, self.step, unit);
+        let job = self.pool.submit(node, guard, buf, segs, salts)?;
         self.pending.insert(
             unit,
             PendingAdam {

@@ -6,8 +6,9 @@
 //! [`AdamJob`] the streamer can poll or wait on. The guard travels with the job, so the shards are
 //! exclusively the pool's until the job completes and hands them back.
 
-use super::adamw::{self, AdamSlices, AdamWConfig, Isa, StepScalars};
-use crate::store::layout::StateLayout;
+use super::adamw::{self, AdamWConfig, Isa, StepScalars};
+use super::moments::{self, MomentPtrs, Piece, Salts};
+use crate::store::layout::{AdamState, StateLayout, INT8_BLOCK};
 use crate::store::placement::Placement;
 use crate::store::{HostBuffer, UnitGuard};
 use crate::{Error, Result};
@@ -17,8 +18,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Chunks handed to workers start at multiples of this many elements (256 B: whole cache lines
-/// and SIMD vectors, so workers never share a line).
-const CHUNK_ALIGN: usize = 64;
+/// and SIMD vectors, so workers never share a line); int8 moments at whole quantisation blocks.
+fn chunk_align(state: AdamState) -> usize {
+    match state {
+        AdamState::Int8 => INT8_BLOCK,
+        AdamState::Fp32 | AdamState::Bf16 => 64,
+    }
+}
 
 /// A range of a unit updated with one set of scalars (one tensor, with its padding).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,8 +64,7 @@ pub fn unit_segments(
 struct Ptrs {
     p: *mut f32,
     g: *const f32,
-    m: *mut f32,
-    v: *mut f32,
+    moments: MomentPtrs,
 }
 
 // SAFETY: the pointers target shards that the submitting job keeps alive and exclusive (it holds
@@ -91,13 +96,16 @@ struct Task {
     start: usize,
     end: usize,
     isa: Isa,
+    /// Its index in the job: partial sums are added in this order, whatever order tasks end in.
+    part: usize,
     done: Arc<Completion>,
 }
 
 #[derive(Debug, Default)]
 struct State {
     remaining: usize,
-    sumsq: f64,
+    /// Each task's Σ g², by part.
+    sums: Vec<f64>,
     failure: Option<String>,
     /// The unit, when the job handed it to the stager (spilled units).
     guard: Option<UnitGuard>,
@@ -128,6 +136,7 @@ impl Completion {
         Arc::new(Completion {
             state: Mutex::new(State {
                 remaining: tasks,
+                sums: vec![0.0; tasks],
                 ..State::default()
             }),
             cv: Condvar::new(),
@@ -136,10 +145,13 @@ impl Completion {
         })
     }
 
-    fn finish(&self, sumsq: f64, failure: Option<String>) {
+    /// Task `part` is done.
+    fn finish(&self, part: usize, sumsq: f64, failure: Option<String>) {
         let mut s = crate::util::lock(&self.state);
         s.remaining -= 1;
-        s.sumsq += sumsq;
+        if let Some(x) = s.sums.get_mut(part) {
+            *x = sumsq;
+        }
         if s.failure.is_none() {
             s.failure = failure;
         }
@@ -147,7 +159,7 @@ impl Completion {
             let cb = crate::util::lock(&self.on_done).take();
             match cb {
                 Some(cb) => {
-                    let (sumsq, failure) = (s.sumsq, s.failure.take());
+                    let (sumsq, failure) = (s.sums.iter().sum(), s.failure.take());
                     drop(s);
                     cb(sumsq, failure);
                 }
@@ -170,7 +182,7 @@ impl Completion {
         while s.remaining > 0 {
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }
-        (s.sumsq, s.failure.take())
+        (s.sums.iter().sum(), s.failure.take())
     }
 
     fn is_done(&self) -> bool {
@@ -181,27 +193,27 @@ impl Completion {
 fn run_task(task: &Task) -> f64 {
     match &task.work {
         Work::Adam { ptrs, segments } => {
-            let mut sumsq = 0.0;
-            for seg in segments.iter() {
-                let lo = seg.start.max(task.start);
-                let hi = seg.end.min(task.end);
-                if lo >= hi {
-                    continue;
-                }
-                let n = hi - lo;
-                // SAFETY: [lo, hi) lies inside the unit (segments tile [0, numel)) and inside this
-                // task's range, which no other task touches; the memory is kept alive by the job.
-                let x = unsafe {
-                    AdamSlices {
-                        p: std::slice::from_raw_parts_mut(ptrs.p.add(lo), n),
-                        g: std::slice::from_raw_parts(ptrs.g.add(lo), n),
-                        m: std::slice::from_raw_parts_mut(ptrs.m.add(lo), n),
-                        v: std::slice::from_raw_parts_mut(ptrs.v.add(lo), n),
-                    }
-                };
-                sumsq += adamw::step_with(task.isa, x, &seg.scalars);
+            let pieces: Vec<Piece<'_>> = segments
+                .iter()
+                .filter(|seg| seg.start < task.end && seg.end > task.start)
+                .map(|seg| Piece {
+                    range: seg.start..seg.end,
+                    scalars: &seg.scalars,
+                })
+                .collect();
+            // SAFETY: the task's range lies inside the unit (segments tile [0, numel)), starts on
+            // a chunk boundary (whole int8 blocks), and no other task touches it; the memory is
+            // kept alive and exclusive by the job.
+            unsafe {
+                moments::step_range(
+                    task.isa,
+                    ptrs.p,
+                    ptrs.g,
+                    ptrs.moments,
+                    task.start..task.end,
+                    &pieces,
+                )
             }
-            sumsq
         }
         Work::Triad { a, b, c, s } => {
             let n = task.end - task.start;
@@ -232,6 +244,7 @@ struct StageJob {
     /// Lean-mode gradient buffer (null: the unit's own gradient shard).
     grads: GradPtr,
     segments: Arc<[Segment]>,
+    salts: Salts,
     senders: Vec<Sender<Task>>,
     isa: Isa,
     outer: Arc<Completion>,
@@ -261,22 +274,23 @@ impl std::fmt::Debug for StageJob {
     }
 }
 
-/// Split `numel` elements into one cache-line-aligned range per worker and send the tasks.
+/// Split `numel` elements into one range per worker, each starting at a multiple of `align`
+/// elements, and send the tasks.
 fn dispatch_on(
     senders: &[Sender<Task>],
     isa: Isa,
-    numel: usize,
+    (numel, align): (usize, usize),
     work: impl Fn() -> Work,
     on_done: Option<OnDone>,
 ) -> Arc<Completion> {
-    let chunk = numel.div_ceil(senders.len().max(1)).div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
+    let chunk = numel.div_ceil(senders.len().max(1)).div_ceil(align) * align;
     let ranges: Vec<(usize, usize)> = (0..senders.len())
         .map(|i| (i * chunk, ((i + 1) * chunk).min(numel)))
         .filter(|(a, b)| a < b)
         .collect();
     let completion = Completion::with_on_done(ranges.len().max(1), on_done);
     if ranges.is_empty() {
-        completion.finish(0.0, None);
+        completion.finish(0, 0.0, None);
     }
     for (i, (start, end)) in ranges.into_iter().enumerate() {
         let task = Task {
@@ -284,17 +298,19 @@ fn dispatch_on(
             start,
             end,
             isa,
+            part: i,
             done: completion.clone(),
         };
         if senders[i].send(task).is_err() {
-            completion.finish(0.0, Some("worker thread is gone".into()));
+            completion.finish(i, 0.0, Some("worker thread is gone".into()));
         }
     }
     completion
 }
 
-fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>) -> Result<Ptrs> {
+fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>, salts: Salts) -> Result<Ptrs> {
     let unit = guard.unit();
+    let (state, numel) = (guard.store().layout().adam, guard.numel());
     let sh = guard.shards()?;
     let g: *const f32 = match (lean, sh.grads) {
         (Some(b), _) => b,
@@ -311,8 +327,7 @@ fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>) -> Result<Ptrs> {
     Ok(Ptrs {
         p: sh.params.as_mut_ptr(),
         g,
-        m: sh.m.as_mut_ptr(),
-        v: sh.v.as_mut_ptr(),
+        moments: MomentPtrs::new(state, sh.m.as_mut_ptr(), sh.v.as_mut_ptr(), numel, salts),
     })
 }
 
@@ -338,27 +353,30 @@ fn stager_loop(rx: &std::sync::mpsc::Receiver<StageJob>) {
             next.guard.store().prefetch(next.guard.unit());
         }
         let lean = (!job.grads.0.is_null()).then_some(job.grads.0);
-        let ptrs = match staged.and_then(|()| unit_ptrs(&mut job.guard, lean)) {
+        let ptrs = match staged.and_then(|()| unit_ptrs(&mut job.guard, lean, job.salts)) {
             Ok(p) => p,
             Err(e) => {
                 job.guard.unstage_clean();
                 job.outer.put_guard(job.guard);
-                job.outer.finish(0.0, Some(e.to_string()));
+                job.outer.finish(0, 0.0, Some(e.to_string()));
                 continue;
             }
         };
-        let numel = job.guard.numel();
+        let sizes = (
+            job.guard.numel(),
+            chunk_align(job.guard.store().layout().adam),
+        );
         let (mut guard, outer) = (job.guard, job.outer.clone());
         let on_done: OnDone = Box::new(move |sumsq, failure| {
             guard.unstage();
             outer.put_guard(guard);
-            outer.finish(sumsq, failure);
+            outer.finish(0, sumsq, failure);
         });
         let segments = job.segments.clone();
         dispatch_on(
             &job.senders,
             job.isa,
-            numel,
+            sizes,
             || Work::Adam {
                 ptrs,
                 segments: segments.clone(),
@@ -469,8 +487,11 @@ impl AdamPool {
                                 run_task(&task)
                             }));
                             match r {
-                                Ok(s) => task.done.finish(s, None),
-                                Err(_) => task.done.finish(0.0, Some("worker panicked".into())),
+                                Ok(s) => task.done.finish(task.part, s, None),
+                                Err(_) => {
+                                    task.done
+                                        .finish(task.part, 0.0, Some("worker panicked".into()))
+                                }
                             }
                         }
                     })
@@ -530,21 +551,23 @@ impl AdamPool {
     fn dispatch(
         &self,
         node: u32,
-        numel: usize,
+        sizes: (usize, usize),
         work: impl Fn() -> Work,
     ) -> Result<Arc<Completion>> {
         let w = self.workers(node)?;
-        Ok(dispatch_on(&w.senders, self.isa, numel, work, None))
+        Ok(dispatch_on(&w.senders, self.isa, sizes, work, None))
     }
 
     /// Update one unit on `node`'s workers. `grads` is the lean-mode buffer; `None` uses the
-    /// unit's gradient shard (exact mode). `segments` come from [`unit_segments`].
+    /// unit's gradient shard (exact mode). `segments` come from [`unit_segments`]; `salts` seed the
+    /// stochastic rounding of bf16 moments ([`Salts::new`]).
     pub fn submit(
         &self,
         node: u32,
         mut guard: UnitGuard,
         grads: Option<HostBuffer>,
         segments: Vec<Segment>,
+        salts: Salts,
     ) -> Result<AdamJob> {
         let numel = guard.numel();
         if let Some(b) = &grads {
@@ -573,6 +596,7 @@ impl AdamPool {
                 grads: GradPtr(grads.as_ref().map_or(std::ptr::null(), |b| b.as_ptr())),
                 guard,
                 segments,
+                salts,
                 senders,
                 isa: self.isa,
                 outer: outer.clone(),
@@ -587,8 +611,9 @@ impl AdamPool {
                 done: outer,
             });
         }
-        let ptrs = unit_ptrs(&mut guard, grads.as_ref().map(|b| b.as_ptr()))?;
-        let done = self.dispatch(node, numel, || Work::Adam {
+        let ptrs = unit_ptrs(&mut guard, grads.as_ref().map(|b| b.as_ptr()), salts)?;
+        let align = chunk_align(guard.store().layout().adam);
+        let done = self.dispatch(node, (numel, align), || Work::Adam {
             ptrs,
             segments: segments.clone(),
         })?;
@@ -614,7 +639,7 @@ impl AdamPool {
         s: f32,
         n: usize,
     ) -> Result<TriadJob> {
-        let done = self.dispatch(node, n, || Work::Triad { a, b, c, s })?;
+        let done = self.dispatch(node, (n, 64), || Work::Triad { a, b, c, s })?;
         Ok(TriadJob(done))
     }
 }

@@ -6,7 +6,8 @@ pub mod presets;
 pub mod sim;
 
 use crate::model::config::ModelConfig;
-use crate::store::layout::{Mode, StateLayout};
+use crate::optim::moments;
+use crate::store::layout::{AdamState, Mode, StateLayout};
 use serde::{Deserialize, Serialize};
 
 /// What the performance model needs to know about a machine.
@@ -49,6 +50,8 @@ pub struct PlanRequest {
     pub bf16: bool,
     /// Exact or lean.
     pub mode: Mode,
+    /// How Adam m and v are stored.
+    pub adam_state: AdamState,
     /// Allow spilling Adam m/v to NVMe: the units the host RAM lacks room for, last layers first
     /// (the placement's own choice).
     pub spill_moments: bool,
@@ -107,6 +110,11 @@ impl PlanRequest {
 
     fn micro_batches(&self) -> u64 {
         self.tokens_per_step.div_ceil(self.micro_tokens()).max(1)
+    }
+
+    /// The host layout of `model` under this request.
+    fn layout(&self, model: &ModelConfig) -> StateLayout {
+        StateLayout::new(model, self.mode).with_adam_state(self.adam_state)
     }
 }
 
@@ -270,7 +278,7 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
     if !req.spill_moments {
         return (Vec::new(), 0);
     }
-    let layout = StateLayout::new(model, req.mode);
+    let layout = req.layout(model);
     let activations =
         (model.num_layers as u64 + 1) * req.micro_tokens() * model.hidden_size as u64 * 4;
     let capacity = ((hw.host_ram_bytes as f64 * USABLE) as u64).saturating_sub(activations);
@@ -291,15 +299,12 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
 
 /// Memory per tier for `model` under `req` on `hw`.
 pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPlan {
-    let layout = StateLayout::new(model, req.mode);
+    let layout = req.layout(model);
     let c = model.hidden_size as u64;
     let tokens_mb = req.micro_tokens();
     let mut host = layout.total_bytes();
     let (spilled, staging) = spilled_units(model, req, hw);
-    let nvme: u64 = spilled
-        .iter()
-        .map(|&u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
-        .sum();
+    let nvme: u64 = spilled.iter().map(|&u| layout.moment_bytes(u)).sum();
     // The spill tier's staging slots (read ahead, update, write back) replace what spills.
     host = host - nvme + staging;
     let activations = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
@@ -333,7 +338,7 @@ pub fn step_flops(model: &ModelConfig, tokens: u64, seq: u64) -> f64 {
 /// `tokens_mb` tokens: kernels from FLOPs at the calibrated share of peak, copies from the link,
 /// AdamW and the norm from the host's AdamW rate, spilled m/v from the NVMe rate.
 fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u64) -> sim::Costs {
-    let layout = StateLayout::new(model, req.mode);
+    let layout = req.layout(model);
     let rate = if req.bf16 {
         hw.bf16_tflops
     } else {
@@ -345,11 +350,13 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
     let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
     let head = (model.vocab_size * model.hidden_size) as f64;
     let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
-    let adam_bytes = if req.bf16 { 30.0 } else { 28.0 };
+    // The bf16 weight copy adds a 2-byte write per parameter.
+    let adam_bytes =
+        moments::update_bytes_per_param(req.adam_state) + if req.bf16 { 2.0 } else { 0.0 };
     let adam_bps = hw.adam_gbps * 1e9;
     let (spilled, _) = spilled_units(model, req, hw);
-    let nvme = |u: usize, k: usize| match (spilled.contains(&u), hw.nvme_gbps) {
-        (true, Some(g)) => 8.0 * k as f64 / (g * 1e9),
+    let nvme = |u: usize| match (spilled.contains(&u), hw.nvme_gbps) {
+        (true, Some(g)) => layout.moment_bytes(u) as f64 / (g * 1e9),
         _ => 0.0,
     };
     sim::Costs {
@@ -371,8 +378,8 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
             .map(|&k| k as f64 * adam_bytes / adam_bps)
             .collect(),
         norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
-        nvme_read_s: numel.iter().enumerate().map(|(u, &k)| nvme(u, k)).collect(),
-        nvme_write_s: numel.iter().enumerate().map(|(u, &k)| nvme(u, k)).collect(),
+        nvme_read_s: (0..numel.len()).map(nvme).collect(),
+        nvme_write_s: (0..numel.len()).map(nvme).collect(),
         staging_slots: 3,
         unit_numel: numel,
         shared_cores: None,
@@ -535,8 +542,25 @@ pub fn suggest(
         micro_batch_tokens: None,
         ..r
     };
+    let state = |r: PlanRequest, adam_state: AdamState| PlanRequest { adam_state, ..r };
+    // Compact moments before lean mode (global clipping stays exact), bf16 (near-exact) first;
+    // both before NVMe (whose disk would bound the step).
+    let compact: Vec<AdamState> = match req.adam_state {
+        AdamState::Fp32 => vec![AdamState::Bf16, AdamState::Int8],
+        AdamState::Bf16 => vec![AdamState::Int8],
+        AdamState::Int8 => Vec::new(),
+    };
+    for s in &compact {
+        tries.push((format!("--adam-state {}", s.name()), state(req.clone(), *s)));
+    }
     if req.mode == Mode::Exact {
         tries.push(("--mode lean".into(), lean(req.clone())));
+        for s in &compact {
+            tries.push((
+                format!("--mode lean --adam-state {}", s.name()),
+                lean(state(req.clone(), *s)),
+            ));
+        }
     }
     // `--precision bf16` is not offered: the trainer does not stream bf16 yet.
     if !req.spill_moments {
@@ -635,7 +659,7 @@ pub fn per_node(
     req: &PlanRequest,
 ) -> crate::Result<Vec<crate::store::placement::NodePlan>> {
     use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
-    let layout = StateLayout::new(model, req.mode);
+    let layout = req.layout(model);
     let p = place_with_spill(
         machine,
         &layout,
@@ -669,7 +693,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     };
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
-         {} tokens/step in micro-batches of {}, seq {}, {}, {} mode{}\n\n\
+         {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
          memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}\n  GPU working set  {:>12}  of {}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         hw.name,
@@ -682,6 +706,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
             Mode::Exact => "exact",
             Mode::Lean => "lean",
         },
+        req.adam_state.name(),
         if p.memory.nvme_units > 0 {
             format!(", Adam m/v of {} of {} units on NVMe", p.memory.nvme_units, p.memory.units)
         } else {

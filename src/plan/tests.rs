@@ -6,6 +6,7 @@ fn req(tokens: u64) -> PlanRequest {
         seq_len: 4096,
         bf16: false,
         mode: Mode::Exact,
+        adam_state: AdamState::Fp32,
         spill_moments: false,
         micro_batch_tokens: Some(tokens),
     }
@@ -94,23 +95,25 @@ fn fits_and_does_not_fit_with_the_smallest_change() {
     assert!(!p405.fits);
     assert!(p405.missing.as_deref().unwrap_or("").contains("missing"));
     assert!(p405.suggestion.is_some());
-    // 120B on 1.5 TB (MegaTrain's headline): exact mode's 16 B/param (1.9 TB) does not fit,
-    // lean mode's 12 B/param (1.43 TB) does, within 90% of the RAM.
+    // 120B on 1.5 TB (MegaTrain's headline): exact mode's 16 B/param (1.9 TB) does not fit;
+    // bf16 moments (exact mode, 12 B/param) are the first change tried, and they fit, as does
+    // lean mode's 12 B/param (1.43 TB), within 90% of the RAM.
     let m120 = presets::model("llama-120b").unwrap();
     let p = plan(&m120, &hw, &req(8192));
     assert!(!p.fits);
-    assert_eq!(p.suggestion.as_deref(), Some("--mode lean"));
-    assert!(
-        plan(
-            &m120,
-            &hw,
-            &PlanRequest {
-                mode: Mode::Lean,
-                ..req(8192)
-            }
-        )
-        .fits
-    );
+    assert_eq!(p.suggestion.as_deref(), Some("--adam-state bf16"));
+    for changed in [
+        PlanRequest {
+            adam_state: AdamState::Bf16,
+            ..req(8192)
+        },
+        PlanRequest {
+            mode: Mode::Lean,
+            ..req(8192)
+        },
+    ] {
+        assert!(plan(&m120, &hw, &changed).fits, "{changed:?}");
+    }
     // 405B: even its fp32 params alone (1.6 TB) exceed the machine; nothing tried fits.
     let hw_nvme = Hardware {
         nvme_gbps: Some(12.0),
@@ -185,6 +188,7 @@ fn every_suggestion_fits_when_applied() {
                         seq_len: seq,
                         bf16: false,
                         mode,
+                        adam_state: AdamState::Fp32,
                         spill_moments: false,
                         micro_batch_tokens: None,
                     };

@@ -168,6 +168,7 @@ pub fn train_steps(
             },
             grad_clip: 1.0,
             decay_norms: true,
+            seed: 0,
         },
     )?;
     let vocab = cfg.vocab_size as u32;

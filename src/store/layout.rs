@@ -27,6 +27,53 @@ pub enum Mode {
     Lean,
 }
 
+/// How the Adam moments m and v are stored (`--adam-state`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum AdamState {
+    /// fp32 moments: exactly `torch.optim.AdamW`, 8 B/param of moments.
+    #[default]
+    Fp32,
+    /// bf16 moments written with stochastic rounding (seeded, reproducible per element):
+    /// 4 B/param of moments.
+    Bf16,
+    /// 8-bit blockwise dynamic quantisation (Dettmers et al., bitsandbytes' 8-bit Adam): one
+    /// code per element and one fp32 absmax per block of [`INT8_BLOCK`] elements, ≈ 2 B/param
+    /// of moments.
+    Int8,
+}
+
+/// Elements per quantisation block of [`AdamState::Int8`] moments (blocks run over the unit's
+/// flat shard, from its start).
+pub const INT8_BLOCK: usize = 2048;
+
+impl AdamState {
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            AdamState::Fp32 => "fp32",
+            AdamState::Bf16 => "bf16",
+            AdamState::Int8 => "int8",
+        }
+    }
+
+    /// Bytes one moment of `numel` elements takes (before shard alignment).
+    pub fn moment_bytes_unaligned(self, numel: usize) -> usize {
+        match self {
+            AdamState::Fp32 => 4 * numel,
+            AdamState::Bf16 => 2 * numel,
+            AdamState::Int8 => Self::int8_scales_offset(numel) + 4 * numel.div_ceil(INT8_BLOCK),
+        }
+    }
+
+    /// [`AdamState::Int8`]: where a moment shard's fp32 block scales start (after its codes).
+    pub fn int8_scales_offset(numel: usize) -> usize {
+        numel.div_ceil(64) * 64
+    }
+}
+
 /// The kinds of per-unit shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -90,6 +137,9 @@ pub struct StateLayout {
     pub config: ModelConfig,
     /// Exact or lean.
     pub mode: Mode,
+    /// How Adam m and v are stored.
+    #[serde(default)]
+    pub adam: AdamState,
     /// Units in streaming order: embedding, blocks 0..L-1, head.
     pub units: Vec<UnitLayout>,
     /// HF tensor name → location.
@@ -113,9 +163,35 @@ impl StateLayout {
         StateLayout {
             config: config.clone(),
             mode,
+            adam: AdamState::Fp32,
             units,
             manifest,
         }
+    }
+
+    /// This layout with the moments stored as `adam`.
+    pub fn with_adam_state(self, adam: AdamState) -> Self {
+        StateLayout { adam, ..self }
+    }
+
+    /// Bytes of unit `unit`'s shard of `kind` (a multiple of [`SHARD_ALIGN`]).
+    pub fn shard_bytes(&self, unit: usize, kind: ShardKind) -> usize {
+        let u = &self.units[unit];
+        match kind {
+            ShardKind::Params | ShardKind::Grads => u.shard_bytes(),
+            ShardKind::AdamM | ShardKind::AdamV => {
+                self.adam
+                    .moment_bytes_unaligned(u.numel)
+                    .div_ceil(SHARD_ALIGN)
+                    .max(1)
+                    * SHARD_ALIGN
+            }
+        }
+    }
+
+    /// Bytes of unit `unit`'s two moments (what spilling it moves to NVMe).
+    pub fn moment_bytes(&self, unit: usize) -> u64 {
+        (self.shard_bytes(unit, ShardKind::AdamM) + self.shard_bytes(unit, ShardKind::AdamV)) as u64
     }
 
     /// Whether shards of `kind` exist in this layout.
@@ -149,7 +225,9 @@ impl StateLayout {
         if !self.has(kind) {
             return 0;
         }
-        self.units.iter().map(|u| u.shard_bytes() as u64).sum()
+        (0..self.units.len())
+            .map(|u| self.shard_bytes(u, kind) as u64)
+            .sum()
     }
 
     /// Largest unit, in elements.

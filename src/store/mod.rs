@@ -311,10 +311,30 @@ pub struct UnitShards<'a> {
     pub params: &'a mut [f32],
     /// fp32 grads (exact mode).
     pub grads: Option<&'a mut [f32]>,
-    /// Adam m.
-    pub m: &'a mut [f32],
-    /// Adam v.
-    pub v: &'a mut [f32],
+    /// Adam m, stored as the layout's [`AdamState`](layout::AdamState) says (fp32, bf16, or
+    /// int8 codes followed by block scales): its bytes.
+    pub m: &'a mut [u8],
+    /// Adam v, likewise.
+    pub v: &'a mut [u8],
+    /// How m and v are stored.
+    pub adam: layout::AdamState,
+}
+
+impl UnitShards<'_> {
+    /// m and v as fp32 (`--adam-state fp32`), `None` for a compact format.
+    pub fn moments_f32(&mut self) -> Option<(&mut [f32], &mut [f32])> {
+        if self.adam != layout::AdamState::Fp32 {
+            return None;
+        }
+        let as_f32 = |b: &mut [u8]| -> Option<&mut [f32]> {
+            // SAFETY: shards are 4 KiB aligned; the length is whole f32s; `b` is borrowed
+            // mutably for the view's life.
+            ((b.as_ptr() as usize).is_multiple_of(4) && b.len().is_multiple_of(4)).then(|| unsafe {
+                std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), b.len() / 4)
+            })
+        };
+        Some((as_f32(self.m)?, as_f32(self.v)?))
+    }
 }
 
 impl UnitGuard {
@@ -397,13 +417,21 @@ impl UnitGuard {
         let (pm, pv) = (moment(ShardKind::AdamM)?, moment(ShardKind::AdamV)?);
         let params = f32s(self.ptr(ShardKind::Params)).unwrap_or_default();
         let grads = f32s(self.ptr(ShardKind::Grads));
-        let m = f32s(pm).unwrap_or_default();
-        let v = f32s(pv).unwrap_or_default();
+        let adam = self.store.layout().adam;
+        let moment_bytes = adam.moment_bytes_unaligned(n);
+        let bytes = |p: Option<*mut u8>| {
+            // SAFETY: a moment shard holds ≥ moment_bytes (its shard bytes round that up); the
+            // rest as for `f32s`.
+            p.map(|p| unsafe { std::slice::from_raw_parts_mut(p, moment_bytes) })
+        };
+        let m = bytes(pm).unwrap_or_default();
+        let v = bytes(pv).unwrap_or_default();
         Ok(UnitShards {
             params,
             grads,
             m,
             v,
+            adam,
         })
     }
 
@@ -451,7 +479,7 @@ fn allocate_regions(
             .as_ref()
             .is_some_and(|p| p.kinds.contains(&k) && p.units.contains(&u))
     };
-    for (u, unit) in layout.units.iter().enumerate() {
+    for u in 0..layout.units.len() {
         for k in layout.kinds() {
             if spilled(u, k) {
                 continue;
@@ -466,7 +494,7 @@ fn allocate_regions(
             })?;
             let size = sizes.entry((node, k)).or_insert(0);
             pending.push((u, k, (node, k), *size));
-            *size += unit.shard_bytes();
+            *size += layout.shard_bytes(u, k);
         }
     }
     let keys: Vec<(u32, ShardKind)> = sizes.keys().copied().collect();
@@ -540,11 +568,10 @@ fn open_spill_tier(
                     TierUnit {
                         unit: u,
                         label: unit.kind.describe(),
-                        numel: unit.numel,
                         shards: p
                             .kinds
                             .iter()
-                            .map(|k| (k.name(), unit.shard_bytes()))
+                            .map(|&k| (k.name(), layout.shard_bytes(u, k)))
                             .collect(),
                     }
                 })
@@ -682,11 +709,11 @@ mod tests {
         let n = sh.params.len();
         sh.params.fill(1.0);
         sh.grads.unwrap().fill(2.0);
-        sh.m.fill(3.0);
-        sh.v.fill(4.0);
+        sh.m.fill(3);
+        sh.v.fill(4);
         let sh = g.shards().unwrap();
         assert!(sh.params.iter().all(|x| *x == 1.0));
-        assert!(sh.v.iter().all(|x| *x == 4.0));
+        assert!(sh.v.iter().all(|x| *x == 4));
         assert_eq!(n, g.numel());
         drop(g);
         assert!(s.take(1).is_ok());

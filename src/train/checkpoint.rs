@@ -1,4 +1,5 @@
-//! Training checkpoints: fp32 params and Adam m/v of every unit, the step, the data cursor, the
+//! Training checkpoints: fp32 params and Adam m/v of every unit (in the run's `--adam-state`
+//! format, exactly as held: a resumed run is bit-identical), the step, the data cursor, the
 //! configuration and the run's identity. Written into a temporary directory, every file fsynced
 //! and checksummed (crc32c) in a manifest written last, then renamed into place; the run's last K
 //! are kept (another run's are never touched). A checkpoint whose manifest is missing, omits a
@@ -8,23 +9,45 @@
 use super::config::TrainConfig;
 use super::data::Cursor;
 use crate::model::config::ModelConfig;
-use crate::store::layout::ShardKind;
+use crate::optim::moments;
+use crate::store::layout::{AdamState, ShardKind, StateLayout};
 use crate::store::HostStore;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-/// Checkpoint format version written (2: run identity and configuration history).
-pub const FORMAT: u32 = 2;
+/// Checkpoint format version written (2: run identity and configuration history; 3: moment
+/// files named by their format).
+pub const FORMAT: u32 = 3;
 /// Oldest format read (1: no run identity; treated as belonging to whoever resumes it).
 const OLDEST_FORMAT: u32 = 1;
 const MANIFEST: &str = "MANIFEST.json";
-const FILES: [(&str, ShardKind); 3] = [
-    ("params.f32", ShardKind::Params),
-    ("adam_m.f32", ShardKind::AdamM),
-    ("adam_v.f32", ShardKind::AdamV),
-];
+const PARAMS_FILE: &str = "params.f32";
+
+/// The tensor files of a checkpoint whose moments are stored as `state`: the params, then m and
+/// v (per unit, the bytes the host store holds: fp32, bf16, or int8 codes then block scales).
+fn files(state: AdamState) -> [(String, ShardKind); 3] {
+    let ext = match state {
+        AdamState::Fp32 => "f32",
+        AdamState::Bf16 => "bf16",
+        AdamState::Int8 => "int8",
+    };
+    [
+        (PARAMS_FILE.to_owned(), ShardKind::Params),
+        (format!("adam_m.{ext}"), ShardKind::AdamM),
+        (format!("adam_v.{ext}"), ShardKind::AdamV),
+    ]
+}
+
+/// Bytes of a checkpoint's tensor files for `layout`.
+pub fn tensor_bytes(layout: &StateLayout) -> u64 {
+    layout
+        .units
+        .iter()
+        .map(|u| 4 * u.numel as u64 + 2 * layout.adam.moment_bytes_unaligned(u.numel) as u64)
+        .sum()
+}
 
 /// One setting changed when a run was resumed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -169,7 +192,8 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
             size: u64,
         }
         let mut outs = Vec::new();
-        for (name, _) in FILES {
+        let names = files(store.layout().adam);
+        for (name, _) in &names {
             let path = tmp.join(name);
             let f = std::fs::File::create(&path).map_err(|e| Error::io("create", &path, e))?;
             outs.push(Out {
@@ -182,17 +206,13 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         for u in 0..store.num_units() {
             let mut g = store.take(u)?;
             g.stage()?; // optimizer state on NVMe: read it in (no-op in RAM)
-            for (o, (_, kind)) in outs.iter_mut().zip(FILES) {
-                let data: &[f32] = match kind {
-                    ShardKind::Params => g.params(),
-                    ShardKind::AdamM => g.shards()?.m,
-                    _ => g.shards()?.v,
-                };
-                // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
-                // the file is little-endian like the host (see hf.rs's guard).
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4)
-                };
+            let sh = g.shards()?;
+            // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
+            // the file is little-endian like the host (see hf.rs's guard).
+            let params = unsafe {
+                std::slice::from_raw_parts(sh.params.as_ptr().cast::<u8>(), sh.params.len() * 4)
+            };
+            for (o, bytes) in outs.iter_mut().zip([params, &*sh.m, &*sh.v]) {
                 o.crc = crc32c::crc32c_append(o.crc, bytes);
                 o.size += bytes.len() as u64;
                 crate::util::failpoint::check("checkpoint")
@@ -202,12 +222,12 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
             g.unstage_clean();
         }
         let mut files = Vec::new();
-        for (o, (name, _)) in outs.into_iter().zip(FILES) {
+        for (o, (name, _)) in outs.into_iter().zip(names) {
             let f =
                 o.w.into_inner()
                     .map_err(|e| Error::io("write", &o.path, e.into_error()))?;
             f.sync_all().map_err(|e| Error::io("fsync", &o.path, e))?;
-            files.push((name.to_owned(), o.size, o.crc));
+            files.push((name, o.size, o.crc));
         }
         let state_json = serde_json::to_vec_pretty(state)
             .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
@@ -294,10 +314,30 @@ pub fn verify(dir: &Path) -> std::result::Result<(), Damage> {
             m.format
         )));
     }
-    for required in FILES.iter().map(|(n, _)| *n).chain(["state.json"]) {
-        if !m.files.iter().any(|(n, _, _)| n == required) {
+    let listed = |name: &str| m.files.iter().any(|(n, _, _)| n == name);
+    for required in [PARAMS_FILE, "state.json"] {
+        if !listed(required) {
             return Err(Damage::Incomplete(required.into()));
         }
+    }
+    // The moments in one of the formats (state.json says which; `load` opens that one).
+    let formats = [AdamState::Fp32, AdamState::Bf16, AdamState::Int8];
+    if !formats
+        .iter()
+        .any(|f| files(*f).iter().all(|(n, _)| listed(n)))
+    {
+        // Name the partner of a half-listed pair; with neither listed, every format's pair.
+        let half = formats.iter().find_map(|f| {
+            let [_, (m, _), (v, _)] = files(*f);
+            match (listed(&m), listed(&v)) {
+                (true, false) => Some(v),
+                (false, true) => Some(m),
+                _ => None,
+            }
+        });
+        return Err(Damage::Incomplete(half.unwrap_or_else(|| {
+            "adam_m.f32 and adam_v.f32 (or .bf16, .int8)".into()
+        })));
     }
     for (name, size, crc) in &m.files {
         if name.contains('/') || name.contains("..") {
@@ -413,8 +453,29 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
     Ok(state)
 }
 
-/// Load a verified checkpoint into `store`; returns its state.
-pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
+/// How Adam moments were restored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MomentsRestored {
+    /// As saved (bit-identical).
+    Exact,
+    /// Converted from the checkpoint's format to the run's.
+    Converted {
+        /// The checkpoint's.
+        from: AdamState,
+        /// The run's.
+        to: AdamState,
+    },
+}
+
+/// The moment format a checkpoint's state records (checkpoints before `--adam-state`: fp32).
+pub fn adam_state_of(state: &TrainState) -> AdamState {
+    state.config.adam_state.unwrap_or_default()
+}
+
+/// Load a verified checkpoint into `store`; returns its state and whether the moments were
+/// converted (the checkpoint's `--adam-state` differs from the store's: fp32 → compact quantises,
+/// compact → fp32 dequantises).
+pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
     let state = open(dir)?;
     if state.model != store.layout().config {
         return Err(Error::bad_input(
@@ -424,31 +485,51 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<TrainState> {
             Some("resume with the checkpoint's own model settings"),
         ));
     }
+    let (saved, held) = (adam_state_of(&state), store.layout().adam);
     // One pass over the units with the three files open: a spilled unit is staged and written
     // back once.
     let mut readers = Vec::new();
-    for (name, _) in FILES {
+    for (name, _) in files(saved) {
         let path = dir.join(name);
         let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
         readers.push((path, std::io::BufReader::with_capacity(1 << 20, f)));
     }
+    let mut scratch = Vec::new();
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
         g.stage()?;
-        for ((path, f), (_, kind)) in readers.iter_mut().zip(FILES) {
-            let data: &mut [f32] = match kind {
-                ShardKind::Params => g.params(),
-                ShardKind::AdamM => g.shards()?.m,
-                _ => g.shards()?.v,
+        let numel = g.numel();
+        let sh = g.shards()?;
+        // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
+        let params = unsafe {
+            std::slice::from_raw_parts_mut(sh.params.as_mut_ptr().cast::<u8>(), sh.params.len() * 4)
+        };
+        // The moments' map (signed for m, unsigned for v); none for the params.
+        let targets = [(params, None), (sh.m, Some(true)), (sh.v, Some(false))];
+        for ((path, f), (dst, moment)) in readers.iter_mut().zip(targets) {
+            let read = |f: &mut std::io::BufReader<std::fs::File>, buf: &mut [u8]| {
+                f.read_exact(buf)
+                    .map_err(|e| Error::io("read", path.as_path(), e))
             };
-            // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), data.len() * 4)
-            };
-            f.read_exact(bytes)
-                .map_err(|e| Error::io("read", path.as_path(), e))?;
+            match moment {
+                Some(signed) if saved != held => {
+                    scratch.resize(saved.moment_bytes_unaligned(numel), 0);
+                    read(f, &mut scratch)?;
+                    let x = moments::to_f32(saved, &scratch, numel, signed);
+                    moments::from_f32(held, &x, dst, signed);
+                }
+                _ => read(f, dst)?,
+            }
         }
         g.unstage(); // written back to NVMe if spilled
     }
-    Ok(state)
+    let how = if saved == held {
+        MomentsRestored::Exact
+    } else {
+        MomentsRestored::Converted {
+            from: saved,
+            to: held,
+        }
+    };
+    Ok((state, how))
 }

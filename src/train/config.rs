@@ -1,7 +1,7 @@
 //! The training configuration: a TOML file and command-line flags with the same names (flags
 //! win). Unknown keys are errors.
 
-use crate::store::layout::Mode;
+use crate::store::layout::{AdamState, Mode};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -266,6 +266,10 @@ settings! {
     /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
     /// fits (and there is no gradient accumulation), else exact with m/v spilled.
     some mode: Option<Mode> = None => Option<Mode> [value_enum];
+    /// How Adam m and v are stored: fp32 (exactly torch.optim.AdamW, 8 B/param), bf16 (stochastic
+    /// rounding, 4 B/param) or int8 (blockwise 8-bit, ≈ 2 B/param); unset: the resumed
+    /// checkpoint's, else fp32. Resuming with another one converts the checkpoint's moments.
+    some adam_state: Option<AdamState> = None => Option<AdamState> [value_enum];
     /// Chrome trace of every step.
     some trace: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE"];
     /// Validate every N steps (0: only at the end).

@@ -106,7 +106,8 @@ pub fn changed_settings(before: &TrainConfig, now: &TrainConfig) -> Vec<(String,
     };
     b.iter()
         .filter(|(k, v)| {
-            k.as_str() != "resume" && !(matches!(k.as_str(), "mode" | "activations") && v.is_null())
+            k.as_str() != "resume"
+                && !(matches!(k.as_str(), "mode" | "activations" | "adam_state") && v.is_null())
         })
         .filter_map(|(k, vb)| {
             let va = a.get(k).cloned().unwrap_or(serde_json::Value::Null);

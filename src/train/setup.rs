@@ -75,14 +75,22 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         slots: cfg.spill_staging,
     };
     let resumed = inputs.resumed.as_ref();
-    let mode = choose_mode(cfg, resumed, &machine, &inputs.model, budget, progress);
+    let adam_state = cfg
+        .adam_state
+        .or_else(|| resumed.map(|(_, st)| checkpoint::adam_state_of(st)))
+        .unwrap_or_default();
+    let cfg = TrainConfig {
+        adam_state: Some(adam_state),
+        ..cfg.clone()
+    };
+    let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
     let cfg = TrainConfig {
         mode: Some(mode),
-        ..cfg.clone()
+        ..cfg
     };
     let changes = settings_changed(&cfg, resumed, progress);
     // Every output, and the host and device memory, before anything big is allocated.
-    let layout = StateLayout::new(&inputs.model, mode);
+    let layout = StateLayout::new(&inputs.model, mode).with_adam_state(adam_state);
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
     let device = open_device(&cfg, &tm, cfg.batch_size, cfg.seq_len)?;
@@ -225,7 +233,8 @@ fn check_before_allocating(
     run_id: &str,
 ) -> Result<()> {
     let params = layout.num_params() as u64;
-    outputs::check(cfg, run_id, 12 * params + (1 << 20), 4 * params + (1 << 20))?;
+    let checkpoint_bytes = checkpoint::tensor_bytes(layout) + (1 << 20);
+    outputs::check(cfg, run_id, checkpoint_bytes, 4 * params + (1 << 20))?;
     let prelim = crate::store::placement::place_advised(
         machine,
         layout,
@@ -324,12 +333,24 @@ fn restore(
     progress: &mut dyn Progress,
 ) -> Result<(u64, Cursor, Option<f64>)> {
     if let Some((dir, _)) = resumed {
-        let st = checkpoint::load(dir, store)?;
+        let (st, moments) = checkpoint::load(dir, store)?;
         progress.note(&format!(
             "resumed from {} (step {})",
             dir.display(),
             st.step
         ));
+        if let checkpoint::MomentsRestored::Converted { from, to } = moments {
+            progress.note(&format!(
+                "adam state: the checkpoint's {} moments converted to {} ({})",
+                from.name(),
+                to.name(),
+                if to == crate::store::layout::AdamState::Fp32 {
+                    "dequantised"
+                } else {
+                    "quantised; --adam-state to keep them as they were"
+                }
+            ));
+        }
         return Ok((st.step, st.cursor, st.prev_norm));
     }
     match &cfg.init_from {
@@ -374,6 +395,7 @@ fn build_streamer(
             },
             grad_clip: cfg.grad_clip,
             decay_norms: cfg.decay_norms,
+            seed: cfg.seed,
         },
     )
 }
@@ -447,7 +469,7 @@ fn choose_mode(
     let fits = |m: Mode| {
         crate::store::placement::fits(
             machine,
-            &StateLayout::new(model, m),
+            &StateLayout::new(model, m).with_adam_state(cfg.adam_state.unwrap_or_default()),
             None,
             budget,
             SpillRequest::default(),

@@ -9,7 +9,7 @@ pub const MAGIC: &str = "megatrain-golden";
 /// Golden format version this code reads.
 pub const VERSION: &str = "1";
 
-/// A golden file: named f32 tensors plus string metadata.
+/// A golden file: named f32 (or u8, as f32) tensors plus string metadata.
 pub struct Golden {
     pub meta: HashMap<String, String>,
     pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
@@ -39,12 +39,16 @@ impl Golden {
             .tensors()
             .into_iter()
             .map(|(k, v)| {
-                assert_eq!(v.dtype(), safetensors::Dtype::F32, "{k}");
-                let data = v
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
+                // f32 tensors, and u8 ones (int8 Adam codes) as their values.
+                let data = match v.dtype() {
+                    safetensors::Dtype::F32 => v
+                        .data()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                    safetensors::Dtype::U8 => v.data().iter().map(|b| f32::from(*b)).collect(),
+                    other => panic!("{k}: {other:?}"),
+                };
                 (k, (v.shape().to_vec(), data))
             })
             .collect();

@@ -28,8 +28,6 @@ pub struct TierUnit {
     pub unit: usize,
     /// How errors name it ("layer 3").
     pub label: String,
-    /// f32 elements of each shard.
-    pub numel: usize,
     /// Its spilled shards, in order: (name for errors, e.g. "adam_m"; bytes, a multiple of
     /// 4 KiB). A lease addresses them by position.
     pub shards: Vec<(&'static str, usize)>,
@@ -41,8 +39,6 @@ struct SpilledShard {
     name: &'static str,
     first_extent: usize,
     bytes: usize,
-    /// f32 elements (the unit's numel; `bytes` is rounded up to 4 KiB).
-    numel: usize,
     /// Offset inside a staging slot.
     slot_offset: usize,
 }
@@ -223,7 +219,6 @@ impl SpillTier {
                     name,
                     first_extent: next_extent,
                     bytes,
-                    numel: tu.numel,
                     slot_offset: off,
                 });
                 next_extent += bytes.div_ceil(eb);
@@ -518,14 +513,15 @@ impl Lease {
         self.unit
     }
 
-    /// The staged shard at position `index` of the unit's [`TierUnit::shards`] (f32 elements).
+    /// The staged shard at position `index` of the unit's [`TierUnit::shards`], all its bytes
+    /// as f32 words (shard bytes are a multiple of 4 KiB).
     pub fn shard(&mut self, index: usize) -> Option<&mut [f32]> {
         let p = self.shard_ptr(index)?;
-        let numel = self.shared.units[self.unit].first().map_or(0, |s| s.numel);
-        // SAFETY: the shard holds numel f32 (numel·4 ≤ its bytes ≤ what the slot holds past its
-        // offset; only f32 kinds spill); the lease is the slot's only user while it is Leased, and
+        let words = self.shared.units[self.unit].get(index)?.bytes / 4;
+        // SAFETY: the shard's bytes lie inside the slot past its offset; the slot is 4 KiB
+        // aligned, as is every offset; the lease is the slot's only user while it is Leased, and
         // `&mut self` makes the view exclusive.
-        Some(unsafe { std::slice::from_raw_parts_mut(p, numel) })
+        Some(unsafe { std::slice::from_raw_parts_mut(p, words) })
     }
 
     /// Start of the staged shard at `index` (for views whose lifetime the caller ties to the

@@ -150,7 +150,7 @@ pub fn choose_spill(
     req: SpillRequest,
     capacity: u64,
 ) -> Option<(Vec<usize>, u64)> {
-    let mv = |u: usize| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64;
+    let mv = |u: usize| layout.moment_bytes(u);
     let need = layout.total_bytes();
     let order = spill_order(layout);
     let slots = req.slots.max(1) as u64;
@@ -194,7 +194,7 @@ fn staging_bytes(layout: &StateLayout, units: &[usize], slots: usize) -> u64 {
     slots.max(1) as u64
         * units
             .iter()
-            .map(|&u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
+            .map(|&u| layout.moment_bytes(u))
             .max()
             .unwrap_or(0)
 }
@@ -534,7 +534,7 @@ impl<'a> Packer<'a> {
         }
         let spilled_bytes: u64 = (0..layout.units.len())
             .filter(|&u| is_spilled[u])
-            .map(|u| (layout.units[u].shard_bytes() + layout.units[u].shard_bytes()) as u64)
+            .map(|u| layout.moment_bytes(u))
             .sum();
         let staging = spilled.as_ref().map_or(0, |(_, s)| *s);
         let capacity: u64 = self.nodes.iter().map(|n| n.capacity).sum();
@@ -588,9 +588,9 @@ impl<'a> Packer<'a> {
         } else {
             None
         };
-        for (u, unit) in layout.units.iter().enumerate() {
+        for u in 0..layout.units.len() {
             for k in streamed_kinds(layout) {
-                let node = self.first_fit(unit.shard_bytes() as u64)?;
+                let node = self.first_fit(layout.shard_bytes(u, k) as u64)?;
                 self.shard_node[u][k.index()] = Some(node);
             }
         }
@@ -639,12 +639,12 @@ impl<'a> Packer<'a> {
     ) -> std::result::Result<(), Shortage> {
         let layout = self.layout;
         let moments = |k: &ShardKind| matches!(k, ShardKind::AdamM | ShardKind::AdamV);
-        for (u, unit) in layout.units.iter().enumerate() {
+        for (u, &spilled) in is_spilled.iter().enumerate().take(layout.units.len()) {
             let kinds: Vec<ShardKind> = optimizer_kinds(layout)
                 .into_iter()
-                .filter(|k| !(is_spilled[u] && moments(k)))
+                .filter(|k| !(spilled && moments(k)))
                 .collect();
-            if let (true, Some(p)) = (is_spilled[u], spill) {
+            if let (true, Some(p)) = (spilled, spill) {
                 for k in [ShardKind::AdamM, ShardKind::AdamV] {
                     self.shard_node[u][k.index()] = Some(p.node);
                 }
@@ -652,7 +652,7 @@ impl<'a> Packer<'a> {
             if kinds.is_empty() {
                 continue;
             }
-            let bytes: u64 = kinds.len() as u64 * unit.shard_bytes() as u64;
+            let bytes: u64 = kinds.iter().map(|&k| layout.shard_bytes(u, k) as u64).sum();
             let (nodes, opt_bytes) = (&self.nodes, &self.opt_bytes);
             let best = (0..nodes.len())
                 .filter(|&i| nodes[i].bytes + bytes <= nodes[i].capacity)
