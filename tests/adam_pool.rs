@@ -109,14 +109,7 @@ fn pool_equals_reference(mode: Mode, state: AdamState, isa: Isa, threads: usize)
         ..Default::default()
     };
     let s = store(mode, state);
-    let nodes: Vec<(u32, Vec<usize>)> = s
-        .placement()
-        .nodes
-        .iter()
-        .filter(|n| !n.adam_cpus.is_empty())
-        .map(|n| (n.node, n.adam_cpus.clone()))
-        .collect();
-    let pool = AdamPool::with_isa(&nodes, Some(threads), isa).unwrap();
+    let pool = AdamPool::with_isa(&s.placement().adam_nodes(), Some(threads), isa).unwrap();
     let mut expected = Vec::new();
     let mut jobs = Vec::new();
     for u in 0..s.num_units() {

@@ -338,14 +338,11 @@ fn build_streamer(
             *x = ((i % 101) as f32 - 50.0) * 1e-3;
         }
     }
-    let nodes: Vec<(u32, Vec<usize>)> = store
-        .placement()
-        .nodes
-        .iter()
-        .filter(|n| !n.adam_cpus.is_empty())
-        .map(|n| (n.node, n.adam_cpus.clone()))
-        .collect();
-    let pool = AdamPool::with_isa(&nodes, Some(case.adam_threads), isa)?;
+    let pool = AdamPool::with_isa(
+        &store.placement().adam_nodes(),
+        Some(case.adam_threads),
+        isa,
+    )?;
     let tm = Arc::new(Templates::new(&layout.config, case.seq)?);
     let link = LinkModel {
         htod_gbps: case.link_gbps,

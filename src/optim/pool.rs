@@ -520,13 +520,7 @@ impl AdamPool {
 
     /// One pool per node that holds optimizer state in `placement`.
     pub fn for_placement(placement: &Placement, threads: Option<usize>) -> Result<Self> {
-        let nodes: Vec<(u32, Vec<usize>)> = placement
-            .nodes
-            .iter()
-            .filter(|n| !n.adam_cpus.is_empty())
-            .map(|n| (n.node, n.adam_cpus.clone()))
-            .collect();
-        Self::new(&nodes, threads)
+        Self::new(&placement.adam_nodes(), threads)
     }
 
     /// The SIMD path the workers use.

@@ -116,6 +116,15 @@ impl Placement {
     pub fn worker_node(&self, unit: usize) -> Option<u32> {
         self.node_of(unit, ShardKind::AdamM)
     }
+
+    /// The nodes that hold optimizer state, each with the CPUs of its AdamW workers.
+    pub fn adam_nodes(&self) -> Vec<(u32, Vec<usize>)> {
+        self.nodes
+            .iter()
+            .filter(|n| !n.adam_cpus.is_empty())
+            .map(|n| (n.node, n.adam_cpus.clone()))
+            .collect()
+    }
 }
 
 fn streamed_kinds(layout: &StateLayout) -> Vec<ShardKind> {

@@ -22,6 +22,11 @@ use crate::store::layout::{AdamState, INT8_BLOCK};
 use std::ops::Range;
 use std::sync::OnceLock;
 
+mod codec;
+
+/// Elements per tile of a bf16 update.
+const BF16_TILE: usize = 512;
+
 /// bitsandbytes' `create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)`, computed in
 /// f64 and rounded to f32, sorted: 127 magnitudes per sign (2^i linearly spaced means of
 /// [0.1, 1] per decade 10^-6 … 10^0), 0 and 1 for the signed map; 254 magnitudes, 0 and 1 for the
@@ -60,9 +65,11 @@ fn dynamic_map(signed: bool) -> [f32; 256] {
 #[derive(Debug)]
 pub struct Quantizer {
     values: [f32; 256],
-    /// Midpoints between consecutive values: the code of `x` is how many are below it.
-    mids: [f32; 255],
-    /// For the top 12 bits of `x`'s order-preserving key: the midpoints below that bucket.
+    /// Midpoints between consecutive values, then +∞: the code of `x` is how many are below it.
+    mids: [f32; 256],
+    /// For the top 16 bits of `x`'s order-preserving key: the midpoints below that bucket.
+    /// No bucket holds more than one midpoint (tested), so one comparison finishes the search.
+    /// Three bytes of padding let a 32-bit gather read the last entry.
     lut: Vec<u8>,
 }
 
@@ -78,13 +85,14 @@ fn order_key(x: f32) -> u32 {
 
 impl Quantizer {
     fn new(values: [f32; 256]) -> Self {
-        let mut mids = [0f32; 255];
+        let mut mids = [f32::INFINITY; 256];
         for i in 0..255 {
             mids[i] = ((f64::from(values[i]) + f64::from(values[i + 1])) / 2.0) as f32;
         }
-        let lut = (0..4096u32)
-            .map(|k| mids.partition_point(|m| order_key(*m) < k << 20) as u8)
+        let mut lut: Vec<u8> = (0..1u32 << 16)
+            .map(|k| mids[..255].partition_point(|m| order_key(*m) < k << 16) as u8)
             .collect();
+        lut.extend([0; 3]);
         Quantizer { values, mids, lut }
     }
 
@@ -94,19 +102,17 @@ impl Quantizer {
         self.values[usize::from(code)]
     }
 
-    /// The code of the value nearest `x` (ties to the lower): the number of midpoints below `x`.
-    #[inline]
+    /// The code of the value nearest `x` (ties to the lower): the number of midpoints below `x`
+    /// (for a NaN: its key's bucket, a code like any other; its block's absmax is a NaN).
+    #[inline(always)]
     pub fn code(&self, x: f32) -> u8 {
-        let mut c = usize::from(self.lut[(order_key(x) >> 20) as usize]);
-        while c < 255 && self.mids[c] < x {
-            c += 1;
-        }
-        c as u8
+        let c = self.lut[(order_key(x) >> 16) as usize];
+        c + u8::from(self.mids[usize::from(c)] < x)
     }
 
     /// The reference definition of [`Quantizer::code`]: a binary search.
     pub fn code_reference(&self, x: f32) -> u8 {
-        self.mids.partition_point(|m| *m < x) as u8
+        self.mids[..255].partition_point(|m| *m < x) as u8
     }
 }
 
@@ -123,7 +129,7 @@ pub fn unsigned() -> &'static Quantizer {
 }
 
 /// A 32-bit integer hash (lowbias32): the stochastic-rounding generator.
-#[inline]
+#[inline(always)]
 pub fn hash32(mut x: u32) -> u32 {
     x ^= x >> 16;
     x = x.wrapping_mul(0x7feb_352d);
@@ -159,16 +165,18 @@ impl Salts {
 
 /// `x` to bf16 with stochastic rounding by the 16 random bits `r`: rounded away from zero with
 /// probability (dropped bits)/2^16. NaN stays a quiet NaN; ±Inf stays.
-#[inline]
+/// Written without branches, so that loops over it vectorise.
+#[inline(always)]
 pub fn bf16_stochastic(x: f32, r: u32) -> u16 {
     let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) as u16) | 0x0040;
+    let magnitude = b & 0x7fff_ffff;
+    let noise = if magnitude >= 0x7f80_0000 { 0 } else { r >> 16 };
+    let rounded = (b.wrapping_add(noise) >> 16) as u16;
+    if magnitude > 0x7f80_0000 {
+        rounded | 0x0040
+    } else {
+        rounded
     }
-    if x.is_infinite() {
-        return (b >> 16) as u16;
-    }
-    (b.wrapping_add(r >> 16) >> 16) as u16
 }
 
 /// Bytes the AdamW update moves per parameter with moments stored as `state`: reads p, g, m, v
@@ -281,15 +289,21 @@ pub unsafe fn step_range(
         }
         return sumsq;
     }
-    let mut m32 = vec![0f32; INT8_BLOCK];
-    let mut v32 = vec![0f32; INT8_BLOCK];
+    // An int8 tile is one block (its absmax needs all of it); a bf16 tile is smaller, so that
+    // the tile's params, gradients and fp32 moments stay in L1.
+    let tile = match mom {
+        MomentPtrs::Int8 { .. } => INT8_BLOCK,
+        _ => BF16_TILE,
+    };
+    let mut m32 = vec![0f32; tile];
+    let mut v32 = vec![0f32; tile];
     let mut start = range.start;
     while start < range.end {
-        // Tiles end on block boundaries of the unit.
-        let end = ((start / INT8_BLOCK + 1) * INT8_BLOCK).min(range.end);
+        // Tiles end on multiples of the tile size from the unit's start (int8: its blocks).
+        let end = ((start / tile + 1) * tile).min(range.end);
         let n = end - start;
         // SAFETY: [start, end) is inside the caller's range.
-        unsafe { expand(mom, start, &mut m32[..n], &mut v32[..n]) };
+        unsafe { expand(isa, mom, start, &mut m32[..n], &mut v32[..n]) };
         for piece in pieces {
             let (lo, hi) = (piece.range.start.max(start), piece.range.end.min(end));
             if lo >= hi {
@@ -309,7 +323,7 @@ pub unsafe fn step_range(
             sumsq += adamw::step_with(isa, x, piece.scalars);
         }
         // SAFETY: as above.
-        unsafe { compress(mom, start, &m32[..n], &v32[..n]) };
+        unsafe { compress(isa, mom, start, &m32[..n], &v32[..n]) };
         start = end;
     }
     sumsq
@@ -319,7 +333,7 @@ pub unsafe fn step_range(
 ///
 /// # Safety
 /// As [`step_range`]; the tile lies within one int8 block.
-unsafe fn expand(mom: MomentPtrs, start: usize, m: &mut [f32], v: &mut [f32]) {
+unsafe fn expand(isa: Isa, mom: MomentPtrs, start: usize, m: &mut [f32], v: &mut [f32]) {
     let n = m.len();
     match mom {
         MomentPtrs::Fp32 { .. } => {}
@@ -331,12 +345,8 @@ unsafe fn expand(mom: MomentPtrs, start: usize, m: &mut [f32], v: &mut [f32]) {
                     std::slice::from_raw_parts(vp.add(start), n),
                 )
             };
-            for (d, s) in m.iter_mut().zip(ms) {
-                *d = adamw::bf16_to_f32(*s);
-            }
-            for (d, s) in v.iter_mut().zip(vs) {
-                *d = adamw::bf16_to_f32(*s);
-            }
+            codec::bf16_expand(isa, ms, m);
+            codec::bf16_expand(isa, vs, v);
         }
         MomentPtrs::Int8 {
             m: mp,
@@ -354,13 +364,8 @@ unsafe fn expand(mom: MomentPtrs, start: usize, m: &mut [f32], v: &mut [f32]) {
                     v_scales.add(b).read(),
                 )
             };
-            let (qm, qv) = (signed(), unsigned());
-            for (d, c) in m.iter_mut().zip(ms) {
-                *d = qm.value(*c) * am;
-            }
-            for (d, c) in v.iter_mut().zip(vs) {
-                *d = qv.value(*c) * av;
-            }
+            codec::int8_expand(isa, signed(), ms, am, m);
+            codec::int8_expand(isa, unsigned(), vs, av, v);
         }
     }
 }
@@ -369,7 +374,7 @@ unsafe fn expand(mom: MomentPtrs, start: usize, m: &mut [f32], v: &mut [f32]) {
 ///
 /// # Safety
 /// As [`expand`].
-unsafe fn compress(mom: MomentPtrs, start: usize, m: &[f32], v: &[f32]) {
+unsafe fn compress(isa: Isa, mom: MomentPtrs, start: usize, m: &[f32], v: &[f32]) {
     let n = m.len();
     match mom {
         MomentPtrs::Fp32 { .. } => {}
@@ -386,12 +391,8 @@ unsafe fn compress(mom: MomentPtrs, start: usize, m: &[f32], v: &[f32]) {
                     std::slice::from_raw_parts_mut(vp.add(start), n),
                 )
             };
-            for (i, (d, x)) in ms.iter_mut().zip(m).enumerate() {
-                *d = bf16_stochastic(*x, hash32((start + i) as u32 ^ salt_m));
-            }
-            for (i, (d, x)) in vs.iter_mut().zip(v).enumerate() {
-                *d = bf16_stochastic(*x, hash32((start + i) as u32 ^ salt_v));
-            }
+            codec::bf16_compress(isa, m, ms, start as u32, salt_m);
+            codec::bf16_compress(isa, v, vs, start as u32, salt_v);
         }
         MomentPtrs::Int8 {
             m: mp,
@@ -407,8 +408,8 @@ unsafe fn compress(mom: MomentPtrs, start: usize, m: &[f32], v: &[f32]) {
                     std::slice::from_raw_parts_mut(vp.add(start), n),
                 )
             };
-            let am = quantize(signed(), m, ms);
-            let av = quantize(unsigned(), v, vs);
+            let am = codec::int8_compress(isa, signed(), m, ms);
+            let av = codec::int8_compress(isa, unsigned(), v, vs);
             // SAFETY: the block's scales.
             unsafe {
                 m_scales.add(b).write(am);
@@ -416,28 +417,6 @@ unsafe fn compress(mom: MomentPtrs, start: usize, m: &[f32], v: &[f32]) {
             }
         }
     }
-}
-
-/// Quantise one block: its absmax, and each element's code for `x / absmax`. A non-finite
-/// element makes the block's absmax non-finite (as bitsandbytes): the moments carry the NaN.
-fn quantize(q: &Quantizer, x: &[f32], codes: &mut [u8]) -> f32 {
-    let absmax = x.iter().fold(0f32, |a, v| {
-        if v.abs() > a || v.is_nan() {
-            v.abs()
-        } else {
-            a
-        }
-    });
-    if absmax == 0.0 {
-        let zero = q.code(0.0);
-        codes.fill(zero);
-        return 0.0;
-    }
-    let inv = 1.0 / absmax;
-    for (c, v) in codes.iter_mut().zip(x) {
-        *c = q.code(*v * inv);
-    }
-    absmax
 }
 
 /// Moments of `numel` elements in `state` (the bytes of one moment shard) as fp32.
@@ -488,7 +467,8 @@ pub fn from_f32(state: AdamState, x: &[f32], bytes: &mut [u8], signed_map: bool)
             let off = AdamState::int8_scales_offset(x.len());
             let (codes, rest) = bytes.split_at_mut(off);
             for (b, chunk) in x.chunks(INT8_BLOCK).enumerate() {
-                let absmax = quantize(
+                let absmax = codec::int8_compress(
+                    Isa::Scalar,
                     q,
                     chunk,
                     &mut codes[b * INT8_BLOCK..b * INT8_BLOCK + chunk.len()],
@@ -521,12 +501,25 @@ mod tests {
         }
     }
 
+    /// The LUT's one comparison is a complete search only if no 16-bit key bucket holds two
+    /// midpoints.
+    #[test]
+    fn no_lut_bucket_holds_two_midpoints() {
+        for q in [signed(), unsigned()] {
+            for w in q.mids[..255].windows(2) {
+                assert_ne!(order_key(w[0]) >> 16, order_key(w[1]) >> 16, "{w:?}");
+            }
+            assert_eq!(q.mids[255], f32::INFINITY);
+            assert_eq!(q.lut.len(), (1 << 16) + 3);
+        }
+    }
+
     #[test]
     fn fast_quantizer_equals_binary_search_everywhere() {
         for q in [signed(), unsigned()] {
             let mut x = 0x1234_5678u32;
             let check = |v: f32| assert_eq!(q.code(v), q.code_reference(v), "{v}");
-            for &v in q.values.iter().chain(q.mids.iter()) {
+            for &v in q.values.iter().chain(q.mids[..255].iter()) {
                 check(v);
                 check(f32::from_bits(v.to_bits() + 1));
                 check(f32::from_bits(v.to_bits().saturating_sub(1)));
