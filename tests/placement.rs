@@ -55,14 +55,12 @@ fn ipa20_streams_from_the_gpu_node_and_spreads_adam_state() {
     let mv = |node: u32| -> u64 {
         (0..layout.units.len())
             .filter(|&u| p.node_of(u, ShardKind::AdamM) == Some(node))
-            .map(|u| 2 * layout.units[u].shard_bytes() as u64)
+            .map(|u| layout.moment_bytes(u))
             .sum()
     };
     let per_node: Vec<u64> = (0..8).map(mv).collect();
-    let biggest_unit = 2 * layout
-        .units
-        .iter()
-        .map(|u| u.shard_bytes() as u64)
+    let biggest_unit = (0..layout.units.len())
+        .map(|u| layout.moment_bytes(u))
         .max()
         .unwrap();
     let (lo, hi) = (
@@ -138,7 +136,7 @@ fn synthetic_two_and_four_node_machines_balance_adam_state() {
             .map(|n| {
                 (0..layout.units.len())
                     .filter(|&u| p.node_of(u, ShardKind::AdamM) == Some(n.node))
-                    .map(|u| 2 * layout.units[u].shard_bytes() as u64)
+                    .map(|u| layout.moment_bytes(u))
                     .sum()
             })
             .collect();

@@ -69,7 +69,8 @@ pub struct UnitLayout {
 }
 
 impl UnitLayout {
-    /// Bytes of one f32 buffer of this unit (its params, gradients, or an Adam moment),
+    /// Bytes of one f32 buffer of this unit (its params, gradients, or an fp32 Adam moment;
+    /// a moment in any format: [`StateLayout::shard_bytes`](crate::store::layout::StateLayout::shard_bytes)),
     /// rounded up to [`SHARD_ALIGN`] so each starts page-aligned (DMA and O_DIRECT).
     pub fn shard_bytes(&self) -> usize {
         (self.numel * 4).div_ceil(SHARD_ALIGN) * SHARD_ALIGN

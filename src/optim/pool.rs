@@ -18,11 +18,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Chunks handed to workers start at multiples of this many elements (256 B: whole cache lines
-/// and SIMD vectors, so workers never share a line); int8 moments at whole quantisation blocks.
+/// and SIMD vectors, so workers never share a line).
+const CHUNK_ALIGN: usize = 64;
+
+/// The chunk alignment of an update with moments stored as `state`: int8 moments at whole
+/// quantisation blocks.
 fn chunk_align(state: AdamState) -> usize {
     match state {
         AdamState::Int8 => INT8_BLOCK,
-        AdamState::Fp32 | AdamState::Bf16 => 64,
+        AdamState::Fp32 | AdamState::Bf16 => CHUNK_ALIGN,
     }
 }
 
@@ -633,7 +637,7 @@ impl AdamPool {
         s: f32,
         n: usize,
     ) -> Result<TriadJob> {
-        let done = self.dispatch(node, (n, 64), || Work::Triad { a, b, c, s })?;
+        let done = self.dispatch(node, (n, CHUNK_ALIGN), || Work::Triad { a, b, c, s })?;
         Ok(TriadJob(done))
     }
 }

@@ -545,11 +545,7 @@ pub fn suggest(
     let state = |r: PlanRequest, adam_state: AdamState| PlanRequest { adam_state, ..r };
     // Compact moments before lean mode (global clipping stays exact), bf16 (near-exact) first;
     // both before NVMe (whose disk would bound the step).
-    let compact: Vec<AdamState> = match req.adam_state {
-        AdamState::Fp32 => vec![AdamState::Bf16, AdamState::Int8],
-        AdamState::Bf16 => vec![AdamState::Int8],
-        AdamState::Int8 => Vec::new(),
-    };
+    let compact = req.adam_state.more_compact();
     for s in &compact {
         tries.push((format!("--adam-state {}", s.name()), state(req.clone(), *s)));
     }
@@ -702,10 +698,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         p.micro_batch_tokens,
         req.seq_len,
         if req.bf16 { "bf16 streaming" } else { "fp32" },
-        match req.mode {
-            Mode::Exact => "exact",
-            Mode::Lean => "lean",
-        },
+        req.mode.name(),
         req.adam_state.name(),
         if p.memory.nvme_units > 0 {
             format!(", Adam m/v of {} of {} units on NVMe", p.memory.nvme_units, p.memory.units)

@@ -27,6 +27,16 @@ pub enum Mode {
     Lean,
 }
 
+impl Mode {
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Exact => "exact",
+            Mode::Lean => "lean",
+        }
+    }
+}
+
 /// How the Adam moments m and v are stored (`--adam-state`).
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, clap::ValueEnum,
@@ -57,6 +67,16 @@ impl AdamState {
             AdamState::Bf16 => "bf16",
             AdamState::Int8 => "int8",
         }
+    }
+
+    /// The formats more compact than this one, least compact first.
+    pub fn more_compact(self) -> Vec<AdamState> {
+        let all: &[AdamState] = clap::ValueEnum::value_variants();
+        all.iter()
+            .skip_while(|s| **s != self)
+            .skip(1)
+            .copied()
+            .collect()
     }
 
     /// Bytes one moment of `numel` elements takes (before shard alignment).
@@ -99,11 +119,6 @@ impl ShardKind {
 
     /// How many kinds there are (the length of per-kind arrays).
     pub const COUNT: usize = 4;
-
-    /// Bytes per element.
-    pub fn elem_bytes(self) -> usize {
-        4
-    }
 
     /// Index into per-kind arrays.
     pub fn index(self) -> usize {
@@ -268,6 +283,14 @@ mod tests {
             "vocab_size":128256,"tie_word_embeddings":{tied}}}"#
         );
         ModelConfig::from_json_str(&json, "t").unwrap()
+    }
+
+    #[test]
+    fn compact_formats_follow_in_order() {
+        use AdamState::*;
+        assert_eq!(Fp32.more_compact(), [Bf16, Int8]);
+        assert_eq!(Bf16.more_compact(), [Int8]);
+        assert!(Int8.more_compact().is_empty());
     }
 
     #[test]

@@ -321,7 +321,7 @@ pub fn verify(dir: &Path) -> std::result::Result<(), Damage> {
         }
     }
     // The moments in one of the formats (state.json says which; `load` opens that one).
-    let formats = [AdamState::Fp32, AdamState::Bf16, AdamState::Int8];
+    let formats: &[AdamState] = clap::ValueEnum::value_variants();
     if !formats
         .iter()
         .any(|f| files(*f).iter().all(|(n, _)| listed(n)))

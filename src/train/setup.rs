@@ -483,10 +483,7 @@ fn choose_mode(
     };
     progress.note(&format!(
         "mode: {} (chosen: {})",
-        match m {
-            Mode::Exact => "exact",
-            Mode::Lean => "lean",
-        },
+        m.name(),
         match m {
             Mode::Lean => "the exact state does not fit the RAM budget, the lean one does",
             Mode::Exact if exact_fits => "the whole exact state fits in RAM",

@@ -191,51 +191,102 @@ pub fn update_bytes_per_param(state: AdamState) -> f64 {
     12.0 + 4.0 * moment
 }
 
-/// One unit's moments, as the update addresses them (element `i` of the unit).
+/// One moment (m or v) of a unit, as the update addresses it (element `i` of the unit).
 #[derive(Debug, Clone, Copy)]
-pub enum MomentPtrs {
-    /// fp32 m and v.
-    Fp32 { m: *mut f32, v: *mut f32 },
-    /// bf16 m and v, and their stochastic-rounding salts.
-    Bf16 {
-        m: *mut u16,
-        v: *mut u16,
-        salt_m: u32,
-        salt_v: u32,
-    },
-    /// int8 codes and per-block fp32 absmax of m and v.
+pub enum MomentPtr {
+    /// fp32 values.
+    Fp32(*mut f32),
+    /// bf16 values, and the stochastic-rounding salt of this step.
+    Bf16 { bits: *mut u16, salt: u32 },
+    /// int8 codes, the per-block fp32 absmax, and the map (signed for m, unsigned for v).
     Int8 {
-        m: *mut u8,
-        v: *mut u8,
-        m_scales: *mut f32,
-        v_scales: *mut f32,
+        codes: *mut u8,
+        scales: *mut f32,
+        map: &'static Quantizer,
     },
+}
+
+/// One unit's m and v.
+#[derive(Debug, Clone, Copy)]
+pub struct MomentPtrs {
+    /// Adam m.
+    pub m: MomentPtr,
+    /// Adam v.
+    pub v: MomentPtr,
 }
 
 impl MomentPtrs {
     /// The moments of a unit of `numel` elements stored as `state` in the shards at `m` and
     /// `v`, with this step's salts.
     pub fn new(state: AdamState, m: *mut u8, v: *mut u8, numel: usize, salts: Salts) -> Self {
-        match state {
-            AdamState::Fp32 => MomentPtrs::Fp32 {
-                m: m.cast(),
-                v: v.cast(),
+        let one = |shard: *mut u8, salt: u32, map: &'static Quantizer| match state {
+            AdamState::Fp32 => MomentPtr::Fp32(shard.cast()),
+            AdamState::Bf16 => MomentPtr::Bf16 {
+                bits: shard.cast(),
+                salt,
             },
-            AdamState::Bf16 => MomentPtrs::Bf16 {
-                m: m.cast(),
-                v: v.cast(),
-                salt_m: salts.m,
-                salt_v: salts.v,
+            AdamState::Int8 => MomentPtr::Int8 {
+                codes: shard,
+                // The scales region follows the codes, 64-byte aligned inside the shard.
+                scales: shard
+                    .wrapping_add(AdamState::int8_scales_offset(numel))
+                    .cast(),
+                map,
             },
-            AdamState::Int8 => {
-                let off = AdamState::int8_scales_offset(numel);
-                MomentPtrs::Int8 {
-                    m,
-                    v,
-                    // The scales region follows the codes, 64-byte aligned inside the shard.
-                    m_scales: m.wrapping_add(off).cast(),
-                    v_scales: v.wrapping_add(off).cast(),
-                }
+        };
+        MomentPtrs {
+            m: one(m, salts.m, signed()),
+            v: one(v, salts.v, unsigned()),
+        }
+    }
+}
+
+impl MomentPtr {
+    /// Elements `start..start + dst.len()` (one tile) as fp32.
+    ///
+    /// # Safety
+    /// As [`step_range`]; the tile lies within one int8 block.
+    unsafe fn expand(self, isa: Isa, start: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match self {
+            MomentPtr::Fp32(_) => {}
+            MomentPtr::Bf16 { bits, .. } => {
+                // SAFETY: the tile's elements.
+                let src = unsafe { std::slice::from_raw_parts(bits.add(start), n) };
+                codec::bf16_expand(isa, src, dst);
+            }
+            MomentPtr::Int8 { codes, scales, map } => {
+                // SAFETY: the tile's codes and its block's scale.
+                let (src, absmax) = unsafe {
+                    (
+                        std::slice::from_raw_parts(codes.add(start), n),
+                        scales.add(start / INT8_BLOCK).read(),
+                    )
+                };
+                codec::int8_expand(isa, map, src, absmax, dst);
+            }
+        }
+    }
+
+    /// Store a tile's fp32 values back in the compact format.
+    ///
+    /// # Safety
+    /// As [`MomentPtr::expand`].
+    unsafe fn compress(self, isa: Isa, start: usize, src: &[f32]) {
+        let n = src.len();
+        match self {
+            MomentPtr::Fp32(_) => {}
+            MomentPtr::Bf16 { bits, salt } => {
+                // SAFETY: the tile's elements.
+                let dst = unsafe { std::slice::from_raw_parts_mut(bits.add(start), n) };
+                codec::bf16_compress(isa, src, dst, start as u32, salt);
+            }
+            MomentPtr::Int8 { codes, scales, map } => {
+                // SAFETY: the tile's codes.
+                let dst = unsafe { std::slice::from_raw_parts_mut(codes.add(start), n) };
+                let absmax = codec::int8_compress(isa, map, src, dst);
+                // SAFETY: the tile's block's scale.
+                unsafe { scales.add(start / INT8_BLOCK).write(absmax) };
             }
         }
     }
@@ -266,7 +317,7 @@ pub unsafe fn step_range(
     pieces: &[Piece<'_>],
 ) -> f64 {
     let mut sumsq = 0.0;
-    if let MomentPtrs::Fp32 { m, v } = mom {
+    if let (MomentPtr::Fp32(m), MomentPtr::Fp32(v)) = (mom.m, mom.v) {
         for piece in pieces {
             let (lo, hi) = (
                 piece.range.start.max(range.start),
@@ -291,8 +342,8 @@ pub unsafe fn step_range(
     }
     // An int8 tile is one block (its absmax needs all of it); a bf16 tile is smaller, so that
     // the tile's params, gradients and fp32 moments stay in L1.
-    let tile = match mom {
-        MomentPtrs::Int8 { .. } => INT8_BLOCK,
+    let tile = match mom.m {
+        MomentPtr::Int8 { .. } => INT8_BLOCK,
         _ => BF16_TILE,
     };
     let mut m32 = vec![0f32; tile];
@@ -303,7 +354,10 @@ pub unsafe fn step_range(
         let end = ((start / tile + 1) * tile).min(range.end);
         let n = end - start;
         // SAFETY: [start, end) is inside the caller's range.
-        unsafe { expand(isa, mom, start, &mut m32[..n], &mut v32[..n]) };
+        unsafe {
+            mom.m.expand(isa, start, &mut m32[..n]);
+            mom.v.expand(isa, start, &mut v32[..n]);
+        }
         for piece in pieces {
             let (lo, hi) = (piece.range.start.max(start), piece.range.end.min(end));
             if lo >= hi {
@@ -323,100 +377,13 @@ pub unsafe fn step_range(
             sumsq += adamw::step_with(isa, x, piece.scalars);
         }
         // SAFETY: as above.
-        unsafe { compress(isa, mom, start, &m32[..n], &v32[..n]) };
+        unsafe {
+            mom.m.compress(isa, start, &m32[..n]);
+            mom.v.compress(isa, start, &v32[..n]);
+        }
         start = end;
     }
     sumsq
-}
-
-/// The moments of elements `start..start + m.len()` (one tile) as fp32.
-///
-/// # Safety
-/// As [`step_range`]; the tile lies within one int8 block.
-unsafe fn expand(isa: Isa, mom: MomentPtrs, start: usize, m: &mut [f32], v: &mut [f32]) {
-    let n = m.len();
-    match mom {
-        MomentPtrs::Fp32 { .. } => {}
-        MomentPtrs::Bf16 { m: mp, v: vp, .. } => {
-            // SAFETY: the tile's elements.
-            let (ms, vs) = unsafe {
-                (
-                    std::slice::from_raw_parts(mp.add(start), n),
-                    std::slice::from_raw_parts(vp.add(start), n),
-                )
-            };
-            codec::bf16_expand(isa, ms, m);
-            codec::bf16_expand(isa, vs, v);
-        }
-        MomentPtrs::Int8 {
-            m: mp,
-            v: vp,
-            m_scales,
-            v_scales,
-        } => {
-            let b = start / INT8_BLOCK;
-            // SAFETY: the tile's codes and its block's scales.
-            let (ms, vs, am, av) = unsafe {
-                (
-                    std::slice::from_raw_parts(mp.add(start), n),
-                    std::slice::from_raw_parts(vp.add(start), n),
-                    m_scales.add(b).read(),
-                    v_scales.add(b).read(),
-                )
-            };
-            codec::int8_expand(isa, signed(), ms, am, m);
-            codec::int8_expand(isa, unsigned(), vs, av, v);
-        }
-    }
-}
-
-/// Store a tile's fp32 moments back in the compact format.
-///
-/// # Safety
-/// As [`expand`].
-unsafe fn compress(isa: Isa, mom: MomentPtrs, start: usize, m: &[f32], v: &[f32]) {
-    let n = m.len();
-    match mom {
-        MomentPtrs::Fp32 { .. } => {}
-        MomentPtrs::Bf16 {
-            m: mp,
-            v: vp,
-            salt_m,
-            salt_v,
-        } => {
-            // SAFETY: the tile's elements.
-            let (ms, vs) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(mp.add(start), n),
-                    std::slice::from_raw_parts_mut(vp.add(start), n),
-                )
-            };
-            codec::bf16_compress(isa, m, ms, start as u32, salt_m);
-            codec::bf16_compress(isa, v, vs, start as u32, salt_v);
-        }
-        MomentPtrs::Int8 {
-            m: mp,
-            v: vp,
-            m_scales,
-            v_scales,
-        } => {
-            let b = start / INT8_BLOCK;
-            // SAFETY: the tile's codes and its block's scales.
-            let (ms, vs) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(mp.add(start), n),
-                    std::slice::from_raw_parts_mut(vp.add(start), n),
-                )
-            };
-            let am = codec::int8_compress(isa, signed(), m, ms);
-            let av = codec::int8_compress(isa, unsigned(), v, vs);
-            // SAFETY: the block's scales.
-            unsafe {
-                m_scales.add(b).write(am);
-                v_scales.add(b).write(av);
-            }
-        }
-    }
 }
 
 /// Moments of `numel` elements in `state` (the bytes of one moment shard) as fp32.
@@ -439,9 +406,8 @@ pub fn to_f32(state: AdamState, bytes: &[u8], numel: usize, signed_map: bool) ->
             for (b, chunk) in out.chunks_mut(INT8_BLOCK).enumerate() {
                 let s = &bytes[off + 4 * b..off + 4 * b + 4];
                 let absmax = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                for (i, o) in chunk.iter_mut().enumerate() {
-                    *o = q.value(bytes[b * INT8_BLOCK + i]) * absmax;
-                }
+                let codes = &bytes[b * INT8_BLOCK..b * INT8_BLOCK + chunk.len()];
+                codec::int8_expand(Isa::Scalar, q, codes, absmax, chunk);
             }
         }
     }

@@ -6,7 +6,7 @@
 //! nodes nearest to them. Adam m/v are spread over all nodes in proportion to their CPUs, keeping
 //! one unit's optimizer state on one node so that node's worker threads update it locally.
 
-use super::layout::{Mode, ShardKind, StateLayout};
+use super::layout::{AdamState, Mode, ShardKind, StateLayout};
 use crate::topology::{Machine, MemoryKind, NumaNode};
 use crate::util::human_bytes;
 use crate::{Error, Result};
@@ -257,16 +257,19 @@ pub struct Fix {
     pub flags: String,
     /// The mode with the fix.
     pub mode: Mode,
+    /// The Adam state format with the fix.
+    pub adam: AdamState,
     /// The spill policy with the fix.
     pub spill: SpillPolicy,
     /// The RAM budget with the fix (`None`: unchanged).
     pub ram_budget: Option<u64>,
 }
 
-/// The changes (mode, spilling, RAM budget) under which `layout` fits, smallest first; each
-/// one is checked by placing with it. With `--nvme` given (`spill.policy` is not `Never`),
-/// spilling is not suggested again; `--spill all` never is (auto already spills as much as
-/// needed).
+/// The changes (Adam state format, mode, spilling, RAM budget) under which `layout` fits,
+/// smallest first — compact moments (global clipping stays exact), then lean mode, then both,
+/// then NVMe (whose disk would bound the step), as `megatrain plan` orders them; each one is
+/// checked by placing with it. With `--nvme` given (`spill.policy` is not `Never`), spilling is
+/// not suggested again; `--spill all` never is (auto already spills as much as needed).
 pub fn fixes(
     machine: &Machine,
     layout: &StateLayout,
@@ -275,40 +278,55 @@ pub fn fixes(
     spill: SpillRequest,
     lean_ok: bool,
 ) -> Vec<Fix> {
-    let mut candidates: Vec<(String, Mode, SpillPolicy)> = Vec::new();
     let exact = layout.mode == Mode::Exact;
+    let lean = exact && lean_ok;
     let no_spill = spill.policy == SpillPolicy::Never;
-    if exact && lean_ok {
-        candidates.push(("--mode lean".into(), Mode::Lean, spill.policy));
+    let compact = layout.adam.more_compact();
+    let state_flag = |s: AdamState| format!("--adam-state {}", s.name());
+    let mut candidates: Vec<(String, Mode, AdamState, SpillPolicy)> = Vec::new();
+    for &s in &compact {
+        candidates.push((state_flag(s), layout.mode, s, spill.policy));
+    }
+    if lean {
+        candidates.push(("--mode lean".into(), Mode::Lean, layout.adam, spill.policy));
+        for &s in &compact {
+            let flags = format!("--mode lean {}", state_flag(s));
+            candidates.push((flags, Mode::Lean, s, spill.policy));
+        }
     }
     if no_spill {
-        candidates.push(("--nvme DIR".into(), layout.mode, SpillPolicy::Auto));
-        if exact && lean_ok {
+        candidates.push((
+            "--nvme DIR".into(),
+            layout.mode,
+            layout.adam,
+            SpillPolicy::Auto,
+        ));
+        if lean {
             candidates.push((
                 "--mode lean --nvme DIR".into(),
                 Mode::Lean,
+                layout.adam,
                 SpillPolicy::Auto,
             ));
         }
     }
     let mut out = Vec::new();
-    let lean_layout = (exact && lean_ok).then(|| {
-        let mut l = layout.clone();
-        l.mode = Mode::Lean;
-        l
-    });
-    let try_fit = |mode: Mode, policy: SpillPolicy, b: RamBudget| {
-        let l = match (&lean_layout, mode == layout.mode) {
-            (Some(lean), false) => lean,
-            _ => layout,
+    let try_fit = |mode: Mode, adam: AdamState, policy: SpillPolicy, b: RamBudget| {
+        let l = if (mode, adam) == (layout.mode, layout.adam) {
+            std::borrow::Cow::Borrowed(layout)
+        } else {
+            let mut l = layout.clone().with_adam_state(adam);
+            l.mode = mode;
+            std::borrow::Cow::Owned(l)
         };
-        place_inner(machine, l, gpu, b, SpillRequest { policy, ..spill }).is_ok()
+        place_inner(machine, &l, gpu, b, SpillRequest { policy, ..spill }).is_ok()
     };
-    for (flags, mode, policy) in candidates {
-        if try_fit(mode, policy, budget) {
+    for (flags, mode, adam, policy) in candidates {
+        if try_fit(mode, adam, policy, budget) {
             out.push(Fix {
                 flags,
                 mode,
+                adam,
                 spill: policy,
                 ram_budget: None,
             });
@@ -320,7 +338,7 @@ pub fn fixes(
             total_bytes: None,
             ..budget
         };
-        if try_fit(layout.mode, spill.policy, roomy) {
+        if try_fit(layout.mode, layout.adam, spill.policy, roomy) {
             let (mut lo, mut hi) = (cap, u64::MAX / 2);
             if let Ok(p) = place_inner(machine, layout, gpu, roomy, spill) {
                 hi = p.nodes.iter().map(|n| n.capacity).sum::<u64>().max(cap);
@@ -332,7 +350,7 @@ pub fn fixes(
                     total_bytes: Some(mid),
                     ..budget
                 };
-                if try_fit(layout.mode, spill.policy, b) {
+                if try_fit(layout.mode, layout.adam, spill.policy, b) {
                     hi = mid;
                 } else {
                     lo = mid;
@@ -341,6 +359,7 @@ pub fn fixes(
             out.push(Fix {
                 flags: format!("--ram-budget {}Mi", hi.div_ceil(1 << 20)),
                 mode: layout.mode,
+                adam: layout.adam,
                 spill: spill.policy,
                 ram_budget: Some(hi.div_ceil(1 << 20) << 20),
             });
@@ -703,7 +722,7 @@ impl<'a> Packer<'a> {
 fn not_enough_ram(layout: &StateLayout, need: u64, capacity: u64, fixes: &[Fix]) -> Error {
     let fix = if fixes.is_empty() {
         format!(
-            "no mode or spill setting fits this machine: use one with more RAM (this state needs {}), or a smaller model",
+            "no mode, Adam state or spill setting fits this machine: use one with more RAM (this state needs {}), or a smaller model",
             human_bytes(need)
         )
     } else {

@@ -86,7 +86,7 @@ fn every_suggested_fix_fits_when_applied() {
                         );
                         assert!(!(f.mode == Mode::Lean && mode == Mode::Exact && !lean_ok));
                         assert!(!f.flags.contains("--spill all"));
-                        let mut fixed = l.clone();
+                        let mut fixed = l.clone().with_adam_state(f.adam);
                         fixed.mode = f.mode;
                         let b = RamBudget {
                             total_bytes: f.ram_budget.or(budget.total_bytes),
@@ -104,7 +104,10 @@ fn every_suggested_fix_fits_when_applied() {
                         suggested += 1;
                     }
                     if fixes.is_empty() {
-                        assert!(err.contains("no mode or spill setting fits"), "{err}");
+                        assert!(
+                            err.contains("no mode, Adam state or spill setting fits"),
+                            "{err}"
+                        );
                     }
                 }
             }
@@ -128,7 +131,7 @@ fn unknown_gpu_index_is_an_error() {
 fn spill_auto_moves_only_what_the_budget_lacks_and_all_moves_everything() {
     let m = synthetic("pack:1 numa:2 core:2 pu:1", 1);
     let l = StateLayout::new(&tiny(8), Mode::Exact);
-    let mv = |u: usize| (l.units[u].shard_bytes() + l.units[u].shard_bytes()) as u64;
+    let mv = |u: usize| l.moment_bytes(u);
     let total = l.total_bytes();
     // Two blocks' m/v short: with three slots of staging to pay for, five blocks must spill.
     let budget = RamBudget {
