@@ -32,6 +32,7 @@ fn bench(c: &mut Criterion) {
     let dy = x.clone();
     let rope = Rope::new(cfg.head_dim, cfg.rope_theta, t);
     let mut ws = Workspace::new(&cfg, b, t);
+    let pos = megatrain::model::ops::flat_positions(b, t);
 
     // FLOPs: matmuls 2·N·P forward; attention 2·2·N·(T/2)·(NH·HD) forward (causal half);
     // training = forward + recompute + backward (2× forward) = 4× forward.
@@ -44,15 +45,15 @@ fn bench(c: &mut Criterion) {
     grp.throughput(Throughput::Elements(n as u64));
     grp.bench_function("cpu_decoder_fwd_bwd_tokens", |bn| {
         bn.iter(|| {
-            blk.forward(&p, &x, &mut y, &mut ws, &rope, b, t);
-            blk.backward(&p, &mut g, &x, &dy, &mut dx, &mut ws, &rope, b, t);
+            blk.forward(&p, &x, &mut y, &mut ws, &rope, &pos, b, t);
+            blk.backward(&p, &mut g, &x, &dy, &mut dx, &mut ws, &rope, &pos, b, t);
         })
     });
     grp.throughput(Throughput::Elements(train_flops));
     grp.bench_function("cpu_decoder_fwd_bwd_flops", |bn| {
         bn.iter(|| {
-            blk.forward(&p, &x, &mut y, &mut ws, &rope, b, t);
-            blk.backward(&p, &mut g, &x, &dy, &mut dx, &mut ws, &rope, b, t);
+            blk.forward(&p, &x, &mut y, &mut ws, &rope, &pos, b, t);
+            blk.backward(&p, &mut g, &x, &dy, &mut dx, &mut ws, &rope, &pos, b, t);
         })
     });
     let m = 1024usize;

@@ -1,5 +1,11 @@
-// Causal grouped-query attention, flash style: tiles of K/V (or Q/dO) in shared memory, an online
-// softmax, no T×T matrix. The backward recomputes probabilities from the forward's log-sum-exp.
+// Causal grouped-query attention over documents, flash style: tiles of K/V (or Q/dO) in shared
+// memory, an online softmax, no T×T matrix. The backward recomputes probabilities from the
+// forward's log-sum-exp.
+//
+// Documents: pos [B, T] (u32) is each token's position in its document, so query i attends to keys
+// first_key(i) = i − pos[i] … i: documents packed into one row never see each other (varlen
+// attention, as FlashAttention's cu_seqlens). First keys never decrease along a row, which bounds
+// the tiles a block visits.
 //
 // Layouts: q, out, dout, dq [B, T, NH, hd]; k, v, dk, dv [B, T, NKV, hd]; lse, delta [B, NH, T]
 // fp32. Query head h reads kv head h / (NH / NKV) (repeat_interleave). hd ≤ 256 (MAX_PER_LANE ×
@@ -46,11 +52,17 @@ __device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ src,
     }
 }
 
+// The first key query i of sequence b attends to.
+__device__ __forceinline__ int first_key(const unsigned* __restrict__ pos, long long b, int t,
+                                         int i) {
+    return i - (int)pos[b * t + i];
+}
+
 template <typename T>
 __device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
                               const T* __restrict__ q, const T* __restrict__ k,
-                              const T* __restrict__ v, int t, int nh, int nkv, int hd, int tile,
-                              float scale) {
+                              const T* __restrict__ v, const unsigned* __restrict__ pos, int t,
+                              int nh, int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;              // [tile, hd]
     float* vs = smem + tile * hd;  // [tile, hd]
@@ -69,14 +81,16 @@ __device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
     }
     float m = NEG_INF, l = 0.0f;
     const int last = min(first + ROWS, t) - 1;  // the block's last query row
-    for (int j0 = 0; j0 <= last; j0 += tile) {
+    const int lo = live ? first_key(pos, b, t, i) : 0;
+    const int j_begin = first_key(pos, b, t, first) / tile * tile;  // the block's lowest
+    for (int j0 = j_begin; j0 <= last; j0 += tile) {
         __syncthreads();
         load_tile(ks, k, b, t, nkv, g, hd, j0, tile);
         load_tile(vs, v, b, t, nkv, g, hd, j0, tile);
         __syncthreads();
         if (!live) continue;
         const int jn = min(tile, i - j0 + 1);
-        for (int jj = 0; jj < jn; jj++) {
+        for (int jj = max(0, lo - j0); jj < jn; jj++) {
             const float s = dot_shared(qr, ks + jj * hd, hd);
             const float mn = fmaxf(m, s);
             const float corr = __expf(m - mn), p = __expf(s - mn);
@@ -106,8 +120,9 @@ template <typename T>
 __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
                                  const T* __restrict__ dout, const T* __restrict__ out,
                                  const T* __restrict__ q, const T* __restrict__ k,
-                                 const T* __restrict__ v, const float* __restrict__ lse, int t,
-                                 int nh, int nkv, int hd, int tile, float scale) {
+                                 const T* __restrict__ v, const float* __restrict__ lse,
+                                 const unsigned* __restrict__ pos, int t, int nh, int nkv, int hd,
+                                 int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;
     float* vs = smem + tile * hd;
@@ -138,14 +153,16 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
         acc[x] = 0.0f;
     }
     const int last = min(first + ROWS, t) - 1;
-    for (int j0 = 0; j0 <= last; j0 += tile) {
+    const int lo = live ? first_key(pos, b, t, i) : 0;
+    const int j_begin = first_key(pos, b, t, first) / tile * tile;
+    for (int j0 = j_begin; j0 <= last; j0 += tile) {
         __syncthreads();
         load_tile(ks, k, b, t, nkv, g, hd, j0, tile);
         load_tile(vs, v, b, t, nkv, g, hd, j0, tile);
         __syncthreads();
         if (!live) continue;
         const int jn = min(tile, i - j0 + 1);
-        for (int jj = 0; jj < jn; jj++) {
+        for (int jj = max(0, lo - j0); jj < jn; jj++) {
             const float p = __expf(dot_shared(qr, ks + jj * hd, hd) - li);
             const float ds = p * (dot_shared(dor, vs + jj * hd, hd) - di);
 #pragma unroll
@@ -164,19 +181,22 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
     }
 }
 
-// For kv head g's key row j: dv_j = Σ_{h in g} Σ_{i ≥ j} p_ij dout_i,
-// dk_j = scale · Σ_{h in g} Σ_{i ≥ j} p_ij (dout_i·v_j − D_i) q_i. No atomics: one warp owns a row.
+// For kv head g's key row j: dv_j = Σ_{h in g} Σ_i p_ij dout_i,
+// dk_j = scale · Σ_{h in g} Σ_i p_ij (dout_i·v_j − D_i) q_i over the queries i ≥ j of j's document
+// (first_key(i) ≤ j). No atomics: one warp owns a row.
 template <typename T>
 __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
                                  const T* __restrict__ dout, const T* __restrict__ q,
                                  const T* __restrict__ k, const T* __restrict__ v,
                                  const float* __restrict__ lse, const float* __restrict__ delta,
-                                 int t, int nh, int nkv, int hd, int tile, float scale) {
+                                 const unsigned* __restrict__ pos, int t, int nh, int nkv, int hd,
+                                 int tile, float scale) {
     extern __shared__ float smem[];
     float* qs = smem;                       // [tile, hd]
     float* ds_ = smem + tile * hd;          // [tile, hd] (dout rows)
     float* ls = smem + 2 * tile * hd;       // [tile] lse
     float* dls = smem + 2 * tile * hd + tile;  // [tile] delta
+    int* los = (int*)(smem + 2 * tile * hd + 2 * tile);  // [tile] each query's first key
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const long long b = blockIdx.z;
     const int g = blockIdx.y, group = nh / nkv;
@@ -195,19 +215,22 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
         dkr[x] = 0.0f;
         dvr[x] = 0.0f;
     }
+    const int last = min(first + ROWS, t) - 1;  // the block's last key row
     for (int h = g * group; h < (g + 1) * group; h++) {
-        for (int i0 = first; i0 < t; i0 += tile) {
+        // Queries past the block's last key's document see none of its keys: stop there.
+        for (int i0 = first; i0 < t && first_key(pos, b, t, i0) <= last; i0 += tile) {
             __syncthreads();
             load_tile(qs, q, b, t, nh, h, hd, i0, tile);
             load_tile(ds_, dout, b, t, nh, h, hd, i0, tile);
             for (int r = threadIdx.x; r < tile; r += blockDim.x) {
-                const int pos = i0 + r;
-                ls[r] = pos < t ? lse[(b * nh + h) * t + pos] : 0.0f;
-                dls[r] = pos < t ? delta[(b * nh + h) * t + pos] : 0.0f;
+                const int row = i0 + r;
+                ls[r] = row < t ? lse[(b * nh + h) * t + row] : 0.0f;
+                dls[r] = row < t ? delta[(b * nh + h) * t + row] : 0.0f;
+                los[r] = row < t ? first_key(pos, b, t, row) : t;
             }
             __syncthreads();
             if (!live) continue;
-            for (int ii = max(0, j - i0); ii < tile && i0 + ii < t; ii++) {
+            for (int ii = max(0, j - i0); ii < tile && i0 + ii < t && los[ii] <= j; ii++) {
                 const float p = __expf(dot_shared(kr, qs + ii * hd, hd) - ls[ii]);
                 const float dp = dot_shared(vr, ds_ + ii * hd, hd);
                 const float dsc = p * (dp - dls[ii]);
@@ -236,21 +259,26 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
 
 #define ATTENTION(name, T)                                                                        \
     extern "C" __global__ void attention_fwd_##name(T* out, float* lse, const T* q, const T* k,  \
-                                                    const T* v, int t, int nh, int nkv, int hd, \
-                                                    int tile, float scale) {                    \
-        attention_fwd<T>(out, lse, q, k, v, t, nh, nkv, hd, tile, scale);                       \
+                                                    const T* v, const unsigned* pos, int t,     \
+                                                    int nh, int nkv, int hd, int tile,          \
+                                                    float scale) {                              \
+        attention_fwd<T>(out, lse, q, k, v, pos, t, nh, nkv, hd, tile, scale);                  \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_##name(T* dq, float* delta, const T* dout,          \
                                                     const T* out, const T* q, const T* k,       \
-                                                    const T* v, const float* lse, int t, int nh, \
+                                                    const T* v, const float* lse,               \
+                                                    const unsigned* pos, int t, int nh,         \
                                                     int nkv, int hd, int tile, float scale) {   \
-        attention_bwd_dq<T>(dq, delta, dout, out, q, k, v, lse, t, nh, nkv, hd, tile, scale);   \
+        attention_bwd_dq<T>(dq, delta, dout, out, q, k, v, lse, pos, t, nh, nkv, hd, tile,      \
+                            scale);                                                             \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_kv_##name(T* dk, T* dv, const T* dout, const T* q,  \
                                                        const T* k, const T* v, const float* lse, \
-                                                       const float* delta, int t, int nh,        \
-                                                       int nkv, int hd, int tile, float scale) { \
-        attention_bwd_kv<T>(dk, dv, dout, q, k, v, lse, delta, t, nh, nkv, hd, tile, scale);    \
+                                                       const float* delta, const unsigned* pos,  \
+                                                       int t, int nh, int nkv, int hd, int tile, \
+                                                       float scale) {                            \
+        attention_bwd_kv<T>(dk, dv, dout, q, k, v, lse, delta, pos, t, nh, nkv, hd, tile,       \
+                            scale);                                                              \
     }
 
 FOR_DTYPES(ATTENTION)

@@ -1,6 +1,9 @@
 // Cross-entropy over a chunk of LM-head logits (the head computes the logits of at most a few
-// hundred rows at a time with a GEMM, so B·T·V logits never exist). One block per row.
+// hundred rows at a time with a GEMM, so B·T·V logits never exist). One block per row. A row whose
+// target is IGNORE (0xFFFFFFFF, Hugging Face's label −100) trains nothing: loss 0, gradient 0.
 #include "common.cuh"
+
+#define IGNORE 0xFFFFFFFFu
 
 template <typename T>
 __device__ __forceinline__ float row_lse(const T* __restrict__ z, int vocab, float* scratch) {
@@ -23,6 +26,10 @@ __device__ __forceinline__ float row_lse(const T* __restrict__ z, int vocab, flo
         const long long r = blockIdx.x;                                                        \
         if (r >= rows) return;                                                                 \
         const T* z = logits + r * vocab;                                                       \
+        if (targets[r] == IGNORE) {                                                            \
+            if (threadIdx.x == 0) losses[r] = 0.0f;                                            \
+            return;                                                                            \
+        }                                                                                      \
         const float lse = row_lse(z, vocab, scratch);                                          \
         if (threadIdx.x == 0) losses[r] = lse - ld(z[targets[r]]);                             \
     }                                                                                          \
@@ -35,8 +42,13 @@ __device__ __forceinline__ float row_lse(const T* __restrict__ z, int vocab, flo
         const long long r = blockIdx.x;                                                        \
         if (r >= rows) return;                                                                 \
         T* z = logits + r * vocab;                                                             \
-        const float lse = row_lse(z, vocab, scratch);                                          \
         const unsigned tgt = targets[r];                                                       \
+        if (tgt == IGNORE) {                                                                   \
+            if (threadIdx.x == 0) losses[r] = 0.0f;                                            \
+            for (int j = threadIdx.x; j < vocab; j += blockDim.x) st(&z[j], 0.0f);             \
+            return;                                                                            \
+        }                                                                                      \
+        const float lse = row_lse(z, vocab, scratch);                                          \
         const float zt = ld(z[tgt]);                                                           \
         __syncthreads();                                                                       \
         if (threadIdx.x == 0) losses[r] = lse - zt;                                            \

@@ -1,5 +1,6 @@
 // RoPE, Hugging Face `rotate_half` layout: dim i pairs with i + hd/2 (not interleaved).
-// In place on q or k laid out [B·T, H, hd]; position = row mod T. Backward rotates by −θ (the
+// In place on q or k laid out [B·T, H, hd]; row r is at position pos[r] (its position in its
+// document; the host checked every position is inside the tables). Backward rotates by −θ (the
 // adjoint of a rotation).
 #include "common.cuh"
 
@@ -7,14 +8,15 @@ template <typename T>
 __device__ __forceinline__ void rope_apply(T* __restrict__ x,          // [N, H, hd]
                                            const float* __restrict__ cos_t,  // [T, hd/2]
                                            const float* __restrict__ sin_t,  // [T, hd/2]
-                                           int n, int t, int h, int hd, float sign) {
+                                           const unsigned* __restrict__ pos,  // [N]
+                                           int n, int h, int hd, float sign) {
     const int half = hd / 2;
     FOR_EACH(i, (long long)n * h * half) {
         const long long row = i / ((long long)h * half);
         const int rem = (int)(i % ((long long)h * half));
         const int head = rem / half, d = rem % half;
-        const int pos = (int)(row % t);
-        const float c = cos_t[pos * half + d], s = sign * sin_t[pos * half + d];
+        const long long p = pos[row];
+        const float c = cos_t[p * half + d], s = sign * sin_t[p * half + d];
         T* base = x + (row * h + head) * hd;
         const float a = ld(base[d]), b = ld(base[d + half]);
         st(&base[d], a * c - b * s);
@@ -24,12 +26,12 @@ __device__ __forceinline__ void rope_apply(T* __restrict__ x,          // [N, H,
 
 #define ROPE(name, T)                                                                            \
     extern "C" __global__ void rope_fwd_##name(T* x, const float* cos_t, const float* sin_t,   \
-                                               int n, int t, int h, int hd) {                  \
-        rope_apply<T>(x, cos_t, sin_t, n, t, h, hd, 1.0f);                                     \
+                                               const unsigned* pos, int n, int h, int hd) {    \
+        rope_apply<T>(x, cos_t, sin_t, pos, n, h, hd, 1.0f);                                   \
     }                                                                                          \
     extern "C" __global__ void rope_bwd_##name(T* dx, const float* cos_t, const float* sin_t,  \
-                                               int n, int t, int h, int hd) {                  \
-        rope_apply<T>(dx, cos_t, sin_t, n, t, h, hd, -1.0f);                                   \
+                                               const unsigned* pos, int n, int h, int hd) {    \
+        rope_apply<T>(dx, cos_t, sin_t, pos, n, h, hd, -1.0f);                                 \
     }
 
 FOR_DTYPES(ROPE)

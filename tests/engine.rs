@@ -57,14 +57,41 @@ fn init(layout: &StateLayout) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// A micro-batch of packed documents, as the loader makes them: each row holds documents of
+/// seeded lengths (positions restart at 0), a document's last token and a seeded share of its
+/// prompt-like tokens have no target.
 fn batch(seed: u64, vocab: u32) -> MicroBatch {
-    let toks: Vec<u32> = rand(B * T + 1, seed, 1.0)
+    let r = rand(3 * B * T + 1, seed, 1.0);
+    let toks: Vec<u32> = r[..=B * T]
         .iter()
         .map(|x| ((x.abs() * 1000.0) as u32) % vocab)
         .collect();
+    let mut lens = Vec::new();
+    for row in 0..B {
+        let mut left = T;
+        let mut k = 0;
+        while left > 0 {
+            let l = (((r[B * T + row * T + k].abs() * 1e4) as usize) % T + 1).min(left);
+            lens.push(l);
+            left -= l;
+            k += 1;
+        }
+    }
+    let positions = megatrain::model::ops::document_positions(&lens);
+    let targets: Vec<u32> = (0..B * T)
+        .map(|i| {
+            let last = i + 1 == B * T || positions[i + 1] == 0;
+            let masked = r[2 * B * T + i] > 0.6;
+            match last || masked {
+                true => megatrain::model::ops::IGNORE,
+                false => toks[i + 1],
+            }
+        })
+        .collect();
     MicroBatch {
         tokens: toks[..B * T].to_vec().into(),
-        targets: toks[1..].to_vec().into(),
+        targets: targets.into(),
+        positions: positions.into(),
     }
 }
 
@@ -201,7 +228,10 @@ fn reference(
     let layout = StateLayout::new(c, Mode::Exact);
     let tm = Templates::new(&layout.config, T).unwrap();
     let mut ws = Workspace::new(c, B, T);
-    let total = (B * T * batches.len()) as f32;
+    let total = batches
+        .iter()
+        .map(MicroBatch::trained_tokens)
+        .sum::<usize>() as f32;
     let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
     let mut loss = 0.0;
     for (j, mb) in batches.iter().enumerate() {
@@ -214,6 +244,7 @@ fn reference(
             &mut gr,
             &mb.tokens,
             &mb.targets,
+            &mb.positions,
             B,
             T,
             1.0 / total,

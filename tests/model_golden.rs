@@ -8,6 +8,7 @@ mod common;
 use common::{rel_err, Golden};
 use megatrain::model::config::ModelConfig;
 use megatrain::model::layers::Workspace;
+use megatrain::model::ops::flat_positions;
 use megatrain::model::reference::{forward_logits, step_resident, Templates};
 use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig};
 use megatrain::optim::unit_segments;
@@ -68,7 +69,21 @@ fn mean_loss_and_grads(
     let n = c.b * c.t;
     let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
     let mut gr: Vec<&mut [f32]> = grads.iter_mut().map(|v| &mut v[..]).collect();
-    step_resident(tm, &refs, &mut gr, toks, tgts, c.b, c.t, 1.0 / n as f32, ws).unwrap() / n as f64
+    let pos = flat_positions(c.b, c.t);
+    step_resident(
+        tm,
+        &refs,
+        &mut gr,
+        toks,
+        tgts,
+        &pos,
+        c.b,
+        c.t,
+        1.0 / n as f32,
+        ws,
+    )
+    .unwrap()
+        / n as f64
 }
 
 fn check_case(case: &str) {
@@ -79,7 +94,8 @@ fn check_case(case: &str) {
     let (toks, tgts) = (tokens(&c, "tokens"), tokens(&c, "targets"));
 
     let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
-    let logits = forward_logits(&tm, &refs, &toks, c.b, c.t, &mut ws).unwrap();
+    let pos = flat_positions(c.b, c.t);
+    let logits = forward_logits(&tm, &refs, &toks, &pos, c.b, c.t, &mut ws).unwrap();
     let e = rel_err(&logits, c.g.get("logits"), 1e-6);
     assert!(e < TOL, "{case}: logits rel err {e:e}");
 

@@ -150,6 +150,7 @@ fn calibrate_kernels(tm: &Templates, layout: &StateLayout, b: usize, t: usize) -
     let mut ge = vec![0.0f32; pe.len()];
     let mut gh = vec![0.0f32; ph.len()];
     let tokens: Vec<u32> = (0..n).map(|i| (i * 7 % cfg.vocab_size) as u32).collect();
+    let pos = crate::model::ops::flat_positions(b, t);
     let mut ws = crate::model::layers::Workspace::new(cfg, b, t);
     let x: Vec<f32> = (0..n * c).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect();
     let mut y = vec![0.0f32; n * c];
@@ -158,10 +159,10 @@ fn calibrate_kernels(tm: &Templates, layout: &StateLayout, b: usize, t: usize) -
     let reps = 9;
     let embed_fwd = time_it(reps, || tm.embedding.forward(&pe, &tokens, &mut y));
     let block_fwd = time_it(reps, || {
-        blk.forward(&pb, &x, &mut y, &mut ws, &tm.rope, b, t)
+        blk.forward(&pb, &x, &mut y, &mut ws, &tm.rope, &pos, b, t)
     });
     let block_bwd = time_it(reps, || {
-        blk.backward(&pb, &mut gb, &x, &y, &mut dx, &mut ws, &tm.rope, b, t)
+        blk.backward(&pb, &mut gb, &x, &y, &mut dx, &mut ws, &tm.rope, &pos, b, t)
     });
     let nr = tm.head.norm_range();
     let head = time_it(reps, || {
@@ -389,10 +390,7 @@ fn measure(
     let vocab = model().vocab_size;
     let micro_batch = |k: usize| {
         let toks: Vec<u32> = (0..=n).map(|i| ((i * 7 + k * 13) % vocab) as u32).collect();
-        MicroBatch {
-            tokens: toks[..n].to_vec().into(),
-            targets: toks[1..].to_vec().into(),
-        }
+        MicroBatch::flat(toks[..n].to_vec(), toks[1..].to_vec(), case.seq)
     };
     let mut rows = Vec::new();
     for k in 0..steps + 1 {

@@ -222,18 +222,26 @@ impl Backend for HostBackend<'_> {
         Ok(())
     }
 
-    fn rope(&mut self, x: HostP, rows: usize, t: usize, heads: usize, inverse: bool) -> Result<()> {
+    fn rope(
+        &mut self,
+        x: HostP,
+        pos: HostIds,
+        rows: usize,
+        heads: usize,
+        inverse: bool,
+    ) -> Result<()> {
         let ([x], []) = views("rope", [(x, rows * heads * self.rope.head_dim)], [])?;
-        if t > self.rope.max_pos {
+        let pos = self.ids(pos, rows, "rope")?;
+        if let Some(p) = pos.iter().find(|&&p| p as usize >= self.rope.max_pos) {
             return Err(Error::internal(
                 "device program",
                 format!(
-                    "rope: sequence of {t} beyond the table's {}",
+                    "rope: position {p} beyond the table's {}",
                     self.rope.max_pos
                 ),
             ));
         }
-        self.rope.apply(x, t, heads, inverse);
+        self.rope.apply(x, pos, heads, inverse);
         Ok(())
     }
 
@@ -244,6 +252,7 @@ impl Backend for HostBackend<'_> {
         q: HostP,
         k: HostP,
         v: HostP,
+        pos: HostIds,
         s: AttnShape,
     ) -> Result<()> {
         let (n, qd, kvd) = (s.b * s.t, s.nh * s.hd, s.nkv * s.hd);
@@ -252,7 +261,8 @@ impl Backend for HostBackend<'_> {
             [(o, n * qd), (lse, s.b * s.nh * s.t)],
             [(q, n * qd), (k, n * kvd), (v, n * kvd)],
         )?;
-        ops::attention_fwd(o, l, q, k, v, s);
+        let pos = self.ids(pos, n, "attention_fwd")?;
+        ops::attention_fwd(o, l, q, k, v, pos, s);
         Ok(())
     }
 
@@ -268,9 +278,11 @@ impl Backend for HostBackend<'_> {
         v: HostP,
         o: HostP,
         lse: HostP,
+        pos: HostIds,
         s: AttnShape,
     ) -> Result<()> {
         let (n, qd, kvd) = (s.b * s.t, s.nh * s.hd, s.nkv * s.hd);
+        let pos = self.ids(pos, n, "attention_bwd")?;
         let ([dq, dk, dv], [d_o, q, k, v, o, l]) = views(
             "attention_bwd",
             [(dq, n * qd), (dk, n * kvd), (dv, n * kvd)],
@@ -283,7 +295,7 @@ impl Backend for HostBackend<'_> {
                 (lse, s.b * s.nh * s.t),
             ],
         )?;
-        ops::attention_bwd(dq, dk, dv, d_o, q, k, v, o, l, s);
+        ops::attention_bwd(dq, dk, dv, d_o, q, k, v, o, l, pos, s);
         Ok(())
     }
 
@@ -364,7 +376,10 @@ impl Backend for HostBackend<'_> {
         scale: f32,
     ) -> Result<()> {
         let tg = self.ids(targets, rows, "cross_entropy")?;
-        if let Some(bad) = tg.iter().find(|&&t| t as usize >= vocab) {
+        if let Some(bad) = tg
+            .iter()
+            .find(|&&t| t != ops::IGNORE && t as usize >= vocab)
+        {
             return Err(Error::internal(
                 "device program",
                 format!("cross_entropy: target {bad} ≥ {vocab}"),

@@ -102,9 +102,10 @@ pub fn attention(s: AttnShape, smem_limit: usize) -> Result<AttnLaunch> {
     if s.b > GRID_YZ_MAX || s.nh > GRID_YZ_MAX || s.b == 0 || s.t == 0 {
         return bad(format!("batch and heads must be 1..={GRID_YZ_MAX}"));
     }
-    // fwd/dq: K and V tiles; kv: Q and dO tiles plus two floats per row.
+    // fwd/dq: K and V tiles; kv: Q and dO tiles plus per row two floats (lse, delta) and the
+    // query's first key (an int).
     let per_row_fwd = 2 * s.hd * 4;
-    let per_row_kv = (2 * s.hd + 2) * 4;
+    let per_row_kv = (2 * s.hd + 3) * 4;
     let tile = (smem_limit / per_row_kv).min(64).min(s.t.max(1));
     if tile == 0 {
         return bad(format!(

@@ -164,15 +164,18 @@ pub enum Access {
     Write,
 }
 
-/// The host data of one micro-batch the kernels use: token ids, next-token targets (shared
-/// with the device like a kernel argument upload), the loss gradient's scale (1 / tokens of the
-/// step) and the accumulator the summed loss is added to.
+/// The host data of one micro-batch the kernels use: token ids, next-token targets and
+/// positions (shared with the device like a kernel argument upload), the loss gradient's scale
+/// (1 / trained tokens of the step) and the accumulator the summed loss is added to.
 #[derive(Debug, Clone)]
 pub struct Batch {
     /// Input token ids, `batch × seq`.
     pub tokens: Arc<[u32]>,
-    /// Target ids, `batch × seq`.
+    /// Target ids, `batch × seq` ([`crate::model::ops::IGNORE`] where nothing is trained).
     pub targets: Arc<[u32]>,
+    /// Each token's position in its document, `batch × seq` (RoPE angle; attention stays
+    /// inside the document).
+    pub positions: Arc<[u32]>,
     /// Scale of the loss gradient.
     pub grad_scale: f32,
     /// Σ loss of the step, added to by the head.
@@ -195,6 +198,8 @@ pub enum Kernel<B, D> {
     },
     /// `y = block(x)` with the layer's weights at `w`.
     BlockFwd {
+        /// The micro-batch (its positions).
+        batch: D,
         /// Decoder layer.
         layer: usize,
         /// The unit's weights.
@@ -224,6 +229,8 @@ pub enum Kernel<B, D> {
     /// Block backward (recomputing its internals from `x`): gradients accumulate into `g`,
     /// `dx` written.
     BlockBwd {
+        /// The micro-batch (its positions).
+        batch: D,
         /// Decoder layer.
         layer: usize,
         /// The unit's weights.
@@ -303,7 +310,14 @@ impl<B: Copy, D> Kernel<B, D> {
                 w: fb(w),
                 x: fb(x),
             },
-            Kernel::BlockFwd { layer, w, x, y } => Kernel::BlockFwd {
+            Kernel::BlockFwd {
+                batch,
+                layer,
+                w,
+                x,
+                y,
+            } => Kernel::BlockFwd {
+                batch: fd(batch),
                 layer,
                 w: fb(w),
                 x: fb(x),
@@ -325,6 +339,7 @@ impl<B: Copy, D> Kernel<B, D> {
                 dx: fb(dx),
             },
             Kernel::BlockBwd {
+                batch,
                 layer,
                 w,
                 g,
@@ -332,6 +347,7 @@ impl<B: Copy, D> Kernel<B, D> {
                 dy,
                 dx,
             } => Kernel::BlockBwd {
+                batch: fd(batch),
                 layer,
                 w: fb(w),
                 g: fb(g),

@@ -9,7 +9,7 @@ use serde::Serialize;
 pub struct StepMetrics {
     /// 1-based optimizer step.
     pub step: u64,
-    /// Mean loss over the step's tokens.
+    /// Mean loss over the step's trained tokens (all its micro-batches together).
     pub loss: f64,
     /// Global gradient norm before clipping (lean mode: from the AdamW pass).
     pub grad_norm: f64,
@@ -17,8 +17,10 @@ pub struct StepMetrics {
     pub clip_coef: f64,
     /// Learning rate used.
     pub lr: f64,
-    /// Tokens processed.
+    /// Tokens processed (padding included).
     pub tokens: u64,
+    /// Tokens whose target trained (the loss's denominator).
+    pub trained_tokens: u64,
     /// Wall time of `step`, seconds.
     pub wall_s: f64,
     /// Σ compute-stream op time, seconds.

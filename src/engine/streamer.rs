@@ -44,13 +44,37 @@ pub struct StreamerConfig {
     pub seed: u64,
 }
 
-/// One micro-batch: input tokens and next-token targets, `batch × seq` each.
+/// One micro-batch, `batch × seq` each: input tokens, next-token targets
+/// ([`crate::model::ops::IGNORE`] where nothing is trained) and each token's position in its
+/// document (see [`crate::model::reference::Templates::check_batch`]).
 #[derive(Debug, Clone)]
 pub struct MicroBatch {
     /// Inputs.
     pub tokens: Arc<[u32]>,
     /// Targets.
     pub targets: Arc<[u32]>,
+    /// Positions.
+    pub positions: Arc<[u32]>,
+}
+
+impl MicroBatch {
+    /// Rows of `seq` tokens that are each one sequence (positions 0..seq), every target trained.
+    pub fn flat(tokens: Vec<u32>, targets: Vec<u32>, seq: usize) -> Self {
+        let positions = crate::model::ops::flat_positions(tokens.len() / seq.max(1), seq);
+        MicroBatch {
+            tokens: tokens.into(),
+            targets: targets.into(),
+            positions: positions.into(),
+        }
+    }
+
+    /// Targets that train (not [`crate::model::ops::IGNORE`]).
+    pub fn trained_tokens(&self) -> usize {
+        self.targets
+            .iter()
+            .filter(|&&y| y != crate::model::ops::IGNORE)
+            .count()
+    }
 }
 
 struct PendingAdam {
@@ -95,6 +119,8 @@ struct StepRun {
     host_wait: f64,
     adam: AdamWConfig,
     batches: Vec<Batch>,
+    /// Trained tokens of the step.
+    trained: usize,
 }
 
 /// `min(1, max_norm / (norm + 1e-6))`, torch's `clip_grad_norm_`; 1 when clipping is off.
@@ -367,14 +393,30 @@ impl Streamer {
         }
         let n = self.cfg.batch * self.cfg.seq;
         for mb in batches {
-            if mb.tokens.len() != n || mb.targets.len() != n {
+            if mb.tokens.len() != n {
                 return Err(Error::internal(
                     "streamer",
                     format!("a micro-batch of {} tokens, expected {n}", mb.tokens.len()),
                 ));
             }
-            self.templates.check_tokens(&mb.tokens, "inputs")?;
-            self.templates.check_tokens(&mb.targets, "targets")?;
+            self.templates.check_batch(
+                &mb.tokens,
+                &mb.targets,
+                &mb.positions,
+                self.cfg.batch,
+                self.cfg.seq,
+            )?;
+        }
+        // The loss is the mean over every trained token of the step, across its micro-batches
+        // (as transformers' Trainer since 4.46), not a mean of per-micro-batch means.
+        let trained: usize = batches.iter().map(MicroBatch::trained_tokens).sum();
+        if trained == 0 {
+            return Err(Error::bad_input(
+                "training step",
+                format!("step {}", self.step + 1),
+                "has no trained token (every target is masked)",
+                Some("check the loss mask of the data (`megatrain prepare` drops such documents)"),
+            ));
         }
         self.step += 1;
         self.device.reset_peak();
@@ -384,7 +426,7 @@ impl Streamer {
             self.lean_sumsq = vec![0.0; self.store.num_units()];
         }
         let loss = Arc::new(Mutex::new(0.0f64));
-        let grad_scale = (1.0 / (n * batches.len()) as f64) as f32;
+        let grad_scale = (1.0 / trained as f64) as f32;
         let nt = self.schedule.tasks.len();
         Ok(StepRun {
             events: vec![None; nt],
@@ -397,11 +439,13 @@ impl Streamer {
                 lr,
                 ..self.cfg.adam
             },
+            trained,
             batches: batches
                 .iter()
                 .map(|mb| Batch {
                     tokens: mb.tokens.clone(),
                     targets: mb.targets.clone(),
+                    positions: mb.positions.clone(),
                     grad_scale,
                     loss: loss.clone(),
                 })
@@ -573,11 +617,12 @@ impl Streamer {
             .map_or(0.0, |b| *crate::util::lock(&b.loss));
         let mut m = StepMetrics {
             step: self.step,
-            loss: loss / total_tokens,
+            loss: loss / run.trained as f64,
             grad_norm,
             clip_coef: run.coef,
             lr,
             tokens: total_tokens as u64,
+            trained_tokens: run.trained as u64,
             optimizer_s: super::metrics::union_length(std::mem::take(&mut self.adam_spans)),
             host_wait_s: run.host_wait,
             device_peak_bytes: self.device.memory().peak,

@@ -222,7 +222,17 @@ impl DecoderBlock {
     }
 
     /// Forward internals up to the MLP activation, kept in `ws` for the backward.
-    fn internals(&self, p: &[f32], x: &[f32], ws: &mut Workspace, rope: &Rope, b: usize, t: usize) {
+    #[allow(clippy::too_many_arguments)]
+    fn internals(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        ws: &mut Workspace,
+        rope: &Rope,
+        pos: &[u32],
+        b: usize,
+        t: usize,
+    ) {
         let (n, c, qd, kvd, i) = (b * t, self.c, self.qd(), self.kvd(), self.inter);
         let w = |off: usize, len: usize| &p[off..off + len];
         ops::rmsnorm_fwd(
@@ -261,8 +271,8 @@ impl DecoderBlock {
             c,
             kvd,
         );
-        rope.apply(&mut ws.q[..n * qd], t, self.nh, false);
-        rope.apply(&mut ws.k[..n * kvd], t, self.nkv, false);
+        rope.apply(&mut ws.q[..n * qd], pos, self.nh, false);
+        rope.apply(&mut ws.k[..n * kvd], pos, self.nkv, false);
         let shape = AttnShape {
             b,
             t,
@@ -276,6 +286,7 @@ impl DecoderBlock {
             &ws.q[..n * qd],
             &ws.k[..n * kvd],
             &ws.v[..n * kvd],
+            pos,
             shape,
         );
         // x2 = x + att·Woᵀ (+ bo)
@@ -320,7 +331,8 @@ impl DecoderBlock {
         ops::swiglu_fwd(&mut ws.act[..n * i], &ws.gate[..n * i], &ws.up[..n * i]);
     }
 
-    /// y[N, C] = block(x[N, C]) with this unit's params `p`.
+    /// y[N, C] = block(x[N, C]) with this unit's params `p`; `pos` [N] is each token's
+    /// position in its document (see [`ops::attention_fwd`]).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -329,11 +341,12 @@ impl DecoderBlock {
         y: &mut [f32],
         ws: &mut Workspace,
         rope: &Rope,
+        pos: &[u32],
         b: usize,
         t: usize,
     ) {
         let (n, c, i) = (b * t, self.c, self.inter);
-        self.internals(p, x, ws, rope, b, t);
+        self.internals(p, x, ws, rope, pos, b, t);
         ops::linear_fwd(
             &mut y[..n * c],
             &ws.act[..n * i],
@@ -360,12 +373,13 @@ impl DecoderBlock {
         dx: &mut [f32],
         ws: &mut Workspace,
         rope: &Rope,
+        pos: &[u32],
         b: usize,
         t: usize,
     ) {
-        self.internals(p, x, ws, rope, b, t);
+        self.internals(p, x, ws, rope, pos, b, t);
         self.mlp_backward(p, g, dy, ws, b * t);
-        self.attention_backward(p, g, x, dx, ws, rope, b, t);
+        self.attention_backward(p, g, x, dx, ws, rope, pos, b, t);
     }
 
     /// The MLP half of [`Self::backward`]: from dL/dy, the MLP's weight gradients and
@@ -442,6 +456,7 @@ impl DecoderBlock {
         dx: &mut [f32],
         ws: &mut Workspace,
         rope: &Rope,
+        pos: &[u32],
         b: usize,
         t: usize,
     ) {
@@ -480,10 +495,11 @@ impl DecoderBlock {
             &ws.v[..n * kvd],
             &ws.att[..n * qd],
             &ws.lse[..b * self.nh * t],
+            pos,
             shape,
         );
-        rope.apply(&mut ws.dq[..n * qd], t, self.nh, true);
-        rope.apply(&mut ws.dk[..n * kvd], t, self.nkv, true);
+        rope.apply(&mut ws.dq[..n * qd], pos, self.nh, true);
+        rope.apply(&mut ws.dk[..n * kvd], pos, self.nkv, true);
         // dh1 = dq·Wq + dk·Wk + dv·Wv, with the weight and bias gradients.
         for (first, (wo, wl), bias, d) in [
             (
@@ -648,13 +664,14 @@ impl Head {
         ops::logits(out, &h, w, n, c, self.vocab);
     }
 
-    /// Σ loss only (validation).
+    /// Σ loss only (validation); [`ops::IGNORE`] targets add nothing.
     pub fn loss(&self, p_head: &[f32], w: &[f32], x: &[f32], targets: &[u32]) -> f64 {
         let (n, v) = (targets.len(), self.vocab);
         let mut out = vec![0.0; n * v];
         self.logits(p_head, w, x, n, &mut out);
         out.chunks(v)
             .zip(targets)
+            .filter(|&(_, &tg)| tg != ops::IGNORE)
             .map(|(row, &tg)| {
                 let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();

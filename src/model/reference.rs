@@ -3,7 +3,7 @@
 
 use super::config::ModelConfig;
 use super::layers::{DecoderBlock, Embedding, Head, Workspace};
-use super::ops::Rope;
+use super::ops::{Rope, IGNORE};
 use crate::{Error, Result};
 
 /// The templates of every unit of a model, plus its RoPE tables.
@@ -62,11 +62,71 @@ impl Templates {
         }
         Ok(())
     }
+
+    /// Check one micro-batch of `b` sequences of `t` tokens: input ids and targets against the
+    /// vocabulary (a target may be [`IGNORE`]), and positions: one per token, each sequence
+    /// starting a document at 0, then counting up by one or restarting at 0 (a new document).
+    pub fn check_batch(
+        &self,
+        tokens: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<()> {
+        let n = b * t;
+        if tokens.len() != n || targets.len() != n || positions.len() != n {
+            return Err(Error::bad_input(
+                "batch",
+                format!("{b}×{t}"),
+                format!(
+                    "got {} tokens, {} targets and {} positions",
+                    tokens.len(),
+                    targets.len(),
+                    positions.len()
+                ),
+                None,
+            ));
+        }
+        self.check_tokens(tokens, "inputs")?;
+        if let Some(bad) = targets
+            .iter()
+            .find(|&&y| y != IGNORE && y as usize >= self.config.vocab_size)
+        {
+            return Err(Error::bad_input(
+                "token id",
+                bad.to_string(),
+                format!("in targets: ≥ vocab size {}", self.config.vocab_size),
+                Some("tokenize with the model's tokenizer, or raise vocab_size"),
+            ));
+        }
+        for (r, row) in positions.chunks(t.max(1)).enumerate() {
+            let mut prev: Option<u32> = None;
+            for (i, &p) in row.iter().enumerate() {
+                let ok = p == 0 || prev.is_some_and(|q| q.checked_add(1) == Some(p));
+                if !ok {
+                    return Err(Error::bad_input(
+                        "positions",
+                        format!("sequence {r}, token {i}"),
+                        format!(
+                            "position {p} after {}: positions restart at 0 for each document and count up by one",
+                            prev.map_or("the start of the sequence".into(), |q| q.to_string())
+                        ),
+                        None,
+                    ));
+                }
+                prev = Some(p);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Forward and backward of one micro-batch of `b` sequences of `t` tokens with every unit
-/// resident. `params[u]`/`grads[u]` are unit u's shards; gradients accumulate. Returns Σ loss over
-/// the micro-batch's tokens; `grad_scale` is 1/(tokens in the whole step).
+/// resident; `positions` are the tokens' positions in their documents (see
+/// [`Templates::check_batch`]). `params[u]`/`grads[u]` are unit u's shards; gradients
+/// accumulate. Returns Σ loss over the micro-batch's trained tokens; `grad_scale` is 1/(trained
+/// tokens in the whole step).
 #[allow(clippy::too_many_arguments)]
 pub fn step_resident(
     tm: &Templates,
@@ -74,28 +134,29 @@ pub fn step_resident(
     grads: &mut [&mut [f32]],
     tokens: &[u32],
     targets: &[u32],
+    positions: &[u32],
     b: usize,
     t: usize,
     grad_scale: f32,
     ws: &mut Workspace,
 ) -> Result<f64> {
     let (n, c, l) = (b * t, tm.config.hidden_size, tm.blocks.len());
-    if tokens.len() != n || targets.len() != n {
-        return Err(Error::bad_input(
-            "batch",
-            format!("{b}×{t}"),
-            format!("got {} tokens and {} targets", tokens.len(), targets.len()),
-            None,
-        ));
-    }
-    tm.check_tokens(tokens, "inputs")?;
-    tm.check_tokens(targets, "targets")?;
+    tm.check_batch(tokens, targets, positions, b, t)?;
     // Layer-boundary activations x_0..x_L.
     let mut xs = vec![vec![0.0f32; n * c]; l + 1];
     tm.embedding.forward(params[0], tokens, &mut xs[0]);
     for (i, blk) in tm.blocks.iter().enumerate() {
         let (done, rest) = xs.split_at_mut(i + 1);
-        blk.forward(params[1 + i], &done[i], &mut rest[0], ws, &tm.rope, b, t);
+        blk.forward(
+            params[1 + i],
+            &done[i],
+            &mut rest[0],
+            ws,
+            &tm.rope,
+            positions,
+            b,
+            t,
+        );
     }
     let mut dx = vec![0.0f32; n * c];
     let mut dnext = vec![0.0f32; n * c];
@@ -145,6 +206,7 @@ pub fn step_resident(
             &mut dnext,
             ws,
             &tm.rope,
+            positions,
             b,
             t,
         );
@@ -160,6 +222,7 @@ fn forward_hidden<'p>(
     tm: &Templates,
     params: &[&'p [f32]],
     tokens: &[u32],
+    positions: &[u32],
     b: usize,
     t: usize,
     ws: &mut Workspace,
@@ -170,12 +233,12 @@ fn forward_hidden<'p>(
         tm.blocks.len(),
         tm.config.vocab_size,
     );
-    tm.check_tokens(tokens, "inputs")?;
+    tm.check_batch(tokens, &vec![IGNORE; n], positions, b, t)?;
     let mut x = vec![0.0f32; n * c];
     let mut y = vec![0.0f32; n * c];
     tm.embedding.forward(params[0], tokens, &mut x);
     for (i, blk) in tm.blocks.iter().enumerate() {
-        blk.forward(params[1 + i], &x, &mut y, ws, &tm.rope, b, t);
+        blk.forward(params[1 + i], &x, &mut y, ws, &tm.rope, positions, b, t);
         std::mem::swap(&mut x, &mut y);
     }
     let p_head = params[l + 1];
@@ -191,32 +254,35 @@ pub fn forward_logits(
     tm: &Templates,
     params: &[&[f32]],
     tokens: &[u32],
+    positions: &[u32],
     b: usize,
     t: usize,
     ws: &mut Workspace,
 ) -> Result<Vec<f32>> {
     let (n, v) = (b * t, tm.config.vocab_size);
-    let (x, w) = forward_hidden(tm, params, tokens, b, t, ws)?;
+    let (x, w) = forward_hidden(tm, params, tokens, positions, b, t, ws)?;
     let mut out = vec![0.0f32; n * v];
     tm.head
         .logits(params[tm.blocks.len() + 1], w, &x, n, &mut out);
     Ok(out)
 }
 
-/// Σ loss of a batch with every unit resident, without materialising more than 256 rows of logits
-/// (validation).
+/// Σ loss over the trained tokens of a batch with every unit resident, without materialising
+/// more than 256 rows of logits (validation).
+#[allow(clippy::too_many_arguments)]
 pub fn eval_loss(
     tm: &Templates,
     params: &[&[f32]],
     tokens: &[u32],
     targets: &[u32],
+    positions: &[u32],
     b: usize,
     t: usize,
     ws: &mut Workspace,
 ) -> Result<f64> {
     let (n, c) = (b * t, tm.config.hidden_size);
-    tm.check_tokens(targets, "targets")?;
-    let (x, w) = forward_hidden(tm, params, tokens, b, t, ws)?;
+    tm.check_batch(tokens, targets, positions, b, t)?;
+    let (x, w) = forward_hidden(tm, params, tokens, positions, b, t, ws)?;
     let p_head = params[tm.blocks.len() + 1];
     let rows = super::ops::CE_CHUNK_ROWS;
     let mut total = 0.0;

@@ -346,11 +346,13 @@ fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let rope = ops::Rope::new(hd, 10_000.0, t);
     let (cos, sin) = rope.tables();
     let q = g.rnd(bt * heads * hd, 7, 1.0);
+    // A flat sequence, then one of three documents.
+    let pos = ops::document_positions(&[37, 5, 1, 31]);
     let mut out = Vec::new();
     for inverse in [false, true] {
         let mut want = q.clone();
-        rope.apply(&mut want, t, heads, inverse);
-        let (qd, cd, sd) = (g.up(&q)?, g.up(cos)?, g.up(sin)?);
+        rope.apply(&mut want, &pos, heads, inverse);
+        let (qd, cd, sd, pd) = (g.up(&q)?, g.up(cos)?, g.up(sin)?, g.up(&pos)?);
         let l = launch::elementwise(bt * heads * hd / 2, g.sms());
         g.k().rope(
             Dtype::F32,
@@ -359,8 +361,8 @@ fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
             g.p(&qd),
             g.p(&cd),
             g.p(&sd),
+            g.p(&pd),
             bt as i32,
-            t as i32,
             heads as i32,
             hd as i32,
         )?;
@@ -369,6 +371,10 @@ fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     }
     Ok(out)
 }
+
+/// Positions of [`ATTN`]'s two sequences: one flat, one of documents across tile boundaries
+/// (a one-token document among them).
+const ATTN_DOCS: [usize; 5] = [70, 20, 1, 45, 4];
 
 /// GQA, T not a multiple of the tile.
 const ATTN: AttnShape = AttnShape {
@@ -392,8 +398,9 @@ fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.rnd(kn, 10, 1.0),
         g.rnd(qn, 11, 1.0),
     );
+    let pos = ops::document_positions(&ATTN_DOCS);
     let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
-    ops::attention_fwd(&mut o_ref, &mut lse_ref, &q, &k, &v, s);
+    ops::attention_fwd(&mut o_ref, &mut lse_ref, &q, &k, &v, &pos, s);
     let (mut dq_ref, mut dk_ref, mut dv_ref) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
     ops::attention_bwd(
         &mut dq_ref,
@@ -405,11 +412,13 @@ fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         &v,
         &o_ref,
         &lse_ref,
+        &pos,
         s,
     );
     let geo = launch::attention(s, launch::DEFAULT_SMEM)?;
-    let a = AttnArgs::new(s, &geo)?;
     let (qd, kd, vd, dod) = (g.up(&q)?, g.up(&k)?, g.up(&v)?, g.up(&d_o)?);
+    let posd = g.up(&pos)?;
+    let a = AttnArgs::new(s, &geo, g.p(&posd))?;
     let (od, lsed, deltad) = (
         g.zeros::<f32>(qn)?,
         g.zeros::<f32>(rows)?,
@@ -480,6 +489,7 @@ fn attention_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         s.b * s.nh * s.t,
     );
     let (q, k, v) = (g.rnd(qn, 21, 1.0), g.rnd(kn, 22, 1.0), g.rnd(kn, 23, 1.0));
+    let pos = ops::document_positions(&[30, 15]);
     let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
     ops::attention_fwd(
         &mut o_ref,
@@ -487,10 +497,12 @@ fn attention_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         &round_bf16(&q),
         &round_bf16(&k),
         &round_bf16(&v),
+        &pos,
         s,
     );
     let geo = launch::attention(s, launch::DEFAULT_SMEM)?;
     let (qd, kd, vd) = (g.up16(&q)?, g.up16(&k)?, g.up16(&v)?);
+    let posd = g.up(&pos)?;
     let (od, lsed) = (g.zeros::<u16>(qn)?, g.zeros::<f32>(rows)?);
     g.k().attention_fwd(
         Dtype::Bf16,
@@ -500,16 +512,16 @@ fn attention_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.p(&qd),
         g.p(&kd),
         g.p(&vd),
-        AttnArgs::new(s, &geo)?,
+        AttnArgs::new(s, &geo, g.p(&posd))?,
     )?;
     Ok(vec![Out::new("forward out", g.down16(&od)?, o_ref)])
 }
 
-/// Loss and `scale·(softmax − onehot)` of each row of `z`, in f32.
+/// Loss and `scale·(softmax − onehot)` of each row of `z`, in f32 (0 and 0 for an ignored row).
 fn cross_entropy_ref(z: &[f32], targets: &[u32], vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
     let rows = targets.len();
     let (mut loss, mut grad) = (vec![0.0f32; rows], vec![0.0f32; rows * vocab]);
-    for r in 0..rows {
+    for r in (0..rows).filter(|&r| targets[r] != ops::IGNORE) {
         let zr = &z[r * vocab..(r + 1) * vocab];
         let mx = zr.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
         let lse = mx + zr.iter().map(|x| (x - mx).exp()).sum::<f32>().ln();
@@ -525,7 +537,13 @@ fn cross_entropy_ref(z: &[f32], targets: &[u32], vocab: usize, scale: f32) -> (V
 fn cross_entropy_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let (rows, vocab, scale) = (33usize, 5003usize, 0.25f32);
     let z = g.rnd(rows * vocab, 12, 4.0);
-    let targets: Vec<u32> = (0..rows).map(|r| (r * 131 % vocab) as u32).collect();
+    // Every fifth row trains nothing.
+    let targets: Vec<u32> = (0..rows)
+        .map(|r| match r % 5 {
+            3 => ops::IGNORE,
+            _ => (r * 131 % vocab) as u32,
+        })
+        .collect();
     let (loss_ref, grad_ref) = cross_entropy_ref(&z, &targets, vocab, scale);
     let (zd, td, ld) = (g.up(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
     g.k().cross_entropy_bwd(
@@ -547,7 +565,8 @@ fn cross_entropy_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
 fn cross_entropy_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let (rows, vocab) = (9usize, 1001usize);
     let z = g.rnd(rows * vocab, 26, 4.0);
-    let targets: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
+    let mut targets: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
+    targets[4] = ops::IGNORE;
     let (loss_ref, _) = cross_entropy_ref(&round_bf16(&z), &targets, vocab, 1.0);
     let (zd, td, ld) = (g.up16(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
     g.k().cross_entropy_fwd(

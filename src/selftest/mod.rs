@@ -185,10 +185,7 @@ pub fn train_steps(
                 .iter()
                 .map(|x| ((x.abs() * 1e6) as u32) % vocab)
                 .collect();
-            MicroBatch {
-                tokens: ids[..BATCH * SEQ].to_vec().into(),
-                targets: ids[1..].to_vec().into(),
-            }
+            MicroBatch::flat(ids[..BATCH * SEQ].to_vec(), ids[1..].to_vec(), SEQ)
         })
         .collect();
     for step in 0..STEPS {

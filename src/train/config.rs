@@ -48,6 +48,28 @@ pub enum DataDtype {
     U32,
 }
 
+/// How documents of a document file fill the rows of `seq_len` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Packing {
+    /// Greedily, in order, several per row; they never attend to each other.
+    #[default]
+    On,
+    /// One document per row, the rest padding.
+    Off,
+}
+
+/// What happens to a document longer than a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlong {
+    /// Keep its first `seq_len` tokens (dropped if none of them is trained).
+    #[default]
+    Truncate,
+    /// Leave it out.
+    Drop,
+}
+
 /// Compute device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -188,6 +210,11 @@ settings! {
     value data_dtype: DataDtype = DataDtype::U16 => Option<DataDtype> [value_enum];
     /// Validation tokens.
     some val_data: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE"];
+    /// Document files (`prepare --format prompt-completion|chat`): several documents per row
+    /// (on) or one (off); they never attend to each other.
+    value packing: Packing = Packing::On => Option<Packing> [value_enum];
+    /// Document files: a document longer than `seq_len` is truncated or dropped (counted).
+    value overlong: Overlong = Overlong::Truncate => Option<Overlong> [value_enum];
     /// Tokens per sequence.
     value seq_len: usize = 128 => Option<usize> [];
     /// Sequences per micro-batch.

@@ -1,9 +1,20 @@
-//! Pre-tokenized training data: a flat little-endian u16/u32 token file, memory-mapped, read as
-//! consecutive rows of `seq_len + 1` tokens (row r = tokens[r·(T+1) .. (r+1)·(T+1)]; inputs are its
-//! first T tokens, targets its last T). Rows are consumed in order, or in a seeded permutation per
-//! epoch with `shuffle`.
+//! Pre-tokenized training data, memory-mapped, as rows of micro-batches. Two kinds of file:
+//!
+//! - a flat little-endian u16/u32 token file, read as consecutive rows of `seq_len + 1` tokens
+//!   (row r = tokens[r·(T+1) .. (r+1)·(T+1)]; inputs are its first T tokens, targets its last T,
+//!   every one trained, positions 0..T);
+//! - a document file ([`super::documents`]), whose documents are packed greedily, in order, into
+//!   rows of T tokens ([`Packing::On`]; one per row with [`Packing::Off`]), never split: inside a
+//!   row each document's positions restart at 0, so attention never crosses a document boundary
+//!   (the device program's positions); a document's last token and the padding at a row's end
+//!   have [`IGNORE`] targets, as do the tokens its loss mask leaves out.
+//!
+//! Rows are consumed in order, or in a seeded permutation per epoch with `shuffle`.
 
-use super::config::DataDtype;
+use super::config::{DataDtype, Overlong, Packing};
+use super::documents::{is_document_file, DocFile};
+use crate::engine::MicroBatch;
+use crate::model::ops::{flat_positions, IGNORE};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -96,11 +107,161 @@ impl TokenFile {
         self.len / (seq + 1)
     }
 
-    /// Row `r`: (inputs, targets), T each.
-    pub fn row(&self, r: usize, seq: usize) -> (Vec<u32>, Vec<u32>) {
+    /// Row `r`: inputs and targets, T each, appended to `x` and `y`.
+    fn row(&self, r: usize, seq: usize, x: &mut Vec<u32>, y: &mut Vec<u32>) {
         let base = r * (seq + 1);
-        let toks: Vec<u32> = (base..base + seq + 1).map(|i| self.get(i)).collect();
-        (toks[..seq].to_vec(), toks[1..].to_vec())
+        x.extend((base..base + seq).map(|i| self.get(i)));
+        y.extend((base + 1..base + seq + 1).map(|i| self.get(i)));
+    }
+}
+
+/// A data file of either kind, recognised by its first bytes.
+#[derive(Debug)]
+pub enum DataFile {
+    /// Flat tokens.
+    Tokens(TokenFile),
+    /// Documents with loss masks.
+    Documents(DocFile),
+}
+
+impl DataFile {
+    /// Open `path`: a document file if it starts with the document magic, else a flat token
+    /// file of `dtype`; checked against the vocabulary.
+    pub fn open(path: &Path, dtype: DataDtype, vocab: usize) -> Result<Self> {
+        if !path.is_dir() && is_document_file(path) {
+            return DocFile::open(path, vocab).map(DataFile::Documents);
+        }
+        TokenFile::open(path, dtype, vocab).map(DataFile::Tokens)
+    }
+}
+
+/// How documents were laid into rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PackReport {
+    /// Documents in the file.
+    pub documents: usize,
+    /// Rows made.
+    pub rows: usize,
+    /// Documents cut to the row length.
+    pub truncated: usize,
+    /// Documents left out (too long with [`Overlong::Drop`], or no trained token within the
+    /// row length).
+    pub dropped: usize,
+    /// Document tokens in the rows (the rest is padding).
+    pub tokens: usize,
+    /// Trained targets in the rows.
+    pub trained: usize,
+}
+
+impl std::fmt::Display for PackReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} documents in {} rows ({} tokens, {} trained), {} truncated, {} dropped",
+            self.documents - self.dropped,
+            self.rows,
+            self.tokens,
+            self.trained,
+            self.truncated,
+            self.dropped
+        )
+    }
+}
+
+/// Documents packed into rows: row r holds the pieces `pieces[rows[r]..rows[r + 1]]`, each a
+/// document's first tokens `(start, len)`, laid end to end.
+#[derive(Debug)]
+struct Packed {
+    docs: DocFile,
+    rows: Vec<usize>,
+    pieces: Vec<(usize, usize)>,
+}
+
+impl Packed {
+    /// Pack `docs` into rows of `seq` tokens.
+    fn new(docs: DocFile, seq: usize, packing: Packing, overlong: Overlong) -> (Self, PackReport) {
+        let mut report = PackReport {
+            documents: docs.documents(),
+            ..PackReport::default()
+        };
+        let (mut rows, mut pieces, mut fill) = (vec![0], Vec::new(), 0usize);
+        for d in 0..docs.documents() {
+            let r = docs.range(d);
+            let len = if r.len() <= seq {
+                r.len()
+            } else if overlong == Overlong::Drop {
+                report.dropped += 1;
+                continue;
+            } else {
+                seq
+            };
+            // Targets are tokens 1..len of the piece.
+            let trained = (r.start + 1..r.start + len)
+                .filter(|&i| docs.trained(i))
+                .count();
+            if trained == 0 {
+                report.dropped += 1;
+                continue;
+            }
+            report.truncated += usize::from(len < r.len());
+            report.tokens += len;
+            report.trained += trained;
+            if fill + len > seq || (packing == Packing::Off && fill > 0) {
+                rows.push(pieces.len());
+                fill = 0;
+            }
+            pieces.push((r.start, len));
+            fill += len;
+        }
+        if fill > 0 {
+            rows.push(pieces.len());
+        }
+        report.rows = rows.len() - 1;
+        (Packed { docs, rows, pieces }, report)
+    }
+
+    /// Row `r`'s inputs, targets and positions, T each, appended.
+    fn row(&self, r: usize, seq: usize, x: &mut Vec<u32>, y: &mut Vec<u32>, p: &mut Vec<u32>) {
+        let mut used = 0;
+        for &(start, len) in &self.pieces[self.rows[r]..self.rows[r + 1]] {
+            x.extend((start..start + len).map(|i| self.docs.token(i)));
+            y.extend(
+                (start + 1..start + len).map(|i| match self.docs.trained(i) {
+                    true => self.docs.token(i),
+                    false => IGNORE,
+                }),
+            );
+            y.push(IGNORE); // the document's last token predicts nothing
+            p.extend(0..len as u32);
+            used += len;
+        }
+        let pad = seq - used;
+        x.extend(std::iter::repeat_n(self.docs.pad_id(), pad));
+        y.extend(std::iter::repeat_n(IGNORE, pad));
+        p.extend(0..pad as u32);
+    }
+}
+
+/// Rows of one data file.
+#[derive(Debug)]
+enum Rows {
+    Flat(TokenFile),
+    Packed(Packed),
+}
+
+impl Rows {
+    fn count(&self, seq: usize) -> usize {
+        match self {
+            Rows::Flat(f) => f.rows(seq),
+            Rows::Packed(p) => p.rows.len() - 1,
+        }
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Rows::Flat(f) => &f.path,
+            Rows::Packed(p) => p.docs.path(),
+        }
     }
 }
 
@@ -138,57 +299,86 @@ pub fn epoch_order(rows: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usi
 /// Sequential reader of micro-batches.
 #[derive(Debug)]
 pub struct Loader {
-    file: TokenFile,
+    rows: Rows,
     seq: usize,
     batch: usize,
     shuffle: bool,
     seed: u64,
     order: Vec<usize>,
+    /// How a document file was packed (`None` for flat tokens).
+    pub packed: Option<PackReport>,
     /// Position of the next row.
     pub cursor: Cursor,
+}
+
+/// How a [`Loader`] lays out its rows.
+#[derive(Debug, Clone, Copy)]
+pub struct RowSpec {
+    /// Tokens per row.
+    pub seq: usize,
+    /// Rows per micro-batch.
+    pub batch: usize,
+    /// Document files: several documents per row or one.
+    pub packing: Packing,
+    /// Document files: what to do with a document longer than a row.
+    pub overlong: Overlong,
 }
 
 impl Loader {
     /// A loader over `file`; fails if one micro-batch does not fit in it.
     pub fn new(
-        file: TokenFile,
-        seq: usize,
-        batch: usize,
+        file: DataFile,
+        spec: RowSpec,
         shuffle: bool,
         seed: u64,
         cursor: Cursor,
     ) -> Result<Self> {
-        let rows = file.rows(seq);
-        if rows < batch {
-            return Err(Error::bad_input(
-                "data file",
-                file.path.display().to_string(),
-                format!(
-                    "{} tokens make {rows} rows of {} tokens, fewer than one batch of {batch}",
-                    file.len(),
+        let RowSpec { seq, batch, .. } = spec;
+        let (rows, packed) = match file {
+            DataFile::Tokens(f) => (Rows::Flat(f), None),
+            DataFile::Documents(d) => {
+                let (p, report) = Packed::new(d, seq, spec.packing, spec.overlong);
+                (Rows::Packed(p), Some(report))
+            }
+        };
+        let count = rows.count(seq);
+        if count < batch {
+            let what = match (&rows, packed) {
+                (Rows::Flat(f), _) => format!(
+                    "{} tokens make {count} rows of {} tokens, fewer than one batch of {batch}",
+                    f.len(),
                     seq + 1
                 ),
+                (_, Some(r)) => {
+                    format!("its documents fill {count} rows of {seq} tokens ({r}), fewer than one batch of {batch}")
+                }
+                (_, None) => format!("{count} rows, fewer than one batch of {batch}"),
+            };
+            return Err(Error::bad_input(
+                "data file",
+                rows.path().display().to_string(),
+                what,
                 Some("use more data, or a smaller --seq-len / --batch-size"),
             ));
         }
-        let order = epoch_order(rows, shuffle, seed, cursor.epoch);
+        let order = epoch_order(count, shuffle, seed, cursor.epoch);
         Ok(Loader {
-            file,
+            rows,
             seq,
             batch,
             shuffle,
             seed,
             order,
+            packed,
             cursor,
         })
     }
 
-    /// The next `batch` rows as flat (inputs, targets).
-    pub fn next_batch(&mut self) -> (Vec<u32>, Vec<u32>) {
-        let (mut x, mut y) = (
-            Vec::with_capacity(self.batch * self.seq),
-            Vec::with_capacity(self.batch * self.seq),
-        );
+    /// The next `batch` rows.
+    pub fn next_batch(&mut self) -> MicroBatch {
+        let n = self.batch * self.seq;
+        let (mut x, mut y) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut positions = Vec::with_capacity(n);
         for _ in 0..self.batch {
             if self.cursor.position as usize >= self.order.len() {
                 self.cursor = Cursor {
@@ -198,20 +388,37 @@ impl Loader {
                 self.order =
                     epoch_order(self.order.len(), self.shuffle, self.seed, self.cursor.epoch);
             }
-            let (a, b) = self
-                .file
-                .row(self.order[self.cursor.position as usize], self.seq);
-            x.extend(a);
-            y.extend(b);
+            let r = self.order[self.cursor.position as usize];
+            match &self.rows {
+                Rows::Flat(f) => {
+                    f.row(r, self.seq, &mut x, &mut y);
+                    positions.extend(flat_positions(1, self.seq));
+                }
+                Rows::Packed(p) => p.row(r, self.seq, &mut x, &mut y, &mut positions),
+            }
             self.cursor.position += 1;
         }
-        (x, y)
+        MicroBatch {
+            tokens: x.into(),
+            targets: y.into(),
+            positions: positions.into(),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::documents::Document;
     use super::*;
+
+    fn spec(seq: usize, batch: usize) -> RowSpec {
+        RowSpec {
+            seq,
+            batch,
+            packing: Packing::On,
+            overlong: Overlong::Truncate,
+        }
+    }
 
     fn file(tokens: &[u16]) -> (tempfile::TempDir, PathBuf) {
         let d = tempfile::tempdir().unwrap();
@@ -225,11 +432,12 @@ mod tests {
     fn rows_are_consecutive_and_targets_shifted() {
         let toks: Vec<u16> = (0..20).collect();
         let (_d, p) = file(&toks);
-        let f = TokenFile::open(&p, DataDtype::U16, 100).unwrap();
-        let mut l = Loader::new(f, 4, 2, false, 0, Cursor::default()).unwrap();
-        let (x, y) = l.next_batch();
-        assert_eq!(x, vec![0, 1, 2, 3, 5, 6, 7, 8]);
-        assert_eq!(y, vec![1, 2, 3, 4, 6, 7, 8, 9]);
+        let f = DataFile::open(&p, DataDtype::U16, 100).unwrap();
+        let mut l = Loader::new(f, spec(4, 2), false, 0, Cursor::default()).unwrap();
+        let mb = l.next_batch();
+        assert_eq!(&mb.tokens[..], &[0, 1, 2, 3, 5, 6, 7, 8]);
+        assert_eq!(&mb.targets[..], &[1, 2, 3, 4, 6, 7, 8, 9]);
+        assert_eq!(&mb.positions[..], &[0, 1, 2, 3, 0, 1, 2, 3]);
         let _ = l.next_batch(); // rows 2, 3
         assert_eq!(
             l.cursor,
@@ -238,8 +446,8 @@ mod tests {
                 position: 4
             }
         );
-        let (x, _) = l.next_batch(); // wraps to epoch 1
-        assert_eq!(&x[..4], &[0, 1, 2, 3]);
+        let mb = l.next_batch(); // wraps to epoch 1
+        assert_eq!(&mb.tokens[..4], &[0, 1, 2, 3]);
         assert_eq!(l.cursor.epoch, 1);
     }
 
@@ -266,10 +474,97 @@ mod tests {
             .to_string();
         assert!(e.contains("multiple of 2"), "{e}");
         let (_d2, p2) = file(&[1, 2, 3]);
-        let f = TokenFile::open(&p2, DataDtype::U16, 256).unwrap();
-        let e = Loader::new(f, 4, 1, false, 0, Cursor::default())
+        let f = DataFile::open(&p2, DataDtype::U16, 256).unwrap();
+        let e = Loader::new(f, spec(4, 1), false, 0, Cursor::default())
             .unwrap_err()
             .to_string();
         assert!(e.contains("fewer than one batch"), "{e}");
+    }
+
+    fn doc(tokens: &[u32], trained_from: usize) -> Document {
+        Document {
+            tokens: tokens.to_vec(),
+            mask: (0..tokens.len())
+                .map(|i| i >= trained_from.max(1))
+                .collect(),
+        }
+    }
+
+    fn loader(docs: &[Document], spec: RowSpec) -> (tempfile::TempDir, Result<Loader>) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("docs.bin");
+        std::fs::write(&p, super::super::documents::encode(docs, 2, 0)).unwrap();
+        let f = DataFile::open(&p, DataDtype::U32, 100).unwrap();
+        let l = Loader::new(f, spec, false, 0, Cursor::default());
+        (d, l)
+    }
+
+    #[test]
+    fn documents_pack_greedily_with_positions_restarting_and_masks() {
+        // Lengths 3, 4, 2, 6, 3 into rows of 8: [3 4] [2 6] [3]; the third document's prompt
+        // (token 0) is untrained, the last document is trained from its second target on.
+        let docs = [
+            doc(&[10, 11, 12], 0),
+            doc(&[20, 21, 22, 23], 0),
+            doc(&[30, 31], 0),
+            doc(&[40, 41, 42, 43, 44, 45], 3),
+            doc(&[50, 51, 52], 2),
+        ];
+        let (_d, l) = loader(&docs, spec(8, 1));
+        let mut l = l.unwrap();
+        let r = l.packed.unwrap();
+        assert_eq!((r.documents, r.rows, r.truncated, r.dropped), (5, 3, 0, 0));
+        assert_eq!((r.tokens, r.trained), (18, 2 + 3 + 1 + 3 + 1));
+        let x = IGNORE;
+        let mb = l.next_batch();
+        assert_eq!(&mb.tokens[..], &[10, 11, 12, 20, 21, 22, 23, 0]);
+        assert_eq!(&mb.targets[..], &[11, 12, x, 21, 22, 23, x, x]);
+        assert_eq!(&mb.positions[..], &[0, 1, 2, 0, 1, 2, 3, 0]);
+        let mb = l.next_batch();
+        assert_eq!(&mb.tokens[..], &[30, 31, 40, 41, 42, 43, 44, 45]);
+        assert_eq!(&mb.targets[..], &[31, x, x, x, 43, 44, 45, x]);
+        assert_eq!(&mb.positions[..], &[0, 1, 0, 1, 2, 3, 4, 5]);
+        let mb = l.next_batch();
+        assert_eq!(&mb.targets[..], &[x, 52, x, x, x, x, x, x]);
+        assert_eq!(&mb.positions[..], &[0, 1, 2, 0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn packing_off_truncation_and_drops_are_counted() {
+        let docs = [
+            doc(&[1, 2, 3], 0),
+            doc(&[4, 5, 6, 7, 8, 9], 0),
+            doc(&[1, 2, 3, 4, 5, 6], 5), // trained only past the row: dropped when cut
+            doc(&[7, 8], 0),
+        ];
+        let (_d, l) = loader(
+            &docs,
+            RowSpec {
+                packing: Packing::Off,
+                ..spec(4, 1)
+            },
+        );
+        let mut l = l.unwrap();
+        let r = l.packed.unwrap();
+        assert_eq!((r.rows, r.truncated, r.dropped), (3, 1, 1));
+        assert_eq!(&l.next_batch().tokens[..], &[1, 2, 3, 0]);
+        let mb = l.next_batch();
+        assert_eq!(&mb.tokens[..], &[4, 5, 6, 7]);
+        assert_eq!(&mb.targets[..], &[5, 6, 7, IGNORE]);
+        let (_d, l) = loader(
+            &docs,
+            RowSpec {
+                overlong: Overlong::Drop,
+                ..spec(4, 1)
+            },
+        );
+        let r = l.unwrap().packed.unwrap();
+        assert_eq!((r.rows, r.truncated, r.dropped), (2, 0, 2));
+        let (_d, l) = loader(&docs, spec(4, 5));
+        let e = l.unwrap_err().to_string();
+        assert!(
+            e.contains("fewer than one batch of 5") && e.contains("1 truncated"),
+            "{e}"
+        );
     }
 }

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod corpus;
 pub mod data;
+pub mod documents;
 pub mod outputs;
 pub mod plot;
 pub mod prepare;
@@ -67,8 +68,8 @@ pub struct Summary {
     pub metrics_failures: u64,
 }
 
-/// Validation loss (mean per token) over `batches` micro-batches of `loader`, with the current
-/// params resident on the host (the streamer must be idle).
+/// Validation loss (mean per trained token) over `batches` micro-batches of `loader`, with the
+/// current params resident on the host (the streamer must be idle).
 fn validate(
     streamer: &mut Streamer,
     tm: &Templates,
@@ -86,12 +87,13 @@ fn validate(
     let params: Vec<Vec<f32>> = guards.iter_mut().map(|g| g.params().to_vec()).collect();
     drop(guards);
     let refs: Vec<&[f32]> = params.iter().map(|p| &p[..]).collect();
-    let mut total = 0.0;
+    let (mut total, mut trained) = (0.0, 0usize);
     for _ in 0..batches.max(1) {
-        let (x, y) = loader.next_batch();
-        total += eval_loss(tm, &refs, &x, &y, b, t, ws)?;
+        let mb = loader.next_batch();
+        total += eval_loss(tm, &refs, &mb.tokens, &mb.targets, &mb.positions, b, t, ws)?;
+        trained += mb.trained_tokens();
     }
-    Ok(total / (batches.max(1) * b * t) as f64)
+    Ok(total / trained.max(1) as f64)
 }
 
 /// Why the loop stopped early.
@@ -143,13 +145,7 @@ fn train_loop(
     let (mut tokens, mut secs) = (0u64, 0.0f64);
     for step in s.start_step + 1..=s.cfg.steps {
         let batches: Vec<MicroBatch> = (0..s.cfg.grad_accum)
-            .map(|_| {
-                let (x, y) = s.loader.next_batch();
-                MicroBatch {
-                    tokens: x.into(),
-                    targets: y.into(),
-                }
-            })
+            .map(|_| s.loader.next_batch())
             .collect();
         let m = s
             .streamer

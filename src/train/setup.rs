@@ -4,7 +4,7 @@
 
 use super::checkpoint::{self, ConfigChange, TrainState};
 use super::config::{self, TrainConfig};
-use super::data::{Cursor, Loader, TokenFile};
+use super::data::{Cursor, DataFile, Loader, RowSpec};
 use super::outputs::{self, MetricsLog};
 use super::run_dir::{self, RunDir};
 use super::Progress;
@@ -51,8 +51,8 @@ struct Inputs {
     run_dir: Option<RunDir>,
     resumed: Option<(PathBuf, TrainState)>,
     model: ModelConfig,
-    train_file: TokenFile,
-    val_file: Option<TokenFile>,
+    train_file: DataFile,
+    val_file: Option<DataFile>,
     run_id: String,
 }
 
@@ -114,11 +114,28 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     let mut streamer = build_streamer(&cfg, device, store, tm.clone(), activations)?;
     streamer.resume_at(start_step, prev_norm);
     let (b, t) = (cfg.batch_size, cfg.seq_len);
-    let loader = Loader::new(inputs.train_file, t, b, cfg.shuffle, cfg.seed, cursor)?;
+    let rows = RowSpec {
+        seq: t,
+        batch: b,
+        packing: cfg.packing,
+        overlong: cfg.overlong,
+    };
+    let loader = Loader::new(inputs.train_file, rows, cfg.shuffle, cfg.seed, cursor)?;
     let val_loader = match inputs.val_file {
-        Some(f) => Some(Loader::new(f, t, b, false, cfg.seed, Cursor::default())?),
+        Some(f) => Some(Loader::new(f, rows, false, cfg.seed, Cursor::default())?),
         None => None,
     };
+    for (what, l) in [
+        ("training", Some(&loader)),
+        ("validation", val_loader.as_ref()),
+    ] {
+        if let Some(r) = l.and_then(|l| l.packed) {
+            progress.note(
+                &format!("{what} data: {r} (packing {:?}, rows of {t})", cfg.packing)
+                    .to_lowercase(),
+            );
+        }
+    }
     let metrics = match &cfg.metrics {
         Some(p) => {
             let (log, notes) = MetricsLog::open(p, resumed.map(|(_, st)| st.step))?;
@@ -174,9 +191,9 @@ fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
             None,
         ));
     }
-    let train_file = TokenFile::open(&data_path, cfg.data_dtype, model.vocab_size)?;
+    let train_file = DataFile::open(&data_path, cfg.data_dtype, model.vocab_size)?;
     let val_file = match &cfg.val_data {
-        Some(p) => Some(TokenFile::open(p, cfg.data_dtype, model.vocab_size)?),
+        Some(p) => Some(DataFile::open(p, cfg.data_dtype, model.vocab_size)?),
         None => None,
     };
     let run_id = resumed

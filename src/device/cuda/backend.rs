@@ -39,7 +39,6 @@ pub struct CudaBackend {
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
     head_dim: usize,
-    max_pos: usize,
     ids: CudaSlice<u32>,
     ids_bounce: Pinned,
     ids_copied: Option<CudaEvent>,
@@ -83,7 +82,6 @@ impl CudaBackend {
             cos,
             sin,
             head_dim: rope.head_dim,
-            max_pos: rope.max_pos,
             ids,
             ids_bounce,
             ids_copied: None,
@@ -250,29 +248,20 @@ impl Backend for CudaBackend {
     fn rope(
         &mut self,
         x: DevPtr,
+        pos: DevPtr,
         rows: usize,
-        t: usize,
         heads: usize,
         inverse: bool,
     ) -> Result<()> {
-        if t > self.max_pos {
-            return Err(Error::internal(
-                "CUDA backend",
-                format!(
-                    "RoPE of a sequence of {t} beyond the table's {}",
-                    self.max_pos
-                ),
-            ));
-        }
+        // Positions were checked on the host (`Templates::check_batch`: each < T ≤ the table).
         let (cos, sin) = self.tables();
-        let (n, ti, h, hd) = (
+        let (n, h, hd) = (
             i32_of(rows, "rows")?,
-            i32_of(t, "t")?,
             i32_of(heads, "heads")?,
             i32_of(self.head_dim, "head_dim")?,
         );
         let l = launch::elementwise(rows * heads * self.head_dim / 2, self.sms());
-        self.k().rope(F32, inverse, l, x, cos, sin, n, ti, h, hd)
+        self.k().rope(F32, inverse, l, x, cos, sin, pos, n, h, hd)
     }
 
     fn attention_fwd(
@@ -282,10 +271,11 @@ impl Backend for CudaBackend {
         q: DevPtr,
         kk: DevPtr,
         v: DevPtr,
+        pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
         let g = launch::attention(s, self.smem)?;
-        let a = AttnArgs::new(s, &g)?;
+        let a = AttnArgs::new(s, &g, pos)?;
         self.k().attention_fwd(F32, g.rows, o, lse, q, kk, v, a)
     }
 
@@ -301,10 +291,11 @@ impl Backend for CudaBackend {
         v: DevPtr,
         o: DevPtr,
         lse: DevPtr,
+        pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
         let g = launch::attention(s, self.smem)?;
-        let a = AttnArgs::new(s, &g)?;
+        let a = AttnArgs::new(s, &g, pos)?;
         self.k()
             .attention_bwd(F32, g.rows, dq, delta, d_o, o, q, kk, v, lse, a)?;
         self.k()

@@ -57,9 +57,11 @@ impl Arg {
     }
 }
 
-/// The scalar arguments the three attention kernels share.
+/// The arguments the three attention kernels share: the tokens' positions in their documents
+/// (`[B·T]` u32) and the scalars.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnArgs {
+    pos: DevPtr,
     t: i32,
     nh: i32,
     nkv: i32,
@@ -69,9 +71,10 @@ pub struct AttnArgs {
 }
 
 impl AttnArgs {
-    /// For `s` with geometry `g`: softmax scale 1/√hd.
-    pub fn new(s: AttnShape, g: &AttnLaunch) -> Result<Self> {
+    /// For `s` with geometry `g` and positions `pos`: softmax scale 1/√hd.
+    pub fn new(s: AttnShape, g: &AttnLaunch, pos: DevPtr) -> Result<Self> {
         Ok(AttnArgs {
+            pos,
             t: i32_of(s.t, "sequence length")?,
             nh: i32_of(s.nh, "heads")?,
             nkv: i32_of(s.nkv, "kv heads")?,
@@ -81,8 +84,9 @@ impl AttnArgs {
         })
     }
 
-    fn args(self) -> [Arg; 6] {
+    fn args(self) -> [Arg; 7] {
         [
+            Arg::Ptr(self.pos),
             Arg::I32(self.t),
             Arg::I32(self.nh),
             Arg::I32(self.nkv),
@@ -245,7 +249,7 @@ impl Launcher<'_> {
         )
     }
 
-    /// RoPE in place (`inverse`: the backward).
+    /// RoPE in place (`inverse`: the backward); row r at position `pos[r]` (u32).
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
@@ -255,8 +259,8 @@ impl Launcher<'_> {
         x: DevPtr,
         cos: DevPtr,
         sin: DevPtr,
+        pos: DevPtr,
         n: i32,
-        t: i32,
         h: i32,
         hd: i32,
     ) -> Result<()> {
@@ -264,7 +268,15 @@ impl Launcher<'_> {
         self.launch(
             &dt.symbol(stem),
             l,
-            &[Ptr(x), Ptr(cos), Ptr(sin), I32(n), I32(t), I32(h), I32(hd)],
+            &[
+                Ptr(x),
+                Ptr(cos),
+                Ptr(sin),
+                Ptr(pos),
+                I32(n),
+                I32(h),
+                I32(hd),
+            ],
         )
     }
 

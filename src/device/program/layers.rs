@@ -89,12 +89,15 @@ fn attn_shape(blk: &DecoderBlock, s: Shape) -> AttnShape {
     }
 }
 
-/// Forward internals of a block up to the MLP activation (as `DecoderBlock::internals`).
+/// Forward internals of a block up to the MLP activation (as `DecoderBlock::internals`); `pos`
+/// the tokens' positions in their documents.
+#[allow(clippy::too_many_arguments)]
 fn internals<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
     p: B::P,
     x: B::P,
+    pos: B::Ids,
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
@@ -105,9 +108,9 @@ fn internals<B: Backend>(
     linear_fwd(be, ws.q, ws.h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
     linear_fwd(be, ws.k, ws.h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
     linear_fwd(be, ws.v, ws.h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
-    be.rope(ws.q, n, s.t, blk.nh, false)?;
-    be.rope(ws.k, n, s.t, blk.nkv, false)?;
-    be.attention_fwd(ws.att, ws.lse, ws.q, ws.k, ws.v, attn_shape(blk, s))?;
+    be.rope(ws.q, pos, n, blk.nh, false)?;
+    be.rope(ws.k, pos, n, blk.nkv, false)?;
+    be.attention_fwd(ws.att, ws.lse, ws.q, ws.k, ws.v, pos, attn_shape(blk, s))?;
     linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?;
     be.add(ws.x2, x, n * c)?;
     be.rmsnorm_fwd(ws.h2, ws.rstd2, ws.x2, w(blk.ln2), n, c, blk.eps)?;
@@ -117,17 +120,19 @@ fn internals<B: Backend>(
 }
 
 /// `y = block(x)` with the unit's weights at `p`.
+#[allow(clippy::too_many_arguments)]
 pub fn block_fwd<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
     p: B::P,
     x: B::P,
     y: B::P,
+    pos: B::Ids,
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
     let (n, c, i) = (s.n(), blk.c, blk.inter);
-    internals(be, blk, p, x, ws, s)?;
+    internals(be, blk, p, x, pos, ws, s)?;
     linear_fwd(be, y, ws.act, B::off(p, blk.wd), None, n, i, c)?;
     be.add(y, ws.x2, n * c)
 }
@@ -142,12 +147,13 @@ pub fn block_bwd<B: Backend>(
     x: B::P,
     dy: B::P,
     dx: B::P,
+    pos: B::Ids,
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
-    internals(be, blk, p, x, ws, s)?;
+    internals(be, blk, p, x, pos, ws, s)?;
     mlp_bwd(be, blk, p, g, dy, ws, s.n())?;
-    attention_bwd(be, blk, p, g, x, dx, ws, s)
+    attention_bwd(be, blk, p, g, x, dx, pos, ws, s)
 }
 
 /// The MLP half of [`block_bwd`]: from dL/dy, the MLP's and second norm's gradients and
@@ -230,6 +236,7 @@ fn attention_bwd<B: Backend>(
     g: B::P,
     x: B::P,
     dx: B::P,
+    pos: B::Ids,
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
@@ -262,10 +269,11 @@ fn attention_bwd<B: Backend>(
         ws.v,
         ws.att,
         ws.lse,
+        pos,
         attn_shape(blk, s),
     )?;
-    be.rope(ws.dq, n, s.t, blk.nh, true)?;
-    be.rope(ws.dk, n, s.t, blk.nkv, true)?;
+    be.rope(ws.dq, pos, n, blk.nh, true)?;
+    be.rope(ws.dk, pos, n, blk.nkv, true)?;
     // dh1 = dq·Wq + dk·Wk + dv·Wv, with the weight and bias gradients.
     for (first, wo, bias, d, dout) in [
         (true, blk.wq, blk.bq, ws.dq, qd),

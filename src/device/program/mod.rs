@@ -94,17 +94,18 @@ pub trait Backend {
         rows: usize,
         c: usize,
     ) -> Result<()>;
-    /// RoPE in place on `rows` rows of `heads` heads (`inverse`: the backward); position = row
-    /// mod `t`.
+    /// RoPE in place on `rows` rows of `heads` heads (`inverse`: the backward); row r is at
+    /// position `pos[r]`.
     fn rope(
         &mut self,
         x: Self::P,
+        pos: Self::Ids,
         rows: usize,
-        t: usize,
         heads: usize,
         inverse: bool,
     ) -> Result<()>;
-    /// Causal GQA attention; `lse` [B, NH, T].
+    /// Causal GQA attention inside documents: query i attends to keys `i − pos[i] ..= i` of
+    /// its sequence (`pos` [B·T], each token's position in its document); `lse` [B, NH, T].
     fn attention_fwd(
         &mut self,
         o: Self::P,
@@ -112,6 +113,7 @@ pub trait Backend {
         q: Self::P,
         k: Self::P,
         v: Self::P,
+        pos: Self::Ids,
         s: AttnShape,
     ) -> Result<()>;
     /// Its backward: dq, dk, dv written; `delta` [B, NH, T] is scratch.
@@ -127,6 +129,7 @@ pub trait Backend {
         v: Self::P,
         o: Self::P,
         lse: Self::P,
+        pos: Self::Ids,
         s: AttnShape,
     ) -> Result<()>;
     /// `h = silu(g)·u`.
@@ -162,7 +165,7 @@ pub trait Backend {
         vocab: usize,
     ) -> Result<()>;
     /// Per-row loss `lse(z) − z[target]` into `losses`, and in place `z = scale·(softmax(z) −
-    /// onehot)`.
+    /// onehot)`; a row whose target is [`crate::model::ops::IGNORE`] gets loss 0 and `z = 0`.
     fn cross_entropy(
         &mut self,
         logits: Self::P,
@@ -371,13 +374,22 @@ pub fn run<B: Backend>(
             let ids = be.upload_ids(&batch.tokens)?;
             be.embed_bwd(de, ids, dx, n, c, v)
         }
-        Kernel::BlockFwd { layer, w, x, y } => {
+        Kernel::BlockFwd {
+            batch,
+            layer,
+            w,
+            x,
+            y,
+        } => {
             let blk = block(tm, *layer)?;
             let p = at.range(*w, 0, blk.numel, "weights")?;
             let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
-            block_fwd(be, blk, p, x, y, ws, s)
+            at.ids(&batch.positions, n, "positions")?;
+            let pos = be.upload_ids(&batch.positions)?;
+            block_fwd(be, blk, p, x, y, pos, ws, s)
         }
         Kernel::BlockBwd {
+            batch,
             layer,
             w,
             g,
@@ -393,7 +405,9 @@ pub fn run<B: Backend>(
                 at.range(*dy, 0, n * c, "dy")?,
                 at.range(*dx, 0, n * c, "dx")?,
             );
-            block_bwd(be, blk, p, gr, x, dy, dx, ws, s)
+            at.ids(&batch.positions, n, "positions")?;
+            let pos = be.upload_ids(&batch.positions)?;
+            block_bwd(be, blk, p, gr, x, dy, dx, pos, ws, s)
         }
         Kernel::HeadLossBwd {
             batch,

@@ -422,6 +422,7 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
         }
         let w = b.weights(1 + i, None);
         b.kernel(Kernel::BlockFwd {
+            batch: mb,
             layer: i,
             w,
             x: act(i),
@@ -461,6 +462,7 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
         let g = b.zeroed_grads();
         let (dy, dx) = (DevBuf::D(d), DevBuf::D(1 - d));
         b.kernel(Kernel::BlockBwd {
+            batch: mb,
             layer: i,
             w,
             g,

@@ -231,15 +231,24 @@ impl Rope {
         (&self.cos, &self.sin)
     }
 
-    /// Rotate `x` [B·T, heads·hd] in place (`inverse` = the backward, Rᵀ).
-    pub fn apply(&self, x: &mut [f32], t: usize, heads: usize, inverse: bool) {
+    /// Rotate `x` [B·T, heads·hd] in place, row r by the angle of position `positions[r]`
+    /// (`inverse` = the backward, Rᵀ).
+    pub fn apply(&self, x: &mut [f32], positions: &[u32], heads: usize, inverse: bool) {
         let hd = self.head_dim;
         let half = hd / 2;
-        assert!(t <= self.max_pos, "sequence longer than the RoPE table");
+        assert_eq!(
+            x.len(),
+            positions.len() * heads * hd,
+            "rope: one position per row"
+        );
+        assert!(
+            positions.iter().all(|&p| (p as usize) < self.max_pos),
+            "position beyond the RoPE table"
+        );
         x.par_chunks_mut(heads * hd)
-            .enumerate()
-            .for_each(|(row, xr)| {
-                let pos = row % t;
+            .zip(positions.par_iter())
+            .for_each(|(xr, &pos)| {
+                let pos = pos as usize;
                 let (c, s) = (
                     &self.cos[pos * half..(pos + 1) * half],
                     &self.sin[pos * half..(pos + 1) * half],
@@ -300,6 +309,29 @@ pub struct AttnShape {
 /// Query/key tile edge of the flash-style kernels.
 pub const ATTN_TILE: usize = 64;
 
+/// The target of a token that trains nothing (Hugging Face's label −100): its loss and gradient
+/// are zero and it does not count in the step's token count.
+pub const IGNORE: u32 = u32::MAX;
+
+/// Positions `[B·T]` of flat rows: token i of each sequence is at position i, so attention is
+/// plain causal attention over the whole row.
+pub fn flat_positions(b: usize, t: usize) -> Vec<u32> {
+    (0..b * t).map(|r| (r % t) as u32).collect()
+}
+
+/// Positions of documents of `lens` tokens laid end to end: 0, 1, … restarting at each document.
+pub fn document_positions(lens: &[usize]) -> Vec<u32> {
+    lens.iter().flat_map(|&l| 0..l as u32).collect()
+}
+
+/// The first key query `i` of sequence `bi` attends to: its document's first token. `pos`
+/// `[B·T]` holds each token's position in its document (0 at a document's first token), so
+/// documents packed into one row never attend to each other; with [`flat_positions`] it is 0.
+#[inline]
+fn first_key(pos: &[u32], bi: usize, t: usize, i: usize) -> usize {
+    i.saturating_sub(pos[bi * t + i] as usize)
+}
+
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
@@ -330,17 +362,22 @@ impl SendPtr {
     }
 }
 
-/// Causal GQA attention, tiled with an online softmax: no T×T matrix exists. q [B·T, NH·HD],
-/// k/v [B·T, NKV·HD], o [B·T, NH·HD]; `lse` [B, NH, T] receives the row log-sum-exp for the
-/// backward. Query head h reads kv head h / (NH/NKV).
+/// Causal GQA attention over documents, tiled with an online softmax: no T×T matrix exists.
+/// q [B·T, NH·HD], k/v [B·T, NKV·HD], o [B·T, NH·HD]; `pos` [B·T] each token's position in its
+/// document: query i attends to keys `i − pos[i] ..= i` (its own document's, up to itself).
+/// `lse` [B, NH, T] receives the row log-sum-exp for the backward. Query head h reads kv head
+/// h / (NH/NKV).
+#[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     o: &mut [f32],
     lse: &mut [f32],
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    pos: &[u32],
     s: AttnShape,
 ) {
+    assert_eq!(pos.len(), s.b * s.t, "attention: one position per token");
     let AttnShape { t, nh, nkv, hd, .. } = s;
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -357,16 +394,18 @@ pub fn attention_fwd(
             let mut mx = [f32::NEG_INFINITY; ATTN_TILE];
             let mut l = [0.0f32; ATTN_TILE];
             acc.fill(0.0);
-            for kt in 0..=qt {
+            // First keys never fall as i grows: the tile's first query has the lowest.
+            for kt in first_key(pos, bi, t, i0) / ATTN_TILE..=qt {
                 let (j0, j1) = (kt * ATTN_TILE, ((kt + 1) * ATTN_TILE).min(t));
                 for i in i0..i1 {
                     let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
+                    let jstart = j0.max(first_key(pos, bi, t, i));
                     let jend = j1.min(i + 1);
-                    if jend <= j0 {
+                    if jend <= jstart {
                         continue;
                     }
                     let mut m_new = mx[i - i0];
-                    for j in j0..jend {
+                    for j in jstart..jend {
                         let kj = &k[(bi * t + j) * kvs + kh * hd..][..hd];
                         sc[j - j0] = dot(qi, kj) * scale;
                         m_new = m_new.max(sc[j - j0]);
@@ -377,7 +416,7 @@ pub fn attention_fwd(
                         a.iter_mut().for_each(|x| *x *= corr);
                     }
                     let mut lsum = l[i - i0] * corr;
-                    for j in j0..jend {
+                    for j in jstart..jend {
                         let p = (sc[j - j0] - m_new).exp();
                         lsum += p;
                         let vj = &v[(bi * t + j) * kvs + kh * hd..][..hd];
@@ -417,9 +456,11 @@ pub fn attention_bwd(
     v: &[f32],
     o: &[f32],
     lse: &[f32],
+    pos: &[u32],
     s: AttnShape,
 ) {
     let AttnShape { b, t, nh, nkv, hd } = s;
+    assert_eq!(pos.len(), b * t, "attention: one position per token");
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (qs, kvs) = (nh * hd, nkv * hd);
@@ -447,7 +488,7 @@ pub fn attention_bwd(
                 let li = lse[(bi * nh + h) * t + i];
                 // SAFETY: dq row (bi, i) head h belongs to this task only.
                 let dqi = unsafe { std::slice::from_raw_parts_mut(dqp.at(r), hd) };
-                for j in 0..=i {
+                for j in first_key(pos, bi, t, i)..=i {
                     let c = (bi * t + j) * kvs + kh * hd;
                     let (kj, vj) = (&k[c..c + hd], &v[c..c + hd]);
                     let p = (dot(qi, kj) * scale - li).exp();
@@ -472,7 +513,7 @@ pub fn attention_bwd(
 }
 
 /// Reference attention with the full T×T score matrix (tests only compare against it).
-pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], s: AttnShape) {
+pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], pos: &[u32], s: AttnShape) {
     let AttnShape { b, t, nh, nkv, hd } = s;
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -482,7 +523,8 @@ pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], s: AttnSh
             let kh = h / group;
             for i in 0..t {
                 let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
-                let sc: Vec<f32> = (0..=i)
+                let j0 = first_key(pos, bi, t, i);
+                let sc: Vec<f32> = (j0..=i)
                     .map(|j| dot(qi, &k[(bi * t + j) * kvs + kh * hd..][..hd]) * scale)
                     .collect();
                 let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -490,7 +532,7 @@ pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], s: AttnSh
                 let z: f32 = e.iter().sum();
                 let orow = &mut o[(bi * t + i) * qs + h * hd..][..hd];
                 orow.fill(0.0);
-                for (j, p) in e.iter().enumerate() {
+                for (j, p) in (j0..=i).zip(&e) {
                     let vj = &v[(bi * t + j) * kvs + kh * hd..][..hd];
                     for (x, vv) in orow.iter_mut().zip(vj) {
                         *x += p / z * vv;
@@ -579,7 +621,8 @@ pub fn lm_head_ce(
 }
 
 /// Cross-entropy over a chunk of logits `[rows, vocab]`: per-row loss `lse(z) − z[target]` into
-/// `losses`, and in place `z = scale·(softmax(z) − onehot(target))`.
+/// `losses`, and in place `z = scale·(softmax(z) − onehot(target))`; a row whose target is
+/// [`IGNORE`] gets loss 0 and gradient 0.
 pub fn cross_entropy(
     logits: &mut [f32],
     losses: &mut [f32],
@@ -592,6 +635,11 @@ pub fn cross_entropy(
         .zip(losses.par_iter_mut())
         .zip(targets.par_iter())
         .for_each(|((row, loss), &tg)| {
+            if tg == IGNORE {
+                *loss = 0.0;
+                row.fill(0.0);
+                return;
+            }
             let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();
             let lse = mx + z.ln();
