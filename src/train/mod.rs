@@ -3,6 +3,7 @@
 //! Library code: it reports progress through [`Progress`] and never prints; the CLI decides how
 //! to show it.
 
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;

@@ -1,57 +1,273 @@
-//! `megatrain prepare`: tokenize text with a Hugging Face `tokenizer.json` (the `tokenizers`
-//! crate) into the flat token file `megatrain train --data` reads. Plain text is one document;
-//! JSON Lines give one document per line (`text_key`); documents are separated by the EOS token.
+//! `megatrain prepare`: tokenize a corpus with a Hugging Face tokenizer (the `tokenizers` crate)
+//! into what `megatrain train --data` reads.
+//!
+//! - `text`: plain text is one document, JSON Lines one per line (`text_key`); documents are
+//!   followed by the EOS token and written as one flat token stream, every token trained.
+//! - `prompt-completion`: JSON Lines `{"prompt": …, "completion": …}` → `ids(prompt) +
+//!   ids(completion) + [eos]`, the loss on the completion and the EOS only.
+//! - `chat`: JSON Lines `{"messages": [{"role": …, "content": …}, …]}` rendered with the model's
+//!   own chat template ([`super::chat`]), the loss on the assistant messages' tokens.
+//!
+//! The last two write a document file ([`super::documents`]): tokens, loss mask and document
+//! boundaries, packed into rows by the trainer.
 
+use super::chat::{check_messages, load_template, ChatError, ChatTemplate};
 use super::config::DataDtype;
+use super::documents::{self, Document};
 use crate::{Error, Result};
+use serde_json::Value as Json;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// The input's format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Format {
+    /// Plain text or JSON Lines of text, every token trained (a flat token file).
+    #[default]
+    Text,
+    /// JSON Lines of `{"prompt", "completion"}`, trained on the completion.
+    PromptCompletion,
+    /// JSON Lines of `{"messages": […]}`, trained on the assistant's messages.
+    Chat,
+}
+
+/// Which tokens of a prompt-completion or chat sample train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TrainOn {
+    /// The completion (and EOS), or the assistant messages.
+    #[default]
+    Response,
+    /// Every token.
+    All,
+}
 
 /// What to prepare.
 #[derive(Debug, Clone)]
 pub struct PrepareArgs {
-    /// `tokenizer.json`.
+    /// `tokenizer.json`, or a model directory holding it (with `tokenizer_config.json`).
     pub tokenizer: PathBuf,
     /// Input `.txt` or `.jsonl`.
     pub input: PathBuf,
-    /// Output token file.
+    /// Output file.
     pub out: PathBuf,
     /// Element type (default: u16 when the vocabulary fits, else u32).
     pub dtype: Option<DataDtype>,
-    /// JSON Lines field holding the text.
+    /// Input format.
+    pub format: Format,
+    /// JSON Lines field holding the text (`text` format).
     pub text_key: String,
-    /// EOS token (default: the first of `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>` the
-    /// tokenizer knows); documents are followed by it.
+    /// EOS token (default: the tokenizer config's `eos_token`, else the first of
+    /// `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>` the tokenizer knows).
     pub eos: Option<String>,
+    /// Which tokens train (prompt-completion and chat).
+    pub train_on: TrainOn,
+    /// A Jinja chat template file overriding the model's.
+    pub chat_template: Option<PathBuf>,
 }
 
 /// What was written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrepareReport {
-    /// Documents tokenized.
+    /// Documents written.
     pub documents: usize,
     /// Tokens written.
     pub tokens: usize,
+    /// Trained targets (prompt-completion and chat; every token but the first for text).
+    pub trained: usize,
+    /// Samples skipped, by reason, with their count.
+    pub skipped: BTreeMap<&'static str, usize>,
     /// Element type used.
     pub dtype: DataDtype,
     /// Tokenizer vocabulary (with added tokens).
     pub vocab: usize,
-    /// EOS id appended after each document, if any.
+    /// EOS id, if any.
     pub eos_id: Option<u32>,
+}
+
+/// A tokenizer with its `tokenizer_config.json` (special tokens, chat template), if any.
+struct Tok {
+    tk: tokenizers::Tokenizer,
+    dir: PathBuf,
+    config: Option<Json>,
+}
+
+impl Tok {
+    fn load(path: &Path) -> Result<Self> {
+        let (file, dir) = if path.is_dir() {
+            (path.join("tokenizer.json"), path.to_owned())
+        } else {
+            let dir = path
+                .parent()
+                .map_or_else(|| PathBuf::from("."), Path::to_owned);
+            (path.to_owned(), dir)
+        };
+        let tk = tokenizers::Tokenizer::from_file(&file).map_err(|e| {
+            Error::bad_input(
+                "tokenizer",
+                file.display().to_string(),
+                format!("cannot load: {e}"),
+                Some("pass a Hugging Face tokenizer.json, or the model directory holding it"),
+            )
+        })?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let config = match cfg_path.is_file() {
+            true => {
+                let text = std::fs::read_to_string(&cfg_path)
+                    .map_err(|e| Error::io("read tokenizer config", &cfg_path, e))?;
+                Some(serde_json::from_str(&text).map_err(|e| {
+                    Error::bad_input(
+                        "tokenizer config",
+                        cfg_path.display().to_string(),
+                        format!("not JSON: {e}"),
+                        None,
+                    )
+                })?)
+            }
+            false => None,
+        };
+        Ok(Tok { tk, dir, config })
+    }
+
+    /// The config's special tokens by name (`bos_token`, …): a string or `{"content": …}`.
+    fn specials(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+            let v = self.config.as_ref().and_then(|c| c.get(key));
+            let s = v
+                .and_then(Json::as_str)
+                .or_else(|| v.and_then(|v| v.get("content")).and_then(Json::as_str));
+            if let Some(s) = s {
+                out.insert(key.to_owned(), s.to_owned());
+            }
+        }
+        out
+    }
+
+    fn id(&self, token: &str, flag: &str) -> Result<u32> {
+        self.tk.token_to_id(token).ok_or_else(|| {
+            Error::bad_input(
+                "token",
+                token,
+                format!("is not a token of this tokenizer ({flag})"),
+                None,
+            )
+        })
+    }
+
+    fn encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding> {
+        self.tk
+            .encode(text, special)
+            .map_err(|e| Error::system("tokenizers", "encode", e))
+    }
 }
 
 /// Tokenize `args.input` into `args.out`.
 pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
-    let tk = tokenizers::Tokenizer::from_file(&args.tokenizer).map_err(|e| {
-        Error::bad_input(
-            "tokenizer",
-            args.tokenizer.display().to_string(),
-            format!("cannot load: {e}"),
-            Some("pass a Hugging Face tokenizer.json"),
-        )
-    })?;
-    let vocab = tk.get_vocab_size(true);
-    // The dtype must hold the largest id the tokenizer can emit, which can exceed its vocabulary
-    // count (ids need not be contiguous).
+    let tok = Tok::load(&args.tokenizer)?;
+    let vocab = tok.tk.get_vocab_size(true);
+    let dtype = choose_dtype(&tok.tk, args.dtype)?;
+    let specials = tok.specials();
+    let eos_id = match (&args.eos, specials.get("eos_token")) {
+        (Some(t), _) => Some(tok.id(t, "--eos")?),
+        (None, Some(t)) => Some(tok.id(t, "tokenizer_config.json eos_token")?),
+        (None, None) => ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
+            .iter()
+            .find_map(|t| tok.tk.token_to_id(t)),
+    };
+    let text = std::fs::read_to_string(&args.input)
+        .map_err(|e| Error::io("read input", &args.input, e))?;
+    let mut report = PrepareReport {
+        documents: 0,
+        tokens: 0,
+        trained: 0,
+        skipped: BTreeMap::new(),
+        dtype,
+        vocab,
+        eos_id,
+    };
+    let is_jsonl = args.input.extension().and_then(|e| e.to_str()) == Some("jsonl");
+    if args.format == Format::Text {
+        let ids = prepare_text(&tok, args, &text, is_jsonl, eos_id, &mut report)?;
+        write_out(&args.out, &flat_bytes(&ids, dtype)?)?;
+        return Ok(report);
+    }
+    if !is_jsonl {
+        return Err(Error::bad_input(
+            "input",
+            args.input.display().to_string(),
+            format!(
+                "--format {} reads JSON Lines (.jsonl)",
+                format_name(args.format)
+            ),
+            None,
+        ));
+    }
+    let make = Samples::new(&tok, args, &specials, eos_id)?;
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", args.input.display(), i + 1);
+        let v: Json = serde_json::from_str(line)
+            .map_err(|e| Error::bad_input("input", at(), format!("not JSON: {e}"), None))?;
+        let doc = make.document(&v).map_err(|e| match e {
+            SampleError::Bad(why) => Error::bad_input("input", at(), why, None),
+            SampleError::Other(e) => e,
+        })?;
+        match doc {
+            Sample::Train(d) => {
+                report.documents += 1;
+                report.tokens += d.tokens.len();
+                report.trained += d.trained();
+                docs.push(d);
+            }
+            Sample::Skip(reason) => *report.skipped.entry(reason).or_default() += 1,
+        }
+    }
+    if docs.is_empty() {
+        return Err(Error::bad_input(
+            "input",
+            args.input.display().to_string(),
+            format!("no sample to train on ({})", skipped_text(&report.skipped)),
+            None,
+        ));
+    }
+    let pad_id = match specials.get("pad_token") {
+        Some(p) => tok.id(p, "tokenizer_config.json pad_token")?,
+        None => eos_id.unwrap_or(0),
+    };
+    let width = match dtype {
+        DataDtype::U16 => 2,
+        DataDtype::U32 => 4,
+    };
+    write_out(&args.out, &documents::encode(&docs, width, pad_id))?;
+    Ok(report)
+}
+
+/// "3 empty completion, 1 no trained token", or "none skipped".
+pub fn skipped_text(skipped: &BTreeMap<&'static str, usize>) -> String {
+    if skipped.is_empty() {
+        return "none skipped".into();
+    }
+    let parts: Vec<String> = skipped
+        .iter()
+        .map(|(why, n)| format!("{n} skipped: {why}"))
+        .collect();
+    parts.join(", ")
+}
+
+fn format_name(f: Format) -> &'static str {
+    match f {
+        Format::Text => "text",
+        Format::PromptCompletion => "prompt-completion",
+        Format::Chat => "chat",
+    }
+}
+
+/// The narrowest element type holding every id the tokenizer can emit (which can exceed its
+/// vocabulary count: ids need not be contiguous).
+fn choose_dtype(tk: &tokenizers::Tokenizer, asked: Option<DataDtype>) -> Result<DataDtype> {
     let max_id = tk
         .get_vocab(true)
         .values()
@@ -60,35 +276,34 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         .max()
         .unwrap_or(0);
     let fits_u16 = max_id <= u32::from(u16::MAX);
-    let dtype = match args.dtype {
-        Some(DataDtype::U16) if !fits_u16 => {
-            return Err(Error::bad_input(
-                "--dtype",
-                "u16",
-                format!("the tokenizer emits ids up to {max_id}, more than u16 holds (65535)"),
-                Some("use --dtype u32, or leave --dtype unset"),
-            ))
-        }
-        Some(d) => d,
-        None if fits_u16 => DataDtype::U16,
-        None => DataDtype::U32,
-    };
-    let eos_id = match &args.eos {
-        Some(t) => Some(tk.token_to_id(t).ok_or_else(|| {
-            Error::bad_input("--eos", t, "is not a token of this tokenizer", None)
-        })?),
-        None => ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
-            .iter()
-            .find_map(|t| tk.token_to_id(t)),
-    };
-    let text = std::fs::read_to_string(&args.input)
-        .map_err(|e| Error::io("read input", &args.input, e))?;
-    let docs: Vec<String> = if args.input.extension().and_then(|e| e.to_str()) == Some("jsonl") {
+    match asked {
+        Some(DataDtype::U16) if !fits_u16 => Err(Error::bad_input(
+            "--dtype",
+            "u16",
+            format!("the tokenizer emits ids up to {max_id}, more than u16 holds (65535)"),
+            Some("use --dtype u32, or leave --dtype unset"),
+        )),
+        Some(d) => Ok(d),
+        None if fits_u16 => Ok(DataDtype::U16),
+        None => Ok(DataDtype::U32),
+    }
+}
+
+/// `text` format: the documents' ids, each followed by EOS.
+fn prepare_text(
+    tok: &Tok,
+    args: &PrepareArgs,
+    text: &str,
+    is_jsonl: bool,
+    eos_id: Option<u32>,
+    report: &mut PrepareReport,
+) -> Result<Vec<u32>> {
+    let docs: Vec<String> = if is_jsonl {
         text.lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
             .map(|(i, l)| {
-                let v: serde_json::Value = serde_json::from_str(l).map_err(|e| {
+                let v: Json = serde_json::from_str(l).map_err(|e| {
                     Error::bad_input(
                         "input",
                         format!("{}:{}", args.input.display(), i + 1),
@@ -110,20 +325,178 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
             })
             .collect::<Result<_>>()?
     } else {
-        vec![text]
+        vec![text.to_owned()]
     };
     let mut ids: Vec<u32> = Vec::new();
     for d in &docs {
-        let enc = tk
-            .encode(d.as_str(), false)
-            .map_err(|e| Error::system("tokenizers", "encode", e))?;
-        ids.extend_from_slice(enc.get_ids());
+        ids.extend_from_slice(tok.encode(d, false)?.get_ids());
         ids.extend(eos_id);
     }
-    let bytes: Vec<u8> = match dtype {
+    report.documents = docs.len();
+    report.tokens = ids.len();
+    report.trained = ids.len().saturating_sub(1);
+    Ok(ids)
+}
+
+/// Why one sample failed: bad input (named with its line by the caller) or anything else.
+enum SampleError {
+    Bad(String),
+    Other(Error),
+}
+
+impl From<ChatError> for SampleError {
+    fn from(e: ChatError) -> Self {
+        SampleError::Bad(e.to_string())
+    }
+}
+
+impl From<Error> for SampleError {
+    fn from(e: Error) -> Self {
+        SampleError::Other(e)
+    }
+}
+
+/// One sample's outcome: a document to train on, or skipped (and counted) for a reason.
+enum Sample {
+    Train(Document),
+    Skip(&'static str),
+}
+
+/// Turns JSON samples of one format into documents.
+struct Samples<'a> {
+    tok: &'a Tok,
+    format: Format,
+    train_on: TrainOn,
+    eos_id: Option<u32>,
+    template: Option<ChatTemplate>,
+}
+
+impl<'a> Samples<'a> {
+    fn new(
+        tok: &'a Tok,
+        args: &PrepareArgs,
+        specials: &BTreeMap<String, String>,
+        eos_id: Option<u32>,
+    ) -> Result<Self> {
+        let template = match args.format {
+            Format::Chat => {
+                let source = match &args.chat_template {
+                    Some(p) => std::fs::read_to_string(p)
+                        .map_err(|e| Error::io("read chat template", p, e))?,
+                    None => load_template(&tok.dir, tok.config.as_ref())?.ok_or_else(|| {
+                        Error::bad_input(
+                            "tokenizer",
+                            tok.dir.display().to_string(),
+                            "has no chat template (no chat_template.jinja, no `chat_template` in tokenizer_config.json)",
+                            Some("pass --chat-template FILE, or the model directory that has one"),
+                        )
+                    })?,
+                };
+                let shown = args
+                    .chat_template
+                    .clone()
+                    .unwrap_or_else(|| tok.dir.join("tokenizer_config.json"));
+                Some(ChatTemplate::new(&source, specials.clone()).map_err(|e| {
+                    Error::bad_input(
+                        "chat template",
+                        shown.display().to_string(),
+                        e.to_string(),
+                        None,
+                    )
+                })?)
+            }
+            _ => None,
+        };
+        if args.format == Format::PromptCompletion && eos_id.is_none() {
+            return Err(Error::bad_input(
+                "tokenizer",
+                tok.dir.display().to_string(),
+                "has no EOS token to end completions with",
+                Some("pass --eos TOKEN"),
+            ));
+        }
+        Ok(Samples {
+            tok,
+            format: args.format,
+            train_on: args.train_on,
+            eos_id,
+            template,
+        })
+    }
+
+    /// One sample as a document, or the reason it is skipped.
+    fn document(&self, v: &Json) -> Result<Sample, SampleError> {
+        let mut doc = match (self.format, &self.template) {
+            (Format::Chat, Some(t)) => self.chat(v, t)?,
+            _ => match self.prompt_completion(v)? {
+                Some(d) => d,
+                None => return Ok(Sample::Skip("empty completion")),
+            },
+        };
+        if let Some(first) = doc.mask.first_mut() {
+            *first = false; // nothing predicts a document's first token
+        }
+        if doc.tokens.len() < 2 {
+            return Ok(Sample::Skip("fewer than two tokens"));
+        }
+        if doc.trained() == 0 {
+            return Ok(Sample::Skip("no trained token"));
+        }
+        Ok(Sample::Train(doc))
+    }
+
+    fn field<'v>(v: &'v Json, key: &str) -> Result<&'v Json, SampleError> {
+        v.get(key)
+            .ok_or_else(|| SampleError::Bad(format!("has no `{key}` field")))
+    }
+
+    fn prompt_completion(&self, v: &Json) -> Result<Option<Document>, SampleError> {
+        let text = |key| {
+            Self::field(v, key)?
+                .as_str()
+                .ok_or_else(|| SampleError::Bad(format!("`{key}` is not a string")))
+        };
+        let (prompt, completion) = (text("prompt")?, text("completion")?);
+        if completion.is_empty() {
+            return Ok(None);
+        }
+        let p = self.tok.encode(prompt, true)?;
+        let c = self.tok.encode(completion, false)?;
+        let (p, c) = (p.get_ids(), c.get_ids());
+        let mut tokens = Vec::with_capacity(p.len() + c.len() + 1);
+        tokens.extend_from_slice(p);
+        tokens.extend_from_slice(c);
+        tokens.extend(self.eos_id);
+        let all = self.train_on == TrainOn::All;
+        let mask = (0..tokens.len()).map(|i| all || i >= p.len()).collect();
+        Ok(Some(Document { tokens, mask }))
+    }
+
+    fn chat(&self, v: &Json, t: &ChatTemplate) -> Result<Document, SampleError> {
+        let messages = check_messages(Self::field(v, "messages")?)?;
+        let r = t.render(messages)?;
+        // The template writes the special tokens (BOS, end of turn) itself, as transformers'
+        // apply_chat_template tokenizes without adding any.
+        let enc = self.tok.encode(&r.text, false)?;
+        let all = self.train_on == TrainOn::All;
+        let mask = enc
+            .get_offsets()
+            .iter()
+            .map(|&(a, b)| all || r.trained.iter().any(|s| a < s.end && b > s.start))
+            .collect();
+        Ok(Document {
+            tokens: enc.get_ids().to_vec(),
+            mask,
+        })
+    }
+}
+
+/// Ids as little-endian `dtype` bytes.
+fn flat_bytes(ids: &[u32], dtype: DataDtype) -> Result<Vec<u8>> {
+    match dtype {
         DataDtype::U16 => {
             let mut out = Vec::with_capacity(ids.len() * 2);
-            for &i in &ids {
+            for &i in ids {
                 let narrow = u16::try_from(i).map_err(|_| {
                     Error::bad_input(
                         "--dtype",
@@ -134,18 +507,10 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
                 })?;
                 out.extend_from_slice(&narrow.to_le_bytes());
             }
-            out
+            Ok(out)
         }
-        DataDtype::U32 => ids.iter().flat_map(|&i| i.to_le_bytes()).collect(),
-    };
-    write_out(&args.out, &bytes)?;
-    Ok(PrepareReport {
-        documents: docs.len(),
-        tokens: ids.len(),
-        dtype,
-        vocab,
-        eos_id,
-    })
+        DataDtype::U32 => Ok(ids.iter().flat_map(|&i| i.to_le_bytes()).collect()),
+    }
 }
 
 fn write_out(out: &Path, bytes: &[u8]) -> Result<()> {
@@ -183,8 +548,11 @@ mod tests {
             input,
             out: out.clone(),
             dtype: None,
+            format: Format::Text,
             text_key: "text".into(),
             eos: None,
+            train_on: TrainOn::Response,
+            chat_template: None,
         };
         let r = prepare(&a).unwrap();
         assert_eq!(

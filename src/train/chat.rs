@@ -1,0 +1,419 @@
+//! Chat templates: a Hugging Face tokenizer's Jinja `chat_template`, rendered with minijinja the
+//! way transformers' `apply_chat_template` renders it (`trim_blocks`, `lstrip_blocks`, loop
+//! controls, Python string methods, `raise_exception`, `strftime_now`, the special tokens as
+//! variables), and the part of the rendered text each assistant message trains on:
+//!
+//! - with `{% generation %}…{% endgeneration %}` blocks (transformers'
+//!   `return_assistant_tokens_mask`): exactly the text rendered inside them;
+//! - otherwise by rendering prefixes: assistant message k trains on the text that rendering the
+//!   first k+1 messages adds after rendering the first k with the generation prompt (its content
+//!   through its end-of-turn token).
+//!
+//! Spans are byte ranges of the rendered text; [`super::prepare`] maps them to tokens.
+
+use crate::{Error, Result};
+use serde_json::Value as Json;
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// Marks the start of a generation block in the rendered text (a private-use character).
+const GEN_START: char = '\u{E000}';
+/// Marks its end.
+const GEN_END: char = '\u{E001}';
+
+/// A compiled chat template.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    has_generation: bool,
+    specials: BTreeMap<String, String>,
+}
+
+/// A conversation rendered: its text and the byte ranges of it that train.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    /// The text, as the template renders it.
+    pub text: String,
+    /// Byte ranges of `text` the loss covers, in order, disjoint.
+    pub trained: Vec<Range<usize>>,
+}
+
+/// Why a conversation could not be rendered: the template's own error (with its line), or a
+/// message the template cannot take.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// minijinja's error, with the template line when it knows it.
+    #[error("the chat template failed{}: {message}", line.map_or(String::new(), |l| format!(" at line {l}")))]
+    Template {
+        /// Template line.
+        line: Option<usize>,
+        /// minijinja's message (with `raise_exception`'s text).
+        message: String,
+    },
+    /// A problem with the conversation itself.
+    #[error("{0}")]
+    Conversation(String),
+}
+
+impl From<minijinja::Error> for ChatError {
+    fn from(e: minijinja::Error) -> Self {
+        let message = match e.detail() {
+            Some(d) => format!("{}: {d}", e.kind()),
+            None => e.kind().to_string(),
+        };
+        ChatError::Template {
+            line: e.line(),
+            message,
+        }
+    }
+}
+
+impl ChatTemplate {
+    /// Compile `source`; `specials` are the tokenizer's special tokens by name (`bos_token`,
+    /// `eos_token`, …), visible to the template as variables.
+    pub fn new(source: &str, specials: BTreeMap<String, String>) -> Result<Self, ChatError> {
+        let (source, has_generation) = rewrite_generation_blocks(source);
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat_template", source)?;
+        Ok(ChatTemplate {
+            env,
+            has_generation,
+            specials,
+        })
+    }
+
+    /// Whether the template marks the assistant's text with generation blocks.
+    pub fn has_generation_blocks(&self) -> bool {
+        self.has_generation
+    }
+
+    /// The template's output for `messages`, generation markers left in.
+    fn render_marked(
+        &self,
+        messages: &[Json],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
+        let mut ctx: BTreeMap<String, minijinja::Value> = self
+            .specials
+            .iter()
+            .map(|(k, v)| (k.clone(), minijinja::Value::from(v.as_str())))
+            .collect();
+        ctx.insert(
+            "messages".into(),
+            minijinja::Value::from_serialize(messages),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            minijinja::Value::from(add_generation_prompt),
+        );
+        let tmpl = self.env.get_template("chat_template")?;
+        Ok(tmpl.render(ctx)?)
+    }
+
+    /// Render `messages` (HF chat format: objects with `role` and `content`) and find the text
+    /// the assistant messages train on.
+    pub fn render(&self, messages: &[Json]) -> Result<Rendered, ChatError> {
+        let text = self.render_marked(messages, false)?;
+        if self.has_generation {
+            return Ok(strip_markers(&text));
+        }
+        let mut trained = Vec::new();
+        for (k, m) in messages.iter().enumerate() {
+            if m.get("role").and_then(Json::as_str) != Some("assistant") {
+                continue;
+            }
+            let before = self.render_marked(&messages[..k], true)?;
+            let through = self.render_marked(&messages[..=k], false)?;
+            if !through.starts_with(&before) || !text.starts_with(&through) {
+                return Err(ChatError::Conversation(format!(
+                    "the chat template renders message {k} (assistant) differently once later messages follow, so its text cannot be found by rendering prefixes; use a template with {{% generation %}} blocks, or --train-on all"
+                )));
+            }
+            if through.len() > before.len() {
+                trained.push(before.len()..through.len());
+            }
+        }
+        Ok(Rendered { text, trained })
+    }
+}
+
+/// Turn `{% generation %}` / `{% endgeneration %}` (transformers' extension tags, which minijinja
+/// does not know) into expressions printing [`GEN_START`] / [`GEN_END`], applying the
+/// `trim_blocks`/`lstrip_blocks` whitespace rules the block tags had. Returns the new source and
+/// whether any tag was found.
+fn rewrite_generation_blocks(source: &str) -> (String, bool) {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    let mut found = false;
+    while let Some(at) = rest.find("{%") {
+        let Some((tag_len, name, left, right)) = generation_tag(&rest[at..]) else {
+            out.push_str(&rest[..at + 2]);
+            rest = &rest[at + 2..];
+            continue;
+        };
+        found = true;
+        let mut before = &rest[..at];
+        if left.is_none() {
+            // lstrip_blocks: whitespace between the line start and the tag goes.
+            let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+            if before[line_start..].chars().all(|c| c == ' ' || c == '\t') {
+                before = &before[..line_start];
+            }
+        }
+        out.push_str(before);
+        let marker = if name == "generation" {
+            GEN_START
+        } else {
+            GEN_END
+        };
+        let l = left
+            .map_or(String::new(), |c| c.to_string())
+            .replace('+', "");
+        let r = right
+            .map_or(String::new(), |c| c.to_string())
+            .replace('+', "");
+        out.push_str(&format!("{{{{{l} \"{marker}\" {r}}}}}"));
+        rest = &rest[at + tag_len..];
+        if right.is_none() {
+            // trim_blocks: the newline right after the tag goes.
+            rest = rest
+                .strip_prefix("\r\n")
+                .or_else(|| rest.strip_prefix('\n'))
+                .unwrap_or(rest);
+        }
+    }
+    out.push_str(rest);
+    (out, found)
+}
+
+/// If `s` starts with a `{% generation %}` or `{% endgeneration %}` tag: its length, its name and
+/// its whitespace-control characters (left, right).
+fn generation_tag(s: &str) -> Option<(usize, &'static str, Option<char>, Option<char>)> {
+    let end = s.find("%}")?;
+    let inner = &s[2..end];
+    let (left, inner) = match inner.chars().next() {
+        Some(c @ ('-' | '+')) => (Some(c), &inner[1..]),
+        _ => (None, inner),
+    };
+    let (right, inner) = match inner.chars().last() {
+        Some(c @ ('-' | '+')) => (Some(c), &inner[..inner.len() - 1]),
+        _ => (None, inner),
+    };
+    let name = match inner.trim() {
+        "generation" => "generation",
+        "endgeneration" => "endgeneration",
+        _ => return None,
+    };
+    Some((end + 2, name, left, right))
+}
+
+/// Remove the generation markers from rendered text; the text between each pair trains.
+fn strip_markers(marked: &str) -> Rendered {
+    let mut text = String::with_capacity(marked.len());
+    let mut trained: Vec<Range<usize>> = Vec::new();
+    let mut open: Option<usize> = None;
+    for c in marked.chars() {
+        match c {
+            GEN_START => open = open.or(Some(text.len())),
+            GEN_END => {
+                if let Some(s) = open.take() {
+                    if text.len() > s {
+                        trained.push(s..text.len());
+                    }
+                }
+            }
+            _ => text.push(c),
+        }
+    }
+    if let Some(s) = open.filter(|&s| text.len() > s) {
+        trained.push(s..text.len());
+    }
+    Rendered { text, trained }
+}
+
+/// `raise_exception(message)`: the template refuses the conversation.
+fn raise_exception(message: String) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    Err(minijinja::Error::new(
+        minijinja::ErrorKind::InvalidOperation,
+        message,
+    ))
+}
+
+/// `strftime_now(format)`: the local time formatted by the C library's `strftime`, as Python's
+/// `datetime.now().strftime` (which calls it) does.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    let bad =
+        |why: &str| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, why.to_owned());
+    let fmt = std::ffi::CString::new(format).map_err(|_| bad("strftime_now: NUL in the format"))?;
+    let mut buf = vec![0u8; 512];
+    // SAFETY: `time(NULL)` only returns the clock; `localtime_r` writes into our `tm`;
+    // `strftime` writes at most `buf.len()` bytes into `buf` and returns how many (0 when the
+    // result does not fit), from a NUL-terminated format.
+    let n = unsafe {
+        let now = libc::time(std::ptr::null_mut());
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&now, &mut tm).is_null() {
+            return Err(bad("strftime_now: no local time"));
+        }
+        libc::strftime(buf.as_mut_ptr().cast(), buf.len(), fmt.as_ptr(), &tm)
+    };
+    buf.truncate(n);
+    String::from_utf8(buf).map_err(|_| bad("strftime_now: not UTF-8"))
+}
+
+/// Check one conversation's shape: a list of objects with a known `role` (system, user,
+/// assistant, tool) and string `content`, none holding the generation markers.
+pub fn check_messages(messages: &Json) -> Result<&[Json], ChatError> {
+    let list = messages
+        .as_array()
+        .ok_or_else(|| ChatError::Conversation("`messages` is not a list".into()))?;
+    for (i, m) in list.iter().enumerate() {
+        let role = m
+            .get("role")
+            .ok_or_else(|| ChatError::Conversation(format!("message {i} has no `role`")))?;
+        match role.as_str() {
+            Some("system" | "user" | "assistant" | "tool") => {}
+            _ => {
+                return Err(ChatError::Conversation(format!(
+                    "message {i} has role {role}; known roles are system, user, assistant and tool"
+                )))
+            }
+        }
+        let content = m.get("content").and_then(Json::as_str).ok_or_else(|| {
+            ChatError::Conversation(format!("message {i} has no string `content`"))
+        })?;
+        if content.contains([GEN_START, GEN_END]) {
+            return Err(ChatError::Conversation(format!(
+                "message {i} contains U+E000/U+E001, which megatrain reserves to mark generation blocks"
+            )));
+        }
+    }
+    Ok(list)
+}
+
+/// Read a model's chat template: `chat_template.jinja` in `dir`, else `tokenizer_config.json`'s
+/// `chat_template` (a string, or a list of named templates: the one named `default`).
+pub fn load_template(dir: &std::path::Path, config: Option<&Json>) -> Result<Option<String>> {
+    let file = dir.join("chat_template.jinja");
+    if file.is_file() {
+        return std::fs::read_to_string(&file)
+            .map(Some)
+            .map_err(|e| Error::io("read chat template", &file, e));
+    }
+    let Some(t) = config.and_then(|c| c.get("chat_template")) else {
+        return Ok(None);
+    };
+    match t {
+        Json::String(s) => Ok(Some(s.clone())),
+        Json::Array(list) => Ok(list
+            .iter()
+            .find(|e| e.get("name").and_then(Json::as_str) == Some("default"))
+            .and_then(|e| e.get("template"))
+            .and_then(Json::as_str)
+            .map(str::to_owned)),
+        _ => Err(Error::bad_input(
+            "tokenizer_config.json",
+            dir.join("tokenizer_config.json").display().to_string(),
+            "`chat_template` is neither a string nor a list of named templates",
+            None,
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn specials() -> BTreeMap<String, String> {
+        [("bos_token", "<s>"), ("eos_token", "</s>")]
+            .into_iter()
+            .map(|(a, b)| (a.to_owned(), b.to_owned()))
+            .collect()
+    }
+
+    fn msgs(v: &str) -> Vec<Json> {
+        serde_json::from_str(v).unwrap()
+    }
+
+    #[test]
+    fn generation_tags_keep_the_whitespace_rules_of_block_tags() {
+        let (s, found) =
+            rewrite_generation_blocks("a\n  {% generation %}\nx{%- endgeneration -%}  b");
+        assert!(found);
+        assert_eq!(s, "a\n{{ \"\u{E000}\" }}x{{- \"\u{E001}\" -}}  b");
+        let (s, found) = rewrite_generation_blocks("{% if x %}{%+ generation +%}\n{% endif %}");
+        assert!(found);
+        assert_eq!(s, "{% if x %}{{ \"\u{E000}\" }}\n{% endif %}");
+        assert!(!rewrite_generation_blocks("{% generations %}").1);
+    }
+
+    #[test]
+    fn generation_blocks_and_prefixes_find_the_assistant_text() {
+        let conv = msgs(
+            r#"[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},
+                {"role":"user","content":"bye"},{"role":"assistant","content":"ok"}]"#,
+        );
+        let with_blocks = "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}[A]{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}\n{% else %}[U]{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}[A]{% endif %}";
+        let t = ChatTemplate::new(with_blocks, specials()).unwrap();
+        assert!(t.has_generation_blocks());
+        let r = t.render(&conv).unwrap();
+        // trim_blocks: the newline after `{% endgeneration %}` goes, as in Jinja.
+        assert_eq!(r.text, "<s>[U]hi\n[A]yo</s>[U]bye\n[A]ok</s>");
+        let parts: Vec<&str> = r.trained.iter().map(|s| &r.text[s.clone()]).collect();
+        assert_eq!(parts, vec!["yo</s>", "ok</s>"]);
+        // The same template without the blocks: prefixes give content, end of turn and newline.
+        let plain = with_blocks
+            .replace("{% generation %}", "")
+            .replace("{% endgeneration %}", "");
+        let t = ChatTemplate::new(&plain, specials()).unwrap();
+        let r = t.render(&conv).unwrap();
+        let parts: Vec<&str> = r.trained.iter().map(|s| &r.text[s.clone()]).collect();
+        assert_eq!(parts, vec!["yo</s>\n", "ok</s>\n"]);
+    }
+
+    #[test]
+    fn template_errors_and_bad_messages_are_named() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}\n{% if m.role == 'system' %}{{ raise_exception('no system here') }}{% endif %}{% endfor %}",
+            specials(),
+        )
+        .unwrap();
+        let e = t
+            .render(&msgs(r#"[{"role":"system","content":"x"}]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no system here") && e.contains("line 2"), "{e}");
+        let e = ChatTemplate::new("{% for %}", specials())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 1"), "{e}");
+        let v: Json = serde_json::from_str(r#"[{"role":"robot","content":"x"}]"#).unwrap();
+        let e = check_messages(&v).unwrap_err().to_string();
+        assert!(e.contains("\"robot\""), "{e}");
+        let v: Json = serde_json::from_str(r#"[{"role":"user"}]"#).unwrap();
+        assert!(check_messages(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("content"));
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", specials()).unwrap();
+        assert_eq!(t.render(&[]).unwrap().text.len(), 4);
+    }
+
+    #[test]
+    fn python_string_methods_work() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content.strip().upper() }}{% if m.content.startswith(' ') %}!{% endif %}{% endfor %}",
+            specials(),
+        )
+        .unwrap();
+        let r = t
+            .render(&msgs(r#"[{"role":"user","content":"  hey "}]"#))
+            .unwrap();
+        assert_eq!(r.text, "HEY!");
+    }
+}
