@@ -501,3 +501,142 @@ fn mutated_topology_xml_never_crashes_the_cli() {
     eprintln!("topology XML: 1500 inputs, {ok} loaded, {refused} refused ({counts:?}), 0 crashes");
     assert!(ok > 50 && refused > 50);
 }
+
+/// Mutated document files (`prepare --format chat|prompt-completion`) through what `train` does
+/// with them: open and verify, pack, read every row. Header fields get extreme counts and widths
+/// as well as byte flips; none may panic.
+#[test]
+fn mutated_document_files_never_panic() {
+    use megatrain::train::config::{DataDtype, Overlong, Packing};
+    use megatrain::train::data::{Cursor, DataFile, Loader, RowSpec};
+    use megatrain::train::documents::{encode, Document};
+    let _one_at_a_time = serial();
+    count_panics();
+    let before = PANICS.load(Ordering::SeqCst);
+    let docs: Vec<Document> = (0..12)
+        .map(|d| {
+            let n = 2 + d * 3 % 11;
+            Document {
+                tokens: (0..n).map(|i| ((d * 7 + i) % 50) as u32).collect(),
+                mask: (0..n).map(|i| i > d % 3).collect(),
+            }
+        })
+        .collect();
+    let valid = encode(&docs, 2, 0);
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("docs.bin");
+    let mut rng = Rng(0x5EED_0005);
+    let (mut read, mut refused) = (0, 0);
+    for _ in 0..3000 {
+        let mut bytes = valid.clone();
+        match rng.below(3) {
+            0 => bytes = mutate_bytes(&mut rng, bytes),
+            1 => {
+                // A header field (width, documents, tokens, pad) set to an extreme value.
+                let (at, len) = *rng.pick(&[(12, 4), (16, 8), (24, 8), (32, 4)]);
+                let v: u64 = match rng.below(3) {
+                    0 => rng.next(),
+                    1 => rng.next() >> rng.below(64),
+                    _ => *rng.pick(&[0, 1, 2, 3, 4, u64::from(u32::MAX), u64::MAX]),
+                };
+                bytes[at..at + len].copy_from_slice(&v.to_le_bytes()[..len]);
+            }
+            _ => {
+                // A body byte changed and the checksum fixed, so verification must catch it.
+                let i = 40 + rng.below(bytes.len() - 40);
+                bytes[i] = rng.next() as u8;
+                let crc = crc32c::crc32c(&bytes[40..]);
+                bytes[36..40].copy_from_slice(&crc.to_le_bytes());
+            }
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let file = DataFile::open(&path, DataDtype::U16, 50)?;
+            let spec = RowSpec {
+                seq: 1 + rng.below(24),
+                batch: 1,
+                packing: *rng.pick(&[Packing::On, Packing::Off]),
+                overlong: *rng.pick(&[Overlong::Truncate, Overlong::Drop]),
+            };
+            let mut l = Loader::new(file, spec, true, 1, Cursor::default())?;
+            for _ in 0..20 {
+                let mb = l.next_batch();
+                assert_eq!(mb.tokens.len(), spec.seq);
+            }
+            megatrain::Result::Ok(())
+        }));
+        match outcome {
+            Ok(Ok(())) => read += 1,
+            Ok(Err(_)) => refused += 1,
+            Err(_) => panic!("panicked on a mutated document file"),
+        }
+    }
+    let panics = PANICS.load(Ordering::SeqCst) - before;
+    eprintln!("document files: 3000 inputs, {read} read, {refused} refused, {panics} panics");
+    assert_eq!(panics, 0);
+    assert!(
+        read > 100 && refused > 1000,
+        "{read} read, {refused} refused"
+    );
+}
+
+/// Mutated chat JSON Lines and chat templates through `megatrain prepare --format chat`: a
+/// clear error or a written file, never a panic.
+#[test]
+fn mutated_chat_data_and_templates_never_panic() {
+    use megatrain::train::prepare::{prepare, Format, PrepareArgs, TrainOn};
+    let _one_at_a_time = serial();
+    count_panics();
+    let before = PANICS.load(Ordering::SeqCst);
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let lines = std::fs::read(fixtures.join("conversations.jsonl")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("qwen/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let template = config["chat_template"]
+        .as_str()
+        .unwrap()
+        .as_bytes()
+        .to_vec();
+    let d = tempfile::tempdir().unwrap();
+    let (input, tpl) = (d.path().join("c.jsonl"), d.path().join("t.jinja"));
+    let mut rng = Rng(0x5EED_0006);
+    let (mut written, mut refused) = (0, 0);
+    for i in 0..600 {
+        let mutate_template = i % 2 == 1;
+        let data = match mutate_template {
+            true => lines.clone(),
+            false => mutate_bytes(&mut rng, lines.clone()),
+        };
+        let t = match mutate_template {
+            true => mutate_bytes(&mut rng, template.clone()),
+            false => template.clone(),
+        };
+        std::fs::write(&input, &data).unwrap();
+        std::fs::write(&tpl, &t).unwrap();
+        let args = PrepareArgs {
+            tokenizer: fixtures.join("gen"),
+            input: input.clone(),
+            out: d.path().join("o.bin"),
+            dtype: None,
+            format: Format::Chat,
+            text_key: "text".into(),
+            eos: None,
+            train_on: *rng.pick(&[TrainOn::Response, TrainOn::All]),
+            chat_template: Some(tpl.clone()),
+        };
+        match std::panic::catch_unwind(|| prepare(&args)) {
+            Ok(Ok(_)) => written += 1,
+            Ok(Err(_)) => refused += 1,
+            Err(_) => panic!("panicked on mutated chat data or template"),
+        }
+    }
+    let panics = PANICS.load(Ordering::SeqCst) - before;
+    eprintln!("chat data: 600 inputs, {written} written, {refused} refused, {panics} panics");
+    assert_eq!(panics, 0);
+    assert!(
+        written > 50 && refused > 50,
+        "{written} written, {refused} refused"
+    );
+}

@@ -1,6 +1,8 @@
-//! `megatrain train` against PyTorch + transformers (goldens from tools/golden_train.py): per-step
-//! loss and gradient norm, and the final weights, for MHA, GQA, tied, clipping and gradient
-//! accumulation, run through the CLI exactly as a user would — on the CPU device, and (feature
+//! `megatrain train` against PyTorch + transformers (goldens from tools/golden_train.py and
+//! tools/golden_sft.py): per-step loss and gradient norm, and the final weights, for MHA, GQA,
+//! tied, clipping and gradient accumulation, and for fine-tuning on chat and prompt-completion
+//! data (`megatrain prepare`, then packed rows whose documents must give what each gives alone in
+//! transformers), run through the CLI exactly as a user would — on the CPU device, and (feature
 //! `cuda`) on the CUDA device: through the CUDA emulator, or on a real GPU with
 //! `MEGATRAIN_GPU=1`, to the same tolerance.
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
@@ -10,10 +12,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// `tests/golden/{case}` (e.g. `train_mha`, `sft_chat`).
 fn golden_dir(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/golden")
-        .join(format!("train_{case}"))
+        .join(case)
 }
 
 fn read_f32_safetensors(path: &Path) -> std::collections::HashMap<String, Vec<f32>> {
@@ -50,10 +53,51 @@ fn check(case: &str) {
 }
 
 fn check_on(case: &str, on: On) {
-    let dir = golden_dir(case);
-    let g = common::Golden::open(&format!("train_{case}/golden.safetensors"));
-    let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
     let tmp = tempfile::tempdir().unwrap();
+    let dir = golden_dir(&format!("train_{case}"));
+    run_against_golden(
+        &format!("train_{case}"),
+        &dir.join("data.bin"),
+        &[],
+        &tmp,
+        on,
+    );
+}
+
+/// Prepare a fine-tuning case's samples with the fixture tokenizer (as a user would), then train
+/// on the document file with the case's packing.
+fn check_sft_on(case: &str, on: On) {
+    let tmp = tempfile::tempdir().unwrap();
+    let name = format!("sft_{case}");
+    let dir = golden_dir(&name);
+    let g = common::Golden::open(&format!("{name}/golden.safetensors"));
+    let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
+    let data = tmp.path().join("data.bin");
+    let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/gen");
+    let output = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["prepare", "--format", s["format"].as_str().unwrap()])
+        .args(["--tokenizer", tokenizer.to_str().unwrap()])
+        .args(["--input", dir.join("data.jsonl").to_str().unwrap()])
+        .args(["--out", data.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{case}: prepare failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let packing = [
+        "--packing".to_owned(),
+        s["packing"].as_str().unwrap().to_owned(),
+    ];
+    run_against_golden(&name, &data, &packing, &tmp, on);
+}
+
+fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile::TempDir, on: On) {
+    let case = name;
+    let dir = golden_dir(name);
+    let g = common::Golden::open(&format!("{name}/golden.safetensors"));
+    let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
     let (metrics, out) = (tmp.path().join("m.jsonl"), tmp.path().join("hf"));
     let arg = |k: &str| s[k].to_string();
     let mut command = match on {
@@ -78,8 +122,9 @@ fn check_on(case: &str, on: On) {
             "--init-from",
             dir.join("init").to_str().unwrap(),
             "--data",
-            dir.join("data.bin").to_str().unwrap(),
+            data.to_str().unwrap(),
         ])
+        .args(extra)
         .args([
             "--seq-len",
             &arg("T"),
@@ -90,16 +135,16 @@ fn check_on(case: &str, on: On) {
             "--steps",
             &arg("steps"),
         ])
-        .args([
-            "--lr",
-            &arg("lr"),
-            "--warmup-steps",
-            &arg("warmup"),
-            "--lr-schedule",
-            "cosine",
-            "--weight-decay",
-            &arg("wd"),
-        ])
+        .args(["--lr", &arg("lr"), "--weight-decay", &arg("wd")])
+        .args(match s.get("warmup") {
+            Some(w) => vec![
+                "--warmup-steps".to_owned(),
+                w.to_string(),
+                "--lr-schedule".to_owned(),
+                "cosine".to_owned(),
+            ],
+            None => vec![],
+        })
         .args([
             "--grad-clip",
             &arg("clip"),
@@ -180,6 +225,18 @@ fn check_on(case: &str, on: On) {
 }
 
 #[test]
+fn sft_chat_packed_with_grad_accumulation() {
+    check_sft_on("chat", On::Cpu);
+}
+#[test]
+fn sft_chat_one_document_per_row() {
+    check_sft_on("chat_unpacked", On::Cpu);
+}
+#[test]
+fn sft_prompt_completion_packed() {
+    check_sft_on("prompt_completion", On::Cpu);
+}
+#[test]
 fn mha() {
     check("mha");
 }
@@ -203,7 +260,16 @@ fn grad_accumulation() {
 /// The same cases on the CUDA device.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{check_on, On};
+    use super::{check_on, check_sft_on, On};
+
+    #[test]
+    fn sft_chat_packed_with_random_stream_delays() {
+        check_sft_on("chat", On::Cuda { delays: true });
+    }
+    #[test]
+    fn sft_prompt_completion_packed() {
+        check_sft_on("prompt_completion", On::Cuda { delays: false });
+    }
 
     #[test]
     fn mha() {
