@@ -4,6 +4,8 @@
 //! blocks, and by rendering prefixes for Qwen2.5's real template, which has none), and every bad
 //! input is a clear error naming its line, or a counted skip.
 
+#![allow(clippy::unwrap_used)]
+
 use megatrain::train::config::DataDtype;
 use megatrain::train::documents::DocFile;
 use megatrain::train::prepare::{prepare, Format, PrepareArgs, PrepareReport, TrainOn};
@@ -158,7 +160,7 @@ fn prompt_completion_trains_the_completion_and_eos() {
     assert_eq!(docs[0].1, want_mask);
     // No prompt: the completion's first token has nothing before it to be predicted from.
     assert_eq!(docs[1].0, [ids("7"), vec![eos]].concat());
-    assert_eq!(docs[1].1[0], false);
+    assert!(!docs[1].1[0]);
     assert_eq!(r.trained, c.len() + 1 + docs[1].0.len() - 1);
 }
 

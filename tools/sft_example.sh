@@ -29,8 +29,8 @@ for split in chat chat_val; do
     "$mt" prepare --format chat --tokenizer "$out/model" --input "$out/$split.jsonl" --out "$out/$split.bin"
 done
 "$mt" train --init-from "$out/model" --data "$out/chat.bin" --val-data "$out/chat_val.bin" \
-    --seq-len 256 --batch-size 8 --steps 300 --lr 3e-3 --lr-schedule cosine --warmup-steps 20 \
-    --weight-decay 0.0 --shuffle --val-every 100 --val-batches 2 \
+    --seq-len 256 --batch-size 4 --grad-accum 2 --steps 300 --lr 3e-3 --lr-schedule cosine \
+    --warmup-steps 20 --weight-decay 0.0 --shuffle --val-every 100 --val-batches 1 \
     --checkpoint-dir "$out/ckpt" --metrics "$out/metrics.jsonl"
 "$mt" export --checkpoint "$out/ckpt" --out "$out/hf"
 # A question from the training data (the model is far too small to learn arithmetic).

@@ -157,7 +157,7 @@ impl std::fmt::Display for PackReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} documents in {} rows ({} tokens, {} trained), {} truncated, {} dropped",
+            "{} documents in {} rows ({} tokens, {} trained; {} truncated, {} dropped)",
             self.documents - self.dropped,
             self.rows,
             self.tokens,
@@ -350,7 +350,7 @@ impl Loader {
                     seq + 1
                 ),
                 (_, Some(r)) => {
-                    format!("its documents fill {count} rows of {seq} tokens ({r}), fewer than one batch of {batch}")
+                    format!("{r} of {seq} tokens: fewer than one batch of {batch}")
                 }
                 (_, None) => format!("{count} rows, fewer than one batch of {batch}"),
             };

@@ -176,7 +176,8 @@ fn train_loop(
             let line = serde_json::json!({
                 "step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
                 "tokens": m.tokens, "trained_tokens": m.trained_tokens,
-                "tokens_per_s": m.tokens as f64 / m.wall_s, "device_peak_bytes": m.device_peak_bytes,
+                "tokens_per_s": m.tokens as f64 / m.wall_s,
+                "trained_tokens_per_s": m.trained_tokens as f64 / m.wall_s, "device_peak_bytes": m.device_peak_bytes,
                 "compute_s": m.compute_s, "transfer_s": m.htod_s + m.dtoh_s, "optimizer_s": m.optimizer_s,
                 "io_wait_s": m.host_wait_s, "wall_s": m.wall_s, "clip_coef": m.clip_coef,
                 "htod_bytes": m.htod_bytes, "dtoh_bytes": m.dtoh_bytes, "val_loss": val,
