@@ -646,6 +646,13 @@ mod scenarios {
         upload(q, &val(q_len, 1), s)?;
         upload(k, &val(kv_len, 2), s)?;
         upload(v, &val(kv_len, 3), s)?;
+        // Two documents of 12 and 8 tokens (positions as u32; upload copies their bytes).
+        let positions: Vec<f32> = megatrain::model::ops::document_positions(&[12, 8])
+            .into_iter()
+            .map(f32::from_bits)
+            .collect();
+        let mut pos = alloc(4 * shape.t)?;
+        upload(pos, &positions, s)?;
         let (mut t, mut nh, mut nkv, mut hd) = (
             shape.t as i32,
             shape.nh as i32,
@@ -653,12 +660,13 @@ mod scenarios {
             shape.hd as i32,
         );
         let (mut tile, mut scale) = (l.tile as i32, 1.0f32 / (shape.hd as f32).sqrt());
-        let mut args: [*mut c_void; 11] = [
+        let mut args: [*mut c_void; 12] = [
             (&mut out as *mut u64).cast(),
             (&mut lse as *mut u64).cast(),
             (&mut q as *mut u64).cast(),
             (&mut k as *mut u64).cast(),
             (&mut v as *mut u64).cast(),
+            (&mut pos as *mut u64).cast(),
             (&mut t as *mut i32).cast(),
             (&mut nh as *mut i32).cast(),
             (&mut nkv as *mut i32).cast(),

@@ -522,7 +522,7 @@ fn mutated_document_files_never_panic() {
             }
         })
         .collect();
-    let valid = encode(&docs, 2, 0);
+    let valid = encode(&docs, 2, 0).unwrap();
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("docs.bin");
     let mut rng = Rng(0x5EED_0005);

@@ -148,6 +148,10 @@ impl Backend for HostBackend<'_> {
         })
     }
 
+    fn upload_positions(&mut self, positions: &std::sync::Arc<[u32]>) -> Result<HostIds> {
+        self.upload_ids(positions)
+    }
+
     fn gemm(&mut self, g: Gemm<HostP>) -> Result<()> {
         let (a_len, b_len) = (g.m * g.k, g.k * g.n);
         let ([c], [a, b]) = views("gemm", [(g.c, g.m * g.n)], [(g.a, a_len), (g.b, b_len)])?;

@@ -143,48 +143,36 @@ impl ChatTemplate {
 }
 
 /// Turn `{% generation %}` / `{% endgeneration %}` (transformers' extension tags, which minijinja
-/// does not know) into expressions printing [`GEN_START`] / [`GEN_END`], applying the
-/// `trim_blocks`/`lstrip_blocks` whitespace rules the block tags had. Returns the new source and
-/// whether any tag was found.
+/// does not know) into `{% if true %}{{ MARKER }}{% endif %}`, carrying the tag's whitespace
+/// control over to the two block tags, so `trim_blocks` and `lstrip_blocks` treat the text around
+/// it exactly as around the original tag, and the output gains only [`GEN_START`] /
+/// [`GEN_END`]. Returns the new source and whether any tag was found. (A tag spelled inside a
+/// string literal, comment or raw block is rewritten too; no real template does that.)
 fn rewrite_generation_blocks(source: &str) -> (String, bool) {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     let mut found = false;
     while let Some(at) = rest.find("{%") {
-        let Some((tag_len, name, left, right)) = generation_tag(&rest[at..]) else {
-            out.push_str(&rest[..at + 2]);
-            rest = &rest[at + 2..];
-            continue;
-        };
-        found = true;
-        let mut before = &rest[..at];
-        if left.is_none() {
-            // lstrip_blocks: whitespace between the line start and the tag goes.
-            let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-            if before[line_start..].chars().all(|c| c == ' ' || c == '\t') {
-                before = &before[..line_start];
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match generation_tag(rest) {
+            Some((len, name, left, right)) => {
+                found = true;
+                let marker = if name == "generation" {
+                    GEN_START
+                } else {
+                    GEN_END
+                };
+                let (l, r) = (left.unwrap_or(' '), right.unwrap_or(' '));
+                out.push_str(&format!(
+                    "{{%{l} if true %}}{{{{ \"{marker}\" }}}}{{% endif {r}%}}"
+                ));
+                rest = &rest[len..];
             }
-        }
-        out.push_str(before);
-        let marker = if name == "generation" {
-            GEN_START
-        } else {
-            GEN_END
-        };
-        let l = left
-            .map_or(String::new(), |c| c.to_string())
-            .replace('+', "");
-        let r = right
-            .map_or(String::new(), |c| c.to_string())
-            .replace('+', "");
-        out.push_str(&format!("{{{{{l} \"{marker}\" {r}}}}}"));
-        rest = &rest[at + tag_len..];
-        if right.is_none() {
-            // trim_blocks: the newline right after the tag goes.
-            rest = rest
-                .strip_prefix("\r\n")
-                .or_else(|| rest.strip_prefix('\n'))
-                .unwrap_or(rest);
+            None => {
+                out.push_str("{%");
+                rest = &rest[2..];
+            }
         }
     }
     out.push_str(rest);
@@ -194,7 +182,7 @@ fn rewrite_generation_blocks(source: &str) -> (String, bool) {
 /// If `s` starts with a `{% generation %}` or `{% endgeneration %}` tag: its length, its name and
 /// its whitespace-control characters (left, right).
 fn generation_tag(s: &str) -> Option<(usize, &'static str, Option<char>, Option<char>)> {
-    let end = s.find("%}")?;
+    let end = 2 + s.get(2..)?.find("%}")?;
     let inner = &s[2..end];
     let (left, inner) = match inner.chars().next() {
         Some(c @ ('-' | '+')) => (Some(c), &inner[1..]),
@@ -284,9 +272,16 @@ pub fn check_messages(messages: &Json) -> Result<&[Json], ChatError> {
                 )))
             }
         }
-        let content = m.get("content").and_then(Json::as_str).ok_or_else(|| {
-            ChatError::Conversation(format!("message {i} has no string `content`"))
-        })?;
+        // A string, or null (an assistant message that only calls tools).
+        let content = match m.get("content") {
+            Some(Json::String(s)) => s.as_str(),
+            Some(Json::Null) => "",
+            _ => {
+                return Err(ChatError::Conversation(format!(
+                    "message {i} has no `content` string (or null)"
+                )))
+            }
+        };
         if content.contains([GEN_START, GEN_END]) {
             return Err(ChatError::Conversation(format!(
                 "message {i} contains U+E000/U+E001, which megatrain reserves to mark generation blocks"
@@ -340,16 +335,43 @@ mod tests {
         serde_json::from_str(v).unwrap()
     }
 
+    /// The text inside generation blocks, marked `<G>…</G>`.
+    fn marked(template: &str) -> String {
+        let t = ChatTemplate::new(template, specials()).unwrap();
+        let r = t.render(&[]).unwrap();
+        let mut out = String::new();
+        let mut at = 0;
+        for s in &r.trained {
+            out.push_str(&r.text[at..s.start]);
+            out.push_str(&format!("<G>{}</G>", &r.text[s.clone()]));
+            at = s.end;
+        }
+        out.push_str(&r.text[at..]);
+        out
+    }
+
     #[test]
     fn generation_tags_keep_the_whitespace_rules_of_block_tags() {
-        let (s, found) =
-            rewrite_generation_blocks("a\n  {% generation %}\nx{%- endgeneration -%}  b");
-        assert!(found);
-        assert_eq!(s, "a\n{{ \"\u{E000}\" }}x{{- \"\u{E001}\" -}}  b");
-        let (s, found) = rewrite_generation_blocks("{% if x %}{%+ generation +%}\n{% endif %}");
-        assert!(found);
-        assert_eq!(s, "{% if x %}{{ \"\u{E000}\" }}\n{% endif %}");
+        // Each as transformers renders it (jinja2 with trim_blocks and lstrip_blocks, its
+        // AssistantTracker extension for the generation tags: `_render_with_assistant_indices`).
+        for (template, want) in [
+            (
+                "{% if true %}\n  {% generation %}\n  {% if true %}X{% endif %}\n  {% endgeneration %}\n  {% endif %}\nY",
+                "<G>X</G>Y",
+            ),
+            ("a\n  {% generation %}\nx{%- endgeneration -%}  b", "a\n<G>x</G>b"),
+            (
+                "{% generation %}p{% endgeneration %}  {% generation %}q{% endgeneration %}",
+                "<G>p</G>  <G>q</G>",
+            ),
+            ("x\n\t{%- generation %}\n  y{% endgeneration +%}\nz", "x<G>  y</G>\nz"),
+            ("{%+ generation +%}\nz\n{% endgeneration %}", "<G>\nz\n</G>"),
+            ("{{ '{%}' }}{% generation %}w{% endgeneration %}", "{%}<G>w</G>"),
+        ] {
+            assert_eq!(marked(template), want, "{template:?}");
+        }
         assert!(!rewrite_generation_blocks("{% generations %}").1);
+        assert!(generation_tag("{%}").is_none());
     }
 
     #[test]

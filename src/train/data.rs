@@ -493,7 +493,7 @@ mod tests {
     fn loader(docs: &[Document], spec: RowSpec) -> (tempfile::TempDir, Result<Loader>) {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("docs.bin");
-        std::fs::write(&p, super::super::documents::encode(docs, 2, 0)).unwrap();
+        std::fs::write(&p, super::super::documents::encode(docs, 2, 0).unwrap()).unwrap();
         let f = DataFile::open(&p, DataDtype::U32, 100).unwrap();
         let l = Loader::new(f, spec, false, 0, Cursor::default());
         (d, l)

@@ -55,8 +55,9 @@ pub fn is_document_file(path: &Path) -> bool {
         .is_ok_and(|()| &head == MAGIC)
 }
 
-/// Serialise `docs` (ids of `width` bytes, 2 or 4) into the file's bytes.
-pub fn encode(docs: &[Document], width: usize, pad_id: u32) -> Vec<u8> {
+/// Serialise `docs` (ids of `width` bytes, 2 or 4) into the file's bytes; an id that does not
+/// fit the width is an error.
+pub fn encode(docs: &[Document], width: usize, pad_id: u32) -> Result<Vec<u8>> {
     let n: usize = docs.iter().map(|d| d.tokens.len()).sum();
     let mut body = Vec::with_capacity(8 * (docs.len() + 1) + (width + 1) * n);
     let mut start = 0u64;
@@ -64,6 +65,16 @@ pub fn encode(docs: &[Document], width: usize, pad_id: u32) -> Vec<u8> {
     for d in docs {
         start += d.tokens.len() as u64;
         body.extend_from_slice(&start.to_le_bytes());
+    }
+    for &t in docs.iter().flat_map(|d| &d.tokens).chain([&pad_id]) {
+        if width == 2 && u16::try_from(t).is_err() {
+            return Err(Error::bad_input(
+                "token id",
+                t.to_string(),
+                "does not fit a 2-byte document file",
+                Some("use --dtype u32"),
+            ));
+        }
     }
     for &t in docs.iter().flat_map(|d| &d.tokens) {
         match width {
@@ -81,7 +92,7 @@ pub fn encode(docs: &[Document], width: usize, pad_id: u32) -> Vec<u8> {
     out.extend_from_slice(&pad_id.to_le_bytes());
     out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
     out.extend_from_slice(&body);
-    out
+    Ok(out)
 }
 
 /// A memory-mapped, verified document file.
@@ -330,7 +341,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         for width in [2, 4] {
             let p = d.path().join(format!("d{width}.bin"));
-            std::fs::write(&p, encode(&docs(), width, 3)).unwrap();
+            std::fs::write(&p, encode(&docs(), width, 3).unwrap()).unwrap();
             assert!(is_document_file(&p));
             let f = DocFile::open(&p, 10).unwrap();
             assert_eq!((f.documents(), f.tokens(), f.pad_id()), (2, 5, 3));
@@ -343,7 +354,7 @@ mod tests {
             assert!(e.contains("vocab size 9"), "{e}");
         }
         let p = d.path().join("bad.bin");
-        let mut bytes = encode(&docs(), 2, 0);
+        let mut bytes = encode(&docs(), 2, 0).unwrap();
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
@@ -352,7 +363,7 @@ mod tests {
         std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
         let e = DocFile::open(&p, 10).unwrap_err().to_string();
         assert!(e.contains("header describes"), "{e}");
-        let mut v2 = encode(&docs(), 2, 0);
+        let mut v2 = encode(&docs(), 2, 0).unwrap();
         v2[8] = 2;
         std::fs::write(&p, &v2).unwrap();
         let e = DocFile::open(&p, 10).unwrap_err().to_string();
@@ -365,11 +376,11 @@ mod tests {
         let p = d.path().join("d.bin");
         let mut ds = docs();
         ds[1].mask = vec![false, false];
-        std::fs::write(&p, encode(&ds, 2, 0)).unwrap();
+        std::fs::write(&p, encode(&ds, 2, 0).unwrap()).unwrap();
         let e = DocFile::open(&p, 10).unwrap_err().to_string();
         assert!(e.contains("document 1 has no trained token"), "{e}");
         ds[1].mask = vec![true, true];
-        std::fs::write(&p, encode(&ds, 2, 0)).unwrap();
+        std::fs::write(&p, encode(&ds, 2, 0).unwrap()).unwrap();
         let e = DocFile::open(&p, 10).unwrap_err().to_string();
         assert!(e.contains("first token"), "{e}");
     }

@@ -94,7 +94,14 @@ fn validate(
         total += eval_loss(tm, &refs, &mb.tokens, &mb.targets, &mb.positions, b, t, ws)?;
         trained += mb.trained_tokens();
     }
-    Ok(total / trained.max(1) as f64)
+    if trained == 0 {
+        // Every packed row holds a document with a trained target.
+        return Err(Error::internal(
+            "validation",
+            "no trained token in the validation batches",
+        ));
+    }
+    Ok(total / trained as f64)
 }
 
 /// Why the loop stopped early.

@@ -241,7 +241,7 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         DataDtype::U16 => 2,
         DataDtype::U32 => 4,
     };
-    write_out(&args.out, &documents::encode(&docs, width, pad_id))?;
+    write_out(&args.out, &documents::encode(&docs, width, pad_id)?)?;
     Ok(report)
 }
 

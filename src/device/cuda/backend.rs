@@ -39,9 +39,11 @@ pub struct CudaBackend {
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
     head_dim: usize,
-    ids: CudaSlice<u32>,
-    ids_bounce: Pinned,
-    ids_copied: Option<CudaEvent>,
+    ids: IdsBuffer,
+    positions: IdsBuffer,
+    /// The micro-batch whose positions `positions` holds (kept alive, so its address is not
+    /// reused by another).
+    positions_of: Option<Arc<[u32]>>,
     losses: Pinned,
     smem: usize,
 }
@@ -69,11 +71,8 @@ impl CudaBackend {
         let (c, s) = rope.tables();
         let cos = drv(stream.clone_htod(c), "upload the RoPE tables")?;
         let sin = drv(stream.clone_htod(s), "upload the RoPE tables")?;
-        let ids = drv(
-            stream.alloc_zeros::<u32>(n.max(1)),
-            "allocate the token ids",
-        )?;
-        let ids_bounce = Pinned::new(&rt.ctx, 4 * n.max(1))?;
+        let ids = IdsBuffer::new(&rt, &stream, n)?;
+        let positions = IdsBuffer::new(&rt, &stream, n)?;
         let losses = Pinned::new(&rt.ctx, 4 * n.max(1))?;
         Ok(CudaBackend {
             rt,
@@ -83,8 +82,8 @@ impl CudaBackend {
             sin,
             head_dim: rope.head_dim,
             ids,
-            ids_bounce,
-            ids_copied: None,
+            positions,
+            positions_of: None,
             losses,
             smem: launch::DEFAULT_SMEM,
         })
@@ -108,6 +107,78 @@ impl CudaBackend {
     }
 }
 
+/// A device buffer of u32 ids filled from the host through a page-locked bounce buffer, in the
+/// stream's order.
+#[derive(Debug)]
+struct IdsBuffer {
+    dev: CudaSlice<u32>,
+    bounce: Pinned,
+    copied: Option<CudaEvent>,
+}
+
+impl IdsBuffer {
+    /// Room for `n` ids.
+    fn new(rt: &CudaRuntime, stream: &Arc<CudaStream>, n: usize) -> Result<Self> {
+        Ok(IdsBuffer {
+            dev: drv(
+                stream.alloc_zeros::<u32>(n.max(1)),
+                "allocate the token ids",
+            )?,
+            bounce: Pinned::new(&rt.ctx, 4 * n.max(1))?,
+            copied: None,
+        })
+    }
+
+    fn device_ptr(&self, stream: &Arc<CudaStream>) -> DevPtr {
+        self.dev.device_ptr(stream).0
+    }
+
+    /// Copy `ids` in after everything already on `stream`; `what` names them in errors.
+    fn upload(&mut self, stream: &Arc<CudaStream>, ids: &[u32], what: &str) -> Result<DevPtr> {
+        if 4 * ids.len() > self.bounce.bytes() {
+            return Err(Error::internal(
+                "CUDA backend",
+                format!(
+                    "{} {what} for a buffer of {}",
+                    ids.len(),
+                    self.bounce.bytes() / 4
+                ),
+            ));
+        }
+        // The previous upload must have left the bounce buffer before it is rewritten.
+        if let Some(e) = self.copied.take() {
+            drv(
+                e.synchronize(),
+                &format!("wait for the previous upload of {what}"),
+            )?;
+        }
+        // SAFETY: the bounce buffer holds ≥ ids.len() u32 (checked) and no copy reads it now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                ids.as_ptr(),
+                self.bounce.as_ptr().cast::<u32>(),
+                ids.len(),
+            )
+        };
+        let dst = self.device_ptr(stream);
+        // SAFETY: page-locked source and a device buffer both of ≥ 4·len bytes.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                self.bounce.as_ptr().cast(),
+                4 * ids.len(),
+                stream.cu_stream(),
+            )
+        };
+        drv(r.result(), &format!("host to device copy of {what}"))?;
+        self.copied = Some(drv(
+            stream.record_event(None),
+            &format!("record the upload of {what}"),
+        )?);
+        Ok(dst)
+    }
+}
+
 impl Backend for CudaBackend {
     type P = DevPtr;
     type Ids = DevPtr;
@@ -121,44 +192,21 @@ impl Backend for CudaBackend {
     }
 
     fn upload_ids(&mut self, ids: &[u32]) -> Result<DevPtr> {
-        if 4 * ids.len() > self.ids_bounce.bytes() {
-            return Err(Error::internal(
-                "CUDA backend",
-                format!(
-                    "{} token ids for a buffer of {}",
-                    ids.len(),
-                    self.ids_bounce.bytes() / 4
-                ),
-            ));
+        self.ids.upload(&self.stream, ids, "token ids")
+    }
+
+    fn upload_positions(&mut self, positions: &Arc<[u32]>) -> Result<DevPtr> {
+        // Once per micro-batch: every block of its forward and backward reads the same ones.
+        match &self.positions_of {
+            Some(p) if Arc::ptr_eq(p, positions) => Ok(self.positions.device_ptr(&self.stream)),
+            _ => {
+                let at = self
+                    .positions
+                    .upload(&self.stream, positions, "token positions")?;
+                self.positions_of = Some(positions.clone());
+                Ok(at)
+            }
         }
-        // The previous upload must have left the bounce buffer before it is rewritten.
-        if let Some(e) = self.ids_copied.take() {
-            drv(e.synchronize(), "wait for the previous token upload")?;
-        }
-        // SAFETY: the bounce buffer holds ≥ ids.len() u32 (checked) and no copy reads it now.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                ids.as_ptr(),
-                self.ids_bounce.as_ptr().cast::<u32>(),
-                ids.len(),
-            )
-        };
-        let (dst, _g) = self.ids.device_ptr(&self.stream);
-        // SAFETY: page-locked source and a device buffer both of ≥ 4·len bytes.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
-                dst,
-                self.ids_bounce.as_ptr().cast(),
-                4 * ids.len(),
-                self.stream.cu_stream(),
-            )
-        };
-        drv(r.result(), "upload token ids")?;
-        self.ids_copied = Some(drv(
-            self.stream.record_event(None),
-            "record the token upload",
-        )?);
-        Ok(dst)
     }
 
     fn gemm(&mut self, g: Gemm<DevPtr>) -> Result<()> {

@@ -60,6 +60,9 @@ pub trait Backend {
     fn ids_off(ids: Self::Ids, n: usize) -> Self::Ids;
     /// Make host token ids visible to the kernels that follow (in stream order).
     fn upload_ids(&mut self, ids: &[u32]) -> Result<Self::Ids>;
+    /// Make a micro-batch's positions visible to the kernels that follow; a device may keep
+    /// them while the same micro-batch's blocks run (one upload per micro-batch, not per layer).
+    fn upload_positions(&mut self, positions: &Arc<[u32]>) -> Result<Self::Ids>;
 
     /// See [`Gemm`].
     fn gemm(&mut self, g: Gemm<Self::P>) -> Result<()>;
@@ -384,8 +387,7 @@ pub fn run<B: Backend>(
             let blk = block(tm, *layer)?;
             let p = at.range(*w, 0, blk.numel, "weights")?;
             let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
-            at.ids(&batch.positions, n, "positions")?;
-            let pos = be.upload_ids(&batch.positions)?;
+            let pos = positions(be, tm, &at, batch, s)?;
             block_fwd(be, blk, p, x, y, pos, ws, s)
         }
         Kernel::BlockBwd {
@@ -405,8 +407,7 @@ pub fn run<B: Backend>(
                 at.range(*dy, 0, n * c, "dy")?,
                 at.range(*dx, 0, n * c, "dx")?,
             );
-            at.ids(&batch.positions, n, "positions")?;
-            let pos = be.upload_ids(&batch.positions)?;
+            let pos = positions(be, tm, &at, batch, s)?;
             block_bwd(be, blk, p, gr, x, dy, dx, pos, ws, s)
         }
         Kernel::HeadLossBwd {
@@ -427,6 +428,28 @@ pub fn run<B: Backend>(
             run_head(be, tm, &at, head, batch, ws, n)
         }
     }
+}
+
+/// The micro-batch's positions on the device: one per token, inside the RoPE tables (each is
+/// below `t`, checked with the batch by `Templates::check_batch`).
+fn positions<B: Backend>(
+    be: &mut B,
+    tm: &Templates,
+    at: &Ranges<'_, B>,
+    batch: &Batch,
+    s: Shape,
+) -> Result<B::Ids> {
+    at.ids(&batch.positions, s.n(), "positions")?;
+    if s.t > tm.rope.max_pos {
+        return Err(Error::internal(
+            "device program",
+            format!(
+                "sequences of {} tokens beyond the RoPE tables' {}",
+                s.t, tm.rope.max_pos
+            ),
+        ));
+    }
+    be.upload_positions(&batch.positions)
 }
 
 /// The buffers of a [`Kernel::HeadLossBwd`].
