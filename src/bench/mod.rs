@@ -2,6 +2,7 @@
 //! same run.
 
 pub mod adam;
+pub mod attention;
 pub mod engine;
 pub mod link;
 pub mod nvme;

@@ -15,6 +15,7 @@ pub fn run(c: &BenchCommand) -> Result<()> {
         BenchCommand::Engine(a) => bench_engine(a),
         BenchCommand::Nvme(a) => bench_nvme(a),
         BenchCommand::Link(a) => bench_link(a),
+        BenchCommand::Attention(a) => bench_attention(a),
     }
 }
 
@@ -30,6 +31,47 @@ pub enum BenchCommand {
     /// Copy bandwidth: host memcpy between every NUMA node pair; host↔device cases (waived
     /// without a CUDA device, with the reason).
     Link(BenchLinkArgs),
+    /// The CPU device's causal attention, forward and forward + backward, at long sequences
+    /// (tools/bench_attention_cpu.py sets it beside PyTorch's scaled_dot_product_attention).
+    Attention(BenchAttentionArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAttentionArgs {
+    /// Sequence lengths (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192,16384")]
+    seq: Vec<usize>,
+    /// Query heads.
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    /// Head dimension.
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Timed repetitions per case (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_attention(a: &BenchAttentionArgs) -> Result<()> {
+    let r = megatrain::bench::attention::run(&megatrain::bench::attention::AttnBenchArgs {
+        seqs: a.seq.clone(),
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        reps: a.reps,
+    })?;
+    let text = if a.json {
+        serde_json::to_string_pretty(&r).unwrap_or_default()
+    } else {
+        megatrain::bench::attention::render(&r)
+    };
+    println!("{}", text.trim_end());
+    Ok(())
 }
 
 #[derive(Debug, Args)]

@@ -5,9 +5,42 @@
 use rayon::prelude::*;
 
 /// C[m, n] (row-major) = (accumulate ? C : 0) + A·B, where A is m×k and B is k×n, each given by
-/// its row and column strides (so a transpose is just swapped strides).
+/// its row and column strides (so a transpose is just swapped strides). Large products use every
+/// thread.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
+    c: &mut [f32],
+    a: &[f32],
+    a_st: (usize, usize),
+    b: &[f32],
+    b_st: (usize, usize),
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let par = m * n * k >= 1 << 15;
+    gemm_on(c, a, a_st, b, b_st, m, k, n, accumulate, par);
+}
+
+/// [`gemm`] on the calling thread only (for tiles inside an already parallel loop).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_serial(
+    c: &mut [f32],
+    a: &[f32],
+    a_st: (usize, usize),
+    b: &[f32],
+    b_st: (usize, usize),
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    gemm_on(c, a, a_st, b, b_st, m, k, n, accumulate, false);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_on(
     c: &mut [f32],
     a: &[f32],
     (a_rs, a_cs): (usize, usize),
@@ -17,6 +50,7 @@ pub fn gemm(
     k: usize,
     n: usize,
     accumulate: bool,
+    parallel: bool,
 ) {
     assert!(c.len() >= m * n, "gemm: C too small");
     if m == 0 || n == 0 {
@@ -58,7 +92,7 @@ pub fn gemm(
             false,
             false,
             false,
-            if m * n * k >= 1 << 15 {
+            if parallel {
                 gemm::Parallelism::Rayon(0)
             } else {
                 gemm::Parallelism::None
@@ -291,257 +325,11 @@ pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f3
         });
 }
 
-/// Attention shape: B sequences of T tokens, NH query heads, NKV kv heads, head dim HD.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttnShape {
-    /// Batch.
-    pub b: usize,
-    /// Sequence length.
-    pub t: usize,
-    /// Query heads.
-    pub nh: usize,
-    /// Key/value heads.
-    pub nkv: usize,
-    /// Head dimension.
-    pub hd: usize,
-}
-
-/// Query/key tile edge of the flash-style kernels.
-pub const ATTN_TILE: usize = 64;
-
-/// The target of a token that trains nothing (Hugging Face's label −100): its loss and gradient
-/// are zero and it does not count in the step's token count.
-pub const IGNORE: u32 = u32::MAX;
-
-/// Positions `[B·T]` of flat rows: token i of each sequence is at position i, so attention is
-/// plain causal attention over the whole row.
-pub fn flat_positions(b: usize, t: usize) -> Vec<u32> {
-    (0..b * t).map(|r| (r % t) as u32).collect()
-}
-
-/// Positions of documents of `lens` tokens laid end to end: 0, 1, … restarting at each document.
-pub fn document_positions(lens: &[usize]) -> Vec<u32> {
-    lens.iter().flat_map(|&l| 0..l as u32).collect()
-}
-
-/// The first key query `i` of sequence `bi` attends to: its document's first token. `pos`
-/// `[B·T]` holds each token's position in its document (0 at a document's first token), so
-/// documents packed into one row never attend to each other; with [`flat_positions`] it is 0.
-#[inline]
-fn first_key(pos: &[u32], bi: usize, t: usize, i: usize) -> usize {
-    i.saturating_sub(pos[bi * t + i] as usize)
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let n8 = a.len() / 8 * 8;
-    for i in (0..n8).step_by(8) {
-        for l in 0..8 {
-            acc[l] += a[i + l] * b[i + l];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for i in n8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only to hand disjoint head slices of one buffer to parallel tasks (see callers).
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// The pointer (a method, so closures capture the whole `SendPtr`, not its raw field).
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
-/// Causal GQA attention over documents, tiled with an online softmax: no T×T matrix exists.
-/// q [B·T, NH·HD], k/v [B·T, NKV·HD], o [B·T, NH·HD]; `pos` [B·T] each token's position in its
-/// document: query i attends to keys `i − pos[i] ..= i` (its own document's, up to itself).
-/// `lse` [B, NH, T] receives the row log-sum-exp for the backward. Query head h reads kv head
-/// h / (NH/NKV).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_fwd(
-    o: &mut [f32],
-    lse: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    pos: &[u32],
-    s: AttnShape,
-) {
-    assert_eq!(pos.len(), s.b * s.t, "attention: one position per token");
-    let AttnShape { t, nh, nkv, hd, .. } = s;
-    let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (qs, kvs) = (nh * hd, nkv * hd);
-    let optr = SendPtr(o.as_mut_ptr());
-    let tiles = t.div_ceil(ATTN_TILE);
-    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse_row)| {
-        let (bi, h) = (bh / nh, bh % nh);
-        let kh = h / group;
-        let mut sc = vec![0.0f32; ATTN_TILE];
-        let mut acc = vec![0.0f32; ATTN_TILE * hd];
-        for qt in 0..tiles {
-            let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
-            let mut mx = [f32::NEG_INFINITY; ATTN_TILE];
-            let mut l = [0.0f32; ATTN_TILE];
-            acc.fill(0.0);
-            // First keys never fall as i grows: the tile's first query has the lowest.
-            for kt in first_key(pos, bi, t, i0) / ATTN_TILE..=qt {
-                let (j0, j1) = (kt * ATTN_TILE, ((kt + 1) * ATTN_TILE).min(t));
-                for i in i0..i1 {
-                    let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
-                    let jstart = j0.max(first_key(pos, bi, t, i));
-                    let jend = j1.min(i + 1);
-                    if jend <= jstart {
-                        continue;
-                    }
-                    let mut m_new = mx[i - i0];
-                    for j in jstart..jend {
-                        let kj = &k[(bi * t + j) * kvs + kh * hd..][..hd];
-                        sc[j - j0] = dot(qi, kj) * scale;
-                        m_new = m_new.max(sc[j - j0]);
-                    }
-                    let corr = (mx[i - i0] - m_new).exp();
-                    let a = &mut acc[(i - i0) * hd..][..hd];
-                    if corr != 1.0 {
-                        a.iter_mut().for_each(|x| *x *= corr);
-                    }
-                    let mut lsum = l[i - i0] * corr;
-                    for j in jstart..jend {
-                        let p = (sc[j - j0] - m_new).exp();
-                        lsum += p;
-                        let vj = &v[(bi * t + j) * kvs + kh * hd..][..hd];
-                        for (x, vv) in a.iter_mut().zip(vj) {
-                            *x += p * *vv;
-                        }
-                    }
-                    l[i - i0] = lsum;
-                    mx[i - i0] = m_new;
-                }
-            }
-            for i in i0..i1 {
-                let inv = 1.0 / l[i - i0];
-                // SAFETY: row (bi, i), head h of `o`: this task (bi, h) is its only writer.
-                let orow = unsafe {
-                    std::slice::from_raw_parts_mut(optr.at((bi * t + i) * qs + h * hd), hd)
-                };
-                for (x, a) in orow.iter_mut().zip(&acc[(i - i0) * hd..][..hd]) {
-                    *x = *a * inv;
-                }
-                lse_row[i] = mx[i - i0] + l[i - i0].ln();
-            }
-        }
-    });
-}
-
-/// Backward of [`attention_fwd`], recomputing the probabilities tile by tile from q, k and `lse`.
-/// Writes dq, dk, dv (not accumulating).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_bwd(
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
-    d_o: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    o: &[f32],
-    lse: &[f32],
-    pos: &[u32],
-    s: AttnShape,
-) {
-    let AttnShape { b, t, nh, nkv, hd } = s;
-    assert_eq!(pos.len(), b * t, "attention: one position per token");
-    let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (qs, kvs) = (nh * hd, nkv * hd);
-    dq.fill(0.0);
-    dk.fill(0.0);
-    dv.fill(0.0);
-    let (dqp, dkp, dvp) = (
-        SendPtr(dq.as_mut_ptr()),
-        SendPtr(dk.as_mut_ptr()),
-        SendPtr(dv.as_mut_ptr()),
-    );
-    // One task per (sequence, kv head): it alone writes that kv head's dk/dv and its query
-    // heads' dq.
-    (0..b * nkv).into_par_iter().for_each(|task| {
-        let (bi, kh) = (task / nkv, task % nkv);
-        let mut dd = vec![0.0f32; t];
-        for h in kh * group..(kh + 1) * group {
-            for (i, d) in dd.iter_mut().enumerate() {
-                let r = (bi * t + i) * qs + h * hd;
-                *d = dot(&d_o[r..r + hd], &o[r..r + hd]);
-            }
-            for i in 0..t {
-                let r = (bi * t + i) * qs + h * hd;
-                let (qi, doi) = (&q[r..r + hd], &d_o[r..r + hd]);
-                let li = lse[(bi * nh + h) * t + i];
-                // SAFETY: dq row (bi, i) head h belongs to this task only.
-                let dqi = unsafe { std::slice::from_raw_parts_mut(dqp.at(r), hd) };
-                for j in first_key(pos, bi, t, i)..=i {
-                    let c = (bi * t + j) * kvs + kh * hd;
-                    let (kj, vj) = (&k[c..c + hd], &v[c..c + hd]);
-                    let p = (dot(qi, kj) * scale - li).exp();
-                    let dp = dot(doi, vj);
-                    let ds = p * (dp - dd[i]) * scale;
-                    // SAFETY: dk/dv rows (bi, j) head kh belong to this task only.
-                    let (dkj, dvj) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(dkp.at(c), hd),
-                            std::slice::from_raw_parts_mut(dvp.at(c), hd),
-                        )
-                    };
-                    for x in 0..hd {
-                        dvj[x] += p * doi[x];
-                        dqi[x] += ds * kj[x];
-                        dkj[x] += ds * qi[x];
-                    }
-                }
-            }
-        }
-    });
-}
-
-/// Reference attention with the full T×T score matrix (tests only compare against it).
-pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], pos: &[u32], s: AttnShape) {
-    let AttnShape { b, t, nh, nkv, hd } = s;
-    let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (qs, kvs) = (nh * hd, nkv * hd);
-    for bi in 0..b {
-        for h in 0..nh {
-            let kh = h / group;
-            for i in 0..t {
-                let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
-                let j0 = first_key(pos, bi, t, i);
-                let sc: Vec<f32> = (j0..=i)
-                    .map(|j| dot(qi, &k[(bi * t + j) * kvs + kh * hd..][..hd]) * scale)
-                    .collect();
-                let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let e: Vec<f32> = sc.iter().map(|x| (x - mx).exp()).collect();
-                let z: f32 = e.iter().sum();
-                let orow = &mut o[(bi * t + i) * qs + h * hd..][..hd];
-                orow.fill(0.0);
-                for (j, p) in (j0..=i).zip(&e) {
-                    let vj = &v[(bi * t + j) * kvs + kh * hd..][..hd];
-                    for (x, vv) in orow.iter_mut().zip(vj) {
-                        *x += p / z * vv;
-                    }
-                }
-            }
-        }
-    }
-}
+mod attention;
+pub use attention::{
+    attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
+    ATTN_TILE, IGNORE,
+};
 
 /// Rows of logits materialised at once by [`lm_head_ce`]: chunk × V floats.
 pub const CE_CHUNK_ROWS: usize = 256;

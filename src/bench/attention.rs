@@ -1,0 +1,142 @@
+//! `megatrain bench attention`: the CPU device's causal attention (forward, and forward +
+//! backward) at long sequence lengths, in causal TFLOP/s. `tools/bench_attention_cpu.py` runs it
+//! beside PyTorch's `scaled_dot_product_attention` on the same shapes and threads.
+
+use crate::model::ops::{attention_bwd, attention_fwd, flat_positions, AttnShape};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct AttnBenchArgs {
+    /// Sequence lengths.
+    pub seqs: Vec<usize>,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Timed repetitions per case (the median is reported).
+    pub reps: usize,
+}
+
+/// One shape's figures.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttnCase {
+    /// Sequence length.
+    pub t: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Forward, seconds (median).
+    pub fwd_s: f64,
+    /// Forward + backward, seconds (median).
+    pub fwd_bwd_s: f64,
+    /// Causal forward FLOPs (2 GEMMs over the lower triangle: 2·T²·hd·heads).
+    pub fwd_flops: f64,
+}
+
+/// The report.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttnBenchReport {
+    /// Rayon threads used.
+    pub threads: usize,
+    /// One per sequence length.
+    pub cases: Vec<AttnCase>,
+}
+
+/// Time the CPU attention at each sequence length (batch 1, random inputs).
+pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
+    if a.heads == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) || a.head_dim == 0 {
+        return Err(Error::bad_input(
+            "attention shape",
+            format!(
+                "{} heads, {} kv heads, head dim {}",
+                a.heads, a.kv_heads, a.head_dim
+            ),
+            "heads must be a positive multiple of kv heads, head dim positive",
+            None,
+        ));
+    }
+    let mut cases = Vec::new();
+    for &t in &a.seqs {
+        let s = AttnShape {
+            b: 1,
+            t,
+            nh: a.heads,
+            nkv: a.kv_heads,
+            hd: a.head_dim,
+        };
+        let (qn, kn) = (t * a.heads * a.head_dim, t * a.kv_heads * a.head_dim);
+        let (q, k, v, d_o) = (
+            crate::util::uniform(qn, 1, 1.0),
+            crate::util::uniform(kn, 2, 1.0),
+            crate::util::uniform(kn, 3, 1.0),
+            crate::util::uniform(qn, 4, 1.0),
+        );
+        let pos = flat_positions(1, t);
+        let (mut o, mut lse) = (vec![0.0f32; qn], vec![0.0f32; a.heads * t]);
+        let (mut dq, mut dk, mut dv) = (vec![0.0f32; qn], vec![0.0f32; kn], vec![0.0f32; kn]);
+        let median = |f: &mut dyn FnMut()| {
+            f(); // warm-up
+            let mut times: Vec<f64> = (0..a.reps.max(1))
+                .map(|_| {
+                    let t0 = Instant::now();
+                    f();
+                    t0.elapsed().as_secs_f64()
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        };
+        let fwd_s = median(&mut || attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s));
+        let fwd_bwd_s = median(&mut || {
+            attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s);
+            attention_bwd(
+                &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, &o, &lse, &pos, s,
+            );
+        });
+        cases.push(AttnCase {
+            t,
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            fwd_s,
+            fwd_bwd_s,
+            fwd_flops: 2.0 * (t as f64) * (t as f64) * (a.head_dim * a.heads) as f64,
+        });
+    }
+    Ok(AttnBenchReport {
+        threads: rayon::current_num_threads(),
+        cases,
+    })
+}
+
+/// The report as a table: causal TFLOP/s (the backward counted as 2.5 forwards, as
+/// FlashAttention's benchmarks count it).
+pub fn render(r: &AttnBenchReport) -> String {
+    let mut out = format!(
+        "CPU causal attention, {} threads (TFLOP/s over the causal lower triangle; backward = 2.5× forward)\n",
+        r.threads
+    );
+    out.push_str("      T  heads kv  hd    fwd ms  fwd TFLOP/s   fwd+bwd ms  fwd+bwd TFLOP/s\n");
+    for c in &r.cases {
+        out.push_str(&format!(
+            "{:>7} {:>6} {:>3} {:>3} {:>9.1} {:>12.4} {:>12.1} {:>16.4}\n",
+            c.t,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            c.fwd_s * 1e3,
+            c.fwd_flops / c.fwd_s / 1e12,
+            c.fwd_bwd_s * 1e3,
+            3.5 * c.fwd_flops / c.fwd_bwd_s / 1e12,
+        ));
+    }
+    out
+}
