@@ -3,12 +3,14 @@
 //! vectorised exponential, no T×T matrix. Documents packed into one row never see each other:
 //! query i attends to keys `i − pos[i] ..= i` (see [`first_key`]).
 //!
-//! Work is split so no two threads write the same memory: the forward by (sequence, head, query
-//! tile); the backward by (sequence, query head) over its whole lower triangle — `D = rowsum(dO ⊙
-//! O)` first, then per tile pair the probabilities recomputed from the forward's log-sum-exp and
-//! five GEMMs (S, dP, dV, dK, dQ) — with each head's share of dK/dV summed over its GQA group in
-//! head order at the end. Every sum runs in a fixed order, so results do not depend on the thread
-//! count.
+//! Both passes stack the query rows of a GQA group's heads, so each K/V tile is packed once per
+//! group and the GEMMs are taller. Work is split so no two threads write the same memory: the
+//! forward by (sequence, kv head, query tile); the backward by (sequence, kv head) over its whole
+//! lower triangle — `D = rowsum(dO ⊙ O)` first, then per tile pair the probabilities recomputed
+//! from the forward's log-sum-exp and five GEMMs (S, dP, dV, dK, dQ; the group's heads summed
+//! inside the dK/dV GEMMs). Every sum runs in a fixed order, so results do not depend on the
+//! thread count; the backward's parallelism is B × NKV tasks, and its scratch is two [T, hd]
+//! accumulators and one tile per task.
 
 use super::gemm_serial;
 use rayon::prelude::*;
@@ -77,26 +79,26 @@ impl SendPtr {
 
 /// One tile's scratch: scaled queries, scores/probabilities, their gradient, accumulators.
 struct Scratch {
-    q: Vec<f32>,   // [ATTN_TILE, hd] queries × 1/√hd
-    s: Vec<f32>,   // [ATTN_TILE, KEY_TILE] scores, then probabilities
-    dp: Vec<f32>,  // [ATTN_TILE, KEY_TILE] dO·Vᵀ, then dS
-    acc: Vec<f32>, // [max(ATTN_TILE, KEY_TILE), hd] output / dQ / dK accumulator
-    do_: Vec<f32>, // [ATTN_TILE, hd] dO rows, contiguous
-    mx: Vec<f32>,  // [ATTN_TILE] running max / log-sum-exp
-    l: Vec<f32>,   // [ATTN_TILE] running sum / delta
+    q: Vec<f32>,   // [rows, hd] queries × 1/√hd
+    s: Vec<f32>,   // [rows, KEY_TILE] scores, then probabilities
+    dp: Vec<f32>,  // [rows, KEY_TILE] dO·Vᵀ, then dS
+    acc: Vec<f32>, // [rows, hd] the forward's output accumulator
+    do_: Vec<f32>, // [rows, hd] dO rows, contiguous
+    mx: Vec<f32>,  // [rows] running max
+    l: Vec<f32>,   // [rows] running sum
 }
 
 impl Scratch {
-    fn new(hd: usize) -> Self {
-        let rows = ATTN_TILE.max(KEY_TILE);
+    /// For tiles of up to `rows` query rows.
+    fn new(hd: usize, rows: usize) -> Self {
         Scratch {
-            q: vec![0.0; ATTN_TILE * hd],
-            s: vec![0.0; ATTN_TILE * KEY_TILE],
-            dp: vec![0.0; ATTN_TILE * KEY_TILE],
+            q: vec![0.0; rows * hd],
+            s: vec![0.0; rows * KEY_TILE],
+            dp: vec![0.0; rows * KEY_TILE],
             acc: vec![0.0; rows * hd],
-            do_: vec![0.0; ATTN_TILE * hd],
-            mx: vec![0.0; ATTN_TILE],
-            l: vec![0.0; ATTN_TILE],
+            do_: vec![0.0; rows * hd],
+            mx: vec![0.0; rows],
+            l: vec![0.0; rows],
         }
     }
 }
@@ -143,43 +145,49 @@ pub fn attention_fwd(
     let (qs, kvs) = (nh * hd, nkv * hd);
     let qtiles = t.div_ceil(ATTN_TILE);
     let (optr, lptr) = (SendPtr(o.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
-    (0..b * nh * qtiles).into_par_iter().for_each_init(
-        || Scratch::new(hd),
+    // One task per (sequence, kv head, query tile): the tile's rows of every query head of the
+    // GQA group stacked, so each K/V tile is packed once for the group and the GEMMs are taller.
+    let rows = group * ATTN_TILE;
+    (0..b * nkv * qtiles).into_par_iter().for_each_init(
+        || Scratch::new(hd, rows),
         |sc, task| {
-            let (bh, qt) = (task / qtiles, task % qtiles);
-            let (bi, h) = (bh / nh, bh % nh);
-            let kh = h / group;
+            let (bk, qt) = (task / qtiles, task % qtiles);
+            let (bi, kh) = (bk / nkv, bk % nkv);
             let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
             let m = i1 - i0;
-            gather_rows(
-                &mut sc.q,
-                &q[(bi * t + i0) * qs + h * hd..],
-                qs,
-                m,
-                hd,
-                scale,
-            );
-            sc.acc[..m * hd].fill(0.0);
-            sc.mx[..m].fill(f32::NEG_INFINITY);
-            sc.l[..m].fill(0.0);
+            let gm = group * m; // stacked row r: head kh·group + r / m, query i0 + r % m
+            for g in 0..group {
+                let h = kh * group + g;
+                gather_rows(
+                    &mut sc.q[g * m * hd..],
+                    &q[(bi * t + i0) * qs + h * hd..],
+                    qs,
+                    m,
+                    hd,
+                    scale,
+                );
+            }
+            sc.acc[..gm * hd].fill(0.0);
+            sc.mx[..gm].fill(f32::NEG_INFINITY);
+            sc.l[..gm].fill(0.0);
             let mut j0 = first_key(pos, bi, t, i0);
             while j0 < i1 {
                 let n = KEY_TILE.min(i1 - j0);
                 let kv0 = (bi * t + j0) * kvs + kh * hd;
-                // S[m, n] = Qs · K[j0..j0+n]ᵀ
+                // S[gm, n] = Qs · K[j0..j0+n]ᵀ
                 gemm_serial(
-                    &mut sc.s[..m * n],
+                    &mut sc.s[..gm * n],
                     &sc.q,
                     (hd, 1),
                     &k[kv0..],
                     (1, kvs),
-                    m,
+                    gm,
                     hd,
                     n,
                     false,
                 );
-                for r in 0..m {
-                    let (lo, hi) = visible(pos, bi, t, i0 + r, j0, n);
+                for r in 0..gm {
+                    let (lo, hi) = visible(pos, bi, t, i0 + r % m, j0, n);
                     let row = &mut sc.s[r * n..(r + 1) * n];
                     if lo == hi {
                         row.fill(0.0);
@@ -198,28 +206,29 @@ pub fn attention_fwd(
                             .for_each(|x| *x *= corr);
                     }
                 }
-                // acc[m, hd] += P[m, n] · V[j0..j0+n]
+                // acc[gm, hd] += P[gm, n] · V[j0..j0+n]
                 gemm_serial(
-                    &mut sc.acc[..m * hd],
-                    &sc.s[..m * n],
+                    &mut sc.acc[..gm * hd],
+                    &sc.s[..gm * n],
                     (n, 1),
                     &v[kv0..],
                     (kvs, 1),
-                    m,
+                    gm,
                     n,
                     hd,
                     true,
                 );
                 j0 += n;
             }
-            for r in 0..m {
+            for r in 0..gm {
+                let (h, i) = (kh * group + r / m, i0 + r % m);
                 let inv = 1.0 / sc.l[r];
-                // SAFETY: row (bi, i0 + r), head h of `o` and its lse entry: this task
-                // (bi, h, qt) is their only writer.
+                // SAFETY: row (bi, i), head h of `o` and its lse entry: this task
+                // (bi, kh, qt) is their only writer.
                 let (orow, l) = unsafe {
                     (
-                        optr.slice((bi * t + i0 + r) * qs + h * hd, hd),
-                        lptr.slice((bi * nh + h) * t + i0 + r, 1),
+                        optr.slice((bi * t + i) * qs + h * hd, hd),
+                        lptr.slice((bi * nh + h) * t + i, 1),
                     )
                 };
                 for (x, a) in orow.iter_mut().zip(&sc.acc[r * hd..(r + 1) * hd]) {
@@ -273,116 +282,85 @@ pub fn attention_bwd(
         s,
         scale,
     };
-    // One task per (sequence, query head), over its whole lower triangle: dQ of its rows, and
-    // its share of dK/dV, summed over the group's heads afterwards in head order.
-    let per_head = t * hd;
-    let mut dk_h = vec![0.0f32; b * nh * per_head];
-    let mut dv_h = vec![0.0f32; b * nh * per_head];
+    // One task per (sequence, kv head) over its whole lower triangle, the query tile's rows of
+    // every head of the GQA group stacked: it alone writes that kv head's dK/dV (summed over the
+    // group inside the GEMMs) and its query heads' dQ.
     let qtiles = t.div_ceil(ATTN_TILE);
-    let dqp = SendPtr(dq.as_mut_ptr());
-    dk_h.par_chunks_mut(per_head)
-        .zip(dv_h.par_chunks_mut(per_head))
-        .enumerate()
-        .for_each_init(
-            || (Scratch::new(hd), vec![0.0f32; per_head]),
-            |(sc, dq_acc), (bh, (dkh, dvh))| {
-                let (bi, h) = (bh / nh, bh % nh);
-                let kh = h / group;
-                dq_acc.fill(0.0);
-                for qt in 0..qtiles {
-                    let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
-                    let m = i1 - i0;
-                    let mut j0 = first_key(pos, bi, t, i0);
-                    while j0 < i1 {
-                        let n = KEY_TILE.min(i1 - j0);
-                        let kv0 = (bi * t + j0) * kvs + kh * hd;
-                        tile.probabilities_and_ds(
-                            sc,
-                            bi,
-                            h,
-                            i0,
-                            m,
-                            j0,
-                            n,
-                            j0 == first_key(pos, bi, t, i0),
-                        );
-                        let (p, ds) = (&sc.s[..m * n], &sc.dp[..m * n]);
-                        // dV[n, hd] += Pᵀ · dO;  dK[n, hd] += dSᵀ · Qs;  dQ[m, hd] += dS · K
-                        gemm_serial(
-                            &mut dvh[j0 * hd..(j0 + n) * hd],
-                            p,
-                            (1, n),
-                            &sc.do_,
-                            (hd, 1),
-                            n,
-                            m,
-                            hd,
-                            true,
-                        );
-                        gemm_serial(
-                            &mut dkh[j0 * hd..(j0 + n) * hd],
-                            ds,
-                            (1, n),
-                            &sc.q,
-                            (hd, 1),
-                            n,
-                            m,
-                            hd,
-                            true,
-                        );
-                        gemm_serial(
-                            &mut dq_acc[i0 * hd..i1 * hd],
-                            ds,
-                            (n, 1),
-                            &k[kv0..],
-                            (kvs, 1),
-                            m,
-                            n,
-                            hd,
-                            true,
-                        );
-                        j0 += n;
-                    }
-                    for r in 0..m {
-                        // SAFETY: dq row (bi, i0 + r), head h: this task alone writes it.
-                        let dqr = unsafe { dqp.slice((bi * t + i0 + r) * qs + h * hd, hd) };
-                        for (x, a) in dqr
-                            .iter_mut()
-                            .zip(&dq_acc[(i0 + r) * hd..(i0 + r + 1) * hd])
-                        {
-                            *x = *a * scale;
-                        }
-                    }
-                }
-            },
-        );
-    // dK, dV of kv head kh = Σ over its query heads, in head order.
-    let (dk_h, dv_h) = (&dk_h, &dv_h);
-    dk.par_chunks_mut(kvs)
-        .zip(dv.par_chunks_mut(kvs))
-        .enumerate()
-        .for_each(|(row, (dkr, dvr))| {
-            let (bi, j) = (row / t, row % t);
-            for kh in 0..nkv {
-                let (dks, dvs) = (
-                    &mut dkr[kh * hd..(kh + 1) * hd],
-                    &mut dvr[kh * hd..(kh + 1) * hd],
+    let (dqp, dkp, dvp) = (
+        SendPtr(dq.as_mut_ptr()),
+        SendPtr(dk.as_mut_ptr()),
+        SendPtr(dv.as_mut_ptr()),
+    );
+    let rows = group * ATTN_TILE;
+    (0..b * nkv).into_par_iter().for_each(|task| {
+        let (bi, kh) = (task / nkv, task % nkv);
+        let mut sc = Scratch::new(hd, rows);
+        let (mut dk_acc, mut dv_acc) = (vec![0.0f32; t * hd], vec![0.0f32; t * hd]);
+        let mut dq_acc = vec![0.0f32; rows * hd];
+        for qt in 0..qtiles {
+            let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
+            let (m, mut j0) = (i1 - i0, first_key(pos, bi, t, i0));
+            let gm = group * m;
+            tile.gather(&mut sc, bi, kh, i0, m);
+            dq_acc[..gm * hd].fill(0.0);
+            while j0 < i1 {
+                let n = KEY_TILE.min(i1 - j0);
+                let kv0 = (bi * t + j0) * kvs + kh * hd;
+                tile.probabilities_and_ds(&mut sc, bi, kh, i0, m, j0, n);
+                let (p, ds) = (&sc.s[..gm * n], &sc.dp[..gm * n]);
+                // dV[n, hd] += Pᵀ · dO;  dK[n, hd] += dSᵀ · Qs;  dQ[gm, hd] += dS · K
+                gemm_serial(
+                    &mut dv_acc[j0 * hd..(j0 + n) * hd],
+                    p,
+                    (1, n),
+                    &sc.do_,
+                    (hd, 1),
+                    n,
+                    gm,
+                    hd,
+                    true,
                 );
-                dks.fill(0.0);
-                dvs.fill(0.0);
-                for h in kh * group..(kh + 1) * group {
-                    let at = (bi * nh + h) * per_head + j * hd;
-                    for ((x, y), (a, c)) in dks
-                        .iter_mut()
-                        .zip(dvs.iter_mut())
-                        .zip(dk_h[at..at + hd].iter().zip(&dv_h[at..at + hd]))
-                    {
-                        *x += *a;
-                        *y += *c;
-                    }
+                gemm_serial(
+                    &mut dk_acc[j0 * hd..(j0 + n) * hd],
+                    ds,
+                    (1, n),
+                    &sc.q,
+                    (hd, 1),
+                    n,
+                    gm,
+                    hd,
+                    true,
+                );
+                gemm_serial(
+                    &mut dq_acc[..gm * hd],
+                    ds,
+                    (n, 1),
+                    &k[kv0..],
+                    (kvs, 1),
+                    gm,
+                    n,
+                    hd,
+                    true,
+                );
+                j0 += n;
+            }
+            for r in 0..gm {
+                let (h, i) = (kh * group + r / m, i0 + r % m);
+                // SAFETY: dq row (bi, i), head h: this task (bi, kh) alone writes it.
+                let dqr = unsafe { dqp.slice((bi * t + i) * qs + h * hd, hd) };
+                for (x, a) in dqr.iter_mut().zip(&dq_acc[r * hd..(r + 1) * hd]) {
+                    *x = *a * scale;
                 }
             }
-        });
+        }
+        for j in 0..t {
+            let at = (bi * t + j) * kvs + kh * hd;
+            // SAFETY: dk/dv rows (bi, j), head kh: this task alone writes them.
+            let (dkr, dvr) = unsafe { (dkp.slice(at, hd), dvp.slice(at, hd)) };
+            dkr.copy_from_slice(&dk_acc[j * hd..(j + 1) * hd]);
+            dvr.copy_from_slice(&dv_acc[j * hd..(j + 1) * hd]);
+        }
+    });
 }
 
 /// The inputs of the backward's tile recomputation.
@@ -399,54 +377,66 @@ struct Tile<'a> {
 }
 
 impl Tile<'_> {
-    /// For queries `i0..i0+m` of head `h` and keys `j0..j0+n`: `sc.q` = Q·scale, `sc.do_` = dO
-    /// (gathered when `gather`: the first key tile of a query tile), `sc.s` = P (0 where not
-    /// visible), `sc.dp` = dS = P ⊙ (dO·Vᵀ − D).
+    /// The query tile `i0..i0+m` of every head of kv head `kh`'s group, stacked (row r: head
+    /// kh·group + r / m, query i0 + r % m): `sc.q` = Q·scale, `sc.do_` = dO.
+    fn gather(&self, sc: &mut Scratch, bi: usize, kh: usize, i0: usize, m: usize) {
+        let AttnShape { t, nh, nkv, hd, .. } = self.s;
+        let (qs, group) = (nh * hd, nh / nkv);
+        for g in 0..group {
+            let q0 = (bi * t + i0) * qs + (kh * group + g) * hd;
+            gather_rows(
+                &mut sc.q[g * m * hd..],
+                &self.q[q0..],
+                qs,
+                m,
+                hd,
+                self.scale,
+            );
+            gather_rows(&mut sc.do_[g * m * hd..], &self.d_o[q0..], qs, m, hd, 1.0);
+        }
+    }
+
+    /// For the gathered rows and keys `j0..j0+n`: `sc.s` = P (0 where not visible), `sc.dp` =
+    /// dS = P ⊙ (dO·Vᵀ − D).
     #[allow(clippy::too_many_arguments)]
     fn probabilities_and_ds(
         &self,
         sc: &mut Scratch,
         bi: usize,
-        h: usize,
+        kh: usize,
         i0: usize,
         m: usize,
         j0: usize,
         n: usize,
-        gather: bool,
     ) {
         let AttnShape { t, nh, nkv, hd, .. } = self.s;
-        let (qs, kvs) = (nh * hd, nkv * hd);
-        let kh = h / (nh / nkv);
-        let q0 = (bi * t + i0) * qs + h * hd;
+        let (kvs, group) = (nkv * hd, nh / nkv);
+        let gm = group * m;
         let kv0 = (bi * t + j0) * kvs + kh * hd;
-        if gather {
-            gather_rows(&mut sc.q, &self.q[q0..], qs, m, hd, self.scale);
-            gather_rows(&mut sc.do_, &self.d_o[q0..], qs, m, hd, 1.0);
-        }
         gemm_serial(
-            &mut sc.s[..m * n],
+            &mut sc.s[..gm * n],
             &sc.q,
             (hd, 1),
             &self.k[kv0..],
             (1, kvs),
-            m,
+            gm,
             hd,
             n,
             false,
         );
         gemm_serial(
-            &mut sc.dp[..m * n],
+            &mut sc.dp[..gm * n],
             &sc.do_,
             (hd, 1),
             &self.v[kv0..],
             (1, kvs),
-            m,
+            gm,
             hd,
             n,
             false,
         );
-        for r in 0..m {
-            let i = i0 + r;
+        for r in 0..gm {
+            let (h, i) = (kh * group + r / m, i0 + r % m);
             let (lo, hi) = visible(self.pos, bi, t, i, j0, n);
             let (li, di) = (
                 self.lse[(bi * nh + h) * t + i],
