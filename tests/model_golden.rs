@@ -212,3 +212,31 @@ fn qwen2_bias() {
 fn mistral() {
     check_case("mistral");
 }
+
+/// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding
+/// (tools/golden_rope.py): the angle is one fp32 product as there, so the tables agree to the
+/// last bits of cos/sin (two libraries' fp32 cos/sin of the same argument).
+#[test]
+fn rope_at_long_positions_matches_transformers() {
+    let g = common::Golden::open("rope_long.safetensors");
+    for (case, hd, theta) in [("hd128_theta5e5", 128, 5e5), ("hd64_theta1e4", 64, 1e4)] {
+        let positions = g.get(&format!("{case}.positions"));
+        let (want_cos, want_sin) = (g.get(&format!("{case}.cos")), g.get(&format!("{case}.sin")));
+        let half = hd / 2;
+        let mut worst = 0.0f32;
+        for (r, &p) in positions.iter().enumerate() {
+            let (cos, sin) = megatrain::model::ops::Rope::angles(hd, theta, p as usize);
+            for i in 0..half {
+                worst = worst
+                    .max((cos[i] - want_cos[r * half + i]).abs())
+                    .max((sin[i] - want_sin[r * half + i]).abs());
+            }
+        }
+        assert!(worst < 2e-6, "{case}: max |Δ| {worst:e}");
+        eprintln!(
+            "{case}: {} positions up to {}, max |Δ| {worst:e}",
+            positions.len(),
+            positions[positions.len() - 1]
+        );
+    }
+}

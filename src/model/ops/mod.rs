@@ -238,25 +238,44 @@ pub struct Rope {
 impl Rope {
     /// Tables for positions `0..max_pos`.
     pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
+        let inv = Self::inv_freq(head_dim, theta);
         let half = head_dim / 2;
-        let base = theta as f32;
-        let inv: Vec<f32> = (0..half)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
-            .collect();
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
         for p in 0..max_pos {
-            for f in &inv {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
+            Self::push_row(&inv, p, &mut cos, &mut sin);
         }
         Rope {
             head_dim,
             max_pos,
             cos,
             sin,
+        }
+    }
+
+    /// The (cos, sin) row of one position, `[hd/2]` each, exactly as [`Rope::new`]'s tables hold
+    /// it (for checking long positions without building the whole table).
+    pub fn angles(head_dim: usize, theta: f64, pos: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        Self::push_row(&Self::inv_freq(head_dim, theta), pos, &mut cos, &mut sin);
+        (cos, sin)
+    }
+
+    /// `inv_freq[i] = 1 / θ^(2i/hd)` in fp32, as transformers computes it.
+    fn inv_freq(head_dim: usize, theta: f64) -> Vec<f32> {
+        let base = theta as f32;
+        (0..head_dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+            .collect()
+    }
+
+    /// Append position `p`'s row: angle = (p as f32) · inv_freq, one fp32 product (transformers'
+    /// `inv_freq @ position_ids.float()`), then its cos and sin.
+    fn push_row(inv: &[f32], p: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+        for f in inv {
+            let a = p as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
         }
     }
 
