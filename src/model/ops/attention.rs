@@ -56,6 +56,12 @@ pub fn document_positions(lens: &[usize]) -> Vec<u32> {
 /// First keys never decrease along a sequence.
 #[inline]
 fn first_key(pos: &[u32], bi: usize, t: usize, i: usize) -> usize {
+    debug_assert!(
+        i == 0
+            || i.saturating_sub(pos[bi * t + i] as usize)
+                >= (i - 1).saturating_sub(pos[bi * t + i - 1] as usize),
+        "first keys must not decrease (Templates::check_batch)"
+    );
     i.saturating_sub(pos[bi * t + i] as usize)
 }
 
@@ -112,6 +118,19 @@ fn gather_rows(dst: &mut [f32], src: &[f32], stride: usize, m: usize, hd: usize,
     }
 }
 
+/// Check a shape and the buffers' sizes before any raw write (a safe function must not write out
+/// of bounds whatever it is given).
+fn check_shape(s: AttnShape, pos: &[u32], outs: &[(&str, usize, usize)]) {
+    assert!(
+        s.nkv > 0 && s.nh.is_multiple_of(s.nkv),
+        "attention: heads must be a multiple of kv heads"
+    );
+    assert_eq!(pos.len(), s.b * s.t, "attention: one position per token");
+    for &(what, have, need) in outs {
+        assert!(have >= need, "attention: {what} holds {have}, needs {need}");
+    }
+}
+
 /// The columns of a score row that query `i` may see, for keys `j0..j0 + n`: `[lo, hi)`.
 #[inline]
 fn visible(pos: &[u32], bi: usize, t: usize, i: usize, j0: usize, n: usize) -> (usize, usize) {
@@ -135,10 +154,13 @@ pub fn attention_fwd(
     s: AttnShape,
 ) {
     let AttnShape { b, t, nh, nkv, hd } = s;
-    assert_eq!(pos.len(), b * t, "attention: one position per token");
-    assert!(
-        o.len() >= b * t * nh * hd && lse.len() >= b * nh * t,
-        "attention: outputs too small"
+    check_shape(
+        s,
+        pos,
+        &[
+            ("o", o.len(), b * t * nh * hd),
+            ("lse", lse.len(), b * nh * t),
+        ],
     );
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -257,7 +279,18 @@ pub fn attention_bwd(
     s: AttnShape,
 ) {
     let AttnShape { b, t, nh, nkv, hd } = s;
-    assert_eq!(pos.len(), b * t, "attention: one position per token");
+    check_shape(
+        s,
+        pos,
+        &[
+            ("dq", dq.len(), b * t * nh * hd),
+            ("dk", dk.len(), b * t * nkv * hd),
+            ("dv", dv.len(), b * t * nkv * hd),
+        ],
+    );
+    if t == 0 {
+        return;
+    }
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (qs, kvs) = (nh * hd, nkv * hd);
@@ -509,7 +542,8 @@ fn exp_shifted_body(x: &mut [f32], shift: f32) -> f32 {
 
 /// e^x for x ≤ 0 (a small positive x from rounding is fine), branch-free so it vectorises:
 /// x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its degree-6 Taylor polynomial (relative error
-/// < 2e-7), 2^n from the exponent bits; below −87 it returns ≈ 0 (< 2e-38).
+/// < 2e-7), 2^n from the exponent bits; at or below −87 it returns ≈ 1.6e-38 (callers only
+/// pass visible scores, so that never stands for a masked 0).
 #[inline(always)]
 fn exp_neg(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -523,7 +557,7 @@ fn exp_neg(x: f32) -> f32 {
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
     // 2^n without a float → int conversion (which does not vectorise): the biased exponent
-    // n + 127 ∈ [2, 128] lands in the mantissa bits of (n + 127) + 2^23.
+    // n + 127 ∈ [1, 128] lands in the mantissa bits of (n + 127) + 2^23.
     let biased = (n + (127.0 + 8_388_608.0)).to_bits() - 0x4B00_0000;
     p * f32::from_bits(biased << 23)
 }
