@@ -12,6 +12,7 @@
 //! thread count; the backward's parallelism is B × NKV tasks, and its scratch is two [T, hd]
 //! accumulators and one tile per task.
 
+use super::exp::{exp_shifted, row_max};
 use super::gemm_serial;
 use rayon::prelude::*;
 
@@ -487,79 +488,6 @@ impl Tile<'_> {
             }
         }
     }
-}
-
-/// Largest element.
-fn row_max(x: &[f32]) -> f32 {
-    x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
-}
-
-/// `x = exp(x − shift)` in place (every x − shift ≤ 0 up to rounding); returns Σ x, summed in
-/// 16 fixed lanes.
-fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked).
-            return unsafe { exp_shifted_avx512(x, shift) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2 and FMA (checked).
-            return unsafe { exp_shifted_avx2(x, shift) };
-        }
-    }
-    exp_shifted_body(x, shift)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn exp_shifted_avx512(x: &mut [f32], shift: f32) -> f32 {
-    exp_shifted_body(x, shift)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_avx2(x: &mut [f32], shift: f32) -> f32 {
-    exp_shifted_body(x, shift)
-}
-
-#[inline(always)]
-fn exp_shifted_body(x: &mut [f32], shift: f32) -> f32 {
-    for v in x.iter_mut() {
-        *v = exp_neg(*v - shift);
-    }
-    let mut lanes = [0.0f32; 16];
-    let mut chunks = x.chunks_exact(16);
-    for c in &mut chunks {
-        for (l, v) in lanes.iter_mut().zip(c) {
-            *l += *v;
-        }
-    }
-    let tail: f32 = chunks.remainder().iter().sum();
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// e^x for x ≤ 0 (a small positive x from rounding is fine), branch-free so it vectorises:
-/// x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its degree-6 Taylor polynomial (relative error
-/// < 2e-7), 2^n from the exponent bits; at or below −87 it returns ≈ 1.6e-38 (callers only
-/// pass visible scores, so that never stands for a masked 0).
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.clamp(-87.0, 0.5);
-    let n = (x * LOG2E + 0.5).floor();
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // 2^n without a float → int conversion (which does not vectorise): the biased exponent
-    // n + 127 ∈ [1, 128] lands in the mantissa bits of (n + 127) + 2^23.
-    let biased = (n + (127.0 + 8_388_608.0)).to_bits() - 0x4B00_0000;
-    p * f32::from_bits(biased << 23)
 }
 
 #[inline]

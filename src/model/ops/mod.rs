@@ -345,6 +345,7 @@ pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f3
 }
 
 mod attention;
+mod exp;
 pub use attention::{
     attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
     ATTN_TILE, IGNORE,
@@ -447,12 +448,13 @@ pub fn cross_entropy(
                 row.fill(0.0);
                 return;
             }
-            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let z: f32 = row.iter().map(|x| (x - mx).exp()).sum();
-            let lse = mx + z.ln();
-            *loss = lse - row[tg as usize];
+            // One vectorised exp pass: row = e^(z − max), Σ = its sum, softmax = row / Σ.
+            let (mx, zt) = (exp::row_max(row), row[tg as usize]);
+            let sum = exp::exp_shifted(row, mx);
+            *loss = mx + sum.ln() - zt;
+            let k = scale / sum;
             for x in row.iter_mut() {
-                *x = (*x - lse).exp() * scale;
+                *x *= k;
             }
             row[tg as usize] -= scale;
         });
