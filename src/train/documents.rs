@@ -115,7 +115,7 @@ impl DocFile {
         // SAFETY: read-only private mapping; a concurrent truncation by another process is the
         // documented hazard of mmap'd input (as for the token file).
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io("mmap data", path, e))?;
-        let header = Header::parse(&map).map_err(|why| bad(path, why))?;
+        let header = Header::parse(&map, path)?;
         let df = DocFile {
             path: path.to_owned(),
             map,
@@ -261,9 +261,13 @@ struct Header {
 }
 
 impl Header {
-    fn parse(bytes: &[u8]) -> std::result::Result<Self, String> {
+    /// The header of `bytes` (the file at `path`, named in errors).
+    fn parse(bytes: &[u8], path: &Path) -> Result<Self> {
         if bytes.len() < HEADER || &bytes[..8] != MAGIC {
-            return Err("not a megatrain document file (no MTDOCS header)".into());
+            return Err(bad(
+                path,
+                "not a megatrain document file (no MTDOCS header)".into(),
+            ));
         }
         let u32_at =
             |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
@@ -274,13 +278,17 @@ impl Header {
         };
         let version = u32_at(8);
         if version != VERSION {
-            return Err(format!(
-                "format version {version}; this build reads version {VERSION}"
+            return Err(bad(
+                path,
+                format!("format version {version}; this build reads version {VERSION}"),
             ));
         }
         let width = u32_at(12) as usize;
         if width != 2 && width != 4 {
-            return Err(format!("token width {width} bytes (2 or 4 expected)"));
+            return Err(bad(
+                path,
+                format!("token width {width} bytes (2 or 4 expected)"),
+            ));
         }
         let (docs, tokens) = (u64_at(16), u64_at(24));
         let want = docs
@@ -289,10 +297,13 @@ impl Header {
             .and_then(|o| tokens.checked_mul(width as u64 + 1)?.checked_add(o))
             .and_then(|b| b.checked_add(HEADER as u64));
         if want != Some(bytes.len() as u64) {
-            return Err(format!(
-                "{} bytes, but its header describes {docs} documents of {tokens} tokens ({})",
-                bytes.len(),
-                want.map_or("more than 2^64 bytes".into(), |w| format!("{w} bytes"))
+            return Err(bad(
+                path,
+                format!(
+                    "{} bytes, but its header describes {docs} documents of {tokens} tokens ({})",
+                    bytes.len(),
+                    want.map_or("more than 2^64 bytes".into(), |w| format!("{w} bytes"))
+                ),
             ));
         }
         Ok(Header {
@@ -311,12 +322,6 @@ fn bad(path: &Path, why: String) -> Error {
         why,
         Some("re-run `megatrain prepare`"),
     )
-}
-
-/// Parse `bytes` as a document file's header (the fuzz tests' entry point): a typed error, never
-/// a panic.
-pub fn check_header(bytes: &[u8]) -> std::result::Result<(), String> {
-    Header::parse(bytes).map(|_| ())
 }
 
 #[cfg(test)]

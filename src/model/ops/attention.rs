@@ -84,39 +84,138 @@ impl SendPtr {
     }
 }
 
-/// One tile's scratch: scaled queries, scores/probabilities, their gradient, accumulators.
-struct Scratch {
+/// The forward's scratch for one tile of `rows` stacked query rows.
+struct FwdScratch {
     q: Vec<f32>,   // [rows, hd] queries × 1/√hd
     s: Vec<f32>,   // [rows, KEY_TILE] scores, then probabilities
-    dp: Vec<f32>,  // [rows, KEY_TILE] dO·Vᵀ, then dS
-    acc: Vec<f32>, // [rows, hd] the forward's output accumulator
-    do_: Vec<f32>, // [rows, hd] dO rows, contiguous
+    acc: Vec<f32>, // [rows, hd] the output accumulator
     mx: Vec<f32>,  // [rows] running max
     l: Vec<f32>,   // [rows] running sum
 }
 
-impl Scratch {
-    /// For tiles of up to `rows` query rows.
+impl FwdScratch {
     fn new(hd: usize, rows: usize) -> Self {
-        Scratch {
+        FwdScratch {
             q: vec![0.0; rows * hd],
             s: vec![0.0; rows * KEY_TILE],
-            dp: vec![0.0; rows * KEY_TILE],
             acc: vec![0.0; rows * hd],
-            do_: vec![0.0; rows * hd],
             mx: vec![0.0; rows],
             l: vec![0.0; rows],
         }
     }
 }
 
-/// Copy `m` rows of `hd` (row stride `stride`) from `src` into `dst`, times `scale`.
-fn gather_rows(dst: &mut [f32], src: &[f32], stride: usize, m: usize, hd: usize, scale: f32) {
-    for (r, d) in dst[..m * hd].chunks_exact_mut(hd).enumerate() {
-        for (x, y) in d.iter_mut().zip(&src[r * stride..r * stride + hd]) {
-            *x = *y * scale;
+/// The backward's scratch for one tile of `rows` stacked query rows.
+struct BwdScratch {
+    q: Vec<f32>,   // [rows, hd] queries × 1/√hd
+    do_: Vec<f32>, // [rows, hd] dO rows, contiguous
+    s: Vec<f32>,   // [rows, KEY_TILE] probabilities
+    dp: Vec<f32>,  // [rows, KEY_TILE] dO·Vᵀ, then dS
+}
+
+impl BwdScratch {
+    fn new(hd: usize, rows: usize) -> Self {
+        BwdScratch {
+            q: vec![0.0; rows * hd],
+            do_: vec![0.0; rows * hd],
+            s: vec![0.0; rows * KEY_TILE],
+            dp: vec![0.0; rows * KEY_TILE],
         }
     }
+}
+
+/// Stack the query tile `i0..i0+m` of every head of kv head `kh`'s GQA group from `src`
+/// (`[B·T, NH·HD]`, q or dO) into `dst`, times `scale`: row r is head kh·group + r / m, query
+/// i0 + r % m.
+#[allow(clippy::too_many_arguments)]
+fn gather_group(
+    dst: &mut [f32],
+    src: &[f32],
+    s: AttnShape,
+    bi: usize,
+    kh: usize,
+    i0: usize,
+    m: usize,
+    scale: f32,
+) {
+    let (qs, hd, group) = (s.nh * s.hd, s.hd, s.nh / s.nkv);
+    for g in 0..group {
+        let q0 = (bi * s.t + i0) * qs + (kh * group + g) * hd;
+        for (r, d) in dst[g * m * hd..(g + 1) * m * hd]
+            .chunks_exact_mut(hd)
+            .enumerate()
+        {
+            for (x, y) in d.iter_mut().zip(&src[q0 + r * qs..q0 + r * qs + hd]) {
+                *x = *y * scale;
+            }
+        }
+    }
+}
+
+/// `c[rows, n] = a[rows, hd] · X[j0..j0+n]ᵀ`, X (k or v) read at its element `x0` = row j0's
+/// kv head with row stride `kvs`.
+#[allow(clippy::too_many_arguments)]
+fn times_tile_t(
+    c: &mut [f32],
+    a: &[f32],
+    x: &[f32],
+    x0: usize,
+    kvs: usize,
+    rows: usize,
+    n: usize,
+    hd: usize,
+) {
+    gemm_serial(
+        &mut c[..rows * n],
+        a,
+        (hd, 1),
+        &x[x0..],
+        (1, kvs),
+        rows,
+        hd,
+        n,
+        false,
+    );
+}
+
+/// `c[rows, hd] += a[rows, n] · X[j0..j0+n]`, X as in [`times_tile_t`].
+#[allow(clippy::too_many_arguments)]
+fn plus_times_tile(
+    c: &mut [f32],
+    a: &[f32],
+    x: &[f32],
+    x0: usize,
+    kvs: usize,
+    rows: usize,
+    n: usize,
+    hd: usize,
+) {
+    gemm_serial(
+        &mut c[..rows * hd],
+        &a[..rows * n],
+        (n, 1),
+        &x[x0..],
+        (kvs, 1),
+        rows,
+        n,
+        hd,
+        true,
+    );
+}
+
+/// `c[n, hd] += a[rows, n]ᵀ · b[rows, hd]` (a key tile's dK or dV).
+fn plus_transposed_times(c: &mut [f32], a: &[f32], b: &[f32], rows: usize, n: usize, hd: usize) {
+    gemm_serial(
+        &mut c[..n * hd],
+        &a[..rows * n],
+        (1, n),
+        b,
+        (hd, 1),
+        n,
+        rows,
+        hd,
+        true,
+    );
 }
 
 /// Check a shape and the buffers' sizes before any raw write (a safe function must not write out
@@ -172,24 +271,14 @@ pub fn attention_fwd(
     // GQA group stacked, so each K/V tile is packed once for the group and the GEMMs are taller.
     let rows = group * ATTN_TILE;
     (0..b * nkv * qtiles).into_par_iter().for_each_init(
-        || Scratch::new(hd, rows),
+        || FwdScratch::new(hd, rows),
         |sc, task| {
             let (bk, qt) = (task / qtiles, task % qtiles);
             let (bi, kh) = (bk / nkv, bk % nkv);
             let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
             let m = i1 - i0;
             let gm = group * m; // stacked row r: head kh·group + r / m, query i0 + r % m
-            for g in 0..group {
-                let h = kh * group + g;
-                gather_rows(
-                    &mut sc.q[g * m * hd..],
-                    &q[(bi * t + i0) * qs + h * hd..],
-                    qs,
-                    m,
-                    hd,
-                    scale,
-                );
-            }
+            gather_group(&mut sc.q, q, s, bi, kh, i0, m, scale);
             sc.acc[..gm * hd].fill(0.0);
             sc.mx[..gm].fill(f32::NEG_INFINITY);
             sc.l[..gm].fill(0.0);
@@ -198,17 +287,7 @@ pub fn attention_fwd(
                 let n = KEY_TILE.min(i1 - j0);
                 let kv0 = (bi * t + j0) * kvs + kh * hd;
                 // S[gm, n] = Qs · K[j0..j0+n]ᵀ
-                gemm_serial(
-                    &mut sc.s[..gm * n],
-                    &sc.q,
-                    (hd, 1),
-                    &k[kv0..],
-                    (1, kvs),
-                    gm,
-                    hd,
-                    n,
-                    false,
-                );
+                times_tile_t(&mut sc.s, &sc.q, k, kv0, kvs, gm, n, hd);
                 for r in 0..gm {
                     let (lo, hi) = visible(pos, bi, t, i0 + r % m, j0, n);
                     let row = &mut sc.s[r * n..(r + 1) * n];
@@ -230,17 +309,7 @@ pub fn attention_fwd(
                     }
                 }
                 // acc[gm, hd] += P[gm, n] · V[j0..j0+n]
-                gemm_serial(
-                    &mut sc.acc[..gm * hd],
-                    &sc.s[..gm * n],
-                    (n, 1),
-                    &v[kv0..],
-                    (kvs, 1),
-                    gm,
-                    n,
-                    hd,
-                    true,
-                );
+                plus_times_tile(&mut sc.acc, &sc.s, v, kv0, kvs, gm, n, hd);
                 j0 += n;
             }
             for r in 0..gm {
@@ -306,15 +375,12 @@ pub fn attention_bwd(
     });
     let delta = &delta;
     let tile = Tile {
-        q,
         k,
         v,
-        d_o,
         lse,
         delta,
         pos,
         s,
-        scale,
     };
     // One task per (sequence, kv head) over its whole lower triangle, the query tile's rows of
     // every head of the GQA group stacked: it alone writes that kv head's dK/dV (summed over the
@@ -328,14 +394,15 @@ pub fn attention_bwd(
     let rows = group * ATTN_TILE;
     (0..b * nkv).into_par_iter().for_each(|task| {
         let (bi, kh) = (task / nkv, task % nkv);
-        let mut sc = Scratch::new(hd, rows);
+        let mut sc = BwdScratch::new(hd, rows);
         let (mut dk_acc, mut dv_acc) = (vec![0.0f32; t * hd], vec![0.0f32; t * hd]);
         let mut dq_acc = vec![0.0f32; rows * hd];
         for qt in 0..qtiles {
             let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
             let (m, mut j0) = (i1 - i0, first_key(pos, bi, t, i0));
             let gm = group * m;
-            tile.gather(&mut sc, bi, kh, i0, m);
+            gather_group(&mut sc.q, q, s, bi, kh, i0, m, scale);
+            gather_group(&mut sc.do_, d_o, s, bi, kh, i0, m, 1.0);
             dq_acc[..gm * hd].fill(0.0);
             while j0 < i1 {
                 let n = KEY_TILE.min(i1 - j0);
@@ -343,39 +410,9 @@ pub fn attention_bwd(
                 tile.probabilities_and_ds(&mut sc, bi, kh, i0, m, j0, n);
                 let (p, ds) = (&sc.s[..gm * n], &sc.dp[..gm * n]);
                 // dV[n, hd] += Pᵀ · dO;  dK[n, hd] += dSᵀ · Qs;  dQ[gm, hd] += dS · K
-                gemm_serial(
-                    &mut dv_acc[j0 * hd..(j0 + n) * hd],
-                    p,
-                    (1, n),
-                    &sc.do_,
-                    (hd, 1),
-                    n,
-                    gm,
-                    hd,
-                    true,
-                );
-                gemm_serial(
-                    &mut dk_acc[j0 * hd..(j0 + n) * hd],
-                    ds,
-                    (1, n),
-                    &sc.q,
-                    (hd, 1),
-                    n,
-                    gm,
-                    hd,
-                    true,
-                );
-                gemm_serial(
-                    &mut dq_acc[..gm * hd],
-                    ds,
-                    (n, 1),
-                    &k[kv0..],
-                    (kvs, 1),
-                    gm,
-                    n,
-                    hd,
-                    true,
-                );
+                plus_transposed_times(&mut dv_acc[j0 * hd..], p, &sc.do_, gm, n, hd);
+                plus_transposed_times(&mut dk_acc[j0 * hd..], ds, &sc.q, gm, n, hd);
+                plus_times_tile(&mut dq_acc, ds, k, kv0, kvs, gm, n, hd);
                 j0 += n;
             }
             for r in 0..gm {
@@ -399,43 +436,21 @@ pub fn attention_bwd(
 
 /// The inputs of the backward's tile recomputation.
 struct Tile<'a> {
-    q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
-    d_o: &'a [f32],
     lse: &'a [f32],
     delta: &'a [f32],
     pos: &'a [u32],
     s: AttnShape,
-    scale: f32,
 }
 
 impl Tile<'_> {
-    /// The query tile `i0..i0+m` of every head of kv head `kh`'s group, stacked (row r: head
-    /// kh·group + r / m, query i0 + r % m): `sc.q` = Q·scale, `sc.do_` = dO.
-    fn gather(&self, sc: &mut Scratch, bi: usize, kh: usize, i0: usize, m: usize) {
-        let AttnShape { t, nh, nkv, hd, .. } = self.s;
-        let (qs, group) = (nh * hd, nh / nkv);
-        for g in 0..group {
-            let q0 = (bi * t + i0) * qs + (kh * group + g) * hd;
-            gather_rows(
-                &mut sc.q[g * m * hd..],
-                &self.q[q0..],
-                qs,
-                m,
-                hd,
-                self.scale,
-            );
-            gather_rows(&mut sc.do_[g * m * hd..], &self.d_o[q0..], qs, m, hd, 1.0);
-        }
-    }
-
     /// For the gathered rows and keys `j0..j0+n`: `sc.s` = P (0 where not visible), `sc.dp` =
     /// dS = P ⊙ (dO·Vᵀ − D).
     #[allow(clippy::too_many_arguments)]
     fn probabilities_and_ds(
         &self,
-        sc: &mut Scratch,
+        sc: &mut BwdScratch,
         bi: usize,
         kh: usize,
         i0: usize,
@@ -447,28 +462,8 @@ impl Tile<'_> {
         let (kvs, group) = (nkv * hd, nh / nkv);
         let gm = group * m;
         let kv0 = (bi * t + j0) * kvs + kh * hd;
-        gemm_serial(
-            &mut sc.s[..gm * n],
-            &sc.q,
-            (hd, 1),
-            &self.k[kv0..],
-            (1, kvs),
-            gm,
-            hd,
-            n,
-            false,
-        );
-        gemm_serial(
-            &mut sc.dp[..gm * n],
-            &sc.do_,
-            (hd, 1),
-            &self.v[kv0..],
-            (1, kvs),
-            gm,
-            hd,
-            n,
-            false,
-        );
+        times_tile_t(&mut sc.s, &sc.q, self.k, kv0, kvs, gm, n, hd);
+        times_tile_t(&mut sc.dp, &sc.do_, self.v, kv0, kvs, gm, n, hd);
         for r in 0..gm {
             let (h, i) = (kh * group + r / m, i0 + r % m);
             let (lo, hi) = visible(self.pos, bi, t, i, j0, n);

@@ -1,17 +1,14 @@
-//! `megatrain selftest --device cuda`: every kernel and GEMM on fresh random inputs against the
-//! CPU reference (a table of cases, each a reference, a launch and a tolerance), a few training
-//! steps on the CUDA device against the CPU device, and the page-locked link.
+//! The self-test's kernel cases: every kernel and GEMM on fresh random inputs against the CPU
+//! reference (a table of cases, each a reference, a launch and a tolerance).
 
-use super::{compare, compare_bounded, compare_runs, small_model, train_steps, Check, BATCH, SEQ};
+use super::super::{compare, compare_bounded, Check};
 use crate::device::cuda::launches::{AttnArgs, Dtype, Launcher};
-use crate::device::cuda::pinned::PageLock;
-use crate::device::cuda::{drv, CudaDevice, CudaDeviceConfig, CudaRuntime, DevPtr};
+use crate::device::cuda::{drv, CudaRuntime, DevPtr};
 use crate::device::launch::{self, AttnShape};
 use crate::model::ops;
 use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
-use std::sync::Arc;
 
 /// fp32 kernels differ from the CPU only in summation order and FMA.
 const TOL_F32: f64 = 1e-4;
@@ -26,10 +23,6 @@ const TOL_TF32: f64 = 2.0 / 1024.0;
 /// entries near zero (floored at 1e-3 of the largest) carry errors of a few fp32 ulps of the
 /// largest entry.
 const TOL_ATTN_BWD: f64 = 1e-3;
-/// Tolerance of the training check: fp32 on both sides, differing only in summation order
-/// (cuBLAS, atomics in the weight-gradient reductions) compounded over a few steps.
-pub const TOL_TRAINING: f64 = 1e-3;
-
 /// What the CPU reference sees of a bf16-stored input: the value rounded to bf16 (RNE).
 fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| bf16_to_f32(f32_to_bf16(*x))).collect()
@@ -757,57 +750,4 @@ fn gemm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
     }
     .map_err(|e| Error::cuda("gemm_ex bf16", e))?;
     Ok(vec![Out::new("y = x·wᵀ", g.down(&yd)?, want)])
-}
-
-/// The training check: [`super::STEPS`] steps of the self-test model on GPU `ordinal` against
-/// the same steps on the CPU device.
-pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
-    let cfg = small_model()?;
-    let tm = Arc::new(crate::model::reference::Templates::new(&cfg, SEQ)?);
-    let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
-    let cpu = Arc::new(crate::device::cpu::CpuDevice::new(
-        crate::device::cpu::CpuDeviceConfig {
-            capacity_bytes: 1 << 30,
-            link: None,
-            jitter: None,
-            batch: BATCH,
-            seq: SEQ,
-        },
-        tm.clone(),
-    )?);
-    let want = train_steps(&machine, cpu, tm.clone(), seed)?;
-    let gpu = Arc::new(CudaDevice::open(
-        CudaDeviceConfig {
-            ordinal,
-            batch: BATCH,
-            seq: SEQ,
-            capacity_bytes: None,
-            tf32: false,
-        },
-        tm.clone(),
-    )?);
-    let got = train_steps(&machine, gpu, tm, seed)?;
-    Ok(compare_runs(&got, &want, TOL_TRAINING))
-}
-
-/// Host→device and device→host GB/s of a 256 MiB copy from page-locked host memory, median of
-/// 5, timed with events.
-pub fn link(rt: &CudaRuntime) -> Result<(f64, f64)> {
-    let n = 64usize << 20; // f32 elements: 256 MiB
-    let host = crate::host::Region::allocate(crate::host::RegionSpec::scratch(
-        "selftest pinned buffer",
-        n * 4,
-    ))?;
-    let _locked = PageLock::region(&rt.ctx, &host)?;
-    // SAFETY: the region holds n f32 and is page-locked while `_locked` lives.
-    let hs = unsafe { std::slice::from_raw_parts_mut(host.as_ptr().cast::<f32>(), n) };
-    let mut dev = drv(rt.stream.alloc_zeros::<f32>(n), "allocate 256 MiB")?;
-    let gbps = |ms: f64| (n * 4) as f64 / (ms * 1e-3) / 1e9;
-    let htod = rt.time_ms(None, 5, &mut || {
-        drv(rt.stream.memcpy_htod(&*hs, &mut dev), "copy host to device")
-    })?;
-    let dtoh = rt.time_ms(None, 5, &mut || {
-        drv(rt.stream.memcpy_dtoh(&dev, &mut *hs), "copy device to host")
-    })?;
-    Ok((gbps(htod), gbps(dtoh)))
 }

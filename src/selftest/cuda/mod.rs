@@ -1,0 +1,70 @@
+//! `megatrain selftest --device cuda`: every kernel and GEMM on fresh random inputs against the
+//! CPU reference ([`kernels`]), a few training steps on the CUDA device against the CPU device,
+//! and the page-locked link.
+
+mod kernels;
+
+pub use kernels::kernels;
+
+use super::{compare_runs, small_model, train_steps, Check, BATCH, SEQ};
+use crate::device::cuda::pinned::PageLock;
+use crate::device::cuda::{drv, CudaDevice, CudaDeviceConfig, CudaRuntime};
+use crate::Result;
+use std::sync::Arc;
+
+/// Tolerance of the training check: fp32 on both sides, differing only in summation order
+/// (cuBLAS, atomics in the weight-gradient reductions) compounded over a few steps.
+pub const TOL_TRAINING: f64 = 1e-3;
+
+/// The training check: [`super::STEPS`] steps of the self-test model on GPU `ordinal` against
+/// the same steps on the CPU device.
+pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
+    let cfg = small_model()?;
+    let tm = Arc::new(crate::model::reference::Templates::new(&cfg, SEQ)?);
+    let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
+    let cpu = Arc::new(crate::device::cpu::CpuDevice::new(
+        crate::device::cpu::CpuDeviceConfig {
+            capacity_bytes: 1 << 30,
+            link: None,
+            jitter: None,
+            batch: BATCH,
+            seq: SEQ,
+        },
+        tm.clone(),
+    )?);
+    let want = train_steps(&machine, cpu, tm.clone(), seed)?;
+    let gpu = Arc::new(CudaDevice::open(
+        CudaDeviceConfig {
+            ordinal,
+            batch: BATCH,
+            seq: SEQ,
+            capacity_bytes: None,
+            tf32: false,
+        },
+        tm.clone(),
+    )?);
+    let got = train_steps(&machine, gpu, tm, seed)?;
+    Ok(compare_runs(&got, &want, TOL_TRAINING))
+}
+
+/// Host→device and device→host GB/s of a 256 MiB copy from page-locked host memory, median of
+/// 5, timed with events.
+pub fn link(rt: &CudaRuntime) -> Result<(f64, f64)> {
+    let n = 64usize << 20; // f32 elements: 256 MiB
+    let host = crate::host::Region::allocate(crate::host::RegionSpec::scratch(
+        "selftest pinned buffer",
+        n * 4,
+    ))?;
+    let _locked = PageLock::region(&rt.ctx, &host)?;
+    // SAFETY: the region holds n f32 and is page-locked while `_locked` lives.
+    let hs = unsafe { std::slice::from_raw_parts_mut(host.as_ptr().cast::<f32>(), n) };
+    let mut dev = drv(rt.stream.alloc_zeros::<f32>(n), "allocate 256 MiB")?;
+    let gbps = |ms: f64| (n * 4) as f64 / (ms * 1e-3) / 1e9;
+    let htod = rt.time_ms(None, 5, &mut || {
+        drv(rt.stream.memcpy_htod(&*hs, &mut dev), "copy host to device")
+    })?;
+    let dtoh = rt.time_ms(None, 5, &mut || {
+        drv(rt.stream.memcpy_dtoh(&dev, &mut *hs), "copy device to host")
+    })?;
+    Ok((gbps(htod), gbps(dtoh)))
+}
