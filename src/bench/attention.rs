@@ -84,15 +84,15 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
         let (mut dq, mut dk, mut dv) = (vec![0.0f32; qn], vec![0.0f32; kn], vec![0.0f32; kn]);
         let median = |f: &mut dyn FnMut()| {
             f(); // warm-up
-            let mut times: Vec<f64> = (0..a.reps.max(1))
-                .map(|_| {
-                    let t0 = Instant::now();
-                    f();
-                    t0.elapsed().as_secs_f64()
-                })
-                .collect();
-            times.sort_by(f64::total_cmp);
-            times[times.len() / 2]
+            crate::util::median(
+                (0..a.reps.max(1))
+                    .map(|_| {
+                        let t0 = Instant::now();
+                        f();
+                        t0.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            )
         };
         let fwd_s = median(&mut || attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s));
         let fwd_bwd_s = median(&mut || {

@@ -100,6 +100,12 @@ impl Templates {
                 Some("tokenize with the model's tokenizer, or raise vocab_size"),
             ));
         }
+        self.check_positions(positions, t)
+    }
+
+    /// Check positions of sequences of `t` tokens: each sequence starts a document at 0, then
+    /// positions count up by one or restart at 0 (a new document).
+    pub fn check_positions(&self, positions: &[u32], t: usize) -> Result<()> {
         for (r, row) in positions.chunks(t.max(1)).enumerate() {
             let mut prev: Option<u32> = None;
             for (i, &p) in row.iter().enumerate() {
@@ -233,7 +239,20 @@ fn forward_hidden<'p>(
         tm.blocks.len(),
         tm.config.vocab_size,
     );
-    tm.check_batch(tokens, &vec![IGNORE; n], positions, b, t)?;
+    if tokens.len() != n || positions.len() != n {
+        return Err(Error::bad_input(
+            "batch",
+            format!("{b}×{t}"),
+            format!(
+                "got {} tokens and {} positions",
+                tokens.len(),
+                positions.len()
+            ),
+            None,
+        ));
+    }
+    tm.check_tokens(tokens, "inputs")?;
+    tm.check_positions(positions, t)?;
     let mut x = vec![0.0f32; n * c];
     let mut y = vec![0.0f32; n * c];
     tm.embedding.forward(params[0], tokens, &mut x);

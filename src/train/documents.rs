@@ -66,19 +66,20 @@ pub fn encode(docs: &[Document], width: usize, pad_id: u32) -> Result<Vec<u8>> {
         start += d.tokens.len() as u64;
         body.extend_from_slice(&start.to_le_bytes());
     }
-    for &t in docs.iter().flat_map(|d| &d.tokens).chain([&pad_id]) {
-        if width == 2 && u16::try_from(t).is_err() {
-            return Err(Error::bad_input(
-                "token id",
-                t.to_string(),
-                "does not fit a 2-byte document file",
-                Some("use --dtype u32"),
-            ));
-        }
+    let too_wide = |t: u32| {
+        Error::bad_input(
+            "token id",
+            t.to_string(),
+            "does not fit a 2-byte document file",
+            Some("use --dtype u32"),
+        )
+    };
+    if width == 2 && u16::try_from(pad_id).is_err() {
+        return Err(too_wide(pad_id));
     }
     for &t in docs.iter().flat_map(|d| &d.tokens) {
         match width {
-            2 => body.extend_from_slice(&(t as u16).to_le_bytes()),
+            2 => body.extend_from_slice(&u16::try_from(t).map_err(|_| too_wide(t))?.to_le_bytes()),
             _ => body.extend_from_slice(&t.to_le_bytes()),
         }
     }

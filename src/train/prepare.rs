@@ -204,15 +204,10 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
     }
     let make = Samples::new(&tok, args, &specials, eos_id)?;
     let mut docs = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = || format!("{}:{}", args.input.display(), i + 1);
-        let v: Json = serde_json::from_str(line)
-            .map_err(|e| Error::bad_input("input", at(), format!("not JSON: {e}"), None))?;
+    for record in json_lines(&text, &args.input) {
+        let (at, v) = record?;
         let doc = make.document(&v).map_err(|e| match e {
-            SampleError::Bad(why) => Error::bad_input("input", at(), why, None),
+            SampleError::Bad(why) => Error::bad_input("input", at, why, None),
             SampleError::Other(e) => e,
         })?;
         match doc {
@@ -289,6 +284,28 @@ fn choose_dtype(tk: &tokenizers::Tokenizer, asked: Option<DataDtype>) -> Result<
     }
 }
 
+/// The non-blank lines of a JSON Lines file, parsed, each with its `file:line` for errors.
+fn json_lines<'a>(
+    text: &'a str,
+    path: &'a Path,
+) -> impl Iterator<Item = Result<(String, Json)>> + 'a {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(move |(i, l)| {
+            let at = format!("{}:{}", path.display(), i + 1);
+            match serde_json::from_str(l) {
+                Ok(v) => Ok((at, v)),
+                Err(e) => Err(Error::bad_input(
+                    "input",
+                    at,
+                    format!("not JSON: {e}"),
+                    None,
+                )),
+            }
+        })
+}
+
 /// `text` format: the documents' ids, each followed by EOS.
 fn prepare_text(
     tok: &Tok,
@@ -299,25 +316,16 @@ fn prepare_text(
     report: &mut PrepareReport,
 ) -> Result<Vec<u32>> {
     let docs: Vec<String> = if is_jsonl {
-        text.lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(i, l)| {
-                let v: Json = serde_json::from_str(l).map_err(|e| {
-                    Error::bad_input(
-                        "input",
-                        format!("{}:{}", args.input.display(), i + 1),
-                        format!("not JSON: {e}"),
-                        None,
-                    )
-                })?;
+        json_lines(text, &args.input)
+            .map(|record| {
+                let (at, v) = record?;
                 v.get(&args.text_key)
                     .and_then(|t| t.as_str())
                     .map(str::to_owned)
                     .ok_or_else(|| {
                         Error::bad_input(
                             "input",
-                            format!("{}:{}", args.input.display(), i + 1),
+                            at,
                             format!("has no string field `{}`", args.text_key),
                             Some("set --text-key"),
                         )
