@@ -175,11 +175,12 @@ struct Packed {
     docs: DocFile,
     rows: Vec<usize>,
     pieces: Vec<(usize, usize)>,
+    report: PackReport,
 }
 
 impl Packed {
     /// Pack `docs` into rows of `seq` tokens.
-    fn new(docs: DocFile, seq: usize, packing: Packing, overlong: Overlong) -> (Self, PackReport) {
+    fn new(docs: DocFile, seq: usize, packing: Packing, overlong: Overlong) -> Self {
         let mut report = PackReport {
             documents: docs.documents(),
             ..PackReport::default()
@@ -217,7 +218,12 @@ impl Packed {
             rows.push(pieces.len());
         }
         report.rows = rows.len() - 1;
-        (Packed { docs, rows, pieces }, report)
+        Packed {
+            docs,
+            rows,
+            pieces,
+            report,
+        }
     }
 
     /// Row `r`'s inputs, targets and positions, T each, appended.
@@ -305,8 +311,6 @@ pub struct Loader {
     shuffle: bool,
     seed: u64,
     order: Vec<usize>,
-    /// How a document file was packed (`None` for flat tokens).
-    pub packed: Option<PackReport>,
     /// Position of the next row.
     pub cursor: Cursor,
 }
@@ -334,25 +338,24 @@ impl Loader {
         cursor: Cursor,
     ) -> Result<Self> {
         let RowSpec { seq, batch, .. } = spec;
-        let (rows, packed) = match file {
-            DataFile::Tokens(f) => (Rows::Flat(f), None),
+        let rows = match file {
+            DataFile::Tokens(f) => Rows::Flat(f),
             DataFile::Documents(d) => {
-                let (p, report) = Packed::new(d, seq, spec.packing, spec.overlong);
-                (Rows::Packed(p), Some(report))
+                Rows::Packed(Packed::new(d, seq, spec.packing, spec.overlong))
             }
         };
         let count = rows.count(seq);
         if count < batch {
-            let what = match (&rows, packed) {
-                (Rows::Flat(f), _) => format!(
+            let what = match &rows {
+                Rows::Flat(f) => format!(
                     "{} tokens make {count} rows of {} tokens, fewer than one batch of {batch}",
                     f.len(),
                     seq + 1
                 ),
-                (_, Some(r)) => {
-                    format!("{r} of {seq} tokens: fewer than one batch of {batch}")
-                }
-                (_, None) => format!("{count} rows, fewer than one batch of {batch}"),
+                Rows::Packed(p) => format!(
+                    "{} of {seq} tokens: fewer than one batch of {batch}",
+                    p.report
+                ),
             };
             return Err(Error::bad_input(
                 "data file",
@@ -369,9 +372,16 @@ impl Loader {
             shuffle,
             seed,
             order,
-            packed,
             cursor,
         })
+    }
+
+    /// How a document file was packed (`None` for flat tokens).
+    pub fn packed(&self) -> Option<PackReport> {
+        match &self.rows {
+            Rows::Flat(_) => None,
+            Rows::Packed(p) => Some(p.report),
+        }
     }
 
     /// The next `batch` rows.
@@ -512,7 +522,7 @@ mod tests {
         ];
         let (_d, l) = loader(&docs, spec(8, 1));
         let mut l = l.unwrap();
-        let r = l.packed.unwrap();
+        let r = l.packed().unwrap();
         assert_eq!((r.documents, r.rows, r.truncated, r.dropped), (5, 3, 0, 0));
         assert_eq!((r.tokens, r.trained), (18, 2 + 3 + 1 + 3 + 1));
         let x = IGNORE;
@@ -545,7 +555,7 @@ mod tests {
             },
         );
         let mut l = l.unwrap();
-        let r = l.packed.unwrap();
+        let r = l.packed().unwrap();
         assert_eq!((r.rows, r.truncated, r.dropped), (3, 1, 1));
         assert_eq!(&l.next_batch().tokens[..], &[1, 2, 3, 0]);
         let mb = l.next_batch();
@@ -558,7 +568,7 @@ mod tests {
                 ..spec(4, 1)
             },
         );
-        let r = l.unwrap().packed.unwrap();
+        let r = l.unwrap().packed().unwrap();
         assert_eq!((r.rows, r.truncated, r.dropped), (2, 0, 2));
         let (_d, l) = loader(&docs, spec(4, 5));
         let e = l.unwrap_err().to_string();

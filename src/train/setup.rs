@@ -129,7 +129,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         ("training", Some(&loader)),
         ("validation", val_loader.as_ref()),
     ] {
-        if let Some(r) = l.and_then(|l| l.packed) {
+        if let Some(r) = l.and_then(Loader::packed) {
             progress.note(
                 &format!("{what} data: {r} (packing {:?}, rows of {t})", cfg.packing)
                     .to_lowercase(),
