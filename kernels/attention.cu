@@ -7,8 +7,10 @@
 // attention, as FlashAttention's cu_seqlens). First keys never decrease along a row, which bounds
 // the tiles a block visits.
 //
-// Layouts: q, out, dout, dq [B, T, NH, hd]; k, v, dk, dv [B, T, NKV, hd]; lse, delta [B, NH, T]
-// fp32. Query head h reads kv head h / (NH / NKV) (repeat_interleave). hd ≤ 256 (MAX_PER_LANE ×
+// Queries: rows q0 … q1−1 of every sequence (a token chunk; 0 … T−1 for the whole sequence).
+// Layouts: q, out, dout, dq [B, q1−q0, NH, hd] (the chunk's rows only); k, v, dk, dv
+// [B, T, NKV, hd]; lse, delta [B, NH, q1−q0] fp32. dk and dv are accumulated (+=): a sequence's
+// key gradients are summed over its query chunks in stream order. Query head h reads kv head h / (NH / NKV) (repeat_interleave). hd ≤ 256 (MAX_PER_LANE ×
 // 32). One warp per query row (forward, dq) or per key row (dk/dv); a block holds ROWS warps and a
 // tile of `tile` rows of the other side, `tile` chosen by the host so the tiles fit in shared
 // memory (launch geometry in src/device/launch.rs).
@@ -40,15 +42,16 @@ __device__ __forceinline__ float dot_shared(const float* r, const float* s, int 
     return warp_sum(acc);
 }
 
-// Copy `rows` rows (from `first`) of a [B, T, H, hd] tensor's head `head` into shared memory.
+// Copy `rows` rows (from row `first`) of a [B, len, H, hd] tensor holding rows base … base+len−1
+// of each sequence, head `head`, into shared memory (zeros past the end).
 template <typename T>
 __device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ src, long long b,
-                                          int t, int heads, int head, int hd, int first,
-                                          int rows) {
+                                          int base, int len, int heads, int head, int hd,
+                                          int first, int rows) {
     for (int i = threadIdx.x; i < rows * hd; i += blockDim.x) {
         const int r = i / hd, d = i % hd;
-        const int pos = first + r;
-        dst[i] = pos < t ? ld(src[((b * t + pos) * heads + head) * (long long)hd + d]) : 0.0f;
+        const int at = first + r - base;
+        dst[i] = at < len ? ld(src[((b * len + at) * heads + head) * (long long)hd + d]) : 0.0f;
     }
 }
 
@@ -62,31 +65,33 @@ template <typename T>
 __device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
                               const T* __restrict__ q, const T* __restrict__ k,
                               const T* __restrict__ v, const unsigned* __restrict__ pos, int t,
-                              int nh, int nkv, int hd, int tile, float scale) {
+                              int q0, int q1, int nh, int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;              // [tile, hd]
     float* vs = smem + tile * hd;  // [tile, hd]
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const long long b = blockIdx.z;
     const int h = blockIdx.y, g = h / (nh / nkv);
-    const int first = blockIdx.x * ROWS;
+    const int nq = q1 - q0;
+    const int first = q0 + blockIdx.x * ROWS;
     const int i = first + warp;  // this warp's query row
-    const bool live = i < t;
+    const bool live = i < q1;
+    const long long qrow = ((b * nq + i - q0) * nh + h) * (long long)hd;
     float qr[MAX_PER_LANE], o[MAX_PER_LANE];
-    if (live) load_row(qr, q + ((b * t + i) * nh + h) * (long long)hd, hd);
+    if (live) load_row(qr, q + qrow, hd);
 #pragma unroll
     for (int x = 0; x < MAX_PER_LANE; x++) {
         qr[x] *= scale;
         o[x] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    const int last = min(first + ROWS, t) - 1;  // the block's last query row
+    const int last = min(first + ROWS, q1) - 1;  // the block's last query row
     const int lo = live ? first_key(pos, b, t, i) : 0;
     const int j_begin = first_key(pos, b, t, first) / tile * tile;  // the block's lowest
     for (int j0 = j_begin; j0 <= last; j0 += tile) {
         __syncthreads();
-        load_tile(ks, k, b, t, nkv, g, hd, j0, tile);
-        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);
+        load_tile(ks, k, b, 0, t, nkv, g, hd, j0, tile);
+        load_tile(vs, v, b, 0, t, nkv, g, hd, j0, tile);
         __syncthreads();
         if (!live) continue;
         const int jn = min(tile, i - j0 + 1);
@@ -105,13 +110,13 @@ __device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
     }
     if (!live) return;
     const float inv = 1.0f / l;
-    T* orow = out + ((b * t + i) * nh + h) * (long long)hd;
+    T* orow = out + qrow;
 #pragma unroll
     for (int x = 0; x < MAX_PER_LANE; x++) {
         const int d = lane + x * WARP;
         if (d < hd) st(&orow[d], o[x] * inv);
     }
-    if (lane == 0) lse[(b * nh + h) * t + i] = m + __logf(l);
+    if (lane == 0) lse[(b * nh + h) * nq + i - q0] = m + __logf(l);
 }
 
 // dq_i = scale · Σ_j p_ij (dout_i·v_j − D_i) k_j, with D_i = dout_i·out_i (written for the dk/dv
@@ -121,21 +126,22 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
                                  const T* __restrict__ dout, const T* __restrict__ out,
                                  const T* __restrict__ q, const T* __restrict__ k,
                                  const T* __restrict__ v, const float* __restrict__ lse,
-                                 const unsigned* __restrict__ pos, int t, int nh, int nkv, int hd,
-                                 int tile, float scale) {
+                                 const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
+                                 int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;
     float* vs = smem + tile * hd;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const long long b = blockIdx.z;
     const int h = blockIdx.y, g = h / (nh / nkv);
-    const int first = blockIdx.x * ROWS;
+    const int nq = q1 - q0;
+    const int first = q0 + blockIdx.x * ROWS;
     const int i = first + warp;
-    const bool live = i < t;
+    const bool live = i < q1;
+    const long long row = ((b * nq + i - q0) * nh + h) * (long long)hd;
     float qr[MAX_PER_LANE], dor[MAX_PER_LANE], acc[MAX_PER_LANE];
     float di = 0.0f, li = 0.0f;
     if (live) {
-        const long long row = ((b * t + i) * nh + h) * (long long)hd;
         load_row(qr, q + row, hd);
         load_row(dor, dout + row, hd);
         float orow[MAX_PER_LANE];
@@ -144,21 +150,21 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
 #pragma unroll
         for (int x = 0; x < MAX_PER_LANE; x++) part += dor[x] * orow[x];
         di = warp_sum(part);
-        li = lse[(b * nh + h) * t + i];
-        if (lane == 0) delta[(b * nh + h) * t + i] = di;
+        li = lse[(b * nh + h) * nq + i - q0];
+        if (lane == 0) delta[(b * nh + h) * nq + i - q0] = di;
     }
 #pragma unroll
     for (int x = 0; x < MAX_PER_LANE; x++) {
         qr[x] *= scale;
         acc[x] = 0.0f;
     }
-    const int last = min(first + ROWS, t) - 1;
+    const int last = min(first + ROWS, q1) - 1;
     const int lo = live ? first_key(pos, b, t, i) : 0;
     const int j_begin = first_key(pos, b, t, first) / tile * tile;
     for (int j0 = j_begin; j0 <= last; j0 += tile) {
         __syncthreads();
-        load_tile(ks, k, b, t, nkv, g, hd, j0, tile);
-        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);
+        load_tile(ks, k, b, 0, t, nkv, g, hd, j0, tile);
+        load_tile(vs, v, b, 0, t, nkv, g, hd, j0, tile);
         __syncthreads();
         if (!live) continue;
         const int jn = min(tile, i - j0 + 1);
@@ -173,7 +179,7 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
         }
     }
     if (!live) return;
-    T* drow = dq + ((b * t + i) * nh + h) * (long long)hd;
+    T* drow = dq + row;
 #pragma unroll
     for (int x = 0; x < MAX_PER_LANE; x++) {
         const int d = lane + x * WARP;
@@ -181,16 +187,16 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
     }
 }
 
-// For kv head g's key row j: dv_j = Σ_{h in g} Σ_i p_ij dout_i,
-// dk_j = scale · Σ_{h in g} Σ_i p_ij (dout_i·v_j − D_i) q_i over the queries i ≥ j of j's document
-// (first_key(i) ≤ j). No atomics: one warp owns a row.
+// For kv head g's key row j < q1: dv_j += Σ_{h in g} Σ_i p_ij dout_i,
+// dk_j += scale · Σ_{h in g} Σ_i p_ij (dout_i·v_j − D_i) q_i over the chunk's queries i ≥ j of j's
+// document (first_key(i) ≤ j). No atomics: one warp owns a row.
 template <typename T>
 __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
                                  const T* __restrict__ dout, const T* __restrict__ q,
                                  const T* __restrict__ k, const T* __restrict__ v,
                                  const float* __restrict__ lse, const float* __restrict__ delta,
-                                 const unsigned* __restrict__ pos, int t, int nh, int nkv, int hd,
-                                 int tile, float scale) {
+                                 const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
+                                 int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* qs = smem;                       // [tile, hd]
     float* ds_ = smem + tile * hd;          // [tile, hd] (dout rows)
@@ -200,9 +206,10 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const long long b = blockIdx.z;
     const int g = blockIdx.y, group = nh / nkv;
+    const int nq = q1 - q0;
     const int first = blockIdx.x * ROWS;
     const int j = first + warp;
-    const bool live = j < t;
+    const bool live = j < q1;
     float kr[MAX_PER_LANE], vr[MAX_PER_LANE], dkr[MAX_PER_LANE], dvr[MAX_PER_LANE];
     if (live) {
         const long long row = ((b * t + j) * nkv + g) * (long long)hd;
@@ -215,22 +222,22 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
         dkr[x] = 0.0f;
         dvr[x] = 0.0f;
     }
-    const int last = min(first + ROWS, t) - 1;  // the block's last key row
+    const int last = min(first + ROWS, q1) - 1;  // the block's last key row
     for (int h = g * group; h < (g + 1) * group; h++) {
         // Queries past the block's last key's document see none of its keys: stop there.
-        for (int i0 = first; i0 < t && first_key(pos, b, t, i0) <= last; i0 += tile) {
+        for (int i0 = max(first, q0); i0 < q1 && first_key(pos, b, t, i0) <= last; i0 += tile) {
             __syncthreads();
-            load_tile(qs, q, b, t, nh, h, hd, i0, tile);
-            load_tile(ds_, dout, b, t, nh, h, hd, i0, tile);
+            load_tile(qs, q, b, q0, nq, nh, h, hd, i0, tile);
+            load_tile(ds_, dout, b, q0, nq, nh, h, hd, i0, tile);
             for (int r = threadIdx.x; r < tile; r += blockDim.x) {
                 const int row = i0 + r;
-                ls[r] = row < t ? lse[(b * nh + h) * t + row] : 0.0f;
-                dls[r] = row < t ? delta[(b * nh + h) * t + row] : 0.0f;
-                los[r] = row < t ? first_key(pos, b, t, row) : t;
+                ls[r] = row < q1 ? lse[(b * nh + h) * nq + row - q0] : 0.0f;
+                dls[r] = row < q1 ? delta[(b * nh + h) * nq + row - q0] : 0.0f;
+                los[r] = row < q1 ? first_key(pos, b, t, row) : t;
             }
             __syncthreads();
             if (!live) continue;
-            for (int ii = max(0, j - i0); ii < tile && i0 + ii < t && los[ii] <= j; ii++) {
+            for (int ii = max(0, j - i0); ii < tile && i0 + ii < q1 && los[ii] <= j; ii++) {
                 const float p = __expf(dot_shared(kr, qs + ii * hd, hd) - ls[ii]);
                 const float dp = dot_shared(vr, ds_ + ii * hd, hd);
                 const float dsc = p * (dp - dls[ii]);
@@ -251,8 +258,8 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
     for (int x = 0; x < MAX_PER_LANE; x++) {
         const int d = lane + x * WARP;
         if (d < hd) {
-            st(&dk[row + d], dkr[x] * scale);
-            st(&dv[row + d], dvr[x]);
+            st(&dk[row + d], ld(dk[row + d]) + dkr[x] * scale);
+            st(&dv[row + d], ld(dv[row + d]) + dvr[x]);
         }
     }
 }
@@ -260,25 +267,26 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
 #define ATTENTION(name, T)                                                                        \
     extern "C" __global__ void attention_fwd_##name(T* out, float* lse, const T* q, const T* k,  \
                                                     const T* v, const unsigned* pos, int t,     \
-                                                    int nh, int nkv, int hd, int tile,          \
-                                                    float scale) {                              \
-        attention_fwd<T>(out, lse, q, k, v, pos, t, nh, nkv, hd, tile, scale);                  \
+                                                    int q0, int q1, int nh, int nkv, int hd,    \
+                                                    int tile, float scale) {                    \
+        attention_fwd<T>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, hd, tile, scale);          \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_##name(T* dq, float* delta, const T* dout,          \
                                                     const T* out, const T* q, const T* k,       \
                                                     const T* v, const float* lse,               \
-                                                    const unsigned* pos, int t, int nh,         \
-                                                    int nkv, int hd, int tile, float scale) {   \
-        attention_bwd_dq<T>(dq, delta, dout, out, q, k, v, lse, pos, t, nh, nkv, hd, tile,      \
-                            scale);                                                             \
+                                                    const unsigned* pos, int t, int q0, int q1, \
+                                                    int nh, int nkv, int hd, int tile,          \
+                                                    float scale) {                              \
+        attention_bwd_dq<T>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv, hd,    \
+                            tile, scale);                                                       \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_kv_##name(T* dk, T* dv, const T* dout, const T* q,  \
                                                        const T* k, const T* v, const float* lse, \
                                                        const float* delta, const unsigned* pos,  \
-                                                       int t, int nh, int nkv, int hd, int tile, \
-                                                       float scale) {                            \
-        attention_bwd_kv<T>(dk, dv, dout, q, k, v, lse, delta, pos, t, nh, nkv, hd, tile,       \
-                            scale);                                                              \
+                                                       int t, int q0, int q1, int nh, int nkv,   \
+                                                       int hd, int tile, float scale) {          \
+        attention_bwd_kv<T>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv, hd,     \
+                            tile, scale);                                                        \
     }
 
 FOR_DTYPES(ATTENTION)

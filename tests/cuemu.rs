@@ -613,24 +613,18 @@ mod scenarios {
         if bug {
             // The barrier between loading a K/V tile and reading it, in the forward kernel.
             let a =
-                "        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);\n        __syncthreads();\n";
+                "        load_tile(vs, v, b, 0, t, nkv, g, hd, j0, tile);\n        __syncthreads();\n";
             if !src.contains(a) {
                 return Err("the attention source changed: cannot apply the bug".into());
             }
             src = src.replacen(
                 a,
-                "        load_tile(vs, v, b, t, nkv, g, hd, j0, tile);\n",
+                "        load_tile(vs, v, b, 0, t, nkv, g, hd, j0, tile);\n",
                 1,
             );
         }
         let f = kernel(ctx, &src, "attention_fwd_f32")?;
-        let shape = AttnShape {
-            b: 1,
-            t: 20,
-            nh: 2,
-            nkv: 1,
-            hd: 32,
-        };
+        let shape = AttnShape::causal(1, 20, 2, 1, 32);
         let l = attention(shape, DEFAULT_SMEM).map_err(|e| e.to_string())?;
         let (q_len, kv_len) = (
             shape.t * shape.nh * shape.hd,
@@ -653,14 +647,16 @@ mod scenarios {
             .collect();
         let mut pos = alloc(4 * shape.t)?;
         upload(pos, &positions, s)?;
-        let (mut t, mut nh, mut nkv, mut hd) = (
+        let (mut t, mut q0, mut q1, mut nh, mut nkv, mut hd) = (
             shape.t as i32,
+            shape.q0 as i32,
+            shape.q1 as i32,
             shape.nh as i32,
             shape.nkv as i32,
             shape.hd as i32,
         );
         let (mut tile, mut scale) = (l.tile as i32, 1.0f32 / (shape.hd as f32).sqrt());
-        let mut args: [*mut c_void; 12] = [
+        let mut args: [*mut c_void; 14] = [
             (&mut out as *mut u64).cast(),
             (&mut lse as *mut u64).cast(),
             (&mut q as *mut u64).cast(),
@@ -668,6 +664,8 @@ mod scenarios {
             (&mut v as *mut u64).cast(),
             (&mut pos as *mut u64).cast(),
             (&mut t as *mut i32).cast(),
+            (&mut q0 as *mut i32).cast(),
+            (&mut q1 as *mut i32).cast(),
             (&mut nh as *mut i32).cast(),
             (&mut nkv as *mut i32).cast(),
             (&mut hd as *mut i32).cast(),

@@ -173,8 +173,7 @@ fn rig_spill(
                 capacity_bytes: 64 << 20,
                 link: None,
                 jitter,
-                batch: B,
-                seq: T,
+                shape: megatrain::device::program::Shape::whole(B, T),
             },
             tm.clone(),
         )

@@ -65,13 +65,7 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
     }
     let mut cases = Vec::new();
     for &t in &a.seqs {
-        let s = AttnShape {
-            b: 1,
-            t,
-            nh: a.heads,
-            nkv: a.kv_heads,
-            hd: a.head_dim,
-        };
+        let s = AttnShape::causal(1, t, a.heads, a.kv_heads, a.head_dim);
         let (qn, kn) = (t * a.heads * a.head_dim, t * a.kv_heads * a.head_dim);
         let (q, k, v, d_o) = (
             crate::util::uniform(qn, 1, 1.0),
@@ -82,6 +76,7 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
         let pos = flat_positions(1, t);
         let (mut o, mut lse) = (vec![0.0f32; qn], vec![0.0f32; a.heads * t]);
         let (mut dq, mut dk, mut dv) = (vec![0.0f32; qn], vec![0.0f32; kn], vec![0.0f32; kn]);
+        let mut delta = vec![0.0f32; a.heads * t];
         let median = |f: &mut dyn FnMut()| {
             f(); // warm-up
             crate::util::median(
@@ -97,8 +92,10 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
         let fwd_s = median(&mut || attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s));
         let fwd_bwd_s = median(&mut || {
             attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s);
+            dk.fill(0.0);
+            dv.fill(0.0);
             attention_bwd(
-                &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, &o, &lse, &pos, s,
+                &mut dq, &mut dk, &mut dv, &mut delta, &d_o, &q, &k, &v, &o, &lse, &pos, s,
             );
         });
         cases.push(AttnCase {

@@ -355,8 +355,7 @@ fn build_streamer(
             capacity_bytes: 4 << 30,
             link: Some(link),
             jitter: None,
-            batch: case.batch,
-            seq: case.seq,
+            shape: crate::device::program::Shape::whole(case.batch, case.seq),
         },
         tm.clone(),
     )?);

@@ -42,10 +42,8 @@ pub struct CpuDeviceConfig {
     pub link: Option<LinkModel>,
     /// Random delay of up to this many microseconds before every command (seeded per stream).
     pub jitter: Option<(u64, u64)>,
-    /// Micro-batch shape the kernels run on.
-    pub batch: usize,
-    /// Sequence length.
-    pub seq: usize,
+    /// Micro-batch shape (and token chunks) the kernels run on.
+    pub shape: Shape,
 }
 
 /// A device buffer with a run-time borrow flag: streams that touch the same buffer at the same
@@ -221,7 +219,7 @@ fn zeroed(len: usize, label: &str) -> Result<Vec<f32>> {
 impl CpuDevice {
     /// Start the device's three stream threads. `templates` are the layer ops it runs.
     pub fn new(cfg: CpuDeviceConfig, templates: Arc<Templates>) -> Result<Self> {
-        let (layout, elems) = Ws::layout(&templates.config, cfg.batch, cfg.seq);
+        let (layout, elems) = Ws::layout(&templates.config, cfg.shape);
         let workspace_bytes = 4 * elems as u64;
         if workspace_bytes > cfg.capacity_bytes {
             return Err(Error::system(
@@ -267,7 +265,7 @@ impl CpuDevice {
                     max,
                 )
             });
-            let (b, t) = (cfg.batch, cfg.seq);
+            let shape = cfg.shape;
             let h = std::thread::Builder::new()
                 .name(format!("cpu-device-{}", stream.name()))
                 .spawn(move || {
@@ -278,7 +276,7 @@ impl CpuDevice {
                         }
                         let start = shared.epoch.elapsed().as_secs_f64();
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            execute(&shared, stream, cmd, link, &templates, ws.as_mut(), b, t)
+                            execute(&shared, stream, cmd, link, &templates, ws.as_mut(), shape)
                         }));
                         match r {
                             Ok(Ok(Some((name, bytes)))) => {
@@ -334,8 +332,7 @@ fn execute(
     link: Option<LinkModel>,
     tm: &Templates,
     ws: Option<&mut Workspace>,
-    b: usize,
-    t: usize,
+    shape: Shape,
 ) -> Result<Option<(String, u64)>> {
     match cmd {
         Cmd::Record(e) => {
@@ -408,7 +405,7 @@ fn execute(
             let ws =
                 ws.ok_or_else(|| Error::internal("CPU device", "no workspace on this stream"))?;
             let name = k.name();
-            run_kernel(shared, k, tm, ws, b, t)?;
+            run_kernel(shared, k, tm, ws, shape)?;
             Ok(Some((name, 0)))
         }
     }
@@ -428,8 +425,7 @@ fn run_kernel(
     k: DeviceKernel,
     tm: &Templates,
     ws: &mut Workspace,
-    b: usize,
-    t: usize,
+    shape: Shape,
 ) -> Result<()> {
     let mut ids: Vec<(BufId, bool)> = k
         .buffers()
@@ -480,7 +476,7 @@ fn run_kernel(
     let base = unsafe { HostP::write(&mut ws.mem) };
     let w = ws.layout.at::<HostBackend<'_>>(base);
     let mut be = HostBackend::new(&tm.rope);
-    let r = program::run(&mut be, tm, &k, &resolve, &w, Shape { b, t });
+    let r = program::run(&mut be, tm, &k, &resolve, &w, shape);
     drop(writes);
     drop(reads);
     r

@@ -99,6 +99,17 @@ fn views<'a, const W: usize, const R: usize>(
     Ok((o, i))
 }
 
+/// An attention shape the CPU kernels take: whole kv groups, queries inside the sequences.
+fn check_queries(s: &AttnShape, op: &str) -> Result<()> {
+    if s.nkv == 0 || !s.nh.is_multiple_of(s.nkv) || s.q0 > s.q1 || s.q1 > s.t {
+        return Err(Error::internal(
+            "device program",
+            format!("{op}: unsupported shape {s:?}"),
+        ));
+    }
+    Ok(())
+}
+
 /// The CPU backend: RoPE tables and the CPU reference ops.
 #[derive(Debug)]
 pub struct HostBackend<'r> {
@@ -187,6 +198,16 @@ impl Backend for HostBackend<'_> {
         Ok(())
     }
 
+    fn copy(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
+        let ([d], [s]) = views("copy", [(dst, len)], [(src, len)])?;
+        d.copy_from_slice(s);
+        Ok(())
+    }
+
+    fn fixed_grad_blocks(&self) -> bool {
+        true
+    }
+
     fn rmsnorm_fwd(
         &mut self,
         y: HostP,
@@ -259,11 +280,12 @@ impl Backend for HostBackend<'_> {
         pos: HostIds,
         s: AttnShape,
     ) -> Result<()> {
-        let (n, qd, kvd) = (s.b * s.t, s.nh * s.hd, s.nkv * s.hd);
+        let (n, nq, qd, kvd) = (s.b * s.t, s.b * s.nq(), s.nh * s.hd, s.nkv * s.hd);
+        check_queries(&s, "attention_fwd")?;
         let ([o, l], [q, k, v]) = views(
             "attention_fwd",
-            [(o, n * qd), (lse, s.b * s.nh * s.t)],
-            [(q, n * qd), (k, n * kvd), (v, n * kvd)],
+            [(o, nq * qd), (lse, s.nh * nq)],
+            [(q, nq * qd), (k, n * kvd), (v, n * kvd)],
         )?;
         let pos = self.ids(pos, n, "attention_fwd")?;
         ops::attention_fwd(o, l, q, k, v, pos, s);
@@ -275,7 +297,7 @@ impl Backend for HostBackend<'_> {
         dq: HostP,
         dk: HostP,
         dv: HostP,
-        _delta: HostP,
+        delta: HostP,
         d_o: HostP,
         q: HostP,
         k: HostP,
@@ -285,21 +307,27 @@ impl Backend for HostBackend<'_> {
         pos: HostIds,
         s: AttnShape,
     ) -> Result<()> {
-        let (n, qd, kvd) = (s.b * s.t, s.nh * s.hd, s.nkv * s.hd);
+        let (n, nq, qd, kvd) = (s.b * s.t, s.b * s.nq(), s.nh * s.hd, s.nkv * s.hd);
+        check_queries(&s, "attention_bwd")?;
         let pos = self.ids(pos, n, "attention_bwd")?;
-        let ([dq, dk, dv], [d_o, q, k, v, o, l]) = views(
+        let ([dq, dk, dv, delta], [d_o, q, k, v, o, l]) = views(
             "attention_bwd",
-            [(dq, n * qd), (dk, n * kvd), (dv, n * kvd)],
             [
-                (d_o, n * qd),
-                (q, n * qd),
+                (dq, nq * qd),
+                (dk, n * kvd),
+                (dv, n * kvd),
+                (delta, s.nh * nq),
+            ],
+            [
+                (d_o, nq * qd),
+                (q, nq * qd),
                 (k, n * kvd),
                 (v, n * kvd),
-                (o, n * qd),
-                (lse, s.b * s.nh * s.t),
+                (o, nq * qd),
+                (lse, s.nh * nq),
             ],
         )?;
-        ops::attention_bwd(dq, dk, dv, d_o, q, k, v, o, l, pos, s);
+        ops::attention_bwd(dq, dk, dv, delta, d_o, q, k, v, o, l, pos, s);
         Ok(())
     }
 

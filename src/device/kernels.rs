@@ -61,9 +61,11 @@ const fn sig(name: &'static str, params: &'static [Param]) -> Signature {
     Signature { name, params }
 }
 
-const ATTN_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32];
+const ATTN_FWD: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, F32,
+];
 const ATTN_BWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, F32,
 ];
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];

@@ -75,7 +75,7 @@ pub use crate::model::ops::AttnShape;
 pub struct AttnLaunch {
     /// `attention_fwd_*` and `attention_bwd_*` (dq): a block per 8 query rows of one head.
     pub rows: Launch,
-    /// `attention_bwd_kv_*`: a block per 8 key rows of one kv head.
+    /// `attention_bwd_kv_*`: a block per 8 key rows (before `q1`) of one kv head.
     pub kv: Launch,
     /// Rows of the other side held in shared memory per tile (the kernels' `tile` argument).
     pub tile: u32,
@@ -102,6 +102,9 @@ pub fn attention(s: AttnShape, smem_limit: usize) -> Result<AttnLaunch> {
     if s.b > GRID_YZ_MAX || s.nh > GRID_YZ_MAX || s.b == 0 || s.t == 0 {
         return bad(format!("batch and heads must be 1..={GRID_YZ_MAX}"));
     }
+    if s.q0 >= s.q1 || s.q1 > s.t {
+        return bad("the queries must be a non-empty range of the sequence".into());
+    }
     // fwd/dq: K and V tiles; kv: Q and dO tiles plus per row two floats (lse, delta) and the
     // query's first key (an int).
     let per_row_fwd = 2 * s.hd * 4;
@@ -112,15 +115,19 @@ pub fn attention(s: AttnShape, smem_limit: usize) -> Result<AttnLaunch> {
             "one tile row needs {per_row_kv} bytes of shared memory, {smem_limit} available"
         ));
     }
-    let blocks = s.t.div_ceil(ATTN_ROWS as usize) as u32;
+    // A block per 8 queries of the range, and per 8 keys the range can see (0..q1).
+    let (query_blocks, key_blocks) = (
+        s.nq().div_ceil(ATTN_ROWS as usize) as u32,
+        s.q1.div_ceil(ATTN_ROWS as usize) as u32,
+    );
     Ok(AttnLaunch {
         rows: Launch {
-            grid: (blocks, s.nh as u32, s.b as u32),
+            grid: (query_blocks, s.nh as u32, s.b as u32),
             block: ATTN_ROWS * 32,
             smem: (tile * per_row_fwd) as u32,
         },
         kv: Launch {
-            grid: (blocks, s.nkv as u32, s.b as u32),
+            grid: (key_blocks, s.nkv as u32, s.b as u32),
             block: ATTN_ROWS * 32,
             smem: (tile * per_row_kv) as u32,
         },
@@ -259,13 +266,7 @@ mod tests {
     #[test]
     fn attention_tiles_fit_shared_memory_for_every_llama_head_dim() {
         for hd in [64, 80, 96, 128, 256] {
-            let s = AttnShape {
-                b: 2,
-                t: 4096,
-                nh: 32,
-                nkv: 8,
-                hd,
-            };
+            let s = AttnShape::causal(2, 4096, 32, 8, hd);
             let l = attention(s, DEFAULT_SMEM).unwrap();
             assert!(l.rows.smem as usize <= DEFAULT_SMEM && l.kv.smem as usize <= DEFAULT_SMEM);
             assert!(l.tile >= 16, "hd {hd}: tile {}", l.tile);
@@ -274,29 +275,13 @@ mod tests {
             assert_eq!(l.rows.block, 256);
         }
         // Short sequences do not load tiles longer than the sequence.
-        let short = attention(
-            AttnShape {
-                b: 1,
-                t: 5,
-                nh: 4,
-                nkv: 4,
-                hd: 64,
-            },
-            DEFAULT_SMEM,
-        )
-        .unwrap();
+        let short = attention(AttnShape::causal(1, 5, 4, 4, 64), DEFAULT_SMEM).unwrap();
         assert_eq!((short.tile, short.rows.grid.0), (5, 1));
     }
 
     #[test]
     fn unsupported_attention_shapes_are_named() {
-        let s = AttnShape {
-            b: 1,
-            t: 8,
-            nh: 6,
-            nkv: 4,
-            hd: 64,
-        };
+        let s = AttnShape::causal(1, 8, 6, 4, 64);
         assert!(attention(s, DEFAULT_SMEM)
             .unwrap_err()
             .to_string()

@@ -227,7 +227,7 @@ pub enum Kernel<B, D> {
         dx: B,
     },
     /// Block backward (recomputing its internals from `x`): gradients accumulate into `g`,
-    /// `dx` written.
+    /// `dx` written, `dy` consumed (the program keeps intermediate sums there).
     BlockBwd {
         /// The micro-batch (its positions).
         batch: D,
@@ -293,7 +293,7 @@ impl<B: Copy, D> Kernel<B, D> {
             } => vec![
                 (*w, Read),
                 (*x, Read),
-                (*dy, Read),
+                (*dy, Write),
                 (*g, Write),
                 (*dx, Write),
             ],

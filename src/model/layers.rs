@@ -33,6 +33,7 @@ pub struct Workspace {
     v: Vec<f32>,     // [N, NKV·HD]
     att: Vec<f32>,   // [N, NH·HD] attention output
     lse: Vec<f32>,   // [B, NH, T] attention log-sum-exp
+    delta: Vec<f32>, // [B, NH, T] rowsum(dO ⊙ O), the attention backward's scratch
     x2: Vec<f32>,    // [N, C]   after the attention residual
     h2: Vec<f32>,    // [N, C]   normed x2
     rstd2: Vec<f32>, // [N]
@@ -71,6 +72,7 @@ impl Workspace {
             v: z(n * kvd),
             att: z(n * qd),
             lse: z(b * cfg.num_heads * t),
+            delta: z(b * cfg.num_heads * t),
             x2: z(n * c),
             h2: z(n * c),
             rstd2: z(n),
@@ -100,6 +102,7 @@ impl Workspace {
             &self.v,
             &self.att,
             &self.lse,
+            &self.delta,
             &self.x2,
             &self.h2,
             &self.rstd2,
@@ -273,13 +276,7 @@ impl DecoderBlock {
         );
         rope.apply(&mut ws.q[..n * qd], pos, self.nh, false);
         rope.apply(&mut ws.k[..n * kvd], pos, self.nkv, false);
-        let shape = AttnShape {
-            b,
-            t,
-            nh: self.nh,
-            nkv: self.nkv,
-            hd: self.hd,
-        };
+        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd);
         ops::attention_fwd(
             &mut ws.att[..n * qd],
             &mut ws.lse[..b * self.nh * t],
@@ -378,14 +375,23 @@ impl DecoderBlock {
         t: usize,
     ) {
         self.internals(p, x, ws, rope, pos, b, t);
-        self.mlp_backward(p, g, dy, ws, b * t);
+        self.mlp_backward(p, g, dy, ws, b, t);
         self.attention_backward(p, g, x, dx, ws, rope, pos, b, t);
     }
 
     /// The MLP half of [`Self::backward`]: from dL/dy, the MLP's weight gradients and
     /// `ws.d_c2` = dL/dx2 (the residual's share plus the second norm's).
-    fn mlp_backward(&self, p: &[f32], g: &mut [f32], dy: &[f32], ws: &mut Workspace, n: usize) {
-        let (c, i) = (self.c, self.inter);
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        dy: &[f32],
+        ws: &mut Workspace,
+        b: usize,
+        t: usize,
+    ) {
+        let (n, c, i) = (b * t, self.c, self.inter);
         let w = |off: usize, len: usize| &p[off..off + len];
         // MLP: y = x2 + act·Wdᵀ, act = silu(gate) ⊙ up
         ops::linear_bwd(
@@ -397,6 +403,7 @@ impl DecoderBlock {
             &ws.act[..n * i],
             w(self.wd, c * i),
             n,
+            t,
             i,
             c,
         );
@@ -416,6 +423,7 @@ impl DecoderBlock {
             &ws.h2[..n * c],
             w(self.wg, i * c),
             n,
+            t,
             c,
             i,
         );
@@ -428,6 +436,7 @@ impl DecoderBlock {
             &ws.h2[..n * c],
             w(self.wu, i * c),
             n,
+            t,
             c,
             i,
         );
@@ -474,21 +483,19 @@ impl DecoderBlock {
                 &ws.att[..n * qd],
                 w(self.wo, c * qd),
                 n,
+                t,
                 qd,
                 c,
             );
         }
-        let shape = AttnShape {
-            b,
-            t,
-            nh: self.nh,
-            nkv: self.nkv,
-            hd: self.hd,
-        };
+        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd);
+        ws.dk[..n * kvd].fill(0.0);
+        ws.dv[..n * kvd].fill(0.0);
         ops::attention_bwd(
             &mut ws.dq[..n * qd],
             &mut ws.dk[..n * kvd],
             &mut ws.dv[..n * kvd],
+            &mut ws.delta[..b * self.nh * t],
             &ws.d_att[..n * qd],
             &ws.q[..n * qd],
             &ws.k[..n * kvd],
@@ -532,6 +539,7 @@ impl DecoderBlock {
                 &ws.h1[..n * c],
                 w(wo, wl),
                 n,
+                t,
                 c,
                 dout,
             );

@@ -313,8 +313,10 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     let double_buffers = 2 * layout.max_unit_numel() as u64 * (elem + 4);
     // The device program's layer workspace (what the devices allocate), plus dx/dy and the two
     // buffers of host-offloaded activations.
-    let act = crate::device::program::workspace_bytes(model, 1, tokens_mb as usize)
-        + 4 * tokens_mb * c * 4;
+    let act = crate::device::program::workspace_bytes(
+        model,
+        crate::device::program::Shape::whole(1, tokens_mb as usize),
+    ) + 4 * tokens_mb * c * 4;
     MemoryPlan {
         host_state_bytes: host,
         host_activation_bytes: activations,

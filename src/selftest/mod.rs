@@ -256,8 +256,7 @@ mod tests {
                     capacity_bytes: 256 << 20,
                     link: None,
                     jitter,
-                    batch: BATCH,
-                    seq: SEQ,
+                    shape: crate::device::program::Shape::whole(BATCH, SEQ),
                 },
                 tm.clone(),
             )

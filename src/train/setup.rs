@@ -519,8 +519,10 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
         return Ok(());
     }
     let (b, t) = (cfg.batch_size, cfg.seq_len);
-    let need = crate::device::program::workspace_bytes(&layout.config, b, t)
-        + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Activations::Host);
+    let need = crate::device::program::workspace_bytes(
+        &layout.config,
+        crate::device::program::Shape::whole(b, t),
+    ) + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Activations::Host);
     if need > cfg.device_memory {
         return Err(Error::bad_input(
             "device memory",
@@ -636,8 +638,7 @@ fn open_device(
                 capacity_bytes: cfg.device_memory,
                 link: None,
                 jitter: None,
-                batch: b,
-                seq: t,
+                shape: crate::device::program::Shape::whole(b, t),
             },
             tm.clone(),
         )?)),
@@ -645,8 +646,7 @@ fn open_device(
         config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda::CudaDevice::open(
             crate::device::cuda::CudaDeviceConfig {
                 ordinal: 0,
-                batch: b,
-                seq: t,
+                shape: crate::device::program::Shape::whole(b, t),
                 capacity_bytes: None,
                 tf32: cfg.tf32,
             },

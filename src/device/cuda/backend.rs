@@ -262,6 +262,18 @@ impl Backend for CudaBackend {
         drv(r.result(), "zero a device buffer")
     }
 
+    fn copy(&mut self, dst: DevPtr, src: DevPtr, len: usize) -> Result<()> {
+        // SAFETY: both ranges were checked by the program and do not overlap; stream-ordered.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, 4 * len, self.stream.cu_stream())
+        };
+        drv(r.result(), "copy a device buffer")
+    }
+
+    fn fixed_grad_blocks(&self) -> bool {
+        false
+    }
+
     fn rmsnorm_fwd(
         &mut self,
         y: DevPtr,

@@ -45,10 +45,8 @@ const ACCUM_CHUNK: usize = 4 << 20;
 pub struct CudaDeviceConfig {
     /// GPU ordinal.
     pub ordinal: usize,
-    /// Sequences per micro-batch.
-    pub batch: usize,
-    /// Tokens per sequence.
-    pub seq: usize,
+    /// Micro-batch shape (and token chunks) the kernels run on.
+    pub shape: Shape,
     /// Capacity in bytes; `None`: free memory at start-up less [`RESERVE_BYTES`].
     pub capacity_bytes: Option<u64>,
     /// TF32 tensor cores for the fp32 GEMMs (cuBLAS `CUBLAS_TF32_TENSOR_OP_MATH`).
@@ -225,7 +223,7 @@ impl CudaDevice {
         let capacity = cfg
             .capacity_bytes
             .unwrap_or(free.saturating_sub(RESERVE_BYTES));
-        let (ws_layout, elems) = Ws::layout(&templates.config, cfg.batch, cfg.seq);
+        let (ws_layout, elems) = Ws::layout(&templates.config, cfg.shape);
         let ws_bytes = 4 * elems as u64;
         if ws_bytes > capacity {
             return Err(Error::system(
@@ -250,7 +248,7 @@ impl CudaDevice {
             rt.clone(),
             streams[StreamKind::Compute as usize].clone(),
             &templates.rope,
-            cfg.batch * cfg.seq,
+            cfg.shape.n(),
             cfg.tf32,
         )?;
         let epoch_event = drv(
@@ -302,10 +300,7 @@ impl CudaDevice {
             watchdog: Some(watchdog),
             capacity,
             templates,
-            shape: Shape {
-                b: cfg.batch,
-                t: cfg.seq,
-            },
+            shape: cfg.shape,
             ws_layout,
             ws,
             epoch,

@@ -63,6 +63,8 @@ impl Arg {
 pub struct AttnArgs {
     pos: DevPtr,
     t: i32,
+    q0: i32,
+    q1: i32,
     nh: i32,
     nkv: i32,
     hd: i32,
@@ -76,6 +78,8 @@ impl AttnArgs {
         Ok(AttnArgs {
             pos,
             t: i32_of(s.t, "sequence length")?,
+            q0: i32_of(s.q0, "first query")?,
+            q1: i32_of(s.q1, "last query")?,
             nh: i32_of(s.nh, "heads")?,
             nkv: i32_of(s.nkv, "kv heads")?,
             hd: i32_of(s.hd, "head dim")?,
@@ -84,10 +88,12 @@ impl AttnArgs {
         })
     }
 
-    fn args(self) -> [Arg; 7] {
+    fn args(self) -> [Arg; 9] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
+            Arg::I32(self.q0),
+            Arg::I32(self.q1),
             Arg::I32(self.nh),
             Arg::I32(self.nkv),
             Arg::I32(self.hd),
@@ -317,7 +323,7 @@ impl Launcher<'_> {
         )
     }
 
-    /// Causal GQA attention forward; `lse` [B, NH, T] fp32.
+    /// Causal GQA attention forward for queries q0..q1; `lse` [B, NH, q1−q0] fp32.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_fwd(
         &self,
@@ -335,7 +341,7 @@ impl Launcher<'_> {
         self.launch(&dt.symbol("attention_fwd"), l, &args)
     }
 
-    /// Attention backward, dq (and `delta` [B, NH, T], fp32 scratch).
+    /// Attention backward, dq (and `delta` [B, NH, q1−q0], fp32 scratch).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_bwd(
         &self,
@@ -365,7 +371,7 @@ impl Launcher<'_> {
         self.launch(&dt.symbol("attention_bwd"), l, &args)
     }
 
-    /// Attention backward, dk and dv.
+    /// Attention backward, dk and dv accumulated.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_bwd_kv(
         &self,

@@ -1,10 +1,12 @@
 //! The layer ops composed from [`Backend`] primitives, op for op as [`crate::model::layers`]:
-//! a block's forward and its backward with recompute, the fused LM head + loss.
+//! a block's forward and its backward with recompute, the fused LM head + loss. Blocks run over
+//! token chunks ([`Shape::chunks`]): only K, V and their gradients span the micro-batch, every
+//! other intermediate is one chunk's.
 
-use super::{Backend, Gemm, Shape, Ws};
+use super::{Backend, Chunk, Gemm, Shape, Ws};
 use crate::model::config::ModelConfig;
 use crate::model::layers::DecoderBlock;
-use crate::model::ops::{AttnShape, CE_CHUNK_ROWS};
+use crate::model::ops::{self, AttnShape, CE_CHUNK_ROWS};
 use crate::Result;
 
 /// `y = x·Wᵀ (+ bias)`, W `[dout, din]`.
@@ -36,7 +38,44 @@ fn linear_fwd<B: Backend>(
     Ok(())
 }
 
-/// Backward of [`linear_fwd`]: `dx (= or +=) dy·W`, `dW += dyᵀ·x`, `db += Σ dy`.
+/// `dW += dyᵀ·x` over `rows` rows made of runs of `period` (see [`ops::weight_grad`]): in its
+/// fixed row blocks where the backend asks for them, else as one GEMM.
+#[allow(clippy::too_many_arguments)]
+fn weight_grad<B: Backend>(
+    be: &mut B,
+    dw: B::P,
+    dy: B::P,
+    x: B::P,
+    rows: usize,
+    period: usize,
+    din: usize,
+    dout: usize,
+) -> Result<()> {
+    let block = |be: &mut B, r0: usize, r1: usize| {
+        be.gemm(Gemm {
+            c: dw,
+            a: B::off(dy, r0 * dout),
+            ta: true,
+            b: B::off(x, r0 * din),
+            tb: false,
+            m: dout,
+            k: r1 - r0,
+            n: din,
+            accumulate: true,
+        })
+    };
+    if be.fixed_grad_blocks() {
+        for (r0, r1) in ops::grad_blocks(rows, period) {
+            block(be, r0, r1)?;
+        }
+        Ok(())
+    } else {
+        block(be, 0, rows)
+    }
+}
+
+/// Backward of [`linear_fwd`] over `rows` rows in runs of `period`: `dx (= or +=) dy·W`,
+/// `dW += dyᵀ·x`, `db += Σ dy`.
 #[allow(clippy::too_many_arguments)]
 fn linear_bwd<B: Backend>(
     be: &mut B,
@@ -47,7 +86,7 @@ fn linear_bwd<B: Backend>(
     dy: B::P,
     x: B::P,
     w: B::P,
-    n: usize,
+    (rows, period): (usize, usize),
     din: usize,
     dout: usize,
 ) -> Result<()> {
@@ -57,60 +96,92 @@ fn linear_bwd<B: Backend>(
         ta: false,
         b: w,
         tb: false,
-        m: n,
+        m: rows,
         k: dout,
         n: din,
         accumulate: dx_accumulate,
     })?;
-    be.gemm(Gemm {
-        c: dw,
-        a: dy,
-        ta: true,
-        b: x,
-        tb: false,
-        m: dout,
-        k: n,
-        n: din,
-        accumulate: true,
-    })?;
+    weight_grad(be, dw, dy, x, rows, period, din, dout)?;
     if let Some(db) = db {
-        be.bias_bwd(db, dy, n, dout)?;
+        be.bias_bwd(db, dy, rows, dout)?;
     }
     Ok(())
 }
 
-fn attn_shape(blk: &DecoderBlock, s: Shape) -> AttnShape {
-    AttnShape {
-        b: s.b,
-        t: s.t,
-        nh: blk.nh,
-        nkv: blk.nkv,
-        hd: blk.hd,
+/// The chunk's view of the block's buffers: its rows of `[N, ·]` tensors.
+struct At<B: Backend> {
+    /// The chunk's first row in the micro-batch.
+    r0: usize,
+    /// Its rows.
+    rows: usize,
+    /// Rows per run of its weight-gradient blocks (a sequence, or the chunk inside one).
+    period: usize,
+    /// Its tokens' positions.
+    pos: B::Ids,
+    /// Its attention: keys of its sequences, its queries.
+    attn: AttnShape,
+    /// Where its sequences start (keys, values, positions), in rows.
+    seq0: usize,
+}
+
+impl<B: Backend> At<B> {
+    fn new(blk: &DecoderBlock, s: Shape, ch: Chunk, pos: B::Ids) -> Self {
+        let r0 = ch.b0 * s.t + ch.q0;
+        At {
+            r0,
+            rows: ch.rows(),
+            period: ch.q1 - ch.q0,
+            pos: B::ids_off(pos, r0),
+            attn: AttnShape::causal(ch.nb, s.t, blk.nh, blk.nkv, blk.hd).queries(ch.q0, ch.q1),
+            seq0: ch.b0 * s.t,
+        }
+    }
+
+    /// The chunk's rows of a `[N, width]` tensor.
+    fn rows_of(&self, p: B::P, width: usize) -> B::P {
+        B::off(p, self.r0 * width)
     }
 }
 
-/// Forward internals of a block up to the MLP activation (as `DecoderBlock::internals`); `pos`
-/// the tokens' positions in their documents.
-#[allow(clippy::too_many_arguments)]
-fn internals<B: Backend>(
+/// Pass one of a block: K and V `[N, nkv·hd]` for the chunk's rows (RoPE on K), from its
+/// normed input.
+fn keys_values<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
     p: B::P,
     x: B::P,
-    pos: B::Ids,
     ws: &Ws<B::P>,
-    s: Shape,
+    at: &At<B>,
 ) -> Result<()> {
-    let (n, c, i) = (s.n(), blk.c, blk.inter);
-    let (qd, kvd) = (blk.nh * blk.hd, blk.nkv * blk.hd);
+    let (n, c, kvd) = (at.rows, blk.c, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
+    let (k, v) = (at.rows_of(ws.k, kvd), at.rows_of(ws.v, kvd));
+    be.rmsnorm_fwd(ws.h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
+    linear_fwd(be, k, ws.h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
+    linear_fwd(be, v, ws.h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
+    be.rope(k, at.pos, n, blk.nkv, false)
+}
+
+/// Pass two of a block, up to the MLP activation for the chunk's rows (as
+/// `DecoderBlock::internals`), its queries attending over the whole K and V.
+fn query_internals<B: Backend>(
+    be: &mut B,
+    blk: &DecoderBlock,
+    p: B::P,
+    x: B::P,
+    ws: &Ws<B::P>,
+    at: &At<B>,
+    pos: B::Ids,
+) -> Result<()> {
+    let (n, c, i, qd, kvd) = (at.rows, blk.c, blk.inter, blk.nh * blk.hd, blk.nkv * blk.hd);
+    let w = |o: usize| B::off(p, o);
+    let x = at.rows_of(x, c);
     be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
     linear_fwd(be, ws.q, ws.h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
-    linear_fwd(be, ws.k, ws.h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
-    linear_fwd(be, ws.v, ws.h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
-    be.rope(ws.q, pos, n, blk.nh, false)?;
-    be.rope(ws.k, pos, n, blk.nkv, false)?;
-    be.attention_fwd(ws.att, ws.lse, ws.q, ws.k, ws.v, pos, attn_shape(blk, s))?;
+    be.rope(ws.q, at.pos, n, blk.nh, false)?;
+    let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
+    let seq_pos = B::ids_off(pos, at.seq0);
+    be.attention_fwd(ws.att, ws.lse, ws.q, k, v, seq_pos, at.attn)?;
     linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?;
     be.add(ws.x2, x, n * c)?;
     be.rmsnorm_fwd(ws.h2, ws.rstd2, ws.x2, w(blk.ln2), n, c, blk.eps)?;
@@ -119,7 +190,8 @@ fn internals<B: Backend>(
     be.swiglu_fwd(ws.act, ws.gate, ws.up, n * i)
 }
 
-/// `y = block(x)` with the unit's weights at `p`.
+/// `y = block(x)` with the unit's weights at `p`, chunk by chunk: K and V for every chunk,
+/// then each chunk's queries to its output.
 #[allow(clippy::too_many_arguments)]
 pub fn block_fwd<B: Backend>(
     be: &mut B,
@@ -131,13 +203,27 @@ pub fn block_fwd<B: Backend>(
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
-    let (n, c, i) = (s.n(), blk.c, blk.inter);
-    internals(be, blk, p, x, pos, ws, s)?;
-    linear_fwd(be, y, ws.act, B::off(p, blk.wd), None, n, i, c)?;
-    be.add(y, ws.x2, n * c)
+    let (c, i) = (blk.c, blk.inter);
+    for ch in s.chunks() {
+        keys_values(be, blk, p, x, ws, &At::<B>::new(blk, s, ch, pos))?;
+    }
+    for ch in s.chunks() {
+        let at = At::<B>::new(blk, s, ch, pos);
+        query_internals(be, blk, p, x, ws, &at, pos)?;
+        let y = at.rows_of(y, c);
+        linear_fwd(be, y, ws.act, B::off(p, blk.wd), None, at.rows, i, c)?;
+        be.add(y, ws.x2, at.rows * c)?;
+    }
+    Ok(())
 }
 
-/// A block's backward from its input `x`: recompute, gradients `+=` into `g`, `dx` written.
+/// A block's backward from its input `x`, recomputing its internals chunk by chunk: gradients
+/// `+=` into `g`, `dx` written, `dy` consumed (it holds dL/dh1's query part between the passes).
+///
+/// Pass one recomputes K and V; pass two, per chunk, the chunk's internals, the MLP's and the
+/// attention output's backward, the attention backward for its queries (dK and dV summed over
+/// the chunks) and dL/dh1's query part; pass three, per chunk, the rest of dL/dh1 from the
+/// finished dK and dV and the first norm's backward.
 #[allow(clippy::too_many_arguments)]
 pub fn block_bwd<B: Backend>(
     be: &mut B,
@@ -151,14 +237,98 @@ pub fn block_bwd<B: Backend>(
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
-    internals(be, blk, p, x, pos, ws, s)?;
-    mlp_bwd(be, blk, p, g, dy, ws, s.n())?;
-    attention_bwd(be, blk, p, g, x, dx, pos, ws, s)
+    let (c, qd, kvd) = (blk.c, blk.nh * blk.hd, blk.nkv * blk.hd);
+    let w = |o: usize| B::off(p, o);
+    let gw = |o: usize| B::off(g, o);
+    be.zero(ws.dk, s.n() * kvd)?;
+    be.zero(ws.dv, s.n() * kvd)?;
+    for ch in s.chunks() {
+        keys_values(be, blk, p, x, ws, &At::<B>::new(blk, s, ch, pos))?;
+    }
+    for ch in s.chunks() {
+        let at = At::<B>::new(blk, s, ch, pos);
+        let (n, rows) = (at.rows, (at.rows, at.period));
+        let (dy, dx) = (at.rows_of(dy, c), at.rows_of(dx, c));
+        query_internals(be, blk, p, x, ws, &at, pos)?;
+        mlp_bwd(be, blk, p, g, dy, ws, rows)?;
+        // Attention: x2 = x + att·Woᵀ (+ bo).
+        linear_bwd(
+            be,
+            ws.d_att,
+            false,
+            gw(blk.wo),
+            blk.bo.map(gw),
+            ws.d_c2,
+            ws.att,
+            w(blk.wo),
+            rows,
+            qd,
+            c,
+        )?;
+        let (dk, dv) = (B::off(ws.dk, at.seq0 * kvd), B::off(ws.dv, at.seq0 * kvd));
+        let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
+        be.attention_bwd(
+            ws.dq,
+            dk,
+            dv,
+            ws.delta,
+            ws.d_att,
+            ws.q,
+            k,
+            v,
+            ws.att,
+            ws.lse,
+            B::ids_off(pos, at.seq0),
+            at.attn,
+        )?;
+        be.rope(ws.dq, at.pos, n, blk.nh, true)?;
+        // dh1 = dq·Wq (+ dk·Wk + dv·Wv in pass three), kept where this chunk's dy was.
+        linear_bwd(
+            be,
+            dy,
+            false,
+            gw(blk.wq),
+            blk.bq.map(gw),
+            ws.dq,
+            ws.h1,
+            w(blk.wq),
+            rows,
+            c,
+            qd,
+        )?;
+        // dx = dx2 + rmsnorm_bwd(dh1): dx2 now, the rest in pass three.
+        be.copy(dx, ws.d_c2, n * c)?;
+    }
+    for ch in s.chunks() {
+        let at = At::<B>::new(blk, s, ch, pos);
+        let (n, rows) = (at.rows, (at.rows, at.period));
+        let (x, dy, dx) = (at.rows_of(x, c), at.rows_of(dy, c), at.rows_of(dx, c));
+        let (dk, dv) = (at.rows_of(ws.dk, kvd), at.rows_of(ws.dv, kvd));
+        be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+        be.rope(dk, at.pos, n, blk.nkv, true)?;
+        for (wo, bias, d) in [(blk.wk, blk.bk, dk), (blk.wv, blk.bv, dv)] {
+            linear_bwd(
+                be,
+                dy,
+                true,
+                gw(wo),
+                bias.map(gw),
+                d,
+                ws.h1,
+                w(wo),
+                rows,
+                c,
+                kvd,
+            )?;
+        }
+        be.rmsnorm_bwd(ws.d_c, gw(blk.ln1), dy, x, w(blk.ln1), ws.rstd1, n, c)?;
+        be.add(dx, ws.d_c, n * c)?;
+    }
+    Ok(())
 }
 
-/// The MLP half of [`block_bwd`]: from dL/dy, the MLP's and second norm's gradients and
+/// The MLP half of a chunk's backward: from dL/dy, the MLP's and second norm's gradients and
 /// `ws.d_c2` = dL/dx2.
-#[allow(clippy::too_many_arguments)]
 fn mlp_bwd<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
@@ -166,9 +336,9 @@ fn mlp_bwd<B: Backend>(
     g: B::P,
     dy: B::P,
     ws: &Ws<B::P>,
-    n: usize,
+    rows: (usize, usize),
 ) -> Result<()> {
-    let (c, i) = (blk.c, blk.inter);
+    let (n, c, i) = (rows.0, blk.c, blk.inter);
     let w = |o: usize| B::off(p, o);
     let gw = |o: usize| B::off(g, o);
     // MLP: y = x2 + act·Wdᵀ, act = silu(gate) ⊙ up.
@@ -181,7 +351,7 @@ fn mlp_bwd<B: Backend>(
         dy,
         ws.act,
         w(blk.wd),
-        n,
+        rows,
         i,
         c,
     )?;
@@ -195,7 +365,7 @@ fn mlp_bwd<B: Backend>(
         ws.d_i2,
         ws.h2,
         w(blk.wg),
-        n,
+        rows,
         c,
         i,
     )?;
@@ -208,7 +378,7 @@ fn mlp_bwd<B: Backend>(
         ws.d_i3,
         ws.h2,
         w(blk.wu),
-        n,
+        rows,
         c,
         i,
     )?;
@@ -226,81 +396,8 @@ fn mlp_bwd<B: Backend>(
     be.add(ws.d_c2, dy, n * c)
 }
 
-/// The attention half of [`block_bwd`]: from `ws.d_c2` = dL/dx2, the attention's and first
-/// norm's gradients and dL/dx into `dx`.
-#[allow(clippy::too_many_arguments)]
-fn attention_bwd<B: Backend>(
-    be: &mut B,
-    blk: &DecoderBlock,
-    p: B::P,
-    g: B::P,
-    x: B::P,
-    dx: B::P,
-    pos: B::Ids,
-    ws: &Ws<B::P>,
-    s: Shape,
-) -> Result<()> {
-    let (n, c) = (s.n(), blk.c);
-    let (qd, kvd) = (blk.nh * blk.hd, blk.nkv * blk.hd);
-    let w = |o: usize| B::off(p, o);
-    let gw = |o: usize| B::off(g, o);
-    // Attention: x2 = x + att·Woᵀ (+ bo).
-    linear_bwd(
-        be,
-        ws.d_att,
-        false,
-        gw(blk.wo),
-        blk.bo.map(gw),
-        ws.d_c2,
-        ws.att,
-        w(blk.wo),
-        n,
-        qd,
-        c,
-    )?;
-    be.attention_bwd(
-        ws.dq,
-        ws.dk,
-        ws.dv,
-        ws.delta,
-        ws.d_att,
-        ws.q,
-        ws.k,
-        ws.v,
-        ws.att,
-        ws.lse,
-        pos,
-        attn_shape(blk, s),
-    )?;
-    be.rope(ws.dq, pos, n, blk.nh, true)?;
-    be.rope(ws.dk, pos, n, blk.nkv, true)?;
-    // dh1 = dq·Wq + dk·Wk + dv·Wv, with the weight and bias gradients.
-    for (first, wo, bias, d, dout) in [
-        (true, blk.wq, blk.bq, ws.dq, qd),
-        (false, blk.wk, blk.bk, ws.dk, kvd),
-        (false, blk.wv, blk.bv, ws.dv, kvd),
-    ] {
-        linear_bwd(
-            be,
-            ws.d_c,
-            !first,
-            gw(wo),
-            bias.map(gw),
-            d,
-            ws.h1,
-            w(wo),
-            n,
-            c,
-            dout,
-        )?;
-    }
-    // dx = rmsnorm_bwd(dh1) + dx2.
-    be.rmsnorm_bwd(dx, gw(blk.ln1), ws.d_c, x, w(blk.ln1), ws.rstd1, n, c)?;
-    be.add(dx, ws.d_c2, n * c)
-}
-
-/// Final norm + LM head + loss over the rows of `x` (as `Head::loss_backward`, logits in chunks
-/// of [`CE_CHUNK_ROWS`]): per-row losses into `ws.losses`, `dx` written, gradients `+=`.
+/// Final norm + LM head + loss over the rows of `x` (as `Head::loss_backward`), in chunks of
+/// [`CE_CHUNK_ROWS`] rows: per-row losses into `ws.losses`, `dx` written, gradients `+=`.
 #[allow(clippy::too_many_arguments)]
 pub fn head_loss_bwd<B: Backend>(
     be: &mut B,
@@ -317,14 +414,14 @@ pub fn head_loss_bwd<B: Backend>(
     n: usize,
 ) -> Result<()> {
     let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
-    be.rmsnorm_fwd(ws.h1, ws.rstd1, x, norm_w, n, c, eps)?;
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
-        let h = B::off(ws.h1, r0 * c);
+        let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
+        be.rmsnorm_fwd(ws.h1, ws.rstd1, x, norm_w, m, c, eps)?;
         be.gemm(Gemm {
             c: ws.ce,
-            a: h,
+            a: ws.h1,
             ta: false,
             b: lm_w,
             tb: true,
@@ -343,7 +440,7 @@ pub fn head_loss_bwd<B: Backend>(
         )?;
         // dh = dlogits·W;  dW += dlogitsᵀ·h.
         be.gemm(Gemm {
-            c: B::off(ws.d_c, r0 * c),
+            c: ws.d_c,
             a: ws.ce,
             ta: false,
             b: lm_w,
@@ -357,13 +454,14 @@ pub fn head_loss_bwd<B: Backend>(
             c: lm_g,
             a: ws.ce,
             ta: true,
-            b: h,
+            b: ws.h1,
             tb: false,
             m: vocab,
             k: m,
             n: c,
             accumulate: true,
         })?;
+        be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm_w, ws.rstd1, m, c)?;
     }
-    be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm_w, ws.rstd1, n, c)
+    Ok(())
 }

@@ -74,6 +74,12 @@ pub trait Backend {
     fn add(&mut self, y: Self::P, x: Self::P, len: usize) -> Result<()>;
     /// `dst = 0` over `len` elements.
     fn zero(&mut self, dst: Self::P, len: usize) -> Result<()>;
+    /// `dst = src` over `len` elements.
+    fn copy(&mut self, dst: Self::P, src: Self::P, len: usize) -> Result<()>;
+    /// Whether weight-gradient GEMMs run in the fixed row blocks of
+    /// [`crate::model::ops::grad_blocks`] (the CPU: bits that do not depend on the chunking) or
+    /// as one GEMM over a chunk's rows (a GPU: fewer, larger GEMMs).
+    fn fixed_grad_blocks(&self) -> bool;
     /// RMSNorm of `rows` rows of `c`; 1/rms per row into `rstd`.
     fn rmsnorm_fwd(
         &mut self,
@@ -107,8 +113,9 @@ pub trait Backend {
         heads: usize,
         inverse: bool,
     ) -> Result<()>;
-    /// Causal GQA attention inside documents: query i attends to keys `i − pos[i] ..= i` of
-    /// its sequence (`pos` [B·T], each token's position in its document); `lse` [B, NH, T].
+    /// Causal GQA attention inside documents for the queries `s.q0..s.q1` of each sequence
+    /// (layouts in [`AttnShape`]): query i attends to keys `i − pos[i] ..= i` of its sequence
+    /// (`pos` [B·T], each token's position in its document); `lse` [B, NH, q1−q0].
     fn attention_fwd(
         &mut self,
         o: Self::P,
@@ -119,7 +126,8 @@ pub trait Backend {
         pos: Self::Ids,
         s: AttnShape,
     ) -> Result<()>;
-    /// Its backward: dq, dk, dv written; `delta` [B, NH, T] is scratch.
+    /// Its backward: dq written, dk and dv accumulated (`+=`); `delta` [B, NH, q1−q0] is
+    /// scratch.
     fn attention_bwd(
         &mut self,
         dq: Self::P,
@@ -188,74 +196,76 @@ const ALIGN: usize = 64;
 
 /// The layer workspace: named scratch regions inside one device allocation. `P` is an address
 /// (or, from [`Ws::layout`], an element offset). Shapes in elements, for a micro-batch of
-/// `N = B·T` tokens of hidden size `C`, MLP size `I`, `nh` query and `nkv` key/value heads of
-/// `hd` dimensions and a vocabulary of `V`.
+/// `N = B·T` tokens run in chunks of at most `M` rows ([`Shape::chunk_rows`]), hidden size `C`,
+/// MLP size `I`, `nh` query and `nkv` key/value heads of `hd` dimensions and a vocabulary of
+/// `V`. Only K, V, their gradients and the per-row losses span the micro-batch; the head runs
+/// in chunks of `H = min(N, CE_CHUNK_ROWS)` rows.
 #[derive(Debug, Clone, Copy)]
 pub struct Ws<P> {
-    /// `[N, C]` the first RMSNorm's output (and the head's norm output).
+    /// `[max(M, H), C]` the first RMSNorm's output (and the head's norm output).
     pub h1: P,
-    /// `[N]` the first RMSNorm's 1/rms per row (and the head's).
+    /// `[max(M, H)]` the first RMSNorm's 1/rms per row (and the head's).
     pub rstd1: P,
-    /// `[N, nh·hd]` queries after RoPE.
+    /// `[M, nh·hd]` queries after RoPE.
     pub q: P,
     /// `[N, nkv·hd]` keys after RoPE.
     pub k: P,
     /// `[N, nkv·hd]` values.
     pub v: P,
-    /// `[N, nh·hd]` attention output (before the output projection).
+    /// `[M, nh·hd]` attention output (before the output projection).
     pub att: P,
-    /// `[B, nh, T]` log-sum-exp of each attention row (flash attention's saved statistic).
+    /// `[nh, M]` log-sum-exp of each attention row (flash attention's saved statistic).
     pub lse: P,
-    /// `[B, nh, T]` rowsum(dO ⊙ O), the flash attention backward's scratch.
+    /// `[nh, M]` rowsum(dO ⊙ O), the flash attention backward's scratch.
     pub delta: P,
-    /// `[N, C]` the residual stream after attention.
+    /// `[M, C]` the residual stream after attention.
     pub x2: P,
-    /// `[N, C]` the second RMSNorm's output.
+    /// `[M, C]` the second RMSNorm's output.
     pub h2: P,
-    /// `[N]` the second RMSNorm's 1/rms per row.
+    /// `[M]` the second RMSNorm's 1/rms per row.
     pub rstd2: P,
-    /// `[N, I]` the MLP's gate projection.
+    /// `[M, I]` the MLP's gate projection.
     pub gate: P,
-    /// `[N, I]` the MLP's up projection.
+    /// `[M, I]` the MLP's up projection.
     pub up: P,
-    /// `[N, I]` silu(gate) ⊙ up.
+    /// `[M, I]` silu(gate) ⊙ up.
     pub act: P,
-    /// `[N, I]` dL/d act.
+    /// `[M, I]` dL/d act.
     pub d_i1: P,
-    /// `[N, I]` dL/d gate.
+    /// `[M, I]` dL/d gate.
     pub d_i2: P,
-    /// `[N, I]` dL/d up.
+    /// `[M, I]` dL/d up.
     pub d_i3: P,
-    /// `[N, nh·hd]` dL/d att.
+    /// `[M, nh·hd]` dL/d att.
     pub d_att: P,
-    /// `[N, C]` dL/d h2, then dL/d h1 (and the head's dL/d normed x).
+    /// `[max(M, H), C]` dL/d h2, then dL/d h1's norm backward (and the head's dL/d normed x).
     pub d_c: P,
-    /// `[N, C]` dL/d x2.
+    /// `[M, C]` dL/d x2.
     pub d_c2: P,
-    /// `[N, nh·hd]` dL/d q.
+    /// `[M, nh·hd]` dL/d q.
     pub dq: P,
     /// `[N, nkv·hd]` dL/d k.
     pub dk: P,
     /// `[N, nkv·hd]` dL/d v.
     pub dv: P,
-    /// `[min(N, CE_CHUNK_ROWS), V]` one chunk of logits, then their gradients.
+    /// `[H, V]` one chunk of logits, then their gradients.
     pub ce: P,
     /// `[N]` per-row cross-entropy loss.
     pub losses: P,
 }
 
 impl Ws<usize> {
-    /// Offsets of every region for micro-batches of `b`×`t` tokens, and the total elements.
-    pub fn layout(cfg: &ModelConfig, b: usize, t: usize) -> (Self, usize) {
-        let n = b * t;
+    /// Offsets of every region for the shape `s`, and the total elements.
+    pub fn layout(cfg: &ModelConfig, s: Shape) -> (Self, usize) {
+        let (n, m) = (s.n(), s.chunk_rows());
         let (c, qd, kvd, i) = (
             cfg.hidden_size,
             cfg.q_dim(),
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
-        let heads_t = b * cfg.num_heads * t;
         let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
+        let mh = m.max(ce_rows);
         let mut end = 0usize;
         let mut take = |len: usize| {
             let at = end;
@@ -263,27 +273,27 @@ impl Ws<usize> {
             at
         };
         let ws = Ws {
-            h1: take(n * c),
-            rstd1: take(n),
-            q: take(n * qd),
+            h1: take(mh * c),
+            rstd1: take(mh),
+            q: take(m * qd),
             k: take(n * kvd),
             v: take(n * kvd),
-            att: take(n * qd),
-            lse: take(heads_t),
-            delta: take(heads_t),
-            x2: take(n * c),
-            h2: take(n * c),
-            rstd2: take(n),
-            gate: take(n * i),
-            up: take(n * i),
-            act: take(n * i),
-            d_i1: take(n * i),
-            d_i2: take(n * i),
-            d_i3: take(n * i),
-            d_att: take(n * qd),
-            d_c: take(n * c),
-            d_c2: take(n * c),
-            dq: take(n * qd),
+            att: take(m * qd),
+            lse: take(cfg.num_heads * m),
+            delta: take(cfg.num_heads * m),
+            x2: take(m * c),
+            h2: take(m * c),
+            rstd2: take(m),
+            gate: take(m * i),
+            up: take(m * i),
+            act: take(m * i),
+            d_i1: take(m * i),
+            d_i2: take(m * i),
+            d_i3: take(m * i),
+            d_att: take(m * qd),
+            d_c: take(mh * c),
+            d_c2: take(m * c),
+            dq: take(m * qd),
             dk: take(n * kvd),
             dv: take(n * kvd),
             ce: take(ce_rows * cfg.vocab_size),
@@ -325,23 +335,122 @@ impl Ws<usize> {
     }
 }
 
-/// Bytes of the layer workspace for micro-batches of `b`×`t` tokens.
-pub fn workspace_bytes(cfg: &ModelConfig, b: usize, t: usize) -> u64 {
-    4 * Ws::layout(cfg, b, t).1 as u64
+/// Bytes of the layer workspace for the shape `s`.
+pub fn workspace_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
+    4 * Ws::layout(cfg, s).1 as u64
 }
 
-/// The shape of one program run.
-#[derive(Debug, Clone, Copy)]
+/// Granularity of chunks shorter than a sequence, in tokens: a multiple of the CPU attention's
+/// query tile ([`crate::model::ops::ATTN_TILE`]) and of the weight-gradient row block
+/// ([`crate::model::ops::GRAD_ROWS`]), so the CPU device's results are the same bits for every
+/// chunk size.
+pub const CHUNK_ALIGN: usize = 256;
+
+/// The shape of one program run: micro-batches of `b` sequences of `t` tokens, whose blocks run
+/// `chunk` tokens at a time (see [`Shape::chunks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
     /// Sequences per micro-batch.
     pub b: usize,
     /// Tokens per sequence.
     pub t: usize,
+    /// Tokens per chunk: whole sequences when ≥ `t`, else a multiple of [`CHUNK_ALIGN`].
+    chunk: usize,
+}
+
+/// A run of rows a block handles at once: queries `q0..q1` of sequences `b0..b0 + nb` (either
+/// whole sequences, or a part of one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// First sequence.
+    pub b0: usize,
+    /// Sequences.
+    pub nb: usize,
+    /// First token of each.
+    pub q0: usize,
+    /// One past the last.
+    pub q1: usize,
+}
+
+impl Chunk {
+    /// Rows of the chunk.
+    pub fn rows(&self) -> usize {
+        self.nb * (self.q1 - self.q0)
+    }
 }
 
 impl Shape {
+    /// The whole micro-batch at once.
+    pub fn whole(b: usize, t: usize) -> Self {
+        Shape {
+            b,
+            t,
+            chunk: (b * t).max(1),
+        }
+    }
+
+    /// Chunks of `chunk` tokens: whole sequences when `chunk ≥ t`, else a multiple of
+    /// [`CHUNK_ALIGN`].
+    pub fn chunked(b: usize, t: usize, chunk: usize) -> Result<Self> {
+        if chunk == 0 || (chunk < t && !chunk.is_multiple_of(CHUNK_ALIGN)) {
+            return Err(Error::bad_input(
+                "token chunk",
+                chunk.to_string(),
+                format!(
+                    "must be at least the sequence length ({t}) or a positive multiple of {CHUNK_ALIGN}"
+                ),
+                Some("let megatrain choose it from --device-memory"),
+            ));
+        }
+        Ok(Shape { b, t, chunk })
+    }
+
+    /// The largest chunking whose workspace fits in `budget` bytes, or `None`.
+    pub fn fitting(cfg: &ModelConfig, b: usize, t: usize, budget: u64) -> Option<Self> {
+        let whole = (1..=b.max(1)).rev().map(|nb| nb * t);
+        let parts = (1..t.div_ceil(CHUNK_ALIGN)).rev().map(|k| k * CHUNK_ALIGN);
+        whole
+            .chain(parts)
+            .filter_map(|chunk| Shape::chunked(b, t, chunk).ok())
+            .find(|s| workspace_bytes(cfg, *s) <= budget)
+    }
+
+    /// Tokens per chunk as set.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
     pub(crate) fn n(&self) -> usize {
         self.b * self.t
+    }
+
+    /// Rows of the largest chunk.
+    pub fn chunk_rows(&self) -> usize {
+        if self.chunk >= self.t {
+            (self.chunk / self.t.max(1)).clamp(1, self.b.max(1)) * self.t
+        } else {
+            self.chunk
+        }
+    }
+
+    /// The chunks in row order: groups of whole sequences, or each sequence's tokens `chunk`
+    /// at a time (the last one shorter when `chunk` does not divide `t`).
+    pub fn chunks(&self) -> impl Iterator<Item = Chunk> + '_ {
+        let t = self.t;
+        let (per_seq, seqs) = if self.chunk >= t {
+            (t.max(1), (self.chunk / t.max(1)).clamp(1, self.b.max(1)))
+        } else {
+            (self.chunk, 1)
+        };
+        (0..self.b).step_by(seqs).flat_map(move |b0| {
+            let nb = seqs.min(self.b - b0);
+            (0..t).step_by(per_seq).map(move |q0| Chunk {
+                b0,
+                nb,
+                q0,
+                q1: (q0 + per_seq).min(t),
+            })
+        })
     }
 }
 

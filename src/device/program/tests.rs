@@ -19,127 +19,244 @@ fn model(tied: bool) -> ModelConfig {
     .unwrap()
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
+/// What one program run produced: block output, gradients and dx; head gradients, dx and loss.
+struct Outputs {
+    y: Vec<f32>,
+    g: Vec<f32>,
+    dx: Vec<f32>,
+    hg: Vec<f32>,
+    dxh: Vec<f32>,
+    loss: f64,
+}
+
+/// The inputs of one comparison: a block's and the head's weights and gradients, x, dy, positions
+/// and targets for `b`×`t` tokens.
+struct Case {
+    cfg: ModelConfig,
+    tm: Templates,
+    b: usize,
+    t: usize,
+    p: Vec<f32>,
+    g0: Vec<f32>,
+    x: Vec<f32>,
+    dy: Vec<f32>,
+    pos: Vec<u32>,
+    hp: Vec<f32>,
+    hg0: Vec<f32>,
+    targets: Vec<u32>,
+}
+
+impl Case {
+    /// Sequence 0 one flat document; the others documents of `docs` tokens (summing to `t`).
+    fn new(b: usize, t: usize, docs: &[usize]) -> Self {
+        let cfg = model(false);
+        let layout = StateLayout::new(&cfg, Mode::Exact);
+        let tm = Templates::new(&layout.config, t).unwrap();
+        let (n, c) = (b * t, cfg.hidden_size);
+        let numel = layout.units[1].numel;
+        let head_numel = layout.units[3].numel;
+        let lens: Vec<usize> = std::iter::once(t)
+            .chain((1..b).flat_map(|_| docs.iter().copied()))
+            .collect();
+        let targets = (0..n)
+            .map(|i| match i % 9 {
+                4 => crate::model::ops::IGNORE,
+                _ => (i * 7 % 53) as u32,
+            })
+            .collect();
+        Case {
+            p: crate::util::uniform(numel, 1, 0.2),
+            g0: crate::util::uniform(numel, 4, 0.1),
+            x: crate::util::uniform(n * c, 2, 1.0),
+            dy: crate::util::uniform(n * c, 3, 1.0),
+            pos: crate::model::ops::document_positions(&lens),
+            hp: crate::util::uniform(head_numel, 5, 0.3),
+            hg0: crate::util::uniform(head_numel, 6, 0.1),
+            targets,
+            cfg,
+            tm,
+            b,
+            t,
+        }
+    }
+
+    /// The reference layers.
+    fn reference(&self) -> Outputs {
+        let (b, t, cfg, tm) = (self.b, self.t, &self.cfg, &self.tm);
+        let (n, c, v) = (b * t, cfg.hidden_size, cfg.vocab_size);
+        let blk = &tm.blocks[0];
+        let mut ws = Workspace::new(cfg, b, t);
+        let mut y = vec![0.0; n * c];
+        blk.forward(&self.p, &self.x, &mut y, &mut ws, &tm.rope, &self.pos, b, t);
+        let (mut g, mut dx) = (self.g0.clone(), vec![0.0; n * c]);
+        let (p, x, dy, pos) = (&self.p, &self.x, &self.dy, &self.pos);
+        blk.backward(p, &mut g, x, dy, &mut dx, &mut ws, &tm.rope, pos, b, t);
+        let (nr, off) = (tm.head.norm_range(), tm.head.lm_head.unwrap());
+        let mut hg = self.hg0.clone();
+        let (lo, hi) = hg.split_at_mut(off);
+        let mut dxh = vec![0.0; n * c];
+        let loss = tm.head.loss_backward(
+            &self.hp[nr.clone()],
+            &mut lo[nr.clone()],
+            &self.hp[off..off + v * c],
+            &mut hi[..v * c],
+            &self.x,
+            &self.targets,
+            &mut dxh,
+            0.01,
+            &mut ws,
+        );
+        Outputs {
+            y,
+            g,
+            dx,
+            hg,
+            dxh,
+            loss,
+        }
+    }
+
+    /// The program on the CPU backend with the shape `s`.
+    fn program(&self, s: Shape) -> Outputs {
+        let (cfg, tm) = (&self.cfg, &self.tm);
+        let (n, c) = (s.n(), cfg.hidden_size);
+        let blk = &tm.blocks[0];
+        let (lay, elems) = Ws::layout(cfg, s);
+        let mut mem = vec![0.0f32; elems];
+        let mut be = HostBackend::new(&tm.rope);
+        let (mut y, mut g, mut dx) = (vec![0.0; n * c], self.g0.clone(), vec![0.0; n * c]);
+        let mut dy = self.dy.clone(); // consumed by the backward
+        let (mut hg, mut dxh) = (self.hg0.clone(), vec![0.0; n * c]);
+        // SAFETY: every buffer outlives the calls below and is used by nothing else meanwhile.
+        let (ws, pp, xp, yp, dyp, gp, dxp, hpp, hgp, dxhp) = unsafe {
+            (
+                lay.at::<HostBackend<'_>>(HostP::write(&mut mem)),
+                HostP::read(&self.p),
+                HostP::read(&self.x),
+                HostP::write(&mut y),
+                HostP::write(&mut dy),
+                HostP::write(&mut g),
+                HostP::write(&mut dx),
+                HostP::read(&self.hp),
+                HostP::write(&mut hg),
+                HostP::write(&mut dxh),
+            )
+        };
+        let pos = be.upload_ids(&self.pos).unwrap();
+        block_fwd(&mut be, blk, pp, xp, yp, pos, &ws, s).unwrap();
+        block_bwd(&mut be, blk, pp, gp, xp, dyp, dxp, pos, &ws, s).unwrap();
+        let (nr, off) = (tm.head.norm_range(), tm.head.lm_head.unwrap());
+        let loss = Arc::new(Mutex::new(0.0f64));
+        let ids = be.upload_ids(&self.targets).unwrap();
+        head_loss_bwd(
+            &mut be,
+            cfg,
+            HostBackend::off(hpp, nr.start),
+            HostBackend::off(hgp, nr.start),
+            HostBackend::off(hpp, off),
+            HostBackend::off(hgp, off),
+            xp,
+            ids,
+            dxhp,
+            0.01,
+            &ws,
+            n,
+        )
+        .unwrap();
+        be.add_loss(ws.losses, n, loss.clone()).unwrap();
+        let loss = *loss.lock().unwrap();
+        Outputs {
+            y,
+            g,
+            dx,
+            hg,
+            dxh,
+            loss,
+        }
+    }
+}
+
+/// `got` and `want` hold the same bits; else a short report (how many differ, the first one).
+fn same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let diff: Vec<usize> = (0..got.len())
+        .filter(|&i| got[i].to_bits() != want[i].to_bits())
+        .collect();
+    if let Some(&i) = diff.first() {
+        panic!(
+            "{what}: {} of {} differ, the first at {i}: {} vs {}",
+            diff.len(),
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+fn assert_same(got: &Outputs, want: &Outputs, what: &str) {
+    same_bits(&got.y, &want.y, &format!("{what}: block forward"));
+    same_bits(&got.g, &want.g, &format!("{what}: block gradients"));
+    same_bits(&got.dx, &want.dx, &format!("{what}: block dx"));
+    assert_eq!(got.loss, want.loss, "{what}: head loss");
+    same_bits(&got.hg, &want.hg, &format!("{what}: head gradients"));
+    same_bits(&got.dxh, &want.dxh, &format!("{what}: head dx"));
 }
 
 /// The program on the CPU backend equals the reference layers bit for bit: a block with
 /// q/k/v/o biases forward and backward, and the head over more rows than one logit chunk.
 #[test]
 fn program_matches_the_reference_layers_bit_for_bit() {
-    let (b, t) = (2usize, 150usize); // 300 rows: two cross-entropy chunks
-    let cfg = model(false);
-    let layout = StateLayout::new(&cfg, Mode::Exact);
-    let tm = Templates::new(&layout.config, t).unwrap();
-    let (n, c) = (b * t, cfg.hidden_size);
-    let blk = &tm.blocks[0];
-    let numel = layout.units[1].numel;
-    let p = crate::util::uniform(numel, 1, 0.2);
-    let x = crate::util::uniform(n * c, 2, 1.0);
-    let dy = crate::util::uniform(n * c, 3, 1.0);
-    let g0 = crate::util::uniform(numel, 4, 0.1);
-
-    let mut ws_ref = Workspace::new(&cfg, b, t);
-    let mut y_ref = vec![0.0; n * c];
-    // One flat sequence, one of three documents.
-    let pos = crate::model::ops::document_positions(&[t, 60, 1, t - 61]);
-    blk.forward(&p, &x, &mut y_ref, &mut ws_ref, &tm.rope, &pos, b, t);
-    let (mut g_ref, mut dx_ref) = (g0.clone(), vec![0.0; n * c]);
-    blk.backward(
-        &p,
-        &mut g_ref,
-        &x,
-        &dy,
-        &mut dx_ref,
-        &mut ws_ref,
-        &tm.rope,
-        &pos,
-        b,
-        t,
+    // 300 rows: two cross-entropy chunks; one flat sequence, one of three documents.
+    let case = Case::new(2, 150, &[60, 1, 89]);
+    assert_same(
+        &case.program(Shape::whole(2, 150)),
+        &case.reference(),
+        "whole",
     );
+}
 
-    let (lay, elems) = Ws::layout(&cfg, b, t);
-    let mut mem = vec![0.0f32; elems];
-    let mut be = HostBackend::new(&tm.rope);
-    let (mut y, mut g, mut dx) = (vec![0.0; n * c], g0.clone(), vec![0.0; n * c]);
-    // SAFETY: every buffer outlives the calls below and is used by nothing else meanwhile.
-    let (ws, pp, xp, yp, dyp, gp, dxp) = unsafe {
-        (
-            lay.at::<HostBackend<'_>>(HostP::write(&mut mem)),
-            HostP::read(&p),
-            HostP::read(&x),
-            HostP::write(&mut y),
-            HostP::read(&dy),
-            HostP::write(&mut g),
-            HostP::write(&mut dx),
-        )
-    };
-    let s = Shape { b, t };
-    let pos_ids = be.upload_ids(&pos).unwrap();
-    block_fwd(&mut be, blk, pp, xp, yp, pos_ids, &ws, s).unwrap();
-    block_bwd(&mut be, blk, pp, gp, xp, dyp, dxp, pos_ids, &ws, s).unwrap();
-    assert_eq!(bits(&y), bits(&y_ref), "block forward");
-    assert_eq!(bits(&g), bits(&g_ref), "block weight and bias gradients");
-    assert_eq!(bits(&dx), bits(&dx_ref), "block dx");
+/// Token chunks give the same bits as the whole micro-batch at once: chunks of one and of both
+/// sequences, chunks that divide the sequence and ones that do not (a last chunk of one row),
+/// with documents crossing chunk boundaries.
+#[test]
+fn every_chunking_gives_the_same_bits() {
+    for (b, t, docs) in [
+        (2usize, 513usize, &[255usize, 3, 254, 1][..]),
+        (3, 700, &[1, 300, 399][..]),
+    ] {
+        let case = Case::new(b, t, docs);
+        let want = case.reference();
+        let mut chunks = vec![b * t, 2 * t, t];
+        chunks.extend((1..t.div_ceil(CHUNK_ALIGN)).map(|k| k * CHUNK_ALIGN));
+        for chunk in chunks {
+            let s = Shape::chunked(b, t, chunk).unwrap();
+            assert_same(&case.program(s), &want, &format!("t {t}, chunk {chunk}"));
+        }
+    }
+}
 
-    // Head: norm weight and LM head in one shard, as for an untied model.
-    let head_numel = layout.units[3].numel;
-    let hp = crate::util::uniform(head_numel, 5, 0.3);
-    let hg0 = crate::util::uniform(head_numel, 6, 0.1);
-    // Some rows train nothing.
-    let targets: Vec<u32> = (0..n)
-        .map(|i| match i % 9 {
-            4 => crate::model::ops::IGNORE,
-            _ => (i * 7 % 53) as u32,
-        })
-        .collect();
-    let nr = tm.head.norm_range();
-    let off = tm.head.lm_head.unwrap();
-    let v = cfg.vocab_size;
-    let mut hg_ref = hg0.clone();
-    let (lo, hi) = hg_ref.split_at_mut(off);
-    let mut dxh_ref = vec![0.0; n * c];
-    let loss_ref = tm.head.loss_backward(
-        &hp[nr.clone()],
-        &mut lo[nr.clone()],
-        &hp[off..off + v * c],
-        &mut hi[..v * c],
-        &x,
-        &targets,
-        &mut dxh_ref,
-        0.01,
-        &mut ws_ref,
-    );
-    let (mut hg, mut dxh) = (hg0.clone(), vec![0.0; n * c]);
-    let loss = Arc::new(Mutex::new(0.0f64));
-    // SAFETY: as above.
-    let (hpp, hgp, dxhp) = unsafe {
-        (
-            HostP::read(&hp),
-            HostP::write(&mut hg),
-            HostP::write(&mut dxh),
-        )
-    };
-    let ids = be.upload_ids(&targets).unwrap();
-    head_loss_bwd(
-        &mut be,
-        &cfg,
-        HostBackend::off(hpp, nr.start),
-        HostBackend::off(hgp, nr.start),
-        HostBackend::off(hpp, off),
-        HostBackend::off(hgp, off),
-        xp,
-        ids,
-        dxhp,
-        0.01,
-        &ws,
-        n,
-    )
-    .unwrap();
-    be.add_loss(ws.losses, n, loss.clone()).unwrap();
-    assert_eq!(*loss.lock().unwrap(), loss_ref, "head loss");
-    assert_eq!(bits(&hg), bits(&hg_ref), "head gradients");
-    assert_eq!(bits(&dxh), bits(&dxh_ref), "head dx");
+#[test]
+fn chunks_cover_every_row_once_in_order() {
+    for (b, t, chunk) in [
+        (3, 700, 256),
+        (3, 700, 1400),
+        (3, 700, 5000),
+        (1, 5, 5),
+        (4, 1, 2),
+    ] {
+        let s = Shape::chunked(b, t, chunk).unwrap();
+        let mut next = 0;
+        for ch in s.chunks() {
+            assert_eq!(ch.b0 * t + ch.q0, next, "{b}×{t} by {chunk}");
+            assert!(ch.rows() <= s.chunk_rows() && ch.rows() > 0);
+            assert!(ch.nb == 1 || (ch.q0, ch.q1) == (0, t));
+            next += ch.rows();
+        }
+        assert_eq!(next, b * t);
+    }
+    assert!(Shape::chunked(2, 700, 300).is_err());
+    assert!(Shape::chunked(2, 700, 0).is_err());
+    assert!(Shape::chunked(2, 200, 300).is_ok());
 }
 
 /// A range the program gets wrong is an error on the CPU backend, not corrupted memory.

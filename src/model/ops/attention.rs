@@ -16,7 +16,12 @@ use super::exp::{exp_shifted, row_max};
 use super::gemm_serial;
 use rayon::prelude::*;
 
-/// Attention shape: B sequences of T tokens, NH query heads, NKV kv heads, head dim HD.
+/// Attention shape: B sequences of T tokens (keys and values), NH query heads, NKV kv heads,
+/// head dim HD; the queries are rows `q0..q1` of every sequence. The query-side buffers (q, o,
+/// dO, dq `[B·(q1−q0), NH·HD]`, lse and delta `[B, NH, q1−q0]`) hold only those rows, the
+/// key-side ones (k, v, dk, dv `[B·T, NKV·HD]`) and the positions `[B·T]` the whole sequences.
+/// Query tiles start at `q0`: a caller that splits a sequence into query ranges starting at
+/// multiples of [`ATTN_TILE`] gets the same bits as one call over the whole sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnShape {
     /// Batch.
@@ -29,6 +34,35 @@ pub struct AttnShape {
     pub nkv: usize,
     /// Head dimension.
     pub hd: usize,
+    /// First query row of each sequence.
+    pub q0: usize,
+    /// One past the last query row (≤ `t`).
+    pub q1: usize,
+}
+
+impl AttnShape {
+    /// Every query of B sequences of T tokens.
+    pub fn causal(b: usize, t: usize, nh: usize, nkv: usize, hd: usize) -> Self {
+        AttnShape {
+            b,
+            t,
+            nh,
+            nkv,
+            hd,
+            q0: 0,
+            q1: t,
+        }
+    }
+
+    /// The same keys, queries `q0..q1` of each sequence.
+    pub fn queries(self, q0: usize, q1: usize) -> Self {
+        AttnShape { q0, q1, ..self }
+    }
+
+    /// Query rows per sequence.
+    pub fn nq(&self) -> usize {
+        self.q1 - self.q0
+    }
 }
 
 /// Query rows per tile.
@@ -125,8 +159,8 @@ impl BwdScratch {
 }
 
 /// Stack the query tile `i0..i0+m` of every head of kv head `kh`'s GQA group from `src`
-/// (`[B·T, NH·HD]`, q or dO) into `dst`, times `scale`: row r is head kh·group + r / m, query
-/// i0 + r % m.
+/// (`[B·(q1−q0), NH·HD]`, q or dO) into `dst`, times `scale`: row r is head kh·group + r / m,
+/// query i0 + r % m.
 #[allow(clippy::too_many_arguments)]
 fn gather_group(
     dst: &mut [f32],
@@ -140,12 +174,12 @@ fn gather_group(
 ) {
     let (qs, hd, group) = (s.nh * s.hd, s.hd, s.nh / s.nkv);
     for g in 0..group {
-        let q0 = (bi * s.t + i0) * qs + (kh * group + g) * hd;
+        let at = (bi * s.nq() + i0 - s.q0) * qs + (kh * group + g) * hd;
         for (r, d) in dst[g * m * hd..(g + 1) * m * hd]
             .chunks_exact_mut(hd)
             .enumerate()
         {
-            for (x, y) in d.iter_mut().zip(&src[q0 + r * qs..q0 + r * qs + hd]) {
+            for (x, y) in d.iter_mut().zip(&src[at + r * qs..at + r * qs + hd]) {
                 *x = *y * scale;
             }
         }
@@ -225,6 +259,13 @@ fn check_shape(s: AttnShape, pos: &[u32], outs: &[(&str, usize, usize)]) {
         s.nkv > 0 && s.nh.is_multiple_of(s.nkv),
         "attention: heads must be a multiple of kv heads"
     );
+    assert!(
+        s.q0 <= s.q1 && s.q1 <= s.t,
+        "attention: queries {}..{} of {} tokens",
+        s.q0,
+        s.q1,
+        s.t
+    );
     assert_eq!(pos.len(), s.b * s.t, "attention: one position per token");
     for &(what, have, need) in outs {
         assert!(have >= need, "attention: {what} holds {have}, needs {need}");
@@ -239,10 +280,10 @@ fn visible(pos: &[u32], bi: usize, t: usize, i: usize, j0: usize, n: usize) -> (
     (lo, hi.max(lo))
 }
 
-/// Causal GQA attention over documents. q [B·T, NH·HD], k/v [B·T, NKV·HD], o [B·T, NH·HD]; `pos`
-/// [B·T] each token's position in its document: query i attends to keys `i − pos[i] ..= i` (its
-/// own document's, up to itself). `lse` [B, NH, T] receives the row log-sum-exp for the
-/// backward. Query head h reads kv head h / (NH/NKV).
+/// Causal GQA attention over documents, for the queries `s.q0..s.q1` of each sequence (see
+/// [`AttnShape`] for the layouts). `pos` [B·T] is each token's position in its document: query
+/// i attends to keys `i − pos[i] ..= i` (its own document's, up to itself). `lse` [B, NH, q1−q0]
+/// receives the row log-sum-exp for the backward. Query head h reads kv head h / (NH/NKV).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     o: &mut [f32],
@@ -253,19 +294,26 @@ pub fn attention_fwd(
     pos: &[u32],
     s: AttnShape,
 ) {
-    let AttnShape { b, t, nh, nkv, hd } = s;
+    let AttnShape {
+        b, t, nh, nkv, hd, ..
+    } = s;
+    let nq = s.nq();
     check_shape(
         s,
         pos,
         &[
-            ("o", o.len(), b * t * nh * hd),
-            ("lse", lse.len(), b * nh * t),
+            ("o", o.len(), b * nq * nh * hd),
+            ("lse", lse.len(), b * nh * nq),
         ],
+    );
+    assert!(
+        q.len() >= b * nq * nh * hd && k.len() >= b * t * nkv * hd && v.len() >= b * t * nkv * hd,
+        "attention: inputs too small"
     );
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (qs, kvs) = (nh * hd, nkv * hd);
-    let qtiles = t.div_ceil(ATTN_TILE);
+    let qtiles = nq.div_ceil(ATTN_TILE);
     let (optr, lptr) = (SendPtr(o.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
     // One task per (sequence, kv head, query tile): the tile's rows of every query head of the
     // GQA group stacked, so each K/V tile is packed once for the group and the GEMMs are taller.
@@ -275,7 +323,8 @@ pub fn attention_fwd(
         |sc, task| {
             let (bk, qt) = (task / qtiles, task % qtiles);
             let (bi, kh) = (bk / nkv, bk % nkv);
-            let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
+            let i0 = s.q0 + qt * ATTN_TILE;
+            let i1 = (i0 + ATTN_TILE).min(s.q1);
             let m = i1 - i0;
             let gm = group * m; // stacked row r: head kh·group + r / m, query i0 + r % m
             gather_group(&mut sc.q, q, s, bi, kh, i0, m, scale);
@@ -313,14 +362,14 @@ pub fn attention_fwd(
                 j0 += n;
             }
             for r in 0..gm {
-                let (h, i) = (kh * group + r / m, i0 + r % m);
+                let (h, i) = (kh * group + r / m, i0 - s.q0 + r % m);
                 let inv = 1.0 / sc.l[r];
-                // SAFETY: row (bi, i), head h of `o` and its lse entry: this task
-                // (bi, kh, qt) is their only writer.
+                // SAFETY: query row (bi, i), head h of `o` and its lse entry (inside the buffers:
+                // checked above): this task (bi, kh, qt) is their only writer.
                 let (orow, l) = unsafe {
                     (
-                        optr.slice((bi * t + i) * qs + h * hd, hd),
-                        lptr.slice((bi * nh + h) * t + i, 1),
+                        optr.slice((bi * nq + i) * qs + h * hd, hd),
+                        lptr.slice((bi * nh + h) * nq + i, 1),
                     )
                 };
                 for (x, a) in orow.iter_mut().zip(&sc.acc[r * hd..(r + 1) * hd]) {
@@ -332,13 +381,16 @@ pub fn attention_fwd(
     );
 }
 
-/// Backward of [`attention_fwd`], recomputing the probabilities tile by tile from q, k and `lse`.
-/// Writes dq, dk, dv (not accumulating).
+/// Backward of [`attention_fwd`] for its queries `s.q0..s.q1`, recomputing the probabilities tile
+/// by tile from q, k and `lse`: dq written; dk and dv **accumulated** (`+=`, so a sequence's key
+/// gradients can be summed over query ranges in order: the caller zeroes them first); `delta`
+/// `[B, NH, q1−q0]` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    delta: &mut [f32],
     d_o: &[f32],
     q: &[f32],
     k: &[f32],
@@ -348,32 +400,47 @@ pub fn attention_bwd(
     pos: &[u32],
     s: AttnShape,
 ) {
-    let AttnShape { b, t, nh, nkv, hd } = s;
+    let AttnShape {
+        b, t, nh, nkv, hd, ..
+    } = s;
+    let nq = s.nq();
     check_shape(
         s,
         pos,
         &[
-            ("dq", dq.len(), b * t * nh * hd),
+            ("dq", dq.len(), b * nq * nh * hd),
             ("dk", dk.len(), b * t * nkv * hd),
             ("dv", dv.len(), b * t * nkv * hd),
+            ("delta", delta.len(), b * nh * nq),
         ],
     );
-    if t == 0 {
+    assert!(
+        q.len() >= b * nq * nh * hd
+            && d_o.len() >= b * nq * nh * hd
+            && o.len() >= b * nq * nh * hd
+            && lse.len() >= b * nh * nq
+            && k.len() >= b * t * nkv * hd
+            && v.len() >= b * t * nkv * hd,
+        "attention: inputs too small"
+    );
+    if nq == 0 {
         return;
     }
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (qs, kvs) = (nh * hd, nkv * hd);
     // D[b, h, i] = dO_i · O_i
-    let mut delta = vec![0.0f32; b * nh * t];
-    delta.par_chunks_mut(t).enumerate().for_each(|(bh, d)| {
-        let (bi, h) = (bh / nh, bh % nh);
-        for (i, x) in d.iter_mut().enumerate() {
-            let r = (bi * t + i) * qs + h * hd;
-            *x = dot(&d_o[r..r + hd], &o[r..r + hd]);
-        }
-    });
-    let delta = &delta;
+    delta[..b * nh * nq]
+        .par_chunks_mut(nq)
+        .enumerate()
+        .for_each(|(bh, d)| {
+            let (bi, h) = (bh / nh, bh % nh);
+            for (i, x) in d.iter_mut().enumerate() {
+                let r = (bi * nq + i) * qs + h * hd;
+                *x = dot(&d_o[r..r + hd], &o[r..r + hd]);
+            }
+        });
+    let delta = &*delta;
     let tile = Tile {
         k,
         v,
@@ -382,10 +449,11 @@ pub fn attention_bwd(
         pos,
         s,
     };
-    // One task per (sequence, kv head) over its whole lower triangle, the query tile's rows of
-    // every head of the GQA group stacked: it alone writes that kv head's dK/dV (summed over the
-    // group inside the GEMMs) and its query heads' dQ.
-    let qtiles = t.div_ceil(ATTN_TILE);
+    // One task per (sequence, kv head) over its queries' lower triangle, the query tile's rows
+    // of every head of the GQA group stacked: it alone writes that kv head's dK/dV (summed over
+    // the group inside the GEMMs) and its query heads' dQ. Its keys are those the first query's
+    // document starts at up to the last query.
+    let qtiles = nq.div_ceil(ATTN_TILE);
     let (dqp, dkp, dvp) = (
         SendPtr(dq.as_mut_ptr()),
         SendPtr(dk.as_mut_ptr()),
@@ -394,11 +462,23 @@ pub fn attention_bwd(
     let rows = group * ATTN_TILE;
     (0..b * nkv).into_par_iter().for_each(|task| {
         let (bi, kh) = (task / nkv, task % nkv);
+        let kfirst = first_key(pos, bi, t, s.q0);
+        let keys = s.q1 - kfirst;
         let mut sc = BwdScratch::new(hd, rows);
-        let (mut dk_acc, mut dv_acc) = (vec![0.0f32; t * hd], vec![0.0f32; t * hd]);
+        // The task's keys' dK/dV rows, gathered so the tile GEMMs accumulate onto them.
+        let (mut dk_acc, mut dv_acc) = (vec![0.0f32; keys * hd], vec![0.0f32; keys * hd]);
+        for j in 0..keys {
+            let at = (bi * t + kfirst + j) * kvs + kh * hd;
+            // SAFETY: dk/dv rows (bi, kfirst + j), head kh (inside dk/dv: checked above): this
+            // task alone touches them.
+            let (dkr, dvr) = unsafe { (dkp.slice(at, hd), dvp.slice(at, hd)) };
+            dk_acc[j * hd..(j + 1) * hd].copy_from_slice(dkr);
+            dv_acc[j * hd..(j + 1) * hd].copy_from_slice(dvr);
+        }
         let mut dq_acc = vec![0.0f32; rows * hd];
         for qt in 0..qtiles {
-            let (i0, i1) = (qt * ATTN_TILE, ((qt + 1) * ATTN_TILE).min(t));
+            let i0 = s.q0 + qt * ATTN_TILE;
+            let i1 = (i0 + ATTN_TILE).min(s.q1);
             let (m, mut j0) = (i1 - i0, first_key(pos, bi, t, i0));
             let gm = group * m;
             gather_group(&mut sc.q, q, s, bi, kh, i0, m, scale);
@@ -409,24 +489,26 @@ pub fn attention_bwd(
                 let kv0 = (bi * t + j0) * kvs + kh * hd;
                 tile.probabilities_and_ds(&mut sc, bi, kh, i0, m, j0, n);
                 let (p, ds) = (&sc.s[..gm * n], &sc.dp[..gm * n]);
+                let local = (j0 - kfirst) * hd;
                 // dV[n, hd] += Pᵀ · dO;  dK[n, hd] += dSᵀ · Qs;  dQ[gm, hd] += dS · K
-                plus_transposed_times(&mut dv_acc[j0 * hd..], p, &sc.do_, gm, n, hd);
-                plus_transposed_times(&mut dk_acc[j0 * hd..], ds, &sc.q, gm, n, hd);
+                plus_transposed_times(&mut dv_acc[local..], p, &sc.do_, gm, n, hd);
+                plus_transposed_times(&mut dk_acc[local..], ds, &sc.q, gm, n, hd);
                 plus_times_tile(&mut dq_acc, ds, k, kv0, kvs, gm, n, hd);
                 j0 += n;
             }
             for r in 0..gm {
-                let (h, i) = (kh * group + r / m, i0 + r % m);
-                // SAFETY: dq row (bi, i), head h: this task (bi, kh) alone writes it.
-                let dqr = unsafe { dqp.slice((bi * t + i) * qs + h * hd, hd) };
+                let (h, i) = (kh * group + r / m, i0 - s.q0 + r % m);
+                // SAFETY: dq row (bi, i), head h (inside dq: checked above): this task (bi, kh)
+                // alone writes it.
+                let dqr = unsafe { dqp.slice((bi * nq + i) * qs + h * hd, hd) };
                 for (x, a) in dqr.iter_mut().zip(&dq_acc[r * hd..(r + 1) * hd]) {
                     *x = *a * scale;
                 }
             }
         }
-        for j in 0..t {
-            let at = (bi * t + j) * kvs + kh * hd;
-            // SAFETY: dk/dv rows (bi, j), head kh: this task alone writes them.
+        for j in 0..keys {
+            let at = (bi * t + kfirst + j) * kvs + kh * hd;
+            // SAFETY: as above.
             let (dkr, dvr) = unsafe { (dkp.slice(at, hd), dvp.slice(at, hd)) };
             dkr.copy_from_slice(&dk_acc[j * hd..(j + 1) * hd]);
             dvr.copy_from_slice(&dv_acc[j * hd..(j + 1) * hd]);
@@ -458,8 +540,10 @@ impl Tile<'_> {
         j0: usize,
         n: usize,
     ) {
-        let AttnShape { t, nh, nkv, hd, .. } = self.s;
-        let (kvs, group) = (nkv * hd, nh / nkv);
+        let AttnShape {
+            t, nh, nkv, hd, q0, ..
+        } = self.s;
+        let (kvs, group, nq) = (nkv * hd, nh / nkv, self.s.nq());
         let gm = group * m;
         let kv0 = (bi * t + j0) * kvs + kh * hd;
         times_tile_t(&mut sc.s, &sc.q, self.k, kv0, kvs, gm, n, hd);
@@ -467,10 +551,8 @@ impl Tile<'_> {
         for r in 0..gm {
             let (h, i) = (kh * group + r / m, i0 + r % m);
             let (lo, hi) = visible(self.pos, bi, t, i, j0, n);
-            let (li, di) = (
-                self.lse[(bi * nh + h) * t + i],
-                self.delta[(bi * nh + h) * t + i],
-            );
+            let at = (bi * nh + h) * nq + i - q0;
+            let (li, di) = (self.lse[at], self.delta[at]);
             let (p, ds) = (
                 &mut sc.s[r * n..(r + 1) * n],
                 &mut sc.dp[r * n..(r + 1) * n],
@@ -503,7 +585,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Reference attention with the full T×T score matrix (tests only compare against it).
 pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], pos: &[u32], s: AttnShape) {
-    let AttnShape { b, t, nh, nkv, hd } = s;
+    let AttnShape {
+        b, t, nh, nkv, hd, ..
+    } = s;
+    assert_eq!((s.q0, s.q1), (0, t), "attention_naive: every query");
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (qs, kvs) = (nh * hd, nkv * hd);

@@ -39,6 +39,9 @@ pub fn gemm_serial(
     gemm_on(c, a, a_st, b, b_st, m, k, n, accumulate, false);
 }
 
+/// Outputs up to which the `gemm` crate switches to dot-product kernels (see [`gemm_on`]).
+const SMALL_GEMM: usize = 16 * 16;
+
 #[allow(clippy::too_many_arguments)]
 fn gemm_on(
     c: &mut [f32],
@@ -70,6 +73,35 @@ fn gemm_on(
         (k - 1) * b_rs + (n - 1) * b_cs < b.len(),
         "gemm: B too small"
     );
+    if k > 2 && (m == 1 || m * n <= SMALL_GEMM) {
+        // The `gemm` crate computes a single row as a GEMV and products of up to 16×16 outputs
+        // with dot-product kernels, whose sums run in another order than the same rows inside a
+        // taller product: a row's bits would depend on how many rows came with it (the
+        // token-chunked program relies on they do not). Zero rows below make it a GEMM.
+        let rows = 2.max(SMALL_GEMM / n + 1);
+        let mut a2 = vec![0.0f32; rows * k];
+        for (i, row) in a2.chunks_exact_mut(k).take(m).enumerate() {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = a[i * a_rs + j * a_cs];
+            }
+        }
+        let mut c2 = vec![0.0f32; rows * n];
+        c2[..m * n].copy_from_slice(&c[..m * n]);
+        gemm_on(
+            &mut c2,
+            &a2,
+            (k, 1),
+            b,
+            (b_rs, b_cs),
+            rows,
+            k,
+            n,
+            accumulate,
+            parallel,
+        );
+        c[..m * n].copy_from_slice(&c2[..m * n]);
+        return;
+    }
     // SAFETY: the asserts above bound every index gemm reads or writes; C does not alias A or B
     // (distinct borrows).
     unsafe {
@@ -126,19 +158,65 @@ pub fn bias_fwd(y: &mut [f32], b: &[f32]) {
     });
 }
 
-/// db += Σ_rows dy, dy `[n, db.len()]`.
+/// db += Σ_rows dy, dy `[n, db.len()]`, added row by row in order onto db (so summing the rows
+/// in consecutive parts gives the same bits as summing them at once).
 pub fn bias_bwd(db: &mut [f32], dy: &[f32], n: usize) {
     let dout = db.len();
     db.par_iter_mut().enumerate().for_each(|(o, d)| {
-        let mut s = 0.0f32;
+        let mut s = *d;
         for r in 0..n {
             s += dy[r * dout + o];
         }
-        *d += s;
+        *d = s;
     });
 }
 
-/// Backward of [`linear_fwd`]: dx (= or +=) dy·W, dW += dyᵀ·x, db += Σ_rows dy.
+/// Rows per weight-gradient GEMM: `dW += dyᵀ·x` is summed over blocks of at most this many
+/// rows, in order, a block never crossing a sequence's start and each starting a multiple of it
+/// from one ([`grad_blocks`]). A token-chunked program whose chunks start at such multiples sums
+/// the same blocks in the same order, so its gradients are bit-identical for any chunk size.
+pub const GRAD_ROWS: usize = 256;
+
+/// The row blocks `[r0, r1)` of `rows` rows made of runs of `period` rows (sequences, or a chunk
+/// of one): [`GRAD_ROWS`] at a time from each run's start.
+pub fn grad_blocks(rows: usize, period: usize) -> impl Iterator<Item = (usize, usize)> {
+    let period = period.max(1);
+    (0..rows).step_by(period).flat_map(move |s0| {
+        let s1 = (s0 + period).min(rows);
+        (s0..s1)
+            .step_by(GRAD_ROWS)
+            .map(move |r0| (r0, (r0 + GRAD_ROWS).min(s1)))
+    })
+}
+
+/// `dW[out, in] += dyᵀ·x` over rows in [`grad_blocks`] of runs of `period` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn weight_grad(
+    dw: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    n: usize,
+    period: usize,
+    din: usize,
+    dout: usize,
+) {
+    for (r0, r1) in grad_blocks(n, period) {
+        gemm(
+            dw,
+            &dy[r0 * dout..r1 * dout],
+            (1, dout),
+            &x[r0 * din..r1 * din],
+            (din, 1),
+            dout,
+            r1 - r0,
+            din,
+            true,
+        );
+    }
+}
+
+/// Backward of [`linear_fwd`] over `n` rows made of runs (sequences) of `period`: dx (= or +=)
+/// dy·W, dW += dyᵀ·x (see [`weight_grad`]), db += Σ_rows dy.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_bwd(
     dx: &mut [f32],
@@ -149,12 +227,13 @@ pub fn linear_bwd(
     x: &[f32],
     w: &[f32],
     n: usize,
+    period: usize,
     din: usize,
     dout: usize,
 ) {
     gemm(dx, dy, (dout, 1), w, (din, 1), n, dout, din, dx_accumulate);
     // dW[out, in] += dyᵀ[out, N] · x[N, in]
-    gemm(dw, dy, (1, dout), x, (din, 1), dout, n, din, true);
+    weight_grad(dw, dy, x, n, period, din, dout);
     if let Some(db) = db {
         bias_bwd(&mut db[..dout], dy, n);
     }
@@ -212,14 +291,15 @@ pub fn rmsnorm_bwd(
                 }
             }
         });
-    // dw: reduce over rows, parallel over columns.
+    // dw: reduce over rows, parallel over columns, added row by row onto dw (consecutive parts
+    // of the rows give the same bits as all at once).
     let rows = rstd.len();
     dw.par_iter_mut().enumerate().for_each(|(j, d)| {
-        let mut s = 0.0f32;
+        let mut s = *d;
         for r in 0..rows {
             s += dy[r * c + j] * x[r * c + j] * rstd[r];
         }
-        *d += s;
+        *d = s;
     });
 }
 

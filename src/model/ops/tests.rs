@@ -61,13 +61,7 @@ fn gemm_transposes_match_naive() {
 #[test]
 fn tiled_attention_matches_naive_on_ragged_lengths() {
     for (t, nh, nkv) in [(1, 2, 1), (63, 4, 2), (65, 4, 4), (130, 6, 1)] {
-        let s = AttnShape {
-            b: 2,
-            t,
-            nh,
-            nkv,
-            hd: 16,
-        };
+        let s = AttnShape::causal(2, t, nh, nkv, 16);
         let (q, k, v) = (
             rnd(2 * t * nh * 16, 1),
             rnd(2 * t * nkv * 16, 2),
@@ -96,19 +90,16 @@ fn packed_documents_equal_separate_runs_and_never_mix() {
     let (nh, nkv, hd) = (4, 2, 8);
     let lens = [50usize, 1, 77, 2];
     let t: usize = lens.iter().sum();
-    let shape = |t| AttnShape {
-        b: 1,
-        t,
-        nh,
-        nkv,
-        hd,
-    };
+    let shape = |t| AttnShape::causal(1, t, nh, nkv, hd);
     let run = |q: &[f32], k: &[f32], v: &[f32], d_o: &[f32], pos: &[u32], t: usize| {
         let s = shape(t);
         let (mut o, mut lse) = (vec![0.0; q.len()], vec![0.0; nh * t]);
         attention_fwd(&mut o, &mut lse, q, k, v, pos, s);
         let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        attention_bwd(&mut dq, &mut dk, &mut dv, d_o, q, k, v, &o, &lse, pos, s);
+        let mut delta = vec![0.0; nh * t];
+        attention_bwd(
+            &mut dq, &mut dk, &mut dv, &mut delta, d_o, q, k, v, &o, &lse, pos, s,
+        );
         [o, dq, dk, dv]
     };
     let inputs = |seed: u64| {
@@ -177,13 +168,7 @@ fn packed_documents_equal_separate_runs_and_never_mix() {
 
 #[test]
 fn attention_backward_finite_differences() {
-    let s = AttnShape {
-        b: 1,
-        t: 70,
-        nh: 4,
-        nkv: 2,
-        hd: 8,
-    };
+    let s = AttnShape::causal(1, 70, 4, 2, 8);
     let (mut q, mut k, mut v) = (rnd(70 * 32, 4), rnd(70 * 16, 5), rnd(70 * 16, 6));
     let w = rnd(70 * 32, 7); // loss = Σ w ⊙ o
     let pos = document_positions(&[30, 1, 39]);
@@ -195,7 +180,10 @@ fn attention_backward_finite_differences() {
     };
     let (o, lse) = fwd(&q, &k, &v);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    attention_bwd(&mut dq, &mut dk, &mut dv, &w, &q, &k, &v, &o, &lse, &pos, s);
+    let mut delta = vec![0.0; 4 * 70];
+    attention_bwd(
+        &mut dq, &mut dk, &mut dv, &mut delta, &w, &q, &k, &v, &o, &lse, &pos, s,
+    );
     let loss = |o: &[f32]| {
         o.iter()
             .zip(&w)
@@ -334,6 +322,7 @@ fn linear_backward_finite_differences() {
         &x,
         &w,
         n,
+        n,
         din,
         dout,
     );
@@ -342,4 +331,32 @@ fn linear_backward_finite_differences() {
     let x0 = x.clone();
     fd_check("linear dw", &mut w, &dw, |w| f(&x0, w, &b0), 20);
     fd_check("linear db", &mut b, &db, |b| f(&x0, &w0, b), 5);
+}
+
+/// A row of a product has the same bits however many rows come with it (the token-chunked
+/// program depends on it): single rows and products of few outputs take the GEMM kernels too.
+#[test]
+fn gemm_rows_do_not_depend_on_how_many_rows_come_with_them() {
+    for (k, n, transposed) in [(48usize, 48usize, true), (48, 16, true), (80, 53, false)] {
+        let big = 1026;
+        let a = rnd(big * k, 1);
+        let b = rnd(k * n, 2);
+        let b_st = if transposed { (1, k) } else { (n, 1) };
+        for accumulate in [false, true] {
+            let c0 = rnd(big * n, 3);
+            let mut c_big = c0.clone();
+            gemm(&mut c_big, &a, (k, 1), &b, b_st, big, k, n, accumulate);
+            for m in [1usize, 2, 3, 7, 16, 47, 64, 513] {
+                for r0 in [0usize, 512, 513] {
+                    let mut c = c0[r0 * n..(r0 + m) * n].to_vec();
+                    gemm(&mut c, &a[r0 * k..], (k, 1), &b, b_st, m, k, n, accumulate);
+                    let want = &c_big[r0 * n..(r0 + m) * n];
+                    assert!(
+                        c.iter().zip(want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "k {k} n {n} m {m} at row {r0}"
+                    );
+                }
+            }
+        }
+    }
 }

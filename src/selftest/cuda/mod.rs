@@ -27,8 +27,7 @@ pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
             capacity_bytes: 1 << 30,
             link: None,
             jitter: None,
-            batch: BATCH,
-            seq: SEQ,
+            shape: crate::device::program::Shape::whole(BATCH, SEQ),
         },
         tm.clone(),
     )?);
@@ -36,8 +35,7 @@ pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
     let gpu = Arc::new(CudaDevice::open(
         CudaDeviceConfig {
             ordinal,
-            batch: BATCH,
-            seq: SEQ,
+            shape: crate::device::program::Shape::whole(BATCH, SEQ),
             capacity_bytes: None,
             tf32: false,
         },
