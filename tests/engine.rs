@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use megatrain::device::cpu::{CpuDevice, CpuDeviceConfig};
+use megatrain::device::program::Shape;
 use megatrain::device::Device;
 use megatrain::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
 use megatrain::model::config::ModelConfig;
@@ -109,7 +110,8 @@ fn rig(
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
 ) -> Rig {
-    rig_spill(c, mode, mbs, cp, clip, jitter, params, None)
+    let shape = Shape::whole(B, T);
+    rig_spill(c, mode, mbs, cp, clip, jitter, params, None, shape)
 }
 
 /// Where the NVMe tier goes, how many slots, which engine.
@@ -131,6 +133,7 @@ fn rig_spill(
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
     spill: Option<Spill<'_>>,
+    shape: Shape,
 ) -> Rig {
     let layout = StateLayout::new(c, mode);
     let machine = probe(&TopologySource::Live).unwrap();
@@ -166,14 +169,14 @@ fn rig_spill(
         store.take(u).unwrap().params().copy_from_slice(p);
     }
     let pool = AdamPool::for_placement(store.placement(), Some(2)).unwrap();
-    let tm = Arc::new(Templates::new(&layout.config, T).unwrap());
+    let tm = Arc::new(Templates::new(&layout.config, shape.t).unwrap());
     let device = Arc::new(
         CpuDevice::new(
             CpuDeviceConfig {
                 capacity_bytes: 64 << 20,
                 link: None,
                 jitter,
-                shape: megatrain::device::program::Shape::whole(B, T),
+                shape,
             },
             tm.clone(),
         )
@@ -185,8 +188,8 @@ fn rig_spill(
         pool,
         tm,
         StreamerConfig {
-            batch: B,
-            seq: T,
+            batch: shape.b,
+            seq: shape.t,
             micro_batches: mbs,
             activations: cp,
             adam: AdamWConfig {
@@ -345,6 +348,53 @@ fn device_peak_is_the_planned_working_set_for_any_depth() {
     assert_eq!(peaks[0], peaks[1], "device memory must not grow with depth");
 }
 
+/// With token chunks the device peak grows with the sequence only by what attention keeps for the
+/// whole sequence (K, V and their gradients, one loss per token) and the layer-boundary buffers
+/// (x and its gradient, two each): `4·(4·kv_dim + 1) + 4·4·hidden` bytes per token, 772 here.
+/// Steps at 2k and 4k tokens allocate nothing beyond what is set up front; 8k and 16k are set up.
+#[test]
+fn device_peak_grows_with_the_sequence_only_by_what_attention_keeps() {
+    let c = cfg(2, false);
+    let params = init(&StateLayout::new(&c, Mode::Exact));
+    let per_token = 4 * (4 * c.kv_dim() as u64 + 1) + 4 * 4 * c.hidden_size as u64;
+    assert_eq!(per_token, 772);
+    let mut peaks = Vec::new();
+    for t in [2048usize, 4096, 8192, 16384] {
+        let shape = Shape::chunked(1, t, 512).unwrap();
+        let mut r = rig_spill(
+            &c,
+            Mode::Exact,
+            1,
+            Activations::Host,
+            0.0,
+            None,
+            &params,
+            None,
+            shape,
+        );
+        let planned = r.device.memory().in_use;
+        if t <= 4096 {
+            let toks: Vec<u32> = (0..=t as u32).map(|i| (i * 7 + i / 5) % 61).collect();
+            let mb = MicroBatch {
+                tokens: toks[..t].to_vec().into(),
+                targets: toks[1..].to_vec().into(),
+                positions: megatrain::model::ops::flat_positions(1, t).into(),
+            };
+            let m = r.streamer.step(&[mb], 1e-3).unwrap();
+            assert!(m.loss.is_finite());
+            assert_eq!(
+                m.device_peak_bytes, planned,
+                "T {t}: the step allocates nothing more"
+            );
+        }
+        peaks.push((t as u64, planned));
+    }
+    for w in peaks.windows(2) {
+        let ((t0, p0), (t1, p1)) = (w[0], w[1]);
+        assert_eq!(p1 - p0, per_token * (t1 - t0), "from {t0} to {t1} tokens");
+    }
+}
+
 #[test]
 fn random_delays_on_every_stream_change_no_bits() {
     let c = cfg(3, true);
@@ -460,7 +510,17 @@ fn spilled_optimizer_state_trains_bit_identically() {
     let batches: Vec<Vec<MicroBatch>> = (0..4).map(|s| vec![batch(300 + s, 61)]).collect();
     let run = |mode: Mode, spill: Option<Spill<'_>>| {
         let spilled = spill.is_some();
-        let mut r = rig_spill(&c, mode, 1, Activations::Host, 0.5, None, &params, spill);
+        let mut r = rig_spill(
+            &c,
+            mode,
+            1,
+            Activations::Host,
+            0.5,
+            None,
+            &params,
+            spill,
+            Shape::whole(B, T),
+        );
         let mut nvme = (0u64, 0u64);
         let losses: Vec<u64> = batches
             .iter()

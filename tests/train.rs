@@ -477,3 +477,80 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
         .expect("a checkpoint on Ctrl-C");
     checkpoint::verify(&newest).unwrap();
 }
+
+/// A device memory too small for the whole micro-batch's layer workspace runs the layers in
+/// token chunks, with the same bits: per-step losses and the final weights and moments equal
+/// the unchunked run's. Too small even for the smallest chunks is refused, naming the need.
+#[test]
+fn token_chunks_change_no_bit() {
+    use megatrain::device::program::{workspace_bytes, Shape};
+    use megatrain::engine::{device_bytes, Activations};
+    use megatrain::model::config::ModelConfig;
+    use megatrain::store::layout::{Mode, StateLayout};
+    struct Notes(Vec<String>);
+    impl Progress for Notes {
+        fn note(&mut self, line: &str) {
+            self.0.push(line.to_owned());
+        }
+    }
+    let (b, t) = (2usize, 600usize);
+    let run_with = |dir: &Path, device_memory: u64| {
+        let (m, d) = setup(dir, 8000);
+        let c = TrainConfig {
+            seq_len: t,
+            batch_size: b,
+            grad_accum: 1,
+            mode: Some(megatrain::store::layout::Mode::Exact),
+            activations: Some(Activations::Host),
+            device_memory,
+            ..cfg(dir, m, d, 3)
+        };
+        let mut notes = Notes(Vec::new());
+        let s = run(&c, Arc::new(AtomicBool::new(false)), &mut notes);
+        (s, notes.0)
+    };
+    let model = ModelConfig::from_json_str(MODEL, "model.json").unwrap();
+    let layout = StateLayout::new(&model, Mode::Exact);
+    let buffers = device_bytes(&layout, b, t, 1, Activations::Host);
+    let chunked = Shape::chunked(b, t, 256).unwrap();
+    let tight = workspace_bytes(&model, chunked) + buffers;
+    assert!(tight < workspace_bytes(&model, Shape::whole(b, t)) + buffers);
+
+    let (whole_dir, chunk_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (s1, notes1) = run_with(whole_dir.path(), 256 << 20);
+    let (s2, notes2) = run_with(chunk_dir.path(), tight);
+    let (s1, s2) = (s1.unwrap(), s2.unwrap());
+    assert!(
+        !notes1.iter().any(|n| n.contains("token chunks")),
+        "{notes1:?}"
+    );
+    assert!(
+        notes2
+            .iter()
+            .any(|n| n.contains("layers run 256 tokens at a time")),
+        "{notes2:?}"
+    );
+    let (ca, cb) = (s1.checkpoint.unwrap(), s2.checkpoint.unwrap());
+    for f in ["params.f32", "adam_m.f32", "adam_v.f32"] {
+        assert!(read(&ca.join(f)) == read(&cb.join(f)), "{f} differs");
+    }
+    let metrics = |p: &Path| -> Vec<String> {
+        std::fs::read_to_string(p.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                format!("{}:{}:{}", v["step"], v["loss"], v["grad_norm"])
+            })
+            .collect()
+    };
+    assert_eq!(metrics(whole_dir.path()), metrics(chunk_dir.path()));
+
+    let small = tempfile::tempdir().unwrap();
+    let e = run_with(small.path(), tight - 1024)
+        .0
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("layer workspace needs at least"), "{e}");
+    assert!(e.contains("--device-memory"), "{e}");
+}

@@ -99,7 +99,7 @@ fn read_report(p: &Path) -> Result<Report> {
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// A model preset (llama-3-8b, llama-3-70b, llama-3-405b, qwen2.5-14b, qwen2.5-32b,
+    /// A model preset (llama-3-8b, llama-3-70b, llama-3-405b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b,
     /// qwen2.5-72b, llama-120b) or an HF config.json.
     #[arg(long)]
     model: String,

@@ -188,6 +188,7 @@ pub struct CpuDevice {
     senders: Vec<Sender<Cmd>>,
     handles: Vec<JoinHandle<()>>,
     workspace_bytes: u64,
+    shape: Shape,
 }
 
 fn xorshift(s: &mut u64) -> u64 {
@@ -307,6 +308,7 @@ impl CpuDevice {
             senders,
             handles,
             workspace_bytes,
+            shape: cfg.shape,
         })
     }
 
@@ -485,6 +487,10 @@ fn run_kernel(
 impl Device for CpuDevice {
     fn name(&self) -> String {
         "cpu".into()
+    }
+
+    fn shape(&self) -> Shape {
+        self.shape
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {

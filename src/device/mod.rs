@@ -434,6 +434,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn synchronize(&self);
     /// Memory accounting.
     fn memory(&self) -> MemStats;
+    /// The micro-batch shape and token chunks its layer program runs.
+    fn shape(&self) -> program::Shape;
     /// Reset the peak to the current use.
     fn reset_peak(&self);
     /// Executed commands since the last call (the device's timeline), emptied.

@@ -5,6 +5,7 @@
 pub mod presets;
 pub mod sim;
 
+use crate::device::program::{workspace_bytes, Shape, CHUNK_ALIGN};
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, Mode, StateLayout};
@@ -127,6 +128,9 @@ pub struct MemoryPlan {
     pub host_activation_bytes: u64,
     /// Device working set: double buffers of weights and gradients, one layer's activations, the layer workspace.
     pub device_bytes: u64,
+    /// Tokens a layer runs at once on the device: the micro-batch, or the largest token chunk
+    /// whose workspace fits.
+    pub layer_chunk_tokens: u64,
     /// NVMe bytes (spilled Adam moments).
     pub nvme_bytes: u64,
     /// Units whose m/v spill (of `units`).
@@ -311,21 +315,38 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     let elem = if req.bf16 { 2 } else { 4 };
     // Two buffers of weights (streamed dtype) and of fp32 grads.
     let double_buffers = 2 * layout.max_unit_numel() as u64 * (elem + 4);
-    // The device program's layer workspace (what the devices allocate), plus dx/dy and the two
-    // buffers of host-offloaded activations.
-    let act = crate::device::program::workspace_bytes(
+    // dx/dy and the two buffers of host-offloaded activations, then the device program's layer
+    // workspace (what the devices allocate) in the largest token chunks that fit beside them.
+    let boundary = 4 * tokens_mb * c * 4;
+    let gpu_budget = (hw.gpu_memory_bytes as f64 * USABLE) as u64;
+    let shape = layer_chunks(
         model,
-        crate::device::program::Shape::whole(1, tokens_mb as usize),
-    ) + 4 * tokens_mb * c * 4;
+        req,
+        gpu_budget.saturating_sub(double_buffers + boundary),
+    );
+    let act = workspace_bytes(model, shape) + boundary;
     MemoryPlan {
         host_state_bytes: host,
         host_activation_bytes: activations,
         device_bytes: double_buffers + act,
+        layer_chunk_tokens: shape.chunk_rows() as u64,
         nvme_bytes: nvme,
         nvme_units: spilled.len(),
         units: layout.units.len(),
         host_bytes_per_param: host as f64 / layout.num_params().max(1) as f64,
     }
+}
+
+/// The micro-batch's shape on the device: the largest token chunks whose layer workspace fits
+/// `budget` bytes, or the smallest chunks when none does (the plan then reports the shortfall).
+fn layer_chunks(model: &ModelConfig, req: &PlanRequest, budget: u64) -> Shape {
+    let t = req.seq_len.min(req.micro_tokens()) as usize;
+    let b = (req.micro_tokens() as usize / t.max(1)).max(1);
+    Shape::whole(b, t)
+        .fit(model, budget, "the GPU")
+        .unwrap_or_else(|_| {
+            Shape::chunked(b, t, CHUNK_ALIGN.min(t.max(1))).unwrap_or(Shape::whole(b, t))
+        })
 }
 
 /// FLOPs of one step: 2·N per token for the forward, again for the recompute, 4·N for the
@@ -692,7 +713,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
          {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
-         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}\n  GPU working set  {:>12}  of {}\n  NVMe             {:>12}\n  fits: {}\n",
+         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         hw.name,
         hw.gpu,
@@ -712,6 +733,14 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         hb(p.memory.host_activation_bytes),
         hb(p.memory.device_bytes),
         hb(hw.gpu_memory_bytes),
+        if p.memory.layer_chunk_tokens < p.micro_batch_tokens {
+            format!(
+                "  (layers in chunks of {} tokens)",
+                p.memory.layer_chunk_tokens
+            )
+        } else {
+            String::new()
+        },
         hb(p.memory.nvme_bytes),
         if p.fits { "yes".to_owned() } else { format!("NO — {}", p.missing.clone().unwrap_or_default()) },
     );

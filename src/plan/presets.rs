@@ -127,6 +127,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "llama-3-8b" => llama_like(Llama, 128256, 4096, 14336, 32, 32, 8, false, 500000.0),
         "llama-3-70b" => llama_like(Llama, 128256, 8192, 28672, 80, 64, 8, false, 500000.0),
         "llama-3-405b" => llama_like(Llama, 128256, 16384, 53248, 126, 128, 8, false, 500000.0),
+        "qwen2.5-7b" => llama_like(Qwen2, 152064, 3584, 18944, 28, 28, 4, false, 1000000.0),
         "qwen2.5-14b" => llama_like(Qwen2, 152064, 5120, 13824, 48, 40, 8, false, 1000000.0),
         "qwen2.5-32b" => llama_like(Qwen2, 152064, 5120, 27648, 64, 40, 8, false, 1000000.0),
         "qwen2.5-72b" => llama_like(Qwen2, 152064, 8192, 29568, 80, 64, 8, false, 1000000.0),
@@ -138,10 +139,11 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 7] = [
+pub const MODELS: [&str; 8] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
+    "qwen2.5-7b",
     "qwen2.5-14b",
     "qwen2.5-32b",
     "qwen2.5-72b",
@@ -159,6 +161,7 @@ mod tests {
             ("llama-3-8b", 8_030_261_248u64),
             ("llama-3-70b", 70_553_706_496),
             ("llama-3-405b", 405_853_388_800),
+            ("qwen2.5-7b", 7_615_616_512),
             ("qwen2.5-14b", 14_770_033_664),
             ("qwen2.5-32b", 32_763_876_352),
             ("qwen2.5-72b", 72_706_203_648),

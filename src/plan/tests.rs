@@ -245,3 +245,28 @@ fn huge_steps_plan_quickly_and_bad_counts_are_refused() {
         assert!(bad.validate().is_err());
     }
 }
+
+/// 512k tokens of context on one GH200: the layers run in token chunks sized to the GPU, whose
+/// workspace keeps only K, V and their gradients for the whole sequence; the whole sequence's
+/// workspace at once would not fit.
+#[test]
+fn half_a_million_tokens_fit_a_gh200_in_token_chunks() {
+    let hw = presets::machine("gh200-480gb").unwrap();
+    for name in ["llama-3-8b", "qwen2.5-7b"] {
+        let m = presets::model(name).unwrap();
+        let r = PlanRequest {
+            seq_len: 524288,
+            bf16: true,
+            ..req(524288)
+        };
+        let p = plan(&m, &hw, &r);
+        assert!(p.fits, "{name}: {:?}", p.missing);
+        let chunk = p.memory.layer_chunk_tokens;
+        assert!(chunk < 524288 && chunk.is_multiple_of(CHUNK_ALIGN as u64), "{chunk}");
+        assert!(p.memory.device_bytes <= (hw.gpu_memory_bytes as f64 * USABLE) as u64);
+        let whole = workspace_bytes(&m, Shape::whole(1, 524288));
+        assert!(whole > hw.gpu_memory_bytes, "{name}: {whole}");
+        // K, V, dK, dV (fp32) of every token are in the working set.
+        assert!(p.memory.device_bytes > 16 * 524288 * m.kv_dim() as u64);
+    }
+}

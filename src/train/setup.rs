@@ -9,6 +9,7 @@ use super::outputs::{self, MetricsLog};
 use super::run_dir::{self, RunDir};
 use super::Progress;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
+use crate::device::program::Shape;
 use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::layers::Workspace;
@@ -93,7 +94,8 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     let layout = StateLayout::new(&inputs.model, mode).with_adam_state(adam_state);
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
-    let device = open_device(&cfg, &tm, cfg.batch_size, cfg.seq_len)?;
+    let device = open_device(&cfg, &tm, &layout)?;
+    note_chunks(device.as_ref(), progress);
     let store = allocate_store(
         &cfg,
         layout,
@@ -511,29 +513,17 @@ fn choose_mode(
     m
 }
 
-/// The CPU device's memory is allocated on the host: check the layer workspace and the schedule's
-/// buffers against `--device-memory`, and against the host memory free beside the state (`host_room`),
-/// before the templates and the device are built.
+/// The CPU device's memory is allocated on the host: the token chunks whose layer workspace fits
+/// `--device-memory` beside the schedule's buffers (with host activations, the least they need),
+/// checked against the host memory free beside the state (`host_room`), before the templates
+/// and the device are built.
 fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) -> Result<()> {
     if cfg.device != config::DeviceKind::Cpu {
         return Ok(());
     }
-    let (b, t) = (cfg.batch_size, cfg.seq_len);
-    let need = crate::device::program::workspace_bytes(
-        &layout.config,
-        crate::device::program::Shape::whole(b, t),
-    ) + crate::engine::device_bytes(layout, b, t, cfg.grad_accum, Activations::Host);
-    if need > cfg.device_memory {
-        return Err(Error::bad_input(
-            "device memory",
-            human_bytes(cfg.device_memory),
-            format!(
-                "the step needs at least {} (the layer workspace, weight and gradient buffers, activations)",
-                human_bytes(need)
-            ),
-            Some("raise --device-memory, or lower --batch-size / --seq-len"),
-        ));
-    }
+    let shape = cpu_shape(cfg, layout)?;
+    let need =
+        crate::device::program::workspace_bytes(&layout.config, shape) + step_buffers(cfg, layout);
     if need > host_room {
         return Err(Error::bad_input(
             "host memory",
@@ -547,6 +537,47 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
         ));
     }
     Ok(())
+}
+
+/// Device bytes of the step's buffers with host activations (the least the schedule needs).
+fn step_buffers(cfg: &TrainConfig, layout: &StateLayout) -> u64 {
+    crate::engine::device_bytes(
+        layout,
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.grad_accum,
+        Activations::Host,
+    )
+}
+
+/// The CPU device's shape: the largest token chunks whose workspace fits `--device-memory`
+/// beside the step's buffers.
+fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
+    let reserve = step_buffers(cfg, layout);
+    Shape::whole(cfg.batch_size, cfg.seq_len)
+        .fit(
+            &layout.config,
+            cfg.device_memory.saturating_sub(reserve),
+            &format!(
+                "--device-memory {}, {} of it for the step's weight, gradient and activation buffers",
+                human_bytes(cfg.device_memory),
+                human_bytes(reserve)
+            ),
+        )
+        .map_err(|e| e.with_fix("raise --device-memory, or lower --batch-size / --seq-len"))
+}
+
+/// Say how the device runs each layer: the whole micro-batch at once, or in token chunks.
+fn note_chunks(device: &dyn crate::device::Device, progress: &mut dyn Progress) {
+    let s = device.shape();
+    if s.chunk_rows() < s.b * s.t {
+        progress.note(&format!(
+            "token chunks: layers run {} tokens at a time ({} sequence(s) of {}; chosen: the largest whose layer workspace fits the device memory)",
+            s.chunk_rows(),
+            s.b,
+            s.t
+        ));
+    }
 }
 
 /// Layer-boundary activations: as set, else on the device when they fit beside the working set.
@@ -625,12 +656,12 @@ fn check_working_set(
     ))
 }
 
-/// The compute device the configuration names, for micro-batches of `b`×`t` tokens.
+/// The compute device the configuration names, for its micro-batches, in the largest token
+/// chunks that fit.
 fn open_device(
     cfg: &TrainConfig,
     tm: &Arc<Templates>,
-    b: usize,
-    t: usize,
+    layout: &StateLayout,
 ) -> Result<Arc<dyn crate::device::Device>> {
     match cfg.device {
         config::DeviceKind::Cpu => Ok(Arc::new(CpuDevice::new(
@@ -638,7 +669,7 @@ fn open_device(
                 capacity_bytes: cfg.device_memory,
                 link: None,
                 jitter: None,
-                shape: crate::device::program::Shape::whole(b, t),
+                shape: cpu_shape(cfg, layout)?,
             },
             tm.clone(),
         )?)),
@@ -646,7 +677,8 @@ fn open_device(
         config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda::CudaDevice::open(
             crate::device::cuda::CudaDeviceConfig {
                 ordinal: 0,
-                shape: crate::device::program::Shape::whole(b, t),
+                shape: Shape::whole(cfg.batch_size, cfg.seq_len),
+                reserve_bytes: step_buffers(cfg, layout),
                 capacity_bytes: None,
                 tf32: cfg.tf32,
             },

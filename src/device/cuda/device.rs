@@ -45,8 +45,11 @@ const ACCUM_CHUNK: usize = 4 << 20;
 pub struct CudaDeviceConfig {
     /// GPU ordinal.
     pub ordinal: usize,
-    /// Micro-batch shape (and token chunks) the kernels run on.
+    /// Micro-batch shape (and the largest token chunks) the kernels run on: smaller chunks when
+    /// the workspace does not fit beside `reserve_bytes`.
     pub shape: Shape,
+    /// Device memory the engine allocates beside the layer workspace.
+    pub reserve_bytes: u64,
     /// Capacity in bytes; `None`: free memory at start-up less [`RESERVE_BYTES`].
     pub capacity_bytes: Option<u64>,
     /// TF32 tensor cores for the fp32 GEMMs (cuBLAS `CUBLAS_TF32_TENSOR_OP_MATH`).
@@ -223,21 +226,18 @@ impl CudaDevice {
         let capacity = cfg
             .capacity_bytes
             .unwrap_or(free.saturating_sub(RESERVE_BYTES));
-        let (ws_layout, elems) = Ws::layout(&templates.config, cfg.shape);
+        let shape = cfg.shape.fit(
+            &templates.config,
+            capacity.saturating_sub(cfg.reserve_bytes),
+            &format!(
+                "{} usable of {}, {} of it for the step's buffers",
+                crate::util::human_bytes(capacity),
+                crate::util::human_bytes(total),
+                crate::util::human_bytes(cfg.reserve_bytes)
+            ),
+        )?;
+        let (ws_layout, elems) = Ws::layout(&templates.config, shape);
         let ws_bytes = 4 * elems as u64;
-        if ws_bytes > capacity {
-            return Err(Error::system(
-                "CUDA device",
-                "allocate the layer workspace",
-                format!(
-                    "needs {} but {} of {} is usable",
-                    crate::util::human_bytes(ws_bytes),
-                    crate::util::human_bytes(capacity),
-                    crate::util::human_bytes(total)
-                ),
-            )
-            .with_fix("lower --batch-size / --seq-len"));
-        }
         let ws = alloc_raw(ws_bytes as usize, "the layer workspace", free)?;
         let streams = [
             drv(rt.ctx.new_stream(), "create the copy-in stream")?,
@@ -248,7 +248,7 @@ impl CudaDevice {
             rt.clone(),
             streams[StreamKind::Compute as usize].clone(),
             &templates.rope,
-            cfg.shape.n(),
+            shape.n(),
             cfg.tf32,
         )?;
         let epoch_event = drv(
@@ -300,7 +300,7 @@ impl CudaDevice {
             watchdog: Some(watchdog),
             capacity,
             templates,
-            shape: cfg.shape,
+            shape,
             ws_layout,
             ws,
             epoch,
@@ -485,6 +485,10 @@ impl Device for CudaDevice {
             "cuda:{} (sm_{}{})",
             self.rt.name, self.rt.cc.0, self.rt.cc.1
         )
+    }
+
+    fn shape(&self) -> Shape {
+        self.shape
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {

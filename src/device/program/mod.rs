@@ -405,14 +405,34 @@ impl Shape {
         Ok(Shape { b, t, chunk })
     }
 
-    /// The largest chunking whose workspace fits in `budget` bytes, or `None`.
-    pub fn fitting(cfg: &ModelConfig, b: usize, t: usize, budget: u64) -> Option<Self> {
+    /// The largest chunking of at most this shape's chunk whose workspace fits in `budget`
+    /// bytes (the whole micro-batch, fewer whole sequences, then parts of a sequence), or an
+    /// error naming the smallest workspace and `what` the budget is.
+    pub fn fit(self, cfg: &ModelConfig, budget: u64, what: &str) -> Result<Self> {
+        let (b, t) = (self.b, self.t);
         let whole = (1..=b.max(1)).rev().map(|nb| nb * t);
         let parts = (1..t.div_ceil(CHUNK_ALIGN)).rev().map(|k| k * CHUNK_ALIGN);
-        whole
-            .chain(parts)
-            .filter_map(|chunk| Shape::chunked(b, t, chunk).ok())
-            .find(|s| workspace_bytes(cfg, *s) <= budget)
+        let mut smallest = self;
+        for chunk in whole.chain(parts).filter(|&c| c <= self.chunk) {
+            let Ok(s) = Shape::chunked(b, t, chunk) else {
+                continue;
+            };
+            if workspace_bytes(cfg, s) <= budget {
+                return Ok(s);
+            }
+            smallest = s;
+        }
+        Err(Error::bad_input(
+            "device memory",
+            what.to_owned(),
+            format!(
+                "the layer workspace needs at least {} (chunks of {} tokens), {} is left for it",
+                crate::util::human_bytes(workspace_bytes(cfg, smallest)),
+                smallest.chunk_rows(),
+                crate::util::human_bytes(budget)
+            ),
+            Some("raise the device memory, or lower --batch-size / --seq-len"),
+        ))
     }
 
     /// Tokens per chunk as set.

@@ -35,7 +35,9 @@ pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
     let gpu = Arc::new(CudaDevice::open(
         CudaDeviceConfig {
             ordinal,
-            shape: crate::device::program::Shape::whole(BATCH, SEQ),
+            // One sequence per token chunk: the chunked program against the CPU's whole one.
+            shape: crate::device::program::Shape::chunked(BATCH, SEQ, SEQ)?,
+            reserve_bytes: 0,
             capacity_bytes: None,
             tf32: false,
         },
