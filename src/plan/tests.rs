@@ -262,7 +262,10 @@ fn half_a_million_tokens_fit_a_gh200_in_token_chunks() {
         let p = plan(&m, &hw, &r);
         assert!(p.fits, "{name}: {:?}", p.missing);
         let chunk = p.memory.layer_chunk_tokens;
-        assert!(chunk < 524288 && chunk.is_multiple_of(CHUNK_ALIGN as u64), "{chunk}");
+        assert!(
+            chunk < 524288 && chunk.is_multiple_of(CHUNK_ALIGN as u64),
+            "{chunk}"
+        );
         assert!(p.memory.device_bytes <= (hw.gpu_memory_bytes as f64 * USABLE) as u64);
         let whole = workspace_bytes(&m, Shape::whole(1, 524288));
         assert!(whole > hw.gpu_memory_bytes, "{name}: {whole}");
