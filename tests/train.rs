@@ -200,36 +200,46 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
             serde_json::json!(want),
             "budget {budget:?}"
         );
-        // The activation checkpoints of this tiny model fit the 256 MiB device: kept there.
+        // Every layer's internals of this tiny model fit the 256 MiB device: kept there.
         assert_eq!(
             serde_json::to_value(st.config.activations).unwrap(),
-            serde_json::json!("device")
+            serde_json::json!("keep")
         );
     }
     // A device with room for the host-offloaded working set but not for all checkpoints.
     let layout =
         megatrain::store::layout::StateLayout::new(&model, megatrain::store::layout::Mode::Exact);
     let need = |cp| megatrain::engine::device_bytes(&layout, 2, 16, 1, cp);
-    let (dev, host) = (
+    let (keep, dev, host) = (
+        need(megatrain::engine::Activations::Keep),
         need(megatrain::engine::Activations::Device),
         need(megatrain::engine::Activations::Host),
     );
-    assert!(host < dev);
-    // The CPU device's own workspace: one layer's scratch and a chunk of logits.
-    let workspace = megatrain::model::layers::Workspace::new(&model, 2, 16).bytes() as u64
-        + 4 * (megatrain::model::ops::CE_CHUNK_ROWS.min(32) * model.vocab_size) as u64;
-    let b = tempfile::tempdir().unwrap();
-    let small = TrainConfig {
-        device_memory: workspace + host + (dev - host) / 2,
-        grad_accum: 1,
-        ..cfg(b.path(), m.clone(), d.clone(), 2)
-    };
-    let s = run(&small, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
-    let st = checkpoint::read_state(&s.checkpoint.unwrap()).unwrap();
-    assert_eq!(
-        serde_json::to_value(st.config.activations).unwrap(),
-        serde_json::json!("host")
+    assert!(host < dev && dev < keep);
+    // The CPU device's own layer workspace.
+    let workspace = megatrain::device::program::workspace_bytes(
+        &model,
+        megatrain::device::program::Shape::whole(2, 16),
     );
+    // Room for the layer inputs but not every internal: inputs on the device; room for the
+    // host-offloaded working set only: offloaded.
+    for (room, want) in [
+        (dev + (keep - dev) / 2, "device"),
+        (host + (dev - host) / 2, "host"),
+    ] {
+        let b = tempfile::tempdir().unwrap();
+        let small = TrainConfig {
+            device_memory: workspace + room,
+            grad_accum: 1,
+            ..cfg(b.path(), m.clone(), d.clone(), 2)
+        };
+        let s = run(&small, Arc::new(AtomicBool::new(false)), &mut Quiet).unwrap();
+        let st = checkpoint::read_state(&s.checkpoint.unwrap()).unwrap();
+        assert_eq!(
+            serde_json::to_value(st.config.activations).unwrap(),
+            serde_json::json!(want)
+        );
+    }
 }
 
 #[test]
@@ -494,14 +504,14 @@ fn token_chunks_change_no_bit() {
         }
     }
     let (b, t) = (2usize, 600usize);
-    let run_with = |dir: &Path, device_memory: u64| {
+    let run_as = |dir: &Path, device_memory: u64, activations: Activations| {
         let (m, d) = setup(dir, 8000);
         let c = TrainConfig {
             seq_len: t,
             batch_size: b,
             grad_accum: 1,
             mode: Some(megatrain::store::layout::Mode::Exact),
-            activations: Some(Activations::Host),
+            activations: Some(activations),
             device_memory,
             ..cfg(dir, m, d, 3)
         };
@@ -509,6 +519,7 @@ fn token_chunks_change_no_bit() {
         let s = run(&c, Arc::new(AtomicBool::new(false)), &mut notes);
         (s, notes.0)
     };
+    let run_with = |dir: &Path, device_memory: u64| run_as(dir, device_memory, Activations::Host);
     let model = ModelConfig::from_json_str(MODEL, "model.json").unwrap();
     let layout = StateLayout::new(&model, Mode::Exact);
     let buffers = device_bytes(&layout, b, t, 1, Activations::Host);
@@ -545,6 +556,23 @@ fn token_chunks_change_no_bit() {
             .collect()
     };
     assert_eq!(metrics(whole_dir.path()), metrics(chunk_dir.path()));
+
+    // Kept internals need the layers unchunked: refused, naming the fix.
+    let keep = tempfile::tempdir().unwrap();
+    let e = run_as(keep.path(), tight, Activations::Keep)
+        .0
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--activations") && e.contains("unchunked"),
+        "{e}"
+    );
+    // Unchunked, they change no bit either.
+    let keep2 = tempfile::tempdir().unwrap();
+    run_as(keep2.path(), 256 << 20, Activations::Keep)
+        .0
+        .unwrap();
+    assert_eq!(metrics(whole_dir.path()), metrics(keep2.path()));
 
     let small = tempfile::tempdir().unwrap();
     let e = run_with(small.path(), tight - 1024)

@@ -208,6 +208,9 @@ pub enum Kernel<B, D> {
         x: B,
         /// Output `[N, C]`.
         y: B,
+        /// Where to keep the block's internals for its backward (see
+        /// [`program::internals_len`]), or `None` (the backward recomputes them).
+        keep: Option<B>,
     },
     /// Final norm, LM head, loss and their backward: the head unit's weights at `w`, its
     /// gradients into `g`; when tied, the embedding's weights and gradient (`tied`) are the LM
@@ -243,6 +246,8 @@ pub enum Kernel<B, D> {
         dy: B,
         /// Gradient of its input `[N, C]`.
         dx: B,
+        /// The internals its forward kept, or `None` (recompute them from `x`).
+        kept: Option<B>,
     },
     /// `dE[tokens] += dx`.
     EmbedBwd {
@@ -278,7 +283,11 @@ impl<B: Copy, D> Kernel<B, D> {
         use Access::{Read, Write};
         match self {
             Kernel::EmbedFwd { w, x, .. } => vec![(*w, Read), (*x, Write)],
-            Kernel::BlockFwd { w, x, y, .. } => vec![(*w, Read), (*x, Read), (*y, Write)],
+            Kernel::BlockFwd { w, x, y, keep, .. } => {
+                let mut v = vec![(*w, Read), (*x, Read), (*y, Write)];
+                v.extend(keep.map(|k| (k, Write)));
+                v
+            }
             Kernel::HeadLossBwd {
                 w, g, tied, x, dx, ..
             } => {
@@ -289,14 +298,24 @@ impl<B: Copy, D> Kernel<B, D> {
                 v
             }
             Kernel::BlockBwd {
-                w, g, x, dy, dx, ..
-            } => vec![
-                (*w, Read),
-                (*x, Read),
-                (*dy, Write),
-                (*g, Write),
-                (*dx, Write),
-            ],
+                w,
+                g,
+                x,
+                dy,
+                dx,
+                kept,
+                ..
+            } => {
+                let mut v = vec![
+                    (*w, Read),
+                    (*x, Read),
+                    (*dy, Write),
+                    (*g, Write),
+                    (*dx, Write),
+                ];
+                v.extend(kept.map(|k| (k, Read)));
+                v
+            }
             Kernel::EmbedBwd { g, dx, .. } => vec![(*dx, Read), (*g, Write)],
             Kernel::Zero { buf } => vec![(*buf, Write)],
         }
@@ -316,12 +335,14 @@ impl<B: Copy, D> Kernel<B, D> {
                 w,
                 x,
                 y,
+                keep,
             } => Kernel::BlockFwd {
                 batch: fd(batch),
                 layer,
                 w: fb(w),
                 x: fb(x),
                 y: fb(y),
+                keep: keep.map(&fb),
             },
             Kernel::HeadLossBwd {
                 batch,
@@ -346,6 +367,7 @@ impl<B: Copy, D> Kernel<B, D> {
                 x,
                 dy,
                 dx,
+                kept,
             } => Kernel::BlockBwd {
                 batch: fd(batch),
                 layer,
@@ -354,6 +376,7 @@ impl<B: Copy, D> Kernel<B, D> {
                 x: fb(x),
                 dy: fb(dy),
                 dx: fb(dx),
+                kept: kept.map(&fb),
             },
             Kernel::EmbedBwd { batch, g, dx } => Kernel::EmbedBwd {
                 batch: fd(batch),

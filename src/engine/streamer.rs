@@ -146,6 +146,7 @@ pub fn buffer_len(layout: &StateLayout, n: usize, b: DevBuf) -> usize {
         DevBuf::W(_) | DevBuf::G(_) => layout.max_unit_numel(),
         DevBuf::GEmb => layout.units[0].numel,
         DevBuf::D(_) | DevBuf::A(_) => n * layout.config.hidden_size,
+        DevBuf::K(_) => crate::device::program::internals_len(&layout.config, n),
     }
 }
 
@@ -229,7 +230,7 @@ impl Streamer {
             Activations::Host => (0..c.num_layers)
                 .map(|i| host_buffer(format!("activation of layer {i}"), n * c.hidden_size))
                 .collect::<Result<_>>()?,
-            Activations::Device => Vec::new(),
+            Activations::Device | Activations::Keep => Vec::new(),
         };
         let lean = match layout.mode {
             Mode::Lean => (0..super::schedule::LEAN_BUFFERS)

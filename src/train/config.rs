@@ -285,8 +285,9 @@ settings! {
     /// Cap on the host RAM the state may use, bytes or a size with a unit (default: 90% of
     /// free memory).
     some ram_budget: Option<u64> = None => Option<ByteSize> [value_name = "SIZE"];
-    /// Where the layer-boundary activations live; unset: on the device when they fit its memory beside
-    /// the working set, else offloaded to host.
+    /// Where the activations live: `keep` (every layer's internals on the device, no recompute),
+    /// `device` (the layer inputs on the device) or `host` (offloaded); unset: the first that fits
+    /// the device memory beside the working set (`keep` only when the layers run unchunked).
     some activations: Option<Activations> = None => Option<Activations> [value_enum];
     /// Streaming precision.
     value precision: Precision = Precision::Fp32 => Option<Precision> [value_enum];

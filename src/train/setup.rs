@@ -580,41 +580,43 @@ fn note_chunks(device: &dyn crate::device::Device, progress: &mut dyn Progress) 
     }
 }
 
-/// Layer-boundary activations: as set, else on the device when they fit beside the working set.
+/// Layer-boundary activations: as set, else every block's internals kept on the device when the
+/// layers run unchunked and they fit (no recompute), else the layer inputs on the device when
+/// they fit, else offloaded to host.
 fn choose_activations(
     cfg: &TrainConfig,
     device: &dyn crate::device::Device,
     layout: &StateLayout,
     progress: &mut dyn Progress,
 ) -> Activations {
-    match cfg.activations {
-        Some(a) => a,
-        None => {
-            let mem = device.memory();
-            let need = crate::engine::device_bytes(
-                layout,
-                cfg.batch_size,
-                cfg.seq_len,
-                cfg.grad_accum,
-                Activations::Device,
-            );
-            let cp = if mem.in_use + need <= mem.capacity {
-                Activations::Device
-            } else {
-                Activations::Host
-            };
-            progress.note(&format!(
-                "activations: {} (chosen: device needs {} with them there, {} available)",
-                match cp {
-                    Activations::Device => "on the device",
-                    Activations::Host => "offloaded to host",
-                },
-                human_bytes(need),
-                human_bytes(mem.capacity.saturating_sub(mem.in_use))
-            ));
-            cp
-        }
+    if let Some(a) = cfg.activations {
+        return a;
     }
+    let mem = device.memory();
+    let free = mem.capacity.saturating_sub(mem.in_use);
+    let need = |a: Activations| {
+        crate::engine::device_bytes(layout, cfg.batch_size, cfg.seq_len, cfg.grad_accum, a)
+    };
+    let s = device.shape();
+    let unchunked = s.chunk_rows() == s.b * s.t;
+    let cp = if unchunked && need(Activations::Keep) <= free {
+        Activations::Keep
+    } else if need(Activations::Device) <= free {
+        Activations::Device
+    } else {
+        Activations::Host
+    };
+    progress.note(&format!(
+        "activations: {} (chosen: {} needed with them there, {} available)",
+        match cp {
+            Activations::Keep => "every layer's internals kept on the device (no recompute)",
+            Activations::Device => "layer inputs on the device (the backward recomputes)",
+            Activations::Host => "offloaded to host (the backward recomputes)",
+        },
+        human_bytes(need(cp)),
+        human_bytes(free)
+    ));
+    cp
 }
 
 /// The step's working set must fit the device beside its layer workspace.
@@ -624,6 +626,19 @@ fn check_working_set(
     layout: &StateLayout,
     activations: Activations,
 ) -> Result<()> {
+    let s = device.shape();
+    if activations == Activations::Keep && s.chunk_rows() < s.b * s.t {
+        return Err(Error::bad_input(
+            "--activations",
+            "keep",
+            format!(
+                "keeping every layer's internals needs the layers unchunked, but the device runs them {} of {} tokens at a time",
+                s.chunk_rows(),
+                s.b * s.t
+            ),
+            Some("raise --device-memory, or pass --activations device or host"),
+        ));
+    }
     let mem = device.memory();
     let need = crate::engine::device_bytes(
         layout,
@@ -647,7 +662,7 @@ fn check_working_set(
         Some(&format!(
             "raise --device-memory by {} or lower --batch-size / --seq-len{}",
             human_bytes(need - free),
-            if activations == Activations::Device {
+            if activations != Activations::Host {
                 ", or pass --activations host"
             } else {
                 ""

@@ -217,7 +217,8 @@ pub fn block_fwd<B: Backend>(
     Ok(())
 }
 
-/// A block's backward from its input `x`, recomputing its internals chunk by chunk: gradients
+/// A block's backward from its input `x`, recomputing its internals chunk by chunk (unless
+/// `recompute` is false: the forward kept them in `ws`, for a shape of one chunk): gradients
 /// `+=` into `g`, `dx` written, `dy` consumed (it holds dL/dh1's query part between the passes).
 ///
 /// Pass one recomputes K and V; pass two, per chunk, the chunk's internals, the MLP's and the
@@ -236,20 +237,25 @@ pub fn block_bwd<B: Backend>(
     pos: B::Ids,
     ws: &Ws<B::P>,
     s: Shape,
+    recompute: bool,
 ) -> Result<()> {
     let (c, qd, kvd) = (blk.c, blk.nh * blk.hd, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
     let gw = |o: usize| B::off(g, o);
     be.zero(ws.dk, s.n() * kvd)?;
     be.zero(ws.dv, s.n() * kvd)?;
-    for ch in s.chunks() {
-        keys_values(be, blk, p, x, ws, &At::<B>::new(blk, s, ch, pos))?;
+    if recompute {
+        for ch in s.chunks() {
+            keys_values(be, blk, p, x, ws, &At::<B>::new(blk, s, ch, pos))?;
+        }
     }
     for ch in s.chunks() {
         let at = At::<B>::new(blk, s, ch, pos);
         let (n, rows) = (at.rows, (at.rows, at.period));
         let (dy, dx) = (at.rows_of(dy, c), at.rows_of(dx, c));
-        query_internals(be, blk, p, x, ws, &at, pos)?;
+        if recompute {
+            query_internals(be, blk, p, x, ws, &at, pos)?;
+        }
         mlp_bwd(be, blk, p, g, dy, ws, rows)?;
         // Attention: x2 = x + att·Woᵀ (+ bo).
         linear_bwd(
@@ -304,7 +310,9 @@ pub fn block_bwd<B: Backend>(
         let (n, rows) = (at.rows, (at.rows, at.period));
         let (x, dy, dx) = (at.rows_of(x, c), at.rows_of(dy, c), at.rows_of(dx, c));
         let (dk, dv) = (at.rows_of(ws.dk, kvd), at.rows_of(ws.dv, kvd));
-        be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+        if recompute {
+            be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+        }
         be.rope(dk, at.pos, n, blk.nkv, true)?;
         for (wo, bias, d) in [(blk.wk, blk.bk, dk), (blk.wv, blk.bv, dv)] {
             linear_bwd(

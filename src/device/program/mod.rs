@@ -335,6 +335,90 @@ impl Ws<usize> {
     }
 }
 
+/// A block's forward internals kept for its backward ([`crate::engine::Activations::Keep`]):
+/// offsets, for `n` tokens (the whole micro-batch), of the [`Ws`] regions the forward writes
+/// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act — in one
+/// buffer of [`internals_len`] elements.
+#[derive(Debug, Clone, Copy)]
+struct Internals {
+    h1: usize,
+    rstd1: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    att: usize,
+    lse: usize,
+    x2: usize,
+    h2: usize,
+    rstd2: usize,
+    gate: usize,
+    up: usize,
+    act: usize,
+}
+
+impl Internals {
+    fn layout(cfg: &ModelConfig, n: usize) -> (Self, usize) {
+        let (c, qd, kvd, i) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let mut end = 0usize;
+        let mut take = |len: usize| {
+            let at = end;
+            end += len.div_ceil(ALIGN) * ALIGN;
+            at
+        };
+        let r = Internals {
+            h1: take(n * c),
+            rstd1: take(n),
+            q: take(n * qd),
+            k: take(n * kvd),
+            v: take(n * kvd),
+            att: take(n * qd),
+            lse: take(cfg.num_heads * n),
+            x2: take(n * c),
+            h2: take(n * c),
+            rstd2: take(n),
+            gate: take(n * i),
+            up: take(n * i),
+            act: take(n * i),
+        };
+        (r, end)
+    }
+}
+
+/// Elements of one block's kept internals for micro-batches of `n` tokens.
+pub fn internals_len(cfg: &ModelConfig, n: usize) -> usize {
+    Internals::layout(cfg, n).1
+}
+
+impl<P: Copy> Ws<P> {
+    /// These regions with the forward internals in `kept` (a buffer of [`internals_len`]
+    /// elements) instead of the workspace: a forward run on it leaves them for the backward.
+    pub fn keeping<B: Backend<P = P>>(&self, cfg: &ModelConfig, n: usize, kept: P) -> Self {
+        let (r, _) = Internals::layout(cfg, n);
+        let f = |o: usize| B::off(kept, o);
+        Ws {
+            h1: f(r.h1),
+            rstd1: f(r.rstd1),
+            q: f(r.q),
+            k: f(r.k),
+            v: f(r.v),
+            att: f(r.att),
+            lse: f(r.lse),
+            x2: f(r.x2),
+            h2: f(r.h2),
+            rstd2: f(r.rstd2),
+            gate: f(r.gate),
+            up: f(r.up),
+            act: f(r.act),
+            ..*self
+        }
+    }
+}
+
 /// Bytes of the layer workspace for the shape `s`.
 pub fn workspace_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
     4 * Ws::layout(cfg, s).1 as u64
@@ -512,12 +596,14 @@ pub fn run<B: Backend>(
             w,
             x,
             y,
+            keep,
         } => {
             let blk = block(tm, *layer)?;
             let p = at.range(*w, 0, blk.numel, "weights")?;
             let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
             let pos = positions(be, tm, &at, batch, s)?;
-            block_fwd(be, blk, p, x, y, pos, ws, s)
+            let ws = at.kept(*keep, tm, ws, s)?;
+            block_fwd(be, blk, p, x, y, pos, &ws, s)
         }
         Kernel::BlockBwd {
             batch,
@@ -527,6 +613,7 @@ pub fn run<B: Backend>(
             x,
             dy,
             dx,
+            kept,
         } => {
             let blk = block(tm, *layer)?;
             let p = at.range(*w, 0, blk.numel, "weights")?;
@@ -537,7 +624,9 @@ pub fn run<B: Backend>(
                 at.range(*dx, 0, n * c, "dx")?,
             );
             let pos = positions(be, tm, &at, batch, s)?;
-            block_bwd(be, blk, p, gr, x, dy, dx, pos, ws, s)
+            let recompute = kept.is_none();
+            let ws = at.kept(*kept, tm, ws, s)?;
+            block_bwd(be, blk, p, gr, x, dy, dx, pos, &ws, s, recompute)
         }
         Kernel::HeadLossBwd {
             batch,
@@ -667,6 +756,34 @@ impl<B: Backend> Ranges<'_, B> {
             ));
         }
         Ok(B::off(p, off))
+    }
+
+    /// The workspace with the block's internals in buffer `kept` when given (it must hold
+    /// them for the whole micro-batch: the shape is one chunk), else `ws` itself.
+    fn kept(
+        &self,
+        kept: Option<BufId>,
+        tm: &Templates,
+        ws: &Ws<B::P>,
+        s: Shape,
+    ) -> Result<Ws<B::P>> {
+        let Some(id) = kept else {
+            return Ok(*ws);
+        };
+        if s.chunk_rows() < s.n() {
+            return Err(Error::internal(
+                "device program",
+                format!(
+                    "{}: kept internals with token chunks of {} of {} tokens",
+                    self.kernel.name(),
+                    s.chunk_rows(),
+                    s.n()
+                ),
+            ));
+        }
+        let len = internals_len(&tm.config, s.n());
+        let base = self.range(id, 0, len, "kept internals")?;
+        Ok(ws.keeping::<B>(&tm.config, s.n(), base))
     }
 
     /// `ids` holds one id per token of a micro-batch of `n`.

@@ -116,21 +116,24 @@ impl Case {
         }
     }
 
-    /// The program on the CPU backend with the shape `s`.
-    fn program(&self, s: Shape) -> Outputs {
+    /// The program on the CPU backend with the shape `s`, the forward's internals kept for the
+    /// backward when `keep` (else recomputed).
+    fn program(&self, s: Shape, keep: bool) -> Outputs {
         let (cfg, tm) = (&self.cfg, &self.tm);
         let (n, c) = (s.n(), cfg.hidden_size);
         let blk = &tm.blocks[0];
         let (lay, elems) = Ws::layout(cfg, s);
         let mut mem = vec![0.0f32; elems];
+        let mut kept = vec![0.0f32; internals_len(cfg, n)];
         let mut be = HostBackend::new(&tm.rope);
         let (mut y, mut g, mut dx) = (vec![0.0; n * c], self.g0.clone(), vec![0.0; n * c]);
         let mut dy = self.dy.clone(); // consumed by the backward
         let (mut hg, mut dxh) = (self.hg0.clone(), vec![0.0; n * c]);
         // SAFETY: every buffer outlives the calls below and is used by nothing else meanwhile.
-        let (ws, pp, xp, yp, dyp, gp, dxp, hpp, hgp, dxhp) = unsafe {
+        let (ws, keptp, pp, xp, yp, dyp, gp, dxp, hpp, hgp, dxhp) = unsafe {
             (
                 lay.at::<HostBackend<'_>>(HostP::write(&mut mem)),
+                HostP::write(&mut kept),
                 HostP::read(&self.p),
                 HostP::read(&self.x),
                 HostP::write(&mut y),
@@ -143,8 +146,12 @@ impl Case {
             )
         };
         let pos = be.upload_ids(&self.pos).unwrap();
-        block_fwd(&mut be, blk, pp, xp, yp, pos, &ws, s).unwrap();
-        block_bwd(&mut be, blk, pp, gp, xp, dyp, dxp, pos, &ws, s).unwrap();
+        let bws = match keep {
+            true => ws.keeping::<HostBackend<'_>>(cfg, n, keptp),
+            false => ws,
+        };
+        block_fwd(&mut be, blk, pp, xp, yp, pos, &bws, s).unwrap();
+        block_bwd(&mut be, blk, pp, gp, xp, dyp, dxp, pos, &bws, s, !keep).unwrap();
         let (nr, off) = (tm.head.norm_range(), tm.head.lm_head.unwrap());
         let loss = Arc::new(Mutex::new(0.0f64));
         let ids = be.upload_ids(&self.targets).unwrap();
@@ -208,11 +215,10 @@ fn assert_same(got: &Outputs, want: &Outputs, what: &str) {
 fn program_matches_the_reference_layers_bit_for_bit() {
     // 300 rows: two cross-entropy chunks; one flat sequence, one of three documents.
     let case = Case::new(2, 150, &[60, 1, 89]);
-    assert_same(
-        &case.program(Shape::whole(2, 150)),
-        &case.reference(),
-        "whole",
-    );
+    let want = case.reference();
+    assert_same(&case.program(Shape::whole(2, 150), false), &want, "whole");
+    // Internals kept by the forward instead of recomputed: the same bits.
+    assert_same(&case.program(Shape::whole(2, 150), true), &want, "kept");
 }
 
 /// Token chunks give the same bits as the whole micro-batch at once: chunks of one and of both
@@ -230,7 +236,11 @@ fn every_chunking_gives_the_same_bits() {
         chunks.extend((1..t.div_ceil(CHUNK_ALIGN)).map(|k| k * CHUNK_ALIGN));
         for chunk in chunks {
             let s = Shape::chunked(b, t, chunk).unwrap();
-            assert_same(&case.program(s), &want, &format!("t {t}, chunk {chunk}"));
+            assert_same(
+                &case.program(s, false),
+                &want,
+                &format!("t {t}, chunk {chunk}"),
+            );
         }
     }
 }

@@ -28,6 +28,10 @@ pub enum Activations {
     Device,
     /// Offloaded to host memory: two device buffers whatever the depth.
     Host,
+    /// All L+1 on the device and every block's forward internals too, so the backward
+    /// recomputes nothing (as PyTorch without checkpointing): the most device memory, the least
+    /// compute.
+    Keep,
 }
 
 /// A device buffer of the schedule.
@@ -43,6 +47,8 @@ pub enum DevBuf {
     D(usize),
     /// Layer-boundary activation `i` (device activations) or buffer `i % 2` (host ones).
     A(usize),
+    /// Block `i`'s forward internals, kept for its backward ([`Activations::Keep`]).
+    K(usize),
 }
 
 /// A resource an op touches.
@@ -399,9 +405,10 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     let l = spec.layers;
     let head = l + 1;
     let act = |i: usize| match spec.activations {
-        Activations::Device => DevBuf::A(i),
+        Activations::Device | Activations::Keep => DevBuf::A(i),
         Activations::Host => DevBuf::A(i % 2),
     };
+    let kept = |i: usize| (spec.activations == Activations::Keep).then_some(DevBuf::K(i));
     let w = b.weights(0, None);
     b.kernel(Kernel::EmbedFwd {
         batch: mb,
@@ -427,6 +434,7 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
             w,
             x: act(i),
             y: act(i + 1),
+            keep: kept(i),
         });
     }
     // Head: loss and backward (tied: the embedding matrix is the LM head).
@@ -449,7 +457,7 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     let mut d = 0;
     for i in (0..l).rev() {
         let x = act(i);
-        let resident = spec.activations == Activations::Device || i + 1 == l;
+        let resident = spec.activations != Activations::Host || i + 1 == l;
         if !resident {
             b.push(
                 Lane::Stream(StreamKind::CopyIn),
@@ -469,6 +477,7 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
             x,
             dy,
             dx,
+            kept: kept(i),
         });
         d = 1 - d;
         b.drain(1 + i, g, spec, mb);

@@ -14,7 +14,7 @@ fn all_specs() -> Vec<ScheduleSpec> {
     let mut v = Vec::new();
     for layers in [1, 2, 5] {
         for tied in [false, true] {
-            for a in [Activations::Device, Activations::Host] {
+            for a in [Activations::Device, Activations::Host, Activations::Keep] {
                 v.push(spec(layers, tied, 1, Mode::Exact, a));
                 v.push(spec(layers, tied, 3, Mode::Exact, a));
                 v.push(spec(layers, tied, 1, Mode::Lean, a));
@@ -175,6 +175,16 @@ fn device_buffers_do_not_grow_with_depth_when_activations_offload() {
     assert_eq!(small, deep);
     let dev = schedule(&spec(32, false, 1, Mode::Exact, Activations::Device)).buffers;
     assert_eq!(dev.iter().filter(|b| matches!(b, DevBuf::A(_))).count(), 33);
+    // Kept internals: one buffer per block beside the 33 inputs.
+    let keep = schedule(&spec(32, false, 1, Mode::Exact, Activations::Keep)).buffers;
+    assert_eq!(
+        keep.iter().filter(|b| matches!(b, DevBuf::A(_))).count(),
+        33
+    );
+    assert_eq!(
+        keep.iter().filter(|b| matches!(b, DevBuf::K(_))).count(),
+        32
+    );
 }
 
 #[test]

@@ -402,25 +402,41 @@ impl Rope {
     }
 }
 
-/// SwiGLU: h = silu(g) ⊙ u.
+/// Elements per task of the elementwise ops.
+const ELEMENTWISE: usize = 1 << 14;
+
+/// SwiGLU: h = silu(g) ⊙ u, silu(g) = g·σ(g) (σ vectorised, [`exp::sigmoid`]).
 pub fn swiglu_fwd(h: &mut [f32], g: &[f32], u: &[f32]) {
-    h.par_iter_mut()
-        .zip(g.par_iter().zip(u.par_iter()))
-        .for_each(|(o, (g, u))| {
-            *o = *g / (1.0 + (-*g).exp()) * *u;
+    h.par_chunks_mut(ELEMENTWISE)
+        .zip(g.par_chunks(ELEMENTWISE).zip(u.par_chunks(ELEMENTWISE)))
+        .for_each(|(h, (g, u))| {
+            exp::vectorised(|| {
+                for ((o, g), u) in h.iter_mut().zip(g).zip(u) {
+                    *o = *g * exp::sigmoid(*g) * *u;
+                }
+            })
         });
 }
 
 /// Backward of [`swiglu_fwd`]: writes dg and du.
 pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f32]) {
-    dg.par_iter_mut()
-        .zip(du.par_iter_mut())
-        .zip(dh.par_iter().zip(g.par_iter().zip(u.par_iter())))
+    dg.par_chunks_mut(ELEMENTWISE)
+        .zip(du.par_chunks_mut(ELEMENTWISE))
+        .zip(
+            dh.par_chunks(ELEMENTWISE)
+                .zip(g.par_chunks(ELEMENTWISE).zip(u.par_chunks(ELEMENTWISE))),
+        )
         .for_each(|((dg, du), (dh, (g, u)))| {
-            let sig = 1.0 / (1.0 + (-*g).exp());
-            let silu = *g * sig;
-            *du = *dh * silu;
-            *dg = *dh * *u * (sig * (1.0 + *g * (1.0 - sig)));
+            exp::vectorised(|| {
+                for ((((dg, du), dh), g), u) in
+                    dg.iter_mut().zip(du.iter_mut()).zip(dh).zip(g).zip(u)
+                {
+                    let sig = exp::sigmoid(*g);
+                    let silu = *g * sig;
+                    *du = *dh * silu;
+                    *dg = *dh * *u * (sig * (1.0 + *g * (1.0 - sig)));
+                }
+            })
         });
 }
 
