@@ -124,8 +124,11 @@ impl PlanRequest {
 pub struct MemoryPlan {
     /// Host bytes of the training state (params, grads, m, v, lean buffers).
     pub host_state_bytes: u64,
-    /// Host bytes of the offloaded layer-boundary activations.
+    /// Host bytes of the offloaded layer-boundary activations (the layer-input checkpoints).
     pub host_activation_bytes: u64,
+    /// Whether those checkpoints would also fit on the GPU beside the working set (the trainer
+    /// then keeps them there); when not, they must go to host memory.
+    pub activations_fit_device: bool,
     /// Device working set: double buffers of weights and gradients, one layer's activations, the layer workspace.
     pub device_bytes: u64,
     /// Tokens a layer runs at once on the device: the micro-batch, or the largest token chunk
@@ -325,9 +328,13 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
         gpu_budget.saturating_sub(double_buffers + boundary),
     );
     let act = workspace_bytes(model, shape) + boundary;
+    // On the device the L+1 checkpoints replace the two buffers of offloaded ones.
+    let activations_fit_device =
+        double_buffers + act - 2 * tokens_mb * c * 4 + activations <= gpu_budget;
     MemoryPlan {
         host_state_bytes: host,
         host_activation_bytes: activations,
+        activations_fit_device,
         device_bytes: double_buffers + act,
         layer_chunk_tokens: shape.chunk_rows() as u64,
         nvme_bytes: nvme,
@@ -713,7 +720,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
          {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
-         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
+         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         hw.name,
         hw.gpu,
@@ -731,6 +738,11 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         hb(p.memory.host_state_bytes),
         p.memory.host_bytes_per_param,
         hb(p.memory.host_activation_bytes),
+        if p.memory.activations_fit_device {
+            "layer-input checkpoints; they would also fit the GPU"
+        } else {
+            "layer-input checkpoints, fp32; they must go to host: the GPU lacks room"
+        },
         hb(p.memory.device_bytes),
         hb(hw.gpu_memory_bytes),
         if p.memory.layer_chunk_tokens < p.micro_batch_tokens {
