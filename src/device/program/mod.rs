@@ -194,6 +194,21 @@ pub trait Backend {
 /// Alignment of workspace regions, in elements (256 bytes: what cuBLAS and vector loads like).
 const ALIGN: usize = 64;
 
+/// Regions laid end to end in one allocation, each aligned to [`ALIGN`] elements.
+#[derive(Default)]
+struct Regions {
+    end: usize,
+}
+
+impl Regions {
+    /// The offset of the next region of `len` elements.
+    fn take(&mut self, len: usize) -> usize {
+        let at = self.end;
+        self.end += len.div_ceil(ALIGN) * ALIGN;
+        at
+    }
+}
+
 /// The layer workspace: named scratch regions inside one device allocation. `P` is an address
 /// (or, from [`Ws::layout`], an element offset). Shapes in elements, for a micro-batch of
 /// `N = B·T` tokens run in chunks of at most `M` rows ([`Shape::chunk_rows`]), hidden size `C`,
@@ -266,12 +281,8 @@ impl Ws<usize> {
         );
         let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
         let mh = m.max(ce_rows);
-        let mut end = 0usize;
-        let mut take = |len: usize| {
-            let at = end;
-            end += len.div_ceil(ALIGN) * ALIGN;
-            at
-        };
+        let mut regions = Regions::default();
+        let mut take = |len: usize| regions.take(len);
         let ws = Ws {
             h1: take(mh * c),
             rstd1: take(mh),
@@ -299,7 +310,7 @@ impl Ws<usize> {
             ce: take(ce_rows * cfg.vocab_size),
             losses: take(n),
         };
-        (ws, end)
+        (ws, regions.end)
     }
 
     /// The regions at `base`.
@@ -364,12 +375,8 @@ impl Internals {
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
-        let mut end = 0usize;
-        let mut take = |len: usize| {
-            let at = end;
-            end += len.div_ceil(ALIGN) * ALIGN;
-            at
-        };
+        let mut regions = Regions::default();
+        let mut take = |len: usize| regions.take(len);
         let r = Internals {
             h1: take(n * c),
             rstd1: take(n),
@@ -385,7 +392,7 @@ impl Internals {
             up: take(n * i),
             act: take(n * i),
         };
-        (r, end)
+        (r, regions.end)
     }
 }
 
