@@ -539,14 +539,15 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
     Ok(())
 }
 
-/// Device bytes of the step's buffers with host activations (the least the schedule needs).
+/// Device bytes of the step's buffers with the activations as set, else offloaded (the least the
+/// schedule needs): the token chunks are fitted beside them.
 fn step_buffers(cfg: &TrainConfig, layout: &StateLayout) -> u64 {
     crate::engine::device_bytes(
         layout,
         cfg.batch_size,
         cfg.seq_len,
         cfg.grad_accum,
-        Activations::Host,
+        cfg.activations.unwrap_or(Activations::Host),
     )
 }
 

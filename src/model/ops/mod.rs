@@ -41,6 +41,10 @@ pub fn gemm_serial(
 
 /// Outputs up to which the `gemm` crate switches to dot-product kernels (see [`gemm_on`]).
 const SMALL_GEMM: usize = 16 * 16;
+/// Sides up to which the `gemm` crate blocks k by [`MAX_KC`] instead of its balanced blocks.
+const SMALL_SIDE: usize = 64;
+/// The `gemm` crate's k block for small products.
+const MAX_KC: usize = 512;
 
 #[allow(clippy::too_many_arguments)]
 fn gemm_on(
@@ -73,12 +77,17 @@ fn gemm_on(
         (k - 1) * b_rs + (n - 1) * b_cs < b.len(),
         "gemm: B too small"
     );
-    if k > 2 && (m == 1 || m * n <= SMALL_GEMM) {
-        // The `gemm` crate computes a single row as a GEMV and products of up to 16×16 outputs
-        // with dot-product kernels, whose sums run in another order than the same rows inside a
-        // taller product: a row's bits would depend on how many rows came with it (the
-        // token-chunked program relies on they do not). Zero rows below make it a GEMM.
-        let rows = 2.max(SMALL_GEMM / n + 1);
+    let small_block = m <= SMALL_SIDE && n <= SMALL_SIDE && k > MAX_KC;
+    if k > 2 && (m == 1 || m * n <= SMALL_GEMM || small_block) {
+        // The `gemm` crate computes a single row as a GEMV, products of up to 16×16 outputs
+        // with dot-product kernels, and products of at most 64×64 with k split into 512-deep
+        // blocks (larger ones into balanced blocks): their sums run in another order than the
+        // same rows inside a taller product, so a row's bits would depend on how many rows came
+        // with it (the token-chunked program relies on they do not). Zero rows below make it a
+        // product of the usual kind.
+        let rows = 2
+            .max(SMALL_GEMM / n + 1)
+            .max(if small_block { SMALL_SIDE + 1 } else { 0 });
         let mut a2 = vec![0.0f32; rows * k];
         for (i, row) in a2.chunks_exact_mut(k).take(m).enumerate() {
             for (j, x) in row.iter_mut().enumerate() {

@@ -337,7 +337,14 @@ fn linear_backward_finite_differences() {
 /// program depends on it): single rows and products of few outputs take the GEMM kernels too.
 #[test]
 fn gemm_rows_do_not_depend_on_how_many_rows_come_with_them() {
-    for (k, n, transposed) in [(48usize, 48usize, true), (48, 16, true), (80, 53, false)] {
+    for (k, n, transposed) in [
+        (48usize, 48usize, true),
+        (48, 16, true),
+        (80, 53, false),
+        // Deeper than one 512 block with an output of ≤ 64 columns.
+        (576, 64, true),
+        (896, 40, false),
+    ] {
         let big = 1026;
         let a = rnd(big * k, 1);
         let b = rnd(k * n, 2);
