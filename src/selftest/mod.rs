@@ -99,9 +99,10 @@ pub fn small_model() -> Result<ModelConfig> {
 }
 
 /// Sequences per micro-batch of the training check.
-pub const BATCH: usize = 2;
-/// Tokens per sequence of the training check (300 rows: two logit chunks).
-pub const SEQ: usize = 150;
+pub const BATCH: usize = 1;
+/// Tokens per sequence of the training check (300 rows: two logit chunks, and on the GPU two
+/// token chunks of 256 and 44 tokens).
+pub const SEQ: usize = 300;
 /// Micro-batches per step (the gradient-accumulating copies run).
 pub const MICRO_BATCHES: usize = 2;
 /// Steps.

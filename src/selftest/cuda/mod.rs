@@ -35,8 +35,9 @@ pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
     let gpu = Arc::new(CudaDevice::open(
         CudaDeviceConfig {
             ordinal,
-            // One sequence per token chunk: the chunked program against the CPU's whole one.
-            shape: crate::device::program::Shape::chunked(BATCH, SEQ, SEQ)?,
+            // Token chunks of 256 and 44 tokens (queries 256..300 over all 300 keys): the
+            // chunked program against the CPU's whole one.
+            shape: crate::device::program::Shape::chunked(BATCH, SEQ, 256)?,
             reserve_bytes: 0,
             capacity_bytes: None,
             tf32: false,
