@@ -22,14 +22,15 @@
         for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
             st(&out[row * c + j], ld(w[j]) * (ld(xr[j]) * r));                                 \
     }                                                                                          \
-    /* dx = r·(w∘dy) − x·r³/C · Σ(w∘dy∘x);  dw += Σ_rows dy∘x·r (fp32, atomics per column) */ \
+    /* dx (+)= r·(w∘dy) − x·r³/C · Σ(w∘dy∘x) (+= when accumulate: the residual fused);      \
+       dw += Σ_rows dy∘x·r (fp32, atomics per column) */                                       \
     extern "C" __global__ void rmsnorm_bwd_##name(T* __restrict__ dx,          /* [N, C] */    \
                                                   float* __restrict__ dw,      /* [C] */       \
                                                   const T* __restrict__ dout,  /* [N, C] */    \
                                                   const T* __restrict__ x,     /* [N, C] */    \
                                                   const T* __restrict__ w,     /* [C] */       \
                                                   const float* __restrict__ rstd, /* [N] */    \
-                                                  int n, int c) {                              \
+                                                  int n, int c, int accumulate) {              \
         __shared__ float scratch[WARP];                                                        \
         const long long row = blockIdx.x;                                                      \
         if (row >= n) return;                                                                  \
@@ -43,7 +44,8 @@
         const float k = dot * r * r * r / (float)c;                                            \
         for (int j = threadIdx.x; j < c; j += blockDim.x) {                                    \
             const float xv = ld(xr[j]), dy = ld(dyr[j]);                                       \
-            st(&dx[row * c + j], r * ld(w[j]) * dy - xv * k);                                  \
+            const float v = r * ld(w[j]) * dy - xv * k;                                        \
+            st(&dx[row * c + j], accumulate ? ld(dx[row * c + j]) + v : v);                    \
             atomicAdd(&dw[j], dy * xv * r);                                                    \
         }                                                                                      \
     }

@@ -198,12 +198,6 @@ impl Backend for HostBackend<'_> {
         Ok(())
     }
 
-    fn copy(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
-        let ([d], [s]) = views("copy", [(dst, len)], [(src, len)])?;
-        d.copy_from_slice(s);
-        Ok(())
-    }
-
     fn fixed_grad_blocks(&self) -> bool {
         true
     }
@@ -237,13 +231,14 @@ impl Backend for HostBackend<'_> {
         rstd: HostP,
         rows: usize,
         c: usize,
+        accumulate: bool,
     ) -> Result<()> {
         let ([dx, dw], [dy, x, w, r]) = views(
             "rmsnorm_bwd",
             [(dx, rows * c), (dw, c)],
             [(dy, rows * c), (x, rows * c), (w, c), (rstd, rows)],
         )?;
-        ops::rmsnorm_bwd(dx, false, dw, dy, x, w, r, c);
+        ops::rmsnorm_bwd(dx, accumulate, dw, dy, x, w, r, c);
         Ok(())
     }
 

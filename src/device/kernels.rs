@@ -71,7 +71,7 @@ const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
 const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
 const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32];
-const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32];
+const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const ROPE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
 

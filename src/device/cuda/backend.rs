@@ -262,14 +262,6 @@ impl Backend for CudaBackend {
         drv(r.result(), "zero a device buffer")
     }
 
-    fn copy(&mut self, dst: DevPtr, src: DevPtr, len: usize) -> Result<()> {
-        // SAFETY: both ranges were checked by the program and do not overlap; stream-ordered.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, 4 * len, self.stream.cu_stream())
-        };
-        drv(r.result(), "copy a device buffer")
-    }
-
     fn fixed_grad_blocks(&self) -> bool {
         false
     }
@@ -299,10 +291,12 @@ impl Backend for CudaBackend {
         rstd: DevPtr,
         rows: usize,
         c: usize,
+        accumulate: bool,
     ) -> Result<()> {
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::per_row(rows, c)?;
-        self.k().rmsnorm_bwd(F32, l, dx, dw, dy, x, w, rstd, r, ci)
+        self.k()
+            .rmsnorm_bwd(F32, l, dx, dw, dy, x, w, rstd, r, ci, accumulate)
     }
 
     fn rope(

@@ -224,7 +224,7 @@ impl Launcher<'_> {
         )
     }
 
-    /// RMSNorm backward: `dx =`, `dw +=`.
+    /// RMSNorm backward: `dx =` (`+=` when `accumulate`), `dw +=`.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_bwd(
         &self,
@@ -238,6 +238,7 @@ impl Launcher<'_> {
         rstd: DevPtr,
         n: i32,
         c: i32,
+        accumulate: bool,
     ) -> Result<()> {
         self.launch(
             &dt.symbol("rmsnorm_bwd"),
@@ -251,6 +252,7 @@ impl Launcher<'_> {
                 Ptr(rstd),
                 I32(n),
                 I32(c),
+                I32(i32::from(accumulate)),
             ],
         )
     }

@@ -256,7 +256,8 @@ pub fn block_bwd<B: Backend>(
         if recompute {
             query_internals(be, blk, p, x, ws, &at, pos)?;
         }
-        mlp_bwd(be, blk, p, g, dy, ws, rows)?;
+        // dx = dx2 + rmsnorm_bwd(dh1): dx2 now (into dx), the rest in pass three.
+        mlp_bwd(be, blk, p, g, dy, dx, ws, rows)?;
         // Attention: x2 = x + att·Woᵀ (+ bo).
         linear_bwd(
             be,
@@ -264,7 +265,7 @@ pub fn block_bwd<B: Backend>(
             false,
             gw(blk.wo),
             blk.bo.map(gw),
-            ws.d_c2,
+            dx,
             ws.att,
             w(blk.wo),
             rows,
@@ -302,8 +303,6 @@ pub fn block_bwd<B: Backend>(
             c,
             qd,
         )?;
-        // dx = dx2 + rmsnorm_bwd(dh1): dx2 now, the rest in pass three.
-        be.copy(dx, ws.d_c2, n * c)?;
     }
     for ch in s.chunks() {
         let at = At::<B>::new(blk, s, ch, pos);
@@ -329,20 +328,21 @@ pub fn block_bwd<B: Backend>(
                 kvd,
             )?;
         }
-        be.rmsnorm_bwd(ws.d_c, gw(blk.ln1), dy, x, w(blk.ln1), ws.rstd1, n, c)?;
-        be.add(dx, ws.d_c, n * c)?;
+        be.rmsnorm_bwd(dx, gw(blk.ln1), dy, x, w(blk.ln1), ws.rstd1, n, c, true)?;
     }
     Ok(())
 }
 
 /// The MLP half of a chunk's backward: from dL/dy, the MLP's and second norm's gradients and
-/// `ws.d_c2` = dL/dx2.
+/// `dx2` = dL/dx2.
+#[allow(clippy::too_many_arguments)]
 fn mlp_bwd<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
     p: B::P,
     g: B::P,
     dy: B::P,
+    dx2: B::P,
     ws: &Ws<B::P>,
     rows: (usize, usize),
 ) -> Result<()> {
@@ -392,7 +392,7 @@ fn mlp_bwd<B: Backend>(
     )?;
     // dx2 = rmsnorm_bwd(dh2) + dy.
     be.rmsnorm_bwd(
-        ws.d_c2,
+        dx2,
         gw(blk.ln2),
         ws.d_c,
         ws.x2,
@@ -400,8 +400,9 @@ fn mlp_bwd<B: Backend>(
         ws.rstd2,
         n,
         c,
+        false,
     )?;
-    be.add(ws.d_c2, dy, n * c)
+    be.add(dx2, dy, n * c)
 }
 
 /// Final norm + LM head + loss over the rows of `x` (as `Head::loss_backward`), in chunks of
@@ -469,7 +470,7 @@ pub fn head_loss_bwd<B: Backend>(
             n: c,
             accumulate: true,
         })?;
-        be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm_w, ws.rstd1, m, c)?;
+        be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm_w, ws.rstd1, m, c, false)?;
     }
     Ok(())
 }

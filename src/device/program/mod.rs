@@ -74,8 +74,6 @@ pub trait Backend {
     fn add(&mut self, y: Self::P, x: Self::P, len: usize) -> Result<()>;
     /// `dst = 0` over `len` elements.
     fn zero(&mut self, dst: Self::P, len: usize) -> Result<()>;
-    /// `dst = src` over `len` elements.
-    fn copy(&mut self, dst: Self::P, src: Self::P, len: usize) -> Result<()>;
     /// Whether weight-gradient GEMMs run in the fixed row blocks of
     /// [`crate::model::ops::grad_blocks`] (the CPU: bits that do not depend on the chunking) or
     /// as one GEMM over a chunk's rows (a GPU: fewer, larger GEMMs).
@@ -91,7 +89,8 @@ pub trait Backend {
         c: usize,
         eps: f32,
     ) -> Result<()>;
-    /// Backward of RMSNorm: `dx =`, `dw +=`.
+    /// Backward of RMSNorm: `dx =` (`dx +=` when `accumulate`: a residual's gradient already
+    /// there, added in the same pass), `dw +=`.
     fn rmsnorm_bwd(
         &mut self,
         dx: Self::P,
@@ -102,6 +101,7 @@ pub trait Backend {
         rstd: Self::P,
         rows: usize,
         c: usize,
+        accumulate: bool,
     ) -> Result<()>;
     /// RoPE in place on `rows` rows of `heads` heads (`inverse`: the backward); row r is at
     /// position `pos[r]`.
@@ -253,10 +253,8 @@ pub struct Ws<P> {
     pub d_i3: P,
     /// `[M, nh·hd]` dL/d att.
     pub d_att: P,
-    /// `[max(M, H), C]` dL/d h2, then dL/d h1's norm backward (and the head's dL/d normed x).
+    /// `[max(M, H), C]` dL/d h2 (and the head's dL/d normed x).
     pub d_c: P,
-    /// `[M, C]` dL/d x2.
-    pub d_c2: P,
     /// `[M, nh·hd]` dL/d q.
     pub dq: P,
     /// `[N, nkv·hd]` dL/d k.
@@ -303,7 +301,6 @@ impl Ws<usize> {
             d_i3: take(m * i),
             d_att: take(m * qd),
             d_c: take(mh * c),
-            d_c2: take(m * c),
             dq: take(m * qd),
             dk: take(n * kvd),
             dv: take(n * kvd),
@@ -336,7 +333,6 @@ impl Ws<usize> {
             d_i3: f(self.d_i3),
             d_att: f(self.d_att),
             d_c: f(self.d_c),
-            d_c2: f(self.d_c2),
             dq: f(self.dq),
             dk: f(self.dk),
             dv: f(self.dv),

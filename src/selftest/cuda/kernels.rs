@@ -222,11 +222,14 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let dy = g.rnd(n * c, 3, 1.0);
     let (mut y_ref, mut rstd_ref) = (vec![0.0; n * c], vec![0.0; n]);
     ops::rmsnorm_fwd(&mut y_ref, &mut rstd_ref, &x, &w, c, eps);
-    let (mut dx_ref, mut dw_ref) = (vec![0.0; n * c], vec![0.0; c]);
-    ops::rmsnorm_bwd(&mut dx_ref, false, &mut dw_ref, &dy, &x, &w, &rstd_ref, c);
+    let mut dw_ref = vec![0.0; c];
+    // dx accumulated onto a residual already there (the fused residual add).
+    let residual = g.rnd(n * c, 4, 1.0);
+    let mut dx_ref = residual.clone();
+    ops::rmsnorm_bwd(&mut dx_ref, true, &mut dw_ref, &dy, &x, &w, &rstd_ref, c);
     let (xd, wd, dyd) = (g.up(&x)?, g.up(&w)?, g.up(&dy)?);
     let (yd, rd) = (g.zeros::<f32>(n * c)?, g.zeros::<f32>(n)?);
-    let (dxd, dwd) = (g.zeros::<f32>(n * c)?, g.zeros::<f32>(c)?);
+    let (dxd, dwd) = (g.up(&residual)?, g.zeros::<f32>(c)?);
     let l = launch::per_row(n, c)?;
     let (ni, ci) = (n as i32, c as i32);
     let k = g.k();
@@ -252,6 +255,7 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.p(&rd),
         ni,
         ci,
+        true,
     )?;
     Ok(vec![
         Out::new("forward", g.down(&yd)?, y_ref),
