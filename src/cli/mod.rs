@@ -39,12 +39,15 @@ enum Command {
     /// fresh random inputs, training steps against the CPU device, then the host↔device
     /// bandwidth (needs a GPU and `--features cuda`).
     Selftest(selftest::SelftestArgs),
-    /// Load an hwloc XML file and exit: `probe --topology` runs this in a child process first,
-    /// so a file that crashes hwloc (C, trusting its input) is an error, not a crash.
+    /// Describe an hwloc XML file as JSON: `probe --topology` runs this in a child process, so a
+    /// file that crashes hwloc (C, trusting its input) is an error, not a crash.
     #[command(name = "__vet-topology", hide = true)]
     VetTopology {
         /// The XML file.
         file: std::path::PathBuf,
+        /// Also write it back as hwloc XML.
+        #[arg(long)]
+        export_xml: Option<std::path::PathBuf>,
     },
 }
 
@@ -61,7 +64,9 @@ pub fn main() -> ExitCode {
         Command::Prepare(a) => prepare::run(a).map(|()| 0),
         Command::Plan(a) => plan::run(a).map(|()| 0),
         Command::Selftest(a) => selftest::run(a).map(|()| 0),
-        Command::VetTopology { file } => probe::vet(file).map(|()| 0),
+        Command::VetTopology { file, export_xml } => {
+            probe::vet(file, export_xml.as_deref()).map(|()| 0)
+        }
     };
     match result {
         Ok(code) => ExitCode::from(code),

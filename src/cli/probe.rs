@@ -28,16 +28,22 @@ pub fn run(args: &ProbeArgs) -> Result<()> {
         (None, Some(desc)) => TopologySource::Synthetic(desc.clone()),
         (None, None) => TopologySource::Live,
     };
-    if let TopologySource::XmlFile(path) = &source {
-        let exe = std::env::current_exe()
-            .map_err(|e| megatrain::Error::system("megatrain", "find its own executable", e))?;
-        topology::hwloc::vet_in_child(&exe, path)?;
-    }
-    let topo = topology::hwloc::load(&source)?;
-    let machine = topology::describe(&topo, &source)?;
-    if let Some(path) = &args.export_xml {
-        topology::hwloc::export_xml(&topo, path)?;
-    }
+    let machine = match &source {
+        // An XML file is read in a child process only (hwloc may crash on a malformed one).
+        TopologySource::XmlFile(path) => {
+            let exe = std::env::current_exe()
+                .map_err(|e| megatrain::Error::system("megatrain", "find its own executable", e))?;
+            topology::hwloc::describe_in_child(&exe, path, args.export_xml.as_deref())?
+        }
+        _ => {
+            let topo = topology::hwloc::load(&source)?;
+            let machine = topology::describe(&topo, &source)?;
+            if let Some(path) = &args.export_xml {
+                topology::hwloc::export_xml(&topo, path)?;
+            }
+            machine
+        }
+    };
     let text = if args.json {
         machine.to_json()
     } else {
@@ -52,9 +58,15 @@ pub fn run(args: &ProbeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Load `file` with hwloc and describe it (run in a child by `probe --topology`).
-pub fn vet(file: &std::path::Path) -> Result<()> {
+/// Load `file` with hwloc, describe it as JSON on stdout and export it to `export_xml` if given
+/// (run in a child by `probe --topology`).
+pub fn vet(file: &std::path::Path, export_xml: Option<&std::path::Path>) -> Result<()> {
     let source = TopologySource::XmlFile(file.to_owned());
     let topo = topology::hwloc::load(&source)?;
-    topology::describe(&topo, &source).map(|_| ())
+    let machine = topology::describe(&topo, &source)?;
+    if let Some(path) = export_xml {
+        topology::hwloc::export_xml(&topo, path)?;
+    }
+    let _ = writeln!(std::io::stdout().lock(), "{}", machine.to_json());
+    Ok(())
 }

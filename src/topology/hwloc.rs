@@ -66,23 +66,55 @@ pub fn load(source: &TopologySource) -> Result<Topology> {
     }
 }
 
-/// Load the XML file `path` in a child process first (`exe __vet-topology FILE`, where `exe` is
-/// a megatrain binary) and report it if the child dies by a signal. hwloc is C and trusts its
-/// input: a malformed file can crash it — a `Machine` object without `complete_nodeset`
-/// segfaults hwloc 2.9 inside `hwloc_topology_load` — and no check of ours can foresee every
-/// such file. A child that fails with an ordinary error is not reported here: loading the file
-/// in this process then fails with the same error, named as usual.
-pub fn vet_in_child(exe: &Path, path: &Path) -> Result<()> {
+/// Describe the XML file `path` in a child process (`exe __vet-topology FILE [--export-xml OUT]`,
+/// where `exe` is a megatrain binary, which prints the [`Machine`] as JSON) and never load it in
+/// this one. hwloc is C and trusts its input: a malformed file can crash it — a `Machine` object
+/// without `complete_nodeset` segfaults hwloc 2.9 inside `hwloc_topology_load` — and some
+/// malformed files make it fail an assertion only sometimes (it reads memory the file left
+/// unset), so a child that survived once does not make loading it here safe. A crash, a hang
+/// and an ordinary error of the child are each reported as an error naming the file.
+pub fn describe_in_child(
+    exe: &Path,
+    path: &Path,
+    export_xml: Option<&Path>,
+) -> Result<crate::topology::Machine> {
+    use std::io::Read;
     use std::os::unix::process::ExitStatusExt;
-    let mut child = std::process::Command::new(exe)
-        .arg("__vet-topology")
-        .arg(path)
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("__vet-topology").arg(path);
+    if let Some(out) = export_xml {
+        cmd.arg("--export-xml").arg(out);
+    }
+    let mut child = cmd
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| Error::io("start a child to check the topology file", exe, e))?;
+        .map_err(|e| Error::io("start a child to read the topology file", exe, e))?;
+    // Drain both pipes while waiting, so a large description cannot block the child.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
     let shown = path.display().to_string();
+    let fix = "re-export the machine with `megatrain probe --export-xml FILE` or `lstopo-no-graphics --of xml FILE`";
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let status = loop {
         match child.try_wait() {
@@ -97,21 +129,34 @@ pub fn vet_in_child(exe: &Path, path: &Path) -> Result<()> {
                     "topology file",
                     shown,
                     "hwloc did not finish reading it within 60 s: the file is malformed",
-                    Some("re-export the machine with `megatrain probe --export-xml FILE` or `lstopo-no-graphics --of xml FILE`"),
+                    Some(fix),
                 ));
             }
-            Err(e) => return Err(Error::io("wait for the topology check", exe, e)),
+            Err(e) => return Err(Error::io("wait for the topology reader", exe, e)),
         }
     };
-    match status.signal() {
-        Some(sig) => Err(Error::bad_input(
+    let (out, err) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
+    if let Some(sig) = status.signal() {
+        return Err(Error::bad_input(
             "topology file",
             shown,
             format!("hwloc crashed reading it (signal {sig}): the file is malformed, e.g. an object without the cpuset/nodeset attributes hwloc requires"),
-            Some("re-export the machine with `megatrain probe --export-xml FILE` or `lstopo-no-graphics --of xml FILE`"),
-        )),
-        None => Ok(()),
+            Some(fix),
+        ));
     }
+    if !status.success() {
+        // The child's own error, its last line: "error: …".
+        let why = err
+            .lines()
+            .last()
+            .map(|l| l.trim_start_matches("error: ").to_owned())
+            .unwrap_or_else(|| format!("the topology reader exited with {status}"));
+        return Err(Error::bad_input("topology file", shown, why, None));
+    }
+    crate::topology::Machine::from_json(&out, &shown)
 }
 
 /// Read an hwloc XML file and check, before hwloc sees it, that it is an XML topology of a
