@@ -86,3 +86,28 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned a[4
 
 // Instantiate a kernel body macro for both storage dtypes.
 #define FOR_DTYPES(M) M(f32, float) M(bf16, bf16)
+
+// Column sums in a fixed order (no atomics, the same bits on every run): a block of COL_TILE ×
+// ROW_LANES threads owns COL_TILE consecutive columns (a warp reads them coalesced); lane `ty` sums
+// rows ty, ty + ROW_LANES, …, then lane 0 adds the ROW_LANES partial sums in order.
+#define COL_TILE 32
+#define ROW_LANES 8
+template <typename Term>
+__device__ __forceinline__ void column_sum(float* __restrict__ dst, int n, int c, Term term) {
+    __shared__ float part[ROW_LANES][COL_TILE];
+    if (c <= 0) return;  // the same for every thread of the block
+    const int tx = threadIdx.x % COL_TILE, ty = threadIdx.x / COL_TILE;
+    const int col = blockIdx.x * COL_TILE + tx;
+    // Columns past the end read the last one and write nothing: no branch around the barrier.
+    const int read = min(col, c - 1);
+    float acc = 0.0f;
+    for (int r = ty; r < n; r += ROW_LANES) acc += term(r, read);
+    part[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && col < c) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ROW_LANES; k++) s += part[k][tx];
+        dst[col] += s;
+    }
+}

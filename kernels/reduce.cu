@@ -1,5 +1,5 @@
 // Reductions: Σx² for the global gradient norm (fp64 accumulation across blocks), and column
-// sums for bias gradients.
+// sums for bias gradients (`column_sum`: fixed order, no atomics).
 #include "common.cuh"
 
 // out[0] += Σ x² (fp64 atomics across blocks; each block reduces in fp32 first, then one atomic).
@@ -13,15 +13,11 @@ extern "C" __global__ void sumsq_fwd_f32(double* __restrict__ out, const float* 
 }
 
 #define BIAS(name, T)                                                                            \
-    /* db[c] += Σ_rows dy[r, c] (fp32), one thread per column, rows in a loop */               \
+    /* db[c] += Σ_rows dy[r, c] (fp32), COL_TILE columns × ROW_LANES row lanes per block */    \
     extern "C" __global__ void bias_bwd_##name(float* __restrict__ db,       /* [C] */         \
                                                const T* __restrict__ dy,     /* [N, C] */      \
                                                int n, int c) {                                 \
-        const int col = blockIdx.x * blockDim.x + threadIdx.x;                                 \
-        if (col >= c) return;                                                                  \
-        float acc = 0.0f;                                                                      \
-        for (int r = 0; r < n; r++) acc += ld(dy[(long long)r * c + col]);                     \
-        db[col] += acc;                                                                        \
+        column_sum(db, n, c, [&](int r, int col) { return ld(dy[(long long)r * c + col]); });  \
     }                                                                                          \
     /* y[r, c] += b[c] */                                                                      \
     extern "C" __global__ void bias_fwd_##name(T* __restrict__ y, const T* __restrict__ b,     \

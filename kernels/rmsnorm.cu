@@ -1,4 +1,5 @@
-// RMSNorm y = w · x · rsqrt(mean(x²) + eps), one block per row; backward recomputes from rstd.
+// RMSNorm y = w · x · rsqrt(mean(x²) + eps), one block per row; backward recomputes from rstd:
+// dx one block per row, dw by columns in a fixed order (`column_sum`, no atomics).
 #include "common.cuh"
 
 #define RMSNORM(name, T)                                                                         \
@@ -22,10 +23,8 @@
         for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
             st(&out[row * c + j], ld(w[j]) * (ld(xr[j]) * r));                                 \
     }                                                                                          \
-    /* dx (+)= r·(w∘dy) − x·r³/C · Σ(w∘dy∘x) (+= when accumulate: the residual fused);      \
-       dw += Σ_rows dy∘x·r (fp32, atomics per column) */                                       \
+    /* dx (+)= r·(w∘dy) − x·r³/C · Σ(w∘dy∘x) (+= when accumulate: the residual fused) */    \
     extern "C" __global__ void rmsnorm_bwd_##name(T* __restrict__ dx,          /* [N, C] */    \
-                                                  float* __restrict__ dw,      /* [C] */       \
                                                   const T* __restrict__ dout,  /* [N, C] */    \
                                                   const T* __restrict__ x,     /* [N, C] */    \
                                                   const T* __restrict__ w,     /* [C] */       \
@@ -46,8 +45,18 @@
             const float xv = ld(xr[j]), dy = ld(dyr[j]);                                       \
             const float v = r * ld(w[j]) * dy - xv * k;                                        \
             st(&dx[row * c + j], accumulate ? ld(dx[row * c + j]) + v : v);                    \
-            atomicAdd(&dw[j], dy * xv * r);                                                    \
         }                                                                                      \
+    }                                                                                          \
+    /* dw += Σ_rows dy∘x·r (fp32), COL_TILE columns × ROW_LANES row lanes per block */         \
+    extern "C" __global__ void rmsnorm_dw_##name(float* __restrict__ dw,       /* [C] */       \
+                                                 const T* __restrict__ dout,   /* [N, C] */    \
+                                                 const T* __restrict__ x,      /* [N, C] */    \
+                                                 const float* __restrict__ rstd, /* [N] */     \
+                                                 int n, int c) {                               \
+        column_sum(dw, n, c, [&](int r, int col) {                                             \
+            const long long i = (long long)r * c + col;                                        \
+            return ld(dout[i]) * ld(x[i]) * rstd[r];                                           \
+        });                                                                                    \
     }
 
 FOR_DTYPES(RMSNORM)

@@ -71,7 +71,8 @@ const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
 const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
 const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32];
-const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
+const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
+const RMSNORM_DW: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
 const ROPE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
 
@@ -93,8 +94,10 @@ pub const FILES: &[KernelFile] = &[
         kernels: &[
             sig("rmsnorm_fwd_f32", RMSNORM_FWD),
             sig("rmsnorm_bwd_f32", RMSNORM_BWD),
+            sig("rmsnorm_dw_f32", RMSNORM_DW),
             sig("rmsnorm_fwd_bf16", RMSNORM_FWD),
             sig("rmsnorm_bwd_bf16", RMSNORM_BWD),
+            sig("rmsnorm_dw_bf16", RMSNORM_DW),
         ],
     },
     KernelFile {

@@ -59,11 +59,16 @@ pub fn per_row(rows: usize, cols: usize) -> Result<Launch> {
     })
 }
 
-/// Column reductions (bias gradient): one thread per column.
+/// Columns per block of the column reductions (`COL_TILE` in common.cuh).
+const COL_TILE: usize = 32;
+/// Row lanes per column of the column reductions (`ROW_LANES` in common.cuh).
+const ROW_LANES: u32 = 8;
+
+/// Column reductions (bias and RMSNorm weight gradients): a block of 32 columns × 8 row lanes.
 pub fn per_column(cols: usize) -> Launch {
     Launch {
-        grid: (cols.div_ceil(BLOCK as usize).max(1) as u32, 1, 1),
-        block: BLOCK,
+        grid: (cols.div_ceil(COL_TILE).max(1) as u32, 1, 1),
+        block: COL_TILE as u32 * ROW_LANES,
         smem: 0,
     }
 }
@@ -260,7 +265,8 @@ mod tests {
         assert_eq!(per_row(10, 1).unwrap().block, 32);
         assert_eq!(per_row(10, 100).unwrap().block, 128);
         assert!(per_row(usize::MAX, 8).is_err());
-        assert_eq!(per_column(4097).grid.0, 17);
+        assert_eq!(per_column(4097).grid.0, 129);
+        assert_eq!(per_column(4097).block, 256);
     }
 
     #[test]

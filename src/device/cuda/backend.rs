@@ -296,7 +296,9 @@ impl Backend for CudaBackend {
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::per_row(rows, c)?;
         self.k()
-            .rmsnorm_bwd(F32, l, dx, dw, dy, x, w, rstd, r, ci, accumulate)
+            .rmsnorm_bwd(F32, l, dx, dy, x, w, rstd, r, ci, accumulate)?;
+        self.k()
+            .rmsnorm_dw(F32, launch::per_column(c), dw, dy, x, rstd, r, ci)
     }
 
     fn rope(

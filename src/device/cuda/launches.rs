@@ -224,14 +224,13 @@ impl Launcher<'_> {
         )
     }
 
-    /// RMSNorm backward: `dx =` (`+=` when `accumulate`), `dw +=`.
+    /// RMSNorm backward, dx: `dx =` (`+=` when `accumulate`).
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_bwd(
         &self,
         dt: Dtype,
         l: Launch,
         dx: DevPtr,
-        dw: DevPtr,
         dout: DevPtr,
         x: DevPtr,
         w: DevPtr,
@@ -245,7 +244,6 @@ impl Launcher<'_> {
             l,
             &[
                 Ptr(dx),
-                Ptr(dw),
                 Ptr(dout),
                 Ptr(x),
                 Ptr(w),
@@ -254,6 +252,26 @@ impl Launcher<'_> {
                 I32(c),
                 I32(i32::from(accumulate)),
             ],
+        )
+    }
+
+    /// RMSNorm backward, dw: `dw += Σ_rows dout ⊙ x · rstd` by column tiles (no atomics).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_dw(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        dw: DevPtr,
+        dout: DevPtr,
+        x: DevPtr,
+        rstd: DevPtr,
+        n: i32,
+        c: i32,
+    ) -> Result<()> {
+        self.launch(
+            &dt.symbol("rmsnorm_dw"),
+            l,
+            &[Ptr(dw), Ptr(dout), Ptr(x), Ptr(rstd), I32(n), I32(c)],
         )
     }
 
@@ -513,6 +531,7 @@ pub const WRAPPED: &[&str] = &[
     "embedding_bwd",
     "rmsnorm_fwd",
     "rmsnorm_bwd",
+    "rmsnorm_dw",
     "rope_fwd",
     "rope_bwd",
     "swiglu_fwd",

@@ -248,7 +248,6 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         Dtype::F32,
         l,
         g.p(&dxd),
-        g.p(&dwd),
         g.p(&dyd),
         g.p(&xd),
         g.p(&wd),
@@ -256,6 +255,16 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         ni,
         ci,
         true,
+    )?;
+    k.rmsnorm_dw(
+        Dtype::F32,
+        launch::per_column(c),
+        g.p(&dwd),
+        g.p(&dyd),
+        g.p(&xd),
+        g.p(&rd),
+        ni,
+        ci,
     )?;
     Ok(vec![
         Out::new("forward", g.down(&yd)?, y_ref),
