@@ -48,7 +48,7 @@
         }                                                                                      \
     }                                                                                          \
     /* dw += Σ_rows dy∘x·r (fp32), COL_TILE columns × ROW_LANES row lanes per block */         \
-    extern "C" __global__ void rmsnorm_dw_##name(float* __restrict__ dw,       /* [C] */       \
+    extern "C" __global__ void rmsnorm_bwd_dw_##name(float* __restrict__ dw,       /* [C] */       \
                                                  const T* __restrict__ dout,   /* [N, C] */    \
                                                  const T* __restrict__ x,      /* [N, C] */    \
                                                  const float* __restrict__ rstd, /* [N] */     \

@@ -94,10 +94,10 @@ pub const FILES: &[KernelFile] = &[
         kernels: &[
             sig("rmsnorm_fwd_f32", RMSNORM_FWD),
             sig("rmsnorm_bwd_f32", RMSNORM_BWD),
-            sig("rmsnorm_dw_f32", RMSNORM_DW),
+            sig("rmsnorm_bwd_dw_f32", RMSNORM_DW),
             sig("rmsnorm_fwd_bf16", RMSNORM_FWD),
             sig("rmsnorm_bwd_bf16", RMSNORM_BWD),
-            sig("rmsnorm_dw_bf16", RMSNORM_DW),
+            sig("rmsnorm_bwd_dw_bf16", RMSNORM_DW),
         ],
     },
     KernelFile {

@@ -298,7 +298,7 @@ impl Backend for CudaBackend {
         self.k()
             .rmsnorm_bwd(F32, l, dx, dy, x, w, rstd, r, ci, accumulate)?;
         self.k()
-            .rmsnorm_dw(F32, launch::per_column(c), dw, dy, x, rstd, r, ci)
+            .rmsnorm_bwd_dw(F32, launch::per_column(c), dw, dy, x, rstd, r, ci)
     }
 
     fn rope(

@@ -257,7 +257,7 @@ impl Launcher<'_> {
 
     /// RMSNorm backward, dw: `dw += Σ_rows dout ⊙ x · rstd` by column tiles (no atomics).
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_dw(
+    pub fn rmsnorm_bwd_dw(
         &self,
         dt: Dtype,
         l: Launch,
@@ -269,7 +269,7 @@ impl Launcher<'_> {
         c: i32,
     ) -> Result<()> {
         self.launch(
-            &dt.symbol("rmsnorm_dw"),
+            &dt.symbol("rmsnorm_bwd_dw"),
             l,
             &[Ptr(dw), Ptr(dout), Ptr(x), Ptr(rstd), I32(n), I32(c)],
         )
@@ -531,7 +531,7 @@ pub const WRAPPED: &[&str] = &[
     "embedding_bwd",
     "rmsnorm_fwd",
     "rmsnorm_bwd",
-    "rmsnorm_dw",
+    "rmsnorm_bwd_dw",
     "rope_fwd",
     "rope_bwd",
     "swiglu_fwd",

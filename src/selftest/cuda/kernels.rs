@@ -256,7 +256,7 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         ci,
         true,
     )?;
-    k.rmsnorm_dw(
+    k.rmsnorm_bwd_dw(
         Dtype::F32,
         launch::per_column(c),
         g.p(&dwd),
