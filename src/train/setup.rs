@@ -514,9 +514,8 @@ fn choose_mode(
 }
 
 /// The CPU device's memory is allocated on the host: the token chunks whose layer workspace fits
-/// `--device-memory` beside the schedule's buffers (with host activations, the least they need),
-/// checked against the host memory free beside the state (`host_room`), before the templates
-/// and the device are built.
+/// `--device-memory` beside the schedule's buffers ([`step_buffers`]), checked against the host
+/// memory free beside the state (`host_room`), before the templates and the device are built.
 fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) -> Result<()> {
     if cfg.device != config::DeviceKind::Cpu {
         return Ok(());
@@ -571,7 +570,7 @@ fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
 /// Say how the device runs each layer: the whole micro-batch at once, or in token chunks.
 fn note_chunks(device: &dyn crate::device::Device, progress: &mut dyn Progress) {
     let s = device.shape();
-    if s.chunk_rows() < s.b * s.t {
+    if s.is_chunked() {
         progress.note(&format!(
             "token chunks: layers run {} tokens at a time ({} sequence(s) of {}; chosen: the largest whose layer workspace fits the device memory)",
             s.chunk_rows(),
@@ -599,8 +598,7 @@ fn choose_activations(
         crate::engine::device_bytes(layout, cfg.batch_size, cfg.seq_len, cfg.grad_accum, a)
     };
     let s = device.shape();
-    let unchunked = s.chunk_rows() == s.b * s.t;
-    let cp = if unchunked && need(Activations::Keep) <= free {
+    let cp = if !s.is_chunked() && need(Activations::Keep) <= free {
         Activations::Keep
     } else if need(Activations::Device) <= free {
         Activations::Device
@@ -628,7 +626,7 @@ fn check_working_set(
     activations: Activations,
 ) -> Result<()> {
     let s = device.shape();
-    if activations == Activations::Keep && s.chunk_rows() < s.b * s.t {
+    if activations == Activations::Keep && s.is_chunked() {
         return Err(Error::bad_input(
             "--activations",
             "keep",

@@ -3,6 +3,7 @@
 use super::layers::*;
 use super::*;
 use crate::device::host_backend::{HostBackend, HostP};
+use crate::model::config::ModelConfig;
 use crate::model::layers::Workspace;
 use crate::store::layout::Mode;
 use crate::store::layout::StateLayout;

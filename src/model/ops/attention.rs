@@ -252,8 +252,8 @@ fn plus_transposed_times(c: &mut [f32], a: &[f32], b: &[f32], rows: usize, n: us
     );
 }
 
-/// Check a shape and the buffers' sizes before any raw write (a safe function must not write out
-/// of bounds whatever it is given).
+/// Check a shape and every buffer's size (name, elements held, elements needed) before any raw
+/// access (a safe function must not touch memory out of bounds whatever it is given).
 fn check_shape(s: AttnShape, pos: &[u32], outs: &[(&str, usize, usize)]) {
     assert!(
         s.nkv > 0 && s.nh.is_multiple_of(s.nkv),
@@ -298,17 +298,17 @@ pub fn attention_fwd(
         b, t, nh, nkv, hd, ..
     } = s;
     let nq = s.nq();
+    let (qn, kn) = (b * nq * nh * hd, b * t * nkv * hd);
     check_shape(
         s,
         pos,
         &[
-            ("o", o.len(), b * nq * nh * hd),
+            ("o", o.len(), qn),
             ("lse", lse.len(), b * nh * nq),
+            ("q", q.len(), qn),
+            ("k", k.len(), kn),
+            ("v", v.len(), kn),
         ],
-    );
-    assert!(
-        q.len() >= b * nq * nh * hd && k.len() >= b * t * nkv * hd && v.len() >= b * t * nkv * hd,
-        "attention: inputs too small"
     );
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -404,24 +404,22 @@ pub fn attention_bwd(
         b, t, nh, nkv, hd, ..
     } = s;
     let nq = s.nq();
+    let (qn, kn) = (b * nq * nh * hd, b * t * nkv * hd);
     check_shape(
         s,
         pos,
         &[
-            ("dq", dq.len(), b * nq * nh * hd),
-            ("dk", dk.len(), b * t * nkv * hd),
-            ("dv", dv.len(), b * t * nkv * hd),
+            ("dq", dq.len(), qn),
+            ("dk", dk.len(), kn),
+            ("dv", dv.len(), kn),
             ("delta", delta.len(), b * nh * nq),
+            ("dO", d_o.len(), qn),
+            ("q", q.len(), qn),
+            ("k", k.len(), kn),
+            ("v", v.len(), kn),
+            ("o", o.len(), qn),
+            ("lse", lse.len(), b * nh * nq),
         ],
-    );
-    assert!(
-        q.len() >= b * nq * nh * hd
-            && d_o.len() >= b * nq * nh * hd
-            && o.len() >= b * nq * nh * hd
-            && lse.len() >= b * nh * nq
-            && k.len() >= b * t * nkv * hd
-            && v.len() >= b * t * nkv * hd,
-        "attention: inputs too small"
     );
     if nq == 0 {
         return;

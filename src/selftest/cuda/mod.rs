@@ -13,7 +13,7 @@ use crate::Result;
 use std::sync::Arc;
 
 /// Tolerance of the training check: fp32 on both sides, differing only in summation order
-/// (cuBLAS, atomics in the weight-gradient reductions) compounded over a few steps.
+/// (cuBLAS, atomics in the embedding gradient) compounded over a few steps.
 pub const TOL_TRAINING: f64 = 1e-3;
 
 /// The training check: [`super::STEPS`] steps of the self-test model on GPU `ordinal` against

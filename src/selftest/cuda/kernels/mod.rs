@@ -1,13 +1,16 @@
 //! The self-test's kernel cases: every kernel and GEMM on fresh random inputs against the CPU
 //! reference (a table of cases, each a reference, a launch and a tolerance).
 
+mod attention;
+
 use super::super::{compare, compare_bounded, Check};
-use crate::device::cuda::launches::{AttnArgs, Dtype, Launcher};
+use crate::device::cuda::launches::{Dtype, Launcher};
 use crate::device::cuda::{drv, CudaRuntime, DevPtr};
-use crate::device::launch::{self, AttnShape};
+use crate::device::launch;
 use crate::model::ops;
 use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 use crate::{Error, Result};
+use attention::{attention_bf16, attention_f32};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 /// fp32 kernels differ from the CPU only in summation order and FMA.
@@ -376,198 +379,6 @@ fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         out.push(Out::new(label, g.down(&qd)?, want));
     }
     Ok(out)
-}
-
-/// Positions of [`ATTN`]'s two sequences: one flat, one of documents across tile boundaries
-/// (a one-token document among them).
-const ATTN_DOCS: [usize; 5] = [70, 20, 1, 45, 4];
-
-/// GQA, T not a multiple of the tile.
-const ATTN: AttnShape = AttnShape {
-    b: 2,
-    t: 70,
-    nh: 8,
-    nkv: 2,
-    hd: 64,
-    q0: 0,
-    q1: 70,
-};
-
-/// Rows `q0..q1` of every sequence of a `[B·T, width]` tensor, or (`back`) those rows written
-/// back from `part` `[B·(q1−q0), width]`.
-fn query_rows(whole: &mut [f32], part: &mut [f32], s: AttnShape, width: usize, back: bool) {
-    let nq = s.nq();
-    for b in 0..s.b {
-        for i in 0..nq {
-            let w = &mut whole[(b * s.t + s.q0 + i) * width..][..width];
-            let p = &mut part[(b * nq + i) * width..][..width];
-            if back {
-                w.copy_from_slice(p);
-            } else {
-                p.copy_from_slice(w);
-            }
-        }
-    }
-}
-
-/// The three attention kernels over the whole sequences, then over two query chunks (a token
-/// chunked layer program's calls: dK and dV summed over the chunks), against the CPU reference.
-fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
-    let s = ATTN;
-    let (qs, qn, kn, rows) = (
-        s.nh * s.hd,
-        s.b * s.t * s.nh * s.hd,
-        s.b * s.t * s.nkv * s.hd,
-        s.b * s.nh * s.t,
-    );
-    let (mut q, k, v, mut d_o) = (
-        g.rnd(qn, 8, 1.0),
-        g.rnd(kn, 9, 1.0),
-        g.rnd(kn, 10, 1.0),
-        g.rnd(qn, 11, 1.0),
-    );
-    let pos = ops::document_positions(&ATTN_DOCS);
-    let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
-    ops::attention_fwd(&mut o_ref, &mut lse_ref, &q, &k, &v, &pos, s);
-    let (mut dq_ref, mut dk_ref, mut dv_ref) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
-    ops::attention_bwd(
-        &mut dq_ref,
-        &mut dk_ref,
-        &mut dv_ref,
-        &mut vec![0.0; rows],
-        &d_o,
-        &q,
-        &k,
-        &v,
-        &o_ref,
-        &lse_ref,
-        &pos,
-        s,
-    );
-    let (kd, vd, posd) = (g.up(&k)?, g.up(&v)?, g.up(&pos)?);
-    let mut out = Vec::new();
-    for (label, ranges) in [
-        ("", &[(0usize, 70usize)][..]),
-        ("chunked ", &[(0, 40), (40, 70)][..]),
-    ] {
-        let (mut o, mut lse, mut dq) = (vec![0.0; qn], vec![0.0; rows], vec![0.0; qn]);
-        let (dkd, dvd) = (g.zeros::<f32>(kn)?, g.zeros::<f32>(kn)?);
-        for &(q0, q1) in ranges {
-            let sc = s.queries(q0, q1);
-            let (cn, crows) = (s.b * sc.nq() * qs, s.b * s.nh * sc.nq());
-            let (mut qc, mut doc) = (vec![0.0; cn], vec![0.0; cn]);
-            query_rows(&mut q, &mut qc, sc, qs, false);
-            query_rows(&mut d_o, &mut doc, sc, qs, false);
-            let geo = launch::attention(sc, launch::DEFAULT_SMEM)?;
-            let a = AttnArgs::new(sc, &geo, g.p(&posd))?;
-            let (qd, dod) = (g.up(&qc)?, g.up(&doc)?);
-            let (od, lsed, deltad, dqd) = (
-                g.zeros::<f32>(cn)?,
-                g.zeros::<f32>(crows)?,
-                g.zeros::<f32>(crows)?,
-                g.zeros::<f32>(cn)?,
-            );
-            let kk = g.k();
-            kk.attention_fwd(
-                Dtype::F32,
-                geo.rows,
-                g.p(&od),
-                g.p(&lsed),
-                g.p(&qd),
-                g.p(&kd),
-                g.p(&vd),
-                a,
-            )?;
-            kk.attention_bwd(
-                Dtype::F32,
-                geo.rows,
-                g.p(&dqd),
-                g.p(&deltad),
-                g.p(&dod),
-                g.p(&od),
-                g.p(&qd),
-                g.p(&kd),
-                g.p(&vd),
-                g.p(&lsed),
-                a,
-            )?;
-            kk.attention_bwd_kv(
-                Dtype::F32,
-                geo.kv,
-                g.p(&dkd),
-                g.p(&dvd),
-                g.p(&dod),
-                g.p(&qd),
-                g.p(&kd),
-                g.p(&vd),
-                g.p(&lsed),
-                g.p(&deltad),
-                a,
-            )?;
-            query_rows(&mut o, &mut g.down(&od)?, sc, qs, true);
-            query_rows(&mut dq, &mut g.down(&dqd)?, sc, qs, true);
-            // lse [B, NH, q1−q0] into [B, NH, T]: NH "rows" of one element per query.
-            let lc = g.down(&lsed)?;
-            for bh in 0..s.b * s.nh {
-                lse[bh * s.t + q0..bh * s.t + q1]
-                    .copy_from_slice(&lc[bh * sc.nq()..(bh + 1) * sc.nq()]);
-            }
-        }
-        out.extend([
-            Out::new(&format!("{label}forward out"), o, o_ref.clone()),
-            Out::new(&format!("{label}forward lse"), lse, lse_ref.clone()),
-            Out::new(&format!("{label}backward dq"), dq, dq_ref.clone()).tolerance(TOL_ATTN_BWD),
-            Out::new(
-                &format!("{label}backward dk"),
-                g.down(&dkd)?,
-                dk_ref.clone(),
-            )
-            .tolerance(TOL_ATTN_BWD),
-            Out::new(
-                &format!("{label}backward dv"),
-                g.down(&dvd)?,
-                dv_ref.clone(),
-            )
-            .tolerance(TOL_ATTN_BWD),
-        ]);
-    }
-    Ok(out)
-}
-
-fn attention_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
-    let s = AttnShape::causal(1, 45, 4, 4, 128);
-    let (qn, kn, rows) = (
-        s.b * s.t * s.nh * s.hd,
-        s.b * s.t * s.nkv * s.hd,
-        s.b * s.nh * s.t,
-    );
-    let (q, k, v) = (g.rnd(qn, 21, 1.0), g.rnd(kn, 22, 1.0), g.rnd(kn, 23, 1.0));
-    let pos = ops::document_positions(&[30, 15]);
-    let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
-    ops::attention_fwd(
-        &mut o_ref,
-        &mut lse_ref,
-        &round_bf16(&q),
-        &round_bf16(&k),
-        &round_bf16(&v),
-        &pos,
-        s,
-    );
-    let geo = launch::attention(s, launch::DEFAULT_SMEM)?;
-    let (qd, kd, vd) = (g.up16(&q)?, g.up16(&k)?, g.up16(&v)?);
-    let posd = g.up(&pos)?;
-    let (od, lsed) = (g.zeros::<u16>(qn)?, g.zeros::<f32>(rows)?);
-    g.k().attention_fwd(
-        Dtype::Bf16,
-        geo.rows,
-        g.p(&od),
-        g.p(&lsed),
-        g.p(&qd),
-        g.p(&kd),
-        g.p(&vd),
-        AttnArgs::new(s, &geo, g.p(&posd))?,
-    )?;
-    Ok(vec![Out::new("forward out", g.down16(&od)?, o_ref)])
 }
 
 /// Loss and `scale·(softmax − onehot)` of each row of `z`, in f32 (0 and 0 for an ignored row).

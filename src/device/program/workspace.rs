@@ -1,0 +1,242 @@
+//! The layer workspace: the program's scratch regions in one device allocation, and the block
+//! internals [`crate::engine::Activations::Keep`] keeps for the backward.
+
+use super::{Backend, Shape};
+use crate::model::config::ModelConfig;
+use crate::model::ops::CE_CHUNK_ROWS;
+
+/// Alignment of workspace regions, in elements (256 bytes: what cuBLAS and vector loads like).
+const ALIGN: usize = 64;
+
+/// Regions laid end to end in one allocation, each aligned to [`ALIGN`] elements.
+#[derive(Default)]
+struct Regions {
+    end: usize,
+}
+
+impl Regions {
+    /// The offset of the next region of `len` elements.
+    fn take(&mut self, len: usize) -> usize {
+        let at = self.end;
+        self.end += len.div_ceil(ALIGN) * ALIGN;
+        at
+    }
+}
+
+/// The layer workspace: named scratch regions inside one device allocation. `P` is an address
+/// (or, from [`Ws::layout`], an element offset). Shapes in elements, for a micro-batch of
+/// `N = B·T` tokens run in chunks of at most `M` rows ([`Shape::chunk_rows`]), hidden size `C`,
+/// MLP size `I`, `nh` query and `nkv` key/value heads of `hd` dimensions and a vocabulary of
+/// `V`. Only K, V, their gradients and the per-row losses span the micro-batch; the head runs
+/// in chunks of `H = min(N, CE_CHUNK_ROWS)` rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Ws<P> {
+    /// `[max(M, H), C]` the first RMSNorm's output (and the head's norm output).
+    pub h1: P,
+    /// `[max(M, H)]` the first RMSNorm's 1/rms per row (and the head's).
+    pub rstd1: P,
+    /// `[M, nh·hd]` queries after RoPE.
+    pub q: P,
+    /// `[N, nkv·hd]` keys after RoPE.
+    pub k: P,
+    /// `[N, nkv·hd]` values.
+    pub v: P,
+    /// `[M, nh·hd]` attention output (before the output projection).
+    pub att: P,
+    /// `[nh, M]` log-sum-exp of each attention row (flash attention's saved statistic).
+    pub lse: P,
+    /// `[nh, M]` rowsum(dO ⊙ O), the flash attention backward's scratch.
+    pub delta: P,
+    /// `[M, C]` the residual stream after attention.
+    pub x2: P,
+    /// `[M, C]` the second RMSNorm's output.
+    pub h2: P,
+    /// `[M]` the second RMSNorm's 1/rms per row.
+    pub rstd2: P,
+    /// `[M, I]` the MLP's gate projection.
+    pub gate: P,
+    /// `[M, I]` the MLP's up projection.
+    pub up: P,
+    /// `[M, I]` silu(gate) ⊙ up.
+    pub act: P,
+    /// `[M, I]` dL/d act.
+    pub d_i1: P,
+    /// `[M, I]` dL/d gate.
+    pub d_i2: P,
+    /// `[M, I]` dL/d up.
+    pub d_i3: P,
+    /// `[M, nh·hd]` dL/d att.
+    pub d_att: P,
+    /// `[max(M, H), C]` dL/d h2 (and the head's dL/d normed x).
+    pub d_c: P,
+    /// `[M, nh·hd]` dL/d q.
+    pub dq: P,
+    /// `[N, nkv·hd]` dL/d k.
+    pub dk: P,
+    /// `[N, nkv·hd]` dL/d v.
+    pub dv: P,
+    /// `[H, V]` one chunk of logits, then their gradients.
+    pub ce: P,
+    /// `[N]` per-row cross-entropy loss.
+    pub losses: P,
+}
+
+impl Ws<usize> {
+    /// Offsets of every region for the shape `s`, and the total elements.
+    pub fn layout(cfg: &ModelConfig, s: Shape) -> (Self, usize) {
+        let (n, m) = (s.n(), s.chunk_rows());
+        let (c, qd, kvd, i) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
+        let mh = m.max(ce_rows);
+        let mut regions = Regions::default();
+        let mut take = |len: usize| regions.take(len);
+        let ws = Ws {
+            h1: take(mh * c),
+            rstd1: take(mh),
+            q: take(m * qd),
+            k: take(n * kvd),
+            v: take(n * kvd),
+            att: take(m * qd),
+            lse: take(cfg.num_heads * m),
+            delta: take(cfg.num_heads * m),
+            x2: take(m * c),
+            h2: take(m * c),
+            rstd2: take(m),
+            gate: take(m * i),
+            up: take(m * i),
+            act: take(m * i),
+            d_i1: take(m * i),
+            d_i2: take(m * i),
+            d_i3: take(m * i),
+            d_att: take(m * qd),
+            d_c: take(mh * c),
+            dq: take(m * qd),
+            dk: take(n * kvd),
+            dv: take(n * kvd),
+            ce: take(ce_rows * cfg.vocab_size),
+            losses: take(n),
+        };
+        (ws, regions.end)
+    }
+
+    /// The regions at `base`.
+    pub fn at<B: Backend>(&self, base: B::P) -> Ws<B::P> {
+        let f = |o: usize| B::off(base, o);
+        Ws {
+            h1: f(self.h1),
+            rstd1: f(self.rstd1),
+            q: f(self.q),
+            k: f(self.k),
+            v: f(self.v),
+            att: f(self.att),
+            lse: f(self.lse),
+            delta: f(self.delta),
+            x2: f(self.x2),
+            h2: f(self.h2),
+            rstd2: f(self.rstd2),
+            gate: f(self.gate),
+            up: f(self.up),
+            act: f(self.act),
+            d_i1: f(self.d_i1),
+            d_i2: f(self.d_i2),
+            d_i3: f(self.d_i3),
+            d_att: f(self.d_att),
+            d_c: f(self.d_c),
+            dq: f(self.dq),
+            dk: f(self.dk),
+            dv: f(self.dv),
+            ce: f(self.ce),
+            losses: f(self.losses),
+        }
+    }
+}
+
+/// A block's forward internals kept for its backward ([`crate::engine::Activations::Keep`]):
+/// offsets, for `n` tokens (the whole micro-batch), of the [`Ws`] regions the forward writes
+/// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act — in one
+/// buffer of [`internals_len`] elements.
+#[derive(Debug, Clone, Copy)]
+struct Internals {
+    h1: usize,
+    rstd1: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    att: usize,
+    lse: usize,
+    x2: usize,
+    h2: usize,
+    rstd2: usize,
+    gate: usize,
+    up: usize,
+    act: usize,
+}
+
+impl Internals {
+    fn layout(cfg: &ModelConfig, n: usize) -> (Self, usize) {
+        let (c, qd, kvd, i) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let mut regions = Regions::default();
+        let mut take = |len: usize| regions.take(len);
+        let r = Internals {
+            h1: take(n * c),
+            rstd1: take(n),
+            q: take(n * qd),
+            k: take(n * kvd),
+            v: take(n * kvd),
+            att: take(n * qd),
+            lse: take(cfg.num_heads * n),
+            x2: take(n * c),
+            h2: take(n * c),
+            rstd2: take(n),
+            gate: take(n * i),
+            up: take(n * i),
+            act: take(n * i),
+        };
+        (r, regions.end)
+    }
+}
+
+/// Elements of one block's kept internals for micro-batches of `n` tokens.
+pub fn internals_len(cfg: &ModelConfig, n: usize) -> usize {
+    Internals::layout(cfg, n).1
+}
+
+impl<P: Copy> Ws<P> {
+    /// These regions with the forward internals in `kept` (a buffer of [`internals_len`]
+    /// elements) instead of the workspace: a forward run on it leaves them for the backward.
+    pub fn keeping<B: Backend<P = P>>(&self, cfg: &ModelConfig, n: usize, kept: P) -> Self {
+        let (r, _) = Internals::layout(cfg, n);
+        let f = |o: usize| B::off(kept, o);
+        Ws {
+            h1: f(r.h1),
+            rstd1: f(r.rstd1),
+            q: f(r.q),
+            k: f(r.k),
+            v: f(r.v),
+            att: f(r.att),
+            lse: f(r.lse),
+            x2: f(r.x2),
+            h2: f(r.h2),
+            rstd2: f(r.rstd2),
+            gate: f(r.gate),
+            up: f(r.up),
+            act: f(r.act),
+            ..*self
+        }
+    }
+}
+
+/// Bytes of the layer workspace for the shape `s`.
+pub fn workspace_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
+    4 * Ws::layout(cfg, s).1 as u64
+}
