@@ -131,7 +131,7 @@ impl State {
         unsafe {
             moments::step_range(
                 adamw::detect(),
-                self.p.as_mut_ptr(),
+                moments::ParamPtr::Fp32(self.p.as_mut_ptr()),
                 g.as_ptr(),
                 mom,
                 0..n,

@@ -1,23 +1,24 @@
 //! The AdamW pool on the real host store: every unit updated by the pool equals a plain
 //! element-by-element reference on a copy, bit for bit, for every moment format
-//! (`--adam-state fp32|bf16|int8`), every SIMD path this CPU has, exact and lean mode; units stay
-//! exclusive while in flight.
+//! (`--adam-state fp32|bf16|int8`), every SIMD path this CPU has, exact and lean mode, and both
+//! master formats (fp32, and bf16 hi/lo planes, which must give the fp32 update's exact bits);
+//! units stay exclusive while in flight.
 #![allow(clippy::unwrap_used)]
 
 use megatrain::model::config::ModelConfig;
 use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig, Isa};
 use megatrain::optim::moments::{self, bf16_stochastic, hash32, Quantizer};
 use megatrain::optim::{unit_segments, AdamPool, Salts, Segment};
-use megatrain::store::layout::{AdamState, Mode, StateLayout, INT8_BLOCK};
+use megatrain::store::layout::{AdamState, MasterFormat, Mode, StateLayout, INT8_BLOCK};
 use megatrain::store::placement::{place, RamBudget};
-use megatrain::store::{HostBuffer, HostStore, StoreOptions};
+use megatrain::store::{planes, HostBuffer, HostStore, StoreOptions};
 use megatrain::topology::{probe, TopologySource};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     megatrain::util::uniform(n, seed, 1.0)
 }
 
-fn store(mode: Mode, state: AdamState) -> HostStore {
+fn store(mode: Mode, state: AdamState, master: MasterFormat) -> HostStore {
     // Odd sizes so chunks and tensors end inside SIMD vectors and inside int8 blocks.
     let cfg = ModelConfig::from_json_str(
         r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":72,"intermediate_size":200,
@@ -25,7 +26,9 @@ fn store(mode: Mode, state: AdamState) -> HostStore {
         "t",
     )
     .unwrap();
-    let layout = StateLayout::new(&cfg, mode).with_adam_state(state);
+    let layout = StateLayout::new(&cfg, mode)
+        .with_adam_state(state)
+        .with_master(master);
     let machine = probe(&TopologySource::Live).unwrap();
     let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
     HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
@@ -102,13 +105,17 @@ fn reference(
 
 /// Every unit: random params, gradients and moments (stored in the format), the pool's update
 /// against the reference, bit for bit; Σ g² against the reference's.
-fn pool_equals_reference(mode: Mode, state: AdamState, isa: Isa, threads: usize) {
+fn pool_equals_reference(
+    (mode, state, master): (Mode, AdamState, MasterFormat),
+    isa: Isa,
+    threads: usize,
+) {
     let cfg = AdamWConfig {
         lr: 2e-3,
         weight_decay: 0.1,
         ..Default::default()
     };
-    let s = store(mode, state);
+    let s = store(mode, state, master);
     let pool = AdamPool::with_isa(&s.placement().adam_nodes(), Some(threads), isa).unwrap();
     let mut expected = Vec::new();
     let mut jobs = Vec::new();
@@ -123,8 +130,10 @@ fn pool_equals_reference(mode: Mode, state: AdamState, isa: Isa, threads: usize)
             rand(n, seed + 3),
         );
         let v0: Vec<f32> = v0.iter().map(|x| x * x).collect();
-        let sh = guard.shards().unwrap();
-        sh.params.copy_from_slice(&p0);
+        let mut sh = guard.shards().unwrap();
+        sh.params.write(0, &p0);
+        // The master holds p0 exactly in either format.
+        assert_eq!(sh.params.to_vec(), p0);
         moments::from_f32(state, &m0, sh.m, true);
         moments::from_f32(state, &v0, sh.v, false);
         let (mb, vb) = (sh.m.to_vec(), sh.v.to_vec());
@@ -150,19 +159,24 @@ fn pool_equals_reference(mode: Mode, state: AdamState, isa: Isa, threads: usize)
         // The unit belongs to the job until it is waited on.
         assert!(s.take(u).is_err());
     }
-    let what = format!("{mode:?} {state:?} {isa:?} {threads} thread(s)");
+    let what = format!("{mode:?} {state:?} {master:?} {isa:?} {threads} thread(s)");
     for (u, job) in jobs.into_iter().enumerate() {
         let mut done = job.wait().unwrap();
         assert_eq!(done.guard.unit(), u);
         assert_eq!(done.grads.is_some(), mode == Mode::Lean);
         let (p, m, v, sumsq) = &expected[u];
-        let got = done.guard.shards().unwrap();
+        let mut got = done.guard.shards().unwrap();
         let same_bits = got
             .params
+            .to_vec()
             .iter()
             .zip(p)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same_bits, "{what}: unit {u} params");
+        if let Some(hi) = got.params.hi_plane() {
+            // The streamed plane is the updated value rounded to bf16.
+            assert!(hi.iter().zip(p).all(|(h, x)| *h == planes::split(*x).0));
+        }
         assert!(got.m == &m[..], "{what}: unit {u} m");
         assert!(got.v == &v[..], "{what}: unit {u} v");
         assert!(
@@ -181,18 +195,20 @@ fn pool_equals_the_reference_in_every_format_isa_and_mode() {
         .into_iter()
         .filter(|i| adamw::supported(*i))
         .collect();
-    for state in [AdamState::Fp32, AdamState::Bf16, AdamState::Int8] {
-        for &isa in &isas {
-            pool_equals_reference(Mode::Exact, state, isa, 3);
+    for master in [MasterFormat::Fp32, MasterFormat::Planes] {
+        for state in [AdamState::Fp32, AdamState::Bf16, AdamState::Int8] {
+            for &isa in &isas {
+                pool_equals_reference((Mode::Exact, state, master), isa, 3);
+            }
+            pool_equals_reference((Mode::Lean, state, master), adamw::detect(), 2);
+            pool_equals_reference((Mode::Exact, state, master), adamw::detect(), 1);
         }
-        pool_equals_reference(Mode::Lean, state, adamw::detect(), 2);
-        pool_equals_reference(Mode::Exact, state, adamw::detect(), 1);
     }
 }
 
 #[test]
 fn lean_job_without_buffer_is_an_error() {
-    let s = store(Mode::Lean, AdamState::Fp32);
+    let s = store(Mode::Lean, AdamState::Fp32, MasterFormat::Fp32);
     let pool = AdamPool::for_placement(s.placement(), Some(1)).unwrap();
     let g = s.take(1).unwrap();
     let segs = unit_segments(s.layout(), 1, &AdamWConfig::default(), 1, 1.0, true);

@@ -166,7 +166,7 @@ fn rig_spill(
     assert_eq!(placement.spill.is_some(), spill.is_some());
     let store = HostStore::allocate(layout.clone(), placement, &opts).unwrap();
     for (u, p) in params.iter().enumerate() {
-        store.take(u).unwrap().params().copy_from_slice(p);
+        store.take(u).unwrap().master().write(0, p);
     }
     let pool = AdamPool::for_placement(store.placement(), Some(2)).unwrap();
     let tm = Arc::new(Templates::new(&layout.config, shape.t).unwrap());
@@ -208,7 +208,7 @@ fn rig_spill(
 fn unit_params(s: &mut Streamer) -> Vec<Vec<f32>> {
     s.finish().unwrap();
     (0..s.store().num_units())
-        .map(|u| s.store().take(u).unwrap().params().to_vec())
+        .map(|u| s.store().take(u).unwrap().master().to_vec())
         .collect()
 }
 

@@ -26,7 +26,7 @@ fn store_for(dir: &Path) -> HostStore {
 
 fn params(store: &HostStore) -> Vec<Vec<f32>> {
     (0..store.num_units())
-        .map(|u| store.take(u).unwrap().params().to_vec())
+        .map(|u| store.take(u).unwrap().master().to_vec())
         .collect()
 }
 

@@ -9,13 +9,17 @@
 //! so no write-allocate read of `a` goes uncounted). AdamW writes only lines it has just read, so
 //! its bytes are its real traffic too. At the memory-bandwidth limit, params/s scale inversely
 //! with the bytes: compact moments are faster by 28/20 and 28/16.
+//!
+//! A master stored as bf16 planes (`--master planes`) moves the same bytes as fp32: it reads and
+//! writes the two 2-byte planes instead of one 4-byte value, and the bf16 copy the device streams
+//! is the high plane itself (no shadow write). Its extra cost is the join and split in L1.
 
 use crate::host::{PageKind, Region, RegionSpec};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::optim::adamw::{AdamWConfig, Isa};
 use crate::optim::moments;
 use crate::optim::{unit_segments, AdamPool, Salts};
-use crate::store::layout::{AdamState, Mode, StateLayout};
+use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout};
 use crate::store::placement::{NodePlan, Placement};
 use crate::store::{HostStore, StoreOptions};
 use crate::topology::{Machine, NumaNode};
@@ -38,6 +42,8 @@ pub struct AdamBenchArgs {
     pub isa: Option<Isa>,
     /// The moment formats to measure (each in its own store).
     pub states: Vec<AdamState>,
+    /// The master formats to measure, each with every moment format.
+    pub masters: Vec<MasterFormat>,
 }
 
 /// One measured kernel.
@@ -58,6 +64,9 @@ pub struct Measured {
 pub struct AdamCase {
     /// The moment format.
     pub state: AdamState,
+    /// The master's format.
+    #[serde(default)]
+    pub master: MasterFormat,
     /// The timing, bytes by the accounting above.
     pub measured: Measured,
     /// Bytes moved per parameter.
@@ -92,9 +101,16 @@ pub struct AdamBenchReport {
 }
 
 impl AdamBenchReport {
-    /// The case of `state`, if measured.
+    /// The case of `state` moments with an fp32 master, if measured.
     pub fn case(&self, state: AdamState) -> Option<&AdamCase> {
-        self.adam.iter().find(|c| c.state == state)
+        self.case_of(state, MasterFormat::Fp32)
+    }
+
+    /// The case of `state` moments with a `master` master, if measured.
+    pub fn case_of(&self, state: AdamState, master: MasterFormat) -> Option<&AdamCase> {
+        self.adam
+            .iter()
+            .find(|c| c.state == state && c.master == master)
     }
 }
 
@@ -184,15 +200,24 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         ));
     }
 
-    if args.states.is_empty() {
+    if args.states.is_empty() || args.masters.is_empty() {
         return Err(Error::bad_input(
-            "--adam-state",
+            if args.states.is_empty() {
+                "--adam-state"
+            } else {
+                "--master"
+            },
             "",
             "no format to measure",
-            Some("pass fp32, bf16 and/or int8"),
+            Some("pass --adam-state fp32, bf16 and/or int8, and --master fp32 and/or planes"),
         ));
     }
-    let stores = filled_stores(node, &cpus, args.params, &args.states)?;
+    let formats: Vec<(AdamState, MasterFormat)> = args
+        .masters
+        .iter()
+        .flat_map(|m| args.states.iter().map(move |s| (*s, *m)))
+        .collect();
+    let stores = filled_stores(node, &cpus, args.params, &formats)?;
     let pool = match args.isa {
         Some(isa) => AdamPool::with_isa(&[(node.os_index, cpus.clone())], Some(threads), isa)?,
         None => AdamPool::new(&[(node.os_index, cpus.clone())], Some(threads))?,
@@ -252,6 +277,7 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
         .zip(measured)
         .map(|(store, m)| AdamCase {
             state: store.layout().adam,
+            master: store.layout().master,
             bytes_per_param: moments::update_bytes_per_param(store.layout().adam),
             params_per_s: numel as f64 / m.median_s,
             ratio: m.gbytes_per_s / triad.gbytes_per_s,
@@ -293,12 +319,16 @@ fn filled_stores(
     node: &NumaNode,
     cpus: &[usize],
     params: usize,
-    states: &[AdamState],
+    formats: &[(AdamState, MasterFormat)],
 ) -> Result<Vec<HostStore>> {
     let cfg = bench_model(params)?;
-    let layouts: Vec<StateLayout> = states
+    let layouts: Vec<StateLayout> = formats
         .iter()
-        .map(|s| StateLayout::new(&cfg, Mode::Exact).with_adam_state(*s))
+        .map(|(s, m)| {
+            StateLayout::new(&cfg, Mode::Exact)
+                .with_adam_state(*s)
+                .with_master(*m)
+        })
         .collect();
     let need = layouts.iter().map(StateLayout::total_bytes).sum::<u64>()
         + 3 * 4 * layouts[0].num_params() as u64;
@@ -313,7 +343,7 @@ fn filled_stores(
                 node.os_index,
                 crate::util::human_bytes(avail)
             ),
-            Some("lower --params, or measure fewer --adam-state formats"),
+            Some("lower --params, or measure fewer --adam-state or --master formats"),
         ));
     }
     layouts
@@ -349,10 +379,11 @@ fn filled_store(
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
         let numel = g.numel();
-        let sh = g.shards()?;
-        for (i, x) in sh.params.iter_mut().enumerate() {
-            *x = ((i % 97) as f32 - 48.0) * 1e-3;
-        }
+        let mut sh = g.shards()?;
+        let p: Vec<f32> = (0..numel)
+            .map(|i| ((i % 97) as f32 - 48.0) * 1e-3)
+            .collect();
+        sh.params.write(0, &p);
         if let Some(gr) = sh.grads {
             for (i, x) in gr.iter_mut().enumerate() {
                 *x = ((i % 89) as f32 - 44.0) * 1e-4;
@@ -386,7 +417,7 @@ pub fn render(r: &AdamBenchReport) -> String {
     for c in &r.adam {
         out += &format!(
             "{:<30} {:>10.3} {:>9.2} {:>7.2} {:>10.3} {:>8.1}%\n",
-            format!("adamw, {} moments", c.state.name()),
+            format!("adamw, {} m/v, {} master", c.state.name(), c.master.name()),
             c.measured.median_s * 1e3,
             c.measured.gbytes_per_s,
             c.bytes_per_param,
@@ -403,8 +434,21 @@ pub fn render(r: &AdamBenchReport) -> String {
         "",
         ""
     );
+    for c in r.adam.iter().filter(|c| c.master == MasterFormat::Planes) {
+        if let Some(fp32) = r.case(c.state) {
+            out += &format!(
+                "\nplanes master, {} m/v: {:.2}x the params/s of an fp32 master (the bytes predict 1.00x)",
+                c.state.name(),
+                c.params_per_s / fp32.params_per_s,
+            );
+        }
+    }
     if let Some(fp32) = r.case(AdamState::Fp32) {
-        for c in r.adam.iter().filter(|c| c.state != AdamState::Fp32) {
+        for c in r
+            .adam
+            .iter()
+            .filter(|c| c.state != AdamState::Fp32 && c.master == MasterFormat::Fp32)
+        {
             out += &format!(
                 "\n{} moments: {:.2}x the params/s of fp32 (the bytes predict {:.2}x)",
                 c.state.name(),
@@ -412,7 +456,7 @@ pub fn render(r: &AdamBenchReport) -> String {
                 fp32.bytes_per_param / c.bytes_per_param
             );
         }
-        out.push('\n');
     }
+    out.push('\n');
     out
 }

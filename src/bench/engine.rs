@@ -335,9 +335,10 @@ fn build_streamer(
     )?;
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
-        for (i, x) in g.params().iter_mut().enumerate() {
-            *x = ((i % 101) as f32 - 50.0) * 1e-3;
-        }
+        let p: Vec<f32> = (0..g.numel())
+            .map(|i| ((i % 101) as f32 - 50.0) * 1e-3)
+            .collect();
+        g.master().write(0, &p);
     }
     let pool = AdamPool::with_isa(
         &store.placement().adam_nodes(),

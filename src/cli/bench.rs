@@ -211,6 +211,10 @@ pub struct BenchAdamArgs {
         default_value = "fp32,bf16,int8"
     )]
     adam_state: Vec<megatrain::store::layout::AdamState>,
+    /// How the fp32 master is stored, each measured with every moment format (comma-separated):
+    /// fp32, or planes (the bf16 high halves the device streams, then the low halves).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32,planes")]
+    master: Vec<megatrain::store::layout::MasterFormat>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -238,6 +242,7 @@ fn bench_adam(args: &BenchAdamArgs) -> Result<()> {
             reps: args.reps,
             isa,
             states: args.adam_state.clone(),
+            masters: args.master.clone(),
         },
     )?;
     print_report(args.json, &Report::Adam(report), Report::render);

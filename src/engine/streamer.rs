@@ -641,9 +641,16 @@ impl Streamer {
             Op::CopyWeights { unit, to } => {
                 let dst = self.buf(*to);
                 let g = self.guard(*unit)?;
+                let mut master = g.master();
+                let params = master.as_fp32().ok_or_else(|| {
+                    Error::internal(
+                        "streamer",
+                        "the master is stored as bf16 planes, but the device program takes fp32 weights",
+                    )
+                })?;
                 // SAFETY: the guard stays in `self.guards` until an AdamW op takes it, and the
                 // schedule orders that op after this copy's completion event.
-                let src = unsafe { HostRef::from_slice(g.params()) };
+                let src = unsafe { HostRef::from_slice(params) };
                 Cmd::HtoD {
                     dst,
                     offset: 0,

@@ -7,7 +7,7 @@
 //! exclusively the pool's until the job completes and hands them back.
 
 use super::adamw::{self, AdamWConfig, Isa, StepScalars};
-use super::moments::{self, MomentPtrs, Piece, Salts};
+use super::moments::{self, MomentPtrs, ParamPtr, Piece, Salts};
 use crate::store::layout::{AdamState, StateLayout, INT8_BLOCK};
 use crate::store::placement::Placement;
 use crate::store::{HostBuffer, UnitGuard};
@@ -66,7 +66,7 @@ pub fn unit_segments(
 
 #[derive(Debug, Clone, Copy)]
 struct Ptrs {
-    p: *mut f32,
+    p: ParamPtr,
     g: *const f32,
     moments: MomentPtrs,
 }
@@ -315,7 +315,7 @@ fn dispatch_on(
 fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>, salts: Salts) -> Result<Ptrs> {
     let unit = guard.unit();
     let (state, numel) = (guard.store().layout().adam, guard.numel());
-    let sh = guard.shards()?;
+    let mut sh = guard.shards()?;
     let g: *const f32 = match (lean, sh.grads) {
         (Some(b), _) => b,
         (None, Some(g)) => g.as_ptr(),
@@ -329,7 +329,7 @@ fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>, salts: Salts) -> R
         }
     };
     Ok(Ptrs {
-        p: sh.params.as_mut_ptr(),
+        p: ParamPtr::of(&mut sh.params),
         g,
         moments: MomentPtrs::new(state, sh.m.as_mut_ptr(), sh.v.as_mut_ptr(), numel, salts),
     })

@@ -8,7 +8,7 @@ pub mod sim;
 use crate::device::program::{workspace_bytes, Shape, CHUNK_ALIGN};
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
-use crate::store::layout::{AdamState, Mode, StateLayout};
+use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout};
 use serde::{Deserialize, Serialize};
 
 /// What the performance model needs to know about a machine.
@@ -115,7 +115,15 @@ impl PlanRequest {
 
     /// The host layout of `model` under this request.
     fn layout(&self, model: &ModelConfig) -> StateLayout {
-        StateLayout::new(model, self.mode).with_adam_state(self.adam_state)
+        // bf16 streams the high plane of a master stored as planes: no extra host bytes.
+        let master = if self.bf16 {
+            MasterFormat::Planes
+        } else {
+            MasterFormat::Fp32
+        };
+        StateLayout::new(model, self.mode)
+            .with_adam_state(self.adam_state)
+            .with_master(master)
     }
 }
 
@@ -380,9 +388,8 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
     let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
     let head = (model.vocab_size * model.hidden_size) as f64;
     let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
-    // The bf16 weight copy adds a 2-byte write per parameter.
-    let adam_bytes =
-        moments::update_bytes_per_param(req.adam_state) + if req.bf16 { 2.0 } else { 0.0 };
+    // A planes master moves the bytes of an fp32 one, and its high plane is the bf16 copy.
+    let adam_bytes = moments::update_bytes_per_param(req.adam_state);
     let adam_bps = hw.adam_gbps * 1e9;
     let (spilled, _) = spilled_units(model, req, hw);
     let nvme = |u: usize| match (spilled.contains(&u), hw.nvme_gbps) {

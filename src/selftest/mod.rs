@@ -142,8 +142,7 @@ pub fn train_steps(
     )?;
     for (u, unit) in layout.units.iter().enumerate() {
         let mut g = store.take(u)?;
-        let p = g.params();
-        p.copy_from_slice(&crate::util::uniform(unit.numel, seed + u as u64, 0.08));
+        let mut p = crate::util::uniform(unit.numel, seed + u as u64, 0.08);
         for t in &unit.tensors {
             if t.shape.len() == 1 && t.name.contains("norm") {
                 p[t.offset..t.offset + t.numel()]
@@ -151,6 +150,7 @@ pub fn train_steps(
                     .for_each(|x| *x += 1.0);
             }
         }
+        g.master().write(0, &p);
     }
     let pool = AdamPool::for_placement(store.placement(), Some(2))?;
     let mut streamer = Streamer::new(

@@ -216,15 +216,26 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                     None,
                 ));
             }
-            let dst = &mut guards[unit].params()[spec.offset..spec.offset + spec.numel()];
-            widen(view.dtype(), view.data(), dst).map_err(|dtype| {
+            let unsupported = |dtype: Dtype| {
                 Error::bad_input(
                     "checkpoint tensor",
                     name,
                     format!("in {shown}: dtype {dtype:?} is not supported (F32, BF16 or F16)"),
                     None,
                 )
-            })?;
+            };
+            let mut master = guards[unit].master();
+            let range = spec.offset..spec.offset + spec.numel();
+            match master.as_fp32() {
+                Some(p) => widen(view.dtype(), view.data(), &mut p[range]),
+                None => {
+                    let mut values = vec![0f32; spec.numel()];
+                    widen(view.dtype(), view.data(), &mut values).map(|()| {
+                        master.write(spec.offset, &values);
+                    })
+                }
+            }
+            .map_err(unsupported)?;
         }
     }
     if let Some(missing) = layout
@@ -434,8 +445,17 @@ fn write_export(
             }
         }
         let mut views: Vec<(String, F32View<'_>)> = Vec::new();
-        let params: HashMap<usize, &[f32]> =
-            guards.iter_mut().map(|(u, g)| (*u, &*g.params())).collect();
+        // fp32 masters are viewed in place; planes are joined into fp32 first.
+        let params: HashMap<usize, Cow<'_, [f32]>> = guards
+            .iter_mut()
+            .map(|(u, g)| {
+                let data = match g.master() {
+                    super::Master::Fp32(p) => Cow::Borrowed(&*p),
+                    planes => Cow::Owned(planes.to_vec()),
+                };
+                (*u, data)
+            })
+            .collect();
         for &(u, i) in shard {
             let t = &layout.units[u].tensors[i];
             weight_map.insert(t.name.clone(), file.clone());

@@ -94,6 +94,30 @@ impl AdamState {
     }
 }
 
+/// How the fp32 master parameters are stored (the precision the device streams decides).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum MasterFormat {
+    /// One fp32 array: the device streams fp32.
+    #[default]
+    Fp32,
+    /// Two 16-bit planes ([`crate::store::planes`]): the bf16-rounded high halves, which the
+    /// device streams, then the low halves that make each value exact fp32. Same 4 B/param.
+    Planes,
+}
+
+impl MasterFormat {
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            MasterFormat::Fp32 => "fp32",
+            MasterFormat::Planes => "planes",
+        }
+    }
+}
+
 /// The kinds of per-unit shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -155,6 +179,9 @@ pub struct StateLayout {
     /// How Adam m and v are stored.
     #[serde(default)]
     pub adam: AdamState,
+    /// How the fp32 master parameters are stored.
+    #[serde(default)]
+    pub master: MasterFormat,
     /// Units in streaming order: embedding, blocks 0..L-1, head.
     pub units: Vec<UnitLayout>,
     /// HF tensor name → location.
@@ -179,6 +206,7 @@ impl StateLayout {
             config: config.clone(),
             mode,
             adam: AdamState::Fp32,
+            master: MasterFormat::Fp32,
             units,
             manifest,
         }
@@ -189,10 +217,24 @@ impl StateLayout {
         StateLayout { adam, ..self }
     }
 
+    /// This layout with the master parameters stored as `master`.
+    pub fn with_master(self, master: MasterFormat) -> Self {
+        StateLayout { master, ..self }
+    }
+
+    /// [`MasterFormat::Planes`]: the byte offset of unit `unit`'s low plane in its params shard
+    /// (the high plane starts the shard; each plane starts on a [`SHARD_ALIGN`] boundary).
+    pub fn lo_plane_offset(&self, unit: usize) -> usize {
+        (2 * self.units[unit].numel).div_ceil(SHARD_ALIGN).max(1) * SHARD_ALIGN
+    }
+
     /// Bytes of unit `unit`'s shard of `kind` (a multiple of [`SHARD_ALIGN`]).
     pub fn shard_bytes(&self, unit: usize, kind: ShardKind) -> usize {
         let u = &self.units[unit];
         match kind {
+            ShardKind::Params if self.master == MasterFormat::Planes => {
+                2 * self.lo_plane_offset(unit)
+            }
             ShardKind::Params | ShardKind::Grads => u.shard_bytes(),
             ShardKind::AdamM | ShardKind::AdamV => {
                 self.adam
@@ -321,6 +363,27 @@ mod tests {
         assert!((exact - 16.0).abs() < 0.01, "{exact}");
         // 12 B/param plus two buffers of the largest unit (the 0.5B-param embedding).
         assert!(lean > 12.0 && lean < 12.6, "{lean}");
+    }
+
+    #[test]
+    fn planes_take_the_bytes_of_fp32() {
+        let c = cfg(false, 32);
+        for mode in [Mode::Exact, Mode::Lean] {
+            let fp32 = StateLayout::new(&c, mode);
+            let planes = fp32.clone().with_master(MasterFormat::Planes);
+            for u in 0..fp32.units.len() {
+                let (a, b) = (
+                    fp32.shard_bytes(u, ShardKind::Params),
+                    planes.shard_bytes(u, ShardKind::Params),
+                );
+                // At most one alignment page more per unit (each plane starts on a page).
+                assert!(b >= a && b <= a + SHARD_ALIGN, "unit {u}: {a} vs {b}");
+                assert_eq!(planes.lo_plane_offset(u) % SHARD_ALIGN, 0);
+                assert!(planes.lo_plane_offset(u) >= 2 * planes.units[u].numel);
+            }
+            let d = planes.bytes_per_param() - fp32.bytes_per_param();
+            assert!((0.0..1e-4).contains(&d), "{mode:?}: {d}");
+        }
     }
 
     #[test]

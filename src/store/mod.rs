@@ -9,13 +9,14 @@
 pub mod hf;
 pub mod layout;
 pub mod placement;
+pub mod planes;
 
 use crate::host::{HostRegistrar, PageKind, Region, RegionSpec};
 use crate::spill::extents::SpillConfig;
 use crate::spill::io::EngineKind;
 use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig, TierUnit};
 use crate::{Error, Result};
-use layout::{ShardKind, StateLayout};
+use layout::{MasterFormat, ShardKind, StateLayout};
 use placement::Placement;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -304,11 +305,83 @@ pub struct UnitGuard {
     lease: Option<Lease>,
 }
 
+/// A unit's fp32 master parameters, as the layout stores them ([`layout::MasterFormat`]).
+#[derive(Debug)]
+pub enum Master<'a> {
+    /// One fp32 array.
+    Fp32(&'a mut [f32]),
+    /// The bf16-rounded high plane and the low plane ([`planes`]), element for element.
+    Planes {
+        /// High halves, rounded: the bf16 copy the device streams.
+        hi: &'a mut [u16],
+        /// Low halves.
+        lo: &'a mut [u16],
+    },
+}
+
+impl Master<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Master::Fp32(p) => p.len(),
+            Master::Planes { hi, .. } => hi.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `start..start + dst.len()` as fp32 into `dst`.
+    pub fn read(&self, start: usize, dst: &mut [f32]) {
+        let r = start..start + dst.len();
+        match self {
+            Master::Fp32(p) => dst.copy_from_slice(&p[r]),
+            Master::Planes { hi, lo } => planes::join_into(&hi[r.clone()], &lo[r], dst),
+        }
+    }
+
+    /// Every element as fp32.
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut v = vec![0f32; self.len()];
+        self.read(0, &mut v);
+        v
+    }
+
+    /// Set elements `start..start + src.len()` to `src`.
+    pub fn write(&mut self, start: usize, src: &[f32]) {
+        let r = start..start + src.len();
+        match self {
+            Master::Fp32(p) => p[r].copy_from_slice(src),
+            Master::Planes { hi, lo } => {
+                planes::split_into(src, &mut hi[r.clone()], &mut lo[r]);
+            }
+        }
+    }
+
+    /// The fp32 array, when the master is stored as one.
+    pub fn as_fp32(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Master::Fp32(p) => Some(p),
+            Master::Planes { .. } => None,
+        }
+    }
+
+    /// The bf16 high plane, when the master is stored as planes.
+    pub fn hi_plane(&mut self) -> Option<&mut [u16]> {
+        match self {
+            Master::Fp32(_) => None,
+            Master::Planes { hi, .. } => Some(hi),
+        }
+    }
+}
+
 /// Mutable views of all of a unit's shards at once.
 #[derive(Debug)]
 pub struct UnitShards<'a> {
-    /// fp32 params.
-    pub params: &'a mut [f32],
+    /// The fp32 master params.
+    pub params: Master<'a>,
     /// fp32 grads (exact mode).
     pub grads: Option<&'a mut [f32]>,
     /// Adam m, stored as the layout's [`AdamState`](layout::AdamState) says (fp32, bf16, or
@@ -415,7 +488,7 @@ impl UnitGuard {
             }
         };
         let (pm, pv) = (moment(ShardKind::AdamM)?, moment(ShardKind::AdamV)?);
-        let params = f32s(self.ptr(ShardKind::Params)).unwrap_or_default();
+        let params = self.master_at(self.ptr(ShardKind::Params));
         let grads = f32s(self.ptr(ShardKind::Grads));
         let adam = self.store.layout().adam;
         let moment_bytes = adam.moment_bytes_unaligned(n);
@@ -442,9 +515,37 @@ impl UnitGuard {
             .map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) })
     }
 
-    /// The fp32 params.
-    pub fn params(&mut self) -> &mut [f32] {
-        self.f32_view(ShardKind::Params).unwrap_or_default()
+    /// The params shard at `p` (none: an empty view) in the layout's master format.
+    fn master_at<'a>(&self, p: Option<*mut u8>) -> Master<'a> {
+        let Some(p) = p else {
+            return Master::Fp32(Default::default());
+        };
+        let n = self.numel();
+        match self.store.layout().master {
+            MasterFormat::Fp32 => {
+                // SAFETY: the params shard holds ≥ n f32s, is 4 KiB aligned, lives as long as
+                // the store, and this guard is the unit's only accessor.
+                let p = unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) };
+                Master::Fp32(p)
+            }
+            MasterFormat::Planes => {
+                let lo_at = self.store.layout().lo_plane_offset(self.unit);
+                // SAFETY: the shard is two planes of `lo_at` ≥ 2·n bytes each (shard_bytes), 4
+                // KiB aligned, so the two u16 views are in bounds, aligned and disjoint; the
+                // rest as for fp32.
+                unsafe {
+                    Master::Planes {
+                        hi: std::slice::from_raw_parts_mut(p.cast::<u16>(), n),
+                        lo: std::slice::from_raw_parts_mut(p.add(lo_at).cast::<u16>(), n),
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fp32 master params.
+    pub fn master(&mut self) -> Master<'_> {
+        self.master_at(self.ptr(ShardKind::Params))
     }
 
     /// The fp32 grads, in exact mode.
@@ -677,8 +778,11 @@ mod tests {
         };
         for u in 0..s.num_units() {
             let mut g = s.take(u).unwrap();
-            let sh = g.shards().unwrap();
-            assert!(inside(sh.params.as_ptr() as usize), "params of unit {u}");
+            let mut sh = g.shards().unwrap();
+            assert!(
+                inside(sh.params.as_fp32().unwrap().as_ptr() as usize),
+                "params of unit {u}"
+            );
             assert!(
                 inside(sh.grads.unwrap().as_ptr() as usize),
                 "grads of unit {u}"
@@ -705,20 +809,58 @@ mod tests {
         let mut g = s.take(1).unwrap();
         assert!(s.take(1).is_err());
         let other = s.take(2).unwrap();
-        let sh = g.shards().unwrap();
+        let mut sh = g.shards().unwrap();
         let n = sh.params.len();
-        sh.params.fill(1.0);
+        sh.params.write(0, &vec![1.0; n]);
         sh.grads.unwrap().fill(2.0);
         sh.m.fill(3);
         sh.v.fill(4);
         let sh = g.shards().unwrap();
-        assert!(sh.params.iter().all(|x| *x == 1.0));
+        assert!(sh.params.to_vec().iter().all(|x| *x == 1.0));
         assert!(sh.v.iter().all(|x| *x == 4));
         assert_eq!(n, g.numel());
         drop(g);
         assert!(s.take(1).is_ok());
         drop(other);
         assert!(s.take(99).is_err());
+    }
+
+    /// A planes master holds any fp32 values exactly, its two planes lie inside the params
+    /// shard without touching the next unit's, and the high plane is the bf16 rounding.
+    #[test]
+    fn planes_master_holds_fp32_exactly() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}"#,
+            "t",
+        )
+        .unwrap();
+        let layout = StateLayout::new(&cfg, Mode::Exact).with_master(MasterFormat::Planes);
+        let machine = probe(&TopologySource::Live).unwrap();
+        let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
+        let s = HostStore::allocate(layout, p, &StoreOptions::default()).unwrap();
+        let values: Vec<Vec<f32>> = (0..s.num_units())
+            .map(|u| crate::util::uniform(s.layout().units[u].numel, u as u64, 5.0))
+            .collect();
+        for (u, x) in values.iter().enumerate() {
+            let mut g = s.take(u).unwrap();
+            let mut m = g.master();
+            assert!(m.as_fp32().is_none());
+            m.write(0, x);
+            g.shards().unwrap().v.fill(0xff);
+        }
+        for (u, x) in values.iter().enumerate() {
+            let mut g = s.take(u).unwrap();
+            let mut m = g.master();
+            assert_eq!(&m.to_vec(), x, "unit {u}");
+            let mut part = vec![0f32; 10];
+            m.read(7, &mut part);
+            assert_eq!(part, x[7..17]);
+            let hi = m.hi_plane().unwrap();
+            for (h, v) in hi.iter().zip(x) {
+                assert_eq!(*h, planes::split(*v).0);
+            }
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use super::data::Cursor;
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, ShardKind, StateLayout};
-use crate::store::HostStore;
+use crate::store::{HostStore, Master};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
@@ -207,10 +207,19 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
             let mut g = store.take(u)?;
             g.stage()?; // optimizer state on NVMe: read it in (no-op in RAM)
             let sh = g.shards()?;
+            // The file holds fp32 params whatever the master's format: planes are joined.
+            let joined;
+            let params: &[f32] = match &sh.params {
+                Master::Fp32(p) => p,
+                planes => {
+                    joined = planes.to_vec();
+                    &joined
+                }
+            };
             // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
             // the file is little-endian like the host (see hf.rs's guard).
             let params = unsafe {
-                std::slice::from_raw_parts(sh.params.as_ptr().cast::<u8>(), sh.params.len() * 4)
+                std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4)
             };
             for (o, bytes) in outs.iter_mut().zip([params, &*sh.m, &*sh.v]) {
                 o.crc = crc32c::crc32c_append(o.crc, bytes);
@@ -499,10 +508,19 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestore
         let mut g = store.take(u)?;
         g.stage()?;
         let numel = g.numel();
-        let sh = g.shards()?;
+        let mut sh = g.shards()?;
+        // The file holds fp32 params: read in place, or into `fp32` and split into planes.
+        let mut fp32 = Vec::new();
+        let params: &mut [f32] = match sh.params.as_fp32() {
+            Some(p) => p,
+            None => {
+                fp32.resize(numel, 0f32);
+                &mut fp32
+            }
+        };
         // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
         let params = unsafe {
-            std::slice::from_raw_parts_mut(sh.params.as_mut_ptr().cast::<u8>(), sh.params.len() * 4)
+            std::slice::from_raw_parts_mut(params.as_mut_ptr().cast::<u8>(), params.len() * 4)
         };
         // The moments' map (signed for m, unsigned for v); none for the params.
         let targets = [(params, None), (sh.m, Some(true)), (sh.v, Some(false))];
@@ -521,6 +539,9 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestore
                 _ => read(f, dst)?,
             }
         }
+        if !fp32.is_empty() {
+            sh.params.write(0, &fp32);
+        }
         g.unstage(); // written back to NVMe if spilled
     }
     let how = if saved == held {
@@ -532,4 +553,97 @@ pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestore
         }
     };
     Ok((state, how))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::layout::{MasterFormat, Mode};
+    use crate::store::placement::{place, RamBudget};
+    use crate::store::StoreOptions;
+    use crate::topology::{probe, TopologySource};
+
+    fn store(master: MasterFormat) -> HostStore {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":160,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":301}"#,
+            "t",
+        )
+        .unwrap();
+        let layout = StateLayout::new(&cfg, Mode::Exact).with_master(master);
+        let machine = probe(&TopologySource::Live).unwrap();
+        let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
+        HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
+    }
+
+    fn values(u: usize, n: usize) -> Vec<f32> {
+        // Every kind of value the planes must carry: random, ties, ±0, ±Inf, the largest.
+        let mut v = crate::util::uniform(n, 31 + u as u64, 2.0);
+        let special = [
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0xbf7f_8001),
+        ];
+        v[..special.len()].copy_from_slice(&special);
+        v
+    }
+
+    fn state(model: &ModelConfig) -> TrainState {
+        TrainState {
+            format: FORMAT,
+            run_id: Some("r".into()),
+            step: 3,
+            cursor: Cursor::default(),
+            prev_norm: None,
+            model: model.clone(),
+            config: TrainConfig::default(),
+            changes: Vec::new(),
+        }
+    }
+
+    /// A checkpoint holds fp32 params whatever the master's format: the files written from a
+    /// planes store equal those from an fp32 store holding the same values, byte for byte, and
+    /// either loads into either.
+    #[test]
+    fn planes_checkpoints_are_the_fp32_bytes() {
+        let (fp32, planes) = (store(MasterFormat::Fp32), store(MasterFormat::Planes));
+        for s in [&fp32, &planes] {
+            for u in 0..s.num_units() {
+                let mut g = s.take(u).unwrap();
+                let n = g.numel();
+                let mut sh = g.shards().unwrap();
+                sh.params.write(0, &values(u, n));
+                sh.m.fill(7);
+                sh.v.fill(9);
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let st = state(&fp32.layout().config);
+        let a = save(&dir.path().join("a"), &fp32, &st, 1).unwrap();
+        let b = save(&dir.path().join("b"), &planes, &st, 1).unwrap();
+        for (name, _) in files(AdamState::Fp32) {
+            let (x, y) = (
+                std::fs::read(a.join(&name)).unwrap(),
+                std::fs::read(b.join(&name)).unwrap(),
+            );
+            assert!(x == y, "{name} differs");
+        }
+        let fresh = store(MasterFormat::Planes);
+        load(&a, &fresh).unwrap();
+        for u in 0..fresh.num_units() {
+            let mut g = fresh.take(u).unwrap();
+            let got = g.master().to_vec();
+            let want = values(u, got.len());
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "unit {u}"
+            );
+        }
+    }
 }

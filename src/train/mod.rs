@@ -85,7 +85,7 @@ fn validate(
     let mut guards: Vec<_> = (0..store.num_units())
         .map(|u| store.take(u))
         .collect::<Result<_>>()?;
-    let params: Vec<Vec<f32>> = guards.iter_mut().map(|g| g.params().to_vec()).collect();
+    let params: Vec<Vec<f32>> = guards.iter_mut().map(|g| g.master().to_vec()).collect();
     drop(guards);
     let refs: Vec<&[f32]> = params.iter().map(|p| &p[..]).collect();
     let (mut total, mut trained) = (0.0, 0usize);

@@ -735,19 +735,29 @@ fn random_init(store: &HostStore, seed: u64) -> Result<()> {
     let layout = store.layout().clone();
     for (u, unit) in layout.units.iter().enumerate() {
         let mut g = store.take(u)?;
-        let p = g.params();
+        let mut master = g.master();
         for (i, t) in unit.tensors.iter().enumerate() {
-            let dst = &mut p[t.offset..t.offset + t.numel()];
-            if t.name.ends_with("norm.weight") {
-                dst.fill(1.0);
-            } else if t.name.ends_with(".bias") {
-                dst.fill(0.0);
-            } else {
-                normal_fill(
-                    dst,
-                    seed ^ ((u as u64) << 32 | i as u64).wrapping_mul(0xD134_2543_DE82_EF95),
-                    0.02,
-                );
+            let fill = |dst: &mut [f32]| {
+                if t.name.ends_with("norm.weight") {
+                    dst.fill(1.0);
+                } else if t.name.ends_with(".bias") {
+                    dst.fill(0.0);
+                } else {
+                    normal_fill(
+                        dst,
+                        seed ^ ((u as u64) << 32 | i as u64).wrapping_mul(0xD134_2543_DE82_EF95),
+                        0.02,
+                    );
+                }
+            };
+            let range = t.offset..t.offset + t.numel();
+            match master.as_fp32() {
+                Some(p) => fill(&mut p[range]),
+                None => {
+                    let mut values = vec![0f32; t.numel()];
+                    fill(&mut values);
+                    master.write(t.offset, &values);
+                }
             }
         }
     }

@@ -9,6 +9,7 @@
 
 use super::{bf16_stochastic, hash32, Quantizer};
 use crate::optim::adamw::{self, Isa};
+use crate::store::planes;
 
 /// bf16 moments of a tile as fp32.
 pub fn bf16_expand(isa: Isa, src: &[u16], dst: &mut [f32]) {
@@ -34,6 +35,32 @@ pub fn bf16_compress(isa: Isa, src: &[f32], dst: &mut [u16], index0: u32, salt: 
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::bf16_compress_avx2(src, dst, index0, salt) },
         _ => scalar::bf16_compress(src, dst, index0, salt),
+    }
+}
+
+/// A tile of a planes master as fp32 ([`crate::store::planes::join`]).
+pub fn planes_join(isa: Isa, hi: &[u16], lo: &[u16], dst: &mut [f32]) {
+    match usable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx512f is present (checked by `usable`).
+        Isa::Avx512 => unsafe { x86::planes_join_avx512(hi, lo, dst) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx2 is present (checked by `usable`).
+        Isa::Avx2 => unsafe { x86::planes_join_avx2(hi, lo, dst) },
+        _ => scalar::planes_join(hi, lo, dst),
+    }
+}
+
+/// A tile's fp32 values into a planes master ([`crate::store::planes::split`]).
+pub fn planes_split(isa: Isa, src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    match usable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx512f is present (checked by `usable`).
+        Isa::Avx512 => unsafe { x86::planes_split_avx512(src, hi, lo) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx2 is present (checked by `usable`).
+        Isa::Avx2 => unsafe { x86::planes_split_avx2(src, hi, lo) },
+        _ => scalar::planes_split(src, hi, lo),
     }
 }
 
@@ -102,6 +129,20 @@ mod scalar {
     }
 
     #[inline(always)]
+    pub fn planes_join(hi: &[u16], lo: &[u16], dst: &mut [f32]) {
+        for ((d, h), l) in dst.iter_mut().zip(hi).zip(lo) {
+            *d = planes::join(*h, *l);
+        }
+    }
+
+    #[inline(always)]
+    pub fn planes_split(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+        for ((x, h), l) in src.iter().zip(hi.iter_mut()).zip(lo.iter_mut()) {
+            (*h, *l) = planes::split(*x);
+        }
+    }
+
+    #[inline(always)]
     pub fn bf16_compress(src: &[f32], dst: &mut [u16], index0: u32, salt: u32) {
         for (i, (d, x)) in dst.iter_mut().zip(src).enumerate() {
             *d = bf16_stochastic(*x, hash32(index0.wrapping_add(i as u32) ^ salt));
@@ -148,6 +189,10 @@ mod x86 {
         bf16_expand_avx512: "avx512f" => bf16_expand(src: &[u16], dst: &mut [f32]);
         bf16_compress_avx2: "avx2" => bf16_compress(src: &[f32], dst: &mut [u16], index0: u32, salt: u32);
         bf16_compress_avx512: "avx512f" => bf16_compress(src: &[f32], dst: &mut [u16], index0: u32, salt: u32);
+        planes_join_avx2: "avx2" => planes_join(hi: &[u16], lo: &[u16], dst: &mut [f32]);
+        planes_join_avx512: "avx512f" => planes_join(hi: &[u16], lo: &[u16], dst: &mut [f32]);
+        planes_split_avx2: "avx2" => planes_split(src: &[f32], hi: &mut [u16], lo: &mut [u16]);
+        planes_split_avx512: "avx512f" => planes_split(src: &[f32], hi: &mut [u16], lo: &mut [u16]);
         absmax_avx2: "avx2" => absmax(x: &[f32]) -> f32;
         absmax_avx512: "avx512f" => absmax(x: &[f32]) -> f32;
     }
@@ -326,6 +371,15 @@ mod tests {
                     assert_eq!(abs.to_bits(), want_abs.to_bits(), "absmax {isa:?} n={n}");
                     assert_eq!(got.2, want.2, "int8 codes {isa:?} n={n} scale={scale}");
                     assert_eq!(f(&got.3), f(&want.3), "int8 expand {isa:?} n={n}");
+                    // Planes: every ISA splits and joins as the element functions do.
+                    let (mut hi, mut lo, mut back) = (vec![0u16; n], vec![0u16; n], vec![0f32; n]);
+                    planes_split(isa, &x, &mut hi, &mut lo);
+                    planes_join(isa, &hi, &lo, &mut back);
+                    for (i, v) in x.iter().enumerate() {
+                        assert_eq!((hi[i], lo[i]), planes::split(*v), "planes {isa:?} n={n}");
+                        let b = planes::join(hi[i], lo[i]);
+                        assert_eq!(back[i].to_bits(), b.to_bits(), "planes {isa:?} n={n}");
+                    }
                 }
             }
         }

@@ -19,6 +19,7 @@
 
 use super::adamw::{self, AdamSlices, Isa, StepScalars};
 use crate::store::layout::{AdamState, INT8_BLOCK};
+use crate::store::Master;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -191,6 +192,82 @@ pub fn update_bytes_per_param(state: AdamState) -> f64 {
     12.0 + 4.0 * moment
 }
 
+/// A unit's master params, as the update addresses them (element `i` of the unit).
+#[derive(Debug, Clone, Copy)]
+pub enum ParamPtr {
+    /// fp32 values.
+    Fp32(*mut f32),
+    /// The high and low planes ([`crate::store::planes`]).
+    Planes {
+        /// High (bf16-rounded) halves.
+        hi: *mut u16,
+        /// Low halves.
+        lo: *mut u16,
+    },
+}
+
+impl ParamPtr {
+    /// Where `master`'s elements are.
+    pub fn of(master: &mut Master<'_>) -> Self {
+        match master {
+            Master::Fp32(p) => ParamPtr::Fp32(p.as_mut_ptr()),
+            Master::Planes { hi, lo } => ParamPtr::Planes {
+                hi: hi.as_mut_ptr(),
+                lo: lo.as_mut_ptr(),
+            },
+        }
+    }
+
+    /// Elements `start..start + dst.len()` (one tile) as fp32 (planes only: fp32 params are
+    /// updated in place).
+    ///
+    /// # Safety
+    /// As [`step_range`].
+    unsafe fn expand(self, isa: Isa, start: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        if let ParamPtr::Planes { hi, lo } = self {
+            // SAFETY: the tile's elements of each plane.
+            let (hi, lo) = unsafe {
+                (
+                    std::slice::from_raw_parts(hi.add(start), n),
+                    std::slice::from_raw_parts(lo.add(start), n),
+                )
+            };
+            codec::planes_join(isa, hi, lo, dst);
+        }
+    }
+
+    /// As [`MomentPtr::tile`], for the params.
+    ///
+    /// # Safety
+    /// As [`MomentPtr::tile`].
+    unsafe fn tile(self, expanded: &mut [f32], start: usize, lo: usize, k: usize) -> &mut [f32] {
+        match self {
+            // SAFETY: the elements are inside the caller's range and no one else's.
+            ParamPtr::Fp32(p) => unsafe { std::slice::from_raw_parts_mut(p.add(lo), k) },
+            ParamPtr::Planes { .. } => &mut expanded[lo - start..lo - start + k],
+        }
+    }
+
+    /// Store a tile's fp32 values back into the planes.
+    ///
+    /// # Safety
+    /// As [`ParamPtr::expand`].
+    unsafe fn compress(self, isa: Isa, start: usize, src: &[f32]) {
+        let n = src.len();
+        if let ParamPtr::Planes { hi, lo } = self {
+            // SAFETY: the tile's elements of each plane (disjoint planes).
+            let (hi, lo) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(hi.add(start), n),
+                    std::slice::from_raw_parts_mut(lo.add(start), n),
+                )
+            };
+            codec::planes_split(isa, src, hi, lo);
+        }
+    }
+}
+
 /// One moment (m or v) of a unit, as the update addresses it (element `i` of the unit).
 #[derive(Debug, Clone, Copy)]
 pub enum MomentPtr {
@@ -249,6 +326,7 @@ impl MomentPtr {
     unsafe fn expand(self, isa: Isa, start: usize, dst: &mut [f32]) {
         let n = dst.len();
         match self {
+            // Updated in place (`MomentPtr::tile`).
             MomentPtr::Fp32(_) => {}
             MomentPtr::Bf16 { bits, .. } => {
                 // SAFETY: the tile's elements.
@@ -265,6 +343,19 @@ impl MomentPtr {
                 };
                 codec::int8_expand(isa, map, src, absmax, dst);
             }
+        }
+    }
+
+    /// The fp32 values of elements `lo..lo + k` of the tile starting at element `start`: in
+    /// place for fp32 moments, else in the tile's scratch `expanded`.
+    ///
+    /// # Safety
+    /// As [`MomentPtr::expand`]; no other live slice covers these elements.
+    unsafe fn tile(self, expanded: &mut [f32], start: usize, lo: usize, k: usize) -> &mut [f32] {
+        match self {
+            // SAFETY: the elements are inside the caller's range and no one else's.
+            MomentPtr::Fp32(p) => unsafe { std::slice::from_raw_parts_mut(p.add(lo), k) },
+            _ => &mut expanded[lo - start..lo - start + k],
         }
     }
 
@@ -304,20 +395,25 @@ pub struct Piece<'a> {
 /// AdamW over elements `range` of a unit whose params, raw gradients and moments are at `p`, `g`
 /// and `mom`, split into `pieces` (sorted, tiling at least `range`). Returns Σ g_raw².
 ///
+/// All fp32: one pass of the fp32 kernel per piece. Otherwise tile by tile: the compact parts
+/// (bf16 planes, compact moments) are expanded to fp32 in L1-sized scratch, updated by the same
+/// kernel, and stored back. Expanding and storing are integer operations, the same for every ISA,
+/// so every ISA's update stays bit-identical to the scalar one.
+///
 /// # Safety
 /// The pointers address a unit of at least `range.end` elements in the layout's format; for
 /// int8 `range.start` is a multiple of [`INT8_BLOCK`] and `range.end` one or the unit's end; no
 /// one else touches the range (or its int8 blocks) meanwhile.
 pub unsafe fn step_range(
     isa: Isa,
-    p: *mut f32,
+    params: ParamPtr,
     g: *const f32,
     mom: MomentPtrs,
     range: Range<usize>,
     pieces: &[Piece<'_>],
 ) -> f64 {
     let mut sumsq = 0.0;
-    if let (MomentPtr::Fp32(m), MomentPtr::Fp32(v)) = (mom.m, mom.v) {
+    if let (ParamPtr::Fp32(p), MomentPtr::Fp32(m), MomentPtr::Fp32(v)) = (params, mom.m, mom.v) {
         for piece in pieces {
             let (lo, hi) = (
                 piece.range.start.max(range.start),
@@ -346,6 +442,7 @@ pub unsafe fn step_range(
         MomentPtr::Int8 { .. } => INT8_BLOCK,
         _ => BF16_TILE,
     };
+    let mut p32 = vec![0f32; tile];
     let mut m32 = vec![0f32; tile];
     let mut v32 = vec![0f32; tile];
     let mut start = range.start;
@@ -355,6 +452,7 @@ pub unsafe fn step_range(
         let n = end - start;
         // SAFETY: [start, end) is inside the caller's range.
         unsafe {
+            params.expand(isa, start, &mut p32[..n]);
             mom.m.expand(isa, start, &mut m32[..n]);
             mom.v.expand(isa, start, &mut v32[..n]);
         }
@@ -364,20 +462,20 @@ pub unsafe fn step_range(
                 continue;
             }
             let k = hi - lo;
-            let t = lo - start;
-            // SAFETY: as above.
+            // SAFETY: as above; each of p, g, m, v is its own array (or scratch).
             let x = unsafe {
                 AdamSlices {
-                    p: std::slice::from_raw_parts_mut(p.add(lo), k),
+                    p: params.tile(&mut p32, start, lo, k),
                     g: std::slice::from_raw_parts(g.add(lo), k),
-                    m: &mut m32[t..t + k],
-                    v: &mut v32[t..t + k],
+                    m: mom.m.tile(&mut m32, start, lo, k),
+                    v: mom.v.tile(&mut v32, start, lo, k),
                 }
             };
             sumsq += adamw::step_with(isa, x, piece.scalars);
         }
         // SAFETY: as above.
         unsafe {
+            params.compress(isa, start, &p32[..n]);
             mom.m.compress(isa, start, &m32[..n]);
             mom.v.compress(isa, start, &v32[..n]);
         }
