@@ -23,10 +23,16 @@ const B: usize = 2;
 const T: usize = 24;
 
 fn cfg(layers: usize, tied: bool) -> ModelConfig {
+    cfg_vocab(layers, tied, 61)
+}
+
+/// With a vocabulary of 700, the embedding and head (22,400 parameters) are larger than a block
+/// (about 10,000): lean mode drains and updates them in pieces of one block.
+fn cfg_vocab(layers: usize, tied: bool, vocab: usize) -> ModelConfig {
     ModelConfig::from_json_str(
         &format!(
             r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
-            "num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,
+            "num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":{vocab},
             "tie_word_embeddings":{tied}}}"#
         ),
         "t",
@@ -424,23 +430,31 @@ fn random_delays_on_every_stream_change_no_bits() {
     }
 }
 
+/// Lean mode (its embedding and head in pieces with the large vocabulary, tied or not) trains
+/// to the exact mode's bits when nothing is clipped.
 #[test]
 fn exact_and_lean_agree_without_clipping() {
-    let c = cfg(2, false);
-    let params = init(&StateLayout::new(&c, Mode::Exact));
-    let b = vec![batch(7, 61)];
-    let mut ex = rig(&c, Mode::Exact, 1, Activations::Host, 0.0, None, &params);
-    let mut le = rig(&c, Mode::Lean, 1, Activations::Host, 0.0, None, &params);
-    for _ in 0..3 {
-        let a = ex.streamer.step(&b, 1e-3).unwrap();
-        let l = le.streamer.step(&b, 1e-3).unwrap();
-        assert_eq!(a.loss.to_bits(), l.loss.to_bits());
-        assert!((a.grad_norm - l.grad_norm).abs() <= 1e-9 * a.grad_norm);
+    for (vocab, tied, pieces) in [(61, false, 1), (700, false, 3), (700, true, 3)] {
+        let c = cfg_vocab(2, tied, vocab);
+        let lean = StateLayout::new(&c, Mode::Lean);
+        assert_eq!(lean.lean_pieces(0), pieces, "vocab {vocab}");
+        assert!(lean.lean_piece_elems() < lean.max_unit_numel() || pieces == 1);
+        let params = init(&StateLayout::new(&c, Mode::Exact));
+        let b = vec![batch(7, vocab as u32)];
+        let mut ex = rig(&c, Mode::Exact, 1, Activations::Host, 0.0, None, &params);
+        let mut le = rig(&c, Mode::Lean, 1, Activations::Host, 0.0, None, &params);
+        for _ in 0..3 {
+            let a = ex.streamer.step(&b, 1e-3).unwrap();
+            let l = le.streamer.step(&b, 1e-3).unwrap();
+            assert_eq!(a.loss.to_bits(), l.loss.to_bits());
+            assert!((a.grad_norm - l.grad_norm).abs() <= 1e-9 * a.grad_norm);
+        }
+        assert_eq!(
+            bits(&unit_params(&mut ex.streamer)),
+            bits(&unit_params(&mut le.streamer)),
+            "vocab {vocab} tied {tied}"
+        );
     }
-    assert_eq!(
-        bits(&unit_params(&mut ex.streamer)),
-        bits(&unit_params(&mut le.streamer))
-    );
 }
 
 #[test]
@@ -513,9 +527,18 @@ fn metrics_count_the_bytes_and_the_trace_has_every_track() {
 /// and lean mode; the metrics show the NVMe traffic.
 #[test]
 fn spilled_optimizer_state_trains_bit_identically() {
-    let c = cfg(4, false);
+    for vocab in [61, 700] {
+        spilled_state_trains_bit_identically(vocab);
+    }
+}
+
+/// The spill check for one vocabulary (700: the embedding and head spill and, in lean mode, are
+/// updated in pieces, staged once for all of them).
+fn spilled_state_trains_bit_identically(vocab: usize) {
+    let c = cfg_vocab(4, false, vocab);
     let params = init(&StateLayout::new(&c, Mode::Exact));
-    let batches: Vec<Vec<MicroBatch>> = (0..4).map(|s| vec![batch(300 + s, 61)]).collect();
+    let batches: Vec<Vec<MicroBatch>> =
+        (0..4).map(|s| vec![batch(300 + s, vocab as u32)]).collect();
     let run = |mode: Mode, spill: Option<Spill<'_>>| {
         let spilled = spill.is_some();
         let mut r = rig_spill(
@@ -550,8 +573,13 @@ fn spilled_optimizer_state_trains_bit_identically() {
         } else {
             assert_eq!(nvme, (0, 0));
         }
-        ((losses, p), n_spilled)
+        // Everything written over the run, the last write-backs included.
+        let written = store.spill_stats().bytes_written;
+        ((losses, p), (n_spilled, written))
     };
+    // NVMe bytes written with every unit spilled, per mode: each unit is written back once per
+    // step, however many pieces lean mode updates it in.
+    let mut written = Vec::new();
     for mode in [Mode::Exact, Mode::Lean] {
         let (want, _) = run(mode, None);
         for (slots, engine, policy) in [
@@ -563,7 +591,7 @@ fn spilled_optimizer_state_trains_bit_identically() {
             let layout = StateLayout::new(&c, mode);
             // Auto: a budget 8 KiB short of the whole state forces some units out, not all.
             let budget = (policy == SpillPolicy::Auto).then(|| layout.total_bytes() - 8192);
-            let (got, n_spilled) = run(
+            let (got, (n_spilled, bytes)) = run(
                 mode,
                 Some(Spill {
                     dir: d.path(),
@@ -573,12 +601,22 @@ fn spilled_optimizer_state_trains_bit_identically() {
                     budget,
                 }),
             );
-            assert_eq!(got, want, "{mode:?} slots={slots} {engine:?} {policy:?}");
+            assert_eq!(
+                got, want,
+                "vocab {vocab} {mode:?} slots={slots} {engine:?} {policy:?}"
+            );
             let units = layout.units.len();
+            if (slots, policy) == (3, SpillPolicy::All) {
+                written.push(bytes);
+            }
             match policy {
                 SpillPolicy::All => assert_eq!(n_spilled, units),
                 _ => assert!(n_spilled > 0 && n_spilled < units, "{n_spilled} of {units}"),
             }
         }
     }
+    assert_eq!(
+        written[0], written[1],
+        "vocab {vocab}: NVMe bytes written, exact vs lean"
+    );
 }

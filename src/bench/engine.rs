@@ -11,7 +11,7 @@
 //! so it overlaps freely.
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
-use crate::engine::schedule::{self, Activations, ScheduleSpec};
+use crate::engine::schedule::{self, Activations, LeanPieces, ScheduleSpec};
 use crate::engine::{MicroBatch, StepMetrics, Streamer, StreamerConfig};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::reference::Templates;
@@ -446,6 +446,7 @@ fn predict(
         nvme_write_s: per_unit(8.0 * w_per_byte),
         staging_slots: 3,
         unit_numel: numel,
+        lean_piece_elems: (layout.mode == Mode::Lean).then(|| layout.lean_piece_elems()),
         // The CPU device's kernels (rayon, every core) and the AdamW workers share the cores.
         shared_cores: Some(sim::SharedCores {
             cores: rayon::current_num_threads() as f64,
@@ -460,6 +461,7 @@ fn predict(
         micro_batches: 1,
         mode: case.mode,
         activations: Activations::Host,
+        lean_pieces: LeanPieces::of(layout),
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))
 }

@@ -10,12 +10,14 @@
 //! number of steps.
 
 use super::metrics::StepMetrics;
-use super::schedule::{schedule, Activations, DevBuf, Lane, Op, Schedule, ScheduleSpec, Task};
+use super::schedule::{
+    schedule, Activations, DevBuf, Lane, LeanPieces, Op, Schedule, ScheduleSpec, Task,
+};
 use super::trace::{Span, Timeline};
 use crate::device::{Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, StreamKind};
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
-use crate::optim::{unit_segments, AdamJob, AdamPool, Salts};
+use crate::optim::{piece_segments, unit_segments, AdamJob, AdamPool, Salts};
 use crate::store::layout::{Mode, StateLayout};
 use crate::store::{HostBuffer, HostStore, UnitGuard};
 use crate::{Error, Result};
@@ -165,6 +167,7 @@ pub fn device_bytes(
         micro_batches,
         mode: layout.mode,
         activations,
+        lean_pieces: LeanPieces::of(layout),
     };
     schedule(&spec)
         .buffers
@@ -206,10 +209,11 @@ impl Streamer {
             micro_batches: cfg.micro_batches,
             mode: layout.mode,
             activations: cfg.activations,
+            lean_pieces: LeanPieces::of(&layout),
         };
         let schedule = schedule(&spec);
         let n = cfg.batch * cfg.seq;
-        let max_unit = layout.max_unit_numel();
+        let piece = layout.lean_piece_elems();
         let mut bufs = HashMap::new();
         for b in &schedule.buffers {
             let len = buffer_len(&layout, n, *b);
@@ -234,7 +238,7 @@ impl Streamer {
         };
         let lean = match layout.mode {
             Mode::Lean => (0..super::schedule::LEAN_BUFFERS)
-                .map(|k| host_buffer(format!("lean gradient buffer {k}"), max_unit).map(Some))
+                .map(|k| host_buffer(format!("lean gradient buffer {k}"), piece).map(Some))
                 .collect::<Result<_>>()?,
             Mode::Exact => Vec::new(),
         };
@@ -316,7 +320,8 @@ impl Streamer {
             self.lean[k] = Some(b);
         }
         if self.store.layout().mode == Mode::Lean {
-            self.lean_sumsq[u] = done.sumsq;
+            // Pieces finish in order: their sums add in the same order every run.
+            self.lean_sumsq[u] += done.sumsq;
         }
         self.guards[u] = Some(done.guard);
         Ok(waited)
@@ -552,7 +557,7 @@ impl Streamer {
                 };
                 run.coef = norm.map_or(1.0, |n| clip_coef(self.cfg.grad_clip, n));
             }
-            Op::Adam { unit, lean } => self.submit_adam(*unit, *lean, run)?,
+            Op::Adam { unit, lean, piece } => self.submit_adam(*unit, (*lean, *piece), run)?,
             // The schedule made this wait for every update of the step; their Σg² is summed.
             Op::LeanNorm => {}
             other => {
@@ -565,8 +570,14 @@ impl Streamer {
         Ok(())
     }
 
-    /// Start unit u's AdamW update on its node's pool.
-    fn submit_adam(&mut self, unit: usize, lean: Option<usize>, run: &StepRun) -> Result<()> {
+    /// Start unit u's AdamW update on its node's pool: in lean mode of piece `piece`, from lean
+    /// buffer `lean`.
+    fn submit_adam(
+        &mut self,
+        unit: usize,
+        (lean, piece): (Option<usize>, usize),
+        run: &StepRun,
+    ) -> Result<()> {
         // The schedule ordered every copy of this unit's params and gradients before this.
         let guard = match self.guards[unit].take() {
             Some(g) => g,
@@ -586,6 +597,7 @@ impl Streamer {
             run.coef as f32,
             self.cfg.decay_norms,
         );
+        let segs = piece_segments(&segs, self.store.layout().lean_piece(unit, piece));
         let node = self.store.placement().worker_node(unit).unwrap_or(0);
         let submitted = self.device.epoch().elapsed().as_secs_f64();
         let salts = Salts::new(self.cfg.seed, self.step, unit);
@@ -686,7 +698,8 @@ impl Streamer {
                 from,
                 accumulate,
                 lean,
-            } => self.grads_command(*unit, *from, *accumulate, *lean)?,
+                piece,
+            } => self.grads_command(*unit, *from, *accumulate, (*lean, *piece))?,
             Op::Kernel(k) => Cmd::Kernel(self.kernel(k, batches)?),
             other => {
                 return Err(Error::internal(
@@ -697,15 +710,16 @@ impl Streamer {
         })
     }
 
-    /// Unit u's gradients from `from` to its host shard or lean buffer.
+    /// Unit u's gradients from `from` to its host shard, or piece `piece` of them to lean buffer
+    /// `lean`.
     fn grads_command(
         &mut self,
         unit: usize,
         from: DevBuf,
         accumulate: bool,
-        lean: Option<usize>,
+        (lean, piece): (Option<usize>, usize),
     ) -> Result<Cmd> {
-        let numel = self.store.layout().units[unit].numel;
+        let elems = self.store.layout().lean_piece(unit, piece);
         let src = self.buf(from);
         let dst = match lean {
             Some(k) => {
@@ -717,7 +731,7 @@ impl Streamer {
                 })?;
                 // SAFETY: the buffer stays in `self.lean` until the AdamW op that consumes it,
                 // which the schedule orders after this copy.
-                unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..numel]) }
+                unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..elems.len()]) }
             }
             None => {
                 let g = self.guard(unit)?;
@@ -728,12 +742,18 @@ impl Streamer {
                 unsafe { HostRef::from_slice(grads) }
             }
         };
+        let label = match lean {
+            Some(_) if self.store.layout().lean_pieces(unit) > 1 => {
+                format!("grads unit {unit} piece {piece}")
+            }
+            _ => format!("grads unit {unit}"),
+        };
         Ok(Cmd::DtoH {
             dst,
             src,
-            offset: 0,
+            offset: elems.start,
             accumulate,
-            label: format!("grads unit {unit}"),
+            label,
         })
     }
 

@@ -6,4 +6,4 @@ pub mod pool;
 
 pub use adamw::{AdamWConfig, StepScalars};
 pub use moments::Salts;
-pub use pool::{unit_segments, AdamJob, AdamPool, Segment};
+pub use pool::{piece_segments, unit_segments, AdamJob, AdamPool, Segment};

@@ -12,6 +12,7 @@ use crate::store::layout::{AdamState, StateLayout, INT8_BLOCK};
 use crate::store::placement::Placement;
 use crate::store::{HostBuffer, UnitGuard};
 use crate::{Error, Result};
+use std::ops::Range;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -64,10 +65,25 @@ pub fn unit_segments(
         .collect()
 }
 
+/// `segments` (of a whole unit) cut to the elements `range`: the segments of a piece's update.
+pub fn piece_segments(segments: &[Segment], range: Range<usize>) -> Vec<Segment> {
+    segments
+        .iter()
+        .filter(|s| s.start < range.end && s.end > range.start)
+        .map(|s| Segment {
+            start: s.start.max(range.start),
+            end: s.end.min(range.end),
+            scalars: s.scalars,
+        })
+        .collect()
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Ptrs {
     p: ParamPtr,
+    /// The gradient of element `first`, the job's first (a lean piece's buffer starts there).
     g: *const f32,
+    first: usize,
     moments: MomentPtrs,
 }
 
@@ -205,14 +221,15 @@ fn run_task(task: &Task) -> f64 {
                     scalars: &seg.scalars,
                 })
                 .collect();
-            // SAFETY: the task's range lies inside the unit (segments tile [0, numel)), starts on
-            // a chunk boundary (whole int8 blocks), and no other task touches it; the memory is
-            // kept alive and exclusive by the job.
+            // SAFETY: the task's range lies inside the job's (segments tile it), so its gradients
+            // are `task.start - first` past the job's first; it starts on a chunk boundary (whole
+            // int8 blocks), and no other task touches it; the memory is kept alive and exclusive
+            // by the job.
             unsafe {
                 moments::step_range(
                     task.isa,
                     ptrs.p,
-                    ptrs.g,
+                    ptrs.g.add(task.start - ptrs.first),
                     ptrs.moments,
                     task.start..task.end,
                     &pieces,
@@ -247,6 +264,8 @@ struct StageJob {
     guard: UnitGuard,
     /// Lean-mode gradient buffer (null: the unit's own gradient shard).
     grads: GradPtr,
+    /// The elements it updates (a lean piece, or the whole unit).
+    range: Range<usize>,
     segments: Arc<[Segment]>,
     salts: Salts,
     senders: Vec<Sender<Task>>,
@@ -278,18 +297,19 @@ impl std::fmt::Debug for StageJob {
     }
 }
 
-/// Split `numel` elements into one range per worker, each starting at a multiple of `align`
-/// elements, and send the tasks.
+/// Split the elements `range` (starting at a multiple of `align`) into one range per worker,
+/// each starting at a multiple of `align` elements, and send the tasks.
 fn dispatch_on(
     senders: &[Sender<Task>],
     isa: Isa,
-    (numel, align): (usize, usize),
+    (range, align): (Range<usize>, usize),
     work: impl Fn() -> Work,
     on_done: Option<OnDone>,
 ) -> Arc<Completion> {
-    let chunk = numel.div_ceil(senders.len().max(1)).div_ceil(align) * align;
+    let chunk = range.len().div_ceil(senders.len().max(1)).div_ceil(align) * align;
+    let at = |i: usize| (range.start + i * chunk).min(range.end);
     let ranges: Vec<(usize, usize)> = (0..senders.len())
-        .map(|i| (i * chunk, ((i + 1) * chunk).min(numel)))
+        .map(|i| (at(i), at(i + 1)))
         .filter(|(a, b)| a < b)
         .collect();
     let completion = Completion::with_on_done(ranges.len().max(1), on_done);
@@ -312,13 +332,19 @@ fn dispatch_on(
     completion
 }
 
-fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>, salts: Salts) -> Result<Ptrs> {
+/// The pointers of a job over the unit's elements from `first`; `lean`, a buffer holding the
+/// gradients from `first` on.
+fn unit_ptrs(
+    guard: &mut UnitGuard,
+    (lean, first): (Option<*const f32>, usize),
+    salts: Salts,
+) -> Result<Ptrs> {
     let unit = guard.unit();
     let (state, numel) = (guard.store().layout().adam, guard.numel());
     let mut sh = guard.shards()?;
     let g: *const f32 = match (lean, sh.grads) {
         (Some(b), _) => b,
-        (None, Some(g)) => g.as_ptr(),
+        (None, Some(g)) => g[first..].as_ptr(),
         (None, None) => {
             return Err(Error::bad_input(
                 "AdamW job",
@@ -331,6 +357,7 @@ fn unit_ptrs(guard: &mut UnitGuard, lean: Option<*const f32>, salts: Salts) -> R
     Ok(Ptrs {
         p: ParamPtr::of(&mut sh.params),
         g,
+        first,
         moments: MomentPtrs::new(state, sh.m.as_mut_ptr(), sh.v.as_mut_ptr(), numel, salts),
     })
 }
@@ -357,7 +384,9 @@ fn stager_loop(rx: &std::sync::mpsc::Receiver<StageJob>) {
             next.guard.store().prefetch(next.guard.unit());
         }
         let lean = (!job.grads.0.is_null()).then_some(job.grads.0);
-        let ptrs = match staged.and_then(|()| unit_ptrs(&mut job.guard, lean, job.salts)) {
+        let ptrs = match staged
+            .and_then(|()| unit_ptrs(&mut job.guard, (lean, job.range.start), job.salts))
+        {
             Ok(p) => p,
             Err(e) => {
                 job.guard.unstage_clean();
@@ -366,13 +395,17 @@ fn stager_loop(rx: &std::sync::mpsc::Receiver<StageJob>) {
                 continue;
             }
         };
+        // A piece before the unit's last leaves it staged for the next: it is written back once.
+        let last = job.range.end == job.guard.numel();
         let sizes = (
-            job.guard.numel(),
+            job.range.clone(),
             chunk_align(job.guard.store().layout().adam),
         );
         let (mut guard, outer) = (job.guard, job.outer.clone());
         let on_done: OnDone = Box::new(move |sumsq, failure| {
-            guard.unstage();
+            if last || failure.is_some() {
+                guard.unstage();
+            }
             outer.put_guard(guard);
             outer.finish(0, sumsq, failure);
         });
@@ -549,16 +582,19 @@ impl AdamPool {
     fn dispatch(
         &self,
         node: u32,
-        sizes: (usize, usize),
+        sizes: (Range<usize>, usize),
         work: impl Fn() -> Work,
     ) -> Result<Arc<Completion>> {
         let w = self.workers(node)?;
         Ok(dispatch_on(&w.senders, self.isa, sizes, work, None))
     }
 
-    /// Update one unit on `node`'s workers. `grads` is the lean-mode buffer; `None` uses the
-    /// unit's gradient shard (exact mode). `segments` come from [`unit_segments`]; `salts` seed the
-    /// stochastic rounding of bf16 moments ([`Salts::new`]).
+    /// Update one unit, or a piece of it, on `node`'s workers. `segments` come from
+    /// [`unit_segments`], whole or [`piece_segments`]: the job updates the elements they cover.
+    /// `grads` is the lean-mode buffer holding those elements' gradients from its start; `None`
+    /// uses the unit's gradient shard (exact mode). `salts` seed the stochastic rounding of bf16
+    /// moments ([`Salts::new`]). A spilled unit updated in pieces stays staged from its first
+    /// piece to its last, and is written back once.
     pub fn submit(
         &self,
         node: u32,
@@ -567,24 +603,33 @@ impl AdamPool {
         segments: Vec<Segment>,
         salts: Salts,
     ) -> Result<AdamJob> {
-        let numel = guard.numel();
+        let (numel, unit) = (guard.numel(), guard.unit());
+        let align = chunk_align(guard.store().layout().adam);
+        let range = segments.first().map_or(0, |s| s.start)..segments.last().map_or(0, |s| s.end);
+        let tiled = segments.windows(2).all(|w| w[0].end == w[1].start);
+        if range.is_empty() || range.end > numel || !tiled || range.start % align != 0 {
+            return Err(Error::bad_input(
+                "AdamW segments",
+                format!("unit {unit}"),
+                format!(
+                    "cover {range:?} of its {numel} elements: not one run from a multiple of {align}"
+                ),
+                None,
+            ));
+        }
         if let Some(b) = &grads {
-            if b.len() < numel {
+            if b.len() < range.len() {
                 return Err(Error::bad_input(
                     "gradient buffer",
-                    format!("unit {}", guard.unit()),
-                    format!("holds {} elements, the unit needs {numel}", b.len()),
+                    format!("unit {unit}"),
+                    format!(
+                        "holds {} elements, the update needs {}",
+                        b.len(),
+                        range.len()
+                    ),
                     None,
                 ));
             }
-        }
-        if segments.last().map_or(0, |s| s.end) != numel {
-            return Err(Error::bad_input(
-                "AdamW segments",
-                format!("unit {}", guard.unit()),
-                "do not cover the unit",
-                None,
-            ));
         }
         let segments: Arc<[Segment]> = segments.into();
         if guard.store().is_spilled(guard.unit()) {
@@ -592,6 +637,7 @@ impl AdamPool {
             let outer = Completion::new(1);
             let job = StageJob {
                 grads: GradPtr(grads.as_ref().map_or(std::ptr::null(), |b| b.as_ptr())),
+                range,
                 guard,
                 segments,
                 salts,
@@ -609,9 +655,9 @@ impl AdamPool {
                 done: outer,
             });
         }
-        let ptrs = unit_ptrs(&mut guard, grads.as_ref().map(|b| b.as_ptr()), salts)?;
-        let align = chunk_align(guard.store().layout().adam);
-        let done = self.dispatch(node, (numel, align), || Work::Adam {
+        let lean = grads.as_ref().map(|b| b.as_ptr());
+        let ptrs = unit_ptrs(&mut guard, (lean, range.start), salts)?;
+        let done = self.dispatch(node, (range, align), || Work::Adam {
             ptrs,
             segments: segments.clone(),
         })?;
@@ -637,7 +683,7 @@ impl AdamPool {
         s: f32,
         n: usize,
     ) -> Result<TriadJob> {
-        let done = self.dispatch(node, (n, CHUNK_ALIGN), || Work::Triad { a, b, c, s })?;
+        let done = self.dispatch(node, (0..n, CHUNK_ALIGN), || Work::Triad { a, b, c, s })?;
         Ok(TriadJob(done))
     }
 }

@@ -419,6 +419,7 @@ fn sim_costs(model: &ModelConfig, hw: &Hardware, req: &PlanRequest, tokens_mb: u
         nvme_write_s: (0..numel.len()).map(nvme).collect(),
         staging_slots: 3,
         unit_numel: numel,
+        lean_piece_elems: (req.mode == Mode::Lean).then(|| layout.lean_piece_elems()),
         shared_cores: None,
     }
 }
@@ -456,6 +457,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             micro_batches: m as usize,
             mode: req.mode,
             activations: crate::engine::schedule::Activations::Host,
+            lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
         };
         sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)
     };

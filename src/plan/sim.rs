@@ -37,6 +37,9 @@ pub struct KernelCosts {
 pub struct Costs {
     /// Elements per unit.
     pub unit_numel: Vec<usize>,
+    /// Lean mode: the elements of a gradient piece ([`crate::store::layout::StateLayout::lean_piece_elems`]);
+    /// `None`: every unit whole.
+    pub lean_piece_elems: Option<usize>,
     /// Bytes per streamed weight element (4 fp32, 2 bf16).
     pub weight_elem_bytes: f64,
     /// Bytes of one layer-boundary activation.
@@ -157,6 +160,7 @@ fn push_task(tasks: &mut Vec<Task>, res: usize, dur: f64, deps: Vec<usize>, step
 fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
     let copy = |bytes: f64, bps: f64| costs.copy_latency_s + bytes / bps;
     let unit_bytes = |u: usize, per: f64| costs.unit_numel[u] as f64 * per;
+    let piece_bytes = |u: usize, piece: usize| costs.piece_len(u, piece) as f64 * 4.0;
     match (lane, op) {
         (Lane::Stream(s), op) => {
             let res = match s {
@@ -171,7 +175,9 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
                 }
                 Op::LoadActivation { .. } => copy(costs.activation_bytes, costs.htod_bps),
                 Op::SaveActivation { .. } => copy(costs.activation_bytes, costs.dtoh_bps),
-                Op::CopyGrads { unit, .. } => copy(unit_bytes(*unit, 4.0), costs.dtoh_bps),
+                Op::CopyGrads { unit, piece, .. } => {
+                    copy(piece_bytes(*unit, *piece), costs.dtoh_bps)
+                }
                 Op::Kernel(Kernel::EmbedFwd { .. }) => k.embed_fwd,
                 Op::Kernel(Kernel::BlockFwd { .. }) => k.block_fwd,
                 Op::Kernel(Kernel::HeadLossBwd { .. }) => k.head,
@@ -184,6 +190,15 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
         }
         (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
         (Lane::Host, _) => (HOST, 0.0),
+    }
+}
+
+impl Costs {
+    /// Elements of piece `piece` of unit `unit` (0 past its last).
+    fn piece_len(&self, unit: usize, piece: usize) -> usize {
+        let numel = self.unit_numel[unit];
+        let size = self.lean_piece_elems.unwrap_or(numel).max(1);
+        ((piece + 1) * size).min(numel) - (piece * size).min(numel)
     }
 }
 
@@ -244,12 +259,17 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Prediction {
                         step,
                     ));
                 }
-                Op::Adam { unit, .. } => {
+                Op::Adam { unit, piece, .. } => {
+                    // A piece's share of the unit's update; a spilled unit is read before its
+                    // first piece and written back after its last.
                     let mut jdeps = vec![id];
                     jdeps.extend(read_of[unit]);
-                    let j = push_task(&mut tasks, POOL, costs.adam_s[unit], jdeps, step);
+                    let share =
+                        costs.piece_len(unit, piece) as f64 / costs.unit_numel[unit].max(1) as f64;
+                    let j = push_task(&mut tasks, POOL, costs.adam_s[unit] * share, jdeps, step);
                     id_of[i] = j;
-                    if spilled(unit) {
+                    let last = costs.piece_len(unit, piece + 1) == 0;
+                    if spilled(unit) && last {
                         let w = push_task(&mut tasks, IO, costs.nvme_write_s[unit], vec![j], step);
                         writes.push(w);
                         last_write[unit] = Some(w);
@@ -422,6 +442,7 @@ mod tests {
     fn costs(units: usize) -> Costs {
         Costs {
             unit_numel: vec![1_000_000; units],
+            lean_piece_elems: None,
             weight_elem_bytes: 4.0,
             activation_bytes: 0.0,
             htod_bps: 1e12,
@@ -451,6 +472,7 @@ mod tests {
             micro_batches: 1,
             mode,
             activations: Activations::Host,
+            lean_pieces: crate::engine::schedule::LeanPieces::WHOLE,
         }
     }
 

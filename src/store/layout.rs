@@ -292,13 +292,52 @@ impl StateLayout {
         self.units.iter().map(|u| u.numel).max().unwrap_or(0)
     }
 
-    /// Lean mode's reusable gradient buffers: two of the largest unit (one being filled by the
-    /// device, one being consumed by AdamW). Zero in exact mode.
+    /// Lean mode's gradient piece, in elements: the largest decoder block (a multiple of
+    /// [`INT8_BLOCK`], so pieces start on whole int8 blocks), or the largest unit when that is
+    /// smaller. A unit larger than this (a big vocabulary's embedding or head) leaves the device
+    /// and is updated piece by piece, so the lean buffers never hold more than a block.
+    pub fn lean_piece_elems(&self) -> usize {
+        let block = self.units[1..self.units.len().saturating_sub(1).max(1)]
+            .iter()
+            .map(|u| u.numel)
+            .max()
+            .unwrap_or(0);
+        block
+            .div_ceil(INT8_BLOCK)
+            .max(1)
+            .saturating_mul(INT8_BLOCK)
+            .min(self.max_unit_numel())
+            .max(1)
+    }
+
+    /// How many lean pieces unit `unit` is updated in (1 for every unit in exact mode).
+    pub fn lean_pieces(&self, unit: usize) -> usize {
+        match self.mode {
+            Mode::Exact => 1,
+            Mode::Lean => self.units[unit]
+                .numel
+                .div_ceil(self.lean_piece_elems())
+                .max(1),
+        }
+    }
+
+    /// The elements of piece `piece` of unit `unit` ([`StateLayout::lean_pieces`]).
+    pub fn lean_piece(&self, unit: usize, piece: usize) -> std::ops::Range<usize> {
+        let numel = self.units[unit].numel;
+        let size = match self.mode {
+            Mode::Exact => numel,
+            Mode::Lean => self.lean_piece_elems(),
+        };
+        (piece * size).min(numel)..((piece + 1) * size).min(numel)
+    }
+
+    /// Lean mode's reusable gradient buffers: two of one piece (one being filled by the device,
+    /// one being consumed by AdamW). Zero in exact mode.
     pub fn lean_grad_buffer_bytes(&self) -> u64 {
         match self.mode {
             Mode::Exact => 0,
             Mode::Lean => {
-                2 * ((self.max_unit_numel() * 4).div_ceil(SHARD_ALIGN) * SHARD_ALIGN) as u64
+                2 * ((self.lean_piece_elems() * 4).div_ceil(SHARD_ALIGN) * SHARD_ALIGN) as u64
             }
         }
     }
@@ -359,10 +398,34 @@ mod tests {
     fn bytes_per_param_exact_and_lean() {
         let c = cfg(false, 32);
         let exact = StateLayout::new(&c, Mode::Exact).bytes_per_param();
-        let lean = StateLayout::new(&c, Mode::Lean).bytes_per_param();
+        let lean = StateLayout::new(&c, Mode::Lean);
         assert!((exact - 16.0).abs() < 0.01, "{exact}");
-        // 12 B/param plus two buffers of the largest unit (the 0.5B-param embedding).
-        assert!(lean > 12.0 && lean < 12.6, "{lean}");
+        // 12 B/param plus two buffers of one block (218M params), not of the 0.5B-param
+        // embedding: Llama-3-8B lean is 12.22 B/param.
+        let block = lean.units[1].numel;
+        assert_eq!(
+            lean.lean_piece_elems(),
+            block.div_ceil(INT8_BLOCK) * INT8_BLOCK
+        );
+        let b = lean.bytes_per_param();
+        assert!(b > 12.0 && b < 12.3, "{b}");
+        // The embedding and head go in three pieces that tile them; blocks in one.
+        for u in [0, 33] {
+            let n = lean.lean_pieces(u);
+            assert_eq!(n, 3, "unit {u}");
+            let pieces: Vec<_> = (0..n).map(|p| lean.lean_piece(u, p)).collect();
+            assert_eq!(pieces[0].start, 0);
+            assert_eq!(pieces[n - 1].end, lean.units[u].numel);
+            for w in pieces.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+                assert_eq!(w[1].start % INT8_BLOCK, 0);
+            }
+        }
+        assert_eq!(lean.lean_pieces(5), 1);
+        assert_eq!(lean.lean_piece(5, 0), 0..block);
+        let exact = StateLayout::new(&c, Mode::Exact);
+        assert_eq!(exact.lean_pieces(0), 1);
+        assert_eq!(exact.lean_piece(0, 0), 0..exact.units[0].numel);
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //! step returns, so the device ops a next step waits for are already done.
 
 use crate::device::{Access, Kernel, StreamKind};
-use crate::store::layout::Mode;
+use crate::store::layout::{Mode, StateLayout};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -95,7 +95,8 @@ pub enum Op {
         from: DevBuf,
     },
     /// Copy unit u's gradients to the host (`accumulate`: add to what is there, for micro-batches
-    /// after the first), into its shard or, in lean mode, lean buffer `lean`.
+    /// after the first), into its shard or, in lean mode, piece `piece` of them into lean buffer
+    /// `lean` ([`crate::store::layout::StateLayout::lean_piece`]).
     CopyGrads {
         /// The unit.
         unit: usize,
@@ -105,6 +106,8 @@ pub enum Op {
         accumulate: bool,
         /// Lean buffer, in lean mode.
         lean: Option<usize>,
+        /// The piece (0: the whole unit in exact mode).
+        piece: usize,
     },
     /// A layer op of micro-batch `batch`.
     Kernel(Kernel<DevBuf, usize>),
@@ -121,12 +124,15 @@ pub enum Op {
     },
     /// Host: the clip coefficient from the norm (exact: this step's; lean: the previous step's).
     Clip,
-    /// Host: start unit u's AdamW update on its node's pool (asynchronous).
+    /// Host: start unit u's AdamW update on its node's pool (asynchronous), of piece `piece`
+    /// in lean mode.
     Adam {
         /// The unit.
         unit: usize,
         /// Lean buffer holding its gradients, in lean mode.
         lean: Option<usize>,
+        /// The piece (0: the whole unit in exact mode).
+        piece: usize,
     },
     /// Host, lean mode: the step's norm from its AdamW jobs (so waits for all of them).
     LeanNorm,
@@ -180,6 +186,48 @@ pub struct ScheduleSpec {
     pub mode: Mode,
     /// Where the layer-boundary activations live.
     pub activations: Activations,
+    /// Lean mode: how many pieces each unit's gradients leave the device and are updated in.
+    pub lean_pieces: LeanPieces,
+}
+
+/// Lean mode: the pieces of each kind of unit ([`StateLayout::lean_pieces`]); one each in
+/// exact mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeanPieces {
+    /// The embedding's.
+    pub embedding: usize,
+    /// Each decoder block's.
+    pub block: usize,
+    /// The head's.
+    pub head: usize,
+}
+
+impl LeanPieces {
+    /// One piece per unit.
+    pub const WHOLE: LeanPieces = LeanPieces {
+        embedding: 1,
+        block: 1,
+        head: 1,
+    };
+
+    /// The pieces `layout` updates its units in.
+    pub fn of(layout: &StateLayout) -> Self {
+        let last = layout.units.len().saturating_sub(1);
+        LeanPieces {
+            embedding: layout.lean_pieces(0),
+            block: if last > 1 { layout.lean_pieces(1) } else { 1 },
+            head: layout.lean_pieces(last),
+        }
+    }
+
+    /// Unit u's pieces, of a model with `layers` blocks.
+    fn of_unit(self, unit: usize, layers: usize) -> usize {
+        match unit {
+            0 => self.embedding,
+            u if u == layers + 1 => self.head,
+            _ => self.block,
+        }
+    }
 }
 
 /// Lean gradient buffers rotating between the device drain and AdamW.
@@ -264,49 +312,62 @@ impl Builder {
         g
     }
 
-    /// Unit u's gradients leave the device; after the last micro-batch, lean mode updates the
-    /// unit at once (and hints the next spilled read), exact mode adds its Σg² to the norm.
+    /// Unit u's gradients leave the device. Exact mode: into its shard, and after the last
+    /// micro-batch its Σg² is added to the norm. Lean mode: piece by piece, each into the next
+    /// lean buffer and updated at once.
     fn drain(&mut self, unit: usize, from: DevBuf, spec: &ScheduleSpec, mb: usize) {
-        let last = mb + 1 == spec.micro_batches;
-        let lean = (spec.mode == Mode::Lean && last).then(|| {
-            let k = self.next_lean;
-            self.next_lean = (k + 1) % LEAN_BUFFERS;
-            k
-        });
-        let dest = lean.map_or(Res::Grads(unit), Res::Lean);
+        if spec.mode == Mode::Lean {
+            for piece in 0..spec.lean_pieces.of_unit(unit, spec.layers) {
+                let k = self.next_lean;
+                self.next_lean = (k + 1) % LEAN_BUFFERS;
+                self.push(
+                    Lane::Stream(StreamKind::CopyOut),
+                    Op::CopyGrads {
+                        unit,
+                        from,
+                        accumulate: false,
+                        lean: Some(k),
+                        piece,
+                    },
+                    vec![Res::Dev(from)],
+                    vec![Res::Lean(k)],
+                );
+                self.adam(unit, Some(k), piece);
+            }
+            return;
+        }
         self.push(
             Lane::Stream(StreamKind::CopyOut),
             Op::CopyGrads {
                 unit,
                 from,
                 accumulate: mb > 0,
-                lean,
+                lean: None,
+                piece: 0,
             },
             vec![Res::Dev(from)],
-            vec![dest],
+            vec![Res::Grads(unit)],
         );
-        if !last {
-            return;
-        }
-        match lean {
-            Some(k) => self.adam(unit, Some(k)),
-            None => self.host(
+        if mb + 1 == spec.micro_batches {
+            self.host(
                 Op::Norm { unit },
                 vec![Res::Grads(unit), Res::Norm],
                 vec![Res::Norm],
-            ),
+            );
         }
     }
 
-    /// Unit u's update, then the hint for the next unit's spilled state.
-    fn adam(&mut self, unit: usize, lean: Option<usize>) {
+    /// Unit u's update (of one piece in lean mode).
+    fn adam(&mut self, unit: usize, lean: Option<usize>, piece: usize) {
         let grads = lean.map_or(Res::Grads(unit), Res::Lean);
         self.host(
-            Op::Adam { unit, lean },
+            Op::Adam { unit, lean, piece },
             vec![grads, Res::Coef],
             vec![Res::Params(unit)],
         );
-        self.updates.push(unit);
+        if piece == 0 {
+            self.updates.push(unit);
+        }
     }
 }
 
@@ -349,7 +410,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
         Mode::Exact => {
             b.host(Op::Clip, vec![Res::Norm], vec![Res::Coef]);
             for u in 0..=head {
-                b.adam(u, None);
+                b.adam(u, None, 0);
             }
         }
         Mode::Lean => {
@@ -372,13 +433,13 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     Schedule { tasks, buffers }
 }
 
-/// After each update, a hint to read the next unit's spilled state (so NVMe reads unit u+1
-/// while AdamW updates u).
+/// After each unit's (first piece's) update, a hint to read the next unit's spilled state (so
+/// NVMe reads unit u+1 while AdamW updates u).
 fn with_prefetches(tasks: Vec<Task>, order: &[usize]) -> Vec<Task> {
     let mut out = Vec::with_capacity(tasks.len() + order.len());
     for t in tasks {
         let next = match t.op {
-            Op::Adam { unit, .. } => order
+            Op::Adam { unit, piece: 0, .. } => order
                 .iter()
                 .position(|&u| u == unit)
                 .and_then(|k| order.get(k + 1)),

@@ -2,6 +2,7 @@ use super::*;
 
 fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> ScheduleSpec {
     ScheduleSpec {
+        lean_pieces: LeanPieces::WHOLE,
         layers,
         tied,
         micro_batches: mb,
@@ -18,6 +19,15 @@ fn all_specs() -> Vec<ScheduleSpec> {
                 v.push(spec(layers, tied, 1, Mode::Exact, a));
                 v.push(spec(layers, tied, 3, Mode::Exact, a));
                 v.push(spec(layers, tied, 1, Mode::Lean, a));
+                // A large vocabulary's embedding and head drained and updated in pieces.
+                v.push(ScheduleSpec {
+                    lean_pieces: LeanPieces {
+                        embedding: 3,
+                        block: 1,
+                        head: 2,
+                    },
+                    ..spec(layers, tied, 1, Mode::Lean, a)
+                });
             }
         }
     }
@@ -188,19 +198,36 @@ fn device_buffers_do_not_grow_with_depth_when_activations_offload() {
 }
 
 #[test]
-fn every_unit_is_updated_once_after_its_gradients_and_prefetched_before() {
+fn every_unit_is_updated_once_per_piece_after_its_gradients_and_prefetched_before() {
     for s in all_specs() {
         let p = schedule(&s);
         for u in 0..s.layers + 2 {
-            let adam: Vec<usize> = (0..p.tasks.len())
-                .filter(|&i| matches!(p.tasks[i].op, Op::Adam { unit, .. } if unit == u))
+            let pieces = match s.mode {
+                Mode::Lean => s.lean_pieces.of_unit(u, s.layers),
+                Mode::Exact => 1,
+            };
+            // Piece k's update, after piece k's copy (exact: the last micro-batch's).
+            let adam: Vec<(usize, usize)> = (0..p.tasks.len())
+                .filter_map(|i| match p.tasks[i].op {
+                    Op::Adam { unit, piece, .. } if unit == u => Some((i, piece)),
+                    _ => None,
+                })
                 .collect();
-            assert_eq!(adam.len(), 1, "{s:?} unit {u}");
-            let last_drain = (0..p.tasks.len())
-                .filter(|&i| matches!(p.tasks[i].op, Op::CopyGrads { unit, .. } if unit == u))
-                .max()
-                .unwrap();
-            assert!(adam[0] > last_drain);
+            assert_eq!(
+                adam.iter().map(|a| a.1).collect::<Vec<_>>(),
+                (0..pieces).collect::<Vec<_>>(),
+                "{s:?} unit {u}"
+            );
+            for &(i, piece) in &adam {
+                let drain = (0..p.tasks.len())
+                    .filter(|&j| {
+                        matches!(p.tasks[j].op, Op::CopyGrads { unit, piece: k, .. } if unit == u && k == piece)
+                    })
+                    .max()
+                    .unwrap();
+                assert!(i > drain, "{s:?} unit {u} piece {piece}");
+            }
+            let adam: Vec<usize> = adam.iter().map(|a| a.0).collect();
             let prefetch = p
                 .tasks
                 .iter()

@@ -392,8 +392,9 @@ pub struct Piece<'a> {
     pub scalars: &'a StepScalars,
 }
 
-/// AdamW over elements `range` of a unit whose params, raw gradients and moments are at `p`, `g`
-/// and `mom`, split into `pieces` (sorted, tiling at least `range`). Returns Σ g_raw².
+/// AdamW over elements `range` of a unit whose params and moments are at `params` and `mom` and
+/// whose raw gradients are at `g` (the gradient of element `range.start`), split into `pieces`
+/// (sorted, tiling at least `range`). Returns Σ g_raw².
 ///
 /// All fp32: one pass of the fp32 kernel per piece. Otherwise tile by tile: the compact parts
 /// (bf16 planes, compact moments) are expanded to fp32 in L1-sized scratch, updated by the same
@@ -401,7 +402,8 @@ pub struct Piece<'a> {
 /// so every ISA's update stays bit-identical to the scalar one.
 ///
 /// # Safety
-/// The pointers address a unit of at least `range.end` elements in the layout's format; for
+/// The pointers address a unit of at least `range.end` elements in the layout's format (`g`,
+/// `range.len()` gradients); for
 /// int8 `range.start` is a multiple of [`INT8_BLOCK`] and `range.end` one or the unit's end; no
 /// one else touches the range (or its int8 blocks) meanwhile.
 pub unsafe fn step_range(
@@ -427,7 +429,7 @@ pub unsafe fn step_range(
             let x = unsafe {
                 AdamSlices {
                     p: std::slice::from_raw_parts_mut(p.add(lo), n),
-                    g: std::slice::from_raw_parts(g.add(lo), n),
+                    g: std::slice::from_raw_parts(g.add(lo - range.start), n),
                     m: std::slice::from_raw_parts_mut(m.add(lo), n),
                     v: std::slice::from_raw_parts_mut(v.add(lo), n),
                 }
@@ -466,7 +468,7 @@ pub unsafe fn step_range(
             let x = unsafe {
                 AdamSlices {
                     p: params.tile(&mut p32, start, lo, k),
-                    g: std::slice::from_raw_parts(g.add(lo), k),
+                    g: std::slice::from_raw_parts(g.add(lo - range.start), k),
                     m: mom.m.tile(&mut m32, start, lo, k),
                     v: mom.v.tile(&mut v32, start, lo, k),
                 }
