@@ -275,3 +275,23 @@ fn half_a_million_tokens_fit_a_gh200_in_token_chunks() {
         assert!(p.memory.device_bytes > 16 * 524288 * m.kv_dim() as u64);
     }
 }
+
+/// Lean mode with bf16 streaming keeps an exact fp32 master in 12.2 B/param for Llama-3-8B
+/// (issue target ≤ 12.3): the master as planes (its high plane is the streamed bf16, no shadow),
+/// and two lean gradient buffers of one block each, not of the 0.5B-param embedding.
+#[test]
+fn lean_bf16_is_twelve_point_two_bytes_per_param() {
+    let hw = presets::machine("h200-1.5tb").unwrap();
+    for name in ["llama-3-8b", "qwen2.5-7b"] {
+        let model = presets::model(name).unwrap();
+        let r = PlanRequest {
+            bf16: true,
+            mode: Mode::Lean,
+            micro_batch_tokens: None,
+            ..req(65536)
+        };
+        let b = plan(&model, &hw, &r).memory.host_bytes_per_param;
+        assert!(b > 12.0 && b <= 12.3, "{name}: {b}");
+        assert_eq!(r.layout(&model).master, MasterFormat::Planes);
+    }
+}
