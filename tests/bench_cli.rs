@@ -50,8 +50,25 @@ fn bench_adam_reports_every_state_format_beside_the_triad() {
     let v = json(&["bench", "adam", "--params", "2M", "--reps", "2", "--json"]);
     assert!(v["triad"]["gbytes_per_s"].as_f64().unwrap() > 0.0);
     let cases = v["adam"].as_array().unwrap();
-    let states: Vec<&str> = cases.iter().map(|c| c["state"].as_str().unwrap()).collect();
-    assert_eq!(states, ["fp32", "bf16", "int8"]);
+    let formats: Vec<(&str, &str)> = cases
+        .iter()
+        .map(|c| (c["state"].as_str().unwrap(), c["master"].as_str().unwrap()))
+        .collect();
+    // Every moment format with each master format: fp32, then bf16 planes (same bytes).
+    assert_eq!(
+        formats,
+        [
+            ("fp32", "fp32"),
+            ("bf16", "fp32"),
+            ("int8", "fp32"),
+            ("fp32", "planes"),
+            ("bf16", "planes"),
+            ("int8", "planes")
+        ]
+    );
+    for (a, b) in cases[..3].iter().zip(&cases[3..]) {
+        assert_eq!(a["bytes_per_param"], b["bytes_per_param"]);
+    }
     for c in cases {
         assert!(c["measured"]["gbytes_per_s"].as_f64().unwrap() > 0.0, "{c}");
         assert!(c["params_per_s"].as_f64().unwrap() > 0.0, "{c}");
@@ -75,9 +92,12 @@ fn bench_adam_reports_every_state_format_beside_the_triad() {
         "1",
         "--adam-state",
         "int8",
+        "--master",
+        "planes",
         "--json",
     ]);
     assert_eq!(v["adam"].as_array().unwrap().len(), 1);
+    assert_eq!(v["adam"][0]["master"], "planes");
     assert_eq!(v["adam"][0]["state"], "int8");
 }
 
