@@ -5,7 +5,8 @@
 
 use megatrain::device::cpu::{CpuDevice, CpuDeviceConfig};
 use megatrain::device::program::Shape;
-use megatrain::device::Device;
+use megatrain::device::{Device, Precision};
+use megatrain::engine::schedule::Op;
 use megatrain::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
 use megatrain::model::config::ModelConfig;
 use megatrain::model::layers::Workspace;
@@ -13,7 +14,7 @@ use megatrain::model::reference::{step_resident, Templates};
 use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig};
 use megatrain::optim::{unit_segments, AdamPool};
 use megatrain::spill::io::EngineKind;
-use megatrain::store::layout::{Mode, StateLayout};
+use megatrain::store::layout::{MasterFormat, Mode, StateLayout};
 use megatrain::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use megatrain::store::{HostStore, SpillOptions, StoreOptions};
 use megatrain::topology::{probe, TopologySource};
@@ -117,7 +118,17 @@ fn rig(
     params: &[Vec<f32>],
 ) -> Rig {
     let shape = Shape::whole(B, T);
-    rig_spill(c, mode, mbs, cp, clip, jitter, params, None, shape)
+    rig_spill(
+        c,
+        mode,
+        mbs,
+        cp,
+        clip,
+        jitter,
+        params,
+        None,
+        (shape, Precision::Fp32),
+    )
 }
 
 /// Where the NVMe tier goes, how many slots, which engine.
@@ -139,9 +150,14 @@ fn rig_spill(
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
     spill: Option<Spill<'_>>,
-    shape: Shape,
+    (shape, precision): (Shape, Precision),
 ) -> Rig {
-    let layout = StateLayout::new(c, mode);
+    // bf16 streams the high plane of a master stored as planes, as `train` sets it up.
+    let master = match precision {
+        Precision::Fp32 => MasterFormat::Fp32,
+        Precision::Bf16 => MasterFormat::Planes,
+    };
+    let layout = StateLayout::new(c, mode).with_master(master);
     let machine = probe(&TopologySource::Live).unwrap();
     let (req, opts, budget) = match &spill {
         Some(s) => (
@@ -183,6 +199,7 @@ fn rig_spill(
                 link: None,
                 jitter,
                 shape,
+                precision,
             },
             tm.clone(),
         )
@@ -378,7 +395,7 @@ fn device_peak_grows_with_the_sequence_only_by_what_attention_keeps() {
             None,
             &params,
             None,
-            shape,
+            (shape, Precision::Fp32),
         );
         let planned = r.device.memory().in_use;
         if t <= 4096 {
@@ -550,7 +567,7 @@ fn spilled_state_trains_bit_identically(vocab: usize) {
             None,
             &params,
             spill,
-            Shape::whole(B, T),
+            (Shape::whole(B, T), Precision::Fp32),
         );
         let mut nvme = (0u64, 0u64);
         let losses: Vec<u64> = batches
@@ -618,5 +635,81 @@ fn spilled_state_trains_bit_identically(vocab: usize) {
     assert_eq!(
         written[0], written[1],
         "vocab {vocab}: NVMe bytes written, exact vs lean"
+    );
+}
+
+/// `--precision bf16` through the streamer: the weights cross the link as the master's bf16
+/// high plane (half the bytes of fp32; the gradients stay fp32), the master stays exact fp32
+/// (planes), training tracks the fp32 run to bf16's precision, and two bf16 runs are identical.
+#[test]
+fn bf16_streams_half_the_weight_bytes_and_tracks_fp32() {
+    let c = cfg(2, false);
+    let params = init(&StateLayout::new(&c, Mode::Exact));
+    let batches: Vec<Vec<MicroBatch>> = (0..3).map(|s| vec![batch(500 + s, 61)]).collect();
+    let run = |precision: Precision| {
+        let mut r = rig_spill(
+            &c,
+            Mode::Exact,
+            1,
+            Activations::Host,
+            1.0,
+            None,
+            &params,
+            None,
+            (Shape::whole(B, T), precision),
+        );
+        let m: Vec<_> = batches
+            .iter()
+            .map(|b| r.streamer.step(b, 1e-3).unwrap())
+            .collect();
+        // The weight elements a step copies in (a unit may cross twice).
+        let units = &r.streamer.store().layout().units;
+        let crossed: u64 = (r.streamer.schedule().tasks.iter())
+            .filter_map(|t| match t.op {
+                Op::CopyWeights { unit, .. } => Some(units[unit].numel as u64),
+                _ => None,
+            })
+            .sum();
+        (m, unit_params(&mut r.streamer), crossed)
+    };
+    let (m32, p32, crossed) = run(Precision::Fp32);
+    let (m16, p16, _) = run(Precision::Bf16);
+    let (again, p16b, _) = run(Precision::Bf16);
+    assert!(crossed > 0);
+    for ((a, b), c2) in m32.iter().zip(&m16).zip(&again) {
+        // 4 bytes per weight element in fp32, 2 in bf16; the activations' copies are the same.
+        assert_eq!(
+            a.htod_bytes - b.htod_bytes,
+            2 * crossed,
+            "bf16 halves the weight bytes"
+        );
+        assert_eq!(a.dtoh_bytes, b.dtoh_bytes, "gradients cross in fp32");
+        let rel = ((a.loss - b.loss) / a.loss).abs();
+        assert!(
+            rel > 0.0 && rel < 1e-2,
+            "bf16 loss {} vs fp32 {}",
+            b.loss,
+            a.loss
+        );
+        assert_eq!(
+            b.loss.to_bits(),
+            c2.loss.to_bits(),
+            "bf16 runs are deterministic"
+        );
+    }
+    assert_eq!(bits(&p16), bits(&p16b));
+    // The updates differ (bf16 forward and backward), but by little.
+    let (mut num, mut den) = (0f64, 0f64);
+    for ((a, b), p0) in p32.iter().zip(&p16).zip(&params) {
+        for ((x, y), z) in a.iter().zip(b).zip(p0) {
+            num += f64::from(x - y).powi(2);
+            den += f64::from(x - z).powi(2);
+        }
+    }
+    assert!(
+        num.sqrt() < 0.1 * den.sqrt(),
+        "update difference {} of {}",
+        num.sqrt(),
+        den.sqrt()
     );
 }

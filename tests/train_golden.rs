@@ -100,6 +100,20 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
     let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
     let (metrics, out) = (tmp.path().join("m.jsonl"), tmp.path().join("hf"));
     let arg = |k: &str| s[k].to_string();
+    // The bf16 recipe's goldens (tools/golden_train_bf16.py) carry their precision. Their
+    // tolerance (docs/precision.md): the same bf16 products and fp32 sums as torch, but an fp32
+    // sum that differs in its last bit can round to the neighbouring bf16 value (2^-8 relative)
+    // where the recipe stores bf16. The first step, before any update, agrees to 5e-5 (measured:
+    // ≤ 1.5e-5; leaving out one of the recipe's roundings moves it by 3e-4); AdamW's first steps
+    // (≈ lr·sign(g)) then amplify those flips, so later steps agree to 1e-3 (measured ≤ 4e-4).
+    let bf16 = s.get("precision").and_then(|p| p.as_str()) == Some("bf16");
+    let step_tol = |step: usize| match (bf16, step) {
+        (false, _) => 1e-5,
+        (true, 0) => 5e-5,
+        (true, _) => 1e-3,
+    };
+    let weight_tol = if bf16 { 1e-4 } else { 1e-5 };
+    let precision = ["--precision", if bf16 { "bf16" } else { "fp32" }];
     let mut command = match on {
         On::Cpu => Command::new(env!("CARGO_BIN_EXE_megatrain")),
         #[cfg(feature = "cuda")]
@@ -154,6 +168,7 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
             out.to_str().unwrap(),
         ])
         .args(["--device-memory", "268435456"])
+        .args(precision)
         .args(device)
         .output()
         .unwrap();
@@ -173,23 +188,30 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
         .collect();
     let (want_loss, want_norm) = (g.get("loss"), g.get("grad_norm"));
     assert_eq!(lines.len(), want_loss.len());
+    let mut worst = (0f64, 0f64);
     for (i, l) in lines.iter().enumerate() {
         let (loss, norm) = (
             l["loss"].as_f64().unwrap(),
             l["grad_norm"].as_f64().unwrap(),
         );
         let (wl, wn) = (f64::from(want_loss[i]), f64::from(want_norm[i]));
+        let (el, en) = (((loss - wl) / wl).abs(), ((norm - wn) / wn).abs());
+        worst = (worst.0.max(el), worst.1.max(en));
         assert!(
-            ((loss - wl) / wl).abs() < 1e-5,
+            el < step_tol(i),
             "{case} step {}: loss {loss} vs torch {wl}",
             i + 1
         );
         assert!(
-            ((norm - wn) / wn).abs() < 1e-5,
+            en < step_tol(i),
             "{case} step {}: grad norm {norm} vs torch {wn}",
             i + 1
         );
     }
+    eprintln!(
+        "{case}: worst relative difference from torch: loss {:.1e}, grad norm {:.1e}",
+        worst.0, worst.1
+    );
     // Final weights, from the CLI's HF export. AdamW's per-element normalization makes elements
     // whose gradient sits near eps sensitive to fp32 noise (see tests/model_golden.rs): every
     // element must be within its update size, and all but a small fraction within 1e-5.
@@ -212,15 +234,15 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
                 "{case}: {name} off by {e} > update bound {bound}"
             );
             n += 1;
-            if e > 1e-5 * scale {
+            if e > weight_tol * scale {
                 loose += 1;
             }
         }
     }
-    eprintln!("{case}: {n} weights, {loose} beyond 1e-5 relative (near-eps gradients)");
+    eprintln!("{case}: {n} weights, {loose} beyond {weight_tol:e} relative (near-eps gradients)");
     assert!(
         loose * 50 <= n,
-        "{case}: {loose} of {n} weights beyond 1e-5 relative"
+        "{case}: {loose} of {n} weights beyond {weight_tol:e} relative"
     );
 }
 
@@ -255,6 +277,24 @@ fn clipping() {
 #[test]
 fn grad_accumulation() {
     check("accum");
+}
+/// `--precision bf16` on the CPU device against torch running the same recipe
+/// (tools/golden_train_bf16.py).
+#[test]
+fn bf16_gqa() {
+    check("bf16_gqa");
+}
+#[test]
+fn bf16_tied() {
+    check("bf16_tied");
+}
+#[test]
+fn bf16_clipping() {
+    check("bf16_clip");
+}
+#[test]
+fn bf16_grad_accumulation() {
+    check("bf16_accum");
 }
 
 /// The same cases on the CUDA device.

@@ -357,6 +357,7 @@ fn build_streamer(
             link: Some(link),
             jitter: None,
             shape: crate::device::program::Shape::whole(case.batch, case.seq),
+            precision: crate::device::Precision::Fp32,
         },
         tm.clone(),
     )?);

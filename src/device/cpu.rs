@@ -6,7 +6,9 @@
 
 use super::host_backend::{HostBackend, HostP};
 use super::program::{self, Shape, Ws};
-use super::{Access, BufId, Cmd, Device, DeviceKernel, Event, MemStats, OpRecord, StreamKind};
+use super::{
+    Access, BufId, Cmd, Device, DeviceKernel, Event, MemStats, OpRecord, Precision, StreamKind,
+};
 use crate::model::reference::Templates;
 use crate::util::lock;
 use crate::{Error, Result};
@@ -44,6 +46,8 @@ pub struct CpuDeviceConfig {
     pub jitter: Option<(u64, u64)>,
     /// Micro-batch shape (and token chunks) the kernels run on.
     pub shape: Shape,
+    /// The precision the kernels compute in.
+    pub precision: Precision,
 }
 
 /// A device buffer with a run-time borrow flag: streams that touch the same buffer at the same
@@ -249,6 +253,7 @@ impl CpuDevice {
         let mut ws = Some(Workspace {
             layout,
             mem: zeroed(elems, "the layer workspace")?,
+            precision: cfg.precision,
         });
         for stream in StreamKind::ALL {
             let (tx, rx) = channel::<Cmd>();
@@ -367,6 +372,31 @@ fn execute(
             }
             Ok(Some((format!("htod {label}"), bytes)))
         }
+        Cmd::HtoDBf16 {
+            dst,
+            offset,
+            src,
+            label,
+        } => {
+            let began = Instant::now();
+            let buf = shared.buffer(dst)?;
+            let mut d = buf.write()?;
+            super::check_copy(&format!("htod {label}"), src.len(), offset, dst, d.len())?;
+            // SAFETY: HostRef's contract: valid and unaliased until this command completes.
+            let s = unsafe { src.slice() };
+            for (w, h) in d[offset..offset + s.len()].iter_mut().zip(s.iter()) {
+                *w = crate::store::planes::hi_to_f32(*h);
+            }
+            drop(d);
+            let bytes = 2 * src.len() as u64;
+            if let Some(m) = link {
+                let want = m.duration(bytes, true);
+                if let Some(rest) = want.checked_sub(began.elapsed()) {
+                    std::thread::sleep(rest);
+                }
+            }
+            Ok(Some((format!("htod {label}"), bytes)))
+        }
         Cmd::DtoH {
             dst,
             src,
@@ -413,11 +443,13 @@ fn execute(
     }
 }
 
-/// The compute stream's layer workspace: the program's scratch regions in one buffer.
+/// The compute stream's layer workspace: the program's scratch regions in one buffer, and the
+/// precision its kernels compute in.
 #[derive(Debug)]
 struct Workspace {
     layout: Ws<usize>,
     mem: Vec<f32>,
+    precision: Precision,
 }
 
 /// Run a layer op through the device program on the CPU backend, holding every buffer it touches
@@ -477,7 +509,7 @@ fn run_kernel(
     // SAFETY: the workspace belongs to the compute stream's thread, which runs this.
     let base = unsafe { HostP::write(&mut ws.mem) };
     let w = ws.layout.at::<HostBackend<'_>>(base);
-    let mut be = HostBackend::new(&tm.rope);
+    let mut be = HostBackend::with_precision(&tm.rope, ws.precision);
     let r = program::run(&mut be, tm, &k, &resolve, &w, shape);
     drop(writes);
     drop(reads);

@@ -5,7 +5,9 @@
 //! would be silent memory corruption.
 
 use super::program::{Backend, Gemm};
+use super::Precision;
 use crate::model::ops::{self, AttnShape, Rope};
+use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -110,16 +112,35 @@ fn check_queries(s: &AttnShape, op: &str) -> Result<()> {
     Ok(())
 }
 
-/// The CPU backend: RoPE tables and the CPU reference ops.
+/// The CPU backend: RoPE tables and the CPU reference ops, in fp32 or in the bf16 recipe.
 #[derive(Debug)]
 pub struct HostBackend<'r> {
     rope: &'r Rope,
+    precision: Precision,
+}
+
+thread_local! {
+    /// bf16-rounded copies of a GEMM's operands (the bf16 recipe).
+    static ROUNDED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
+/// `x` rounded to bf16 (nearest even) and back: exactly what a bf16 store keeps.
+#[inline(always)]
+fn bf16_value(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
 }
 
 impl<'r> HostBackend<'r> {
-    /// A backend rotating with `rope`'s tables.
+    /// An fp32 backend rotating with `rope`'s tables.
     pub fn new(rope: &'r Rope) -> Self {
-        HostBackend { rope }
+        Self::with_precision(rope, Precision::Fp32)
+    }
+
+    /// A backend computing in `precision`.
+    pub fn with_precision(rope: &'r Rope, precision: Precision) -> Self {
+        HostBackend { rope, precision }
     }
 
     fn ids<'a>(&self, ids: HostIds, n: usize, op: &str) -> Result<&'a [u32]> {
@@ -168,7 +189,18 @@ impl Backend for HostBackend<'_> {
         let ([c], [a, b]) = views("gemm", [(g.c, g.m * g.n)], [(g.a, a_len), (g.b, b_len)])?;
         let a_st = if g.ta { (1, g.m) } else { (g.k, 1) };
         let b_st = if g.tb { (1, g.k) } else { (g.n, 1) };
-        ops::gemm(c, a, a_st, b, b_st, g.m, g.k, g.n, g.accumulate);
+        if self.precision == Precision::Fp32 {
+            ops::gemm(c, a, a_st, b, b_st, g.m, g.k, g.n, g.accumulate);
+            return Ok(());
+        }
+        // A bf16 GEMM: bf16 operands (their products are exact in fp32), fp32 sums and result.
+        ROUNDED.with_borrow_mut(|(ra, rb)| {
+            ra.clear();
+            ra.extend(a.iter().map(|x| bf16_value(*x)));
+            rb.clear();
+            rb.extend(b.iter().map(|x| bf16_value(*x)));
+            ops::gemm(c, ra, a_st, rb, b_st, g.m, g.k, g.n, g.accumulate);
+        });
         Ok(())
     }
 
@@ -200,6 +232,16 @@ impl Backend for HostBackend<'_> {
 
     fn fixed_grad_blocks(&self) -> bool {
         true
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn round_bf16(&mut self, p: HostP, len: usize) -> Result<()> {
+        let ([x], []) = views("round_bf16", [(p, len)], [])?;
+        x.iter_mut().for_each(|v| *v = bf16_value(*v));
+        Ok(())
     }
 
     fn rmsnorm_fwd(
@@ -426,5 +468,73 @@ impl Backend for HostBackend<'_> {
         let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
         *crate::util::lock(&into) += s;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Under bf16, a GEMM is the fp32 GEMM of its operands rounded to bf16 (nearest even), bit
+    /// for bit, in every transpose and with accumulation; `round_bf16` is that rounding.
+    #[test]
+    fn bf16_gemm_is_the_gemm_of_rounded_operands() {
+        let rope = Rope::new(8, 1e4, 4);
+        let (m, k, n) = (7, 33, 5);
+        for (ta, tb, accumulate) in [
+            (false, true, false),
+            (true, false, true),
+            (false, false, true),
+        ] {
+            let a = crate::util::uniform(m * k, 1, 3.0);
+            let b = crate::util::uniform(k * n, 2, 3.0);
+            let c0 = crate::util::uniform(m * n, 3, 1.0);
+            let run = |be: &mut HostBackend<'_>, a: &[f32], b: &[f32]| {
+                let mut c = c0.clone();
+                // SAFETY: the three buffers outlive the call; c is written by it alone.
+                let (pa, pb, pc) =
+                    unsafe { (HostP::read(a), HostP::read(b), HostP::write(&mut c)) };
+                be.gemm(Gemm {
+                    c: pc,
+                    a: pa,
+                    ta,
+                    b: pb,
+                    tb,
+                    m,
+                    k,
+                    n,
+                    accumulate,
+                })
+                .unwrap();
+                c
+            };
+            let got = run(
+                &mut HostBackend::with_precision(&rope, Precision::Bf16),
+                &a,
+                &b,
+            );
+            let (ra, rb): (Vec<f32>, Vec<f32>) = (
+                a.iter().map(|x| bf16_value(*x)).collect(),
+                b.iter().map(|x| bf16_value(*x)).collect(),
+            );
+            let want = run(&mut HostBackend::new(&rope), &ra, &rb);
+            assert_eq!(got, want, "ta {ta} tb {tb}");
+            assert_ne!(got, run(&mut HostBackend::new(&rope), &a, &b));
+        }
+        let mut x = vec![
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            -2.5e-3,
+            f32::INFINITY,
+        ];
+        // SAFETY: x outlives the call.
+        let p = unsafe { HostP::write(&mut x) };
+        HostBackend::with_precision(&rope, Precision::Bf16)
+            .round_bf16(p, 4)
+            .unwrap();
+        assert_eq!(x[0], 1.0, "a tie rounds to even");
+        assert_eq!(x[1], 1.0 + 4.0 * 2f32.powi(-8));
+        assert_eq!(x[2], bf16_to_f32(f32_to_bf16(-2.5e-3)));
+        assert_eq!(x[3], f32::INFINITY);
     }
 }

@@ -81,25 +81,59 @@ impl Event {
     }
 }
 
+/// The precision a device computes in (`--precision`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// fp32 weights streamed, every op in fp32.
+    #[default]
+    Fp32,
+    /// Mixed precision (docs/precision.md): bf16 weights streamed from an exact fp32 master
+    /// stored as planes; GEMMs on bf16 operands with fp32 sums and results; attention on
+    /// bf16-stored Q, K, V and output gradient; everything else fp32; fp32 gradients to the host.
+    Bf16,
+}
+
+impl Precision {
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
 /// A view of registered host memory that a copy reads or writes.
 ///
 /// Like a pointer handed to `cudaMemcpyAsync`: whoever builds one promises the memory stays valid
 /// and untouched by anyone else until the copy's completion event fires.
+/// Elements are `T`: f32, or u16 for bf16 values.
 #[derive(Debug, Clone, Copy)]
-pub struct HostRef {
-    ptr: *mut f32,
+pub struct HostRef<T = f32> {
+    ptr: *mut T,
     len: usize,
 }
 
 // SAFETY: a HostRef is only dereferenced by the stream that executes the copy, while its creator
 // keeps the memory alive and unaliased (the contract of `HostRef::new`).
-unsafe impl Send for HostRef {}
+unsafe impl<T> Send for HostRef<T> {}
 
-impl HostRef {
+impl<T> HostRef<T> {
     /// # Safety
     /// `ptr..ptr+len` must stay valid, and not be accessed by anyone else, until every device
     /// command using this view has completed (its stream's following event has fired).
-    pub unsafe fn new(ptr: *mut f32, len: usize) -> Self {
+    pub unsafe fn new(ptr: *mut T, len: usize) -> Self {
         HostRef { ptr, len }
     }
 
@@ -107,7 +141,7 @@ impl HostRef {
     ///
     /// # Safety
     /// As for [`HostRef::new`]: the slice's memory must outlive the copies, untouched meanwhile.
-    pub unsafe fn from_slice(s: &mut [f32]) -> Self {
+    pub unsafe fn from_slice(s: &mut [T]) -> Self {
         HostRef {
             ptr: s.as_mut_ptr(),
             len: s.len(),
@@ -125,13 +159,13 @@ impl HostRef {
     }
 
     /// The start of the memory (for a device's DMA).
-    pub fn as_ptr(&self) -> *mut f32 {
+    pub fn as_ptr(&self) -> *mut T {
         self.ptr
     }
 
     /// # Safety
     /// See [`HostRef::new`].
-    pub(crate) unsafe fn slice<'a>(&self) -> &'a mut [f32] {
+    pub(crate) unsafe fn slice<'a>(&self) -> &'a mut [T] {
         // SAFETY: forwarded contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
@@ -399,6 +433,15 @@ pub enum Cmd {
         dst: BufId,
         offset: usize,
         src: HostRef,
+        label: String,
+    },
+    /// Host → device: bf16 values (the high plane of a master stored as planes) into `dst` at
+    /// element `offset`, as the device holds weights under [`Precision::Bf16`]. Half the link
+    /// bytes of [`Cmd::HtoD`].
+    HtoDBf16 {
+        dst: BufId,
+        offset: usize,
+        src: HostRef<u16>,
         label: String,
     },
     /// Device → host: `len` elements of `src` from `offset` into `dst` (`+=` if `accumulate`).

@@ -19,7 +19,7 @@ use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{piece_segments, unit_segments, AdamJob, AdamPool, Salts};
 use crate::store::layout::{Mode, StateLayout};
-use crate::store::{HostBuffer, HostStore, UnitGuard};
+use crate::store::{HostBuffer, HostStore, Master, UnitGuard};
 use crate::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -653,21 +653,24 @@ impl Streamer {
             Op::CopyWeights { unit, to } => {
                 let dst = self.buf(*to);
                 let g = self.guard(*unit)?;
-                let mut master = g.master();
-                let params = master.as_fp32().ok_or_else(|| {
-                    Error::internal(
-                        "streamer",
-                        "the master is stored as bf16 planes, but the device program takes fp32 weights",
-                    )
-                })?;
-                // SAFETY: the guard stays in `self.guards` until an AdamW op takes it, and the
-                // schedule orders that op after this copy's completion event.
-                let src = unsafe { HostRef::from_slice(params) };
-                Cmd::HtoD {
-                    dst,
-                    offset: 0,
-                    src,
-                    label: format!("weights unit {unit}"),
+                let label = format!("weights unit {unit}");
+                match g.master() {
+                    Master::Fp32(params) => Cmd::HtoD {
+                        dst,
+                        offset: 0,
+                        // SAFETY: the guard stays in `self.guards` until an AdamW op takes it,
+                        // and the schedule orders that op after this copy's completion event.
+                        src: unsafe { HostRef::from_slice(params) },
+                        label,
+                    },
+                    // The high plane is the bf16 copy: it streams as is.
+                    Master::Planes { hi, .. } => Cmd::HtoDBf16 {
+                        dst,
+                        offset: 0,
+                        // SAFETY: as for fp32 params.
+                        src: unsafe { HostRef::from_slice(hi) },
+                        label,
+                    },
                 }
             }
             Op::LoadActivation { index, to } => {

@@ -258,6 +258,7 @@ mod tests {
                     link: None,
                     jitter,
                     shape: crate::device::program::Shape::whole(BATCH, SEQ),
+                    precision: crate::device::Precision::Fp32,
                 },
                 tm.clone(),
             )

@@ -10,12 +10,13 @@ use super::run_dir::{self, RunDir};
 use super::Progress;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::device::program::Shape;
+use crate::device::Precision;
 use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::layers::Workspace;
 use crate::model::reference::Templates;
 use crate::optim::{AdamPool, AdamWConfig};
-use crate::store::layout::{Mode, StateLayout};
+use crate::store::layout::{MasterFormat, Mode, StateLayout};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, Machine, TopologySource};
@@ -91,7 +92,14 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     };
     let changes = settings_changed(&cfg, resumed, progress);
     // Every output, and the host and device memory, before anything big is allocated.
-    let layout = StateLayout::new(&inputs.model, mode).with_adam_state(adam_state);
+    // bf16 streams the high plane of a master stored as planes (exact fp32, no shadow copy).
+    let master = match cfg.precision {
+        Precision::Fp32 => MasterFormat::Fp32,
+        Precision::Bf16 => MasterFormat::Planes,
+    };
+    let layout = StateLayout::new(&inputs.model, mode)
+        .with_adam_state(adam_state)
+        .with_master(master);
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
     let device = open_device(&cfg, &tm, &layout)?;
@@ -684,6 +692,7 @@ fn open_device(
                 link: None,
                 jitter: None,
                 shape: cpu_shape(cfg, layout)?,
+                precision: cfg.precision,
             },
             tm.clone(),
         )?)),

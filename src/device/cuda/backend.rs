@@ -15,6 +15,7 @@ use super::pinned::{host_fn, Pinned};
 use super::runtime::{drv, CudaRuntime, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm};
+use crate::device::Precision;
 use crate::model::ops::{AttnShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t as Op};
@@ -264,6 +265,17 @@ impl Backend for CudaBackend {
 
     fn fixed_grad_blocks(&self) -> bool {
         false
+    }
+
+    fn precision(&self) -> Precision {
+        Precision::Fp32
+    }
+
+    fn round_bf16(&mut self, _p: DevPtr, _len: usize) -> Result<()> {
+        Err(Error::internal(
+            "CUDA backend",
+            "round_bf16 called on an fp32 backend",
+        ))
     }
 
     fn rmsnorm_fwd(

@@ -328,6 +328,14 @@ impl CudaDevice {
                 src,
                 label,
             } => htod(g, stream, dst, offset, &src, &label)?,
+            Cmd::HtoDBf16 { label, .. } => {
+                return Err(Error::bad_input(
+                    "CUDA device",
+                    label,
+                    "bf16 weights: the CUDA device computes in fp32 only (its bf16 tensor-core path is not built yet)",
+                    Some("use --precision fp32 on the CUDA device, or train bf16 on the CPU device"),
+                ))
+            }
             Cmd::DtoH {
                 dst,
                 src,

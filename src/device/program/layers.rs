@@ -3,7 +3,7 @@
 //! token chunks ([`Shape::chunks`]): only K, V and their gradients span the micro-batch, every
 //! other intermediate is one chunk's.
 
-use super::{Backend, Chunk, Gemm, Shape, Ws};
+use super::{Backend, Chunk, Gemm, Precision, Shape, Ws};
 use crate::model::config::ModelConfig;
 use crate::model::layers::DecoderBlock;
 use crate::model::ops::{self, AttnShape, CE_CHUNK_ROWS};
@@ -159,7 +159,19 @@ fn keys_values<B: Backend>(
     be.rmsnorm_fwd(ws.h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
     linear_fwd(be, k, ws.h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
     linear_fwd(be, v, ws.h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
-    be.rope(k, at.pos, n, blk.nkv, false)
+    be.rope(k, at.pos, n, blk.nkv, false)?;
+    stored(be, &[k, v], n * kvd)
+}
+
+/// Under [`Precision::Bf16`], the tensors at `ps` (`len` elements each) are stored in bf16:
+/// attention's inputs.
+fn stored<B: Backend>(be: &mut B, ps: &[B::P], len: usize) -> Result<()> {
+    if be.precision() == Precision::Bf16 {
+        for p in ps {
+            be.round_bf16(*p, len)?;
+        }
+    }
+    Ok(())
 }
 
 /// Pass two of a block, up to the MLP activation for the chunk's rows (as
@@ -179,6 +191,7 @@ fn query_internals<B: Backend>(
     be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
     linear_fwd(be, ws.q, ws.h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
     be.rope(ws.q, at.pos, n, blk.nh, false)?;
+    stored(be, &[ws.q], n * qd)?;
     let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
     let seq_pos = B::ids_off(pos, at.seq0);
     be.attention_fwd(ws.att, ws.lse, ws.q, k, v, seq_pos, at.attn)?;
@@ -274,6 +287,7 @@ pub fn block_bwd<B: Backend>(
         )?;
         let (dk, dv) = (B::off(ws.dk, at.seq0 * kvd), B::off(ws.dv, at.seq0 * kvd));
         let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
+        stored(be, &[ws.d_att], n * qd)?;
         be.attention_bwd(
             ws.dq,
             dk,

@@ -14,7 +14,7 @@ mod layers;
 mod shape;
 mod workspace;
 
-use super::{Batch, BufId, DeviceKernel, Kernel};
+use super::{Batch, BufId, DeviceKernel, Kernel, Precision};
 use crate::model::layers::DecoderBlock;
 use crate::model::ops::AttnShape;
 use crate::model::reference::Templates;
@@ -77,6 +77,13 @@ pub trait Backend {
     fn add(&mut self, y: Self::P, x: Self::P, len: usize) -> Result<()>;
     /// `dst = 0` over `len` elements.
     fn zero(&mut self, dst: Self::P, len: usize) -> Result<()>;
+    /// The precision the backend computes in: under [`Precision::Bf16`] its GEMMs round their
+    /// operands to bf16 (fp32 sums and results), and the program stores attention's Q, K, V
+    /// and output gradient in bf16 ([`Backend::round_bf16`]).
+    fn precision(&self) -> Precision;
+    /// Round `len` elements at `p` to bf16 (nearest even) in place: a tensor the device stores
+    /// in bf16. Only called under [`Precision::Bf16`].
+    fn round_bf16(&mut self, p: Self::P, len: usize) -> Result<()>;
     /// Whether weight-gradient GEMMs run in the fixed row blocks of
     /// [`crate::model::ops::grad_blocks`] (the CPU: bits that do not depend on the chunking) or
     /// as one GEMM over a chunk's rows (a GPU: fewer, larger GEMMs).

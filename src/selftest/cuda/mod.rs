@@ -28,6 +28,7 @@ pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
             link: None,
             jitter: None,
             shape: crate::device::program::Shape::whole(BATCH, SEQ),
+            precision: crate::device::Precision::Fp32,
         },
         tm.clone(),
     )?);

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Golden data for `megatrain train --precision bf16`, from PyTorch + transformers running
+megatrain's bf16 recipe (docs/precision.md) over an fp32 master:
+
+  - every parameter is used as its bf16 rounding (nearest, ties toward the truncated value: the
+    high plane of the master, what the device streams); its gradient reaches the fp32 master
+    unchanged (straight through) and is fp32;
+  - every linear layer (the LM head too) is a bf16 GEMM with fp32 accumulation and an fp32
+    result: forward y = bf16(x)·Wᵀ; backward dx = bf16(dy)·W, dW = bf16(dy)ᵀ·bf16(x) (fp32
+    sums), db = Σ dy;
+  - attention takes Q and K after RoPE and V rounded to bf16 (round to nearest even, as the
+    device stores them), and the gradient of its output rounded to bf16; softmax, its statistics
+    and every other op (norms, SwiGLU, residual adds, cross-entropy) are fp32.
+
+Data, loss and optimizer semantics are tools/golden_train.py's. For each case writes
+tests/golden/train_{case}/ with init/, data.bin and golden.safetensors (settings carry
+"precision": "bf16").
+Run:  python3 tools/golden_train_bf16.py
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.models.llama import modeling_llama
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from golden_train import BASE, MAGIC, VERSION, lr_at  # noqa: E402
+
+CASES = {
+    "bf16_gqa": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=0.0, lr=3e-3, warmup=2, wd=0.0),
+    "bf16_tied": dict(heads=4, kv=2, tied=True, B=1, T=24, M=1, steps=4, clip=0.0, lr=2e-3, warmup=0, wd=0.01),
+    "bf16_clip": dict(heads=4, kv=1, tied=False, B=2, T=16, M=1, steps=4, clip=0.5, lr=3e-3, warmup=1, wd=0.1),
+    "bf16_accum": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1),
+}
+
+
+def rne(x):
+    """fp32 → bf16 → fp32, round to nearest even (torch's and CUDA's conversion)."""
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def hi_plane(x):
+    """The master's high plane as fp32: nearest bf16, ties toward the truncated value."""
+    b = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = (((b + 0x7FFF) >> 16) << 16) & 0xFFFFFFFF
+    r = torch.where(r >= 2**31, r - 2**32, r).to(torch.int32)
+    return r.view(torch.float32)
+
+
+class Param(torch.autograd.Function):
+    """A parameter as the device sees it (its high plane); the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return hi_plane(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Stored(torch.autograd.Function):
+    """A tensor stored in bf16 (round to nearest even); the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return rne(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class GradStored(torch.autograd.Function):
+    """Identity forward; the gradient is stored in bf16 (rounded to nearest even)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return rne(g)
+
+
+class Bf16Linear(torch.autograd.Function):
+    """y = bf16(x)·bf16(W)ᵀ (+ b) with fp32 sums; backward as the module docstring says."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        xr, wr = rne(x), hi_plane(w)
+        ctx.save_for_backward(xr, wr)
+        ctx.has_bias = b is not None
+        y = xr @ wr.t()
+        if b is not None:
+            y = y + hi_plane(b)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xr, wr = ctx.saved_tensors
+        dyr = rne(dy)
+        dx = dyr @ wr
+        dw = dyr.reshape(-1, dyr.shape[-1]).t() @ xr.reshape(-1, xr.shape[-1])
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db
+
+
+def linear_forward(self, x):
+    return Bf16Linear.apply(x, self.weight, self.bias)
+
+
+def embedding_forward(self, ids):
+    return F.embedding(ids, Param.apply(self.weight))
+
+
+def rmsnorm_forward(self, h):
+    h = h.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    return Param.apply(self.weight) * (h * torch.rsqrt(var + self.variance_epsilon))
+
+
+def bf16_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention in fp32 on bf16-stored Q (after RoPE), K (after RoPE) and V; the output's
+    gradient is stored in bf16."""
+    q, k, v = Stored.apply(query), Stored.apply(key), Stored.apply(value)
+    k = modeling_llama.repeat_kv(k, module.num_key_value_groups)
+    v = modeling_llama.repeat_kv(v, module.num_key_value_groups)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling
+    # A registered attention gets no mask for plain causal attention (it is implied, as for
+    # SDPA's is_causal): apply it here; a given mask is additive.
+    if attention_mask is None:
+        tq, tk = w.shape[-2], w.shape[-1]
+        attention_mask = torch.full((tq, tk), float("-inf")).triu(1 + tk - tq)
+    w = w + attention_mask
+    w = F.softmax(w, dim=-1, dtype=torch.float32)
+    out = torch.matmul(w, v).transpose(1, 2).contiguous()
+    return GradStored.apply(out), w
+
+
+def install_recipe():
+    nn.Linear.forward = linear_forward
+    nn.Embedding.forward = embedding_forward
+    modeling_llama.LlamaRMSNorm.forward = rmsnorm_forward
+    AttentionInterface.register("megatrain_bf16", bf16_attention)
+
+
+def run(case, c, seed):
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", f"train_{case}")
+    os.makedirs(root, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    d = dict(BASE, num_attention_heads=c["heads"], num_key_value_heads=c["kv"], tie_word_embeddings=c["tied"])
+    cfg = AutoConfig.for_model("llama", **d)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="megatrain_bf16")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(os.path.join(root, "init"), safe_serialization=True)
+    B, T, M, S = c["B"], c["T"], c["M"], c["steps"]
+    rows = B * M * S + 1
+    tokens = torch.randint(0, cfg.vocab_size, (rows * (T + 1),), generator=g)
+    with open(os.path.join(root, "data.bin"), "wb") as f:
+        f.write(tokens.to(torch.int32).numpy().astype("<u2").tobytes())
+    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=c["wd"])
+    losses, norms = [], []
+    r = 0
+    for t in range(1, S + 1):
+        for pg in opt.param_groups:
+            pg["lr"] = lr_at(c, t)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(M):
+            batch = torch.stack([tokens[(r + i) * (T + 1):(r + i + 1) * (T + 1)] for i in range(B)])
+            r += B
+            logits = model(input_ids=batch[:, :T]).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1), reduction="sum") / (B * T * M)
+            loss.backward()
+            total += loss.item()
+        params = [p for p in model.parameters()]
+        norm = torch.nn.utils.clip_grad_norm_(params, c["clip"] if c["clip"] > 0 else float("inf"))
+        losses.append(total)
+        norms.append(norm.item())
+        opt.step()
+    out = {"loss": torch.tensor(losses, dtype=torch.float32), "grad_norm": torch.tensor(norms, dtype=torch.float32)}
+    for n, p in model.named_parameters():
+        out[f"final.{n}"] = p.detach().clone()
+    meta = {"magic": MAGIC, "version": VERSION, "generator": "tools/golden_train_bf16.py", "torch": torch.__version__,
+            "settings": json.dumps(dict(c, precision="bf16"))}
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(root, "golden.safetensors"), metadata=meta)
+    print(f"wrote {root}", file=sys.stderr)
+
+
+def main():
+    torch.set_num_threads(1)
+    install_recipe()
+    for i, (case, c) in enumerate(CASES.items()):
+        run(case, c, 400 + i)
+
+
+if __name__ == "__main__":
+    main()
