@@ -597,7 +597,7 @@ pub fn suggest(
             ));
         }
     }
-    // `--precision bf16` is not offered: the trainer does not stream bf16 yet.
+    // `--precision bf16` is not offered: the CUDA device does not compute in bf16 yet.
     if !req.spill_moments {
         tries.push((
             "--nvme DIR".into(),
