@@ -7,7 +7,6 @@
 use super::program::{Backend, Gemm};
 use super::Precision;
 use crate::model::ops::{self, AttnShape, Rope};
-use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -127,7 +126,7 @@ thread_local! {
 }
 
 /// `x` rounded to bf16 (nearest even) and back: exactly what a bf16 store keeps (a NaN stays a
-/// quiet NaN). Branch-free, so that loops over it vectorise; equal to
+/// quiet NaN). Branch-free, so that loops over it vectorise; equal to the optimizer's
 /// `bf16_to_f32(f32_to_bf16(x))` (tested).
 #[inline(always)]
 fn bf16_value(x: f32) -> f32 {
@@ -498,6 +497,7 @@ impl Backend for HostBackend<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 
     /// Under bf16, a GEMM is the fp32 GEMM of its operands rounded to bf16 (nearest even), bit
     /// for bit, in every transpose and with accumulation; `round_bf16` is that rounding.
