@@ -5,7 +5,10 @@
 pub mod presets;
 pub mod sim;
 
-use crate::device::program::{workspace_bytes, Shape, CHUNK_ALIGN};
+use crate::device::program::{
+    bf16_device_bytes, bf16_operand_bytes, workspace_bytes, Shape, CHUNK_ALIGN,
+};
+use crate::device::Precision;
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout};
@@ -323,19 +326,28 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     // The spill tier's staging slots (read ahead, update, write back) replace what spills.
     host = host - nvme + staging;
     let activations = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
-    let elem = if req.bf16 { 2 } else { 4 };
-    // Two buffers of weights (streamed dtype) and of fp32 grads.
-    let double_buffers = 2 * layout.max_unit_numel() as u64 * (elem + 4);
+    // Two buffers of weights and of grads, fp32 on the device in both precisions (bf16 weights
+    // are widened on arrival).
+    let double_buffers = 2 * layout.max_unit_numel() as u64 * (4 + 4);
+    // bf16: the weight staging is set aside; the GEMM operand buffers grow with the chunk and
+    // are fitted with it, as the CUDA device does.
+    let precision = if req.bf16 {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    };
+    let staging = bf16_device_bytes(model, micro_shape(req), precision)
+        - bf16_operand_bytes(model, micro_shape(req), precision);
     // dx/dy and the two buffers of host-offloaded activations, then the device program's layer
     // workspace (what the devices allocate) in the largest token chunks that fit beside them.
     let boundary = 4 * tokens_mb * c * 4;
     let gpu_budget = (hw.gpu_memory_bytes as f64 * USABLE) as u64;
     let shape = layer_chunks(
         model,
-        req,
-        gpu_budget.saturating_sub(double_buffers + boundary),
+        (req, precision),
+        gpu_budget.saturating_sub(double_buffers + boundary + staging),
     );
-    let act = workspace_bytes(model, shape) + boundary;
+    let act = workspace_bytes(model, shape) + boundary + bf16_device_bytes(model, shape, precision);
     // On the device the L+1 checkpoints replace the two buffers of offloaded ones.
     let activations_fit_device =
         double_buffers + act - 2 * tokens_mb * c * 4 + activations <= gpu_budget;
@@ -352,13 +364,24 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     }
 }
 
-/// The micro-batch's shape on the device: the largest token chunks whose layer workspace fits
-/// `budget` bytes, or the smallest chunks when none does (the plan then reports the shortfall).
-fn layer_chunks(model: &ModelConfig, req: &PlanRequest, budget: u64) -> Shape {
+/// The micro-batch's shape, unchunked.
+fn micro_shape(req: &PlanRequest) -> Shape {
     let t = req.seq_len.min(req.micro_tokens()) as usize;
     let b = (req.micro_tokens() as usize / t.max(1)).max(1);
     Shape::whole(b, t)
-        .fit(model, budget, "the GPU")
+}
+
+/// The micro-batch's shape on the device: the largest token chunks whose layer workspace fits
+/// `budget` bytes, or the smallest chunks when none does (the plan then reports the shortfall).
+fn layer_chunks(
+    model: &ModelConfig,
+    (req, precision): (&PlanRequest, Precision),
+    budget: u64,
+) -> Shape {
+    let whole = micro_shape(req);
+    let (b, t) = (whole.b, whole.t);
+    whole
+        .fit(model, precision, budget, "the GPU")
         .unwrap_or_else(|_| {
             Shape::chunked(b, t, CHUNK_ALIGN.min(t.max(1))).unwrap_or(Shape::whole(b, t))
         })

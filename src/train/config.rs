@@ -489,14 +489,6 @@ impl TrainConfig {
                 "pass --nvme DIR (one per NVMe device)",
             );
         }
-        if self.precision == Precision::Bf16 && self.device == DeviceKind::Cuda {
-            return Err(Error::bad_input(
-                "--precision",
-                "bf16",
-                "the CUDA device computes in fp32 only: its bf16 tensor-core path is not built yet (the CPU device runs the bf16 recipe)",
-                Some("use --precision fp32 with --device cuda, or --device cpu"),
-            ));
-        }
         if self.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
             return Err(Error::bad_input(
                 "device",
@@ -612,24 +604,6 @@ mod tests {
         }
         .validate()
         .is_err());
-    }
-
-    /// bf16 trains on the CPU device; the CUDA device, fp32 only for now, refuses it by name.
-    #[test]
-    fn bf16_is_refused_on_cuda_only() {
-        let bf16 = TrainConfig {
-            precision: Precision::Bf16,
-            ..Default::default()
-        };
-        bf16.validate().unwrap();
-        let e = TrainConfig {
-            device: DeviceKind::Cuda,
-            ..bf16
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("--precision") && e.contains("fp32 only"), "{e}");
     }
 
     /// Values wrong whatever the data are refused by key: non-positive eps, negative weight

@@ -565,6 +565,8 @@ fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
     Shape::whole(cfg.batch_size, cfg.seq_len)
         .fit(
             &layout.config,
+            // The CPU device rounds bf16 operands in host scratch, outside its arena.
+            Precision::Fp32,
             cfg.device_memory.saturating_sub(reserve),
             &format!(
                 "--device-memory {}, {} of it for the step's weight, gradient and activation buffers",
@@ -704,6 +706,7 @@ fn open_device(
                 reserve_bytes: step_buffers(cfg, layout),
                 capacity_bytes: None,
                 tf32: cfg.tf32,
+                precision: cfg.precision,
             },
             tm.clone(),
         )?)),

@@ -47,17 +47,29 @@ pub struct CudaBackend {
     positions_of: Option<Arc<[u32]>>,
     losses: Pinned,
     smem: usize,
+    /// Under bf16: two bf16 buffers for a GEMM's operands (and a tensor being rounded).
+    bf16: Option<Bf16Operands>,
+}
+
+/// The bf16 copies of a GEMM's two operands ([`crate::device::program::bf16_operand_elems`]
+/// elements each).
+#[derive(Debug)]
+struct Bf16Operands {
+    a: CudaSlice<u16>,
+    b: CudaSlice<u16>,
+    elems: usize,
 }
 
 impl CudaBackend {
     /// A backend on `stream` for micro-batches of up to `n` tokens, rotating with `rope`.
-    /// `tf32` lets cuBLAS use TF32 tensor cores for the fp32 GEMMs.
+    /// `tf32` lets cuBLAS use TF32 tensor cores for the fp32 GEMMs. `bf16_operands`: the bf16
+    /// recipe, with operand buffers of this many elements; `None`: fp32.
     pub fn new(
         rt: Arc<CudaRuntime>,
         stream: Arc<CudaStream>,
         rope: &Rope,
         n: usize,
-        tf32: bool,
+        (tf32, bf16_operands): (bool, Option<usize>),
     ) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda("create a handle", e))?;
         let mode = if tf32 {
@@ -75,6 +87,22 @@ impl CudaBackend {
         let ids = IdsBuffer::new(&rt, &stream, n)?;
         let positions = IdsBuffer::new(&rt, &stream, n)?;
         let losses = Pinned::new(&rt.ctx, 4 * n.max(1))?;
+        let bf16 = match bf16_operands {
+            Some(elems) => {
+                let alloc = || {
+                    drv(
+                        stream.alloc_zeros::<u16>(elems.max(1)),
+                        "allocate the bf16 GEMM operands",
+                    )
+                };
+                Some(Bf16Operands {
+                    a: alloc()?,
+                    b: alloc()?,
+                    elems,
+                })
+            }
+            None => None,
+        };
         Ok(CudaBackend {
             rt,
             stream,
@@ -87,7 +115,64 @@ impl CudaBackend {
             positions_of: None,
             losses,
             smem: launch::DEFAULT_SMEM,
+            bf16,
         })
+    }
+
+    /// The bf16 operand buffers' addresses, when `elems` fit them (`what` names the use).
+    fn bf16_operands(&self, elems: usize, what: &str) -> Result<(DevPtr, DevPtr)> {
+        let o = self.bf16.as_ref().ok_or_else(|| {
+            Error::internal("CUDA backend", format!("{what}: bf16 on an fp32 backend"))
+        })?;
+        if elems > o.elems {
+            return Err(Error::internal(
+                "CUDA backend",
+                format!("{what}: {elems} elements for bf16 buffers of {}", o.elems),
+            ));
+        }
+        let (a, _ga) = o.a.device_ptr(&self.stream);
+        let (b, _gb) = o.b.device_ptr(&self.stream);
+        Ok((a, b))
+    }
+
+    /// `C = op(A)·op(B)` on bf16 copies of A and B, fp32 sums and result (`cublasGemmEx`).
+    fn gemm_bf16(&mut self, g: Gemm<DevPtr>, c: launch::ColMajorGemm) -> Result<()> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+        let (a_len, b_len) = (g.m * g.k, g.k * g.n);
+        let (a16, b16) = self.bf16_operands(a_len.max(b_len), "gemm")?;
+        let sms = self.sms();
+        self.k()
+            .cast_f32_bf16(launch::elementwise(a_len, sms), a16, g.a, a_len as i64)?;
+        self.k()
+            .cast_f32_bf16(launch::elementwise(b_len, sms), b16, g.b, b_len as i64)?;
+        let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
+        // SAFETY: the operand buffers hold the bf16 copies of A (m·k) and B (k·n), written
+        // before this call on the same stream; C holds m·n fp32 (checked by the program).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                op(c.trans_first),
+                op(c.trans_second),
+                i32_of(c.m, "gemm m")?,
+                i32_of(c.n, "gemm n")?,
+                i32_of(c.k, "gemm k")?,
+                (&alpha as *const f32).cast(),
+                b16 as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                i32_of(c.ld_first, "gemm ld")?,
+                a16 as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                i32_of(c.ld_second, "gemm ld")?,
+                (&beta as *const f32).cast(),
+                g.c as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                i32_of(c.ldc, "gemm ld")?,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::cuda("gemm_ex bf16", e))
     }
 
     fn sms(&self) -> u32 {
@@ -215,6 +300,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let c = launch::row_major_gemm(g.m, g.k, g.n, g.ta, g.tb);
+        if self.bf16.is_some() {
+            return self.gemm_bf16(g, c);
+        }
         let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: the program checked that A, B and C hold m·k, k·n and m·n elements.
@@ -268,14 +356,18 @@ impl Backend for CudaBackend {
     }
 
     fn precision(&self) -> Precision {
-        Precision::Fp32
+        match self.bf16 {
+            Some(_) => Precision::Bf16,
+            None => Precision::Fp32,
+        }
     }
 
-    fn round_bf16(&mut self, _p: DevPtr, _len: usize) -> Result<()> {
-        Err(Error::internal(
-            "CUDA backend",
-            "round_bf16 called on an fp32 backend",
-        ))
+    fn round_bf16(&mut self, p: DevPtr, len: usize) -> Result<()> {
+        // To bf16 (nearest even) in the first operand buffer, and back.
+        let (a16, _) = self.bf16_operands(len, "round_bf16")?;
+        let l = launch::elementwise(len, self.sms());
+        self.k().cast_f32_bf16(l, a16, p, len as i64)?;
+        self.k().cast_bf16_f32(l, p, a16, len as i64)
     }
 
     fn rmsnorm_fwd(

@@ -20,11 +20,13 @@
 //! is exercised against the CPU device's checks.
 
 use super::backend::CudaBackend;
+use super::launches::Launcher;
 use super::pinned::{host_fn, CudaRegistrar, Pinned};
 use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
 use crate::device::program::{self, Shape, Ws};
 use crate::device::{
-    BufId, Cmd, Device, DeviceKernel, Event, HostRef, MemStats, OpRecord, StreamKind,
+    launch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, MemStats, OpRecord, Precision,
+    StreamKind,
 };
 use crate::host::HostRegistrar;
 use crate::model::reference::Templates;
@@ -54,6 +56,8 @@ pub struct CudaDeviceConfig {
     pub capacity_bytes: Option<u64>,
     /// TF32 tensor cores for the fp32 GEMMs (cuBLAS `CUBLAS_TF32_TENSOR_OP_MATH`).
     pub tf32: bool,
+    /// The precision the kernels compute in.
+    pub precision: Precision,
 }
 
 #[derive(Debug)]
@@ -188,6 +192,9 @@ pub struct CudaDevice {
     shape: Shape,
     ws_layout: Ws<usize>,
     ws: DevPtr,
+    /// Under bf16: where a unit's bf16 weights land before they are widened into their fp32
+    /// buffer (the copy-in stream's, one unit at a time), and its capacity in elements.
+    staging: Option<(DevPtr, usize)>,
     epoch: Instant,
     epoch_event: CudaEvent,
     /// The event the last batch of records was measured from, and its seconds since the epoch.
@@ -226,9 +233,16 @@ impl CudaDevice {
         let capacity = cfg
             .capacity_bytes
             .unwrap_or(free.saturating_sub(RESERVE_BYTES));
+        // Under bf16 the weight staging is set aside, and the workspace is fitted with the GEMM
+        // operand buffers (they grow with the chunk).
+        let staging = match cfg.precision {
+            Precision::Fp32 => 0,
+            Precision::Bf16 => 2 * program::max_unit_numel(&templates.config) as u64,
+        };
         let shape = cfg.shape.fit(
             &templates.config,
-            capacity.saturating_sub(cfg.reserve_bytes),
+            cfg.precision,
+            capacity.saturating_sub(cfg.reserve_bytes + staging),
             &format!(
                 "{} usable of {}, {} of it for the step's buffers",
                 crate::util::human_bytes(capacity),
@@ -237,8 +251,16 @@ impl CudaDevice {
             ),
         )?;
         let (ws_layout, elems) = Ws::layout(&templates.config, shape);
-        let ws_bytes = 4 * elems as u64;
-        let ws = alloc_raw(ws_bytes as usize, "the layer workspace", free)?;
+        let bf16_bytes = program::bf16_device_bytes(&templates.config, shape, cfg.precision);
+        let ws_bytes = 4 * elems as u64 + bf16_bytes;
+        let ws = alloc_raw(4 * elems, "the layer workspace", free)?;
+        let staging_buf = match cfg.precision {
+            Precision::Fp32 => None,
+            Precision::Bf16 => {
+                let n = program::max_unit_numel(&templates.config);
+                Some((alloc_raw(2 * n, "the bf16 weight staging", free)?, n))
+            }
+        };
         let streams = [
             drv(rt.ctx.new_stream(), "create the copy-in stream")?,
             drv(rt.ctx.new_stream(), "create the compute stream")?,
@@ -249,7 +271,11 @@ impl CudaDevice {
             streams[StreamKind::Compute as usize].clone(),
             &templates.rope,
             shape.n(),
-            cfg.tf32,
+            (
+                cfg.tf32,
+                (cfg.precision == Precision::Bf16)
+                    .then(|| program::bf16_operand_elems(&templates.config, shape)),
+            ),
         )?;
         let epoch_event = drv(
             streams[StreamKind::Compute as usize].record_event(Some(TIMED)),
@@ -303,6 +329,7 @@ impl CudaDevice {
             shape,
             ws_layout,
             ws,
+            staging: staging_buf,
             epoch,
             epoch_event,
             anchor: Mutex::new(None),
@@ -328,14 +355,12 @@ impl CudaDevice {
                 src,
                 label,
             } => htod(g, stream, dst, offset, &src, &label)?,
-            Cmd::HtoDBf16 { label, .. } => {
-                return Err(Error::bad_input(
-                    "CUDA device",
-                    label,
-                    "bf16 weights: the CUDA device computes in fp32 only (its bf16 tensor-core path is not built yet)",
-                    Some("use --precision fp32 on the CUDA device, or train bf16 on the CPU device"),
-                ))
-            }
+            Cmd::HtoDBf16 {
+                dst,
+                offset,
+                src,
+                label,
+            } => self.htod_bf16(g, stream, dst, offset, &src, &label)?,
             Cmd::DtoH {
                 dst,
                 src,
@@ -427,6 +452,61 @@ impl CudaDevice {
             &resolve,
             &ws,
             self.shape,
+        )?;
+        Ok(Some(start))
+    }
+
+    /// bf16 weights into fp32 buffer `dst` at `offset`: copied into the staging buffer, then
+    /// widened (exactly) by a kernel, both in `stream`'s order (so the next copy waits for the
+    /// widening before it overwrites the staging).
+    fn htod_bf16(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        dst: BufId,
+        offset: usize,
+        src: &HostRef<u16>,
+        label: &str,
+    ) -> Result<Option<Span>> {
+        let (p, len) = g.buf(dst)?;
+        crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
+        let (staging, room) = self.staging.ok_or_else(|| {
+            Error::internal(
+                "CUDA device",
+                format!("{label}: bf16 weights on an fp32 device"),
+            )
+        })?;
+        if src.len() > room {
+            return Err(Error::internal(
+                "CUDA device",
+                format!(
+                    "{label}: {} bf16 elements for a staging of {room}",
+                    src.len()
+                ),
+            ));
+        }
+        let start = span(stream, format!("htod {label}"), 2 * src.len() as u64)?;
+        // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
+        // event fires; the staging buffer holds `room` ≥ len bf16 elements.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                staging,
+                src.as_ptr().cast_const().cast(),
+                2 * src.len(),
+                stream.cu_stream(),
+            )
+        };
+        drv(r.result(), &format!("host to device copy of {label}"))?;
+        let n = src.len();
+        Launcher {
+            rt: &self.rt,
+            stream,
+        }
+        .cast_bf16_f32(
+            launch::elementwise(n, self.rt.sms),
+            p + 4 * offset as u64,
+            staging,
+            n as i64,
         )?;
         Ok(Some(start))
     }
@@ -669,8 +749,12 @@ impl Drop for CudaDevice {
             // SAFETY: every stream is idle.
             unsafe { cudarc::driver::sys::cuMemFree_v2(b.ptr) };
         }
-        // SAFETY: as above; the workspace was allocated in `open`.
+        // SAFETY: as above; the workspace and the staging were allocated in `open`.
         unsafe { cudarc::driver::sys::cuMemFree_v2(self.ws) };
+        if let Some((p, _)) = self.staging {
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuMemFree_v2(p) };
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! The shape of a program run: the micro-batch and the token chunks its blocks run in.
 
-use super::workspace_bytes;
+use super::{bf16_operand_bytes, workspace_bytes, Precision};
 use crate::model::config::ModelConfig;
 use crate::{Error, Result};
 
@@ -69,10 +69,18 @@ impl Shape {
         Ok(Shape { b, t, chunk })
     }
 
-    /// The largest chunking of at most this shape's chunk whose workspace fits in `budget`
-    /// bytes (the whole micro-batch, fewer whole sequences, then parts of a sequence), or an
-    /// error naming the smallest workspace and `what` the budget is.
-    pub fn fit(self, cfg: &ModelConfig, budget: u64, what: &str) -> Result<Self> {
+    /// The largest chunking of at most this shape's chunk whose workspace (with, under bf16, a
+    /// GPU's GEMM operand buffers: [`super::bf16_operand_bytes`]) fits in `budget` bytes (the
+    /// whole micro-batch, fewer whole sequences, then parts of a sequence), or an error naming
+    /// the smallest workspace and `what` the budget is.
+    pub fn fit(
+        self,
+        cfg: &ModelConfig,
+        precision: Precision,
+        budget: u64,
+        what: &str,
+    ) -> Result<Self> {
+        let bytes = |s: Shape| workspace_bytes(cfg, s) + bf16_operand_bytes(cfg, s, precision);
         let (b, t) = (self.b, self.t);
         let whole = (1..=b.max(1)).rev().map(|nb| nb * t);
         let parts = (1..t.div_ceil(CHUNK_ALIGN)).rev().map(|k| k * CHUNK_ALIGN);
@@ -81,7 +89,7 @@ impl Shape {
             let Ok(s) = Shape::chunked(b, t, chunk) else {
                 continue;
             };
-            if workspace_bytes(cfg, s) <= budget {
+            if bytes(s) <= budget {
                 return Ok(s);
             }
             smallest = s;
@@ -91,7 +99,7 @@ impl Shape {
             what.to_owned(),
             format!(
                 "the layer workspace needs at least {} (chunks of {} tokens), {} is left for it",
-                crate::util::human_bytes(workspace_bytes(cfg, smallest)),
+                crate::util::human_bytes(bytes(smallest)),
                 smallest.chunk_rows(),
                 crate::util::human_bytes(budget)
             ),

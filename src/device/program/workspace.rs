@@ -1,7 +1,7 @@
 //! The layer workspace: the program's scratch regions in one device allocation, and the block
 //! internals [`crate::engine::Activations::Keep`] keeps for the backward.
 
-use super::{Backend, Shape};
+use super::{Backend, Precision, Shape};
 use crate::model::config::ModelConfig;
 use crate::model::ops::CE_CHUNK_ROWS;
 
@@ -239,4 +239,57 @@ impl<P: Copy> Ws<P> {
 /// Bytes of the layer workspace for the shape `s`.
 pub fn workspace_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
     4 * Ws::layout(cfg, s).1 as u64
+}
+
+/// The elements of the largest unit of `cfg` (a GPU's bf16 weight staging holds one).
+pub fn max_unit_numel(cfg: &ModelConfig) -> usize {
+    crate::model::units::units(cfg)
+        .iter()
+        .map(|u| u.numel)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Device bytes the bf16 recipe adds on a GPU beside the fp32 buffers, for shape `s`: the
+/// weight staging (one unit in bf16, widened into its fp32 buffer on arrival) and the GEMM
+/// operand buffers ([`bf16_operand_bytes`]); 0 in fp32.
+pub fn bf16_device_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
+    match precision {
+        Precision::Fp32 => 0,
+        Precision::Bf16 => 2 * max_unit_numel(cfg) as u64 + bf16_operand_bytes(cfg, s, precision),
+    }
+}
+
+/// Bytes of a GPU's two bf16 GEMM operand buffers for shape `s` ([`bf16_operand_elems`] each);
+/// 0 in fp32. They grow with the token chunk, so a chunking is fitted with them.
+pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
+    match precision {
+        Precision::Fp32 => 0,
+        Precision::Bf16 => 4 * bf16_operand_elems(cfg, s) as u64,
+    }
+}
+
+/// Under [`crate::device::Precision::Bf16`], the elements of the largest GEMM operand and of the
+/// largest tensor the program stores in bf16, for shape `s`: a device that casts operands to
+/// bf16 before a bf16 GEMM needs two bf16 buffers of this many elements. Operands are a chunk's
+/// activations (`rows × width`), a CE chunk's logits or their gradient (`rows × vocab`), or a
+/// weight matrix (`dout × din`).
+pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
+    let (c, inter, qd, kvd) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+    );
+    let rows = s.chunk_rows();
+    let ce_rows = CE_CHUNK_ROWS.min(s.n().max(1));
+    let widest = c.max(inter).max(qd).max(kvd);
+    [
+        rows * widest,
+        ce_rows * cfg.vocab_size,
+        c * cfg.vocab_size.max(inter).max(qd),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
 }

@@ -42,6 +42,7 @@ pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
             reserve_bytes: 0,
             capacity_bytes: None,
             tf32: false,
+            precision: crate::device::Precision::Fp32,
         },
         tm.clone(),
     )?);
