@@ -8,7 +8,7 @@
 use megatrain::model::config::ModelConfig;
 use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig, Isa};
 use megatrain::optim::moments::{self, bf16_stochastic, hash32, Quantizer};
-use megatrain::optim::{unit_segments, AdamPool, Salts, Segment};
+use megatrain::optim::{piece_segments, unit_segments, AdamPool, Salts, Segment};
 use megatrain::store::layout::{AdamState, MasterFormat, Mode, StateLayout, INT8_BLOCK};
 use megatrain::store::placement::{place, RamBudget};
 use megatrain::store::{planes, HostBuffer, HostStore, StoreOptions};
@@ -216,4 +216,76 @@ fn lean_job_without_buffer_is_an_error() {
     assert!(e.to_string().contains("gradient buffer"), "{e}");
     // The guard was dropped with the failed submit: the unit is free again.
     assert!(s.take(1).is_ok());
+}
+
+/// Lean mode updates a unit larger than its piece in pieces, one job each (the lean buffer
+/// holding just that piece's gradients): the same bits as the reference's whole-unit update in
+/// every moment and master format (int8 blocks and bf16 rounding indices are the unit's, not
+/// the piece's), and the pieces' Σ g² add up to the unit's.
+#[test]
+fn pieces_give_the_whole_update_in_every_format() {
+    let cfg = AdamWConfig {
+        lr: 2e-3,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    // Pieces of two int8 blocks: every unit of the test model but the norms-only ones spans
+    // several, the last one shorter.
+    let piece = 2 * INT8_BLOCK;
+    for master in [MasterFormat::Fp32, MasterFormat::Planes] {
+        for state in [AdamState::Fp32, AdamState::Bf16, AdamState::Int8] {
+            let s = store(Mode::Lean, state, master);
+            let pool = AdamPool::for_placement(s.placement(), Some(2)).unwrap();
+            for u in 0..s.num_units() {
+                let mut guard = s.take(u).unwrap();
+                let n = guard.numel();
+                let seed = 7 * u as u64 + 1;
+                let (p0, g0, m0) = (rand(n, seed), rand(n, seed + 1), rand(n, seed + 2));
+                let v0: Vec<f32> = rand(n, seed + 3).iter().map(|x| x * x).collect();
+                let mut sh = guard.shards().unwrap();
+                sh.params.write(0, &p0);
+                moments::from_f32(state, &m0, sh.m, true);
+                moments::from_f32(state, &v0, sh.v, false);
+                let (mut m, mut v) = (sh.m.to_vec(), sh.v.to_vec());
+                let segs = unit_segments(s.layout(), u, &cfg, 2, 1.0, true);
+                let salts = Salts::new(5, 2, u);
+                let mut p = p0.clone();
+                reference(state, (&mut p, &g0), (&mut m, &mut v), &segs, salts);
+                let node = s.placement().worker_node(u).unwrap();
+                let mut sumsq = 0.0;
+                for start in (0..n).step_by(piece) {
+                    let r = start..(start + piece).min(n);
+                    let mut b = HostBuffer::allocate("lean gradient buffer", r.len(), None, vec![])
+                        .unwrap();
+                    b.as_mut_slice().copy_from_slice(&g0[r.clone()]);
+                    let job = pool
+                        .submit(node, guard, Some(b), piece_segments(&segs, r), salts)
+                        .unwrap();
+                    let done = job.wait().unwrap();
+                    sumsq += done.sumsq;
+                    guard = done.guard;
+                }
+                let what = format!("{state:?} {master:?} unit {u}");
+                let got = guard.shards().unwrap();
+                let same = got
+                    .params
+                    .to_vec()
+                    .iter()
+                    .zip(&p)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{what}: params");
+                assert!(got.m == &m[..] && got.v == &v[..], "{what}: moments");
+                let want: f64 = g0.iter().map(|x| f64::from(*x) * f64::from(*x)).sum();
+                assert!(
+                    (sumsq - want).abs() <= 1e-9 * want,
+                    "{what}: Σg² {sumsq} vs {want}"
+                );
+                // A piece not starting on a whole int8 block is refused.
+                if state == AdamState::Int8 && n > piece {
+                    let segs = piece_segments(&segs, 100..n);
+                    assert!(pool.submit(node, guard, None, segs, salts).is_err());
+                }
+            }
+        }
+    }
 }

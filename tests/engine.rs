@@ -713,3 +713,64 @@ fn bf16_streams_half_the_weight_bytes_and_tracks_fp32() {
         den.sqrt()
     );
 }
+
+/// A bf16 device needs a master stored as planes (it streams their high plane), an fp32 device
+/// an fp32 master: a mismatch is refused when the streamer opens, naming both.
+#[test]
+fn device_precision_and_master_format_must_agree() {
+    let c = cfg(1, false);
+    for (master, precision) in [
+        (MasterFormat::Fp32, Precision::Bf16),
+        (MasterFormat::Planes, Precision::Fp32),
+    ] {
+        let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
+        let machine = probe(&TopologySource::Live).unwrap();
+        let placement = place_with_spill(
+            &machine,
+            &layout,
+            None,
+            RamBudget::default(),
+            SpillRequest::default(),
+        )
+        .unwrap();
+        let store =
+            HostStore::allocate(layout.clone(), placement, &StoreOptions::default()).unwrap();
+        let pool = AdamPool::for_placement(store.placement(), Some(1)).unwrap();
+        let tm = Arc::new(Templates::new(&layout.config, T).unwrap());
+        let device = Arc::new(
+            CpuDevice::new(
+                CpuDeviceConfig {
+                    capacity_bytes: 64 << 20,
+                    link: None,
+                    jitter: None,
+                    shape: Shape::whole(B, T),
+                    precision,
+                },
+                tm.clone(),
+            )
+            .unwrap(),
+        );
+        let e = Streamer::new(
+            device,
+            store,
+            pool,
+            tm,
+            StreamerConfig {
+                batch: B,
+                seq: T,
+                micro_batches: 1,
+                activations: Activations::Host,
+                adam: AdamWConfig::default(),
+                grad_clip: 0.0,
+                decay_norms: true,
+                seed: 0,
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(precision.name()) && e.contains(master.name()),
+            "{e}"
+        );
+    }
+}

@@ -193,6 +193,7 @@ pub struct CpuDevice {
     handles: Vec<JoinHandle<()>>,
     workspace_bytes: u64,
     shape: Shape,
+    precision: Precision,
 }
 
 fn xorshift(s: &mut u64) -> u64 {
@@ -314,6 +315,7 @@ impl CpuDevice {
             handles,
             workspace_bytes,
             shape: cfg.shape,
+            precision: cfg.precision,
         })
     }
 
@@ -523,6 +525,10 @@ impl Device for CpuDevice {
 
     fn shape(&self) -> Shape {
         self.shape
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {

@@ -127,7 +127,7 @@ pub struct HostRef<T = f32> {
 
 // SAFETY: a HostRef is only dereferenced by the stream that executes the copy, while its creator
 // keeps the memory alive and unaliased (the contract of `HostRef::new`).
-unsafe impl<T> Send for HostRef<T> {}
+unsafe impl<T: Send> Send for HostRef<T> {}
 
 impl<T> HostRef<T> {
     /// # Safety
@@ -502,6 +502,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn memory(&self) -> MemStats;
     /// The micro-batch shape and token chunks its layer program runs.
     fn shape(&self) -> program::Shape;
+    /// The precision its layer program computes in.
+    fn precision(&self) -> Precision;
     /// Reset the peak to the current use.
     fn reset_peak(&self);
     /// Executed commands since the last call (the device's timeline), emptied.

@@ -14,11 +14,13 @@ use super::schedule::{
     schedule, Activations, DevBuf, Lane, LeanPieces, Op, Schedule, ScheduleSpec, Task,
 };
 use super::trace::{Span, Timeline};
-use crate::device::{Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, StreamKind};
+use crate::device::{
+    Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, Precision, StreamKind,
+};
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{piece_segments, unit_segments, AdamJob, AdamPool, Salts};
-use crate::store::layout::{Mode, StateLayout};
+use crate::store::layout::{MasterFormat, Mode, StateLayout};
 use crate::store::{HostBuffer, HostStore, Master, UnitGuard};
 use crate::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -193,6 +195,20 @@ impl Streamer {
                 cfg.micro_batches.to_string(),
                 "lean mode consumes each unit's gradients as they land, so it cannot accumulate micro-batches",
                 Some("use --mode exact for gradient accumulation"),
+            ));
+        }
+        // bf16 streams the high plane of a planes master, and only a bf16 device takes it.
+        let streams_bf16 = layout.master == MasterFormat::Planes;
+        if streams_bf16 != (device.precision() == Precision::Bf16) {
+            return Err(Error::bad_input(
+                "precision",
+                device.precision().name(),
+                format!(
+                    "the device computes in {} but the master is stored as {} (bf16 needs planes, fp32 an fp32 master)",
+                    device.precision().name(),
+                    layout.master.name()
+                ),
+                Some("open the store and the device with the same --precision"),
             ));
         }
         if cfg.micro_batches == 0 || cfg.batch == 0 || cfg.seq == 0 {

@@ -389,7 +389,12 @@ fn stager_loop(rx: &std::sync::mpsc::Receiver<StageJob>) {
         {
             Ok(p) => p,
             Err(e) => {
-                job.guard.unstage_clean();
+                // A piece after the first leaves state its earlier pieces updated: write it back.
+                if job.range.start > 0 {
+                    job.guard.unstage();
+                } else {
+                    job.guard.unstage_clean();
+                }
                 job.outer.put_guard(job.guard);
                 job.outer.finish(0, 0.0, Some(e.to_string()));
                 continue;

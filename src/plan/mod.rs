@@ -620,7 +620,8 @@ pub fn suggest(
             ));
         }
     }
-    // `--precision bf16` is not offered: the CUDA device does not compute in bf16 yet.
+    // `--precision` is not offered: it changes no host byte (the master takes 4 B/param as fp32
+    // or as bf16 planes).
     if !req.spill_moments {
         tries.push((
             "--nvme DIR".into(),

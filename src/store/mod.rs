@@ -847,7 +847,11 @@ mod tests {
             let mut m = g.master();
             assert!(m.as_fp32().is_none());
             m.write(0, x);
-            g.shards().unwrap().v.fill(0xff);
+            // Every other shard of the unit written over: the planes share no byte with them.
+            let sh = g.shards().unwrap();
+            sh.m.fill(0xff);
+            sh.v.fill(0xff);
+            sh.grads.unwrap().fill(f32::NAN);
         }
         for (u, x) in values.iter().enumerate() {
             let mut g = s.take(u).unwrap();

@@ -201,6 +201,30 @@ pub struct CudaDevice {
     anchor: Mutex<Option<(CudaEvent, f64)>>,
 }
 
+/// A device allocation freed on drop unless released: what `open` holds until it succeeds.
+struct RawAlloc(DevPtr);
+
+impl RawAlloc {
+    fn new(bytes: usize, label: &str, free: u64) -> Result<Self> {
+        alloc_raw(bytes, label, free).map(RawAlloc)
+    }
+
+    /// The pointer, now the caller's to free.
+    fn release(self) -> DevPtr {
+        let p = self.0;
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for RawAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `alloc_raw` and used by no stream yet (`open` failed before
+        // handing it to one).
+        unsafe { cudarc::driver::sys::cuMemFree_v2(self.0) };
+    }
+}
+
 fn alloc_raw(bytes: usize, label: &str, free: u64) -> Result<DevPtr> {
     let mut p: DevPtr = 0;
     // SAFETY: writes one device pointer.
@@ -253,12 +277,12 @@ impl CudaDevice {
         let (ws_layout, elems) = Ws::layout(&templates.config, shape);
         let bf16_bytes = program::bf16_device_bytes(&templates.config, shape, cfg.precision);
         let ws_bytes = 4 * elems as u64 + bf16_bytes;
-        let ws = alloc_raw(4 * elems, "the layer workspace", free)?;
+        let ws = RawAlloc::new(4 * elems, "the layer workspace", free)?;
         let staging_buf = match cfg.precision {
             Precision::Fp32 => None,
             Precision::Bf16 => {
                 let n = program::max_unit_numel(&templates.config);
-                Some((alloc_raw(2 * n, "the bf16 weight staging", free)?, n))
+                Some((RawAlloc::new(2 * n, "the bf16 weight staging", free)?, n))
             }
         };
         let streams = [
@@ -328,8 +352,8 @@ impl CudaDevice {
             templates,
             shape,
             ws_layout,
-            ws,
-            staging: staging_buf,
+            ws: ws.release(),
+            staging: staging_buf.map(|(a, n)| (a.release(), n)),
             epoch,
             epoch_event,
             anchor: Mutex::new(None),
@@ -577,6 +601,13 @@ impl Device for CudaDevice {
 
     fn shape(&self) -> Shape {
         self.shape
+    }
+
+    fn precision(&self) -> Precision {
+        match self.staging {
+            Some(_) => Precision::Bf16,
+            None => Precision::Fp32,
+        }
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {

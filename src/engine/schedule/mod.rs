@@ -239,6 +239,10 @@ struct Builder {
     next_w: usize,
     next_g: usize,
     next_lean: usize,
+    /// Lean pieces (unit, gradient buffer, piece) held back until the next kernel is submitted:
+    /// a piece that refills the lean buffer of the same unit's piece before it waits for that
+    /// piece's AdamW job, and the device must have work queued meanwhile.
+    deferred: std::collections::VecDeque<(usize, DevBuf, usize)>,
     /// Units in update order (lean: as their gradients land; exact: 0..=L+1 after the clip).
     updates: Vec<usize>,
 }
@@ -313,26 +317,17 @@ impl Builder {
     }
 
     /// Unit u's gradients leave the device. Exact mode: into its shard, and after the last
-    /// micro-batch its Σg² is added to the norm. Lean mode: piece by piece, each into the next
-    /// lean buffer and updated at once.
+    /// micro-batch its Σg² is added to the norm. Lean mode (one micro-batch): piece by piece,
+    /// each into the next lean buffer and updated at once; pieces past the lean buffers wait
+    /// for the next kernel ([`Builder::flush_deferred`]).
     fn drain(&mut self, unit: usize, from: DevBuf, spec: &ScheduleSpec, mb: usize) {
-        if spec.mode == Mode::Lean {
+        if spec.mode == Mode::Lean && mb + 1 == spec.micro_batches {
             for piece in 0..spec.lean_pieces.of_unit(unit, spec.layers) {
-                let k = self.next_lean;
-                self.next_lean = (k + 1) % LEAN_BUFFERS;
-                self.push(
-                    Lane::Stream(StreamKind::CopyOut),
-                    Op::CopyGrads {
-                        unit,
-                        from,
-                        accumulate: false,
-                        lean: Some(k),
-                        piece,
-                    },
-                    vec![Res::Dev(from)],
-                    vec![Res::Lean(k)],
-                );
-                self.adam(unit, Some(k), piece);
+                if piece < LEAN_BUFFERS {
+                    self.drain_piece(unit, from, piece);
+                } else {
+                    self.deferred.push_back((unit, from, piece));
+                }
             }
             return;
         }
@@ -354,6 +349,35 @@ impl Builder {
                 vec![Res::Grads(unit), Res::Norm],
                 vec![Res::Norm],
             );
+        }
+    }
+
+    /// Piece `piece` of unit u's gradients into the next lean buffer, and its update.
+    fn drain_piece(&mut self, unit: usize, from: DevBuf, piece: usize) {
+        let k = self.next_lean;
+        self.next_lean = (k + 1) % LEAN_BUFFERS;
+        self.push(
+            Lane::Stream(StreamKind::CopyOut),
+            Op::CopyGrads {
+                unit,
+                from,
+                accumulate: false,
+                lean: Some(k),
+                piece,
+            },
+            vec![Res::Dev(from)],
+            vec![Res::Lean(k)],
+        );
+        self.adam(unit, Some(k), piece);
+    }
+
+    /// Drain up to `max` held-back lean pieces, oldest first (after a kernel was submitted).
+    fn flush_deferred(&mut self, max: usize) {
+        for _ in 0..max {
+            let Some((unit, from, piece)) = self.deferred.pop_front() else {
+                return;
+            };
+            self.drain_piece(unit, from, piece);
         }
     }
 
@@ -394,6 +418,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
         next_w: 0,
         next_g: 0,
         next_lean: 0,
+        deferred: std::collections::VecDeque::new(),
         updates: Vec::new(),
     };
     let order = update_order(spec);
@@ -540,6 +565,9 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
             dx,
             kept: kept(i),
         });
+        // The device has this backward queued while a held-back piece waits for its buffer;
+        // one per kernel, so the block's own drain still finds a buffer freed before it.
+        b.flush_deferred(LEAN_BUFFERS - 1);
         d = 1 - d;
         b.drain(1 + i, g, spec, mb);
     }
@@ -553,7 +581,10 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
         g,
         dx: DevBuf::D(d),
     });
+    b.flush_deferred(LEAN_BUFFERS - 1);
     b.drain(0, g, spec, mb);
+    // The last kernel of the micro-batch is queued: the rest drain now.
+    b.flush_deferred(usize::MAX);
     b.w_content = [None, None];
 }
 

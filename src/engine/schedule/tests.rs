@@ -24,7 +24,7 @@ fn all_specs() -> Vec<ScheduleSpec> {
                     lean_pieces: LeanPieces {
                         embedding: 3,
                         block: 1,
-                        head: 2,
+                        head: 4,
                     },
                     ..spec(layers, tied, 1, Mode::Lean, a)
                 });
@@ -251,6 +251,31 @@ fn every_unit_is_updated_once_per_piece_after_its_gradients_and_prefetched_befor
                 .position(|x| matches!(x.op, Op::Kernel(Kernel::EmbedBwd { .. })))
                 .unwrap();
             assert!(adam_head < emb_bwd);
+        }
+    }
+}
+
+/// A lean copy that refills a buffer waits (on the host) for the AdamW job that read it: the
+/// device must have a kernel queued meanwhile. So between such a job and the copy waiting for
+/// it there is a kernel, unless no kernel follows the copy in the step (its tail).
+#[test]
+fn a_copy_waiting_for_adamw_has_a_kernel_queued_before_it() {
+    for s in all_specs().into_iter().filter(|s| s.mode == Mode::Lean) {
+        let p = schedule(&s);
+        let kernel = |i: usize| matches!(p.tasks[i].op, Op::Kernel(_));
+        let last_kernel = (0..p.tasks.len()).filter(|&i| kernel(i)).max().unwrap();
+        for (c, t) in p.tasks.iter().enumerate() {
+            if !matches!(t.op, Op::CopyGrads { .. }) || c > last_kernel {
+                continue;
+            }
+            for &a in &t.waits {
+                if matches!(p.tasks[a].op, Op::Adam { .. }) {
+                    assert!(
+                        (a + 1..c).any(kernel),
+                        "{s:?}: copy {c} waits for AdamW {a} with no kernel queued between"
+                    );
+                }
+            }
         }
     }
 }
