@@ -5,9 +5,10 @@
 //!   (the store's params/grads regions are registered with `cuMemHostRegister` through
 //!   [`HostRegistrar`], so those copies are DMA that overlaps compute); kernels are the device
 //!   program ([`super::program`]) on [`CudaBackend`].
-//! - `Record(e)` records a CUDA event on the stream and enqueues a host function that signals
-//!   `e` (what the streamer's host side waits on); `Wait(e)` on another stream becomes
-//!   `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
+//! - `Record(e)` records a CUDA event on the stream; the poller thread signals `e` (what the
+//!   streamer's host side waits on) once `cuEventQuery` says it completed — no host function
+//!   per event, so no driver callback serialises the streams. `Wait(e)` on another stream
+//!   becomes `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
 //! - `DtoH` with `accumulate` (gradient accumulation) copies through a page-locked bounce chunk
 //!   and adds on the host, in stream order.
 //! - Buffers are `cuMemAlloc` allocations counted against the capacity the schedule's buffers
@@ -89,14 +90,14 @@ struct Inner {
 }
 
 /// A host event's CUDA event. Cross-stream order always goes through the CUDA event
-/// (`cuStreamWaitEvent`), never through "the host function already ran": the driver then
+/// (`cuStreamWaitEvent`), never through "the host event already fired": the driver then
 /// orders the streams itself, and a checker of stream order (the CUDA emulator) sees every
 /// edge. `done` is set only by the submitting thread's own `cuEventQuery`, so a wait it then
 /// skips is one that thread has observed completed.
 #[derive(Debug)]
 struct Recorded {
     event: Event,
-    cuda: CudaEvent,
+    cuda: Arc<CudaEvent>,
     done: bool,
 }
 
@@ -118,6 +119,12 @@ struct Shared {
     /// The device's streams (copy-in, compute, copy-out), drained before anything waiting on
     /// them is released.
     streams: [Arc<CudaStream>; 3],
+    /// Host events whose CUDA event has not completed yet, in record order, with their stream:
+    /// the poller signals each when its `cuEventQuery` succeeds (no host function per event).
+    /// Locked after `inner`, never before it.
+    pending: Mutex<Vec<(StreamKind, Arc<CudaEvent>, Event)>>,
+    /// Wakes the poller when `pending` gains an event.
+    wake: std::sync::Condvar,
 }
 
 impl Shared {
@@ -157,6 +164,37 @@ impl Shared {
         lock(&self.error).is_some()
     }
 
+    /// Signal every pending host event whose CUDA event has completed. A stream's events
+    /// complete in its order, so each stream's are queried only up to its first incomplete one.
+    /// Returns the first fault seen, how many were signalled, and how many are still pending.
+    fn signal_completed(&self) -> (Option<Error>, usize, usize) {
+        let mut fault = None;
+        let mut blocked = [false; 3];
+        let mut pending = lock(&self.pending);
+        let before = pending.len();
+        pending.retain(|(kind, cuda, event)| {
+            if blocked[*kind as usize] {
+                return true;
+            }
+            match completed(cuda) {
+                Ok(true) => {
+                    event.signal();
+                    false
+                }
+                Ok(false) => {
+                    blocked[*kind as usize] = true;
+                    true
+                }
+                Err(e) => {
+                    fault.get_or_insert(e);
+                    blocked[*kind as usize] = true;
+                    true
+                }
+            }
+        });
+        (fault, before - pending.len(), pending.len())
+    }
+
     /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
     /// from querying any pending event.
     fn check(&self) {
@@ -176,8 +214,13 @@ impl Shared {
     }
 }
 
-/// How often the watchdog looks for asynchronous faults.
+/// How often the watchdog looks for asynchronous faults (and waits, idle, for a new event).
 const WATCHDOG: std::time::Duration = std::time::Duration::from_millis(20);
+/// How often it queries pending events while some are outstanding: every POLL after an event
+/// completed, backing off by doubling to POLL_MAX while none does (a long kernel costs a few
+/// hundred queries a second, not tens of thousands).
+const POLL: std::time::Duration = std::time::Duration::from_micros(20);
+const POLL_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The CUDA device.
 #[derive(Debug)]
@@ -319,6 +362,8 @@ impl CudaDevice {
             }),
             error: Mutex::new(None),
             streams: streams.clone(),
+            pending: Mutex::new(Vec::new()),
+            wake: std::sync::Condvar::new(),
         });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let watchdog = {
@@ -335,9 +380,28 @@ impl CudaDevice {
                         );
                         return;
                     }
+                    // The poller: signals host events as their CUDA events complete, and looks
+                    // for faults every WATCHDOG.
+                    let (mut checked, mut nap) = (Instant::now(), POLL);
                     while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                        shared.check();
-                        std::thread::sleep(WATCHDOG);
+                        let (fault, signalled, left) = shared.signal_completed();
+                        if let Some(e) = fault {
+                            shared.fail(e);
+                        }
+                        if checked.elapsed() >= WATCHDOG {
+                            shared.check();
+                            checked = Instant::now();
+                        }
+                        nap = if signalled > 0 { POLL } else { (nap * 2).min(POLL_MAX) };
+                        if left == 0 {
+                            nap = POLL;
+                            let pending = lock(&shared.pending);
+                            if pending.is_empty() {
+                                let _ = shared.wake.wait_timeout(pending, WATCHDOG);
+                            }
+                        } else {
+                            std::thread::sleep(nap);
+                        }
                     }
                 })
                 .map_err(|e| Error::system("std::thread", "spawn the CUDA watchdog", e))?
@@ -371,7 +435,7 @@ impl CudaDevice {
     fn enqueue(&self, g: &mut Inner, kind: StreamKind, cmd: Cmd) -> Result<()> {
         let stream = &self.streams[kind as usize];
         let timed = match cmd {
-            Cmd::Record(e) => record(g, stream, e)?,
+            Cmd::Record(e) => record(&self.shared, g, (kind, stream), e)?,
             Cmd::Wait(e) => wait(g, stream, kind, &e)?,
             Cmd::HtoD {
                 dst,
@@ -770,6 +834,7 @@ impl Device for CudaDevice {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.shared.wake.notify_all();
         if let Some(w) = self.watchdog.take() {
             let _ = w.join();
         }
@@ -807,14 +872,20 @@ fn span(stream: &CudaStream, name: String, bytes: u64) -> Result<Span> {
 
 /// Signal host event `e` once everything before it on `stream` is done. Events this thread
 /// sees completed (and whose host event fired) are dropped first.
-fn record(g: &mut Inner, stream: &CudaStream, e: Event) -> Result<Option<Span>> {
+fn record(
+    shared: &Shared,
+    g: &mut Inner,
+    (kind, stream): (StreamKind, &CudaStream),
+    e: Event,
+) -> Result<Option<Span>> {
     for r in g.recorded.iter_mut().filter(|r| !r.done) {
         r.done = completed(&r.cuda)?;
     }
     g.recorded.retain(|r| !(r.done && r.event.query()));
-    let cuda = drv(stream.record_event(None), "record an event")?;
-    let signal = e.clone();
-    host_fn(stream, move || signal.signal())?;
+    let cuda = Arc::new(drv(stream.record_event(None), "record an event")?);
+    // The poller signals the host event when the CUDA event completes.
+    lock(&shared.pending).push((kind, cuda.clone(), e.clone()));
+    shared.wake.notify_one();
     g.recorded.push(Recorded {
         event: e,
         cuda,

@@ -172,9 +172,41 @@ pub fn injected(name: &str) -> Option<i32> {
 
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
+/// Calls per entry point (`CUEMU_COUNTS=1`).
+static COUNTS: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Count a call to `name`; the first one registers the report at exit.
+fn count(name: &str) {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    AT_EXIT.call_once(|| {
+        // SAFETY: registers a plain `extern "C" fn()` with the C runtime.
+        unsafe { libc::atexit(print_counts) };
+    });
+    let mut c = COUNTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *c.entry(name.to_owned()).or_insert(0) += 1;
+}
+
+/// At exit: one line per entry point, `cuemu: count NAME N`, the most called first.
+extern "C" fn print_counts() {
+    let c = COUNTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut v: Vec<(&String, &u64)> = c.iter().collect();
+    v.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    for (name, n) in v {
+        eprintln!("cuemu: count {name} {n}");
+    }
+}
+
 /// The wrapper of every implemented entry point of `lib`.
 pub fn call(name: &str, lib: Lib, sticky: Sticky, f: impl FnOnce() -> Result<(), i32>) -> i32 {
     CALLS.fetch_add(1, Ordering::Relaxed);
+    if crate::config::get().counts {
+        count(name);
+    }
     let success = match lib {
         Lib::Driver => cu::SUCCESS,
         Lib::Cublas => blas::SUCCESS,

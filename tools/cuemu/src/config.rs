@@ -52,6 +52,9 @@ pub struct Config {
     /// program's first `cuEventSynchronize` — as if it had been running that long (what hours
     /// of uptime do to a timeline kept in f32 milliseconds).
     pub clock_skip: f64,
+    /// `CUEMU_COUNTS=1`: count every call by entry point and print the counts at exit
+    /// (host functions, synchronisations, stream waits: what a pipeline costs the host).
+    pub counts: bool,
 }
 
 pub fn get() -> &'static Config {
@@ -111,6 +114,7 @@ fn read() -> Config {
         clock_skip: var("CUEMU_CLOCK_SKIP")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0.0),
+        counts: var("CUEMU_COUNTS").is_some_and(|v| v == "1"),
         profile,
     }
 }
