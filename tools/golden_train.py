@@ -44,14 +44,16 @@ def lr_at(c, t):
     return c["lr"] * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def run(case, c, seed):
+def run(case, c, seed, attn_implementation="eager", generator="tools/golden_train.py", settings=None):
+    """Train case `case` with settings `c` from seed `seed` and write its golden directory;
+    `settings` (default `c`) is what the golden records."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", f"train_{case}")
     os.makedirs(root, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     d = dict(BASE, num_attention_heads=c["heads"], num_key_value_heads=c["kv"], tie_word_embeddings=c["tied"])
     cfg = AutoConfig.for_model("llama", **d)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
@@ -84,8 +86,8 @@ def run(case, c, seed):
     out = {"loss": torch.tensor(losses, dtype=torch.float32), "grad_norm": torch.tensor(norms, dtype=torch.float32)}
     for n, p in model.named_parameters():
         out[f"final.{n}"] = p.detach().clone()
-    meta = {"magic": MAGIC, "version": VERSION, "generator": "tools/golden_train.py", "torch": torch.__version__,
-            "settings": json.dumps(c)}
+    meta = {"magic": MAGIC, "version": VERSION, "generator": generator, "torch": torch.__version__,
+            "settings": json.dumps(c if settings is None else settings)}
     save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(root, "golden.safetensors"), metadata=meta)
     print(f"wrote {root}", file=sys.stderr)
 

@@ -17,19 +17,17 @@ tests/golden/train_{case}/ with init/, data.bin and golden.safetensors (settings
 "precision": "bf16").
 Run:  python3 tools/golden_train_bf16.py
 """
-import json
 import os
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface
 from transformers.models.llama import modeling_llama
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from golden_train import BASE, MAGIC, VERSION, lr_at  # noqa: E402
+import golden_train  # noqa: E402
 
 CASES = {
     "bf16_gqa": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=0.0, lr=3e-3, warmup=2, wd=0.0),
@@ -151,49 +149,10 @@ def install_recipe():
 
 
 def run(case, c, seed):
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", f"train_{case}")
-    os.makedirs(root, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    d = dict(BASE, num_attention_heads=c["heads"], num_key_value_heads=c["kv"], tie_word_embeddings=c["tied"])
-    cfg = AutoConfig.for_model("llama", **d)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="megatrain_bf16")
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(os.path.join(root, "init"), safe_serialization=True)
-    B, T, M, S = c["B"], c["T"], c["M"], c["steps"]
-    rows = B * M * S + 1
-    tokens = torch.randint(0, cfg.vocab_size, (rows * (T + 1),), generator=g)
-    with open(os.path.join(root, "data.bin"), "wb") as f:
-        f.write(tokens.to(torch.int32).numpy().astype("<u2").tobytes())
-    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=c["wd"])
-    losses, norms = [], []
-    r = 0
-    for t in range(1, S + 1):
-        for pg in opt.param_groups:
-            pg["lr"] = lr_at(c, t)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for _ in range(M):
-            batch = torch.stack([tokens[(r + i) * (T + 1):(r + i + 1) * (T + 1)] for i in range(B)])
-            r += B
-            logits = model(input_ids=batch[:, :T]).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1), reduction="sum") / (B * T * M)
-            loss.backward()
-            total += loss.item()
-        params = [p for p in model.parameters()]
-        norm = torch.nn.utils.clip_grad_norm_(params, c["clip"] if c["clip"] > 0 else float("inf"))
-        losses.append(total)
-        norms.append(norm.item())
-        opt.step()
-    out = {"loss": torch.tensor(losses, dtype=torch.float32), "grad_norm": torch.tensor(norms, dtype=torch.float32)}
-    for n, p in model.named_parameters():
-        out[f"final.{n}"] = p.detach().clone()
-    meta = {"magic": MAGIC, "version": VERSION, "generator": "tools/golden_train_bf16.py", "torch": torch.__version__,
-            "settings": json.dumps(dict(c, precision="bf16"))}
-    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(root, "golden.safetensors"), metadata=meta)
-    print(f"wrote {root}", file=sys.stderr)
+    """One case: tools/golden_train.py's loop on a model built with the recipe's attention (the
+    recipe's Linear, Embedding and RMSNorm are installed by `install_recipe`)."""
+    golden_train.run(case, c, seed, attn_implementation="megatrain_bf16",
+                     generator="tools/golden_train_bf16.py", settings=dict(c, precision="bf16"))
 
 
 def main():

@@ -357,48 +357,21 @@ fn execute(
             offset,
             src,
             label,
-        } => {
-            let began = Instant::now();
-            let buf = shared.buffer(dst)?;
-            let mut d = buf.write()?;
-            super::check_copy(&format!("htod {label}"), src.len(), offset, dst, d.len())?;
-            // SAFETY: HostRef's contract: valid and unaliased until this command completes.
-            d[offset..offset + src.len()].copy_from_slice(unsafe { src.slice() });
-            drop(d);
-            let bytes = 4 * src.len() as u64;
-            if let Some(m) = link {
-                let want = m.duration(bytes, true);
-                if let Some(rest) = want.checked_sub(began.elapsed()) {
-                    std::thread::sleep(rest);
-                }
-            }
-            Ok(Some((format!("htod {label}"), bytes)))
-        }
+        } => copy_in(shared, link, (dst, offset), &src, &label, |x| x),
+        // bf16 weights, widened exactly into the fp32 buffer.
         Cmd::HtoDBf16 {
             dst,
             offset,
             src,
             label,
-        } => {
-            let began = Instant::now();
-            let buf = shared.buffer(dst)?;
-            let mut d = buf.write()?;
-            super::check_copy(&format!("htod {label}"), src.len(), offset, dst, d.len())?;
-            // SAFETY: HostRef's contract: valid and unaliased until this command completes.
-            let s = unsafe { src.slice() };
-            for (w, h) in d[offset..offset + s.len()].iter_mut().zip(s.iter()) {
-                *w = crate::store::planes::hi_to_f32(*h);
-            }
-            drop(d);
-            let bytes = 2 * src.len() as u64;
-            if let Some(m) = link {
-                let want = m.duration(bytes, true);
-                if let Some(rest) = want.checked_sub(began.elapsed()) {
-                    std::thread::sleep(rest);
-                }
-            }
-            Ok(Some((format!("htod {label}"), bytes)))
-        }
+        } => copy_in(
+            shared,
+            link,
+            (dst, offset),
+            &src,
+            &label,
+            crate::store::planes::hi_to_f32,
+        ),
         Cmd::DtoH {
             dst,
             src,
@@ -421,12 +394,7 @@ fn execute(
             }
             drop(s);
             let bytes = 4 * dst.len() as u64;
-            if let Some(m) = link {
-                let want = m.duration(bytes, false);
-                if let Some(rest) = want.checked_sub(began.elapsed()) {
-                    std::thread::sleep(rest);
-                }
-            }
+            pace(link, began, bytes, false);
             Ok(Some((format!("dtoh {label}"), bytes)))
         }
         Cmd::Kernel(k) => {
@@ -441,6 +409,41 @@ fn execute(
             let name = k.name();
             run_kernel(shared, k, tm, ws, shape)?;
             Ok(Some((name, 0)))
+        }
+    }
+}
+
+/// Host → device: `src` (elements of `T`, each widened to f32) into buffer `dst` at `offset`,
+/// paced by the emulated link at `size_of::<T>()` bytes per element.
+fn copy_in<T: Copy>(
+    shared: &Shared,
+    link: Option<LinkModel>,
+    (dst, offset): (BufId, usize),
+    src: &super::HostRef<T>,
+    label: &str,
+    widen: impl Fn(T) -> f32,
+) -> Result<Option<(String, u64)>> {
+    let began = Instant::now();
+    let buf = shared.buffer(dst)?;
+    let mut d = buf.write()?;
+    super::check_copy(&format!("htod {label}"), src.len(), offset, dst, d.len())?;
+    // SAFETY: HostRef's contract: valid and unaliased until this command completes.
+    let s = unsafe { src.slice() };
+    for (w, x) in d[offset..offset + s.len()].iter_mut().zip(s.iter()) {
+        *w = widen(*x);
+    }
+    drop(d);
+    let bytes = std::mem::size_of_val(s) as u64;
+    pace(link, began, bytes, true);
+    Ok(Some((format!("htod {label}"), bytes)))
+}
+
+/// Hold a copy of `bytes` begun at `began` until the emulated link (if any) would have carried
+/// it (`to_device`: host → device).
+fn pace(link: Option<LinkModel>, began: Instant, bytes: u64, to_device: bool) {
+    if let Some(m) = link {
+        if let Some(rest) = m.duration(bytes, to_device).checked_sub(began.elapsed()) {
+            std::thread::sleep(rest);
         }
     }
 }
