@@ -281,7 +281,8 @@ settings! {
     /// `device` (the layer inputs on the device) or `host` (offloaded); unset: the first that fits
     /// the device memory beside the working set (`keep` only when the layers run unchunked).
     some activations: Option<Activations> = None => Option<Activations> [value_enum];
-    /// Streaming precision.
+    /// What the device computes in: fp32, or bf16 (bf16 weights streamed from an exact fp32
+    /// master, GEMMs on bf16 operands with fp32 sums, fp32 gradients; docs/precision.md).
     value precision: Precision = Precision::Fp32 => Option<Precision> [value_enum];
     /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
     /// fits (and there is no gradient accumulation), else exact with m/v spilled.
