@@ -6,7 +6,7 @@ pub mod presets;
 pub mod sim;
 
 use crate::device::program::{
-    bf16_device_bytes, bf16_operand_bytes, workspace_bytes, Shape, CHUNK_ALIGN,
+    bf16_device_bytes, bf16_staging_bytes, workspace_bytes, Shape, CHUNK_ALIGN,
 };
 use crate::device::Precision;
 use crate::model::config::ModelConfig;
@@ -336,8 +336,7 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     } else {
         Precision::Fp32
     };
-    let staging = bf16_device_bytes(model, micro_shape(req), precision)
-        - bf16_operand_bytes(model, micro_shape(req), precision);
+    let staging = bf16_staging_bytes(model, precision);
     // dx/dy and the two buffers of host-offloaded activations, then the device program's layer
     // workspace (what the devices allocate) in the largest token chunks that fit beside them.
     let boundary = 4 * tokens_mb * c * 4;

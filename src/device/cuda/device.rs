@@ -302,10 +302,7 @@ impl CudaDevice {
             .unwrap_or(free.saturating_sub(RESERVE_BYTES));
         // Under bf16 the weight staging is set aside, and the workspace is fitted with the GEMM
         // operand buffers (they grow with the chunk).
-        let staging = match cfg.precision {
-            Precision::Fp32 => 0,
-            Precision::Bf16 => 2 * program::max_unit_numel(&templates.config) as u64,
-        };
+        let staging = program::bf16_staging_bytes(&templates.config, cfg.precision);
         let shape = cfg.shape.fit(
             &templates.config,
             cfg.precision,

@@ -23,8 +23,8 @@ pub use layers::{block_bwd, block_fwd, head_loss_bwd};
 pub use shape::{Chunk, Shape, CHUNK_ALIGN};
 use std::sync::{Arc, Mutex};
 pub use workspace::{
-    bf16_device_bytes, bf16_operand_bytes, bf16_operand_elems, internals_len, max_unit_numel,
-    workspace_bytes, Ws,
+    bf16_device_bytes, bf16_operand_bytes, bf16_operand_elems, bf16_staging_bytes, internals_len,
+    max_unit_numel, workspace_bytes, Ws,
 };
 
 /// `C[m, n] (= or +=) op(A)·op(B)`, row-major and packed: `A` is `m×k` (stored `k×m` when

@@ -254,9 +254,14 @@ pub fn max_unit_numel(cfg: &ModelConfig) -> usize {
 /// weight staging (one unit in bf16, widened into its fp32 buffer on arrival) and the GEMM
 /// operand buffers ([`bf16_operand_bytes`]); 0 in fp32.
 pub fn bf16_device_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
+    bf16_staging_bytes(cfg, precision) + bf16_operand_bytes(cfg, s, precision)
+}
+
+/// Bytes of a GPU's bf16 weight staging (one unit in bf16, whatever the shape); 0 in fp32.
+pub fn bf16_staging_bytes(cfg: &ModelConfig, precision: Precision) -> u64 {
     match precision {
         Precision::Fp32 => 0,
-        Precision::Bf16 => 2 * max_unit_numel(cfg) as u64 + bf16_operand_bytes(cfg, s, precision),
+        Precision::Bf16 => 2 * max_unit_numel(cfg) as u64,
     }
 }
 

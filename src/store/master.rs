@@ -1,0 +1,76 @@
+//! A unit's fp32 master parameters as the layout stores them: one fp32 array, or the bf16
+//! planes of [`super::planes`] — read and written as fp32 either way.
+
+use super::planes;
+
+/// A unit's fp32 master parameters, as the layout stores them ([`super::layout::MasterFormat`]).
+#[derive(Debug)]
+pub enum Master<'a> {
+    /// One fp32 array.
+    Fp32(&'a mut [f32]),
+    /// The bf16-rounded high plane and the low plane ([`planes`]), element for element.
+    Planes {
+        /// High halves, rounded: the bf16 copy the device streams.
+        hi: &'a mut [u16],
+        /// Low halves.
+        lo: &'a mut [u16],
+    },
+}
+
+impl Master<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Master::Fp32(p) => p.len(),
+            Master::Planes { hi, .. } => hi.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `start..start + dst.len()` as fp32 into `dst`.
+    pub fn read(&self, start: usize, dst: &mut [f32]) {
+        let r = start..start + dst.len();
+        match self {
+            Master::Fp32(p) => dst.copy_from_slice(&p[r]),
+            Master::Planes { hi, lo } => planes::join_into(&hi[r.clone()], &lo[r], dst),
+        }
+    }
+
+    /// Every element as fp32.
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut v = vec![0f32; self.len()];
+        self.read(0, &mut v);
+        v
+    }
+
+    /// Set elements `start..start + src.len()` to `src`.
+    pub fn write(&mut self, start: usize, src: &[f32]) {
+        let r = start..start + src.len();
+        match self {
+            Master::Fp32(p) => p[r].copy_from_slice(src),
+            Master::Planes { hi, lo } => {
+                planes::split_into(src, &mut hi[r.clone()], &mut lo[r]);
+            }
+        }
+    }
+
+    /// The fp32 array, when the master is stored as one.
+    pub fn as_fp32(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Master::Fp32(p) => Some(p),
+            Master::Planes { .. } => None,
+        }
+    }
+
+    /// The bf16 high plane, when the master is stored as planes.
+    pub fn hi_plane(&mut self) -> Option<&mut [u16]> {
+        match self {
+            Master::Fp32(_) => None,
+            Master::Planes { hi, .. } => Some(hi),
+        }
+    }
+}
