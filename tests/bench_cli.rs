@@ -245,3 +245,25 @@ fn plan_calibrates_from_bench_json() {
         "{err}"
     );
 }
+
+/// `bench kernels` without a GPU (or a CUDA build) fails cleanly and says why.
+#[test]
+#[allow(clippy::print_stderr)]
+fn bench_kernels_without_a_gpu_says_why() {
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("SKIP: this machine has a GPU; run `megatrain bench kernels` itself");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["bench", "kernels", "--reps", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.starts_with("error: ")
+            && (err.contains("without CUDA support") || err.contains("no NVIDIA driver")),
+        "{err}"
+    );
+}

@@ -1,9 +1,11 @@
 //! The CLI's `bench` commands: measured throughput next to the physical limit measured in the
-//! same run.
+//! same run (or, for the GPU kernels, the datasheet peak).
 
 pub mod adam;
 pub mod attention;
 pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod kernels;
 pub mod link;
 pub mod nvme;
 

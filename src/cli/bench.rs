@@ -1,4 +1,4 @@
-//! `megatrain bench adam|engine|nvme|link`: measured next to the physical limit measured in
+//! `megatrain bench adam|engine|nvme|link|attention|kernels`: measured next to the physical limit measured in
 //! the same run. `--json` prints a report `megatrain plan --calibration` reads back.
 
 use super::print_report;
@@ -16,6 +16,7 @@ pub fn run(c: &BenchCommand) -> Result<()> {
         BenchCommand::Nvme(a) => bench_nvme(a),
         BenchCommand::Link(a) => bench_link(a),
         BenchCommand::Attention(a) => bench_attention(a),
+        BenchCommand::Kernels(a) => bench_kernels(a),
     }
 }
 
@@ -34,6 +35,75 @@ pub enum BenchCommand {
     /// The CPU device's causal attention, forward and forward + backward, at long sequences
     /// (tools/bench_attention_cpu.py sets it beside PyTorch's scaled_dot_product_attention).
     Attention(BenchAttentionArgs),
+    /// The GPU's kernels (CUDA build): the layer GEMMs in fp32 and bf16 (cuBLAS) and the
+    /// attention kernels (SIMT fp32, tensor cores), TFLOP/s per shape next to the datasheet peak.
+    /// Under tools/cuemu.sh it runs and labels every number emulated.
+    Kernels(BenchKernelsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchKernelsArgs {
+    /// GPU index.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Tokens per GEMM (rows of the activations).
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Hidden size (Llama-3-8B's by default).
+    #[arg(long, default_value_t = 4096)]
+    hidden: usize,
+    /// MLP intermediate size.
+    #[arg(long, default_value_t = 14336)]
+    ffn: usize,
+    /// Query heads of the attention cases.
+    #[arg(long, default_value_t = 32)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Head dimension (32, 64 and 128 have tensor-core kernels).
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    /// Sequence lengths of the attention cases (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "2048,8192")]
+    seq: Vec<usize>,
+    /// Timed repetitions per case (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_kernels(_: &BenchKernelsArgs) -> Result<()> {
+    Err(megatrain::Error::bad_input(
+        "bench kernels",
+        "the CUDA kernels",
+        "this binary was built without CUDA support",
+        Some("build with `cargo build --release --features cuda` (no toolkit needed to build) and run on a GPU machine, or under tools/cuemu.sh"),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
+    let r = megatrain::bench::kernels::run(&megatrain::bench::kernels::KernelBenchArgs {
+        ordinal: a.gpu,
+        tokens: a.tokens,
+        hidden: a.hidden,
+        ffn: a.ffn,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        seqs: a.seq.clone(),
+        reps: a.reps,
+    })?;
+    let text = if a.json {
+        serde_json::to_string_pretty(&r).unwrap_or_default()
+    } else {
+        megatrain::bench::kernels::render(&r)
+    };
+    println!("{}", text.trim_end());
+    Ok(())
 }
 
 #[derive(Debug, Args)]

@@ -67,6 +67,12 @@ const ATTN_FWD: &[Param] = &[
 const ATTN_BWD: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, F32,
 ];
+/// `flash{HD}_fwd`: [`ATTN_FWD`] without the tile (the tensor-core kernels' tiles are fixed).
+const FLASH_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32];
+/// `flash{HD}_bwd` and `flash{HD}_bwd_kv`: [`ATTN_BWD`] without the tile.
+const FLASH_BWD: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32,
+];
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
 const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
@@ -130,6 +136,21 @@ pub const FILES: &[KernelFile] = &[
             sig("attention_fwd_bf16", ATTN_FWD),
             sig("attention_bwd_bf16", ATTN_BWD),
             sig("attention_bwd_kv_bf16", ATTN_BWD),
+        ],
+    },
+    KernelFile {
+        file: "flash.cu",
+        source: include_str!("../../kernels/flash.cu"),
+        kernels: &[
+            sig("flash32_fwd_f32", FLASH_FWD),
+            sig("flash32_bwd_f32", FLASH_BWD),
+            sig("flash32_bwd_kv_f32", FLASH_BWD),
+            sig("flash64_fwd_f32", FLASH_FWD),
+            sig("flash64_bwd_f32", FLASH_BWD),
+            sig("flash64_bwd_kv_f32", FLASH_BWD),
+            sig("flash128_fwd_f32", FLASH_FWD),
+            sig("flash128_bwd_f32", FLASH_BWD),
+            sig("flash128_bwd_kv_f32", FLASH_BWD),
         ],
     },
     KernelFile {
@@ -221,10 +242,16 @@ mod tests {
                     "{s}: names are {{op}}_{{fwd|bwd}}_{{dtype}}"
                 );
                 assert!(["f32", "bf16"].contains(&dtype), "{s}: dtype suffix");
-                // Defined literally or through the file's per-dtype macro (`…_##name`).
+                // Defined literally, through the file's per-dtype macro (`…_##name`), or through
+                // a per-head-dim one (`flash##HD##_fwd_##name`, instantiated as `FLASH(64, f32`).
                 let stem = s.trim_end_matches(&format!("_{dtype}"));
+                let digits: String = stem.chars().filter(char::is_ascii_digit).collect();
+                let per_dim = !digits.is_empty()
+                    && f.source
+                        .contains(&format!("{}_##name", stem.replacen(&digits, "##HD##", 1)))
+                    && f.source.contains(&format!("({digits}, {dtype},"));
                 assert!(
-                    f.source.contains(s) || f.source.contains(&format!("{stem}_##name")),
+                    f.source.contains(s) || f.source.contains(&format!("{stem}_##name")) || per_dim,
                     "{s} is not defined in {}",
                     f.file
                 );

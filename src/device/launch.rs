@@ -86,30 +86,45 @@ pub struct AttnLaunch {
     pub tile: u32,
 }
 
+/// An attention shape the kernels cannot take, named.
+fn bad_attention<T>(s: AttnShape, why: String) -> Result<T> {
+    Err(Error::bad_input(
+        "attention shape",
+        format!("{s:?}"),
+        why,
+        None,
+    ))
+}
+
+/// The limits every attention kernel shares: whole GQA groups, the grid, a query range.
+fn check_attention(s: AttnShape) -> Result<()> {
+    if s.nkv == 0 || !s.nh.is_multiple_of(s.nkv) {
+        return bad_attention(
+            s,
+            "num_attention_heads must be a multiple of num_key_value_heads".into(),
+        );
+    }
+    if s.b > GRID_YZ_MAX || s.nh > GRID_YZ_MAX || s.b == 0 || s.t == 0 {
+        return bad_attention(s, format!("batch and heads must be 1..={GRID_YZ_MAX}"));
+    }
+    if s.q0 >= s.q1 || s.q1 > s.t {
+        return bad_attention(
+            s,
+            "the queries must be a non-empty range of the sequence".into(),
+        );
+    }
+    Ok(())
+}
+
 /// Attention geometry within `smem_limit` bytes of shared memory per block.
 pub fn attention(s: AttnShape, smem_limit: usize) -> Result<AttnLaunch> {
-    let bad = |why: String| {
-        Err(Error::bad_input(
-            "attention shape",
-            format!("{s:?}"),
-            why,
-            None,
-        ))
-    };
+    let bad = |why: String| bad_attention(s, why);
     if s.hd == 0 || s.hd > ATTN_MAX_HEAD_DIM || !s.hd.is_multiple_of(2) {
         return bad(format!(
             "head_dim must be even and ≤ {ATTN_MAX_HEAD_DIM} for the CUDA attention kernels"
         ));
     }
-    if s.nkv == 0 || !s.nh.is_multiple_of(s.nkv) {
-        return bad("num_attention_heads must be a multiple of num_key_value_heads".into());
-    }
-    if s.b > GRID_YZ_MAX || s.nh > GRID_YZ_MAX || s.b == 0 || s.t == 0 {
-        return bad(format!("batch and heads must be 1..={GRID_YZ_MAX}"));
-    }
-    if s.q0 >= s.q1 || s.q1 > s.t {
-        return bad("the queries must be a non-empty range of the sequence".into());
-    }
+    check_attention(s)?;
     // fwd/dq: K and V tiles; kv: Q and dO tiles plus per row two floats (lse, delta) and the
     // query's first key (an int).
     let per_row_fwd = 2 * s.hd * 4;
@@ -138,6 +153,62 @@ pub fn attention(s: AttnShape, smem_limit: usize) -> Result<AttnLaunch> {
         },
         tile: tile as u32,
     })
+}
+
+/// Head dimensions of the tensor-core attention (`flash.cu`'s instantiations).
+pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
+/// Rows (queries, or keys for dk/dv) a tensor-core attention block owns: 4 warps of 16
+/// (`FLASH_ROWS`).
+const FLASH_ROWS: usize = 64;
+/// Key tile of the forward (`FWD_KEYS`), of dq (`DQ_KEYS`), query tile of dk/dv (`KV_QUERIES`).
+const FLASH_FWD_KEYS: usize = 64;
+const FLASH_DQ_KEYS: usize = 32;
+const FLASH_KV_QUERIES: usize = 16;
+/// Halfwords of padding per shared bf16 row (`PAD`).
+const FLASH_PAD: usize = 8;
+
+/// Geometry of the three tensor-core attention kernels (`flash{hd}_*`) for one shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashLaunch {
+    /// The head dimension: which instantiation runs.
+    pub hd: usize,
+    /// `flash{hd}_fwd_*`: a block per 64 query rows of one head.
+    pub fwd: Launch,
+    /// `flash{hd}_bwd_*` (dq): a block per 64 query rows of one head.
+    pub dq: Launch,
+    /// `flash{hd}_bwd_kv_*`: a block per 64 key rows (before `q1`) of one kv head.
+    pub kv: Launch,
+}
+
+/// The tensor-core attention's geometry for `s`, or `None` when its head dimension has no
+/// instantiation (the SIMT kernels of [`attention`] take it). Every tile fits the 48 KiB every
+/// architecture grants without opting in.
+pub fn flash(s: AttnShape) -> Result<Option<FlashLaunch>> {
+    if !FLASH_HEAD_DIMS.contains(&s.hd) {
+        return Ok(None);
+    }
+    check_attention(s)?;
+    // Bytes of one shared bf16 row.
+    let row = (s.hd + FLASH_PAD) * 2;
+    let block = |blocks: usize, heads: usize, rows: usize| Launch {
+        grid: (blocks as u32, heads as u32, s.b as u32),
+        block: (FLASH_ROWS / 16 * 32) as u32,
+        smem: (rows * row) as u32,
+    };
+    let query_blocks = s.nq().div_ceil(FLASH_ROWS);
+    let mut kv = block(
+        s.q1.div_ceil(FLASH_ROWS),
+        s.nkv,
+        2 * FLASH_ROWS + 2 * FLASH_KV_QUERIES,
+    );
+    // lse, delta and first key per query of the tile.
+    kv.smem += (3 * FLASH_KV_QUERIES * 4) as u32;
+    Ok(Some(FlashLaunch {
+        hd: s.hd,
+        fwd: block(query_blocks, s.nh, 2 * FLASH_FWD_KEYS),
+        dq: block(query_blocks, s.nh, 2 * FLASH_DQ_KEYS),
+        kv,
+    }))
 }
 
 /// Rows of LM-head logits per cross-entropy chunk so that `rows × vocab` fp32 logits stay within
@@ -283,6 +354,29 @@ mod tests {
         // Short sequences do not load tiles longer than the sequence.
         let short = attention(AttnShape::causal(1, 5, 4, 4, 64), DEFAULT_SMEM).unwrap();
         assert_eq!((short.tile, short.rows.grid.0), (5, 1));
+    }
+
+    #[test]
+    fn flash_tiles_fit_without_the_opt_in_and_cover_the_rows() {
+        for hd in FLASH_HEAD_DIMS {
+            let s = AttnShape::causal(2, 4096, 32, 8, hd).queries(1000, 3000);
+            let l = flash(s).unwrap().unwrap();
+            assert_eq!(l.hd, hd);
+            for k in [l.fwd, l.dq, l.kv] {
+                assert!(k.smem as usize <= DEFAULT_SMEM, "hd {hd}: {k:?}");
+                assert_eq!(k.block, 128);
+            }
+            // 2000 queries in blocks of 64; keys 0..3000 in blocks of 64.
+            assert_eq!(l.fwd.grid, (32, 32, 2));
+            assert_eq!(l.dq.grid, (32, 32, 2));
+            assert_eq!(l.kv.grid, (47, 8, 2));
+        }
+        // hd 128: K and V tiles of 64 rows of 136 halfwords.
+        let l = flash(AttnShape::causal(1, 8, 1, 1, 128)).unwrap().unwrap();
+        assert_eq!(l.fwd.smem, 2 * 64 * 136 * 2);
+        assert_eq!(l.kv.smem, (2 * 64 + 2 * 16) * 136 * 2 + 3 * 16 * 4);
+        assert_eq!(flash(AttnShape::causal(1, 8, 1, 1, 80)).unwrap(), None);
+        assert!(flash(AttnShape::causal(1, 8, 3, 2, 64)).is_err());
     }
 
     #[test]

@@ -200,7 +200,7 @@ pub struct Plan {
 }
 
 /// Datasheet peaks (dense TFLOP/s fp32, bf16) of GPUs the probe can name.
-fn gpu_peaks(name: &str) -> Option<(f64, f64)> {
+pub fn gpu_peaks(name: &str) -> Option<(f64, f64)> {
     let n = name.to_ascii_lowercase();
     [
         ("h200", 67.0, 989.0),

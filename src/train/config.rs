@@ -282,8 +282,9 @@ settings! {
     /// the device memory beside the working set (`keep` only when the layers run unchunked).
     some activations: Option<Activations> = None => Option<Activations> [value_enum];
     /// What the device computes in: fp32, or bf16 (bf16 weights streamed from an exact fp32
-    /// master, GEMMs on bf16 operands with fp32 sums, fp32 gradients; docs/precision.md).
-    value precision: Precision = Precision::Fp32 => Option<Precision> [value_enum];
+    /// master, GEMMs on bf16 operands with fp32 sums, tensor-core attention, fp32 gradients;
+    /// docs/precision.md); unset: bf16 on the CUDA device, fp32 on the CPU device.
+    some precision: Option<Precision> = None => Option<Precision> [value_enum];
     /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
     /// fits (and there is no gradient accumulation), else exact with m/v spilled.
     some mode: Option<Mode> = None => Option<Mode> [value_enum];
@@ -342,6 +343,15 @@ impl TrainOverrides {
 }
 
 impl TrainConfig {
+    /// `precision`, or the device's default: bf16 on the CUDA device (tensor cores), fp32 on
+    /// the CPU device (whose bf16 twin rounds operands and still multiplies in fp32: slower).
+    pub fn resolved_precision(&self) -> Precision {
+        self.precision.unwrap_or(match self.device {
+            DeviceKind::Cuda => Precision::Bf16,
+            DeviceKind::Cpu => Precision::Fp32,
+        })
+    }
+
     /// Learning rate at 1-based step `t`.
     pub fn lr_at(&self, t: u64) -> f64 {
         let t = t.max(1);

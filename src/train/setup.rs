@@ -83,6 +83,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         .unwrap_or_default();
     let cfg = TrainConfig {
         adam_state: Some(adam_state),
+        precision: Some(cfg.resolved_precision()),
         ..cfg.clone()
     };
     let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
@@ -93,7 +94,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     let changes = settings_changed(&cfg, resumed, progress);
     // Every output, and the host and device memory, before anything big is allocated.
     // bf16 streams the high plane of a master stored as planes (exact fp32, no shadow copy).
-    let master = match cfg.precision {
+    let master = match cfg.resolved_precision() {
         Precision::Fp32 => MasterFormat::Fp32,
         Precision::Bf16 => MasterFormat::Planes,
     };
@@ -694,7 +695,7 @@ fn open_device(
                 link: None,
                 jitter: None,
                 shape: cpu_shape(cfg, layout)?,
-                precision: cfg.precision,
+                precision: cfg.resolved_precision(),
             },
             tm.clone(),
         )?)),
@@ -706,7 +707,7 @@ fn open_device(
                 reserve_bytes: step_buffers(cfg, layout),
                 capacity_bytes: None,
                 tf32: cfg.tf32,
-                precision: cfg.precision,
+                precision: cfg.resolved_precision(),
             },
             tm.clone(),
         )?)),

@@ -186,6 +186,15 @@ impl CudaBackend {
         }
     }
 
+    /// The tensor-core attention's geometry when it takes `s`: under bf16 (its inputs are bf16
+    /// values there; in fp32 they are not) and for a head dim it is instantiated for.
+    fn flash(&self, s: AttnShape) -> Result<Option<launch::FlashLaunch>> {
+        match self.bf16 {
+            Some(_) => launch::flash(s),
+            None => Ok(None),
+        }
+    }
+
     fn tables(&self) -> (DevPtr, DevPtr) {
         let (c, _g1) = self.cos.device_ptr(&self.stream);
         let (s, _g2) = self.sin.device_ptr(&self.stream);
@@ -444,9 +453,12 @@ impl Backend for CudaBackend {
         pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
+        let a = AttnArgs::new(s, pos)?;
+        if let Some(g) = self.flash(s)? {
+            return self.k().flash_fwd(&g, o, lse, q, kk, v, a);
+        }
         let g = launch::attention(s, self.smem)?;
-        let a = AttnArgs::new(s, &g, pos)?;
-        self.k().attention_fwd(F32, g.rows, o, lse, q, kk, v, a)
+        self.k().attention_fwd(F32, &g, o, lse, q, kk, v, a)
     }
 
     fn attention_bwd(
@@ -464,12 +476,19 @@ impl Backend for CudaBackend {
         pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
+        let a = AttnArgs::new(s, pos)?;
+        if let Some(g) = self.flash(s)? {
+            self.k()
+                .flash_bwd(&g, dq, delta, d_o, o, q, kk, v, lse, a)?;
+            return self
+                .k()
+                .flash_bwd_kv(&g, dk, dv, d_o, q, kk, v, lse, delta, a);
+        }
         let g = launch::attention(s, self.smem)?;
-        let a = AttnArgs::new(s, &g, pos)?;
         self.k()
-            .attention_bwd(F32, g.rows, dq, delta, d_o, o, q, kk, v, lse, a)?;
+            .attention_bwd(F32, &g, dq, delta, d_o, o, q, kk, v, lse, a)?;
         self.k()
-            .attention_bwd_kv(F32, g.kv, dk, dv, d_o, q, kk, v, lse, delta, a)
+            .attention_bwd_kv(F32, &g, dk, dv, d_o, q, kk, v, lse, delta, a)
     }
 
     fn swiglu_fwd(&mut self, h: DevPtr, g: DevPtr, u: DevPtr, len: usize) -> Result<()> {

@@ -5,7 +5,7 @@
 
 use super::runtime::{CudaRuntime, DevPtr};
 use crate::device::kernels::{signature, Param};
-use crate::device::launch::{AttnLaunch, AttnShape, Launch};
+use crate::device::launch::{AttnLaunch, AttnShape, FlashLaunch, Launch};
 use crate::{Error, Result};
 use cudarc::driver::CudaStream;
 
@@ -57,7 +57,7 @@ impl Arg {
     }
 }
 
-/// The arguments the three attention kernels share: the tokens' positions in their documents
+/// The arguments every attention kernel takes: the tokens' positions in their documents
 /// (`[B·T]` u32) and the scalars.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnArgs {
@@ -68,13 +68,12 @@ pub struct AttnArgs {
     nh: i32,
     nkv: i32,
     hd: i32,
-    tile: i32,
     scale: f32,
 }
 
 impl AttnArgs {
-    /// For `s` with geometry `g` and positions `pos`: softmax scale 1/√hd.
-    pub fn new(s: AttnShape, g: &AttnLaunch, pos: DevPtr) -> Result<Self> {
+    /// For `s` with positions `pos`: softmax scale 1/√hd.
+    pub fn new(s: AttnShape, pos: DevPtr) -> Result<Self> {
         Ok(AttnArgs {
             pos,
             t: i32_of(s.t, "sequence length")?,
@@ -83,12 +82,12 @@ impl AttnArgs {
             nh: i32_of(s.nh, "heads")?,
             nkv: i32_of(s.nkv, "kv heads")?,
             hd: i32_of(s.hd, "head dim")?,
-            tile: g.tile as i32,
             scale: 1.0 / (s.hd as f32).sqrt(),
         })
     }
 
-    fn args(self) -> [Arg; 9] {
+    /// The SIMT kernels' trailing arguments, with their shared-memory `tile`.
+    fn simt(self, tile: u32) -> [Arg; 9] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
@@ -97,10 +96,28 @@ impl AttnArgs {
             Arg::I32(self.nh),
             Arg::I32(self.nkv),
             Arg::I32(self.hd),
-            Arg::I32(self.tile),
+            Arg::I32(tile as i32),
             Arg::F32(self.scale),
         ]
     }
+
+    /// The tensor-core kernels' trailing arguments (the head dim and tiles are compiled in).
+    fn flash(self) -> [Arg; 7] {
+        [
+            Arg::Ptr(self.pos),
+            Arg::I32(self.t),
+            Arg::I32(self.q0),
+            Arg::I32(self.q1),
+            Arg::I32(self.nh),
+            Arg::I32(self.nkv),
+            Arg::F32(self.scale),
+        ]
+    }
+}
+
+/// The eight pointers that open both attention backward kernels' argument lists.
+fn attn_bwd_ptrs(p: [DevPtr; 8]) -> Vec<Arg> {
+    p.into_iter().map(Arg::Ptr).collect()
 }
 
 /// `v` as a kernel's 32-bit count, or an error naming `what`.
@@ -348,7 +365,7 @@ impl Launcher<'_> {
     pub fn attention_fwd(
         &self,
         dt: Dtype,
-        l: Launch,
+        g: &AttnLaunch,
         out: DevPtr,
         lse: DevPtr,
         q: DevPtr,
@@ -357,8 +374,8 @@ impl Launcher<'_> {
         a: AttnArgs,
     ) -> Result<()> {
         let mut args = vec![Ptr(out), Ptr(lse), Ptr(q), Ptr(k), Ptr(v)];
-        args.extend(a.args());
-        self.launch(&dt.symbol("attention_fwd"), l, &args)
+        args.extend(a.simt(g.tile));
+        self.launch(&dt.symbol("attention_fwd"), g.rows, &args)
     }
 
     /// Attention backward, dq (and `delta` [B, NH, q1−q0], fp32 scratch).
@@ -366,7 +383,7 @@ impl Launcher<'_> {
     pub fn attention_bwd(
         &self,
         dt: Dtype,
-        l: Launch,
+        g: &AttnLaunch,
         dq: DevPtr,
         delta: DevPtr,
         dout: DevPtr,
@@ -377,18 +394,9 @@ impl Launcher<'_> {
         lse: DevPtr,
         a: AttnArgs,
     ) -> Result<()> {
-        let mut args = vec![
-            Ptr(dq),
-            Ptr(delta),
-            Ptr(dout),
-            Ptr(out),
-            Ptr(q),
-            Ptr(k),
-            Ptr(v),
-            Ptr(lse),
-        ];
-        args.extend(a.args());
-        self.launch(&dt.symbol("attention_bwd"), l, &args)
+        let mut args = attn_bwd_ptrs([dq, delta, dout, out, q, k, v, lse]);
+        args.extend(a.simt(g.tile));
+        self.launch(&dt.symbol("attention_bwd"), g.rows, &args)
     }
 
     /// Attention backward, dk and dv accumulated.
@@ -396,7 +404,7 @@ impl Launcher<'_> {
     pub fn attention_bwd_kv(
         &self,
         dt: Dtype,
-        l: Launch,
+        g: &AttnLaunch,
         dk: DevPtr,
         dv: DevPtr,
         dout: DevPtr,
@@ -407,18 +415,66 @@ impl Launcher<'_> {
         delta: DevPtr,
         a: AttnArgs,
     ) -> Result<()> {
-        let mut args = vec![
-            Ptr(dk),
-            Ptr(dv),
-            Ptr(dout),
-            Ptr(q),
-            Ptr(k),
-            Ptr(v),
-            Ptr(lse),
-            Ptr(delta),
-        ];
-        args.extend(a.args());
-        self.launch(&dt.symbol("attention_bwd_kv"), l, &args)
+        let mut args = attn_bwd_ptrs([dk, dv, dout, q, k, v, lse, delta]);
+        args.extend(a.simt(g.tile));
+        self.launch(&dt.symbol("attention_bwd_kv"), g.kv, &args)
+    }
+
+    /// [`Self::attention_fwd`] on the tensor cores (`flash{hd}_fwd`): q, k, v hold bf16 values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_fwd(
+        &self,
+        g: &FlashLaunch,
+        out: DevPtr,
+        lse: DevPtr,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        a: AttnArgs,
+    ) -> Result<()> {
+        let mut args = vec![Ptr(out), Ptr(lse), Ptr(q), Ptr(k), Ptr(v)];
+        args.extend(a.flash());
+        self.launch(&format!("flash{}_fwd_f32", g.hd), g.fwd, &args)
+    }
+
+    /// [`Self::attention_bwd`] on the tensor cores (`flash{hd}_bwd`): dout holds bf16 values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_bwd(
+        &self,
+        g: &FlashLaunch,
+        dq: DevPtr,
+        delta: DevPtr,
+        dout: DevPtr,
+        out: DevPtr,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        lse: DevPtr,
+        a: AttnArgs,
+    ) -> Result<()> {
+        let mut args = attn_bwd_ptrs([dq, delta, dout, out, q, k, v, lse]);
+        args.extend(a.flash());
+        self.launch(&format!("flash{}_bwd_f32", g.hd), g.dq, &args)
+    }
+
+    /// [`Self::attention_bwd_kv`] on the tensor cores (`flash{hd}_bwd_kv`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_bwd_kv(
+        &self,
+        g: &FlashLaunch,
+        dk: DevPtr,
+        dv: DevPtr,
+        dout: DevPtr,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        lse: DevPtr,
+        delta: DevPtr,
+        a: AttnArgs,
+    ) -> Result<()> {
+        let mut args = attn_bwd_ptrs([dk, dv, dout, q, k, v, lse, delta]);
+        args.extend(a.flash());
+        self.launch(&format!("flash{}_bwd_kv_f32", g.hd), g.kv, &args)
     }
 
     /// Per-row loss of a chunk of logits.
@@ -539,6 +595,15 @@ pub const WRAPPED: &[&str] = &[
     "attention_fwd",
     "attention_bwd",
     "attention_bwd_kv",
+    "flash32_fwd",
+    "flash32_bwd",
+    "flash32_bwd_kv",
+    "flash64_fwd",
+    "flash64_bwd",
+    "flash64_bwd_kv",
+    "flash128_fwd",
+    "flash128_bwd",
+    "flash128_bwd_kv",
     "cross_entropy_fwd",
     "cross_entropy_bwd",
     "cast_fwd_f32_bf16",

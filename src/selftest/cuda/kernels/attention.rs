@@ -1,11 +1,12 @@
 //! The attention kernels' cases: whole sequences and query chunks (dK/dV summed over them) in
-//! f32, the forward in bf16, against the CPU attention.
+//! f32 (SIMT) and on the tensor cores (bf16 inputs, every head dim they are built for), the SIMT
+//! forward with bf16 storage, against the CPU attention.
 
-use super::{round_bf16, Gpu, Out, TOL_ATTN_BWD};
+use super::{round_bf16, Gpu, Out, TOL_ATTN_BWD, TOL_FLASH};
 use crate::device::cuda::launches::{AttnArgs, Dtype};
-use crate::device::launch::{self, AttnShape};
+use crate::device::launch::{self, AttnShape, FLASH_HEAD_DIMS};
 use crate::model::ops;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Positions of [`ATTN`]'s two sequences: one flat, one of documents across tile boundaries
 /// (a one-token document among them).
@@ -39,21 +40,55 @@ fn query_rows(whole: &mut [f32], part: &mut [f32], s: AttnShape, width: usize, b
     }
 }
 
+/// Which attention kernels a case runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernels {
+    /// `attention_*_f32`: fp32 SIMT.
+    Simt,
+    /// `flash{hd}_*_f32`: tensor cores, on inputs that hold bf16 values.
+    Flash,
+}
+
+/// The SIMT kernels in fp32.
+pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    attention_chunks(g, ATTN, Kernels::Simt)
+}
+
+/// The tensor-core kernels for every head dim they are built for, on bf16 inputs, against the
+/// fp32 CPU attention of the same (rounded) inputs: they compute it to fp32 rounding.
+pub(super) fn attention_flash(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let mut out = Vec::new();
+    for hd in FLASH_HEAD_DIMS {
+        for o in attention_chunks(g, AttnShape { hd, ..ATTN }, Kernels::Flash)? {
+            out.push(o.label(&format!("hd {hd} ")));
+        }
+    }
+    Ok(out)
+}
+
 /// The three attention kernels over the whole sequences, then over two query chunks (a token
 /// chunked layer program's calls: dK and dV summed over the chunks), against the CPU reference.
-pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
-    let s = ATTN;
+fn attention_chunks(g: &Gpu<'_>, s: AttnShape, kernels: Kernels) -> Result<Vec<Out>> {
     let (qs, qn, kn, rows) = (
         s.nh * s.hd,
         s.b * s.t * s.nh * s.hd,
         s.b * s.t * s.nkv * s.hd,
         s.b * s.nh * s.t,
     );
+    // The tensor-core kernels take bf16 values (what the bf16 program stores).
+    let input = |x: Vec<f32>| match kernels {
+        Kernels::Simt => x,
+        Kernels::Flash => round_bf16(&x),
+    };
+    let bwd_tolerance = match kernels {
+        Kernels::Simt => TOL_ATTN_BWD,
+        Kernels::Flash => TOL_FLASH,
+    };
     let (mut q, k, v, mut d_o) = (
-        g.rnd(qn, 8, 1.0),
-        g.rnd(kn, 9, 1.0),
-        g.rnd(kn, 10, 1.0),
-        g.rnd(qn, 11, 1.0),
+        input(g.rnd(qn, 8, 1.0)),
+        input(g.rnd(kn, 9, 1.0)),
+        input(g.rnd(kn, 10, 1.0)),
+        input(g.rnd(qn, 11, 1.0)),
     );
     let pos = ops::document_positions(&ATTN_DOCS);
     let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
@@ -87,8 +122,7 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
             let (mut qc, mut doc) = (vec![0.0; cn], vec![0.0; cn]);
             query_rows(&mut q, &mut qc, sc, qs, false);
             query_rows(&mut d_o, &mut doc, sc, qs, false);
-            let geo = launch::attention(sc, launch::DEFAULT_SMEM)?;
-            let a = AttnArgs::new(sc, &geo, g.p(&posd))?;
+            let a = AttnArgs::new(sc, g.p(&posd))?;
             let (qd, dod) = (g.up(&qc)?, g.up(&doc)?);
             let (od, lsed, deltad, dqd) = (
                 g.zeros::<f32>(cn)?,
@@ -97,42 +131,36 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
                 g.zeros::<f32>(cn)?,
             );
             let kk = g.k();
-            kk.attention_fwd(
-                Dtype::F32,
-                geo.rows,
-                g.p(&od),
-                g.p(&lsed),
-                g.p(&qd),
-                g.p(&kd),
-                g.p(&vd),
-                a,
-            )?;
-            kk.attention_bwd(
-                Dtype::F32,
-                geo.rows,
-                g.p(&dqd),
-                g.p(&deltad),
-                g.p(&dod),
-                g.p(&od),
-                g.p(&qd),
-                g.p(&kd),
-                g.p(&vd),
-                g.p(&lsed),
-                a,
-            )?;
-            kk.attention_bwd_kv(
-                Dtype::F32,
-                geo.kv,
-                g.p(&dkd),
-                g.p(&dvd),
-                g.p(&dod),
-                g.p(&qd),
-                g.p(&kd),
-                g.p(&vd),
-                g.p(&lsed),
-                g.p(&deltad),
-                a,
-            )?;
+            let [o_, lse_, delta_, dq_, dk_, dv_, q_, k_, v_, do_] =
+                [&od, &lsed, &deltad, &dqd, &dkd, &dvd, &qd, &kd, &vd, &dod].map(|b| g.p(b));
+            match kernels {
+                Kernels::Simt => {
+                    let geo = launch::attention(sc, launch::DEFAULT_SMEM)?;
+                    kk.attention_fwd(Dtype::F32, &geo, o_, lse_, q_, k_, v_, a)?;
+                    kk.attention_bwd(Dtype::F32, &geo, dq_, delta_, do_, o_, q_, k_, v_, lse_, a)?;
+                    kk.attention_bwd_kv(
+                        Dtype::F32,
+                        &geo,
+                        dk_,
+                        dv_,
+                        do_,
+                        q_,
+                        k_,
+                        v_,
+                        lse_,
+                        delta_,
+                        a,
+                    )?;
+                }
+                Kernels::Flash => {
+                    let geo = launch::flash(sc)?.ok_or_else(|| {
+                        Error::internal("self-test", format!("no flash kernel for {sc:?}"))
+                    })?;
+                    kk.flash_fwd(&geo, o_, lse_, q_, k_, v_, a)?;
+                    kk.flash_bwd(&geo, dq_, delta_, do_, o_, q_, k_, v_, lse_, a)?;
+                    kk.flash_bwd_kv(&geo, dk_, dv_, do_, q_, k_, v_, lse_, delta_, a)?;
+                }
+            }
             query_rows(&mut o, &mut g.down(&od)?, sc, qs, true);
             query_rows(&mut dq, &mut g.down(&dqd)?, sc, qs, true);
             // lse [B, NH, q1−q0] into [B, NH, T]: NH "rows" of one element per query.
@@ -145,19 +173,19 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         out.extend([
             Out::new(&format!("{label}forward out"), o, o_ref.clone()),
             Out::new(&format!("{label}forward lse"), lse, lse_ref.clone()),
-            Out::new(&format!("{label}backward dq"), dq, dq_ref.clone()).tolerance(TOL_ATTN_BWD),
+            Out::new(&format!("{label}backward dq"), dq, dq_ref.clone()).tolerance(bwd_tolerance),
             Out::new(
                 &format!("{label}backward dk"),
                 g.down(&dkd)?,
                 dk_ref.clone(),
             )
-            .tolerance(TOL_ATTN_BWD),
+            .tolerance(bwd_tolerance),
             Out::new(
                 &format!("{label}backward dv"),
                 g.down(&dvd)?,
                 dv_ref.clone(),
             )
-            .tolerance(TOL_ATTN_BWD),
+            .tolerance(bwd_tolerance),
         ]);
     }
     Ok(out)
@@ -188,13 +216,13 @@ pub(super) fn attention_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let (od, lsed) = (g.zeros::<u16>(qn)?, g.zeros::<f32>(rows)?);
     g.k().attention_fwd(
         Dtype::Bf16,
-        geo.rows,
+        &geo,
         g.p(&od),
         g.p(&lsed),
         g.p(&qd),
         g.p(&kd),
         g.p(&vd),
-        AttnArgs::new(s, &geo, g.p(&posd))?,
+        AttnArgs::new(s, g.p(&posd))?,
     )?;
     Ok(vec![Out::new("forward out", g.down16(&od)?, o_ref)])
 }

@@ -10,7 +10,7 @@ use crate::device::launch;
 use crate::model::ops;
 use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 use crate::{Error, Result};
-use attention::{attention_bf16, attention_f32};
+use attention::{attention_bf16, attention_f32, attention_flash};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 /// fp32 kernels differ from the CPU only in summation order and FMA.
@@ -26,6 +26,12 @@ const TOL_TF32: f64 = 2.0 / 1024.0;
 /// entries near zero (floored at 1e-3 of the largest) carry errors of a few fp32 ulps of the
 /// largest entry.
 const TOL_ATTN_BWD: f64 = 1e-3;
+/// The tensor-core attention multiplies P and dS as two bf16 halves (hi + lo: 16 bits of
+/// mantissa, 2⁻¹⁸ relative, where fp32 has 2⁻²⁴), so an entry's error is ~2⁻¹⁸ of the sum of its
+/// terms' magnitudes. Relative to the comparison's floor (10⁻³ of the largest entry), that is
+/// ~2·10⁻³ for entries near zero on these shapes (measured 1.2–2.1·10⁻³; the SIMT kernels' 64×
+/// finer rounding gives 4·10⁻⁵–2·10⁻⁴ on the same inputs). A wrong mask or tile is O(1).
+const TOL_FLASH: f64 = 5e-3;
 /// What the CPU reference sees of a bf16-stored input: the value rounded to bf16 (RNE).
 fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| bf16_to_f32(f32_to_bf16(*x))).collect()
@@ -111,6 +117,14 @@ impl Out {
             ..self
         }
     }
+
+    /// The same output with `prefix` before its label.
+    fn label(self, prefix: &str) -> Self {
+        Out {
+            label: format!("{prefix}{}", self.label),
+            ..self
+        }
+    }
 }
 
 /// One self-test case: a family of kernels (or a GEMM) on fresh inputs.
@@ -150,6 +164,11 @@ const CASES: &[Case] = &[
         name: "attention f32",
         tolerance: TOL_F32,
         run: attention_f32,
+    },
+    Case {
+        name: "attention on the tensor cores (bf16 inputs)",
+        tolerance: TOL_FLASH,
+        run: attention_flash,
     },
     Case {
         name: "attention bf16",

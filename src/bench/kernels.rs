@@ -1,0 +1,311 @@
+//! `megatrain bench kernels` (feature `cuda`): the GEMMs of one transformer layer (cuBLAS, fp32
+//! and bf16 with fp32 accumulation) and the attention kernels (the fp32 SIMT kernels and the
+//! tensor-core ones), in TFLOP/s per shape next to the GPU's datasheet peak — llm.c's `dev/cuda`
+//! sweeps for this project's kernels. Under the CUDA emulator (`tools/cuemu.sh`) every time is
+//! host time: the report says so, and the numbers are not GPU figures.
+
+use crate::device::cuda::launches::{AttnArgs, Dtype, Launcher};
+use crate::device::cuda::{drv, CudaRuntime};
+use crate::device::launch::{self, AttnShape};
+use crate::{Error, Result};
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t as Op, cudaDataType_t,
+};
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct KernelBenchArgs {
+    /// GPU ordinal.
+    pub ordinal: usize,
+    /// Tokens per GEMM (rows of the activations).
+    pub tokens: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// MLP intermediate size.
+    pub ffn: usize,
+    /// Query heads, key/value heads, head dim of the attention cases.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Sequence lengths of the attention cases (one sequence each).
+    pub seqs: Vec<usize>,
+    /// Timed repetitions per case (median).
+    pub reps: usize,
+}
+
+/// One measured case.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelRow {
+    /// Kernel family ("gemm bf16", "attention fwd (tensor cores)", …).
+    pub kernel: String,
+    /// Its shape, in words.
+    pub shape: String,
+    /// Floating-point operations of one run (2 per multiply-add; causal attention counts the
+    /// unmasked half).
+    pub flops: f64,
+    /// Median milliseconds.
+    pub ms: f64,
+    /// flops / time.
+    pub tflops: f64,
+    /// The datasheet peak it is set beside (dense fp32 or bf16 tensor core), if the GPU is known.
+    pub peak_tflops: Option<f64>,
+}
+
+/// The report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelReport {
+    /// The device's name.
+    pub device: String,
+    /// Whether the device is the CUDA emulator: times are host times.
+    pub emulated: bool,
+    /// Every case.
+    pub rows: Vec<KernelRow>,
+}
+
+/// Run every case.
+pub fn run(a: &KernelBenchArgs) -> Result<KernelReport> {
+    let rt = CudaRuntime::open(a.ordinal)?;
+    let peaks = crate::plan::gpu_peaks(&rt.name);
+    let mut rows = Vec::new();
+    let m = a.tokens;
+    let kv = a.kv_heads * a.head_dim;
+    let gemms = [
+        ("qkv", a.hidden, a.hidden + 2 * kv),
+        ("attention out", a.hidden, a.hidden),
+        ("gate+up", a.hidden, 2 * a.ffn),
+        ("down", a.ffn, a.hidden),
+    ];
+    let blas = cudarc::cublas::CudaBlas::new(rt.stream.clone())
+        .map_err(|e| Error::cuda("create a cuBLAS handle", e))?;
+    for (name, k, n) in gemms {
+        for bf16 in [false, true] {
+            let ms = time_gemm(&rt, &blas, m, k, n, bf16, a.reps)?;
+            let flops = 2.0 * (m * k * n) as f64;
+            rows.push(row(
+                if bf16 {
+                    "gemm bf16 (fp32 accumulate)"
+                } else {
+                    "gemm fp32"
+                },
+                format!("{name}: [{m}, {k}] · [{k}, {n}]"),
+                flops,
+                ms,
+                peaks.map(|(f32_peak, bf16_peak)| if bf16 { bf16_peak } else { f32_peak }),
+            ));
+        }
+    }
+    for &t in &a.seqs {
+        let s = AttnShape::causal(1, t, a.heads, a.kv_heads, a.head_dim);
+        // Causal: half of the T×T scores, 2 GEMMs forward (QKᵀ, PV), 5 backward (FA2's count).
+        let fwd = 2.0 * 2.0 * (t * t / 2 * a.heads * a.head_dim) as f64;
+        let shape = format!(
+            "T {t}, {} heads ({} kv), hd {}",
+            a.heads, a.kv_heads, a.head_dim
+        );
+        let (simt_fwd, flash) = time_attention(&rt, s, a.reps)?;
+        rows.push(row(
+            "attention fwd (fp32 SIMT)",
+            shape.clone(),
+            fwd,
+            simt_fwd,
+            peaks.map(|p| p.0),
+        ));
+        if let Some((f, fb)) = flash {
+            let peak = peaks.map(|p| p.1);
+            rows.push(row(
+                "attention fwd (tensor cores)",
+                shape.clone(),
+                fwd,
+                f,
+                peak,
+            ));
+            rows.push(row(
+                "attention fwd+bwd (tensor cores)",
+                shape.clone(),
+                3.5 * fwd,
+                fb,
+                peak,
+            ));
+        }
+    }
+    Ok(KernelReport {
+        device: rt.name.clone(),
+        emulated: rt.emulated(),
+        rows,
+    })
+}
+
+fn row(kernel: &str, shape: String, flops: f64, ms: f64, peak: Option<f64>) -> KernelRow {
+    KernelRow {
+        kernel: kernel.to_owned(),
+        shape,
+        flops,
+        ms,
+        tflops: flops / (ms * 1e-3) / 1e12,
+        peak_tflops: peak,
+    }
+}
+
+fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    rt: &CudaRuntime,
+    n: usize,
+) -> Result<CudaSlice<T>> {
+    drv(
+        rt.stream.alloc_zeros::<T>(n.max(1)),
+        "allocate device memory",
+    )
+}
+
+fn ptr<T>(rt: &CudaRuntime, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(&rt.stream).0
+}
+
+fn int(v: usize, what: &str) -> Result<i32> {
+    crate::device::cuda::launches::i32_of(v, what)
+}
+
+/// y [M, N] = x [M, K] · wᵀ (w [N, K]), the layers' GEMM, in fp32 or bf16 inputs with fp32
+/// accumulation and output.
+fn time_gemm(
+    rt: &CudaRuntime,
+    blas: &cudarc::cublas::CudaBlas,
+    m: usize,
+    k: usize,
+    n: usize,
+    bf16: bool,
+    reps: usize,
+) -> Result<f64> {
+    let (mi, ki, ni) = (
+        int(m, "tokens")?,
+        int(k, "GEMM depth")?,
+        int(n, "GEMM width")?,
+    );
+    let input = if bf16 {
+        cudaDataType_t::CUDA_R_16BF
+    } else {
+        cudaDataType_t::CUDA_R_32F
+    };
+    // Inputs as u16 or f32 buffers of the right byte size (contents do not change the time).
+    let elem = if bf16 { 1 } else { 2 };
+    let (x, w, y) = (
+        zeros::<u16>(rt, m * k * elem)?,
+        zeros::<u16>(rt, n * k * elem)?,
+        zeros::<f32>(rt, m * n)?,
+    );
+    let (px, pw, py) = (ptr(rt, &x), ptr(rt, &w), ptr(rt, &y));
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    rt.time_ms(None, reps, &mut || {
+        // SAFETY: A = w [N, K], B = x [M, K], C = y [M, N] (column-major views of the row-major
+        // tensors), each allocated above with those extents in the named type.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                Op::CUBLAS_OP_T,
+                Op::CUBLAS_OP_N,
+                ni,
+                mi,
+                ki,
+                (&alpha as *const f32).cast(),
+                pw as *const _,
+                input,
+                ki,
+                px as *const _,
+                input,
+                ki,
+                (&beta as *const f32).cast(),
+                py as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                ni,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::cuda("gemm_ex", e))
+    })
+}
+
+/// Milliseconds of the SIMT forward, and (when the head dim has them) of the tensor-core
+/// forward and forward + backward, over one sequence of random bf16 values.
+fn time_attention(
+    rt: &CudaRuntime,
+    s: AttnShape,
+    reps: usize,
+) -> Result<(f64, Option<(f64, f64)>)> {
+    let (qn, kn, rows) = (s.t * s.nh * s.hd, s.t * s.nkv * s.hd, s.nh * s.t);
+    let upload = |n: usize, seed: u64| -> Result<CudaSlice<f32>> {
+        let v: Vec<f32> = crate::util::uniform(n, seed, 1.0)
+            .iter()
+            .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
+            .collect();
+        drv(rt.stream.clone_htod(&v), "copy to the device")
+    };
+    let (q, k, v, d_o) = (
+        upload(qn, 1)?,
+        upload(kn, 2)?,
+        upload(kn, 3)?,
+        upload(qn, 4)?,
+    );
+    let pos: Vec<u32> = (0..s.t as u32).collect();
+    let pos = drv(rt.stream.clone_htod(&pos), "copy to the device")?;
+    let (o, lse, delta, dq, dk, dv) = (
+        zeros::<f32>(rt, qn)?,
+        zeros::<f32>(rt, rows)?,
+        zeros::<f32>(rt, rows)?,
+        zeros::<f32>(rt, qn)?,
+        zeros::<f32>(rt, kn)?,
+        zeros::<f32>(rt, kn)?,
+    );
+    let [q, k, v, d_o, o, lse, delta, dq, dk, dv] =
+        [&q, &k, &v, &d_o, &o, &lse, &delta, &dq, &dk, &dv].map(|b| ptr(rt, b));
+    let a = AttnArgs::new(s, ptr(rt, &pos))?;
+    let kk = Launcher {
+        rt,
+        stream: &rt.stream,
+    };
+    let simt = launch::attention(s, launch::DEFAULT_SMEM)?;
+    let simt_ms = rt.time_ms(None, reps, &mut || {
+        kk.attention_fwd(Dtype::F32, &simt, o, lse, q, k, v, a)
+    })?;
+    let Some(g) = launch::flash(s)? else {
+        return Ok((simt_ms, None));
+    };
+    let fwd = rt.time_ms(None, reps, &mut || kk.flash_fwd(&g, o, lse, q, k, v, a))?;
+    let both = rt.time_ms(None, reps, &mut || {
+        kk.flash_fwd(&g, o, lse, q, k, v, a)?;
+        kk.flash_bwd(&g, dq, delta, d_o, o, q, k, v, lse, a)?;
+        kk.flash_bwd_kv(&g, dk, dv, d_o, q, k, v, lse, delta, a)
+    })?;
+    Ok((simt_ms, Some((fwd, both))))
+}
+
+/// The report as a table.
+pub fn render(r: &KernelReport) -> String {
+    let mut s = format!(
+        "bench kernels — {}{}\n",
+        r.device,
+        if r.emulated {
+            " — EMULATED: host times under tools/cuemu.sh, not GPU figures"
+        } else {
+            ""
+        }
+    );
+    s += &format!(
+        "{:<34} {:<44} {:>10} {:>9} {:>8}\n",
+        "kernel", "shape", "ms", "TFLOP/s", "of peak"
+    );
+    for row in &r.rows {
+        let of_peak = row
+            .peak_tflops
+            .map(|p| format!("{:.1}%", 100.0 * row.tflops / p))
+            .unwrap_or_else(|| "-".into());
+        s += &format!(
+            "{:<34} {:<44} {:>10.3} {:>9.3} {:>8}\n",
+            row.kernel, row.shape, row.ms, row.tflops, of_peak
+        );
+    }
+    s += "peaks: datasheet dense fp32 (CUDA cores) for fp32 rows, bf16 tensor-core for the rest\n";
+    s
+}
