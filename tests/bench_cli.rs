@@ -172,27 +172,48 @@ fn plan_calibrates_from_bench_json() {
         pa.to_str().unwrap(),
         "--calibration",
         pn.to_str().unwrap(),
+        "--precision",
+        "fp32",
         "--json",
     ]);
+    // `bench adam` measures fp32, bf16 and int8 moments over an fp32 master, then over planes.
+    let case = |state: &str, master: &str| {
+        adam["adam"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["state"] == state && c["master"] == master)
+            .unwrap()["measured"]["gbytes_per_s"]
+            .clone()
+    };
     assert_eq!(
-        v["machine"]["adam_gbps"], adam["adam"][0]["measured"]["gbytes_per_s"],
+        v["machine"]["adam_gbps"],
+        case("fp32", "fp32"),
         "the fp32 case calibrates an fp32 plan"
     );
-    let v8 = json(&[
-        "plan",
-        "--model",
-        "llama-3-8b",
-        "--machine",
-        "h100-512gb",
-        "--adam-state",
-        "int8",
-        "--calibration",
-        pa.to_str().unwrap(),
-        "--json",
-    ]);
+    let plan_with = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--machine",
+            "h100-512gb",
+            "--calibration",
+            pa.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        json(&args)
+    };
     assert_eq!(
-        v8["machine"]["adam_gbps"], adam["adam"][2]["measured"]["gbytes_per_s"],
+        plan_with(&["--adam-state", "int8", "--precision", "fp32"])["machine"]["adam_gbps"],
+        case("int8", "fp32"),
         "the int8 case calibrates an int8 plan"
+    );
+    assert_eq!(
+        plan_with(&[])["machine"]["adam_gbps"],
+        case("fp32", "planes"),
+        "a bf16 plan (the default) is calibrated by AdamW over the planes master it updates"
     );
     let c = &nvme["cases"][0];
     let want = c["read_gbps"]

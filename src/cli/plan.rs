@@ -3,14 +3,16 @@
 
 use clap::Args;
 use megatrain::bench::Report;
+use megatrain::store::layout::{AdamState, MasterFormat};
+use megatrain::train::config::Precision;
 use megatrain::Result;
 use std::path::{Path, PathBuf};
 
 /// Rates measured on the machine, from `megatrain bench … --json` reports.
 #[derive(Debug, Default)]
 struct Calibration {
-    /// AdamW GB/s (`bench adam`), per moment format measured.
-    adam_gbps: Vec<(megatrain::store::layout::AdamState, f64)>,
+    /// AdamW GB/s (`bench adam`), per moment format and master format measured.
+    adam_gbps: Vec<(AdamState, MasterFormat, f64)>,
     /// NVMe GB/s: the slower of read and write in the best case (`bench nvme`).
     nvme_gbps: Option<f64>,
     /// Best page-locked host→device and device→host GB/s (`bench link` on a GPU machine).
@@ -18,18 +20,20 @@ struct Calibration {
 }
 
 impl Calibration {
-    /// The AdamW rate measured for `state`, else for fp32 (the same DRAM rate, if the compact
-    /// update keeps up with it), else for any format measured.
-    fn adam_gbps(&self, state: megatrain::store::layout::AdamState) -> Option<f64> {
-        let of = |s| {
+    /// The AdamW rate measured for `state` over `master` (planes under bf16), else for `state`
+    /// over any master, else for fp32 moments (the same DRAM rate, if the compact update keeps up
+    /// with it), else for any case measured.
+    fn adam_gbps(&self, state: AdamState, master: MasterFormat) -> Option<f64> {
+        let find = |ok: &dyn Fn(AdamState, MasterFormat) -> bool| {
             self.adam_gbps
                 .iter()
-                .find(|(x, _)| *x == s)
-                .map(|(_, g)| *g)
+                .find(|(s, m, _)| ok(*s, *m))
+                .map(|(_, _, g)| *g)
         };
-        of(state)
-            .or_else(|| of(megatrain::store::layout::AdamState::Fp32))
-            .or_else(|| self.adam_gbps.first().map(|(_, g)| *g))
+        find(&|s, m| s == state && m == master)
+            .or_else(|| find(&|s, _| s == state))
+            .or_else(|| find(&|s, _| s == AdamState::Fp32))
+            .or_else(|| self.adam_gbps.first().map(|(_, _, g)| *g))
     }
 
     /// Read every report in `files`, by its tagged type.
@@ -41,7 +45,7 @@ impl Calibration {
                     c.adam_gbps = r
                         .adam
                         .iter()
-                        .map(|x| (x.state, x.measured.gbytes_per_s))
+                        .map(|x| (x.state, x.master, x.measured.gbytes_per_s))
                         .collect();
                 }
                 Report::Nvme(r) => {
@@ -119,7 +123,8 @@ pub struct PlanArgs {
     /// Tokens per micro-batch (default: the largest that fits the GPU).
     #[arg(long)]
     micro_batch_tokens: Option<u64>,
-    #[arg(long, value_enum, default_value = "fp32")]
+    /// What the GPU computes in: bf16 (the default on a GPU, as `train --device cuda`) or fp32.
+    #[arg(long, value_enum, default_value = "bf16")]
     precision: megatrain::train::config::Precision,
     #[arg(long, value_enum, default_value = "exact")]
     mode: megatrain::store::layout::Mode,
@@ -168,7 +173,8 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             Some(Err(e)) => serde_json::json!({ "error": e }),
             None => serde_json::Value::Null,
         };
-        let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "numa_nodes": per_node, "assumptions": notes });
+        let eff = pl::kernel_efficiency(&hw.gpu, req.bf16);
+        let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "numa_nodes": per_node, "assumptions": notes, "kernel_efficiency": eff });
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         print!("{}", pl::render(&a.model, &hw, &req, &p));
@@ -176,9 +182,26 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         for n in &notes {
             println!("  assumption: {n}");
         }
+        let eff = pl::kernel_efficiency(&hw.gpu, req.bf16);
+        println!(
+            "  kernels: GEMM {:.1}%, attention forward {:.1}%, backward {:.1}% of peak; elementwise at {:.2} TB/s ({})",
+            100.0 * eff.gemm,
+            100.0 * eff.attention_fwd,
+            100.0 * eff.attention_bwd,
+            eff.memory_tbps,
+            eff.source
+        );
         println!("  sources: {}", hw.sources);
     }
     Ok(())
+}
+
+/// The master format `precision` trains over (bf16 streams the high plane of planes).
+fn master_of(precision: Precision) -> MasterFormat {
+    match precision {
+        Precision::Fp32 => MasterFormat::Fp32,
+        Precision::Bf16 => MasterFormat::Planes,
+    }
 }
 
 /// The hardware to plan for: a preset, or a probed machine's description, with the
@@ -205,11 +228,16 @@ fn hardware(
                     .with_fix(format!("or use a preset: {}", presets::MACHINES.join(", ")))
             })?;
             let m = megatrain::topology::Machine::from_json(&text, &a.machine)?;
-            let (h, n) = pl::hardware_from_machine(&m, a.gpu, cal.adam_gbps(a.adam_state), nvme)?;
+            let (h, n) = pl::hardware_from_machine(
+                &m,
+                a.gpu,
+                cal.adam_gbps(a.adam_state, master_of(a.precision)),
+                nvme,
+            )?;
             (h, Some(m), n)
         }
     };
-    if let Some(g) = cal.adam_gbps(a.adam_state) {
+    if let Some(g) = cal.adam_gbps(a.adam_state, master_of(a.precision)) {
         hw.adam_gbps = g;
     }
     if let Some((h, d)) = cal.link_gbps.filter(|(h, d)| *h > 0.0 && *d > 0.0) {

@@ -25,7 +25,6 @@ pub fn machine(name: &str) -> Option<Hardware> {
         gpu_memory_bytes: mem,
         fp32_tflops: fp32,
         bf16_tflops: bf16,
-        compute_efficiency: 0.6,
         htod_gbps: htod,
         dtoh_gbps: dtoh,
         host_ram_bytes: ram,

@@ -9,8 +9,10 @@
 //!   streamer's host side waits on) once `cuEventQuery` says it completed — no host function
 //!   per event, so no driver callback serialises the streams. `Wait(e)` on another stream
 //!   becomes `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
-//! - `DtoH` with `accumulate` (gradient accumulation) copies through a page-locked bounce chunk
-//!   and adds on the host, in stream order.
+//! - `DtoH` with `accumulate` (gradient accumulation) copies through two page-locked bounce
+//!   chunks in turn; the adds run on a fourth stream (a host function each, the add split over
+//!   the host's cores), so the copy of one chunk overlaps the add of the one before, and the
+//!   copy-out stream waits only for the last add.
 //! - Buffers are `cuMemAlloc` allocations counted against the capacity the schedule's buffers
 //!   were checked against (free memory at start-up, less a reserve for cuBLAS and the driver); the layer
 //!   workspace is allocated once up front. Every timed command is bracketed by two CUDA events,
@@ -42,6 +44,10 @@ pub const RESERVE_BYTES: u64 = 768 << 20;
 
 /// Elements per chunk of an accumulating device→host copy (a 16 MiB bounce chunk).
 const ACCUM_CHUNK: usize = 4 << 20;
+/// Bounce chunks of an accumulating copy: one fills while the other is added.
+const ACCUM_BOUNCES: usize = 2;
+/// Elements each worker adds at a time within a chunk.
+const ACCUM_SLICE: usize = 64 << 10;
 
 /// How to open a [`CudaDevice`].
 #[derive(Debug, Clone)]
@@ -86,7 +92,9 @@ struct Inner {
     /// CUDA events recorded for host events still needed by a later `Wait`.
     recorded: Vec<Recorded>,
     timed: Vec<Timed>,
-    bounce: Option<Pinned>,
+    /// The accumulating copies' bounce chunks (allocated on first use) and the next to fill.
+    bounces: Vec<Pinned>,
+    next_bounce: usize,
 }
 
 /// A host event's CUDA event. Cross-stream order always goes through the CUDA event
@@ -116,9 +124,9 @@ fn completed(e: &CudaEvent) -> Result<bool> {
 struct Shared {
     inner: Mutex<Inner>,
     error: Mutex<Option<Error>>,
-    /// The device's streams (copy-in, compute, copy-out), drained before anything waiting on
-    /// them is released.
-    streams: [Arc<CudaStream>; 3],
+    /// The device's streams (copy-in, compute, copy-out, accumulate), drained before anything
+    /// waiting on them is released.
+    streams: [Arc<CudaStream>; 4],
     /// Host events whose CUDA event has not completed yet, in record order, with their stream:
     /// the poller signals each when its `cuEventQuery` succeeds (no host function per event).
     /// Locked after `inner`, never before it.
@@ -242,6 +250,29 @@ pub struct CudaDevice {
     epoch_event: CudaEvent,
     /// The event the last batch of records was measured from, and its seconds since the epoch.
     anchor: Mutex<Option<(CudaEvent, f64)>>,
+    /// Where accumulating copies add.
+    accum: Accumulate,
+}
+
+/// The accumulating copies' own stream and the events that pass each bounce chunk between it
+/// and the copy-out stream: `filled[b]` after a chunk lands in bounce `b`, `freed[b]` after it
+/// was added (re-recorded at each use: a wait takes the latest record).
+#[derive(Debug)]
+struct Accumulate {
+    stream: Arc<CudaStream>,
+    filled: [CudaEvent; ACCUM_BOUNCES],
+    freed: [CudaEvent; ACCUM_BOUNCES],
+}
+
+impl Accumulate {
+    fn new(rt: &CudaRuntime) -> Result<Self> {
+        let event = || drv(rt.ctx.new_event(None), "create an event");
+        Ok(Accumulate {
+            stream: drv(rt.ctx.new_stream(), "create the accumulate stream")?,
+            filled: [event()?, event()?],
+            freed: [event()?, event()?],
+        })
+    }
 }
 
 /// A device allocation freed on drop unless released: what `open` holds until it succeeds.
@@ -330,6 +361,7 @@ impl CudaDevice {
             drv(rt.ctx.new_stream(), "create the compute stream")?,
             drv(rt.ctx.new_stream(), "create the copy-out stream")?,
         ];
+        let accum = Accumulate::new(&rt)?;
         let backend = CudaBackend::new(
             rt.clone(),
             streams[StreamKind::Compute as usize].clone(),
@@ -355,10 +387,16 @@ impl CudaDevice {
                 backend,
                 recorded: Vec::new(),
                 timed: Vec::new(),
-                bounce: None,
+                bounces: Vec::new(),
+                next_bounce: 0,
             }),
             error: Mutex::new(None),
-            streams: streams.clone(),
+            streams: [
+                streams[0].clone(),
+                streams[1].clone(),
+                streams[2].clone(),
+                accum.stream.clone(),
+            ],
             pending: Mutex::new(Vec::new()),
             wake: std::sync::Condvar::new(),
         });
@@ -418,6 +456,7 @@ impl CudaDevice {
             epoch,
             epoch_event,
             anchor: Mutex::new(None),
+            accum,
         })
     }
 
@@ -596,7 +635,9 @@ impl CudaDevice {
         Ok(Some(start))
     }
 
-    /// `dst[..len] += device[from..]`, through a page-locked bounce chunk, in stream order.
+    /// `dst[..len] += device[from..]`, in order on `stream`: each chunk is copied into a
+    /// page-locked bounce chunk (two in turn) on `stream` and added on the accumulate stream, so
+    /// the next chunk's copy overlaps this one's add; `stream` then waits for the last add.
     fn accumulate_dtoh(
         &self,
         g: &mut Inner,
@@ -605,25 +646,27 @@ impl CudaDevice {
         from: DevPtr,
         len: usize,
     ) -> Result<()> {
-        // The bounce chunk belongs to the device alone (freed when the device drops, after its
-        // streams are drained): a host function never holds it, so none can free page-locked
+        // The bounce chunks belong to the device alone (freed when the device drops, after its
+        // streams are drained): a host function never holds one, so none can free page-locked
         // memory — a CUDA call — from inside the driver's callback.
-        if g.bounce.is_none() {
-            g.bounce = Some(Pinned::new(&self.rt.ctx, 4 * ACCUM_CHUNK)?);
+        while g.bounces.len() < ACCUM_BOUNCES {
+            g.bounces.push(Pinned::new(&self.rt.ctx, 4 * ACCUM_CHUNK)?);
         }
-        let bounce = g
-            .bounce
-            .as_ref()
-            .map_or(std::ptr::null_mut(), Pinned::as_ptr);
         #[derive(Clone, Copy)]
         struct Span(*mut f32, *const f32, usize);
         // SAFETY: the pointers stay valid until the host function runs: `dst` by the HostRef
         // contract, the bounce chunk because the device keeps it until its streams are drained.
         unsafe impl Send for Span {}
+        let a = &self.accum;
         for at in (0..len).step_by(ACCUM_CHUNK) {
             let n = ACCUM_CHUNK.min(len - at);
-            // SAFETY: the chunk holds ACCUM_CHUNK f32; the previous chunk's host function ran
-            // before this copy starts (stream order).
+            let b = g.next_bounce;
+            g.next_bounce = (b + 1) % ACCUM_BOUNCES;
+            let bounce = g.bounces[b].as_ptr().cast::<f32>();
+            // The chunk's previous add must be done before the copy overwrites it (a wait on an
+            // event never recorded returns at once).
+            drv(stream.wait(&a.freed[b]), "wait for a bounce chunk")?;
+            // SAFETY: the chunk holds ACCUM_CHUNK f32 and no add reads it any more (the wait).
             let r = unsafe {
                 cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
                     bounce.cast(),
@@ -633,23 +676,42 @@ impl CudaDevice {
                 )
             };
             drv(r.result(), "device to host copy (accumulate)")?;
-            let span = Span(dst.wrapping_add(at), bounce.cast::<f32>(), n);
-            host_fn(stream, move || {
+            drv(a.filled[b].record(stream), "record a filled bounce chunk")?;
+            drv(
+                a.stream.wait(&a.filled[b]),
+                "wait for a filled bounce chunk",
+            )?;
+            let span = Span(dst.wrapping_add(at), bounce, n);
+            host_fn(&a.stream, move || {
                 let span = span;
-                // SAFETY: see `Span`; the copy into the bounce chunk completed.
+                // SAFETY: see `Span`; the copy into the bounce chunk completed (the wait).
                 let (d, s) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(span.0, span.2),
                         std::slice::from_raw_parts(span.1, span.2),
                     )
                 };
-                for (a, b) in d.iter_mut().zip(s) {
-                    *a += *b;
-                }
+                add_parallel(d, s);
             })?;
+            drv(a.freed[b].record(&a.stream), "record a freed bounce chunk")?;
         }
-        Ok(())
+        // What `stream` does next (the command's end, a Record) follows the last add.
+        let last = (g.next_bounce + ACCUM_BOUNCES - 1) % ACCUM_BOUNCES;
+        drv(stream.wait(&a.freed[last]), "wait for the last add")
     }
+}
+
+/// `d += s`, split over the host's cores (rayon) in slices of [`ACCUM_SLICE`]: the add is
+/// plain memory work, no CUDA call, so it may run inside a host function.
+fn add_parallel(d: &mut [f32], s: &[f32]) {
+    use rayon::prelude::*;
+    d.par_chunks_mut(ACCUM_SLICE)
+        .zip(s.par_chunks(ACCUM_SLICE))
+        .for_each(|(d, s)| {
+            for (a, b) in d.iter_mut().zip(s) {
+                *a += *b;
+            }
+        });
 }
 
 impl Device for CudaDevice {
@@ -741,7 +803,7 @@ impl Device for CudaDevice {
     }
 
     fn synchronize(&self) {
-        for s in &self.streams {
+        for s in &self.shared.streams {
             if let Err(e) = s.synchronize() {
                 self.fail(Error::cuda("synchronize a stream", e));
             }
