@@ -95,6 +95,30 @@ struct Inner {
     /// The accumulating copies' bounce chunks (allocated on first use) and the next to fill.
     bounces: Vec<Pinned>,
     next_bounce: usize,
+    /// Events done with, for reuse (creating one per command is a driver call each): timing
+    /// events (the commands' spans) and plain ones (`Record`s).
+    timing_pool: Vec<CudaEvent>,
+    sync_pool: Vec<CudaEvent>,
+}
+
+impl Inner {
+    /// A pooled (or new) event recorded on `stream`: a timing one, or a plain one.
+    fn event_on(&mut self, stream: &CudaStream, timing: bool) -> Result<CudaEvent> {
+        let pool = if timing {
+            &mut self.timing_pool
+        } else {
+            &mut self.sync_pool
+        };
+        let e = match pool.pop() {
+            Some(e) => e,
+            None => {
+                let ctx = stream.context();
+                drv(ctx.new_event(timing.then_some(TIMED)), "create an event")?
+            }
+        };
+        drv(e.record(stream), "record an event")?;
+        Ok(e)
+    }
 }
 
 /// A host event's CUDA event. Cross-stream order always goes through the CUDA event
@@ -389,6 +413,8 @@ impl CudaDevice {
                 timed: Vec::new(),
                 bounces: Vec::new(),
                 next_bounce: 0,
+                timing_pool: Vec::new(),
+                sync_pool: Vec::new(),
             }),
             error: Mutex::new(None),
             streams: [
@@ -495,7 +521,7 @@ impl CudaDevice {
             Cmd::Kernel(k) => self.kernel(g, stream, kind, &k)?,
         };
         if let Some(Span { name, bytes, start }) = timed {
-            let end = drv(stream.record_event(Some(TIMED)), "record")?;
+            let end = g.event_on(stream, true)?;
             g.timed.push(Timed {
                 stream: kind,
                 name,
@@ -521,7 +547,7 @@ impl CudaDevice {
     ) -> Result<Option<Span>> {
         let (p, len) = g.buf(src)?;
         crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
-        let start = span(stream, format!("dtoh {label}"), 4 * dst.len() as u64)?;
+        let start = span(g, stream, format!("dtoh {label}"), 4 * dst.len() as u64)?;
         let from = p + 4 * offset as u64;
         if accumulate {
             self.accumulate_dtoh(g, stream, dst.as_ptr(), from, dst.len())?;
@@ -554,7 +580,7 @@ impl CudaDevice {
                 format!("{} submitted off the compute stream", k.name()),
             ));
         }
-        let start = span(stream, k.name(), 0)?;
+        let start = span(g, stream, k.name(), 0)?;
         let ids: Vec<(BufId, (DevPtr, usize))> = k
             .buffers()
             .into_iter()
@@ -609,7 +635,7 @@ impl CudaDevice {
                 ),
             ));
         }
-        let start = span(stream, format!("htod {label}"), 2 * src.len() as u64)?;
+        let start = span(g, stream, format!("htod {label}"), 2 * src.len() as u64)?;
         // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
         // event fires; the staging buffer holds `room` ≥ len bf16 elements.
         let r = unsafe {
@@ -859,6 +885,7 @@ impl Device for CudaDevice {
         let anchor_s = since_s + f64::from(anchor_ms) * 1e-3;
         let mut out = Vec::with_capacity(timed.len());
         let mut next_anchor = None;
+        let mut done = Vec::with_capacity(2 * timed.len());
         for (t, (a, b)) in timed.into_iter().zip(times) {
             out.push(OpRecord {
                 stream: t.stream,
@@ -867,9 +894,19 @@ impl Device for CudaDevice {
                 end: anchor_s + f64::from(b) * 1e-3,
                 bytes: t.bytes,
             });
-            next_anchor.get_or_insert(t.start);
+            // The first command's start anchors the next batch; every other event is free.
+            match next_anchor {
+                None => next_anchor = Some(t.start),
+                Some(_) => done.push(t.start),
+            }
+            done.push(t.end);
         }
-        *anchor = next_anchor.map(|e| (e, anchor_s));
+        if let Some((old, _)) = std::mem::replace(&mut *anchor, next_anchor.map(|e| (e, anchor_s)))
+        {
+            done.push(old);
+        }
+        drop(anchor);
+        self.lock().timing_pool.extend(done);
         out
     }
 
@@ -921,11 +958,11 @@ struct Span {
 }
 
 /// Open a [`Span`] on `stream`.
-fn span(stream: &CudaStream, name: String, bytes: u64) -> Result<Span> {
+fn span(g: &mut Inner, stream: &CudaStream, name: String, bytes: u64) -> Result<Span> {
     Ok(Span {
         name,
         bytes,
-        start: drv(stream.record_event(Some(TIMED)), "record")?,
+        start: g.event_on(stream, true)?,
     })
 }
 
@@ -940,8 +977,16 @@ fn record(
     for r in g.recorded.iter_mut().filter(|r| !r.done) {
         r.done = completed(&r.cuda)?;
     }
-    g.recorded.retain(|r| !(r.done && r.event.query()));
-    let cuda = Arc::new(drv(stream.record_event(None), "record an event")?);
+    let (gone, kept): (Vec<Recorded>, Vec<Recorded>) = std::mem::take(&mut g.recorded)
+        .into_iter()
+        .partition(|r| r.done && r.event.query());
+    g.recorded = kept;
+    // An event the poller no longer holds goes back to the pool.
+    g.sync_pool.extend(
+        gone.into_iter()
+            .filter_map(|r| Arc::try_unwrap(r.cuda).ok()),
+    );
+    let cuda = Arc::new(g.event_on(stream, false)?);
     // The poller signals the host event when the CUDA event completes.
     lock(&shared.pending).push((kind, cuda.clone(), e.clone()));
     shared.wake.notify_one();
@@ -985,7 +1030,7 @@ fn htod(
 ) -> Result<Option<Span>> {
     let (p, len) = g.buf(dst)?;
     crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
-    let start = span(stream, format!("htod {label}"), 4 * src.len() as u64)?;
+    let start = span(g, stream, format!("htod {label}"), 4 * src.len() as u64)?;
     // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
     // event fires; the destination range was checked.
     let r = unsafe {
