@@ -117,6 +117,24 @@ __device__ __forceinline__ void b_cols(unsigned b[2], const unsigned* s, int k0,
     b[1] = (unsigned)p[8 * S] | ((unsigned)p[9 * S] << 16);
 }
 
+// acc += C·B for a warp's 16 rows: C is K columns of fp32 C fragments (P or dS, entering as A
+// fragments of hi + lo halves) and B is rows 0 … K−1 of a shared tile (V, K, dO or Q).
+template <int HD, int K>
+__device__ __forceinline__ void add_split_times_tile(float acc[HD / 8][4], const float c[K / 8][4],
+                                                     const unsigned* tile) {
+#pragma unroll
+    for (int kc = 0; kc < K / 16; kc++) {
+        unsigned hi[4], lo[4];
+        split_a(c[2 * kc], c[2 * kc + 1], hi, lo);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) {
+            unsigned b[2];
+            b_cols<HD>(b, tile, kc * 16, nd * 8);
+            mma_split(acc[nd], hi, lo, b);
+        }
+    }
+}
+
 // A fragments of a warp's 16 rows straight from global memory (row pointers, null past the end).
 template <typename T, int HD>
 __device__ __forceinline__ void a_rows(unsigned a[HD / 16][4], const T* ra, const T* rb) {
@@ -267,17 +285,7 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
                 l[e >> 1] += s[nt][e];
             }
         // O += P·V.
-#pragma unroll
-        for (int kc = 0; kc < FWD_KEYS / 16; kc++) {
-            unsigned ph[4], pl[4];
-            split_a(s[2 * kc], s[2 * kc + 1], ph, pl);
-#pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) {
-                unsigned bv[2];
-                b_cols<HD>(bv, vs, kc * 16, nd * 8);
-                mma_split(o[nd], ph, pl, bv);
-            }
-        }
+        add_split_times_tile<HD, FWD_KEYS>(o, s, vs);
     }
     if (!warp_live) return;
     const float la = quad_sum(l[0]), lb = quad_sum(l[1]);
@@ -364,17 +372,7 @@ __device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
                 s[nt][e] = p * (dp[nt][e] - di[r]);
             }
         // dQ += dS·K.
-#pragma unroll
-        for (int kc = 0; kc < DQ_KEYS / 16; kc++) {
-            unsigned hi[4], lo[4];
-            split_a(s[2 * kc], s[2 * kc + 1], hi, lo);
-#pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) {
-                unsigned bk[2];
-                b_cols<HD>(bk, ks, kc * 16, nd * 8);
-                mma_split(acc[nd], hi, lo, bk);
-            }
-        }
+        add_split_times_tile<HD, DQ_KEYS>(acc, s, ks);
     }
     if (!warp_live) return;
     store_rows<T, HD>(at.row(dq, ra), at.row(dq, rb), acc, scale, scale, false);
@@ -465,18 +463,9 @@ __device__ void flash_bwd_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __
                     s[nt][e] = p;
                     dp[nt][e] = p * (dp[nt][e] - dls[ii]);
                 }
-            // dV += Pᵀ·dO and dK += dSᵀ·Q (one 16-query chunk).
-            unsigned ph[4], pl[4], dh[4], dl[4];
-            split_a(s[0], s[1], ph, pl);
-            split_a(dp[0], dp[1], dh, dl);
-#pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) {
-                unsigned bd[2], bq[2];
-                b_cols<HD>(bd, ds_, 0, nd * 8);
-                mma_split(dva[nd], ph, pl, bd);
-                b_cols<HD>(bq, qs, 0, nd * 8);
-                mma_split(dka[nd], dh, dl, bq);
-            }
+            // dV += Pᵀ·dO and dK += dSᵀ·Q.
+            add_split_times_tile<HD, KV_QUERIES>(dva, s, ds_);
+            add_split_times_tile<HD, KV_QUERIES>(dka, dp, qs);
         }
     }
     if (!warp_live) return;
@@ -490,7 +479,8 @@ __device__ void flash_bwd_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __
                       1.0f, 1.0f, true);
 }
 
-static_assert(KV_QUERIES == 16, "flash_bwd_kv multiplies one 16-query chunk per tile");
+static_assert(FWD_KEYS % 16 == 0 && DQ_KEYS % 16 == 0 && KV_QUERIES % 16 == 0,
+              "tiles are whole 16-row MMA steps");
 
 #define FLASH(HD, name, T)                                                                       \
     extern "C" __global__ void flash##HD##_fwd_##name(T* out, float* lse, const T* q,            \
