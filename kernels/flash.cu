@@ -8,8 +8,9 @@
 // The probabilities P and their gradients dS are fp32 numbers, not bf16: each enters a product
 // as two bf16 halves, hi = bf16(x) and lo = bf16(x − hi), so hi + lo is x to 2⁻¹⁸ relative and the
 // result is the fp32 attention of the rounded inputs (what the CPU device computes), at the cost
-// of a second MMA for P·V, dS·K, Pᵀ·dO and dSᵀ·Q. (FlashAttention-2 rounds P to bf16 instead: a
-// recipe change, not taken.)
+// of a second MMA for P·V, dS·K, Pᵀ·dO and dSᵀ·Q: 3 MMAs forward where FlashAttention-2 has 2,
+// and 10 backward (S and dP are formed in both backward kernels) where it has 5. (FA2 rounds P
+// to bf16 instead: a recipe change, not taken.)
 //
 // Work split: a block is FLASH_WARPS warps, each owning 16 rows — query rows (forward, dq) or key
 // rows (dk/dv) — one head, one sequence. The other side streams through shared memory in tiles
@@ -190,6 +191,44 @@ struct HeadRows {
     }
 };
 
+// The queries of a forward or dq block (FLASH_ROWS of one head and sequence), of this thread's
+// warp (16) and of this lane (two: C-fragment rows grp and grp + 8).
+template <int HD>
+struct QueryBlock {
+    long long b;
+    int h, g;
+    int first, last;    // the block's first and last query
+    int w0, w_last;     // the warp's first and last query
+    int w_lo;           // the warp's lowest first key
+    bool warp_live;     // whether the warp has a query
+    QueryRow rows[2];   // the lane's two queries
+    HeadRows<HD> at;    // their rows in [B, nq, NH, HD] tensors
+    // Whether any of the warp's queries sees a key of the tile j0 … j0+len−1 (warp-uniform).
+    __device__ bool sees_tile(int j0, int len) const {
+        return warp_live && j0 <= w_last && j0 + len > w_lo;
+    }
+};
+
+template <int HD>
+__device__ __forceinline__ QueryBlock<HD> query_block(const unsigned* __restrict__ pos, int t,
+                                                      int q0, int q1, int nh, int nkv) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    QueryBlock<HD> qb;
+    qb.b = blockIdx.z;
+    qb.h = blockIdx.y;
+    qb.g = qb.h / (nh / nkv);
+    qb.first = q0 + blockIdx.x * FLASH_ROWS;
+    qb.last = min(qb.first + FLASH_ROWS, q1) - 1;
+    qb.w0 = qb.first + warp * 16;
+    qb.warp_live = qb.w0 < q1;
+    qb.w_last = min(qb.w0 + 15, q1 - 1);
+    qb.w_lo = qb.warp_live ? first_key(pos, qb.b, t, qb.w0) : t;
+    qb.rows[0] = query_row(pos, qb.b, t, q1, qb.w0 + (lane >> 2));
+    qb.rows[1] = query_row(pos, qb.b, t, q1, qb.w0 + (lane >> 2) + 8);
+    qb.at = HeadRows<HD>{qb.b, q1 - q0, q0, nh, qb.h};
+    return qb;
+}
+
 // Write a warp's two rows of a [16, HD] C-fragment result (times `mul`) into row pointers; with
 // `add` onto what is there.
 template <typename T, int HD>
@@ -216,18 +255,14 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [FWD_KEYS, HD] bf16
     unsigned* vs = ks + FWD_KEYS * W;                    // [FWD_KEYS, HD] bf16
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, tig = lane & 3;
-    const long long b = blockIdx.z;
-    const int h = blockIdx.y, g = h / (nh / nkv), nq = q1 - q0;
-    const int first = q0 + blockIdx.x * FLASH_ROWS;  // the block's first query
-    const int last = min(first + FLASH_ROWS, q1) - 1;
-    const int w0 = first + warp * 16;  // the warp's first query
-    const bool warp_live = w0 < q1;
-    const int w_last = min(w0 + 15, q1 - 1), w_lo = warp_live ? first_key(pos, b, t, w0) : t;
-    const QueryRow ra = query_row(pos, b, t, q1, w0 + (lane >> 2));
-    const QueryRow rb = query_row(pos, b, t, q1, w0 + (lane >> 2) + 8);
-    const QueryRow rows[2] = {ra, rb};
-    const HeadRows<HD> at{b, nq, q0, nh, h};
+    const int tig = (threadIdx.x % WARP) & 3;
+    const QueryBlock<HD> qb = query_block<HD>(pos, t, q0, q1, nh, nkv);
+    const long long b = qb.b;
+    const int h = qb.h, g = qb.g, nq = q1 - q0, first = qb.first, last = qb.last;
+    const bool warp_live = qb.warp_live;
+    const QueryRow ra = qb.rows[0], rb = qb.rows[1];
+    const QueryRow* rows = qb.rows;
+    const HeadRows<HD>& at = qb.at;
     unsigned qa[HD / 16][4];
     a_rows<T, HD>(qa, at.row(q, ra), at.row(q, rb));
     float o[HD / 8][4];
@@ -237,10 +272,11 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
     const int j_begin = first_key(pos, b, t, first) / FWD_KEYS * FWD_KEYS;
     for (int j0 = j_begin; j0 <= last; j0 += FWD_KEYS) {
         __syncthreads();
-        load_tile<T, HD>(ks, k, b, 0, t, nkv, g, j0, FWD_KEYS, t);
-        load_tile<T, HD>(vs, v, b, 0, t, nkv, g, j0, FWD_KEYS, t);
+        // Keys past q1 are seen by no query of the range: zeros, never read.
+        load_tile<T, HD>(ks, k, b, 0, t, nkv, g, j0, FWD_KEYS, q1);
+        load_tile<T, HD>(vs, v, b, 0, t, nkv, g, j0, FWD_KEYS, q1);
         __syncthreads();
-        if (!warp_live || j0 > w_last || j0 + FWD_KEYS <= w_lo) continue;  // warp-uniform
+        if (!qb.sees_tile(j0, FWD_KEYS)) continue;  // warp-uniform
         // S = Q·Kᵀ for the warp's 16 queries × the tile's keys.
         float s[FWD_KEYS / 8][4];
 #pragma unroll
@@ -309,18 +345,14 @@ __device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [DQ_KEYS, HD] bf16
     unsigned* vs = ks + DQ_KEYS * W;                     // [DQ_KEYS, HD] bf16
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, tig = lane & 3;
-    const long long b = blockIdx.z;
-    const int h = blockIdx.y, g = h / (nh / nkv), nq = q1 - q0;
-    const int first = q0 + blockIdx.x * FLASH_ROWS;
-    const int last = min(first + FLASH_ROWS, q1) - 1;
-    const int w0 = first + warp * 16;
-    const bool warp_live = w0 < q1;
-    const int w_last = min(w0 + 15, q1 - 1), w_lo = warp_live ? first_key(pos, b, t, w0) : t;
-    const QueryRow ra = query_row(pos, b, t, q1, w0 + (lane >> 2));
-    const QueryRow rb = query_row(pos, b, t, q1, w0 + (lane >> 2) + 8);
-    const QueryRow rows[2] = {ra, rb};
-    const HeadRows<HD> at{b, nq, q0, nh, h};
+    const int tig = (threadIdx.x % WARP) & 3;
+    const QueryBlock<HD> qb = query_block<HD>(pos, t, q0, q1, nh, nkv);
+    const long long b = qb.b;
+    const int h = qb.h, g = qb.g, nq = q1 - q0, first = qb.first, last = qb.last;
+    const bool warp_live = qb.warp_live;
+    const QueryRow ra = qb.rows[0], rb = qb.rows[1];
+    const QueryRow* rows = qb.rows;
+    const HeadRows<HD>& at = qb.at;
     unsigned qa[HD / 16][4], da[HD / 16][4];
     a_rows<T, HD>(qa, at.row(q, ra), at.row(q, rb));
     a_rows<T, HD>(da, at.row(dout, ra), at.row(dout, rb));
@@ -344,10 +376,10 @@ __device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
     const int j_begin = first_key(pos, b, t, first) / DQ_KEYS * DQ_KEYS;
     for (int j0 = j_begin; j0 <= last; j0 += DQ_KEYS) {
         __syncthreads();
-        load_tile<T, HD>(ks, k, b, 0, t, nkv, g, j0, DQ_KEYS, t);
-        load_tile<T, HD>(vs, v, b, 0, t, nkv, g, j0, DQ_KEYS, t);
+        load_tile<T, HD>(ks, k, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
+        load_tile<T, HD>(vs, v, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
         __syncthreads();
-        if (!warp_live || j0 > w_last || j0 + DQ_KEYS <= w_lo) continue;  // warp-uniform
+        if (!qb.sees_tile(j0, DQ_KEYS)) continue;  // warp-uniform
         float s[DQ_KEYS / 8][4], dp[DQ_KEYS / 8][4];
 #pragma unroll
         for (int nt = 0; nt < DQ_KEYS / 8; nt++) {

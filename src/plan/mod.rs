@@ -81,21 +81,27 @@ fn gpu_memory_tbps(gpu: &str) -> Option<f64> {
 const MEMORY_SHARE: f64 = 0.9;
 
 /// Approximate GPU memory bytes the elementwise kernels move per token through one block's
-/// forward (activations fp32): two RMSNorms (read and write C each), two residual adds (two reads
-/// and a write), RoPE on Q and K, SwiGLU (read 2F, write F); under bf16 also the rounding of Q, K
-/// and V (two casts each: 12 bytes per element) and the bf16 cast of each GEMM's activation
-/// operand (read 4, write 2 bytes: the inputs of QKV, O, gate/up and down). A count of the
-/// program's passes, not a measurement.
-pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
+/// forward, with `chunk_tokens` tokens per GEMM (activations fp32): three RMSNorms (the first
+/// runs for the K/V pass and again for the queries; read and write C each), two residual adds
+/// (two reads and a write), RoPE on Q and K, SwiGLU (read 2F, write F). Under bf16 also: the
+/// rounding of Q, K and V (two casts each: 12 bytes per element), the bf16 cast of every GEMM
+/// call's activation operand (read 4, write 2 bytes: the first norm's output once for each of
+/// Q, K and V, the attention output, the second norm's output for gate and for up, the SwiGLU
+/// output) and of its weight (6 bytes per parameter per call, shared by the chunk's tokens). A
+/// count of the program's passes, not a measurement.
+pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool, chunk_tokens: f64) -> f64 {
     let (c, f, kv) = (
         model.hidden_size as f64,
         model.intermediate_size as f64,
         model.kv_dim() as f64,
     );
     let q = model.q_dim() as f64;
-    let fp32 = 4.0 * (4.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f);
+    let fp32 = 4.0 * (6.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f);
     let recipe = if bf16 {
-        12.0 * (q + 2.0 * kv) + 6.0 * (2.0 * c + q + f)
+        let block_weights = c * (q + 2.0 * kv) + q * c + 3.0 * c * f;
+        12.0 * (q + 2.0 * kv)
+            + 6.0 * (5.0 * c + q + f)
+            + 6.0 * block_weights / chunk_tokens.max(1.0)
     } else {
         0.0
     };
@@ -106,10 +112,12 @@ pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
 /// FlashAttention-3 paper's comparison, as quoted in issue #17. Of the 989 TFLOP/s peak.
 const FA2_H100_CAUSAL_FWD_TFLOPS: f64 = 335.0;
 /// Tensor-core work of our attention per FA2's (kernels/flash.cu: P and dS enter their products
-/// as bf16 hi + lo pairs, a second MMA each): forward 3 MMAs where FA2 has 2, backward 8 where it
-/// has 5.
+/// as bf16 hi + lo pairs, a second MMA each): forward 3 MMAs where FA2 has 2; backward 10 where it
+/// has 5 (S and dP are formed in both the dq and the dk/dv kernel).
 const FLASH_MMA_FACTOR_FWD: f64 = 1.5;
-const FLASH_MMA_FACTOR_BWD: f64 = 1.6;
+const FLASH_MMA_FACTOR_BWD: f64 = 2.0;
+/// Attention backward FLOPs per forward FLOP (FA2's count: 5 products of the forward's 2).
+const ATTENTION_BWD_PER_FWD: f64 = 2.5;
 /// Share of the fp32 peak assumed for fp32 SGEMM and the SIMT attention (no sourced figure).
 const FP32_ASSUMED: f64 = 0.6;
 
@@ -558,17 +566,19 @@ impl KernelParts {
         let tk = tokens_mb as f64;
         // The elementwise passes of a block's forward; its backward (with the recompute) moves
         // about three times as much. The head's cross-entropy reads and writes the fp32 logits.
-        let elementwise = elementwise_bytes_per_token(model, req.bf16) * tk / memory;
+        // Weight casts per GEMM call are counted once per micro-batch (unchunked layers; chunked
+        // ones cast them once per chunk, a few percent more at long context).
+        let elementwise = elementwise_bytes_per_token(model, req.bf16, tk) * tk / memory;
         let logits = 4.0 * 4.0 * model.vocab_size as f64 * tk / memory;
         let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;
         let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
         let head = (model.vocab_size * model.hidden_size) as f64;
         KernelParts {
             block_fwd: [2.0 * block * tk / gemm, attn / attn_fwd, elementwise],
-            // The recompute (a forward) and the backward (2 attention FLOPs per forward one).
+            // The recompute (a forward) and the backward.
             block_bwd: [
                 6.0 * block * tk / gemm,
-                attn / attn_fwd + 2.0 * attn / attn_bwd,
+                attn / attn_fwd + ATTENTION_BWD_PER_FWD * attn / attn_bwd,
                 3.0 * elementwise,
             ],
             head: [6.0 * head * tk / gemm, logits],

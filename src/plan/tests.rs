@@ -304,7 +304,7 @@ fn kernel_efficiencies_are_the_sourced_figures() {
     let h100 = kernel_efficiency("H100 SXM 80GB", true);
     assert_eq!(h100.gemm, 792.1 / 989.0);
     assert_eq!(h100.attention_fwd, 335.0 / 989.0 / 1.5);
-    assert_eq!(h100.attention_bwd, 335.0 / 989.0 / 1.6);
+    assert_eq!(h100.attention_bwd, 335.0 / 989.0 / 2.0);
     assert_eq!(h100.memory_tbps, 0.9 * 3.35);
     assert!(h100.source.contains("MAMF") && h100.source.contains("FlashAttention"));
     assert_eq!(

@@ -221,7 +221,7 @@ pub enum GradMetric {
     Norm,
 }
 
-/// ‖got − want‖₂ / ‖want‖₂ (infinite on a length mismatch or a NaN).
+/// ‖got − want‖₂ / ‖want‖₂ (infinite on a length mismatch, nothing to compare, or a NaN).
 pub fn compare_norm(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
     let (mut diff, mut base) = (0.0f64, 0.0f64);
     for (g, w) in got.iter().zip(want) {
@@ -229,7 +229,7 @@ pub fn compare_norm(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
         diff += (g - w) * (g - w);
         base += w * w;
     }
-    let err = if got.len() != want.len() || diff.is_nan() {
+    let err = if got.len() != want.len() || want.is_empty() || diff.is_nan() {
         f64::INFINITY
     } else {
         diff.sqrt() / base.sqrt().max(1e-30)

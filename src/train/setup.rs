@@ -81,9 +81,14 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         .adam_state
         .or_else(|| resumed.map(|(_, st)| checkpoint::adam_state_of(st)))
         .unwrap_or_default();
+    // A resumed run keeps the precision it was trained in unless `--precision` says otherwise.
+    let precision = cfg
+        .precision
+        .or_else(|| resumed.and_then(|(_, st)| st.config.precision))
+        .unwrap_or_else(|| cfg.resolved_precision());
     let cfg = TrainConfig {
         adam_state: Some(adam_state),
-        precision: Some(cfg.resolved_precision()),
+        precision: Some(precision),
         ..cfg.clone()
     };
     let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);

@@ -51,7 +51,7 @@ enum Kernels {
 
 /// The SIMT kernels in fp32.
 pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
-    attention_chunks(g, ATTN, Kernels::Simt)
+    attention_chunks(g, ATTN, &ATTN_DOCS, Kernels::Simt)
 }
 
 /// The tensor-core kernels for every head dim they are built for, on bf16 inputs, against the
@@ -59,16 +59,39 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
 pub(super) fn attention_flash(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let mut out = Vec::new();
     for hd in FLASH_HEAD_DIMS {
-        for o in attention_chunks(g, AttnShape { hd, ..ATTN }, Kernels::Flash)? {
+        for o in attention_chunks(g, AttnShape { hd, ..ATTN }, &ATTN_DOCS, Kernels::Flash)? {
             out.push(o.label(&format!("hd {hd} ")));
         }
+    }
+    // Longer documents: a block whose first query's document starts past the first key tile,
+    // and warps whose document starts after a tile they are handed.
+    for o in attention_chunks(g, FLASH_LONG, &FLASH_LONG_DOCS, Kernels::Flash)? {
+        out.push(o.label("hd 64, T 200 "));
     }
     Ok(out)
 }
 
+/// [`attention_flash`]'s longer case: 4 blocks of 64 queries, GQA 4/2.
+const FLASH_LONG: AttnShape = AttnShape {
+    b: 2,
+    t: 200,
+    nh: 4,
+    nkv: 2,
+    hd: 64,
+    q0: 0,
+    q1: 200,
+};
+/// Its documents: one flat sequence; then 30, 100 and 70 tokens (queries 192.. start at key 130).
+const FLASH_LONG_DOCS: [usize; 4] = [200, 30, 100, 70];
+
 /// The three attention kernels over the whole sequences, then over two query chunks (a token
 /// chunked layer program's calls: dK and dV summed over the chunks), against the CPU reference.
-fn attention_chunks(g: &Gpu<'_>, s: AttnShape, kernels: Kernels) -> Result<Vec<Out>> {
+fn attention_chunks(
+    g: &Gpu<'_>,
+    s: AttnShape,
+    docs: &[usize],
+    kernels: Kernels,
+) -> Result<Vec<Out>> {
     let (qs, qn, kn, rows) = (
         s.nh * s.hd,
         s.b * s.t * s.nh * s.hd,
@@ -90,7 +113,7 @@ fn attention_chunks(g: &Gpu<'_>, s: AttnShape, kernels: Kernels) -> Result<Vec<O
         input(g.rnd(kn, 10, 1.0)),
         input(g.rnd(qn, 11, 1.0)),
     );
-    let pos = ops::document_positions(&ATTN_DOCS);
+    let pos = ops::document_positions(docs);
     let (mut o_ref, mut lse_ref) = (vec![0.0; qn], vec![0.0; rows]);
     ops::attention_fwd(&mut o_ref, &mut lse_ref, &q, &k, &v, &pos, s);
     let (mut dq_ref, mut dk_ref, mut dv_ref) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
@@ -110,9 +133,11 @@ fn attention_chunks(g: &Gpu<'_>, s: AttnShape, kernels: Kernels) -> Result<Vec<O
     );
     let (kd, vd, posd) = (g.up(&k)?, g.up(&v)?, g.up(&pos)?);
     let mut out = Vec::new();
+    // Two query chunks split inside a block of rows (40 of 70 tokens, 114 of 200).
+    let split = s.t * 4 / 7;
     for (label, ranges) in [
-        ("", &[(0usize, 70usize)][..]),
-        ("chunked ", &[(0, 40), (40, 70)][..]),
+        ("", &[(0usize, s.t)][..]),
+        ("chunked ", &[(0, split), (split, s.t)][..]),
     ] {
         let (mut o, mut lse, mut dq) = (vec![0.0; qn], vec![0.0; rows], vec![0.0; qn]);
         let (dkd, dvd) = (g.zeros::<f32>(kn)?, g.zeros::<f32>(kn)?);
