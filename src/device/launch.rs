@@ -357,6 +357,17 @@ mod tests {
     }
 
     #[test]
+    fn opted_in_shared_memory_takes_whole_tiles() {
+        // An H100's 227 KiB: head dim 256 gets 64-row tiles (131 KiB for dk/dv), which 48 KiB
+        // cuts to 23 rows.
+        let s = AttnShape::causal(1, 4096, 8, 2, 256);
+        let big = attention(s, 227 << 10).unwrap();
+        assert_eq!(big.tile, 64);
+        assert_eq!(big.kv.smem as usize, 64 * (2 * 256 + 3) * 4);
+        assert_eq!(attention(s, DEFAULT_SMEM).unwrap().tile, 23);
+    }
+
+    #[test]
     fn flash_tiles_fit_without_the_opt_in_and_cover_the_rows() {
         for hd in FLASH_HEAD_DIMS {
             let s = AttnShape::causal(2, 4096, 32, 8, hd).queries(1000, 3000);

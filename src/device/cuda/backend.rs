@@ -103,6 +103,8 @@ impl CudaBackend {
             }
             None => None,
         };
+        // Every kernel is opted in to the device's largest block (`CudaRuntime::open`).
+        let smem = rt.smem_optin.max(launch::DEFAULT_SMEM);
         Ok(CudaBackend {
             rt,
             stream,
@@ -114,7 +116,7 @@ impl CudaBackend {
             positions,
             positions_of: None,
             losses,
-            smem: launch::DEFAULT_SMEM,
+            smem,
             bf16,
         })
     }

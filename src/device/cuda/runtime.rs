@@ -37,6 +37,9 @@ pub struct CudaRuntime {
     pub cc: (i32, i32),
     /// Multiprocessors.
     pub sms: u32,
+    /// Shared memory a block may use once a kernel opts in (`MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`:
+    /// 227 KiB on an H100, 163 KiB on an A100); [`CudaRuntime::open`] opts every kernel in.
+    pub smem_optin: usize,
     /// Driver version (e.g. 12080).
     pub driver: i32,
     /// PCI address, `dddd:bb:dd.0` (how the topology knows this GPU).
@@ -61,10 +64,17 @@ impl CudaRuntime {
                 &format!("load {} (CUBIN for {arch})", f.file),
             )?;
             for k in f.kernels {
-                rt.functions.insert(
-                    k.name,
-                    drv(module.load_function(k.name), &format!("find {}", k.name))?,
-                );
+                let func = drv(module.load_function(k.name), &format!("find {}", k.name))?;
+                // Opt in to the device's largest dynamic shared memory (beside the kernel's
+                // static arrays): launches above 48 KiB fail without it.
+                use cudarc::driver::sys::CUfunction_attribute as F;
+                let fixed = drv(func.shared_size_bytes(), "static shared memory")?.max(0);
+                let dynamic = (rt.smem_optin as i32).saturating_sub(fixed);
+                drv(
+                    func.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic),
+                    &format!("opt {} in to {dynamic} B of shared memory", k.name),
+                )?;
+                rt.functions.insert(k.name, func);
             }
         }
         Ok(rt)
@@ -118,6 +128,11 @@ impl CudaRuntime {
             A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             "multiprocessor count",
         )? as u32;
+        let smem_optin = attr(
+            A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "shared memory per block (opt-in)",
+        )?
+        .max(0) as usize;
         let pci_bus_id = format!(
             "{:04x}:{:02x}:{:02x}.0",
             attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, "PCI address")?,
@@ -131,6 +146,7 @@ impl CudaRuntime {
             name,
             cc,
             sms,
+            smem_optin,
             driver: v,
             pci_bus_id,
             functions: HashMap::new(),

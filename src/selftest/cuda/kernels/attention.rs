@@ -43,15 +43,31 @@ fn query_rows(whole: &mut [f32], part: &mut [f32], s: AttnShape, width: usize, b
 /// Which attention kernels a case runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kernels {
-    /// `attention_*_f32`: fp32 SIMT.
-    Simt,
+    /// `attention_*_f32`: fp32 SIMT, tiles sized to this much shared memory per block.
+    Simt(usize),
     /// `flash{hd}_*_f32`: tensor cores, on inputs that hold bf16 values.
     Flash,
 }
 
-/// The SIMT kernels in fp32.
+/// The SIMT kernels in fp32; then at head dim 128 with the tiles the opted-in shared memory
+/// allows (above 48 KiB: 64 rows of 1 KiB for dk/dv, where 48 KiB holds 47).
 pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
-    attention_chunks(g, ATTN, &ATTN_DOCS, Kernels::Simt)
+    let mut out = attention_chunks(g, ATTN, &ATTN_DOCS, Kernels::Simt(launch::DEFAULT_SMEM))?;
+    let optin = g.rt.smem_optin;
+    if optin > launch::DEFAULT_SMEM {
+        let s = AttnShape { hd: 128, ..ATTN };
+        let big = launch::attention(s, optin)?;
+        if big.kv.smem as usize <= launch::DEFAULT_SMEM {
+            return Err(Error::internal(
+                "self-test",
+                format!("the opt-in case's tiles fit 48 KiB ({big:?})"),
+            ));
+        }
+        for o in attention_chunks(g, s, &ATTN_DOCS, Kernels::Simt(optin))? {
+            out.push(o.label(&format!("hd 128, {} KiB tiles: ", big.kv.smem >> 10)));
+        }
+    }
+    Ok(out)
 }
 
 /// The tensor-core kernels for every head dim they are built for, on bf16 inputs, against the
@@ -100,11 +116,11 @@ fn attention_chunks(
     );
     // The tensor-core kernels take bf16 values (what the bf16 program stores).
     let input = |x: Vec<f32>| match kernels {
-        Kernels::Simt => x,
+        Kernels::Simt(_) => x,
         Kernels::Flash => round_bf16(&x),
     };
     let bwd_tolerance = match kernels {
-        Kernels::Simt => TOL_ATTN_BWD,
+        Kernels::Simt(_) => TOL_ATTN_BWD,
         Kernels::Flash => TOL_FLASH,
     };
     let (mut q, k, v, mut d_o) = (
@@ -159,8 +175,8 @@ fn attention_chunks(
             let [o_, lse_, delta_, dq_, dk_, dv_, q_, k_, v_, do_] =
                 [&od, &lsed, &deltad, &dqd, &dkd, &dvd, &qd, &kd, &vd, &dod].map(|b| g.p(b));
             match kernels {
-                Kernels::Simt => {
-                    let geo = launch::attention(sc, launch::DEFAULT_SMEM)?;
+                Kernels::Simt(smem) => {
+                    let geo = launch::attention(sc, smem)?;
                     kk.attention_fwd(Dtype::F32, &geo, o_, lse_, q_, k_, v_, a)?;
                     kk.attention_bwd(Dtype::F32, &geo, dq_, delta_, do_, o_, q_, k_, v_, lse_, a)?;
                     kk.attention_bwd_kv(
