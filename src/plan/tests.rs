@@ -326,17 +326,25 @@ fn kernel_efficiencies_are_the_sourced_figures() {
     assert!(unknown.source.contains("assumed"));
 }
 
+/// Qwen2.5-7B on the H100 preset in bf16, 65,536 tokens per step in one micro-batch.
+fn qwen_7b_on_an_h100_bf16() -> (crate::model::config::ModelConfig, Hardware, PlanRequest) {
+    let r = PlanRequest {
+        bf16: true,
+        ..req(65536)
+    };
+    (
+        presets::model("qwen2.5-7b").unwrap(),
+        presets::machine("h100-512gb").unwrap(),
+        r,
+    )
+}
+
 /// The GPU time splits into GEMMs, attention and elementwise kernels that add up to the kernels'
 /// sum (a GPU-bound step's compute), attention grows with the sequence, and the elementwise
 /// share is there (the casts and norms of a bf16 step are memory-bound).
 #[test]
 fn compute_splits_into_gemm_attention_and_elementwise() {
-    let hw = presets::machine("h100-512gb").unwrap();
-    let m = presets::model("qwen2.5-7b").unwrap();
-    let r = PlanRequest {
-        bf16: true,
-        ..req(65536)
-    };
+    let (m, hw, r) = qwen_7b_on_an_h100_bf16();
     let t = plan(&m, &hw, &r).time;
     let s = t.compute_split;
     let sum = s.gemm_s + s.attention_s + s.elementwise_s;
@@ -365,12 +373,7 @@ fn compute_splits_into_gemm_attention_and_elementwise() {
 /// model, guarded so a change to the model that loses it is seen.
 #[test]
 fn qwen_7b_on_an_h100_is_predicted_above_megatrain() {
-    let hw = presets::machine("h100-512gb").unwrap();
-    let m = presets::model("qwen2.5-7b").unwrap();
-    let r = PlanRequest {
-        bf16: true,
-        ..req(65536)
-    };
+    let (m, hw, r) = qwen_7b_on_an_h100_bf16();
     let t = plan(&m, &hw, &r).time;
     let tflops = 6.0 * m.num_params() as f64 * t.tokens_per_s / 1e12;
     assert!(tflops >= 1.2 * 272.0, "{tflops:.0} TFLOP/s predicted");

@@ -1,0 +1,213 @@
+//! The kernel cost model of `megatrain plan`: the share of the peak each kind of kernel is
+//! assumed to reach (sourced, printed by every plan), the bytes the memory-bound passes move,
+//! and one micro-batch's kernel times split into GEMMs, attention and elementwise kernels.
+
+use super::{Hardware, PlanRequest};
+use crate::model::config::ModelConfig;
+use serde::Serialize;
+
+/// The share of the peak each kind of kernel is assumed to reach, and where the figures come
+/// from: inputs to a prediction, never our measurement (`megatrain bench kernels` measures them on
+/// a GPU).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KernelEfficiency {
+    /// The layers' GEMMs (cuBLAS).
+    pub gemm: f64,
+    /// Attention forward, useful FLOPs (the causal half) over the peak.
+    pub attention_fwd: f64,
+    /// Attention backward, likewise.
+    pub attention_bwd: f64,
+    /// GPU memory TB/s the elementwise kernels (norms, RoPE, SwiGLU, residual adds, casts,
+    /// cross-entropy) reach: they are bound by it.
+    pub memory_tbps: f64,
+    /// Where each figure comes from.
+    pub source: String,
+}
+
+/// Datasheet GPU memory bandwidth, TB/s, of GPUs the probe can name.
+fn gpu_memory_tbps(gpu: &str) -> Option<f64> {
+    let n = gpu.to_ascii_lowercase();
+    [
+        ("gh200", 4.0),
+        ("h200", 4.8),
+        ("h100", 3.35),
+        ("a100", 2.0),
+        ("4090", 1.008),
+        ("l40s", 0.864),
+        ("b200", 8.0),
+    ]
+    .into_iter()
+    .find(|(k, _)| n.contains(k))
+    .map(|(_, tbps)| tbps)
+}
+
+/// Share of the datasheet memory bandwidth a streaming kernel reaches (assumed: STREAM-like
+/// kernels on HBM GPUs reach about 90%).
+const MEMORY_SHARE: f64 = 0.9;
+
+/// Approximate GPU memory bytes the elementwise kernels move per token through one block's
+/// forward, with `chunk_tokens` tokens per GEMM (activations fp32): three RMSNorms (the first
+/// runs for the K/V pass and again for the queries; read and write C each), two residual adds
+/// (two reads and a write), RoPE on Q and K, SwiGLU (read 2F, write F). Under bf16 also: the
+/// rounding of Q, K and V (two casts each: 12 bytes per element), the bf16 cast of every GEMM
+/// call's activation operand (read 4, write 2 bytes: the first norm's output once for each of
+/// Q, K and V, the attention output, the second norm's output for gate and for up, the SwiGLU
+/// output) and of its weight (6 bytes per parameter per call, shared by the chunk's tokens). A
+/// count of the program's passes, not a measurement.
+pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool, chunk_tokens: f64) -> f64 {
+    let (c, f, kv) = (
+        model.hidden_size as f64,
+        model.intermediate_size as f64,
+        model.kv_dim() as f64,
+    );
+    let q = model.q_dim() as f64;
+    let fp32 = 4.0 * (6.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f);
+    let recipe = if bf16 {
+        let block_weights = c * (q + 2.0 * kv) + q * c + 3.0 * c * f;
+        12.0 * (q + 2.0 * kv)
+            + 6.0 * (5.0 * c + q + f)
+            + 6.0 * block_weights / chunk_tokens.max(1.0)
+    } else {
+        0.0
+    };
+    fp32 + recipe
+}
+
+/// FlashAttention-2's causal forward on an H100 (head dim 128, long sequences), TFLOP/s: the
+/// FlashAttention-3 paper's comparison, as quoted in issue #17. Of the 989 TFLOP/s peak.
+const FA2_H100_CAUSAL_FWD_TFLOPS: f64 = 335.0;
+/// Tensor-core work of our attention per FA2's (kernels/flash.cu: P and dS enter their products
+/// as bf16 hi + lo pairs, a second MMA each): forward 3 MMAs where FA2 has 2; backward 10 where it
+/// has 5 (S and dP are formed in both the dq and the dk/dv kernel).
+const FLASH_MMA_FACTOR_FWD: f64 = 1.5;
+const FLASH_MMA_FACTOR_BWD: f64 = 2.0;
+/// Attention backward FLOPs per forward FLOP (FA2's count: 5 products of the forward's 2).
+const ATTENTION_BWD_PER_FWD: f64 = 2.5;
+/// Share of the fp32 peak assumed for fp32 SGEMM and the SIMT attention (no sourced figure).
+const FP32_ASSUMED: f64 = 0.6;
+
+/// Maximum achievable matmul FLOPS (bf16, best shape) over the datasheet peak, by GPU: Stas
+/// Bekman's MAMF table (ml-engineering, compute/accelerator, measured with mamf-finder.py).
+fn mamf_share(gpu: &str) -> Option<(f64, &'static str)> {
+    let n = gpu.to_ascii_lowercase();
+    // GH200 before H100: its name carries the H100 it holds.
+    [
+        ("gh200", 821.0 / 989.0, "GH200 MAMF 821.0 of 989 TF (CUDA 12.5)"),
+        ("h200", 792.1 / 989.0, "H100 SXM MAMF 792.1 of 989 TF (CUDA 12.1; the H200 is not in the table, its compute is the H100's)"),
+        ("h100", 792.1 / 989.0, "H100 SXM MAMF 792.1 of 989 TF (CUDA 12.1)"),
+        ("a100", 267.9 / 312.0, "A100 SXM MAMF 267.9 of 312 TF (CUDA 12.1)"),
+    ]
+    .into_iter()
+    .find(|(k, _, _)| n.contains(k))
+    .map(|(_, share, src)| (share, src))
+}
+
+/// The kernel efficiencies the plan assumes for `gpu` in bf16 or fp32.
+pub fn kernel_efficiency(gpu: &str, bf16: bool) -> KernelEfficiency {
+    let (memory_tbps, memory_src) = match gpu_memory_tbps(gpu) {
+        Some(t) => (
+            MEMORY_SHARE * t,
+            format!("memory: {MEMORY_SHARE} of the datasheet {t} TB/s (assumed)"),
+        ),
+        None => (
+            MEMORY_SHARE * 2.0,
+            "memory: 2 TB/s assumed (no datasheet figure for this GPU)".to_owned(),
+        ),
+    };
+    if !bf16 {
+        return KernelEfficiency {
+            gemm: FP32_ASSUMED,
+            attention_fwd: FP32_ASSUMED,
+            attention_bwd: FP32_ASSUMED,
+            memory_tbps,
+            source: format!("fp32: {FP32_ASSUMED} of the fp32 peak assumed for every kernel (no sourced figure); {memory_src}"),
+        };
+    }
+    let (gemm, gemm_src) =
+        mamf_share(gpu).unwrap_or((FP32_ASSUMED, "no MAMF figure for this GPU: 0.6 assumed"));
+    let fa2 = FA2_H100_CAUSAL_FWD_TFLOPS / 989.0;
+    KernelEfficiency {
+        gemm,
+        attention_fwd: fa2 / FLASH_MMA_FACTOR_FWD,
+        attention_bwd: fa2 / FLASH_MMA_FACTOR_BWD,
+        memory_tbps,
+        source: format!(
+            "GEMM: {gemm_src}; attention: FlashAttention-2's causal forward on an H100 ({FA2_H100_CAUSAL_FWD_TFLOPS} TF, FlashAttention-3 paper) over the peak, divided by our kernels' extra MMAs ({FLASH_MMA_FACTOR_FWD}× forward, {FLASH_MMA_FACTOR_BWD}× backward); the backward is assumed to reach the forward's share; {memory_src}"
+        ),
+    }
+}
+
+/// The step's GPU kernel time by kind of kernel (they add up to the kernels' sum, which the
+/// GPU compute time equals when nothing stalls it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ComputeSplit {
+    /// The layers' and the head's GEMMs.
+    pub gemm_s: f64,
+    /// Attention, forward (twice: the forward and the recompute) and backward.
+    pub attention_s: f64,
+    /// Memory-bound elementwise kernels and the cross-entropy's logit passes.
+    pub elementwise_s: f64,
+}
+
+/// One micro-batch's kernel times, by unit kind and kind of kernel.
+pub(super) struct KernelParts {
+    /// A block's forward: GEMMs, attention, elementwise.
+    pub(super) block_fwd: [f64; 3],
+    /// A block's backward with its recompute.
+    pub(super) block_bwd: [f64; 3],
+    /// The head (forward and backward): GEMMs, logit passes.
+    pub(super) head: [f64; 2],
+}
+
+impl KernelParts {
+    pub(super) fn new(
+        model: &ModelConfig,
+        hw: &Hardware,
+        req: &PlanRequest,
+        tokens_mb: u64,
+    ) -> Self {
+        let peak = if req.bf16 {
+            hw.bf16_tflops
+        } else {
+            hw.fp32_tflops
+        } * 1e12;
+        let eff = kernel_efficiency(&hw.gpu, req.bf16);
+        let (gemm, attn_fwd, attn_bwd, memory) = (
+            peak * eff.gemm,
+            peak * eff.attention_fwd,
+            peak * eff.attention_bwd,
+            eff.memory_tbps * 1e12,
+        );
+        let tk = tokens_mb as f64;
+        // The elementwise passes of a block's forward; its backward (with the recompute) moves
+        // about three times as much. The head's cross-entropy reads and writes the fp32 logits.
+        // Weight casts per GEMM call are counted once per micro-batch (unchunked layers; chunked
+        // ones cast them once per chunk, a few percent more at long context).
+        let elementwise = elementwise_bytes_per_token(model, req.bf16, tk) * tk / memory;
+        let logits = 4.0 * 4.0 * model.vocab_size as f64 * tk / memory;
+        let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;
+        let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
+        let head = (model.vocab_size * model.hidden_size) as f64;
+        KernelParts {
+            block_fwd: [2.0 * block * tk / gemm, attn / attn_fwd, elementwise],
+            // The recompute (a forward) and the backward.
+            block_bwd: [
+                6.0 * block * tk / gemm,
+                attn / attn_fwd + ATTENTION_BWD_PER_FWD * attn / attn_bwd,
+                3.0 * elementwise,
+            ],
+            head: [6.0 * head * tk / gemm, logits],
+        }
+    }
+
+    /// The split of `micro_batches` micro-batches of `layers` blocks.
+    pub(super) fn split(&self, layers: usize, micro_batches: f64) -> ComputeSplit {
+        let l = layers as f64;
+        let block = |k: usize| l * (self.block_fwd[k] + self.block_bwd[k]);
+        ComputeSplit {
+            gemm_s: micro_batches * (block(0) + self.head[0]),
+            attention_s: micro_batches * block(1),
+            elementwise_s: micro_batches * (block(2) + self.head[1]),
+        }
+    }
+}
