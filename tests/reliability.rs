@@ -842,3 +842,31 @@ fn sigterm_and_ctrl_c_stop_cleanly_with_the_signal_exit_status() {
         }
     }
 }
+
+/// bf16 gradients on the link belong to the bf16 recipe: an fp32 run or plan refuses them,
+/// naming the setting and the fix, before anything is allocated.
+#[test]
+fn bf16_gradients_without_the_bf16_recipe_are_refused() {
+    let f = fixture();
+    let (rc, err) = run(f.train(&["--grad-link", "bf16"]));
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        last_line(&err).contains("grad_link") && last_line(&err).contains("--precision bf16"),
+        "{err}"
+    );
+    let mut plan = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    plan.args([
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--machine",
+        "h100-512gb",
+        "--precision",
+        "fp32",
+        "--grad-link",
+        "bf16",
+    ]);
+    let (rc, err) = run(plan);
+    assert_eq!(rc, 2, "{err}");
+    assert!(last_line(&err).contains("--grad-link bf16"), "{err}");
+}

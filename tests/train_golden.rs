@@ -125,6 +125,9 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
         (true, true) => 1e-3,
     };
     let precision = ["--precision", if bf16 { "bf16" } else { "fp32" }];
+    // Gradients rounded to bf16 before they cross the link (`--grad-link bf16`), as the
+    // golden's micro-batch gradients are.
+    let grad_link = ["--grad-link", s["grad_link"].as_str().unwrap_or("fp32")];
     let mut command = match on {
         On::Cpu => Command::new(env!("CARGO_BIN_EXE_megatrain")),
         #[cfg(feature = "cuda")]
@@ -180,6 +183,7 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
         ])
         .args(["--device-memory", "268435456"])
         .args(precision)
+        .args(grad_link)
         .args(device)
         .output()
         .unwrap();
@@ -307,6 +311,12 @@ fn bf16_clipping() {
 fn bf16_grad_accumulation() {
     check("bf16_accum");
 }
+/// `--grad-link bf16`: each micro-batch's gradients rounded to bf16 on the device, summed in
+/// fp32 on the host, against torch doing the same.
+#[test]
+fn bf16_gradients_on_the_link() {
+    check("bf16_grad_link");
+}
 
 /// The same cases on the CUDA device.
 #[cfg(feature = "cuda")]
@@ -359,5 +369,10 @@ mod cuda {
     #[test]
     fn bf16_grad_accumulation() {
         check_on("bf16_accum", On::Cuda { delays: true });
+    }
+    /// bf16 gradients rounded by the cast kernel, landed through the bounce chunks.
+    #[test]
+    fn bf16_gradients_on_the_link_with_random_stream_delays() {
+        check_on("bf16_grad_link", On::Cuda { delays: true });
     }
 }

@@ -44,9 +44,11 @@ def lr_at(c, t):
     return c["lr"] * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def run(case, c, seed, attn_implementation="eager", generator="tools/golden_train.py", settings=None):
+def run(case, c, seed, attn_implementation="eager", generator="tools/golden_train.py", settings=None,
+        micro_grads=None):
     """Train case `case` with settings `c` from seed `seed` and write its golden directory;
-    `settings` (default `c`) is what the golden records."""
+    `settings` (default `c`) is what the golden records; `micro_grads`, if given, maps each
+    micro-batch's gradient before it is added to the step's (fp32) sum."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", f"train_{case}")
     os.makedirs(root, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -76,7 +78,16 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
             r += B
             logits = model(input_ids=batch[:, :T]).logits
             loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1), reduction="sum") / (B * T * M)
-            loss.backward()
+            if micro_grads is None:
+                loss.backward()
+            else:
+                summed = [p.grad for p in model.parameters()]
+                for p in model.parameters():
+                    p.grad = None
+                loss.backward()
+                for p, acc in zip(model.parameters(), summed):
+                    g = micro_grads(p.grad)
+                    p.grad = g if acc is None else acc + g
             total += loss.item()
         params = [p for p in model.parameters()]
         norm = torch.nn.utils.clip_grad_norm_(params, c["clip"] if c["clip"] > 0 else float("inf"))

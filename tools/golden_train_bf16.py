@@ -12,10 +12,12 @@ megatrain's bf16 recipe (docs/precision.md) over an fp32 master:
     device stores them), and the gradient of its output rounded to bf16; softmax, its statistics
     and every other op (norms, SwiGLU, residual adds, cross-entropy) are fp32.
 
-Data, loss and optimizer semantics are tools/golden_train.py's. For each case writes
+Data, loss and optimizer semantics are tools/golden_train.py's. A case with grad_link "bf16"
+(`--grad-link bf16`) rounds each micro-batch's gradients to bf16 (nearest even, as the device
+does before they cross the link) and sums them in fp32 (as the host does). For each case writes
 tests/golden/train_{case}/ with init/, data.bin and golden.safetensors (settings carry
 "precision": "bf16").
-Run:  python3 tools/golden_train_bf16.py
+Run:  python3 tools/golden_train_bf16.py [CASE ...]   (default: every case)
 """
 import os
 import sys
@@ -34,6 +36,8 @@ CASES = {
     "bf16_tied": dict(heads=4, kv=2, tied=True, B=1, T=24, M=1, steps=4, clip=0.0, lr=2e-3, warmup=0, wd=0.01),
     "bf16_clip": dict(heads=4, kv=1, tied=False, B=2, T=16, M=1, steps=4, clip=0.5, lr=3e-3, warmup=1, wd=0.1),
     "bf16_accum": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1),
+    "bf16_grad_link": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                           grad_link="bf16"),
 }
 
 
@@ -152,14 +156,17 @@ def run(case, c, seed):
     """One case: tools/golden_train.py's loop on a model built with the recipe's attention (the
     recipe's Linear, Embedding and RMSNorm are installed by `install_recipe`)."""
     golden_train.run(case, c, seed, attn_implementation="megatrain_bf16",
-                     generator="tools/golden_train_bf16.py", settings=dict(c, precision="bf16"))
+                     generator="tools/golden_train_bf16.py", settings=dict(c, precision="bf16"),
+                     micro_grads=rne if c.get("grad_link") == "bf16" else None)
 
 
 def main():
     torch.set_num_threads(1)
     install_recipe()
+    wanted = sys.argv[1:] or list(CASES)
     for i, (case, c) in enumerate(CASES.items()):
-        run(case, c, 400 + i)
+        if case in wanted:
+            run(case, c, 400 + i)
 
 
 if __name__ == "__main__":

@@ -375,6 +375,7 @@ fn build_streamer(
             grad_clip: 1.0,
             decay_norms: true,
             seed: 0,
+            grad_link: crate::device::GradLink::Fp32,
         },
     )
 }
@@ -435,6 +436,7 @@ fn predict(
     let per_unit = |rate: f64| -> Vec<f64> { numel.iter().map(|&k| k as f64 * rate).collect() };
     let costs = Costs {
         weight_elem_bytes: 4.0,
+        grad_elem_bytes: 4.0,
         activation_bytes: (case.batch * case.seq * cfg.hidden_size * 4) as f64,
         htod_bps: case.link_gbps * 1e9,
         dtoh_bps: case.link_gbps * 1e9,

@@ -82,6 +82,9 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
     };
     print(&training);
     checks.extend(training);
+    let landings = cuda::landings(a.gpu, a.seed)?;
+    print(&landings);
+    checks.extend(landings);
     let (htod, dtoh) = cuda::link(&rt)?;
     let label = if rt.emulated() {
         "emulated by cuemu: host memory copies, not a GPU link"

@@ -4,10 +4,11 @@
 //! link model (bandwidth and latency per direction) that makes copies take as long as they would
 //! over PCIe or NVLink-C2C. Random per-command delays can be injected to shake out ordering bugs.
 
-use super::host_backend::{HostBackend, HostP};
+use super::host_backend::{bf16_value, HostBackend, HostP};
 use super::program::{self, Shape, Ws};
 use super::{
-    Access, BufId, Cmd, Device, DeviceKernel, Event, MemStats, OpRecord, Precision, StreamKind,
+    Access, BufId, Cmd, Device, DeviceKernel, Event, GradLink, MemStats, OpRecord, Precision,
+    StreamKind,
 };
 use crate::model::reference::Templates;
 use crate::util::lock;
@@ -377,23 +378,29 @@ fn execute(
             src,
             offset,
             accumulate,
+            link: wire,
             label,
         } => {
             let began = Instant::now();
             let buf = shared.buffer(src)?;
-            let s = buf.read()?;
+            let guard = buf.read()?;
+            let s = &*guard;
             super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, s.len())?;
             // SAFETY: HostRef's contract: valid and unaliased until this command completes.
             let h = unsafe { dst.slice() };
+            let s = &s[offset..offset + dst.len()];
+            // What lands on the host: the device's values, or their bf16 roundings.
+            let crossed = |v: f32| match wire {
+                GradLink::Fp32 => v,
+                GradLink::Bf16 => bf16_value(v),
+            };
             if accumulate {
-                for (a, v) in h.iter_mut().zip(&s[offset..offset + dst.len()]) {
-                    *a += *v;
-                }
+                h.iter_mut().zip(s).for_each(|(a, v)| *a += crossed(*v));
             } else {
-                h.copy_from_slice(&s[offset..offset + dst.len()]);
+                h.iter_mut().zip(s).for_each(|(a, v)| *a = crossed(*v));
             }
-            drop(s);
-            let bytes = 4 * dst.len() as u64;
+            drop(guard);
+            let bytes = wire.elem_bytes() * dst.len() as u64;
             pace(link, began, bytes, false);
             Ok(Some((format!("dtoh {label}"), bytes)))
         }

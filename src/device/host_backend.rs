@@ -129,7 +129,7 @@ thread_local! {
 /// quiet NaN). Branch-free, so that loops over it vectorise; equal to the optimizer's
 /// `bf16_to_f32(f32_to_bf16(x))` (tested).
 #[inline(always)]
-fn bf16_value(x: f32) -> f32 {
+pub(crate) fn bf16_value(x: f32) -> f32 {
     let b = x.to_bits();
     let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
     let quiet_nan = (b | 0x0040_0000) & 0xffff_0000;

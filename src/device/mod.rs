@@ -114,6 +114,51 @@ impl Precision {
     }
 }
 
+/// Elements per chunk of a device→host copy that lands through the host's page-locked bounce
+/// chunks (accumulating copies, bf16 gradients): 16 MiB of fp32.
+pub const BOUNCE_CHUNK_ELEMS: usize = 4 << 20;
+
+/// How weight gradients cross the link to the host (`--grad-link`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum GradLink {
+    /// fp32, exactly as the device summed them: 4 B per element.
+    #[default]
+    Fp32,
+    /// Rounded to bf16 (nearest even) on the device, widened exactly on the host, where they are
+    /// accumulated in fp32: 2 B per element, for steps the device→host link bounds
+    /// (docs/precision.md measures what it costs in accuracy).
+    Bf16,
+}
+
+impl GradLink {
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            GradLink::Fp32 => "fp32",
+            GradLink::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per element on the link.
+    pub fn elem_bytes(self) -> u64 {
+        match self {
+            GradLink::Fp32 => 4,
+            GradLink::Bf16 => 2,
+        }
+    }
+}
+
 /// A view of registered host memory that a copy reads or writes.
 ///
 /// Like a pointer handed to `cudaMemcpyAsync`: whoever builds one promises the memory stays valid
@@ -444,12 +489,15 @@ pub enum Cmd {
         src: HostRef<u16>,
         label: String,
     },
-    /// Device → host: `len` elements of `src` from `offset` into `dst` (`+=` if `accumulate`).
+    /// Device → host: `len` elements of `src` from `offset` into `dst` (`+=` if `accumulate`),
+    /// crossing the link as `link` says: under [`GradLink::Bf16`] each element is rounded to
+    /// bf16 (nearest even) on the device and widened exactly on the host.
     DtoH {
         dst: HostRef,
         src: BufId,
         offset: usize,
         accumulate: bool,
+        link: GradLink,
         label: String,
     },
     /// A layer op.

@@ -15,7 +15,8 @@ use super::schedule::{
 };
 use super::trace::{Span, Timeline};
 use crate::device::{
-    Batch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, Kernel, Precision, StreamKind,
+    Batch, BufId, Cmd, Device, DeviceKernel, Event, GradLink, HostRef, Kernel, Precision,
+    StreamKind,
 };
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
@@ -46,6 +47,8 @@ pub struct StreamerConfig {
     pub decay_norms: bool,
     /// The run's seed (the stochastic rounding of bf16 Adam moments).
     pub seed: u64,
+    /// How weight gradients cross to the host.
+    pub grad_link: GradLink,
 }
 
 /// One micro-batch, `batch × seq` each: input tokens, next-token targets
@@ -709,6 +712,7 @@ impl Streamer {
                     src: self.buf(*from),
                     offset: 0,
                     accumulate: false,
+                    link: GradLink::Fp32,
                     label: format!("activation x{index}"),
                 }
             }
@@ -772,6 +776,7 @@ impl Streamer {
             src,
             offset: elems.start,
             accumulate,
+            link: self.cfg.grad_link,
             label,
         })
     }

@@ -12,7 +12,7 @@ pub use kernels::{elementwise_bytes_per_token, kernel_efficiency, ComputeSplit, 
 use crate::device::program::{
     bf16_device_bytes, bf16_staging_bytes, workspace_bytes, Shape, CHUNK_ALIGN,
 };
-use crate::device::Precision;
+use crate::device::{GradLink, Precision};
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout};
@@ -65,6 +65,8 @@ pub struct PlanRequest {
     /// (dividing the step) whose device working set fits. Weights cross the link twice per
     /// micro-batch, so larger micro-batches cost device memory and save link time.
     pub micro_batch_tokens: Option<u64>,
+    /// How gradients cross back to the host; `None` lets [`plan`] pick ([`pick_grad_link`]).
+    pub grad_link: Option<GradLink>,
 }
 
 impl PlanRequest {
@@ -95,6 +97,14 @@ impl PlanRequest {
                     self.seq_len
                 ),
             );
+        }
+        if self.grad_link == Some(GradLink::Bf16) && !self.bf16 {
+            return Err(crate::Error::bad_input(
+                "plan",
+                "--grad-link bf16",
+                "bf16 gradients on the link belong to the bf16 recipe, and this plan is for fp32",
+                Some("pass --precision bf16, or drop --grad-link"),
+            ));
         }
         if let Some(m) = self.micro_batch_tokens {
             if m == 0 || m > self.tokens_per_step {
@@ -199,9 +209,28 @@ pub struct Plan {
     pub suggestion: Option<String>,
     /// Predicted times.
     pub time: TimePlan,
+    /// How gradients cross the link, and why.
+    pub grad_link: GradLinkChoice,
     /// Always "prediction".
     pub kind: &'static str,
 }
+
+/// The gradients' format on the link the plan uses, and the step it predicts with each.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GradLinkChoice {
+    /// The format (the one asked for, else the one picked).
+    pub link: GradLink,
+    /// Whether the planner picked it (no `--grad-link` given).
+    pub picked: bool,
+    /// Predicted step with fp32 gradients, s.
+    pub fp32_step_s: f64,
+    /// Predicted step with bf16 gradients, s (bf16 plans only).
+    pub bf16_step_s: Option<f64>,
+}
+
+/// The least share of the step that bf16 gradients must save for [`pick_grad_link`] to take
+/// them: below it their rounding buys too little.
+pub const GRAD_LINK_MIN_GAIN: f64 = 0.05;
 
 /// Datasheet peaks (dense TFLOP/s fp32, bf16) of GPUs the probe can name.
 pub fn gpu_peaks(name: &str) -> Option<(f64, f64)> {
@@ -420,6 +449,7 @@ fn sim_costs(
     };
     sim::Costs {
         weight_elem_bytes: if req.bf16 { 2.0 } else { 4.0 },
+        grad_elem_bytes: req.grad_link.unwrap_or_default().elem_bytes() as f64,
         activation_bytes: tk * model.hidden_size as f64 * 4.0,
         htod_bps: hw.htod_gbps * 1e9,
         dtoh_bps: hw.dtoh_gbps * 1e9,
@@ -683,10 +713,43 @@ pub fn resolve(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> PlanReq
     }
 }
 
+/// `req` with its gradients' format decided, and the steps predicted with each: as asked, else
+/// bf16 where the plan is for the bf16 recipe and bf16 gradients save at least
+/// [`GRAD_LINK_MIN_GAIN`] of the step (the device→host link, or its drain after the last
+/// backward, bounds it), else fp32 (exact).
+pub fn pick_grad_link(
+    model: &ModelConfig,
+    hw: &Hardware,
+    req: &PlanRequest,
+) -> (PlanRequest, GradLinkChoice) {
+    let with = |link: GradLink| PlanRequest {
+        grad_link: Some(link),
+        ..req.clone()
+    };
+    let fp32_step_s = time(model, hw, &with(GradLink::Fp32)).step_s;
+    let bf16_step_s = req
+        .bf16
+        .then(|| time(model, hw, &with(GradLink::Bf16)).step_s);
+    let link = req.grad_link.unwrap_or(match bf16_step_s {
+        Some(b) if b < (1.0 - GRAD_LINK_MIN_GAIN) * fp32_step_s => GradLink::Bf16,
+        _ => GradLink::Fp32,
+    });
+    (
+        with(link),
+        GradLinkChoice {
+            link,
+            picked: req.grad_link.is_none(),
+            fp32_step_s,
+            bf16_step_s,
+        },
+    )
+}
+
 /// Plan `model` on `hw`.
 pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     let asked = req;
-    let req = &resolve(model, hw, req);
+    let (req, grad_link) = pick_grad_link(model, hw, &resolve(model, hw, req));
+    let req = &req;
     let mem = memory(model, req, hw);
     let shortfalls = shortfalls(&mem, hw);
     let fits = shortfalls.is_empty();
@@ -703,6 +766,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         params: model.num_params() as u64,
         micro_batch_tokens: req.micro_tokens(),
         time: time(model, hw, req),
+        grad_link,
         fits,
         missing: (!fits).then(|| shortfalls.join("; ")),
         suggestion,
@@ -809,7 +873,35 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         t.tokens_per_s,
         100.0 * t.mfu
     );
+    s += &format!("  gradients   {}\n", grad_link_line(&p.grad_link, ms));
     s
+}
+
+/// How the gradients cross the link, and why, for [`render`].
+fn grad_link_line(g: &GradLinkChoice, ms: impl Fn(f64) -> String) -> String {
+    let save = |b: f64| 100.0 * (1.0 - b / g.fp32_step_s);
+    match (g.link, g.picked, g.bf16_step_s) {
+        (GradLink::Bf16, true, Some(b)) => format!(
+            "bf16 on the link, picked: the step takes {} with fp32 gradients, {} with bf16 ({:.0}% less); train with --grad-link bf16",
+            ms(g.fp32_step_s),
+            ms(b),
+            save(b)
+        ),
+        (GradLink::Bf16, _, _) => format!(
+            "bf16 on the link (--grad-link bf16); fp32 gradients: a step of {}",
+            ms(g.fp32_step_s)
+        ),
+        (GradLink::Fp32, true, Some(b)) => format!(
+            "fp32 on the link: bf16 gradients would save {:.1}% of the step, under the {:.0}% that pays for their rounding",
+            save(b),
+            100.0 * GRAD_LINK_MIN_GAIN
+        ),
+        (GradLink::Fp32, false, Some(b)) => format!(
+            "fp32 on the link (--grad-link fp32); bf16 gradients: a step of {}",
+            ms(b)
+        ),
+        (GradLink::Fp32, _, None) => "fp32 on the link".to_owned(),
+    }
 }
 
 #[cfg(test)]

@@ -42,6 +42,8 @@ pub struct Costs {
     pub lean_piece_elems: Option<usize>,
     /// Bytes per streamed weight element (4 fp32, 2 bf16).
     pub weight_elem_bytes: f64,
+    /// Bytes per gradient element on the way back (4 fp32, 2 with `--grad-link bf16`).
+    pub grad_elem_bytes: f64,
     /// Bytes of one layer-boundary activation.
     pub activation_bytes: f64,
     /// Host→device bytes/s.
@@ -160,7 +162,8 @@ fn push_task(tasks: &mut Vec<Task>, res: usize, dur: f64, deps: Vec<usize>, step
 fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
     let copy = |bytes: f64, bps: f64| costs.copy_latency_s + bytes / bps;
     let unit_bytes = |u: usize, per: f64| costs.unit_numel[u] as f64 * per;
-    let piece_bytes = |u: usize, piece: usize| costs.piece_len(u, piece) as f64 * 4.0;
+    let piece_bytes =
+        |u: usize, piece: usize| costs.piece_len(u, piece) as f64 * costs.grad_elem_bytes;
     match (lane, op) {
         (Lane::Stream(s), op) => {
             let res = match s {
@@ -444,6 +447,7 @@ mod tests {
             unit_numel: vec![1_000_000; units],
             lean_piece_elems: None,
             weight_elem_bytes: 4.0,
+            grad_elem_bytes: 4.0,
             activation_bytes: 0.0,
             htod_bps: 1e12,
             dtoh_bps: 1e12,

@@ -9,6 +9,7 @@ fn req(tokens: u64) -> PlanRequest {
         adam_state: AdamState::Fp32,
         spill_moments: false,
         micro_batch_tokens: Some(tokens),
+        grad_link: None,
     }
 }
 
@@ -191,6 +192,7 @@ fn every_suggestion_fits_when_applied() {
                         adam_state: AdamState::Fp32,
                         spill_moments: false,
                         micro_batch_tokens: None,
+                        grad_link: None,
                     };
                     let p = plan(&model, &hw, &r);
                     if p.fits {
@@ -239,6 +241,11 @@ fn huge_steps_plan_quickly_and_bad_counts_are_refused() {
         },
         PlanRequest {
             micro_batch_tokens: Some(0),
+            ..req(4096)
+        },
+        // bf16 gradients are the bf16 recipe's.
+        PlanRequest {
+            grad_link: Some(GradLink::Bf16),
             ..req(4096)
         },
     ] {
@@ -377,4 +384,59 @@ fn qwen_7b_on_an_h100_is_predicted_above_megatrain() {
     let t = plan(&m, &hw, &r).time;
     let tflops = 6.0 * m.num_params() as f64 * t.tokens_per_s / 1e12;
     assert!(tflops >= 1.2 * 272.0, "{tflops:.0} TFLOP/s predicted");
+}
+
+/// The planner takes bf16 gradients only where they shorten the step by the margin: where the
+/// device→host link bounds it (a small step over PCIe: the gradients drain after the last
+/// backward and AdamW waits for them), not where compute does (a large micro-batch), and never
+/// for fp32. What is asked for is kept.
+#[test]
+fn bf16_gradients_are_picked_where_the_link_bounds_the_step() {
+    let hw = presets::machine("h100-512gb").unwrap();
+    let model = presets::model("llama-3-8b").unwrap();
+    let bf16 = |tokens: u64| PlanRequest {
+        bf16: true,
+        ..req(tokens)
+    };
+    let small = plan(&model, &hw, &bf16(4096));
+    let g = &small.grad_link;
+    let b = g.bf16_step_s.unwrap();
+    assert_eq!(g.link, GradLink::Bf16, "{g:?}");
+    assert!(
+        g.picked && b < (1.0 - GRAD_LINK_MIN_GAIN) * g.fp32_step_s,
+        "{g:?}"
+    );
+    assert!((small.time.step_s - b).abs() <= 1e-12 * b);
+    // Half the gradient bytes: the device→host time loses 2 B/param at the link's rate (the
+    // activations it also carries stay fp32).
+    let fp32 = plan(
+        &model,
+        &hw,
+        &PlanRequest {
+            grad_link: Some(GradLink::Fp32),
+            ..bf16(4096)
+        },
+    );
+    assert!(!fp32.grad_link.picked && fp32.grad_link.link == GradLink::Fp32);
+    let saved = fp32.time.dtoh_s - small.time.dtoh_s;
+    let want = 2.0 * model.num_params() as f64 / (hw.dtoh_gbps * 1e9);
+    assert!((saved - want).abs() < 0.01 * want, "{saved} vs {want}");
+    // Compute-bound: one micro-batch of 65,536 tokens keeps fp32 gradients.
+    let large = plan(&model, &hw, &bf16(65536));
+    assert_eq!(
+        large.grad_link.link,
+        GradLink::Fp32,
+        "{:?}",
+        large.grad_link
+    );
+    assert!(
+        large.grad_link.bf16_step_s.unwrap()
+            >= (1.0 - GRAD_LINK_MIN_GAIN) * large.grad_link.fp32_step_s
+    );
+    // An fp32 plan has no bf16 alternative.
+    let p = plan(&model, &hw, &req(4096));
+    assert_eq!(
+        (p.grad_link.link, p.grad_link.bf16_step_s),
+        (GradLink::Fp32, None)
+    );
 }

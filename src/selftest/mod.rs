@@ -175,6 +175,7 @@ pub fn train_steps(
             grad_clip: 1.0,
             decay_norms: true,
             seed: 0,
+            grad_link: crate::device::GradLink::Fp32,
         },
     )?;
     let vocab = cfg.vocab_size as u32;

@@ -80,7 +80,7 @@ pub enum DeviceKind {
     Cuda,
 }
 
-pub use crate::device::Precision;
+pub use crate::device::{GradLink, Precision};
 
 /// Whether a run continues from the newest checkpoint in its checkpoint directory.
 ///
@@ -285,6 +285,11 @@ settings! {
     /// master, GEMMs on bf16 operands with fp32 sums, tensor-core attention, fp32 gradients;
     /// docs/precision.md); unset: bf16 on the CUDA device, fp32 on the CPU device.
     some precision: Option<Precision> = None => Option<Precision> [value_enum];
+    /// How weight gradients cross to the host: fp32 (exact), or bf16 (half the device→host
+    /// bytes: rounded to nearest even on the device, accumulated in fp32 on the host; with
+    /// --precision bf16 only; `megatrain plan` says when the link makes it pay;
+    /// docs/precision.md measures its accuracy).
+    value grad_link: GradLink = GradLink::Fp32 => Option<GradLink> [value_enum];
     /// Exact or lean; unset: exact if the exact state fits the RAM budget, else lean if that
     /// fits (and there is no gradient accumulation), else exact with m/v spilled.
     some mode: Option<Mode> = None => Option<Mode> [value_enum];
@@ -350,6 +355,19 @@ impl TrainConfig {
             DeviceKind::Cuda => Precision::Bf16,
             DeviceKind::Cpu => Precision::Fp32,
         })
+    }
+
+    /// `--grad-link bf16` rounds the gradients of the bf16 recipe: an fp32 run keeps fp32
+    /// gradients. Checked once the precision is resolved (a resumed run keeps its own).
+    pub fn check_grad_link(&self) -> Result<()> {
+        if self.grad_link == GradLink::Bf16 && self.resolved_precision() == Precision::Fp32 {
+            return bad_setting(
+                "grad_link",
+                "bf16 gradients on the link belong to the bf16 recipe, and this run computes in fp32",
+                "pass --precision bf16, or drop --grad-link",
+            );
+        }
+        Ok(())
     }
 
     /// Learning rate at 1-based step `t`.

@@ -91,6 +91,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         precision: Some(precision),
         ..cfg.clone()
     };
+    cfg.check_grad_link()?;
     let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
     let cfg = TrainConfig {
         mode: Some(mode),
@@ -429,6 +430,7 @@ fn build_streamer(
             grad_clip: cfg.grad_clip,
             decay_norms: cfg.decay_norms,
             seed: cfg.seed,
+            grad_link: cfg.grad_link,
         },
     )
 }

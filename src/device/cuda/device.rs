@@ -9,10 +9,10 @@
 //!   streamer's host side waits on) once `cuEventQuery` says it completed — no host function
 //!   per event, so no driver callback serialises the streams. `Wait(e)` on another stream
 //!   becomes `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
-//! - `DtoH` with `accumulate` (gradient accumulation) copies through two page-locked bounce
-//!   chunks in turn; the adds run on a fourth stream (a host function each, the add split over
-//!   the host's cores), so the copy of one chunk overlaps the add of the one before, and the
-//!   copy-out stream waits only for the last add.
+//! - `DtoH` with `accumulate` (gradient accumulation), or with bf16 gradients on the link,
+//!   copies through two page-locked bounce chunks in turn; the adds (or the widenings) run on a
+//!   fourth stream (a host function each, split over the host's cores), so the copy of one chunk
+//!   overlaps the landing of the one before, and the copy-out stream waits only for the last.
 //! - Buffers are `cuMemAlloc` allocations counted against the capacity the schedule's buffers
 //!   were checked against (free memory at start-up, less a reserve for cuBLAS and the driver); the layer
 //!   workspace is allocated once up front. Every timed command is bracketed by two CUDA events,
@@ -26,18 +26,18 @@ use super::backend::CudaBackend;
 use super::launches::Launcher;
 use super::pinned::{CudaRegistrar, Pinned};
 
-mod accumulate;
+mod bounce;
 use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
 use crate::device::program::{self, Shape, Ws};
 use crate::device::{
-    launch, BufId, Cmd, Device, DeviceKernel, Event, HostRef, MemStats, OpRecord, Precision,
-    StreamKind,
+    launch, BufId, Cmd, Device, DeviceKernel, Event, GradLink, HostRef, MemStats, OpRecord,
+    Precision, StreamKind,
 };
 use crate::host::HostRegistrar;
 use crate::model::reference::Templates;
 use crate::util::lock;
 use crate::{Error, Result};
-use accumulate::Accumulate;
+use bounce::{Bounce, Landing};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -144,7 +144,7 @@ fn completed(e: &CudaEvent) -> Result<bool> {
 struct Shared {
     inner: Mutex<Inner>,
     error: Mutex<Option<Error>>,
-    /// The device's streams (copy-in, compute, copy-out, accumulate), drained before anything
+    /// The device's streams (copy-in, compute, copy-out, bounce), drained before anything
     /// waiting on them is released.
     streams: [Arc<CudaStream>; 4],
     /// Host events whose CUDA event has not completed yet, in record order, with their stream:
@@ -266,12 +266,16 @@ pub struct CudaDevice {
     /// Under bf16: where a unit's bf16 weights land before they are widened into their fp32
     /// buffer (the copy-in stream's, one unit at a time), and its capacity in elements.
     staging: Option<(DevPtr, usize)>,
+    /// Under bf16: where a chunk of gradients is rounded to bf16 before it crosses the link
+    /// (at most [`crate::device::BOUNCE_CHUNK_ELEMS`] elements, the copy-out stream's), and its
+    /// capacity in elements.
+    grad_staging: Option<(DevPtr, usize)>,
     epoch: Instant,
     epoch_event: CudaEvent,
     /// The event the last batch of records was measured from, and its seconds since the epoch.
     anchor: Mutex<Option<(CudaEvent, f64)>>,
-    /// Where accumulating copies add.
-    accum: Accumulate,
+    /// Where bounced copies (accumulating, or bf16 gradients) land.
+    bounce: Bounce,
 }
 
 /// A device allocation freed on drop unless released: what `open` holds until it succeeds.
@@ -348,11 +352,20 @@ impl CudaDevice {
         let bf16_bytes = program::bf16_device_bytes(&templates.config, shape, cfg.precision);
         let ws_bytes = 4 * elems as u64 + bf16_bytes;
         let ws = RawAlloc::new(4 * elems, "the layer workspace", free)?;
-        let staging_buf = match cfg.precision {
-            Precision::Fp32 => None,
+        // The weights' and a chunk of gradients' (`bf16_staging_bytes`), apart: different
+        // streams write them.
+        let (staging_buf, grad_staging_buf) = match cfg.precision {
+            Precision::Fp32 => (None, None),
             Precision::Bf16 => {
                 let n = program::max_unit_numel(&templates.config);
-                Some((RawAlloc::new(2 * n, "the bf16 weight staging", free)?, n))
+                let chunk = crate::device::BOUNCE_CHUNK_ELEMS.min(n);
+                (
+                    Some((RawAlloc::new(2 * n, "the bf16 weight staging", free)?, n)),
+                    Some((
+                        RawAlloc::new(2 * chunk, "the bf16 gradient staging", free)?,
+                        chunk,
+                    )),
+                )
             }
         };
         let streams = [
@@ -360,7 +373,7 @@ impl CudaDevice {
             drv(rt.ctx.new_stream(), "create the compute stream")?,
             drv(rt.ctx.new_stream(), "create the copy-out stream")?,
         ];
-        let accum = Accumulate::new(&rt)?;
+        let bounce = Bounce::new(&rt)?;
         let backend = CudaBackend::new(
             rt.clone(),
             streams[StreamKind::Compute as usize].clone(),
@@ -396,7 +409,7 @@ impl CudaDevice {
                 streams[0].clone(),
                 streams[1].clone(),
                 streams[2].clone(),
-                accum.stream.clone(),
+                bounce.stream.clone(),
             ],
             pending: Mutex::new(Vec::new()),
             wake: std::sync::Condvar::new(),
@@ -453,11 +466,12 @@ impl CudaDevice {
             shape,
             ws_layout,
             ws: ws.release(),
+            grad_staging: grad_staging_buf.map(|(a, n)| (a.release(), n)),
             staging: staging_buf.map(|(a, n)| (a.release(), n)),
             epoch,
             epoch_event,
             anchor: Mutex::new(None),
-            accum,
+            bounce,
         })
     }
 
@@ -491,8 +505,15 @@ impl CudaDevice {
                 src,
                 offset,
                 accumulate,
+                link,
                 label,
-            } => self.dtoh(g, stream, &dst, src, offset, accumulate, &label)?,
+            } => self.dtoh(
+                g,
+                stream,
+                (&dst, src, offset),
+                Landing { accumulate, link },
+                &label,
+            )?,
             Cmd::Kernel(k) => self.kernel(g, stream, kind, &k)?,
         };
         if let Some(Span { name, bytes, start }) = timed {
@@ -508,24 +529,23 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// `len` elements of device buffer `src` from `offset` to `dst` (`+=` if `accumulate`).
-    #[allow(clippy::too_many_arguments)]
+    /// `dst.len()` elements of device buffer `src` from `offset` to `dst`, landing as
+    /// `landing` says: a plain copy for fp32 `=`, else through the bounce chunks.
     fn dtoh(
         &self,
         g: &mut Inner,
         stream: &CudaStream,
-        dst: &HostRef,
-        src: BufId,
-        offset: usize,
-        accumulate: bool,
+        (dst, src, offset): (&HostRef, BufId, usize),
+        landing: Landing,
         label: &str,
     ) -> Result<Option<Span>> {
         let (p, len) = g.buf(src)?;
         crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
-        let start = span(g, stream, format!("dtoh {label}"), 4 * dst.len() as u64)?;
+        let bytes = landing.link.elem_bytes() * dst.len() as u64;
+        let start = span(g, stream, format!("dtoh {label}"), bytes)?;
         let from = p + 4 * offset as u64;
-        if accumulate {
-            self.accumulate_dtoh(g, stream, dst.as_ptr(), from, dst.len())?;
+        if landing.accumulate || landing.link == GradLink::Bf16 {
+            self.bounce_dtoh(g, stream, (dst.as_ptr(), from, dst.len()), landing)?;
         } else {
             // SAFETY: as for HtoD; the destination is the HostRef's memory.
             let r = unsafe {
@@ -840,7 +860,7 @@ impl Drop for CudaDevice {
         }
         // SAFETY: as above; the workspace and the staging were allocated in `open`.
         unsafe { cudarc::driver::sys::cuMemFree_v2(self.ws) };
-        if let Some((p, _)) = self.staging {
+        for (p, _) in self.staging.into_iter().chain(self.grad_staging) {
             // SAFETY: as above.
             unsafe { cudarc::driver::sys::cuMemFree_v2(p) };
         }

@@ -257,11 +257,15 @@ pub fn bf16_device_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u
     bf16_staging_bytes(cfg, precision) + bf16_operand_bytes(cfg, s, precision)
 }
 
-/// Bytes of a GPU's bf16 weight staging (one unit in bf16, whatever the shape); 0 in fp32.
+/// Bytes of a GPU's bf16 stagings, whatever the shape (0 in fp32): the weights' (one unit in
+/// bf16) and the gradients' (one bounce chunk in bf16, for `--grad-link bf16`).
 pub fn bf16_staging_bytes(cfg: &ModelConfig, precision: Precision) -> u64 {
     match precision {
         Precision::Fp32 => 0,
-        Precision::Bf16 => 2 * max_unit_numel(cfg) as u64,
+        Precision::Bf16 => {
+            let unit = max_unit_numel(cfg);
+            2 * (unit + crate::device::BOUNCE_CHUNK_ELEMS.min(unit)) as u64
+        }
     }
 }
 
