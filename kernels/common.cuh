@@ -86,6 +86,9 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned a[4
 
 // Instantiate a kernel body macro for both storage dtypes.
 #define FOR_DTYPES(M) M(f32, float) M(bf16, bf16)
+// A kernel that reads weights, for each (activations T, weights W): both fp32, both bf16, and
+// `f32w16` (fp32 activations, the bf16 weights a bf16 device holds).
+#define FOR_WEIGHT_DTYPES(M) M(f32, float, float) M(bf16, bf16, bf16) M(f32w16, float, bf16)
 
 // Column sums in a fixed order (no atomics, the same bits on every run): a block of COL_TILE ×
 // ROW_LANES threads owns COL_TILE consecutive columns (a warp reads them coalesced); lane `ty` sums

@@ -19,11 +19,6 @@ extern "C" __global__ void sumsq_fwd_f32(double* __restrict__ out, const float* 
                                                int n, int c) {                                 \
         column_sum(db, n, c, [&](int r, int col) { return ld(dy[(long long)r * c + col]); });  \
     }                                                                                          \
-    /* y[r, c] += b[c] */                                                                      \
-    extern "C" __global__ void bias_fwd_##name(T* __restrict__ y, const T* __restrict__ b,     \
-                                               int n, int c) {                                 \
-        FOR_EACH(i, (long long)n * c) st(&y[i], ld(y[i]) + ld(b[i % c]));                      \
-    }                                                                                          \
     /* y += x (residual) */                                                                    \
     extern "C" __global__ void add_fwd_##name(T* __restrict__ y, const T* __restrict__ x,      \
                                               long long n) {                                   \
@@ -31,3 +26,12 @@ extern "C" __global__ void sumsq_fwd_f32(double* __restrict__ out, const float* 
     }
 
 FOR_DTYPES(BIAS)
+
+#define BIAS_FWD(name, T, W)                                                                     \
+    /* y[r, c] += b[c] */                                                                      \
+    extern "C" __global__ void bias_fwd_##name(T* __restrict__ y, const W* __restrict__ b,     \
+                                               int n, int c) {                                 \
+        FOR_EACH(i, (long long)n * c) st(&y[i], ld(y[i]) + ld(b[i % c]));                      \
+    }
+
+FOR_WEIGHT_DTYPES(BIAS_FWD)

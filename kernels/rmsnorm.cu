@@ -2,11 +2,11 @@
 // dx one block per row, dw by columns in a fixed order (`column_sum`, no atomics).
 #include "common.cuh"
 
-#define RMSNORM(name, T)                                                                         \
+#define RMSNORM(name, T, W)                                                                      \
     extern "C" __global__ void rmsnorm_fwd_##name(T* __restrict__ out,        /* [N, C] */     \
                                                   float* __restrict__ rstd,   /* [N] */        \
                                                   const T* __restrict__ x,    /* [N, C] */     \
-                                                  const T* __restrict__ w,    /* [C] */        \
+                                                  const W* __restrict__ w,    /* [C] */        \
                                                   int n, int c, float eps) {                   \
         __shared__ float scratch[WARP];                                                        \
         const long long row = blockIdx.x;                                                      \
@@ -27,7 +27,7 @@
     extern "C" __global__ void rmsnorm_bwd_##name(T* __restrict__ dx,          /* [N, C] */    \
                                                   const T* __restrict__ dout,  /* [N, C] */    \
                                                   const T* __restrict__ x,     /* [N, C] */    \
-                                                  const T* __restrict__ w,     /* [C] */       \
+                                                  const W* __restrict__ w,     /* [C] */       \
                                                   const float* __restrict__ rstd, /* [N] */    \
                                                   int n, int c, int accumulate) {              \
         __shared__ float scratch[WARP];                                                        \
@@ -46,7 +46,11 @@
             const float v = r * ld(w[j]) * dy - xv * k;                                        \
             st(&dx[row * c + j], accumulate ? ld(dx[row * c + j]) + v : v);                    \
         }                                                                                      \
-    }                                                                                          \
+    }
+
+FOR_WEIGHT_DTYPES(RMSNORM)
+
+#define RMSNORM_DW(name, T)                                                                      \
     /* dw += Σ_rows dy∘x·r (fp32), COL_TILE columns × ROW_LANES row lanes per block */         \
     extern "C" __global__ void rmsnorm_bwd_dw_##name(float* __restrict__ dw,       /* [C] */       \
                                                  const T* __restrict__ dout,   /* [N, C] */    \
@@ -59,4 +63,4 @@
         });                                                                                    \
     }
 
-FOR_DTYPES(RMSNORM)
+FOR_DTYPES(RMSNORM_DW)

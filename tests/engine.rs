@@ -865,3 +865,44 @@ fn bf16_gradients_land_rounded_to_nearest_even() {
     let up = ties.clone().filter(|u| *u).count();
     assert!(up > 0 && up < ties.count());
 }
+
+/// A bf16 device holds the weight double buffers in bf16: the planned working set
+/// (`engine::device_bytes` of a planes layout) counts them at 2 B per element, the device
+/// allocates exactly that beside its workspace, and a step allocates nothing more.
+#[test]
+fn bf16_devices_hold_weights_in_bf16() {
+    use megatrain::engine::device_bytes;
+    let c = cfg(2, false);
+    let params = init(&StateLayout::new(&c, Mode::Exact));
+    let mut allocated = Vec::new();
+    for (precision, master) in [
+        (Precision::Fp32, MasterFormat::Fp32),
+        (Precision::Bf16, MasterFormat::Planes),
+    ] {
+        let mut r = rig_spill(
+            &c,
+            Mode::Exact,
+            1,
+            Activations::Host,
+            0.0,
+            None,
+            &params,
+            None,
+            (Shape::whole(B, T), precision),
+        );
+        let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
+        let planned = device_bytes(&layout, B, T, 1, Activations::Host);
+        let up_front = r.device.memory().in_use - r.device.workspace_bytes();
+        assert_eq!(up_front, planned, "{precision:?}");
+        let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
+        assert_eq!(
+            m.device_peak_bytes,
+            r.device.memory().in_use,
+            "{precision:?}"
+        );
+        allocated.push(up_front);
+    }
+    // Two weight buffers of the largest unit, 2 B per element less.
+    let unit = StateLayout::new(&c, Mode::Exact).max_unit_numel() as u64;
+    assert_eq!(allocated[0] - allocated[1], 2 * 2 * unit);
+}

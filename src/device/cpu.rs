@@ -60,6 +60,8 @@ struct BufCell {
     state: std::sync::atomic::AtomicIsize,
     label: String,
     len: usize,
+    /// Bytes charged against the capacity: 4 per element, 2 for a bf16 device's weights.
+    bytes: u64,
 }
 
 // SAFETY: all access to `data` goes through ReadView/WriteView, whose acquisition through the
@@ -320,6 +322,33 @@ impl CpuDevice {
         })
     }
 
+    /// `len` elements, charged `elem` bytes each against the capacity.
+    fn allocate(&self, len: usize, label: &str, elem: u64) -> Result<BufId> {
+        let mut a = lock(&self.shared.arena);
+        let bytes = elem * len as u64;
+        if a.in_use + bytes > self.shared.capacity {
+            return Err(Error::system(
+                "CPU device",
+                format!("allocate {label} ({})", crate::util::human_bytes(bytes)),
+                format!(
+                    "out of device memory: {} in use of {}",
+                    crate::util::human_bytes(a.in_use),
+                    crate::util::human_bytes(self.shared.capacity)
+                ),
+            ));
+        }
+        a.in_use += bytes;
+        a.peak = a.peak.max(a.in_use);
+        a.buffers.push(Some(Arc::new(BufCell {
+            data: std::cell::UnsafeCell::new(zeroed(len, label)?),
+            state: std::sync::atomic::AtomicIsize::new(0),
+            label: label.to_owned(),
+            len,
+            bytes,
+        })));
+        Ok(a.buffers.len() - 1)
+    }
+
     /// Bytes of the layer workspace (part of `memory().in_use` from the start).
     pub fn workspace_bytes(&self) -> u64 {
         self.workspace_bytes
@@ -542,35 +571,24 @@ impl Device for CpuDevice {
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {
-        let mut a = lock(&self.shared.arena);
-        let bytes = 4 * len as u64;
-        if a.in_use + bytes > self.shared.capacity {
-            return Err(Error::system(
-                "CPU device",
-                format!("allocate {label} ({})", crate::util::human_bytes(bytes)),
-                format!(
-                    "out of device memory: {} in use of {}",
-                    crate::util::human_bytes(a.in_use),
-                    crate::util::human_bytes(self.shared.capacity)
-                ),
-            ));
-        }
-        a.in_use += bytes;
-        a.peak = a.peak.max(a.in_use);
-        a.buffers.push(Some(Arc::new(BufCell {
-            data: std::cell::UnsafeCell::new(zeroed(len, label)?),
-            state: std::sync::atomic::AtomicIsize::new(0),
-            label: label.to_owned(),
-            len,
-        })));
-        Ok(a.buffers.len() - 1)
+        self.allocate(len, label, 4)
+    }
+
+    /// Weights held as a bf16 GPU holds them: charged 2 B per element under bf16 (stored as the
+    /// widened fp32 values here, which are the same numbers).
+    fn alloc_weights(&self, len: usize, label: &str) -> Result<BufId> {
+        let elem = match self.precision {
+            Precision::Fp32 => 4,
+            Precision::Bf16 => 2,
+        };
+        self.allocate(len, label, elem)
     }
 
     fn free(&self, buf: BufId) {
         let mut a = lock(&self.shared.arena);
         if let Some(slot) = a.buffers.get_mut(buf) {
             if let Some(b) = slot.take() {
-                a.in_use -= 4 * b.len as u64;
+                a.in_use -= b.bytes;
             }
         }
     }

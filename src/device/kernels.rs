@@ -35,7 +35,8 @@ impl Param {
 /// the compiled PTX, so a wrapper, its signature and the kernel cannot drift apart unseen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signature {
-    /// `{op}_{fwd|bwd}_{dtype}`.
+    /// `{op}_{fwd|bwd}_{dtype}`: `f32` or `bf16` storage, or `f32w16` (fp32 activations, bf16
+    /// weights).
     pub name: &'static str,
     /// Its parameters, in order.
     pub params: &'static [Param],
@@ -91,6 +92,7 @@ pub const FILES: &[KernelFile] = &[
             sig("embedding_fwd_f32", PTR3_ROWS_COLS),
             sig("embedding_bwd_f32", PTR3_ROWS_COLS),
             sig("embedding_fwd_bf16", PTR3_ROWS_COLS),
+            sig("embedding_fwd_f32w16", PTR3_ROWS_COLS),
             sig("embedding_bwd_bf16", PTR3_ROWS_COLS),
         ],
     },
@@ -104,6 +106,8 @@ pub const FILES: &[KernelFile] = &[
             sig("rmsnorm_fwd_bf16", RMSNORM_FWD),
             sig("rmsnorm_bwd_bf16", RMSNORM_BWD),
             sig("rmsnorm_bwd_dw_bf16", RMSNORM_DW),
+            sig("rmsnorm_fwd_f32w16", RMSNORM_FWD),
+            sig("rmsnorm_bwd_f32w16", RMSNORM_BWD),
         ],
     },
     KernelFile {
@@ -182,6 +186,7 @@ pub const FILES: &[KernelFile] = &[
             sig("bias_fwd_bf16", PTR2_ROWS_COLS),
             sig("bias_bwd_bf16", PTR2_ROWS_COLS),
             sig("add_fwd_bf16", PTR2_N64),
+            sig("bias_fwd_f32w16", PTR2_ROWS_COLS),
         ],
     },
 ];
@@ -241,7 +246,10 @@ mod tests {
                     op_dir.contains("_fwd") || op_dir.contains("_bwd"),
                     "{s}: names are {{op}}_{{fwd|bwd}}_{{dtype}}"
                 );
-                assert!(["f32", "bf16"].contains(&dtype), "{s}: dtype suffix");
+                assert!(
+                    ["f32", "bf16", "f32w16"].contains(&dtype),
+                    "{s}: dtype suffix"
+                );
                 // Defined literally, through the file's per-dtype macro (`…_##name`), or through
                 // a per-head-dim one (`flash##HD##_fwd_##name`, instantiated as `FLASH(64, f32`).
                 let stem = s.trim_end_matches(&format!("_{dtype}"));

@@ -540,6 +540,12 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn name(&self) -> String;
     /// Allocate `len` f32 elements from the bounded pool (fails like cudaMalloc past capacity).
     fn alloc(&self, len: usize, label: &str) -> Result<BufId>;
+    /// Allocate a buffer for `len` elements of a unit's weights, held as the device computes
+    /// on them: bf16 (2 B/element, filled by [`Cmd::HtoDBf16`] only) on a [`Precision::Bf16`]
+    /// device, else f32 as [`Device::alloc`].
+    fn alloc_weights(&self, len: usize, label: &str) -> Result<BufId> {
+        self.alloc(len, label)
+    }
     /// Return a buffer to the pool.
     fn free(&self, buf: BufId);
     /// Enqueue a command on a stream (FIFO per stream).

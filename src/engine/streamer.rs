@@ -174,10 +174,21 @@ pub fn device_bytes(
         activations,
         lean_pieces: LeanPieces::of(layout),
     };
+    // A bf16 device (a planes master streams bf16) holds its weights in bf16.
+    let weight_bytes = match layout.master {
+        MasterFormat::Fp32 => 4,
+        MasterFormat::Planes => 2,
+    };
     schedule(&spec)
         .buffers
         .iter()
-        .map(|b| 4 * buffer_len(layout, batch * seq, *b) as u64)
+        .map(|b| {
+            let elem = match b {
+                DevBuf::W(_) => weight_bytes,
+                _ => 4,
+            };
+            elem * buffer_len(layout, batch * seq, *b) as u64
+        })
         .sum()
 }
 
@@ -236,7 +247,12 @@ impl Streamer {
         let mut bufs = HashMap::new();
         for b in &schedule.buffers {
             let len = buffer_len(&layout, n, *b);
-            bufs.insert(*b, device.alloc(len, &format!("{b:?}"))?);
+            let label = format!("{b:?}");
+            let id = match b {
+                DevBuf::W(_) => device.alloc_weights(len, &label)?,
+                _ => device.alloc(len, &label)?,
+            };
+            bufs.insert(*b, id);
         }
         // Host buffers the device copies to and from: near the GPU, page-locked by the device
         // when it needs that for asynchronous copies.

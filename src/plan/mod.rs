@@ -358,16 +358,20 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     // The spill tier's staging slots (read ahead, update, write back) replace what spills.
     host = host - nvme + staging;
     let activations = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
-    // Two buffers of weights and of grads, fp32 on the device in both precisions (bf16 weights
-    // are widened on arrival).
-    let double_buffers = 2 * layout.max_unit_numel() as u64 * (4 + 4);
-    // bf16: the weight staging is set aside; the GEMM operand buffers grow with the chunk and
-    // are fitted with it, as the CUDA device does.
+    // Two buffers of weights (bf16 under bf16: the device holds them as they cross) and of
+    // fp32 gradients.
     let precision = if req.bf16 {
         Precision::Bf16
     } else {
         Precision::Fp32
     };
+    let weight_bytes = match precision {
+        Precision::Fp32 => 4,
+        Precision::Bf16 => 2,
+    };
+    let double_buffers = 2 * layout.max_unit_numel() as u64 * (weight_bytes + 4);
+    // bf16: the gradient staging is set aside; the GEMM operand buffers grow with the chunk and
+    // are fitted with it, as the CUDA device does.
     let staging = bf16_staging_bytes(model, precision);
     // dx/dy and the two buffers of host-offloaded activations, then the device program's layer
     // workspace (what the devices allocate) in the largest token chunks that fit beside them.

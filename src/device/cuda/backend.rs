@@ -31,6 +31,29 @@ unsafe impl<T> Send for SendPtr<T> {}
 
 const F32: Dtype = Dtype::F32;
 
+/// A device address as the program passes it: of f32 elements, or of the bf16 elements of a
+/// bf16 device's weight buffer (what [`Backend::off`] steps by, and which kernel family reads
+/// it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevP {
+    /// The raw address.
+    pub addr: DevPtr,
+    /// bf16 elements.
+    pub bf16: bool,
+}
+
+impl DevP {
+    /// f32 elements at `addr`.
+    pub fn f32(addr: DevPtr) -> Self {
+        DevP { addr, bf16: false }
+    }
+
+    /// bf16 elements at `addr`.
+    pub fn bf16(addr: DevPtr) -> Self {
+        DevP { addr, bf16: true }
+    }
+}
+
 /// The CUDA backend of the device program.
 #[derive(Debug)]
 pub struct CudaBackend {
@@ -138,19 +161,27 @@ impl CudaBackend {
     }
 
     /// `C = op(A)·op(B)` on bf16 copies of A and B, fp32 sums and result (`cublasGemmEx`).
-    fn gemm_bf16(&mut self, g: Gemm<DevPtr>, c: launch::ColMajorGemm) -> Result<()> {
+    /// An operand already in bf16 (a bf16 device's weight) is used as it is.
+    fn gemm_bf16(&mut self, g: Gemm<DevP>, c: launch::ColMajorGemm) -> Result<()> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+        let [gc] = f32s([g.c], "gemm output")?;
         let (a_len, b_len) = (g.m * g.k, g.k * g.n);
-        let (a16, b16) = self.bf16_operands(a_len.max(b_len), "gemm")?;
+        let (a_buf, b_buf) = self.bf16_operands(a_len.max(b_len), "gemm")?;
         let sms = self.sms();
-        self.k()
-            .cast_f32_bf16(launch::elementwise(a_len, sms), a16, g.a, a_len as i64)?;
-        self.k()
-            .cast_f32_bf16(launch::elementwise(b_len, sms), b16, g.b, b_len as i64)?;
+        let operand = |x: DevP, len: usize, buf: DevPtr| -> Result<DevPtr> {
+            if x.bf16 {
+                return Ok(x.addr);
+            }
+            self.k()
+                .cast_f32_bf16(launch::elementwise(len, sms), buf, x.addr, len as i64)?;
+            Ok(buf)
+        };
+        let a16 = operand(g.a, a_len, a_buf)?;
+        let b16 = operand(g.b, b_len, b_buf)?;
         let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: the operand buffers hold the bf16 copies of A (m·k) and B (k·n), written
-        // before this call on the same stream; C holds m·n fp32 (checked by the program).
+        // SAFETY: A (m·k) and B (k·n) are bf16 (weights as held, or copies written before this
+        // call on the same stream); C holds m·n fp32 (checked by the program).
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
@@ -167,7 +198,7 @@ impl CudaBackend {
                 cudaDataType_t::CUDA_R_16BF,
                 i32_of(c.ld_second, "gemm ld")?,
                 (&beta as *const f32).cast(),
-                g.c as *mut _,
+                gc as *mut _,
                 cudaDataType_t::CUDA_R_32F,
                 i32_of(c.ldc, "gemm ld")?,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -287,11 +318,15 @@ impl IdsBuffer {
 }
 
 impl Backend for CudaBackend {
-    type P = DevPtr;
+    type P = DevP;
     type Ids = DevPtr;
 
-    fn off(p: DevPtr, elems: usize) -> DevPtr {
-        p + 4 * elems as u64
+    fn off(p: DevP, elems: usize) -> DevP {
+        let elem = if p.bf16 { 2 } else { 4 };
+        DevP {
+            addr: p.addr + elem * elems as u64,
+            bf16: p.bf16,
+        }
     }
 
     fn ids_off(ids: DevPtr, n: usize) -> DevPtr {
@@ -316,7 +351,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn gemm(&mut self, g: Gemm<DevPtr>) -> Result<()> {
+    fn gemm(&mut self, g: Gemm<DevP>) -> Result<()> {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
@@ -324,6 +359,7 @@ impl Backend for CudaBackend {
         if self.bf16.is_some() {
             return self.gemm_bf16(g, c);
         }
+        let [gc, ga, gb] = f32s([g.c, g.a, g.b], "gemm")?;
         let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: the program checked that A, B and C hold m·k, k·n and m·n elements.
@@ -336,36 +372,40 @@ impl Backend for CudaBackend {
                 i32_of(c.n, "gemm n")?,
                 i32_of(c.k, "gemm k")?,
                 &alpha,
-                g.b as *const f32,
+                gb as *const f32,
                 i32_of(c.ld_first, "gemm ld")?,
-                g.a as *const f32,
+                ga as *const f32,
                 i32_of(c.ld_second, "gemm ld")?,
                 &beta,
-                g.c as *mut f32,
+                gc as *mut f32,
                 i32_of(c.ldc, "gemm ld")?,
             )
         }
         .map_err(|e| Error::cuda("sgemm", e))
     }
 
-    fn bias_fwd(&mut self, y: DevPtr, b: DevPtr, rows: usize, cols: usize) -> Result<()> {
+    fn bias_fwd(&mut self, y: DevP, b: DevP, rows: usize, cols: usize) -> Result<()> {
+        let [y] = f32s([y], "bias_fwd")?;
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
         let l = launch::elementwise(rows * cols, self.sms());
-        self.k().bias_fwd(F32, l, y, b, r, c)
+        self.k().bias_fwd(weight_dtype(b), l, y, b.addr, r, c)
     }
 
-    fn bias_bwd(&mut self, db: DevPtr, dy: DevPtr, rows: usize, cols: usize) -> Result<()> {
+    fn bias_bwd(&mut self, db: DevP, dy: DevP, rows: usize, cols: usize) -> Result<()> {
+        let [db, dy] = f32s([db, dy], "bias_bwd")?;
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
         self.k()
             .bias_bwd(F32, launch::per_column(cols), db, dy, r, c)
     }
 
-    fn add(&mut self, y: DevPtr, x: DevPtr, len: usize) -> Result<()> {
+    fn add(&mut self, y: DevP, x: DevP, len: usize) -> Result<()> {
+        let [y, x] = f32s([y, x], "add")?;
         let l = launch::elementwise(len, self.sms());
         self.k().add(F32, l, y, x, len as i64)
     }
 
-    fn zero(&mut self, dst: DevPtr, len: usize) -> Result<()> {
+    fn zero(&mut self, dst: DevP, len: usize) -> Result<()> {
+        let [dst] = f32s([dst], "zero")?;
         // SAFETY: the range was checked by the program; stream-ordered.
         let r =
             unsafe { cudarc::driver::sys::cuMemsetD32Async(dst, 0, len, self.stream.cu_stream()) };
@@ -383,7 +423,8 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn round_bf16(&mut self, p: DevPtr, len: usize) -> Result<()> {
+    fn round_bf16(&mut self, p: DevP, len: usize) -> Result<()> {
+        let [p] = f32s([p], "round_bf16")?;
         // To bf16 (nearest even) in the first operand buffer, and back.
         let (a16, _) = self.bf16_operands(len, "round_bf16")?;
         let l = launch::elementwise(len, self.sms());
@@ -393,47 +434,61 @@ impl Backend for CudaBackend {
 
     fn rmsnorm_fwd(
         &mut self,
-        y: DevPtr,
-        rstd: DevPtr,
-        x: DevPtr,
-        w: DevPtr,
+        y: DevP,
+        rstd: DevP,
+        x: DevP,
+        w: DevP,
         rows: usize,
         c: usize,
         eps: f32,
     ) -> Result<()> {
+        let [y, rstd, x] = f32s([y, rstd, x], "rmsnorm_fwd")?;
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::per_row(rows, c)?;
-        self.k().rmsnorm_fwd(F32, l, y, rstd, x, w, r, ci, eps)
+        self.k()
+            .rmsnorm_fwd(weight_dtype(w), l, y, rstd, x, w.addr, r, ci, eps)
     }
 
     fn rmsnorm_bwd(
         &mut self,
-        dx: DevPtr,
-        dw: DevPtr,
-        dy: DevPtr,
-        x: DevPtr,
-        w: DevPtr,
-        rstd: DevPtr,
+        dx: DevP,
+        dw: DevP,
+        dy: DevP,
+        x: DevP,
+        w: DevP,
+        rstd: DevP,
         rows: usize,
         c: usize,
         accumulate: bool,
     ) -> Result<()> {
+        let [dx, dw, dy, x, rstd] = f32s([dx, dw, dy, x, rstd], "rmsnorm_bwd")?;
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::per_row(rows, c)?;
-        self.k()
-            .rmsnorm_bwd(F32, l, dx, dy, x, w, rstd, r, ci, accumulate)?;
+        self.k().rmsnorm_bwd(
+            weight_dtype(w),
+            l,
+            dx,
+            dy,
+            x,
+            w.addr,
+            rstd,
+            r,
+            ci,
+            accumulate,
+        )?;
         self.k()
             .rmsnorm_bwd_dw(F32, launch::per_column(c), dw, dy, x, rstd, r, ci)
     }
 
     fn rope(
         &mut self,
-        x: DevPtr,
+        x: DevP,
         pos: DevPtr,
         rows: usize,
         heads: usize,
         inverse: bool,
     ) -> Result<()> {
+        let [x] = f32s([x], "rope")?;
         // Positions were checked on the host (`Templates::check_batch`: each < T ≤ the table).
         let (cos, sin) = self.tables();
         let (n, h, hd) = (
@@ -447,14 +502,15 @@ impl Backend for CudaBackend {
 
     fn attention_fwd(
         &mut self,
-        o: DevPtr,
-        lse: DevPtr,
-        q: DevPtr,
-        kk: DevPtr,
-        v: DevPtr,
+        o: DevP,
+        lse: DevP,
+        q: DevP,
+        kk: DevP,
+        v: DevP,
         pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
+        let [o, lse, q, kk, v] = f32s([o, lse, q, kk, v], "attention_fwd")?;
         let a = AttnArgs::new(s, pos)?;
         if let Some(g) = self.flash(s)? {
             return self.k().flash_fwd(&g, o, lse, q, kk, v, a);
@@ -465,19 +521,21 @@ impl Backend for CudaBackend {
 
     fn attention_bwd(
         &mut self,
-        dq: DevPtr,
-        dk: DevPtr,
-        dv: DevPtr,
-        delta: DevPtr,
-        d_o: DevPtr,
-        q: DevPtr,
-        kk: DevPtr,
-        v: DevPtr,
-        o: DevPtr,
-        lse: DevPtr,
+        dq: DevP,
+        dk: DevP,
+        dv: DevP,
+        delta: DevP,
+        d_o: DevP,
+        q: DevP,
+        kk: DevP,
+        v: DevP,
+        o: DevP,
+        lse: DevP,
         pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
+        let [dq, dk, dv, delta, d_o, q, kk, v, o, lse] =
+            f32s([dq, dk, dv, delta, d_o, q, kk, v, o, lse], "attention_bwd")?;
         let a = AttnArgs::new(s, pos)?;
         if let Some(g) = self.flash(s)? {
             self.k()
@@ -493,47 +551,52 @@ impl Backend for CudaBackend {
             .attention_bwd_kv(F32, &g, dk, dv, d_o, q, kk, v, lse, delta, a)
     }
 
-    fn swiglu_fwd(&mut self, h: DevPtr, g: DevPtr, u: DevPtr, len: usize) -> Result<()> {
+    fn swiglu_fwd(&mut self, h: DevP, g: DevP, u: DevP, len: usize) -> Result<()> {
+        let [h, g, u] = f32s([h, g, u], "swiglu_fwd")?;
         let l = launch::elementwise(len, self.sms());
         self.k().swiglu_fwd(F32, l, h, g, u, len as i64)
     }
 
     fn swiglu_bwd(
         &mut self,
-        dg: DevPtr,
-        du: DevPtr,
-        dh: DevPtr,
-        g: DevPtr,
-        u: DevPtr,
+        dg: DevP,
+        du: DevP,
+        dh: DevP,
+        g: DevP,
+        u: DevP,
         len: usize,
     ) -> Result<()> {
+        let [dg, du, dh, g, u] = f32s([dg, du, dh, g, u], "swiglu_bwd")?;
         let l = launch::elementwise(len, self.sms());
         self.k().swiglu_bwd(F32, l, dg, du, dh, g, u, len as i64)
     }
 
     fn embed_fwd(
         &mut self,
-        x: DevPtr,
-        e: DevPtr,
+        x: DevP,
+        e: DevP,
         ids: DevPtr,
         rows: usize,
         c: usize,
         _vocab: usize,
     ) -> Result<()> {
+        let [x] = f32s([x], "embed_fwd")?;
         let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::elementwise(rows * c, self.sms());
-        self.k().embedding_fwd(F32, l, x, e, ids, n, ci)
+        self.k()
+            .embedding_fwd(weight_dtype(e), l, x, e.addr, ids, n, ci)
     }
 
     fn embed_bwd(
         &mut self,
-        de: DevPtr,
+        de: DevP,
         ids: DevPtr,
-        dx: DevPtr,
+        dx: DevP,
         rows: usize,
         c: usize,
         _vocab: usize,
     ) -> Result<()> {
+        let [de, dx] = f32s([de, dx], "embed_bwd")?;
         let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::elementwise(rows * c, self.sms());
         self.k().embedding_bwd(F32, l, de, dx, ids, n, ci)
@@ -541,20 +604,22 @@ impl Backend for CudaBackend {
 
     fn cross_entropy(
         &mut self,
-        logits: DevPtr,
-        losses: DevPtr,
+        logits: DevP,
+        losses: DevP,
         targets: DevPtr,
         rows: usize,
         vocab: usize,
         scale: f32,
     ) -> Result<()> {
+        let [logits, losses] = f32s([logits, losses], "cross_entropy")?;
         let (r, v) = (i32_of(rows, "rows")?, i32_of(vocab, "vocab")?);
         let l = launch::per_row(rows, vocab)?;
         self.k()
             .cross_entropy_bwd(F32, l, logits, losses, targets, r, v, scale)
     }
 
-    fn add_loss(&mut self, losses: DevPtr, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {
+    fn add_loss(&mut self, losses: DevP, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {
+        let [losses] = f32s([losses], "add_loss")?;
         if 4 * rows > self.losses.bytes() {
             return Err(Error::internal(
                 "CUDA backend",
@@ -583,5 +648,27 @@ impl Backend for CudaBackend {
             let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
             *crate::util::lock(&into) += s;
         })
+    }
+}
+
+/// The addresses of tensors an op reads and writes as fp32 (`what` names the op): a bf16 weight
+/// among them is a bug in the program, not a value to misread.
+fn f32s<const N: usize>(ps: [DevP; N], what: &str) -> Result<[DevPtr; N]> {
+    if ps.iter().any(|p| p.bf16) {
+        return Err(Error::internal(
+            "CUDA backend",
+            format!("{what}: bf16 weights where fp32 is read or written"),
+        ));
+    }
+    Ok(ps.map(|p| p.addr))
+}
+
+/// The kernel family for fp32 activations and weights `w`: `f32w16` when `w` is a bf16
+/// device's weight.
+fn weight_dtype(w: DevP) -> Dtype {
+    if w.bf16 {
+        Dtype::F32W16
+    } else {
+        F32
     }
 }

@@ -22,16 +22,15 @@
 //! CPU backend, every kernel compiles through NVRTC, and the streamer's use of events and buffers
 //! is exercised against the CPU device's checks.
 
-use super::backend::CudaBackend;
-use super::launches::Launcher;
+use super::backend::{CudaBackend, DevP};
 use super::pinned::{CudaRegistrar, Pinned};
 
 mod bounce;
 use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
 use crate::device::program::{self, Shape, Ws};
 use crate::device::{
-    launch, BufId, Cmd, Device, DeviceKernel, Event, GradLink, HostRef, MemStats, OpRecord,
-    Precision, StreamKind,
+    BufId, Cmd, Device, DeviceKernel, Event, GradLink, HostRef, MemStats, OpRecord, Precision,
+    StreamKind,
 };
 use crate::host::HostRegistrar;
 use crate::model::reference::Templates;
@@ -66,8 +65,21 @@ pub struct CudaDeviceConfig {
 #[derive(Debug)]
 struct Buf {
     ptr: DevPtr,
+    /// Elements.
     len: usize,
+    /// bf16 elements (a bf16 device's weights), else f32.
+    bf16: bool,
     label: String,
+}
+
+impl Buf {
+    fn bytes(&self) -> u64 {
+        if self.bf16 {
+            2 * self.len as u64
+        } else {
+            4 * self.len as u64
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -263,9 +275,8 @@ pub struct CudaDevice {
     shape: Shape,
     ws_layout: Ws<usize>,
     ws: DevPtr,
-    /// Under bf16: where a unit's bf16 weights land before they are widened into their fp32
-    /// buffer (the copy-in stream's, one unit at a time), and its capacity in elements.
-    staging: Option<(DevPtr, usize)>,
+    /// What the program computes in: under bf16 the weight buffers hold bf16.
+    precision: Precision,
     /// Under bf16: where a chunk of gradients is rounded to bf16 before it crosses the link
     /// (at most [`crate::device::BOUNCE_CHUNK_ELEMS`] elements, the copy-out stream's), and its
     /// capacity in elements.
@@ -334,8 +345,8 @@ impl CudaDevice {
         let capacity = cfg
             .capacity_bytes
             .unwrap_or(free.saturating_sub(RESERVE_BYTES));
-        // Under bf16 the weight staging is set aside, and the workspace is fitted with the GEMM
-        // operand buffers (they grow with the chunk).
+        // Under bf16 the gradient staging is set aside, and the workspace is fitted with the
+        // GEMM operand buffers (they grow with the chunk).
         let staging = program::bf16_staging_bytes(&templates.config, cfg.precision);
         let shape = cfg.shape.fit(
             &templates.config,
@@ -352,20 +363,16 @@ impl CudaDevice {
         let bf16_bytes = program::bf16_device_bytes(&templates.config, shape, cfg.precision);
         let ws_bytes = 4 * elems as u64 + bf16_bytes;
         let ws = RawAlloc::new(4 * elems, "the layer workspace", free)?;
-        // The weights' and a chunk of gradients' (`bf16_staging_bytes`), apart: different
-        // streams write them.
-        let (staging_buf, grad_staging_buf) = match cfg.precision {
-            Precision::Fp32 => (None, None),
+        // A chunk of gradients rounded to bf16 (`bf16_staging_bytes`).
+        let grad_staging_buf = match cfg.precision {
+            Precision::Fp32 => None,
             Precision::Bf16 => {
                 let n = program::max_unit_numel(&templates.config);
                 let chunk = crate::device::BOUNCE_CHUNK_ELEMS.min(n);
-                (
-                    Some((RawAlloc::new(2 * n, "the bf16 weight staging", free)?, n)),
-                    Some((
-                        RawAlloc::new(2 * chunk, "the bf16 gradient staging", free)?,
-                        chunk,
-                    )),
-                )
+                Some((
+                    RawAlloc::new(2 * chunk, "the bf16 gradient staging", free)?,
+                    chunk,
+                ))
             }
         };
         let streams = [
@@ -467,7 +474,7 @@ impl CudaDevice {
             ws_layout,
             ws: ws.release(),
             grad_staging: grad_staging_buf.map(|(a, n)| (a.release(), n)),
-            staging: staging_buf.map(|(a, n)| (a.release(), n)),
+            precision: cfg.precision,
             epoch,
             epoch_event,
             anchor: Mutex::new(None),
@@ -539,7 +546,7 @@ impl CudaDevice {
         landing: Landing,
         label: &str,
     ) -> Result<Option<Span>> {
-        let (p, len) = g.buf(src)?;
+        let (p, len) = g.f32_buf(src, &format!("dtoh {label}"))?;
         crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
         let bytes = landing.link.elem_bytes() * dst.len() as u64;
         let start = span(g, stream, format!("dtoh {label}"), bytes)?;
@@ -576,12 +583,12 @@ impl CudaDevice {
             ));
         }
         let start = span(g, stream, k.name(), 0)?;
-        let ids: Vec<(BufId, (DevPtr, usize))> = k
+        let ids: Vec<(BufId, (DevP, usize))> = k
             .buffers()
             .into_iter()
             .map(|(id, _)| g.buf(id).map(|b| (id, b)))
             .collect::<Result<_>>()?;
-        let resolve = |id: BufId| -> Result<(DevPtr, usize)> {
+        let resolve = |id: BufId| -> Result<(DevP, usize)> {
             ids.iter()
                 .find(|(i, _)| *i == id)
                 .map(|(_, b)| *b)
@@ -589,7 +596,7 @@ impl CudaDevice {
                     Error::internal("CUDA device", format!("{}: buffer {id} unknown", k.name()))
                 })
         };
-        let ws = self.ws_layout.at::<CudaBackend>(self.ws);
+        let ws = self.ws_layout.at::<CudaBackend>(DevP::f32(self.ws));
         program::run(
             &mut g.backend,
             &self.templates,
@@ -601,84 +608,10 @@ impl CudaDevice {
         Ok(Some(start))
     }
 
-    /// bf16 weights into fp32 buffer `dst` at `offset`: copied into the staging buffer, then
-    /// widened (exactly) by a kernel, both in `stream`'s order (so the next copy waits for the
-    /// widening before it overwrites the staging).
-    fn htod_bf16(
-        &self,
-        g: &mut Inner,
-        stream: &CudaStream,
-        dst: BufId,
-        offset: usize,
-        src: &HostRef<u16>,
-        label: &str,
-    ) -> Result<Option<Span>> {
-        let (p, len) = g.buf(dst)?;
-        crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
-        let (staging, room) = self.staging.ok_or_else(|| {
-            Error::internal(
-                "CUDA device",
-                format!("{label}: bf16 weights on an fp32 device"),
-            )
-        })?;
-        if src.len() > room {
-            return Err(Error::internal(
-                "CUDA device",
-                format!(
-                    "{label}: {} bf16 elements for a staging of {room}",
-                    src.len()
-                ),
-            ));
-        }
-        let start = span(g, stream, format!("htod {label}"), 2 * src.len() as u64)?;
-        // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
-        // event fires; the staging buffer holds `room` ≥ len bf16 elements.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
-                staging,
-                src.as_ptr().cast_const().cast(),
-                2 * src.len(),
-                stream.cu_stream(),
-            )
-        };
-        drv(r.result(), &format!("host to device copy of {label}"))?;
-        let n = src.len();
-        Launcher {
-            rt: &self.rt,
-            stream,
-        }
-        .cast_bf16_f32(
-            launch::elementwise(n, self.rt.sms),
-            p + 4 * offset as u64,
-            staging,
-            n as i64,
-        )?;
-        Ok(Some(start))
-    }
-}
-
-impl Device for CudaDevice {
-    fn name(&self) -> String {
-        format!(
-            "cuda:{} (sm_{}{})",
-            self.rt.name, self.rt.cc.0, self.rt.cc.1
-        )
-    }
-
-    fn shape(&self) -> Shape {
-        self.shape
-    }
-
-    fn precision(&self) -> Precision {
-        match self.staging {
-            Some(_) => Precision::Bf16,
-            None => Precision::Fp32,
-        }
-    }
-
-    fn alloc(&self, len: usize, label: &str) -> Result<BufId> {
+    /// `len` elements of bf16 (2 B) or f32 (4 B) from the capacity.
+    fn allocate(&self, len: usize, label: &str, bf16: bool) -> Result<BufId> {
         let mut g = self.lock();
-        let bytes = 4 * len as u64;
+        let bytes = if bf16 { 2 } else { 4 } * len as u64;
         if g.in_use + bytes > self.capacity {
             return Err(Error::bad_input(
                 "GPU memory",
@@ -699,9 +632,69 @@ impl Device for CudaDevice {
         g.bufs.push(Some(Buf {
             ptr,
             len,
+            bf16,
             label: label.to_owned(),
         }));
         Ok(g.bufs.len() - 1)
+    }
+
+    /// bf16 weights into bf16 weight buffer `dst` at `offset`: one copy, half the bytes of
+    /// fp32, nothing widened (the kernels read bf16 weights).
+    fn htod_bf16(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        dst: BufId,
+        offset: usize,
+        src: &HostRef<u16>,
+        label: &str,
+    ) -> Result<Option<Span>> {
+        let (p, len) = g.buf(dst)?;
+        crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
+        if !p.bf16 {
+            return Err(Error::internal(
+                "CUDA device",
+                format!("{label}: bf16 weights into an fp32 buffer"),
+            ));
+        }
+        let start = span(g, stream, format!("htod {label}"), 2 * src.len() as u64)?;
+        // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
+        // event fires; the destination range was checked (bf16 elements).
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                p.addr + 2 * offset as u64,
+                src.as_ptr().cast_const().cast(),
+                2 * src.len(),
+                stream.cu_stream(),
+            )
+        };
+        drv(r.result(), &format!("host to device copy of {label}"))?;
+        Ok(Some(start))
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} (sm_{}{})",
+            self.rt.name, self.rt.cc.0, self.rt.cc.1
+        )
+    }
+
+    fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn alloc(&self, len: usize, label: &str) -> Result<BufId> {
+        self.allocate(len, label, false)
+    }
+
+    fn alloc_weights(&self, len: usize, label: &str) -> Result<BufId> {
+        self.allocate(len, label, self.precision == Precision::Bf16)
     }
 
     fn free(&self, buf: BufId) {
@@ -716,7 +709,7 @@ impl Device for CudaDevice {
                 self.fail(Error::cuda(format!("free {}", b.label), e));
                 return;
             }
-            g.in_use -= 4 * b.len as u64;
+            g.in_use -= b.bytes();
         }
     }
 
@@ -860,7 +853,7 @@ impl Drop for CudaDevice {
         }
         // SAFETY: as above; the workspace and the staging were allocated in `open`.
         unsafe { cudarc::driver::sys::cuMemFree_v2(self.ws) };
-        for (p, _) in self.staging.into_iter().chain(self.grad_staging) {
+        if let Some((p, _)) = self.grad_staging {
             // SAFETY: as above.
             unsafe { cudarc::driver::sys::cuMemFree_v2(p) };
         }
@@ -945,7 +938,7 @@ fn htod(
     src: &HostRef,
     label: &str,
 ) -> Result<Option<Span>> {
-    let (p, len) = g.buf(dst)?;
+    let (p, len) = g.f32_buf(dst, &format!("htod {label}"))?;
     crate::device::check_copy(&format!("htod {label}"), src.len(), offset, dst, len)?;
     let start = span(g, stream, format!("htod {label}"), 4 * src.len() as u64)?;
     // SAFETY: HostRef's contract keeps the source valid and unwritten until the stream's next
@@ -963,17 +956,36 @@ fn htod(
 }
 
 impl Inner {
-    /// Device buffer `id`'s address and length in elements.
-    fn buf(&self, id: BufId) -> Result<(DevPtr, usize)> {
+    /// Device buffer `id`'s typed address and length in elements.
+    fn buf(&self, id: BufId) -> Result<(DevP, usize)> {
         self.bufs
             .get(id)
             .and_then(|b| b.as_ref())
-            .map(|b| (b.ptr, b.len))
+            .map(|b| {
+                let p = if b.bf16 {
+                    DevP::bf16(b.ptr)
+                } else {
+                    DevP::f32(b.ptr)
+                };
+                (p, b.len)
+            })
             .ok_or_else(|| {
                 Error::internal(
                     "CUDA device",
                     format!("device buffer {id} does not exist (freed or never allocated)"),
                 )
             })
+    }
+
+    /// Device buffer `id`'s address and length, which `what` (an fp32 copy) needs in f32.
+    fn f32_buf(&self, id: BufId, what: &str) -> Result<(DevPtr, usize)> {
+        let (p, len) = self.buf(id)?;
+        if p.bf16 {
+            return Err(Error::internal(
+                "CUDA device",
+                format!("{what}: buffer {id} holds bf16 weights"),
+            ));
+        }
+        Ok((p.addr, len))
     }
 }

@@ -9,13 +9,17 @@ use crate::device::launch::{AttnLaunch, AttnShape, FlashLaunch, Launch};
 use crate::{Error, Result};
 use cudarc::driver::CudaStream;
 
-/// The storage type of a kernel family (the symbol's `_f32`/`_bf16` suffix); math is fp32.
+/// The storage type of a kernel family (the symbol's `_f32`/`_bf16`/`_f32w16` suffix); math is
+/// fp32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dtype {
     /// fp32 storage.
     F32,
     /// bf16 storage.
     Bf16,
+    /// fp32 activations and bf16 weights (a bf16 device's weight buffers): the kernels that read
+    /// weights (embedding forward, RMSNorm forward and dx, bias forward).
+    F32W16,
 }
 
 impl Dtype {
@@ -23,6 +27,7 @@ impl Dtype {
         match self {
             Dtype::F32 => format!("{stem}_f32"),
             Dtype::Bf16 => format!("{stem}_bf16"),
+            Dtype::F32W16 => format!("{stem}_f32w16"),
         }
     }
 }

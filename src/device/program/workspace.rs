@@ -241,7 +241,7 @@ pub fn workspace_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
     4 * Ws::layout(cfg, s).1 as u64
 }
 
-/// The elements of the largest unit of `cfg` (a GPU's bf16 weight staging holds one).
+/// The elements of the largest unit of `cfg`.
 pub fn max_unit_numel(cfg: &ModelConfig) -> usize {
     crate::model::units::units(cfg)
         .iter()
@@ -250,22 +250,20 @@ pub fn max_unit_numel(cfg: &ModelConfig) -> usize {
         .unwrap_or(0)
 }
 
-/// Device bytes the bf16 recipe adds on a GPU beside the fp32 buffers, for shape `s`: the
-/// weight staging (one unit in bf16, widened into its fp32 buffer on arrival) and the GEMM
-/// operand buffers ([`bf16_operand_bytes`]); 0 in fp32.
+/// Device bytes the bf16 recipe adds on a GPU beside the step's buffers, for shape `s`: the
+/// gradient staging ([`bf16_staging_bytes`]) and the GEMM operand buffers
+/// ([`bf16_operand_bytes`]); 0 in fp32.
 pub fn bf16_device_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
     bf16_staging_bytes(cfg, precision) + bf16_operand_bytes(cfg, s, precision)
 }
 
-/// Bytes of a GPU's bf16 stagings, whatever the shape (0 in fp32): the weights' (one unit in
-/// bf16) and the gradients' (one bounce chunk in bf16, for `--grad-link bf16`).
+/// Bytes of a GPU's bf16 gradient staging, whatever the shape (0 in fp32): one bounce chunk
+/// of the largest unit in bf16, for `--grad-link bf16`. (The weights need none: a bf16 device
+/// holds them in bf16.)
 pub fn bf16_staging_bytes(cfg: &ModelConfig, precision: Precision) -> u64 {
     match precision {
         Precision::Fp32 => 0,
-        Precision::Bf16 => {
-            let unit = max_unit_numel(cfg);
-            2 * (unit + crate::device::BOUNCE_CHUNK_ELEMS.min(unit)) as u64
-        }
+        Precision::Bf16 => 2 * crate::device::BOUNCE_CHUNK_ELEMS.min(max_unit_numel(cfg)) as u64,
     }
 }
 

@@ -201,6 +201,11 @@ const CASES: &[Case] = &[
         run: embedding_bias_add,
     },
     Case {
+        name: "weights held in bf16 (f32w16, bit-exact)",
+        tolerance: 0.0,
+        run: bf16_weights,
+    },
+    Case {
         name: "gemm f32",
         tolerance: TOL_F32,
         run: gemm_f32,
@@ -534,6 +539,57 @@ fn embedding_bias_add(g: &Gpu<'_>) -> Result<Vec<Out>> {
         Out::new("bias + residual forward", g.down(&yd)?, y_ref),
         Out::new("bias backward", g.down(&dbd)?, db_ref),
     ])
+}
+
+/// The kernels that read a bf16 device's weights (`f32w16`: fp32 activations, bf16 weights)
+/// against the fp32 kernels on the same weights widened to fp32: the same bits, as the weights
+/// are the same numbers.
+fn bf16_weights(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (n, c, vocab, eps) = (50usize, 96usize, 40usize, 1e-5f32);
+    let (ni, ci) = (n as i32, c as i32);
+    let x = g.rnd(n * c, 30, 2.0);
+    let dy = g.rnd(n * c, 31, 1.0);
+    let tokens: Vec<u32> = (0..n).map(|i| (i * 7 % 13) as u32).collect();
+    let norm: Vec<f32> = g.rnd(c, 32, 0.5).iter().map(|v| v + 1.0).collect();
+    let (wte, bias) = (g.rnd(vocab * c, 33, 1.0), g.rnd(c, 34, 1.0));
+    // Each output from both families: bf16 weights, and the same weights widened to fp32.
+    let run = |dt: Dtype, [nw, ew, bw]: [DevPtr; 3]| -> Result<[Vec<f32>; 4]> {
+        let (xd, dyd, td) = (g.up(&x)?, g.up(&dy)?, g.up(&tokens)?);
+        let (yd, rd, dxd, ed, bd) = (
+            g.zeros::<f32>(n * c)?,
+            g.zeros::<f32>(n)?,
+            g.zeros::<f32>(n * c)?,
+            g.zeros::<f32>(n * c)?,
+            g.up(&dy)?,
+        );
+        let (l, k) = (launch::per_row(n, c)?, g.k());
+        k.rmsnorm_fwd(dt, l, g.p(&yd), g.p(&rd), g.p(&xd), nw, ni, ci, eps)?;
+        let (dx, r) = (g.p(&dxd), g.p(&rd));
+        k.rmsnorm_bwd(dt, l, dx, g.p(&dyd), g.p(&xd), nw, r, ni, ci, false)?;
+        let l = launch::elementwise(n * c, g.sms());
+        k.embedding_fwd(dt, l, g.p(&ed), ew, g.p(&td), ni, ci)?;
+        k.bias_fwd(dt, l, g.p(&bd), bw, ni, ci)?;
+        Ok([g.down(&yd)?, g.down(&dxd)?, g.down(&ed)?, g.down(&bd)?])
+    };
+    let held = [g.up16(&norm)?, g.up16(&wte)?, g.up16(&bias)?];
+    let bf16 = run(Dtype::F32W16, held.each_ref().map(|d| g.p(d)));
+    let widened = [
+        g.up(&round_bf16(&norm))?,
+        g.up(&round_bf16(&wte))?,
+        g.up(&round_bf16(&bias))?,
+    ];
+    let widened = run(Dtype::F32, widened.each_ref().map(|d| g.p(d)));
+    let (bf16, widened) = (bf16?, widened?);
+    Ok([
+        "RMSNorm forward",
+        "RMSNorm dx",
+        "embedding forward",
+        "bias forward",
+    ]
+    .iter()
+    .zip(bf16.into_iter().zip(widened))
+    .map(|(label, (got, want))| Out::new(label, got, want))
+    .collect())
 }
 
 /// `y[M, N] = x[M, K] · w[N, K]ᵀ` (a Linear) through cuBLAS in fp32 or TF32.
