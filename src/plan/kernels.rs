@@ -46,15 +46,15 @@ fn gpu_memory_tbps(gpu: &str) -> Option<f64> {
 const MEMORY_SHARE: f64 = 0.9;
 
 /// Approximate GPU memory bytes the elementwise kernels move per token through one block's
-/// forward, with `chunk_tokens` tokens per GEMM (activations fp32): three RMSNorms (the first
+/// forward (activations fp32): three RMSNorms (the first
 /// runs for the K/V pass and again for the queries; read and write C each), two residual adds
 /// (two reads and a write), RoPE on Q and K, SwiGLU (read 2F, write F). Under bf16 also: the
 /// rounding of Q, K and V (two casts each: 12 bytes per element), the bf16 cast of every GEMM
 /// call's activation operand (read 4, write 2 bytes: the first norm's output once for each of
 /// Q, K and V, the attention output, the second norm's output for gate and for up, the SwiGLU
-/// output) and of its weight (6 bytes per parameter per call, shared by the chunk's tokens). A
-/// count of the program's passes, not a measurement.
-pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool, chunk_tokens: f64) -> f64 {
+/// output); the weights need none (the device holds them in bf16). A count of the program's
+/// passes, not a measurement.
+pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
     let (c, f, kv) = (
         model.hidden_size as f64,
         model.intermediate_size as f64,
@@ -63,10 +63,7 @@ pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool, chunk_tokens
     let q = model.q_dim() as f64;
     let fp32 = 4.0 * (6.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f);
     let recipe = if bf16 {
-        let block_weights = c * (q + 2.0 * kv) + q * c + 3.0 * c * f;
-        12.0 * (q + 2.0 * kv)
-            + 6.0 * (5.0 * c + q + f)
-            + 6.0 * block_weights / chunk_tokens.max(1.0)
+        12.0 * (q + 2.0 * kv) + 6.0 * (5.0 * c + q + f)
     } else {
         0.0
     };
@@ -183,7 +180,7 @@ impl KernelParts {
         // about three times as much. The head's cross-entropy reads and writes the fp32 logits.
         // Weight casts per GEMM call are counted once per micro-batch (unchunked layers; chunked
         // ones cast them once per chunk, a few percent more at long context).
-        let elementwise = elementwise_bytes_per_token(model, req.bf16, tk) * tk / memory;
+        let elementwise = elementwise_bytes_per_token(model, req.bf16) * tk / memory;
         let logits = 4.0 * 4.0 * model.vocab_size as f64 * tk / memory;
         let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;
         let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
