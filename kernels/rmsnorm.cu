@@ -2,8 +2,8 @@
 // dx one block per row, dw by columns in a fixed order (`column_sum`, no atomics).
 #include "common.cuh"
 
-#define RMSNORM(name, T, W)                                                                      \
-    extern "C" __global__ void rmsnorm_fwd_##name(T* __restrict__ out,        /* [N, C] */     \
+#define RMSNORM_FWD(name, O, T, W)                                                                  \
+    extern "C" __global__ void rmsnorm_fwd_##name(O* __restrict__ out,        /* [N, C] */     \
                                                   float* __restrict__ rstd,   /* [N] */        \
                                                   const T* __restrict__ x,    /* [N, C] */     \
                                                   const W* __restrict__ w,    /* [C] */        \
@@ -22,7 +22,17 @@
         if (threadIdx.x == 0) rstd[row] = r;                                                   \
         for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
             st(&out[row * c + j], ld(w[j]) * (ld(xr[j]) * r));                                 \
-    }                                                                                          \
+    }
+
+// Forward for each (output O, input T, weights W): `f32w16o16` writes the bf16 a bf16 device keeps
+// for the GEMMs that read the norm's output (rounded to nearest even, as the GEMM's cast would).
+#define FOR_RMSNORM_FWD(M) \
+    M(f32, float, float, float) M(bf16, bf16, bf16, bf16) M(f32w16, float, float, bf16) \
+    M(f32w16o16, bf16, float, bf16)
+
+FOR_RMSNORM_FWD(RMSNORM_FWD)
+
+#define RMSNORM(name, T, W)                                                                      \
     /* dx (+)= r·(w∘dy) − x·r³/C · Σ(w∘dy∘x) (+= when accumulate: the residual fused) */    \
     extern "C" __global__ void rmsnorm_bwd_##name(T* __restrict__ dx,          /* [N, C] */    \
                                                   const T* __restrict__ dout,  /* [N, C] */    \

@@ -3,8 +3,8 @@
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
-#define SWIGLU(name, T)                                                                          \
-    extern "C" __global__ void swiglu_fwd_##name(T* __restrict__ out,        /* [N, I] */      \
+#define SWIGLU_FWD(name, O, T)                                                                   \
+    extern "C" __global__ void swiglu_fwd_##name(O* __restrict__ out,        /* [N, I] */      \
                                                  const T* __restrict__ gate, /* [N, I] */      \
                                                  const T* __restrict__ up,   /* [N, I] */      \
                                                  long long n) {                                \
@@ -12,7 +12,15 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf
             const float g = ld(gate[i]);                                                       \
             st(&out[i], g * sigmoid(g) * ld(up[i]));                                           \
         }                                                                                      \
-    }                                                                                          \
+    }
+
+// Forward for each (output O, input T): `f32o16` writes the bf16 a bf16 device keeps for the
+// down projection (rounded to nearest even, as the GEMM's cast would).
+SWIGLU_FWD(f32, float, float)
+SWIGLU_FWD(bf16, bf16, bf16)
+SWIGLU_FWD(f32o16, bf16, float)
+
+#define SWIGLU(name, T)                                                                          \
     /* d gate = dout·up·σ(g)(1 + g(1 − σ(g))),  d up = dout·silu(g) */                         \
     extern "C" __global__ void swiglu_bwd_##name(T* __restrict__ dgate,      /* [N, I] */      \
                                                  T* __restrict__ dup,        /* [N, I] */      \

@@ -131,6 +131,8 @@ fn every_signature_matches_the_compiled_kernel_and_every_kernel_has_a_wrapper() 
                 .strip_suffix("_f32")
                 .or_else(|| k.name.strip_suffix("_bf16"))
                 .or_else(|| k.name.strip_suffix("_f32w16"))
+                .or_else(|| k.name.strip_suffix("_f32w16o16"))
+                .or_else(|| k.name.strip_suffix("_f32o16"))
                 .unwrap_or(k.name);
             assert!(
                 megatrain::device::cuda::launches::WRAPPED.contains(&stem)

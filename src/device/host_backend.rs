@@ -17,6 +17,8 @@ pub struct HostP {
     cap: usize,
     off: usize,
     writable: bool,
+    /// Holds bf16 values ([`Backend::as_bf16`]): rounded when written.
+    bf16: bool,
 }
 
 impl HostP {
@@ -30,6 +32,7 @@ impl HostP {
             cap: s.len(),
             off: 0,
             writable: false,
+            bf16: false,
         }
     }
 
@@ -43,7 +46,19 @@ impl HostP {
             cap: s.len(),
             off: 0,
             writable: true,
+            bf16: false,
         }
+    }
+
+    /// The same address, its bf16 keeping set apart, and whether it had it.
+    fn plain(self) -> (Self, bool) {
+        (
+            HostP {
+                bf16: false,
+                ..self
+            },
+            self.bf16,
+        )
     }
 
     fn range(&self, len: usize) -> std::ops::Range<usize> {
@@ -69,6 +84,13 @@ fn views<'a, const W: usize, const R: usize>(
     ins: [(HostP, usize); R],
 ) -> Result<Views<'a, W, R>> {
     let bad = |why: String| Error::internal("CPU backend", format!("{op}: {why}"));
+    // A bf16-kept tensor is written only by the ops that round it, read only by GEMMs: each
+    // takes it apart ([`HostP::plain`]) before asking for its views.
+    if outs.iter().chain(&ins).any(|(p, _)| p.bf16) {
+        return Err(bad(
+            "a bf16-kept tensor where fp32 is read or written".into()
+        ));
+    }
     for (p, len) in outs.iter().chain(&ins) {
         if p.off + len > p.cap {
             return Err(bad(format!(
@@ -83,6 +105,7 @@ fn views<'a, const W: usize, const R: usize>(
                 "output {i} is in a buffer held for reading only"
             )));
         }
+
         let r = p.range(*len);
         for (j, (q, qlen)) in outs.iter().chain(&ins).enumerate() {
             let s = q.range(*qlen);
@@ -191,6 +214,10 @@ impl Backend for HostBackend<'_> {
         }
     }
 
+    fn as_bf16(p: HostP) -> HostP {
+        HostP { bf16: true, ..p }
+    }
+
     fn ids_off(ids: HostIds, n: usize) -> HostIds {
         HostIds {
             ptr: ids.ptr.wrapping_add(n),
@@ -210,6 +237,10 @@ impl Backend for HostBackend<'_> {
     }
 
     fn gemm(&mut self, g: Gemm<HostP>) -> Result<()> {
+        // bf16-kept operands are read as the values they hold (rounding them again below is
+        // exact).
+        let (a, b) = (g.a.plain().0, g.b.plain().0);
+        let g = Gemm { a, b, ..g };
         let (a_len, b_len) = (g.m * g.k, g.k * g.n);
         let ([c], [a, b]) = views("gemm", [(g.c, g.m * g.n)], [(g.a, a_len), (g.b, b_len)])?;
         let a_st = if g.ta { (1, g.m) } else { (g.k, 1) };
@@ -277,12 +308,16 @@ impl Backend for HostBackend<'_> {
         c: usize,
         eps: f32,
     ) -> Result<()> {
+        let (y, keep16) = y.plain();
         let ([y, r], [x, w]) = views(
             "rmsnorm_fwd",
             [(y, rows * c), (rstd, rows)],
             [(x, rows * c), (w, c)],
         )?;
         ops::rmsnorm_fwd(y, r, x, w, c, eps);
+        if keep16 {
+            y.iter_mut().for_each(|v| *v = bf16_value(*v));
+        }
         Ok(())
     }
 
@@ -392,8 +427,12 @@ impl Backend for HostBackend<'_> {
     }
 
     fn swiglu_fwd(&mut self, h: HostP, g: HostP, u: HostP, len: usize) -> Result<()> {
+        let (h, keep16) = h.plain();
         let ([h], [g, u]) = views("swiglu_fwd", [(h, len)], [(g, len), (u, len)])?;
         ops::swiglu_fwd(h, g, u);
+        if keep16 {
+            h.iter_mut().for_each(|v| *v = bf16_value(*v));
+        }
         Ok(())
     }
 

@@ -36,7 +36,7 @@ impl Param {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signature {
     /// `{op}_{fwd|bwd}_{dtype}`: `f32` or `bf16` storage, or `f32w16` (fp32 activations, bf16
-    /// weights).
+    /// weights), `f32w16o16` and `f32o16` (a bf16 output from fp32 inputs).
     pub name: &'static str,
     /// Its parameters, in order.
     pub params: &'static [Param],
@@ -108,6 +108,7 @@ pub const FILES: &[KernelFile] = &[
             sig("rmsnorm_bwd_dw_bf16", RMSNORM_DW),
             sig("rmsnorm_fwd_f32w16", RMSNORM_FWD),
             sig("rmsnorm_bwd_f32w16", RMSNORM_BWD),
+            sig("rmsnorm_fwd_f32w16o16", RMSNORM_FWD),
         ],
     },
     KernelFile {
@@ -128,6 +129,7 @@ pub const FILES: &[KernelFile] = &[
             sig("swiglu_bwd_f32", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
             sig("swiglu_fwd_bf16", &[Ptr, Ptr, Ptr, I64]),
             sig("swiglu_bwd_bf16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
+            sig("swiglu_fwd_f32o16", &[Ptr, Ptr, Ptr, I64]),
         ],
     },
     KernelFile {
@@ -247,7 +249,7 @@ mod tests {
                     "{s}: names are {{op}}_{{fwd|bwd}}_{{dtype}}"
                 );
                 assert!(
-                    ["f32", "bf16", "f32w16"].contains(&dtype),
+                    ["f32", "bf16", "f32w16", "f32w16o16", "f32o16"].contains(&dtype),
                     "{s}: dtype suffix"
                 );
                 // Defined literally, through the file's per-dtype macro (`…_##name`), or through

@@ -329,6 +329,10 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn as_bf16(p: DevP) -> DevP {
+        DevP::bf16(p.addr)
+    }
+
     fn ids_off(ids: DevPtr, n: usize) -> DevPtr {
         ids + 4 * n as u64
     }
@@ -442,11 +446,22 @@ impl Backend for CudaBackend {
         c: usize,
         eps: f32,
     ) -> Result<()> {
-        let [y, rstd, x] = f32s([y, rstd, x], "rmsnorm_fwd")?;
+        // A bf16 output is a GEMM's input, kept in bf16 (with bf16 weights: a bf16 device's).
+        let dt = match (y.bf16, w.bf16) {
+            (true, true) => Dtype::F32W16O16,
+            (true, false) => {
+                return Err(Error::internal(
+                    "CUDA backend",
+                    "rmsnorm_fwd: a bf16 output with fp32 weights",
+                ))
+            }
+            (false, _) => weight_dtype(w),
+        };
+        let [rstd, x] = f32s([rstd, x], "rmsnorm_fwd")?;
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::per_row(rows, c)?;
         self.k()
-            .rmsnorm_fwd(weight_dtype(w), l, y, rstd, x, w.addr, r, ci, eps)
+            .rmsnorm_fwd(dt, l, y.addr, rstd, x, w.addr, r, ci, eps)
     }
 
     fn rmsnorm_bwd(
@@ -552,9 +567,11 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu_fwd(&mut self, h: DevP, g: DevP, u: DevP, len: usize) -> Result<()> {
-        let [h, g, u] = f32s([h, g, u], "swiglu_fwd")?;
+        // A bf16 output is the down projection's input, kept in bf16.
+        let dt = if h.bf16 { Dtype::F32O16 } else { F32 };
+        let [g, u] = f32s([g, u], "swiglu_fwd")?;
         let l = launch::elementwise(len, self.sms());
-        self.k().swiglu_fwd(F32, l, h, g, u, len as i64)
+        self.k().swiglu_fwd(dt, l, h.addr, g, u, len as i64)
     }
 
     fn swiglu_bwd(

@@ -20,6 +20,10 @@ pub enum Dtype {
     /// fp32 activations and bf16 weights (a bf16 device's weight buffers): the kernels that read
     /// weights (embedding forward, RMSNorm forward and dx, bias forward).
     F32W16,
+    /// RMSNorm forward from fp32 input and bf16 weights into a bf16 output (a GEMM's input).
+    F32W16O16,
+    /// SwiGLU forward from fp32 inputs into a bf16 output (the down projection's input).
+    F32O16,
 }
 
 impl Dtype {
@@ -28,6 +32,8 @@ impl Dtype {
             Dtype::F32 => format!("{stem}_f32"),
             Dtype::Bf16 => format!("{stem}_bf16"),
             Dtype::F32W16 => format!("{stem}_f32w16"),
+            Dtype::F32W16O16 => format!("{stem}_f32w16o16"),
+            Dtype::F32O16 => format!("{stem}_f32o16"),
         }
     }
 }

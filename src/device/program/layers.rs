@@ -156,11 +156,22 @@ fn keys_values<B: Backend>(
     let (n, c, kvd) = (at.rows, blk.c, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
     let (k, v) = (at.rows_of(ws.k, kvd), at.rows_of(ws.v, kvd));
-    be.rmsnorm_fwd(ws.h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
-    linear_fwd(be, k, ws.h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
-    linear_fwd(be, v, ws.h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
+    let h1 = gemm_input(be, ws.h1);
+    be.rmsnorm_fwd(h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
+    linear_fwd(be, k, h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
+    linear_fwd(be, v, h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
     be.rope(k, at.pos, n, blk.nkv, false)?;
     stored(be, &[k, v], n * kvd)
+}
+
+/// Where the block keeps an activation that only GEMMs read (the norms' outputs, the SwiGLU
+/// output): in bf16 under [`Precision::Bf16`] — rounded once when written, the value every GEMM
+/// reading it would round it to — else in fp32.
+fn gemm_input<B: Backend>(be: &B, p: B::P) -> B::P {
+    match be.precision() {
+        Precision::Bf16 => B::as_bf16(p),
+        Precision::Fp32 => p,
+    }
 }
 
 /// Under [`Precision::Bf16`], the tensors at `ps` (`len` elements each) are stored in bf16:
@@ -188,8 +199,13 @@ fn query_internals<B: Backend>(
     let (n, c, i, qd, kvd) = (at.rows, blk.c, blk.inter, blk.nh * blk.hd, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
     let x = at.rows_of(x, c);
-    be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
-    linear_fwd(be, ws.q, ws.h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
+    let (h1, h2, act) = (
+        gemm_input(be, ws.h1),
+        gemm_input(be, ws.h2),
+        gemm_input(be, ws.act),
+    );
+    be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+    linear_fwd(be, ws.q, h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
     be.rope(ws.q, at.pos, n, blk.nh, false)?;
     stored(be, &[ws.q], n * qd)?;
     let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
@@ -197,10 +213,10 @@ fn query_internals<B: Backend>(
     be.attention_fwd(ws.att, ws.lse, ws.q, k, v, seq_pos, at.attn)?;
     linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?;
     be.add(ws.x2, x, n * c)?;
-    be.rmsnorm_fwd(ws.h2, ws.rstd2, ws.x2, w(blk.ln2), n, c, blk.eps)?;
-    linear_fwd(be, ws.gate, ws.h2, w(blk.wg), None, n, c, i)?;
-    linear_fwd(be, ws.up, ws.h2, w(blk.wu), None, n, c, i)?;
-    be.swiglu_fwd(ws.act, ws.gate, ws.up, n * i)
+    be.rmsnorm_fwd(h2, ws.rstd2, ws.x2, w(blk.ln2), n, c, blk.eps)?;
+    linear_fwd(be, ws.gate, h2, w(blk.wg), None, n, c, i)?;
+    linear_fwd(be, ws.up, h2, w(blk.wu), None, n, c, i)?;
+    be.swiglu_fwd(act, ws.gate, ws.up, n * i)
 }
 
 /// `y = block(x)` with the unit's weights at `p`, chunk by chunk: K and V for every chunk,
@@ -224,7 +240,8 @@ pub fn block_fwd<B: Backend>(
         let at = At::<B>::new(blk, s, ch, pos);
         query_internals(be, blk, p, x, ws, &at, pos)?;
         let y = at.rows_of(y, c);
-        linear_fwd(be, y, ws.act, B::off(p, blk.wd), None, at.rows, i, c)?;
+        let act = gemm_input(be, ws.act);
+        linear_fwd(be, y, act, B::off(p, blk.wd), None, at.rows, i, c)?;
         be.add(y, ws.x2, at.rows * c)?;
     }
     Ok(())
@@ -311,7 +328,7 @@ pub fn block_bwd<B: Backend>(
             gw(blk.wq),
             blk.bq.map(gw),
             ws.dq,
-            ws.h1,
+            gemm_input(be, ws.h1),
             w(blk.wq),
             rows,
             c,
@@ -323,8 +340,9 @@ pub fn block_bwd<B: Backend>(
         let (n, rows) = (at.rows, (at.rows, at.period));
         let (x, dy, dx) = (at.rows_of(x, c), at.rows_of(dy, c), at.rows_of(dx, c));
         let (dk, dv) = (at.rows_of(ws.dk, kvd), at.rows_of(ws.dv, kvd));
+        let h1 = gemm_input(be, ws.h1);
         if recompute {
-            be.rmsnorm_fwd(ws.h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+            be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
         }
         be.rope(dk, at.pos, n, blk.nkv, true)?;
         for (wo, bias, d) in [(blk.wk, blk.bk, dk), (blk.wv, blk.bv, dv)] {
@@ -335,7 +353,7 @@ pub fn block_bwd<B: Backend>(
                 gw(wo),
                 bias.map(gw),
                 d,
-                ws.h1,
+                h1,
                 w(wo),
                 rows,
                 c,
@@ -371,7 +389,7 @@ fn mlp_bwd<B: Backend>(
         gw(blk.wd),
         None,
         dy,
-        ws.act,
+        gemm_input(be, ws.act),
         w(blk.wd),
         rows,
         i,
@@ -385,7 +403,7 @@ fn mlp_bwd<B: Backend>(
         gw(blk.wg),
         None,
         ws.d_i2,
-        ws.h2,
+        gemm_input(be, ws.h2),
         w(blk.wg),
         rows,
         c,
@@ -398,7 +416,7 @@ fn mlp_bwd<B: Backend>(
         gw(blk.wu),
         None,
         ws.d_i3,
-        ws.h2,
+        gemm_input(be, ws.h2),
         w(blk.wu),
         rows,
         c,
@@ -441,10 +459,11 @@ pub fn head_loss_bwd<B: Backend>(
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
         let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
-        be.rmsnorm_fwd(ws.h1, ws.rstd1, x, norm_w, m, c, eps)?;
+        let h = gemm_input(be, ws.h1);
+        be.rmsnorm_fwd(h, ws.rstd1, x, norm_w, m, c, eps)?;
         be.gemm(Gemm {
             c: ws.ce,
-            a: ws.h1,
+            a: h,
             ta: false,
             b: lm_w,
             tb: true,
@@ -477,7 +496,7 @@ pub fn head_loss_bwd<B: Backend>(
             c: lm_g,
             a: ws.ce,
             ta: true,
-            b: ws.h1,
+            b: h,
             tb: false,
             m: vocab,
             k: m,

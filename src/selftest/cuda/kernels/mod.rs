@@ -206,6 +206,11 @@ const CASES: &[Case] = &[
         run: bf16_weights,
     },
     Case {
+        name: "GEMM inputs kept in bf16 (bit-exact)",
+        tolerance: 0.0,
+        run: bf16_gemm_inputs,
+    },
+    Case {
         name: "gemm f32",
         tolerance: TOL_F32,
         run: gemm_f32,
@@ -590,6 +595,39 @@ fn bf16_weights(g: &Gpu<'_>) -> Result<Vec<Out>> {
     .zip(bf16.into_iter().zip(widened))
     .map(|(label, (got, want))| Out::new(label, got, want))
     .collect())
+}
+
+/// The kernels that write a GEMM's input in bf16 (RMSNorm `f32w16o16`, SwiGLU `f32o16`) against
+/// their fp32-output kernels followed by the cast a GEMM would apply: the same bits.
+fn bf16_gemm_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    let (n, c, eps) = (50usize, 96usize, 1e-5f32);
+    let (ni, ci, len) = (n as i32, c as i32, n * c);
+    let x = g.rnd(len, 40, 2.0);
+    let norm: Vec<f32> = g.rnd(c, 41, 0.5).iter().map(|v| v + 1.0).collect();
+    let (gate, up) = (g.rnd(len, 42, 3.0), g.rnd(len, 43, 1.0));
+    let (xd, wd, gd, ud) = (g.up(&x)?, g.up16(&norm)?, g.up(&gate)?, g.up(&up)?);
+    let (y16, h16) = (g.zeros::<u16>(len)?, g.zeros::<u16>(len)?);
+    let (y32, h32, rd) = (
+        g.zeros::<f32>(len)?,
+        g.zeros::<f32>(len)?,
+        g.zeros::<f32>(n)?,
+    );
+    let (cast16, l) = (g.zeros::<u16>(len)?, launch::per_row(n, c)?);
+    let k = g.k();
+    let (xp, wp, rp) = (g.p(&xd), g.p(&wd), g.p(&rd));
+    k.rmsnorm_fwd(Dtype::F32W16O16, l, g.p(&y16), rp, xp, wp, ni, ci, eps)?;
+    k.rmsnorm_fwd(Dtype::F32W16, l, g.p(&y32), rp, xp, wp, ni, ci, eps)?;
+    let e = launch::elementwise(len, g.sms());
+    k.cast_f32_bf16(e, g.p(&cast16), g.p(&y32), len as i64)?;
+    let norm_cast = g.down16(&cast16)?;
+    let (gp, up_p) = (g.p(&gd), g.p(&ud));
+    k.swiglu_fwd(Dtype::F32O16, e, g.p(&h16), gp, up_p, len as i64)?;
+    k.swiglu_fwd(Dtype::F32, e, g.p(&h32), gp, up_p, len as i64)?;
+    k.cast_f32_bf16(e, g.p(&cast16), g.p(&h32), len as i64)?;
+    Ok(vec![
+        Out::new("RMSNorm output", g.down16(&y16)?, norm_cast),
+        Out::new("SwiGLU output", g.down16(&h16)?, g.down16(&cast16)?),
+    ])
 }
 
 /// `y[M, N] = x[M, K] · w[N, K]ᵀ` (a Linear) through cuBLAS in fp32 or TF32.
