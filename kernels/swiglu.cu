@@ -20,10 +20,10 @@ SWIGLU_FWD(f32, float, float)
 SWIGLU_FWD(bf16, bf16, bf16)
 SWIGLU_FWD(f32o16, bf16, float)
 
-#define SWIGLU(name, T)                                                                          \
+#define SWIGLU_BWD(name, O, T)                                                                  \
     /* d gate = dout·up·σ(g)(1 + g(1 − σ(g))),  d up = dout·silu(g) */                         \
-    extern "C" __global__ void swiglu_bwd_##name(T* __restrict__ dgate,      /* [N, I] */      \
-                                                 T* __restrict__ dup,        /* [N, I] */      \
+    extern "C" __global__ void swiglu_bwd_##name(O* __restrict__ dgate,      /* [N, I] */      \
+                                                 O* __restrict__ dup,        /* [N, I] */      \
                                                  const T* __restrict__ dout, /* [N, I] */      \
                                                  const T* __restrict__ gate,                   \
                                                  const T* __restrict__ up, long long n) {      \
@@ -35,4 +35,8 @@ SWIGLU_FWD(f32o16, bf16, float)
         }                                                                                      \
     }
 
-FOR_DTYPES(SWIGLU)
+// Backward for each (outputs O, inputs T): `f32o16` writes the bf16 a bf16 device keeps for the
+// GEMMs that read d gate and d up (rounded to nearest even, as their casts would).
+SWIGLU_BWD(f32, float, float)
+SWIGLU_BWD(bf16, bf16, bf16)
+SWIGLU_BWD(f32o16, bf16, float)

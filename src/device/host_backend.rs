@@ -445,12 +445,18 @@ impl Backend for HostBackend<'_> {
         u: HostP,
         len: usize,
     ) -> Result<()> {
+        let ((dg, g16), (du, u16)) = (dg.plain(), du.plain());
         let ([dg, du], [dh, g, u]) = views(
             "swiglu_bwd",
             [(dg, len), (du, len)],
             [(dh, len), (g, len), (u, len)],
         )?;
         ops::swiglu_bwd(dg, du, dh, g, u);
+        for (out, keep16) in [(dg, g16), (du, u16)] {
+            if keep16 {
+                out.iter_mut().for_each(|v| *v = bf16_value(*v));
+            }
+        }
         Ok(())
     }
 

@@ -130,6 +130,7 @@ pub const FILES: &[KernelFile] = &[
             sig("swiglu_fwd_bf16", &[Ptr, Ptr, Ptr, I64]),
             sig("swiglu_bwd_bf16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
             sig("swiglu_fwd_f32o16", &[Ptr, Ptr, Ptr, I64]),
+            sig("swiglu_bwd_f32o16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
         ],
     },
     KernelFile {

@@ -177,8 +177,6 @@ impl KernelParts {
         let tk = tokens_mb as f64;
         // The elementwise passes of a block's forward; its backward (with the recompute) moves
         // about three times as much. The head's cross-entropy reads and writes the fp32 logits.
-        // Weight casts per GEMM call are counted once per micro-batch (unchunked layers; chunked
-        // ones cast them once per chunk, a few percent more at long context).
         let elementwise = elementwise_bytes_per_token(model, req.bf16) * tk / memory;
         let logits = 4.0 * 4.0 * model.vocab_size as f64 * tk / memory;
         let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;

@@ -583,9 +583,21 @@ impl Backend for CudaBackend {
         u: DevP,
         len: usize,
     ) -> Result<()> {
-        let [dg, du, dh, g, u] = f32s([dg, du, dh, g, u], "swiglu_bwd")?;
+        // bf16 outputs are GEMM inputs, kept in bf16 (both or neither).
+        let dt = match (dg.bf16, du.bf16) {
+            (true, true) => Dtype::F32O16,
+            (false, false) => F32,
+            _ => {
+                return Err(Error::internal(
+                    "CUDA backend",
+                    "swiglu_bwd: one output in bf16, the other in fp32",
+                ))
+            }
+        };
+        let [dh, g, u] = f32s([dh, g, u], "swiglu_bwd")?;
         let l = launch::elementwise(len, self.sms());
-        self.k().swiglu_bwd(F32, l, dg, du, dh, g, u, len as i64)
+        self.k()
+            .swiglu_bwd(dt, l, dg.addr, du.addr, dh, g, u, len as i64)
     }
 
     fn embed_fwd(

@@ -165,7 +165,7 @@ fn keys_values<B: Backend>(
 }
 
 /// Where the block keeps an activation that only GEMMs read (the norms' outputs, the SwiGLU
-/// output): in bf16 under [`Precision::Bf16`] — rounded once when written, the value every GEMM
+/// output and its gradients): in bf16 under [`Precision::Bf16`] — rounded once when written, the value every GEMM
 /// reading it would round it to — else in fp32.
 fn gemm_input<B: Backend>(be: &B, p: B::P) -> B::P {
     match be.precision() {
@@ -395,14 +395,16 @@ fn mlp_bwd<B: Backend>(
         i,
         c,
     )?;
-    be.swiglu_bwd(ws.d_i2, ws.d_i3, ws.d_i1, ws.gate, ws.up, n * i)?;
+    // d gate and d up are read only by the GEMMs below (the MLP has no biases).
+    let (d_gate, d_up) = (gemm_input(be, ws.d_i2), gemm_input(be, ws.d_i3));
+    be.swiglu_bwd(d_gate, d_up, ws.d_i1, ws.gate, ws.up, n * i)?;
     linear_bwd(
         be,
         ws.d_c,
         false,
         gw(blk.wg),
         None,
-        ws.d_i2,
+        d_gate,
         gemm_input(be, ws.h2),
         w(blk.wg),
         rows,
@@ -415,7 +417,7 @@ fn mlp_bwd<B: Backend>(
         true,
         gw(blk.wu),
         None,
-        ws.d_i3,
+        d_up,
         gemm_input(be, ws.h2),
         w(blk.wu),
         rows,

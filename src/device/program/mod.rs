@@ -65,8 +65,9 @@ pub trait Backend {
     /// The region at `p` as the bf16 recipe keeps an activation only GEMMs read (only called
     /// under [`Precision::Bf16`]): bf16 values, rounded to nearest even when written — on a GPU
     /// 2-byte elements in the region's first half, on the CPU the fp32 storage of the rounded
-    /// values. Only [`Backend::rmsnorm_fwd`] and [`Backend::swiglu_fwd`] write one, and only
-    /// [`Backend::gemm`] reads one; offsets from it count its elements.
+    /// values. Only [`Backend::rmsnorm_fwd`], [`Backend::swiglu_fwd`] and
+    /// [`Backend::swiglu_bwd`] write one, and only [`Backend::gemm`] reads one; offsets from it
+    /// count its elements.
     fn as_bf16(p: Self::P) -> Self::P;
     /// `ids` advanced by `n` ids.
     fn ids_off(ids: Self::Ids, n: usize) -> Self::Ids;

@@ -597,8 +597,9 @@ fn bf16_weights(g: &Gpu<'_>) -> Result<Vec<Out>> {
     .collect())
 }
 
-/// The kernels that write a GEMM's input in bf16 (RMSNorm `f32w16o16`, SwiGLU `f32o16`) against
-/// their fp32-output kernels followed by the cast a GEMM would apply: the same bits.
+/// The kernels that write a GEMM's input in bf16 (RMSNorm `f32w16o16`, SwiGLU forward and
+/// backward `f32o16`) against their fp32-output kernels followed by the cast a GEMM would apply:
+/// the same bits.
 fn bf16_gemm_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let (n, c, eps) = (50usize, 96usize, 1e-5f32);
     let (ni, ci, len) = (n as i32, c as i32, n * c);
@@ -624,9 +625,24 @@ fn bf16_gemm_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
     k.swiglu_fwd(Dtype::F32O16, e, g.p(&h16), gp, up_p, len as i64)?;
     k.swiglu_fwd(Dtype::F32, e, g.p(&h32), gp, up_p, len as i64)?;
     k.cast_f32_bf16(e, g.p(&cast16), g.p(&h32), len as i64)?;
+    let swiglu_cast = g.down16(&cast16)?;
+    // The backward's d gate and d up, from the output's gradient.
+    let dh = g.up(&g.rnd(len, 44, 1.0))?;
+    let (dg16, du16) = (g.zeros::<u16>(len)?, g.zeros::<u16>(len)?);
+    let (dg32, du32) = (g.zeros::<f32>(len)?, g.zeros::<f32>(len)?);
+    let (dhp, n64) = (g.p(&dh), len as i64);
+    k.swiglu_bwd(Dtype::F32O16, e, g.p(&dg16), g.p(&du16), dhp, gp, up_p, n64)?;
+    k.swiglu_bwd(Dtype::F32, e, g.p(&dg32), g.p(&du32), dhp, gp, up_p, n64)?;
+    let cast = |x: &CudaSlice<f32>| -> Result<Vec<f32>> {
+        k.cast_f32_bf16(e, g.p(&cast16), g.p(x), n64)?;
+        g.down16(&cast16)
+    };
+    let (dg_cast, du_cast) = (cast(&dg32)?, cast(&du32)?);
     Ok(vec![
         Out::new("RMSNorm output", g.down16(&y16)?, norm_cast),
-        Out::new("SwiGLU output", g.down16(&h16)?, g.down16(&cast16)?),
+        Out::new("SwiGLU output", g.down16(&h16)?, swiglu_cast),
+        Out::new("SwiGLU d gate", g.down16(&dg16)?, dg_cast),
+        Out::new("SwiGLU d up", g.down16(&du16)?, du_cast),
     ])
 }
 
