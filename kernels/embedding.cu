@@ -1,4 +1,4 @@
-// Token embedding: forward gather and backward scatter-add.
+// Token embedding: forward gather and backward scatter-add (grouped by token, in row order).
 #include "common.cuh"
 
 #define EMBEDDING_FWD(name, T, W)                                                                \
@@ -15,15 +15,24 @@
 
 FOR_WEIGHT_DTYPES(EMBEDDING_FWD)
 
-#define EMBEDDING_BWD(name, T)                                                                     \
-    /* dwte[tokens[n], :] += dout[n, :] (fp32 gradient; atomics: rows may repeat) */           \
+#define EMBEDDING_BWD(name, T)                                                                   \
+    /* dwte[t, :] += Σ dout[r, :] over the rows r of token t, added in row order: the rows come  \
+       grouped by token (`launch::group_tokens`: order ‖ starts ‖ tokens), one thread per        \
+       (token, column), no atomics — the CPU's bits on every run. */                            \
     extern "C" __global__ void embedding_bwd_##name(float* __restrict__ dwte,    /* [V, C] */  \
                                                     const T* __restrict__ dout,  /* [N, C] */  \
-                                                    const unsigned* __restrict__ tokens, /* [N] */ \
-                                                    int n, int c) {                            \
-        FOR_EACH(i, (long long)n * c) {                                                        \
-            const long long row = i / c, col = i % c;                                          \
-            atomicAdd(&dwte[(long long)tokens[row] * c + col], ld(dout[i]));                   \
+                                                    const unsigned* __restrict__ groups,       \
+                                                    int n, int u, int c) {                     \
+        const unsigned* order = groups;       /* [N] */                                       \
+        const unsigned* starts = groups + n;  /* [U + 1] */                                   \
+        const unsigned* tokens = starts + u + 1; /* [U] */                                    \
+        FOR_EACH(i, (long long)u * c) {                                                        \
+            const long long g = i / c, col = i % c;                                            \
+            float* dst = &dwte[(long long)tokens[g] * c + col];                                \
+            float acc = *dst;                                                                  \
+            for (unsigned j = starts[g]; j < starts[g + 1]; ++j)                               \
+                acc += ld(dout[(long long)order[j] * c + col]);                                \
+            *dst = acc;                                                                        \
         }                                                                                      \
     }
 

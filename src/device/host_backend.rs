@@ -483,13 +483,18 @@ impl Backend for HostBackend<'_> {
     fn embed_bwd(
         &mut self,
         de: HostP,
-        ids: HostIds,
+        tokens: &[u32],
         dx: HostP,
         rows: usize,
         c: usize,
         vocab: usize,
     ) -> Result<()> {
-        let ids = self.ids(ids, rows, "embed_bwd")?;
+        let ids = tokens.get(..rows).ok_or_else(|| {
+            Error::internal(
+                "CPU backend",
+                format!("embed_bwd: {} token ids for {rows} rows", tokens.len()),
+            )
+        })?;
         let ([de], [dx]) = views("embed_bwd", [(de, vocab * c)], [(dx, rows * c)])?;
         for (row, &tok) in dx.chunks(c).zip(ids) {
             let t = tok as usize;

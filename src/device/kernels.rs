@@ -77,6 +77,8 @@ const FLASH_BWD: &[Param] = &[
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
 const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
+/// `embedding_bwd`: dwte, dout, the grouped tokens, n, groups, c.
+const EMBED_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, I32];
 const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32];
 const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const RMSNORM_DW: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
@@ -90,10 +92,10 @@ pub const FILES: &[KernelFile] = &[
         source: include_str!("../../kernels/embedding.cu"),
         kernels: &[
             sig("embedding_fwd_f32", PTR3_ROWS_COLS),
-            sig("embedding_bwd_f32", PTR3_ROWS_COLS),
+            sig("embedding_bwd_f32", EMBED_BWD),
             sig("embedding_fwd_bf16", PTR3_ROWS_COLS),
             sig("embedding_fwd_f32w16", PTR3_ROWS_COLS),
-            sig("embedding_bwd_bf16", PTR3_ROWS_COLS),
+            sig("embedding_bwd_bf16", EMBED_BWD),
         ],
     },
     KernelFile {

@@ -255,6 +255,52 @@ pub fn row_major_gemm(m: usize, k: usize, n: usize, ta: bool, tb: bool) -> ColMa
     }
 }
 
+/// The token ids of a micro-batch grouped for the embedding gradient (`embedding_bwd`), packed
+/// as the kernel reads them: `order` (the rows, stably sorted by token: each token's rows
+/// ascending), `starts` (group g's rows are `order[starts[g]..starts[g + 1]]`, U + 1 entries) and
+/// `tokens` (group g's token, U entries) — `n + 2·U + 1` ids, U the distinct tokens. One thread
+/// then owns each (token, column) and adds its rows in order: no atomics, the CPU's bits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenGroups {
+    /// `order ‖ starts ‖ tokens`.
+    pub packed: Vec<u32>,
+    /// Distinct tokens (U).
+    pub groups: usize,
+}
+
+/// Group `tokens` (each below `vocab`) for [`TokenGroups`].
+pub fn group_tokens(tokens: &[u32], vocab: usize) -> Result<TokenGroups> {
+    if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::internal(
+            "embedding gradient",
+            format!("token {t} of a vocabulary of {vocab}"),
+        ));
+    }
+    let n = u32::try_from(tokens.len()).map_err(|_| {
+        Error::internal(
+            "embedding gradient",
+            format!("{} tokens in one micro-batch", tokens.len()),
+        )
+    })?;
+    let mut order: Vec<u32> = (0..n).collect();
+    order.sort_by_key(|&r| tokens[r as usize]);
+    let mut starts = Vec::new();
+    let mut ids = Vec::new();
+    for (i, &r) in order.iter().enumerate() {
+        let t = tokens[r as usize];
+        if ids.last() != Some(&t) {
+            starts.push(i as u32);
+            ids.push(t);
+        }
+    }
+    starts.push(n);
+    let groups = ids.len();
+    let mut packed = order;
+    packed.extend(starts);
+    packed.extend(ids);
+    Ok(TokenGroups { packed, groups })
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -420,5 +466,26 @@ mod tests {
         assert_eq!(logit_chunk_rows(8192, 128_256, 256 << 20), 523);
         assert_eq!(logit_chunk_rows(10, 32_000, 1 << 30), 10);
         assert_eq!(logit_chunk_rows(10, 1 << 30, 16), 1);
+    }
+
+    /// Every row once, grouped by token with its rows ascending; the starts delimit the groups.
+    #[test]
+    fn token_groups_cover_every_row_in_order() {
+        let tokens = [5u32, 2, 5, 0, 2, 5, 9];
+        let g = group_tokens(&tokens, 10).unwrap();
+        let n = tokens.len();
+        assert_eq!(g.groups, 4);
+        let (order, rest) = g.packed.split_at(n);
+        let (starts, ids) = rest.split_at(g.groups + 1);
+        assert_eq!(order, &[3, 1, 4, 0, 2, 5, 6]);
+        assert_eq!(starts, &[0, 1, 3, 6, 7]);
+        assert_eq!(ids, &[0, 2, 5, 9]);
+        for (k, w) in starts.windows(2).enumerate() {
+            for &r in &order[w[0] as usize..w[1] as usize] {
+                assert_eq!(tokens[r as usize], ids[k]);
+            }
+        }
+        assert!(group_tokens(&tokens, 9).is_err(), "token 9 of 9");
+        assert_eq!(group_tokens(&[], 4).unwrap().packed, vec![0]);
     }
 }

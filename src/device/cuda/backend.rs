@@ -65,6 +65,8 @@ pub struct CudaBackend {
     head_dim: usize,
     ids: IdsBuffer,
     positions: IdsBuffer,
+    /// The micro-batch's tokens grouped for the embedding gradient (`launch::group_tokens`).
+    groups: IdsBuffer,
     /// The micro-batch whose positions `positions` holds (kept alive, so its address is not
     /// reused by another).
     positions_of: Option<Arc<[u32]>>,
@@ -108,6 +110,7 @@ impl CudaBackend {
         let cos = drv(stream.clone_htod(c), "upload the RoPE tables")?;
         let sin = drv(stream.clone_htod(s), "upload the RoPE tables")?;
         let ids = IdsBuffer::new(&rt, &stream, n)?;
+        let groups = IdsBuffer::new(&rt, &stream, 3 * n + 1)?;
         let positions = IdsBuffer::new(&rt, &stream, n)?;
         let losses = Pinned::new(&rt.ctx, 4 * n.max(1))?;
         let bf16 = match bf16_operands {
@@ -136,6 +139,7 @@ impl CudaBackend {
             sin,
             head_dim: rope.head_dim,
             ids,
+            groups,
             positions,
             positions_of: None,
             losses,
@@ -619,16 +623,30 @@ impl Backend for CudaBackend {
     fn embed_bwd(
         &mut self,
         de: DevP,
-        ids: DevPtr,
+        tokens: &[u32],
         dx: DevP,
         rows: usize,
         c: usize,
-        _vocab: usize,
+        vocab: usize,
     ) -> Result<()> {
         let [de, dx] = f32s([de, dx], "embed_bwd")?;
-        let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
-        let l = launch::elementwise(rows * c, self.sms());
-        self.k().embedding_bwd(F32, l, de, dx, ids, n, ci)
+        let tokens = tokens.get(..rows).ok_or_else(|| {
+            Error::internal(
+                "CUDA backend",
+                format!("embed_bwd: {} token ids for {rows} rows", tokens.len()),
+            )
+        })?;
+        let g = launch::group_tokens(tokens, vocab)?;
+        let groups = self
+            .groups
+            .upload(&self.stream, &g.packed, "grouped token ids")?;
+        let (n, u, ci) = (
+            i32_of(rows, "rows")?,
+            i32_of(g.groups, "distinct tokens")?,
+            i32_of(c, "hidden")?,
+        );
+        let l = launch::elementwise(g.groups * c, self.sms());
+        self.k().embedding_bwd(F32, l, de, dx, groups, (n, u), ci)
     }
 
     fn cross_entropy(

@@ -204,7 +204,8 @@ impl Launcher<'_> {
         )
     }
 
-    /// `dwte[tokens[r]] += dout[r]` (fp32 accumulator).
+    /// `dwte[t] += Σ dout[r]` over each token's rows in order (fp32 accumulator), from the
+    /// tokens grouped by [`crate::device::launch::group_tokens`] (`u` groups).
     #[allow(clippy::too_many_arguments)]
     pub fn embedding_bwd(
         &self,
@@ -212,14 +213,14 @@ impl Launcher<'_> {
         l: Launch,
         dwte: DevPtr,
         dout: DevPtr,
-        tokens: DevPtr,
-        n: i32,
+        groups: DevPtr,
+        (n, u): (i32, i32),
         c: i32,
     ) -> Result<()> {
         self.launch(
             &dt.symbol("embedding_bwd"),
             l,
-            &[Ptr(dwte), Ptr(dout), Ptr(tokens), I32(n), I32(c)],
+            &[Ptr(dwte), Ptr(dout), Ptr(groups), I32(n), I32(u), I32(c)],
         )
     }
 

@@ -185,11 +185,12 @@ pub trait Backend {
         c: usize,
         vocab: usize,
     ) -> Result<()>;
-    /// `dE[ids[r]] += dx[r]`.
+    /// `dE[tokens[r]] += dx[r]`, each row of `dE` summed in row order (the same bits on every
+    /// run and every device). The tokens are the host's: a GPU groups them by id first.
     fn embed_bwd(
         &mut self,
         de: Self::P,
-        ids: Self::Ids,
+        tokens: &[u32],
         dx: Self::P,
         rows: usize,
         c: usize,
@@ -240,8 +241,7 @@ pub fn run<B: Backend>(
             at.ids(&batch.tokens, n, "tokens")?;
             let de = at.range(*g, 0, v * c, "embedding grads")?;
             let dx = at.range(*dx, 0, n * c, "dx")?;
-            let ids = be.upload_ids(&batch.tokens)?;
-            be.embed_bwd(de, ids, dx, n, c, v)
+            be.embed_bwd(de, &batch.tokens, dx, n, c, v)
         }
         Kernel::BlockFwd {
             batch,

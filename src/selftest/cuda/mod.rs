@@ -14,7 +14,7 @@ use crate::Result;
 use std::sync::Arc;
 
 /// Tolerance of the training check: fp32 on both sides, differing only in summation order
-/// (cuBLAS, atomics in the embedding gradient) compounded over a few steps.
+/// (cuBLAS) compounded over a few steps.
 pub const TOL_TRAINING: f64 = 1e-3;
 /// Tolerance of the bf16 training check (losses and norms per step; gradients norm-wise). Both
 /// devices round at the same points (docs/precision.md), but a sum in another order lands an
