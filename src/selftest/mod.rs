@@ -60,6 +60,108 @@ pub fn compare(name: &str, got: &[f32], want: &[f32], tol: f64) -> Check {
     }
 }
 
+/// `device`'s device→host copies of `n` values against what they must land, bit for bit:
+/// plain, accumulated (`+=`), and bf16 gradients (`=` and `+=`: rounded to nearest even on the
+/// device, widened on the host; every 5th value an exact tie). The reference is the optimizer's
+/// scalar bf16 rounding, not the devices' own.
+pub fn landings(gpu: &dyn Device, n: usize, seed: u64) -> Result<Vec<Check>> {
+    use crate::device::{Cmd, Event, GradLink, HostRef, StreamKind};
+    use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
+    // Gradient-like values, every 5th an exact tie between two bf16 values (low half 0x8000,
+    // odd and even high halves alike), and a base to accumulate onto.
+    let mut state = seed ^ 0x5eed_1a4d;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 0.02
+    };
+    let values: Vec<f32> = (0..n)
+        .map(|i| {
+            let v = next();
+            if i % 5 == 0 {
+                f32::from_bits((v.to_bits() & 0xffff_0000) | 0x8000)
+            } else {
+                v
+            }
+        })
+        .collect();
+    let base: Vec<f32> = (0..n).map(|_| next()).collect();
+    let mut src = values.clone();
+    let buf = gpu.alloc(n, "selftest landings")?;
+    let cases = [
+        ("fp32 copy", false, GradLink::Fp32),
+        ("fp32 accumulated", true, GradLink::Fp32),
+        ("bf16 gradients", false, GradLink::Bf16),
+        ("bf16 gradients accumulated", true, GradLink::Bf16),
+    ];
+    let mut outs: Vec<Vec<f32>> = cases.iter().map(|_| base.clone()).collect();
+    let (copied, landed) = (Event::new(), Event::new());
+    // SAFETY: `src` and `outs` outlive the copies: `landed` is waited on below, before either
+    // is read or dropped, and nothing else touches them meanwhile.
+    let source = unsafe { HostRef::from_slice(&mut src) };
+    gpu.submit(
+        StreamKind::CopyIn,
+        Cmd::HtoD {
+            dst: buf,
+            offset: 0,
+            src: source,
+            label: "values".into(),
+        },
+    );
+    gpu.submit(StreamKind::CopyIn, Cmd::Record(copied.clone()));
+    gpu.submit(StreamKind::CopyOut, Cmd::Wait(copied));
+    for ((name, accumulate, link), out) in cases.iter().zip(outs.iter_mut()) {
+        gpu.submit(
+            StreamKind::CopyOut,
+            Cmd::DtoH {
+                // SAFETY: as above.
+                dst: unsafe { HostRef::from_slice(out) },
+                src: buf,
+                offset: 0,
+                accumulate: *accumulate,
+                link: *link,
+                label: (*name).into(),
+            },
+        );
+    }
+    gpu.submit(StreamKind::CopyOut, Cmd::Record(landed.clone()));
+    landed.synchronize();
+    gpu.synchronize();
+    if let Some(e) = gpu.take_error() {
+        return Err(e);
+    }
+    gpu.free(buf);
+    let crossed = |v: f32, link: GradLink| match link {
+        GradLink::Fp32 => v,
+        GradLink::Bf16 => bf16_to_f32(f32_to_bf16(v)),
+    };
+    Ok(cases
+        .iter()
+        .zip(&outs)
+        .map(|((name, accumulate, link), got)| {
+            let want: Vec<f32> = values
+                .iter()
+                .zip(&base)
+                .map(|(v, b)| {
+                    let v = crossed(*v, *link);
+                    if *accumulate {
+                        b + v
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            let mut c = compare(&format!("device→host: {name} (bit-exact)"), got, &want, 0.0);
+            c.pass = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            c
+        })
+        .collect())
+}
+
 /// Largest error of `got` against `want` relative to each element's own error scale `scale`
 /// (for TF32, Σ|x·w| of its dot product); any NaN fails.
 pub fn compare_bounded(name: &str, got: &[f32], want: &[f32], scale: &[f32], tol: f64) -> Check {
