@@ -170,7 +170,10 @@ impl CudaBackend {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
         let [gc] = f32s([g.c], "gemm output")?;
         let (a_len, b_len) = (g.m * g.k, g.k * g.n);
-        let (a_buf, b_buf) = self.bf16_operands(a_len.max(b_len), "gemm")?;
+        // Room for the operands to cast (a bf16 one is used as it is).
+        let cast_len = |x: DevP, len: usize| if x.bf16 { 0 } else { len };
+        let room = cast_len(g.a, a_len).max(cast_len(g.b, b_len));
+        let (a_buf, b_buf) = self.bf16_operands(room, "gemm")?;
         let sms = self.sms();
         let operand = |x: DevP, len: usize, buf: DevPtr| -> Result<DevPtr> {
             if x.bf16 {

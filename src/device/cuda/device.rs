@@ -100,7 +100,8 @@ struct Inner {
     /// CUDA events recorded for host events still needed by a later `Wait`.
     recorded: Vec<Recorded>,
     timed: Vec<Timed>,
-    /// The accumulating copies' bounce chunks (allocated on first use) and the next to fill.
+    /// The bounced copies' (accumulating, bf16 gradients) bounce chunks (allocated on first
+    /// use) and the next to fill.
     bounces: Vec<Pinned>,
     next_bounce: usize,
     /// Events done with, for reuse (creating one per command is a driver call each): timing
@@ -514,13 +515,23 @@ impl CudaDevice {
                 accumulate,
                 link,
                 label,
-            } => self.dtoh(
-                g,
-                stream,
-                (&dst, src, offset),
-                Landing { accumulate, link },
-                &label,
-            )?,
+            } => {
+                // The gradient staging is the copy-out stream's (its chunks follow each other
+                // in that stream's order).
+                if link == GradLink::Bf16 && kind != StreamKind::CopyOut {
+                    return Err(Error::internal(
+                        "CUDA device",
+                        format!("dtoh {label}: bf16 gradients off the copy-out stream"),
+                    ));
+                }
+                self.dtoh(
+                    g,
+                    stream,
+                    (&dst, src, offset),
+                    Landing { accumulate, link },
+                    &label,
+                )?
+            }
             Cmd::Kernel(k) => self.kernel(g, stream, kind, &k)?,
         };
         if let Some(Span { name, bytes, start }) = timed {

@@ -276,11 +276,11 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
     }
 }
 
-/// Under [`crate::device::Precision::Bf16`], the elements of the largest GEMM operand and of the
-/// largest tensor the program stores in bf16, for shape `s`: a device that casts operands to
-/// bf16 before a bf16 GEMM needs two bf16 buffers of this many elements. Operands are a chunk's
-/// activations (`rows × width`), a CE chunk's logits or their gradient (`rows × vocab`), or a
-/// weight matrix (`dout × din`).
+/// Under [`crate::device::Precision::Bf16`], the elements of the largest GEMM operand a device
+/// casts and of the largest tensor the program rounds, for shape `s`: a device that casts
+/// operands to bf16 before a bf16 GEMM needs two bf16 buffers of this many elements. Cast
+/// operands are a chunk's activations (`rows × width`) and a CE chunk's logits gradient (`rows ×
+/// vocab`); the weights need none (a bf16 device holds them in bf16).
 pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
     let (c, inter, qd, kvd) = (
         cfg.hidden_size,
@@ -291,12 +291,8 @@ pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
     let rows = s.chunk_rows();
     let ce_rows = CE_CHUNK_ROWS.min(s.n().max(1));
     let widest = c.max(inter).max(qd).max(kvd);
-    [
-        rows * widest,
-        ce_rows * cfg.vocab_size,
-        c * cfg.vocab_size.max(inter).max(qd),
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0)
+    [rows * widest, ce_rows * cfg.vocab_size]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
 }
