@@ -560,9 +560,15 @@ impl CudaDevice {
         let (p, len) = g.f32_buf(src, &format!("dtoh {label}"))?;
         crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
         let bytes = landing.link.elem_bytes() * dst.len() as u64;
+        let bounced = landing.accumulate || landing.link == GradLink::Bf16;
+        if bounced {
+            // The timed span starts once its first bounce chunk is free: waiting for an earlier
+            // copy's landing is not this copy's time.
+            self.wait_for_bounce(g, stream)?;
+        }
         let start = span(g, stream, format!("dtoh {label}"), bytes)?;
         let from = p + 4 * offset as u64;
-        if landing.accumulate || landing.link == GradLink::Bf16 {
+        if bounced {
             self.bounce_dtoh(g, stream, (dst.as_ptr(), from, dst.len()), landing)?;
         } else {
             // SAFETY: as for HtoD; the destination is the HostRef's memory.

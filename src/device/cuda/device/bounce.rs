@@ -52,6 +52,14 @@ pub(super) struct Landing {
 }
 
 impl CudaDevice {
+    /// Hold `stream` until the bounce chunk the next bounced copy fills has been landed.
+    pub(super) fn wait_for_bounce(&self, g: &Inner, stream: &CudaStream) -> Result<()> {
+        drv(
+            stream.wait(&self.bounce.freed[g.next_bounce]),
+            "wait for a bounce chunk",
+        )
+    }
+
     /// `dst[..len]` from `device[from..]` as `landing` says, in order on `stream`: each chunk is
     /// copied (under bf16, first rounded into the gradient staging) into a page-locked bounce
     /// chunk (two in turn) on `stream` and landed on the bounce stream, so the next chunk's copy
