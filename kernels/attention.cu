@@ -10,10 +10,12 @@
 // Queries: rows q0 … q1−1 of every sequence (a token chunk; 0 … T−1 for the whole sequence).
 // Layouts: q, out, dout, dq [B, q1−q0, NH, hd] (the chunk's rows only); k, v, dk, dv
 // [B, T, NKV, hd]; lse, delta [B, NH, q1−q0] fp32. dk and dv are accumulated (+=): a sequence's
-// key gradients are summed over its query chunks in stream order. Query head h reads kv head h / (NH / NKV) (repeat_interleave). hd ≤ 256 (MAX_PER_LANE ×
-// 32). One warp per query row (forward, dq) or per key row (dk/dv); a block holds ROWS warps and a
-// tile of `tile` rows of the other side, `tile` chosen by the host so the tiles fit in shared
-// memory (launch geometry in src/device/launch.rs).
+// key gradients are summed over its query chunks in stream order. Query head h reads kv head
+// h / (NH / NKV) (repeat_interleave). hd ≤ 256 (MAX_PER_LANE × 32). Storage: `I` for the inputs
+// q, k, v, dout and `O` for out, dq, dk, dv (symbols `_f32`, `_bf16`, `_f32i16`: bf16 in, fp32
+// out); statistics and arithmetic fp32. One warp per query row (forward, dq) or per key row
+// (dk/dv); a block holds ROWS warps and a tile of `tile` rows of the other side, `tile` chosen by
+// the host so the tiles fit in shared memory (launch geometry in src/device/launch.rs).
 #include "common.cuh"
 
 #define MAX_PER_LANE 8
@@ -61,10 +63,10 @@ __device__ __forceinline__ int first_key(const unsigned* __restrict__ pos, long 
     return i - (int)pos[b * t + i];
 }
 
-template <typename T>
-__device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
-                              const T* __restrict__ q, const T* __restrict__ k,
-                              const T* __restrict__ v, const unsigned* __restrict__ pos, int t,
+template <typename I, typename O>
+__device__ void attention_fwd(O* __restrict__ out, float* __restrict__ lse,
+                              const I* __restrict__ q, const I* __restrict__ k,
+                              const I* __restrict__ v, const unsigned* __restrict__ pos, int t,
                               int q0, int q1, int nh, int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;              // [tile, hd]
@@ -110,7 +112,7 @@ __device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
     }
     if (!live) return;
     const float inv = 1.0f / l;
-    T* orow = out + qrow;
+    O* orow = out + qrow;
 #pragma unroll
     for (int x = 0; x < MAX_PER_LANE; x++) {
         const int d = lane + x * WARP;
@@ -121,11 +123,11 @@ __device__ void attention_fwd(T* __restrict__ out, float* __restrict__ lse,
 
 // dq_i = scale · Σ_j p_ij (dout_i·v_j − D_i) k_j, with D_i = dout_i·out_i (written for the dk/dv
 // kernel) and p_ij = exp(scale q_i·k_j − lse_i).
-template <typename T>
-__device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
-                                 const T* __restrict__ dout, const T* __restrict__ out,
-                                 const T* __restrict__ q, const T* __restrict__ k,
-                                 const T* __restrict__ v, const float* __restrict__ lse,
+template <typename I, typename O>
+__device__ void attention_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
+                                 const I* __restrict__ dout, const O* __restrict__ out,
+                                 const I* __restrict__ q, const I* __restrict__ k,
+                                 const I* __restrict__ v, const float* __restrict__ lse,
                                  const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
                                  int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
@@ -179,7 +181,7 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
         }
     }
     if (!live) return;
-    T* drow = dq + row;
+    O* drow = dq + row;
 #pragma unroll
     for (int x = 0; x < MAX_PER_LANE; x++) {
         const int d = lane + x * WARP;
@@ -190,10 +192,10 @@ __device__ void attention_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
 // For kv head g's key row j < q1: dv_j += Σ_{h in g} Σ_i p_ij dout_i,
 // dk_j += scale · Σ_{h in g} Σ_i p_ij (dout_i·v_j − D_i) q_i over the chunk's queries i ≥ j of j's
 // document (first_key(i) ≤ j). No atomics: one warp owns a row.
-template <typename T>
-__device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
-                                 const T* __restrict__ dout, const T* __restrict__ q,
-                                 const T* __restrict__ k, const T* __restrict__ v,
+template <typename I, typename O>
+__device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
+                                 const I* __restrict__ dout, const I* __restrict__ q,
+                                 const I* __restrict__ k, const I* __restrict__ v,
                                  const float* __restrict__ lse, const float* __restrict__ delta,
                                  const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
                                  int nkv, int hd, int tile, float scale) {
@@ -264,29 +266,33 @@ __device__ void attention_bwd_kv(T* __restrict__ dk, T* __restrict__ dv,
     }
 }
 
-#define ATTENTION(name, T)                                                                        \
-    extern "C" __global__ void attention_fwd_##name(T* out, float* lse, const T* q, const T* k,  \
-                                                    const T* v, const unsigned* pos, int t,     \
+#define ATTENTION(name, I, O)                                                                     \
+    extern "C" __global__ void attention_fwd_##name(O* out, float* lse, const I* q, const I* k,  \
+                                                    const I* v, const unsigned* pos, int t,     \
                                                     int q0, int q1, int nh, int nkv, int hd,    \
                                                     int tile, float scale) {                    \
-        attention_fwd<T>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, hd, tile, scale);          \
+        attention_fwd<I, O>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, hd, tile, scale);       \
     }                                                                                           \
-    extern "C" __global__ void attention_bwd_##name(T* dq, float* delta, const T* dout,          \
-                                                    const T* out, const T* q, const T* k,       \
-                                                    const T* v, const float* lse,               \
+    extern "C" __global__ void attention_bwd_##name(O* dq, float* delta, const I* dout,          \
+                                                    const O* out, const I* q, const I* k,       \
+                                                    const I* v, const float* lse,               \
                                                     const unsigned* pos, int t, int q0, int q1, \
                                                     int nh, int nkv, int hd, int tile,          \
                                                     float scale) {                              \
-        attention_bwd_dq<T>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv, hd,    \
-                            tile, scale);                                                       \
+        attention_bwd_dq<I, O>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv, hd, \
+                               tile, scale);                                                    \
     }                                                                                           \
-    extern "C" __global__ void attention_bwd_kv_##name(T* dk, T* dv, const T* dout, const T* q,  \
-                                                       const T* k, const T* v, const float* lse, \
+    extern "C" __global__ void attention_bwd_kv_##name(O* dk, O* dv, const I* dout, const I* q,  \
+                                                       const I* k, const I* v, const float* lse, \
                                                        const float* delta, const unsigned* pos,  \
                                                        int t, int q0, int q1, int nh, int nkv,   \
                                                        int hd, int tile, float scale) {          \
-        attention_bwd_kv<T>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv, hd,     \
-                            tile, scale);                                                        \
+        attention_bwd_kv<I, O>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv, hd,  \
+                               tile, scale);                                                    \
     }
 
-FOR_DTYPES(ATTENTION)
+// fp32 throughout; bf16 throughout; bf16 inputs (Q, K, V, dO: the bf16 recipe stores them in
+// bf16) with fp32 outputs (O, dQ, dK, dV).
+ATTENTION(f32, float, float)
+ATTENTION(bf16, bf16, bf16)
+ATTENTION(f32i16, bf16, float)

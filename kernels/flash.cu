@@ -1,6 +1,6 @@
 // Causal grouped-query flash attention on the tensor cores, for the bf16 recipe: Q, K, V and dO
-// hold bf16 values (the program rounded them; here they are stored as fp32 and packed to bf16 on
-// load, exactly), every product runs on `mma.sync.m16n8k16` with fp32 accumulation, the softmax
+// are stored in bf16 (the program rounded them when it stored them; a pair of them is one 32-bit
+// word of an MMA fragment as it is loaded), O, dQ, dK and dV in fp32, every product runs on `mma.sync.m16n8k16` with fp32 accumulation, the softmax
 // statistics and D = dO·O are fp32, and there is no T×T matrix. Same arguments and results as
 // attention.cu (documents through `pos`, query ranges q0..q1, dK/dV accumulated, lse and delta
 // [B, NH, q1−q0]) without its `tile`: the tiles here are compile-time.
@@ -22,7 +22,7 @@
 // mma.sync, not ldmatrix).
 //
 // Head dims 32, 64 and 128 (the presets' and the demo's): the symbols are flash{HD}_{fwd|bwd|
-// bwd_kv}_f32. Geometry and shared-memory sizes are in src/device/launch.rs (`flash`).
+// bwd_kv}_f32i16 (bf16 in, fp32 out, as attention.cu's). Geometry and shared-memory sizes are in src/device/launch.rs (`flash`).
 #include "common.cuh"
 
 #define FLASH_WARPS 4
@@ -41,6 +41,13 @@ __device__ __forceinline__ float bf16_value(unsigned bits) { return __uint_as_fl
 // Two values as one register of bf16 pairs: `lo` in the low half (the lower column or row).
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
     return bf16_bits(lo) | (bf16_bits(hi) << 16);
+}
+
+// Elements p[0] and p[1] (p[0] in the low half) as a bf16 pair: fp32 ones rounded, bf16 ones as
+// they are stored.
+__device__ __forceinline__ unsigned pair(const float* p) { return pack(p[0], p[1]); }
+__device__ __forceinline__ unsigned pair(const bf16* p) {
+    return *reinterpret_cast<const unsigned*>(p);  // 4-byte aligned: p is an even element
 }
 
 // x0, x1 = hi + lo, each a packed bf16 pair.
@@ -79,7 +86,7 @@ __device__ __forceinline__ void load_tile(unsigned* s, const T* __restrict__ src
         unsigned w = 0;
         if (at < end) {
             const T* p = src + ((b * len + at - base) * heads + head) * (long long)HD + d;
-            w = pack(ld(p[0]), ld(p[1]));
+            w = pair(p);
         }
         s[r * W + d / 2] = w;
     }
@@ -143,10 +150,10 @@ __device__ __forceinline__ void a_rows(unsigned a[HD / 16][4], const T* ra, cons
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         const int d = kk * 16 + 2 * tig;
-        a[kk][0] = ra ? pack(ld(ra[d]), ld(ra[d + 1])) : 0u;
-        a[kk][1] = rb ? pack(ld(rb[d]), ld(rb[d + 1])) : 0u;
-        a[kk][2] = ra ? pack(ld(ra[d + 8]), ld(ra[d + 9])) : 0u;
-        a[kk][3] = rb ? pack(ld(rb[d + 8]), ld(rb[d + 9])) : 0u;
+        a[kk][0] = ra ? pair(ra + d) : 0u;
+        a[kk][1] = rb ? pair(rb + d) : 0u;
+        a[kk][2] = ra ? pair(ra + d + 8) : 0u;
+        a[kk][3] = rb ? pair(rb + d + 8) : 0u;
     }
 }
 
@@ -246,9 +253,9 @@ __device__ __forceinline__ void store_rows(T* ra, T* rb, const float c[HD / 8][4
     }
 }
 
-template <typename T, int HD>
-__device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q,
-                          const T* __restrict__ k, const T* __restrict__ v,
+template <typename I, typename O, int HD>
+__device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I* __restrict__ q,
+                          const I* __restrict__ k, const I* __restrict__ v,
                           const unsigned* __restrict__ pos, int t, int q0, int q1, int nh, int nkv,
                           float scale) {
     extern __shared__ float smem[];
@@ -264,7 +271,7 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
     const QueryRow* rows = qb.rows;
     const HeadRows<HD>& at = qb.at;
     unsigned qa[HD / 16][4];
-    a_rows<T, HD>(qa, at.row(q, ra), at.row(q, rb));
+    a_rows<I, HD>(qa, at.row(q, ra), at.row(q, rb));
     float o[HD / 8][4];
 #pragma unroll
     for (int nd = 0; nd < HD / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
@@ -273,8 +280,8 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
     for (int j0 = j_begin; j0 <= last; j0 += FWD_KEYS) {
         __syncthreads();
         // Keys past q1 are seen by no query of the range: zeros, never read.
-        load_tile<T, HD>(ks, k, b, 0, t, nkv, g, j0, FWD_KEYS, q1);
-        load_tile<T, HD>(vs, v, b, 0, t, nkv, g, j0, FWD_KEYS, q1);
+        load_tile<I, HD>(ks, k, b, 0, t, nkv, g, j0, FWD_KEYS, q1);
+        load_tile<I, HD>(vs, v, b, 0, t, nkv, g, j0, FWD_KEYS, q1);
         __syncthreads();
         if (!qb.sees_tile(j0, FWD_KEYS)) continue;  // warp-uniform
         // S = Q·Kᵀ for the warp's 16 queries × the tile's keys.
@@ -325,7 +332,7 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
     }
     if (!warp_live) return;
     const float la = quad_sum(l[0]), lb = quad_sum(l[1]);
-    store_rows<T, HD>(at.row(out, ra), at.row(out, rb), o, 1.0f / la, 1.0f / lb, false);
+    store_rows<O, HD>(at.row(out, ra), at.row(out, rb), o, 1.0f / la, 1.0f / lb, false);
     if (tig == 0) {
         if (ra.live) lse[(b * nh + h) * nq + ra.i - q0] = m[0] + __logf(la);
         if (rb.live) lse[(b * nh + h) * nq + rb.i - q0] = m[1] + __logf(lb);
@@ -334,11 +341,11 @@ __device__ void flash_fwd(T* __restrict__ out, float* __restrict__ lse, const T*
 
 // dq_i = scale · Σ_j p_ij (dO_i·v_j − D_i) k_j with D_i = dO_i·O_i (fp32, written to `delta` for
 // the dk/dv kernel) and p_ij = exp(scale q_i·k_j − lse_i).
-template <typename T, int HD>
-__device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
-                             const T* __restrict__ dout, const T* __restrict__ out,
-                             const T* __restrict__ q, const T* __restrict__ k,
-                             const T* __restrict__ v, const float* __restrict__ lse,
+template <typename I, typename O, int HD>
+__device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
+                             const I* __restrict__ dout, const O* __restrict__ out,
+                             const I* __restrict__ q, const I* __restrict__ k,
+                             const I* __restrict__ v, const float* __restrict__ lse,
                              const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
                              int nkv, float scale) {
     extern __shared__ float smem[];
@@ -354,14 +361,14 @@ __device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
     const QueryRow* rows = qb.rows;
     const HeadRows<HD>& at = qb.at;
     unsigned qa[HD / 16][4], da[HD / 16][4];
-    a_rows<T, HD>(qa, at.row(q, ra), at.row(q, rb));
-    a_rows<T, HD>(da, at.row(dout, ra), at.row(dout, rb));
+    a_rows<I, HD>(qa, at.row(q, ra), at.row(q, rb));
+    a_rows<I, HD>(da, at.row(dout, ra), at.row(dout, rb));
     // D and lse of the lane's two rows (the quad splits each row's dims).
     float di[2], li[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const T* dor = at.row(dout, rows[r]);
-        const T* orow = at.row(out, rows[r]);
+        const I* dor = at.row(dout, rows[r]);
+        const O* orow = at.row(out, rows[r]);
         float part = 0.0f;
         if (dor)
             for (int d = tig; d < HD; d += 4) part += ld(dor[d]) * ld(orow[d]);
@@ -376,8 +383,8 @@ __device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
     const int j_begin = first_key(pos, b, t, first) / DQ_KEYS * DQ_KEYS;
     for (int j0 = j_begin; j0 <= last; j0 += DQ_KEYS) {
         __syncthreads();
-        load_tile<T, HD>(ks, k, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
-        load_tile<T, HD>(vs, v, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
+        load_tile<I, HD>(ks, k, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
+        load_tile<I, HD>(vs, v, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
         __syncthreads();
         if (!qb.sees_tile(j0, DQ_KEYS)) continue;  // warp-uniform
         float s[DQ_KEYS / 8][4], dp[DQ_KEYS / 8][4];
@@ -407,16 +414,16 @@ __device__ void flash_bwd_dq(T* __restrict__ dq, float* __restrict__ delta,
         add_split_times_tile<HD, DQ_KEYS>(acc, s, ks);
     }
     if (!warp_live) return;
-    store_rows<T, HD>(at.row(dq, ra), at.row(dq, rb), acc, scale, scale, false);
+    store_rows<O, HD>(at.row(dq, ra), at.row(dq, rb), acc, scale, scale, false);
 }
 
 // For kv head g's key rows j < q1: dv_j += Σ_{h in g} Σ_i p_ij dO_i and
 // dk_j += scale · Σ_{h in g} Σ_i p_ij (dO_i·v_j − D_i) q_i over the chunk's queries i that see j.
 // A warp owns 16 key rows: no atomics.
-template <typename T, int HD>
-__device__ void flash_bwd_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ dout,
-                             const T* __restrict__ q, const T* __restrict__ k,
-                             const T* __restrict__ v, const float* __restrict__ lse,
+template <typename I, typename O, int HD>
+__device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __restrict__ dout,
+                             const I* __restrict__ q, const I* __restrict__ k,
+                             const I* __restrict__ v, const float* __restrict__ lse,
                              const float* __restrict__ delta, const unsigned* __restrict__ pos,
                              int t, int q0, int q1, int nh, int nkv, float scale) {
     extern __shared__ float smem[];
@@ -438,8 +445,8 @@ __device__ void flash_bwd_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __
     const bool warp_live = w0 < q1;
     const int w_last = min(w0 + 15, q1 - 1);
     const int keys[2] = {w0 + grp, w0 + grp + 8};
-    load_tile<T, HD>(kb, k, b, 0, t, nkv, g, first, FLASH_ROWS, q1);
-    load_tile<T, HD>(vb, v, b, 0, t, nkv, g, first, FLASH_ROWS, q1);
+    load_tile<I, HD>(kb, k, b, 0, t, nkv, g, first, FLASH_ROWS, q1);
+    load_tile<I, HD>(vb, v, b, 0, t, nkv, g, first, FLASH_ROWS, q1);
     float dka[HD / 8][4], dva[HD / 8][4];
 #pragma unroll
     for (int nd = 0; nd < HD / 8; nd++)
@@ -451,8 +458,8 @@ __device__ void flash_bwd_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __
         for (int i0 = max(first, q0); i0 < q1 && first_key(pos, b, t, i0) <= last;
              i0 += KV_QUERIES) {
             __syncthreads();
-            load_tile<T, HD>(qs, q, b, q0, nq, nh, h, i0, KV_QUERIES, q1);
-            load_tile<T, HD>(ds_, dout, b, q0, nq, nh, h, i0, KV_QUERIES, q1);
+            load_tile<I, HD>(qs, q, b, q0, nq, nh, h, i0, KV_QUERIES, q1);
+            load_tile<I, HD>(ds_, dout, b, q0, nq, nh, h, i0, KV_QUERIES, q1);
             for (int r = threadIdx.x; r < KV_QUERIES; r += blockDim.x) {
                 const int row = i0 + r;
                 const bool live = row < q1;
@@ -505,35 +512,37 @@ __device__ void flash_bwd_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __
     long long kr[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) kr[r] = keys[r] < q1 ? ((b * t + keys[r]) * nkv + g) * HD : -1;
-    store_rows<T, HD>(kr[0] < 0 ? nullptr : dk + kr[0], kr[1] < 0 ? nullptr : dk + kr[1], dka,
+    store_rows<O, HD>(kr[0] < 0 ? nullptr : dk + kr[0], kr[1] < 0 ? nullptr : dk + kr[1], dka,
                       scale, scale, true);
-    store_rows<T, HD>(kr[0] < 0 ? nullptr : dv + kr[0], kr[1] < 0 ? nullptr : dv + kr[1], dva,
+    store_rows<O, HD>(kr[0] < 0 ? nullptr : dv + kr[0], kr[1] < 0 ? nullptr : dv + kr[1], dva,
                       1.0f, 1.0f, true);
 }
 
 static_assert(FWD_KEYS % 16 == 0 && DQ_KEYS % 16 == 0 && KV_QUERIES % 16 == 0,
               "tiles are whole 16-row MMA steps");
 
-#define FLASH(HD, name, T)                                                                       \
-    extern "C" __global__ void flash##HD##_fwd_##name(T* out, float* lse, const T* q,            \
-                                                      const T* k, const T* v,                   \
+#define FLASH(HD, name, I, O)                                                                    \
+    extern "C" __global__ void flash##HD##_fwd_##name(O* out, float* lse, const I* q,            \
+                                                      const I* k, const I* v,                   \
                                                       const unsigned* pos, int t, int q0,       \
                                                       int q1, int nh, int nkv, float scale) {   \
-        flash_fwd<T, HD>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, scale);                     \
+        flash_fwd<I, O, HD>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, scale);                  \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_##name(                                           \
-        T* dq, float* delta, const T* dout, const T* out, const T* q, const T* k, const T* v,   \
+        O* dq, float* delta, const I* dout, const O* out, const I* q, const I* k, const I* v,   \
         const float* lse, const unsigned* pos, int t, int q0, int q1, int nh, int nkv,          \
         float scale) {                                                                           \
-        flash_bwd_dq<T, HD>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv, scale); \
+        flash_bwd_dq<I, O, HD>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv,      \
+                               scale);                                                           \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_kv_##name(                                        \
-        T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,      \
+        O* dk, O* dv, const I* dout, const I* q, const I* k, const I* v, const float* lse,      \
         const float* delta, const unsigned* pos, int t, int q0, int q1, int nh, int nkv,        \
         float scale) {                                                                           \
-        flash_bwd_kv<T, HD>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv, scale);  \
+        flash_bwd_kv<I, O, HD>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv,       \
+                               scale);                                                           \
     }
 
-FLASH(32, f32, float)
-FLASH(64, f32, float)
-FLASH(128, f32, float)
+FLASH(32, f32i16, bf16, float)
+FLASH(64, f32i16, bf16, float)
+FLASH(128, f32i16, bf16, float)

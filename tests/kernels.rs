@@ -133,6 +133,7 @@ fn every_signature_matches_the_compiled_kernel_and_every_kernel_has_a_wrapper() 
                 .or_else(|| k.name.strip_suffix("_f32w16"))
                 .or_else(|| k.name.strip_suffix("_f32w16o16"))
                 .or_else(|| k.name.strip_suffix("_f32o16"))
+                .or_else(|| k.name.strip_suffix("_f32i16"))
                 .unwrap_or(k.name);
             assert!(
                 megatrain::device::cuda::launches::WRAPPED.contains(&stem)

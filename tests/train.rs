@@ -220,6 +220,7 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
     let workspace = megatrain::device::program::workspace_bytes(
         &model,
         megatrain::device::program::Shape::whole(2, 16),
+        megatrain::device::Precision::Fp32,
     );
     // Room for the layer inputs but not every internal: inputs on the device; room for the
     // host-offloaded working set only: offloaded.
@@ -494,6 +495,7 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
 #[test]
 fn token_chunks_change_no_bit() {
     use megatrain::device::program::{workspace_bytes, Shape};
+    use megatrain::device::Precision;
     use megatrain::engine::{device_bytes, Activations};
     use megatrain::model::config::ModelConfig;
     use megatrain::store::layout::{Mode, StateLayout};
@@ -524,8 +526,8 @@ fn token_chunks_change_no_bit() {
     let layout = StateLayout::new(&model, Mode::Exact);
     let buffers = device_bytes(&layout, b, t, 1, Activations::Host);
     let chunked = Shape::chunked(b, t, 256).unwrap();
-    let tight = workspace_bytes(&model, chunked) + buffers;
-    assert!(tight < workspace_bytes(&model, Shape::whole(b, t)) + buffers);
+    let tight = workspace_bytes(&model, chunked, Precision::Fp32) + buffers;
+    assert!(tight < workspace_bytes(&model, Shape::whole(b, t), Precision::Fp32) + buffers);
 
     let (whole_dir, chunk_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (s1, notes1) = run_with(whole_dir.path(), 256 << 20);
@@ -560,8 +562,8 @@ fn token_chunks_change_no_bit() {
     // Kept internals need the layers unchunked: with room for them beside chunks only,
     // refused, naming the fix.
     let keep = tempfile::tempdir().unwrap();
-    let keep_tight =
-        workspace_bytes(&model, chunked) + device_bytes(&layout, b, t, 1, Activations::Keep);
+    let keep_tight = workspace_bytes(&model, chunked, Precision::Fp32)
+        + device_bytes(&layout, b, t, 1, Activations::Keep);
     let e = run_as(keep.path(), keep_tight, Activations::Keep)
         .0
         .unwrap_err()

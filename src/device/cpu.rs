@@ -228,8 +228,9 @@ fn zeroed(len: usize, label: &str) -> Result<Vec<f32>> {
 impl CpuDevice {
     /// Start the device's three stream threads. `templates` are the layer ops it runs.
     pub fn new(cfg: CpuDeviceConfig, templates: Arc<Templates>) -> Result<Self> {
-        let (layout, elems) = Ws::layout(&templates.config, cfg.shape);
-        let workspace_bytes = 4 * elems as u64;
+        // Held in fp32 (bf16 values in fp32 storage), charged as a GPU holds it.
+        let (layout, elems) = Ws::layout(&templates.config, cfg.shape, Precision::Fp32);
+        let workspace_bytes = program::workspace_bytes(&templates.config, cfg.shape, cfg.precision);
         if workspace_bytes > cfg.capacity_bytes {
             return Err(Error::system(
                 "CPU device",

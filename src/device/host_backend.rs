@@ -201,6 +201,20 @@ impl<'r> HostBackend<'r> {
         // SAFETY: `upload_ids` took this pointer from a slice the caller keeps alive for the run.
         Ok(unsafe { std::slice::from_raw_parts(ids.ptr, n) })
     }
+
+    /// Attention's inputs (Q, K, V, dO) as fp32 storage: under bf16 the program stores them
+    /// in bf16 ([`Backend::as_bf16`], here the fp32 storage of bf16 values), else in fp32.
+    /// Inputs in the other precision are a bug in the program (a GPU would misread them).
+    fn attention_inputs<const N: usize>(&self, ins: [HostP; N], op: &str) -> Result<[HostP; N]> {
+        let bf16 = self.precision == Precision::Bf16;
+        if ins.iter().any(|p| p.bf16 != bf16) {
+            return Err(Error::internal(
+                "CPU backend",
+                format!("{op}: attention inputs not all in the recipe's storage"),
+            ));
+        }
+        Ok(ins.map(|p| p.plain().0))
+    }
 }
 
 impl Backend for HostBackend<'_> {
@@ -292,9 +306,16 @@ impl Backend for HostBackend<'_> {
         self.precision
     }
 
-    fn round_bf16(&mut self, p: HostP, len: usize) -> Result<()> {
-        let ([x], []) = views("round_bf16", [(p, len)], [])?;
-        x.iter_mut().for_each(|v| *v = bf16_value(*v));
+    fn store_bf16(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
+        let (dst, keep16) = dst.plain();
+        if !keep16 {
+            return Err(Error::internal(
+                "CPU backend",
+                "store_bf16: an fp32 destination",
+            ));
+        }
+        let ([d], [s]) = views("store_bf16", [(dst, len)], [(src, len)])?;
+        d.iter_mut().zip(s).for_each(|(d, s)| *d = bf16_value(*s));
         Ok(())
     }
 
@@ -377,6 +398,7 @@ impl Backend for HostBackend<'_> {
     ) -> Result<()> {
         let (n, nq, qd, kvd) = (s.b * s.t, s.b * s.nq(), s.nh * s.hd, s.nkv * s.hd);
         check_queries(&s, "attention_fwd")?;
+        let [q, k, v] = self.attention_inputs([q, k, v], "attention_fwd")?;
         let ([o, l], [q, k, v]) = views(
             "attention_fwd",
             [(o, nq * qd), (lse, s.nh * nq)],
@@ -404,6 +426,7 @@ impl Backend for HostBackend<'_> {
     ) -> Result<()> {
         let (n, nq, qd, kvd) = (s.b * s.t, s.b * s.nq(), s.nh * s.hd, s.nkv * s.hd);
         check_queries(&s, "attention_bwd")?;
+        let [d_o, q, k, v] = self.attention_inputs([d_o, q, k, v], "attention_bwd")?;
         let pos = self.ids(pos, n, "attention_bwd")?;
         let ([dq, dk, dv, delta], [d_o, q, k, v, o, l]) = views(
             "attention_bwd",
@@ -550,7 +573,7 @@ mod tests {
     use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 
     /// Under bf16, a GEMM is the fp32 GEMM of its operands rounded to bf16 (nearest even), bit
-    /// for bit, in every transpose and with accumulation; `round_bf16` is that rounding.
+    /// for bit, in every transpose and with accumulation; `store_bf16` is that rounding.
     #[test]
     fn bf16_gemm_is_the_gemm_of_rounded_operands() {
         let rope = Rope::new(8, 1e4, 4);
@@ -595,17 +618,21 @@ mod tests {
             assert_eq!(got, want, "ta {ta} tb {tb}");
             assert_ne!(got, run(&mut HostBackend::new(&rope), &a, &b));
         }
-        let mut x = vec![
+        let src = [
             1.0 + 2f32.powi(-8),
             1.0 + 3.0 * 2f32.powi(-8),
             -2.5e-3,
             f32::INFINITY,
         ];
-        // SAFETY: x outlives the call.
-        let p = unsafe { HostP::write(&mut x) };
-        HostBackend::with_precision(&rope, Precision::Bf16)
-            .round_bf16(p, 4)
-            .unwrap();
+        let mut x = vec![0.0f32; 4];
+        // SAFETY: x and src outlive the calls.
+        let (p, ps) = unsafe { (HostP::write(&mut x), HostP::read(&src)) };
+        let mut be = HostBackend::with_precision(&rope, Precision::Bf16);
+        assert!(
+            be.store_bf16(p, ps, 4).is_err(),
+            "only into a region the recipe stores in bf16"
+        );
+        be.store_bf16(HostBackend::as_bf16(p), ps, 4).unwrap();
         assert_eq!(x[0], 1.0, "a tie rounds to even");
         assert_eq!(x[1], 1.0 + 4.0 * 2f32.powi(-8));
         assert_eq!(x[2], bf16_to_f32(f32_to_bf16(-2.5e-3)));

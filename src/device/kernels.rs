@@ -36,7 +36,8 @@ impl Param {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signature {
     /// `{op}_{fwd|bwd}_{dtype}`: `f32` or `bf16` storage, or `f32w16` (fp32 activations, bf16
-    /// weights), `f32w16o16` and `f32o16` (a bf16 output from fp32 inputs).
+    /// weights), `f32w16o16` and `f32o16` (a bf16 output from fp32 inputs), `f32i16` (bf16
+    /// inputs, fp32 outputs: attention).
     pub name: &'static str,
     /// Its parameters, in order.
     pub params: &'static [Param],
@@ -145,21 +146,24 @@ pub const FILES: &[KernelFile] = &[
             sig("attention_fwd_bf16", ATTN_FWD),
             sig("attention_bwd_bf16", ATTN_BWD),
             sig("attention_bwd_kv_bf16", ATTN_BWD),
+            sig("attention_fwd_f32i16", ATTN_FWD),
+            sig("attention_bwd_f32i16", ATTN_BWD),
+            sig("attention_bwd_kv_f32i16", ATTN_BWD),
         ],
     },
     KernelFile {
         file: "flash.cu",
         source: include_str!("../../kernels/flash.cu"),
         kernels: &[
-            sig("flash32_fwd_f32", FLASH_FWD),
-            sig("flash32_bwd_f32", FLASH_BWD),
-            sig("flash32_bwd_kv_f32", FLASH_BWD),
-            sig("flash64_fwd_f32", FLASH_FWD),
-            sig("flash64_bwd_f32", FLASH_BWD),
-            sig("flash64_bwd_kv_f32", FLASH_BWD),
-            sig("flash128_fwd_f32", FLASH_FWD),
-            sig("flash128_bwd_f32", FLASH_BWD),
-            sig("flash128_bwd_kv_f32", FLASH_BWD),
+            sig("flash32_fwd_f32i16", FLASH_FWD),
+            sig("flash32_bwd_f32i16", FLASH_BWD),
+            sig("flash32_bwd_kv_f32i16", FLASH_BWD),
+            sig("flash64_fwd_f32i16", FLASH_FWD),
+            sig("flash64_bwd_f32i16", FLASH_BWD),
+            sig("flash64_bwd_kv_f32i16", FLASH_BWD),
+            sig("flash128_fwd_f32i16", FLASH_FWD),
+            sig("flash128_bwd_f32i16", FLASH_BWD),
+            sig("flash128_bwd_kv_f32i16", FLASH_BWD),
         ],
     },
     KernelFile {
@@ -252,11 +256,11 @@ mod tests {
                     "{s}: names are {{op}}_{{fwd|bwd}}_{{dtype}}"
                 );
                 assert!(
-                    ["f32", "bf16", "f32w16", "f32w16o16", "f32o16"].contains(&dtype),
+                    ["f32", "bf16", "f32w16", "f32w16o16", "f32o16", "f32i16"].contains(&dtype),
                     "{s}: dtype suffix"
                 );
                 // Defined literally, through the file's per-dtype macro (`…_##name`), or through
-                // a per-head-dim one (`flash##HD##_fwd_##name`, instantiated as `FLASH(64, f32`).
+                // a per-head-dim one (`flash##HD##_fwd_##name`, instantiated as `FLASH(64, f32i16`).
                 let stem = s.trim_end_matches(&format!("_{dtype}"));
                 let digits: String = stem.chars().filter(char::is_ascii_digit).collect();
                 let per_dim = !digits.is_empty()

@@ -367,7 +367,9 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
         (req, precision),
         gpu_budget.saturating_sub(double_buffers + boundary + staging),
     );
-    let act = workspace_bytes(model, shape) + boundary + bf16_device_bytes(model, shape, precision);
+    let act = workspace_bytes(model, shape, precision)
+        + boundary
+        + bf16_device_bytes(model, shape, precision);
     // On the device the L+1 checkpoints replace the two buffers of offloaded ones.
     let activations_fit_device =
         double_buffers + act - 2 * tokens_mb * c * 4 + activations <= gpu_budget;

@@ -274,7 +274,7 @@ fn half_a_million_tokens_fit_a_gh200_in_token_chunks() {
             "{chunk}"
         );
         assert!(p.memory.device_bytes <= (hw.gpu_memory_bytes as f64 * USABLE) as u64);
-        let whole = workspace_bytes(&m, Shape::whole(1, 524288));
+        let whole = workspace_bytes(&m, Shape::whole(1, 524288), Precision::Bf16);
         assert!(whole > hw.gpu_memory_bytes, "{name}: {whole}");
         // The layer-input checkpoints (264 GiB for Llama-3-8B) must go to host memory.
         assert!(!p.memory.activations_fit_device);

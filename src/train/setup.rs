@@ -537,8 +537,9 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
         return Ok(());
     }
     let shape = cpu_shape(cfg, layout)?;
-    let need =
-        crate::device::program::workspace_bytes(&layout.config, shape) + step_buffers(cfg, layout);
+    // The CPU device holds what a GPU stores in bf16 as fp32: the fp32 workspace.
+    let need = crate::device::program::workspace_bytes(&layout.config, shape, Precision::Fp32)
+        + step_buffers(cfg, layout);
     if need > host_room {
         return Err(Error::bad_input(
             "host memory",
@@ -573,7 +574,8 @@ fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
     Shape::whole(cfg.batch_size, cfg.seq_len)
         .fit(
             &layout.config,
-            // The CPU device rounds bf16 operands in host scratch, outside its arena.
+            // As in fp32 (no smaller in bf16): the CPU device holds bf16 values in fp32 storage
+            // and rounds bf16 operands in host scratch, outside its arena.
             Precision::Fp32,
             cfg.device_memory.saturating_sub(reserve),
             &format!(

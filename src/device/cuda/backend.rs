@@ -72,7 +72,7 @@ pub struct CudaBackend {
     positions_of: Option<Arc<[u32]>>,
     losses: Pinned,
     smem: usize,
-    /// Under bf16: two bf16 buffers for a GEMM's operands (and a tensor being rounded).
+    /// Under bf16: two bf16 buffers for a GEMM's operands.
     bf16: Option<Bf16Operands>,
 }
 
@@ -226,13 +226,32 @@ impl CudaBackend {
         }
     }
 
-    /// The tensor-core attention's geometry when it takes `s`: under bf16 (its inputs are bf16
-    /// values there; in fp32 they are not) and for a head dim it is instantiated for.
+    /// The tensor-core attention's geometry when it takes `s`: under bf16 (its inputs are in
+    /// bf16 there; in fp32 they are not) and for a head dim it is instantiated for.
     fn flash(&self, s: AttnShape) -> Result<Option<launch::FlashLaunch>> {
         match self.bf16 {
             Some(_) => launch::flash(s),
             None => Ok(None),
         }
+    }
+
+    /// The attention kernels' family for inputs `ins` (Q, K, V and dO) and their addresses:
+    /// `f32i16` under bf16, where the program stores them in bf16, else `f32`. Inputs in the
+    /// other precision are a bug in the program.
+    fn attention_inputs<const N: usize>(
+        &self,
+        ins: [DevP; N],
+        what: &str,
+    ) -> Result<(Dtype, [DevPtr; N])> {
+        let bf16 = self.bf16.is_some();
+        if ins.iter().any(|p| p.bf16 != bf16) {
+            return Err(Error::internal(
+                "CUDA backend",
+                format!("{what}: attention inputs not all in the recipe's storage"),
+            ));
+        }
+        let dt = if bf16 { Dtype::F32I16 } else { F32 };
+        Ok((dt, ins.map(|p| p.addr)))
     }
 
     fn tables(&self) -> (DevPtr, DevPtr) {
@@ -434,13 +453,16 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn round_bf16(&mut self, p: DevP, len: usize) -> Result<()> {
-        let [p] = f32s([p], "round_bf16")?;
-        // To bf16 (nearest even) in the first operand buffer, and back.
-        let (a16, _) = self.bf16_operands(len, "round_bf16")?;
+    fn store_bf16(&mut self, dst: DevP, src: DevP, len: usize) -> Result<()> {
+        if !dst.bf16 {
+            return Err(Error::internal(
+                "CUDA backend",
+                "store_bf16: an fp32 destination",
+            ));
+        }
+        let [src] = f32s([src], "store_bf16")?;
         let l = launch::elementwise(len, self.sms());
-        self.k().cast_f32_bf16(l, a16, p, len as i64)?;
-        self.k().cast_bf16_f32(l, p, a16, len as i64)
+        self.k().cast_f32_bf16(l, dst.addr, src, len as i64)
     }
 
     fn rmsnorm_fwd(
@@ -532,13 +554,14 @@ impl Backend for CudaBackend {
         pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
-        let [o, lse, q, kk, v] = f32s([o, lse, q, kk, v], "attention_fwd")?;
+        let [o, lse] = f32s([o, lse], "attention_fwd")?;
+        let (dt, [q, kk, v]) = self.attention_inputs([q, kk, v], "attention_fwd")?;
         let a = AttnArgs::new(s, pos)?;
         if let Some(g) = self.flash(s)? {
             return self.k().flash_fwd(&g, o, lse, q, kk, v, a);
         }
         let g = launch::attention(s, self.smem)?;
-        self.k().attention_fwd(F32, &g, o, lse, q, kk, v, a)
+        self.k().attention_fwd(dt, &g, o, lse, q, kk, v, a)
     }
 
     fn attention_bwd(
@@ -556,8 +579,8 @@ impl Backend for CudaBackend {
         pos: DevPtr,
         s: AttnShape,
     ) -> Result<()> {
-        let [dq, dk, dv, delta, d_o, q, kk, v, o, lse] =
-            f32s([dq, dk, dv, delta, d_o, q, kk, v, o, lse], "attention_bwd")?;
+        let [dq, dk, dv, delta, o, lse] = f32s([dq, dk, dv, delta, o, lse], "attention_bwd")?;
+        let (dt, [d_o, q, kk, v]) = self.attention_inputs([d_o, q, kk, v], "attention_bwd")?;
         let a = AttnArgs::new(s, pos)?;
         if let Some(g) = self.flash(s)? {
             self.k()
@@ -568,9 +591,9 @@ impl Backend for CudaBackend {
         }
         let g = launch::attention(s, self.smem)?;
         self.k()
-            .attention_bwd(F32, &g, dq, delta, d_o, o, q, kk, v, lse, a)?;
+            .attention_bwd(dt, &g, dq, delta, d_o, o, q, kk, v, lse, a)?;
         self.k()
-            .attention_bwd_kv(F32, &g, dk, dv, d_o, q, kk, v, lse, delta, a)
+            .attention_bwd_kv(dt, &g, dk, dv, d_o, q, kk, v, lse, delta, a)
     }
 
     fn swiglu_fwd(&mut self, h: DevP, g: DevP, u: DevP, len: usize) -> Result<()> {

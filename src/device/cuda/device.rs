@@ -360,7 +360,7 @@ impl CudaDevice {
                 crate::util::human_bytes(cfg.reserve_bytes)
             ),
         )?;
-        let (ws_layout, elems) = Ws::layout(&templates.config, shape);
+        let (ws_layout, elems) = Ws::layout(&templates.config, shape, cfg.precision);
         let bf16_bytes = program::bf16_device_bytes(&templates.config, shape, cfg.precision);
         let ws_bytes = 4 * elems as u64 + bf16_bytes;
         let ws = RawAlloc::new(4 * elems, "the layer workspace", free)?;

@@ -24,6 +24,9 @@ pub enum Dtype {
     F32W16O16,
     /// SwiGLU forward from fp32 inputs into a bf16 output (the down projection's input).
     F32O16,
+    /// Attention from bf16 inputs (Q, K, V, dO: the bf16 recipe stores them in bf16) into fp32
+    /// outputs (O, dQ, dK, dV).
+    F32I16,
 }
 
 impl Dtype {
@@ -34,6 +37,7 @@ impl Dtype {
             Dtype::F32W16 => format!("{stem}_f32w16"),
             Dtype::F32W16O16 => format!("{stem}_f32w16o16"),
             Dtype::F32O16 => format!("{stem}_f32o16"),
+            Dtype::F32I16 => format!("{stem}_f32i16"),
         }
     }
 }
@@ -432,7 +436,7 @@ impl Launcher<'_> {
         self.launch(&dt.symbol("attention_bwd_kv"), g.kv, &args)
     }
 
-    /// [`Self::attention_fwd`] on the tensor cores (`flash{hd}_fwd`): q, k, v hold bf16 values.
+    /// [`Self::attention_fwd`] on the tensor cores (`flash{hd}_fwd_f32i16`): q, k, v in bf16.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_fwd(
         &self,
@@ -446,10 +450,10 @@ impl Launcher<'_> {
     ) -> Result<()> {
         let mut args = vec![Ptr(out), Ptr(lse), Ptr(q), Ptr(k), Ptr(v)];
         args.extend(a.flash());
-        self.launch(&format!("flash{}_fwd_f32", g.hd), g.fwd, &args)
+        self.launch(&format!("flash{}_fwd_f32i16", g.hd), g.fwd, &args)
     }
 
-    /// [`Self::attention_bwd`] on the tensor cores (`flash{hd}_bwd`): dout holds bf16 values.
+    /// [`Self::attention_bwd`] on the tensor cores (`flash{hd}_bwd_f32i16`): dout in bf16 too.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_bwd(
         &self,
@@ -466,10 +470,10 @@ impl Launcher<'_> {
     ) -> Result<()> {
         let mut args = attn_bwd_ptrs([dq, delta, dout, out, q, k, v, lse]);
         args.extend(a.flash());
-        self.launch(&format!("flash{}_bwd_f32", g.hd), g.dq, &args)
+        self.launch(&format!("flash{}_bwd_f32i16", g.hd), g.dq, &args)
     }
 
-    /// [`Self::attention_bwd_kv`] on the tensor cores (`flash{hd}_bwd_kv`).
+    /// [`Self::attention_bwd_kv`] on the tensor cores (`flash{hd}_bwd_kv_f32i16`).
     #[allow(clippy::too_many_arguments)]
     pub fn flash_bwd_kv(
         &self,
@@ -486,7 +490,7 @@ impl Launcher<'_> {
     ) -> Result<()> {
         let mut args = attn_bwd_ptrs([dk, dv, dout, q, k, v, lse, delta]);
         args.extend(a.flash());
-        self.launch(&format!("flash{}_bwd_kv_f32", g.hd), g.kv, &args)
+        self.launch(&format!("flash{}_bwd_kv_f32i16", g.hd), g.kv, &args)
     }
 
     /// Per-row loss of a chunk of logits.

@@ -155,34 +155,49 @@ fn keys_values<B: Backend>(
 ) -> Result<()> {
     let (n, c, kvd) = (at.rows, blk.c, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
-    let (k, v) = (at.rows_of(ws.k, kvd), at.rows_of(ws.v, kvd));
-    let h1 = gemm_input(be, ws.h1);
+    let h1 = stored(be, ws.h1);
     be.rmsnorm_fwd(h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
-    linear_fwd(be, k, h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
-    linear_fwd(be, v, h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
-    be.rope(k, at.pos, n, blk.nkv, false)?;
-    stored(be, &[k, v], n * kvd)
+    // Under bf16 each is computed in the attention output's region (free until the queries
+    // run), then stored.
+    for (dst, wt, bias, rope) in [(ws.k, blk.wk, blk.bk, true), (ws.v, blk.wv, blk.bv, false)] {
+        let dst = at.rows_of(stored(be, dst), kvd);
+        let y = computed_in(be, dst, ws.att);
+        linear_fwd(be, y, h1, w(wt), bias.map(w), n, c, kvd)?;
+        if rope {
+            be.rope(y, at.pos, n, blk.nkv, false)?;
+        }
+        store(be, dst, y, n * kvd)?;
+    }
+    Ok(())
 }
 
-/// Where the block keeps an activation that only GEMMs read (the norms' outputs, the SwiGLU
-/// output and its gradients): in bf16 under [`Precision::Bf16`] — rounded once when written, the value every GEMM
-/// reading it would round it to — else in fp32.
-fn gemm_input<B: Backend>(be: &B, p: B::P) -> B::P {
+/// The region at `p` as the recipe stores an activation that only GEMMs and attention read
+/// (the norms' outputs, Q, K, V, the SwiGLU output, its gradients and the attention output's
+/// gradient): in bf16 under [`Precision::Bf16`] — rounded once when written, the value every
+/// GEMM reading it would round it to — else in fp32.
+fn stored<B: Backend>(be: &B, p: B::P) -> B::P {
     match be.precision() {
         Precision::Bf16 => B::as_bf16(p),
         Precision::Fp32 => p,
     }
 }
 
-/// Under [`Precision::Bf16`], the tensors at `ps` (`len` elements each) are stored in bf16:
-/// attention's inputs.
-fn stored<B: Backend>(be: &mut B, ps: &[B::P], len: usize) -> Result<()> {
-    if be.precision() == Precision::Bf16 {
-        for p in ps {
-            be.round_bf16(*p, len)?;
-        }
+/// Where a [`stored`] tensor that no op writes in bf16 itself (Q, K, V: a GEMM's result, RoPE;
+/// dO) is computed: under [`Precision::Bf16`] in fp32 `scratch`, then [`store`]d; else in place.
+fn computed_in<B: Backend>(be: &B, dst: B::P, scratch: B::P) -> B::P {
+    match be.precision() {
+        Precision::Bf16 => scratch,
+        Precision::Fp32 => dst,
     }
-    Ok(())
+}
+
+/// `dst = src` (`len` elements) rounded to bf16 under [`Precision::Bf16`]; nothing in fp32,
+/// where [`computed_in`] computed it in place.
+fn store<B: Backend>(be: &mut B, dst: B::P, src: B::P, len: usize) -> Result<()> {
+    match be.precision() {
+        Precision::Bf16 => be.store_bf16(dst, src, len),
+        Precision::Fp32 => Ok(()),
+    }
 }
 
 /// Pass two of a block, up to the MLP activation for the chunk's rows (as
@@ -196,27 +211,37 @@ fn query_internals<B: Backend>(
     at: &At<B>,
     pos: B::Ids,
 ) -> Result<()> {
-    let (n, c, i, qd, kvd) = (at.rows, blk.c, blk.inter, blk.nh * blk.hd, blk.nkv * blk.hd);
+    let (n, c, i, qd) = (at.rows, blk.c, blk.inter, blk.nh * blk.hd);
     let w = |o: usize| B::off(p, o);
     let x = at.rows_of(x, c);
-    let (h1, h2, act) = (
-        gemm_input(be, ws.h1),
-        gemm_input(be, ws.h2),
-        gemm_input(be, ws.act),
-    );
+    let (h1, h2, act) = (stored(be, ws.h1), stored(be, ws.h2), stored(be, ws.act));
     be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
-    linear_fwd(be, ws.q, h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
-    be.rope(ws.q, at.pos, n, blk.nh, false)?;
-    stored(be, &[ws.q], n * qd)?;
-    let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
+    // Under bf16 the queries are computed where the attention writes its output, then stored.
+    let q = stored(be, ws.q);
+    let y = computed_in(be, q, ws.att);
+    linear_fwd(be, y, h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
+    be.rope(y, at.pos, n, blk.nh, false)?;
+    store(be, q, y, n * qd)?;
+    let (k, v) = sequence_keys_values(be, blk, ws, at);
     let seq_pos = B::ids_off(pos, at.seq0);
-    be.attention_fwd(ws.att, ws.lse, ws.q, k, v, seq_pos, at.attn)?;
+    be.attention_fwd(ws.att, ws.lse, q, k, v, seq_pos, at.attn)?;
     linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?;
     be.add(ws.x2, x, n * c)?;
     be.rmsnorm_fwd(h2, ws.rstd2, ws.x2, w(blk.ln2), n, c, blk.eps)?;
     linear_fwd(be, ws.gate, h2, w(blk.wg), None, n, c, i)?;
     linear_fwd(be, ws.up, h2, w(blk.wu), None, n, c, i)?;
     be.swiglu_fwd(act, ws.gate, ws.up, n * i)
+}
+
+/// K and V `[B, T, nkv·hd]` of the chunk's sequences, as the recipe stores them.
+fn sequence_keys_values<B: Backend>(
+    be: &B,
+    blk: &DecoderBlock,
+    ws: &Ws<B::P>,
+    at: &At<B>,
+) -> (B::P, B::P) {
+    let at_seq = |p: B::P| B::off(stored(be, p), at.seq0 * blk.nkv * blk.hd);
+    (at_seq(ws.k), at_seq(ws.v))
 }
 
 /// `y = block(x)` with the unit's weights at `p`, chunk by chunk: K and V for every chunk,
@@ -240,7 +265,7 @@ pub fn block_fwd<B: Backend>(
         let at = At::<B>::new(blk, s, ch, pos);
         query_internals(be, blk, p, x, ws, &at, pos)?;
         let y = at.rows_of(y, c);
-        let act = gemm_input(be, ws.act);
+        let act = stored(be, ws.act);
         linear_fwd(be, y, act, B::off(p, blk.wd), None, at.rows, i, c)?;
         be.add(y, ws.x2, at.rows * c)?;
     }
@@ -288,10 +313,13 @@ pub fn block_bwd<B: Backend>(
         }
         // dx = dx2 + rmsnorm_bwd(dh1): dx2 now (into dx), the rest in pass three.
         mlp_bwd(be, blk, p, g, dy, dx, ws, rows)?;
-        // Attention: x2 = x + att·Woᵀ (+ bo).
+        // Attention: x2 = x + att·Woᵀ (+ bo). Under bf16 dO is computed where the attention
+        // backward writes dQ, then stored.
+        let d_att = stored(be, ws.d_att);
+        let d_att_f32 = computed_in(be, d_att, ws.dq);
         linear_bwd(
             be,
-            ws.d_att,
+            d_att_f32,
             false,
             gw(blk.wo),
             blk.bo.map(gw),
@@ -303,15 +331,15 @@ pub fn block_bwd<B: Backend>(
             c,
         )?;
         let (dk, dv) = (B::off(ws.dk, at.seq0 * kvd), B::off(ws.dv, at.seq0 * kvd));
-        let (k, v) = (B::off(ws.k, at.seq0 * kvd), B::off(ws.v, at.seq0 * kvd));
-        stored(be, &[ws.d_att], n * qd)?;
+        store(be, d_att, d_att_f32, n * qd)?;
+        let (k, v) = sequence_keys_values(be, blk, ws, &at);
         be.attention_bwd(
             ws.dq,
             dk,
             dv,
             ws.delta,
-            ws.d_att,
-            ws.q,
+            d_att,
+            stored(be, ws.q),
             k,
             v,
             ws.att,
@@ -328,7 +356,7 @@ pub fn block_bwd<B: Backend>(
             gw(blk.wq),
             blk.bq.map(gw),
             ws.dq,
-            gemm_input(be, ws.h1),
+            stored(be, ws.h1),
             w(blk.wq),
             rows,
             c,
@@ -340,7 +368,7 @@ pub fn block_bwd<B: Backend>(
         let (n, rows) = (at.rows, (at.rows, at.period));
         let (x, dy, dx) = (at.rows_of(x, c), at.rows_of(dy, c), at.rows_of(dx, c));
         let (dk, dv) = (at.rows_of(ws.dk, kvd), at.rows_of(ws.dv, kvd));
-        let h1 = gemm_input(be, ws.h1);
+        let h1 = stored(be, ws.h1);
         if recompute {
             be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
         }
@@ -389,14 +417,14 @@ fn mlp_bwd<B: Backend>(
         gw(blk.wd),
         None,
         dy,
-        gemm_input(be, ws.act),
+        stored(be, ws.act),
         w(blk.wd),
         rows,
         i,
         c,
     )?;
     // d gate and d up are read only by the GEMMs below (the MLP has no biases).
-    let (d_gate, d_up) = (gemm_input(be, ws.d_i2), gemm_input(be, ws.d_i3));
+    let (d_gate, d_up) = (stored(be, ws.d_i2), stored(be, ws.d_i3));
     be.swiglu_bwd(d_gate, d_up, ws.d_i1, ws.gate, ws.up, n * i)?;
     linear_bwd(
         be,
@@ -405,7 +433,7 @@ fn mlp_bwd<B: Backend>(
         gw(blk.wg),
         None,
         d_gate,
-        gemm_input(be, ws.h2),
+        stored(be, ws.h2),
         w(blk.wg),
         rows,
         c,
@@ -418,7 +446,7 @@ fn mlp_bwd<B: Backend>(
         gw(blk.wu),
         None,
         d_up,
-        gemm_input(be, ws.h2),
+        stored(be, ws.h2),
         w(blk.wu),
         rows,
         c,
@@ -461,7 +489,7 @@ pub fn head_loss_bwd<B: Backend>(
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
         let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
-        let h = gemm_input(be, ws.h1);
+        let h = stored(be, ws.h1);
         be.rmsnorm_fwd(h, ws.rstd1, x, norm_w, m, c, eps)?;
         be.gemm(Gemm {
             c: ws.ce,

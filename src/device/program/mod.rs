@@ -62,12 +62,13 @@ pub trait Backend {
 
     /// `p` advanced by `elems` elements.
     fn off(p: Self::P, elems: usize) -> Self::P;
-    /// The region at `p` as the bf16 recipe keeps an activation only GEMMs read (only called
-    /// under [`Precision::Bf16`]): bf16 values, rounded to nearest even when written — on a GPU
-    /// 2-byte elements in the region's first half, on the CPU the fp32 storage of the rounded
-    /// values. Only [`Backend::rmsnorm_fwd`], [`Backend::swiglu_fwd`] and
-    /// [`Backend::swiglu_bwd`] write one, and only [`Backend::gemm`] reads one; offsets from it
-    /// count its elements.
+    /// The region at `p` as the bf16 recipe stores an activation that only GEMMs and attention
+    /// read (only called under [`Precision::Bf16`]): bf16 values, rounded to nearest even when
+    /// written — on a GPU 2-byte elements, on the CPU the fp32 storage of the rounded values.
+    /// Only [`Backend::rmsnorm_fwd`], [`Backend::swiglu_fwd`], [`Backend::swiglu_bwd`] and
+    /// [`Backend::store_bf16`] write one; only [`Backend::gemm`] reads one, and attention its
+    /// inputs (Q, K, V, dO), which are always one under bf16. Offsets from it count its
+    /// elements.
     fn as_bf16(p: Self::P) -> Self::P;
     /// `ids` advanced by `n` ids.
     fn ids_off(ids: Self::Ids, n: usize) -> Self::Ids;
@@ -89,11 +90,12 @@ pub trait Backend {
     fn zero(&mut self, dst: Self::P, len: usize) -> Result<()>;
     /// The precision the backend computes in: under [`Precision::Bf16`] its GEMMs round their
     /// operands to bf16 (fp32 sums and results), and the program stores attention's Q, K, V
-    /// and output gradient in bf16 ([`Backend::round_bf16`]).
+    /// and output gradient in bf16 ([`Backend::store_bf16`]).
     fn precision(&self) -> Precision;
-    /// Round `len` elements at `p` to bf16 (nearest even) in place: a tensor the device stores
-    /// in bf16. Only called under [`Precision::Bf16`].
-    fn round_bf16(&mut self, p: Self::P, len: usize) -> Result<()>;
+    /// `dst = src` rounded to bf16 (nearest even) over `len` elements, `dst` a region as the
+    /// bf16 recipe stores it ([`Backend::as_bf16`]), `src` fp32. Only called under
+    /// [`Precision::Bf16`].
+    fn store_bf16(&mut self, dst: Self::P, src: Self::P, len: usize) -> Result<()>;
     /// Whether weight-gradient GEMMs run in the fixed row blocks of
     /// [`crate::model::ops::grad_blocks`] (the CPU: bits that do not depend on the chunking) or
     /// as one GEMM over a chunk's rows (a GPU: fewer, larger GEMMs).

@@ -80,7 +80,8 @@ impl Shape {
         budget: u64,
         what: &str,
     ) -> Result<Self> {
-        let bytes = |s: Shape| workspace_bytes(cfg, s) + bf16_operand_bytes(cfg, s, precision);
+        let bytes =
+            |s: Shape| workspace_bytes(cfg, s, precision) + bf16_operand_bytes(cfg, s, precision);
         let (b, t) = (self.b, self.t);
         let whole = (1..=b.max(1)).rev().map(|nb| nb * t);
         let parts = (1..t.div_ceil(CHUNK_ALIGN)).rev().map(|k| k * CHUNK_ALIGN);

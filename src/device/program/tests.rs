@@ -120,13 +120,18 @@ impl Case {
     /// The program on the CPU backend with the shape `s`, the forward's internals kept for the
     /// backward when `keep` (else recomputed).
     fn program(&self, s: Shape, keep: bool) -> Outputs {
+        self.program_in(s, keep, Precision::Fp32)
+    }
+
+    /// [`Self::program`] in `precision`.
+    fn program_in(&self, s: Shape, keep: bool, precision: Precision) -> Outputs {
         let (cfg, tm) = (&self.cfg, &self.tm);
         let (n, c) = (s.n(), cfg.hidden_size);
         let blk = &tm.blocks[0];
-        let (lay, elems) = Ws::layout(cfg, s);
+        let (lay, elems) = Ws::layout(cfg, s, Precision::Fp32);
         let mut mem = vec![0.0f32; elems];
         let mut kept = vec![0.0f32; internals_len(cfg, n)];
-        let mut be = HostBackend::new(&tm.rope);
+        let mut be = HostBackend::with_precision(&tm.rope, precision);
         let (mut y, mut g, mut dx) = (vec![0.0; n * c], self.g0.clone(), vec![0.0; n * c]);
         let mut dy = self.dy.clone(); // consumed by the backward
         let (mut hg, mut dxh) = (self.hg0.clone(), vec![0.0; n * c]);
@@ -244,6 +249,90 @@ fn every_chunking_gives_the_same_bits() {
             );
         }
     }
+}
+
+/// Under bf16 too (Q, K, V and dO computed in scratch regions, then stored in bf16): token
+/// chunks and kept internals give the bits of the whole micro-batch recomputed, which differ
+/// from fp32's.
+#[test]
+fn bf16_program_gives_the_same_bits_in_every_chunking() {
+    let (b, t) = (2, 513);
+    let case = Case::new(b, t, &[255, 3, 254, 1]);
+    let whole = Shape::whole(b, t);
+    let want = case.program_in(whole, false, Precision::Bf16);
+    assert_ne!(
+        case.program(whole, false).y,
+        want.y,
+        "bf16 rounds what fp32 keeps"
+    );
+    assert_same(
+        &case.program_in(whole, true, Precision::Bf16),
+        &want,
+        "kept",
+    );
+    for chunk in [t, 256, 512] {
+        let s = Shape::chunked(b, t, chunk).unwrap();
+        let got = case.program_in(s, false, Precision::Bf16);
+        assert_same(&got, &want, &format!("chunk {chunk}"));
+    }
+}
+
+/// A GPU's bf16 workspace holds the stored regions in half the words, the rest as in fp32;
+/// every region is aligned and disjoint from the others.
+#[test]
+fn bf16_workspace_halves_the_stored_regions() {
+    let cfg = model(false);
+    let s = Shape::chunked(2, 700, 256).unwrap();
+    let regions = |p: Precision| {
+        let (ws, end) = Ws::layout(&cfg, s, p);
+        let starts = [
+            ws.h1, ws.rstd1, ws.q, ws.k, ws.v, ws.att, ws.lse, ws.delta, ws.x2, ws.h2, ws.rstd2,
+            ws.gate, ws.up, ws.act, ws.d_i1, ws.d_i2, ws.d_i3, ws.d_att, ws.d_c, ws.dq, ws.dk,
+            ws.dv, ws.ce, ws.losses,
+        ];
+        // Laid out in field order: each region ends where the next starts.
+        let ends: Vec<usize> = starts.iter().skip(1).copied().chain([end]).collect();
+        assert!(starts.iter().all(|o| o % 64 == 0), "aligned");
+        starts
+            .iter()
+            .zip(ends)
+            .map(|(a, b)| b.checked_sub(*a).unwrap())
+            .collect::<Vec<usize>>()
+    };
+    let (f32_words, bf16_words) = (regions(Precision::Fp32), regions(Precision::Bf16));
+    let (m, n) = (s.chunk_rows(), s.n());
+    let (c, i, qd, kvd) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+    );
+    let mh = m.max(n.min(crate::model::ops::CE_CHUNK_ROWS));
+    // (region, elements): h1, q, k, v, h2, act, d_i2, d_i3, d_att.
+    let stored = [
+        (0, mh * c),
+        (2, m * qd),
+        (3, n * kvd),
+        (4, n * kvd),
+        (9, m * c),
+        (13, m * i),
+        (15, m * i),
+        (16, m * i),
+        (17, m * qd),
+    ];
+    for (r, (a, b)) in f32_words.iter().zip(&bf16_words).enumerate() {
+        match stored.iter().find(|(s, _)| *s == r) {
+            Some(&(_, len)) => {
+                assert_eq!(*a, len.div_ceil(64) * 64, "region {r} in fp32");
+                assert_eq!(*b, len.div_ceil(2).div_ceil(64) * 64, "region {r} in bf16");
+            }
+            None => assert_eq!(a, b, "region {r}"),
+        }
+    }
+    assert_eq!(
+        workspace_bytes(&cfg, s, Precision::Bf16),
+        4 * bf16_words.iter().sum::<usize>() as u64
+    );
 }
 
 #[test]

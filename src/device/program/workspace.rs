@@ -24,22 +24,26 @@ impl Regions {
 }
 
 /// The layer workspace: named scratch regions inside one device allocation. `P` is an address
-/// (or, from [`Ws::layout`], an element offset). Shapes in elements, for a micro-batch of
-/// `N = B·T` tokens run in chunks of at most `M` rows ([`Shape::chunk_rows`]), hidden size `C`,
-/// MLP size `I`, `nh` query and `nkv` key/value heads of `hd` dimensions and a vocabulary of
-/// `V`. Only K, V, their gradients and the per-row losses span the micro-batch; the head runs
-/// in chunks of `H = min(N, CE_CHUNK_ROWS)` rows.
+/// (or, from [`Ws::layout`], an offset in 4-byte words). Shapes in elements, for a micro-batch
+/// of `N = B·T` tokens run in chunks of at most `M` rows ([`Shape::chunk_rows`]), hidden size
+/// `C`, MLP size `I`, `nh` query and `nkv` key/value heads of `hd` dimensions and a vocabulary
+/// of `V`. Only K, V, their gradients and the per-row losses span the micro-batch; the head
+/// runs in chunks of `H = min(N, CE_CHUNK_ROWS)` rows.
+///
+/// The regions marked *stored* hold what the recipe stores in bf16 under
+/// [`Precision::Bf16`] ([`Backend::as_bf16`]): a GPU holds them in 2-byte elements, half the
+/// words of an fp32 region.
 #[derive(Debug, Clone, Copy)]
 pub struct Ws<P> {
-    /// `[max(M, H), C]` the first RMSNorm's output (and the head's norm output).
+    /// `[max(M, H), C]` the first RMSNorm's output (and the head's norm output); stored.
     pub h1: P,
     /// `[max(M, H)]` the first RMSNorm's 1/rms per row (and the head's).
     pub rstd1: P,
-    /// `[M, nh·hd]` queries after RoPE.
+    /// `[M, nh·hd]` queries after RoPE; stored.
     pub q: P,
-    /// `[N, nkv·hd]` keys after RoPE.
+    /// `[N, nkv·hd]` keys after RoPE; stored.
     pub k: P,
-    /// `[N, nkv·hd]` values.
+    /// `[N, nkv·hd]` values; stored.
     pub v: P,
     /// `[M, nh·hd]` attention output (before the output projection).
     pub att: P,
@@ -49,7 +53,7 @@ pub struct Ws<P> {
     pub delta: P,
     /// `[M, C]` the residual stream after attention.
     pub x2: P,
-    /// `[M, C]` the second RMSNorm's output.
+    /// `[M, C]` the second RMSNorm's output; stored.
     pub h2: P,
     /// `[M]` the second RMSNorm's 1/rms per row.
     pub rstd2: P,
@@ -57,15 +61,15 @@ pub struct Ws<P> {
     pub gate: P,
     /// `[M, I]` the MLP's up projection.
     pub up: P,
-    /// `[M, I]` silu(gate) ⊙ up.
+    /// `[M, I]` silu(gate) ⊙ up; stored.
     pub act: P,
     /// `[M, I]` dL/d act.
     pub d_i1: P,
-    /// `[M, I]` dL/d gate.
+    /// `[M, I]` dL/d gate; stored.
     pub d_i2: P,
-    /// `[M, I]` dL/d up.
+    /// `[M, I]` dL/d up; stored.
     pub d_i3: P,
-    /// `[M, nh·hd]` dL/d att.
+    /// `[M, nh·hd]` dL/d att; stored.
     pub d_att: P,
     /// `[max(M, H), C]` dL/d h2 (and the head's dL/d normed x).
     pub d_c: P,
@@ -82,8 +86,11 @@ pub struct Ws<P> {
 }
 
 impl Ws<usize> {
-    /// Offsets of every region for the shape `s`, and the total elements.
-    pub fn layout(cfg: &ModelConfig, s: Shape) -> (Self, usize) {
+    /// Offsets of every region for the shape `s`, and the total, in 4-byte words. `stored` is
+    /// how the device holds the stored regions: a GPU's precision (2-byte elements under
+    /// bf16); [`Precision::Fp32`] for the CPU device, which holds bf16 values in fp32 storage
+    /// (and charges a GPU's bytes: [`workspace_bytes`]).
+    pub fn layout(cfg: &ModelConfig, s: Shape, stored: Precision) -> (Self, usize) {
         let (n, m) = (s.n(), s.chunk_rows());
         let (c, qd, kvd, i) = (
             cfg.hidden_size,
@@ -94,26 +101,30 @@ impl Ws<usize> {
         let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
         let mh = m.max(ce_rows);
         let mut regions = Regions::default();
+        let words = |len: usize| match stored {
+            Precision::Fp32 => len,
+            Precision::Bf16 => len.div_ceil(2),
+        };
         let mut take = |len: usize| regions.take(len);
         let ws = Ws {
-            h1: take(mh * c),
+            h1: take(words(mh * c)),
             rstd1: take(mh),
-            q: take(m * qd),
-            k: take(n * kvd),
-            v: take(n * kvd),
+            q: take(words(m * qd)),
+            k: take(words(n * kvd)),
+            v: take(words(n * kvd)),
             att: take(m * qd),
             lse: take(cfg.num_heads * m),
             delta: take(cfg.num_heads * m),
             x2: take(m * c),
-            h2: take(m * c),
+            h2: take(words(m * c)),
             rstd2: take(m),
             gate: take(m * i),
             up: take(m * i),
-            act: take(m * i),
+            act: take(words(m * i)),
             d_i1: take(m * i),
-            d_i2: take(m * i),
-            d_i3: take(m * i),
-            d_att: take(m * qd),
+            d_i2: take(words(m * i)),
+            d_i3: take(words(m * i)),
+            d_att: take(words(m * qd)),
             d_c: take(mh * c),
             dq: take(m * qd),
             dk: take(n * kvd),
@@ -236,9 +247,10 @@ impl<P: Copy> Ws<P> {
     }
 }
 
-/// Bytes of the layer workspace for the shape `s`.
-pub fn workspace_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
-    4 * Ws::layout(cfg, s).1 as u64
+/// Bytes of a GPU's layer workspace for the shape `s` in `precision` (what the CPU device
+/// charges too).
+pub fn workspace_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
+    4 * Ws::layout(cfg, s, precision).1 as u64
 }
 
 /// The elements of the largest unit of `cfg`.
@@ -277,7 +289,7 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
 }
 
 /// Under [`crate::device::Precision::Bf16`], the elements of the largest GEMM operand a device
-/// casts and of the largest tensor the program rounds, for shape `s`: a device that casts
+/// casts, for shape `s`: a device that casts
 /// operands to bf16 before a bf16 GEMM needs two bf16 buffers of this many elements. Cast
 /// operands are a chunk's activations (`rows × width`) and a CE chunk's logits gradient (`rows ×
 /// vocab`); the weights need none (a bf16 device holds them in bf16).

@@ -1,12 +1,13 @@
 //! The attention kernels' cases: whole sequences and query chunks (dK/dV summed over them) in
-//! f32 (SIMT) and on the tensor cores (bf16 inputs, every head dim they are built for), the SIMT
-//! forward with bf16 storage, against the CPU attention.
+//! f32 (SIMT), from the bf16 recipe's bf16 inputs (on the tensor cores, every head dim they are
+//! built for; SIMT at another), the SIMT forward with bf16 storage, against the CPU attention.
 
-use super::{round_bf16, Gpu, Out, TOL_ATTN_BWD, TOL_FLASH};
+use super::{round_bf16, Gpu, Out, TOL_ATTN_BWD, TOL_F32, TOL_FLASH};
 use crate::device::cuda::launches::{AttnArgs, Dtype};
 use crate::device::launch::{self, AttnShape, FLASH_HEAD_DIMS};
 use crate::model::ops;
 use crate::{Error, Result};
+use cudarc::driver::CudaSlice;
 
 /// Positions of [`ATTN`]'s two sequences: one flat, one of documents across tile boundaries
 /// (a one-token document among them).
@@ -43,16 +44,49 @@ fn query_rows(whole: &mut [f32], part: &mut [f32], s: AttnShape, width: usize, b
 /// Which attention kernels a case runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kernels {
-    /// `attention_*_f32`: fp32 SIMT, tiles sized to this much shared memory per block.
-    Simt(usize),
-    /// `flash{hd}_*_f32`: tensor cores, on inputs that hold bf16 values.
+    /// `attention_*_{dtype}`: SIMT, `f32` or `f32i16` (bf16 inputs), tiles sized to this much
+    /// shared memory per block.
+    Simt(Dtype, usize),
+    /// `flash{hd}_*_f32i16`: tensor cores, bf16 inputs.
     Flash,
+}
+
+impl Kernels {
+    /// Whether Q, K, V and dO are stored in bf16 (the bf16 recipe's storage).
+    fn bf16_inputs(self) -> bool {
+        !matches!(self, Kernels::Simt(Dtype::F32, _))
+    }
+}
+
+/// A device copy of an attention input in its kernels' storage.
+enum Input {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl Input {
+    /// `x` (bf16 values when `bf16`) uploaded as fp32 or as bf16.
+    fn up(g: &Gpu<'_>, x: &[f32], bf16: bool) -> Result<Self> {
+        Ok(if bf16 {
+            Input::Bf16(g.up16(x)?)
+        } else {
+            Input::F32(g.up(x)?)
+        })
+    }
+
+    fn p(&self, g: &Gpu<'_>) -> crate::device::cuda::runtime::DevPtr {
+        match self {
+            Input::F32(x) => g.p(x),
+            Input::Bf16(x) => g.p(x),
+        }
+    }
 }
 
 /// The SIMT kernels in fp32; then at head dim 128 with the tiles the opted-in shared memory
 /// allows (above 48 KiB: 64 rows of 1 KiB for dk/dv, where 48 KiB holds 47).
 pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
-    let mut out = attention_chunks(g, ATTN, &ATTN_DOCS, Kernels::Simt(launch::DEFAULT_SMEM))?;
+    let simt = Kernels::Simt(Dtype::F32, launch::DEFAULT_SMEM);
+    let mut out = attention_chunks(g, ATTN, &ATTN_DOCS, simt)?;
     let optin = g.rt.smem_optin;
     if optin > launch::DEFAULT_SMEM {
         let s = AttnShape { hd: 128, ..ATTN };
@@ -63,7 +97,7 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
                 format!("the opt-in case's tiles fit 48 KiB ({big:?})"),
             ));
         }
-        for o in attention_chunks(g, s, &ATTN_DOCS, Kernels::Simt(optin))? {
+        for o in attention_chunks(g, s, &ATTN_DOCS, Kernels::Simt(Dtype::F32, optin))? {
             out.push(o.label(&format!("hd 128, {} KiB tiles: ", big.kv.smem >> 10)));
         }
     }
@@ -71,8 +105,10 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
 }
 
 /// The tensor-core kernels for every head dim they are built for, on bf16 inputs, against the
-/// fp32 CPU attention of the same (rounded) inputs: they compute it to fp32 rounding.
-pub(super) fn attention_flash(g: &Gpu<'_>) -> Result<Vec<Out>> {
+/// fp32 CPU attention of the same (rounded) inputs: they compute it to fp32 rounding. Then the
+/// SIMT kernels on bf16 inputs (`f32i16`), at a head dim the tensor-core kernels are not built
+/// for (where the bf16 recipe falls back to them).
+pub(super) fn attention_bf16_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let mut out = Vec::new();
     for hd in FLASH_HEAD_DIMS {
         for o in attention_chunks(g, AttnShape { hd, ..ATTN }, &ATTN_DOCS, Kernels::Flash)? {
@@ -84,10 +120,21 @@ pub(super) fn attention_flash(g: &Gpu<'_>) -> Result<Vec<Out>> {
     for o in attention_chunks(g, FLASH_LONG, &FLASH_LONG_DOCS, Kernels::Flash)? {
         out.push(o.label("hd 64, T 200 "));
     }
+    let hd = 96;
+    if FLASH_HEAD_DIMS.contains(&hd) {
+        return Err(Error::internal(
+            "self-test",
+            format!("head dim {hd} has tensor-core kernels: pick another for the SIMT case"),
+        ));
+    }
+    let simt = Kernels::Simt(Dtype::F32I16, launch::DEFAULT_SMEM);
+    for o in attention_chunks(g, AttnShape { hd, ..ATTN }, &ATTN_DOCS, simt)? {
+        out.push(o.label(&format!("SIMT hd {hd} ")));
+    }
     Ok(out)
 }
 
-/// [`attention_flash`]'s longer case: 4 blocks of 64 queries, GQA 4/2.
+/// [`attention_bf16_inputs`]'s longer case: 4 blocks of 64 queries, GQA 4/2.
 const FLASH_LONG: AttnShape = AttnShape {
     b: 2,
     t: 200,
@@ -114,14 +161,12 @@ fn attention_chunks(
         s.b * s.t * s.nkv * s.hd,
         s.b * s.nh * s.t,
     );
-    // The tensor-core kernels take bf16 values (what the bf16 program stores).
-    let input = |x: Vec<f32>| match kernels {
-        Kernels::Simt(_) => x,
-        Kernels::Flash => round_bf16(&x),
-    };
-    let bwd_tolerance = match kernels {
-        Kernels::Simt(_) => TOL_ATTN_BWD,
-        Kernels::Flash => TOL_FLASH,
+    // bf16 inputs: the reference sees their values.
+    let bf16 = kernels.bf16_inputs();
+    let input = |x: Vec<f32>| if bf16 { round_bf16(&x) } else { x };
+    let (fwd_tolerance, bwd_tolerance) = match kernels {
+        Kernels::Simt(..) => (TOL_F32, TOL_ATTN_BWD),
+        Kernels::Flash => (TOL_FLASH, TOL_FLASH),
     };
     let (mut q, k, v, mut d_o) = (
         input(g.rnd(qn, 8, 1.0)),
@@ -147,7 +192,8 @@ fn attention_chunks(
         &pos,
         s,
     );
-    let (kd, vd, posd) = (g.up(&k)?, g.up(&v)?, g.up(&pos)?);
+    let (kd, vd) = (Input::up(g, &k, bf16)?, Input::up(g, &v, bf16)?);
+    let posd = g.up(&pos)?;
     let mut out = Vec::new();
     // Two query chunks split inside a block of rows (40 of 70 tokens, 114 of 200).
     let split = s.t * 4 / 7;
@@ -164,7 +210,7 @@ fn attention_chunks(
             query_rows(&mut q, &mut qc, sc, qs, false);
             query_rows(&mut d_o, &mut doc, sc, qs, false);
             let a = AttnArgs::new(sc, g.p(&posd))?;
-            let (qd, dod) = (g.up(&qc)?, g.up(&doc)?);
+            let (qd, dod) = (Input::up(g, &qc, bf16)?, Input::up(g, &doc, bf16)?);
             let (od, lsed, deltad, dqd) = (
                 g.zeros::<f32>(cn)?,
                 g.zeros::<f32>(crows)?,
@@ -172,26 +218,15 @@ fn attention_chunks(
                 g.zeros::<f32>(cn)?,
             );
             let kk = g.k();
-            let [o_, lse_, delta_, dq_, dk_, dv_, q_, k_, v_, do_] =
-                [&od, &lsed, &deltad, &dqd, &dkd, &dvd, &qd, &kd, &vd, &dod].map(|b| g.p(b));
+            let [o_, lse_, delta_, dq_, dk_, dv_] =
+                [&od, &lsed, &deltad, &dqd, &dkd, &dvd].map(|b| g.p(b));
+            let [q_, k_, v_, do_] = [&qd, &kd, &vd, &dod].map(|b| b.p(g));
             match kernels {
-                Kernels::Simt(smem) => {
+                Kernels::Simt(dt, smem) => {
                     let geo = launch::attention(sc, smem)?;
-                    kk.attention_fwd(Dtype::F32, &geo, o_, lse_, q_, k_, v_, a)?;
-                    kk.attention_bwd(Dtype::F32, &geo, dq_, delta_, do_, o_, q_, k_, v_, lse_, a)?;
-                    kk.attention_bwd_kv(
-                        Dtype::F32,
-                        &geo,
-                        dk_,
-                        dv_,
-                        do_,
-                        q_,
-                        k_,
-                        v_,
-                        lse_,
-                        delta_,
-                        a,
-                    )?;
+                    kk.attention_fwd(dt, &geo, o_, lse_, q_, k_, v_, a)?;
+                    kk.attention_bwd(dt, &geo, dq_, delta_, do_, o_, q_, k_, v_, lse_, a)?;
+                    kk.attention_bwd_kv(dt, &geo, dk_, dv_, do_, q_, k_, v_, lse_, delta_, a)?;
                 }
                 Kernels::Flash => {
                     let geo = launch::flash(sc)?.ok_or_else(|| {
@@ -212,8 +247,8 @@ fn attention_chunks(
             }
         }
         out.extend([
-            Out::new(&format!("{label}forward out"), o, o_ref.clone()),
-            Out::new(&format!("{label}forward lse"), lse, lse_ref.clone()),
+            Out::new(&format!("{label}forward out"), o, o_ref.clone()).tolerance(fwd_tolerance),
+            Out::new(&format!("{label}forward lse"), lse, lse_ref.clone()).tolerance(fwd_tolerance),
             Out::new(&format!("{label}backward dq"), dq, dq_ref.clone()).tolerance(bwd_tolerance),
             Out::new(
                 &format!("{label}backward dk"),
