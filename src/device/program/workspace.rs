@@ -289,20 +289,17 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
 }
 
 /// Under [`crate::device::Precision::Bf16`], the elements of the largest GEMM operand a device
-/// casts, for shape `s`: a device that casts
-/// operands to bf16 before a bf16 GEMM needs two bf16 buffers of this many elements. Cast
-/// operands are a chunk's activations (`rows × width`) and a CE chunk's logits gradient (`rows ×
-/// vocab`); the weights need none (a bf16 device holds them in bf16).
+/// casts, for shape `s`: a device that casts operands to bf16 before a bf16 GEMM needs two bf16
+/// buffers of this many elements. The operands cast are the fp32 ones: a chunk's attention
+/// output (`rows × nh·hd`), the gradients of the projections' outputs (the residual's `rows ×
+/// C`, dQ's, dK's and dV's) and a CE chunk's logits gradient (`rows × vocab`). The weights and
+/// the stored activations ([`Ws`]: the MLP's are the only `rows × I` operands) are in bf16
+/// already.
 pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
-    let (c, inter, qd, kvd) = (
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-    );
+    let (c, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
     let rows = s.chunk_rows();
     let ce_rows = CE_CHUNK_ROWS.min(s.n().max(1));
-    let widest = c.max(inter).max(qd).max(kvd);
+    let widest = c.max(qd).max(kvd);
     [rows * widest, ce_rows * cfg.vocab_size]
         .into_iter()
         .max()
