@@ -61,6 +61,11 @@ impl HostP {
         )
     }
 
+    /// Whether `other` is the same address (the same view of the same element).
+    fn is(&self, other: &HostP) -> bool {
+        (self.base, self.off, self.bf16) == (other.base, other.off, other.bf16)
+    }
+
     fn range(&self, len: usize) -> std::ops::Range<usize> {
         let a = self.base as usize + 4 * self.off;
         a..a + 4 * len
@@ -365,13 +370,23 @@ impl Backend for HostBackend<'_> {
 
     fn rope(
         &mut self,
+        y: HostP,
         x: HostP,
         pos: HostIds,
         rows: usize,
         heads: usize,
         inverse: bool,
     ) -> Result<()> {
-        let ([x], []) = views("rope", [(x, rows * heads * self.rope.head_dim)], [])?;
+        let len = rows * heads * self.rope.head_dim;
+        let (y, keep16) = y.plain();
+        let y = if y.is(&x) {
+            let ([y], []) = views("rope", [(x, len)], [])?;
+            y
+        } else {
+            let ([y], [x]) = views("rope", [(y, len)], [(x, len)])?;
+            y.copy_from_slice(x);
+            y
+        };
         let pos = self.ids(pos, rows, "rope")?;
         if let Some(p) = pos.iter().find(|&&p| p as usize >= self.rope.max_pos) {
             return Err(Error::internal(
@@ -382,7 +397,10 @@ impl Backend for HostBackend<'_> {
                 ),
             ));
         }
-        self.rope.apply(x, pos, heads, inverse);
+        self.rope.apply(y, pos, heads, inverse);
+        if keep16 {
+            y.iter_mut().for_each(|v| *v = bf16_value(*v));
+        }
         Ok(())
     }
 
@@ -633,6 +651,24 @@ mod tests {
             "only into a region the recipe stores in bf16"
         );
         be.store_bf16(HostBackend::as_bf16(p), ps, 4).unwrap();
+        // RoPE into a stored region: RoPE in place, then that rounding; `x` untouched.
+        let (heads, rows) = (2, 3);
+        let len = heads * rows * rope.head_dim;
+        let src: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let pos = [0u32, 1, 0];
+        let ids = be.upload_ids(&pos).unwrap();
+        for inverse in [false, true] {
+            let (mut x, mut y) = (src.clone(), vec![0.0f32; len]);
+            // SAFETY: x and y outlive the calls.
+            let (xp, yp) = unsafe { (HostP::write(&mut x), HostP::write(&mut y)) };
+            be.rope(HostBackend::as_bf16(yp), xp, ids, rows, heads, inverse)
+                .unwrap();
+            assert_eq!(x, src, "the input is left as it was");
+            be.rope(xp, xp, ids, rows, heads, inverse).unwrap();
+            assert_ne!(x, src);
+            let want: Vec<f32> = x.iter().map(|v| bf16_value(*v)).collect();
+            assert_eq!(y, want, "inverse {inverse}");
+        }
         assert_eq!(x[0], 1.0, "a tie rounds to even");
         assert_eq!(x[1], 1.0 + 4.0 * 2f32.powi(-8));
         assert_eq!(x[2], bf16_to_f32(f32_to_bf16(-2.5e-3)));

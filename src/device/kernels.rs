@@ -83,7 +83,7 @@ const EMBED_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, I32];
 const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32];
 const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const RMSNORM_DW: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
-const ROPE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
+const ROPE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
 
 /// Every kernel file.
@@ -122,6 +122,8 @@ pub const FILES: &[KernelFile] = &[
             sig("rope_bwd_f32", ROPE),
             sig("rope_fwd_bf16", ROPE),
             sig("rope_bwd_bf16", ROPE),
+            sig("rope_fwd_f32o16", ROPE),
+            sig("rope_bwd_f32o16", ROPE),
         ],
     },
     KernelFile {

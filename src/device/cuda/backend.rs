@@ -526,6 +526,7 @@ impl Backend for CudaBackend {
 
     fn rope(
         &mut self,
+        y: DevP,
         x: DevP,
         pos: DevPtr,
         rows: usize,
@@ -533,6 +534,8 @@ impl Backend for CudaBackend {
         inverse: bool,
     ) -> Result<()> {
         let [x] = f32s([x], "rope")?;
+        // A bf16 output is a stored Q or K (or dQ, dK for their GEMMs).
+        let dt = if y.bf16 { Dtype::F32O16 } else { F32 };
         // Positions were checked on the host (`Templates::check_batch`: each < T ≤ the table).
         let (cos, sin) = self.tables();
         let (n, h, hd) = (
@@ -541,7 +544,8 @@ impl Backend for CudaBackend {
             i32_of(self.head_dim, "head_dim")?,
         );
         let l = launch::elementwise(rows * heads * self.head_dim / 2, self.sms());
-        self.k().rope(F32, inverse, l, x, cos, sin, pos, n, h, hd)
+        self.k()
+            .rope(dt, inverse, l, y.addr, x, cos, sin, pos, n, h, hd)
     }
 
     fn attention_fwd(

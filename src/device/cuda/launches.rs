@@ -22,7 +22,8 @@ pub enum Dtype {
     F32W16,
     /// RMSNorm forward from fp32 input and bf16 weights into a bf16 output (a GEMM's input).
     F32W16O16,
-    /// SwiGLU forward from fp32 inputs into a bf16 output (the down projection's input).
+    /// SwiGLU forward and backward, RoPE: fp32 inputs into a bf16 output (a GEMM's or
+    /// attention's input).
     F32O16,
     /// Attention from bf16 inputs (Q, K, V, dO: the bf16 recipe stores them in bf16) into fp32
     /// outputs (O, dQ, dK, dV).
@@ -308,13 +309,15 @@ impl Launcher<'_> {
         )
     }
 
-    /// RoPE in place (`inverse`: the backward); row r at position `pos[r]` (u32).
+    /// `y = RoPE(x)` (`inverse`: the backward; `y` may be `x`); row r at position `pos[r]`
+    /// (u32).
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
         dt: Dtype,
         inverse: bool,
         l: Launch,
+        y: DevPtr,
         x: DevPtr,
         cos: DevPtr,
         sin: DevPtr,
@@ -328,6 +331,7 @@ impl Launcher<'_> {
             &dt.symbol(stem),
             l,
             &[
+                Ptr(y),
                 Ptr(x),
                 Ptr(cos),
                 Ptr(sin),

@@ -75,14 +75,15 @@ fn weight_grad<B: Backend>(
 }
 
 /// Backward of [`linear_fwd`] over `rows` rows in runs of `period`: `dx (= or +=) dy·W`,
-/// `dW += dyᵀ·x`, `db += Σ dy`.
+/// `dW += dyᵀ·x`, and with a bias `(db, dy32)`, `db += Σ dy32`: the fp32 dy, where `dy` may be
+/// its [`stored`] copy (the GEMMs would round it to that).
 #[allow(clippy::too_many_arguments)]
 fn linear_bwd<B: Backend>(
     be: &mut B,
     dx: B::P,
     dx_accumulate: bool,
     dw: B::P,
-    db: Option<B::P>,
+    bias: Option<(B::P, B::P)>,
     dy: B::P,
     x: B::P,
     w: B::P,
@@ -102,10 +103,47 @@ fn linear_bwd<B: Backend>(
         accumulate: dx_accumulate,
     })?;
     weight_grad(be, dw, dy, x, rows, period, din, dout)?;
-    if let Some(db) = db {
-        be.bias_bwd(db, dy, rows, dout)?;
+    if let Some((db, dy32)) = bias {
+        be.bias_bwd(db, dy32, rows, dout)?;
     }
     Ok(())
+}
+
+/// What a projection's backward GEMMs read of its output gradient `d` (fp32, `len` elements,
+/// left as it is for a bias gradient): under [`Precision::Bf16`] `d` stored in `spare` (a
+/// stored region free at that point), else `d`.
+fn gemm_grad<B: Backend>(be: &mut B, d: B::P, spare: B::P, len: usize) -> Result<B::P> {
+    match be.precision() {
+        Precision::Bf16 => {
+            let s = B::as_bf16(spare);
+            be.store_bf16(s, d, len)?;
+            Ok(s)
+        }
+        Precision::Fp32 => Ok(d),
+    }
+}
+
+/// [`gemm_grad`] of dQ or dK `d` after RoPE⁻¹ (`rows` rows of `heads` heads). Under
+/// [`Precision::Bf16`] RoPE⁻¹ writes it to `spare` directly, unless a bias gradient needs the
+/// fp32 values (`bias`): then they are rotated in place and stored. In fp32, rotated in place.
+#[allow(clippy::too_many_arguments)]
+fn unrotated_gemm_grad<B: Backend>(
+    be: &mut B,
+    d: B::P,
+    spare: B::P,
+    bias: bool,
+    pos: B::Ids,
+    rows: usize,
+    heads: usize,
+    hd: usize,
+) -> Result<B::P> {
+    if be.precision() == Precision::Bf16 && !bias {
+        let s = B::as_bf16(spare);
+        be.rope(s, d, pos, rows, heads, true)?;
+        return Ok(s);
+    }
+    be.rope(d, d, pos, rows, heads, true)?;
+    gemm_grad(be, d, spare, rows * heads * hd)
 }
 
 /// The chunk's view of the block's buffers: its rows of `[N, ·]` tensors.
@@ -158,15 +196,16 @@ fn keys_values<B: Backend>(
     let h1 = stored(be, ws.h1);
     be.rmsnorm_fwd(h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
     // Under bf16 each is computed in the attention output's region (free until the queries
-    // run), then stored.
+    // run), then stored: K by its RoPE, V by a cast.
     for (dst, wt, bias, rope) in [(ws.k, blk.wk, blk.bk, true), (ws.v, blk.wv, blk.bv, false)] {
         let dst = at.rows_of(stored(be, dst), kvd);
         let y = computed_in(be, dst, ws.att);
         linear_fwd(be, y, h1, w(wt), bias.map(w), n, c, kvd)?;
         if rope {
-            be.rope(y, at.pos, n, blk.nkv, false)?;
+            be.rope(dst, y, at.pos, n, blk.nkv, false)?;
+        } else {
+            store(be, dst, y, n * kvd)?;
         }
-        store(be, dst, y, n * kvd)?;
     }
     Ok(())
 }
@@ -182,8 +221,8 @@ fn stored<B: Backend>(be: &B, p: B::P) -> B::P {
     }
 }
 
-/// Where a [`stored`] tensor that no op writes in bf16 itself (Q, K, V: a GEMM's result, RoPE;
-/// dO) is computed: under [`Precision::Bf16`] in fp32 `scratch`, then [`store`]d; else in place.
+/// Where a [`stored`] tensor that a GEMM computes (Q, K, V, dO) is computed: under
+/// [`Precision::Bf16`] in fp32 `scratch`, then stored by RoPE or [`store`]; else in place.
 fn computed_in<B: Backend>(be: &B, dst: B::P, scratch: B::P) -> B::P {
     match be.precision() {
         Precision::Bf16 => scratch,
@@ -216,12 +255,12 @@ fn query_internals<B: Backend>(
     let x = at.rows_of(x, c);
     let (h1, h2, act) = (stored(be, ws.h1), stored(be, ws.h2), stored(be, ws.act));
     be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
-    // Under bf16 the queries are computed where the attention writes its output, then stored.
+    // Under bf16 the queries are computed where the attention writes its output, then stored
+    // by their RoPE.
     let q = stored(be, ws.q);
     let y = computed_in(be, q, ws.att);
     linear_fwd(be, y, h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
-    be.rope(y, at.pos, n, blk.nh, false)?;
-    store(be, q, y, n * qd)?;
+    be.rope(q, y, at.pos, n, blk.nh, false)?;
     let (k, v) = sequence_keys_values(be, blk, ws, at);
     let seq_pos = B::ids_off(pos, at.seq0);
     be.attention_fwd(ws.att, ws.lse, q, k, v, seq_pos, at.attn)?;
@@ -322,7 +361,7 @@ pub fn block_bwd<B: Backend>(
             d_att_f32,
             false,
             gw(blk.wo),
-            blk.bo.map(gw),
+            blk.bo.map(|o| (gw(o), dx)),
             dx,
             ws.att,
             w(blk.wo),
@@ -347,15 +386,17 @@ pub fn block_bwd<B: Backend>(
             B::ids_off(pos, at.seq0),
             at.attn,
         )?;
-        be.rope(ws.dq, at.pos, n, blk.nh, true)?;
+        // Under bf16 the GEMMs read dQ stored where dO was (read by the attention backward).
+        let (bq, hd) = (blk.bq.is_some(), blk.hd);
+        let dq = unrotated_gemm_grad(be, ws.dq, ws.d_att, bq, at.pos, n, blk.nh, hd)?;
         // dh1 = dq·Wq (+ dk·Wk + dv·Wv in pass three), kept where this chunk's dy was.
         linear_bwd(
             be,
             dy,
             false,
             gw(blk.wq),
-            blk.bq.map(gw),
-            ws.dq,
+            blk.bq.map(|o| (gw(o), ws.dq)),
+            dq,
             stored(be, ws.h1),
             w(blk.wq),
             rows,
@@ -372,14 +413,18 @@ pub fn block_bwd<B: Backend>(
         if recompute {
             be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
         }
-        be.rope(dk, at.pos, n, blk.nkv, true)?;
-        for (wo, bias, d) in [(blk.wk, blk.bk, dk), (blk.wv, blk.bv, dv)] {
+        // Under bf16 the GEMMs read dK and dV stored where dO and dQ were (free now, and in
+        // the workspace: kept internals are read-only here).
+        let (bk, hd) = (blk.bk.is_some(), blk.hd);
+        let dk16 = unrotated_gemm_grad(be, dk, ws.d_att, bk, at.pos, n, blk.nkv, hd)?;
+        let dv16 = gemm_grad(be, dv, ws.dq, n * kvd)?;
+        for (wo, bias, d32, d) in [(blk.wk, blk.bk, dk, dk16), (blk.wv, blk.bv, dv, dv16)] {
             linear_bwd(
                 be,
                 dy,
                 true,
                 gw(wo),
-                bias.map(gw),
+                bias.map(|o| (gw(o), d32)),
                 d,
                 h1,
                 w(wo),

@@ -65,8 +65,8 @@ pub trait Backend {
     /// The region at `p` as the bf16 recipe stores an activation that only GEMMs and attention
     /// read (only called under [`Precision::Bf16`]): bf16 values, rounded to nearest even when
     /// written — on a GPU 2-byte elements, on the CPU the fp32 storage of the rounded values.
-    /// Only [`Backend::rmsnorm_fwd`], [`Backend::swiglu_fwd`], [`Backend::swiglu_bwd`] and
-    /// [`Backend::store_bf16`] write one; only [`Backend::gemm`] reads one, and attention its
+    /// Only [`Backend::rmsnorm_fwd`], [`Backend::swiglu_fwd`], [`Backend::swiglu_bwd`],
+    /// [`Backend::rope`] and [`Backend::store_bf16`] write one; only [`Backend::gemm`] reads one, and attention its
     /// inputs (Q, K, V, dO), which are always one under bf16. Offsets from it count its
     /// elements.
     fn as_bf16(p: Self::P) -> Self::P;
@@ -125,10 +125,12 @@ pub trait Backend {
         c: usize,
         accumulate: bool,
     ) -> Result<()>;
-    /// RoPE in place on `rows` rows of `heads` heads (`inverse`: the backward); row r is at
-    /// position `pos[r]`.
+    /// `y = RoPE(x)` on `rows` rows of `heads` heads (`inverse`: the backward); row r is at
+    /// position `pos[r]`. `x` is fp32; `y` is `x` itself (in place) or a region the recipe
+    /// stores ([`Backend::as_bf16`]) disjoint from it.
     fn rope(
         &mut self,
+        y: Self::P,
         x: Self::P,
         pos: Self::Ids,
         rows: usize,

@@ -206,9 +206,9 @@ const CASES: &[Case] = &[
         run: bf16_weights,
     },
     Case {
-        name: "GEMM inputs kept in bf16 (bit-exact)",
+        name: "activations stored in bf16 (bit-exact)",
         tolerance: 0.0,
-        run: bf16_gemm_inputs,
+        run: bf16_stored_activations,
     },
     Case {
         name: "gemm f32",
@@ -396,6 +396,7 @@ fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
             Dtype::F32,
             inverse,
             l,
+            g.p(&qd),
             g.p(&qd),
             g.p(&cd),
             g.p(&sd),
@@ -604,10 +605,10 @@ fn bf16_weights(g: &Gpu<'_>) -> Result<Vec<Out>> {
     .collect())
 }
 
-/// The kernels that write a GEMM's input in bf16 (RMSNorm `f32w16o16`, SwiGLU forward and
-/// backward `f32o16`) against their fp32-output kernels followed by the cast a GEMM would apply:
-/// the same bits.
-fn bf16_gemm_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
+/// The kernels that write a GEMM's or attention's input in bf16 (RMSNorm `f32w16o16`, SwiGLU
+/// forward and backward and RoPE `f32o16`) against their fp32-output kernels followed by the
+/// cast a GEMM would apply (the one that stores V and dO): the same bits.
+fn bf16_stored_activations(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let (n, c, eps) = (50usize, 96usize, 1e-5f32);
     let (ni, ci, len) = (n as i32, c as i32, n * c);
     let x = g.rnd(len, 40, 2.0);
@@ -645,12 +646,61 @@ fn bf16_gemm_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.down16(&cast16)
     };
     let (dg_cast, du_cast) = (cast(&dg32)?, cast(&du32)?);
-    Ok(vec![
+    let mut out = vec![
         Out::new("RMSNorm output", g.down16(&y16)?, norm_cast),
         Out::new("SwiGLU output", g.down16(&h16)?, swiglu_cast),
         Out::new("SwiGLU d gate", g.down16(&dg16)?, dg_cast),
         Out::new("SwiGLU d up", g.down16(&du16)?, du_cast),
-    ])
+    ];
+    // RoPE storing Q (or K) from its fp32 projection: `len` = 50 rows of 3 heads of 32.
+    let (heads, hd) = (3usize, 32usize);
+    let rope = ops::Rope::new(hd, 10_000.0, n);
+    let (cos, sin) = rope.tables();
+    let pos = ops::document_positions(&[20, 1, 29]);
+    let (cd, sd, pd) = (g.up(cos)?, g.up(sin)?, g.up(&pos)?);
+    let (r16, r32) = (g.zeros::<u16>(len)?, g.zeros::<f32>(len)?);
+    let l = launch::elementwise(len / 2, g.sms());
+    let (tables, rows) = (
+        [g.p(&cd), g.p(&sd), g.p(&pd)],
+        [ni, heads as i32, hd as i32],
+    );
+    for inverse in [false, true] {
+        let [c_, s_, p_] = tables;
+        let [n_, h_, d_] = rows;
+        k.rope(
+            Dtype::F32O16,
+            inverse,
+            l,
+            g.p(&r16),
+            xp,
+            c_,
+            s_,
+            p_,
+            n_,
+            h_,
+            d_,
+        )?;
+        k.rope(
+            Dtype::F32,
+            inverse,
+            l,
+            g.p(&r32),
+            xp,
+            c_,
+            s_,
+            p_,
+            n_,
+            h_,
+            d_,
+        )?;
+        let label = if inverse {
+            "RoPE⁻¹ output"
+        } else {
+            "RoPE output"
+        };
+        out.push(Out::new(label, g.down16(&r16)?, cast(&r32)?));
+    }
+    Ok(out)
 }
 
 /// `y[M, N] = x[M, K] · w[N, K]ᵀ` (a Linear) through cuBLAS in fp32 or TF32.
