@@ -48,9 +48,9 @@ const MEMORY_SHARE: f64 = 0.9;
 /// Approximate GPU memory bytes the elementwise kernels move per token through one block's
 /// forward (activations fp32): three RMSNorms (the first runs for the K/V pass and again for the
 /// queries; read and write C each), two residual adds (two reads and a write), RoPE on Q and K,
-/// SwiGLU (read 2F, write F). Under bf16 also: Q, K and V stored in bf16 (a cast from their
-/// fp32 GEMM results: read 4, write 2 bytes per element) and the bf16 cast of the attention
-/// output for its GEMM (the same); less 2 bytes per element of the GEMM inputs written in bf16 instead of fp32 (the first
+/// SwiGLU (read 2F, write F). Under bf16: RoPE writes Q and K in bf16 (2 bytes less per
+/// element), V is stored by a cast (read 4, write 2 bytes per element) and the attention output
+/// cast for its GEMM (the same); less 2 bytes per element of the GEMM inputs written in bf16 instead of fp32 (the first
 /// norm's output twice, the second's once, the SwiGLU output); the weights need no cast (the
 /// device holds them in bf16). A count of the program's passes, not a measurement.
 pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
@@ -62,7 +62,7 @@ pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
     let q = model.q_dim() as f64;
     let fp32 = 4.0 * (6.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f);
     let recipe = if bf16 {
-        6.0 * (q + 2.0 * kv) + 6.0 * q - 2.0 * (3.0 * c + f)
+        -2.0 * (q + kv) + 6.0 * kv + 6.0 * q - 2.0 * (3.0 * c + f)
     } else {
         0.0
     };

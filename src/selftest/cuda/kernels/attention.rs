@@ -74,7 +74,7 @@ impl Input {
         })
     }
 
-    fn p(&self, g: &Gpu<'_>) -> crate::device::cuda::runtime::DevPtr {
+    fn p(&self, g: &Gpu<'_>) -> crate::device::cuda::DevPtr {
         match self {
             Input::F32(x) => g.p(x),
             Input::Bf16(x) => g.p(x),

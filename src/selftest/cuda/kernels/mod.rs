@@ -660,39 +660,12 @@ fn bf16_stored_activations(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let (cd, sd, pd) = (g.up(cos)?, g.up(sin)?, g.up(&pos)?);
     let (r16, r32) = (g.zeros::<u16>(len)?, g.zeros::<f32>(len)?);
     let l = launch::elementwise(len / 2, g.sms());
-    let (tables, rows) = (
-        [g.p(&cd), g.p(&sd), g.p(&pd)],
-        [ni, heads as i32, hd as i32],
-    );
+    let (cp, sp, pp, hi) = (g.p(&cd), g.p(&sd), g.p(&pd), heads as i32);
     for inverse in [false, true] {
-        let [c_, s_, p_] = tables;
-        let [n_, h_, d_] = rows;
-        k.rope(
-            Dtype::F32O16,
-            inverse,
-            l,
-            g.p(&r16),
-            xp,
-            c_,
-            s_,
-            p_,
-            n_,
-            h_,
-            d_,
-        )?;
-        k.rope(
-            Dtype::F32,
-            inverse,
-            l,
-            g.p(&r32),
-            xp,
-            c_,
-            s_,
-            p_,
-            n_,
-            h_,
-            d_,
-        )?;
+        let rope_into =
+            |dt: Dtype, y: DevPtr| k.rope(dt, inverse, l, y, xp, cp, sp, pp, ni, hi, hd as i32);
+        rope_into(Dtype::F32O16, g.p(&r16))?;
+        rope_into(Dtype::F32, g.p(&r32))?;
         let label = if inverse {
             "RoPE⁻¹ output"
         } else {
