@@ -801,43 +801,57 @@ fn bf16_gradients_land_rounded_to_nearest_even() {
     }
 }
 
-/// A bf16 device holds the weight double buffers in bf16: the planned working set
-/// (`engine::device_bytes` of a planes layout) counts them at 2 B per element, the device
-/// allocates exactly that beside its workspace, and a step allocates nothing more.
+/// A bf16 device holds the weight double buffers in bf16, and the activations the recipe
+/// stores in bf16 (in the layer workspace and in kept internals) at 2 B per element: the
+/// planned working set (`engine::device_bytes` of a planes layout, `workspace_bytes`) counts
+/// them so, the device charges exactly that (the CPU device holds them in fp32), and a step
+/// allocates nothing more.
 #[test]
-fn bf16_devices_hold_weights_in_bf16() {
+fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
+    use megatrain::device::program::{internals_len, workspace_bytes};
     use megatrain::engine::device_bytes;
     let c = cfg(2, false);
     let params = init(&StateLayout::new(&c, Mode::Exact));
-    let mut allocated = Vec::new();
-    for (precision, master) in [
-        (Precision::Fp32, MasterFormat::Fp32),
-        (Precision::Bf16, MasterFormat::Planes),
-    ] {
-        let mut r = rig_spill(
-            &c,
-            Mode::Exact,
-            1,
-            Activations::Host,
-            0.0,
-            None,
-            &params,
-            None,
-            (Shape::whole(B, T), precision),
-        );
-        let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
-        let planned = device_bytes(&layout, B, T, 1, Activations::Host);
-        let up_front = r.device.memory().in_use - r.device.workspace_bytes();
-        assert_eq!(up_front, planned, "{precision:?}");
-        let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
-        assert_eq!(
-            m.device_peak_bytes,
-            r.device.memory().in_use,
-            "{precision:?}"
-        );
-        allocated.push(up_front);
+    for activations in [Activations::Host, Activations::Keep] {
+        let mut allocated = Vec::new();
+        for (precision, master) in [
+            (Precision::Fp32, MasterFormat::Fp32),
+            (Precision::Bf16, MasterFormat::Planes),
+        ] {
+            let mut r = rig_spill(
+                &c,
+                Mode::Exact,
+                1,
+                activations,
+                0.0,
+                None,
+                &params,
+                None,
+                (Shape::whole(B, T), precision),
+            );
+            let what = format!("{precision:?}, {activations:?}");
+            let workspace = workspace_bytes(&c, Shape::whole(B, T), precision);
+            assert_eq!(r.device.workspace_bytes(), workspace, "{what}");
+            let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
+            let planned = device_bytes(&layout, B, T, 1, activations);
+            let up_front = r.device.memory().in_use - workspace;
+            assert_eq!(up_front, planned, "{what}");
+            let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
+            assert_eq!(m.device_peak_bytes, r.device.memory().in_use, "{what}");
+            allocated.push((workspace, up_front));
+        }
+        // Two weight buffers of the largest unit, 2 B per element less; kept internals, one
+        // buffer per layer, the stored regions in half the words.
+        let unit = StateLayout::new(&c, Mode::Exact).max_unit_numel() as u64;
+        let kept = match activations {
+            Activations::Keep => {
+                let words = |p| internals_len(&c, B * T, p) as u64;
+                2 * 4 * (words(Precision::Fp32) - words(Precision::Bf16))
+            }
+            _ => 0,
+        };
+        let ((ws32, buf32), (ws16, buf16)) = (allocated[0], allocated[1]);
+        assert_eq!(buf32 - buf16, 2 * 2 * unit + kept, "{activations:?}");
+        assert!(ws16 < ws32, "{ws16} {ws32}");
     }
-    // Two weight buffers of the largest unit, 2 B per element less.
-    let unit = StateLayout::new(&c, Mode::Exact).max_unit_numel() as u64;
-    assert_eq!(allocated[0] - allocated[1], 2 * 2 * unit);
 }

@@ -323,10 +323,9 @@ impl CpuDevice {
         })
     }
 
-    /// `len` elements, charged `elem` bytes each against the capacity.
-    fn allocate(&self, len: usize, label: &str, elem: u64) -> Result<BufId> {
+    /// `len` elements, charged `bytes` against the capacity.
+    fn allocate(&self, len: usize, label: &str, bytes: u64) -> Result<BufId> {
         let mut a = lock(&self.shared.arena);
-        let bytes = elem * len as u64;
         if a.in_use + bytes > self.shared.capacity {
             return Err(Error::system(
                 "CPU device",
@@ -572,7 +571,7 @@ impl Device for CpuDevice {
     }
 
     fn alloc(&self, len: usize, label: &str) -> Result<BufId> {
-        self.allocate(len, label, 4)
+        self.allocate(len, label, 4 * len as u64)
     }
 
     /// Weights held as a bf16 GPU holds them: charged 2 B per element under bf16 (stored as the
@@ -582,7 +581,15 @@ impl Device for CpuDevice {
             Precision::Fp32 => 4,
             Precision::Bf16 => 2,
         };
-        self.allocate(len, label, elem)
+        self.allocate(len, label, elem * len as u64)
+    }
+
+    fn alloc_stored(&self, words: &dyn Fn(Precision) -> usize, label: &str) -> Result<BufId> {
+        self.allocate(
+            words(Precision::Fp32),
+            label,
+            4 * words(self.precision) as u64,
+        )
     }
 
     fn free(&self, buf: BufId) {

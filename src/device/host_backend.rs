@@ -311,6 +311,10 @@ impl Backend for HostBackend<'_> {
         self.precision
     }
 
+    fn stored(&self) -> Precision {
+        Precision::Fp32
+    }
+
     fn store_bf16(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
         let (dst, keep16) = dst.plain();
         if !keep16 {

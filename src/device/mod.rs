@@ -546,6 +546,11 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn alloc_weights(&self, len: usize, label: &str) -> Result<BufId> {
         self.alloc(len, label)
     }
+    /// Allocate a buffer that holds regions the recipe stores in bf16 (one block's kept
+    /// internals, [`program::internals_len`]): `words(stored)` 4-byte words, `stored` being how
+    /// the device holds such regions ([`program::Backend::stored`]: a GPU in its precision, the
+    /// CPU device in fp32, charged as a GPU of its precision would hold them).
+    fn alloc_stored(&self, words: &dyn Fn(Precision) -> usize, label: &str) -> Result<BufId>;
     /// Return a buffer to the pool.
     fn free(&self, buf: BufId);
     /// Enqueue a command on a stream (FIFO per stream).

@@ -147,13 +147,25 @@ impl std::fmt::Debug for PendingAdam {
     }
 }
 
-/// Elements of schedule buffer `b` for micro-batches of `n` tokens.
+/// The precision of a GPU streaming `layout`'s master: bf16 for planes (their high plane is
+/// the bf16 copy), else fp32. What the planned working set assumes ([`device_bytes`]).
+fn device_precision(layout: &StateLayout) -> Precision {
+    match layout.master {
+        MasterFormat::Fp32 => Precision::Fp32,
+        MasterFormat::Planes => Precision::Bf16,
+    }
+}
+
+/// Elements (4-byte words) of schedule buffer `b` for micro-batches of `n` tokens on a GPU
+/// streaming `layout`'s master.
 pub fn buffer_len(layout: &StateLayout, n: usize, b: DevBuf) -> usize {
     match b {
         DevBuf::W(_) | DevBuf::G(_) => layout.max_unit_numel(),
         DevBuf::GEmb => layout.units[0].numel,
         DevBuf::D(_) | DevBuf::A(_) => n * layout.config.hidden_size,
-        DevBuf::K(_) => crate::device::program::internals_len(&layout.config, n),
+        DevBuf::K(_) => {
+            crate::device::program::internals_len(&layout.config, n, device_precision(layout))
+        }
     }
 }
 
@@ -175,9 +187,9 @@ pub fn device_bytes(
         lean_pieces: LeanPieces::of(layout),
     };
     // A bf16 device (a planes master streams bf16) holds its weights in bf16.
-    let weight_bytes = match layout.master {
-        MasterFormat::Fp32 => 4,
-        MasterFormat::Planes => 2,
+    let weight_bytes = match device_precision(layout) {
+        Precision::Fp32 => 4,
+        Precision::Bf16 => 2,
     };
     schedule(&spec)
         .buffers
@@ -248,8 +260,13 @@ impl Streamer {
         for b in &schedule.buffers {
             let len = buffer_len(&layout, n, *b);
             let label = format!("{b:?}");
+            let config = &layout.config;
             let id = match b {
                 DevBuf::W(_) => device.alloc_weights(len, &label)?,
+                DevBuf::K(_) => device.alloc_stored(
+                    &|stored| crate::device::program::internals_len(config, n, stored),
+                    &label,
+                )?,
                 _ => device.alloc(len, &label)?,
             };
             bufs.insert(*b, id);

@@ -453,6 +453,10 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn stored(&self) -> Precision {
+        self.precision()
+    }
+
     fn store_bf16(&mut self, dst: DevP, src: DevP, len: usize) -> Result<()> {
         if !dst.bf16 {
             return Err(Error::internal(

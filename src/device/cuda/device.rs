@@ -642,6 +642,10 @@ impl Device for CudaDevice {
         self.allocate(len, label, self.precision == Precision::Bf16)
     }
 
+    fn alloc_stored(&self, words: &dyn Fn(Precision) -> usize, label: &str) -> Result<BufId> {
+        self.allocate(words(self.precision), label, false)
+    }
+
     fn free(&self, buf: BufId) {
         self.synchronize();
         let _ = self.rt.ctx.bind_to_thread();

@@ -92,6 +92,10 @@ pub trait Backend {
     /// operands to bf16 (fp32 sums and results), and the program stores attention's Q, K, V
     /// and output gradient in bf16 ([`Backend::store_bf16`]).
     fn precision(&self) -> Precision;
+    /// How the backend holds the regions the recipe stores ([`Backend::as_bf16`]): a GPU in
+    /// its precision (2-byte elements under bf16), the CPU in fp32. What [`Ws::layout`] and
+    /// [`internals_len`] take as `stored`.
+    fn stored(&self) -> Precision;
     /// `dst = src` rounded to bf16 (nearest even) over `len` elements, `dst` a region as the
     /// bf16 recipe stores it ([`Backend::as_bf16`]), `src` fp32. Only called under
     /// [`Precision::Bf16`].
@@ -259,7 +263,7 @@ pub fn run<B: Backend>(
             let p = at.range(*w, 0, blk.numel, "weights")?;
             let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
             let pos = positions(be, tm, &at, batch, s)?;
-            let ws = at.kept(*keep, tm, ws, s)?;
+            let ws = at.kept(*keep, tm, ws, s, be.stored())?;
             block_fwd(be, blk, p, x, y, pos, &ws, s)
         }
         Kernel::BlockBwd {
@@ -282,7 +286,7 @@ pub fn run<B: Backend>(
             );
             let pos = positions(be, tm, &at, batch, s)?;
             let recompute = kept.is_none();
-            let ws = at.kept(*kept, tm, ws, s)?;
+            let ws = at.kept(*kept, tm, ws, s, be.stored())?;
             block_bwd(be, blk, p, gr, x, dy, dx, pos, &ws, s, recompute)
         }
         Kernel::HeadLossBwd {
@@ -416,13 +420,15 @@ impl<B: Backend> Ranges<'_, B> {
     }
 
     /// The workspace with the block's internals in buffer `kept` when given (it must hold
-    /// them for the whole micro-batch: the shape is one chunk), else `ws` itself.
+    /// them for the whole micro-batch, the stored ones as `stored` says: the shape is one
+    /// chunk), else `ws` itself.
     fn kept(
         &self,
         kept: Option<BufId>,
         tm: &Templates,
         ws: &Ws<B::P>,
         s: Shape,
+        stored: Precision,
     ) -> Result<Ws<B::P>> {
         let Some(id) = kept else {
             return Ok(*ws);
@@ -438,9 +444,9 @@ impl<B: Backend> Ranges<'_, B> {
                 ),
             ));
         }
-        let len = internals_len(&tm.config, s.n());
+        let len = internals_len(&tm.config, s.n(), stored);
         let base = self.range(id, 0, len, "kept internals")?;
-        Ok(ws.keeping::<B>(&tm.config, s.n(), base))
+        Ok(ws.keeping::<B>(&tm.config, s.n(), base, stored))
     }
 
     /// `ids` holds one id per token of a micro-batch of `n`.

@@ -130,7 +130,7 @@ impl Case {
         let blk = &tm.blocks[0];
         let (lay, elems) = Ws::layout(cfg, s, Precision::Fp32);
         let mut mem = vec![0.0f32; elems];
-        let mut kept = vec![0.0f32; internals_len(cfg, n)];
+        let mut kept = vec![0.0f32; internals_len(cfg, n, Precision::Fp32)];
         let mut be = HostBackend::with_precision(&tm.rope, precision);
         let (mut y, mut g, mut dx) = (vec![0.0; n * c], self.g0.clone(), vec![0.0; n * c]);
         let mut dy = self.dy.clone(); // consumed by the backward
@@ -153,7 +153,7 @@ impl Case {
         };
         let pos = be.upload_ids(&self.pos).unwrap();
         let bws = match keep {
-            true => ws.keeping::<HostBackend<'_>>(cfg, n, keptp),
+            true => ws.keeping::<HostBackend<'_>>(cfg, n, keptp, Precision::Fp32),
             false => ws,
         };
         block_fwd(&mut be, blk, pp, xp, yp, pos, &bws, s).unwrap();

@@ -101,10 +101,7 @@ impl Ws<usize> {
         let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
         let mh = m.max(ce_rows);
         let mut regions = Regions::default();
-        let words = |len: usize| match stored {
-            Precision::Fp32 => len,
-            Precision::Bf16 => len.div_ceil(2),
-        };
+        let words = |len: usize| words(len, stored);
         let mut take = |len: usize| regions.take(len);
         let ws = Ws {
             h1: take(words(mh * c)),
@@ -170,7 +167,8 @@ impl Ws<usize> {
 /// A block's forward internals kept for its backward ([`crate::engine::Activations::Keep`]):
 /// offsets, for `n` tokens (the whole micro-batch), of the [`Ws`] regions the forward writes
 /// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act — in one
-/// buffer of [`internals_len`] elements.
+/// buffer of [`internals_len`] 4-byte words; the stored ones (h1, q, k, v, h2, act) as
+/// [`Ws::layout`] holds them.
 #[derive(Debug, Clone, Copy)]
 struct Internals {
     h1: usize,
@@ -189,7 +187,7 @@ struct Internals {
 }
 
 impl Internals {
-    fn layout(cfg: &ModelConfig, n: usize) -> (Self, usize) {
+    fn layout(cfg: &ModelConfig, n: usize, stored: Precision) -> (Self, usize) {
         let (c, qd, kvd, i) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -199,34 +197,50 @@ impl Internals {
         let mut regions = Regions::default();
         let mut take = |len: usize| regions.take(len);
         let r = Internals {
-            h1: take(n * c),
+            h1: take(words(n * c, stored)),
             rstd1: take(n),
-            q: take(n * qd),
-            k: take(n * kvd),
-            v: take(n * kvd),
+            q: take(words(n * qd, stored)),
+            k: take(words(n * kvd, stored)),
+            v: take(words(n * kvd, stored)),
             att: take(n * qd),
             lse: take(cfg.num_heads * n),
             x2: take(n * c),
-            h2: take(n * c),
+            h2: take(words(n * c, stored)),
             rstd2: take(n),
             gate: take(n * i),
             up: take(n * i),
-            act: take(n * i),
+            act: take(words(n * i, stored)),
         };
         (r, regions.end)
     }
 }
 
-/// Elements of one block's kept internals for micro-batches of `n` tokens.
-pub fn internals_len(cfg: &ModelConfig, n: usize) -> usize {
-    Internals::layout(cfg, n).1
+/// Words of a stored region of `len` elements held as `stored` says ([`Ws::layout`]).
+fn words(len: usize, stored: Precision) -> usize {
+    match stored {
+        Precision::Fp32 => len,
+        Precision::Bf16 => len.div_ceil(2),
+    }
+}
+
+/// 4-byte words of one block's kept internals for micro-batches of `n` tokens, the stored
+/// regions held as `stored` says ([`Ws::layout`]).
+pub fn internals_len(cfg: &ModelConfig, n: usize, stored: Precision) -> usize {
+    Internals::layout(cfg, n, stored).1
 }
 
 impl<P: Copy> Ws<P> {
     /// These regions with the forward internals in `kept` (a buffer of [`internals_len`]
-    /// elements) instead of the workspace: a forward run on it leaves them for the backward.
-    pub fn keeping<B: Backend<P = P>>(&self, cfg: &ModelConfig, n: usize, kept: P) -> Self {
-        let (r, _) = Internals::layout(cfg, n);
+    /// words, `stored` as the workspace's) instead of the workspace: a forward run on it
+    /// leaves them for the backward.
+    pub fn keeping<B: Backend<P = P>>(
+        &self,
+        cfg: &ModelConfig,
+        n: usize,
+        kept: P,
+        stored: Precision,
+    ) -> Self {
+        let (r, _) = Internals::layout(cfg, n, stored);
         let f = |o: usize| B::off(kept, o);
         Ws {
             h1: f(r.h1),
