@@ -227,27 +227,32 @@ fn time_gemm(
     })
 }
 
-/// Milliseconds of the SIMT forward, and (when the head dim has them) of the tensor-core
-/// forward and forward + backward, over one sequence of random bf16 values.
+/// Milliseconds of the fp32 SIMT forward, and (when the head dim has them) of the tensor-core
+/// forward and forward + backward, over one sequence of random bf16 values (stored in fp32 for
+/// the SIMT kernel, in bf16 for the tensor-core ones, as the recipes store them).
 fn time_attention(
     rt: &CudaRuntime,
     s: AttnShape,
     reps: usize,
 ) -> Result<(f64, Option<(f64, f64)>)> {
+    use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
     let (qn, kn, rows) = (s.t * s.nh * s.hd, s.t * s.nkv * s.hd, s.nh * s.t);
-    let upload = |n: usize, seed: u64| -> Result<CudaSlice<f32>> {
-        let v: Vec<f32> = crate::util::uniform(n, seed, 1.0)
+    let bits = |n: usize, seed: u64| -> Vec<u16> {
+        crate::util::uniform(n, seed, 1.0)
             .iter()
-            .map(|x| crate::optim::adamw::bf16_to_f32(crate::optim::adamw::f32_to_bf16(*x)))
-            .collect();
+            .map(|x| f32_to_bf16(*x))
+            .collect()
+    };
+    let up32 = |b: &[u16]| -> Result<CudaSlice<f32>> {
+        let v: Vec<f32> = b.iter().map(|x| bf16_to_f32(*x)).collect();
         drv(rt.stream.clone_htod(&v), "copy to the device")
     };
-    let (q, k, v, d_o) = (
-        upload(qn, 1)?,
-        upload(kn, 2)?,
-        upload(kn, 3)?,
-        upload(qn, 4)?,
-    );
+    let up16 = |b: &[u16]| drv(rt.stream.clone_htod(b), "copy to the device");
+    let inputs = [bits(qn, 1), bits(kn, 2), bits(kn, 3), bits(qn, 4)];
+    let [q32, k32, v32] = [&inputs[0], &inputs[1], &inputs[2]].map(|b| up32(b));
+    let [q16, k16, v16, do16] = [&inputs[0], &inputs[1], &inputs[2], &inputs[3]].map(|b| up16(b));
+    let (q32, k32, v32) = (q32?, k32?, v32?);
+    let (q16, k16, v16, do16) = (q16?, k16?, v16?, do16?);
     let pos: Vec<u32> = (0..s.t as u32).collect();
     let pos = drv(rt.stream.clone_htod(&pos), "copy to the device")?;
     let (o, lse, delta, dq, dk, dv) = (
@@ -258,8 +263,9 @@ fn time_attention(
         zeros::<f32>(rt, kn)?,
         zeros::<f32>(rt, kn)?,
     );
-    let [q, k, v, d_o, o, lse, delta, dq, dk, dv] =
-        [&q, &k, &v, &d_o, &o, &lse, &delta, &dq, &dk, &dv].map(|b| ptr(rt, b));
+    let o_buf = o;
+    let [o, lse, delta, dq, dk, dv, q, k, v] =
+        [&o_buf, &lse, &delta, &dq, &dk, &dv, &q32, &k32, &v32].map(|b| ptr(rt, b));
     let a = AttnArgs::new(s, ptr(rt, &pos))?;
     let kk = Launcher {
         rt,
@@ -272,13 +278,50 @@ fn time_attention(
     let Some(g) = launch::flash(s)? else {
         return Ok((simt_ms, None));
     };
+    let [q, k, v, d_o] = [&q16, &k16, &v16, &do16].map(|b| ptr(rt, b));
     let fwd = rt.time_ms(None, reps, &mut || kk.flash_fwd(&g, o, lse, q, k, v, a))?;
     let both = rt.time_ms(None, reps, &mut || {
         kk.flash_fwd(&g, o, lse, q, k, v, a)?;
         kk.flash_bwd(&g, dq, delta, d_o, o, q, k, v, lse, a)?;
         kk.flash_bwd_kv(&g, dk, dv, d_o, q, k, v, lse, delta, a)
     })?;
+    check_first_rows(rt, s, &inputs, &o_buf)?;
     Ok((simt_ms, Some((fwd, both))))
+}
+
+/// A timing of misread inputs is no timing: the tensor-core forward's first query rows (at
+/// most 16, in `o`) against the CPU attention of the same bf16 inputs (`[q, k, v, dO]`),
+/// within the self-test's tolerance for these kernels, relative to the largest output.
+fn check_first_rows(
+    rt: &CudaRuntime,
+    s: AttnShape,
+    inputs: &[Vec<u16>; 4],
+    o: &CudaSlice<f32>,
+) -> Result<()> {
+    use crate::optim::adamw::bf16_to_f32;
+    let widen = |b: &[u16]| -> Vec<f32> { b.iter().map(|x| bf16_to_f32(*x)).collect() };
+    let (rows, width) = (s.t.min(16), s.nh * s.hd);
+    let q = widen(&inputs[0][..rows * width]);
+    let (k, v) = (widen(&inputs[1]), widen(&inputs[2]));
+    let pos: Vec<u32> = (0..s.t as u32).collect();
+    let (mut want, mut lse) = (vec![0.0f32; rows * width], vec![0.0f32; s.nh * rows]);
+    crate::model::ops::attention_fwd(&mut want, &mut lse, &q, &k, &v, &pos, s.queries(0, rows));
+    let got = drv(rt.stream.clone_dtoh(o), "copy to the host")?;
+    let largest = want.iter().fold(f32::MIN_POSITIVE, |m, x| m.max(x.abs()));
+    let bad = got[..rows * width]
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| (g - w).abs() / largest)
+        .find(|e| e.is_nan() || *e > 5e-3);
+    match bad {
+        None => Ok(()),
+        Some(e) => Err(Error::internal(
+            "bench kernels",
+            format!(
+                "the tensor-core attention forward is {e:e} off the CPU attention of its inputs"
+            ),
+        )),
+    }
 }
 
 /// The report as a table.

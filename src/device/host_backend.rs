@@ -89,8 +89,8 @@ fn views<'a, const W: usize, const R: usize>(
     ins: [(HostP, usize); R],
 ) -> Result<Views<'a, W, R>> {
     let bad = |why: String| Error::internal("CPU backend", format!("{op}: {why}"));
-    // A bf16-kept tensor is written only by the ops that round it, read only by GEMMs: each
-    // takes it apart ([`HostP::plain`]) before asking for its views.
+    // A stored tensor is written only by the ops that round it, read only by GEMMs and
+    // attention: each takes it apart ([`HostP::plain`]) before asking for its views.
     if outs.iter().chain(&ins).any(|(p, _)| p.bf16) {
         return Err(bad(
             "a bf16-kept tensor where fp32 is read or written".into()
@@ -382,8 +382,11 @@ impl Backend for HostBackend<'_> {
         inverse: bool,
     ) -> Result<()> {
         let len = rows * heads * self.rope.head_dim;
+        // In place only as fp32: a stored output over its own input is an overlap (on a GPU,
+        // bf16 pairs written over fp32 values other threads still read).
+        let in_place = y.is(&x);
         let (y, keep16) = y.plain();
-        let y = if y.is(&x) {
+        let y = if in_place {
             let ([y], []) = views("rope", [(x, len)], [])?;
             y
         } else {
@@ -668,6 +671,8 @@ mod tests {
             be.rope(HostBackend::as_bf16(yp), xp, ids, rows, heads, inverse)
                 .unwrap();
             assert_eq!(x, src, "the input is left as it was");
+            let over_itself = be.rope(HostBackend::as_bf16(xp), xp, ids, rows, heads, inverse);
+            assert!(over_itself.is_err(), "bf16 written over its own fp32 input");
             be.rope(xp, xp, ids, rows, heads, inverse).unwrap();
             assert_ne!(x, src);
             let want: Vec<f32> = x.iter().map(|v| bf16_value(*v)).collect();

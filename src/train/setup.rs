@@ -537,9 +537,11 @@ fn check_device_budget(cfg: &TrainConfig, layout: &StateLayout, host_room: u64) 
         return Ok(());
     }
     let shape = cpu_shape(cfg, layout)?;
-    // The CPU device holds what a GPU stores in bf16 as fp32: the fp32 workspace.
+    // The CPU device holds in fp32 what a bf16 GPU holds in bf16 (the stored workspace regions
+    // and kept internals, the weights): it charges a GPU's bytes, the host gives fp32's.
+    let held = layout.clone().with_master(MasterFormat::Fp32);
     let need = crate::device::program::workspace_bytes(&layout.config, shape, Precision::Fp32)
-        + step_buffers(cfg, layout);
+        + step_buffers(cfg, &held);
     if need > host_room {
         return Err(Error::bad_input(
             "host memory",

@@ -9,11 +9,15 @@ use crate::store::layout::Mode;
 use crate::store::layout::StateLayout;
 
 fn model(tied: bool) -> ModelConfig {
+    model_with(tied, true)
+}
+
+fn model_with(tied: bool, bias: bool) -> ModelConfig {
     ModelConfig::from_json_str(
         &format!(
             r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":48,"intermediate_size":80,
             "num_hidden_layers":2,"num_attention_heads":6,"num_key_value_heads":2,"vocab_size":53,
-            "attention_bias":true,"tie_word_embeddings":{tied}}}"#
+            "attention_bias":{bias},"tie_word_embeddings":{tied}}}"#
         ),
         "t",
     )
@@ -50,7 +54,11 @@ struct Case {
 impl Case {
     /// Sequence 0 one flat document; the others documents of `docs` tokens (summing to `t`).
     fn new(b: usize, t: usize, docs: &[usize]) -> Self {
-        let cfg = model(false);
+        Self::of(model(false), b, t, docs)
+    }
+
+    /// [`Self::new`] for the model `cfg`.
+    fn of(cfg: ModelConfig, b: usize, t: usize, docs: &[usize]) -> Self {
         let layout = StateLayout::new(&cfg, Mode::Exact);
         let tm = Templates::new(&layout.config, t).unwrap();
         let (n, c) = (b * t, cfg.hidden_size);
@@ -251,29 +259,28 @@ fn every_chunking_gives_the_same_bits() {
     }
 }
 
-/// Under bf16 too (Q, K, V and dO computed in scratch regions, then stored in bf16): token
-/// chunks and kept internals give the bits of the whole micro-batch recomputed, which differ
-/// from fp32's.
+/// Under bf16 too (Q, K, V and dO computed in scratch regions, then stored in bf16; dQ, dK,
+/// dV stored for their GEMMs, by RoPE⁻¹ directly without a bias): token chunks and kept
+/// internals give the bits of the whole micro-batch recomputed, which differ from fp32's.
 #[test]
 fn bf16_program_gives_the_same_bits_in_every_chunking() {
     let (b, t) = (2, 513);
-    let case = Case::new(b, t, &[255, 3, 254, 1]);
-    let whole = Shape::whole(b, t);
-    let want = case.program_in(whole, false, Precision::Bf16);
-    assert_ne!(
-        case.program(whole, false).y,
-        want.y,
-        "bf16 rounds what fp32 keeps"
-    );
-    assert_same(
-        &case.program_in(whole, true, Precision::Bf16),
-        &want,
-        "kept",
-    );
-    for chunk in [t, 256, 512] {
-        let s = Shape::chunked(b, t, chunk).unwrap();
-        let got = case.program_in(s, false, Precision::Bf16);
-        assert_same(&got, &want, &format!("chunk {chunk}"));
+    for bias in [true, false] {
+        let case = Case::of(model_with(false, bias), b, t, &[255, 3, 254, 1]);
+        let whole = Shape::whole(b, t);
+        let want = case.program_in(whole, false, Precision::Bf16);
+        assert_ne!(
+            case.program(whole, false).y,
+            want.y,
+            "bf16 rounds what fp32 keeps"
+        );
+        let kept = case.program_in(whole, true, Precision::Bf16);
+        assert_same(&kept, &want, &format!("bias {bias}, kept"));
+        for chunk in [t, 256, 512] {
+            let s = Shape::chunked(b, t, chunk).unwrap();
+            let got = case.program_in(s, false, Precision::Bf16);
+            assert_same(&got, &want, &format!("bias {bias}, chunk {chunk}"));
+        }
     }
 }
 
@@ -333,6 +340,25 @@ fn bf16_workspace_halves_the_stored_regions() {
         workspace_bytes(&cfg, s, Precision::Bf16),
         4 * bf16_words.iter().sum::<usize>() as u64
     );
+}
+
+/// With token chunks a GPU's workspace grows with the sequence only by what attention keeps for
+/// all of it: K and V (2 B per element under bf16), dK and dV (4 B) and a loss (4 B) per token.
+#[test]
+fn workspace_grows_with_the_sequence_by_keys_values_and_their_gradients() {
+    let cfg = model(false);
+    let kvd = cfg.kv_dim() as u64;
+    for (precision, kv_bytes) in [(Precision::Fp32, 4), (Precision::Bf16, 2)] {
+        let bytes = |t: usize| workspace_bytes(&cfg, Shape::chunked(2, t, 256).unwrap(), precision);
+        let per_token = 2 * kv_bytes * kvd + 2 * 4 * kvd + 4;
+        for (t1, t2) in [(512, 1024), (1024, 4096)] {
+            assert_eq!(
+                bytes(t2) - bytes(t1),
+                2 * (t2 - t1) as u64 * per_token,
+                "{precision:?}: {t1} → {t2} tokens a sequence"
+            );
+        }
+    }
 }
 
 #[test]

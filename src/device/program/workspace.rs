@@ -305,10 +305,10 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
 /// Under [`crate::device::Precision::Bf16`], the elements of the largest GEMM operand a device
 /// casts, for shape `s`: a device that casts operands to bf16 before a bf16 GEMM needs two bf16
 /// buffers of this many elements. The operands cast are the fp32 ones: a chunk's attention
-/// output (`rows × nh·hd`), the gradients of the projections' outputs (the residual's `rows ×
-/// C`, dQ's, dK's and dV's) and a CE chunk's logits gradient (`rows × vocab`). The weights and
-/// the stored activations ([`Ws`]: the MLP's are the only `rows × I` operands) are in bf16
-/// already.
+/// output (`rows × nh·hd`), the residual's gradient (`rows × C`, the output projections' dy)
+/// and a CE chunk's logits gradient (`rows × vocab`). The weights, the stored activations
+/// ([`Ws`]: the MLP's are the only `rows × I` operands) and the stored dQ, dK and dV are in
+/// bf16 already.
 pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
     let (c, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
     let rows = s.chunk_rows();
