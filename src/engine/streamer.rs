@@ -258,16 +258,16 @@ impl Streamer {
         let piece = layout.lean_piece_elems();
         let mut bufs = HashMap::new();
         for b in &schedule.buffers {
-            let len = buffer_len(&layout, n, *b);
             let label = format!("{b:?}");
             let config = &layout.config;
+            // Kept internals are sized by the device's storage, not by the planned GPU's.
             let id = match b {
-                DevBuf::W(_) => device.alloc_weights(len, &label)?,
+                DevBuf::W(_) => device.alloc_weights(buffer_len(&layout, n, *b), &label)?,
                 DevBuf::K(_) => device.alloc_stored(
                     &|stored| crate::device::program::internals_len(config, n, stored),
                     &label,
                 )?,
-                _ => device.alloc(len, &label)?,
+                _ => device.alloc(buffer_len(&layout, n, *b), &label)?,
             };
             bufs.insert(*b, id);
         }

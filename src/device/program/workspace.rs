@@ -101,27 +101,27 @@ impl Ws<usize> {
         let ce_rows = CE_CHUNK_ROWS.min(n.max(1));
         let mh = m.max(ce_rows);
         let mut regions = Regions::default();
-        let words = |len: usize| words(len, stored);
+        let half = |len: usize| words(len, stored);
         let mut take = |len: usize| regions.take(len);
         let ws = Ws {
-            h1: take(words(mh * c)),
+            h1: take(half(mh * c)),
             rstd1: take(mh),
-            q: take(words(m * qd)),
-            k: take(words(n * kvd)),
-            v: take(words(n * kvd)),
+            q: take(half(m * qd)),
+            k: take(half(n * kvd)),
+            v: take(half(n * kvd)),
             att: take(m * qd),
             lse: take(cfg.num_heads * m),
             delta: take(cfg.num_heads * m),
             x2: take(m * c),
-            h2: take(words(m * c)),
+            h2: take(half(m * c)),
             rstd2: take(m),
             gate: take(m * i),
             up: take(m * i),
-            act: take(words(m * i)),
+            act: take(half(m * i)),
             d_i1: take(m * i),
-            d_i2: take(words(m * i)),
-            d_i3: take(words(m * i)),
-            d_att: take(words(m * qd)),
+            d_i2: take(half(m * i)),
+            d_i3: take(half(m * i)),
+            d_att: take(half(m * qd)),
             d_c: take(mh * c),
             dq: take(m * qd),
             dk: take(n * kvd),
