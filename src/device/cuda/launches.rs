@@ -554,11 +554,6 @@ impl Launcher<'_> {
         self.launch("cast_fwd_f32_bf16", l, &[Ptr(out), Ptr(x), I64(n)])
     }
 
-    /// bf16 → fp32.
-    pub fn cast_bf16_f32(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
-        self.launch("cast_fwd_bf16_f32", l, &[Ptr(out), Ptr(x), I64(n)])
-    }
-
     /// `*out += Σ x²` (f64 accumulator).
     pub fn sumsq(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
         self.launch("sumsq_fwd_f32", l, &[Ptr(out), Ptr(x), I64(n)])
@@ -627,7 +622,6 @@ pub const WRAPPED: &[&str] = &[
     "cross_entropy_fwd",
     "cross_entropy_bwd",
     "cast_fwd_f32_bf16",
-    "cast_fwd_bf16_f32",
     "sumsq_fwd_f32",
     "bias_fwd",
     "bias_bwd",
