@@ -13,7 +13,7 @@ use megatrain::device::kernels::{ARCHS, FILES};
 
 /// NVRTC, loaded; `None` (after saying why) where there is none and CI does not require it.
 fn toolchain() -> Option<nvrtc::Toolchain> {
-    let tc = match nvrtc::locate() {
+    let tc = match nvrtc::Toolchain::for_compiling() {
         Ok(tc) => tc,
         Err(e) if std::env::var("MEGATRAIN_REQUIRE_NVRTC").as_deref() == Ok("1") => {
             panic!("MEGATRAIN_REQUIRE_NVRTC=1 but {e}")
@@ -23,7 +23,12 @@ fn toolchain() -> Option<nvrtc::Toolchain> {
             return None;
         }
     };
-    nvrtc::load(&tc).unwrap();
+    eprintln!(
+        "NVRTC {} at {}, headers {}",
+        tc.version,
+        tc.library.display(),
+        tc.include.display()
+    );
     Some(tc)
 }
 
@@ -62,11 +67,9 @@ fn every_kernel_compiles_for_every_arch_without_warnings() {
 /// A broken kernel is an error that carries NVRTC's message (so a typo fails CI readably).
 #[test]
 fn a_compile_error_carries_the_nvrtc_log() {
-    let Ok(tc) = nvrtc::locate() else {
-        eprintln!("SKIP: no NVRTC");
+    let Some(tc) = toolchain() else {
         return;
     };
-    nvrtc::load(&tc).unwrap();
     let bad = megatrain::device::kernels::KernelFile {
         file: "broken.cu",
         source: "#include \"common.cuh\"\nextern \"C\" __global__ void broken_fwd_f32(float* x) { x[0] = undefined_thing; }\n",

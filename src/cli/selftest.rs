@@ -15,6 +15,10 @@ pub struct SelftestArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Only find and open the CUDA stack (driver, NVRTC, headers, cuBLAS), compile and load the
+    /// kernels, and say which files and versions are in use.
+    #[arg(long)]
+    stack_only: bool,
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -39,16 +43,24 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
             Some("use --device cuda"),
         ));
     }
+    let t0 = std::time::Instant::now();
     let rt = CudaRuntime::open(a.gpu)?;
+    println!("megatrain selftest");
+    for l in rt.describe() {
+        println!("  {l}");
+    }
     println!(
-        "megatrain selftest — {} (sm_{}{}, {} SMs), driver {}.{}, kernels compiled by NVRTC at start-up\n",
-        rt.name,
-        rt.cc.0,
-        rt.cc.1,
-        rt.sms,
-        rt.driver / 1000,
-        rt.driver % 1000 / 10
+        "  opened in {:.1} s{}\n",
+        t0.elapsed().as_secs_f64(),
+        if rt.emulated() {
+            " (emulated: cuemu)"
+        } else {
+            ""
+        }
     );
+    if a.stack_only {
+        return Ok(());
+    }
     let print = |checks: &[Check]| {
         for c in checks {
             println!(

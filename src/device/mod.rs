@@ -11,6 +11,7 @@ pub mod host_backend;
 pub mod kernels;
 pub mod launch;
 pub mod program;
+pub mod stack;
 
 use crate::{Error, Result};
 use std::sync::{Arc, Condvar, Mutex};

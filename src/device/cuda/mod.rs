@@ -8,6 +8,7 @@
 
 mod backend;
 mod device;
+pub mod kernel_cache;
 pub mod launches;
 pub mod nvrtc;
 pub mod pinned;

@@ -1,142 +1,118 @@
-//! Compiling `kernels/*.cu` with NVRTC (feature `cuda`).
+//! Compiling `kernels/*.cu` with NVRTC (feature `cuda`), and keeping what was compiled: in the
+//! process (each architecture's files are compiled once however many devices open) and on disk
+//! ([`super::kernel_cache`]).
 //!
-//! NVRTC (and cuBLAS, [`load_cublas`]) is loaded at run time. Where it lives: `MEGATRAIN_NVRTC_LIB` (a path to `libnvrtc.so*`),
-//! else `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64`; the CUDA headers (`cuda_bf16.h`) from
-//! `MEGATRAIN_CUDA_INCLUDE`, else `$CUDA_PATH/include`, `/usr/local/cuda/include`. The PyPI wheels
-//! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` provide both on a machine with no
-//! toolkit (`tools/setup-cuda-wheels.sh` installs them and prints the two variables).
-//!
-//! The library is opened by absolute path with `RTLD_GLOBAL` before cudarc's first NVRTC call, so
-//! cudarc's own lookup by soname finds it — cudarc panics when it cannot load a library, which is
-//! why nothing here calls cudarc before [`load`] succeeded.
+//! Which NVRTC and which headers is the CUDA stack's choice ([`crate::device::stack`]): CUDA 12 or
+//! 13, from the toolkit, the loader's path or NVIDIA's pip wheels. The library is opened by
+//! absolute path with `RTLD_GLOBAL` before cudarc's first NVRTC call, so cudarc's own lookup by
+//! soname binds it — [`bind`] checks that it did (cudarc panics when it cannot load a library,
+//! which is why nothing here calls cudarc before that).
 
+use super::kernel_cache;
 use crate::device::kernels::{nvrtc_options, KernelFile, FILES};
+use crate::device::stack::{self, Headers, Loaded, Version};
 use crate::{Error, Result};
-use std::ffi::{CStr, CString};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
-/// Where NVRTC and the CUDA headers were found.
+/// The NVRTC and headers kernels are compiled with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Toolchain {
     /// The NVRTC library.
     pub library: PathBuf,
+    /// Its release.
+    pub version: Version,
     /// Directory holding `cuda_bf16.h`.
     pub include: PathBuf,
+    /// The headers' release, where they state it.
+    pub headers_version: Option<Version>,
 }
 
-fn candidates(var: &str, rel: &[&str]) -> Vec<PathBuf> {
-    let mut v = Vec::new();
-    if let Some(p) = std::env::var_os(var) {
-        v.push(PathBuf::from(p));
-    }
-    for root in std::env::var_os("CUDA_PATH")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([PathBuf::from("/usr/local/cuda")])
-    {
-        for r in rel {
-            v.push(root.join(r));
+impl Toolchain {
+    /// The toolchain of a chosen stack.
+    pub fn new(nvrtc: &Loaded, headers: &Headers) -> Toolchain {
+        Toolchain {
+            library: nvrtc.path.clone(),
+            version: nvrtc.version,
+            include: headers.dir.clone(),
+            headers_version: headers.version,
         }
     }
-    v
+
+    /// NVRTC for compiling only (no driver or GPU needed: the test suite, the PTX report):
+    /// found as [`stack::compiler`] finds it, opened and bound.
+    pub fn for_compiling() -> Result<Toolchain> {
+        let (nvrtc, headers) = stack::compiler()?;
+        let tc = Toolchain::new(&nvrtc, &headers);
+        bind(&tc.library)?;
+        Ok(tc)
+    }
 }
 
-/// Find NVRTC and the headers (no loading yet).
-pub fn locate() -> Result<Toolchain> {
-    let library = candidates(
-        "MEGATRAIN_NVRTC_LIB",
-        &["lib64/libnvrtc.so", "lib64/libnvrtc.so.12", "lib/libnvrtc.so.12"],
-    )
-    .into_iter()
-    .find(|p| p.is_file())
-    .ok_or_else(|| {
-        Error::bad_input(
-            "NVRTC",
-            "libnvrtc.so",
-            "not found (MEGATRAIN_NVRTC_LIB, $CUDA_PATH/lib64, /usr/local/cuda/lib64)",
-            Some("install the CUDA toolkit, or run tools/setup-cuda-wheels.sh and export what it prints"),
-        )
-    })?;
-    let include = candidates("MEGATRAIN_CUDA_INCLUDE", &["include"])
-        .into_iter()
-        .find(|p| p.join("cuda_bf16.h").is_file())
-        .ok_or_else(|| {
-            Error::bad_input(
-                "CUDA headers",
-                "cuda_bf16.h",
-                "not found (MEGATRAIN_CUDA_INCLUDE, $CUDA_PATH/include, /usr/local/cuda/include)",
-                Some("install the CUDA toolkit, or run tools/setup-cuda-wheels.sh and export what it prints"),
-            )
-        })?;
-    Ok(Toolchain { library, include })
-}
-
-/// Open NVRTC by its absolute path (idempotent).
-pub fn load(tc: &Toolchain) -> Result<()> {
-    dlopen_global(&tc.library)?;
-    // SAFETY: the library is loaded, so cudarc's loader finds it and does not panic.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+/// Check that cudarc's lookup of a library by soname bound the file the stack opened: both
+/// resolve `symbol` to the same address. `present` is cudarc's own probe, `bound` its lookup
+/// of the symbol (only called once `present` said yes: cudarc panics without the library).
+pub fn same_library(
+    what: &'static str,
+    ours: (&Path, *mut c_void),
+    symbol: &str,
+    present: impl Fn() -> bool,
+    bound: impl Fn() -> Option<*const c_void>,
+) -> Result<()> {
+    let (path, addr) = ours;
+    if !present() {
         return Err(Error::system(
-            "NVRTC",
-            tc.library.display().to_string(),
-            "loaded, but cudarc cannot find it by soname (a libnvrtc.so.12 is expected)",
-        ));
-    }
-    Ok(())
-}
-
-/// Open `lib` by its absolute path with `RTLD_GLOBAL` (idempotent), so cudarc's lookup by
-/// soname finds it. The handle is kept for the process.
-pub fn dlopen_global(lib: &Path) -> Result<()> {
-    let path = CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|_| {
-        Error::bad_input(
-            "library",
-            lib.display().to_string(),
-            "path contains NUL",
-            None,
+            what,
+            path.display().to_string(),
+            "opened, but cudarc's lookup by soname does not find it",
         )
-    })?;
-    // SAFETY: dlopen with a valid C string; the handle is deliberately leaked (the library stays
-    // loaded for the process, as cudarc expects).
-    let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a thread-local C string or null.
-        let why = unsafe {
-            let e = libc::dlerror();
-            if e.is_null() {
-                "unknown error".to_owned()
-            } else {
-                CStr::from_ptr(e).to_string_lossy().into_owned()
-            }
-        };
-        return Err(Error::system("dlopen", lib.display().to_string(), why));
+        .with_fix(format!(
+            "put {} first on LD_LIBRARY_PATH",
+            path.parent().unwrap_or(Path::new("/")).display()
+        )));
     }
-    Ok(())
+    match bound() {
+        Some(theirs) if std::ptr::eq(theirs, addr.cast_const()) => Ok(()),
+        theirs => {
+            let other = theirs
+                .and_then(|p| stack::file_of(p as usize))
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| format!("a library without {symbol}"));
+            Err(Error::system(
+                what,
+                path.display().to_string(),
+                format!("the dynamic linker gave cudarc {other} instead (an unversioned name found first on the loader's path)"),
+            )
+            .with_fix(format!(
+                "take {other}'s folder off LD_LIBRARY_PATH, or point {} at it",
+                if what == "NVRTC" { "MEGATRAIN_NVRTC_LIB" } else { "MEGATRAIN_CUBLAS_LIB" }
+            )))
+        }
+    }
 }
 
-/// Make cuBLAS loadable, or say how: `MEGATRAIN_CUBLAS_LIB` (opened by path), else whatever the
-/// loader finds (`LD_LIBRARY_PATH`, `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64`). cudarc panics
-/// on its first cuBLAS call when the library is missing, so this runs before any.
-pub fn load_cublas() -> Result<()> {
-    let given = candidates(
-        "MEGATRAIN_CUBLAS_LIB",
-        &["lib64/libcublas.so.12", "lib64/libcublas.so"],
+/// Open NVRTC at `library` by its absolute path (idempotent) and check cudarc binds it.
+pub fn bind(library: &Path) -> Result<()> {
+    let ours = stack::open_library(library, "nvrtcVersion")?;
+    same_library(
+        "NVRTC",
+        (library, ours),
+        "nvrtcVersion",
+        // SAFETY: only tries to dlopen the library by its usual names.
+        || unsafe { cudarc::nvrtc::sys::is_culib_present() },
+        || {
+            // SAFETY: the library is present (checked first), so culib() does not panic;
+            // the symbol is only compared, never called.
+            unsafe {
+                cudarc::nvrtc::sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"nvrtcVersion")
+                    .ok()
+                    .map(|f| *f as *const c_void)
+            }
+        },
     )
-    .into_iter()
-    .find(|p| p.is_file());
-    if let Some(p) = &given {
-        dlopen_global(p)?;
-    }
-    // SAFETY: only tries to dlopen the library by its usual names.
-    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-        return Err(Error::bad_input(
-            "cuBLAS",
-            "libcublas.so.12",
-            "not found (MEGATRAIN_CUBLAS_LIB, LD_LIBRARY_PATH, $CUDA_PATH/lib64, /usr/local/cuda/lib64)",
-            Some("install the CUDA toolkit's cuBLAS, or run `tools/setup-cuda-wheels.sh --cublas` and export what it prints"),
-        ));
-    }
-    Ok(())
 }
 
 /// One compiled kernel file.
@@ -248,21 +224,111 @@ pub fn compile_all(tc: &Toolchain, arch: &str) -> Result<Vec<Compiled>> {
         .iter()
         .map(|f| {
             let c = compile(tc, f, arch)?;
-            if let Some(missing) = f
-                .kernels
-                .iter()
-                .map(|k| k.name)
-                .find(|s| !c.ptx.contains(&format!(".entry {s}(")))
-            {
-                return Err(Error::system(
-                    "NVRTC",
-                    format!("compile {} for {arch}", f.file),
-                    format!("the PTX has no entry point {missing}"),
-                ));
-            }
+            check_entries(f, &c)?;
             Ok(c)
         })
         .collect()
+}
+
+/// That `c` exports every kernel of `f`.
+fn check_entries(f: &KernelFile, c: &Compiled) -> Result<()> {
+    if let Some(missing) = f
+        .kernels
+        .iter()
+        .map(|k| k.name)
+        .find(|s| !c.ptx.contains(&format!(".entry {s}(")))
+    {
+        return Err(Error::system(
+            "NVRTC",
+            format!("compile {} for {}", f.file, c.arch),
+            format!("the PTX has no entry point {missing}"),
+        ));
+    }
+    Ok(())
+}
+
+/// How a set of kernels came to be.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Provenance {
+    /// Files compiled by NVRTC now.
+    pub compiled: usize,
+    /// Files read from the disk cache.
+    pub from_disk: usize,
+    /// Files already compiled by this process.
+    pub from_process: usize,
+    /// The disk cache folder (`None`: off).
+    pub cache: Option<PathBuf>,
+    /// Why an entry could not be written, if one could not (the compile still stands).
+    pub write_error: Option<String>,
+}
+
+/// Every kernel file for `arch`, compiled once per process and kept on disk across processes
+/// ([`kernel_cache`]): a cached entry is used only when it checks out and exports every kernel.
+pub fn compile_all_cached(tc: &Toolchain, arch: &str) -> Result<(Arc<Vec<Compiled>>, Provenance)> {
+    type Memo = Mutex<HashMap<(PathBuf, String), Arc<Vec<Compiled>>>>;
+    static MEMO: OnceLock<Memo> = OnceLock::new();
+    let memo = MEMO.get_or_init(Memo::default);
+    // Held while compiling, so two devices opening at once compile once.
+    let mut memo = crate::util::lock(memo);
+    let key = (tc.library.clone(), arch.to_owned());
+    let cache = kernel_cache::dir();
+    if let Some(done) = memo.get(&key) {
+        let p = Provenance {
+            from_process: done.len(),
+            cache,
+            ..Provenance::default()
+        };
+        return Ok((done.clone(), p));
+    }
+    let mut p = Provenance {
+        cache: cache.clone(),
+        ..Provenance::default()
+    };
+    let mut out = Vec::with_capacity(FILES.len());
+    for f in FILES {
+        let program = f.program();
+        let options = nvrtc_options(arch, &tc.include);
+        let name = kernel_cache::Key {
+            nvrtc: tc.version,
+            headers: tc.headers_version,
+            arch,
+            options: &options,
+            program: &program,
+        }
+        .file_name();
+        let hit = cache
+            .as_deref()
+            .and_then(|d| kernel_cache::read(d, &name))
+            .map(|(cubin, ptx, log)| Compiled {
+                file: f.file,
+                arch: arch.to_owned(),
+                ptx,
+                cubin,
+                log,
+            })
+            .filter(|c| check_entries(f, c).is_ok() && !c.cubin.is_empty());
+        let c = match hit {
+            Some(c) => {
+                p.from_disk += 1;
+                c
+            }
+            None => {
+                let c = compile(tc, f, arch)?;
+                check_entries(f, &c)?;
+                p.compiled += 1;
+                if let Some(d) = &cache {
+                    if let Err(e) = kernel_cache::write(d, &name, &c) {
+                        p.write_error.get_or_insert(e.to_string());
+                    }
+                }
+                c
+            }
+        };
+        out.push(c);
+    }
+    let out = Arc::new(out);
+    memo.insert(key, out.clone());
+    Ok((out, p))
 }
 
 /// `path` as the directory PTX files are written to (tools/ptxas_report.sh).

@@ -1,11 +1,16 @@
-//! The CUDA runtime: the driver checked, one context, the kernels compiled by NVRTC for the
-//! device's compute capability and every function looked up up front, and event timing.
+//! The CUDA runtime: the CUDA stack chosen and checked (driver ≥ 12.8, NVRTC and cuBLAS of a
+//! release the driver runs, headers of NVRTC's release; [`crate::device::stack`]), cudarc bound
+//! to exactly those libraries, one context on an sm_80+ GPU with the synchronisation the host
+//! needs, the kernels compiled for the device (once per process, cached on disk) with every
+//! function looked up up front, and event timing.
 
-use super::nvrtc;
+use super::nvrtc::{self, Provenance, Toolchain};
 use crate::device::kernels::FILES;
+use crate::device::stack::{self, Driver, Stack};
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 /// A device address.
@@ -16,12 +21,65 @@ pub type DevPtr = u64;
 pub const TIMED: cudarc::driver::sys::CUevent_flags =
     cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 
-/// The CUDA version the bindings are built for (cudarc feature `cuda-12080`).
-pub const MIN_DRIVER: i32 = 12080;
+/// The oldest driver megatrain runs on (CUDA 12.8).
+pub const MIN_DRIVER: i32 = stack::MIN_DRIVER;
+
+/// The oldest GPU the kernels are written for: sm_80 (bf16 tensor-core `mma.sync`, 163 KiB of
+/// shared memory per block).
+pub const MIN_CC: (i32, i32) = (8, 0);
 
 /// A driver result as the crate's error, naming what was being done.
 pub fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, op: &str) -> Result<T> {
     r.map_err(|e| Error::cuda(op, e))
+}
+
+/// How a host thread waits for the GPU (`cuStreamSynchronize`, `cuEventSynchronize`):
+/// `MEGATRAIN_CUDA_SYNC=block|spin|yield`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncMode {
+    /// Sleep until the GPU is done (`CU_CTX_SCHED_BLOCKING_SYNC`): the default, so a waiting
+    /// thread leaves its core to the AdamW workers. The streamer itself never blocks in the
+    /// driver (its poller queries events), so only whole-device waits use this.
+    Block,
+    /// Spin (`CU_CTX_SCHED_SPIN`): the lowest wake-up latency, one core busy per waiting thread.
+    Spin,
+    /// Spin, yielding the core between checks (`CU_CTX_SCHED_YIELD`).
+    Yield,
+}
+
+impl SyncMode {
+    /// From `MEGATRAIN_CUDA_SYNC` (unset: [`SyncMode::Block`]).
+    pub fn from_env() -> Result<SyncMode> {
+        match std::env::var("MEGATRAIN_CUDA_SYNC").as_deref() {
+            Err(_) | Ok("") | Ok("block") => Ok(SyncMode::Block),
+            Ok("spin") => Ok(SyncMode::Spin),
+            Ok("yield") => Ok(SyncMode::Yield),
+            Ok(other) => Err(Error::bad_input(
+                "MEGATRAIN_CUDA_SYNC",
+                other,
+                "not a synchronisation mode",
+                Some("use block (the default), spin or yield"),
+            )),
+        }
+    }
+
+    fn flag(self) -> u32 {
+        use cudarc::driver::sys::CUctx_flags as F;
+        (match self {
+            SyncMode::Block => F::CU_CTX_SCHED_BLOCKING_SYNC,
+            SyncMode::Spin => F::CU_CTX_SCHED_SPIN,
+            SyncMode::Yield => F::CU_CTX_SCHED_YIELD,
+        }) as u32
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncMode::Block => "blocking",
+            SyncMode::Spin => "spinning",
+            SyncMode::Yield => "yielding",
+        }
+    }
 }
 
 /// An open device with every kernel loaded.
@@ -40,22 +98,109 @@ pub struct CudaRuntime {
     /// Shared memory a block may use once a kernel opts in (`MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`:
     /// 227 KiB on an H100, 163 KiB on an A100); [`CudaRuntime::open`] opts every kernel in.
     pub smem_optin: usize,
-    /// Driver version (e.g. 12080).
-    pub driver: i32,
+    /// The driver.
+    pub driver: Driver,
+    /// The libraries in use (`None` when opened for copies only, [`CudaRuntime::open_context`]).
+    pub stack: Option<Stack>,
+    /// How the kernels came to be (compiled now, from the disk cache, or earlier in the process).
+    pub kernels: Option<Provenance>,
+    /// How host threads wait for the GPU.
+    pub sync: SyncMode,
     /// PCI address, `dddd:bb:dd.0` (how the topology knows this GPU).
     pub pci_bus_id: String,
     functions: HashMap<&'static str, CudaFunction>,
 }
 
+/// Check that cudarc's driver is the one the stack loaded (a toolkit's `stubs/libcuda.so` first
+/// on the loader's path would otherwise be what cudarc binds).
+fn bind_driver(driver: &Driver) -> Result<()> {
+    let ours = stack::open_library(&driver.path, "cuDriverGetVersion")?;
+    nvrtc::same_library(
+        "CUDA driver",
+        (&driver.path, ours),
+        "cuDriverGetVersion",
+        // SAFETY: only tries to dlopen the library by its usual names.
+        || unsafe { cudarc::driver::sys::is_culib_present() },
+        || {
+            // SAFETY: present (checked first), so culib() does not panic; only compared.
+            unsafe {
+                cudarc::driver::sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"cuDriverGetVersion")
+                    .ok()
+                    .map(|f| *f as *const c_void)
+            }
+        },
+    )
+}
+
+/// Open cuBLAS at `path` by its absolute path and check cudarc binds it.
+fn bind_cublas(path: &std::path::Path) -> Result<()> {
+    let ours = stack::open_library(path, "cublasGetProperty")?;
+    nvrtc::same_library(
+        "cuBLAS",
+        (path, ours),
+        "cublasGetProperty",
+        // SAFETY: only tries to dlopen the library by its usual names.
+        || unsafe { cudarc::cublas::sys::is_culib_present() },
+        || {
+            // SAFETY: present (checked first), so culib() does not panic; only compared.
+            unsafe {
+                cudarc::cublas::sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"cublasGetProperty")
+                    .ok()
+                    .map(|f| *f as *const c_void)
+            }
+        },
+    )
+}
+
+/// The architectures this NVRTC compiles for (`nvrtcGetSupportedArchs`: 80, 86, 90, …).
+fn nvrtc_archs() -> Vec<i32> {
+    use cudarc::nvrtc::sys;
+    let mut n = 0;
+    // SAFETY: writes one int.
+    if unsafe { sys::nvrtcGetNumSupportedArchs(&mut n) } != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Vec::new();
+    }
+    let mut v = vec![0; n.max(0) as usize];
+    // SAFETY: `v` holds the `n` ints NVRTC reported.
+    if unsafe { sys::nvrtcGetSupportedArchs(v.as_mut_ptr()) } != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Vec::new();
+    }
+    v
+}
+
 impl CudaRuntime {
-    /// Open GPU `ordinal`: check the driver, create the context, compile and load every kernel.
+    /// Open GPU `ordinal`: the CUDA stack found and checked, the context, every kernel
+    /// compiled (or taken from the cache) and loaded.
     pub fn open(ordinal: usize) -> Result<Self> {
-        let mut rt = Self::open_context(ordinal)?;
-        let tc = nvrtc::locate()?;
-        nvrtc::load(&tc)?;
-        nvrtc::load_cublas()?;
+        let stack = Stack::open()?;
+        bind_driver(&stack.driver)?;
+        nvrtc::bind(&stack.nvrtc.path)?;
+        bind_cublas(&stack.cublas.path)?;
+        let mut rt = Self::context(ordinal, stack.driver.clone())?;
         let arch = format!("sm_{}{}", rt.cc.0, rt.cc.1);
-        for (f, c) in FILES.iter().zip(nvrtc::compile_all(&tc, &arch)?) {
+        let archs = nvrtc_archs();
+        if !archs.is_empty() && !archs.contains(&(rt.cc.0 * 10 + rt.cc.1)) {
+            return Err(Error::system(
+                "NVRTC",
+                stack.nvrtc.path.display().to_string(),
+                format!(
+                    "NVRTC {} cannot compile for {arch} ({}): it knows sm_{}",
+                    stack.nvrtc.version,
+                    rt.name,
+                    archs
+                        .iter()
+                        .map(i32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", sm_")
+                ),
+            )
+            .with_fix("use a newer NVRTC (MEGATRAIN_NVRTC_LIB or MEGATRAIN_CUDA_VENV)"));
+        }
+        let tc = Toolchain::new(&stack.nvrtc, &stack.headers);
+        let (compiled, provenance) = nvrtc::compile_all_cached(&tc, &arch)?;
+        for (f, c) in FILES.iter().zip(compiled.iter()) {
             // The CUBIN for this device, not the PTX: a driver older than NVRTC cannot JIT
             // its PTX ISA (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), but runs its CUBIN.
             let module = drv(
@@ -77,39 +222,32 @@ impl CudaRuntime {
                 rt.functions.insert(k.name, func);
             }
         }
+        rt.stack = Some(stack);
+        rt.kernels = Some(provenance);
         Ok(rt)
     }
 
-    /// Open GPU `ordinal` without the kernels (copies only: `bench link`).
+    /// Open GPU `ordinal` without the kernels or cuBLAS (copies only: `bench link`).
     pub fn open_context(ordinal: usize) -> Result<Self> {
-        // SAFETY: only probes for the library; cudarc panics on first use without it.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        let driver = stack::driver()?;
+        if driver.cuda_code < MIN_DRIVER {
             return Err(Error::system(
                 "CUDA driver",
-                "load libcuda.so.1",
-                "no NVIDIA driver on this machine",
-            )
-            .with_fix(
-                "run on a machine with an NVIDIA GPU and its driver (nvidia-smi must work)",
-            ));
-        }
-        let mut v = 0;
-        // SAFETY: writes one int.
-        let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS || v < MIN_DRIVER {
-            return Err(Error::system(
-                "CUDA driver",
-                "version",
+                driver.path.display().to_string(),
                 format!(
-                    "driver supports CUDA {}.{}, megatrain needs {}.{}",
-                    v / 1000,
-                    v % 1000 / 10,
-                    MIN_DRIVER / 1000,
-                    MIN_DRIVER % 1000 / 10
+                    "it supports CUDA {}; megatrain needs CUDA {} or newer",
+                    driver.cuda,
+                    stack::Version::from_cuda(MIN_DRIVER)
                 ),
             )
-            .with_fix("update the NVIDIA driver"));
+            .with_fix("update the NVIDIA driver to R570 or newer (R580 for CUDA 13)"));
         }
+        bind_driver(&driver)?;
+        Self::context(ordinal, driver)
+    }
+
+    /// The context on GPU `ordinal` (an sm_80+ GPU), with the synchronisation mode set.
+    fn context(ordinal: usize, driver: Driver) -> Result<Self> {
         let count = drv(CudaContext::device_count(), "count devices")?;
         if ordinal >= count.max(0) as usize {
             return Err(Error::bad_input(
@@ -119,9 +257,36 @@ impl CudaRuntime {
                 Some("check nvidia-smi and CUDA_VISIBLE_DEVICES"),
             ));
         }
+        let sync = SyncMode::from_env()?;
+        {
+            use cudarc::driver::{result, sys};
+            drv(result::init(), "initialise the driver")?;
+            let dev = drv(result::device::get(ordinal as i32), "get the device")?;
+            let (mut flags, mut active) = (0u32, 0i32);
+            // SAFETY: writes one uint and one int.
+            let r = unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
+            drv(r.result(), "read the primary context's state")?;
+            // An active primary context (a second runtime in this process) keeps its flags.
+            if active == 0 {
+                // SAFETY: a valid device; the primary context is not active yet.
+                let r = unsafe { sys::cuDevicePrimaryCtxSetFlags_v2(dev, sync.flag()) };
+                drv(r.result(), "set the primary context's synchronisation")?;
+            }
+        }
         let ctx = drv(CudaContext::new(ordinal), "create a context")?;
         let name = drv(ctx.name(), "device name")?;
         let cc = drv(ctx.compute_capability(), "compute capability")?;
+        if cc < MIN_CC {
+            return Err(Error::bad_input(
+                "GPU",
+                format!("{ordinal} ({name})"),
+                format!(
+                    "compute capability {}.{} (sm_{}{}); megatrain's kernels need sm_80 or newer (A100, A10, L40S, H100, H200, GH200, B200)",
+                    cc.0, cc.1, cc.0, cc.1
+                ),
+                Some("run on an Ampere or newer GPU (choose it with --gpu N or CUDA_VISIBLE_DEVICES)"),
+            ));
+        }
         use cudarc::driver::sys::CUdevice_attribute as A;
         let attr = |a: A, what: &str| drv(ctx.attribute(a), what);
         let sms = attr(
@@ -147,10 +312,52 @@ impl CudaRuntime {
             cc,
             sms,
             smem_optin,
-            driver: v,
+            driver,
+            stack: None,
+            kernels: None,
+            sync,
             pci_bus_id,
             functions: HashMap::new(),
         })
+    }
+
+    /// What this runtime runs on, one line each: the GPU, the driver and libraries with their
+    /// files, the kernels' provenance, the synchronisation mode.
+    pub fn describe(&self) -> Vec<String> {
+        let mut v = vec![format!(
+            "GPU {} (sm_{}{}, {} SMs, {})",
+            self.name, self.cc.0, self.cc.1, self.sms, self.pci_bus_id
+        )];
+        match &self.stack {
+            Some(s) => v.extend(s.lines()),
+            None => v.push(format!(
+                "CUDA driver   CUDA {} {}",
+                self.driver.cuda,
+                self.driver.path.display()
+            )),
+        }
+        if let Some(k) = &self.kernels {
+            v.push(format!(
+                "kernels       {} compiled now, {} from the disk cache, {} compiled earlier in this process ({})",
+                k.compiled,
+                k.from_disk,
+                k.from_process,
+                k.cache
+                    .as_ref()
+                    .map(|d| format!("cache {}", d.display()))
+                    .unwrap_or_else(|| "cache off".into())
+            ));
+            if let Some(e) = &k.write_error {
+                v.push(format!(
+                    "              (the cache could not be written: {e})"
+                ));
+            }
+        }
+        v.push(format!(
+            "host waits    {} (MEGATRAIN_CUDA_SYNC)",
+            self.sync.name()
+        ));
+        v
     }
 
     /// Whether this is the CUDA emulator's device (`tools/cuemu.sh`), whose times are host

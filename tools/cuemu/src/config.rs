@@ -20,8 +20,16 @@ pub struct Config {
     pub profile: Profile,
     /// `CUEMU_MEMORY`: device memory in bytes (`2GiB`, `512MiB`), else the profile's.
     pub memory: u64,
-    /// `CUEMU_DRIVER`: the driver's CUDA version (`12080` = 12.8), else the profile's.
+    /// `CUEMU_CUDA`: the CUDA release the emulator presents itself as, 12 (default) or 13: the
+    /// sonames `tools/cuemu.sh` gives it (`.so.12` or `.so.13`), the driver's default version
+    /// (12.9 or 13.0) and cuBLAS' (12.9.1 or 13.1.0).
+    pub cuda: u32,
+    /// `CUEMU_DRIVER`: the driver's CUDA version (`12080` = 12.8), else the release's.
     pub driver: i32,
+    /// `CUEMU_MEMORY_POOLS=0` turns off the stream-ordered allocator (`cuMemAllocAsync`,
+    /// `cuMemFreeAsync`, `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`); on by default, as on an
+    /// H100.
+    pub memory_pools: bool,
     /// `CUEMU_SCHEDULES`: the thread schedules every launch runs under (1–3: forward, then
     /// reverse, then seeded random); more than one compares their results.
     pub schedules: Vec<u32>,
@@ -71,9 +79,19 @@ fn read() -> Config {
     let memory = var("CUEMU_MEMORY")
         .and_then(|v| parse_size(&v))
         .unwrap_or(profile.memory);
+    let cuda: u32 = match var("CUEMU_CUDA").as_deref() {
+        None | Some("12") => 12,
+        Some("13") => 13,
+        Some(other) => {
+            crate::report::warning(&format!(
+                "CUEMU_CUDA={other}: the emulator presents CUDA 12 or 13; using 12"
+            ));
+            12
+        }
+    };
     let driver = var("CUEMU_DRIVER")
         .and_then(|v| v.parse().ok())
-        .unwrap_or(profile.driver);
+        .unwrap_or(if cuda == 13 { 13000 } else { profile.driver });
     let n: u32 = var("CUEMU_SCHEDULES")
         .and_then(|v| v.parse().ok())
         .unwrap_or(1)
@@ -84,7 +102,9 @@ fn read() -> Config {
         .unwrap_or_else(|| PathBuf::from(home).join(".cache/megatrain/cuemu"));
     Config {
         memory,
+        cuda,
         driver,
+        memory_pools: var("CUEMU_MEMORY_POOLS").is_none_or(|v| v != "0"),
         schedules: (0..n).collect(),
         seed: var("CUEMU_SEED").and_then(|v| v.parse().ok()).unwrap_or(1),
         delay_us: var("CUEMU_DELAYS")

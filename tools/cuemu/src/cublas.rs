@@ -140,8 +140,31 @@ pub extern "C" fn cublasSetPointerMode_v2(h: Handle, mode: c_int) -> c_int {
 }
 
 #[no_mangle]
-pub extern "C" fn cublasSetWorkspace_v2(h: Handle, _ws: *mut c_void, _bytes: usize) -> c_int {
-    blas_call("cublasSetWorkspace_v2", || handle(h).map(|_| ()))
+pub extern "C" fn cublasSetWorkspace_v2(h: Handle, ws: *mut c_void, bytes: usize) -> c_int {
+    blas_call("cublasSetWorkspace_v2", || {
+        handle(h)?;
+        // cuBLAS reads and writes the workspace on the handle's stream: it must be device
+        // memory of at least `bytes`, aligned to 256 bytes (cuBLAS' documented requirement).
+        if bytes > 0 {
+            if ws.is_null() || !(ws as usize).is_multiple_of(256) {
+                report::error(
+                    "invalid cuBLAS argument",
+                    &format!("cublasSetWorkspace_v2: workspace {ws:?} is not 256-byte aligned"),
+                );
+                return Err(blas::INVALID_VALUE);
+            }
+            if let Err(why) = mem().range(ws as u64, bytes) {
+                report::error(
+                    "invalid cuBLAS argument",
+                    &format!(
+                        "cublasSetWorkspace_v2: a workspace of {bytes} bytes at {ws:?}: {why}"
+                    ),
+                );
+                return Err(blas::INVALID_VALUE);
+            }
+        }
+        Ok(())
+    })
 }
 
 #[no_mangle]
@@ -151,8 +174,38 @@ pub unsafe extern "C" fn cublasGetVersion_v2(h: Handle, v: *mut c_int) -> c_int 
         if v.is_null() {
             return Err(blas::INVALID_VALUE);
         }
+        let (major, minor, patch) = version();
         // SAFETY: writable (checked).
-        unsafe { v.write(120_902) };
+        unsafe { v.write(major * 10_000 + minor * 100 + patch) };
+        Ok(())
+    })
+}
+
+/// The cuBLAS release presented: 12.9.1 (CUDA 12.9's) or 13.1.0 (CUDA 13.0's).
+fn version() -> (c_int, c_int, c_int) {
+    if crate::config::get().cuda == 13 {
+        (13, 1, 0)
+    } else {
+        (12, 9, 1)
+    }
+}
+
+/// `cublasGetProperty(MAJOR_VERSION | MINOR_VERSION | PATCH_LEVEL, &v)`: no handle needed.
+#[no_mangle]
+pub unsafe extern "C" fn cublasGetProperty(kind: c_int, v: *mut c_int) -> c_int {
+    blas_call("cublasGetProperty", || {
+        if v.is_null() {
+            return Err(blas::INVALID_VALUE);
+        }
+        let (major, minor, patch) = version();
+        let x = match kind {
+            0 => major,
+            1 => minor,
+            2 => patch,
+            _ => return Err(blas::INVALID_VALUE),
+        };
+        // SAFETY: writable (checked).
+        unsafe { v.write(x) };
         Ok(())
     })
 }

@@ -24,6 +24,8 @@ type Handle = *mut c_void;
 const PRIMARY: usize = 0x00c0_de00_0001;
 static INITIALISED: AtomicBool = AtomicBool::new(false);
 static RETAINED: AtomicI64 = AtomicI64::new(0);
+/// The primary context's flags (`cuDevicePrimaryCtxSetFlags`): its scheduling mode.
+static PRIMARY_FLAGS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(0) };
@@ -341,7 +343,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
             device(dev)?;
             // SAFETY: writable outputs.
             unsafe {
-                out(flags, 0)?;
+                out(flags, PRIMARY_FLAGS.load(Ordering::Acquire))?;
                 out(active, i32::from(RETAINED.load(Ordering::Acquire) > 0))
             }
         },
@@ -349,12 +351,22 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
 }
 
 #[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, _flags: c_uint) -> CUresult {
+pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) -> CUresult {
     api::call(
         "cuDevicePrimaryCtxSetFlags_v2",
         api::Lib::Driver,
         Sticky::Ignore,
-        || device(dev),
+        || {
+            device(dev)?;
+            // The scheduling mode (`CU_CTX_SCHED_*`, the low 3 bits) is one of auto, spin,
+            // yield, blocking sync; anything else there is invalid, as on a driver. It changes
+            // nothing here: a host wait in the emulator always sleeps.
+            if !matches!(flags & 7, 0 | 1 | 2 | 4) {
+                return Err(cu::INVALID_VALUE);
+            }
+            PRIMARY_FLAGS.store(flags, Ordering::Release);
+            Ok(())
+        },
     )
 }
 
@@ -514,6 +526,126 @@ pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
             drop(m);
             std::thread::sleep(std::time::Duration::from_micros(100));
         }
+    })
+}
+
+/// The command `cuMemFreeAsync` enqueues: frees the allocation when its stream reaches it,
+/// once the work it holds is done (as `cuMemFree` waits).
+struct FreeInOrder {
+    ptr: CUdeviceptr,
+}
+
+impl Work for FreeInOrder {
+    fn run(self: Box<Self>, _stream: &Stream) {
+        loop {
+            let mut m = mem();
+            let Some(a) = m.find(self.ptr) else {
+                return;
+            };
+            // This command's own hold on it is the one left.
+            if a.pending <= 1 {
+                m.free(self.ptr);
+                return;
+            }
+            drop(m);
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+}
+
+/// `cuMemAllocAsync`: a stream-ordered allocation, usable by `stream`'s later work (and by other
+/// streams ordered after it: the allocation counts as written by this command, so an unordered
+/// use elsewhere is a stream hazard, as CUDA's rules make it).
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    p: *mut CUdeviceptr,
+    bytes: usize,
+    stream: Handle,
+) -> CUresult {
+    api::driver("cuMemAllocAsync", || {
+        context()?;
+        if !config::get().memory_pools {
+            return Err(cu::NOT_SUPPORTED);
+        }
+        if p.is_null() {
+            return Err(cu::INVALID_VALUE);
+        }
+        let s = Stream::get(stream as usize)?;
+        if bytes == 0 {
+            // SAFETY: writable pointer (checked non-null).
+            unsafe { p.write(0) };
+            return Ok(());
+        }
+        let ptr = match mem().alloc(bytes, config::get().memory) {
+            Ok(x) => x,
+            Err(_) => return Err(cu::OUT_OF_MEMORY),
+        };
+        struct Nothing;
+        impl Work for Nothing {
+            fn run(self: Box<Self>, _stream: &Stream) {}
+        }
+        s.enqueue(
+            Cmd::Work(Box::new(Nothing)),
+            Arc::from(format!("cuMemAllocAsync of {bytes} bytes")),
+            &[Touch {
+                base: ptr,
+                write: true,
+            }],
+            &[],
+        )?;
+        // SAFETY: writable pointer (checked non-null).
+        unsafe { p.write(ptr) };
+        Ok(())
+    })
+}
+
+/// `cuMemFreeAsync`: frees in `stream`'s order; work on other streams that uses the allocation
+/// must be ordered before it (else a stream hazard).
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: Handle) -> CUresult {
+    api::call("cuMemFreeAsync", api::Lib::Driver, Sticky::After, || {
+        context()?;
+        if !config::get().memory_pools {
+            return Err(cu::NOT_SUPPORTED);
+        }
+        if ptr == 0 {
+            return Ok(());
+        }
+        let s = Stream::get(stream as usize)?;
+        {
+            let m = mem();
+            match m.find(ptr) {
+                Some(a) if a.base == ptr => {}
+                Some(a) => {
+                    let n = a.name();
+                    drop(m);
+                    report::error(
+                        "invalid cuMemFree",
+                        &format!("cuMemFreeAsync: 0x{ptr:x} is inside {n}, not its start"),
+                    );
+                    return Err(cu::INVALID_VALUE);
+                }
+                None => {
+                    let why = m.freed(ptr).map_or_else(
+                        || format!("0x{ptr:x} is {}", m.describe(ptr)),
+                        |f| format!("{f} was already freed (a double free)"),
+                    );
+                    drop(m);
+                    report::error("invalid cuMemFree", &format!("cuMemFreeAsync: {why}"));
+                    return Err(cu::INVALID_VALUE);
+                }
+            }
+        }
+        s.enqueue(
+            Cmd::Work(Box::new(FreeInOrder { ptr })),
+            Arc::from("cuMemFreeAsync"),
+            &[Touch {
+                base: ptr,
+                write: true,
+            }],
+            &[],
+        )?;
+        Ok(())
     })
 }
 

@@ -89,9 +89,125 @@ pub fn register_image(bytes: &[u8], program: Arc<Program>) {
     images().insert(fnv(&[bytes]), program);
 }
 
-/// The program a module image came from (compiled by the emulated NVRTC in this process).
+/// The program a module image came from: compiled by the emulated NVRTC in this process, or in
+/// an earlier one whose recipe ([`keep_recipe`]) is in the cache — as a real driver runs a CUBIN
+/// a program kept on disk from an earlier run.
 pub fn program_for_image(bytes: &[u8]) -> Option<Arc<Program>> {
-    images().get(&fnv(&[bytes])).cloned()
+    let key = fnv(&[bytes]);
+    if let Some(p) = images().get(&key).cloned() {
+        return Some(p);
+    }
+    let r = read_recipe(&recipe_path(key))?;
+    let info = crate::ptx::parse(&r.ptx).ok()?;
+    match build(&r.name, &r.source, &r.headers, &r.options, info) {
+        Ok(program) => {
+            register_image(bytes, program.clone());
+            Some(program)
+        }
+        Err(e) => {
+            report::error(
+                "host build failed",
+                &format!("{} (from its recipe): {e}", r.name),
+            );
+            None
+        }
+    }
+}
+
+/// What the host build of an image needs: the program as NVRTC got it, and its PTX.
+pub struct Recipe {
+    pub name: String,
+    pub source: String,
+    pub headers: Vec<(String, String)>,
+    pub options: Vec<String>,
+    pub ptx: String,
+}
+
+fn recipe_path(image_key: u64) -> PathBuf {
+    config::get()
+        .cache
+        .join("images")
+        .join(format!("{image_key:016x}.recipe"))
+}
+
+/// Keep the recipe of `images` (a program's PTX and CUBIN) in the cache, so a later process that
+/// loads them without compiling (megatrain's kernel cache) still finds their host build. Best
+/// effort: a cache that cannot be written only loses that.
+pub fn keep_recipe(images: &[&[u8]], r: &Recipe) {
+    let mut b = Vec::new();
+    let mut field = |x: &[u8]| {
+        b.extend_from_slice(&(x.len() as u64).to_le_bytes());
+        b.extend_from_slice(x);
+    };
+    field(b"cuemu-recipe-1");
+    field(r.name.as_bytes());
+    field(r.source.as_bytes());
+    field(r.ptx.as_bytes());
+    field(&(r.headers.len() as u64).to_le_bytes());
+    for (n, t) in &r.headers {
+        field(n.as_bytes());
+        field(t.as_bytes());
+    }
+    field(&(r.options.len() as u64).to_le_bytes());
+    for o in &r.options {
+        field(o.as_bytes());
+    }
+    for image in images {
+        let dest = recipe_path(fnv(&[image]));
+        if dest.is_file() {
+            continue;
+        }
+        let Some(dir) = dest.parent() else {
+            continue;
+        };
+        if std::fs::create_dir_all(dir).is_err() {
+            continue;
+        }
+        let tmp = dir.join(format!(".tmp-{}-{:p}", std::process::id(), image.as_ptr()));
+        if std::fs::write(&tmp, &b).is_ok() && publish(&tmp, &dest).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+}
+
+fn read_recipe(path: &Path) -> Option<Recipe> {
+    let b = std::fs::read(path).ok()?;
+    let mut at = 0usize;
+    let mut field = || -> Option<&[u8]> {
+        let n = u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?);
+        let n = usize::try_from(n).ok()?;
+        let end = at.checked_add(8)?.checked_add(n)?;
+        let x = b.get(at + 8..end)?;
+        at = end;
+        Some(x)
+    };
+    let text = |x: &[u8]| String::from_utf8(x.to_vec()).ok();
+    let count = |x: &[u8]| -> Option<usize> {
+        usize::try_from(u64::from_le_bytes(x.try_into().ok()?)).ok()
+    };
+    if field()? != b"cuemu-recipe-1" {
+        return None;
+    }
+    let name = text(field()?)?;
+    let source = text(field()?)?;
+    let ptx = text(field()?)?;
+    let nh = count(field()?)?;
+    let mut headers = Vec::new();
+    for _ in 0..nh.min(1 << 16) {
+        headers.push((text(field()?)?, text(field()?)?));
+    }
+    let no = count(field()?)?;
+    let mut options = Vec::new();
+    for _ in 0..no.min(1 << 16) {
+        options.push(text(field()?)?);
+    }
+    Some(Recipe {
+        name,
+        source,
+        headers,
+        options,
+        ptx,
+    })
 }
 
 const SIMT_H: &str = "cuemu_simt.h";

@@ -113,8 +113,9 @@ pub unsafe fn load_module(image: *const u8) -> Result<usize, i32> {
     let Some(program) = program else {
         report::error(
             "unknown module",
-            "cuModuleLoadData got a module the emulated NVRTC did not compile in this process; \
-             cuemu can only run kernels whose source it has seen",
+            "cuModuleLoadData got a module the emulated NVRTC never compiled (in this process, or \
+             in an earlier one with the same CUEMU_CACHE); cuemu can only run kernels whose \
+             source it has seen",
         );
         return Err(cu::INVALID_IMAGE);
     };

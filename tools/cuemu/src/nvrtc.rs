@@ -54,8 +54,13 @@ fn real() -> Result<&'static Real, i32> {
             "CUEMU_REAL_NVRTC is not set: the emulated NVRTC forwards to the real one (tools/cuemu.sh sets it)".to_owned()
         })?;
         let c = CString::new(path.display().to_string()).map_err(|_| "path with NUL".to_owned())?;
-        // SAFETY: loading NVIDIA's NVRTC into a fresh namespace; it stays loaded.
-        let mut h = unsafe { libc::dlmopen(libc::LM_ID_NEWLM, c.as_ptr(), libc::RTLD_NOW) };
+        // NVRTC opens its builtins (`libnvrtc-builtins.so.13.0`) by soname when it first
+        // compiles; CUDA 13's wheel gives it no RUNPATH to find them by, so they are loaded first,
+        // into the namespace NVRTC then joins.
+        let namespace = builtins_namespace(&path);
+        // SAFETY: loading NVIDIA's NVRTC into a fresh (or the builtins') namespace; it stays
+        // loaded.
+        let mut h = unsafe { libc::dlmopen(namespace, c.as_ptr(), libc::RTLD_NOW) };
         if h.is_null() {
             // SAFETY: as above, in the default namespace.
             h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -101,6 +106,37 @@ fn real() -> Result<&'static Real, i32> {
         report::once("real-nvrtc", &format!("error: {e}"));
         nv::INTERNAL_ERROR
     })
+}
+
+/// A new link-map namespace holding NVRTC's builtins from `nvrtc`'s folder (the namespace id),
+/// or `LM_ID_NEWLM` when there are none to load.
+fn builtins_namespace(nvrtc: &std::path::Path) -> libc::Lmid_t {
+    let Some(dir) = nvrtc.parent() else {
+        return libc::LM_ID_NEWLM;
+    };
+    let Some(builtins) = std::fs::read_dir(dir).ok().and_then(|rd| {
+        rd.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc-builtins.so."))
+        })
+    }) else {
+        return libc::LM_ID_NEWLM;
+    };
+    let Ok(c) = CString::new(builtins.display().to_string()) else {
+        return libc::LM_ID_NEWLM;
+    };
+    // SAFETY: loading NVIDIA's library into a fresh namespace; it stays loaded.
+    let h = unsafe { libc::dlmopen(libc::LM_ID_NEWLM, c.as_ptr(), libc::RTLD_NOW) };
+    if h.is_null() {
+        return libc::LM_ID_NEWLM;
+    }
+    let mut id: libc::Lmid_t = 0;
+    // SAFETY: `h` is a live handle; RTLD_DI_LMID writes one Lmid_t.
+    if unsafe { libc::dlinfo(h, libc::RTLD_DI_LMID, (&mut id as *mut libc::Lmid_t).cast()) } != 0 {
+        return libc::LM_ID_NEWLM;
+    }
+    id
 }
 
 /// What the stand-in keeps per program: its source, for the host build.
@@ -260,9 +296,21 @@ pub unsafe extern "C" fn nvrtcCompileProgram(
         match built {
             Ok(program) => {
                 hostbuild::register_image(ptx_text.as_bytes(), program.clone());
+                let mut images: Vec<&[u8]> = vec![ptx_text.as_bytes()];
                 if let Some(c) = &cubin {
                     hostbuild::register_image(c, program);
+                    images.push(c);
                 }
+                hostbuild::keep_recipe(
+                    &images,
+                    &hostbuild::Recipe {
+                        name: name.clone(),
+                        source: text.clone(),
+                        headers: headers.clone(),
+                        options: opts.clone(),
+                        ptx: ptx_text.to_owned(),
+                    },
+                );
                 Ok(())
             }
             Err(e) => {

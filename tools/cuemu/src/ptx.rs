@@ -122,7 +122,7 @@ pub fn parse(ptx: &str) -> Result<PtxInfo, String> {
     })
 }
 
-/// A CUBIN (CUDA ELF): its architecture (`sm_90` → 90) and its length in bytes.
+/// A CUBIN (CUDA ELF, CUDA 12 or 13): its architecture (`sm_90` → 90) and its length in bytes.
 pub fn cubin(image: *const u8) -> Option<(u32, usize)> {
     // SAFETY: the caller gave a module image; an ELF header is 64 bytes and we read it only
     // after checking the magic in its first 4.
@@ -159,5 +159,12 @@ pub fn cubin(image: *const u8) -> Option<(u32, usize)> {
             }
         }
     }
-    Some((flags & 0xff, len))
+    // The architecture's place in e_flags: the low byte up to CUDA 12 (ELF ABI version 7), the
+    // second byte from CUDA 13 (OS ABI 0x41, ABI version 8: `sm_90` is 0x06005a04).
+    let sm = if h[7] == 0x41 || h[8] >= 8 {
+        (flags >> 8) & 0xff
+    } else {
+        flags & 0xff
+    };
+    Some((sm, len))
 }
