@@ -128,17 +128,133 @@ fn runs_on_a_cuda_12_8_driver() -> Result<(), String> {
     Ok(())
 }
 
-/// Without libcublas the device open is a clean error naming the library and the fix.
+/// Without libcublas the device open is a clean one-line error naming the library, where it
+/// looked, and a fix that works without network.
 fn a_missing_cublas_is_named() -> Result<(), String> {
     let mut c = train(&[]);
     c.env("CUEMU_NO_CUBLAS", "1");
     let out = run(c, Duration::from_secs(300))?;
-    expect_clean_failure(&out, "libcublas.so.12")?;
+    for needle in [
+        "cuBLAS `libcublas.so.13 or libcublas.so.12`: not found (looked in:",
+        "the dynamic linker's path",
+        "MEGATRAIN_CUDA_VENV",
+        "no network needed",
+    ] {
+        expect_clean_failure(&out, needle)?;
+    }
+    let (_, err) = text(&out);
+    let lines = err.lines().filter(|l| l.starts_with("error:")).count();
+    if lines != 1 {
+        return Err(format!("{lines} error lines, not one:\n{err}"));
+    }
     if out.status.code() != Some(2) {
         return Err(format!(
             "exit status {:?}, not 2 (bad input)",
             out.status.code()
         ));
+    }
+    Ok(())
+}
+
+/// `megatrain selftest --device cuda --stack-only` through the emulator, with `env`.
+fn stack_only(env: &[(&str, &str)]) -> Result<Output, String> {
+    let mut c = emulated(Path::new(megatrain()));
+    c.args(["selftest", "--device", "cuda", "--stack-only"]);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    run(c, Duration::from_secs(300))
+}
+
+/// A driver for CUDA 12.4 is refused up front, by version, with the fix.
+fn refuses_a_driver_older_than_cuda_12_8() -> Result<(), String> {
+    let out = stack_only(&[("CUEMU_DRIVER", "12040")])?;
+    expect_clean_failure(
+        &out,
+        "it supports CUDA 12.4; megatrain needs CUDA 12.8 or newer",
+    )?;
+    expect_clean_failure(&out, "update the NVIDIA driver")
+}
+
+/// An sm_75 GPU (a T4) is refused by name before any kernel is compiled for it.
+fn refuses_an_sm_75_gpu_by_name() -> Result<(), String> {
+    let out = stack_only(&[("CUEMU_DEVICE", "t4")])?;
+    expect_clean_failure(
+        &out,
+        "GPU `0 (Tesla T4 (cuemu))`: compute capability 7.5 (sm_75)",
+    )?;
+    expect_clean_failure(&out, "sm_80 or newer")
+}
+
+/// The emulator as a CUDA 13 stack (sonames `.so.13` only) under a CUDA 12 driver: the CUDA 13
+/// libraries are passed over, saying why.
+fn cuda_13_libraries_on_a_cuda_12_driver_are_passed_over() -> Result<(), String> {
+    let out = stack_only(&[("CUEMU_CUDA", "13"), ("CUEMU_DRIVER", "12090")])?;
+    expect_clean_failure(&out, "is CUDA 13, newer than the driver's CUDA 12")
+}
+
+/// Under CUDA 13 (no unversioned names), an unversioned `libnvrtc.so` of another release
+/// first on the loader's path is what cudarc's lookup would bind: caught and named, not run
+/// with two NVRTCs.
+fn an_unversioned_library_first_on_the_path_is_caught() -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let real = std::env::var("MEGATRAIN_NVRTC_LIB")
+        .map_err(|_| "MEGATRAIN_NVRTC_LIB (a real CUDA 12 NVRTC) is not set".to_owned())?;
+    if !real.ends_with(".so.12") {
+        return Err(format!("MEGATRAIN_NVRTC_LIB={real} is not a CUDA 12 NVRTC"));
+    }
+    std::os::unix::fs::symlink(&real, dir.path().join("libnvrtc.so")).map_err(|e| e.to_string())?;
+    let path = format!(
+        "{}:{}",
+        dir.path().display(),
+        std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
+    );
+    let out = stack_only(&[("CUEMU_CUDA", "13"), ("LD_LIBRARY_PATH", &path)])?;
+    expect_clean_failure(
+        &out,
+        &format!(
+            "the dynamic linker gave cudarc {}/libnvrtc.so instead",
+            dir.path().display()
+        ),
+    )
+}
+
+/// Compiled kernels are kept on disk: a second process compiles nothing, and a damaged entry is
+/// compiled again (and replaced), never loaded.
+fn compiled_kernels_are_cached_and_checked() -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let cache = dir.path().to_str().unwrap();
+    let line = |out: &Output| -> Result<String, String> {
+        let (o, e) = text(out);
+        if !out.status.success() {
+            return Err(format!("failed:\n{o}\n{e}"));
+        }
+        o.lines()
+            .find(|l| l.trim_start().starts_with("kernels "))
+            .map(str::to_owned)
+            .ok_or_else(|| format!("no kernels line:\n{o}"))
+    };
+    let first = line(&stack_only(&[("MEGATRAIN_KERNEL_CACHE", cache)])?)?;
+    if !first.contains("9 compiled now, 0 from the disk cache") {
+        return Err(format!("first run: {first}"));
+    }
+    let second = line(&stack_only(&[("MEGATRAIN_KERNEL_CACHE", cache)])?)?;
+    if !second.contains("0 compiled now, 9 from the disk cache") {
+        return Err(format!("second run: {second}"));
+    }
+    let entry = std::fs::read_dir(dir.path())
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "kc"))
+        .ok_or("no cache entry written")?;
+    let mut b = std::fs::read(&entry).map_err(|e| e.to_string())?;
+    let mid = b.len() / 2;
+    b[mid] ^= 0x55;
+    std::fs::write(&entry, &b).map_err(|e| e.to_string())?;
+    let third = line(&stack_only(&[("MEGATRAIN_KERNEL_CACHE", cache)])?)?;
+    if !third.contains("1 compiled now, 8 from the disk cache") {
+        return Err(format!("after damaging an entry: {third}"));
     }
     Ok(())
 }
@@ -363,6 +479,23 @@ const CHECKS: &[Check] = &[
     ),
     ("runs_on_a_cuda_12_8_driver", runs_on_a_cuda_12_8_driver),
     ("a_missing_cublas_is_named", a_missing_cublas_is_named),
+    (
+        "refuses_a_driver_older_than_cuda_12_8",
+        refuses_a_driver_older_than_cuda_12_8,
+    ),
+    ("refuses_an_sm_75_gpu_by_name", refuses_an_sm_75_gpu_by_name),
+    (
+        "cuda_13_libraries_on_a_cuda_12_driver_are_passed_over",
+        cuda_13_libraries_on_a_cuda_12_driver_are_passed_over,
+    ),
+    (
+        "an_unversioned_library_first_on_the_path_is_caught",
+        an_unversioned_library_first_on_the_path_is_caught,
+    ),
+    (
+        "compiled_kernels_are_cached_and_checked",
+        compiled_kernels_are_cached_and_checked,
+    ),
     (
         "an_enqueue_failure_drains_before_releasing",
         an_enqueue_failure_drains_before_releasing,

@@ -203,6 +203,17 @@ pub fn sites_of(prefix: &Path) -> Vec<PathBuf> {
             }
         }
     }
+    // A venv's `lib64` is often a link to its `lib`: one folder, looked in once.
+    let mut seen = Vec::new();
+    out.retain(|p| {
+        let real = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        if seen.contains(&real) {
+            false
+        } else {
+            seen.push(real);
+            true
+        }
+    });
     out
 }
 
@@ -1006,7 +1017,7 @@ impl Stack {
         if driver.cuda_code < MIN_DRIVER {
             return Err(Error::system(
                 "CUDA driver",
-                driver.path.display().to_string(),
+                format!("the version check of {}", driver.path.display()),
                 format!(
                     "it supports CUDA {}{}; megatrain needs CUDA {} or newer",
                     driver.cuda,

@@ -10,9 +10,11 @@
 //!   per event, so no driver callback serialises the streams. `Wait(e)` on another stream
 //!   becomes `cuStreamWaitEvent` on that CUDA event (or nothing, when `e` already fired).
 //! - `DtoH` with `accumulate` (gradient accumulation), or with bf16 gradients on the link,
-//!   copies through two page-locked bounce chunks in turn; the adds (or the widenings) run on a
-//!   fourth stream (a host function each, split over the host's cores), so the copy of one chunk
-//!   overlaps the landing of the one before, and the copy-out stream waits only for the last.
+//!   copies through two page-locked bounce chunks in turn; the adds (or the widenings) run on the
+//!   device's lander thread (split over the host's cores; never inside a CUDA host function), so
+//!   the copy of one chunk overlaps the landing of the one before, and the copy-out stream waits
+//!   (`cuStreamWaitValue32` on a flag the lander writes) only before refilling a chunk and after
+//!   the last.
 //! - Buffers are `cuMemAlloc` allocations counted against the capacity the schedule's buffers
 //!   were checked against (free memory at start-up, less a reserve for cuBLAS and the driver); the layer
 //!   workspace is allocated once up front. Every timed command is bracketed by two CUDA events,
@@ -104,6 +106,9 @@ struct Inner {
     /// use) and the next to fill.
     bounces: Vec<Pinned>,
     next_bounce: usize,
+    /// Per bounce chunk, the number of its last landing handed to the lander (what a stream
+    /// waits for before refilling it).
+    bounce_seq: [u32; bounce::BOUNCES],
     /// Events done with, for reuse (creating one per command is a driver call each): timing
     /// events (the commands' spans) and plain ones (`Record`s).
     timing_pool: Vec<CudaEvent>,
@@ -157,9 +162,11 @@ fn completed(e: &CudaEvent) -> Result<bool> {
 struct Shared {
     inner: Mutex<Inner>,
     error: Mutex<Option<Error>>,
-    /// The device's streams (copy-in, compute, copy-out, bounce), drained before anything
-    /// waiting on them is released.
-    streams: [Arc<CudaStream>; 4],
+    /// The device's streams (copy-in, compute, copy-out), drained before anything waiting on
+    /// them is released.
+    streams: [Arc<CudaStream>; 3],
+    /// The lander's first failure ([`bounce`]), which the watchdog turns into the device's.
+    lander_failure: Arc<Mutex<Option<Error>>>,
     /// Host events whose CUDA event has not completed yet, in record order, with their stream:
     /// the poller signals each when its `cuEventQuery` succeeds (no host function per event).
     /// Locked after `inner`, never before it.
@@ -239,6 +246,10 @@ impl Shared {
     /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
     /// from querying any pending event.
     fn check(&self) {
+        if let Some(e) = lock(&self.lander_failure).take() {
+            self.fail(e);
+            return;
+        }
         // A fault is sticky: every later query reports it, so the oldest pending event is
         // enough (and keeps the lock short). The watchdog only looks; it prunes nothing (what it
         // observes, the submitting thread has not).
@@ -409,16 +420,13 @@ impl CudaDevice {
                 timed: Vec::new(),
                 bounces: Vec::new(),
                 next_bounce: 0,
+                bounce_seq: [0; bounce::BOUNCES],
                 timing_pool: Vec::new(),
                 sync_pool: Vec::new(),
             }),
             error: Mutex::new(None),
-            streams: [
-                streams[0].clone(),
-                streams[1].clone(),
-                streams[2].clone(),
-                bounce.stream.clone(),
-            ],
+            streams: [streams[0].clone(), streams[1].clone(), streams[2].clone()],
+            lander_failure: bounce.failure.clone(),
             pending: Mutex::new(Vec::new()),
             wake: std::sync::Condvar::new(),
         });
@@ -794,6 +802,8 @@ impl Drop for CudaDevice {
             let _ = w.join();
         }
         self.synchronize();
+        // Every landing done before the bounce chunks go (the streams are idle).
+        self.bounce.stop();
         let _ = self.rt.ctx.bind_to_thread();
         let mut g = self.shared.lock();
         for b in g.bufs.drain(..).flatten() {

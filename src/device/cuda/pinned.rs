@@ -53,6 +53,31 @@ impl Pinned {
         })
     }
 
+    /// `bytes` of page-locked memory the GPU can also address (`CU_MEMHOSTALLOC_DEVICEMAP`), and
+    /// that address: what a stream reads a flag from (`cuStreamWaitValue32`).
+    pub fn mapped(ctx: &Arc<CudaContext>, bytes: usize) -> Result<(Self, u64)> {
+        drv(ctx.bind_to_thread(), "bind the context")?;
+        use cudarc::driver::sys;
+        // SAFETY: allocates; freed in Drop.
+        let ptr = unsafe {
+            cudarc::driver::result::malloc_host(
+                bytes.max(4),
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        }
+        .map_err(|e| Error::cuda("allocate device-mapped page-locked memory", e))?;
+        let p = Pinned {
+            ptr: ptr.cast(),
+            bytes,
+            ctx: ctx.clone(),
+        };
+        let mut dev = 0u64;
+        // SAFETY: `p` is page-locked memory just allocated with DEVICEMAP; writes one address.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, p.ptr.cast(), 0) };
+        drv(r.result(), "map page-locked memory for the GPU")?;
+        Ok((p, dev))
+    }
+
     /// The memory.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr

@@ -233,7 +233,7 @@ impl CudaRuntime {
         if driver.cuda_code < MIN_DRIVER {
             return Err(Error::system(
                 "CUDA driver",
-                driver.path.display().to_string(),
+                format!("the version check of {}", driver.path.display()),
                 format!(
                     "it supports CUDA {}; megatrain needs CUDA {} or newer",
                     driver.cuda,

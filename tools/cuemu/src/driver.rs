@@ -1251,6 +1251,100 @@ pub extern "C" fn cuStreamWaitEvent(s: Handle, e: Handle, _flags: c_uint) -> CUr
     })
 }
 
+/// A stream's wait on a 32-bit word (`cuStreamWaitValue32`): the stream stops until the
+/// condition holds, polling the word as the GPU's front end does.
+struct WaitValue {
+    addr: usize,
+    value: u32,
+    flags: c_uint,
+}
+
+impl WaitValue {
+    fn holds(&self) -> bool {
+        // SAFETY: checked at enqueue to be 4 bytes of page-locked host memory or of a device
+        // allocation, kept alive by the program while the wait is queued (as CUDA requires).
+        let x = unsafe { std::ptr::read_volatile(self.addr as *const u32) };
+        match self.flags & 0xf {
+            // GEQ compares cyclically: (int32)(x - value) >= 0.
+            0 => (x.wrapping_sub(self.value) as i32) >= 0,
+            1 => x == self.value,
+            2 => x & self.value != 0,
+            _ => !(x | self.value) != 0,
+        }
+    }
+}
+
+impl Work for WaitValue {
+    fn run(self: Box<Self>, _stream: &Stream) {
+        let mut nap = 1u64;
+        while !self.holds() {
+            if api::sticky().is_some() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(nap));
+            nap = (nap * 2).min(200);
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+    }
+}
+
+fn wait_value32(name: &str, s: Handle, addr: CUdeviceptr, value: u32, flags: c_uint) -> CUresult {
+    api::driver(name, || {
+        context()?;
+        let st = Stream::get(s as usize)?;
+        // GEQ, EQ, AND, NOR; FLUSH (1 << 30) changes nothing here.
+        if flags & !(0xf | (1 << 30)) != 0 || flags & 0xf > 3 || !addr.is_multiple_of(4) {
+            return Err(cu::INVALID_VALUE);
+        }
+        {
+            let m = mem();
+            let host = m.host_containing(addr as usize, 4).is_some();
+            if !host && m.range(addr, 4).is_err() {
+                let why = m.describe(addr);
+                drop(m);
+                report::error(
+                    "invalid pointer argument",
+                    &format!(
+                        "{name}: 0x{addr:x} is {why}, not page-locked host memory or device memory"
+                    ),
+                );
+                return Err(cu::INVALID_VALUE);
+            }
+        }
+        st.enqueue(
+            Cmd::Work(Box::new(WaitValue {
+                addr: addr as usize,
+                value,
+                flags,
+            })),
+            Arc::from(format!("a wait for the value at 0x{addr:x} (≥ {value})")),
+            &[],
+            &[],
+        )?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitValue32_v2(
+    s: Handle,
+    addr: CUdeviceptr,
+    value: u32,
+    flags: c_uint,
+) -> CUresult {
+    wait_value32("cuStreamWaitValue32_v2", s, addr, value, flags)
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitValue32(
+    s: Handle,
+    addr: CUdeviceptr,
+    value: u32,
+    flags: c_uint,
+) -> CUresult {
+    wait_value32("cuStreamWaitValue32", s, addr, value, flags)
+}
+
 #[no_mangle]
 pub extern "C" fn cuLaunchHostFunc(
     s: Handle,

@@ -1,44 +1,180 @@
-//! Device→host copies through two page-locked bounce chunks in turn, finished on the host by a
-//! host function on their own stream (split over the host's cores), so one chunk's copy overlaps
-//! the previous chunk's landing:
+//! Device→host copies through two page-locked bounce chunks in turn, landed on the host by the
+//! device's lander thread (split over the host's cores), so one chunk's copy overlaps the
+//! previous chunk's landing:
 //! - accumulating copies (gradient accumulation): `dst += device`;
 //! - bf16 gradients on the link ([`GradLink::Bf16`]): each chunk is rounded to bf16 (nearest
 //!   even) on the device, crosses as 2 B per element and is widened exactly into `dst` (`=` or
 //!   `+=`).
+//!
+//! No CUDA host function is involved: a real driver runs every host function of a context on one
+//! thread, so a landing there would hold up every other stream's host function, and work that
+//! blocks (a thread pool busy with AdamW) would stall the streams behind it. Instead, for each
+//! chunk the copy-out stream records an event after the copy and hands the chunk to the lander;
+//! the lander waits for the event on its own thread, lands the chunk, and writes the chunk's
+//! sequence number into a page-locked flag the GPU can read. Before the stream fills that chunk
+//! again — and before anything after the copy — it waits for the flag
+//! (`cuStreamWaitValue32`, `GEQ`): the GPU waits for the host, without the host waiting inside
+//! the driver. Jobs land in order, one at a time, so the flags only grow.
 
 use super::{CudaDevice, Inner};
 use crate::device::cuda::launches::Launcher;
-use crate::device::cuda::pinned::{host_fn, Pinned};
+use crate::device::cuda::pinned::Pinned;
 use crate::device::cuda::runtime::{drv, CudaRuntime, DevPtr};
 use crate::device::{launch, GradLink, BOUNCE_CHUNK_ELEMS};
 use crate::optim::adamw::bf16_to_f32;
 use crate::{Error, Result};
-use cudarc::driver::{CudaEvent, CudaStream};
-use std::sync::Arc;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 
 /// Bounce chunks: one fills while the other lands.
-const BOUNCES: usize = 2;
+pub(super) const BOUNCES: usize = 2;
 /// Elements each worker lands at a time within a chunk.
 const LAND_SLICE: usize = 64 << 10;
 
-/// The bounced copies' own stream and the events that pass each bounce chunk between it and the
-/// copy-out stream: `filled[b]` after a chunk lands in bounce `b`, `freed[b]` after it was
-/// landed on the host (re-recorded at each use: a wait takes the latest record).
+/// One chunk to land: wait for `copied`, then land `n` elements of the bounce chunk into `dst`,
+/// then write `seq` into the chunk's flag.
+struct Job {
+    copied: CudaEvent,
+    dst: *mut f32,
+    src: *const u8,
+    n: usize,
+    landing: Landing,
+    flag: *mut u32,
+    seq: u32,
+}
+
+// SAFETY: the pointers stay valid until the job is done: `dst` by the HostRef contract (its
+// owner waits for an event recorded after the flag this job writes), the bounce chunk and the
+// flags because the device keeps them until its streams are drained and the lander has stopped.
+unsafe impl Send for Job {}
+
+/// The bounced copies' landing: the flags the GPU reads, the lander thread and its queue, and
+/// the events the jobs are timed by (reused).
 #[derive(Debug)]
 pub(super) struct Bounce {
-    pub(super) stream: Arc<CudaStream>,
-    filled: [CudaEvent; BOUNCES],
-    freed: [CudaEvent; BOUNCES],
+    /// One `u32` flag per bounce chunk (page-locked, device-mapped): the sequence number of its
+    /// last landing.
+    flags: Pinned,
+    /// The flags' device address.
+    flags_dev: DevPtr,
+    jobs: Option<Sender<Job>>,
+    lander: Option<std::thread::JoinHandle<()>>,
+    /// Events done with, for the next jobs.
+    events: Arc<Mutex<Vec<CudaEvent>>>,
+    /// The first failure of the lander (a fault seen by its event wait), for the device to
+    /// report.
+    pub(super) failure: Arc<Mutex<Option<Error>>>,
 }
 
 impl Bounce {
     pub(super) fn new(rt: &CudaRuntime) -> Result<Self> {
-        let event = || drv(rt.ctx.new_event(None), "create an event");
+        let (flags, flags_dev) = Pinned::mapped(&rt.ctx, 4 * BOUNCES)?;
+        // SAFETY: `flags` holds BOUNCES u32s; nothing reads them yet.
+        unsafe { std::ptr::write_bytes(flags.as_ptr(), 0, 4 * BOUNCES) };
+        let (tx, rx) = channel::<Job>();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let failure = Arc::new(Mutex::new(None));
+        let lander = {
+            let (ctx, events, failure) = (rt.ctx.clone(), events.clone(), failure.clone());
+            std::thread::Builder::new()
+                .name("cuda-lander".into())
+                .spawn(move || land_jobs(&ctx, &rx, &events, &failure))
+                .map_err(|e| Error::system("std::thread", "spawn the CUDA lander", e))?
+        };
         Ok(Bounce {
-            stream: drv(rt.ctx.new_stream(), "create the bounce stream")?,
-            filled: [event()?, event()?],
-            freed: [event()?, event()?],
+            flags,
+            flags_dev,
+            jobs: Some(tx),
+            lander: Some(lander),
+            events,
+            failure,
         })
+    }
+
+    /// Stop the lander once it has landed every job handed to it (the streams are drained
+    /// first: a stream may be waiting for a flag it writes).
+    pub(super) fn stop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.lander.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// The flag of bounce chunk `b`, on the host.
+    fn flag(&self, b: usize) -> *mut u32 {
+        self.flags.as_ptr().cast::<u32>().wrapping_add(b)
+    }
+
+    /// Hold `stream` until bounce chunk `b` has landed landing number `seq`.
+    fn wait_landed(&self, stream: &CudaStream, b: usize, seq: u32) -> Result<()> {
+        use cudarc::driver::sys;
+        // SAFETY: the flag is device-mapped page-locked memory the device keeps; a GEQ wait
+        // reads it until it is ≥ seq (the lander writes it, in order).
+        let r = unsafe {
+            sys::cuStreamWaitValue32_v2(
+                stream.cu_stream(),
+                self.flags_dev + 4 * b as u64,
+                seq,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        };
+        drv(r.result(), "wait for a bounce chunk's landing")
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The lander thread: each job in order — wait for its copy (on this thread, not the driver's),
+/// land it, release its chunk. It never stops releasing chunks: after a failure it records the
+/// error and writes the flags anyway, so no stream waits forever.
+fn land_jobs(
+    ctx: &Arc<CudaContext>,
+    jobs: &Receiver<Job>,
+    events: &Mutex<Vec<CudaEvent>>,
+    failure: &Mutex<Option<Error>>,
+) {
+    let bound = ctx.bind_to_thread();
+    while let Ok(job) = jobs.recv() {
+        let ok = match &bound {
+            Ok(()) => job
+                .copied
+                .synchronize()
+                .map_err(|e| Error::cuda("wait for a bounced copy", e)),
+            Err(e) => Err(Error::cuda(
+                "bind the context on the CUDA lander thread",
+                e.clone(),
+            )),
+        };
+        match ok {
+            // SAFETY: see `Job`; the copy into the bounce chunk completed (the event), and it
+            // holds `n` elements of the link's format; nobody else touches either meanwhile
+            // (the stream refills the chunk only after the flag below).
+            Ok(()) => unsafe {
+                let d = (job.dst, job.n);
+                match job.landing.link {
+                    GradLink::Fp32 => land(d, job.src.cast::<f32>(), job.landing.accumulate, |x| x),
+                    GradLink::Bf16 => land(
+                        d,
+                        job.src.cast::<u16>(),
+                        job.landing.accumulate,
+                        bf16_to_f32,
+                    ),
+                }
+            },
+            Err(e) => {
+                crate::util::lock(failure).get_or_insert(e);
+            }
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        // SAFETY: the flag is page-locked memory the device keeps until this thread stops; the
+        // GPU only reads it.
+        unsafe { std::ptr::write_volatile(job.flag, job.seq) };
+        crate::util::lock(events).push(job.copied);
     }
 }
 
@@ -54,16 +190,14 @@ pub(super) struct Landing {
 impl CudaDevice {
     /// Hold `stream` until the bounce chunk the next bounced copy fills has been landed.
     pub(super) fn wait_for_bounce(&self, g: &Inner, stream: &CudaStream) -> Result<()> {
-        drv(
-            stream.wait(&self.bounce.freed[g.next_bounce]),
-            "wait for a bounce chunk",
-        )
+        let b = g.next_bounce;
+        self.bounce.wait_landed(stream, b, g.bounce_seq[b])
     }
 
     /// `dst[..len]` from `device[from..]` as `landing` says, in order on `stream`: each chunk is
     /// copied (under bf16, first rounded into the gradient staging) into a page-locked bounce
-    /// chunk (two in turn) on `stream` and landed on the bounce stream, so the next chunk's copy
-    /// overlaps this one's landing; `stream` then waits for the last landing.
+    /// chunk (two in turn) and landed by the lander, so the next chunk's copy overlaps this one's
+    /// landing; `stream` then waits for the last landing.
     pub(super) fn bounce_dtoh(
         &self,
         g: &mut Inner,
@@ -71,28 +205,26 @@ impl CudaDevice {
         (dst, from, len): (*mut f32, DevPtr, usize),
         landing: Landing,
     ) -> Result<()> {
+        if let Some(e) = crate::util::lock(&self.bounce.failure).take() {
+            return Err(e);
+        }
         // The bounce chunks belong to the device alone (freed when the device drops, after its
-        // streams are drained): a host function never holds one, so none can free page-locked
-        // memory — a CUDA call — from inside the driver's callback.
+        // streams are drained and the lander has stopped).
         while g.bounces.len() < BOUNCES {
             g.bounces
                 .push(Pinned::new(&self.rt.ctx, 4 * BOUNCE_CHUNK_ELEMS)?);
         }
+        let jobs = self.bounce.jobs.as_ref().ok_or_else(|| {
+            Error::internal("CUDA device", "a bounced copy after the lander stopped")
+        })?;
         let elem = landing.link.elem_bytes() as usize;
-        #[derive(Clone, Copy)]
-        struct Span(*mut f32, *const u8, usize);
-        // SAFETY: the pointers stay valid until the host function runs: `dst` by the HostRef
-        // contract, the bounce chunk because the device keeps it until its streams are drained.
-        unsafe impl Send for Span {}
-        let a = &self.bounce;
         for at in (0..len).step_by(BOUNCE_CHUNK_ELEMS) {
             let n = BOUNCE_CHUNK_ELEMS.min(len - at);
             let b = g.next_bounce;
             g.next_bounce = (b + 1) % BOUNCES;
             let bounce = g.bounces[b].as_ptr();
-            // The chunk's previous landing must be done before the copy overwrites it (a wait
-            // on an event never recorded returns at once).
-            drv(stream.wait(&a.freed[b]), "wait for a bounce chunk")?;
+            // The chunk's previous landing must be done before the copy overwrites it.
+            self.bounce.wait_landed(stream, b, g.bounce_seq[b])?;
             let chunk = from + 4 * at as u64;
             let crossing = match landing.link {
                 GradLink::Fp32 => chunk,
@@ -138,37 +270,33 @@ impl CudaDevice {
                 )
             };
             drv(r.result(), "device to host copy (bounced)")?;
-            drv(a.filled[b].record(stream), "record a filled bounce chunk")?;
-            drv(
-                a.stream.wait(&a.filled[b]),
-                "wait for a filled bounce chunk",
-            )?;
-            let span = Span(dst.wrapping_add(at), bounce.cast_const(), n);
-            host_fn(&a.stream, move || {
-                let span = span;
-                let d = (span.0, span.2);
-                // SAFETY: see `Span`; the copy into the bounce chunk completed (the wait), and
-                // it holds `n` elements of the link's format.
-                unsafe {
-                    match landing.link {
-                        GradLink::Fp32 => land(d, span.1.cast::<f32>(), landing.accumulate, |x| x),
-                        GradLink::Bf16 => {
-                            land(d, span.1.cast::<u16>(), landing.accumulate, bf16_to_f32)
-                        }
-                    }
-                }
-            })?;
-            drv(a.freed[b].record(&a.stream), "record a freed bounce chunk")?;
+            let copied = match crate::util::lock(&self.bounce.events).pop() {
+                Some(e) => e,
+                None => drv(self.rt.ctx.new_event(None), "create an event")?,
+            };
+            drv(copied.record(stream), "record a filled bounce chunk")?;
+            let seq = g.bounce_seq[b].wrapping_add(1);
+            g.bounce_seq[b] = seq;
+            jobs.send(Job {
+                copied,
+                dst: dst.wrapping_add(at),
+                src: bounce.cast_const(),
+                n,
+                landing,
+                flag: self.bounce.flag(b),
+                seq,
+            })
+            .map_err(|_| Error::internal("CUDA device", "the lander thread has stopped"))?;
         }
-        // What `stream` does next (the command's end, a Record) follows the last landing.
+        // What `stream` does next (the command's end, a Record) follows the last landing (the
+        // lander lands in order, so every earlier one too).
         let last = (g.next_bounce + BOUNCES - 1) % BOUNCES;
-        drv(stream.wait(&a.freed[last]), "wait for the last landing")
+        self.bounce.wait_landed(stream, last, g.bounce_seq[last])
     }
 }
 
 /// `d = widen(s)` or `d += widen(s)` over `n` elements, split over the host's cores (rayon) in
-/// slices of [`LAND_SLICE`]: plain memory work, no CUDA call, so it may run inside a host
-/// function.
+/// slices of [`LAND_SLICE`]. Runs on the lander thread, never inside the driver.
 ///
 /// # Safety
 /// `d` must point to `n` writable f32 and `s` to `n` readable `T`, neither touched by anyone
