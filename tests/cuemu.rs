@@ -156,6 +156,32 @@ fn a_missing_cublas_is_named() -> Result<(), String> {
     Ok(())
 }
 
+/// The store's streamed regions page-locked in pieces as small as a shard (one
+/// `cuMemHostRegister` per shard): every copy still lies in one registration — the emulator
+/// reports a copy from memory that is not page-locked — and training runs as before.
+fn registered_in_pieces_every_copy_is_page_locked() -> Result<(), String> {
+    let mut c = train(&[]);
+    c.env("MEGATRAIN_REGISTER_PIECE", "1")
+        .env("CUEMU_COUNTS", "1");
+    let out = run(c, Duration::from_secs(300))?;
+    let (_, err) = text(&out);
+    if !out.status.success() || !reports(&err).is_empty() {
+        return Err(format!("failed with one registration per shard:\n{err}"));
+    }
+    let registrations: u64 = err
+        .lines()
+        .find_map(|l| l.strip_prefix("cuemu: count cuMemHostRegister_v2 "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    // The golden model: 4 units (embedding, 2 blocks, final norm) × params and grads.
+    if registrations < 8 {
+        return Err(format!(
+            "only {registrations} cuMemHostRegister calls: the regions were not cut at shards"
+        ));
+    }
+    Ok(())
+}
+
 /// `megatrain selftest --device cuda --stack-only` through the emulator, with `env`.
 fn stack_only(env: &[(&str, &str)]) -> Result<Output, String> {
     let mut c = emulated(Path::new(megatrain()));
@@ -479,6 +505,10 @@ const CHECKS: &[Check] = &[
     ),
     ("runs_on_a_cuda_12_8_driver", runs_on_a_cuda_12_8_driver),
     ("a_missing_cublas_is_named", a_missing_cublas_is_named),
+    (
+        "registered_in_pieces_every_copy_is_page_locked",
+        registered_in_pieces_every_copy_is_page_locked,
+    ),
     (
         "refuses_a_driver_older_than_cuda_12_8",
         refuses_a_driver_older_than_cuda_12_8,

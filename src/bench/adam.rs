@@ -332,13 +332,16 @@ fn filled_stores(
         .collect();
     let need = layouts.iter().map(StateLayout::total_bytes).sum::<u64>()
         + 3 * 4 * layouts[0].num_params() as u64;
-    let avail = node.free_bytes.unwrap_or(node.memory_bytes);
+    let avail = node
+        .available_bytes
+        .or(node.free_bytes)
+        .unwrap_or(node.memory_bytes);
     if need > avail {
         return Err(Error::bad_input(
             "--params",
             params.to_string(),
             format!(
-                "needs {} on node {} but {} is free",
+                "needs {} on node {} but {} is available",
                 crate::util::human_bytes(need),
                 node.os_index,
                 crate::util::human_bytes(avail)

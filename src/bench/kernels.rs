@@ -78,8 +78,7 @@ pub fn run(a: &KernelBenchArgs) -> Result<KernelReport> {
         ("gate+up", a.hidden, 2 * a.ffn),
         ("down", a.ffn, a.hidden),
     ];
-    let blas = cudarc::cublas::CudaBlas::new(rt.stream.clone())
-        .map_err(|e| Error::cuda("create a cuBLAS handle", e))?;
+    let blas = crate::device::cuda::blas::Blas::new(&rt.stream, false)?;
     for (name, k, n) in gemms {
         for bf16 in [false, true] {
             let ms = time_gemm(&rt, &blas, m, k, n, bf16, a.reps)?;
@@ -171,7 +170,7 @@ fn int(v: usize, what: &str) -> Result<i32> {
 /// accumulation and output.
 fn time_gemm(
     rt: &CudaRuntime,
-    blas: &cudarc::cublas::CudaBlas,
+    blas: &crate::device::cuda::blas::Blas,
     m: usize,
     k: usize,
     n: usize,

@@ -98,6 +98,64 @@ pub trait HostRegistrar {
     /// # Safety
     /// `ptr..ptr+len` must stay mapped until the returned registration is dropped.
     unsafe fn register(&self, ptr: NonNull<u8>, len: usize) -> Result<Box<dyn Registration>>;
+
+    /// The most bytes one [`HostRegistrar::register`] call should take: a region is registered
+    /// in pieces of at most this ([`Region::register_pieces`]).
+    fn max_piece(&self) -> usize {
+        REGISTER_PIECE
+    }
+}
+
+/// Bytes page-locked per registration call by default: a model store of a terabyte is
+/// registered in dozens of calls, each failing (if it does) with its own size and place, rather
+/// than in one call per region that a driver or IOMMU may refuse whole.
+pub const REGISTER_PIECE: usize = 16 << 30;
+
+/// How `len` bytes are registered in pieces of at most `max` bytes, cut only at `cuts` (offsets
+/// no copy crosses: a copy from memory spanning two registrations is not a page-locked copy). A
+/// stretch between two cuts longer than `max` stays one piece. Returns `(offset, len)` pieces
+/// covering `0..len` in order.
+pub fn pieces(len: usize, cuts: &[usize], max: usize) -> Vec<(usize, usize)> {
+    let mut cuts: Vec<usize> = cuts.iter().copied().filter(|&c| c > 0 && c < len).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts.push(len);
+    let mut out = Vec::new();
+    let (mut start, mut last) = (0usize, 0usize);
+    for c in cuts {
+        if c - start > max.max(1) && last > start {
+            out.push((start, last - start));
+            start = last;
+        }
+        last = c;
+    }
+    if len > start {
+        out.push((start, len - start));
+    }
+    out
+}
+
+/// A registration made of pieces, undone together.
+#[derive(Debug)]
+struct Pieces(#[allow(dead_code)] Vec<Box<dyn Registration>>);
+
+impl Registration for Pieces {}
+
+/// `RLIMIT_MEMLOCK` as text.
+fn memlock_limit() -> String {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return "unknown".into();
+    }
+    if r.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".into()
+    } else {
+        crate::util::human_bytes(r.rlim_cur)
+    }
 }
 
 /// A mapped, NUMA-bound, prefaulted memory region.
@@ -297,11 +355,55 @@ impl Region {
         self.locked
     }
 
-    /// Page-lock the region with a device (e.g. CUDA's `cuMemHostRegister`).
+    /// Page-lock the whole region with a device (e.g. CUDA's `cuMemHostRegister`) in one
+    /// registration (a copy may span all of it; [`Region::register_pieces`] splits a region whose
+    /// copies are per shard).
     pub fn register_with(&mut self, registrar: &dyn HostRegistrar) -> Result<()> {
-        // SAFETY: the registration is stored in `self` and dropped before the munmap in Drop.
-        let reg = unsafe { registrar.register(self.ptr, self.len)? };
-        self.registration = Some(reg);
+        self.register_pieces(registrar, &[])
+    }
+
+    /// Page-lock the region in pieces ([`pieces`]) cut only at `cuts`, the offsets where copies
+    /// start (a shard's start): no copy spans two registrations. A piece the device refuses is
+    /// an error naming its bytes, its place, what was locked before it and the memlock limit;
+    /// the pieces locked before it are released.
+    pub fn register_pieces(&mut self, registrar: &dyn HostRegistrar, cuts: &[usize]) -> Result<()> {
+        let plan = pieces(self.len, cuts, registrar.max_piece());
+        let mut regs = Vec::with_capacity(plan.len());
+        let mut done = 0usize;
+        for (i, &(off, len)) in plan.iter().enumerate() {
+            let Some(ptr) = NonNull::new(self.ptr.as_ptr().wrapping_add(off)) else {
+                return Err(Error::internal("host region", "a null piece"));
+            };
+            // SAFETY: `off + len ≤ self.len` (the pieces cover the region); the registration is
+            // stored in `self` and dropped before the munmap in Drop.
+            match unsafe { registrar.register(ptr, len) } {
+                Ok(r) => regs.push(r),
+                Err(e) => {
+                    return Err(Error::system(
+                        "page lock",
+                        format!(
+                            "page-lock piece {} of {} ({} at offset {}) of the {} region ({})",
+                            i + 1,
+                            plan.len(),
+                            crate::util::human_bytes(len as u64),
+                            crate::util::human_bytes(off as u64),
+                            self.spec.label,
+                            crate::util::human_bytes(self.len as u64)
+                        ),
+                        format!(
+                            "{e}; {} were page-locked before it; the memlock limit (ulimit -l) is {}",
+                            crate::util::human_bytes(done as u64),
+                            memlock_limit()
+                        ),
+                    )
+                    .with_fix(
+                        "raise the memlock limit (`ulimit -l unlimited`, LimitMEMLOCK=infinity for a service), free host memory, or lower --ram-budget so less is page-locked",
+                    ));
+                }
+            }
+            done += len;
+        }
+        self.registration = Some(Box::new(Pieces(regs)));
         Ok(())
     }
 
@@ -484,6 +586,85 @@ mod tests {
         assert_eq!(rec.0.lock().unwrap()[0], (ptr, len, true));
         drop(r);
         assert!(!rec.0.lock().unwrap()[0].2, "registration released on drop");
+    }
+
+    #[test]
+    fn pieces_cover_the_region_cut_only_where_allowed() {
+        // Shards of 3, 5, 2, 9 and 1 bytes; pieces of at most 8.
+        let cuts = [0, 3, 8, 10, 19];
+        let p = pieces(20, &cuts, 8);
+        assert_eq!(p, vec![(0, 8), (8, 2), (10, 9), (19, 1)]);
+        // Everything fits one piece; no cuts at all; an empty region.
+        assert_eq!(pieces(20, &cuts, 1 << 20), vec![(0, 20)]);
+        assert_eq!(pieces(20, &[], 4), vec![(0, 20)]);
+        assert_eq!(pieces(0, &[], 4), vec![]);
+        // Random cuts: contiguous cover, cut only at cuts, and no two neighbouring pieces that
+        // would have fitted one.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..500 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = 1 + (x % 1000) as usize;
+            let max = 1 + (x >> 20) as usize % 200;
+            let cuts: Vec<usize> = (0..(x >> 40) % 30)
+                .map(|i| ((x >> i) as usize).wrapping_mul(7919) % len)
+                .collect();
+            let p = pieces(len, &cuts, max);
+            let mut at = 0;
+            for (i, &(o, l)) in p.iter().enumerate() {
+                assert_eq!(o, at);
+                assert!(l > 0);
+                assert!(o == 0 || cuts.contains(&o), "{o} is not a cut");
+                if i + 1 < p.len() {
+                    assert!(l + p[i + 1].1 > max, "{p:?} could merge at {i}");
+                }
+                at += l;
+            }
+            assert_eq!(at, len);
+        }
+    }
+
+    #[test]
+    fn a_refused_piece_names_itself_and_releases_the_others() {
+        #[derive(Debug)]
+        struct RefuseSecond(Recorder, std::sync::atomic::AtomicUsize);
+        impl HostRegistrar for RefuseSecond {
+            unsafe fn register(
+                &self,
+                ptr: NonNull<u8>,
+                len: usize,
+            ) -> Result<Box<dyn Registration>> {
+                if self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+                    return Err(Error::system(
+                        "CUDA driver",
+                        "cuMemHostRegister",
+                        "out of memory",
+                    ));
+                }
+                // SAFETY: forwarded.
+                unsafe { self.0.register(ptr, len) }
+            }
+            fn max_piece(&self) -> usize {
+                4096
+            }
+        }
+        let rec = RefuseSecond(Recorder::default(), 0.into());
+        let mut r = Region::allocate(spec(3 * 4096, Some(0))).unwrap();
+        let e = r
+            .register_pieces(&rec, &[4096, 8192])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("piece 2 of 3 (4.0 KiB at offset 4.0 KiB)"),
+            "{e}"
+        );
+        assert!(e.contains("4.0 KiB were page-locked before it"), "{e}");
+        assert!(e.contains("ulimit -l"), "{e}");
+        assert!(!r.is_registered());
+        let log = rec.0 .0.lock().unwrap();
+        assert_eq!(log.len(), 1);
+        assert!(!log[0].2, "the first piece was released");
     }
 
     #[test]

@@ -547,7 +547,13 @@ fn allocate_regions(
         })?;
         let streamed = matches!(kind, ShardKind::Params | ShardKind::Grads);
         if let (Some(r), true) = (&opts.registrar, streamed) {
-            region.register_with(r.0.as_ref())?;
+            // Copies are per shard: the region is page-locked in pieces cut at shard starts.
+            let cuts: Vec<usize> = pending
+                .iter()
+                .filter(|(_, _, key, _)| *key == (node, kind))
+                .map(|(_, _, _, offset)| *offset)
+                .collect();
+            region.register_pieces(r.0.as_ref(), &cuts)?;
         }
         regions.push(region);
     }

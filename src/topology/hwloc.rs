@@ -362,6 +362,7 @@ fn numa_nodes(topo: &Topology, cores: &[&TopologyObject]) -> Vec<NumaNode> {
                     _ => 0,
                 },
                 free_bytes: None,
+                available_bytes: None,
                 cpus: cpuset.as_ref().map(|s| cpu_list(s)).unwrap_or_default(),
                 hardware_threads: cpuset.as_ref().and_then(|s| s.weight()).unwrap_or(0),
                 cores: cpuset.as_ref().map_or(0, |set| {

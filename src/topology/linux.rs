@@ -21,9 +21,18 @@ fn read_u64(path: impl AsRef<Path>) -> Option<u64> {
 /// Fill in everything only the live machine can tell.
 pub fn complete_live(m: &mut Machine) {
     let single_node = m.numa_nodes.len() == 1;
+    let mem_available = meminfo("/proc/meminfo", "MemAvailable:");
     for node in &mut m.numa_nodes {
         let dir = PathBuf::from(format!("/sys/devices/system/node/node{}", node.os_index));
         node.free_bytes = node_meminfo(&dir, "MemFree:");
+        // Free, plus the page cache and slab the kernel can reclaim (the node's share of what
+        // MemAvailable counts machine-wide).
+        node.available_bytes = node.free_bytes.map(|free| {
+            free + ["Active(file):", "Inactive(file):", "SReclaimable:"]
+                .iter()
+                .filter_map(|k| node_meminfo(&dir, k))
+                .sum::<u64>()
+        });
         if single_node {
             // One node: /proc/meminfo is authoritative. (On some VMs the per-node counters miss
             // hot-plugged memory: this one's node0 reports 4.2 GiB of its 23.5 GiB.)
@@ -31,10 +40,23 @@ pub fn complete_live(m: &mut Machine) {
                 node.memory_bytes = total;
             }
             node.free_bytes = meminfo("/proc/meminfo", "MemFree:").or(node.free_bytes);
+            node.available_bytes = mem_available.or(node.available_bytes);
         }
         let hp = huge_pages_in(&dir.join("hugepages"));
         if !hp.is_empty() {
             node.huge_pages = hp;
+        }
+    }
+    // Several nodes: the per-node estimates never add up to more than MemAvailable (which
+    // keeps the kernel's low watermarks back).
+    if !single_node {
+        let sum: u64 = m.numa_nodes.iter().filter_map(|n| n.available_bytes).sum();
+        if let Some(avail) = mem_available.filter(|&a| sum > a && sum > 0) {
+            for n in &mut m.numa_nodes {
+                n.available_bytes = n
+                    .available_bytes
+                    .map(|b| (b as f64 * avail as f64 / sum as f64) as u64);
+            }
         }
     }
     m.memory = HostMemory {
@@ -42,6 +64,7 @@ pub fn complete_live(m: &mut Machine) {
         transparent_huge_pages: read_trim("/sys/kernel/mm/transparent_hugepage/enabled")
             .and_then(|s| bracketed(&s)),
         memlock: memlock(),
+        cgroup: cgroup_memory(Path::new("/proc/self/cgroup"), Path::new("/sys/fs/cgroup")),
     };
     m.io_uring = Some(io_uring_status());
     let driver = nvidia_driver_version();
@@ -60,6 +83,77 @@ pub fn complete_live(m: &mut Machine) {
     if let Some(devs) = block_devices() {
         m.block_devices = devs;
     }
+}
+
+/// The memory limit of the cgroup this process runs in (`cgroup_file`: `/proc/self/cgroup`),
+/// under the cgroup filesystem at `root`: the tightest `memory.max` (v2) among the cgroup and its
+/// ancestors, else the v1 `memory.limit_in_bytes`; `None` when no limit is set.
+pub fn cgroup_memory(cgroup_file: &Path, root: &Path) -> Option<super::CgroupMemory> {
+    let text = fs::read_to_string(cgroup_file).ok()?;
+    let limit_of = |s: Option<String>| -> Option<u64> {
+        // "max" (v2) or a page-rounded i64::MAX (v1) mean no limit.
+        s?.parse::<u64>().ok().filter(|&b| b < (1u64 << 62))
+    };
+    let reclaimable = |dir: &Path, keys: &[&str]| -> u64 {
+        fs::read_to_string(dir.join("memory.stat"))
+            .map(|t| {
+                t.lines()
+                    .filter_map(|l| {
+                        let (k, v) = l.split_once(' ')?;
+                        keys.contains(&k).then(|| v.trim().parse::<u64>().ok())?
+                    })
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    let mut best: Option<super::CgroupMemory> = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let rel = path.trim_start_matches('/');
+        let (base, v2) = if controllers.is_empty() {
+            (root.to_path_buf(), true)
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (root.join("memory"), false)
+        } else {
+            continue;
+        };
+        // The cgroup and each ancestor up to the root: the tightest limit binds.
+        let mut dir = base.join(rel);
+        loop {
+            let (limit, usage, reclaim) = if v2 {
+                (
+                    limit_of(read_trim(dir.join("memory.max"))),
+                    read_u64(dir.join("memory.current")),
+                    reclaimable(&dir, &["inactive_file", "active_file"]),
+                )
+            } else {
+                (
+                    limit_of(read_trim(dir.join("memory.limit_in_bytes"))),
+                    read_u64(dir.join("memory.usage_in_bytes")),
+                    reclaimable(&dir, &["total_inactive_file", "total_active_file"]),
+                )
+            };
+            if let (Some(limit), Some(usage)) = (limit, usage) {
+                let c = super::CgroupMemory {
+                    path: dir.display().to_string(),
+                    limit_bytes: limit,
+                    usage_bytes: usage,
+                    reclaimable_bytes: reclaim.min(usage),
+                };
+                if best
+                    .as_ref()
+                    .is_none_or(|b| c.room_bytes() < b.room_bytes())
+                {
+                    best = Some(c);
+                }
+            }
+            if dir == base || !dir.pop() || !dir.starts_with(&base) {
+                break;
+            }
+        }
+    }
+    best
 }
 
 /// A field of a node's `meminfo` ("Node 0 MemFree:   12345 kB"), in bytes.
@@ -296,6 +390,63 @@ fn mounts_by_dev() -> BTreeMap<String, Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn write(p: &Path, text: &str) {
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(p, text).unwrap();
+    }
+
+    #[test]
+    fn the_tightest_cgroup_limit_binds_and_page_cache_counts_as_room() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("cg");
+        // v2: a job slice limited to 64 GiB holding the process's cgroup limited to 100 GiB.
+        let job = root.join("slurm/job_7");
+        write(&root.join("slurm/memory.max"), "max\n");
+        write(&job.join("memory.max"), &format!("{}\n", 64u64 << 30));
+        write(&job.join("memory.current"), &format!("{}\n", 10u64 << 30));
+        write(
+            &job.join("memory.stat"),
+            &format!(
+                "anon 1\ninactive_file {}\nactive_file {}\n",
+                3u64 << 30,
+                1u64 << 30
+            ),
+        );
+        let leaf = job.join("step_0");
+        write(&leaf.join("memory.max"), &format!("{}\n", 100u64 << 30));
+        write(&leaf.join("memory.current"), &format!("{}\n", 2u64 << 30));
+        let self_cg = t.path().join("self");
+        write(&self_cg, "0::/slurm/job_7/step_0\n");
+        let c = cgroup_memory(&self_cg, &root).unwrap();
+        assert_eq!(c.path, job.display().to_string());
+        assert_eq!(c.limit_bytes, 64 << 30);
+        // 64 − (10 − 4 of reclaimable page cache) = 58 GiB.
+        assert_eq!(c.room_bytes(), 58 << 30);
+        // v1: the memory controller's own hierarchy; "no limit" is a huge page-rounded number.
+        let v1 = t.path().join("v1");
+        let mine = v1.join("memory/process_api/abc");
+        write(
+            &mine.join("memory.limit_in_bytes"),
+            &format!("{}\n", 8u64 << 30),
+        );
+        write(
+            &mine.join("memory.usage_in_bytes"),
+            &format!("{}\n", 1u64 << 30),
+        );
+        write(
+            &v1.join("memory/memory.limit_in_bytes"),
+            "9223372036854771712\n",
+        );
+        write(&v1.join("memory/memory.usage_in_bytes"), "5\n");
+        write(&self_cg, "4:memory:/process_api/abc\n0::/\n");
+        let c = cgroup_memory(&self_cg, &v1).unwrap();
+        assert_eq!((c.limit_bytes, c.room_bytes()), (8 << 30, 7 << 30));
+        // No limit anywhere.
+        write(&mine.join("memory.limit_in_bytes"), "9223372036854771712\n");
+        assert_eq!(cgroup_memory(&self_cg, &v1), None);
+        assert_eq!(cgroup_memory(&t.path().join("absent"), &v1), None);
+    }
 
     #[test]
     fn parses_selectors_and_speeds() {

@@ -128,6 +128,11 @@ pub struct NumaNode {
     pub memory_bytes: u64,
     /// Free memory in bytes (live machine only).
     pub free_bytes: Option<u64>,
+    /// Memory the OS can give a new allocation on this node (live machine only): free memory
+    /// plus the page cache and slab it can reclaim — the kernel's `MemAvailable` on one node,
+    /// an estimate from the node's own counters on several, scaled to `MemAvailable`.
+    #[serde(default)]
+    pub available_bytes: Option<u64>,
     /// CPUs local to the node, in Linux list format ("0-13,112-125"); empty for CPU-less nodes.
     pub cpus: String,
     /// Number of hardware threads in `cpus`.
@@ -180,6 +185,33 @@ pub struct HostMemory {
     pub transparent_huge_pages: Option<String>,
     /// `RLIMIT_MEMLOCK` of this process.
     pub memlock: Option<MemlockLimit>,
+    /// The memory limit of this process's cgroup, where one is set (a container, a Slurm job, a
+    /// systemd slice).
+    #[serde(default)]
+    pub cgroup: Option<CgroupMemory>,
+}
+
+/// A cgroup's memory limit and use: the tightest limit among the process's cgroup and its
+/// ancestors (v2 `memory.max`, v1 `memory.limit_in_bytes`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupMemory {
+    /// The cgroup that sets the limit (`/sys/fs/cgroup/...`).
+    pub path: String,
+    /// The limit in bytes.
+    pub limit_bytes: u64,
+    /// What the cgroup uses now (`memory.current`, v1 `memory.usage_in_bytes`).
+    pub usage_bytes: u64,
+    /// Of that, page cache the kernel can reclaim (`memory.stat`'s `inactive_file` +
+    /// `active_file`).
+    pub reclaimable_bytes: u64,
+}
+
+impl CgroupMemory {
+    /// What a new allocation can still get under the limit.
+    pub fn room_bytes(&self) -> u64 {
+        self.limit_bytes
+            .saturating_sub(self.usage_bytes.saturating_sub(self.reclaimable_bytes))
+    }
 }
 
 /// The memlock limit; `None` fields mean unlimited.

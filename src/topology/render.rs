@@ -80,8 +80,8 @@ fn write_numa(s: &mut String, m: &Machine) -> std::fmt::Result {
     writeln!(s, "\nNUMA nodes")?;
     writeln!(
         s,
-        "  {:<6} {:<4} {:<8} {:>11} {:>11} {:>6} {:<24} huge pages (free/total)",
-        "node", "pkg", "kind", "memory", "free", "cores", "cpus"
+        "  {:<6} {:<4} {:<8} {:>11} {:>11} {:>11} {:>6} {:<24} huge pages (free/total)",
+        "node", "pkg", "kind", "memory", "free", "available", "cores", "cpus"
     )?;
     for n in &m.numa_nodes {
         let hp: Vec<String> = n
@@ -103,12 +103,13 @@ fn write_numa(s: &mut String, m: &Machine) -> std::fmt::Result {
             .map_or(String::new(), |b| format!("  memory of GPU {b}"));
         writeln!(
             s,
-            "  P#{:<4} {:<4} {:<8} {:>11} {:>11} {:>6} {:<24} {}{}",
+            "  P#{:<4} {:<4} {:<8} {:>11} {:>11} {:>11} {:>6} {:<24} {}{}",
             n.os_index,
             n.package.map_or("-".to_owned(), |p| p.to_string()),
             kind,
             human_bytes(n.memory_bytes),
             n.free_bytes.map_or("n/a".to_owned(), human_bytes),
+            n.available_bytes.map_or("n/a".to_owned(), human_bytes),
             n.cores,
             n.cpus,
             if hp.is_empty() {
@@ -334,6 +335,18 @@ fn write_host(s: &mut String, m: &Machine) -> std::fmt::Result {
             )?,
             None => writeln!(s, "  memlock:      n/a")?,
         }
+        match &m.memory.cgroup {
+            Some(c) => writeln!(
+                s,
+                "  cgroup:       limit {}, using {} ({} of it reclaimable page cache): {} of room  ({})",
+                human_bytes(c.limit_bytes),
+                human_bytes(c.usage_bytes),
+                human_bytes(c.reclaimable_bytes),
+                human_bytes(c.room_bytes()),
+                c.path
+            )?,
+            None => writeln!(s, "  cgroup:       no memory limit")?,
+        }
         match &m.io_uring {
             Some(u) => writeln!(
                 s,
@@ -362,7 +375,7 @@ fn write_host(s: &mut String, m: &Machine) -> std::fmt::Result {
     } else {
         writeln!(
             s,
-            "  (free memory, huge pages, THP, memlock and io_uring are read on the live machine only)"
+            "  (free and available memory, huge pages, THP, memlock, cgroup limits and io_uring are read on the live machine only)"
         )?;
     }
     Ok(())

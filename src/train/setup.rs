@@ -277,13 +277,13 @@ fn check_before_allocating(
         spill,
         cfg.grad_accum == 1,
     )?;
-    // The CPU device's memory is host memory too: what the machine has free beside the state
+    // The CPU device's memory is host memory too: what the machine has available beside the state
     // (the RAM budget caps the state alone).
     let placed: u64 = prelim.nodes.iter().map(|n| n.bytes).sum();
     let host_room = machine
         .numa_nodes
         .iter()
-        .map(|n| n.free_bytes.unwrap_or(n.memory_bytes))
+        .map(|n| n.available_bytes.or(n.free_bytes).unwrap_or(n.memory_bytes))
         .sum::<u64>()
         .saturating_sub(placed);
     check_device_budget(cfg, layout, host_room)

@@ -10,6 +10,7 @@
 //! cuda`, and the program that calls it is checked bit for bit against the reference layers on
 //! the CPU backend.
 
+use super::blas::Blas;
 use super::launches::{i32_of, AttnArgs, Dtype, Launcher};
 use super::pinned::{host_fn, Pinned};
 use super::runtime::{drv, CudaRuntime, DevPtr};
@@ -18,8 +19,7 @@ use crate::device::program::{Backend, Gemm};
 use crate::device::Precision;
 use crate::model::ops::{AttnShape, Rope};
 use crate::{Error, Result};
-use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t as Op};
-use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::sync::{Arc, Mutex};
 
@@ -59,7 +59,7 @@ impl DevP {
 pub struct CudaBackend {
     rt: Arc<CudaRuntime>,
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    blas: Blas,
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
     head_dim: usize,
@@ -96,16 +96,7 @@ impl CudaBackend {
         n: usize,
         (tf32, bf16_operands): (bool, Option<usize>),
     ) -> Result<Self> {
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda("create a handle", e))?;
-        let mode = if tf32 {
-            cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
-        // SAFETY: a valid handle owned by `blas`.
-        let r = unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) };
-        r.result()
-            .map_err(|e| Error::cuda("set the math mode", e))?;
+        let blas = Blas::new(&stream, tf32)?;
         let (c, s) = rope.tables();
         let cos = drv(stream.clone_htod(c), "upload the RoPE tables")?;
         let sin = drv(stream.clone_htod(s), "upload the RoPE tables")?;

@@ -168,6 +168,16 @@ impl HostRegistrar for CudaRegistrar {
         // SAFETY: the caller keeps `ptr..ptr+len` mapped until the registration drops.
         Ok(Box::new(unsafe { PageLock::new(&self.0, ptr, len)? }))
     }
+
+    /// [`crate::host::region::REGISTER_PIECE`], or `MEGATRAIN_REGISTER_PIECE` bytes (smaller
+    /// pieces for a driver that refuses large ones; the test suite uses it to cut at every
+    /// shard).
+    fn max_piece(&self) -> usize {
+        std::env::var("MEGATRAIN_REGISTER_PIECE")
+            .ok()
+            .and_then(|v| crate::util::size::parse_size(&v).ok())
+            .map_or(crate::host::region::REGISTER_PIECE, |b| b.max(1) as usize)
+    }
 }
 
 unsafe extern "C" fn run_boxed(arg: *mut std::ffi::c_void) {

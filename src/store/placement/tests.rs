@@ -181,3 +181,60 @@ fn spill_auto_moves_only_what_the_budget_lacks_and_all_moves_everything() {
     let e = place_with_spill(&m, &l, None, tiny_budget, req(SpillPolicy::Auto)).unwrap_err();
     assert!(e.to_string().contains("missing"), "{e}");
 }
+
+/// The default ceiling is what the OS can give (available memory, a cgroup's room), and
+/// `--ram-budget` raises it up to the nodes' RAM — never past the RAM or the cgroup's limit.
+#[test]
+fn the_budget_follows_available_memory_and_a_given_total_raises_it() {
+    let mut m = synthetic("pack:1 numa:2 core:2 pu:1", 4);
+    for n in &mut m.numa_nodes {
+        n.free_bytes = Some(1 << 30);
+        n.available_bytes = Some(2 << 30);
+    }
+    let l = StateLayout::new(&tiny(8), Mode::Exact);
+    let caps = |m: &Machine, b: RamBudget| -> Result<Vec<u64>> {
+        let hosts: Vec<&NumaNode> = m.numa_nodes.iter().collect();
+        Ok(node_capacities(&hosts, b, m.memory.cgroup.as_ref())?
+            .iter()
+            .map(|n| n.capacity)
+            .collect())
+    };
+    let gib = 1u64 << 30;
+    // Available memory (page cache included), not free memory.
+    let d = RamBudget::default();
+    assert_eq!(caps(&m, d).unwrap(), vec![(2 * gib) * 9 / 10; 2]);
+    // Lowered and raised by a total; each node at most its RAM.
+    let with = |t| RamBudget {
+        total_bytes: Some(t),
+        ..d
+    };
+    assert_eq!(caps(&m, with(2 * gib)).unwrap(), vec![gib; 2]);
+    let raised = caps(&m, with(6 * gib)).unwrap();
+    assert!(
+        raised.iter().all(|&c| c.abs_diff(3 * gib) < 16),
+        "{raised:?}"
+    );
+    assert_eq!(caps(&m, with(8 * gib)).unwrap(), vec![4 * gib; 2]);
+    let e = caps(&m, with(9 * gib)).unwrap_err().to_string();
+    assert!(e.contains("more than the 8.0 GiB of RAM"), "{e}");
+    // A cgroup holds the default under its room, and a total past its limit is refused.
+    m.memory.cgroup = Some(crate::topology::CgroupMemory {
+        path: "/sys/fs/cgroup/job".into(),
+        limit_bytes: 3 * gib,
+        usage_bytes: gib,
+        reclaimable_bytes: 0,
+    });
+    let c = caps(&m, d).unwrap();
+    assert!(
+        c.iter().sum::<u64>().abs_diff(2 * gib * 9 / 10) < 16,
+        "{c:?}"
+    );
+    let e = caps(&m, with(4 * gib)).unwrap_err().to_string();
+    assert!(
+        e.contains("memory limit 3.0 GiB of cgroup /sys/fs/cgroup/job"),
+        "{e}"
+    );
+    // Placement itself reports it.
+    let e = place(&m, &l, None, with(4 * gib)).unwrap_err().to_string();
+    assert!(e.contains("--ram-budget"), "{e}");
+}

@@ -147,7 +147,7 @@ fn land_jobs(
                 .map_err(|e| Error::cuda("wait for a bounced copy", e)),
             Err(e) => Err(Error::cuda(
                 "bind the context on the CUDA lander thread",
-                e.clone(),
+                *e,
             )),
         };
         match ok {

@@ -678,21 +678,12 @@ fn bf16_stored_activations(g: &Gpu<'_>) -> Result<Vec<Out>> {
 
 /// `y[M, N] = x[M, K] · w[N, K]ᵀ` (a Linear) through cuBLAS in fp32 or TF32.
 fn gemm_sgemm(g: &Gpu<'_>, tf32: bool) -> Result<Vec<Out>> {
-    use cudarc::cublas::{sys::cublasOperation_t as Op, CudaBlas, Gemm, GemmConfig};
+    use cudarc::cublas::{sys::cublasOperation_t as Op, Gemm, GemmConfig};
     let (mm, nn, kk) = (129usize, 257usize, 511usize);
     let (x, w) = (g.rnd(mm * kk, 14, 1.0), g.rnd(nn * kk, 15, 1.0));
     let mut want = vec![0.0f32; mm * nn];
     ops::linear_fwd(&mut want, &x, &w, None, mm, kk, nn);
-    let blas = CudaBlas::new(g.rt.stream.clone()).map_err(|e| Error::cuda("create a handle", e))?;
-    let mode = if tf32 {
-        cudarc::cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-    } else {
-        cudarc::cublas::sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-    };
-    // SAFETY: a valid handle owned by `blas`.
-    let r = unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) };
-    r.result()
-        .map_err(|e| Error::cuda("set the math mode", e))?;
+    let blas = crate::device::cuda::blas::Blas::new(&g.rt.stream, tf32)?;
     let (xd, wd) = (g.up(&x)?, g.up(&w)?);
     let mut yd = g.zeros::<f32>(mm * nn)?;
     // Row-major y = x·wᵀ is column-major yᵀ = w·xᵀ: A = w (transposed), B = x.
@@ -709,7 +700,7 @@ fn gemm_sgemm(g: &Gpu<'_>, tf32: bool) -> Result<Vec<Out>> {
         ldc: nn as i32,
     };
     // SAFETY: the buffers hold M·K, N·K and M·N elements as the config describes.
-    unsafe { blas.gemm(cfg, &wd, &xd, &mut yd) }.map_err(|e| Error::cuda("sgemm", e))?;
+    unsafe { blas.cudarc().gemm(cfg, &wd, &xd, &mut yd) }.map_err(|e| Error::cuda("sgemm", e))?;
     let out = Out::new("y = x·wᵀ", g.down(&yd)?, want);
     if !tf32 {
         return Ok(vec![out]);
@@ -750,8 +741,7 @@ fn gemm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         kk,
         nn,
     );
-    let blas = cudarc::cublas::CudaBlas::new(g.rt.stream.clone())
-        .map_err(|e| Error::cuda("create a handle", e))?;
+    let blas = crate::device::cuda::blas::Blas::new(&g.rt.stream, false)?;
     let (xd, wd, yd) = (g.up16(&x)?, g.up16(&w)?, g.zeros::<f32>(mm * nn)?);
     let (alpha, beta) = (1.0f32, 0.0f32);
     // SAFETY: A = w [N, K] bf16, B = x [M, K] bf16, C = y [M, N] fp32, as described.
