@@ -19,10 +19,87 @@ pub struct SelftestArgs {
     /// kernels, and say which files and versions are in use.
     #[arg(long)]
     stack_only: bool,
+    /// Instead of the kernel and training checks: train every `train_*` golden case in DIR
+    /// (`tests/golden`) on the device and compare with PyTorch at the test suite's tolerances,
+    /// and run the first case twice for the same bits. Also on `--device cpu`.
+    #[arg(long, value_name = "DIR")]
+    goldens: Option<std::path::PathBuf>,
+}
+
+/// One self-test line.
+fn print_checks(checks: &[megatrain::selftest::Check]) {
+    for c in checks {
+        println!(
+            "{:<60} {:>12.3e} {:>10.0e}  {}",
+            c.name,
+            c.max_rel_err,
+            c.tolerance,
+            if c.pass { "pass" } else { "FAIL" }
+        );
+    }
+}
+
+/// The verdict over `checks`.
+fn verdict(checks: &[megatrain::selftest::Check]) -> Result<()> {
+    let failed = checks.iter().filter(|c| !c.pass).count();
+    if failed > 0 {
+        return Err(megatrain::Error::system(
+            "selftest",
+            "checks",
+            format!("{failed} of {} checks failed", checks.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// `--goldens DIR`: every case on the device, then the first one again for the same bits.
+fn goldens(dir: &std::path::Path, device: megatrain::train::config::DeviceKind) -> Result<()> {
+    use megatrain::selftest::goldens;
+    let cases = goldens::cases(dir)?;
+    let scratch = std::env::temp_dir().join(format!("megatrain-goldens-{}", std::process::id()));
+    let fresh = |i: usize| -> Result<std::path::PathBuf> {
+        let d = scratch.join(i.to_string());
+        std::fs::create_dir_all(&d).map_err(|e| megatrain::Error::io("create", &d, e))?;
+        Ok(d)
+    };
+    println!(
+        "training goldens (PyTorch + transformers) on the {} device: {} cases from {}\n",
+        format!("{device:?}").to_lowercase(),
+        cases.len(),
+        dir.display()
+    );
+    println!(
+        "{:<60} {:>12} {:>10}  result",
+        "check", "max rel err", "tolerance"
+    );
+    let result = (|| {
+        let mut checks = Vec::new();
+        let mut first = None;
+        for (i, case) in cases.iter().enumerate() {
+            let t0 = std::time::Instant::now();
+            let run = goldens::run_case(case, device, &fresh(i)?)?;
+            print_checks(&run.checks);
+            eprintln!("{}: {:.1} s", run.name, t0.elapsed().as_secs_f64());
+            checks.extend(run.checks.clone());
+            first.get_or_insert(run);
+        }
+        if let Some(a) = first {
+            let again = goldens::run_case(&cases[0], device, &fresh(cases.len())?)?;
+            let c = goldens::same_bits(&a, &again);
+            print_checks(std::slice::from_ref(&c));
+            checks.push(c);
+        }
+        verdict(&checks)
+    })();
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
 }
 
 #[cfg(not(feature = "cuda"))]
 pub fn run(a: &SelftestArgs) -> Result<()> {
+    if let (Some(dir), megatrain::train::config::DeviceKind::Cpu) = (&a.goldens, a.device) {
+        return goldens(dir, a.device);
+    }
     Err(megatrain::Error::bad_input(
         "selftest",
         format!("--device {:?}", a.device).to_lowercase(),
@@ -35,6 +112,9 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
 pub fn run(a: &SelftestArgs) -> Result<()> {
     use megatrain::device::cuda::CudaRuntime;
     use megatrain::selftest::{cuda, Check};
+    if let Some(dir) = &a.goldens {
+        return goldens(dir, a.device);
+    }
     if a.device != megatrain::train::config::DeviceKind::Cuda {
         return Err(megatrain::Error::bad_input(
             "selftest",
@@ -61,19 +141,9 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
     if a.stack_only {
         return Ok(());
     }
-    let print = |checks: &[Check]| {
-        for c in checks {
-            println!(
-                "{:<44} {:>12.3e} {:>10.0e}  {}",
-                c.name,
-                c.max_rel_err,
-                c.tolerance,
-                if c.pass { "pass" } else { "FAIL" }
-            );
-        }
-    };
+    let print = print_checks;
     println!(
-        "{:<44} {:>12} {:>10}  result",
+        "{:<60} {:>12} {:>10}  result",
         "check", "max rel err", "tolerance"
     );
     let mut checks = cuda::kernels(&rt, a.seed)?;
@@ -104,13 +174,5 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
         "256 MiB, page-locked, median of 5"
     };
     println!("\nlink ({label}): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
-    let failed = checks.iter().filter(|c| !c.pass).count();
-    if failed > 0 {
-        return Err(megatrain::Error::system(
-            "selftest",
-            "checks",
-            format!("{failed} of {} checks failed", checks.len()),
-        ));
-    }
-    Ok(())
+    verdict(&checks)
 }

@@ -5,6 +5,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod goldens;
 
 use crate::device::Device;
 use crate::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
