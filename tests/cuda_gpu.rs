@@ -140,3 +140,79 @@ fn runs_are_bitwise_reproducible_under_random_stream_delays() {
         }
     }
 }
+
+/// `tools/gpu_check.sh` (`--emulated` here, on the GPU with `MEGATRAIN_GPU=1`), with the
+/// emulator presenting CUDA 13: every stage passes, each writes its row, and at most 8 files come
+/// back, summary.md first.
+#[test]
+fn gpu_check_passes_every_stage() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let real = std::env::var("MEGATRAIN_GPU").is_ok_and(|v| v == "1");
+    let mut c = std::process::Command::new(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/gpu_check.sh"),
+    );
+    if !real {
+        c.arg("--emulated").env("CUEMU_CUDA", "13");
+    }
+    let out = c
+        .arg(out_dir.path())
+        .env("MEGATRAIN_BIN", env!("CARGO_BIN_EXE_megatrain"))
+        // One schedule: the self-test's own test runs the emulator's three.
+        .env_remove("CUEMU_SCHEDULES")
+        .output()
+        .unwrap();
+    let summary = std::fs::read_to_string(out_dir.path().join("summary.md")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "gpu_check failed:\n{summary}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for stage in ["stack", "selftest", "goldens", "bench", "step"] {
+        assert!(
+            summary.contains(&format!("| {stage} | PASS |")),
+            "{stage} did not pass:\n{summary}"
+        );
+    }
+    assert!(summary.contains("| big | SKIP |"), "{summary}");
+    if !real {
+        assert!(summary.contains("**emulated**"), "{summary}");
+        assert!(summary.contains("NVRTC 13.0, cuBLAS 13.1"), "{summary}");
+    }
+    let files: Vec<String> = std::fs::read_dir(out_dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(files.len() <= 8, "{files:?}");
+}
+
+/// On a GPU megatrain cannot use (an sm_75 T4, emulated), the check fails at its first stage with
+/// the reason in the summary, skips the rest, and exits non-zero — a run cut short still reports.
+#[test]
+fn gpu_check_reports_a_refused_gpu() {
+    if std::env::var("MEGATRAIN_GPU").is_ok_and(|v| v == "1") {
+        eprintln!("SKIP: needs the emulator's T4 profile");
+        return;
+    }
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/gpu_check.sh"),
+    )
+    .args(["--emulated"])
+    .arg(out_dir.path())
+    .env("MEGATRAIN_BIN", env!("CARGO_BIN_EXE_megatrain"))
+    .env("CUEMU_DEVICE", "t4")
+    .output()
+    .unwrap();
+    let summary = std::fs::read_to_string(out_dir.path().join("summary.md")).unwrap();
+    assert!(!out.status.success(), "{summary}");
+    assert!(
+        summary.contains("| stack | FAIL |") && summary.contains("sm_80 or newer"),
+        "{summary}"
+    );
+    for stage in ["selftest", "goldens", "bench", "step", "big"] {
+        assert!(
+            summary.contains(&format!("| {stage} | SKIP |")),
+            "{summary}"
+        );
+    }
+}

@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# One command that proves (or disproves) megatrain's CUDA path on a GPU server, and brings the
+# evidence back: at most 8 files in OUT_DIR, summary.md first.
+#
+#   tools/gpu_check.sh [--emulated] [--big] OUT_DIR
+#
+# The binary: MEGATRAIN_BIN, else dist/megatrain-cuda/megatrain (tools/build_gpu_bundle.sh: the
+# stripped CUDA build with the libraries it needs in lib/ beside it), else target/release/megatrain.
+# Needs no network, no toolkit and no Python: CUDA 12 or 13 comes from the server (driver, and
+# NVRTC + cuBLAS from the toolkit, the loader's path or NVIDIA's pip wheels — PyTorch's venv has
+# them; MEGATRAIN_CUDA_VENV names one). Runs within 9 minutes on an H100/H200 server (--big adds
+# about 4). Stages run in order of value; each writes its row of summary.md as it ends, so a run
+# cut short still reports:
+#   stack     the driver, NVRTC, headers and cuBLAS found, the kernels compiled and loaded (env.txt)
+#   selftest  every kernel and GEMM against the CPU reference, training steps against the CPU
+#             device, device→host landings bit for bit, the link (selftest.txt)
+#   goldens   the training goldens against PyTorch + transformers, fp32 and bf16, at the test
+#             suite's tolerances, and one case twice for the same bits (goldens.txt)
+#   bench     bench kernels, bench link, bench adam (bench.txt): the link and AdamW rates are
+#             the plan's calibration in the next stage
+#   step      a few steps of a model as wide as Llama-3-8B (4 layers): tokens/s, TFLOP/s and GPU
+#             memory (sampled from nvidia-smi) beside what `megatrain plan` predicts (step.txt)
+#   big       --big only: 12 layers of Llama-3-8B for a few minutes, beside the plan (big.txt)
+# run.log has every command and its stderr. --emulated runs the same stages under the CUDA
+# emulator (tools/cuemu.sh; CUEMU_CUDA=13 for a CUDA 13 stack) on small shapes: what CI runs, so
+# the script never rots. Its figures are host times, labelled emulated: never GPU figures.
+# Exit status: 0 when no stage failed.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+emulated="" big="" out=""
+for a in "$@"; do
+  case "$a" in
+    --emulated) emulated=1 ;;
+    --big) big=1 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "error: unknown option $a (usage: tools/gpu_check.sh [--emulated] [--big] OUT_DIR)" >&2; exit 2 ;;
+    *) [ -z "$out" ] || { echo "error: one OUT_DIR" >&2; exit 2; }; out="$a" ;;
+  esac
+done
+[ -n "$out" ] || { echo "usage: tools/gpu_check.sh [--emulated] [--big] OUT_DIR" >&2; exit 2; }
+mkdir -p "$out" || exit 2
+out="$(cd "$out" && pwd)"
+
+bin="${MEGATRAIN_BIN:-}"
+if [ -z "$bin" ]; then
+  for c in "$root/dist/megatrain-cuda/megatrain" "$root/target/release/megatrain"; do
+    [ -x "$c" ] && { bin="$c"; break; }
+  done
+fi
+[ -n "$bin" ] && [ -x "$bin" ] || {
+  echo "error: no megatrain binary (set MEGATRAIN_BIN, or build one: tools/build_gpu_bundle.sh)" >&2; exit 2; }
+bindir="$(cd "$(dirname "$bin")" && pwd)"
+[ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+summary="$out/summary.md" log="$out/run.log"
+for f in summary.md env.txt selftest.txt goldens.txt step.txt bench.txt big.txt run.log; do rm -f "$out/$f"; done
+scratch="$(mktemp -d "${TMPDIR:-/tmp}/megatrain-gpu-check.XXXXXX")"
+sampler=""
+cleanup() { [ -n "$sampler" ] && kill "$sampler" 2>/dev/null; rm -rf "$scratch"; }
+trap cleanup EXIT
+t_start=$(date +%s)
+
+# megatrain on the GPU, or through the emulator.
+if [ -n "$emulated" ]; then mt=("$root/tools/cuemu.sh" "$bin"); else mt=("$bin"); fi
+# Run megatrain ARGS with a time limit; stdout to FILE, stderr to run.log. `--host` first: a
+# command that needs no GPU (bench adam), run directly.
+stage_run() {  # LIMIT_S FILE [--host] ARGS...
+  local limit="$1" file="$2"; shift 2
+  local cmd=("${mt[@]}")
+  [ "${1:-}" = --host ] && { cmd=("$bin"); shift; }
+  echo "\$ megatrain $*" >> "$log"
+  timeout --kill-after=10 "$limit" "${cmd[@]}" "$@" >> "$file" 2>> "$log"
+}
+# `"key": number` from a JSON file: the Nth (1-based) occurrence.
+jnum() {  # FILE KEY [N]
+  grep -o "\"$2\": *[-0-9.eE+]*" "$1" 2>/dev/null | sed -n "${3:-1}p" | sed 's/.*: *//'
+}
+fmt() { awk -v x="$1" -v f="$2" 'BEGIN { if (x == "") print "n/a"; else printf f, x }'; }
+gib() { awk -v x="$1" 'BEGIN { if (x == "") print "n/a"; else printf "%.2f GiB", x / 1073741824 }'; }
+
+gpu_name="n/a" driver="n/a"
+if [ -z "$emulated" ] && command -v nvidia-smi >/dev/null 2>&1; then
+  gpu_name="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+  driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
+fi
+commit="$(git -C "$root" rev-parse --short HEAD 2>/dev/null || true)"
+[ -f "$bindir/VERSION" ] && commit="$(awk '/^commit/ {print substr($2,1,9) ($3 ? " " $3 " " $4 " " $5 : "")}' "$bindir/VERSION")"
+rows=()
+write_summary() {
+  {
+    echo "# megatrain GPU check"
+    echo
+    echo "- date: $(date -u +%Y-%m-%d\ %H:%M:%SZ); host: $(hostname); commit: ${commit:-unknown}; binary: $bin"
+    if [ -n "$emulated" ]; then
+      echo "- **emulated** (tools/cuemu.sh, CUDA ${CUEMU_CUDA:-12}): every figure is a host time, not a GPU figure"
+    else
+      echo "- GPU: $gpu_name; driver: $driver"
+    fi
+    echo
+    echo "| stage | result | figure | seconds |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+  } > "$summary.tmp" && mv "$summary.tmp" "$summary"
+}
+failed=0
+row() {  # STAGE RESULT FIGURE SECONDS
+  rows+=("| $1 | $2 | $3 | $4 |")
+  [ "$2" = FAIL ] && failed=$((failed + 1))
+  write_summary
+  echo "$1: $2 — $3 (${4}s)" >&2
+}
+write_summary
+
+# ---- stack -------------------------------------------------------------------------------------
+t0=$(date +%s)
+{
+  echo "# environment"; date -u; uname -a; echo
+  [ -f "$bindir/VERSION" ] && { echo "## binary ($bin)"; cat "$bindir/VERSION"; echo; }
+  if [ -z "$emulated" ] && command -v nvidia-smi >/dev/null 2>&1; then
+    echo "## nvidia-smi"; nvidia-smi 2>&1; echo
+    echo "## nvidia-smi topo -m"; nvidia-smi topo -m 2>&1; echo
+  else
+    echo "## nvidia-smi: ${emulated:+not run (emulated)}${emulated:-not found}"; echo
+  fi
+  echo "## CPU and memory"; (lscpu 2>/dev/null | grep -E '^(Model name|Socket|Core|Thread|NUMA node)' ; free -g 2>/dev/null) ; echo
+  echo "## CUDA libraries and kernels (megatrain selftest --device cuda --stack-only)"
+} > "$out/env.txt"
+stage_ok=""
+if stage_run 240 "$out/env.txt" selftest --device cuda --stack-only; then
+  nvrtc="$(grep -m1 -E '^ *NVRTC ' "$out/env.txt" | awk '{print $2}')"
+  cublas="$(grep -m1 -E '^ *cuBLAS ' "$out/env.txt" | awk '{print $2}')"
+  cuda="$(grep -m1 -E '^ *CUDA driver ' "$out/env.txt" | grep -o 'CUDA [0-9][0-9.]*' | head -1)"
+  opened="$(grep -m1 -o 'opened in [0-9.]* s' "$out/env.txt")"
+  row stack PASS "driver $cuda, NVRTC $nvrtc, cuBLAS $cublas; $opened" $(( $(date +%s) - t0 ))
+  stage_ok=1
+else
+  why="$(grep -m1 '^error:' "$log" | cut -c1-300)"
+  row stack FAIL "${why:-see run.log}" $(( $(date +%s) - t0 ))
+fi
+skip_rest() { for s in "$@"; do row "$s" SKIP "the CUDA stack did not open" 0; done; }
+
+# ---- selftest ----------------------------------------------------------------------------------
+if [ -n "$stage_ok" ]; then
+  t0=$(date +%s)
+  if stage_run 300 "$out/selftest.txt" selftest --device cuda; then r=PASS; else r=FAIL; fi
+  n_pass="$(grep -c ' pass$' "$out/selftest.txt")"; n_fail="$(grep -c ' FAIL$' "$out/selftest.txt")"
+  link="$(grep -m1 -o 'host→device [0-9.]* GB/s, device→host [0-9.]* GB/s' "$out/selftest.txt")"
+  row selftest $r "$n_pass checks pass, $n_fail fail; link ${link:-n/a}" $(( $(date +%s) - t0 ))
+
+  # ---- goldens ---------------------------------------------------------------------------------
+  t0=$(date +%s)
+  if stage_run 300 "$out/goldens.txt" selftest --device cuda --goldens "$root/tests/golden"; then r=PASS; else r=FAIL; fi
+  n_pass="$(grep -c ' pass$' "$out/goldens.txt")"; n_fail="$(grep -c ' FAIL$' "$out/goldens.txt")"
+  fp32="$(grep -E '^train_(mha|gqa|tied|clip|accum): loss' "$out/goldens.txt" | awk '{print $(NF-2)}' | sort -g | tail -1)"
+  bf16="$(grep -E '^train_bf16_[a-z_]*: loss' "$out/goldens.txt" | awk '{print $(NF-2)}' | sort -g | tail -1)"
+  same="$(grep -q 'same bits.* pass$' "$out/goldens.txt" && echo 'same bits twice' || echo 'NOT the same bits twice')"
+  row goldens $r "$n_pass pass, $n_fail fail; worst step error vs PyTorch: fp32 ${fp32:-n/a}, bf16 ${bf16:-n/a}; $same" $(( $(date +%s) - t0 ))
+else
+  skip_rest selftest goldens
+fi
+
+# ---- a step of an 8B-wide model, beside the plan ------------------------------------------------
+# model_config LAYERS HIDDEN FFN HEADS KV VOCAB → config.json
+model_config() {
+  cat <<EOF
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $2,
+ "intermediate_size": $3, "num_hidden_layers": $1, "num_attention_heads": $4,
+ "num_key_value_heads": $5, "vocab_size": $6, "max_position_embeddings": 131072,
+ "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "hidden_act": "silu"}
+EOF
+}
+# steps NAME FILE LIMIT_S STEPS SEQ BATCH ACCUM LAYERS HIDDEN FFN HEADS KV VOCAB: train on random
+# tokens, sample GPU memory, and predict the same with the planner.
+steps_stage() {
+  local name="$1" file="$2" limit="$3" steps="$4" seq="$5" batch="$6" accum="$7"; shift 7
+  local t0; t0=$(date +%s)
+  local dir="$scratch/$name"; mkdir -p "$dir"
+  model_config "$@" > "$dir/config.json"
+  local rows_n=$(( batch * accum * (steps + 1) + 1 ))
+  # u16 tokens (every value < 65536 ≤ the vocabulary): random, seq_len + 1 per row.
+  head -c $(( 2 * rows_n * (seq + 1) )) /dev/urandom > "$dir/data.bin"
+  {
+    echo "# $name: $1 layers, hidden $2, ffn $3, heads $4/$5, vocab $6; micro-batch $batch × $seq tokens, $accum micro-batches per step, $steps steps, bf16 recipe"
+    echo "## megatrain train"
+  } >> "$file"
+  if [ -z "$emulated" ] && command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=memory.used,utilization.gpu,power.draw --format=csv,noheader,nounits -lms 500 \
+      > "$dir/smi.csv" 2>/dev/null &
+    sampler=$!
+  fi
+  local r=PASS
+  stage_run "$limit" "$file" train --model "$dir/config.json" --data "$dir/data.bin" \
+    --seq-len "$seq" --batch-size "$batch" --grad-accum "$accum" --steps "$steps" \
+    --device cuda --precision bf16 --lr 1e-4 --metrics "$dir/m.jsonl" || r=FAIL
+  [ -n "$sampler" ] && { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; sampler=""; }
+  [ -f "$dir/m.jsonl" ] && { echo "## metrics (one JSON line per step)"; cat "$dir/m.jsonl"; } >> "$file"
+  # The plan for the same machine and run: the probed machine, else the preset of this GPU.
+  local machine="h100-512gb"
+  case "$gpu_name" in *H200*) machine="h200-1.5tb" ;; *GH200*) machine="gh200-480gb" ;; esac
+  if [ -z "$emulated" ] && "$bin" probe --json > "$dir/probe.json" 2>> "$log" && grep -q '"gpus": *\[ *{' "$dir/probe.json"; then
+    machine="$dir/probe.json"
+  fi
+  local cal=()
+  for c in "$scratch"/bench-*.json; do [ -f "$c" ] && cal+=(--calibration "$c"); done
+  echo "## megatrain plan (machine $machine)" >> "$file"
+  "$bin" plan --model "$dir/config.json" --machine "$machine" --tokens-per-step $(( batch * seq * accum )) \
+    --seq-len "$seq" --micro-batch-tokens $(( batch * seq )) --precision bf16 "${cal[@]}" --json \
+    > "$dir/plan.json" 2>> "$log"
+  cat "$dir/plan.json" >> "$file"
+  # Measured: the median tokens/s of the steps after the first (start-up), the peak device bytes.
+  local tps peak params ptps pdev smi util
+  tps="$(grep -o '"tokens_per_s": *[0-9.eE+-]*' "$dir/m.jsonl" 2>/dev/null | sed 's/.*: *//' | tail -n +2 | sort -g \
+         | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }')"
+  peak="$(grep -o '"device_peak_bytes": *[0-9]*' "$dir/m.jsonl" 2>/dev/null | sed 's/.*: *//' | sort -g | tail -1)"
+  params="$(jnum "$dir/plan.json" params)"
+  ptps="$(jnum "$dir/plan.json" tokens_per_s)"
+  pdev="$(jnum "$dir/plan.json" device_bytes)"
+  smi="n/a" util="n/a"
+  if [ -s "$dir/smi.csv" ]; then
+    smi="$(awk -F', *' '$1 > m { m = $1 } END { printf "%.1f GiB", m / 1024 }' "$dir/smi.csv")"
+    util="$(awk -F', *' '{ s += $2; n++ } END { if (n) printf "%.0f%%", s / n }' "$dir/smi.csv")"
+    { echo "## nvidia-smi samples (memory.used MiB, utilization.gpu %, power.draw W; every 0.5 s)"; cat "$dir/smi.csv"; } >> "$file"
+  fi
+  local tflops ptflops
+  tflops="$(awk -v t="$tps" -v p="$params" 'BEGIN { if (t != "" && p != "") print 6 * p * t / 1e12 }')"
+  ptflops="$(awk -v t="$ptps" -v p="$params" 'BEGIN { if (t != "" && p != "") print 6 * p * t / 1e12 }')"
+  local label=""; [ -n "$emulated" ] && label=" (emulated host times)"
+  [ -n "$tps" ] || r=FAIL
+  row "$name" $r "$(fmt "$tps" '%.0f') tokens/s$label, $(fmt "$tflops" '%.3g') TFLOP/s (6·N), device peak $(gib "$peak"), nvidia-smi max $smi, GPU busy $util; plan: $(fmt "$ptps" '%.0f') tokens/s, $(fmt "$ptflops" '%.3g') TFLOP/s, device $(gib "$pdev")" $(( $(date +%s) - t0 ))
+}
+
+# ---- bench (before the step: the plan then uses the measured link and AdamW rates) -------------
+bench_stage() {
+  local t0; t0=$(date +%s)
+  local r=PASS k l a
+  if [ -n "$emulated" ]; then
+    k=(--tokens 64 --hidden 128 --ffn 256 --heads 2 --kv-heads 1 --head-dim 64 --seq 96 --reps 1)
+    l=(--size 4M --reps 1)
+    a=(--params 2M --reps 1)
+  else
+    k=() l=() a=()
+  fi
+  echo "## megatrain bench kernels" >> "$out/bench.txt"
+  stage_run 240 "$scratch/bench-kernels.out" bench kernels "${k[@]}" --json || r=FAIL
+  cat "$scratch/bench-kernels.out" >> "$out/bench.txt" 2>/dev/null
+  echo "## megatrain bench link" >> "$out/bench.txt"
+  stage_run 120 "$scratch/bench-link.json" bench link "${l[@]}" --json || r=FAIL
+  cat "$scratch/bench-link.json" >> "$out/bench.txt" 2>/dev/null
+  echo "## megatrain bench adam" >> "$out/bench.txt"
+  stage_run 180 "$scratch/bench-adam.json" --host bench adam "${a[@]}" --json || r=FAIL
+  cat "$scratch/bench-adam.json" >> "$out/bench.txt" 2>/dev/null
+  # Figures: the best GEMM and attention TFLOP/s, the pinned link each way, fp32 AdamW GB/s.
+  local gemm attn htod dtoh adam
+  gemm="$(awk '/"kernel": *"gemm bf16/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.out" 2>/dev/null)"
+  attn="$(awk '/"kernel": *".*tensor cores/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.out" 2>/dev/null)"
+  htod="$(awk '/"direction": *"htod"/ { d = 1 } /"direction": *"dtoh"|"bidirectional"/ { d = 0 } d && /"pinned": *true/ { p = 1 } d && p && /"gbps"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; p = 0 } END { if (m) print m }' "$scratch/bench-link.json" 2>/dev/null)"
+  dtoh="$(awk '/"direction": *"dtoh"/ { d = 1 } /"direction": *"htod"|"bidirectional"/ { d = 0 } d && /"pinned": *true/ { p = 1 } d && p && /"gbps"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; p = 0 } END { if (m) print m }' "$scratch/bench-link.json" 2>/dev/null)"
+  adam="$(jnum "$scratch/bench-adam.json" gbytes_per_s 1)"
+  local label=""; [ -n "$emulated" ] && label=" (emulated host times)"
+  row bench $r "GEMM bf16 $(fmt "$gemm" '%.3g') TFLOP/s, attention (tensor cores) $(fmt "$attn" '%.3g') TFLOP/s, link pinned H→D $(fmt "$htod" '%.1f') / D→H $(fmt "$dtoh" '%.1f') GB/s, AdamW fp32 $(fmt "$adam" '%.1f') GB/s$label" $(( $(date +%s) - t0 ))
+}
+
+if [ -n "$stage_ok" ]; then
+  bench_stage
+  if [ -n "$emulated" ]; then
+    # Small shapes: the emulator runs every thread of every block on the host.
+    steps_stage step "$out/step.txt" 300 3 64 2 2  2 128 256 4 2 65536
+  else
+    # Llama-3-8B's width (4 layers; embedding and head in full): ~1.8 B parameters.
+    steps_stage step "$out/step.txt" 300 4 4096 1 8  4 4096 14336 32 8 128256
+  fi
+  if [ -n "$big" ]; then
+    if [ -n "$emulated" ]; then
+      steps_stage big "$out/big.txt" 600 4 64 2 4  4 128 256 4 2 65536
+    else
+      # 12 layers of Llama-3-8B (~3.7 B parameters, ~59 GB of host state): a few minutes.
+      steps_stage big "$out/big.txt" 600 12 4096 1 16  12 4096 14336 32 8 128256
+    fi
+  else
+    row big SKIP "not asked for (--big)" 0
+  fi
+else
+  skip_rest bench step big
+fi
+
+total=$(( $(date +%s) - t_start ))
+{
+  echo
+  echo "$failed stage(s) failed; $total s in all. Files: env.txt (machine, libraries), selftest.txt, goldens.txt, step.txt, bench.txt, big.txt, run.log (every command's stderr)."
+  echo "Record a real GPU's run in docs/gpu.md (date, GPU, driver, result, figures, commit)."
+} >> "$summary"
+cat "$summary"
+[ "$failed" -eq 0 ]
