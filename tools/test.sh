@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: formatting, lints (default and `cuda` feature, and the CUDA emulator), every
-# test, every CUDA kernel compiled by NVRTC (installed from PyPI wheels; no GPU or toolkit
-# needed), and the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh).
+# test, every CUDA kernel compiled by NVRTC 12.9 and 13.0 (installed from PyPI wheels; no GPU or
+# toolkit needed), and the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh)
+# presenting CUDA 12 and CUDA 13, tools/gpu_check.sh --emulated among it.
 # This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +27,18 @@ fi
 echo "== cargo test"
 cargo test --all-targets
 cargo test -p cuemu
-echo "== CUDA kernels through NVRTC for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"
+echo "== the CUDA feature's unit tests (the kernel cache)"
+cargo test --features cuda --lib device::cuda
+echo "== CUDA kernels through NVRTC 13.0 for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"
+(eval "$(bash tools/setup-cuda-wheels.sh --cuda 13)"
+ MEGATRAIN_REQUIRE_NVRTC=1 cargo test --features cuda --test kernels -- --nocapture)
+echo "== CUDA kernels through NVRTC 12.9 for sm_80 and sm_90"
 eval "$(bash tools/setup-cuda-wheels.sh)"
 MEGATRAIN_REQUIRE_NVRTC=1 cargo test --features cuda --test kernels -- --nocapture
 echo "== the CUDA path under the CUDA emulator: selftest, training vs PyTorch, the emulator's teeth"
-# Every launch of the self-test runs under three thread schedules and shared-memory poisons.
+# Every launch of the self-test runs under three thread schedules and shared-memory poisons; the
+# emulator presents CUDA 12 here, and CUDA 13 (sonames .so.13, memory pools) in gpu_check's test.
 CUEMU_SCHEDULES=3 cargo test --features cuda --test cuda_gpu
 cargo test --features cuda --test train_golden --test cuemu
+echo "== the training goldens on the CUDA device with the emulator presenting CUDA 13"
+CUEMU_CUDA=13 cargo test --features cuda --test train_golden cuda::

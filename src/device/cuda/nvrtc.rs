@@ -256,20 +256,63 @@ pub struct Provenance {
     pub from_disk: usize,
     /// Files already compiled by this process.
     pub from_process: usize,
+    /// Cached files the driver refused, compiled again.
+    pub refreshed: usize,
     /// The disk cache folder (`None`: off).
     pub cache: Option<PathBuf>,
     /// Why an entry could not be written, if one could not (the compile still stands).
     pub write_error: Option<String>,
 }
 
+/// What this process has compiled, by (NVRTC library, architecture).
+type Memo = Mutex<HashMap<(PathBuf, String), Arc<Vec<Compiled>>>>;
+
+fn memo() -> &'static Memo {
+    static MEMO: OnceLock<Memo> = OnceLock::new();
+    MEMO.get_or_init(Memo::default)
+}
+
+fn cache_name(tc: &Toolchain, f: &KernelFile, arch: &str) -> String {
+    let program = f.program();
+    let options = nvrtc_options(arch, &tc.include);
+    kernel_cache::Key {
+        nvrtc: tc.version,
+        headers: tc.headers_version,
+        arch,
+        options: &options,
+        program: &program,
+    }
+    .file_name()
+}
+
+/// Compile file `index` of [`FILES`] for `arch` again, bypassing the caches, and put the result in
+/// both: for a cached image the driver refused (a driver that changed under the cache).
+pub fn refresh(tc: &Toolchain, arch: &str, index: usize) -> Result<Compiled> {
+    let f = FILES
+        .get(index)
+        .ok_or_else(|| Error::internal("NVRTC", format!("no kernel file {index}")))?;
+    let c = compile(tc, f, arch)?;
+    check_entries(f, &c)?;
+    if let Some(d) = kernel_cache::dir() {
+        // Best effort, as for any compile: the kernels stand without the cache.
+        let _ = kernel_cache::write(&d, &cache_name(tc, f, arch), &c);
+    }
+    let mut memo = crate::util::lock(memo());
+    if let Some(v) = memo.get_mut(&(tc.library.clone(), arch.to_owned())) {
+        let mut all = v.as_ref().clone();
+        if let Some(slot) = all.get_mut(index) {
+            *slot = c.clone();
+        }
+        *v = Arc::new(all);
+    }
+    Ok(c)
+}
+
 /// Every kernel file for `arch`, compiled once per process and kept on disk across processes
 /// ([`kernel_cache`]): a cached entry is used only when it checks out and exports every kernel.
 pub fn compile_all_cached(tc: &Toolchain, arch: &str) -> Result<(Arc<Vec<Compiled>>, Provenance)> {
-    type Memo = Mutex<HashMap<(PathBuf, String), Arc<Vec<Compiled>>>>;
-    static MEMO: OnceLock<Memo> = OnceLock::new();
-    let memo = MEMO.get_or_init(Memo::default);
     // Held while compiling, so two devices opening at once compile once.
-    let mut memo = crate::util::lock(memo);
+    let mut memo = crate::util::lock(memo());
     let key = (tc.library.clone(), arch.to_owned());
     let cache = kernel_cache::dir();
     if let Some(done) = memo.get(&key) {
@@ -286,16 +329,7 @@ pub fn compile_all_cached(tc: &Toolchain, arch: &str) -> Result<(Arc<Vec<Compile
     };
     let mut out = Vec::with_capacity(FILES.len());
     for f in FILES {
-        let program = f.program();
-        let options = nvrtc_options(arch, &tc.include);
-        let name = kernel_cache::Key {
-            nvrtc: tc.version,
-            headers: tc.headers_version,
-            arch,
-            options: &options,
-            program: &program,
-        }
-        .file_name();
+        let name = cache_name(tc, f, arch);
         let hit = cache
             .as_deref()
             .and_then(|d| kernel_cache::read(d, &name))

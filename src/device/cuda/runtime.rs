@@ -199,15 +199,27 @@ impl CudaRuntime {
             .with_fix("use a newer NVRTC (MEGATRAIN_NVRTC_LIB or MEGATRAIN_CUDA_VENV)"));
         }
         let tc = Toolchain::new(&stack.nvrtc, &stack.headers);
-        let (compiled, provenance) = nvrtc::compile_all_cached(&tc, &arch)?;
-        for (f, c) in FILES.iter().zip(compiled.iter()) {
+        let (compiled, mut provenance) = nvrtc::compile_all_cached(&tc, &arch)?;
+        for (i, (f, c)) in FILES.iter().zip(compiled.iter()).enumerate() {
             // The CUBIN for this device, not the PTX: a driver older than NVRTC cannot JIT
             // its PTX ISA (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), but runs its CUBIN.
-            let module = drv(
+            let load = |cubin: &[u8]| {
                 rt.ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone())),
-                &format!("load {} (CUBIN for {arch})", f.file),
-            )?;
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))
+            };
+            let module = match load(&c.cubin) {
+                Ok(m) => m,
+                // A CUBIN from a cache the driver refuses: compiled afresh, once.
+                Err(_) if provenance.compiled < FILES.len() => {
+                    let fresh = nvrtc::refresh(&tc, &arch, i)?;
+                    provenance.refreshed += 1;
+                    drv(
+                        load(&fresh.cubin),
+                        &format!("load {} (CUBIN for {arch}, compiled afresh)", f.file),
+                    )?
+                }
+                Err(e) => drv(Err(e), &format!("load {} (CUBIN for {arch})", f.file))?,
+            };
             for k in f.kernels {
                 let func = drv(module.load_function(k.name), &format!("find {}", k.name))?;
                 // Opt in to the device's largest dynamic shared memory (beside the kernel's
@@ -338,10 +350,15 @@ impl CudaRuntime {
         }
         if let Some(k) = &self.kernels {
             v.push(format!(
-                "kernels       {} compiled now, {} from the disk cache, {} compiled earlier in this process ({})",
+                "kernels       {} compiled now, {} from the disk cache, {} compiled earlier in this process{} ({})",
                 k.compiled,
                 k.from_disk,
                 k.from_process,
+                if k.refreshed > 0 {
+                    format!(", {} cached ones refused by the driver and compiled again", k.refreshed)
+                } else {
+                    String::new()
+                },
                 k.cache
                     .as_ref()
                     .map(|d| format!("cache {}", d.display()))
