@@ -267,6 +267,92 @@ fn plan_calibrates_from_bench_json() {
     );
 }
 
+/// `plan --calibration` takes a GPU's `bench kernels --json` (what `tools/gpu_check.sh` records):
+/// the measured GEMM and attention shares of the peak replace the sourced assumptions, and the
+/// predicted compute follows them; an emulated report (host times) is refused.
+#[test]
+fn plan_calibrates_kernels_from_a_gpu_report() {
+    let d = tempfile::tempdir().unwrap();
+    // A report as `bench kernels --json` writes it (the figures are a test's inputs, not a GPU
+    // measurement): the best bf16 GEMM at half the peak, attention forward at 20%.
+    let t = "T 8192, 32 heads (8 kv), hd 128";
+    let f = 2.0 * 2.0 * (8192.0 * 8192.0 / 2.0 * 32.0 * 128.0);
+    let row = |kernel: &str, shape: &str, flops: f64, tflops: f64, peak: f64| {
+        serde_json::json!({"kernel": kernel, "shape": shape, "flops": flops,
+            "ms": flops / (tflops * 1e12) * 1e3, "tflops": tflops, "peak_tflops": peak})
+    };
+    let report = |emulated: bool| {
+        serde_json::json!({"bench": "kernels", "device": "NVIDIA H100 80GB HBM3", "emulated": emulated,
+        "rows": [
+            row("gemm fp32", "down", 1e12, 40.2, 67.0),
+            row("gemm bf16 (fp32 accumulate)", "qkv", 1e12, 400.0, 989.0),
+            row("gemm bf16 (fp32 accumulate)", "down", 1e12, 494.5, 989.0),
+            row("attention fwd (fp32 SIMT)", t, f, 13.4, 67.0),
+            row("attention fwd (tensor cores)", t, f, 197.8, 989.0),
+            row("attention fwd+bwd (tensor cores)", t, 3.5 * f, 3.5 * f / (f / 197.8 + 2.5 * f / 98.9), 989.0),
+        ]})
+    };
+    let p = d.path().join("kernels.json");
+    std::fs::write(&p, report(false).to_string()).unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--machine",
+            "h100-512gb",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        json(&args)
+    };
+    let base = plan(&[]);
+    let cal = plan(&["--calibration", p.to_str().unwrap()]);
+    let e = &cal["kernel_efficiency"];
+    let near = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 1e-6;
+    assert!(near(&e["gemm"], 0.5), "{e}");
+    assert!(near(&e["attention_fwd"], 0.2), "{e}");
+    assert!(near(&e["attention_bwd"], 0.1), "{e}");
+    assert!(e["source"]
+        .as_str()
+        .unwrap()
+        .contains("measured by `megatrain bench kernels`"));
+    assert!(
+        cal["assumptions"]
+            .to_string()
+            .contains("kernels calibrated"),
+        "{cal}"
+    );
+    // Slower kernels than the assumptions (MAMF's 80% GEMMs): more compute time.
+    let compute = |v: &serde_json::Value| v["plan"]["time"]["compute_s"].as_f64().unwrap();
+    assert!(
+        compute(&cal) > compute(&base) * 1.2,
+        "{} vs {}",
+        compute(&cal),
+        compute(&base)
+    );
+    // An emulated report is host time: refused by name.
+    std::fs::write(&p, report(true).to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args([
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--machine",
+            "h100-512gb",
+            "--calibration",
+        ])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("an emulated report") && err.contains("kernels.json"),
+        "{err}"
+    );
+}
+
 /// `bench kernels` without a GPU (or a CUDA build) fails cleanly and says why.
 #[test]
 #[allow(clippy::print_stderr)]

@@ -16,8 +16,8 @@
 #             device, device→host landings bit for bit, the link (selftest.txt)
 #   goldens   the training goldens against PyTorch + transformers, fp32 and bf16, at the test
 #             suite's tolerances, and one case twice for the same bits (goldens.txt)
-#   bench     bench kernels, bench link, bench adam (bench.txt): the link and AdamW rates are
-#             the plan's calibration in the next stage
+#   bench     bench kernels, bench link, bench adam (bench.txt): the kernels' efficiencies and the
+#             link and AdamW rates are the plan's calibration in the next stage
 #   step      a few steps of a model as wide as Llama-3-8B (4 layers): tokens/s, TFLOP/s and GPU
 #             memory (sampled from nvidia-smi) beside what `megatrain plan` predicts (step.txt)
 #   big       --big only: 12 layers of Llama-3-8B for a few minutes, beside the plan (big.txt)
@@ -200,8 +200,14 @@ steps_stage() {
   if [ -z "$emulated" ] && "$bin" probe --json > "$dir/probe.json" 2>> "$log" && grep -q '"gpus": *\[ *{' "$dir/probe.json"; then
     machine="$dir/probe.json"
   fi
+  # Calibrated by the bench stage: link, AdamW and (on a GPU: the emulator's are host times) the
+  # kernels' measured efficiencies.
   local cal=()
-  for c in "$scratch"/bench-*.json; do [ -f "$c" ] && cal+=(--calibration "$c"); done
+  for c in "$scratch"/bench-*.json; do
+    [ -s "$c" ] || continue
+    [ -n "$emulated" ] && [ "$(basename "$c")" = bench-kernels.json ] && continue
+    cal+=(--calibration "$c")
+  done
   echo "## megatrain plan (machine $machine)" >> "$file"
   "$bin" plan --model "$dir/config.json" --machine "$machine" --tokens-per-step $(( batch * seq * accum )) \
     --seq-len "$seq" --micro-batch-tokens $(( batch * seq )) --precision bf16 "${cal[@]}" --json \
@@ -241,8 +247,8 @@ bench_stage() {
     k=() l=() a=()
   fi
   echo "## megatrain bench kernels" >> "$out/bench.txt"
-  stage_run 240 "$scratch/bench-kernels.out" bench kernels "${k[@]}" --json || r=FAIL
-  cat "$scratch/bench-kernels.out" >> "$out/bench.txt" 2>/dev/null
+  stage_run 240 "$scratch/bench-kernels.json" bench kernels "${k[@]}" --json || r=FAIL
+  cat "$scratch/bench-kernels.json" >> "$out/bench.txt" 2>/dev/null
   echo "## megatrain bench link" >> "$out/bench.txt"
   stage_run 120 "$scratch/bench-link.json" bench link "${l[@]}" --json || r=FAIL
   cat "$scratch/bench-link.json" >> "$out/bench.txt" 2>/dev/null
@@ -251,8 +257,8 @@ bench_stage() {
   cat "$scratch/bench-adam.json" >> "$out/bench.txt" 2>/dev/null
   # Figures: the best GEMM and attention TFLOP/s, the pinned link each way, fp32 AdamW GB/s.
   local gemm attn htod dtoh adam
-  gemm="$(awk '/"kernel": *"gemm bf16/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.out" 2>/dev/null)"
-  attn="$(awk '/"kernel": *".*tensor cores/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.out" 2>/dev/null)"
+  gemm="$(awk '/"kernel": *"gemm bf16/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.json" 2>/dev/null)"
+  attn="$(awk '/"kernel": *".*tensor cores/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.json" 2>/dev/null)"
   htod="$(awk '/"direction": *"htod"/ { d = 1 } /"direction": *"dtoh"|"bidirectional"/ { d = 0 } d && /"pinned": *true/ { p = 1 } d && p && /"gbps"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; p = 0 } END { if (m) print m }' "$scratch/bench-link.json" 2>/dev/null)"
   dtoh="$(awk '/"direction": *"dtoh"/ { d = 1 } /"direction": *"htod"|"bidirectional"/ { d = 0 } d && /"pinned": *true/ { p = 1 } d && p && /"gbps"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; p = 0 } END { if (m) print m }' "$scratch/bench-link.json" 2>/dev/null)"
   adam="$(jnum "$scratch/bench-adam.json" gbytes_per_s 1)"

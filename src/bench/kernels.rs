@@ -4,6 +4,7 @@
 //! sweeps for this project's kernels. Under the CUDA emulator (`tools/cuemu.sh`) every time is
 //! host time: the report says so, and the numbers are not GPU figures.
 
+use super::kernel_report::{KernelReport, KernelRow};
 use crate::device::cuda::launches::{AttnArgs, Dtype, Launcher};
 use crate::device::cuda::{drv, CudaRuntime};
 use crate::device::launch::{self, AttnShape};
@@ -34,35 +35,6 @@ pub struct KernelBenchArgs {
     pub seqs: Vec<usize>,
     /// Timed repetitions per case (median).
     pub reps: usize,
-}
-
-/// One measured case.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct KernelRow {
-    /// Kernel family ("gemm bf16", "attention fwd (tensor cores)", …).
-    pub kernel: String,
-    /// Its shape, in words.
-    pub shape: String,
-    /// Floating-point operations of one run (2 per multiply-add; causal attention counts the
-    /// unmasked half).
-    pub flops: f64,
-    /// Median milliseconds.
-    pub ms: f64,
-    /// flops / time.
-    pub tflops: f64,
-    /// The datasheet peak it is set beside (dense fp32 or bf16 tensor core), if the GPU is known.
-    pub peak_tflops: Option<f64>,
-}
-
-/// The report.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct KernelReport {
-    /// The device's name.
-    pub device: String,
-    /// Whether the device is the CUDA emulator: times are host times.
-    pub emulated: bool,
-    /// Every case.
-    pub rows: Vec<KernelRow>,
 }
 
 /// Run every case.
@@ -321,33 +293,4 @@ fn check_first_rows(
             ),
         )),
     }
-}
-
-/// The report as a table.
-pub fn render(r: &KernelReport) -> String {
-    let mut s = format!(
-        "bench kernels — {}{}\n",
-        r.device,
-        if r.emulated {
-            " — EMULATED: host times under tools/cuemu.sh, not GPU figures"
-        } else {
-            ""
-        }
-    );
-    s += &format!(
-        "{:<34} {:<44} {:>10} {:>9} {:>8}\n",
-        "kernel", "shape", "ms", "TFLOP/s", "of peak"
-    );
-    for row in &r.rows {
-        let of_peak = row
-            .peak_tflops
-            .map(|p| format!("{:.1}%", 100.0 * row.tflops / p))
-            .unwrap_or_else(|| "-".into());
-        s += &format!(
-            "{:<34} {:<44} {:>10.3} {:>9.3} {:>8}\n",
-            row.kernel, row.shape, row.ms, row.tflops, of_peak
-        );
-    }
-    s += "peaks: datasheet dense fp32 (CUDA cores) for fp32 rows, bf16 tensor-core for the rest\n";
-    s
 }

@@ -4,13 +4,14 @@
 pub mod adam;
 pub mod attention;
 pub mod engine;
+pub mod kernel_report;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 pub mod link;
 pub mod nvme;
 
 /// A benchmark report in JSON, tagged by the benchmark (`"bench": "adam"`): what `megatrain bench
-/// adam|nvme|link --json` prints and `megatrain plan --calibration` reads back, by type.
+/// adam|nvme|link|kernels --json` prints and `megatrain plan --calibration` reads back, by type.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "bench", rename_all = "lowercase")]
 pub enum Report {
@@ -20,6 +21,8 @@ pub enum Report {
     Nvme(nvme::NvmeReport),
     /// `bench link`.
     Link(link::LinkReport),
+    /// `bench kernels` (a CUDA build on a GPU).
+    Kernels(kernel_report::KernelReport),
 }
 
 impl Report {
@@ -29,6 +32,7 @@ impl Report {
             Report::Adam(r) => adam::render(r),
             Report::Nvme(r) => nvme::render(r),
             Report::Link(r) => link::render(r),
+            Report::Kernels(r) => kernel_report::render(r),
         }
     }
 }

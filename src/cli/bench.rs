@@ -97,12 +97,11 @@ fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
         seqs: a.seq.clone(),
         reps: a.reps,
     })?;
-    let text = if a.json {
-        serde_json::to_string_pretty(&r).unwrap_or_default()
-    } else {
-        megatrain::bench::kernels::render(&r)
-    };
-    println!("{}", text.trim_end());
+    print_report(
+        a.json,
+        &megatrain::bench::Report::Kernels(r),
+        megatrain::bench::Report::render,
+    );
     Ok(())
 }
 

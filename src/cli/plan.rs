@@ -17,6 +17,8 @@ struct Calibration {
     nvme_gbps: Option<f64>,
     /// Best page-locked host→device and device→host GB/s (`bench link` on a GPU machine).
     link_gbps: Option<(f64, f64)>,
+    /// The GPU's kernels (`bench kernels` on it).
+    kernels: Option<(PathBuf, megatrain::bench::kernel_report::KernelReport)>,
 }
 
 impl Calibration {
@@ -75,6 +77,15 @@ impl Calibration {
                     };
                     c.link_gbps = Some((best("htod"), best("dtoh")));
                 }
+                Report::Kernels(r) => {
+                    if r.emulated {
+                        return Err(bad_calibration(
+                            p,
+                            "an emulated report (tools/cuemu.sh): its times are host times, not a GPU's",
+                        ));
+                    }
+                    c.kernels = Some((p.clone(), r));
+                }
             }
         }
         Ok(c)
@@ -86,7 +97,7 @@ fn bad_calibration(p: &Path, why: &str) -> megatrain::Error {
         "calibration",
         p.display().to_string(),
         why,
-        Some("pass the JSON of `megatrain bench adam|nvme|link --json`"),
+        Some("pass the JSON of `megatrain bench adam|nvme|link|kernels --json`"),
     )
 }
 
@@ -96,7 +107,7 @@ fn read_report(p: &Path) -> Result<Report> {
     serde_json::from_str(&text).map_err(|e| {
         bad_calibration(
             p,
-            &format!("not a `megatrain bench adam|nvme|link --json` report: {e}"),
+            &format!("not a `megatrain bench adam|nvme|link|kernels --json` report: {e}"),
         )
     })
 }
@@ -140,7 +151,9 @@ pub struct PlanArgs {
     nvme: Vec<PathBuf>,
     /// Measurements from the machine (repeatable): `megatrain bench adam --json` sets the AdamW
     /// rate, `megatrain bench nvme --json` the NVMe rate (and allows spilling m/v),
-    /// `megatrain bench link --json` on a GPU machine the host↔device rates.
+    /// `megatrain bench link --json` on a GPU machine the host↔device rates, `megatrain bench
+    /// kernels --json` on the GPU its GEMM and attention efficiencies (tools/gpu_check.sh's
+    /// bench stage writes all three).
     #[arg(long, value_name = "bench.json")]
     calibration: Vec<PathBuf>,
     #[arg(long)]
@@ -178,7 +191,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             Some(Err(e)) => serde_json::json!({ "error": e }),
             None => serde_json::Value::Null,
         };
-        let eff = pl::kernel_efficiency(&hw.gpu, req.bf16);
+        let eff = pl::efficiency(&hw, req.bf16);
         let v = serde_json::json!({ "model": a.model, "machine": hw, "request": req, "plan": p, "numa_nodes": per_node, "assumptions": notes, "kernel_efficiency": eff });
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
@@ -187,7 +200,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         for n in &notes {
             println!("  assumption: {n}");
         }
-        let eff = pl::kernel_efficiency(&hw.gpu, req.bf16);
+        let eff = pl::efficiency(&hw, req.bf16);
         println!(
             "  kernels: GEMM {:.1}%, attention forward {:.1}%, backward {:.1}% of peak; elementwise at {:.2} TB/s ({})",
             100.0 * eff.gemm,
@@ -250,6 +263,33 @@ fn hardware(
         hw.dtoh_gbps = d;
         notes.push(format!(
             "link calibrated: {h:.1} GB/s host→device, {d:.1} GB/s device→host"
+        ));
+    }
+    if let Some((path, r)) = &cal.kernels {
+        let memory = |bf16| pl::kernel_efficiency(&hw.gpu, bf16).memory_tbps;
+        hw.measured_bf16 =
+            megatrain::bench::kernel_report::measured_efficiency(r, true, memory(true));
+        hw.measured_fp32 =
+            megatrain::bench::kernel_report::measured_efficiency(r, false, memory(false));
+        if hw.measured_bf16.is_none() && hw.measured_fp32.is_none() {
+            return Err(bad_calibration(
+                path,
+                "a `bench kernels` report without GEMM and attention rows with datasheet peaks to set against",
+            ));
+        }
+        let gpu = hw.gpu.to_ascii_lowercase();
+        let same = ["gh200", "h200", "h100", "a100", "b200", "l40s", "4090"]
+            .iter()
+            .find(|k| gpu.contains(*k))
+            .is_none_or(|k| r.device.to_ascii_lowercase().contains(k));
+        notes.push(format!(
+            "kernels calibrated by `bench kernels` on {}{}",
+            r.device,
+            if same {
+                String::new()
+            } else {
+                format!(" — not the planned GPU ({})", hw.gpu)
+            }
         ));
     }
     if nvme.is_some() {

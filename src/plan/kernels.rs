@@ -4,12 +4,12 @@
 
 use super::{Hardware, PlanRequest};
 use crate::model::config::ModelConfig;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The share of the peak each kind of kernel is assumed to reach, and where the figures come
-/// from: inputs to a prediction, never our measurement (`megatrain bench kernels` measures them on
-/// a GPU).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// from: inputs to a prediction — sourced assumptions, or what `megatrain bench kernels` measured
+/// on the GPU (`plan --calibration`, [`Hardware::measured_bf16`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KernelEfficiency {
     /// The layers' GEMMs (cuBLAS).
     pub gemm: f64,
@@ -133,6 +133,19 @@ pub fn kernel_efficiency(gpu: &str, bf16: bool) -> KernelEfficiency {
     }
 }
 
+/// The kernel efficiencies for `hw` in bf16 or fp32: what `bench kernels` measured on it, where
+/// the hardware carries that, else the sourced assumptions of [`kernel_efficiency`].
+pub fn efficiency(hw: &Hardware, bf16: bool) -> KernelEfficiency {
+    let measured = if bf16 {
+        &hw.measured_bf16
+    } else {
+        &hw.measured_fp32
+    };
+    measured
+        .clone()
+        .unwrap_or_else(|| kernel_efficiency(&hw.gpu, bf16))
+}
+
 /// The step's GPU kernel time by kind of kernel (they add up to the kernels' sum, which the
 /// GPU compute time equals when nothing stalls it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -167,7 +180,7 @@ impl KernelParts {
         } else {
             hw.fp32_tflops
         } * 1e12;
-        let eff = kernel_efficiency(&hw.gpu, req.bf16);
+        let eff = efficiency(hw, req.bf16);
         let (gemm, attn_fwd, attn_bwd, memory) = (
             peak * eff.gemm,
             peak * eff.attention_fwd,

@@ -9,7 +9,9 @@ pub mod sim;
 
 pub use grad_link::{pick_grad_link, GradLinkChoice, GRAD_LINK_MIN_GAIN};
 use kernels::KernelParts;
-pub use kernels::{elementwise_bytes_per_token, kernel_efficiency, ComputeSplit, KernelEfficiency};
+pub use kernels::{
+    efficiency, elementwise_bytes_per_token, kernel_efficiency, ComputeSplit, KernelEfficiency,
+};
 
 use crate::device::program::{
     bf16_device_bytes, bf16_staging_bytes, workspace_bytes, Shape, CHUNK_ALIGN,
@@ -45,6 +47,13 @@ pub struct Hardware {
     pub nvme_gbps: Option<f64>,
     /// Where the figures come from.
     pub sources: String,
+    /// The kernel efficiencies `megatrain bench kernels` measured on this GPU in bf16, replacing
+    /// the sourced assumptions (`plan --calibration`).
+    #[serde(default)]
+    pub measured_bf16: Option<KernelEfficiency>,
+    /// The same in fp32.
+    #[serde(default)]
+    pub measured_fp32: Option<KernelEfficiency>,
 }
 
 /// What to plan.
@@ -298,6 +307,8 @@ pub fn hardware_from_machine(
             adam_gbps: adam,
             nvme_gbps,
             sources: "probe description + datasheet peaks".into(),
+            measured_bf16: None,
+            measured_fp32: None,
         },
         notes,
     ))

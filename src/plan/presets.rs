@@ -31,6 +31,8 @@ pub fn machine(name: &str) -> Option<Hardware> {
         adam_gbps: adam,
         nvme_gbps: None,
         sources: src.into(),
+        measured_bf16: None,
+        measured_fp32: None,
     };
     Some(match name {
         "h200-1.5tb" => h(
