@@ -196,8 +196,11 @@ steps_stage() {
   [ -f "$dir/m.jsonl" ] && { echo "## metrics (one JSON line per step)"; cat "$dir/m.jsonl"; } >> "$file"
   # The plan for the same machine and run: the probed machine, else the preset of this GPU.
   local machine="h100-512gb"
-  case "$gpu_name" in *H200*) machine="h200-1.5tb" ;; *GH200*) machine="gh200-480gb" ;; esac
-  if [ -z "$emulated" ] && "$bin" probe --json > "$dir/probe.json" 2>> "$log" && grep -q '"gpus": *\[ *{' "$dir/probe.json"; then
+  case "$gpu_name" in *GH200*) machine="gh200-480gb" ;; *H200*) machine="h200-1.5tb" ;; esac
+  # The probed machine when it sees a GPU (`probe --json` is pretty-printed: compare without
+  # blanks).
+  if [ -z "$emulated" ] && "$bin" probe --json > "$dir/probe.json" 2>> "$log" \
+     && tr -d ' \n' < "$dir/probe.json" | grep -q '"gpus":\[{'; then
     machine="$dir/probe.json"
   fi
   # Calibrated by the bench stage: link, AdamW and (on a GPU: the emulator's are host times) the

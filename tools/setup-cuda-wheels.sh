@@ -38,7 +38,11 @@ case "$major" in
     *) echo "error: --cuda $major: megatrain runs on CUDA 12 and 13" >&2; exit 2 ;;
 esac
 dir="${MEGATRAIN_WHEELS_DIR:-$HOME/.cache/megatrain/cuda${major}-wheels}"
-if [ -x "$dir/bin/python" ] || python3 -m venv "$dir" >&2 2>/dev/null; then
+# A venv without its pip (what `python3 -m venv` leaves where ensurepip is missing) is made again.
+if [ ! -x "$dir/bin/pip" ] && [ -f "$dir/pyvenv.cfg" ]; then
+    rm -rf "$dir/bin" "$dir/lib" "$dir/lib64" "$dir/include" "$dir/pyvenv.cfg"
+fi
+if [ -x "$dir/bin/pip" ] || python3 -m venv "$dir" >&2 2>/dev/null; then
     "$dir/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2
     site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 else

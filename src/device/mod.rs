@@ -581,4 +581,9 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn registrar(&self) -> Option<Arc<dyn crate::host::HostRegistrar + Send + Sync>> {
         None
     }
+    /// What the device runs on, one line each (a GPU: the GPU, and the driver and libraries in
+    /// use with their files); empty for the CPU device.
+    fn describe(&self) -> Vec<String> {
+        Vec::new()
+    }
 }

@@ -840,6 +840,39 @@ pub fn driver() -> Result<Driver> {
     })
 }
 
+/// The names cudarc (built for CUDA 13) asks the dynamic linker for, in its order; its
+/// Windows-style `lib…64_*` names do not exist on Linux and are left out.
+fn cudarc_names(lib: Library) -> Vec<String> {
+    vec![
+        format!("lib{}.so", lib.stem()),
+        lib.soname(13),
+        lib.soname(12),
+    ]
+}
+
+/// The file cudarc's own lookup would bind for `lib` once `chosen` is open (`None`: `chosen`
+/// itself). A loaded library answers a later lookup of its own soname (`libnvrtc.so.12`) or of a
+/// name the loader resolves to the same file; any name cudarc asks for earlier that the loader
+/// resolves to another file wins over it. `lookup` asks the loader for a name.
+pub fn cudarc_would_bind(
+    lib: Library,
+    chosen: &Path,
+    lookup: &dyn Fn(&str) -> Option<PathBuf>,
+) -> Option<PathBuf> {
+    let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let ours = real(chosen);
+    let soname = major_of(chosen).map(|m| lib.soname(m));
+    for name in cudarc_names(lib) {
+        if soname.as_deref() == Some(name.as_str()) {
+            return None;
+        }
+        if let Some(p) = lookup(&name) {
+            return (real(&p) != ours).then_some(p);
+        }
+    }
+    None
+}
+
 /// The version an opened library reports: NVRTC by `nvrtcVersion`, cuBLAS by
 /// `cublasGetProperty`.
 fn library_version(lib: Library, h: Handle) -> Option<Version> {
@@ -909,7 +942,7 @@ pub fn load(
         Library::Cublas => "cublasGetProperty",
     };
     let (found, looked) = candidates(lib, places, &|s| loader_lookup(s, symbol_name));
-    let chosen = choose(&found, driver.map(|d| d.major), prefer_major).map_err(|why| {
+    let mut chosen = choose(&found, driver.map(|d| d.major), prefer_major).map_err(|why| {
         let what = if found.is_empty() {
             format!("not found (looked in: {})", looked.join(", "))
         } else {
@@ -927,6 +960,48 @@ pub fn load(
         )
         .with_fix(fix_for(lib, driver))
     })?;
+    // cudarc binds by soname, in its own order: where that finds another file first, that file
+    // is what runs — so it is the one chosen, if usable; else the conflict is named.
+    let lookup = |s: &str| loader_lookup(s, symbol_name);
+    if let Some(other) = cudarc_would_bind(lib, &chosen.candidate.path, &lookup) {
+        let given = places.given.iter().any(|(l, _)| *l == lib);
+        let major = major_of(&other);
+        let dir = other.parent().unwrap_or(Path::new("/")).to_path_buf();
+        let theirs = Candidate {
+            library: lib,
+            include: include_dirs(places, &Origin::Loader, &dir, major),
+            path: other.clone(),
+            major,
+            origin: Origin::Loader,
+        };
+        match choose(&[theirs], driver.map(|d| d.major), None) {
+            Ok(c) if !given => chosen = c,
+            usable => {
+                let why = match usable {
+                    Ok(_) => format!(
+                        "{} names {} explicitly",
+                        lib.env(),
+                        chosen.candidate.path.display()
+                    ),
+                    Err(why) => format!("which is unusable here: {}", why.join("; ")),
+                };
+                return Err(Error::system(
+                    lib.name(),
+                    format!("use {}", chosen.candidate.path.display()),
+                    format!(
+                        "the dynamic linker gave cudarc {} instead (cudarc asks for {} in that order), {why}",
+                        other.display(),
+                        cudarc_names(lib).join(", ")
+                    ),
+                )
+                .with_fix(format!(
+                    "take {}'s folder off LD_LIBRARY_PATH (or out of ld.so.cache, /etc/ld.so.conf.d), or point {} at it",
+                    other.display(),
+                    lib.env()
+                )));
+            }
+        }
+    }
     let c = &chosen.candidate;
     if lib == Library::Nvrtc {
         open_companions(&c.path)?;
@@ -938,7 +1013,7 @@ pub fn load(
     let version = library_version(lib, h).ok_or_else(|| {
         Error::system(
             lib.name(),
-            c.path.display().to_string(),
+            format!("use {}", c.path.display()),
             format!("loaded, but it does not say its version ({symbol_name})"),
         )
     })?;
@@ -946,7 +1021,7 @@ pub fn load(
         if version.major > d.major {
             return Err(Error::system(
                 lib.name(),
-                c.path.display().to_string(),
+                format!("use {}", c.path.display()),
                 format!("it is CUDA {version}, newer than the driver's CUDA {}", d),
             )
             .with_fix(format!(
@@ -960,7 +1035,7 @@ pub fn load(
         if version.major != m {
             return Err(Error::system(
                 lib.name(),
-                c.path.display().to_string(),
+                format!("use {}", c.path.display()),
                 format!("named for CUDA {m} but reports CUDA {version}"),
             ));
         }
@@ -1297,6 +1372,49 @@ mod tests {
             Some("580.159.04".into())
         );
         assert_eq!(parse_module_version("garbage"), None);
+    }
+
+    #[test]
+    fn cudarc_binds_what_the_loader_gives_it_first() {
+        let t = tempfile::tempdir().unwrap();
+        let cu12 = t.path().join("tk/lib64/libnvrtc.so.12.9.86");
+        touch(&cu12);
+        let link12 = t.path().join("tk/lib64/libnvrtc.so.12");
+        std::os::unix::fs::symlink(&cu12, &link12).unwrap();
+        let dev = t.path().join("tk/lib64/libnvrtc.so");
+        std::os::unix::fs::symlink(&cu12, &dev).unwrap();
+        let cu13 = t.path().join("cu13/libnvrtc.so.13");
+        touch(&cu13);
+        let map = |pairs: Vec<(&'static str, PathBuf)>| {
+            move |s: &str| pairs.iter().find(|(n, _)| *n == s).map(|(_, p)| p.clone())
+        };
+        // Nothing else on the path: a CUDA 12 NVRTC answers its own soname.
+        assert_eq!(
+            cudarc_would_bind(Library::Nvrtc, &link12, &map(vec![])),
+            None
+        );
+        // The toolkit's unversioned link to the same file: the same library.
+        let same = map(vec![("libnvrtc.so", dev.clone())]);
+        assert_eq!(cudarc_would_bind(Library::Nvrtc, &link12, &same), None);
+        // A CUDA 13 NVRTC in ld.so.cache is asked for before `.so.12`: it wins.
+        let newer = map(vec![("libnvrtc.so.13", cu13.clone())]);
+        assert_eq!(
+            cudarc_would_bind(Library::Nvrtc, &link12, &newer),
+            Some(cu13.clone())
+        );
+        // Chosen CUDA 13: its soname comes before `.so.12`, but an unversioned name first wins.
+        assert_eq!(
+            cudarc_would_bind(Library::Nvrtc, &cu13, &same),
+            Some(dev.clone())
+        );
+        assert_eq!(
+            cudarc_would_bind(
+                Library::Nvrtc,
+                &cu13,
+                &map(vec![("libnvrtc.so.12", link12)])
+            ),
+            None
+        );
     }
 
     #[test]

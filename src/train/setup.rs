@@ -589,8 +589,12 @@ fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
         .map_err(|e| e.with_fix("raise --device-memory, or lower --batch-size / --seq-len"))
 }
 
-/// Say how the device runs each layer: the whole micro-batch at once, or in token chunks.
+/// Say what the device runs on (a GPU: the driver and libraries in use), and how it runs each
+/// layer: the whole micro-batch at once, or in token chunks.
 fn note_chunks(device: &dyn crate::device::Device, progress: &mut dyn Progress) {
+    for line in device.describe() {
+        progress.note(&format!("device: {line}"));
+    }
     let s = device.shape();
     if s.is_chunked() {
         progress.note(&format!(

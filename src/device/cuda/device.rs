@@ -167,6 +167,9 @@ struct Shared {
     streams: [Arc<CudaStream>; 3],
     /// The lander's first failure ([`bounce`]), which the watchdog turns into the device's.
     lander_failure: Arc<Mutex<Option<Error>>>,
+    /// The lander's chunks handed over and finished: a failing device waits for every one
+    /// before it releases anyone's memory (the lander writes into the host's gradients).
+    landings: Arc<bounce::Landings>,
     /// Host events whose CUDA event has not completed yet, in record order, with their stream:
     /// the poller signals each when its `cuEventQuery` succeeds (no host function per event).
     /// Locked after `inner`, never before it.
@@ -196,6 +199,10 @@ impl Shared {
             }
         }
         self.drain();
+        // A faulted context returns from the drain at once, and a bounced copy that failed half
+        // way never waited for its landings: the lander may still be writing into the host's
+        // gradients, which the events below let their owner release.
+        self.landings.wait_all();
         for r in self.lock().recorded.drain(..) {
             r.event.signal();
         }
@@ -427,6 +434,7 @@ impl CudaDevice {
             error: Mutex::new(None),
             streams: [streams[0].clone(), streams[1].clone(), streams[2].clone()],
             lander_failure: bounce.failure.clone(),
+            landings: bounce.landings.clone(),
             pending: Mutex::new(Vec::new()),
             wake: std::sync::Condvar::new(),
         });
@@ -787,6 +795,10 @@ impl Device for CudaDevice {
 
     fn pci_bus_id(&self) -> Option<String> {
         Some(self.rt.pci_bus_id.clone())
+    }
+
+    fn describe(&self) -> Vec<String> {
+        self.rt.describe()
     }
 
     fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {

@@ -1,6 +1,6 @@
 //! Compiled kernels kept on disk, so a process starts in seconds instead of compiling every
-//! kernel file again: one file per (NVRTC release, headers' release, architecture, options,
-//! program text), named by the SHA-256 of those, under `MEGATRAIN_KERNEL_CACHE`, else
+//! kernel file again: one file per (NVRTC release and library file, headers' release,
+//! architecture, options, program text), named by the SHA-256 of those, under `MEGATRAIN_KERNEL_CACHE`, else
 //! `$XDG_CACHE_HOME/megatrain/kernels`, else `~/.cache/megatrain/kernels`
 //! (`MEGATRAIN_KERNEL_CACHE=off` turns it off).
 //!
@@ -40,6 +40,9 @@ pub fn dir() -> Option<PathBuf> {
 pub struct Key<'a> {
     /// NVRTC's release.
     pub nvrtc: Version,
+    /// NVRTC's library file as it is now (its size and time: `nvrtcVersion` has no patch level,
+    /// so an updated 12.9 is told apart by its file).
+    pub library: &'a str,
     /// The headers' release (`None`: not stated).
     pub headers: Option<Version>,
     /// `sm_90`.
@@ -59,6 +62,7 @@ impl Key<'_> {
             h.update(b);
         };
         part(format!("nvrtc {}", self.nvrtc).as_bytes());
+        part(self.library.as_bytes());
         part(
             self.headers
                 .map(|v| format!("headers {v}"))
@@ -182,6 +186,7 @@ mod tests {
         let other_opts = vec!["--fmad=false".to_owned()];
         let base = Key {
             nvrtc: v(0),
+            library: "123-456",
             headers: Some(v(0)),
             arch: "sm_90",
             options: &opts,
@@ -191,6 +196,11 @@ mod tests {
             base.file_name(),
             Key {
                 nvrtc: v(1),
+                ..base
+            }
+            .file_name(),
+            Key {
+                library: "123-457",
                 ..base
             }
             .file_name(),

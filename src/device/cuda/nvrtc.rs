@@ -28,6 +28,8 @@ pub struct Toolchain {
     pub include: PathBuf,
     /// The headers' release, where they state it.
     pub headers_version: Option<Version>,
+    /// The library file as it is (size and modification time), for the kernel cache's key.
+    pub stamp: String,
 }
 
 impl Toolchain {
@@ -38,6 +40,7 @@ impl Toolchain {
             version: nvrtc.version,
             include: headers.dir.clone(),
             headers_version: headers.version,
+            stamp: stamp(&nvrtc.path),
         }
     }
 
@@ -48,6 +51,22 @@ impl Toolchain {
         let tc = Toolchain::new(&nvrtc, &headers);
         bind(&tc.library)?;
         Ok(tc)
+    }
+}
+
+/// A library file's identity as it is now: its real path's size and modification time.
+fn stamp(path: &Path) -> String {
+    let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    match std::fs::metadata(&real) {
+        Ok(m) => {
+            let t = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            format!("{} {} {t}", real.display(), m.len())
+        }
+        Err(_) => real.display().to_string(),
     }
 }
 
@@ -277,6 +296,7 @@ fn cache_name(tc: &Toolchain, f: &KernelFile, arch: &str) -> String {
     let options = nvrtc_options(arch, &tc.include);
     kernel_cache::Key {
         nvrtc: tc.version,
+        library: &tc.stamp,
         headers: tc.headers_version,
         arch,
         options: &options,

@@ -538,6 +538,9 @@ struct FreeInOrder {
 impl Work for FreeInOrder {
     fn run(self: Box<Self>, _stream: &Stream) {
         loop {
+            if api::sticky().is_some() {
+                return;
+            }
             let mut m = mem();
             let Some(a) = m.find(self.ptr) else {
                 return;
@@ -615,6 +618,15 @@ pub extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: Handle) -> CUresult {
         {
             let m = mem();
             match m.find(ptr) {
+                Some(a) if a.base == ptr && a.freeing => {
+                    let n = a.name();
+                    drop(m);
+                    report::error(
+                        "invalid cuMemFree",
+                        &format!("cuMemFreeAsync: {n} is already being freed (a double free)"),
+                    );
+                    return Err(cu::INVALID_VALUE);
+                }
                 Some(a) if a.base == ptr => {}
                 Some(a) => {
                     let n = a.name();
@@ -645,6 +657,10 @@ pub extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: Handle) -> CUresult {
             }],
             &[],
         )?;
+        // From here on, any command that uses it comes after its free.
+        if let Some(a) = mem().by_base_mut(ptr) {
+            a.freeing = true;
+        }
         Ok(())
     })
 }

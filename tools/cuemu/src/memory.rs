@@ -42,6 +42,8 @@ pub struct Alloc {
     pub last_writer: Option<Arc<str>>,
     /// Commands enqueued and not yet completed that use it.
     pub pending: u64,
+    /// A `cuMemFreeAsync` of it is queued: any later use is a use after free.
+    pub freeing: bool,
 }
 
 impl Alloc {
@@ -196,6 +198,7 @@ impl Memory {
                 log: AccessLog::default(),
                 last_writer: None,
                 pending: 0,
+                freeing: false,
             },
         );
         Ok(base as u64)

@@ -155,26 +155,35 @@ impl Stream {
             if api::sticky().is_none() {
                 self.execute(cmd, &what);
             }
-            let done = {
+            // The command's holds on memory are released before its completion is published: a
+            // host thread that sees the stream done (a synchronisation) and then frees what the
+            // command used must find it free.
+            let (allocs, hosts) = {
                 let mut g = self.lock();
-                let q = g.queue.pop_front();
-                g.completed = seq;
-                q
+                match g.queue.front_mut() {
+                    Some(q) => (std::mem::take(&mut q.allocs), std::mem::take(&mut q.hosts)),
+                    None => (Vec::new(), Vec::new()),
+                }
             };
-            self.done.notify_all();
-            if let Some(q) = done {
+            {
                 let mut m = memory::mem();
-                for b in q.allocs {
+                for b in allocs {
                     if let Some(a) = m.by_base_mut(b) {
                         a.pending = a.pending.saturating_sub(1);
                     }
                 }
-                for h in q.hosts {
+                for h in hosts {
                     if let Some(r) = m.host_containing_mut(h, 1) {
                         r.pending = r.pending.saturating_sub(1);
                     }
                 }
             }
+            {
+                let mut g = self.lock();
+                g.queue.pop_front();
+                g.completed = seq;
+            }
+            self.done.notify_all();
         }
     }
 
@@ -264,6 +273,7 @@ impl Stream {
         g.clock.merge(&clock::host_clock());
         let time = g.clock.tick(self.agent);
         let mut hazard = None;
+        let mut freed_use = None;
         let mut allocs = Vec::new();
         let mut host_bases = Vec::new();
         {
@@ -272,6 +282,10 @@ impl Stream {
                 let Some(a) = m.by_base_mut(t.base) else {
                     continue;
                 };
+                if a.freeing {
+                    freed_use.get_or_insert(a.name());
+                    continue;
+                }
                 let acc = Access {
                     agent: self.agent,
                     time,
@@ -293,7 +307,17 @@ impl Stream {
                 }
             }
         }
-        let found = hazard.is_some();
+        if let Some(alloc) = &freed_use {
+            report::error(
+                "use after free",
+                &format!(
+                    "{what} on {} uses {alloc}, which cuMemFreeAsync frees earlier in stream order",
+                    self.name
+                ),
+            );
+            api::set_sticky(cu::LAUNCH_FAILED);
+        }
+        let found = hazard.is_some() || freed_use.is_some();
         if let Some((alloc, write, c)) = hazard {
             report::error(
                 "stream hazard",

@@ -49,6 +49,36 @@ struct Job {
 // flags because the device keeps them until its streams are drained and the lander has stopped.
 unsafe impl Send for Job {}
 
+/// How many chunks were handed to the lander and how many it has finished (landed, or given up
+/// on after a failure, its flag written either way): what a failing device waits for before it
+/// lets anyone release the memory the lander writes.
+#[derive(Debug, Default)]
+pub(super) struct Landings {
+    counts: Mutex<(u64, u64)>,
+    done: std::sync::Condvar,
+}
+
+impl Landings {
+    fn sent(&self, n: i64) {
+        let mut c = crate::util::lock(&self.counts);
+        c.0 = c.0.saturating_add_signed(n);
+    }
+
+    fn landed(&self) {
+        crate::util::lock(&self.counts).1 += 1;
+        self.done.notify_all();
+    }
+
+    /// Wait until every chunk handed over is finished. Ends: the lander finishes every job it
+    /// is given (it catches a panicking landing and writes the flag anyway).
+    pub(super) fn wait_all(&self) {
+        let mut c = crate::util::lock(&self.counts);
+        while c.1 < c.0 {
+            c = self.done.wait(c).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 /// The bounced copies' landing: the flags the GPU reads, the lander thread and its queue, and
 /// the events the jobs are timed by (reused).
 #[derive(Debug)]
@@ -65,6 +95,8 @@ pub(super) struct Bounce {
     /// The first failure of the lander (a fault seen by its event wait), for the device to
     /// report.
     pub(super) failure: Arc<Mutex<Option<Error>>>,
+    /// Chunks handed over and finished.
+    pub(super) landings: Arc<Landings>,
 }
 
 impl Bounce {
@@ -75,11 +107,17 @@ impl Bounce {
         let (tx, rx) = channel::<Job>();
         let events = Arc::new(Mutex::new(Vec::new()));
         let failure = Arc::new(Mutex::new(None));
+        let landings = Arc::new(Landings::default());
         let lander = {
-            let (ctx, events, failure) = (rt.ctx.clone(), events.clone(), failure.clone());
+            let (ctx, events, failure, landings) = (
+                rt.ctx.clone(),
+                events.clone(),
+                failure.clone(),
+                landings.clone(),
+            );
             std::thread::Builder::new()
                 .name("cuda-lander".into())
-                .spawn(move || land_jobs(&ctx, &rx, &events, &failure))
+                .spawn(move || land_jobs(&ctx, &rx, (&events, &failure, &landings)))
                 .map_err(|e| Error::system("std::thread", "spawn the CUDA lander", e))?
         };
         Ok(Bounce {
@@ -89,6 +127,7 @@ impl Bounce {
             lander: Some(lander),
             events,
             failure,
+            landings,
         })
     }
 
@@ -129,14 +168,14 @@ impl Drop for Bounce {
     }
 }
 
-/// The lander thread: each job in order — wait for its copy (on this thread, not the driver's),
-/// land it, release its chunk. It never stops releasing chunks: after a failure it records the
-/// error and writes the flags anyway, so no stream waits forever.
+/// The lander thread: each job in order — wait for its copy (on this thread, not the driver's;
+/// the event sleeps, `CU_EVENT_BLOCKING_SYNC`), land it, release its chunk. It never stops
+/// releasing chunks: after a failure (a fault, a panicking landing) it records the error and
+/// writes the flag anyway, so no stream waits forever, and counts the job finished.
 fn land_jobs(
     ctx: &Arc<CudaContext>,
     jobs: &Receiver<Job>,
-    events: &Mutex<Vec<CudaEvent>>,
-    failure: &Mutex<Option<Error>>,
+    (events, failure, landings): (&Mutex<Vec<CudaEvent>>, &Mutex<Option<Error>>, &Landings),
 ) {
     let bound = ctx.bind_to_thread();
     while let Ok(job) = jobs.recv() {
@@ -150,31 +189,32 @@ fn land_jobs(
                 *e,
             )),
         };
-        match ok {
-            // SAFETY: see `Job`; the copy into the bounce chunk completed (the event), and it
-            // holds `n` elements of the link's format; nobody else touches either meanwhile
-            // (the stream refills the chunk only after the flag below).
-            Ok(()) => unsafe {
-                let d = (job.dst, job.n);
-                match job.landing.link {
-                    GradLink::Fp32 => land(d, job.src.cast::<f32>(), job.landing.accumulate, |x| x),
-                    GradLink::Bf16 => land(
-                        d,
-                        job.src.cast::<u16>(),
-                        job.landing.accumulate,
-                        bf16_to_f32,
-                    ),
+        let ok = ok.and_then(|()| {
+            let (d, src, landing) = ((job.dst, job.n), job.src, job.landing);
+            std::panic::catch_unwind(move || {
+                // SAFETY: see `Job`; the copy into the bounce chunk completed (the event), and it
+                // holds `n` elements of the link's format; nobody else touches either meanwhile
+                // (the stream refills the chunk only after the flag below).
+                unsafe {
+                    match landing.link {
+                        GradLink::Fp32 => land(d, src.cast::<f32>(), landing.accumulate, |x| x),
+                        GradLink::Bf16 => {
+                            land(d, src.cast::<u16>(), landing.accumulate, bf16_to_f32)
+                        }
+                    }
                 }
-            },
-            Err(e) => {
-                crate::util::lock(failure).get_or_insert(e);
-            }
+            })
+            .map_err(|_| Error::internal("CUDA lander", "a landing panicked"))
+        });
+        if let Err(e) = ok {
+            crate::util::lock(failure).get_or_insert(e);
         }
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
         // SAFETY: the flag is page-locked memory the device keeps until this thread stops; the
         // GPU only reads it.
         unsafe { std::ptr::write_volatile(job.flag, job.seq) };
         crate::util::lock(events).push(job.copied);
+        landings.landed();
     }
 }
 
@@ -270,14 +310,21 @@ impl CudaDevice {
                 )
             };
             drv(r.result(), "device to host copy (bounced)")?;
+            // Blocking-sync events: the lander sleeps while it waits (an event without the flag
+            // is waited for by spinning, whatever the context's scheduling).
             let copied = match crate::util::lock(&self.bounce.events).pop() {
                 Some(e) => e,
-                None => drv(self.rt.ctx.new_event(None), "create an event")?,
+                None => drv(
+                    self.rt.ctx.new_event(Some(
+                        cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+                    )),
+                    "create an event",
+                )?,
             };
             drv(copied.record(stream), "record a filled bounce chunk")?;
             let seq = g.bounce_seq[b].wrapping_add(1);
-            g.bounce_seq[b] = seq;
-            jobs.send(Job {
+            self.bounce.landings.sent(1);
+            let job = Job {
                 copied,
                 dst: dst.wrapping_add(at),
                 src: bounce.cast_const(),
@@ -285,8 +332,16 @@ impl CudaDevice {
                 landing,
                 flag: self.bounce.flag(b),
                 seq,
-            })
-            .map_err(|_| Error::internal("CUDA device", "the lander thread has stopped"))?;
+            };
+            if jobs.send(job).is_err() {
+                self.bounce.landings.sent(-1);
+                return Err(Error::internal(
+                    "CUDA device",
+                    "the lander thread has stopped",
+                ));
+            }
+            // Counted only once handed over: a stream never waits for a landing nobody has.
+            g.bounce_seq[b] = seq;
         }
         // What `stream` does next (the command's end, a Record) follows the last landing (the
         // lander lands in order, so every earlier one too).
