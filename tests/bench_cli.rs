@@ -323,6 +323,11 @@ fn plan_calibrates_kernels_from_a_gpu_report() {
             .contains("kernels calibrated"),
         "{cal}"
     );
+    // A recorded GPU run's bench.json (tools/gpu_check.sh): an array of reports, read the same.
+    let array = d.path().join("bench.json");
+    std::fs::write(&array, serde_json::json!([report(false)]).to_string()).unwrap();
+    let from_array = plan(&["--calibration", array.to_str().unwrap()]);
+    assert_eq!(from_array["kernel_efficiency"], cal["kernel_efficiency"]);
     // Slower kernels than the assumptions (MAMF's 80% GEMMs): more compute time.
     let compute = |v: &serde_json::Value| v["plan"]["time"]["compute_s"].as_f64().unwrap();
     assert!(

@@ -16,8 +16,9 @@
 #             device, device→host landings bit for bit, the link (selftest.txt)
 #   goldens   the training goldens against PyTorch + transformers, fp32 and bf16, at the test
 #             suite's tolerances, and one case twice for the same bits (goldens.txt)
-#   bench     bench kernels, bench link, bench adam (bench.txt): the kernels' efficiencies and the
-#             link and AdamW rates are the plan's calibration in the next stage
+#   bench     bench kernels, bench link, bench adam (bench.json, an array of their reports): the
+#             kernels' efficiencies and the link and AdamW rates calibrate the next stage's plan —
+#             and any later plan: `megatrain plan --calibration OUT_DIR/bench.json`
 #   step      a few steps of a model as wide as Llama-3-8B (4 layers): tokens/s, TFLOP/s and GPU
 #             memory (sampled from nvidia-smi) beside what `megatrain plan` predicts (step.txt)
 #   big       --big only: 12 layers of Llama-3-8B for a few minutes, beside the plan (big.txt)
@@ -53,7 +54,7 @@ bindir="$(cd "$(dirname "$bin")" && pwd)"
 [ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 summary="$out/summary.md" log="$out/run.log"
-for f in summary.md env.txt selftest.txt goldens.txt step.txt bench.txt big.txt run.log; do rm -f "$out/$f"; done
+for f in summary.md env.txt selftest.txt goldens.txt bench.json step.txt big.txt run.log; do rm -f "$out/$f"; done
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/megatrain-gpu-check.XXXXXX")"
 sampler=""
 cleanup() { [ -n "$sampler" ] && kill "$sampler" 2>/dev/null; rm -rf "$scratch"; }
@@ -249,15 +250,19 @@ bench_stage() {
   else
     k=() l=() a=()
   fi
-  echo "## megatrain bench kernels" >> "$out/bench.txt"
   stage_run 240 "$scratch/bench-kernels.json" bench kernels "${k[@]}" --json || r=FAIL
-  cat "$scratch/bench-kernels.json" >> "$out/bench.txt" 2>/dev/null
-  echo "## megatrain bench link" >> "$out/bench.txt"
   stage_run 120 "$scratch/bench-link.json" bench link "${l[@]}" --json || r=FAIL
-  cat "$scratch/bench-link.json" >> "$out/bench.txt" 2>/dev/null
-  echo "## megatrain bench adam" >> "$out/bench.txt"
   stage_run 180 "$scratch/bench-adam.json" --host bench adam "${a[@]}" --json || r=FAIL
-  cat "$scratch/bench-adam.json" >> "$out/bench.txt" 2>/dev/null
+  # One JSON array of the reports that came out (what `plan --calibration` reads back).
+  {
+    echo "["
+    local sep=""
+    for f in "$scratch/bench-kernels.json" "$scratch/bench-link.json" "$scratch/bench-adam.json"; do
+      [ -s "$f" ] || continue
+      printf '%s' "$sep"; cat "$f"; sep=","
+    done
+    echo "]"
+  } > "$out/bench.json"
   # Figures: the best GEMM and attention TFLOP/s, the pinned link each way, fp32 AdamW GB/s.
   local gemm attn htod dtoh adam
   gemm="$(awk '/"kernel": *"gemm bf16/ { b = 1 } b && /"tflops"/ { gsub(/[^0-9.eE+-]/, "", $2); if ($2 > m) m = $2; b = 0 } END { if (m) print m }' "$scratch/bench-kernels.json" 2>/dev/null)"
@@ -295,8 +300,8 @@ fi
 total=$(( $(date +%s) - t_start ))
 {
   echo
-  echo "$failed stage(s) failed; $total s in all. Files: env.txt (machine, libraries), selftest.txt, goldens.txt, step.txt, bench.txt, big.txt, run.log (every command's stderr)."
-  echo "Record a real GPU's run in docs/gpu.md (date, GPU, driver, result, figures, commit)."
+  echo "$failed stage(s) failed; $total s in all. Files: env.txt (machine, libraries), selftest.txt, goldens.txt, bench.json, step.txt, big.txt, run.log (every command's stderr)."
+  echo "Record a real GPU's run in docs/gpu.md (date, GPU, driver, result, figures, commit); plan with its measurements: megatrain plan --calibration $out/bench.json …"
 } >> "$summary"
 cat "$summary"
 [ "$failed" -eq 0 ]

@@ -41,8 +41,14 @@ impl Calibration {
     /// Read every report in `files`, by its tagged type.
     fn read(files: &[PathBuf]) -> Result<Self> {
         let mut c = Calibration::default();
-        for p in files {
-            match read_report(p)? {
+        for (p, report) in files
+            .iter()
+            .map(|p| read_reports(p).map(|v| v.into_iter().map(move |r| (p, r))))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .flatten()
+        {
+            match report {
                 Report::Adam(r) => {
                     c.adam_gbps = r
                         .adam
@@ -101,15 +107,24 @@ fn bad_calibration(p: &Path, why: &str) -> megatrain::Error {
     )
 }
 
-fn read_report(p: &Path) -> Result<Report> {
+/// The reports in `p`: one report, or a JSON array of them (`tools/gpu_check.sh`'s
+/// `bench.json`, the bench stage of a recorded GPU run).
+fn read_reports(p: &Path) -> Result<Vec<Report>> {
     let text =
         std::fs::read_to_string(p).map_err(|e| megatrain::Error::io("read calibration", p, e))?;
-    serde_json::from_str(&text).map_err(|e| {
+    let bad = |e: serde_json::Error| {
         bad_calibration(
             p,
-            &format!("not a `megatrain bench adam|nvme|link|kernels --json` report: {e}"),
+            &format!("not a `megatrain bench adam|nvme|link|kernels --json` report, nor an array of them: {e}"),
         )
-    })
+    };
+    match serde_json::from_str::<serde_json::Value>(&text).map_err(bad)? {
+        serde_json::Value::Array(v) => v
+            .into_iter()
+            .map(|x| serde_json::from_value(x).map_err(bad))
+            .collect(),
+        x => Ok(vec![serde_json::from_value(x).map_err(bad)?]),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -152,8 +167,8 @@ pub struct PlanArgs {
     /// Measurements from the machine (repeatable): `megatrain bench adam --json` sets the AdamW
     /// rate, `megatrain bench nvme --json` the NVMe rate (and allows spilling m/v),
     /// `megatrain bench link --json` on a GPU machine the host↔device rates, `megatrain bench
-    /// kernels --json` on the GPU its GEMM and attention efficiencies (tools/gpu_check.sh's
-    /// bench stage writes all three).
+    /// kernels --json` on the GPU its GEMM and attention efficiencies; a file may hold an array
+    /// of reports (tools/gpu_check.sh's bench.json: a recorded GPU run's three).
     #[arg(long, value_name = "bench.json")]
     calibration: Vec<PathBuf>,
     #[arg(long)]
