@@ -16,6 +16,25 @@ fn json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `megatrain plan` for Llama-3-8B on the H100 preset with `calibration`, which must be refused
+/// as bad input: its stderr.
+fn plan_refuses(calibration: &std::path::Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args([
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--machine",
+            "h100-512gb",
+            "--calibration",
+        ])
+        .arg(calibration)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn bench_nvme_sweeps_blocks_and_depths() {
     let d = tempfile::tempdir().unwrap();
@@ -226,20 +245,7 @@ fn plan_calibrates_from_bench_json() {
     let link = d.path().join("link.json");
     let host_only = json(&["bench", "link", "--size", "1M", "--reps", "1", "--json"]);
     std::fs::write(&link, host_only.to_string()).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args([
-            "plan",
-            "--model",
-            "llama-3-8b",
-            "--machine",
-            "h100-512gb",
-            "--calibration",
-        ])
-        .arg(&link)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = plan_refuses(&link);
     assert!(
         err.contains("host-only link report") && err.contains("link.json"),
         "{err}"
@@ -247,20 +253,7 @@ fn plan_calibrates_from_bench_json() {
     // Something that is not a benchmark report is refused by name too.
     let other = d.path().join("other.json");
     std::fs::write(&other, "{\"cases\": []}").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args([
-            "plan",
-            "--model",
-            "llama-3-8b",
-            "--machine",
-            "h100-512gb",
-            "--calibration",
-        ])
-        .arg(&other)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = plan_refuses(&other);
     assert!(
         err.contains("not a `megatrain bench") && err.contains("other.json"),
         "{err}"
@@ -328,6 +321,9 @@ fn plan_calibrates_kernels_from_a_gpu_report() {
     std::fs::write(&array, serde_json::json!([report(false)]).to_string()).unwrap();
     let from_array = plan(&["--calibration", array.to_str().unwrap()]);
     assert_eq!(from_array["kernel_efficiency"], cal["kernel_efficiency"]);
+    // A run whose every bench failed leaves an empty array: refused, not silently uncalibrated.
+    std::fs::write(&array, "[]").unwrap();
+    assert!(plan_refuses(&array).contains("an empty array"));
     // Slower kernels than the assumptions (MAMF's 80% GEMMs): more compute time.
     let compute = |v: &serde_json::Value| v["plan"]["time"]["compute_s"].as_f64().unwrap();
     assert!(
@@ -338,20 +334,7 @@ fn plan_calibrates_kernels_from_a_gpu_report() {
     );
     // An emulated report is host time: refused by name.
     std::fs::write(&p, report(true).to_string()).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args([
-            "plan",
-            "--model",
-            "llama-3-8b",
-            "--machine",
-            "h100-512gb",
-            "--calibration",
-        ])
-        .arg(&p)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = plan_refuses(&p);
     assert!(
         err.contains("an emulated report") && err.contains("kernels.json"),
         "{err}"

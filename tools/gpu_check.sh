@@ -100,7 +100,7 @@ write_summary() {
     echo
     echo "| stage | result | figure | seconds |"
     echo "|---|---|---|---|"
-    printf '%s\n' "${rows[@]}"
+    printf '%s\n' ${rows[@]+"${rows[@]}"}
   } > "$summary.tmp" && mv "$summary.tmp" "$summary"
 }
 failed=0
@@ -201,7 +201,7 @@ steps_stage() {
   # The probed machine when it sees a GPU (`probe --json` is pretty-printed: compare without
   # blanks).
   if [ -z "$emulated" ] && "$bin" probe --json > "$dir/probe.json" 2>> "$log" \
-     && tr -d ' \n' < "$dir/probe.json" | grep -q '"gpus":\[{'; then
+     && [[ "$(tr -d ' \n' < "$dir/probe.json")" == *'"gpus":[{'* ]]; then
     machine="$dir/probe.json"
   fi
   # Calibrated by the bench stage: link, AdamW and (on a GPU: the emulator's are host times) the
@@ -214,7 +214,7 @@ steps_stage() {
   done
   echo "## megatrain plan (machine $machine)" >> "$file"
   "$bin" plan --model "$dir/config.json" --machine "$machine" --tokens-per-step $(( batch * seq * accum )) \
-    --seq-len "$seq" --micro-batch-tokens $(( batch * seq )) --precision bf16 "${cal[@]}" --json \
+    --seq-len "$seq" --micro-batch-tokens $(( batch * seq )) --precision bf16 ${cal[@]+"${cal[@]}"} --json \
     > "$dir/plan.json" 2>> "$log"
   cat "$dir/plan.json" >> "$file"
   # Measured: the median tokens/s of the steps after the first (start-up), the peak device bytes.
@@ -250,9 +250,9 @@ bench_stage() {
   else
     k=() l=() a=()
   fi
-  stage_run 240 "$scratch/bench-kernels.json" bench kernels "${k[@]}" --json || r=FAIL
-  stage_run 120 "$scratch/bench-link.json" bench link "${l[@]}" --json || r=FAIL
-  stage_run 180 "$scratch/bench-adam.json" --host bench adam "${a[@]}" --json || r=FAIL
+  stage_run 240 "$scratch/bench-kernels.json" bench kernels ${k[@]+"${k[@]}"} --json || r=FAIL
+  stage_run 120 "$scratch/bench-link.json" bench link ${l[@]+"${l[@]}"} --json || r=FAIL
+  stage_run 180 "$scratch/bench-adam.json" --host bench adam ${a[@]+"${a[@]}"} --json || r=FAIL
   # One JSON array of the reports that came out (what `plan --calibration` reads back).
   {
     echo "["
@@ -301,7 +301,9 @@ total=$(( $(date +%s) - t_start ))
 {
   echo
   echo "$failed stage(s) failed; $total s in all. Files: env.txt (machine, libraries), selftest.txt, goldens.txt, bench.json, step.txt, big.txt, run.log (every command's stderr)."
-  echo "Record a real GPU's run in docs/gpu.md (date, GPU, driver, result, figures, commit); plan with its measurements: megatrain plan --calibration $out/bench.json …"
+  if [ -z "$emulated" ]; then
+    echo "Record this run in docs/gpu.md (date, GPU, driver, result, figures, commit); plan with its measurements: megatrain plan --calibration $out/bench.json …"
+  fi
 } >> "$summary"
 cat "$summary"
 [ "$failed" -eq 0 ]

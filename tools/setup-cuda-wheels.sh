@@ -38,9 +38,10 @@ case "$major" in
     *) echo "error: --cuda $major: megatrain runs on CUDA 12 and 13" >&2; exit 2 ;;
 esac
 dir="${MEGATRAIN_WHEELS_DIR:-$HOME/.cache/megatrain/cuda${major}-wheels}"
-# A venv without its pip (what `python3 -m venv` leaves where ensurepip is missing) is made again.
-if [ ! -x "$dir/bin/pip" ] && [ -f "$dir/pyvenv.cfg" ]; then
-    rm -rf "$dir/bin" "$dir/lib" "$dir/lib64" "$dir/include" "$dir/pyvenv.cfg"
+# Our own cache venv left without its pip (what `python3 -m venv` leaves where ensurepip is
+# missing) is removed and made again; a directory given by MEGATRAIN_WHEELS_DIR is never deleted.
+if [ -z "${MEGATRAIN_WHEELS_DIR:-}" ] && [ ! -x "$dir/bin/pip" ] && [ -f "$dir/pyvenv.cfg" ]; then
+    rm -rf "$dir"
 fi
 if [ -x "$dir/bin/pip" ] || python3 -m venv "$dir" >&2 2>/dev/null; then
     "$dir/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2

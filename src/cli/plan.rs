@@ -119,6 +119,10 @@ fn read_reports(p: &Path) -> Result<Vec<Report>> {
         )
     };
     match serde_json::from_str::<serde_json::Value>(&text).map_err(bad)? {
+        serde_json::Value::Array(v) if v.is_empty() => Err(bad_calibration(
+            p,
+            "an empty array: no benchmark report in it (did every bench of the run fail?)",
+        )),
         serde_json::Value::Array(v) => v
             .into_iter()
             .map(|x| serde_json::from_value(x).map_err(bad))

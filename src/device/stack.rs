@@ -859,18 +859,29 @@ pub fn cudarc_would_bind(
     chosen: &Path,
     lookup: &dyn Fn(&str) -> Option<PathBuf>,
 ) -> Option<PathBuf> {
-    let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-    let ours = real(chosen);
     let soname = major_of(chosen).map(|m| lib.soname(m));
     for name in cudarc_names(lib) {
         if soname.as_deref() == Some(name.as_str()) {
             return None;
         }
         if let Some(p) = lookup(&name) {
-            return (real(&p) != ours).then_some(p);
+            return (!same_file(&p, chosen)).then_some(p);
         }
     }
     None
+}
+
+/// Whether two paths are one file, as the dynamic linker tells files apart (device and inode:
+/// links, symbolic or hard, are the same file).
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => {
+            let real = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+            real(a) == real(b)
+        }
+    }
 }
 
 /// The version an opened library reports: NVRTC by `nvrtcVersion`, cuBLAS by
@@ -964,7 +975,9 @@ pub fn load(
     // is what runs — so it is the one chosen, if usable; else the conflict is named.
     let lookup = |s: &str| loader_lookup(s, symbol_name);
     if let Some(other) = cudarc_would_bind(lib, &chosen.candidate.path, &lookup) {
-        let given = places.given.iter().any(|(l, _)| *l == lib);
+        // Named explicitly (a file, or a venv): not overridden, a conflict is an error.
+        let given = places.given.iter().any(|(l, _)| *l == lib)
+            || matches!(chosen.candidate.origin, Origin::GivenVenv(_));
         let major = major_of(&other);
         let dir = other.parent().unwrap_or(Path::new("/")).to_path_buf();
         let theirs = Candidate {
@@ -979,9 +992,9 @@ pub fn load(
             usable => {
                 let why = match usable {
                     Ok(_) => format!(
-                        "{} names {} explicitly",
-                        lib.env(),
-                        chosen.candidate.path.display()
+                        "while {} is what was named ({})",
+                        chosen.candidate.path.display(),
+                        chosen.candidate.origin
                     ),
                     Err(why) => format!("which is unusable here: {}", why.join("; ")),
                 };
@@ -1067,6 +1080,29 @@ pub fn load(
     ))
 }
 
+/// The driver ([`driver`]), refused by version when it is older than [`MIN_DRIVER`].
+pub fn supported_driver() -> Result<Driver> {
+    let driver = driver()?;
+    if driver.cuda_code < MIN_DRIVER {
+        return Err(Error::system(
+            "CUDA driver",
+            format!("the version check of {}", driver.path.display()),
+            format!(
+                "it supports CUDA {}{}; megatrain needs CUDA {} or newer",
+                driver.cuda,
+                driver
+                    .module
+                    .as_ref()
+                    .map(|m| format!(" (driver {m})"))
+                    .unwrap_or_default(),
+                Version::from_cuda(MIN_DRIVER)
+            ),
+        )
+        .with_fix("update the NVIDIA driver to R570 or newer (R580 for CUDA 13)"));
+    }
+    Ok(driver)
+}
+
 /// Everything a CUDA run uses.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Stack {
@@ -1088,24 +1124,7 @@ impl Stack {
     /// Load the driver, check its version, then find and open NVRTC (with its headers) and
     /// cuBLAS for it.
     pub fn open() -> Result<Stack> {
-        let driver = driver()?;
-        if driver.cuda_code < MIN_DRIVER {
-            return Err(Error::system(
-                "CUDA driver",
-                format!("the version check of {}", driver.path.display()),
-                format!(
-                    "it supports CUDA {}{}; megatrain needs CUDA {} or newer",
-                    driver.cuda,
-                    driver
-                        .module
-                        .as_ref()
-                        .map(|m| format!(" (driver {m})"))
-                        .unwrap_or_default(),
-                    Version::from_cuda(MIN_DRIVER)
-                ),
-            )
-            .with_fix("update the NVIDIA driver to R570 or newer (R580 for CUDA 13)"));
-        }
+        let driver = supported_driver()?;
         let places = Places::from_env();
         let (nvrtc, headers) = load(Library::Nvrtc, &places, Some(driver.cuda), None)?;
         let headers =
@@ -1396,6 +1415,12 @@ mod tests {
         // The toolkit's unversioned link to the same file: the same library.
         let same = map(vec![("libnvrtc.so", dev.clone())]);
         assert_eq!(cudarc_would_bind(Library::Nvrtc, &link12, &same), None);
+        // A hard link of it elsewhere (uv installs wheels by hard link): the same file.
+        let hard = t.path().join("hard/libnvrtc.so");
+        std::fs::create_dir_all(hard.parent().unwrap()).unwrap();
+        std::fs::hard_link(&cu12, &hard).unwrap();
+        let linked = map(vec![("libnvrtc.so", hard)]);
+        assert_eq!(cudarc_would_bind(Library::Nvrtc, &link12, &linked), None);
         // A CUDA 13 NVRTC in ld.so.cache is asked for before `.so.12`: it wins.
         let newer = map(vec![("libnvrtc.so.13", cu13.clone())]);
         assert_eq!(

@@ -253,7 +253,9 @@ impl Shared {
     /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
     /// from querying any pending event.
     fn check(&self) {
-        if let Some(e) = lock(&self.lander_failure).take() {
+        // Taken first, its lock released: `fail` waits for the lander, which may need it.
+        let lander = lock(&self.lander_failure).take();
+        if let Some(e) = lander {
             self.fail(e);
             return;
         }

@@ -148,6 +148,7 @@ mod tests {
             ptx: ".version 8.8\n.target sm_90\n.entry k_fwd_f32(".into(),
             cubin: vec![0x7f, b'E', b'L', b'F', 1, 2, 3],
             log: String::new(),
+            from_disk: false,
         }
     }
 

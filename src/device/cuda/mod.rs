@@ -7,6 +7,7 @@
 //! with the feature runs, and says why, on machines without them.
 
 mod backend;
+pub mod binding;
 pub mod blas;
 mod device;
 pub mod kernel_cache;

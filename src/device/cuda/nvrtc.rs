@@ -5,15 +5,15 @@
 //! Which NVRTC and which headers is the CUDA stack's choice ([`crate::device::stack`]): CUDA 12 or
 //! 13, from the toolkit, the loader's path or NVIDIA's pip wheels. The library is opened by
 //! absolute path with `RTLD_GLOBAL` before cudarc's first NVRTC call, so cudarc's own lookup by
-//! soname binds it — [`bind`] checks that it did (cudarc panics when it cannot load a library,
-//! which is why nothing here calls cudarc before that).
+//! soname binds it — [`super::binding`] checks that it did (cudarc panics when it cannot load a
+//! library, which is why nothing here calls cudarc before that).
 
 use super::kernel_cache;
 use crate::device::kernels::{nvrtc_options, KernelFile, FILES};
 use crate::device::stack::{self, Headers, Loaded, Version};
 use crate::{Error, Result};
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
+use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -49,7 +49,7 @@ impl Toolchain {
     pub fn for_compiling() -> Result<Toolchain> {
         let (nvrtc, headers) = stack::compiler()?;
         let tc = Toolchain::new(&nvrtc, &headers);
-        bind(&tc.library)?;
+        super::binding::bind(&super::binding::NVRTC, &tc.library)?;
         Ok(tc)
     }
 }
@@ -70,70 +70,6 @@ fn stamp(path: &Path) -> String {
     }
 }
 
-/// Check that cudarc's lookup of a library by soname bound the file the stack opened: both
-/// resolve `symbol` to the same address. `present` is cudarc's own probe, `bound` its lookup
-/// of the symbol (only called once `present` said yes: cudarc panics without the library).
-pub fn same_library(
-    what: &'static str,
-    ours: (&Path, *mut c_void),
-    symbol: &str,
-    present: impl Fn() -> bool,
-    bound: impl Fn() -> Option<*const c_void>,
-) -> Result<()> {
-    let (path, addr) = ours;
-    if !present() {
-        return Err(Error::system(
-            what,
-            path.display().to_string(),
-            "opened, but cudarc's lookup by soname does not find it",
-        )
-        .with_fix(format!(
-            "put {} first on LD_LIBRARY_PATH",
-            path.parent().unwrap_or(Path::new("/")).display()
-        )));
-    }
-    match bound() {
-        Some(theirs) if std::ptr::eq(theirs, addr.cast_const()) => Ok(()),
-        theirs => {
-            let other = theirs
-                .and_then(|p| stack::file_of(p as usize))
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|| format!("a library without {symbol}"));
-            Err(Error::system(
-                what,
-                path.display().to_string(),
-                format!("the dynamic linker gave cudarc {other} instead (an unversioned name found first on the loader's path)"),
-            )
-            .with_fix(format!(
-                "take {other}'s folder off LD_LIBRARY_PATH, or point {} at it",
-                if what == "NVRTC" { "MEGATRAIN_NVRTC_LIB" } else { "MEGATRAIN_CUBLAS_LIB" }
-            )))
-        }
-    }
-}
-
-/// Open NVRTC at `library` by its absolute path (idempotent) and check cudarc binds it.
-pub fn bind(library: &Path) -> Result<()> {
-    let ours = stack::open_library(library, "nvrtcVersion")?;
-    same_library(
-        "NVRTC",
-        (library, ours),
-        "nvrtcVersion",
-        // SAFETY: only tries to dlopen the library by its usual names.
-        || unsafe { cudarc::nvrtc::sys::is_culib_present() },
-        || {
-            // SAFETY: the library is present (checked first), so culib() does not panic;
-            // the symbol is only compared, never called.
-            unsafe {
-                cudarc::nvrtc::sys::culib()
-                    .get::<unsafe extern "C" fn()>(b"nvrtcVersion")
-                    .ok()
-                    .map(|f| *f as *const c_void)
-            }
-        },
-    )
-}
-
 /// One compiled kernel file.
 #[derive(Debug, Clone)]
 pub struct Compiled {
@@ -148,6 +84,8 @@ pub struct Compiled {
     pub cubin: Vec<u8>,
     /// NVRTC's log (warnings), empty when clean.
     pub log: String,
+    /// Read from the disk cache rather than compiled by this process's NVRTC.
+    pub from_disk: bool,
 }
 
 fn c_chars_to_string(v: &[std::ffi::c_char]) -> String {
@@ -213,6 +151,7 @@ pub fn compile(tc: &Toolchain, f: &KernelFile, arch: &str) -> Result<Compiled> {
         ptx,
         cubin,
         log: log.trim().to_owned(),
+        from_disk: false,
     })
 }
 
@@ -359,6 +298,7 @@ pub fn compile_all_cached(tc: &Toolchain, arch: &str) -> Result<(Arc<Vec<Compile
                 ptx,
                 cubin,
                 log,
+                from_disk: true,
             })
             .filter(|c| check_entries(f, c).is_ok() && !c.cubin.is_empty());
         let c = match hit {

@@ -4,13 +4,13 @@
 //! needs, the kernels compiled for the device (once per process, cached on disk) with every
 //! function looked up up front, and event timing.
 
+use super::binding;
 use super::nvrtc::{self, Provenance, Toolchain};
 use crate::device::kernels::FILES;
 use crate::device::stack::{self, Driver, Stack};
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::Arc;
 
 /// A device address.
@@ -111,49 +111,6 @@ pub struct CudaRuntime {
     functions: HashMap<&'static str, CudaFunction>,
 }
 
-/// Check that cudarc's driver is the one the stack loaded (a toolkit's `stubs/libcuda.so` first
-/// on the loader's path would otherwise be what cudarc binds).
-fn bind_driver(driver: &Driver) -> Result<()> {
-    let ours = stack::open_library(&driver.path, "cuDriverGetVersion")?;
-    nvrtc::same_library(
-        "CUDA driver",
-        (&driver.path, ours),
-        "cuDriverGetVersion",
-        // SAFETY: only tries to dlopen the library by its usual names.
-        || unsafe { cudarc::driver::sys::is_culib_present() },
-        || {
-            // SAFETY: present (checked first), so culib() does not panic; only compared.
-            unsafe {
-                cudarc::driver::sys::culib()
-                    .get::<unsafe extern "C" fn()>(b"cuDriverGetVersion")
-                    .ok()
-                    .map(|f| *f as *const c_void)
-            }
-        },
-    )
-}
-
-/// Open cuBLAS at `path` by its absolute path and check cudarc binds it.
-fn bind_cublas(path: &std::path::Path) -> Result<()> {
-    let ours = stack::open_library(path, "cublasGetProperty")?;
-    nvrtc::same_library(
-        "cuBLAS",
-        (path, ours),
-        "cublasGetProperty",
-        // SAFETY: only tries to dlopen the library by its usual names.
-        || unsafe { cudarc::cublas::sys::is_culib_present() },
-        || {
-            // SAFETY: present (checked first), so culib() does not panic; only compared.
-            unsafe {
-                cudarc::cublas::sys::culib()
-                    .get::<unsafe extern "C" fn()>(b"cublasGetProperty")
-                    .ok()
-                    .map(|f| *f as *const c_void)
-            }
-        },
-    )
-}
-
 /// The architectures this NVRTC compiles for (`nvrtcGetSupportedArchs`: 80, 86, 90, …).
 fn nvrtc_archs() -> Vec<i32> {
     use cudarc::nvrtc::sys;
@@ -175,9 +132,9 @@ impl CudaRuntime {
     /// compiled (or taken from the cache) and loaded.
     pub fn open(ordinal: usize) -> Result<Self> {
         let stack = Stack::open()?;
-        bind_driver(&stack.driver)?;
-        nvrtc::bind(&stack.nvrtc.path)?;
-        bind_cublas(&stack.cublas.path)?;
+        binding::bind(&binding::DRIVER, &stack.driver.path)?;
+        binding::bind(&binding::NVRTC, &stack.nvrtc.path)?;
+        binding::bind(&binding::CUBLAS, &stack.cublas.path)?;
         let mut rt = Self::context(ordinal, stack.driver.clone())?;
         let arch = format!("sm_{}{}", rt.cc.0, rt.cc.1);
         let archs = nvrtc_archs();
@@ -207,10 +164,22 @@ impl CudaRuntime {
                 rt.ctx
                     .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))
             };
+            // What a driver says of an image it cannot run: a CUBIN from the cache it refuses is
+            // compiled afresh, once (any other error is the error).
+            let refused = |e: &cudarc::driver::DriverError| {
+                use cudarc::driver::sys::CUresult as R;
+                matches!(
+                    e.0,
+                    R::CUDA_ERROR_INVALID_IMAGE
+                        | R::CUDA_ERROR_NO_BINARY_FOR_GPU
+                        | R::CUDA_ERROR_INVALID_PTX
+                        | R::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+                        | R::CUDA_ERROR_INVALID_SOURCE
+                )
+            };
             let module = match load(&c.cubin) {
                 Ok(m) => m,
-                // A CUBIN from a cache the driver refuses: compiled afresh, once.
-                Err(_) if provenance.compiled < FILES.len() => {
+                Err(e) if c.from_disk && refused(&e) => {
                     let fresh = nvrtc::refresh(&tc, &arch, i)?;
                     provenance.refreshed += 1;
                     drv(
@@ -241,20 +210,8 @@ impl CudaRuntime {
 
     /// Open GPU `ordinal` without the kernels or cuBLAS (copies only: `bench link`).
     pub fn open_context(ordinal: usize) -> Result<Self> {
-        let driver = stack::driver()?;
-        if driver.cuda_code < MIN_DRIVER {
-            return Err(Error::system(
-                "CUDA driver",
-                format!("the version check of {}", driver.path.display()),
-                format!(
-                    "it supports CUDA {}; megatrain needs CUDA {} or newer",
-                    driver.cuda,
-                    stack::Version::from_cuda(MIN_DRIVER)
-                ),
-            )
-            .with_fix("update the NVIDIA driver to R570 or newer (R580 for CUDA 13)"));
-        }
-        bind_driver(&driver)?;
+        let driver = stack::supported_driver()?;
+        binding::bind(&binding::DRIVER, &driver.path)?;
         Self::context(ordinal, driver)
     }
 

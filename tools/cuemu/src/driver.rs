@@ -478,6 +478,23 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut CUdeviceptr, bytes: usize) -> CUr
     })
 }
 
+/// Why `ptr` cannot be freed — not an allocation, inside one rather than at its start, already
+/// freed or being freed (a double free) — or `Ok`.
+fn freeable(m: &memory::Memory, ptr: CUdeviceptr) -> Result<(), String> {
+    match m.find(ptr) {
+        Some(a) if a.base != ptr => Err(format!("0x{ptr:x} is inside {}, not its start", a.name())),
+        Some(a) if a.freeing => Err(format!(
+            "{} is already being freed by cuMemFreeAsync (a double free)",
+            a.name()
+        )),
+        Some(_) => Ok(()),
+        None => Err(m.freed(ptr).map_or_else(
+            || format!("0x{ptr:x} is {}", m.describe(ptr)),
+            |f| format!("{f} was already freed (a double free)"),
+        )),
+    }
+}
+
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
     api::call("cuMemFree_v2", api::Lib::Driver, Sticky::After, || {
@@ -488,24 +505,14 @@ pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
         // cuMemFree synchronises with the work that still uses the allocation.
         loop {
             let mut m = mem();
-            let Some(a) = m.find(ptr) else {
-                let why = m.freed(ptr).map_or_else(
-                    || format!("0x{ptr:x} is {}", m.describe(ptr)),
-                    |f| format!("{f} was already freed (a double free)"),
-                );
+            if let Err(why) = freeable(&m, ptr) {
                 drop(m);
                 report::error("invalid cuMemFree", &why);
                 return Err(cu::INVALID_VALUE);
-            };
-            if a.base != ptr {
-                let n = a.name();
-                drop(m);
-                report::error(
-                    "invalid cuMemFree",
-                    &format!("0x{ptr:x} is inside {n}, not its start"),
-                );
-                return Err(cu::INVALID_VALUE);
             }
+            let Some(a) = m.find(ptr) else {
+                return Err(cu::INVALID_VALUE);
+            };
             if a.pending == 0 {
                 if let Some((off, n)) = a.damaged_canary() {
                     let name = a.name();
@@ -617,35 +624,10 @@ pub extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: Handle) -> CUresult {
         let s = Stream::get(stream as usize)?;
         {
             let m = mem();
-            match m.find(ptr) {
-                Some(a) if a.base == ptr && a.freeing => {
-                    let n = a.name();
-                    drop(m);
-                    report::error(
-                        "invalid cuMemFree",
-                        &format!("cuMemFreeAsync: {n} is already being freed (a double free)"),
-                    );
-                    return Err(cu::INVALID_VALUE);
-                }
-                Some(a) if a.base == ptr => {}
-                Some(a) => {
-                    let n = a.name();
-                    drop(m);
-                    report::error(
-                        "invalid cuMemFree",
-                        &format!("cuMemFreeAsync: 0x{ptr:x} is inside {n}, not its start"),
-                    );
-                    return Err(cu::INVALID_VALUE);
-                }
-                None => {
-                    let why = m.freed(ptr).map_or_else(
-                        || format!("0x{ptr:x} is {}", m.describe(ptr)),
-                        |f| format!("{f} was already freed (a double free)"),
-                    );
-                    drop(m);
-                    report::error("invalid cuMemFree", &format!("cuMemFreeAsync: {why}"));
-                    return Err(cu::INVALID_VALUE);
-                }
+            if let Err(why) = freeable(&m, ptr) {
+                drop(m);
+                report::error("invalid cuMemFree", &format!("cuMemFreeAsync: {why}"));
+                return Err(cu::INVALID_VALUE);
             }
         }
         s.enqueue(

@@ -245,7 +245,8 @@ impl CudaDevice {
         (dst, from, len): (*mut f32, DevPtr, usize),
         landing: Landing,
     ) -> Result<()> {
-        if let Some(e) = crate::util::lock(&self.bounce.failure).take() {
+        let failed = crate::util::lock(&self.bounce.failure).take();
+        if let Some(e) = failed {
             return Err(e);
         }
         // The bounce chunks belong to the device alone (freed when the device drops, after its
@@ -312,7 +313,8 @@ impl CudaDevice {
             drv(r.result(), "device to host copy (bounced)")?;
             // Blocking-sync events: the lander sleeps while it waits (an event without the flag
             // is waited for by spinning, whatever the context's scheduling).
-            let copied = match crate::util::lock(&self.bounce.events).pop() {
+            let pooled = crate::util::lock(&self.bounce.events).pop();
+            let copied = match pooled {
                 Some(e) => e,
                 None => drv(
                     self.rt.ctx.new_event(Some(
