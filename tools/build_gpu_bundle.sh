@@ -30,7 +30,8 @@ done
 {
   echo "commit $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)$(git -C "$root" diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m) with $(rustc --version)"
-  echo "glibc $(ldd --version | head -1 | awk '{print $NF}') (the oldest the binary runs on)"
+  need="$(objdump -T "$out/megatrain" "$out"/lib/*.so* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -Vu | tail -1)"
+  echo "needs ${need:-an unknown glibc} or newer (built against glibc $(ldd --version | head -1 | awk '{print $NF}'))"
 } > "$out/VERSION"
 bytes="$(du -sb "$out" | awk '{print $1}')"
 limit=$((40 << 20))
