@@ -19,7 +19,8 @@ pub const WORKSPACE_BYTES: usize = 32 << 20;
 pub struct Blas {
     /// The handle (declared first: dropped, and so destroyed, before the workspace is freed).
     blas: CudaBlas,
-    workspace: CudaSlice<u8>,
+    /// Held for the handle's life: cuBLAS uses it through the pointer it was given.
+    _workspace: CudaSlice<u8>,
 }
 
 impl Blas {
@@ -59,7 +60,7 @@ impl Blas {
         }
         Ok(Blas {
             blas: handle,
-            workspace,
+            _workspace: workspace,
         })
     }
 
@@ -71,10 +72,5 @@ impl Blas {
     /// cudarc's handle, for its safe GEMM API.
     pub fn cudarc(&self) -> &CudaBlas {
         &self.blas
-    }
-
-    /// The workspace's size in bytes.
-    pub fn workspace_bytes(&self) -> usize {
-        self.workspace.len()
     }
 }

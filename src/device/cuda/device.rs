@@ -29,6 +29,7 @@ use super::pinned::{CudaRegistrar, Pinned};
 
 mod bounce;
 mod copies;
+mod watchdog;
 use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
 use crate::device::program::{self, Shape, Ws};
 use crate::device::{
@@ -42,6 +43,7 @@ use bounce::{Bounce, Landing};
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use watchdog::{completed, Recorded, Shared};
 
 /// Device memory kept free for cuBLAS' workspace, the context and the kernels' modules.
 pub const RESERVE_BYTES: u64 = 768 << 20;
@@ -134,154 +136,6 @@ impl Inner {
         Ok(e)
     }
 }
-
-/// A host event's CUDA event. Cross-stream order always goes through the CUDA event
-/// (`cuStreamWaitEvent`), never through "the host event already fired": the driver then
-/// orders the streams itself, and a checker of stream order (the CUDA emulator) sees every
-/// edge. `done` is set only by the submitting thread's own `cuEventQuery`, so a wait it then
-/// skips is one that thread has observed completed.
-#[derive(Debug)]
-struct Recorded {
-    event: Event,
-    cuda: Arc<CudaEvent>,
-    done: bool,
-}
-
-/// Whether `e` completed (`cuEventQuery`); an asynchronous fault is an error.
-fn completed(e: &CudaEvent) -> Result<bool> {
-    // SAFETY: a live event.
-    match unsafe { cudarc::driver::result::event::query(e.cu_event()) } {
-        Ok(()) => Ok(true),
-        Err(x) if x.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        Err(x) => Err(Error::cuda("run the step (an asynchronous fault)", x)),
-    }
-}
-
-/// What the submitting thread and the watchdog share.
-#[derive(Debug)]
-struct Shared {
-    inner: Mutex<Inner>,
-    error: Mutex<Option<Error>>,
-    /// The device's streams (copy-in, compute, copy-out), drained before anything waiting on
-    /// them is released.
-    streams: [Arc<CudaStream>; 3],
-    /// The lander's first failure ([`bounce`]), which the watchdog turns into the device's.
-    lander_failure: Arc<Mutex<Option<Error>>>,
-    /// The lander's chunks handed over and finished: a failing device waits for every one
-    /// before it releases anyone's memory (the lander writes into the host's gradients).
-    landings: Arc<bounce::Landings>,
-    /// Host events whose CUDA event has not completed yet, in record order, with their stream:
-    /// the poller signals each when its `cuEventQuery` succeeds (no host function per event).
-    /// Locked after `inner`, never before it.
-    pending: Mutex<Vec<(StreamKind, Arc<CudaEvent>, Event)>>,
-    /// Wakes the poller when `pending` gains an event.
-    wake: std::sync::Condvar,
-}
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        lock(&self.inner)
-    }
-
-    /// Keep the first error, and fire every host event still pending: a stream that failed
-    /// never reaches them, and the host must not wait forever (it reads the error next).
-    /// Call without the `inner` lock held.
-    ///
-    /// The streams are drained first: until the work already queued has finished (or the
-    /// context has failed, which stops it), the host must not treat buffers the GPU still reads
-    /// or writes as free — firing the events early would let it reuse or release them under a
-    /// copy in flight. After a failure nothing new is enqueued ([`CudaDevice::submit`]).
-    fn fail(&self, e: Error) {
-        {
-            let mut first = lock(&self.error);
-            if first.is_none() {
-                *first = Some(e);
-            }
-        }
-        self.drain();
-        // A faulted context returns from the drain at once, and a bounced copy that failed half
-        // way never waited for its landings: the lander may still be writing into the host's
-        // gradients, which the events below let their owner release.
-        self.landings.wait_all();
-        for r in self.lock().recorded.drain(..) {
-            r.event.signal();
-        }
-    }
-
-    /// Wait for everything queued on the streams (a failed context returns at once).
-    fn drain(&self) {
-        for s in &self.streams {
-            let _ = s.synchronize();
-        }
-    }
-
-    fn failed(&self) -> bool {
-        lock(&self.error).is_some()
-    }
-
-    /// Signal every pending host event whose CUDA event has completed. A stream's events
-    /// complete in its order, so each stream's are queried only up to its first incomplete one.
-    /// Returns the first fault seen, how many were signalled, and how many are still pending.
-    fn signal_completed(&self) -> (Option<Error>, usize, usize) {
-        let mut fault = None;
-        let mut blocked = [false; 3];
-        let mut pending = lock(&self.pending);
-        let before = pending.len();
-        pending.retain(|(kind, cuda, event)| {
-            if blocked[*kind as usize] {
-                return true;
-            }
-            match completed(cuda) {
-                Ok(true) => {
-                    event.signal();
-                    false
-                }
-                Ok(false) => {
-                    blocked[*kind as usize] = true;
-                    true
-                }
-                Err(e) => {
-                    fault.get_or_insert(e);
-                    blocked[*kind as usize] = true;
-                    true
-                }
-            }
-        });
-        (fault, before - pending.len(), pending.len())
-    }
-
-    /// Look for an asynchronous fault (a kernel's illegal address, …): it surfaces as an error
-    /// from querying any pending event.
-    fn check(&self) {
-        // Taken first, its lock released: `fail` waits for the lander, which may need it.
-        let lander = lock(&self.lander_failure).take();
-        if let Some(e) = lander {
-            self.fail(e);
-            return;
-        }
-        // A fault is sticky: every later query reports it, so the oldest pending event is
-        // enough (and keeps the lock short). The watchdog only looks; it prunes nothing (what it
-        // observes, the submitting thread has not).
-        let fault = {
-            let g = self.lock();
-            g.recorded
-                .iter()
-                .find(|r| !r.done)
-                .and_then(|r| completed(&r.cuda).err())
-        };
-        if let Some(e) = fault {
-            self.fail(e);
-        }
-    }
-}
-
-/// How often the watchdog looks for asynchronous faults (and waits, idle, for a new event).
-const WATCHDOG: std::time::Duration = std::time::Duration::from_millis(20);
-/// How often it queries pending events while some are outstanding: every POLL after an event
-/// completed, backing off by doubling to POLL_MAX while none does (a long kernel costs a few
-/// hundred queries a second, not tens of thousands).
-const POLL: std::time::Duration = std::time::Duration::from_micros(20);
-const POLL_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The CUDA device.
 #[derive(Debug)]
@@ -441,46 +295,7 @@ impl CudaDevice {
             wake: std::sync::Condvar::new(),
         });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let watchdog = {
-            let (shared, stop, ctx) = (shared.clone(), stop.clone(), rt.ctx.clone());
-            std::thread::Builder::new()
-                .name("cuda-watchdog".into())
-                .spawn(move || {
-                    // Without its context the watchdog cannot see a fault, and the first one
-                    // would leave the streamer waiting forever: the device fails instead.
-                    if let Err(e) = ctx.bind_to_thread() {
-                        shared.fail(
-                            Error::cuda("bind the context on the CUDA watchdog thread", e)
-                                .with_fix("check the GPU with nvidia-smi; the driver refused a context it had just created"),
-                        );
-                        return;
-                    }
-                    // The poller: signals host events as their CUDA events complete, and looks
-                    // for faults every WATCHDOG.
-                    let (mut checked, mut nap) = (Instant::now(), POLL);
-                    while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                        let (fault, signalled, left) = shared.signal_completed();
-                        if let Some(e) = fault {
-                            shared.fail(e);
-                        }
-                        if checked.elapsed() >= WATCHDOG {
-                            shared.check();
-                            checked = Instant::now();
-                        }
-                        nap = if signalled > 0 { POLL } else { (nap * 2).min(POLL_MAX) };
-                        if left == 0 {
-                            nap = POLL;
-                            let pending = lock(&shared.pending);
-                            if pending.is_empty() {
-                                let _ = shared.wake.wait_timeout(pending, WATCHDOG);
-                            }
-                        } else {
-                            std::thread::sleep(nap);
-                        }
-                    }
-                })
-                .map_err(|e| Error::system("std::thread", "spawn the CUDA watchdog", e))?
-        };
+        let watchdog = watchdog::spawn(shared.clone(), stop.clone(), rt.ctx.clone())?;
         Ok(CudaDevice {
             rt,
             streams,
