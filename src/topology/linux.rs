@@ -260,8 +260,13 @@ pub fn io_uring_status() -> IoUringStatus {
 
 /// The NVIDIA kernel module's version, from `/proc/driver/nvidia/version`
 /// ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ...").
-fn nvidia_driver_version() -> Option<String> {
-    let text = fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+pub fn nvidia_driver_version() -> Option<String> {
+    parse_driver_version(&fs::read_to_string("/proc/driver/nvidia/version").ok()?)
+}
+
+/// The version in `/proc/driver/nvidia/version`'s first line
+/// (`NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  …`).
+fn parse_driver_version(text: &str) -> Option<String> {
     let line = text.lines().next()?;
     let after = line.split("Kernel Module").nth(1)?;
     after.split_whitespace().next().map(str::to_owned)
@@ -394,6 +399,17 @@ mod tests {
     fn write(p: &Path, text: &str) {
         fs::create_dir_all(p.parent().unwrap()).unwrap();
         fs::write(p, text).unwrap();
+    }
+
+    #[test]
+    fn the_kernel_modules_version_is_read() {
+        assert_eq!(
+            parse_driver_version(
+                "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Tue Oct 14 2025\nGCC version: gcc 12\n"
+            ),
+            Some("580.159.04".into())
+        );
+        assert_eq!(parse_driver_version("garbage"), None);
     }
 
     #[test]

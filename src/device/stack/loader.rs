@@ -145,24 +145,6 @@ pub(super) fn open_companions(nvrtc: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The driver's kernel module version, from `/proc/driver/nvidia/version`
-/// (`NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  …`).
-pub fn kernel_module_version() -> Option<String> {
-    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
-    parse_module_version(&text)
-}
-
-fn parse_module_version(text: &str) -> Option<String> {
-    let line = text.lines().find(|l| l.starts_with("NVRM version"))?;
-    line.split_whitespace()
-        .find(|w| {
-            w.chars().next().is_some_and(|c| c.is_ascii_digit())
-                && w.contains('.')
-                && w.chars().all(|c| c.is_ascii_digit() || c == '.')
-        })
-        .map(str::to_owned)
-}
-
 /// `CUDA_ERROR_STUB_LIBRARY`: the toolkit's link-time stub was loaded instead of the driver.
 const STUB_LIBRARY: c_int = 34;
 
@@ -223,7 +205,7 @@ pub fn driver() -> Result<Driver> {
         path,
         cuda: Version::from_cuda(v),
         cuda_code: v,
-        module: kernel_module_version(),
+        module: crate::topology::linux::nvidia_driver_version(),
     })
 }
 
@@ -314,17 +296,6 @@ pub(super) fn library_version(lib: Library, h: Handle) -> Option<Version> {
 mod tests {
     use super::*;
     use crate::device::stack::test_files::touch;
-
-    #[test]
-    fn the_kernel_modules_version_is_read() {
-        assert_eq!(
-            parse_module_version(
-                "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Tue Oct 14 2025\nGCC version: gcc 12\n"
-            ),
-            Some("580.159.04".into())
-        );
-        assert_eq!(parse_module_version("garbage"), None);
-    }
 
     #[test]
     fn cudarc_binds_what_the_loader_gives_it_first() {

@@ -33,17 +33,15 @@ mod search;
 mod test_files;
 
 use loader::{cudarc_names, library_version, open_companions, open_global};
-pub use loader::{
-    cudarc_would_bind, driver, file_of, kernel_module_version, loader_lookup, open_library, Driver,
-};
+pub use loader::{cudarc_would_bind, driver, file_of, loader_lookup, open_library, Driver};
+use search::join;
 pub use search::{
     candidates, choose, header_version, major_of, sites_of, Candidate, Chosen, HeaderProblem,
     Headers, Origin, PassedOver, Places,
 };
-use search::{include_dirs, join};
 
 use crate::{Error, Result};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The CUDA major versions megatrain runs on, newest first.
 pub const MAJORS: [u32; 2] = [13, 12];
@@ -206,15 +204,7 @@ pub fn load(
         // Named explicitly (a file, or a venv): not overridden, a conflict is an error.
         let given = places.given.iter().any(|(l, _)| *l == lib)
             || matches!(chosen.candidate.origin, Origin::GivenVenv(_));
-        let major = major_of(&other);
-        let dir = other.parent().unwrap_or(Path::new("/")).to_path_buf();
-        let theirs = Candidate {
-            library: lib,
-            include: include_dirs(places, &Origin::Loader, &dir, major),
-            path: other.clone(),
-            major,
-            origin: Origin::Loader,
-        };
+        let theirs = Candidate::new(lib, places, other.clone(), Origin::Loader);
         match choose(&[theirs], driver.map(|d| d.major), None) {
             Ok(c) if !given => chosen = c,
             usable => {

@@ -51,6 +51,23 @@ pub struct Candidate {
     pub include: Vec<PathBuf>,
 }
 
+impl Candidate {
+    /// `path` as a candidate for `lib` found at `origin`: its major version from its name, the
+    /// header folders of its release beside it.
+    pub fn new(lib: Library, places: &Places, path: PathBuf, origin: Origin) -> Candidate {
+        let major = major_of(&path);
+        let dir = path.parent().unwrap_or(Path::new("/")).to_path_buf();
+        let include = include_dirs(places, &origin, &dir, major);
+        Candidate {
+            library: lib,
+            path,
+            major,
+            origin,
+            include,
+        }
+    }
+}
+
 /// The places a search looks in, from the environment (or given, in tests).
 #[derive(Debug, Clone, Default)]
 pub struct Places {
@@ -260,12 +277,7 @@ pub fn major_of(path: &Path) -> Option<u32> {
 }
 
 /// Where the CUDA headers of a library's release would be, beside it.
-pub(super) fn include_dirs(
-    places: &Places,
-    origin: &Origin,
-    dir: &Path,
-    major: Option<u32>,
-) -> Vec<PathBuf> {
+fn include_dirs(places: &Places, origin: &Origin, dir: &Path, major: Option<u32>) -> Vec<PathBuf> {
     if let Some(i) = &places.given_include {
         return vec![i.clone()];
     }
@@ -304,19 +316,9 @@ pub fn candidates(
     let mut found: Vec<Candidate> = Vec::new();
     let mut looked = Vec::new();
     let mut add = |path: PathBuf, origin: Origin| {
-        if found.iter().any(|c| c.path == path) {
-            return;
+        if !found.iter().any(|c| c.path == path) {
+            found.push(Candidate::new(lib, places, path, origin));
         }
-        let major = major_of(&path);
-        let dir = path.parent().unwrap_or(Path::new("/")).to_path_buf();
-        let include = include_dirs(places, &origin, &dir, major);
-        found.push(Candidate {
-            library: lib,
-            path,
-            major,
-            origin,
-            include,
-        });
     };
     if let Some((_, file)) = places.given.iter().find(|(l, _)| *l == lib) {
         // Used as given: a missing file is the caller's error to report, not a reason to look
