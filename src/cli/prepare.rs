@@ -51,6 +51,9 @@ pub fn run(a: &PrepareArgs) -> Result<()> {
         train_on: a.train_on,
         chat_template: a.chat_template.clone(),
     })?;
+    for n in &r.notes {
+        eprintln!("note: {n}");
+    }
     eprintln!(
         "wrote {} document(s), {} tokens ({} trained; {:?}, vocab {}) to {}; {}{}",
         r.documents,

@@ -7,6 +7,10 @@ use serde::Serialize;
 use std::path::Path;
 use std::time::Instant;
 
+/// The `otherData.writer` of every trace written: a run replaces an existing trace file only
+/// when it holds this (or is an older megatrain trace).
+pub const OWN_MARK: &str = "megatrain";
+
 /// A span on a track.
 #[derive(Debug, Clone, Serialize)]
 pub struct Span {
@@ -70,7 +74,12 @@ impl Timeline {
                 "ts": s.start * 1e6, "dur": ((s.end - s.start) * 1e6).max(0.0),
             })
         }));
-        serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }).to_string()
+        serde_json::json!({
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": { "writer": OWN_MARK },
+        })
+        .to_string()
     }
 
     /// Write the trace file atomically.

@@ -21,6 +21,10 @@ const GEN_START: char = '\u{E000}';
 /// Marks its end.
 const GEN_END: char = '\u{E001}';
 
+/// Template instructions one rendering may run (real templates use well under 10^5 per
+/// conversation; 10^8 takes seconds).
+pub const FUEL: u64 = 50_000_000;
+
 /// A compiled chat template.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -57,9 +61,12 @@ pub enum ChatError {
 
 impl From<minijinja::Error> for ChatError {
     fn from(e: minijinja::Error) -> Self {
-        let message = match e.detail() {
-            Some(d) => format!("{}: {d}", e.kind()),
-            None => e.kind().to_string(),
+        let message = match (e.kind(), e.detail()) {
+            (minijinja::ErrorKind::OutOfFuel, _) => format!(
+                "it ran {FUEL} instructions without finishing (a loop that does not end, or far too much work per conversation)"
+            ),
+            (kind, Some(d)) => format!("{kind}: {d}"),
+            (kind, None) => kind.to_string(),
         };
         ChatError::Template {
             line: e.line(),
@@ -79,6 +86,8 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        // A template that loops without end runs out of fuel: an error naming its line.
+        env.set_fuel(Some(FUEL));
         env.add_template_owned("chat_template", source)?;
         Ok(ChatTemplate {
             env,
@@ -127,8 +136,25 @@ impl ChatTemplate {
             if m.get("role").and_then(Json::as_str) != Some("assistant") {
                 continue;
             }
-            let before = self.render_marked(&messages[..k], true)?;
             let through = self.render_marked(&messages[..=k], false)?;
+            let before = match self.render_marked(&messages[..k], true) {
+                Ok(b) => b,
+                // A conversation that opens with the assistant: many templates cannot render
+                // no messages at all (Qwen2.5 reads `messages[0]`). The message's text is then
+                // found in its own rendering: from its content through the end.
+                Err(_) if k == 0 => {
+                    let content = m.get("content").and_then(Json::as_str).unwrap_or("");
+                    match through.rfind(content) {
+                        Some(at) if !content.is_empty() => through[..at].to_owned(),
+                        _ => {
+                            return Err(ChatError::Conversation(
+                                "the chat template cannot render the conversation before its first (assistant) message, and the message's text is not in its rendering; use a template with {% generation %} blocks, or --train-on all".into(),
+                            ))
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            };
             if !through.starts_with(&before) || !text.starts_with(&through) {
                 return Err(ChatError::Conversation(format!(
                     "the chat template renders message {k} (assistant) differently once later messages follow, so its text cannot be found by rendering prefixes; use a template with {{% generation %}} blocks, or --train-on all"
@@ -424,6 +450,37 @@ mod tests {
             .contains("content"));
         let t = ChatTemplate::new("{{ strftime_now('%Y') }}", specials()).unwrap();
         assert_eq!(t.render(&[]).unwrap().text.len(), 4);
+    }
+
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel_naming_its_line() {
+        let t = ChatTemplate::new(
+            "x\n{% for i in range(100000) %}{% for j in range(100000) %}.{% endfor %}{% endfor %}",
+            specials(),
+        )
+        .unwrap();
+        let started = std::time::Instant::now();
+        let e = t.render(&[]).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("instructions"), "{e}");
+        assert!(started.elapsed().as_secs() < 60);
+    }
+
+    #[test]
+    fn a_conversation_opening_with_the_assistant_trains_its_text() {
+        // Like Qwen2.5's: no messages at all cannot be rendered.
+        let t = ChatTemplate::new(
+            "{% if messages[0]['role'] != 'system' %}[S]sys\n{% endif %}{% for m in messages %}[{{ m.role }}]{{ m.content }}</s>\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+            specials(),
+        )
+        .unwrap();
+        assert!(t.render(&[]).is_err());
+        let r = t
+            .render(&msgs(
+                r#"[{"role":"assistant","content":"Hello!"},{"role":"user","content":"hi"},{"role":"assistant","content":"ok"}]"#,
+            ))
+            .unwrap();
+        let parts: Vec<&str> = r.trained.iter().map(|s| &r.text[s.clone()]).collect();
+        assert_eq!(parts, vec!["Hello!</s>\n", "ok</s>\n"]);
     }
 
     #[test]

@@ -252,7 +252,7 @@ fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
         summary.export = Some(out.clone());
     }
     if let Some(log) = &s.metrics {
-        let svg = log.path().with_extension("svg");
+        let svg = outputs::loss_curve_path(log.path());
         crate::util::write_atomic(
             &svg,
             plot::loss_svg(&log.curve, &log.val_curve, "megatrain: loss per step").as_bytes(),

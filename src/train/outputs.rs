@@ -4,6 +4,7 @@
 
 use super::config::TrainConfig;
 use crate::store::hf::{export_dir_state, ExportDir};
+use crate::util::paths::{check_disjoint, PathUse, Use};
 use crate::util::{free_space, human_bytes};
 use crate::{Error, Result};
 use std::io::Write;
@@ -33,16 +34,82 @@ fn output_parent(key: &'static str, path: &Path) -> Result<PathBuf> {
     Ok(parent)
 }
 
-/// A file output (`metrics`, `trace`): not a directory, in a directory that accepts files.
-fn check_file_output(key: &'static str, path: &Path) -> Result<()> {
+/// The file outputs a run writes, and what a file of each kind holds when megatrain wrote it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOutput {
+    /// `--metrics`: JSON lines, each with a `step`.
+    Metrics,
+    /// The loss curve beside the metrics (`.svg`).
+    LossCurve,
+    /// `--trace`: a Chrome trace.
+    Trace,
+}
+
+impl FileOutput {
+    fn flag(self) -> &'static str {
+        match self {
+            FileOutput::Metrics => "--metrics",
+            FileOutput::LossCurve => "--metrics (its loss curve, .svg)",
+            FileOutput::Trace => "--trace",
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            FileOutput::Metrics => "metrics log",
+            FileOutput::LossCurve => "loss curve",
+            FileOutput::Trace => "trace",
+        }
+    }
+
+    /// True when `head` (a file's first bytes, at most [`HEAD_BYTES`]) is what megatrain writes
+    /// as this output.
+    pub fn is_own(self, head: &[u8]) -> bool {
+        let text = String::from_utf8_lossy(head);
+        match self {
+            FileOutput::Metrics => {
+                let Some(first) = text.lines().find(|l| !l.trim().is_empty()) else {
+                    return true;
+                };
+                // A first line longer than the head is no metrics line.
+                head.contains(&b'\n')
+                    && serde_json::from_str::<serde_json::Value>(first)
+                        .is_ok_and(|v| v.get("step").is_some_and(serde_json::Value::is_u64))
+            }
+            FileOutput::LossCurve => {
+                text.trim_start().starts_with("<svg")
+                    && (text.contains(super::plot::OWN_MARK) || text.contains("megatrain: loss"))
+            }
+            FileOutput::Trace => {
+                text.starts_with("{\"displayTimeUnit\":\"ms\",")
+                    && (text.contains(&format!(
+                        "\"writer\":\"{}\"",
+                        crate::engine::trace::OWN_MARK
+                    )) || text.starts_with(
+                        "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[{\"args\":{\"name\":",
+                    ))
+            }
+        }
+    }
+}
+
+/// Bytes of an existing output read to tell whether megatrain wrote it.
+pub const HEAD_BYTES: usize = 64 << 10;
+
+/// A file output: not a directory, in a directory that accepts files, and, where a file is
+/// there already, one megatrain wrote as this output (a run never replaces anything else).
+fn check_file_output(kind: FileOutput, path: &Path) -> Result<()> {
+    let key = match kind {
+        FileOutput::Trace => "trace",
+        _ => "metrics",
+    };
     if path.is_dir() {
         return Err(Error::bad_input(
             "setting",
             key,
             format!("`{}` is a directory; it must name a file", shown(path)),
             Some(&format!(
-                "pass a file path to --{}, e.g. {}",
-                key.replace('_', "-"),
+                "pass a file path to --{key}, e.g. {}",
                 path.join(if key == "trace" {
                     "trace.json"
                 } else {
@@ -52,7 +119,77 @@ fn check_file_output(key: &'static str, path: &Path) -> Result<()> {
             )),
         ));
     }
+    if crate::util::output::target(path)? == crate::util::output::Target::File {
+        if let Ok(f) = std::fs::File::open(path) {
+            use std::io::Read;
+            let mut head = Vec::with_capacity(HEAD_BYTES);
+            f.take(HEAD_BYTES as u64)
+                .read_to_end(&mut head)
+                .map_err(|e| Error::io("read", path, e))?;
+            if !head.is_empty() && !kind.is_own(&head) {
+                return Err(Error::bad_input(
+                    "output path",
+                    shown(path),
+                    format!(
+                        "exists and is not a {} megatrain wrote ({}); a run never overwrites a file it did not write",
+                        kind.noun(),
+                        kind.flag()
+                    ),
+                    Some(&format!(
+                        "give {} another path, or move the file away if it is no longer needed",
+                        kind.flag()
+                    )),
+                ));
+            }
+        }
+    }
     output_parent(key, path).map(|_| ())
+}
+
+/// The loss curve written beside the metrics file `metrics`.
+pub fn loss_curve_path(metrics: &Path) -> PathBuf {
+    metrics.with_extension("svg")
+}
+
+/// True for the entries a checkpoint directory's run creates, replaces and deletes.
+fn checkpoint_owns(name: &str) -> bool {
+    name.starts_with("step-") || name.starts_with(".step-") || name == crate::util::lock::LOCK_FILE
+}
+
+/// Every path of `cfg`, as the flag that names it and how the run uses it.
+pub fn path_uses(cfg: &TrainConfig) -> Vec<PathUse> {
+    let mut uses = Vec::new();
+    let mut add = |flag: &str, p: &Option<PathBuf>, used: Use| {
+        if let Some(p) = p {
+            uses.push(PathUse::new(flag, p, used));
+        }
+    };
+    add("--data", &cfg.data, Use::ReadFile);
+    add("--val-data", &cfg.val_data, Use::ReadFile);
+    add("--model", &cfg.model, Use::ReadFile);
+    add("--init-from", &cfg.init_from, Use::ReadDir);
+    add("--metrics", &cfg.metrics, Use::WriteFile);
+    add(
+        FileOutput::LossCurve.flag(),
+        &cfg.metrics.as_deref().map(loss_curve_path),
+        Use::WriteFile,
+    );
+    add("--trace", &cfg.trace, Use::WriteFile);
+    add(
+        "--checkpoint-dir",
+        &cfg.checkpoint_dir,
+        Use::OwnedDir {
+            owns: checkpoint_owns,
+        },
+    );
+    add("--export-hf", &cfg.export_hf, Use::ReplacedDir);
+    uses
+}
+
+/// Refuse, by name, an output of `cfg` that is an input or another output, or lies where one is
+/// replaced or pruned; checked before anything is created.
+pub fn check_paths(cfg: &TrainConfig) -> Result<()> {
+    check_disjoint(&path_uses(cfg))
 }
 
 fn need_space(what: &str, dir: &Path, need: u64, fix: &str) -> Result<()> {
@@ -82,10 +219,11 @@ pub fn check(
     export_bytes: u64,
 ) -> Result<()> {
     if let Some(p) = &cfg.metrics {
-        check_file_output("metrics", p)?;
+        check_file_output(FileOutput::Metrics, p)?;
+        check_file_output(FileOutput::LossCurve, &loss_curve_path(p))?;
     }
     if let Some(p) = &cfg.trace {
-        check_file_output("trace", p)?;
+        check_file_output(FileOutput::Trace, p)?;
     }
     if let Some(out) = &cfg.export_hf {
         match export_dir_state(out)? {

@@ -1,5 +1,8 @@
 //! A loss curve as a standalone SVG (training loss per step, validation points).
 
+/// Stated in every loss curve: a run replaces an existing SVG only when it holds this.
+pub const OWN_MARK: &str = "loss curve written by megatrain";
+
 /// SVG text of `train` (step, loss) and `val` (step, loss) points.
 pub fn loss_svg(train: &[(u64, f64)], val: &[(u64, f64)], title: &str) -> String {
     let (w, h, pad) = (800.0, 480.0, 60.0);
@@ -34,6 +37,7 @@ pub fn loss_svg(train: &[(u64, f64)], val: &[(u64, f64)], title: &str) -> String
         .collect();
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <desc>{OWN_MARK}</desc>\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
          <text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">{}</text>\n\
          <line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
@@ -84,5 +88,6 @@ mod tests {
     fn svg_has_the_curve() {
         let s = super::loss_svg(&[(1, 5.0), (2, 4.0), (3, 3.5)], &[(3, 3.7)], "t");
         assert!(s.starts_with("<svg") && s.contains("<polyline") && s.contains("<circle"));
+        assert!(s[..200].contains(super::OWN_MARK));
     }
 }

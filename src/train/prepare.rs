@@ -82,6 +82,9 @@ pub struct PrepareReport {
     pub vocab: usize,
     /// EOS id, if any.
     pub eos_id: Option<u32>,
+    /// How the input was read and what of the tokenizer's settings was not applied, for the
+    /// user.
+    pub notes: Vec<String>,
 }
 
 /// A tokenizer with its `tokenizer_config.json` (special tokens, chat template), if any.
@@ -89,6 +92,8 @@ struct Tok {
     tk: tokenizers::Tokenizer,
     dir: PathBuf,
     config: Option<Json>,
+    /// Settings of the tokenizer file not applied.
+    notes: Vec<String>,
 }
 
 impl Tok {
@@ -101,7 +106,7 @@ impl Tok {
                 .map_or_else(|| PathBuf::from("."), Path::to_owned);
             (path.to_owned(), dir)
         };
-        let tk = tokenizers::Tokenizer::from_file(&file).map_err(|e| {
+        let mut tk = tokenizers::Tokenizer::from_file(&file).map_err(|e| {
             Error::bad_input(
                 "tokenizer",
                 file.display().to_string(),
@@ -109,12 +114,31 @@ impl Tok {
                 Some("pass a Hugging Face tokenizer.json, or the model directory holding it"),
             )
         })?;
+        // transformers applies neither unless a call asks: a stored truncation would cut every
+        // document to `max_length`, a stored padding would train on pad tokens.
+        let mut notes = Vec::new();
+        if let Some(t) = tk.get_truncation() {
+            notes.push(format!(
+                "{}: its truncation (max_length {}) is not applied: documents are tokenized whole, as transformers does unless asked",
+                file.display(),
+                t.max_length
+            ));
+        }
+        if tk.get_padding().is_some() {
+            notes.push(format!(
+                "{}: its padding is not applied: no pad token is added to any document",
+                file.display()
+            ));
+        }
+        tk.with_truncation(None)
+            .map_err(|e| Error::system("tokenizers", "disable truncation", e))?;
+        tk.with_padding(None);
         let cfg_path = dir.join("tokenizer_config.json");
         let config = match cfg_path.is_file() {
             true => {
                 let text = std::fs::read_to_string(&cfg_path)
                     .map_err(|e| Error::io("read tokenizer config", &cfg_path, e))?;
-                Some(serde_json::from_str(&text).map_err(|e| {
+                Some(serde_json::from_str::<Json>(&text).map_err(|e| {
                     Error::bad_input(
                         "tokenizer config",
                         cfg_path.display().to_string(),
@@ -125,22 +149,51 @@ impl Tok {
             }
             false => None,
         };
-        Ok(Tok { tk, dir, config })
-    }
-
-    /// The config's special tokens by name (`bos_token`, …): a string or `{"content": …}`.
-    fn specials(&self) -> BTreeMap<String, String> {
-        let mut out = BTreeMap::new();
-        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
-            let v = self.config.as_ref().and_then(|c| c.get(key));
-            let s = v
-                .and_then(Json::as_str)
-                .or_else(|| v.and_then(|v| v.get("content")).and_then(Json::as_str));
-            if let Some(s) = s {
-                out.insert(key.to_owned(), s.to_owned());
+        if let Some(c) = &config {
+            if !c.is_object() {
+                return Err(Error::bad_input(
+                    "tokenizer config",
+                    cfg_path.display().to_string(),
+                    "is JSON but not an object of settings",
+                    Some("restore the model's tokenizer_config.json, or remove it"),
+                ));
             }
         }
-        out
+        Ok(Tok {
+            tk,
+            dir,
+            config,
+            notes,
+        })
+    }
+
+    /// The config's special tokens by name (`bos_token`, …): a string or `{"content": …}`
+    /// (absent or null: none); anything else is an error naming the setting.
+    fn specials(&self) -> Result<BTreeMap<String, String>> {
+        let mut out = BTreeMap::new();
+        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+            let Some(v) = self.config.as_ref().and_then(|c| c.get(key)) else {
+                continue;
+            };
+            if v.is_null() {
+                continue;
+            }
+            let s = v
+                .as_str()
+                .or_else(|| v.get("content").and_then(Json::as_str))
+                .ok_or_else(|| {
+                    Error::bad_input(
+                        "tokenizer config",
+                        self.dir.join("tokenizer_config.json").display().to_string(),
+                        format!(
+                            "`{key}` is {v}, neither a token string nor {{\"content\": token}}"
+                        ),
+                        Some("fix that setting (or pass --eos TOKEN for the EOS token)"),
+                    )
+                })?;
+            out.insert(key.to_owned(), s.to_owned());
+        }
+        Ok(out)
     }
 
     fn id(&self, token: &str, flag: &str) -> Result<u32> {
@@ -163,10 +216,29 @@ impl Tok {
 
 /// Tokenize `args.input` into `args.out`.
 pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
+    use crate::util::paths::{check_disjoint, PathUse, Use};
+    let mut uses = vec![
+        PathUse::new(
+            "--tokenizer",
+            &args.tokenizer,
+            if args.tokenizer.is_dir() {
+                Use::ReadDir
+            } else {
+                Use::ReadFile
+            },
+        ),
+        PathUse::new("--input", &args.input, Use::ReadFile),
+        PathUse::new("--out", &args.out, Use::WriteFile),
+    ];
+    if let Some(t) = &args.chat_template {
+        uses.push(PathUse::new("--chat-template", t, Use::ReadFile));
+    }
+    check_disjoint(&uses)?;
+    crate::util::output::target(&args.out)?;
     let tok = Tok::load(&args.tokenizer)?;
     let vocab = tok.tk.get_vocab_size(true);
     let dtype = choose_dtype(&tok.tk, args.dtype)?;
-    let specials = tok.specials();
+    let specials = tok.specials()?;
     let eos_id = match (&args.eos, specials.get("eos_token")) {
         (Some(t), _) => Some(tok.id(t, "--eos")?),
         (None, Some(t)) => Some(tok.id(t, "tokenizer_config.json eos_token")?),
@@ -174,8 +246,8 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
             .iter()
             .find_map(|t| tok.tk.token_to_id(t)),
     };
-    let text = std::fs::read_to_string(&args.input)
-        .map_err(|e| Error::io("read input", &args.input, e))?;
+    let (text, mut notes) = read_input(&args.input)?;
+    notes.extend(tok.notes.iter().cloned());
     let mut report = PrepareReport {
         documents: 0,
         tokens: 0,
@@ -184,27 +256,29 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         dtype,
         vocab,
         eos_id,
+        notes,
     };
-    let is_jsonl = args.input.extension().and_then(|e| e.to_str()) == Some("jsonl");
+    let reading = Reading::of(&args.input, &text)?;
+    report.notes.push(reading.describe(&args.input));
     if args.format == Format::Text {
-        let ids = prepare_text(&tok, args, &text, is_jsonl, eos_id, &mut report)?;
+        let ids = prepare_text(&tok, args, &text, &reading, eos_id, &mut report)?;
         write_out(&args.out, &flat_bytes(&ids, dtype)?)?;
         return Ok(report);
     }
-    if !is_jsonl {
+    if reading == Reading::PlainText {
         return Err(Error::bad_input(
             "input",
             args.input.display().to_string(),
             format!(
-                "--format {} reads JSON Lines (.jsonl)",
+                "--format {} reads JSON Lines (one JSON object per line), and this is plain text",
                 format_name(args.format)
             ),
-            None,
+            Some("convert it to JSON Lines, or use --format text"),
         ));
     }
     let make = Samples::new(&tok, args, &specials, eos_id)?;
     let mut docs = Vec::new();
-    for record in json_lines(&text, &args.input) {
+    for record in reading.records(&text, &args.input) {
         let (at, v) = record?;
         let doc = make.document(&v).map_err(|e| match e {
             SampleError::Bad(why) => Error::bad_input("input", at, why, None),
@@ -284,6 +358,133 @@ fn choose_dtype(tk: &tokenizers::Tokenizer, asked: Option<DataDtype>) -> Result<
     }
 }
 
+/// Compressed formats recognised by their first bytes (never tokenized as text).
+const COMPRESSED: [(&[u8], &str, &str); 4] = [
+    (&[0x1f, 0x8b], "gzip", "gunzip -k"),
+    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstd -d"),
+    (b"BZh", "bzip2", "bunzip2 -k"),
+    (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz", "unxz -k"),
+];
+
+/// The input's text: a compressed file is refused by name, a UTF-8 byte-order mark dropped
+/// (noted), invalid UTF-8 named by line and byte. Works on pipes and `/dev/stdin`.
+fn read_input(path: &Path) -> Result<(String, Vec<String>)> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io("read input", path, e))?;
+    for (magic, name, cmd) in COMPRESSED {
+        if bytes.starts_with(magic) {
+            return Err(Error::bad_input(
+                "input",
+                path.display().to_string(),
+                format!("is {name}-compressed; megatrain reads text"),
+                Some(&format!("decompress it first (`{cmd} {}`)", path.display())),
+            ));
+        }
+    }
+    let mut notes = Vec::new();
+    let body = match bytes.strip_prefix(b"\xEF\xBB\xBF") {
+        Some(rest) => {
+            notes.push(format!(
+                "{}: its UTF-8 byte-order mark is skipped",
+                path.display()
+            ));
+            rest
+        }
+        None => &bytes[..],
+    };
+    match std::str::from_utf8(body) {
+        Ok(t) => Ok((t.to_owned(), notes)),
+        Err(e) => {
+            let good = &body[..e.valid_up_to()];
+            let line = 1 + good.iter().filter(|&&b| b == b'\n').count();
+            let column = good.len() - good.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            Err(Error::bad_input(
+                "input",
+                format!("{}:{line}", path.display()),
+                format!(
+                    "is not valid UTF-8 (byte {} of the file, column {})",
+                    e.valid_up_to(),
+                    column + 1
+                ),
+                Some("convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or fix that line"),
+            ))
+        }
+    }
+}
+
+/// How an input's text is read: decided by its content, its name only breaking ties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// One JSON object per line (`.jsonl`, or `.json` as `Dataset.to_json()` writes it).
+    JsonLines,
+    /// One JSON array of objects (`.json`).
+    JsonArray,
+    /// The whole file is one document.
+    PlainText,
+}
+
+impl Reading {
+    /// `.jsonl`, `.json` or `.ndjson` in any case: JSON must be there (a line that is not is
+    /// an error naming it). Any other name: JSON Lines when every non-blank line is a JSON
+    /// object, a JSON array when the whole file is one of objects, else plain text.
+    fn of(path: &Path, text: &str) -> Result<Reading> {
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        let named_json = matches!(ext.as_deref(), Some("jsonl" | "json" | "ndjson"));
+        let trimmed = text.trim_start();
+        if trimmed.starts_with('[') {
+            if let Ok(Json::Array(items)) = serde_json::from_str::<Json>(text) {
+                if items.iter().all(Json::is_object) {
+                    return Ok(Reading::JsonArray);
+                }
+            }
+        }
+        let mut lines = text.lines().filter(|l| !l.trim().is_empty()).peekable();
+        let is_object = |l: &str| {
+            l.trim_start().starts_with('{')
+                && serde_json::from_str::<Json>(l).is_ok_and(|v| v.is_object())
+        };
+        if named_json {
+            return Ok(Reading::JsonLines); // each line checked as it is read
+        }
+        if lines.peek().is_some() && lines.all(is_object) {
+            return Ok(Reading::JsonLines);
+        }
+        Ok(Reading::PlainText)
+    }
+
+    /// "read as …", for the user.
+    fn describe(self, path: &Path) -> String {
+        let how = match self {
+            Reading::JsonLines => "JSON Lines (one record per line)",
+            Reading::JsonArray => "one JSON array of records",
+            Reading::PlainText => "plain text (the whole file is one document)",
+        };
+        format!("{}: read as {how}", path.display())
+    }
+
+    /// The records, each with where it is for errors.
+    fn records<'a>(
+        self,
+        text: &'a str,
+        path: &'a Path,
+    ) -> Box<dyn Iterator<Item = Result<(String, Json)>> + 'a> {
+        match self {
+            Reading::JsonArray => match serde_json::from_str::<Json>(text) {
+                Ok(Json::Array(items)) => Box::new(
+                    items
+                        .into_iter()
+                        .enumerate()
+                        .map(move |(i, v)| Ok((format!("{} record {}", path.display(), i + 1), v))),
+                ),
+                _ => Box::new(json_lines(text, path)),
+            },
+            _ => Box::new(json_lines(text, path)),
+        }
+    }
+}
+
 /// The non-blank lines of a JSON Lines file, parsed, each with its `file:line` for errors.
 fn json_lines<'a>(
     text: &'a str,
@@ -311,12 +512,13 @@ fn prepare_text(
     tok: &Tok,
     args: &PrepareArgs,
     text: &str,
-    is_jsonl: bool,
+    reading: &Reading,
     eos_id: Option<u32>,
     report: &mut PrepareReport,
 ) -> Result<Vec<u32>> {
-    let docs: Vec<String> = if is_jsonl {
-        json_lines(text, &args.input)
+    let docs: Vec<String> = if *reading != Reading::PlainText {
+        reading
+            .records(text, &args.input)
             .map(|record| {
                 let (at, v) = record?;
                 v.get(&args.text_key)
@@ -335,6 +537,28 @@ fn prepare_text(
     } else {
         vec![text.to_owned()]
     };
+    if docs.iter().all(|d| d.trim().is_empty()) {
+        return Err(Error::bad_input(
+            "input",
+            args.input.display().to_string(),
+            format!(
+                "holds no text to train on ({} document(s), all empty)",
+                docs.len()
+            ),
+            Some("check the file (and --text-key for JSON input)"),
+        ));
+    }
+    if docs.len() > 1 && eos_id.is_none() {
+        return Err(Error::bad_input(
+            "tokenizer",
+            tok.dir.display().to_string(),
+            format!(
+                "has no EOS token, so the {} documents would run into each other with nothing between them",
+                docs.len()
+            ),
+            Some("pass --eos TOKEN (the token that ends a document for this model)"),
+        ));
+    }
     let mut ids: Vec<u32> = Vec::new();
     for d in &docs {
         ids.extend_from_slice(tok.encode(d, false)?.get_ids());

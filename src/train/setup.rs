@@ -62,6 +62,7 @@ struct Inputs {
 /// check the outputs and the memory, then build the device, the store and the streamer.
 pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
     cfg.validate()?;
+    outputs::check_paths(cfg)?;
     let inputs = inputs(cfg, progress)?;
     let machine = probe(&TopologySource::Live)?;
     let budget = RamBudget {

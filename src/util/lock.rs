@@ -81,14 +81,35 @@ impl DirLock {
     /// Lock directory `dir` (which must exist) for this process. `what` names the directory's
     /// role in the refusal ("checkpoint directory"), `fix` says what to do instead.
     pub fn acquire(dir: &Path, what: &'static str, fix: &str) -> Result<DirLock> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(LOCK_FILE);
+        // Never through a symlink planted at the name: the holder's line would overwrite
+        // whatever it points at.
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o644)
             .open(&path)
-            .map_err(|e| Error::io("create lock file", &path, e))?;
+            .map_err(|e| {
+                let link = e.raw_os_error() == Some(libc::ELOOP);
+                let e = Error::io("create lock file", &path, e);
+                if link {
+                    e.with_fix("it is a symlink, which megatrain never writes through: remove it (`rm` removes the link, not its target)")
+                } else {
+                    e
+                }
+            })?;
+        if !file.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(Error::bad_input(
+                what,
+                dir.display().to_string(),
+                format!("its lock file {LOCK_FILE} is not a regular file"),
+                Some("remove it; megatrain makes a new one"),
+            ));
+        }
         let got = try_flock(&file).map_err(|e| Error::io("lock", &path, e))?;
         if !got {
             let mut text = String::new();
@@ -163,6 +184,21 @@ mod tests {
         assert!(e.contains(&hostname()), "{e}");
         drop(a);
         DirLock::acquire(d.path(), "checkpoint directory", "use another").unwrap();
+    }
+
+    #[test]
+    fn a_planted_lock_symlink_is_never_written_through() {
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("victim.txt");
+        std::fs::write(&victim, b"precious").unwrap();
+        let run = d.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        std::os::unix::fs::symlink("../victim.txt", run.join(LOCK_FILE)).unwrap();
+        let e = DirLock::acquire(&run, "checkpoint directory", "x")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(LOCK_FILE) && e.contains("symlink"), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     }
 
     #[test]

@@ -2,11 +2,14 @@
 
 pub mod failpoint;
 pub mod lock;
+pub mod output;
+pub mod paths;
 pub mod size;
 
 use crate::{Error, Result};
-use std::io::Write;
 use std::path::Path;
+
+pub use output::{check_writable_dir, write_atomic};
 
 /// Lock `m`, recovering the data of a mutex poisoned by a panicking holder: every holder here
 /// leaves the data consistent at each await point, so a panic elsewhere must not cascade.
@@ -53,49 +56,6 @@ pub fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Write `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
-/// An existing file at `path` is untouched unless the whole write succeeds.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .ok_or_else(|| {
-            Error::bad_input(
-                "output path",
-                path.display().to_string(),
-                "names no file",
-                None,
-            )
-        })?;
-    if !dir.is_dir() {
-        return Err(Error::io(
-            "write",
-            path,
-            std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!("directory `{}` does not exist", dir.display()),
-            ),
-        )
-        .with_fix("create the directory first, or choose another path"));
-    }
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-        f.write_all(bytes)
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io("rename into place", path, e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
 /// Bytes available to an unprivileged writer on the filesystem holding `path` (`statvfs`).
 pub fn free_space(path: &Path) -> Result<u64> {
     use std::os::unix::ffi::OsStrExt;
@@ -120,13 +80,6 @@ pub fn free_space(path: &Path) -> Result<u64> {
     Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
-/// Check that the directory `dir` accepts new files: create and remove a probe file in it.
-pub fn check_writable_dir(dir: &Path) -> std::io::Result<()> {
-    let probe = dir.join(format!(".megatrain-write-test-{}", std::process::id()));
-    std::fs::File::create(&probe)?;
-    std::fs::remove_file(&probe)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,17 +98,5 @@ mod tests {
         check_writable_dir(d.path()).unwrap();
         assert!(free_space(&d.path().join("missing")).is_err());
         assert!(check_writable_dir(&d.path().join("missing")).is_err());
-    }
-
-    #[test]
-    fn atomic_write_replaces_only_on_success() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("out.txt");
-        write_atomic(&p, b"one").unwrap();
-        write_atomic(&p, b"two").unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"two");
-        let bad = dir.path().join("missing-dir/out.txt");
-        assert!(write_atomic(&bad, b"x").is_err());
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 }

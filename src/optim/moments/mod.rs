@@ -14,8 +14,9 @@
 //!   unbiased and reproducible element by element (resumed runs are bit-identical).
 //! - **int8**: per block, one fp32 absmax and one code per element into bitsandbytes' dynamic
 //!   map (signed for m, unsigned for v); dequantise, update in fp32, take the block's new absmax,
-//!   requantise each element to the nearest map value (ties to the lower). A block whose absmax is
-//!   0 is all zeros, so zeroed memory is zero moments in every format.
+//!   requantise each element to the nearest map value (ties to the lower), except that a positive
+//!   v never becomes 0 ([`unsigned`]: the algorithm's known blow-up on rarely seen rows). A block
+//!   whose absmax is 0 is all zeros, so zeroed memory is zero moments in every format.
 
 use super::adamw::{self, AdamSlices, Isa, StepScalars};
 use crate::store::layout::{AdamState, INT8_BLOCK};
@@ -85,10 +86,15 @@ fn order_key(x: f32) -> u32 {
 }
 
 impl Quantizer {
-    fn new(values: [f32; 256]) -> Self {
+    /// `zero_is_exact`: only 0 itself takes the code of 0 (`values[0]`); the smallest positive
+    /// value rounds up to `values[1]` instead of down to 0.
+    fn new(values: [f32; 256], zero_is_exact: bool) -> Self {
         let mut mids = [f32::INFINITY; 256];
         for i in 0..255 {
             mids[i] = ((f64::from(values[i]) + f64::from(values[i + 1])) / 2.0) as f32;
+        }
+        if zero_is_exact {
+            mids[0] = 0.0;
         }
         let mut lut: Vec<u8> = (0..1u32 << 16)
             .map(|k| mids[..255].partition_point(|m| order_key(*m) < k << 16) as u8)
@@ -117,16 +123,24 @@ impl Quantizer {
     }
 }
 
-/// The signed map (Adam m).
+/// The signed map (Adam m), nearest value.
 pub fn signed() -> &'static Quantizer {
     static Q: OnceLock<Quantizer> = OnceLock::new();
-    Q.get_or_init(|| Quantizer::new(dynamic_map(true)))
+    Q.get_or_init(|| Quantizer::new(dynamic_map(true), false))
 }
 
-/// The unsigned map (Adam v).
+/// The unsigned map (Adam v), nearest value except that a positive v never becomes 0: it rounds
+/// up to the map's smallest positive value (3.25e-7 of its block's absmax) at least. With the
+/// plain nearest rounding of bitsandbytes' CUDA kernel and torchao's AdamW8bit, a v below
+/// 1.6e-7 of its block's absmax (a gradient 4e-4 of the block's largest) is stored as 0 while m
+/// keeps its value, and the next step without gradient moves the weight by lr·m̂/ε: measured
+/// 180·lr with torchao (tools/int8_adam_blowup.py; exact AdamW: ≤ 1·lr). Excluding 0 from v's
+/// reachable values is what torchao's 4-bit AdamW does for the same reason (its v map has no
+/// 0; Li et al., arXiv 2309.01507, "the zero-point problem"); it only ever overestimates a tiny
+/// v, which shrinks that element's step.
 pub fn unsigned() -> &'static Quantizer {
     static Q: OnceLock<Quantizer> = OnceLock::new();
-    Q.get_or_init(|| Quantizer::new(dynamic_map(false)))
+    Q.get_or_init(|| Quantizer::new(dynamic_map(false), true))
 }
 
 /// A 32-bit integer hash (lowbias32): the stochastic-rounding generator.
