@@ -362,3 +362,97 @@ fn bench_kernels_without_a_gpu_says_why() {
         "{err}"
     );
 }
+
+/// Every benchmark argument is checked before anything is allocated or run: zero, negative,
+/// and sizes beyond the machine are clear errors (exit 2) naming the flag, never a panic, an
+/// abort or "median of 0 runs".
+#[test]
+fn bench_arguments_are_checked_before_anything_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["bench", "nvme", "--dir", dir, "--qd", "0"], "--qd 0"),
+        (vec!["bench", "nvme", "--dir", dir, "--size", "0"], "--size"),
+        (
+            vec!["bench", "nvme", "--dir", dir, "--reps", "0"],
+            "--reps 0",
+        ),
+        (
+            vec!["bench", "nvme", "--dir", dir, "--block", "1000"],
+            "--block",
+        ),
+        (
+            vec!["bench", "nvme", "--dir", dir, "--qd", "100000"],
+            "--qd 100000",
+        ),
+        (vec!["bench", "attention", "--seq", "100000000"], "--seq"),
+        (
+            vec![
+                "bench",
+                "attention",
+                "--seq",
+                "4096",
+                "--head-dim",
+                "1000000",
+                "--heads",
+                "1000000",
+                "--kv-heads",
+                "1000000",
+            ],
+            "attention",
+        ),
+        (vec!["bench", "attention", "--reps", "0"], "--reps 0"),
+        (vec!["bench", "attention", "--seq", "0"], "--seq 0"),
+        (vec!["bench", "link", "--reps", "0"], "--reps 0"),
+        (vec!["bench", "link", "--size", "0"], "--size 0"),
+        (vec!["bench", "link", "--size", "1E"], "--size"),
+        (vec!["bench", "adam", "--reps", "0"], "--reps 0"),
+        (vec!["bench", "adam", "--params", "1E"], "--params"),
+        (vec!["bench", "engine", "--steps", "0"], "--steps 0"),
+        (
+            vec![
+                "plan",
+                "--model",
+                "llama-3-8b",
+                "--machine",
+                "h100-512gb",
+                "--seq-len",
+                "4096",
+                "--tokens-per-step",
+                "4099",
+            ],
+            "--tokens-per-step",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "llama-3-8b",
+                "--machine",
+                "h100-512gb",
+                "--seq-len",
+                "4096",
+                "--micro-batch-tokens",
+                "3",
+            ],
+            "--micro-batch-tokens",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: ") && err.contains(needle),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("median"),
+            "{args:?}"
+        );
+    }
+}

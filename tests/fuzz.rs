@@ -626,6 +626,7 @@ fn mutated_chat_data_and_templates_never_panic() {
             eos: None,
             train_on: *rng.pick(&[TrainOn::Response, TrainOn::All]),
             chat_template: Some(tpl.clone()),
+            renderer: None,
         };
         match std::panic::catch_unwind(|| prepare(&args)) {
             Ok(Ok(_)) => written += 1,
@@ -640,4 +641,217 @@ fn mutated_chat_data_and_templates_never_panic() {
         written > 50 && refused > 50,
         "{written} written, {refused} refused"
     );
+}
+
+/// Hostile chat templates (loops without end, strings doubled without bound, deep recursion,
+/// huge repetitions and ranges) through the real binary, whose renderer runs in a child capped in
+/// memory: each is a clear error (exit 2) naming the template or the sample, never a signal or
+/// an abort, and finishes in seconds.
+#[test]
+fn hostile_chat_templates_are_errors_not_crashes_or_hangs() {
+    let _one_at_a_time = serial();
+    let exe = env!("CARGO_BIN_EXE_megatrain");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let d = tempfile::tempdir().unwrap();
+    let tpl = d.path().join("t.jinja");
+    let mut rng = Rng(0x5EED_0007);
+    let mut cases: Vec<String> = vec![
+        "{% for i in range(100000) %}{% for j in range(100000) %}.{% endfor %}{% endfor %}".into(),
+        "{% set ns = namespace(s='xy') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}".into(),
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}".into(),
+        "{{ 'x' * 1000000000000 }}".into(),
+        "{% for i in range(1000000000000) %}.{% endfor %}".into(),
+        "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|length }}".into(),
+    ];
+    for _ in 0..8 {
+        let doublings = 20 + rng.below(30);
+        let inner = 1 + rng.below(1 << 20);
+        cases.push(match rng.below(3) {
+            0 => format!(
+                "{{% set ns = namespace(s=messages[0].content) %}}{{% for i in range({doublings}) %}}{{% set ns.s = ns.s ~ ns.s %}}{{% endfor %}}{{{{ ns.s }}}}"
+            ),
+            1 => format!(
+                "{{% for m in messages %}}{{% for i in range({inner}) %}}{{% for j in range({inner}) %}}{{{{ m.content }}}}{{% endfor %}}{{% endfor %}}{{% endfor %}}"
+            ),
+            _ => format!(
+                "{{% set ns = namespace(s='ab') %}}{{% for i in range({doublings}) %}}{{% set ns.s = ns.s + ns.s|upper %}}{{% endfor %}}{{{{ ns.s[:3] }}}}"
+            ),
+        });
+    }
+    let (mut refused, mut written) = (0, 0);
+    for (i, t) in cases.iter().enumerate() {
+        std::fs::write(&tpl, t).unwrap();
+        let started = std::time::Instant::now();
+        let out = std::process::Command::new(exe)
+            .args(["prepare", "--format", "chat", "--tokenizer"])
+            .arg(fixtures.join("gen"))
+            .arg("--input")
+            .arg(fixtures.join("conversations.jsonl"))
+            .arg("--out")
+            .arg(d.path().join(format!("o{i}.bin")))
+            .arg("--chat-template")
+            .arg(&tpl)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let secs = started.elapsed().as_secs_f64();
+        assert!(secs < 60.0, "case {i} took {secs:.0} s: {t}");
+        match out.status.code() {
+            Some(0) => written += 1,
+            Some(2) => {
+                assert!(
+                    err.starts_with("error: ") && !err.contains("panicked"),
+                    "case {i}: {err}"
+                );
+                refused += 1;
+            }
+            other => panic!("case {i} ended with {other:?} (a signal?): {t}\n{err}"),
+        }
+    }
+    eprintln!(
+        "hostile chat templates: {} cases, {refused} refused, {written} rendered",
+        cases.len()
+    );
+    assert!(refused >= 10, "{refused} refused");
+}
+
+/// Random, mostly hostile argument lists for `bench` and `plan` (zero, negative, huge, not a
+/// number): every run ends with exit 0, 1 or 2 — never a panic (101), an abort or a signal —
+/// and within a minute.
+#[test]
+fn bench_and_plan_arguments_never_crash() {
+    let _one_at_a_time = serial();
+    let exe = env!("CARGO_BIN_EXE_megatrain");
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_str().unwrap().to_owned();
+    let mut rng = Rng(0x5EED_0008);
+    let counts = [
+        "0",
+        "1",
+        "2",
+        "-1",
+        "abc",
+        "1000000000",
+        "18446744073709551616",
+    ];
+    let sizes = [
+        "0",
+        "1",
+        "4096",
+        "4Ki",
+        "1E",
+        "-5",
+        "1.5M",
+        "99999999999999999999",
+    ];
+    let (mut ok, mut refused) = (0, 0);
+    for i in 0..48 {
+        let mut args: Vec<String> = Vec::new();
+        let flag = |args: &mut Vec<String>, name: &str, pool: &[&str], rng: &mut Rng| {
+            if rng.below(4) != 0 {
+                args.push(name.to_owned());
+                args.push(rng.pick(pool).to_string());
+            }
+        };
+        match i % 6 {
+            0 => {
+                args.extend(["bench".into(), "attention".into()]);
+                flag(
+                    &mut args,
+                    "--seq",
+                    &["0", "1", "16", "100000000", "-3", "x"],
+                    &mut rng,
+                );
+                flag(&mut args, "--reps", &counts, &mut rng);
+                flag(&mut args, "--heads", &counts, &mut rng);
+                flag(&mut args, "--kv-heads", &counts, &mut rng);
+                flag(
+                    &mut args,
+                    "--head-dim",
+                    &["0", "1", "8", "1000000"],
+                    &mut rng,
+                );
+            }
+            1 => {
+                args.extend(["bench".into(), "nvme".into(), "--dir".into(), dir.clone()]);
+                flag(&mut args, "--size", &sizes, &mut rng);
+                flag(
+                    &mut args,
+                    "--block",
+                    &["0", "1000", "4096", "4Ki", "2G"],
+                    &mut rng,
+                );
+                flag(&mut args, "--qd", &["0", "1", "5000", "-1"], &mut rng);
+                flag(
+                    &mut args,
+                    "--reps",
+                    &["0", "1", "-1", "1000000000"],
+                    &mut rng,
+                );
+            }
+            2 => {
+                args.extend(["bench".into(), "link".into()]);
+                flag(&mut args, "--size", &sizes, &mut rng);
+                flag(&mut args, "--reps", &["0", "1", "1000000000"], &mut rng);
+            }
+            3 => {
+                args.extend(["bench".into(), "adam".into()]);
+                flag(
+                    &mut args,
+                    "--params",
+                    &["0", "1024", "2000", "1E", "-1"],
+                    &mut rng,
+                );
+                flag(&mut args, "--reps", &["0", "1", "1000000000"], &mut rng);
+                flag(&mut args, "--threads", &["0", "1", "1000000"], &mut rng);
+            }
+            4 => {
+                args.extend(["bench".into(), "engine".into(), "--steps".into()]);
+                args.push(rng.pick(&["0", "-1", "1000000000", "x"]).to_string());
+            }
+            _ => {
+                args.extend(
+                    ["plan", "--model", "llama-3-8b", "--machine", "h100-512gb"].map(String::from),
+                );
+                flag(
+                    &mut args,
+                    "--seq-len",
+                    &["0", "1", "4096", "1000000000"],
+                    &mut rng,
+                );
+                flag(
+                    &mut args,
+                    "--tokens-per-step",
+                    &["0", "1", "4096", "8192", "4099", "1000000000000000"],
+                    &mut rng,
+                );
+                flag(
+                    &mut args,
+                    "--micro-batch-tokens",
+                    &["0", "3", "4096", "1000000000000000"],
+                    &mut rng,
+                );
+            }
+        }
+        let started = std::time::Instant::now();
+        let out = std::process::Command::new(exe)
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(started.elapsed().as_secs() < 60, "{args:?} took too long");
+        match out.status.code() {
+            Some(0) => ok += 1,
+            Some(1 | 2) => {
+                assert!(
+                    err.contains("error: ") && !err.contains("panicked"),
+                    "{args:?}: {err}"
+                );
+                refused += 1;
+            }
+            other => panic!("{args:?} ended with {other:?}: {err}"),
+        }
+    }
+    eprintln!("bench and plan arguments: 48 runs, {ok} ran, {refused} refused");
+    assert!(refused > 24, "{refused} refused");
 }

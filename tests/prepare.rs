@@ -26,6 +26,7 @@ fn args(tokenizer: PathBuf, input: PathBuf, out: PathBuf, format: Format) -> Pre
         eos: None,
         train_on: TrainOn::Response,
         chat_template: None,
+        renderer: None,
     }
 }
 
@@ -261,5 +262,37 @@ fn bad_samples_are_named_by_line_or_counted() {
     assert!(
         e.contains("no chat template") && e.contains("--chat-template"),
         "{e}"
+    );
+}
+
+/// Qwen2.5's template cannot render zero messages (it reads `messages[0]`), which the prefix
+/// method renders before an opening assistant message; transformers renders the conversation,
+/// and so does megatrain: the greeting trains, the default system prompt does not.
+#[test]
+fn a_conversation_opening_with_an_assistant_greeting_renders_on_qwen25s_template() {
+    use megatrain::train::chat::ChatTemplate;
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let t = ChatTemplate::new(
+        config["chat_template"].as_str().unwrap(),
+        Default::default(),
+    )
+    .unwrap();
+    let messages: Vec<serde_json::Value> = serde_json::from_str(
+        r#"[{"role":"assistant","content":"Hello! How can I help?"},{"role":"user","content":"hi"},{"role":"assistant","content":"ok"}]"#,
+    )
+    .unwrap();
+    let r = t.render(&messages).unwrap();
+    assert!(
+        r.text.starts_with("<|im_start|>system\nYou are Qwen"),
+        "{}",
+        r.text
+    );
+    let parts: Vec<&str> = r.trained.iter().map(|s| &r.text[s.clone()]).collect();
+    assert_eq!(
+        parts,
+        vec!["Hello! How can I help?<|im_end|>\n", "ok<|im_end|>\n"]
     );
 }

@@ -3,105 +3,13 @@
 //! processes, files, locks and signals.
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
+mod common;
+
+use common::cli::{fixture, kill, last_line, run, s, steps_in_metrics, wait_for, MODEL};
 use megatrain::train::checkpoint;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const MODEL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
-  "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,"tie_word_embeddings":true}"#;
-
-struct Fixture {
-    dir: tempfile::TempDir,
-    model: PathBuf,
-    data: PathBuf,
-}
-
-fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model.json");
-    std::fs::write(&model, MODEL).unwrap();
-    let data = dir.path().join("train.bin");
-    let mut s = 12345u64;
-    let bytes: Vec<u8> = (0..20_000)
-        .flat_map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s % 61) as u16).to_le_bytes()
-        })
-        .collect();
-    std::fs::write(&data, bytes).unwrap();
-    Fixture { dir, model, data }
-}
-
-impl Fixture {
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// `megatrain train` on the small model with `extra` flags.
-    fn train(&self, extra: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
-        c.current_dir(self.dir.path())
-            .args(["train", "--model"])
-            .arg(&self.model)
-            .arg("--data")
-            .arg(&self.data)
-            .args([
-                "--seq-len",
-                "16",
-                "--batch-size",
-                "2",
-                "--device-memory",
-                "64Mi",
-            ])
-            .args(extra);
-        c
-    }
-}
-
-fn run(mut c: Command) -> (i32, String) {
-    let out: Output = c.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn last_line(err: &str) -> &str {
-    err.lines().last().unwrap_or("")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-/// Wait for `cond` up to a minute (start-up time varies with the build and the machine's load).
-fn wait_for(mut cond: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !cond() {
-        assert!(t0.elapsed() < Duration::from_secs(60), "timed out");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn kill(mut child: Child) {
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-fn steps_in_metrics(p: &Path) -> Vec<u64> {
-    std::fs::read_to_string(p)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
-                .as_u64()
-                .unwrap()
-        })
-        .collect()
-}
 
 /// Issue item 1: A second run on a directory in use is refused at once, naming the holder's PID and host.
 #[test]
@@ -811,12 +719,18 @@ fn checkpoint_problems_are_told_apart() {
 }
 
 /// Issue item 13: SIGTERM (SLURM, Kubernetes) finishes the step, checkpoints and exits 143 without an
-/// `error:` line; Ctrl-C without a checkpoint directory promises nothing and exits 130.
+/// `error:` line; so does SIGHUP (a closed ssh session), exiting 129; Ctrl-C without a checkpoint
+/// directory promises nothing and exits 130.
 #[test]
-fn sigterm_and_ctrl_c_stop_cleanly_with_the_signal_exit_status() {
+fn sigterm_sighup_and_ctrl_c_stop_cleanly_with_the_signal_exit_status() {
     let f = fixture();
-    let ck = f.path("ck");
-    for (sig, code, with_dir) in [(libc::SIGTERM, 143, true), (libc::SIGINT, 130, false)] {
+    // SIGHUP: the ssh session or terminal closed; handled as SIGTERM.
+    for (sig, code, with_dir) in [
+        (libc::SIGTERM, 143, true),
+        (libc::SIGINT, 130, false),
+        (libc::SIGHUP, 129, true),
+    ] {
+        let ck = f.path(&format!("ck{sig}"));
         let metrics = f.path(&format!("m{sig}.jsonl"));
         let mut args = vec!["--steps", "1000000", "--metrics", s(&metrics)];
         if with_dir {

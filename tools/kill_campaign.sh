@@ -2,7 +2,9 @@
 # Kill -9 campaign: train a small model straight through once, then train it again while
 # SIGKILLing the process at random moments (often inside a checkpoint write) and restarting it
 # with `--resume auto`, until it finishes. The two final checkpoints must be identical bit for
-# bit. Prints the number of kills survived. Usage: tools/kill_campaign.sh [KILLS] (default 50).
+# bit, and the directory must hold exactly the --keep-checkpoints 2 it keeps (no half-written or
+# half-pruned leftovers). Prints the number of kills survived. Usage: tools/kill_campaign.sh
+# [KILLS] (default 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kills=${1:-50}
@@ -42,4 +44,13 @@ last=$(printf 'step-%08d' "$steps")
 for f in params.f32 adam_m.f32 adam_v.f32; do
   cmp "$work/straight/$last/$f" "$work/killed/$last/$f"
 done
-echo "kill -9 campaign: $survived kills survived, final state bit-identical to the straight run ($steps steps)"
+# Pruning renames a checkpoint away before deleting it, and a run removes what dead writers
+# left: exactly the kept checkpoints remain, however many kills landed mid-prune.
+kept=$(find "$work/killed" -mindepth 1 -maxdepth 1 -name 'step-*' | wc -l)
+leftovers=$(find "$work/killed" -mindepth 1 -maxdepth 1 ! -name 'step-*' ! -name .megatrain.lock | wc -l)
+if [ "$kept" -ne 2 ] || [ "$leftovers" -ne 0 ]; then
+  echo "kill -9 campaign: $kept checkpoints and $leftovers other entries left (want 2 and 0):" >&2
+  ls -la "$work/killed" >&2
+  exit 1
+fi
+echo "kill -9 campaign: $survived kills survived, final state bit-identical to the straight run ($steps steps); exactly the 2 kept checkpoints left, no leftovers"

@@ -199,6 +199,17 @@ pub fn run(machine: &Machine, args: &AdamBenchArgs) -> Result<AdamBenchReport> {
             Some("use at least 1M"),
         ));
     }
+    super::check_count("--reps", args.reps, 1, super::MAX_REPS)?;
+    if let Some(t) = args.threads {
+        super::check_count("--threads", t, 1, 1 << 16)?;
+    }
+    // One store at a time: fp32 params and gradients, at most 8 bytes of moments, and the
+    // planes' split copy.
+    super::check_memory(
+        &format!("AdamW over --params {}", args.params),
+        (args.params as u64).checked_mul(24),
+        "pass a smaller --params",
+    )?;
 
     if args.states.is_empty() || args.masters.is_empty() {
         return Err(Error::bad_input(

@@ -63,6 +63,33 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
             None,
         ));
     }
+    super::check_count("--reps", a.reps, 1, super::MAX_REPS)?;
+    if a.seqs.is_empty() {
+        return Err(Error::bad_input(
+            "--seq",
+            "",
+            "no sequence length",
+            Some("pass --seq 4096,8192"),
+        ));
+    }
+    for &t in &a.seqs {
+        super::check_count("--seq", t, 1, 1 << 24)?;
+        // q, d_o, o, dq (heads) and k, v, dk, dv (kv heads) of t × head dim, lse and delta
+        // (heads × t), positions.
+        let bytes = (|| {
+            let per_token = 4u64
+                .checked_mul(a.heads as u64)?
+                .checked_add(4 * a.kv_heads as u64)?
+                .checked_mul(a.head_dim as u64)?
+                .checked_add(2 * a.heads as u64 + 2)?;
+            per_token.checked_mul(4)?.checked_mul(t as u64)
+        })();
+        super::check_memory(
+            &format!("attention at --seq {t}"),
+            bytes,
+            "pass a shorter --seq (or fewer heads)",
+        )?;
+    }
     let mut cases = Vec::new();
     for &t in &a.seqs {
         let s = AttnShape::causal(1, t, a.heads, a.kv_heads, a.head_dim);
@@ -80,7 +107,7 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
         let median = |f: &mut dyn FnMut()| {
             f(); // warm-up
             crate::util::median(
-                (0..a.reps.max(1))
+                (0..a.reps)
                     .map(|_| {
                         let t0 = Instant::now();
                         f();

@@ -527,6 +527,7 @@ pub fn run(
     nvme_dir: &std::path::Path,
     trace_dir: Option<&std::path::Path>,
 ) -> Result<Vec<EngineCase>> {
+    super::check_count("--steps", steps, 1, super::MAX_REPS)?;
     let base = Case {
         name: "",
         bound: "",

@@ -39,6 +39,29 @@ pub struct KernelBenchArgs {
 
 /// Run every case.
 pub fn run(a: &KernelBenchArgs) -> Result<KernelReport> {
+    use super::check_count;
+    check_count("--reps", a.reps, 1, super::MAX_REPS)?;
+    for (flag, v) in [
+        ("--tokens", a.tokens),
+        ("--hidden", a.hidden),
+        ("--ffn", a.ffn),
+        ("--heads", a.heads),
+        ("--kv-heads", a.kv_heads),
+        ("--head-dim", a.head_dim),
+    ] {
+        check_count(flag, v, 1, 1 << 20)?;
+    }
+    for &t in &a.seqs {
+        check_count("--seq", t, 1, 1 << 24)?;
+    }
+    if !a.heads.is_multiple_of(a.kv_heads) {
+        return Err(crate::Error::bad_input(
+            "--heads",
+            a.heads.to_string(),
+            format!("is not a multiple of --kv-heads {}", a.kv_heads),
+            None,
+        ));
+    }
     let rt = CudaRuntime::open(a.ordinal)?;
     let peaks = crate::plan::gpu_peaks(&rt.name);
     let mut rows = Vec::new();

@@ -95,6 +95,13 @@ fn parallel_copy(dst: &Region, src: &Region, bytes: usize, cpus: &[usize]) {
 
 /// Run the host-side matrix on `machine` (the live one).
 pub fn run(machine: &Machine, bytes: usize, reps: usize) -> Result<LinkReport> {
+    super::check_count("--size", bytes, 4096, usize::MAX)?;
+    super::check_count("--reps", reps, 1, super::MAX_REPS)?;
+    super::check_memory(
+        &format!("copies of --size {bytes}"),
+        (bytes as u64).checked_mul(2),
+        "pass a smaller --size",
+    )?;
     let nodes: Vec<&crate::topology::NumaNode> = machine
         .numa_nodes
         .iter()
@@ -115,7 +122,7 @@ pub fn run(machine: &Machine, bytes: usize, reps: usize) -> Result<LinkReport> {
             let cpus = affinity::parse_cpu_list(&b.cpus)?;
             let dst = region(b.os_index, bytes, &cpus, "link bench destination")?;
             parallel_copy(&dst, &src, bytes, &cpus); // warm-up, outside the timing
-            let mut t: Vec<f64> = (0..reps.max(1))
+            let mut t: Vec<f64> = (0..reps)
                 .map(|_| {
                     let s = Instant::now();
                     parallel_copy(&dst, &src, bytes, &cpus);

@@ -88,6 +88,50 @@ pub fn run(b: &NvmeBench) -> Result<NvmeReport> {
             Some("pass --dir DIR (one per NVMe device)"),
         ));
     }
+    super::check_count("--reps", b.reps, 1, super::MAX_REPS)?;
+    if b.blocks.is_empty() || b.depths.is_empty() {
+        return Err(Error::bad_input(
+            if b.blocks.is_empty() {
+                "--block"
+            } else {
+                "--qd"
+            },
+            "",
+            "no value given",
+            Some("pass a comma-separated list, e.g. --block 1Mi --qd 1,16"),
+        ));
+    }
+    for &bs in &b.blocks {
+        // O_DIRECT needs whole 4 KiB blocks on most devices.
+        if bs == 0 || !bs.is_multiple_of(4096) || bs > 1 << 30 {
+            return Err(Error::bad_input(
+                "--block",
+                bs.to_string(),
+                "must be a positive multiple of 4 KiB, at most 1 GiB (direct I/O moves whole blocks)",
+                Some("pass e.g. --block 128Ki,1Mi,4Mi"),
+            ));
+        }
+    }
+    for &qd in &b.depths {
+        super::check_count("--qd", qd, 1, 4096)?;
+    }
+    let (max_bs, max_qd) = (
+        b.blocks.iter().copied().max().unwrap_or(0),
+        b.depths.iter().copied().max().unwrap_or(0),
+    );
+    if b.size < max_bs as u64 {
+        return Err(Error::bad_input(
+            "--size",
+            b.size.to_string(),
+            format!("is less than one block ({max_bs} bytes): nothing to measure"),
+            Some("pass a --size of at least the largest --block (e.g. 512M)"),
+        ));
+    }
+    super::check_memory(
+        &format!("I/O buffers (--qd {max_qd} × --block {max_bs})"),
+        (max_qd as u64).checked_mul(max_bs as u64),
+        "pass a smaller --qd or --block",
+    )?;
     let files = BenchFiles::create(&b.dirs, b.size)?;
     let mut cases = Vec::new();
     let (mut uring, mut fixed) = (false, false);

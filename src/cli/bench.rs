@@ -157,7 +157,7 @@ pub struct BenchLinkArgs {
 
 fn bench_link(a: &BenchLinkArgs) -> Result<()> {
     let machine = topology::probe(&TopologySource::Live)?;
-    let r = megatrain::bench::link::run(&machine, a.size.max(4096), a.reps)?;
+    let r = megatrain::bench::link::run(&machine, a.size, a.reps)?;
     print_report(a.json, &Report::Link(r), Report::render);
     Ok(())
 }
@@ -200,14 +200,6 @@ fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
     } else {
         EngineKind::Auto
     };
-    if let Some(b) = a.block.iter().find(|b| **b == 0 || !b.is_multiple_of(4096)) {
-        return Err(megatrain::Error::bad_input(
-            "--block",
-            b.to_string(),
-            "must be a positive multiple of 4 KiB (O_DIRECT)",
-            Some("e.g. --block 128Ki,1Mi,4Mi"),
-        ));
-    }
     let r = megatrain::bench::nvme::run(&megatrain::bench::nvme::NvmeBench {
         dirs: a.dir.clone(),
         size: a.size as u64,
@@ -241,12 +233,8 @@ pub struct BenchEngineArgs {
 fn bench_engine(args: &BenchEngineArgs) -> Result<()> {
     let machine = topology::probe(&TopologySource::Live)?;
     let nvme = args.nvme.clone().unwrap_or_else(std::env::temp_dir);
-    let cases = megatrain::bench::engine::run(
-        &machine,
-        args.steps.max(1),
-        &nvme,
-        args.trace_dir.as_deref(),
-    )?;
+    let cases =
+        megatrain::bench::engine::run(&machine, args.steps, &nvme, args.trace_dir.as_deref())?;
     print_report(
         args.json,
         cases.as_slice(),

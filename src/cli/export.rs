@@ -17,6 +17,19 @@ pub struct ExportArgs {
 
 pub fn run(args: &ExportArgs) -> Result<()> {
     use megatrain::train::checkpoint;
+    use megatrain::util::paths::{check_disjoint, PathUse, Use};
+    if !args.checkpoint.exists() {
+        return Err(megatrain::Error::bad_input(
+            "checkpoint",
+            args.checkpoint.display().to_string(),
+            "does not exist",
+            Some("check the path: pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
+        ));
+    }
+    check_disjoint(&[
+        PathUse::new("--checkpoint", &args.checkpoint, Use::ReadDir),
+        PathUse::new("--out", &args.out, Use::ReplacedDir),
+    ])?;
     let is_one = args.checkpoint.join("MANIFEST.json").exists()
         || args.checkpoint.join("params.f32").exists();
     let dir = if is_one {

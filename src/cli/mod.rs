@@ -49,6 +49,13 @@ enum Command {
         #[arg(long)]
         export_xml: Option<std::path::PathBuf>,
     },
+    /// Render chat templates for `prepare` in a child process capped at LIMIT bytes of data
+    /// (JSON lines on stdin and stdout), so a template that builds huge strings is an error.
+    #[command(name = "__render-chat", hide = true)]
+    RenderChat {
+        /// Memory cap, bytes.
+        limit: u64,
+    },
 }
 
 /// Parse the command line, run the command, and turn its outcome into the exit status: 0, the
@@ -67,6 +74,12 @@ pub fn main() -> ExitCode {
         Command::VetTopology { file, export_xml } => {
             probe::vet(file, export_xml.as_deref()).map(|()| 0)
         }
+        Command::RenderChat { limit } => megatrain::train::chat_worker::serve(
+            *limit,
+            std::io::stdin().lock(),
+            std::io::stdout().lock(),
+        )
+        .map(|()| 0),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -50,6 +50,7 @@ pub fn run(a: &PrepareArgs) -> Result<()> {
         eos: a.eos.clone(),
         train_on: a.train_on,
         chat_template: a.chat_template.clone(),
+        renderer: std::env::current_exe().ok(),
     })?;
     for n in &r.notes {
         eprintln!("note: {n}");

@@ -1,6 +1,15 @@
 //! `megatrain train`: the configuration (TOML, demo, flags), progress on the terminal, signals,
 //! and what the run wrote.
 
+/// `eprintln!` that never panics: after SIGHUP the terminal is gone and a write to it fails;
+/// losing a progress line must not end the run.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 use clap::Args;
 use megatrain::train::config::{TrainConfig, TrainOverrides};
 use megatrain::Result;
@@ -34,7 +43,11 @@ struct Reporter {
 impl megatrain::train::Progress for Reporter {
     fn start(&mut self, first: u64, total: u64, params: usize) {
         self.total = total;
-        eprintln!("training {params} parameters, steps {first}..={total}");
+        if first > total {
+            say!("{params} parameters, already trained to step {total}: no step to run");
+        } else {
+            say!("training {params} parameters, steps {first}..={total}");
+        }
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
             let bar = indicatif::ProgressBar::new(total);
             bar.set_position(first.saturating_sub(1));
@@ -65,7 +78,7 @@ impl megatrain::train::Progress for Reporter {
                     || val.is_some()
                     || self.last_plain.elapsed().as_secs() >= 5
                 {
-                    eprintln!("step {}/{} {msg}", m.step, self.total);
+                    say!("step {}/{} {msg}", m.step, self.total);
                     self.last_plain = std::time::Instant::now();
                 }
             }
@@ -75,39 +88,45 @@ impl megatrain::train::Progress for Reporter {
         let line = format!("checkpoint {}", d.display());
         match &self.bar {
             Some(b) => b.println(line),
-            None => eprintln!("{line}"),
+            None => say!("{line}"),
         }
     }
     fn note(&mut self, line: &str) {
-        eprintln!("{line}");
+        say!("{line}");
     }
 }
 
-/// Watch SIGINT and SIGTERM (what SLURM and Kubernetes send before SIGKILL): the first sets
-/// `interrupt` (the trainer finishes its step, checkpoints and returns), a second exits at once
-/// (the last checkpoint on disk is intact). Returns the signal received, 0 while none.
+/// Watch SIGINT, SIGTERM (what SLURM and Kubernetes send before SIGKILL) and SIGHUP (a closed
+/// ssh session or terminal): the first sets `interrupt` (the trainer finishes its step,
+/// checkpoints and returns), a second exits at once (the last checkpoint on disk is intact).
+/// After SIGHUP the terminal is gone: output that went to it goes to /dev/null from then on (a
+/// write to a hung-up terminal fails, and printing must not end the run). Returns the signal
+/// received, 0 while none.
 fn watch_signals(
     interrupt: std::sync::Arc<std::sync::atomic::AtomicBool>,
     saves: bool,
 ) -> Result<std::sync::Arc<std::sync::atomic::AtomicI32>> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     use std::sync::atomic::Ordering;
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .map_err(|e| megatrain::Error::system("signal-hook", "install signal handlers", e))?;
     let which = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
     let seen = which.clone();
     std::thread::spawn(move || {
         for sig in signals.forever() {
-            let name = if sig == SIGTERM {
-                "SIGTERM"
-            } else {
-                "interrupt"
+            let name = match sig {
+                SIGTERM => "SIGTERM",
+                SIGHUP => {
+                    detach_from_terminal();
+                    "SIGHUP (the terminal closed)"
+                }
+                _ => "interrupt",
             };
             if interrupt.swap(true, Ordering::SeqCst) {
                 std::process::exit(128 + sig);
             }
             seen.store(sig, Ordering::SeqCst);
-            eprintln!(
+            say!(
                 "\n{name}: finishing this step, then {} (send it again to stop now)",
                 if saves {
                     "writing a checkpoint and stopping"
@@ -120,13 +139,30 @@ fn watch_signals(
     Ok(which)
 }
 
+/// Point stdout and stderr that are terminals at /dev/null (a log file or pipe stays).
+fn detach_from_terminal() {
+    use std::os::fd::AsRawFd;
+    let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") else {
+        return;
+    };
+    for fd in [1, 2] {
+        // SAFETY: isatty and dup2 on descriptors this process owns; dup2 replaces `fd`
+        // atomically with a descriptor of /dev/null, which stays valid after `null` drops.
+        unsafe {
+            if libc::isatty(fd) == 1 {
+                libc::dup2(null.as_raw_fd(), fd);
+            }
+        }
+    }
+}
+
 /// The configuration: the TOML file, the demo's, or the defaults, with the flags over it.
 fn configuration(args: &TrainArgs) -> Result<TrainConfig> {
     let base = match (&args.config, args.demo) {
         (Some(p), _) => TrainConfig::from_toml_file(p)?,
         (None, true) => {
             let d = megatrain::train::corpus::demo(&args.demo_dir)?;
-            eprintln!(
+            say!(
                 "demo: {} bytes of this repository's docs and source as byte tokens ({} train / {} validation) in {}",
                 d.split.0 + d.split.1,
                 d.split.0,
@@ -160,7 +196,7 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
     if let Some(b) = &rep.bar {
         b.finish();
     }
-    eprintln!(
+    say!(
         "\n{}: {} steps, loss {} → {}{}, {:.0} tokens/s",
         if s.interrupted { "stopped" } else { "done" },
         s.steps,
@@ -178,11 +214,11 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
         ("trace", &s.trace),
     ] {
         if let Some(p) = p {
-            eprintln!("  {what:<11} {}", p.display());
+            say!("  {what:<11} {}", p.display());
         }
     }
     if s.metrics_failures > 0 {
-        eprintln!(
+        say!(
             "  warning: {} metrics line(s) could not be written",
             s.metrics_failures
         );
@@ -194,7 +230,7 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
         } else {
             sig
         };
-        eprintln!(
+        say!(
             "interrupted after step {}: {}",
             s.steps,
             match (&s.checkpoint, cfg.checkpoint_dir.is_some()) {

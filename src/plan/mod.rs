@@ -117,12 +117,27 @@ impl PlanRequest {
                 Some("pass --precision bf16, or drop --grad-link"),
             ));
         }
+        if !self.tokens_per_step.is_multiple_of(self.seq_len) {
+            return bad(
+                "--tokens-per-step",
+                self.tokens_per_step,
+                format!(
+                    "is not a whole number of sequences of --seq-len {} (a step trains whole sequences): use {} or {}",
+                    self.seq_len,
+                    self.tokens_per_step / self.seq_len * self.seq_len,
+                    self.tokens_per_step.div_ceil(self.seq_len) * self.seq_len
+                ),
+            );
+        }
         if let Some(m) = self.micro_batch_tokens {
-            if m == 0 || m > self.tokens_per_step {
+            if m < self.seq_len || m > self.tokens_per_step || !m.is_multiple_of(self.seq_len) {
                 return bad(
                     "--micro-batch-tokens",
                     m,
-                    "must be between 1 and --tokens-per-step".into(),
+                    format!(
+                        "must be a whole number of sequences of --seq-len {}, at most --tokens-per-step {}",
+                        self.seq_len, self.tokens_per_step
+                    ),
                 );
             }
         }

@@ -226,16 +226,34 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
             };
             let mut master = guards[unit].master();
             let range = spec.offset..spec.offset + spec.numel();
+            // Weights that are not finite would train to a NaN loss; named here instead.
+            let check = |values: &[f32]| {
+                match values.iter().position(|x| !x.is_finite()) {
+                None => Ok(()),
+                Some(at) => Err(Error::bad_input(
+                    "checkpoint tensor",
+                    name,
+                    format!(
+                        "in {shown} holds {} non-finite value(s) (the first, {}, at flat index {at})",
+                        values.iter().filter(|x| !x.is_finite()).count(),
+                        values[at]
+                    ),
+                    Some("these weights are broken (a diverged run, or a bad conversion): use another checkpoint"),
+                )),
+            }
+            };
             match master.as_fp32() {
-                Some(p) => widen(view.dtype(), view.data(), &mut p[range]),
+                Some(p) => {
+                    widen(view.dtype(), view.data(), &mut p[range.clone()]).map_err(unsupported)?;
+                    check(&p[range])?;
+                }
                 None => {
                     let mut values = vec![0f32; spec.numel()];
-                    widen(view.dtype(), view.data(), &mut values).map(|()| {
-                        master.write(spec.offset, &values);
-                    })
+                    widen(view.dtype(), view.data(), &mut values).map_err(unsupported)?;
+                    check(&values)?;
+                    master.write(spec.offset, &values);
                 }
             }
-            .map_err(unsupported)?;
         }
     }
     if let Some(missing) = layout

@@ -51,6 +51,17 @@ pub fn load(source: &TopologySource) -> Result<Topology> {
             })
         }
         TopologySource::Synthetic(desc) => {
+            let leaves = synthetic_leaves(desc);
+            if leaves > MAX_SYNTHETIC_LEAVES {
+                return Err(Error::bad_input(
+                    "synthetic topology",
+                    desc,
+                    format!(
+                        "describes {leaves} objects at its last level; megatrain models machines of up to {MAX_SYNTHETIC_LEAVES}"
+                    ),
+                    Some("describe fewer (the largest servers have a few thousand hardware threads)"),
+                ));
+            }
             let builder = builder.from_synthetic(desc).map_err(|e| {
                 Error::bad_input(
                     "synthetic topology",
@@ -64,6 +75,30 @@ pub fn load(source: &TopologySource) -> Result<Topology> {
                 .map_err(|e| Error::bad_input("synthetic topology", desc, e.to_string(), None))
         }
     }
+}
+
+/// Most objects a synthetic topology may have at its last level (10^5 take hwloc a minute and
+/// gigabytes; the largest real machines have a few thousand hardware threads).
+pub const MAX_SYNTHETIC_LEAVES: u64 = 16_384;
+
+/// The product of a synthetic description's arities (`pack:2 numa:2 core:8 pu:2` → 64): how
+/// many objects its last level has. Tokens without a readable count count 1 (hwloc judges them).
+pub fn synthetic_leaves(desc: &str) -> u64 {
+    desc.split_whitespace()
+        .filter_map(|tok| {
+            let digits: String = tok
+                .split_once(':')?
+                .1
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            match digits.parse::<u64>() {
+                Ok(n) => Some(n),
+                Err(_) if digits.is_empty() => None,
+                Err(_) => Some(u64::MAX), // beyond 64 bits
+            }
+        })
+        .fold(1u64, u64::saturating_mul)
 }
 
 /// Describe the XML file `path` in a child process (`exe __vet-topology FILE [--export-xml OUT]`,
@@ -687,6 +722,21 @@ mod tests {
             Some("3.0")
         );
         assert_eq!(xml_attr("<topology>", "version"), None);
+    }
+
+    #[test]
+    fn synthetic_topologies_are_bounded_before_hwloc_builds_them() {
+        assert_eq!(synthetic_leaves("pack:2 numa:2 core:8 pu:2"), 64);
+        assert_eq!(synthetic_leaves("pack:2 numa:2(memory=1GB) pu:3"), 12);
+        assert_eq!(synthetic_leaves("pack:x"), 1);
+        assert_eq!(synthetic_leaves("core:99999999999999999999999"), u64::MAX);
+        let started = std::time::Instant::now();
+        let e = load(&TopologySource::Synthetic("pack:10 core:10000 pu:1".into()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("100000 objects"), "{e}");
+        assert!(started.elapsed().as_secs() < 5);
     }
 
     #[test]

@@ -169,6 +169,12 @@ fn node_meminfo(dir: &Path, key: &str) -> Option<u64> {
 }
 
 /// A field of `/proc/meminfo` ("MemTotal:   12345 kB"), in bytes.
+/// The kernel's estimate of the memory a new allocation can get without swapping
+/// (`MemAvailable`), bytes.
+pub fn mem_available() -> Option<u64> {
+    meminfo("/proc/meminfo", "MemAvailable:")
+}
+
 fn meminfo(path: &str, key: &str) -> Option<u64> {
     let text = fs::read_to_string(path).ok()?;
     text.lines().find_map(|l| {

@@ -25,6 +25,13 @@ const GEN_END: char = '\u{E001}';
 /// conversation; 10^8 takes seconds).
 pub const FUEL: u64 = 50_000_000;
 
+/// Bytes a rendered conversation may have: 1 MiB (a system prompt, tool definitions) plus 16
+/// times its messages' JSON.
+pub fn output_budget(messages: &[Json]) -> usize {
+    let size: usize = messages.iter().map(|m| m.to_string().len()).sum();
+    (1 << 20) + 16 * size
+}
+
 /// A compiled chat template.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -121,7 +128,20 @@ impl ChatTemplate {
             minijinja::Value::from(add_generation_prompt),
         );
         let tmpl = self.env.get_template("chat_template")?;
-        Ok(tmpl.render(ctx)?)
+        let text = tmpl.render(ctx)?;
+        let budget = output_budget(messages);
+        if text.len() > budget {
+            return Err(ChatError::Template {
+                line: None,
+                message: format!(
+                    "it rendered {} for a conversation of {} messages, more than the {} a conversation's text may grow to (a template that repeats text without bound?)",
+                    crate::util::human_bytes(text.len() as u64),
+                    messages.len(),
+                    crate::util::human_bytes(budget as u64)
+                ),
+            });
+        }
+        Ok(text)
     }
 
     /// Render `messages` (HF chat format: objects with `role` and `content`) and find the text

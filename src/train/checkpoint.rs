@@ -109,12 +109,14 @@ pub enum Damage {
     },
     /// A file's bytes do not match its checksum.
     Corrupt(String),
+    /// The checkpoint was deleted while it was being read (pruned by the run that owns it).
+    Gone,
 }
 
 impl Damage {
     /// True when the checkpoint's bytes are bad (as opposed to being unreadable by us).
     pub fn is_damage(&self) -> bool {
-        !matches!(self, Damage::Unreadable(..))
+        !matches!(self, Damage::Unreadable(..) | Damage::Gone)
     }
 
     /// What to do about it.
@@ -132,6 +134,9 @@ impl Damage {
                 "it was cut short (a full disk or an interrupted copy): restore it from a good copy"
             }
             Damage::Corrupt(_) => "its bytes changed on disk: restore it from a good copy",
+            Damage::Gone => {
+                "the run that owns its directory pruned it (a run keeps its newest --keep-checkpoints): use a newer checkpoint (pass the checkpoint directory itself for the newest), or wait until that run ends"
+            }
         }
     }
 }
@@ -148,6 +153,7 @@ impl std::fmt::Display for Damage {
                 write!(f, "{file} has {have} bytes, the manifest says {want}")
             }
             Damage::Corrupt(file) => write!(f, "{file} fails its crc32c check"),
+            Damage::Gone => write!(f, "it was deleted while it was being read"),
         }
     }
 }
@@ -255,7 +261,7 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         crate::util::write_atomic(&tmp.join(MANIFEST), &manifest)?;
         fsync_dir(&tmp);
         if final_dir.exists() {
-            std::fs::remove_dir_all(&final_dir)
+            discard(root, &final_dir)
                 .map_err(|e| Error::io("replace checkpoint", &final_dir, e))?;
         }
         std::fs::rename(&tmp, &final_dir)
@@ -277,17 +283,46 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
     ours.sort();
     while ours.len() > keep.max(1) {
         let (_, d) = ours.remove(0);
-        let _ = std::fs::remove_dir_all(d);
+        let _ = discard(root, &d);
     }
+    remove_leftovers(root, Some(std::process::id()));
+    Ok(final_dir)
+}
+
+/// Delete the checkpoint `dir` under `root` so that no kill leaves half of it under its name:
+/// renamed away first (`.step-….pruned-PID`, which [`remove_leftovers`] finishes if this
+/// process dies), then removed.
+fn discard(root: &Path, dir: &Path) -> std::io::Result<()> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let away = root.join(format!(".{name}.pruned-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&away);
+    std::fs::rename(dir, &away)?;
+    fsync_dir(root);
+    std::fs::remove_dir_all(&away)
+}
+
+/// Remove what dead writers of `root` left: unfinished checkpoints (`.step-….tmp-PID`) and
+/// half-pruned ones (`.step-….pruned-PID`), except this process's own (`own_pid`) when it may
+/// be writing one. The caller holds `root`'s lock, so no live process is writing there.
+pub fn remove_leftovers(root: &Path, own_pid: Option<u32>) -> usize {
+    let mut removed = 0;
+    let own = own_pid.map(|p| format!("-{p}"));
     if let Ok(rd) = std::fs::read_dir(root) {
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with(".step-") && !n.ends_with(&format!("-{}", std::process::id())) {
-                let _ = std::fs::remove_dir_all(e.path());
+            if n.starts_with(".step-")
+                && (n.contains(".tmp-") || n.contains(".pruned-"))
+                && !own.as_ref().is_some_and(|o| n.ends_with(o.as_str()))
+                && std::fs::remove_dir_all(e.path()).is_ok()
+            {
+                removed += 1;
             }
         }
     }
-    Ok(final_dir)
+    removed
 }
 
 /// Finished checkpoint directories under `root`, as (step, path), in no particular order.
@@ -308,8 +343,13 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
 }
 
 /// Check a checkpoint's files against its manifest: every file a checkpoint has must be listed,
-/// present, readable, of the listed size and checksum.
+/// present, readable, of the listed size and checksum. A checkpoint deleted meanwhile (pruned by
+/// its run) is [`Damage::Gone`], not damaged.
 pub fn verify(dir: &Path) -> std::result::Result<(), Damage> {
+    verify_files(dir).map_err(|d| if dir.is_dir() { d } else { Damage::Gone })
+}
+
+fn verify_files(dir: &Path) -> std::result::Result<(), Damage> {
     let text = match std::fs::read(dir.join(MANIFEST)) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Damage::Unfinished),
@@ -411,13 +451,25 @@ fn refuse(dir: &Path, damage: &Damage, also: Option<String>) -> Error {
 /// The newest checkpoint under `root`, verified. `Ok(None)` if there is none; an error naming
 /// the newest good one if the newest is damaged or unreadable.
 pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
+    // A live run may prune the newest seen between listing and reading: list again.
+    for _ in 0..3 {
+        if let Some(found) = latest_once(root)? {
+            return Ok(found);
+        }
+    }
+    Err(refuse(root, &Damage::Gone, None))
+}
+
+/// [`latest`], or `None` when the newest was deleted while it was read.
+fn latest_once(root: &Path) -> Result<Option<Option<PathBuf>>> {
     let mut all = list(root)?;
     all.sort();
     let Some((_, newest)) = all.last().cloned() else {
-        return Ok(None);
+        return Ok(Some(None));
     };
     match verify(&newest) {
-        Ok(()) => Ok(Some(newest)),
+        Ok(()) => Ok(Some(Some(newest))),
+        Err(Damage::Gone) => Ok(None),
         Err(damage) => {
             let good = all
                 .iter()
@@ -485,6 +537,13 @@ pub fn adam_state_of(state: &TrainState) -> AdamState {
 /// converted (the checkpoint's `--adam-state` differs from the store's: fp32 → compact quantises,
 /// compact → fp32 dequantises).
 pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
+    load_files(dir, store).map_err(|e| match dir.is_dir() {
+        true => e,
+        false => refuse(dir, &Damage::Gone, None),
+    })
+}
+
+fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
     let state = open(dir)?;
     if state.model != store.layout().config {
         return Err(Error::bad_input(
@@ -574,6 +633,45 @@ mod tests {
         let machine = probe(&TopologySource::Live).unwrap();
         let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
         HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn pruning_renames_away_first_and_leftovers_of_dead_writers_are_removed() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let step = r.join("step-00000004");
+        std::fs::create_dir(&step).unwrap();
+        std::fs::write(step.join("params.f32"), [0u8; 64]).unwrap();
+        discard(r, &step).unwrap();
+        assert!(!step.exists());
+        assert_eq!(std::fs::read_dir(r).unwrap().count(), 0);
+        // What kills leave: an unfinished write, a half-pruned checkpoint; and a live one's.
+        let dead = [".step-00000002.pruned-4242", ".step-00000003.tmp-4242"];
+        for d in dead {
+            std::fs::create_dir(r.join(d)).unwrap();
+            std::fs::write(r.join(d).join("adam_m.f32"), [1u8; 8]).unwrap();
+        }
+        let mine = format!(".step-00000005.tmp-{}", std::process::id());
+        std::fs::create_dir(r.join(&mine)).unwrap();
+        std::fs::create_dir(r.join("step-00000001")).unwrap();
+        assert_eq!(remove_leftovers(r, Some(std::process::id())), 2);
+        assert!(r.join(&mine).exists() && r.join("step-00000001").exists());
+        assert_eq!(remove_leftovers(r, None), 1);
+        assert!(!r.join(&mine).exists() && r.join("step-00000001").exists());
+    }
+
+    #[test]
+    fn a_checkpoint_deleted_while_read_is_gone_not_damaged() {
+        let root = tempfile::tempdir().unwrap();
+        let gone = root.path().join("step-00000007");
+        assert_eq!(verify(&gone), Err(Damage::Gone));
+        assert!(!Damage::Gone.is_damage());
+        let e = open(&gone).unwrap_err().to_string();
+        assert!(
+            e.contains("deleted while it was being read") && e.contains("pruned"),
+            "{e}"
+        );
+        assert!(!e.contains("damaged"), "{e}");
     }
 
     fn values(u: usize, n: usize) -> Vec<f32> {

@@ -31,14 +31,7 @@ pub struct TokenFile {
 impl TokenFile {
     /// Map `path` and check it against the vocabulary (every id < `vocab`).
     pub fn open(path: &Path, dtype: DataDtype, vocab: usize) -> Result<Self> {
-        if path.is_dir() {
-            return Err(Error::bad_input(
-                "data file",
-                path.display().to_string(),
-                "is a directory; --data and --val-data take a token file",
-                Some("pass the .bin file `megatrain prepare` wrote (e.g. DIR/train.bin)"),
-            ));
-        }
+        check_data_path(path)?;
         let f = std::fs::File::open(path)
             .map_err(|e| Error::io("open data", path, e).with_fix("check --data / --val-data"))?;
         // SAFETY: read-only private mapping; if another process truncates the file while we train
@@ -74,7 +67,7 @@ impl TokenFile {
                 "data file",
                 tf.path.display().to_string(),
                 format!("token {t} at position {i} is ≥ the model's vocab size {vocab}"),
-                Some("tokenize with the model's tokenizer (or check --data-dtype)"),
+                Some(&tf.advice_beyond_vocab(vocab)),
             ));
         }
         Ok(tf)
@@ -88,6 +81,37 @@ impl TokenFile {
     /// True if empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// What to do about an id beyond the vocabulary: decompression for a compressed file, the
+    /// other element type when the file reads as valid ids that way, else the model's tokenizer.
+    fn advice_beyond_vocab(&self, vocab: usize) -> String {
+        if let Some((name, cmd)) = crate::util::compression(&self.map[..self.map.len().min(8)]) {
+            return format!(
+                "the file is {name}-compressed: decompress it first (`{cmd} {}`)",
+                self.path.display()
+            );
+        }
+        let fits = |width: usize| {
+            self.map.len().is_multiple_of(width)
+                && self.map.chunks_exact(width).all(|c| {
+                    let id = if width == 2 {
+                        u32::from(u16::from_le_bytes([c[0], c[1]]))
+                    } else {
+                        u32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                    };
+                    (id as usize) < vocab
+                })
+        };
+        match self.dtype {
+            DataDtype::U16 if fits(4) => {
+                "the file reads as valid ids as u32 tokens: pass --data-dtype u32".into()
+            }
+            DataDtype::U32 if fits(2) => {
+                "the file reads as valid ids as u16 tokens: pass --data-dtype u16".into()
+            }
+            _ => "the data was tokenized for another vocabulary: prepare it with this model's tokenizer (`megatrain prepare --tokenizer MODEL_DIR`)".into(),
+        }
     }
 
     fn get(&self, i: usize) -> u32 {
@@ -115,6 +139,31 @@ impl TokenFile {
     }
 }
 
+/// `path` must be a regular file: a directory is not a token file, and a pipe or device cannot
+/// be mapped and read many times (and opening a FIFO would wait for a writer).
+fn check_data_path(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::bad_input(
+            "data file",
+            path.display().to_string(),
+            "is a directory; --data and --val-data take a token file",
+            Some("pass the .bin file `megatrain prepare` wrote (e.g. DIR/train.bin)"),
+        ));
+    }
+    // Checked before opening: opening a FIFO waits for a writer.
+    let meta = std::fs::metadata(path)
+        .map_err(|e| Error::io("open data", path, e).with_fix("check --data / --val-data"))?;
+    if !meta.is_file() {
+        return Err(Error::bad_input(
+            "data file",
+            path.display().to_string(),
+            "is not a regular file (a pipe or device?): training reads its data many times, mapped into memory",
+            Some("write the tokens to a file first (`megatrain prepare --out FILE`) and pass that"),
+        ));
+    }
+    Ok(())
+}
+
 /// A data file of either kind, recognised by its first bytes.
 #[derive(Debug)]
 pub enum DataFile {
@@ -128,7 +177,8 @@ impl DataFile {
     /// Open `path`: a document file if it starts with the document magic, else a flat token
     /// file of `dtype`; checked against the vocabulary.
     pub fn open(path: &Path, dtype: DataDtype, vocab: usize) -> Result<Self> {
-        if !path.is_dir() && is_document_file(path) {
+        check_data_path(path)?;
+        if is_document_file(path) {
             return DocFile::open(path, vocab).map(DataFile::Documents);
         }
         TokenFile::open(path, dtype, vocab).map(DataFile::Tokens)
@@ -147,6 +197,10 @@ pub struct PackReport {
     /// Documents left out (too long with [`Overlong::Drop`], or no trained token within the
     /// row length).
     pub dropped: usize,
+    /// Of those, left out for being longer than a row ([`Overlong::Drop`]).
+    pub too_long: usize,
+    /// Tokens of the shortest document.
+    pub shortest: usize,
     /// Document tokens in the rows (the rest is padding).
     pub tokens: usize,
     /// Trained targets in the rows.
@@ -183,6 +237,10 @@ impl Packed {
     fn new(docs: DocFile, seq: usize, packing: Packing, overlong: Overlong) -> Self {
         let mut report = PackReport {
             documents: docs.documents(),
+            shortest: (0..docs.documents())
+                .map(|d| docs.range(d).len())
+                .min()
+                .unwrap_or(0),
             ..PackReport::default()
         };
         let (mut rows, mut pieces, mut fill) = (vec![0], Vec::new(), 0usize);
@@ -192,6 +250,7 @@ impl Packed {
                 r.len()
             } else if overlong == Overlong::Drop {
                 report.dropped += 1;
+                report.too_long += 1;
                 continue;
             } else {
                 seq
@@ -357,11 +416,23 @@ impl Loader {
                     p.report
                 ),
             };
+            let fix = match &rows {
+                Rows::Packed(p) if p.report.too_long > 0 && p.report.shortest > seq => format!(
+                    "every document is longer than a row of {seq} tokens and --overlong drop leaves them out, so nothing would train: raise --seq-len to at least {} (the shortest document), or pass --overlong truncate",
+                    p.report.shortest
+                ),
+                Rows::Packed(p) if p.report.too_long > 0 => format!(
+                    "{} document(s) longer than {seq} tokens are left out (--overlong drop): raise --seq-len, pass --overlong truncate, use more data, or a smaller --batch-size",
+                    p.report.too_long
+                ),
+                Rows::Packed(_) => "use more data, or a smaller --batch-size".to_owned(),
+                Rows::Flat(_) => "use more data, or a smaller --seq-len / --batch-size".to_owned(),
+            };
             return Err(Error::bad_input(
                 "data file",
                 rows.path().display().to_string(),
                 what,
-                Some("use more data, or a smaller --seq-len / --batch-size"),
+                Some(&fix),
             ));
         }
         let order = epoch_order(count, shuffle, seed, cursor.epoch);
@@ -507,6 +578,30 @@ mod tests {
         let f = DataFile::open(&p, DataDtype::U32, 100).unwrap();
         let l = Loader::new(f, spec, false, 0, Cursor::default());
         (d, l)
+    }
+
+    #[test]
+    fn rows_shorter_than_every_document_advise_a_longer_seq_len_not_a_shorter_one() {
+        let docs = [doc(&[1, 2, 3, 4, 5, 6], 0), doc(&[1, 2, 3, 4, 5], 0)];
+        let drop = RowSpec {
+            overlong: Overlong::Drop,
+            ..spec(4, 1)
+        };
+        let (_d, l) = loader(&docs, drop);
+        let e = l.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            e.contains("every document is longer than a row of 4 tokens")
+                && e.contains("raise --seq-len to at least 5")
+                && !e.contains("smaller --seq-len"),
+            "{e}"
+        );
+        // Too few rows for a batch (truncated documents train): more data or a smaller batch.
+        let (_d, l) = loader(&docs, spec(4, 3));
+        let e = l.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            e.contains("smaller --batch-size") && !e.contains("--seq-len"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! to show it.
 
 pub mod chat;
+pub mod chat_worker;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;

@@ -159,30 +159,38 @@ fn checkpoint_owns(name: &str) -> bool {
 /// Every path of `cfg`, as the flag that names it and how the run uses it.
 pub fn path_uses(cfg: &TrainConfig) -> Vec<PathUse> {
     let mut uses = Vec::new();
-    let mut add = |flag: &str, p: &Option<PathBuf>, used: Use| {
+    let add = |uses: &mut Vec<PathUse>, flag: &str, p: &Option<PathBuf>, used: Use| {
         if let Some(p) = p {
             uses.push(PathUse::new(flag, p, used));
         }
     };
-    add("--data", &cfg.data, Use::ReadFile);
-    add("--val-data", &cfg.val_data, Use::ReadFile);
-    add("--model", &cfg.model, Use::ReadFile);
-    add("--init-from", &cfg.init_from, Use::ReadDir);
-    add("--metrics", &cfg.metrics, Use::WriteFile);
+    add(&mut uses, "--data", &cfg.data, Use::ReadFile);
+    add(&mut uses, "--val-data", &cfg.val_data, Use::ReadFile);
+    add(&mut uses, "--model", &cfg.model, Use::ReadFile);
+    if let Some(dir) = &cfg.init_from {
+        uses.extend(crate::util::paths::read_dir_uses("--init-from", dir, |n| {
+            n == "config.json"
+                || n.ends_with(".safetensors")
+                || n.ends_with(".safetensors.index.json")
+        }));
+    }
+    add(&mut uses, "--metrics", &cfg.metrics, Use::WriteFile);
     add(
+        &mut uses,
         FileOutput::LossCurve.flag(),
         &cfg.metrics.as_deref().map(loss_curve_path),
         Use::WriteFile,
     );
-    add("--trace", &cfg.trace, Use::WriteFile);
+    add(&mut uses, "--trace", &cfg.trace, Use::WriteFile);
     add(
+        &mut uses,
         "--checkpoint-dir",
         &cfg.checkpoint_dir,
         Use::OwnedDir {
             owns: checkpoint_owns,
         },
     );
-    add("--export-hf", &cfg.export_hf, Use::ReplacedDir);
+    add(&mut uses, "--export-hf", &cfg.export_hf, Use::ReplacedDir);
     uses
 }
 

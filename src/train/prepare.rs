@@ -12,6 +12,7 @@
 //! boundaries, packed into rows by the trainer.
 
 use super::chat::{check_messages, load_template, ChatError, ChatTemplate};
+use super::chat_worker::{ChatWorker, WorkerError};
 use super::config::DataDtype;
 use super::documents::{self, Document};
 use crate::{Error, Result};
@@ -63,6 +64,9 @@ pub struct PrepareArgs {
     pub train_on: TrainOn,
     /// A Jinja chat template file overriding the model's.
     pub chat_template: Option<PathBuf>,
+    /// Render chat templates in a child process, `PATH __render-chat`, capped in memory (a
+    /// megatrain binary: the CLI passes itself); `None`: in this process, bounded by fuel only.
+    pub renderer: Option<PathBuf>,
 }
 
 /// What was written.
@@ -217,19 +221,18 @@ impl Tok {
 /// Tokenize `args.input` into `args.out`.
 pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
     use crate::util::paths::{check_disjoint, PathUse, Use};
-    let mut uses = vec![
-        PathUse::new(
-            "--tokenizer",
-            &args.tokenizer,
-            if args.tokenizer.is_dir() {
-                Use::ReadDir
-            } else {
-                Use::ReadFile
-            },
-        ),
-        PathUse::new("--input", &args.input, Use::ReadFile),
-        PathUse::new("--out", &args.out, Use::WriteFile),
-    ];
+    let mut uses = if args.tokenizer.is_dir() {
+        crate::util::paths::read_dir_uses("--tokenizer", &args.tokenizer, |n| {
+            matches!(
+                n,
+                "tokenizer.json" | "tokenizer_config.json" | "chat_template.jinja"
+            )
+        })
+    } else {
+        vec![PathUse::new("--tokenizer", &args.tokenizer, Use::ReadFile)]
+    };
+    uses.push(PathUse::new("--input", &args.input, Use::ReadFile));
+    uses.push(PathUse::new("--out", &args.out, Use::WriteFile));
     if let Some(t) = &args.chat_template {
         uses.push(PathUse::new("--chat-template", t, Use::ReadFile));
     }
@@ -276,7 +279,8 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
             Some("convert it to JSON Lines, or use --format text"),
         ));
     }
-    let make = Samples::new(&tok, args, &specials, eos_id)?;
+    let largest_line = text.lines().map(str::len).max().unwrap_or(0);
+    let mut make = Samples::new(&tok, args, &specials, eos_id, largest_line)?;
     let mut docs = Vec::new();
     for record in reading.records(&text, &args.input) {
         let (at, v) = record?;
@@ -358,27 +362,17 @@ fn choose_dtype(tk: &tokenizers::Tokenizer, asked: Option<DataDtype>) -> Result<
     }
 }
 
-/// Compressed formats recognised by their first bytes (never tokenized as text).
-const COMPRESSED: [(&[u8], &str, &str); 4] = [
-    (&[0x1f, 0x8b], "gzip", "gunzip -k"),
-    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstd -d"),
-    (b"BZh", "bzip2", "bunzip2 -k"),
-    (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz", "unxz -k"),
-];
-
 /// The input's text: a compressed file is refused by name, a UTF-8 byte-order mark dropped
 /// (noted), invalid UTF-8 named by line and byte. Works on pipes and `/dev/stdin`.
 fn read_input(path: &Path) -> Result<(String, Vec<String>)> {
     let bytes = std::fs::read(path).map_err(|e| Error::io("read input", path, e))?;
-    for (magic, name, cmd) in COMPRESSED {
-        if bytes.starts_with(magic) {
-            return Err(Error::bad_input(
-                "input",
-                path.display().to_string(),
-                format!("is {name}-compressed; megatrain reads text"),
-                Some(&format!("decompress it first (`{cmd} {}`)", path.display())),
-            ));
-        }
+    if let Some((name, cmd)) = crate::util::compression(&bytes) {
+        return Err(Error::bad_input(
+            "input",
+            path.display().to_string(),
+            format!("is {name}-compressed; megatrain reads text"),
+            Some(&format!("decompress it first (`{cmd} {}`)", path.display())),
+        ));
     }
     let mut notes = Vec::new();
     let body = match bytes.strip_prefix(b"\xEF\xBB\xBF") {
@@ -601,14 +595,21 @@ struct Samples<'a> {
     train_on: TrainOn,
     eos_id: Option<u32>,
     template: Option<ChatTemplate>,
+    /// Where the template renders when it runs in a child.
+    worker: Option<ChatWorker>,
+    /// The template's file, for errors.
+    template_file: PathBuf,
 }
 
 impl<'a> Samples<'a> {
+    /// `largest_line`: bytes of the input's longest line (a conversation), which bounds the
+    /// renderer's memory.
     fn new(
         tok: &'a Tok,
         args: &PrepareArgs,
         specials: &BTreeMap<String, String>,
         eos_id: Option<u32>,
+        largest_line: usize,
     ) -> Result<Self> {
         let template = match args.format {
             Format::Chat => {
@@ -628,16 +629,30 @@ impl<'a> Samples<'a> {
                     .chat_template
                     .clone()
                     .unwrap_or_else(|| tok.dir.join("tokenizer_config.json"));
-                Some(ChatTemplate::new(&source, specials.clone()).map_err(|e| {
+                let compiled = ChatTemplate::new(&source, specials.clone()).map_err(|e| {
                     Error::bad_input(
                         "chat template",
                         shown.display().to_string(),
                         e.to_string(),
                         None,
                     )
-                })?)
+                })?;
+                let worker = match &args.renderer {
+                    Some(exe) => Some(ChatWorker::start(
+                        exe,
+                        &source,
+                        specials,
+                        super::chat_worker::memory_limit(largest_line),
+                    )?),
+                    None => None,
+                };
+                Some((compiled, worker, shown))
             }
             _ => None,
+        };
+        let (template, worker, template_file) = match template {
+            Some((t, w, f)) => (Some(t), w, f),
+            None => (None, None, PathBuf::new()),
         };
         if args.format == Format::PromptCompletion && eos_id.is_none() {
             return Err(Error::bad_input(
@@ -653,13 +668,15 @@ impl<'a> Samples<'a> {
             train_on: args.train_on,
             eos_id,
             template,
+            worker,
+            template_file,
         })
     }
 
     /// One sample as a document, or the reason it is skipped.
-    fn document(&self, v: &Json) -> Result<Sample, SampleError> {
-        let mut doc = match (self.format, &self.template) {
-            (Format::Chat, Some(t)) => self.chat(v, t)?,
+    fn document(&mut self, v: &Json) -> Result<Sample, SampleError> {
+        let mut doc = match self.format {
+            Format::Chat => self.chat(v)?,
             _ => match self.prompt_completion(v)? {
                 Some(d) => d,
                 None => return Ok(Sample::Skip("empty completion")),
@@ -704,9 +721,24 @@ impl<'a> Samples<'a> {
         Ok(Some(Document { tokens, mask }))
     }
 
-    fn chat(&self, v: &Json, t: &ChatTemplate) -> Result<Document, SampleError> {
+    fn chat(&mut self, v: &Json) -> Result<Document, SampleError> {
         let messages = check_messages(Self::field(v, "messages")?)?;
-        let r = t.render(messages)?;
+        let r = match (&mut self.worker, &self.template) {
+            (Some(w), _) => w.render(messages).map_err(|e| match e {
+                WorkerError::Chat(c) => SampleError::from(c),
+                WorkerError::Failed(e) => SampleError::Bad(format!(
+                    "{e}; the chat template is {}",
+                    self.template_file.display()
+                )),
+            })?,
+            (None, Some(t)) => t.render(messages)?,
+            (None, None) => {
+                return Err(SampleError::Other(Error::internal(
+                    "prepare",
+                    "chat format without a template",
+                )))
+            }
+        };
         // The template writes the special tokens (BOS, end of turn) itself, as transformers'
         // apply_chat_template tokenizes without adding any.
         let enc = self.tok.encode(&r.text, false)?;
@@ -785,6 +817,7 @@ mod tests {
             eos: None,
             train_on: TrainOn::Response,
             chat_template: None,
+            renderer: None,
         };
         let r = prepare(&a).unwrap();
         assert_eq!(

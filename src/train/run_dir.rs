@@ -54,6 +54,8 @@ pub fn claim(cfg: &TrainConfig) -> Result<Option<RunDir>> {
         "checkpoint directory",
         "wait for that run to finish, or give this run another --checkpoint-dir",
     )?;
+    // Unfinished and half-pruned checkpoints of runs that died here.
+    checkpoint::remove_leftovers(root, None);
     let existing = checkpoint::list(root)?;
     let resume_from = match cfg.resume {
         Resume::Never => {

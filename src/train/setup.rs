@@ -197,6 +197,30 @@ fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
     if cfg.resume == config::Resume::Auto && resumed.is_none() {
         progress.note("resume auto: no checkpoint yet, starting fresh");
     }
+    if let Some((dir, st)) = &resumed {
+        if cfg.steps < st.step {
+            return Err(Error::bad_input(
+                "--steps",
+                cfg.steps.to_string(),
+                format!(
+                    "is below the step of the checkpoint resumed, {} ({}): the run is already past it",
+                    st.step,
+                    dir.display()
+                ),
+                Some(&format!(
+                    "pass --steps above {} to train further, or export that checkpoint (`megatrain export --checkpoint {}`)",
+                    st.step,
+                    dir.display()
+                )),
+            ));
+        }
+        if cfg.steps == st.step {
+            progress.note(&format!(
+                "the checkpoint resumed is at step {} = --steps: nothing left to train (raise --steps to train further)",
+                st.step
+            ));
+        }
+    }
     let model = resolve_model(cfg, resumed.as_ref().map(|(_, st)| st))?;
     if cfg.seq_len > model.max_position_embeddings {
         return Err(Error::bad_input(
@@ -574,6 +598,25 @@ fn step_buffers(cfg: &TrainConfig, layout: &StateLayout) -> u64 {
 /// beside the step's buffers.
 fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
     let reserve = step_buffers(cfg, layout);
+    let drop_keep = if cfg.activations == Some(Activations::Keep) {
+        ", or drop --activations keep (the layer inputs alone, recomputed in the backward, need far less)"
+    } else {
+        ""
+    };
+    if reserve >= cfg.device_memory {
+        return Err(Error::bad_input(
+            "--device-memory",
+            human_bytes(cfg.device_memory),
+            format!(
+                "is less than the step's weight, gradient and activation buffers alone ({}), before any layer workspace",
+                human_bytes(reserve)
+            ),
+            Some(&format!(
+                "raise --device-memory above {}, or lower --batch-size / --seq-len{drop_keep}",
+                human_bytes(reserve)
+            )),
+        ));
+    }
     Shape::whole(cfg.batch_size, cfg.seq_len)
         .fit(
             &layout.config,
@@ -587,7 +630,11 @@ fn cpu_shape(cfg: &TrainConfig, layout: &StateLayout) -> Result<Shape> {
                 human_bytes(reserve)
             ),
         )
-        .map_err(|e| e.with_fix("raise --device-memory, or lower --batch-size / --seq-len"))
+        .map_err(|e| {
+            e.with_fix(format!(
+                "raise --device-memory, or lower --batch-size / --seq-len{drop_keep}"
+            ))
+        })
 }
 
 /// Say what the device runs on (a GPU: the driver and libraries in use), and how it runs each
@@ -688,10 +735,10 @@ fn check_working_set(
         Some(&format!(
             "raise --device-memory by {} or lower --batch-size / --seq-len{}",
             human_bytes(need - free),
-            if activations != Activations::Host {
-                ", or pass --activations host"
-            } else {
-                ""
+            match activations {
+                Activations::Keep => ", or drop --activations keep (or pass --activations host)",
+                Activations::Device => ", or pass --activations host",
+                Activations::Host => "",
             }
         )),
     ))

@@ -56,6 +56,23 @@ pub fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// Compressed formats by their first bytes: (magic, name, the command that decompresses).
+const COMPRESSED: [(&[u8], &str, &str); 4] = [
+    (&[0x1f, 0x8b], "gzip", "gunzip -k"),
+    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd", "zstd -d"),
+    (b"BZh", "bzip2", "bunzip2 -k"),
+    (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz", "unxz -k"),
+];
+
+/// The compression format whose magic `head` (a file's first bytes) starts with, with the
+/// command that decompresses it.
+pub fn compression(head: &[u8]) -> Option<(&'static str, &'static str)> {
+    COMPRESSED
+        .iter()
+        .find(|(magic, _, _)| head.starts_with(magic))
+        .map(|&(_, name, cmd)| (name, cmd))
+}
+
 /// Bytes available to an unprivileged writer on the filesystem holding `path` (`statvfs`).
 pub fn free_space(path: &Path) -> Result<u64> {
     use std::os::unix::ffi::OsStrExt;

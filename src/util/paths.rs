@@ -2,8 +2,7 @@
 //! written: no output may be an input or another output (the same file by device and inode, a
 //! hard link or a symlink included, or the same path once resolved), and none may lie where
 //! another output replaces or deletes things (inside an export directory, which is replaced
-//! whole; inside the names a checkpoint directory owns) or inside a model directory read as
-//! input.
+//! whole; inside the names a checkpoint directory owns).
 
 use crate::{Error, Result};
 use std::os::unix::fs::MetadataExt;
@@ -14,7 +13,8 @@ use std::path::{Component, Path, PathBuf};
 pub enum Use {
     /// A file read.
     ReadFile,
-    /// A directory read (a model directory).
+    /// A directory read (a model directory): no output may replace it or hold it; the files
+    /// read in it are listed as [`Use::ReadFile`] each, so outputs beside them are fine.
     ReadDir,
     /// A file written.
     WriteFile,
@@ -54,6 +54,25 @@ impl PathUse {
             used,
         }
     }
+}
+
+/// `dir` as [`Use::ReadDir`] of `flag`, and its entries whose names `read` says are read, as
+/// [`Use::ReadFile`] ("--init-from (its config.json)").
+pub fn read_dir_uses(flag: &str, dir: &Path, read: impl Fn(&str) -> bool) -> Vec<PathUse> {
+    let mut uses = vec![PathUse::new(flag, dir, Use::ReadDir)];
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if read(&name) {
+                uses.push(PathUse::new(
+                    format!("{flag} (its {name})"),
+                    &e.path(),
+                    Use::ReadFile,
+                ));
+            }
+        }
+    }
+    uses
 }
 
 /// `path` absolute and resolved: its longest existing ancestor canonicalised (symlinks
@@ -152,7 +171,6 @@ pub fn check_disjoint(uses: &[PathUse]) -> Result<()> {
                     Use::OwnedDir { owns } if owns(&first) => {
                         "in an entry that directory's run creates and deletes"
                     }
-                    Use::ReadDir if inner.use_.used.writes() => "a model directory read as input",
                     _ => continue,
                 };
                 let moved = if inner.use_.used.writes() {
@@ -256,20 +274,31 @@ mod tests {
                 PathUse::new("--checkpoint-dir", &p("c"), ckpt),
                 PathUse::new("--trace", &p("c/step-00000010/t.json"), Use::WriteFile),
             ],
-            // An output inside a model read as input.
-            vec![
-                PathUse::new("--init-from", &p("model"), Use::ReadDir),
-                PathUse::new("--metrics", &p("model/config.json"), Use::WriteFile),
-            ],
         ];
+        // An output naming a file of a model read as input.
+        std::fs::create_dir(p("model")).unwrap();
+        std::fs::write(p("model/config.json"), "{}").unwrap();
+        let mut uses = read_dir_uses("--init-from", &p("model"), |n| n == "config.json");
+        uses.push(PathUse::new(
+            "--metrics",
+            &p("model/./config.json"),
+            Use::WriteFile,
+        ));
+        let e = check_disjoint(&uses).unwrap_err().to_string();
+        assert!(
+            e.contains("same file") && e.contains("its config.json"),
+            "{e}"
+        );
         for uses in refused {
             let e = check_disjoint(&uses).unwrap_err().to_string();
             assert!(e.contains("lies inside"), "{e}");
         }
-        // Beside what the checkpoint directory owns: fine; an input inside an input: fine.
+        // Beside what the checkpoint directory owns, or the model's files: fine; an input inside
+        // an input: fine.
         check_disjoint(&[
             PathUse::new("--checkpoint-dir", &p("c"), ckpt),
             PathUse::new("--metrics", &p("c/metrics.jsonl"), Use::WriteFile),
+            PathUse::new("--trace", &p("model/trace.json"), Use::WriteFile),
             PathUse::new("--init-from", &p("model"), Use::ReadDir),
             PathUse::new("--model", &p("model/config.json"), Use::ReadFile),
             PathUse::new("--export-hf", &p("hf"), Use::ReplacedDir),

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: golden files.
 #![allow(dead_code, clippy::unwrap_used, clippy::print_stderr)]
 
+pub mod cli;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
