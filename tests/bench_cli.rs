@@ -363,6 +363,21 @@ fn bench_kernels_without_a_gpu_says_why() {
     );
 }
 
+/// `megatrain plan` for Llama-3-8B on the H100 preset at --seq-len 4096, then `extra`.
+fn plan_with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--machine",
+        "h100-512gb",
+        "--seq-len",
+        "4096",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// Every benchmark argument is checked before anything is allocated or run: zero, negative,
 /// and sizes beyond the machine are clear errors (exit 2) naming the flag, never a panic, an
 /// abort or "median of 0 runs".
@@ -410,31 +425,11 @@ fn bench_arguments_are_checked_before_anything_runs() {
         (vec!["bench", "adam", "--params", "1E"], "--params"),
         (vec!["bench", "engine", "--steps", "0"], "--steps 0"),
         (
-            vec![
-                "plan",
-                "--model",
-                "llama-3-8b",
-                "--machine",
-                "h100-512gb",
-                "--seq-len",
-                "4096",
-                "--tokens-per-step",
-                "4099",
-            ],
+            plan_with(&["--tokens-per-step", "4099"]),
             "--tokens-per-step",
         ),
         (
-            vec![
-                "plan",
-                "--model",
-                "llama-3-8b",
-                "--machine",
-                "h100-512gb",
-                "--seq-len",
-                "4096",
-                "--micro-batch-tokens",
-                "3",
-            ],
+            plan_with(&["--micro-batch-tokens", "3"]),
             "--micro-batch-tokens",
         ),
     ];

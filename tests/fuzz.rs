@@ -703,6 +703,11 @@ fn hostile_chat_templates_are_errors_not_crashes_or_hangs() {
                     err.starts_with("error: ") && !err.contains("panicked"),
                     "case {i}: {err}"
                 );
+                // Named: the sample's line, and the template's file when the template failed.
+                assert!(err.contains("conversations.jsonl"), "case {i}: {err}");
+                if err.contains("chat template") {
+                    assert!(err.contains("t.jinja"), "case {i}: {err}");
+                }
                 refused += 1;
             }
             other => panic!("case {i} ended with {other:?} (a signal?): {t}\n{err}"),

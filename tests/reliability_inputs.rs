@@ -15,6 +15,19 @@ fn megatrain() -> Command {
     Command::new(env!("CARGO_BIN_EXE_megatrain"))
 }
 
+/// `megatrain prepare --tokenizer T --input I --out O`.
+fn prepare(tokenizer: &Path, input: &Path, out: &Path) -> Command {
+    let mut c = megatrain();
+    c.arg("prepare")
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .arg("--input")
+        .arg(input)
+        .arg("--out")
+        .arg(out);
+    c
+}
+
 fn digest(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap()
 }
@@ -101,19 +114,7 @@ fn an_output_naming_an_input_or_another_output_is_refused_and_nothing_is_touched
     std::fs::write(&text, "hello world").unwrap();
     let tok = f.path("tokenizer.json");
     std::fs::write(&tok, TOKENIZER).unwrap();
-    let (rc, err) = run({
-        let mut c = megatrain();
-        c.args([
-            "prepare",
-            "--tokenizer",
-            s(&tok),
-            "--input",
-            s(&text),
-            "--out",
-            s(&text),
-        ]);
-        c
-    });
+    let (rc, err) = run(prepare(&tok, &text, &text));
     assert_eq!(rc, 2, "{err}");
     assert!(last_line(&err).contains("--input"), "{err}");
     assert_eq!(std::fs::read_to_string(&text).unwrap(), "hello world");
@@ -169,19 +170,7 @@ fn prepare_and_probe_write_through_devices_and_symlinks() {
     std::fs::write(&text, "hello world hello").unwrap();
     let tok = f.path("tokenizer.json");
     std::fs::write(&tok, TOKENIZER).unwrap();
-    let prepare = |out: &Path| {
-        let mut c = megatrain();
-        c.args([
-            "prepare",
-            "--tokenizer",
-            s(&tok),
-            "--input",
-            s(&text),
-            "--out",
-            s(out),
-        ]);
-        run(c)
-    };
+    let prepare = |out: &Path| run(prepare(&tok, &text, out));
     let (rc, err) = prepare(Path::new("/dev/null"));
     assert_eq!(rc, 0, "{err}");
     assert!(std::fs::metadata("/dev/null")
@@ -259,14 +248,8 @@ fn prepare_in(
     std::fs::write(&inp, input).unwrap();
     let out = d.join("out.bin");
     let _ = std::fs::remove_file(&out);
-    let mut c = megatrain();
-    c.args(["prepare", "--tokenizer"])
-        .arg(d)
-        .arg("--input")
-        .arg(&inp)
-        .arg("--out")
-        .arg(&out)
-        .args(extra);
+    let mut c = prepare(d, &inp, &out);
+    c.args(extra);
     let (rc, err) = run(c);
     let got = if out.exists() { ids(&out) } else { Vec::new() };
     (rc, err, got)
@@ -349,14 +332,10 @@ fn json_lines_are_read_as_records_whatever_the_file_is_called() {
     assert_eq!(rc, 2, "{err}");
     assert!(last_line(&err).contains("bad.jsonl:2"), "{err}");
     // From a pipe.
-    let mut c = megatrain();
     std::fs::write(d.path().join("tokenizer.json"), TOKENIZER).unwrap();
     let out = d.path().join("piped.bin");
-    c.args(["prepare", "--tokenizer"])
-        .arg(d.path())
-        .args(["--input", "/dev/stdin", "--out"])
-        .arg(&out)
-        .stdin(std::process::Stdio::piped())
+    let mut c = prepare(d.path(), Path::new("/dev/stdin"), &out);
+    c.stdin(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     let mut child = c.spawn().unwrap();
     {
@@ -411,14 +390,7 @@ fn odd_input_files_are_named_not_tokenized_as_garbage() {
     std::fs::write(d.path().join("tokenizer.json"), TOKENIZER).unwrap();
     let inp = d.path().join("c.jsonl.gz");
     std::fs::write(&inp, gz).unwrap();
-    let mut c = megatrain();
-    c.args(["prepare", "--tokenizer"])
-        .arg(d.path())
-        .arg("--input")
-        .arg(&inp)
-        .arg("--out")
-        .arg(d.path().join("o.bin"));
-    let (rc, err) = run(c);
+    let (rc, err) = run(prepare(d.path(), &inp, &d.path().join("o.bin")));
     assert_eq!(rc, 2, "{err}");
     assert!(
         last_line(&err).contains("gzip-compressed") && last_line(&err).contains("gunzip"),
@@ -428,14 +400,8 @@ fn odd_input_files_are_named_not_tokenized_as_garbage() {
     assert_eq!(rc, 0, "{err}");
     // Invalid UTF-8 on line 3.
     std::fs::write(d.path().join("bad.txt"), b"hello\nworld\nfoo \xff bar\n").unwrap();
-    let mut c = megatrain();
-    c.args(["prepare", "--tokenizer"])
-        .arg(d.path())
-        .arg("--input")
-        .arg(d.path().join("bad.txt"))
-        .arg("--out")
-        .arg(d.path().join("o.bin"));
-    let (rc, err) = run(c);
+    let bad = d.path().join("bad.txt");
+    let (rc, err) = run(prepare(d.path(), &bad, &d.path().join("o.bin")));
     assert_eq!(rc, 2, "{err}");
     assert!(
         last_line(&err).contains("bad.txt:3") && last_line(&err).contains("UTF-8"),

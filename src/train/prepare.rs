@@ -723,15 +723,18 @@ impl<'a> Samples<'a> {
 
     fn chat(&mut self, v: &Json) -> Result<Document, SampleError> {
         let messages = check_messages(Self::field(v, "messages")?)?;
+        // A template's own failure names the template's file (and its line).
+        let file = self.template_file.display().to_string();
+        let named = |c: ChatError| match c {
+            ChatError::Template { .. } => SampleError::Bad(format!("{c} (template {file})")),
+            other => SampleError::from(other),
+        };
         let r = match (&mut self.worker, &self.template) {
             (Some(w), _) => w.render(messages).map_err(|e| match e {
-                WorkerError::Chat(c) => SampleError::from(c),
-                WorkerError::Failed(e) => SampleError::Bad(format!(
-                    "{e}; the chat template is {}",
-                    self.template_file.display()
-                )),
+                WorkerError::Chat(c) => named(c),
+                WorkerError::Failed(e) => SampleError::Bad(format!("{e} (template {file})")),
             })?,
-            (None, Some(t)) => t.render(messages)?,
+            (None, Some(t)) => t.render(messages).map_err(named)?,
             (None, None) => {
                 return Err(SampleError::Other(Error::internal(
                     "prepare",
