@@ -213,6 +213,18 @@ fn mistral() {
     check_case("mistral");
 }
 
+/// Llama 3.1's RoPE scaling (`rope_type` llama3) over a 64-token pretraining context.
+#[test]
+fn llama31_rope_scaling() {
+    check_case("llama31");
+}
+
+/// YaRN (Qwen2 with `rope_type` yarn over 32 tokens: blended frequencies, cos and sin × 1.139).
+#[test]
+fn yarn_rope_scaling() {
+    check_case("yarn");
+}
+
 /// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding
 /// (tools/golden_rope.py): the angle is one fp32 product as there, so the tables agree to the
 /// last bits of cos/sin (two libraries' fp32 cos/sin of the same argument).
@@ -225,7 +237,8 @@ fn rope_at_long_positions_matches_transformers() {
         let half = hd / 2;
         let mut worst = 0.0f32;
         for (r, &p) in positions.iter().enumerate() {
-            let (cos, sin) = megatrain::model::ops::Rope::angles(hd, theta, p as usize);
+            let (cos, sin) =
+                megatrain::model::ops::Rope::angles(hd, theta, &Default::default(), p as usize);
             for i in 0..half {
                 worst = worst
                     .max((cos[i] - want_cos[r * half + i]).abs())
@@ -238,5 +251,52 @@ fn rope_at_long_positions_matches_transformers() {
             positions.len(),
             positions[positions.len() - 1]
         );
+    }
+}
+
+/// Scaled RoPE (Llama 3.1 and 3.2's `llama3`, `linear`, YaRN as Qwen2.5's long-context configs
+/// set it, YaRN with `mscale`/`mscale_all_dim` and no truncation) at positions up to 2^19 against
+/// transformers' rotary embedding (tools/golden_rope.py): each case's config.json is parsed as a
+/// user's, and the tables, YaRN's attention factor in them, agree to the last bits of cos/sin —
+/// within what one ulp of a frequency makes of the angle (torch's SLEEF `pow` and the C
+/// library's `powf` differ in the last bit for some θ^(2i/hd): measured 7.3e-6 at 2^19).
+/// Unscaled tables are far off (the scaling matters at these positions).
+#[test]
+fn scaled_rope_matches_transformers() {
+    use megatrain::model::config::ModelConfig;
+    use megatrain::model::ops::{Rope, RopeScaling};
+    let g = common::Golden::open("rope_scaled.safetensors");
+    for case in ["llama3_1", "llama3_2", "linear", "yarn_qwen", "yarn_mscale"] {
+        let cfg = ModelConfig::from_json_str(&g.meta[&format!("{case}.config")], case).unwrap();
+        assert_ne!(cfg.rope_scaling, RopeScaling::Default, "{case}");
+        let hd = cfg.head_dim;
+        let positions = g.get(&format!("{case}.positions"));
+        let (want_cos, want_sin) = (g.get(&format!("{case}.cos")), g.get(&format!("{case}.sin")));
+        let half = hd / 2;
+        let (inv, _) = cfg.rope_scaling.frequencies(hd, cfg.rope_theta);
+        let (mut worst, mut unscaled, mut excess) = (0.0f32, 0.0f32, 0.0f32);
+        for (r, &p) in positions.iter().enumerate() {
+            let (cos, sin) = Rope::angles(hd, cfg.rope_theta, &cfg.rope_scaling, p as usize);
+            let (c0, s0) = Rope::angles(hd, cfg.rope_theta, &RopeScaling::Default, p as usize);
+            for i in 0..half {
+                let (wc, ws) = (want_cos[r * half + i], want_sin[r * half + i]);
+                let err = (cos[i] - wc).abs().max((sin[i] - ws).abs());
+                worst = worst.max(err);
+                // torch's pow (SLEEF, 1 ulp) and the C library's may differ in the last bit of
+                // θ^(2i/hd): an ulp of a frequency moves the angle by an ulp of the angle.
+                let allowed = 3e-6 + 2.0 * f32::EPSILON * p * inv[i];
+                excess = excess.max(err - allowed);
+                unscaled = unscaled.max((c0[i] - wc).abs()).max((s0[i] - ws).abs());
+            }
+        }
+        eprintln!(
+            "{case} ({}): max |Δ| {worst:e} (unscaled: {unscaled:e})",
+            cfg.rope_scaling.name()
+        );
+        assert!(
+            excess <= 0.0,
+            "{case}: max |Δ| {worst:e}, beyond an ulp of the frequency"
+        );
+        assert!(unscaled > 0.1, "{case}: the scaling does not matter here");
     }
 }

@@ -12,7 +12,8 @@ and tensors (all float32; token ids are exact small integers):
   step_loss [S]     loss at each of S AdamW steps on the same batch (torch.optim.AdamW)
   final.{hf_name}   parameters after the S steps
 Cases cover MHA, GQA, MQA, tied embeddings, Qwen2 q/k/v bias, Mistral, and sequence lengths that
-are not a multiple of the 64-token attention tile. Run:  python3 tools/golden_model.py
+are not a multiple of the 64-token attention tile, and scaled RoPE (Llama 3.1's llama3, YaRN). Run:
+  python3 tools/golden_model.py [CASE ...]      (every case, or only those named)
 """
 import json
 import os
@@ -38,6 +39,17 @@ CASES = {
     "qwen2": (dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                    use_sliding_window=False), 1, 50),
     "mistral": (dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None), 2, 20),
+    # Scaled RoPE with a pretraining context short enough that the scaling changes these positions:
+    # head_dim 8 has wavelengths 6.3, 63, 628 and 6283; Llama 3.1's rule over 64 positions keeps
+    # the first, blends the second and divides the last two by 8; YaRN over 32 positions blends
+    # and scales cos/sin by its attention factor (1.139).
+    "llama31": (dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                     rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_position_embeddings=64)), 2, 48),
+    "yarn": (dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  use_sliding_window=False,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=32)), 1, 50),
 }
 
 
@@ -45,6 +57,8 @@ def make(case, over, b, t, seed):
     g = torch.Generator().manual_seed(seed)
     d = dict(BASE)
     d.update(over)
+    if "rope_parameters" in d:
+        d.pop("rope_theta")
     model_type = d.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **d)
     cfg._attn_implementation = "eager"
@@ -106,7 +120,10 @@ def main():
     torch.set_num_threads(2)
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden")
     os.makedirs(root, exist_ok=True)
+    only = set(sys.argv[1:])
     for i, (case, (over, b, t)) in enumerate(CASES.items()):
+        if only and case not in only:
+            continue
         out, meta = make(case, over, b, t, 100 + i)
         path = os.path.join(root, f"model_{case}.safetensors")
         save_file({k: v.contiguous() for k, v in out.items()}, path, metadata=meta)

@@ -164,6 +164,7 @@ fn bench_model(params: usize) -> Result<ModelConfig> {
         head_dim: 64,
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: Default::default(),
         max_position_embeddings: 2048,
         tie_word_embeddings: true,
         qkv_bias: false,

@@ -101,6 +101,7 @@ fn model() -> ModelConfig {
         head_dim: 64,
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: Default::default(),
         max_position_embeddings: 4096,
         tie_word_embeddings: false,
         qkv_bias: false,

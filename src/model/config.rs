@@ -6,6 +6,7 @@
 //! scaling type, an activation other than SiLU, MLP bias — is an error naming it, never silently
 //! wrong. Keys we do not use (token ids, dtype, ...) are ignored: HF configs carry many.
 
+use super::ops::RopeScaling;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -87,6 +88,9 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     /// RoPE base θ.
     pub rope_theta: f64,
+    /// How RoPE's frequencies are scaled (absent in checkpoints written before it: default).
+    #[serde(default)]
+    pub rope_scaling: RopeScaling,
     /// Longest position the model was configured for.
     pub max_position_embeddings: usize,
     /// LM head shares the embedding matrix.
@@ -145,32 +149,162 @@ fn check_supported_features(v: &Value, origin: &str) -> Result<()> {
     Ok(())
 }
 
-/// RoPE's θ (10000 unless set); scaled RoPE is refused. transformers 4 puts `rope_theta` (and
-/// `rope_scaling`) at the top level; transformers 5 nests them in `rope_parameters`.
-fn rope_theta(v: &Value, origin: &str) -> Result<f64> {
+/// RoPE's θ (10000 unless set) and its scaling. transformers 4 puts `rope_theta` and
+/// `rope_scaling` at the top level; transformers 5 nests both in `rope_parameters`. The scalings
+/// implemented are read with transformers' defaults (`original_max_position_embeddings` from
+/// the top level first, else the dict, else `max_position_embeddings`; yarn's `factor` from the
+/// context ratio, `attention_factor` from `factor`, `mscale` and `mscale_all_dim`); any other
+/// type, per-layer parameters and partial rotation are refused by name.
+fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
     let rope_params = v.get("rope_parameters").filter(|x| !x.is_null());
+    if let Some(rp) = rope_params {
+        let nested = rp
+            .as_object()
+            .is_some_and(|o| !o.is_empty() && o.values().all(Value::is_object));
+        if nested {
+            return Err(bad(
+                origin,
+                "RoPE parameters per layer type (`rope_parameters` holding one dict per layer type) are not supported",
+            ));
+        }
+    }
     let rope_theta = match rope_params {
         Some(rp) => get_f64(rp, "rope_theta", origin)?,
         None => None,
     }
     .or(get_f64(v, "rope_theta", origin)?)
     .unwrap_or(10000.0);
-    for scaling in [v.get("rope_scaling"), rope_params] {
-        if let Some(s) = scaling.filter(|x| !x.is_null()) {
-            let ty = s
-                .get("rope_type")
-                .or_else(|| s.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("default");
-            if ty != "default" {
+    let partial = match rope_params {
+        Some(rp) => get_f64(rp, "partial_rotary_factor", origin)?,
+        None => None,
+    }
+    .or(get_f64(v, "partial_rotary_factor", origin)?);
+    if partial.is_some_and(|p| p != 1.0) {
+        return Err(bad(
+            origin,
+            "`partial_rotary_factor` below 1 (RoPE on part of each head) is not supported",
+        ));
+    }
+    // The dict that scales: transformers 5's `rope_parameters` when it names a type other than
+    // the default, else transformers 4's `rope_scaling`.
+    let kind = |s: &Value| {
+        s.get("rope_type")
+            .or_else(|| s.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default")
+            .to_owned()
+    };
+    let scaling = [rope_params, v.get("rope_scaling").filter(|x| !x.is_null())]
+        .into_iter()
+        .flatten()
+        .find(|s| kind(s) != "default");
+    let Some(s) = scaling else {
+        return Ok((rope_theta, RopeScaling::Default));
+    };
+    let field = |key: &str| -> Result<Option<f64>> {
+        match s.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .filter(|f| f.is_finite())
+                .map(Some)
+                .ok_or_else(|| {
+                    bad(
+                        origin,
+                        format!("RoPE scaling `{key}` is {x}, not a finite number"),
+                    )
+                }),
+        }
+    };
+    let need = |key: &str| -> Result<f64> {
+        field(key)?.ok_or_else(|| bad(origin, format!("RoPE scaling `{}` needs `{key}`", kind(s))))
+    };
+    let positive = |key: &str, x: f64| -> Result<f64> {
+        if x > 0.0 {
+            Ok(x)
+        } else {
+            Err(bad(
+                origin,
+                format!("RoPE scaling `{key}` must be positive, not {x}"),
+            ))
+        }
+    };
+    let max_pos = get_usize(v, "max_position_embeddings", origin)?.unwrap_or(2048) as f64;
+    let original = match get_f64(v, "original_max_position_embeddings", origin)? {
+        Some(top) => top,
+        None => field("original_max_position_embeddings")?.unwrap_or(max_pos),
+    };
+    if !(original >= 1.0 && original.fract() == 0.0 && original <= (1u64 << 40) as f64) {
+        return Err(bad(
+            origin,
+            format!("`original_max_position_embeddings` must be a positive whole number, not {original}"),
+        ));
+    }
+    let original = original as usize;
+    let scaling = match kind(s).as_str() {
+        "linear" => RopeScaling::Linear {
+            factor: positive("factor", need("factor")?)?,
+        },
+        "llama3" => {
+            let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
+            if !(high > low && low > 0.0) {
                 return Err(bad(
                     origin,
-                    format!("RoPE scaling type `{ty}` is not supported (only unscaled RoPE)"),
+                    format!("RoPE scaling llama3 needs 0 < low_freq_factor < high_freq_factor, not {low} and {high}"),
                 ));
             }
+            RopeScaling::Llama3 {
+                factor: positive("factor", need("factor")?)?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            }
         }
-    }
-    Ok(rope_theta)
+        "yarn" => {
+            let factor = positive(
+                "factor",
+                field("factor")?.unwrap_or(max_pos / original as f64),
+            )?;
+            let mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention_factor = match field("attention_factor")? {
+                Some(a) => positive("attention_factor", a)?,
+                None => match (field("mscale")?, field("mscale_all_dim")?) {
+                    (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                        mscale(factor, m) / mscale(factor, all)
+                    }
+                    _ => mscale(factor, 1.0),
+                },
+            };
+            // transformers: `beta_fast or 32`, `beta_slow or 1` (0 and null take the default).
+            let or = |x: Option<f64>, d: f64| x.filter(|&b| b != 0.0).unwrap_or(d);
+            let truncate = match s.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(x) => return Err(bad(origin, format!("RoPE scaling `truncate` is {x}, not true or false"))),
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: or(field("beta_fast")?, 32.0),
+                beta_slow: or(field("beta_slow")?, 1.0),
+                attention_factor,
+                truncate,
+            }
+        }
+        other => {
+            return Err(bad(
+                origin,
+                format!("RoPE scaling type `{other}` is not supported (default, linear, llama3 and yarn are)"),
+            ))
+        }
+    };
+    Ok((rope_theta, scaling))
 }
 
 /// Query heads, key/value heads and the head dimension: heads a positive multiple of key/value
@@ -264,7 +398,7 @@ impl ModelConfig {
         }
         let architecture = architecture(&v, origin)?;
         check_supported_features(&v, origin)?;
-        let rope_theta = rope_theta(&v, origin)?;
+        let (rope_theta, rope_scaling) = rope(&v, origin)?;
         let hidden_size = need_usize(&v, "hidden_size", origin)?;
         let (num_heads, num_kv_heads, head_dim) = attention_heads(&v, hidden_size, origin)?;
         let attention_bias = get_bool(&v, "attention_bias", origin)?.unwrap_or(false);
@@ -293,6 +427,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: get_f64(&v, "rms_norm_eps", origin)?.unwrap_or(1e-6),
             rope_theta,
+            rope_scaling,
             max_position_embeddings: get_usize(&v, "max_position_embeddings", origin)?
                 .unwrap_or(2048),
             tie_word_embeddings: get_bool(&v, "tie_word_embeddings", origin)?.unwrap_or(false),
@@ -392,6 +527,63 @@ impl ModelConfig {
         v * c + self.num_layers as u128 * layer + c + head
     }
 
+    /// The architecture's features, for people: the attention heads, RoPE and its scaling, the
+    /// biases, the tied head, the window ("GQA 32 q / 8 kv heads of 128", "RoPE θ 500000,
+    /// llama3 ×8 over 8192 positions", …).
+    pub fn features(&self) -> Vec<String> {
+        let heads = if self.num_kv_heads == self.num_heads {
+            "MHA".to_owned()
+        } else if self.num_kv_heads == 1 {
+            "MQA".to_owned()
+        } else {
+            "GQA".to_owned()
+        };
+        let mut f = vec![
+            format!(
+                "{}, {} layers",
+                self.architecture.hf_name(),
+                self.num_layers
+            ),
+            format!(
+                "{heads} {} q / {} kv heads of {}",
+                self.num_heads, self.num_kv_heads, self.head_dim
+            ),
+        ];
+        let rope = format!("RoPE θ {}", self.rope_theta);
+        f.push(match &self.rope_scaling {
+            RopeScaling::Default => rope,
+            RopeScaling::Linear { factor } => format!("{rope}, linear ÷{factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                original_max_position_embeddings,
+                ..
+            } => format!(
+                "{rope}, llama3 ×{factor} over {original_max_position_embeddings} positions"
+            ),
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                ..
+            } => format!(
+                "{rope}, yarn ×{factor} over {original_max_position_embeddings} positions (attention ×{attention_factor:.3})"
+            ),
+        });
+        if self.qkv_bias {
+            f.push("q/k/v bias".into());
+        }
+        if self.o_bias {
+            f.push("o bias".into());
+        }
+        if self.tie_word_embeddings {
+            f.push("tied embeddings".into());
+        }
+        if let Some(w) = self.sliding_window {
+            f.push(format!("sliding window {w}"));
+        }
+        f
+    }
+
     /// The `config.json` that transformers loads unchanged (transformers-4 spelling, which
     /// transformers 5 also reads).
     pub fn to_hf_json(&self) -> String {
@@ -418,6 +610,10 @@ impl ModelConfig {
         }
         if self.architecture == Architecture::Mistral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
+        }
+        if self.rope_scaling != RopeScaling::Default {
+            // The same fields transformers reads back (its `rope_type` tag included).
+            v["rope_scaling"] = serde_json::to_value(&self.rope_scaling).unwrap_or(Value::Null);
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()
     }
@@ -500,18 +696,108 @@ mod tests {
         let e = ModelConfig::from_json_str(&q.replace("Qwen2ForCausalLM", "GPT2LMHeadModel"), "g")
             .unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
-        let e = ModelConfig::from_json_str(
-            &LLAMA3_8B.replace(
-                "\"rope_scaling\": null",
-                "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
-            ),
-            "l31",
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("llama3"), "{e}");
         let e = ModelConfig::from_json_str("{\"architectures\":[\"LlamaForCausalLM\"]}", "x")
             .unwrap_err();
         assert!(e.to_string().contains("hidden_size"), "{e}");
+    }
+
+    /// Llama 3.1's config.json as published (transformers 4 spelling), Llama 3.2's in
+    /// transformers 5's, Qwen2.5's YaRN; what is not implemented is named.
+    #[test]
+    fn rope_scalings_are_read_round_trip_and_the_rest_is_named() {
+        let l31 = LLAMA3_8B.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+        );
+        let c = ModelConfig::from_json_str(&l31, "l31").unwrap();
+        assert_eq!(
+            c.rope_scaling,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192
+            }
+        );
+        let l32 = LLAMA3_8B.replace("\"rope_theta\": 500000.0,", "").replace(
+            "\"rope_scaling\": null",
+            r#""rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+        );
+        let c2 = ModelConfig::from_json_str(&l32, "l32").unwrap();
+        assert_eq!(c2.rope_theta, 500000.0);
+        assert!(matches!(c2.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
+        let yarn = LLAMA3_8B.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
+        );
+        let y = ModelConfig::from_json_str(&yarn, "yarn").unwrap();
+        match y.rope_scaling {
+            RopeScaling::Yarn {
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+                assert_eq!((beta_fast, beta_slow, truncate), (32.0, 1.0, true));
+            }
+            other => panic!("{other:?}"),
+        }
+        // The export says the same, and reads back equal (checkpoints before the field too).
+        for c in [&c, &c2, &y] {
+            let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
+            assert_eq!(&back, c);
+        }
+        let mut old: serde_json::Value =
+            serde_json::to_value(ModelConfig::from_json_str(LLAMA3_8B, "l").unwrap()).unwrap();
+        old.as_object_mut().unwrap().remove("rope_scaling");
+        let old: ModelConfig = serde_json::from_value(old).unwrap();
+        assert_eq!(old.rope_scaling, RopeScaling::Default);
+        for (scaling, needle) in [
+            (r#"{"rope_type": "dynamic", "factor": 2.0}"#, "dynamic"),
+            (r#"{"rope_type": "longrope", "factor": 2.0}"#, "longrope"),
+            (
+                r#"{"rope_type": "llama3", "factor": 8.0}"#,
+                "low_freq_factor",
+            ),
+            (r#"{"rope_type": "linear"}"#, "factor"),
+            (r#"{"rope_type": "linear", "factor": -2}"#, "positive"),
+            (
+                r#"{"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}"#,
+                "truncate",
+            ),
+        ] {
+            let e = ModelConfig::from_json_str(
+                &LLAMA3_8B.replace(
+                    "\"rope_scaling\": null",
+                    &format!("\"rope_scaling\": {scaling}"),
+                ),
+                "x",
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(needle), "{scaling}: {e}");
+        }
+        let e = ModelConfig::from_json_str(
+            &LLAMA3_8B.replace("\"rope_scaling\": null", "\"partial_rotary_factor\": 0.5"),
+            "x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("partial_rotary_factor"), "{e}");
+        let e = ModelConfig::from_json_str(
+            &LLAMA3_8B.replace(
+                "\"rope_scaling\": null",
+                r#""rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}"#,
+            ),
+            "x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("per layer type"), "{e}");
     }
 
     #[test]

@@ -43,7 +43,7 @@ impl Templates {
                 .map(|i| DecoderBlock::new(cfg, &units[1 + i]))
                 .collect::<Result<_>>()?,
             head: Head::new(cfg, &units[l + 1])?,
-            rope: Rope::new(cfg.head_dim, cfg.rope_theta, max_t),
+            rope: Rope::scaled(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, max_t),
         })
     }
 

@@ -237,6 +237,8 @@ pub struct Plan {
     pub time: TimePlan,
     /// How gradients cross the link, and why.
     pub grad_link: GradLinkChoice,
+    /// The model's architecture features (attention heads, RoPE and its scaling, biases, …).
+    pub features: Vec<String>,
     /// Always "prediction".
     pub kind: &'static str,
 }
@@ -756,6 +758,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         missing: (!fits).then(|| shortfalls.join("; ")),
         suggestion,
         memory: mem,
+        features: model.features(),
         kind: "prediction",
     }
 }
@@ -803,11 +806,13 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     };
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
+         model: {}\n\
          {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
          memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         hw.name,
         hw.gpu,
+        p.features.join(", "),
         req.tokens_per_step,
         p.micro_batch_tokens,
         req.seq_len,

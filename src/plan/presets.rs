@@ -4,6 +4,7 @@
 
 use super::Hardware;
 use crate::model::config::{Architecture, ModelConfig};
+use crate::model::ops::RopeScaling;
 
 const GB: u64 = 1_000_000_000;
 const GIB: u64 = 1 << 30;
@@ -113,11 +114,25 @@ fn llama_like(
         head_dim: h / nh,
         rms_norm_eps: 1e-5,
         rope_theta: theta,
+        rope_scaling: RopeScaling::Default,
         max_position_embeddings: 131072,
         tie_word_embeddings: tied,
         qkv_bias: arch == Architecture::Qwen2,
         o_bias: false,
         sliding_window: None,
+    }
+}
+
+/// `m` with Llama 3.1's RoPE scaling (its config.json's `rope_scaling`).
+fn llama31(m: ModelConfig) -> ModelConfig {
+    ModelConfig {
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        },
+        ..m
     }
 }
 
@@ -128,6 +143,17 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "llama-3-8b" => llama_like(Llama, 128256, 4096, 14336, 32, 32, 8, false, 500000.0),
         "llama-3-70b" => llama_like(Llama, 128256, 8192, 28672, 80, 64, 8, false, 500000.0),
         "llama-3-405b" => llama_like(Llama, 128256, 16384, 53248, 126, 128, 8, false, 500000.0),
+        // Llama 3.1 and 3.3: the Llama 3 shapes with Llama 3.1's RoPE scaling (factor 8 over an
+        // 8192-token pretraining context), 128k positions.
+        "llama-3.1-8b" => llama31(llama_like(
+            Llama, 128256, 4096, 14336, 32, 32, 8, false, 500000.0,
+        )),
+        "llama-3.1-70b" | "llama-3.3-70b" => llama31(llama_like(
+            Llama, 128256, 8192, 28672, 80, 64, 8, false, 500000.0,
+        )),
+        "llama-3.1-405b" => llama31(llama_like(
+            Llama, 128256, 16384, 53248, 126, 128, 8, false, 500000.0,
+        )),
         "qwen2.5-7b" => llama_like(Qwen2, 152064, 3584, 18944, 28, 28, 4, false, 1000000.0),
         "qwen2.5-14b" => llama_like(Qwen2, 152064, 5120, 13824, 48, 40, 8, false, 1000000.0),
         "qwen2.5-32b" => llama_like(Qwen2, 152064, 5120, 27648, 64, 40, 8, false, 1000000.0),
@@ -140,10 +166,14 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 8] = [
+pub const MODELS: [&str; 12] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "llama-3.1-405b",
+    "llama-3.3-70b",
     "qwen2.5-7b",
     "qwen2.5-14b",
     "qwen2.5-32b",
@@ -162,6 +192,10 @@ mod tests {
             ("llama-3-8b", 8_030_261_248u64),
             ("llama-3-70b", 70_553_706_496),
             ("llama-3-405b", 405_853_388_800),
+            ("llama-3.1-8b", 8_030_261_248),
+            ("llama-3.1-70b", 70_553_706_496),
+            ("llama-3.1-405b", 405_853_388_800),
+            ("llama-3.3-70b", 70_553_706_496),
             ("qwen2.5-7b", 7_615_616_512),
             ("qwen2.5-14b", 14_770_033_664),
             ("qwen2.5-32b", 32_763_876_352),

@@ -312,105 +312,6 @@ pub fn rmsnorm_bwd(
     });
 }
 
-/// Rotary position embedding tables, computed as HF does in fp32:
-/// `inv_freq[i] = 1 / θ^(2i/hd)`, `angle = pos · inv_freq[i]`.
-#[derive(Debug, Clone)]
-pub struct Rope {
-    /// Head dimension.
-    pub head_dim: usize,
-    /// Positions covered.
-    pub max_pos: usize,
-    cos: Vec<f32>, // [max_pos, hd/2]
-    sin: Vec<f32>, // [max_pos, hd/2]
-}
-
-impl Rope {
-    /// Tables for positions `0..max_pos`.
-    pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
-        let inv = Self::inv_freq(head_dim, theta);
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_pos * half);
-        let mut sin = Vec::with_capacity(max_pos * half);
-        for p in 0..max_pos {
-            Self::push_row(&inv, p, &mut cos, &mut sin);
-        }
-        Rope {
-            head_dim,
-            max_pos,
-            cos,
-            sin,
-        }
-    }
-
-    /// The (cos, sin) row of one position, `[hd/2]` each, exactly as [`Rope::new`]'s tables hold
-    /// it (for checking long positions without building the whole table).
-    pub fn angles(head_dim: usize, theta: f64, pos: usize) -> (Vec<f32>, Vec<f32>) {
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        Self::push_row(&Self::inv_freq(head_dim, theta), pos, &mut cos, &mut sin);
-        (cos, sin)
-    }
-
-    /// `inv_freq[i] = 1 / θ^(2i/hd)` in fp32, as transformers computes it.
-    fn inv_freq(head_dim: usize, theta: f64) -> Vec<f32> {
-        let base = theta as f32;
-        (0..head_dim / 2)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
-            .collect()
-    }
-
-    /// Append position `p`'s row: angle = (p as f32) · inv_freq, one fp32 product (transformers'
-    /// `inv_freq @ position_ids.float()`), then its cos and sin.
-    fn push_row(inv: &[f32], p: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-        for f in inv {
-            let a = p as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
-    }
-
-    /// The tables, `[max_pos, hd/2]` each: (cos, sin).
-    pub fn tables(&self) -> (&[f32], &[f32]) {
-        (&self.cos, &self.sin)
-    }
-
-    /// Rotate `x` [B·T, heads·hd] in place, row r by the angle of position `positions[r]`
-    /// (`inverse` = the backward, Rᵀ).
-    pub fn apply(&self, x: &mut [f32], positions: &[u32], heads: usize, inverse: bool) {
-        let hd = self.head_dim;
-        let half = hd / 2;
-        assert_eq!(
-            x.len(),
-            positions.len() * heads * hd,
-            "rope: one position per row"
-        );
-        assert!(
-            positions.iter().all(|&p| (p as usize) < self.max_pos),
-            "position beyond the RoPE table"
-        );
-        x.par_chunks_mut(heads * hd)
-            .zip(positions.par_iter())
-            .for_each(|(xr, &pos)| {
-                let pos = pos as usize;
-                let (c, s) = (
-                    &self.cos[pos * half..(pos + 1) * half],
-                    &self.sin[pos * half..(pos + 1) * half],
-                );
-                for h in xr.chunks_mut(hd) {
-                    for i in 0..half {
-                        let (a, b) = (h[i], h[i + half]);
-                        if inverse {
-                            h[i] = a * c[i] + b * s[i];
-                            h[i + half] = b * c[i] - a * s[i];
-                        } else {
-                            h[i] = a * c[i] - b * s[i];
-                            h[i + half] = b * c[i] + a * s[i];
-                        }
-                    }
-                }
-            });
-    }
-}
-
 /// Elements per task of the elementwise ops.
 const ELEMENTWISE: usize = 1 << 14;
 
@@ -451,10 +352,12 @@ pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f3
 
 mod attention;
 mod exp;
+mod rope;
 pub use attention::{
     attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
     ATTN_TILE, IGNORE,
 };
+pub use rope::{Rope, RopeScaling};
 
 /// Rows of logits materialised at once by [`lm_head_ce`]: chunk × V floats.
 pub const CE_CHUNK_ROWS: usize = 256;
