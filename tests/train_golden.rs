@@ -273,8 +273,8 @@ fn the_goldens_command_passes_on_the_cpu_device() {
         String::from_utf8_lossy(&out.stderr)
     );
     let passed = stdout.lines().filter(|l| l.ends_with(" pass")).count();
-    // 10 cases × (per-step numbers, final weights), and the same-bits check.
-    assert_eq!(passed, 21, "{stdout}");
+    // 12 cases × (per-step numbers, final weights), and the same-bits check.
+    assert_eq!(passed, 25, "{stdout}");
 }
 
 /// The golden command has teeth: a case whose PyTorch loss is moved by 1e-4 of itself at one
@@ -355,6 +355,16 @@ fn clipping() {
 fn grad_accumulation() {
     check("accum");
 }
+/// Llama 3.1's RoPE scaling (`rope_type` llama3) and YaRN, read from the init checkpoint's
+/// config.json as transformers 5 saved it.
+#[test]
+fn llama31_rope_scaling() {
+    check("llama31");
+}
+#[test]
+fn yarn_rope_scaling() {
+    check("yarn");
+}
 /// `--precision bf16` on the CPU device against torch running the same recipe
 /// (tools/golden_train_bf16.py).
 #[test]
@@ -397,6 +407,14 @@ mod cuda {
     #[test]
     fn mha() {
         check_on("mha", On::Cuda { delays: false });
+    }
+    #[test]
+    fn llama31_rope_scaling() {
+        check_on("llama31", On::Cuda { delays: false });
+    }
+    #[test]
+    fn yarn_rope_scaling_with_random_stream_delays() {
+        check_on("yarn", On::Cuda { delays: true });
     }
     #[test]
     fn gqa_with_random_stream_delays() {

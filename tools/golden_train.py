@@ -12,7 +12,7 @@ For each case writes tests/golden/train_{case}/ with
   data.bin      u16 tokens
   golden.safetensors  metadata: magic, version, settings (JSON); tensors: loss [S], grad_norm [S],
                 final.{name} (weights after S steps)
-Run:  python3 tools/golden_train.py
+Run:  python3 tools/golden_train.py [CASE ...]      (every case, or only those named)
 """
 import json
 import math
@@ -33,6 +33,14 @@ CASES = {
     "tied": dict(heads=4, kv=2, tied=True, B=1, T=24, M=1, steps=4, clip=0.0, lr=2e-3, warmup=0, wd=0.01),
     "clip": dict(heads=4, kv=1, tied=False, B=2, T=16, M=1, steps=4, clip=0.5, lr=3e-3, warmup=1, wd=0.1),
     "accum": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1),
+    # Scaled RoPE over a pretraining context shorter than the rows, so the scaling changes them
+    # (head_dim 8: wavelengths 6.3, 63, 628, 6283 positions): Llama 3.1's rule over 16 positions
+    # blends the first and divides the rest by 8; YaRN over 8 blends them and scales cos/sin.
+    "llama31": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                    rope=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                              high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "yarn": dict(heads=4, kv=2, tied=True, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.0,
+                 rope=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8)),
 }
 
 
@@ -53,6 +61,9 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
     os.makedirs(root, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     d = dict(BASE, num_attention_heads=c["heads"], num_key_value_heads=c["kv"], tie_word_embeddings=c["tied"])
+    if "rope" in c:
+        d.pop("rope_theta")
+        d["rope_parameters"] = dict(c["rope"])
     cfg = AutoConfig.for_model("llama", **d)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
@@ -105,8 +116,10 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
 
 def main():
     torch.set_num_threads(1)
+    only = set(sys.argv[1:])
     for i, (case, c) in enumerate(CASES.items()):
-        run(case, c, 300 + i)
+        if not only or case in only:
+            run(case, c, 300 + i)
 
 
 if __name__ == "__main__":
