@@ -35,6 +35,18 @@ SCALED = {
 }
 
 
+def tables(out, name, cfg, hd):
+    """transformers' cos and sin of `cfg` at POSITIONS into `out` as `{name}.*`; the embedding."""
+    rope = LlamaRotaryEmbedding(cfg)
+    pos = torch.tensor([POSITIONS], dtype=torch.int64)
+    x = torch.zeros(1, len(POSITIONS), hd, dtype=torch.float32)
+    cos, sin = rope(x, pos)
+    out[f"{name}.positions"] = torch.tensor(POSITIONS, dtype=torch.float32)
+    out[f"{name}.cos"] = cos[0, :, : hd // 2].contiguous()
+    out[f"{name}.sin"] = sin[0, :, : hd // 2].contiguous()
+    return rope
+
+
 def scaled():
     out, meta = {}, {}
     for name, (hd, params) in SCALED.items():
@@ -42,13 +54,7 @@ def scaled():
                       intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                       vocab_size=32, max_position_embeddings=1 << 20, rope_parameters=dict(params))
         cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-        rope = LlamaRotaryEmbedding(cfg)
-        pos = torch.tensor([POSITIONS], dtype=torch.int64)
-        x = torch.zeros(1, len(POSITIONS), hd, dtype=torch.float32)
-        cos, sin = rope(x, pos)
-        out[f"{name}.positions"] = torch.tensor(POSITIONS, dtype=torch.float32)
-        out[f"{name}.cos"] = cos[0, :, : hd // 2].contiguous()
-        out[f"{name}.sin"] = sin[0, :, : hd // 2].contiguous()
+        rope = tables(out, name, cfg, hd)
         meta[f"{name}.config"] = json.dumps(config)
         meta[f"{name}.attention_scaling"] = repr(float(rope.attention_scaling))
     return out, meta
@@ -59,13 +65,7 @@ def main():
     for name, (hd, theta) in CASES.items():
         cfg = LlamaConfig(hidden_size=hd * 4, num_attention_heads=4, rope_theta=theta,
                           max_position_embeddings=1 << 20)
-        rope = LlamaRotaryEmbedding(cfg)
-        pos = torch.tensor([POSITIONS], dtype=torch.int64)
-        x = torch.zeros(1, len(POSITIONS), hd, dtype=torch.float32)
-        cos, sin = rope(x, pos)
-        out[f"{name}.positions"] = torch.tensor(POSITIONS, dtype=torch.float32)
-        out[f"{name}.cos"] = cos[0, :, : hd // 2].contiguous()
-        out[f"{name}.sin"] = sin[0, :, : hd // 2].contiguous()
+        tables(out, name, cfg, hd)
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", "rope_long.safetensors")
     save_file(out, path, metadata={"magic": "megatrain-golden", "version": "1", "generator": "tools/golden_rope.py",
                                    "torch": torch.__version__})
