@@ -109,6 +109,15 @@ fn an_output_naming_an_input_or_another_output_is_refused_and_nothing_is_touched
         }
         assert!(!export.exists() && !svg.exists());
     }
+    // export --out where the checkpoint directory's run would prune it, or take its name.
+    for out in [ck.join("step-00000099"), step.join("hf")] {
+        let mut c = megatrain();
+        c.args(["export", "--checkpoint", s(&ck), "--out", s(&out)]);
+        let (rc, err) = run(c);
+        assert_eq!(rc, 2, "{err}");
+        assert!(last_line(&err).contains("lies inside"), "{err}");
+        assert!(!out.exists());
+    }
     // prepare --out naming its input.
     let text = f.path("doc.txt");
     std::fs::write(&text, "hello world").unwrap();
@@ -170,25 +179,38 @@ fn prepare_and_probe_write_through_devices_and_symlinks() {
     std::fs::write(&text, "hello world hello").unwrap();
     let tok = f.path("tokenizer.json");
     std::fs::write(&tok, TOKENIZER).unwrap();
-    let prepare = |out: &Path| run(prepare(&tok, &text, out));
-    let (rc, err) = prepare(Path::new("/dev/null"));
+    let to = |out: &Path| run(prepare(&tok, &text, out));
+    let (rc, err) = to(Path::new("/dev/null"));
     assert_eq!(rc, 0, "{err}");
     assert!(std::fs::metadata("/dev/null")
         .unwrap()
         .file_type()
         .is_char_device());
-    let (rc, err) = prepare(Path::new("/dev/full"));
+    let (rc, err) = to(Path::new("/dev/full"));
     assert_eq!(rc, 1, "{err}");
     assert!(last_line(&err).contains("/dev/full"), "{err}");
     assert!(std::fs::metadata("/dev/full")
         .unwrap()
         .file_type()
         .is_char_device());
+    // /dev/stdout on a pipe: the tokens come through it (not a rename in /proc).
+    let o = prepare(&tok, &text, Path::new("/dev/stdout"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.stdout.len(), 8);
+    // Metrics to a pipe: lines arrive, no loss curve is attempted beside it, nothing hangs.
+    let o = f
+        .train(&["--steps", "2", "--metrics", "/dev/stdout"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2);
     // A symlink is written through: the link stays, its target gets the tokens.
     let target = f.path("target.bin");
     let link = f.path("out-link.bin");
     std::os::unix::fs::symlink(&target, &link).unwrap();
-    let (rc, err) = prepare(&link);
+    let (rc, err) = to(&link);
     assert_eq!(rc, 0, "{err}");
     assert!(std::fs::symlink_metadata(&link)
         .unwrap()

@@ -26,12 +26,24 @@ pub fn run(args: &ExportArgs) -> Result<()> {
             Some("check the path: pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
         ));
     }
-    check_disjoint(&[
-        PathUse::new("--checkpoint", &args.checkpoint, Use::ReadDir),
-        PathUse::new("--out", &args.out, Use::ReplacedDir),
-    ])?;
     let is_one = args.checkpoint.join("MANIFEST.json").exists()
         || args.checkpoint.join("params.f32").exists();
+    // The checkpoint directory (the one given, or the one a step directory is in) is a live
+    // run's to prune: the export may not go inside its checkpoints or take one's name.
+    let root = match (is_one, args.checkpoint.parent()) {
+        (true, Some(p)) => p.to_path_buf(),
+        _ => args.checkpoint.clone(),
+    };
+    check_disjoint(&[
+        PathUse::new(
+            "--checkpoint (its checkpoint directory)",
+            &root,
+            Use::OwnedDir {
+                owns: checkpoint::owns,
+            },
+        ),
+        PathUse::new("--out", &args.out, Use::ReplacedDir),
+    ])?;
     let dir = if is_one {
         args.checkpoint.clone()
     } else {

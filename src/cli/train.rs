@@ -98,10 +98,12 @@ impl megatrain::train::Progress for Reporter {
 
 /// Watch SIGINT, SIGTERM (what SLURM and Kubernetes send before SIGKILL) and SIGHUP (a closed
 /// ssh session or terminal): the first sets `interrupt` (the trainer finishes its step,
-/// checkpoints and returns), a second exits at once (the last checkpoint on disk is intact).
-/// After SIGHUP the terminal is gone: output that went to it goes to /dev/null from then on (a
-/// write to a hung-up terminal fails, and printing must not end the run). Returns the signal
-/// received, 0 while none.
+/// checkpoints and returns), a second SIGINT or SIGTERM exits at once (the last checkpoint on
+/// disk is intact); SIGHUP never does (a closed session often sends it twice: the shell passes
+/// it on, then the kernel sends its own). After SIGHUP the terminal is gone: the descriptors that
+/// were terminals when the run started go to /dev/null from then on (a write to a hung-up
+/// terminal fails, and printing must not end the run). Returns the signal received, 0 while
+/// none.
 fn watch_signals(
     interrupt: std::sync::Arc<std::sync::atomic::AtomicBool>,
     saves: bool,
@@ -110,6 +112,12 @@ fn watch_signals(
     use std::sync::atomic::Ordering;
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .map_err(|e| megatrain::Error::system("signal-hook", "install signal handlers", e))?;
+    // Asked now: after a hangup `isatty` fails on the dead terminal.
+    // SAFETY: isatty only inspects a descriptor number.
+    let terminals: Vec<i32> = [1, 2]
+        .into_iter()
+        .filter(|&fd| unsafe { libc::isatty(fd) } == 1)
+        .collect();
     let which = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
     let seen = which.clone();
     std::thread::spawn(move || {
@@ -117,12 +125,15 @@ fn watch_signals(
             let name = match sig {
                 SIGTERM => "SIGTERM",
                 SIGHUP => {
-                    detach_from_terminal();
+                    detach(&terminals);
                     "SIGHUP (the terminal closed)"
                 }
                 _ => "interrupt",
             };
             if interrupt.swap(true, Ordering::SeqCst) {
+                if sig == SIGHUP {
+                    continue;
+                }
                 std::process::exit(128 + sig);
             }
             seen.store(sig, Ordering::SeqCst);
@@ -139,19 +150,17 @@ fn watch_signals(
     Ok(which)
 }
 
-/// Point stdout and stderr that are terminals at /dev/null (a log file or pipe stays).
-fn detach_from_terminal() {
+/// Point the descriptors `fds` (those that were terminals) at /dev/null.
+fn detach(fds: &[i32]) {
     use std::os::fd::AsRawFd;
     let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") else {
         return;
     };
-    for fd in [1, 2] {
-        // SAFETY: isatty and dup2 on descriptors this process owns; dup2 replaces `fd`
-        // atomically with a descriptor of /dev/null, which stays valid after `null` drops.
+    for &fd in fds {
+        // SAFETY: dup2 replaces a descriptor this process owns, atomically, with one of
+        // /dev/null, which stays valid after `null` drops.
         unsafe {
-            if libc::isatty(fd) == 1 {
-                libc::dup2(null.as_raw_fd(), fd);
-            }
+            libc::dup2(null.as_raw_fd(), fd);
         }
     }
 }

@@ -185,8 +185,8 @@ fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
             "`partial_rotary_factor` below 1 (RoPE on part of each head) is not supported",
         ));
     }
-    // The dict that scales: transformers 5's `rope_parameters` when it names a type other than
-    // the default, else transformers 4's `rope_scaling`.
+    // The dict that scales: the first of transformers 4's `rope_scaling` and transformers 5's
+    // `rope_parameters` that names a type other than the default.
     let kind = |s: &Value| {
         s.get("rope_type")
             .or_else(|| s.get("type"))
@@ -194,7 +194,8 @@ fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
             .unwrap_or("default")
             .to_owned()
     };
-    let scaling = [rope_params, v.get("rope_scaling").filter(|x| !x.is_null())]
+    // transformers reads `rope_scaling or rope_parameters`: the transformers-4 key wins.
+    let scaling = [v.get("rope_scaling").filter(|x| !x.is_null()), rope_params]
         .into_iter()
         .flatten()
         .find(|s| kind(s) != "default");
@@ -283,8 +284,10 @@ fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
             };
             // transformers: `beta_fast or 32`, `beta_slow or 1` (0 and null take the default).
             let or = |x: Option<f64>, d: f64| x.filter(|&b| b != 0.0).unwrap_or(d);
+            // transformers: `rope_parameters.get("truncate", True)`: absent is true, null false.
             let truncate = match s.get("truncate") {
-                None | Some(Value::Null) => true,
+                None => true,
+                Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
                 Some(x) => return Err(bad(origin, format!("RoPE scaling `truncate` is {x}, not true or false"))),
             };

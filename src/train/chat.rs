@@ -20,6 +20,8 @@ use std::ops::Range;
 const GEN_START: char = '\u{E000}';
 /// Marks its end.
 const GEN_END: char = '\u{E001}';
+/// Stands for a message's content to find where the template puts it.
+const CONTENT_MARK: char = '\u{E002}';
 
 /// Template instructions one rendering may run (real templates use well under 10^5 per
 /// conversation; 10^8 takes seconds).
@@ -161,14 +163,18 @@ impl ChatTemplate {
                 Ok(b) => b,
                 // A conversation that opens with the assistant: many templates cannot render
                 // no messages at all (Qwen2.5 reads `messages[0]`). The message's text is then
-                // found in its own rendering: from its content through the end.
+                // found in its own rendering, where the content starts: located by rendering
+                // the message once more with a marker for its content (searching for the
+                // content itself could match inside the template's own text).
                 Err(_) if k == 0 => {
-                    let content = m.get("content").and_then(Json::as_str).unwrap_or("");
-                    match through.rfind(content) {
-                        Some(at) if !content.is_empty() => through[..at].to_owned(),
+                    let mut marked = m.clone();
+                    marked["content"] = Json::String(CONTENT_MARK.to_string());
+                    let probe = self.render_marked(std::slice::from_ref(&marked), false)?;
+                    match probe.find(CONTENT_MARK) {
+                        Some(at) if through.starts_with(&probe[..at]) => probe[..at].to_owned(),
                         _ => {
                             return Err(ChatError::Conversation(
-                                "the chat template cannot render the conversation before its first (assistant) message, and the message's text is not in its rendering; use a template with {% generation %} blocks, or --train-on all".into(),
+                                "the chat template cannot render the conversation before its first (assistant) message, nor show where that message's text starts; use a template with {% generation %} blocks, or --train-on all".into(),
                             ))
                         }
                     }
@@ -328,9 +334,9 @@ pub fn check_messages(messages: &Json) -> Result<&[Json], ChatError> {
                 )))
             }
         };
-        if content.contains([GEN_START, GEN_END]) {
+        if content.contains([GEN_START, GEN_END, CONTENT_MARK]) {
             return Err(ChatError::Conversation(format!(
-                "message {i} contains U+E000/U+E001, which megatrain reserves to mark generation blocks"
+                "message {i} contains U+E000, U+E001 or U+E002, which megatrain reserves to mark the rendered text"
             )));
         }
     }
@@ -501,6 +507,12 @@ mod tests {
             .unwrap();
         let parts: Vec<&str> = r.trained.iter().map(|s| &r.text[s.clone()]).collect();
         assert_eq!(parts, vec!["Hello!</s>\n", "ok</s>\n"]);
+        // A reply that also occurs in the template's own text ("s" of "</s>").
+        let r = t
+            .render(&msgs(r#"[{"role":"assistant","content":"s"}]"#))
+            .unwrap();
+        let parts: Vec<&str> = r.trained.iter().map(|s| &r.text[s.clone()]).collect();
+        assert_eq!(parts, vec!["s</s>\n"]);
     }
 
     #[test]

@@ -106,20 +106,20 @@ impl ChatWorker {
     fn died(&mut self) -> Error {
         use std::os::unix::process::ExitStatusExt;
         let _ = self.child.kill();
-        let how = match self.child.wait() {
-            Ok(s) => match s.signal() {
-                Some(sig) => format!("was stopped (signal {sig})"),
-                None => format!("exited with {s}"),
-            },
-            Err(e) => format!("cannot be waited for ({e})"),
+        let reason = match self.child.wait() {
+            // What the allocator's abort, or the kernel's OOM killer, does at the cap.
+            Ok(s) if matches!(s.signal(), Some(libc::SIGABRT | libc::SIGKILL)) => format!(
+                "the template's renderer was stopped (signal {}): it needed more than its {} of memory (a template that builds strings without bound?)",
+                s.signal().unwrap_or(0),
+                crate::util::human_bytes(self.limit)
+            ),
+            Ok(s) => format!("the template's renderer stopped unexpectedly ({s})"),
+            Err(e) => format!("the template's renderer cannot be waited for ({e})"),
         };
         Error::System {
             library: "chat template",
             op: "render".into(),
-            reason: format!(
-                "the template's renderer {how}: it needed more than its {} of memory (a template that builds strings without bound?)",
-                crate::util::human_bytes(self.limit)
-            ),
+            reason,
             fix: None,
         }
     }

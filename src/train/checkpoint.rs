@@ -164,6 +164,12 @@ struct Manifest {
     files: Vec<(String, u64, u32)>,
 }
 
+/// True for the entries of a checkpoint directory that its run creates, replaces and deletes:
+/// checkpoints (`step-*`), their temporary and pruned forms (`.step-*`), the lock file.
+pub fn owns(name: &str) -> bool {
+    name.starts_with("step-") || name.starts_with(".step-") || name == crate::util::lock::LOCK_FILE
+}
+
 fn dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
@@ -260,13 +266,26 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         .map_err(|e| Error::system("serde_json", "manifest", e))?;
         crate::util::write_atomic(&tmp.join(MANIFEST), &manifest)?;
         fsync_dir(&tmp);
-        if final_dir.exists() {
-            discard(root, &final_dir)
+        // An existing checkpoint of this step is renamed aside, the new one renamed into place,
+        // and only then the old one deleted: no moment without a `step-N`.
+        let old = final_dir
+            .exists()
+            .then(|| aside(root, &final_dir, "replaced"));
+        if let Some(old) = &old {
+            let _ = std::fs::remove_dir_all(old);
+            std::fs::rename(&final_dir, old)
                 .map_err(|e| Error::io("replace checkpoint", &final_dir, e))?;
         }
-        std::fs::rename(&tmp, &final_dir)
-            .map_err(|e| Error::io("rename checkpoint into place", &final_dir, e))?;
+        if let Err(e) = std::fs::rename(&tmp, &final_dir) {
+            if let Some(old) = &old {
+                let _ = std::fs::rename(old, &final_dir);
+            }
+            return Err(Error::io("rename checkpoint into place", &final_dir, e));
+        }
         fsync_dir(root);
+        if let Some(old) = &old {
+            let _ = std::fs::remove_dir_all(old);
+        }
         Ok(())
     })();
     if result.is_err() {
@@ -293,33 +312,50 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
 /// renamed away first (`.step-….pruned-PID`, which [`remove_leftovers`] finishes if this
 /// process dies), then removed.
 fn discard(root: &Path, dir: &Path) -> std::io::Result<()> {
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let away = root.join(format!(".{name}.pruned-{}", std::process::id()));
+    let away = aside(root, dir, "pruned");
     let _ = std::fs::remove_dir_all(&away);
     std::fs::rename(dir, &away)?;
     fsync_dir(root);
     std::fs::remove_dir_all(&away)
 }
 
-/// Remove what dead writers of `root` left: unfinished checkpoints (`.step-….tmp-PID`) and
-/// half-pruned ones (`.step-….pruned-PID`), except this process's own (`own_pid`) when it may
-/// be writing one. The caller holds `root`'s lock, so no live process is writing there.
+/// Where the checkpoint `dir` under `root` goes while it is deleted (`why` "pruned":
+/// `.step-….pruned-PID`, deleted next) or while a new checkpoint of its step takes its name
+/// ("replaced": whole until the new one is in place).
+fn aside(root: &Path, dir: &Path, why: &str) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    root.join(format!(".{name}.{why}-{}", std::process::id()))
+}
+
+/// Remove what dead writers of `root` left: unfinished checkpoints (`.step-….tmp-PID`),
+/// half-pruned ones (`.step-….pruned-PID`) and replaced ones (`.step-N.replaced-PID`) —
+/// except that a replaced checkpoint whose `step-N` never arrived is renamed back (it is whole)
+/// — and nothing of this process's own (`own_pid`) when it may be writing. The caller holds
+/// `root`'s lock, so no live process is writing there. Returns how many entries it removed.
 pub fn remove_leftovers(root: &Path, own_pid: Option<u32>) -> usize {
     let mut removed = 0;
     let own = own_pid.map(|p| format!("-{p}"));
-    if let Ok(rd) = std::fs::read_dir(root) {
-        for e in rd.flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with(".step-")
-                && (n.contains(".tmp-") || n.contains(".pruned-"))
-                && !own.as_ref().is_some_and(|o| n.ends_with(o.as_str()))
-                && std::fs::remove_dir_all(e.path()).is_ok()
-            {
-                removed += 1;
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if !n.starts_with(".step-") || own.as_ref().is_some_and(|o| n.ends_with(o.as_str())) {
+            continue;
+        }
+        if let Some((step_name, _)) = n[1..].split_once(".replaced-") {
+            let step_dir = root.join(step_name);
+            if !step_dir.exists() && std::fs::rename(e.path(), &step_dir).is_ok() {
+                continue;
             }
+        } else if !(n.contains(".tmp-") || n.contains(".pruned-")) {
+            continue;
+        }
+        if std::fs::remove_dir_all(e.path()).is_ok() {
+            removed += 1;
         }
     }
     removed
@@ -658,6 +694,17 @@ mod tests {
         assert!(r.join(&mine).exists() && r.join("step-00000001").exists());
         assert_eq!(remove_leftovers(r, None), 1);
         assert!(!r.join(&mine).exists() && r.join("step-00000001").exists());
+        // Killed while replacing a checkpoint: the old one, whole, comes back if the new one
+        // never took its name; a replaced one whose successor is in place goes.
+        std::fs::create_dir(r.join(".step-00000006.replaced-4242")).unwrap();
+        std::fs::write(r.join(".step-00000006.replaced-4242/params.f32"), [2u8; 8]).unwrap();
+        std::fs::create_dir(r.join(".step-00000001.replaced-4242")).unwrap();
+        assert_eq!(remove_leftovers(r, None), 1);
+        assert_eq!(
+            std::fs::read(r.join("step-00000006/params.f32")).unwrap(),
+            [2u8; 8]
+        );
+        assert!(!r.join(".step-00000001.replaced-4242").exists());
     }
 
     #[test]

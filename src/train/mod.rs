@@ -252,8 +252,11 @@ fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
         crate::store::hf::export_store(s.streamer.store(), out, 2 << 30, Some(&s.run_id))?;
         summary.export = Some(out.clone());
     }
-    if let Some(log) = &s.metrics {
-        let svg = outputs::loss_curve_path(log.path());
+    let curve = s
+        .metrics
+        .as_ref()
+        .and_then(|log| Some((log, outputs::loss_curve_path(log.path())?)));
+    if let Some((log, svg)) = curve {
         crate::util::write_atomic(
             &svg,
             plot::loss_svg(&log.curve, &log.val_curve, "megatrain: loss per step").as_bytes(),

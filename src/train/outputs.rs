@@ -4,6 +4,7 @@
 
 use super::config::TrainConfig;
 use crate::store::hf::{export_dir_state, ExportDir};
+use crate::util::output::{target, Target};
 use crate::util::paths::{check_disjoint, PathUse, Use};
 use crate::util::{free_space, human_bytes};
 use crate::{Error, Result};
@@ -119,7 +120,10 @@ fn check_file_output(kind: FileOutput, path: &Path) -> Result<()> {
             )),
         ));
     }
-    if crate::util::output::target(path)? == crate::util::output::Target::File {
+    if crate::util::output::target(path)? == Target::Stream {
+        return Ok(()); // a device, a FIFO, a descriptor: written in place, nothing to create
+    }
+    {
         if let Ok(f) = std::fs::File::open(path) {
             use std::io::Read;
             let mut head = Vec::with_capacity(HEAD_BYTES);
@@ -146,14 +150,13 @@ fn check_file_output(kind: FileOutput, path: &Path) -> Result<()> {
     output_parent(key, path).map(|_| ())
 }
 
-/// The loss curve written beside the metrics file `metrics`.
-pub fn loss_curve_path(metrics: &Path) -> PathBuf {
-    metrics.with_extension("svg")
-}
-
-/// True for the entries a checkpoint directory's run creates, replaces and deletes.
-fn checkpoint_owns(name: &str) -> bool {
-    name.starts_with("step-") || name.starts_with(".step-") || name == crate::util::lock::LOCK_FILE
+/// The loss curve written beside the metrics file `metrics`; none when the metrics go to a
+/// device, a FIFO or a descriptor (`/dev/stdout`), which have no "beside".
+pub fn loss_curve_path(metrics: &Path) -> Option<PathBuf> {
+    match target(metrics) {
+        Ok(Target::Stream) => None,
+        _ => Some(metrics.with_extension("svg")),
+    }
 }
 
 /// Every path of `cfg`, as the flag that names it and how the run uses it.
@@ -178,7 +181,7 @@ pub fn path_uses(cfg: &TrainConfig) -> Vec<PathUse> {
     add(
         &mut uses,
         FileOutput::LossCurve.flag(),
-        &cfg.metrics.as_deref().map(loss_curve_path),
+        &cfg.metrics.as_deref().and_then(loss_curve_path),
         Use::WriteFile,
     );
     add(&mut uses, "--trace", &cfg.trace, Use::WriteFile);
@@ -187,7 +190,7 @@ pub fn path_uses(cfg: &TrainConfig) -> Vec<PathUse> {
         "--checkpoint-dir",
         &cfg.checkpoint_dir,
         Use::OwnedDir {
-            owns: checkpoint_owns,
+            owns: super::checkpoint::owns,
         },
     );
     add(&mut uses, "--export-hf", &cfg.export_hf, Use::ReplacedDir);
@@ -228,7 +231,9 @@ pub fn check(
 ) -> Result<()> {
     if let Some(p) = &cfg.metrics {
         check_file_output(FileOutput::Metrics, p)?;
-        check_file_output(FileOutput::LossCurve, &loss_curve_path(p))?;
+        if let Some(svg) = loss_curve_path(p) {
+            check_file_output(FileOutput::LossCurve, &svg)?;
+        }
     }
     if let Some(p) = &cfg.trace {
         check_file_output(FileOutput::Trace, p)?;
@@ -288,7 +293,8 @@ impl MetricsLog {
     pub fn open(path: &Path, resume_step: Option<u64>) -> Result<(Self, Vec<String>)> {
         let mut notes = Vec::new();
         let (mut curve, mut val_curve) = (Vec::new(), Vec::new());
-        let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
+        let stream = target(path)? == Target::Stream;
+        let regular = !stream && std::fs::metadata(path).is_ok_and(|m| m.is_file());
         if let (Some(upto), true) = (resume_step, regular) {
             let text = std::fs::read(path).map_err(|e| Error::io("read metrics", path, e))?;
             let text = String::from_utf8_lossy(&text);
@@ -329,13 +335,17 @@ impl MetricsLog {
                 crate::util::write_atomic(path, kept.as_bytes())?;
             }
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(resume_step.is_some())
-            .write(true)
-            .truncate(resume_step.is_none())
-            .open(path)
-            .map_err(|e| Error::io("open metrics", path, e))?;
+        let file = if stream {
+            crate::util::output::open_stream(path)
+        } else {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(resume_step.is_some())
+                .write(true)
+                .truncate(resume_step.is_none())
+                .open(path)
+        }
+        .map_err(|e| Error::io("open metrics", path, e))?;
         Ok((
             MetricsLog {
                 path: path.to_owned(),

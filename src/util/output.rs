@@ -13,10 +13,14 @@ use std::path::{Path, PathBuf};
 const MAX_LINKS: usize = 40;
 
 /// `path` with every symlink at its end followed (a dangling one gives where it points; its
-/// parent directories are left as they are: a rename there lands in the same place).
-pub fn follow_symlinks(path: &Path) -> Result<PathBuf> {
+/// parent directories are left as they are: a rename there lands in the same place), and
+/// whether the chain passed through a process's descriptors (`/dev/stdout` → `/proc/self/fd/1`:
+/// links the kernel resolves to an open file, not to a path one may rename over).
+fn follow(path: &Path) -> Result<(PathBuf, bool)> {
     let mut p = path.to_owned();
+    let mut via_descriptor = false;
     for _ in 0..MAX_LINKS {
+        via_descriptor |= p.starts_with("/proc") || p.starts_with("/dev/fd");
         match std::fs::symlink_metadata(&p) {
             Ok(m) if m.file_type().is_symlink() => {
                 let to = std::fs::read_link(&p).map_err(|e| Error::io("read symlink", &p, e))?;
@@ -25,7 +29,7 @@ pub fn follow_symlinks(path: &Path) -> Result<PathBuf> {
                     _ => to,
                 };
             }
-            _ => return Ok(p),
+            _ => return Ok((p, via_descriptor)),
         }
     }
     Err(Error::io(
@@ -35,20 +39,26 @@ pub fn follow_symlinks(path: &Path) -> Result<PathBuf> {
     ))
 }
 
+/// `path` with every symlink at its end followed (see [`follow`]).
+pub fn follow_symlinks(path: &Path) -> Result<PathBuf> {
+    follow(path).map(|(p, _)| p)
+}
+
 /// What kind of thing `path` (symlinks followed) is, for writing into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
     /// Nothing there yet, or a regular file: replaced atomically.
     File,
-    /// A character device or a FIFO: written in place, never replaced.
+    /// A character device, a FIFO, or a descriptor this process was given (`/dev/stdout`, also
+    /// when the shell pointed it at a file): written in place, appended, never replaced.
     Stream,
 }
 
 /// Check that `path` may be written as a file and say how; a directory, a block device or a
 /// socket is refused (replacing a device node with a file, or writing a disk, is never meant).
+/// The kind is the kernel's (`stat` follows `/proc/self/fd/N` to the open file itself).
 pub fn target(path: &Path) -> Result<Target> {
-    let real = follow_symlinks(path)?;
-    let meta = match std::fs::metadata(&real) {
+    let meta = match std::fs::metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Target::File),
         Err(e) => return Err(Error::io("inspect", path, e)),
@@ -63,7 +73,10 @@ pub fn target(path: &Path) -> Result<Target> {
         ))
     };
     if t.is_file() {
-        Ok(Target::File)
+        match follow(path)? {
+            (_, true) => Ok(Target::Stream),
+            _ => Ok(Target::File),
+        }
     } else if t.is_char_device() || t.is_fifo() {
         Ok(Target::Stream)
     } else if t.is_dir() {
@@ -73,6 +86,12 @@ pub fn target(path: &Path) -> Result<Target> {
     } else {
         refuse("a socket or another special file")
     }
+}
+
+/// Open `path`, a [`Target::Stream`], for writing in place: appending (a file behind
+/// `/dev/stdout` keeps what the shell's `>>` or earlier writes put there), never truncating.
+pub fn open_stream(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new().append(true).open(path)
 }
 
 /// Create `path` for writing, exclusively and without following a symlink at its name: a file
@@ -101,10 +120,7 @@ pub fn create_exclusive(path: &Path) -> std::io::Result<std::fs::File> {
 /// stays); a character device or FIFO is written in place; see [`target`] for what is refused.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     if target(path)? == Target::Stream {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(|e| Error::io("open", path, e))?;
+        let mut f = open_stream(path).map_err(|e| Error::io("open", path, e))?;
         return f
             .write_all(bytes)
             .and_then(|()| f.flush())
@@ -138,8 +154,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_fix("create the directory first, or choose another path"));
     }
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    // A replaced file keeps its permissions (a 0600 file stays private).
+    let mode = std::fs::metadata(&real).ok().map(|m| m.permissions());
     let result = (|| {
         let mut f = create_exclusive(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        if let Some(mode) = mode {
+            f.set_permissions(mode)
+                .map_err(|e| Error::io("set permissions", &tmp, e))?;
+        }
         f.write_all(bytes)
             .map_err(|e| Error::io("write", &tmp, e))?;
         f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
@@ -227,6 +249,26 @@ mod tests {
         write_atomic(&fifo, b"through the pipe").unwrap();
         assert_eq!(reader.join().unwrap(), b"through the pipe");
         assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    }
+
+    #[test]
+    fn a_descriptor_path_is_appended_to_in_place_and_permissions_are_kept() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log");
+        std::fs::write(&log, b"earlier\n").unwrap();
+        let f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        use std::os::fd::AsRawFd;
+        let via = PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
+        assert_eq!(target(&via).unwrap(), Target::Stream);
+        write_atomic(&via, b"appended\n").unwrap();
+        assert_eq!(std::fs::read(&log).unwrap(), b"earlier\nappended\n");
+        let private = dir.path().join("private");
+        std::fs::write(&private, b"x").unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_atomic(&private, b"y").unwrap();
+        let mode = std::fs::metadata(&private).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
     }
 
     #[test]

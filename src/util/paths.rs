@@ -5,7 +5,7 @@
 //! whole; inside the names a checkpoint directory owns).
 
 use crate::{Error, Result};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 
 /// How a command uses a path.
@@ -115,6 +115,8 @@ struct Resolved<'a> {
     at: PathBuf,
     /// (device, inode) when it exists.
     id: Option<(u64, u64)>,
+    /// A character device (`/dev/null`, a terminal): outputs may share it.
+    shared: bool,
 }
 
 fn what(u: Use) -> &'static str {
@@ -131,8 +133,15 @@ pub fn check_disjoint(uses: &[PathUse]) -> Result<()> {
         .iter()
         .map(|u| {
             let at = resolve(&u.path);
-            let id = std::fs::metadata(&at).ok().map(|m| (m.dev(), m.ino()));
-            Resolved { use_: u, at, id }
+            let meta = std::fs::metadata(&u.path).ok();
+            let id = meta.as_ref().map(|m| (m.dev(), m.ino()));
+            let shared = meta.is_some_and(|m| m.file_type().is_char_device());
+            Resolved {
+                use_: u,
+                at,
+                id,
+                shared,
+            }
         })
         .collect();
     for (i, a) in resolved.iter().enumerate() {
@@ -142,7 +151,9 @@ pub fn check_disjoint(uses: &[PathUse]) -> Result<()> {
             }
             let (out, other) = if a.use_.used.writes() { (a, b) } else { (b, a) };
             let same = a.at == b.at || (a.id.is_some() && a.id == b.id);
-            if same {
+            // Two outputs to /dev/null, or to the terminal, write nothing the other reads.
+            let both_write = a.use_.used.writes() && b.use_.used.writes();
+            if same && !(both_write && a.shared) {
                 return Err(Error::bad_input(
                     "output path",
                     out.use_.path.display().to_string(),
@@ -245,6 +256,12 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("the loss curve"), "{e}");
+        // Two outputs may share /dev/null.
+        check_disjoint(&[
+            PathUse::new("--metrics", Path::new("/dev/null"), Use::WriteFile),
+            PathUse::new("--trace", Path::new("/dev/null"), Use::WriteFile),
+        ])
+        .unwrap();
         // Two inputs may be one file.
         check_disjoint(&[
             PathUse::new("--data", &data, Use::ReadFile),
