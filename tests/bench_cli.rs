@@ -16,18 +16,15 @@ fn json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `megatrain plan` for Llama-3-8B on the H100 preset.
+const LLAMA_ON_H100: [&str; 5] = ["plan", "--model", "llama-3-8b", "--machine", "h100-512gb"];
+
 /// `megatrain plan` for Llama-3-8B on the H100 preset with `calibration`, which must be refused
 /// as bad input: its stderr.
 fn plan_refuses(calibration: &std::path::Path) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args([
-            "plan",
-            "--model",
-            "llama-3-8b",
-            "--machine",
-            "h100-512gb",
-            "--calibration",
-        ])
+        .args(LLAMA_ON_H100)
+        .arg("--calibration")
         .arg(calibration)
         .output()
         .unwrap();
@@ -365,15 +362,8 @@ fn bench_kernels_without_a_gpu_says_why() {
 
 /// `megatrain plan` for Llama-3-8B on the H100 preset at --seq-len 4096, then `extra`.
 fn plan_with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![
-        "plan",
-        "--model",
-        "llama-3-8b",
-        "--machine",
-        "h100-512gb",
-        "--seq-len",
-        "4096",
-    ];
+    let mut args = LLAMA_ON_H100.to_vec();
+    args.extend_from_slice(&["--seq-len", "4096"]);
     args.extend_from_slice(extra);
     args
 }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::cli::{fixture, last_line, run, s};
+use common::cli::{fixture, last_line, run, s, small_rows};
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::process::Command;
@@ -134,26 +134,25 @@ fn an_output_naming_an_input_or_another_output_is_refused_and_nothing_is_touched
 #[test]
 fn a_run_never_overwrites_a_file_it_did_not_write() {
     let f = fixture();
-    let m = f.path("notes.jsonl");
-    std::fs::write(&m, "my notes, not metrics\n").unwrap();
-    let (rc, err) = run(f.train(&["--steps", "1", "--metrics", s(&m)]));
-    assert_eq!(rc, 2, "{err}");
-    assert!(
-        last_line(&err).contains("not a metrics log megatrain wrote"),
-        "{err}"
-    );
-    assert_eq!(
-        std::fs::read_to_string(&m).unwrap(),
-        "my notes, not metrics\n"
-    );
-    let t = f.path("t.json");
-    std::fs::write(&t, "{\"mine\": 1}").unwrap();
-    let (rc, err) = run(f.train(&["--steps", "1", "--trace", s(&t)]));
-    assert_eq!(rc, 2, "{err}");
-    assert!(
-        last_line(&err).contains("not a trace megatrain wrote"),
-        "{err}"
-    );
+    for (flag, name, mine, what) in [
+        (
+            "--metrics",
+            "notes.jsonl",
+            "my notes, not metrics\n",
+            "metrics log",
+        ),
+        ("--trace", "t.json", "{\"mine\": 1}", "trace"),
+    ] {
+        let p = f.path(name);
+        std::fs::write(&p, mine).unwrap();
+        let (rc, err) = run(f.train(&["--steps", "1", flag, s(&p)]));
+        assert_eq!(rc, 2, "{err}");
+        assert!(
+            last_line(&err).contains(&format!("not a {what} megatrain wrote")),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), mine);
+    }
     // Our own outputs: replaced by the next run.
     let own = f.path("own.jsonl");
     let own_trace = f.path("own-trace.json");
@@ -475,16 +474,8 @@ fn non_finite_init_weights_are_named_by_tensor() {
     std::fs::write(&st, bytes).unwrap();
     let mut c = megatrain();
     c.args(["train", "--init-from", s(&good), "--data", s(&f.data)])
-        .args([
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "2",
-            "--device-memory",
-            "64Mi",
-            "--steps",
-            "1",
-        ]);
+        .args(small_rows("64Mi"))
+        .args(["--steps", "1"]);
     let (rc, err) = run(c);
     assert_eq!(rc, 2, "{err}");
     assert!(
@@ -550,14 +541,7 @@ fn data_and_budget_errors_advise_what_works() {
             "--steps",
             "1",
         ])
-        .args([
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "2",
-            "--device-memory",
-            "8Ki",
-        ])
+        .args(small_rows("8Ki"))
         .args(extra);
         run(c)
     };

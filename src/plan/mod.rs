@@ -5,7 +5,9 @@
 pub mod grad_link;
 pub mod kernels;
 pub mod presets;
+mod render;
 pub mod sim;
+pub use render::render;
 
 pub use grad_link::{pick_grad_link, GradLinkChoice, GRAD_LINK_MIN_GAIN};
 use kernels::KernelParts;
@@ -791,83 +793,6 @@ pub fn per_node(
         },
     )?;
     Ok(p.nodes)
-}
-
-/// The plan as text.
-pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> String {
-    let hb = crate::util::human_bytes;
-    let t = &p.time;
-    let ms = |s: f64| {
-        if s.is_finite() {
-            format!("{:.1} ms", s * 1e3)
-        } else {
-            "∞ (no NVMe given)".into()
-        }
-    };
-    let mut s = format!(
-        "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
-         model: {}\n\
-         {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
-         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
-        p.params as f64 / 1e9,
-        hw.name,
-        hw.gpu,
-        p.features.join(", "),
-        req.tokens_per_step,
-        p.micro_batch_tokens,
-        req.seq_len,
-        if req.bf16 { "bf16 streaming" } else { "fp32" },
-        req.mode.name(),
-        req.adam_state.name(),
-        if p.memory.nvme_units > 0 {
-            format!(", Adam m/v of {} of {} units on NVMe", p.memory.nvme_units, p.memory.units)
-        } else {
-            String::new()
-        },
-        hb(p.memory.host_state_bytes),
-        p.memory.host_bytes_per_param,
-        hb(p.memory.host_activation_bytes),
-        if p.memory.activations_fit_device {
-            "layer-input checkpoints; they would also fit the GPU"
-        } else {
-            "layer-input checkpoints, fp32; they must go to host: the GPU lacks room"
-        },
-        hb(p.memory.device_bytes),
-        hb(hw.gpu_memory_bytes),
-        if p.memory.layer_chunk_tokens < p.micro_batch_tokens {
-            format!(
-                "  (layers in chunks of {} tokens)",
-                p.memory.layer_chunk_tokens
-            )
-        } else {
-            String::new()
-        },
-        hb(p.memory.nvme_bytes),
-        if p.fits { "yes".to_owned() } else { format!("NO — {}", p.missing.clone().unwrap_or_default()) },
-    );
-    if let Some(sg) = &p.suggestion {
-        s += &format!("  smallest change that fits: {sg}\n");
-    }
-    s += &format!(
-        "\npredicted step (a model, not a measurement)\n  GPU compute {}  (GEMM {}, attention {}, elementwise {})\n  host→device {}\n  device→host {}\n  CPU AdamW   {}\n  NVMe        {}\n  step        {}  bound by {}\n  {:.0} tokens/s, MFU {:.1}%\n",
-        ms(t.compute_s),
-        ms(t.compute_split.gemm_s),
-        ms(t.compute_split.attention_s),
-        ms(t.compute_split.elementwise_s),
-        ms(t.htod_s),
-        ms(t.dtoh_s),
-        ms(t.adam_s),
-        ms(t.nvme_s),
-        ms(t.step_s),
-        t.bottleneck,
-        t.tokens_per_s,
-        100.0 * t.mfu
-    );
-    s += &format!(
-        "  gradients   {}\n",
-        grad_link::grad_link_line(&p.grad_link, ms)
-    );
-    s
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! A run owns its checkpoint directory: an exclusive lock for the run's life (a second run on the
 //! same directory is refused at once, naming the holder), and the resume rules — `--resume`
-//! needs a checkpoint to continue, a fresh run needs a directory without one, `--resume auto`
-//! takes whichever is there.
+//! needs a checkpoint to continue (and `--steps` not below its step), a fresh run needs a
+//! directory without one, `--resume auto` takes whichever is there.
 
 use super::checkpoint::{self, TrainState};
 use super::config::{Resume, TrainConfig};
@@ -88,6 +88,22 @@ pub fn claim(cfg: &TrainConfig) -> Result<Option<RunDir>> {
             None => None,
         },
     };
+    if let Some((dir, st)) = resume_from.as_ref().filter(|(_, st)| cfg.steps < st.step) {
+        return Err(Error::bad_input(
+            "--steps",
+            cfg.steps.to_string(),
+            format!(
+                "is below the step of the checkpoint resumed, {} ({}): the run is already past it",
+                st.step,
+                dir.display()
+            ),
+            Some(&format!(
+                "pass --steps above {} to train further, or export that checkpoint (`megatrain export --checkpoint {}`)",
+                st.step,
+                dir.display()
+            )),
+        ));
+    }
     Ok(Some(RunDir {
         root: root.clone(),
         _lock: lock,

@@ -58,9 +58,16 @@ pub enum Target {
 /// socket is refused (replacing a device node with a file, or writing a disk, is never meant).
 /// The kind is the kernel's (`stat` follows `/proc/self/fd/N` to the open file itself).
 pub fn target(path: &Path) -> Result<Target> {
+    classify(path).map(|(t, _)| t)
+}
+
+/// [`target`], with the path a [`Target::File`] is renamed over (symlinks followed).
+fn classify(path: &Path) -> Result<(Target, PathBuf)> {
     let meta = match std::fs::metadata(path) {
         Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Target::File),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok((Target::File, follow_symlinks(path)?))
+        }
         Err(e) => return Err(Error::io("inspect", path, e)),
     };
     let t = meta.file_type();
@@ -74,11 +81,11 @@ pub fn target(path: &Path) -> Result<Target> {
     };
     if t.is_file() {
         match follow(path)? {
-            (_, true) => Ok(Target::Stream),
-            _ => Ok(Target::File),
+            (real, true) => Ok((Target::Stream, real)),
+            (real, false) => Ok((Target::File, real)),
         }
     } else if t.is_char_device() || t.is_fifo() {
-        Ok(Target::Stream)
+        Ok((Target::Stream, path.to_owned()))
     } else if t.is_dir() {
         refuse("a directory")
     } else if t.is_block_device() {
@@ -119,14 +126,14 @@ pub fn create_exclusive(path: &Path) -> std::io::Result<std::fs::File> {
 /// write succeeds. A symlink is written through (the file it points at is replaced, the link
 /// stays); a character device or FIFO is written in place; see [`target`] for what is refused.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    if target(path)? == Target::Stream {
+    let (kind, real) = classify(path)?;
+    if kind == Target::Stream {
         let mut f = open_stream(path).map_err(|e| Error::io("open", path, e))?;
         return f
             .write_all(bytes)
             .and_then(|()| f.flush())
             .map_err(|e| Error::io("write", path, e));
     }
-    let real = follow_symlinks(path)?;
     let dir = match real.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

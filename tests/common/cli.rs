@@ -8,6 +8,18 @@ use std::time::{Duration, Instant};
 pub const MODEL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
   "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,"tie_word_embeddings":true}"#;
 
+/// Rows and device memory of the small runs: 2 sequences of 16 tokens, `device_memory`.
+pub fn small_rows(device_memory: &str) -> [&str; 6] {
+    [
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--device-memory",
+        device_memory,
+    ]
+}
+
 pub struct Fixture {
     pub dir: tempfile::TempDir,
     pub model: PathBuf,
@@ -45,14 +57,7 @@ impl Fixture {
             .arg(&self.model)
             .arg("--data")
             .arg(&self.data)
-            .args([
-                "--seq-len",
-                "16",
-                "--batch-size",
-                "2",
-                "--device-memory",
-                "64Mi",
-            ])
+            .args(small_rows("64Mi"))
             .args(extra);
         c
     }

@@ -1,0 +1,153 @@
+//! `ModelConfig` from config.json: the spellings, the limits, RoPE scaling, round trips.
+
+use super::*;
+
+const LLAMA3_8B: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "bos_token_id": 128000,
+  "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+  "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32,
+  "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+  "rope_scaling": null, "rope_theta": 500000.0, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "vocab_size": 128256
+}"#;
+
+#[test]
+fn llama3_8b_counts_8_03b_params() {
+    let c = ModelConfig::from_json_str(LLAMA3_8B, "llama3").unwrap();
+    assert_eq!(c.num_params(), 8_030_261_248);
+    assert_eq!(c.head_dim, 128);
+    assert_eq!(c.rope_theta, 500000.0);
+}
+
+#[test]
+fn transformers5_spelling() {
+    let t5 = LLAMA3_8B
+        .replace(
+            "\"rope_theta\": 500000.0,",
+            "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 250000.0},",
+        )
+        .replace("torch_dtype", "dtype");
+    let c = ModelConfig::from_json_str(&t5, "t5").unwrap();
+    assert_eq!(c.rope_theta, 250000.0);
+}
+
+#[test]
+fn qwen2_has_qkv_bias_and_unsupported_things_are_named() {
+    let q = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,
+        "tie_word_embeddings":true}"#;
+    let c = ModelConfig::from_json_str(q, "q").unwrap();
+    assert!(c.qkv_bias && !c.o_bias && c.tie_word_embeddings);
+    let e = ModelConfig::from_json_str(&q.replace("Qwen2ForCausalLM", "GPT2LMHeadModel"), "g")
+        .unwrap_err();
+    assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+    let e =
+        ModelConfig::from_json_str("{\"architectures\":[\"LlamaForCausalLM\"]}", "x").unwrap_err();
+    assert!(e.to_string().contains("hidden_size"), "{e}");
+}
+
+/// Llama 3.1's config.json as published (transformers 4 spelling), Llama 3.2's in
+/// transformers 5's, Qwen2.5's YaRN; what is not implemented is named.
+#[test]
+fn rope_scalings_are_read_round_trip_and_the_rest_is_named() {
+    let l31 = LLAMA3_8B.replace(
+        "\"rope_scaling\": null",
+        r#""rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+    );
+    let c = ModelConfig::from_json_str(&l31, "l31").unwrap();
+    assert_eq!(
+        c.rope_scaling,
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        }
+    );
+    let l32 = LLAMA3_8B.replace("\"rope_theta\": 500000.0,", "").replace(
+        "\"rope_scaling\": null",
+        r#""rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+           "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+    );
+    let c2 = ModelConfig::from_json_str(&l32, "l32").unwrap();
+    assert_eq!(c2.rope_theta, 500000.0);
+    assert!(matches!(c2.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
+    let yarn = LLAMA3_8B.replace(
+        "\"rope_scaling\": null",
+        r#""rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
+    );
+    let y = ModelConfig::from_json_str(&yarn, "yarn").unwrap();
+    match y.rope_scaling {
+        RopeScaling::Yarn {
+            attention_factor,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } => {
+            assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+            assert_eq!((beta_fast, beta_slow, truncate), (32.0, 1.0, true));
+        }
+        other => panic!("{other:?}"),
+    }
+    // The export says the same, and reads back equal (checkpoints before the field too).
+    for c in [&c, &c2, &y] {
+        let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
+        assert_eq!(&back, c);
+    }
+    let mut old: serde_json::Value =
+        serde_json::to_value(ModelConfig::from_json_str(LLAMA3_8B, "l").unwrap()).unwrap();
+    old.as_object_mut().unwrap().remove("rope_scaling");
+    let old: ModelConfig = serde_json::from_value(old).unwrap();
+    assert_eq!(old.rope_scaling, RopeScaling::Default);
+    for (scaling, needle) in [
+        (r#"{"rope_type": "dynamic", "factor": 2.0}"#, "dynamic"),
+        (r#"{"rope_type": "longrope", "factor": 2.0}"#, "longrope"),
+        (
+            r#"{"rope_type": "llama3", "factor": 8.0}"#,
+            "low_freq_factor",
+        ),
+        (r#"{"rope_type": "linear"}"#, "factor"),
+        (r#"{"rope_type": "linear", "factor": -2}"#, "positive"),
+        (
+            r#"{"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}"#,
+            "truncate",
+        ),
+    ] {
+        let e = ModelConfig::from_json_str(
+            &LLAMA3_8B.replace(
+                "\"rope_scaling\": null",
+                &format!("\"rope_scaling\": {scaling}"),
+            ),
+            "x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(needle), "{scaling}: {e}");
+    }
+    let e = ModelConfig::from_json_str(
+        &LLAMA3_8B.replace("\"rope_scaling\": null", "\"partial_rotary_factor\": 0.5"),
+        "x",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    let e = ModelConfig::from_json_str(
+        &LLAMA3_8B.replace(
+            "\"rope_scaling\": null",
+            r#""rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}"#,
+        ),
+        "x",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("per layer type"), "{e}");
+}
+
+#[test]
+fn hf_json_round_trips() {
+    let c = ModelConfig::from_json_str(LLAMA3_8B, "l").unwrap();
+    let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
+    assert_eq!(back, c);
+}
