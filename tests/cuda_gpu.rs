@@ -218,3 +218,51 @@ fn gpu_check_reports_a_refused_gpu() {
         );
     }
 }
+
+/// `tools/gpu_step_matrix.sh --emulated`: one row per variant, each run's metrics and trace, and
+/// a failing variant (an unknown flag) fails the script with its row still written.
+#[test]
+fn step_matrix_reports_each_variant() {
+    if std::env::var("MEGATRAIN_GPU").is_ok_and(|v| v == "1") {
+        eprintln!("SKIP: the emulated shapes; on a GPU run the script itself");
+        return;
+    }
+    let out_dir = tempfile::tempdir().unwrap();
+    let run = |variants: &[&str]| {
+        std::process::Command::new(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/gpu_step_matrix.sh"),
+        )
+        .arg("--emulated")
+        .arg(out_dir.path())
+        .args(variants)
+        .env("MEGATRAIN_BIN", env!("CARGO_BIN_EXE_megatrain"))
+        .env("MEGATRAIN_MATRIX_STEPS", "2")
+        .env_remove("CUEMU_SCHEDULES")
+        .output()
+        .unwrap()
+    };
+    let out = run(&["b1a2:1:2", "b2a1-lean:2:1:--mode,lean"]);
+    let matrix = std::fs::read_to_string(out_dir.path().join("matrix.md")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "{matrix}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(matrix.contains("(emulated: host times"), "{matrix}");
+    for name in ["b1a2", "b2a1-lean"] {
+        let row = matrix
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{matrix}"));
+        let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert!(row.ends_with("| 0 |"), "{row}");
+        // tokens/s, wall, compute, copy time, bytes each way: figures from the run's metrics.
+        for c in &cols[2..8] {
+            assert!(c.parse::<f64>().is_ok(), "{c:?} in {row}");
+        }
+        assert!(out_dir.path().join(format!("trace-{name}.json")).is_file());
+    }
+    let bad = run(&["bad:1:1:--no-such-flag"]);
+    let matrix = std::fs::read_to_string(out_dir.path().join("matrix.md")).unwrap();
+    assert!(!bad.status.success() && matrix.contains("| bad |"), "{matrix}");
+}

@@ -426,7 +426,7 @@ fn predict(
     let sumsq_per_elem = {
         let x = vec![0.5f32; numel[1]];
         time_it(3, || {
-            std::hint::black_box(adamw::sumsq(&x));
+            std::hint::black_box(adamw::sumsq_parallel(&x));
         }) / numel[1] as f64
     };
     let (w_per_byte, r_per_byte, io_cpu) = if case.spill {
@@ -442,6 +442,8 @@ fn predict(
         htod_bps: case.link_gbps * 1e9,
         dtoh_bps: case.link_gbps * 1e9,
         copy_latency_s: 10e-6,
+        // The CPU device's gradient copies land by themselves (no bounce).
+        land_bps: None,
         kernels,
         adam_s: per_unit(adam_per_elem),
         norm_s: per_unit(sumsq_per_elem),

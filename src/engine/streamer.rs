@@ -599,7 +599,9 @@ impl Streamer {
             Op::Prefetch { unit } => self.store.prefetch(*unit),
             Op::Norm { unit } => {
                 let g = self.guard(*unit)?;
-                run.norm_sq += g.grads().map_or(0.0, |x| crate::optim::adamw::sumsq(x));
+                run.norm_sq += g
+                    .grads()
+                    .map_or(0.0, |x| crate::optim::adamw::sumsq_parallel(x));
             }
             Op::Clip => {
                 let norm = match self.store.layout().mode {

@@ -249,6 +249,22 @@ pub fn sumsq(x: &[f32]) -> f64 {
     sumsq_scalar(x)
 }
 
+/// Elements per part of [`sumsq_parallel`]: each part's Σ is one [`sumsq`], and the parts are
+/// added in order, so the result does not depend on how many threads ran them.
+pub const SUMSQ_PART: usize = 1 << 20;
+
+/// Σ x² in f64 over the host's cores (rayon): [`sumsq`] of each [`SUMSQ_PART`]-element part,
+/// added in order — the same bits for any number of threads. Exact mode's gradient norm reads
+/// every gradient once per step; one core reads ~10 GB/s where the host's DRAM gives 10× that.
+pub fn sumsq_parallel(x: &[f32]) -> f64 {
+    use rayon::prelude::*;
+    if x.len() <= SUMSQ_PART {
+        return sumsq(x);
+    }
+    let parts: Vec<f64> = x.par_chunks(SUMSQ_PART).map(sumsq).collect();
+    parts.iter().sum()
+}
+
 /// STREAM triad `a = b + s·c`, the bandwidth reference for the AdamW benchmark. SIMD paths use
 /// non-temporal stores where `a` is vector-aligned (as STREAM's best builds do), so the measured
 /// bytes are the bytes that cross the memory bus: no write-allocate read of `a`.
@@ -655,6 +671,28 @@ mod tests {
             let b = sumsq_scalar(&x);
             assert!((a - b).abs() <= 1e-12 * b.max(1.0), "{a} {b}");
         }
+    }
+
+    #[test]
+    fn sumsq_parallel_matches_reference_with_the_same_bits_on_any_pool() {
+        // Several parts and a ragged tail.
+        let x = randn(3 * SUMSQ_PART + 777, 6);
+        let want = sumsq_scalar(&x);
+        let got = sumsq_parallel(&x);
+        assert!((got - want).abs() <= 1e-12 * want, "{got} {want}");
+        // The parts summed in order, whatever ran them.
+        let serial: f64 = x.chunks(SUMSQ_PART).map(sumsq).sum();
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            assert_eq!(
+                pool.install(|| sumsq_parallel(&x)).to_bits(),
+                serial.to_bits()
+            );
+        }
+        assert_eq!(sumsq_parallel(&x[..100]), sumsq(&x[..100]));
     }
 
     #[test]

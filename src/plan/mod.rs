@@ -475,6 +475,8 @@ fn sim_costs(
         htod_bps: hw.htod_gbps * 1e9,
         dtoh_bps: hw.dtoh_gbps * 1e9,
         copy_latency_s: 10e-6,
+        // Landings (`+=`, bf16 widening) stream through DRAM like AdamW does.
+        land_bps: Some(adam_bps),
         kernels: sim::KernelCosts {
             embed_fwd: 0.0,
             block_fwd: parts.block_fwd.iter().sum(),

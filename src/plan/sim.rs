@@ -52,6 +52,13 @@ pub struct Costs {
     pub dtoh_bps: f64,
     /// Fixed cost per copy, s.
     pub copy_latency_s: f64,
+    /// Bytes/s of host memory traffic the landing of a bounced gradient copy gets (a GPU's
+    /// accumulating or bf16 copies: each chunk crosses into a page-locked bounce buffer and is
+    /// added or widened into the gradient shard by the host's cores, overlapping the next
+    /// chunk's copy), so such a copy takes the longer of its link time and its landing's
+    /// traffic ([`landing_bytes_per_elem`]) at this rate. `None`: gradients land by the copy
+    /// alone (the CPU device).
+    pub land_bps: Option<f64>,
     /// Kernels.
     pub kernels: KernelCosts,
     /// AdamW seconds per unit.
@@ -178,8 +185,21 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
                 }
                 Op::LoadActivation { .. } => copy(costs.activation_bytes, costs.htod_bps),
                 Op::SaveActivation { .. } => copy(costs.activation_bytes, costs.dtoh_bps),
-                Op::CopyGrads { unit, piece, .. } => {
-                    copy(piece_bytes(*unit, *piece), costs.dtoh_bps)
+                Op::CopyGrads {
+                    unit,
+                    piece,
+                    accumulate,
+                    ..
+                } => {
+                    let link = copy(piece_bytes(*unit, *piece), costs.dtoh_bps);
+                    let traffic = landing_bytes_per_elem(costs.grad_elem_bytes, *accumulate);
+                    match costs.land_bps {
+                        Some(bps) if traffic > 0.0 => link.max(
+                            costs.copy_latency_s
+                                + costs.piece_len(*unit, *piece) as f64 * traffic / bps,
+                        ),
+                        _ => link,
+                    }
                 }
                 Op::Kernel(Kernel::EmbedFwd { .. }) => k.embed_fwd,
                 Op::Kernel(Kernel::BlockFwd { .. }) => k.block_fwd,
@@ -194,6 +214,17 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
         (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
         (Lane::Host, _) => (HOST, 0.0),
     }
+}
+
+/// Host memory bytes per gradient element that landing a bounced copy moves: the bounce
+/// buffer read (`link_elem_bytes`), the shard read when accumulating, the shard written. 0 for
+/// a copy that is not bounced (fp32 `=`: the DMA writes the shard itself).
+pub fn landing_bytes_per_elem(link_elem_bytes: f64, accumulate: bool) -> f64 {
+    let bounced = accumulate || link_elem_bytes < 4.0;
+    if !bounced {
+        return 0.0;
+    }
+    link_elem_bytes + if accumulate { 4.0 } else { 0.0 } + 4.0
 }
 
 impl Costs {
@@ -452,6 +483,7 @@ mod tests {
             htod_bps: 1e12,
             dtoh_bps: 1e12,
             copy_latency_s: 0.0,
+            land_bps: None,
             kernels: KernelCosts {
                 embed_fwd: 0.0,
                 block_fwd: 0.0,
@@ -516,6 +548,34 @@ mod tests {
         assert!(ex.step_s >= 12.0 + 4.0 - 1e-9, "{ex:?}");
         assert!(le.step_s >= 12.0 + 1.0 - 1e-9, "{le:?}");
         assert_eq!(ex.bottleneck, "CPU AdamW");
+    }
+
+    #[test]
+    fn bounced_gradient_copies_take_the_longer_of_link_and_landing() {
+        assert_eq!(landing_bytes_per_elem(4.0, false), 0.0);
+        assert_eq!(landing_bytes_per_elem(4.0, true), 12.0);
+        assert_eq!(landing_bytes_per_elem(2.0, false), 6.0);
+        assert_eq!(landing_bytes_per_elem(2.0, true), 10.0);
+        let mut c = costs(6);
+        c.dtoh_bps = 4e6; // 1 s per unit's fp32 gradients
+        let two = ScheduleSpec {
+            micro_batches: 2,
+            ..spec(4, Mode::Exact)
+        };
+        let link_only = simulate(&schedule(&two), &c);
+        // Landing `+=` moves 12 B per element: at 6 MB/s, 2 s per unit, on the second
+        // micro-batch only (the first one's `=` is the DMA's own).
+        c.land_bps = Some(6e6);
+        let landed = simulate(&schedule(&two), &c);
+        assert!(
+            (link_only.dtoh_s - 12.0).abs() < 1e-6 && (landed.dtoh_s - 18.0).abs() < 1e-6,
+            "{link_only:?} {landed:?}"
+        );
+        // bf16 gradients halve the link time but are widened on the host on both micro-batches.
+        c.grad_elem_bytes = 2.0;
+        let bf16 = simulate(&schedule(&two), &c);
+        let want = 6.0 * (6.0 / 6.0) + 6.0 * (10.0 / 6.0);
+        assert!((bf16.dtoh_s - want).abs() < 1e-6, "{bf16:?}");
     }
 
     #[test]
