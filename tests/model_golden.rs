@@ -225,6 +225,13 @@ fn yarn_rope_scaling() {
     check_case("yarn");
 }
 
+/// Qwen3: QK-norm (a per-head RMSNorm of q and k before RoPE, weights far from 1) and a head
+/// dimension (12) that is not hidden / heads (8).
+#[test]
+fn qwen3_qk_norm() {
+    check_case("qwen3");
+}
+
 /// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding
 /// (tools/golden_rope.py): the angle is one fp32 product as there, so the tables agree to the
 /// last bits of cos/sin (two libraries' fp32 cos/sin of the same argument).

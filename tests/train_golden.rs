@@ -365,6 +365,11 @@ fn llama31_rope_scaling() {
 fn yarn_rope_scaling() {
     check("yarn");
 }
+/// Qwen3 (QK-norm, head_dim 12 ≠ 32 / 4) from transformers 5's own checkpoint.
+#[test]
+fn qwen3_qk_norm() {
+    check("qwen3");
+}
 /// `--precision bf16` on the CPU device against torch running the same recipe
 /// (tools/golden_train_bf16.py).
 #[test]
@@ -411,6 +416,10 @@ mod cuda {
     #[test]
     fn llama31_rope_scaling() {
         check_on("llama31", On::Cuda { delays: false });
+    }
+    #[test]
+    fn qwen3_qk_norm() {
+        check_on("qwen3", On::Cuda { delays: false });
     }
     #[test]
     fn yarn_rope_scaling_with_random_stream_delays() {

@@ -11,8 +11,10 @@ and tensors (all float32; token ids are exact small integers):
   grad.{hf_name}    d loss / d param
   step_loss [S]     loss at each of S AdamW steps on the same batch (torch.optim.AdamW)
   final.{hf_name}   parameters after the S steps
-Cases cover MHA, GQA, MQA, tied embeddings, Qwen2 q/k/v bias, Mistral, and sequence lengths that
-are not a multiple of the 64-token attention tile, and scaled RoPE (Llama 3.1's llama3, YaRN). Run:
+Cases (mha, gqa, mqa, tied, qwen2, mistral, llama31, yarn, qwen3) cover MHA, GQA, MQA, tied
+embeddings, Qwen2 q/k/v bias, Mistral, sequence lengths that are not a multiple of the 64-token
+attention tile, scaled RoPE (Llama 3.1's llama3, YaRN), and Qwen3 (per-head RMSNorm of q and k
+before RoPE, "QK-norm", with q_norm/k_norm weights 1 + 0.5·randn; head_dim 12 ≠ hidden/heads). Run:
   python3 tools/golden_model.py [CASE ...]      (every case, or only those named)
 """
 import json
@@ -50,7 +52,13 @@ CASES = {
                   use_sliding_window=False,
                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                        original_max_position_embeddings=32)), 1, 50),
+    # Qwen3: per-head RMSNorm of q and k before RoPE (QK-norm), and head_dim 12 ≠ hidden/heads = 8
+    # (q_proj [48, 32], o_proj [32, 48]). q_norm/k_norm weights get a wider spread (1 + 0.5·randn)
+    # so that their weights, not only the normalization, move the numbers.
+    "qwen3": (dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                   tie_word_embeddings=False, use_sliding_window=False, attention_bias=False), 2, 40),
 }
+QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
 
 def make(case, over, b, t, seed):
@@ -67,7 +75,9 @@ def make(case, over, b, t, seed):
     model.eval()  # no dropout (there is none in these models anyway)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))

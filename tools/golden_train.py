@@ -7,6 +7,9 @@ data and loss semantics:
   clipping (clip_grad_norm_) when max_norm > 0; torch.optim.AdamW, weight decay on every tensor;
   lr(t) = lr·t/warmup for t ≤ warmup, then cosine to 0 over the remaining steps.
 
+Models are Llama unless a case names model_type (qwen3: QK-norm, with q_norm/k_norm weights
+1 + 0.5·randn, and head_dim from the case).
+
 For each case writes tests/golden/train_{case}/ with
   init/         the initial weights, as transformers saves them (the CLI's --init-from)
   data.bin      u16 tokens
@@ -41,7 +44,11 @@ CASES = {
                               high_freq_factor=4.0, original_max_position_embeddings=16)),
     "yarn": dict(heads=4, kv=2, tied=True, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.0,
                  rope=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8)),
+    # Qwen3: QK-norm (per-head RMSNorm of q and k before RoPE), head_dim 12 ≠ hidden/heads = 8.
+    "qwen3": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                  model_type="qwen3", head_dim=12),
 }
+QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
 
 def lr_at(c, t):
@@ -64,12 +71,20 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
     if "rope" in c:
         d.pop("rope_theta")
         d["rope_parameters"] = dict(c["rope"])
-    cfg = AutoConfig.for_model("llama", **d)
+    model_type = c.get("model_type", "llama")
+    if model_type == "qwen3":
+        d.update(head_dim=c["head_dim"], use_sliding_window=False, attention_bias=False)
+    elif "head_dim" in c:
+        d["head_dim"] = c["head_dim"]
+    cfg = AutoConfig.for_model(model_type, **d)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
     model.save_pretrained(os.path.join(root, "init"), safe_serialization=True)
     B, T, M, S = c["B"], c["T"], c["M"], c["steps"]
     rows = B * M * S + 1

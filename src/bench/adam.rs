@@ -169,6 +169,7 @@ fn bench_model(params: usize) -> Result<ModelConfig> {
         tie_word_embeddings: true,
         qkv_bias: false,
         o_bias: false,
+        qk_norm: false,
         sliding_window: None,
     })
 }

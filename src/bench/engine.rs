@@ -106,6 +106,7 @@ fn model() -> ModelConfig {
         tie_word_embeddings: false,
         qkv_bias: false,
         o_bias: false,
+        qk_norm: false,
         sliding_window: None,
     }
 }

@@ -1,6 +1,6 @@
 //! Llama-family model configuration, read from a Hugging Face `config.json`.
 //!
-//! Accepts Llama, Mistral and Qwen2 (q/k/v bias), tied embeddings, and both transformers-4 and
+//! Accepts Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (QK-norm), tied embeddings, and both transformers-4 and
 //! transformers-5 spellings (`torch_dtype`/`dtype`, top-level `rope_theta` or
 //! `rope_parameters.rope_theta`). Anything we do not implement — another architecture, a RoPE
 //! scaling type, an activation other than SiLU, MLP bias — is an error naming it, never silently
@@ -43,6 +43,8 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM` (Llama with q/k/v bias).
     Qwen2,
+    /// `Qwen3ForCausalLM` (Llama with QK-norm: a per-head RMSNorm on q and k before RoPE).
+    Qwen3,
 }
 
 impl Architecture {
@@ -52,6 +54,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -61,6 +64,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
     }
 }
@@ -99,6 +103,10 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// o projection has a bias (Llama with `attention_bias`).
     pub o_bias: bool,
+    /// QK-norm: an RMSNorm over each head's `head_dim` of q and of k (weights `[head_dim]`,
+    /// the model's eps) between their projections and RoPE (Qwen3).
+    #[serde(default)]
+    pub qk_norm: bool,
     /// Mistral sliding-window attention size; sequences longer than it are refused.
     pub sliding_window: Option<usize>,
 }
@@ -111,6 +119,7 @@ fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
             Some("llama") => "LlamaForCausalLM".into(),
             Some("mistral") => "MistralForCausalLM".into(),
             Some("qwen2") => "Qwen2ForCausalLM".into(),
+            Some("qwen3") => "Qwen3ForCausalLM".into(),
             Some(other) => other.to_owned(),
             None => {
                 return Err(bad(
@@ -124,11 +133,12 @@ fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
         "LlamaForCausalLM" => Ok(Architecture::Llama),
         "MistralForCausalLM" => Ok(Architecture::Mistral),
         "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
+        "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
         other => Err(Error::bad_input(
             "model config",
             origin,
             format!("architecture `{other}` is not supported"),
-            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM"),
         )),
     }
 }
@@ -145,6 +155,19 @@ fn check_supported_features(v: &Value, origin: &str) -> Result<()> {
     }
     if get_bool(v, "mlp_bias", origin)? == Some(true) {
         return Err(bad(origin, "`mlp_bias: true` is not supported"));
+    }
+    // transformers 5 spells each layer's attention out; every layer attending to every earlier
+    // position is what megatrain runs.
+    if let Some(types) = v.get("layer_types").filter(|x| !x.is_null()) {
+        let Some(types) = types.as_array() else {
+            return Err(bad(origin, format!("`layer_types` is {types}, not a list")));
+        };
+        if let Some(other) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+            return Err(bad(
+                origin,
+                format!("`layer_types` names {other}: only full_attention layers are supported (no sliding-window layers)"),
+            ));
+        }
     }
     Ok(())
 }
@@ -411,10 +434,15 @@ impl ModelConfig {
         };
         let sliding_window = match architecture {
             Architecture::Mistral => get_usize(&v, "sliding_window", origin)?,
-            Architecture::Qwen2 if get_bool(&v, "use_sliding_window", origin)? == Some(true) => {
+            Architecture::Qwen2 | Architecture::Qwen3
+                if get_bool(&v, "use_sliding_window", origin)? == Some(true) =>
+            {
                 return Err(bad(
                     origin,
-                    "Qwen2 `use_sliding_window: true` is not supported",
+                    format!(
+                        "{} `use_sliding_window: true` is not supported",
+                        architecture.hf_name()
+                    ),
                 ));
             }
             _ => None,
@@ -436,6 +464,7 @@ impl ModelConfig {
             tie_word_embeddings: get_bool(&v, "tie_word_embeddings", origin)?.unwrap_or(false),
             qkv_bias,
             o_bias,
+            qk_norm: architecture == Architecture::Qwen3,
             sliding_window,
         };
         cfg.check_sizes(origin)?;
@@ -526,6 +555,9 @@ impl ModelConfig {
         if self.o_bias {
             layer += c;
         }
+        if self.qk_norm {
+            layer += 2 * self.head_dim as u128;
+        }
         let head = if self.tie_word_embeddings { 0 } else { v * c };
         v * c + self.num_layers as u128 * layer + c + head
     }
@@ -578,6 +610,9 @@ impl ModelConfig {
         if self.o_bias {
             f.push("o bias".into());
         }
+        if self.qk_norm {
+            f.push("QK-norm".into());
+        }
         if self.tie_word_embeddings {
             f.push("tied embeddings".into());
         }
@@ -609,7 +644,15 @@ impl ModelConfig {
         });
         if self.architecture != Architecture::Qwen2 {
             v["attention_bias"] = Value::Bool(self.qkv_bias);
+        }
+        if matches!(
+            self.architecture,
+            Architecture::Llama | Architecture::Mistral
+        ) {
             v["mlp_bias"] = Value::Bool(false);
+        }
+        if self.architecture == Architecture::Qwen3 {
+            v["use_sliding_window"] = Value::Bool(false);
         }
         if self.architecture == Architecture::Mistral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
@@ -644,6 +687,9 @@ impl ModelConfig {
         }
         if self.o_bias {
             n += c;
+        }
+        if self.qk_norm {
+            n += 2 * self.head_dim;
         }
         n
     }

@@ -51,6 +51,11 @@ pub struct Workspace {
     dk: Vec<f32>,    // [N, NKV·HD] dL/d k
     dv: Vec<f32>,    // [N, NKV·HD] dL/d v
     ce: Vec<f32>,    // [CE_CHUNK_ROWS, V] one chunk of logits, then their gradients
+    // QK-norm only (else empty)
+    q_raw: Vec<f32>,  // [N, NH·HD] queries before their norm
+    k_raw: Vec<f32>,  // [N, NKV·HD] keys before their norm
+    rstd_q: Vec<f32>, // [N·NH]
+    rstd_k: Vec<f32>, // [N·NKV]
 }
 
 impl Workspace {
@@ -64,6 +69,7 @@ impl Workspace {
             cfg.intermediate_size,
         );
         let z = |len: usize| vec![0.0f32; len];
+        let qk = |len: usize| if cfg.qk_norm { z(len) } else { Vec::new() };
         Workspace {
             h1: z(n * c),
             rstd1: z(n),
@@ -89,6 +95,10 @@ impl Workspace {
             dk: z(n * kvd),
             dv: z(n * kvd),
             ce: Vec::new(),
+            q_raw: qk(n * qd),
+            k_raw: qk(n * kvd),
+            rstd_q: qk(n * cfg.num_heads),
+            rstd_k: qk(n * cfg.num_kv_heads),
         }
     }
 
@@ -119,6 +129,10 @@ impl Workspace {
             &self.dk,
             &self.dv,
             &self.ce,
+            &self.q_raw,
+            &self.k_raw,
+            &self.rstd_q,
+            &self.rstd_k,
         ]
         .iter()
         .map(|v| v.capacity())
@@ -162,8 +176,8 @@ impl Embedding {
     }
 }
 
-/// One decoder layer: RMSNorm → GQA attention with RoPE → residual → RMSNorm → SwiGLU MLP →
-/// residual.
+/// One decoder layer: RMSNorm → GQA attention with RoPE (after a per-head RMSNorm of q and k
+/// under QK-norm) → residual → RMSNorm → SwiGLU MLP → residual.
 #[derive(Debug, Clone)]
 pub struct DecoderBlock {
     pub(crate) c: usize,
@@ -181,6 +195,9 @@ pub struct DecoderBlock {
     pub(crate) bv: Option<usize>,
     pub(crate) wo: usize,
     pub(crate) bo: Option<usize>,
+    /// QK-norm weights `[hd]` of q and k.
+    pub(crate) qn: Option<usize>,
+    pub(crate) kn: Option<usize>,
     pub(crate) ln2: usize,
     pub(crate) wg: usize,
     pub(crate) wu: usize,
@@ -208,6 +225,8 @@ impl DecoderBlock {
             bv: opt_offset(unit, "self_attn.v_proj.bias", cfg.qkv_bias)?,
             wo: offset(unit, "self_attn.o_proj.weight")?,
             bo: opt_offset(unit, "self_attn.o_proj.bias", cfg.o_bias)?,
+            qn: opt_offset(unit, "self_attn.q_norm.weight", cfg.qk_norm)?,
+            kn: opt_offset(unit, "self_attn.k_norm.weight", cfg.qk_norm)?,
             ln2: offset(unit, "post_attention_layernorm.weight")?,
             wg: offset(unit, "mlp.gate_proj.weight")?,
             wu: offset(unit, "mlp.up_proj.weight")?,
@@ -247,8 +266,14 @@ impl DecoderBlock {
             self.eps,
         );
         let h1 = &ws.h1[..n * c];
+        // Under QK-norm the projections land in q_raw / k_raw and their norms write q / k.
+        let q_lin = if self.qn.is_some() {
+            &mut ws.q_raw[..n * qd]
+        } else {
+            &mut ws.q[..n * qd]
+        };
         ops::linear_fwd(
-            &mut ws.q[..n * qd],
+            q_lin,
             h1,
             w(self.wq, qd * c),
             self.bq.map(|o| w(o, qd)),
@@ -256,8 +281,13 @@ impl DecoderBlock {
             c,
             qd,
         );
+        let k_lin = if self.kn.is_some() {
+            &mut ws.k_raw[..n * kvd]
+        } else {
+            &mut ws.k[..n * kvd]
+        };
         ops::linear_fwd(
-            &mut ws.k[..n * kvd],
+            k_lin,
             h1,
             w(self.wk, kvd * c),
             self.bk.map(|o| w(o, kvd)),
@@ -265,6 +295,25 @@ impl DecoderBlock {
             c,
             kvd,
         );
+        if let (Some(qn), Some(kn)) = (self.qn, self.kn) {
+            let hd = self.hd;
+            ops::rmsnorm_fwd(
+                &mut ws.q[..n * qd],
+                &mut ws.rstd_q[..n * self.nh],
+                &ws.q_raw[..n * qd],
+                w(qn, hd),
+                hd,
+                self.eps,
+            );
+            ops::rmsnorm_fwd(
+                &mut ws.k[..n * kvd],
+                &mut ws.rstd_k[..n * self.nkv],
+                &ws.k_raw[..n * kvd],
+                w(kn, hd),
+                hd,
+                self.eps,
+            );
+        }
         ops::linear_fwd(
             &mut ws.v[..n * kvd],
             h1,
@@ -507,6 +556,32 @@ impl DecoderBlock {
         );
         rope.apply(&mut ws.dq[..n * qd], pos, self.nh, true);
         rope.apply(&mut ws.dk[..n * kvd], pos, self.nkv, true);
+        // QK-norm: dL/d q_raw and dL/d k_raw (through d_att, free now) replace dq and dk.
+        if let (Some(qn), Some(kn)) = (self.qn, self.kn) {
+            let hd = self.hd;
+            for (d, len, wn, raw, rstd) in [
+                (&mut ws.dq, n * qd, qn, &ws.q_raw, &ws.rstd_q[..n * self.nh]),
+                (
+                    &mut ws.dk,
+                    n * kvd,
+                    kn,
+                    &ws.k_raw,
+                    &ws.rstd_k[..n * self.nkv],
+                ),
+            ] {
+                ops::rmsnorm_bwd(
+                    &mut ws.d_att[..len],
+                    false,
+                    &mut g[wn..wn + hd],
+                    &d[..len],
+                    &raw[..len],
+                    w(wn, hd),
+                    rstd,
+                    hd,
+                );
+                d[..len].copy_from_slice(&ws.d_att[..len]);
+            }
+        }
         // dh1 = dq·Wq + dk·Wk + dv·Wv, with the weight and bias gradients.
         for (first, (wo, wl), bias, d) in [
             (

@@ -127,6 +127,10 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
     if c.o_bias {
         t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
     }
+    if c.qk_norm {
+        t.push((format!("{p}.self_attn.q_norm.weight"), vec![c.head_dim]));
+        t.push((format!("{p}.self_attn.k_norm.weight"), vec![c.head_dim]));
+    }
     t.extend([
         (format!("{p}.post_attention_layernorm.weight"), vec![h]),
         (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),

@@ -119,6 +119,7 @@ fn llama_like(
         tie_word_embeddings: tied,
         qkv_bias: arch == Architecture::Qwen2,
         o_bias: false,
+        qk_norm: false,
         sliding_window: None,
     }
 }
@@ -133,6 +134,28 @@ fn llama31(m: ModelConfig) -> ModelConfig {
             original_max_position_embeddings: 8192,
         },
         ..m
+    }
+}
+
+/// Qwen3 dense: QK-norm, 128-wide heads whatever the width, θ 1e6, eps 1e-6, 40960 positions.
+#[allow(clippy::too_many_arguments)]
+fn qwen3(h: usize, i: usize, l: usize, nh: usize, nkv: usize, tied: bool) -> ModelConfig {
+    ModelConfig {
+        head_dim: 128,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 40960,
+        qk_norm: true,
+        ..llama_like(
+            Architecture::Qwen3,
+            151936,
+            h,
+            i,
+            l,
+            nh,
+            nkv,
+            tied,
+            1000000.0,
+        )
     }
 }
 
@@ -158,6 +181,8 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "qwen2.5-14b" => llama_like(Qwen2, 152064, 5120, 13824, 48, 40, 8, false, 1000000.0),
         "qwen2.5-32b" => llama_like(Qwen2, 152064, 5120, 27648, 64, 40, 8, false, 1000000.0),
         "qwen2.5-72b" => llama_like(Qwen2, 152064, 8192, 29568, 80, 64, 8, false, 1000000.0),
+        "qwen3-8b" => qwen3(4096, 12288, 36, 32, 8, false),
+        "qwen3-32b" => qwen3(5120, 25600, 64, 64, 8, false),
         // Our own 120B configuration (MegaTrain reports a 120B model without publishing its
         // config): Llama-3 style, d = 12288, 74 layers.
         "llama-120b" => llama_like(Llama, 128256, 12288, 33792, 74, 96, 8, false, 500000.0),
@@ -166,7 +191,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 12] = [
+pub const MODELS: [&str; 14] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
@@ -178,6 +203,8 @@ pub const MODELS: [&str; 12] = [
     "qwen2.5-14b",
     "qwen2.5-32b",
     "qwen2.5-72b",
+    "qwen3-8b",
+    "qwen3-32b",
     "llama-120b",
 ];
 
@@ -200,6 +227,10 @@ mod tests {
             ("qwen2.5-14b", 14_770_033_664),
             ("qwen2.5-32b", 32_763_876_352),
             ("qwen2.5-72b", 72_706_203_648),
+            // Qwen3: the bf16 safetensors index's total_size / 2 (16 381 470 720 and
+            // 65 524 246 528 bytes).
+            ("qwen3-8b", 8_190_735_360),
+            ("qwen3-32b", 32_762_123_264),
         ] {
             let n = model(name).unwrap().num_params() as u64;
             assert_eq!(n, published, "{name}");

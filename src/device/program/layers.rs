@@ -38,6 +38,62 @@ fn linear_fwd<B: Backend>(
     Ok(())
 }
 
+/// A query or key projection of the normed input `h1` into `y`: under QK-norm (`norm`: the
+/// norm's weight offset, and the regions for the projection before it and its 1/rms) the
+/// projection lands in `raw` and the per-head RMSNorm writes `y`.
+#[allow(clippy::too_many_arguments)]
+fn qk_projection<B: Backend>(
+    be: &mut B,
+    blk: &DecoderBlock,
+    p: B::P,
+    y: B::P,
+    h1: B::P,
+    (wt, bias): (usize, Option<usize>),
+    norm: Option<(usize, B::P, B::P)>,
+    (n, heads): (usize, usize),
+) -> Result<()> {
+    let (c, hd) = (blk.c, blk.hd);
+    let w = |o: usize| B::off(p, o);
+    match norm {
+        None => linear_fwd(be, y, h1, w(wt), bias.map(w), n, c, heads * hd),
+        Some((wn, raw, rstd)) => {
+            linear_fwd(be, raw, h1, w(wt), bias.map(w), n, c, heads * hd)?;
+            be.rmsnorm_fwd(y, rstd, raw, w(wn), n * heads, hd, blk.eps)
+        }
+    }
+}
+
+/// dQ or dK `d` (fp32, after the attention backward) to what the projection's backward reads:
+/// RoPE⁻¹, then under QK-norm (`norm` as [`qk_projection`]'s) the norm's backward into the
+/// fp32 `scratch` (its weight gradient `+=` into `g`). Returns the GEMMs' operand
+/// ([`gemm_grad`], stored in `spare` under bf16) and its fp32 values for a bias gradient.
+#[allow(clippy::too_many_arguments)]
+fn qk_grad<B: Backend>(
+    be: &mut B,
+    blk: &DecoderBlock,
+    (p, g): (B::P, B::P),
+    d: B::P,
+    (scratch, spare): (B::P, B::P),
+    norm: Option<(usize, B::P, B::P)>,
+    bias: bool,
+    pos: B::Ids,
+    (n, heads): (usize, usize),
+) -> Result<(B::P, B::P)> {
+    let hd = blk.hd;
+    match norm {
+        None => Ok((
+            unrotated_gemm_grad(be, d, spare, bias, pos, n, heads, hd)?,
+            d,
+        )),
+        Some((wn, raw, rstd)) => {
+            be.rope(d, d, pos, n, heads, true)?;
+            let (w, gw) = (B::off(p, wn), B::off(g, wn));
+            be.rmsnorm_bwd(scratch, gw, d, raw, w, rstd, n * heads, hd, false)?;
+            Ok((gemm_grad(be, scratch, spare, n * heads * hd)?, scratch))
+        }
+    }
+}
+
 /// `dW += dyᵀ·x` over `rows` rows made of runs of `period` (see [`ops::weight_grad`]): in its
 /// fixed row blocks where the backend asks for them, else as one GEMM.
 #[allow(clippy::too_many_arguments)]
@@ -197,17 +253,15 @@ fn keys_values<B: Backend>(
     be.rmsnorm_fwd(h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
     // Under bf16 each is computed in the attention output's region (free until the queries
     // run), then stored: K by its RoPE, V by a cast.
-    for (dst, wt, bias, rope) in [(ws.k, blk.wk, blk.bk, true), (ws.v, blk.wv, blk.bv, false)] {
-        let dst = at.rows_of(stored(be, dst), kvd);
-        let y = computed_in(be, dst, ws.att);
-        linear_fwd(be, y, h1, w(wt), bias.map(w), n, c, kvd)?;
-        if rope {
-            be.rope(dst, y, at.pos, n, blk.nkv, false)?;
-        } else {
-            store(be, dst, y, n * kvd)?;
-        }
-    }
-    Ok(())
+    let k = at.rows_of(stored(be, ws.k), kvd);
+    let y = computed_in(be, k, ws.att);
+    let norm = blk.kn.map(|o| (o, ws.k_raw, ws.rstd_k));
+    qk_projection(be, blk, p, y, h1, (blk.wk, blk.bk), norm, (n, blk.nkv))?;
+    be.rope(k, y, at.pos, n, blk.nkv, false)?;
+    let v = at.rows_of(stored(be, ws.v), kvd);
+    let y = computed_in(be, v, ws.att);
+    linear_fwd(be, y, h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
+    store(be, v, y, n * kvd)
 }
 
 /// The region at `p` as the recipe stores an activation that only GEMMs and attention read
@@ -259,7 +313,8 @@ fn query_internals<B: Backend>(
     // by their RoPE.
     let q = stored(be, ws.q);
     let y = computed_in(be, q, ws.att);
-    linear_fwd(be, y, h1, w(blk.wq), blk.bq.map(w), n, c, qd)?;
+    let norm = blk.qn.map(|o| (o, ws.q_raw, ws.rstd_q));
+    qk_projection(be, blk, p, y, h1, (blk.wq, blk.bq), norm, (n, blk.nh))?;
     be.rope(q, y, at.pos, n, blk.nh, false)?;
     let (k, v) = sequence_keys_values(be, blk, ws, at);
     let seq_pos = B::ids_off(pos, at.seq0);
@@ -387,15 +442,26 @@ pub fn block_bwd<B: Backend>(
             at.attn,
         )?;
         // Under bf16 the GEMMs read dQ stored where dO was (read by the attention backward).
-        let (bq, hd) = (blk.bq.is_some(), blk.hd);
-        let dq = unrotated_gemm_grad(be, ws.dq, ws.d_att, bq, at.pos, n, blk.nh, hd)?;
+        let norm = blk.qn.map(|o| (o, ws.q_raw, ws.rstd_q));
+        let (bq, pq) = (blk.bq.is_some(), (p, g));
+        let (dq, dq32) = qk_grad(
+            be,
+            blk,
+            pq,
+            ws.dq,
+            (ws.d_raw, ws.d_att),
+            norm,
+            bq,
+            at.pos,
+            (n, blk.nh),
+        )?;
         // dh1 = dq·Wq (+ dk·Wk + dv·Wv in pass three), kept where this chunk's dy was.
         linear_bwd(
             be,
             dy,
             false,
             gw(blk.wq),
-            blk.bq.map(|o| (gw(o), ws.dq)),
+            blk.bq.map(|o| (gw(o), dq32)),
             dq,
             stored(be, ws.h1),
             w(blk.wq),
@@ -414,11 +480,28 @@ pub fn block_bwd<B: Backend>(
             be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
         }
         // Under bf16 the GEMMs read dK and dV stored where dO and dQ were (free now, and in
-        // the workspace: kept internals are read-only here).
-        let (bk, hd) = (blk.bk.is_some(), blk.hd);
-        let dk16 = unrotated_gemm_grad(be, dk, ws.d_att, bk, at.pos, n, blk.nkv, hd)?;
+        // the workspace: kept internals are read-only here). QK-norm's backward needs the
+        // chunk's keys before their norm (recomputed, unless kept; the recomputed norm's output
+        // is not needed: written to d_raw, which the backward then overwrites).
+        let norm = blk.kn.map(|o| (o, ws.k_raw, ws.rstd_k));
+        if let (Some((kn, raw, rstd)), true) = (norm, recompute) {
+            linear_fwd(be, raw, h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
+            be.rmsnorm_fwd(ws.d_raw, rstd, raw, w(kn), n * blk.nkv, blk.hd, blk.eps)?;
+        }
+        let (bk, pk) = (blk.bk.is_some(), (p, g));
+        let (dk16, dk32) = qk_grad(
+            be,
+            blk,
+            pk,
+            dk,
+            (ws.d_raw, ws.d_att),
+            norm,
+            bk,
+            at.pos,
+            (n, blk.nkv),
+        )?;
         let dv16 = gemm_grad(be, dv, ws.dq, n * kvd)?;
-        for (wo, bias, d32, d) in [(blk.wk, blk.bk, dk, dk16), (blk.wv, blk.bv, dv, dv16)] {
+        for (wo, bias, d32, d) in [(blk.wk, blk.bk, dk32, dk16), (blk.wv, blk.bv, dv, dv16)] {
             linear_bwd(
                 be,
                 dy,

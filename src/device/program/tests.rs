@@ -24,6 +24,19 @@ fn model_with(tied: bool, bias: bool) -> ModelConfig {
     .unwrap()
 }
 
+/// A Qwen3 block (QK-norm) with heads of 10 where hidden / heads is 8, with or without biases.
+fn qwen3(bias: bool) -> ModelConfig {
+    ModelConfig::from_json_str(
+        &format!(
+            r#"{{"architectures":["Qwen3ForCausalLM"],"hidden_size":48,"intermediate_size":80,
+            "num_hidden_layers":2,"num_attention_heads":6,"num_key_value_heads":2,"head_dim":10,
+            "vocab_size":53,"attention_bias":{bias},"tie_word_embeddings":false}}"#
+        ),
+        "t",
+    )
+    .unwrap()
+}
+
 /// What one program run produced: block output, gradients and dx; head gradients, dx and loss.
 struct Outputs {
     y: Vec<f32>,
@@ -52,12 +65,8 @@ struct Case {
 }
 
 impl Case {
-    /// Sequence 0 one flat document; the others documents of `docs` tokens (summing to `t`).
-    fn new(b: usize, t: usize, docs: &[usize]) -> Self {
-        Self::of(model(false), b, t, docs)
-    }
-
-    /// [`Self::new`] for the model `cfg`.
+    /// The model `cfg` over `b`×`t` tokens: sequence 0 one flat document; the others
+    /// documents of `docs` tokens (summing to `t`).
     fn of(cfg: ModelConfig, b: usize, t: usize, docs: &[usize]) -> Self {
         let layout = StateLayout::new(&cfg, Mode::Exact);
         let tm = Templates::new(&layout.config, t).unwrap();
@@ -228,11 +237,14 @@ fn assert_same(got: &Outputs, want: &Outputs, what: &str) {
 #[test]
 fn program_matches_the_reference_layers_bit_for_bit() {
     // 300 rows: two cross-entropy chunks; one flat sequence, one of three documents.
-    let case = Case::new(2, 150, &[60, 1, 89]);
-    let want = case.reference();
-    assert_same(&case.program(Shape::whole(2, 150), false), &want, "whole");
-    // Internals kept by the forward instead of recomputed: the same bits.
-    assert_same(&case.program(Shape::whole(2, 150), true), &want, "kept");
+    // Also a Qwen3 block: QK-norm, head_dim ≠ hidden / heads.
+    for cfg in [model(false), qwen3(true)] {
+        let case = Case::of(cfg, 2, 150, &[60, 1, 89]);
+        let want = case.reference();
+        assert_same(&case.program(Shape::whole(2, 150), false), &want, "whole");
+        // Internals kept by the forward instead of recomputed: the same bits.
+        assert_same(&case.program(Shape::whole(2, 150), true), &want, "kept");
+    }
 }
 
 /// Token chunks give the same bits as the whole micro-batch at once: chunks of one and of both
@@ -240,11 +252,13 @@ fn program_matches_the_reference_layers_bit_for_bit() {
 /// with documents crossing chunk boundaries.
 #[test]
 fn every_chunking_gives_the_same_bits() {
-    for (b, t, docs) in [
-        (2usize, 513usize, &[255usize, 3, 254, 1][..]),
-        (3, 700, &[1, 300, 399][..]),
+    for (b, t, docs, qk_norm) in [
+        (2usize, 513usize, &[255usize, 3, 254, 1][..], false),
+        (3, 700, &[1, 300, 399][..], false),
+        (2, 513, &[255, 3, 254, 1][..], true),
     ] {
-        let case = Case::new(b, t, docs);
+        let cfg = if qk_norm { qwen3(false) } else { model(false) };
+        let case = Case::of(cfg, b, t, docs);
         let want = case.reference();
         let mut chunks = vec![b * t, 2 * t, t];
         chunks.extend((1..t.div_ceil(CHUNK_ALIGN)).map(|k| k * CHUNK_ALIGN));
@@ -265,8 +279,13 @@ fn every_chunking_gives_the_same_bits() {
 #[test]
 fn bf16_program_gives_the_same_bits_in_every_chunking() {
     let (b, t) = (2, 513);
-    for bias in [true, false] {
-        let case = Case::of(model_with(false, bias), b, t, &[255, 3, 254, 1]);
+    for (bias, qk_norm) in [(true, false), (false, false), (true, true), (false, true)] {
+        let cfg = if qk_norm {
+            qwen3(bias)
+        } else {
+            model_with(false, bias)
+        };
+        let case = Case::of(cfg, b, t, &[255, 3, 254, 1]);
         let whole = Shape::whole(b, t);
         let want = case.program_in(whole, false, Precision::Bf16);
         assert_ne!(
@@ -279,7 +298,11 @@ fn bf16_program_gives_the_same_bits_in_every_chunking() {
         for chunk in [t, 256, 512] {
             let s = Shape::chunked(b, t, chunk).unwrap();
             let got = case.program_in(s, false, Precision::Bf16);
-            assert_same(&got, &want, &format!("bias {bias}, chunk {chunk}"));
+            assert_same(
+                &got,
+                &want,
+                &format!("bias {bias}, QK-norm {qk_norm}, chunk {chunk}"),
+            );
         }
     }
 }

@@ -83,6 +83,17 @@ pub struct Ws<P> {
     pub ce: P,
     /// `[N]` per-row cross-entropy loss.
     pub losses: P,
+    /// QK-norm (else empty): `[M, nh·hd]` the queries before their norm.
+    pub q_raw: P,
+    /// QK-norm: `[M, nkv·hd]` the chunk's keys before their norm.
+    pub k_raw: P,
+    /// QK-norm: `[M·nh]` the query norms' 1/rms per row and head.
+    pub rstd_q: P,
+    /// QK-norm: `[M·nkv]` the key norms' 1/rms.
+    pub rstd_k: P,
+    /// QK-norm: `[M, nh·hd]` dL/d q_raw, then dL/d k_raw (fp32, for the projections'
+    /// backward).
+    pub d_raw: P,
 }
 
 impl Ws<usize> {
@@ -102,6 +113,7 @@ impl Ws<usize> {
         let mh = m.max(ce_rows);
         let mut regions = Regions::default();
         let half = |len: usize| words(len, stored);
+        let qk = |len: usize| if cfg.qk_norm { len } else { 0 };
         let mut take = |len: usize| regions.take(len);
         let ws = Ws {
             h1: take(half(mh * c)),
@@ -128,6 +140,11 @@ impl Ws<usize> {
             dv: take(n * kvd),
             ce: take(ce_rows * cfg.vocab_size),
             losses: take(n),
+            q_raw: take(qk(m * qd)),
+            k_raw: take(qk(m * kvd)),
+            rstd_q: take(qk(m * cfg.num_heads)),
+            rstd_k: take(qk(m * cfg.num_kv_heads)),
+            d_raw: take(qk(m * qd)),
         };
         (ws, regions.end)
     }
@@ -160,13 +177,19 @@ impl Ws<usize> {
             dv: f(self.dv),
             ce: f(self.ce),
             losses: f(self.losses),
+            q_raw: f(self.q_raw),
+            k_raw: f(self.k_raw),
+            rstd_q: f(self.rstd_q),
+            rstd_k: f(self.rstd_k),
+            d_raw: f(self.d_raw),
         }
     }
 }
 
 /// A block's forward internals kept for its backward ([`crate::engine::Activations::Keep`]):
 /// offsets, for `n` tokens (the whole micro-batch), of the [`Ws`] regions the forward writes
-/// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act — in one
+/// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act, and
+/// under QK-norm q_raw, k_raw, rstd_q, rstd_k — in one
 /// buffer of [`internals_len`] 4-byte words; the stored ones (h1, q, k, v, h2, act) as
 /// [`Ws::layout`] holds them.
 #[derive(Debug, Clone, Copy)]
@@ -184,6 +207,10 @@ struct Internals {
     gate: usize,
     up: usize,
     act: usize,
+    q_raw: usize,
+    k_raw: usize,
+    rstd_q: usize,
+    rstd_k: usize,
 }
 
 impl Internals {
@@ -194,6 +221,7 @@ impl Internals {
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
+        let qk = |len: usize| if cfg.qk_norm { len } else { 0 };
         let mut regions = Regions::default();
         let mut take = |len: usize| regions.take(len);
         let r = Internals {
@@ -210,6 +238,10 @@ impl Internals {
             gate: take(n * i),
             up: take(n * i),
             act: take(words(n * i, stored)),
+            q_raw: take(qk(n * qd)),
+            k_raw: take(qk(n * kvd)),
+            rstd_q: take(qk(n * cfg.num_heads)),
+            rstd_k: take(qk(n * cfg.num_kv_heads)),
         };
         (r, regions.end)
     }
@@ -256,6 +288,10 @@ impl<P: Copy> Ws<P> {
             gate: f(r.gate),
             up: f(r.up),
             act: f(r.act),
+            q_raw: f(r.q_raw),
+            k_raw: f(r.k_raw),
+            rstd_q: f(r.rstd_q),
+            rstd_k: f(r.rstd_k),
             ..*self
         }
     }

@@ -151,3 +151,55 @@ fn hf_json_round_trips() {
     let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
     assert_eq!(back, c);
 }
+
+/// Qwen3-8B's config.json as published: QK-norm, heads of 128 whatever the width, all layers
+/// full attention; a sliding-window layer or `use_sliding_window` is refused by name; the
+/// export is read back the same.
+#[test]
+fn qwen3_8b_has_qk_norm_and_counts_8_19b_params() {
+    let q3 = r#"{"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+      "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+      "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+      "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
+      "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+      "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": null,
+      "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false,
+      "vocab_size": 151936}"#;
+    let c = ModelConfig::from_json_str(q3, "q3").unwrap();
+    assert!(c.qk_norm && !c.qkv_bias && !c.o_bias && c.sliding_window.is_none());
+    assert_eq!(c.architecture, Architecture::Qwen3);
+    assert_eq!((c.head_dim, c.q_dim()), (128, 4096));
+    // The bf16 safetensors index's total_size (16 381 470 720 bytes) / 2.
+    assert_eq!(c.num_params(), 8_190_735_360);
+    assert!(c.features().iter().any(|f| f == "QK-norm"));
+    let back = ModelConfig::from_json_str(&c.to_hf_json(), "export").unwrap();
+    assert_eq!(back, c);
+    // Llama-family configs have no QK-norm.
+    assert!(!ModelConfig::from_json_str(LLAMA3_8B, "l").unwrap().qk_norm);
+    for (from, to, named) in [
+        (
+            "\"use_sliding_window\": false",
+            "\"use_sliding_window\": true",
+            "use_sliding_window",
+        ),
+        (
+            "\"max_window_layers\": 36,",
+            "\"layer_types\": [\"full_attention\", \"sliding_attention\"],",
+            "sliding_attention",
+        ),
+        (
+            "\"max_window_layers\": 36,",
+            "\"layer_types\": \"full_attention\",",
+            "not a list",
+        ),
+    ] {
+        let e = ModelConfig::from_json_str(&q3.replace(from, to), "q3").unwrap_err();
+        assert!(e.to_string().contains(named), "{e}");
+    }
+    let ok = q3.replace(
+        "\"max_window_layers\": 36,",
+        "\"layer_types\": [\"full_attention\", \"full_attention\"],",
+    );
+    assert!(ModelConfig::from_json_str(&ok, "q3").is_ok());
+}
