@@ -264,5 +264,8 @@ fn step_matrix_reports_each_variant() {
     }
     let bad = run(&["bad:1:1:--no-such-flag"]);
     let matrix = std::fs::read_to_string(out_dir.path().join("matrix.md")).unwrap();
-    assert!(!bad.status.success() && matrix.contains("| bad |"), "{matrix}");
+    assert!(
+        !bad.status.success() && matrix.contains("| bad |"),
+        "{matrix}"
+    );
 }
