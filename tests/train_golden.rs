@@ -394,6 +394,12 @@ fn bf16_grad_accumulation() {
 fn bf16_gradients_on_the_link() {
     check("bf16_grad_link");
 }
+/// Qwen3's QK-norm under the bf16 recipe: the norms in fp32 on the projections' fp32 output,
+/// Q and K rounded once after RoPE.
+#[test]
+fn bf16_qwen3_qk_norm() {
+    check("bf16_qwen3");
+}
 
 /// The same cases on the CUDA device.
 #[cfg(feature = "cuda")]
@@ -446,6 +452,10 @@ mod cuda {
     #[test]
     fn bf16_gqa_with_random_stream_delays() {
         check_on("bf16_gqa", On::Cuda { delays: true });
+    }
+    #[test]
+    fn bf16_qwen3_qk_norm() {
+        check_on("bf16_qwen3", On::Cuda { delays: false });
     }
     #[test]
     fn bf16_tied() {

@@ -10,7 +10,10 @@ megatrain's bf16 recipe (docs/precision.md) over an fp32 master:
     sums), db = Σ dy;
   - attention takes Q and K after RoPE and V rounded to bf16 (round to nearest even, as the
     device stores them), and the gradient of its output rounded to bf16; softmax, its statistics
-    and every other op (norms, SwiGLU, residual adds, cross-entropy) are fp32.
+    and every other op (norms, SwiGLU, residual adds, cross-entropy) are fp32;
+  - Qwen3's QK-norm is fp32 between the projection's fp32 output and RoPE (its weights used as
+    their high plane, as every norm's), so Q and K are rounded once, after RoPE: the backward runs
+    RoPE⁻¹ and the norm's backward in fp32 and rounds dq/dk to bf16 only for the projection's GEMMs.
 
 Data, loss and optimizer semantics are tools/golden_train.py's. A case with grad_link "bf16"
 (`--grad-link bf16`) rounds each micro-batch's gradients to bf16 (nearest even, as the device
@@ -27,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.models.llama import modeling_llama
+from transformers.models.qwen3 import modeling_qwen3
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import golden_train  # noqa: E402
@@ -38,6 +42,9 @@ CASES = {
     "bf16_accum": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1),
     "bf16_grad_link": dict(heads=4, kv=2, tied=True, B=2, T=12, M=3, steps=3, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
                            grad_link="bf16"),
+    # tools/golden_train.py's "qwen3" (QK-norm, head_dim 12) under the bf16 recipe.
+    "bf16_qwen3": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                       model_type="qwen3", head_dim=12),
 }
 
 
@@ -149,6 +156,9 @@ def install_recipe():
     nn.Linear.forward = linear_forward
     nn.Embedding.forward = embedding_forward
     modeling_llama.LlamaRMSNorm.forward = rmsnorm_forward
+    # Qwen3's own norm class: the blocks' and final norms, and q_norm/k_norm (which Qwen3Attention
+    # applies to the fp32 projection output before RoPE; Q and K reach `bf16_attention` in fp32).
+    modeling_qwen3.Qwen3RMSNorm.forward = rmsnorm_forward
     AttentionInterface.register("megatrain_bf16", bf16_attention)
 
 
