@@ -59,14 +59,15 @@ __device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ src,
 
 // The first key query i of sequence b attends to.
 __device__ __forceinline__ int first_key(const unsigned* __restrict__ pos, long long b, int t,
-                                         int i) {
-    return i - (int)pos[b * t + i];
+                                         int window, int i) {
+    const int doc = i - (int)pos[b * t + i];
+    return window > 0 ? max(doc, i + 1 - window) : doc;
 }
 
 template <typename I, typename O>
 __device__ void attention_fwd(O* __restrict__ out, float* __restrict__ lse,
                               const I* __restrict__ q, const I* __restrict__ k,
-                              const I* __restrict__ v, const unsigned* __restrict__ pos, int t,
+                              const I* __restrict__ v, const unsigned* __restrict__ pos, int t, int window,
                               int q0, int q1, int nh, int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;              // [tile, hd]
@@ -88,8 +89,8 @@ __device__ void attention_fwd(O* __restrict__ out, float* __restrict__ lse,
     }
     float m = NEG_INF, l = 0.0f;
     const int last = min(first + ROWS, q1) - 1;  // the block's last query row
-    const int lo = live ? first_key(pos, b, t, i) : 0;
-    const int j_begin = first_key(pos, b, t, first) / tile * tile;  // the block's lowest
+    const int lo = live ? first_key(pos, b, t, window, i) : 0;
+    const int j_begin = first_key(pos, b, t, window, first) / tile * tile;  // the block's lowest
     for (int j0 = j_begin; j0 <= last; j0 += tile) {
         __syncthreads();
         load_tile(ks, k, b, 0, t, nkv, g, hd, j0, tile);
@@ -128,7 +129,7 @@ __device__ void attention_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
                                  const I* __restrict__ dout, const O* __restrict__ out,
                                  const I* __restrict__ q, const I* __restrict__ k,
                                  const I* __restrict__ v, const float* __restrict__ lse,
-                                 const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
+                                 const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
                                  int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* ks = smem;
@@ -161,8 +162,8 @@ __device__ void attention_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
         acc[x] = 0.0f;
     }
     const int last = min(first + ROWS, q1) - 1;
-    const int lo = live ? first_key(pos, b, t, i) : 0;
-    const int j_begin = first_key(pos, b, t, first) / tile * tile;
+    const int lo = live ? first_key(pos, b, t, window, i) : 0;
+    const int j_begin = first_key(pos, b, t, window, first) / tile * tile;
     for (int j0 = j_begin; j0 <= last; j0 += tile) {
         __syncthreads();
         load_tile(ks, k, b, 0, t, nkv, g, hd, j0, tile);
@@ -197,7 +198,7 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
                                  const I* __restrict__ dout, const I* __restrict__ q,
                                  const I* __restrict__ k, const I* __restrict__ v,
                                  const float* __restrict__ lse, const float* __restrict__ delta,
-                                 const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
+                                 const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
                                  int nkv, int hd, int tile, float scale) {
     extern __shared__ float smem[];
     float* qs = smem;                       // [tile, hd]
@@ -227,7 +228,7 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
     const int last = min(first + ROWS, q1) - 1;  // the block's last key row
     for (int h = g * group; h < (g + 1) * group; h++) {
         // Queries past the block's last key's document see none of its keys: stop there.
-        for (int i0 = max(first, q0); i0 < q1 && first_key(pos, b, t, i0) <= last; i0 += tile) {
+        for (int i0 = max(first, q0); i0 < q1 && first_key(pos, b, t, window, i0) <= last; i0 += tile) {
             __syncthreads();
             load_tile(qs, q, b, q0, nq, nh, h, hd, i0, tile);
             load_tile(ds_, dout, b, q0, nq, nh, h, hd, i0, tile);
@@ -235,7 +236,7 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
                 const int row = i0 + r;
                 ls[r] = row < q1 ? lse[(b * nh + h) * nq + row - q0] : 0.0f;
                 dls[r] = row < q1 ? delta[(b * nh + h) * nq + row - q0] : 0.0f;
-                los[r] = row < q1 ? first_key(pos, b, t, row) : t;
+                los[r] = row < q1 ? first_key(pos, b, t, window, row) : t;
             }
             __syncthreads();
             if (!live) continue;
@@ -268,26 +269,26 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
 
 #define ATTENTION(name, I, O)                                                                     \
     extern "C" __global__ void attention_fwd_##name(O* out, float* lse, const I* q, const I* k,  \
-                                                    const I* v, const unsigned* pos, int t,     \
+                                                    const I* v, const unsigned* pos, int t, int window,     \
                                                     int q0, int q1, int nh, int nkv, int hd,    \
                                                     int tile, float scale) {                    \
-        attention_fwd<I, O>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, hd, tile, scale);       \
+        attention_fwd<I, O>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, hd, tile, scale);       \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_##name(O* dq, float* delta, const I* dout,          \
                                                     const O* out, const I* q, const I* k,       \
                                                     const I* v, const float* lse,               \
-                                                    const unsigned* pos, int t, int q0, int q1, \
+                                                    const unsigned* pos, int t, int window, int q0, int q1, \
                                                     int nh, int nkv, int hd, int tile,          \
                                                     float scale) {                              \
-        attention_bwd_dq<I, O>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv, hd, \
+        attention_bwd_dq<I, O>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1, nh, nkv, hd, \
                                tile, scale);                                                    \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_kv_##name(O* dk, O* dv, const I* dout, const I* q,  \
                                                        const I* k, const I* v, const float* lse, \
                                                        const float* delta, const unsigned* pos,  \
-                                                       int t, int q0, int q1, int nh, int nkv,   \
+                                                       int t, int window, int q0, int q1, int nh, int nkv,   \
                                                        int hd, int tile, float scale) {          \
-        attention_bwd_kv<I, O>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv, hd,  \
+        attention_bwd_kv<I, O>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1, nh, nkv, hd,  \
                                tile, scale);                                                    \
     }
 

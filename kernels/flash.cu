@@ -169,8 +169,9 @@ __device__ __forceinline__ float quad_max(float v) {
 
 // The first key query i of sequence b attends to.
 __device__ __forceinline__ int first_key(const unsigned* __restrict__ pos, long long b, int t,
-                                         int i) {
-    return i - (int)pos[b * t + i];
+                                         int window, int i) {
+    const int doc = i - (int)pos[b * t + i];
+    return window > 0 ? max(doc, i + 1 - window) : doc;
 }
 
 // One query row of a lane: its index, whether it exists, its first key.
@@ -180,10 +181,10 @@ struct QueryRow {
     __device__ bool sees(int j) const { return live && j >= lo && j <= i; }
 };
 
-__device__ __forceinline__ QueryRow query_row(const unsigned* pos, long long b, int t, int q1,
+__device__ __forceinline__ QueryRow query_row(const unsigned* pos, long long b, int t, int window, int q1,
                                               int i) {
     const bool live = i < q1;
-    return QueryRow{i, live ? first_key(pos, b, t, i) : t, live};
+    return QueryRow{i, live ? first_key(pos, b, t, window, i) : t, live};
 }
 
 // Rows of one head and sequence in a [B, nq, NH, HD] tensor holding queries q0 … q0+nq−1.
@@ -217,7 +218,7 @@ struct QueryBlock {
 };
 
 template <int HD>
-__device__ __forceinline__ QueryBlock<HD> query_block(const unsigned* __restrict__ pos, int t,
+__device__ __forceinline__ QueryBlock<HD> query_block(const unsigned* __restrict__ pos, int t, int window,
                                                       int q0, int q1, int nh, int nkv) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     QueryBlock<HD> qb;
@@ -229,9 +230,9 @@ __device__ __forceinline__ QueryBlock<HD> query_block(const unsigned* __restrict
     qb.w0 = qb.first + warp * 16;
     qb.warp_live = qb.w0 < q1;
     qb.w_last = min(qb.w0 + 15, q1 - 1);
-    qb.w_lo = qb.warp_live ? first_key(pos, qb.b, t, qb.w0) : t;
-    qb.rows[0] = query_row(pos, qb.b, t, q1, qb.w0 + (lane >> 2));
-    qb.rows[1] = query_row(pos, qb.b, t, q1, qb.w0 + (lane >> 2) + 8);
+    qb.w_lo = qb.warp_live ? first_key(pos, qb.b, t, window, qb.w0) : t;
+    qb.rows[0] = query_row(pos, qb.b, t, window, q1, qb.w0 + (lane >> 2));
+    qb.rows[1] = query_row(pos, qb.b, t, window, q1, qb.w0 + (lane >> 2) + 8);
     qb.at = HeadRows<HD>{qb.b, q1 - q0, q0, nh, qb.h};
     return qb;
 }
@@ -256,14 +257,14 @@ __device__ __forceinline__ void store_rows(T* ra, T* rb, const float c[HD / 8][4
 template <typename I, typename O, int HD>
 __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I* __restrict__ q,
                           const I* __restrict__ k, const I* __restrict__ v,
-                          const unsigned* __restrict__ pos, int t, int q0, int q1, int nh, int nkv,
+                          const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh, int nkv,
                           float scale) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [FWD_KEYS, HD] bf16
     unsigned* vs = ks + FWD_KEYS * W;                    // [FWD_KEYS, HD] bf16
     const int tig = (threadIdx.x % WARP) & 3;
-    const QueryBlock<HD> qb = query_block<HD>(pos, t, q0, q1, nh, nkv);
+    const QueryBlock<HD> qb = query_block<HD>(pos, t, window, q0, q1, nh, nkv);
     const long long b = qb.b;
     const int h = qb.h, g = qb.g, nq = q1 - q0, first = qb.first, last = qb.last;
     const bool warp_live = qb.warp_live;
@@ -276,7 +277,7 @@ __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I*
 #pragma unroll
     for (int nd = 0; nd < HD / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    const int j_begin = first_key(pos, b, t, first) / FWD_KEYS * FWD_KEYS;
+    const int j_begin = first_key(pos, b, t, window, first) / FWD_KEYS * FWD_KEYS;
     for (int j0 = j_begin; j0 <= last; j0 += FWD_KEYS) {
         __syncthreads();
         // Keys past q1 are seen by no query of the range: zeros, never read.
@@ -346,14 +347,14 @@ __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
                              const I* __restrict__ dout, const O* __restrict__ out,
                              const I* __restrict__ q, const I* __restrict__ k,
                              const I* __restrict__ v, const float* __restrict__ lse,
-                             const unsigned* __restrict__ pos, int t, int q0, int q1, int nh,
+                             const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
                              int nkv, float scale) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [DQ_KEYS, HD] bf16
     unsigned* vs = ks + DQ_KEYS * W;                     // [DQ_KEYS, HD] bf16
     const int tig = (threadIdx.x % WARP) & 3;
-    const QueryBlock<HD> qb = query_block<HD>(pos, t, q0, q1, nh, nkv);
+    const QueryBlock<HD> qb = query_block<HD>(pos, t, window, q0, q1, nh, nkv);
     const long long b = qb.b;
     const int h = qb.h, g = qb.g, nq = q1 - q0, first = qb.first, last = qb.last;
     const bool warp_live = qb.warp_live;
@@ -380,7 +381,7 @@ __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
     float acc[HD / 8][4];
 #pragma unroll
     for (int nd = 0; nd < HD / 8; nd++) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
-    const int j_begin = first_key(pos, b, t, first) / DQ_KEYS * DQ_KEYS;
+    const int j_begin = first_key(pos, b, t, window, first) / DQ_KEYS * DQ_KEYS;
     for (int j0 = j_begin; j0 <= last; j0 += DQ_KEYS) {
         __syncthreads();
         load_tile<I, HD>(ks, k, b, 0, t, nkv, g, j0, DQ_KEYS, q1);
@@ -425,7 +426,7 @@ __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __
                              const I* __restrict__ q, const I* __restrict__ k,
                              const I* __restrict__ v, const float* __restrict__ lse,
                              const float* __restrict__ delta, const unsigned* __restrict__ pos,
-                             int t, int q0, int q1, int nh, int nkv, float scale) {
+                             int t, int window, int q0, int q1, int nh, int nkv, float scale) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* kb = reinterpret_cast<unsigned*>(smem);  // [FLASH_ROWS, HD] the block's keys
@@ -455,7 +456,7 @@ __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __
     for (int h = g * group; h < (g + 1) * group; h++) {
         // Queries before the block's first key see none of it, nor do those past its last key's
         // document.
-        for (int i0 = max(first, q0); i0 < q1 && first_key(pos, b, t, i0) <= last;
+        for (int i0 = max(first, q0); i0 < q1 && first_key(pos, b, t, window, i0) <= last;
              i0 += KV_QUERIES) {
             __syncthreads();
             load_tile<I, HD>(qs, q, b, q0, nq, nh, h, i0, KV_QUERIES, q1);
@@ -465,7 +466,7 @@ __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __
                 const bool live = row < q1;
                 ls[r] = live ? lse[(b * nh + h) * nq + row - q0] : 0.0f;
                 dls[r] = live ? delta[(b * nh + h) * nq + row - q0] : 0.0f;
-                los[r] = live ? first_key(pos, b, t, row) : t;
+                los[r] = live ? first_key(pos, b, t, window, row) : t;
             }
             __syncthreads();
             // Warp-uniform: every query of the tile is before the warp's keys, or starts its
@@ -524,22 +525,22 @@ static_assert(FWD_KEYS % 16 == 0 && DQ_KEYS % 16 == 0 && KV_QUERIES % 16 == 0,
 #define FLASH(HD, name, I, O)                                                                    \
     extern "C" __global__ void flash##HD##_fwd_##name(O* out, float* lse, const I* q,            \
                                                       const I* k, const I* v,                   \
-                                                      const unsigned* pos, int t, int q0,       \
+                                                      const unsigned* pos, int t, int window, int q0,       \
                                                       int q1, int nh, int nkv, float scale) {   \
-        flash_fwd<I, O, HD>(out, lse, q, k, v, pos, t, q0, q1, nh, nkv, scale);                  \
+        flash_fwd<I, O, HD>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, scale);                  \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_##name(                                           \
         O* dq, float* delta, const I* dout, const O* out, const I* q, const I* k, const I* v,   \
-        const float* lse, const unsigned* pos, int t, int q0, int q1, int nh, int nkv,          \
+        const float* lse, const unsigned* pos, int t, int window, int q0, int q1, int nh, int nkv,          \
         float scale) {                                                                           \
-        flash_bwd_dq<I, O, HD>(dq, delta, dout, out, q, k, v, lse, pos, t, q0, q1, nh, nkv,      \
+        flash_bwd_dq<I, O, HD>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1, nh, nkv,      \
                                scale);                                                           \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_kv_##name(                                        \
         O* dk, O* dv, const I* dout, const I* q, const I* k, const I* v, const float* lse,      \
-        const float* delta, const unsigned* pos, int t, int q0, int q1, int nh, int nkv,        \
+        const float* delta, const unsigned* pos, int t, int window, int q0, int q1, int nh, int nkv,        \
         float scale) {                                                                           \
-        flash_bwd_kv<I, O, HD>(dk, dv, dout, q, k, v, lse, delta, pos, t, q0, q1, nh, nkv,       \
+        flash_bwd_kv<I, O, HD>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1, nh, nkv,       \
                                scale);                                                           \
     }
 

@@ -232,6 +232,20 @@ fn qwen3_qk_norm() {
     check_case("qwen3");
 }
 
+/// Mistral with a sliding window of 7 over 40 tokens: every query from the 8th on sees only
+/// its window.
+#[test]
+fn mistral_sliding_window() {
+    check_case("mistral_window");
+}
+
+/// Qwen2 with `use_sliding_window` and `max_window_layers` 1: layer 0 full, layer 1 a window of
+/// 5 over 50 tokens.
+#[test]
+fn qwen2_window_on_some_layers() {
+    check_case("qwen2_window");
+}
+
 /// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding
 /// (tools/golden_rope.py): the angle is one fp32 product as there, so the tables agree to the
 /// last bits of cos/sin (two libraries' fp32 cos/sin of the same argument).

@@ -365,6 +365,11 @@ fn llama31_rope_scaling() {
 fn yarn_rope_scaling() {
     check("yarn");
 }
+/// Mistral with a sliding window of 6 over rows of 20 tokens.
+#[test]
+fn mistral_sliding_window() {
+    check("mistral_window");
+}
 /// Qwen3 (QK-norm, head_dim 12 ≠ 32 / 4) from transformers 5's own checkpoint.
 #[test]
 fn qwen3_qk_norm() {
@@ -426,6 +431,10 @@ mod cuda {
     #[test]
     fn qwen3_qk_norm() {
         check_on("qwen3", On::Cuda { delays: false });
+    }
+    #[test]
+    fn mistral_sliding_window_with_random_stream_delays() {
+        check_on("mistral_window", On::Cuda { delays: true });
     }
     #[test]
     fn yarn_rope_scaling_with_random_stream_delays() {

@@ -11,10 +11,12 @@ and tensors (all float32; token ids are exact small integers):
   grad.{hf_name}    d loss / d param
   step_loss [S]     loss at each of S AdamW steps on the same batch (torch.optim.AdamW)
   final.{hf_name}   parameters after the S steps
-Cases (mha, gqa, mqa, tied, qwen2, mistral, llama31, yarn, qwen3) cover MHA, GQA, MQA, tied
-embeddings, Qwen2 q/k/v bias, Mistral, sequence lengths that are not a multiple of the 64-token
-attention tile, scaled RoPE (Llama 3.1's llama3, YaRN), and Qwen3 (per-head RMSNorm of q and k
-before RoPE, "QK-norm", with q_norm/k_norm weights 1 + 0.5·randn; head_dim 12 ≠ hidden/heads). Run:
+Cases (mha, gqa, mqa, tied, qwen2, mistral, llama31, yarn, qwen3, mistral_window, qwen2_window)
+cover MHA, GQA, MQA, tied embeddings, Qwen2 q/k/v bias, Mistral, sequence lengths that are not a
+multiple of the 64-token attention tile, scaled RoPE (Llama 3.1's llama3, YaRN), Qwen3 (per-head
+RMSNorm of q and k before RoPE, "QK-norm", with q_norm/k_norm weights 1 + 0.5·randn; head_dim
+12 ≠ hidden/heads), and sliding-window attention (Mistral on every layer, window 7 over 40
+tokens; Qwen2 on layer 1 only, max_window_layers 1, window 5 over 50 tokens). Run:
   python3 tools/golden_model.py [CASE ...]      (every case, or only those named)
 """
 import json
@@ -57,6 +59,12 @@ CASES = {
     # so that their weights, not only the normalization, move the numbers.
     "qwen3": (dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                    tie_word_embeddings=False, use_sliding_window=False, attention_bias=False), 2, 40),
+    # Sliding-window attention (query i sees key j iff j ≤ i and i − j < sliding_window), with
+    # windows much shorter than the sequences: Mistral's window on every layer; Qwen2's only on
+    # layers ≥ max_window_layers (layer_types ["full_attention", "sliding_attention"]).
+    "mistral_window": (dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=7), 2, 40),
+    "qwen2_window": (dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                          use_sliding_window=True, sliding_window=5, max_window_layers=1), 1, 50),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

@@ -8,7 +8,8 @@ data and loss semantics:
   lr(t) = lr·t/warmup for t ≤ warmup, then cosine to 0 over the remaining steps.
 
 Models are Llama unless a case names model_type (qwen3: QK-norm, with q_norm/k_norm weights
-1 + 0.5·randn, and head_dim from the case).
+1 + 0.5·randn, and head_dim from the case); a case's `config` dict adds config keys (e.g.
+sliding_window for mistral_window).
 
 For each case writes tests/golden/train_{case}/ with
   init/         the initial weights, as transformers saves them (the CLI's --init-from)
@@ -47,6 +48,9 @@ CASES = {
     # Qwen3: QK-norm (per-head RMSNorm of q and k before RoPE), head_dim 12 ≠ hidden/heads = 8.
     "qwen3": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
                   model_type="qwen3", head_dim=12),
+    # Mistral with sliding-window attention, window 6 over rows of 20 tokens.
+    "mistral_window": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                           model_type="mistral", config=dict(sliding_window=6)),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
@@ -76,6 +80,7 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
         d.update(head_dim=c["head_dim"], use_sliding_window=False, attention_bias=False)
     elif "head_dim" in c:
         d["head_dim"] = c["head_dim"]
+    d.update(c.get("config", {}))  # further config.json keys (e.g. sliding_window)
     cfg = AutoConfig.for_model(model_type, **d)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)

@@ -171,6 +171,7 @@ fn bench_model(params: usize) -> Result<ModelConfig> {
         o_bias: false,
         qk_norm: false,
         sliding_window: None,
+        windowed_layers: Vec::new(),
     })
 }
 

@@ -1,5 +1,6 @@
 //! `megatrain bench attention`: the CPU device's causal attention (forward, and forward +
-//! backward) at long sequence lengths, in causal TFLOP/s. `tools/bench_attention_cpu.py` runs it
+//! backward) at long sequence lengths, in causal TFLOP/s; with `--window W`, each length also
+//! under a sliding window of W keys, and how many times faster that runs. `tools/bench_attention_cpu.py` runs it
 //! beside PyTorch's `scaled_dot_product_attention` on the same shapes and threads.
 
 use crate::model::ops::{attention_bwd, attention_fwd, flat_positions, AttnShape};
@@ -20,6 +21,8 @@ pub struct AttnBenchArgs {
     pub head_dim: usize,
     /// Timed repetitions per case (the median is reported).
     pub reps: usize,
+    /// A sliding window to time beside full causal attention.
+    pub window: Option<usize>,
 }
 
 /// One shape's figures.
@@ -33,11 +36,15 @@ pub struct AttnCase {
     pub kv_heads: usize,
     /// Head dimension.
     pub head_dim: usize,
+    /// Sliding window (none: full causal attention).
+    #[serde(default)]
+    pub window: Option<usize>,
     /// Forward, seconds (median).
     pub fwd_s: f64,
     /// Forward + backward, seconds (median).
     pub fwd_bwd_s: f64,
-    /// Causal forward FLOPs (2 GEMMs over the lower triangle: 2·T²·hd·heads).
+    /// Useful forward FLOPs: 2 GEMMs over the keys each query sees (causal: the lower
+    /// triangle, 2·T²·hd·heads; windowed: only the window's keys).
     pub fwd_flops: f64,
 }
 
@@ -64,6 +71,9 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
         ));
     }
     super::check_count("--reps", a.reps, 1, super::MAX_REPS)?;
+    if let Some(w) = a.window {
+        super::check_count("--window", w, 1, 1 << 24)?;
+    }
     if a.seqs.is_empty() {
         return Err(Error::bad_input(
             "--seq",
@@ -91,8 +101,17 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
         )?;
     }
     let mut cases = Vec::new();
-    for &t in &a.seqs {
-        let s = AttnShape::causal(1, t, a.heads, a.kv_heads, a.head_dim);
+    let windows: Vec<Option<usize>> = std::iter::once(None).chain(a.window.map(Some)).collect();
+    for (&t, &window) in a
+        .seqs
+        .iter()
+        .flat_map(|t| windows.iter().map(move |w| (t, w)))
+    {
+        let s = AttnShape::causal(1, t, a.heads, a.kv_heads, a.head_dim).windowed(window);
+        // The keys a query sees, summed over the queries.
+        let keys = (0..t)
+            .map(|i| window.map_or(i + 1, |w| (i + 1).min(w)) as f64)
+            .sum::<f64>();
         let (qn, kn) = (t * a.heads * a.head_dim, t * a.kv_heads * a.head_dim);
         let (q, k, v, d_o) = (
             crate::util::uniform(qn, 1, 1.0),
@@ -130,9 +149,10 @@ pub fn run(a: &AttnBenchArgs) -> Result<AttnBenchReport> {
             heads: a.heads,
             kv_heads: a.kv_heads,
             head_dim: a.head_dim,
+            window,
             fwd_s,
             fwd_bwd_s,
-            fwd_flops: 2.0 * (t as f64) * (t as f64) * (a.head_dim * a.heads) as f64,
+            fwd_flops: 4.0 * keys * (a.head_dim * a.heads) as f64,
         });
     }
     Ok(AttnBenchReport {
@@ -148,11 +168,23 @@ pub fn render(r: &AttnBenchReport) -> String {
         "CPU causal attention, {} threads (TFLOP/s over the causal lower triangle; backward = 2.5× forward)\n",
         r.threads
     );
-    out.push_str("      T  heads kv  hd    fwd ms  fwd TFLOP/s   fwd+bwd ms  fwd+bwd TFLOP/s\n");
+    out.push_str(
+        "      T  window  heads kv  hd    fwd ms  fwd TFLOP/s   fwd+bwd ms  fwd+bwd TFLOP/s  vs full\n",
+    );
     for c in &r.cases {
+        // A windowed case beside the full one of its length: how many times faster.
+        let full = r
+            .cases
+            .iter()
+            .find(|f| f.t == c.t && f.window.is_none() && f.heads == c.heads);
+        let speedup = match (c.window, full) {
+            (Some(_), Some(f)) => format!("{:>7.1}×", f.fwd_bwd_s / c.fwd_bwd_s),
+            _ => String::new(),
+        };
         out.push_str(&format!(
-            "{:>7} {:>6} {:>3} {:>3} {:>9.1} {:>12.4} {:>12.1} {:>16.4}\n",
+            "{:>7} {:>7} {:>6} {:>3} {:>3} {:>9.1} {:>12.4} {:>12.1} {:>16.4} {}\n",
             c.t,
+            c.window.map_or("-".to_owned(), |w| w.to_string()),
             c.heads,
             c.kv_heads,
             c.head_dim,
@@ -160,6 +192,7 @@ pub fn render(r: &AttnBenchReport) -> String {
             c.fwd_flops / c.fwd_s / 1e12,
             c.fwd_bwd_s * 1e3,
             3.5 * c.fwd_flops / c.fwd_bwd_s / 1e12,
+            speedup,
         ));
     }
     out

@@ -108,6 +108,7 @@ fn model() -> ModelConfig {
         o_bias: false,
         qk_norm: false,
         sliding_window: None,
+        windowed_layers: Vec::new(),
     }
 }
 

@@ -122,6 +122,9 @@ pub struct BenchAttentionArgs {
     /// Timed repetitions per case (the median is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Also time each length under a sliding window of this many keys (and the speed-up).
+    #[arg(long)]
+    window: Option<usize>,
     #[arg(long)]
     json: bool,
 }
@@ -133,6 +136,7 @@ fn bench_attention(a: &BenchAttentionArgs) -> Result<()> {
         kv_heads: a.kv_heads,
         head_dim: a.head_dim,
         reps: a.reps,
+        window: a.window,
     })?;
     let text = if a.json {
         serde_json::to_string_pretty(&r).unwrap_or_default()

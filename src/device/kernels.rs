@@ -63,17 +63,20 @@ const fn sig(name: &'static str, params: &'static [Param]) -> Signature {
     Signature { name, params }
 }
 
+/// `attention_fwd_*`: out, lse, q, k, v, pos; t, window, q0, q1, nh, nkv, hd, tile; scale.
 const ATTN_FWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32,
 ];
 const ATTN_BWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32,
 ];
 /// `flash{HD}_fwd`: [`ATTN_FWD`] without the tile (the tensor-core kernels' tiles are fixed).
-const FLASH_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32];
+const FLASH_FWD: &[Param] = &[
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32,
+];
 /// `flash{HD}_bwd` and `flash{HD}_bwd_kv`: [`ATTN_BWD`] without the tile.
 const FLASH_BWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32,
 ];
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];

@@ -107,8 +107,14 @@ pub struct ModelConfig {
     /// the model's eps) between their projections and RoPE (Qwen3).
     #[serde(default)]
     pub qk_norm: bool,
-    /// Mistral sliding-window attention size; sequences longer than it are refused.
+    /// Sliding-window attention: each query of a windowed layer sees itself and the
+    /// `sliding_window − 1` tokens before it (Mistral; Qwen2 and Qwen3 with
+    /// `use_sliding_window`).
     pub sliding_window: Option<usize>,
+    /// Which layers the window applies to (`layer_types` naming `sliding_attention`, or
+    /// Qwen2's layers from `max_window_layers` on); empty: every layer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub windowed_layers: Vec<bool>,
 }
 
 /// The architecture `architectures[0]` names (or `model_type` implies).
@@ -155,19 +161,6 @@ fn check_supported_features(v: &Value, origin: &str) -> Result<()> {
     }
     if get_bool(v, "mlp_bias", origin)? == Some(true) {
         return Err(bad(origin, "`mlp_bias: true` is not supported"));
-    }
-    // transformers 5 spells each layer's attention out; every layer attending to every earlier
-    // position is what megatrain runs.
-    if let Some(types) = v.get("layer_types").filter(|x| !x.is_null()) {
-        let Some(types) = types.as_array() else {
-            return Err(bad(origin, format!("`layer_types` is {types}, not a list")));
-        };
-        if let Some(other) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
-            return Err(bad(
-                origin,
-                format!("`layer_types` names {other}: only full_attention layers are supported (no sliding-window layers)"),
-            ));
-        }
     }
     Ok(())
 }
@@ -333,6 +326,83 @@ fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
     Ok((rope_theta, scaling))
 }
 
+/// The sliding window and the layers it applies to, as transformers reads them: Mistral's
+/// `sliding_window` on every layer; Qwen2's and Qwen3's only under `use_sliding_window`, on the
+/// layers `layer_types` names `sliding_attention` (else those from `max_window_layers` on, 28
+/// unless set); Llama's `layer_types` must be all `full_attention`. Empty layers: every layer.
+fn sliding_window(
+    v: &Value,
+    arch: Architecture,
+    layers: usize,
+    origin: &str,
+) -> Result<(Option<usize>, Vec<bool>)> {
+    let types = match v.get("layer_types").filter(|x| !x.is_null()) {
+        None => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(false),
+                    Some("sliding_attention") => Ok(true),
+                    _ => Err(bad(
+                        origin,
+                        format!("`layer_types` names {t}: full_attention and sliding_attention are supported"),
+                    )),
+                })
+                .collect::<Result<Vec<bool>>>()?,
+        ),
+        Some(other) => return Err(bad(origin, format!("`layer_types` is {other}, not a list"))),
+    };
+    if let Some(t) = &types {
+        if t.len() != layers {
+            return Err(bad(
+                origin,
+                format!("`layer_types` has {} entries for {layers} layers", t.len()),
+            ));
+        }
+    }
+    let size = |default: Option<usize>| -> Result<Option<usize>> {
+        match get_usize(v, "sliding_window", origin)?.or(default) {
+            Some(0) => Err(bad(
+                origin,
+                "`sliding_window` is 0; a window holds at least the query itself",
+            )),
+            w => Ok(w),
+        }
+    };
+    match arch {
+        // transformers' Mistral windows every layer and ignores `layer_types`.
+        Architecture::Mistral => Ok((size(None)?, Vec::new())),
+        Architecture::Qwen2 | Architecture::Qwen3 => {
+            if get_bool(v, "use_sliding_window", origin)? != Some(true) {
+                return Ok((None, Vec::new()));
+            }
+            let Some(w) = size(Some(4096))? else {
+                return Ok((None, Vec::new()));
+            };
+            let windowed = match types {
+                Some(t) => t,
+                None => {
+                    let from = get_usize(v, "max_window_layers", origin)?.unwrap_or(28);
+                    (0..layers).map(|i| i >= from).collect()
+                }
+            };
+            if !windowed.contains(&true) {
+                return Ok((None, Vec::new()));
+            }
+            Ok((Some(w), windowed))
+        }
+        Architecture::Llama => {
+            if types.is_some_and(|t| t.contains(&true)) {
+                return Err(bad(
+                    origin,
+                    "`layer_types` names sliding_attention layers, which LlamaForCausalLM does not have",
+                ));
+            }
+            Ok((None, Vec::new()))
+        }
+    }
+}
+
 /// Query heads, key/value heads and the head dimension: heads a positive multiple of key/value
 /// heads, the head dimension even (RoPE rotates pairs).
 fn attention_heads(v: &Value, hidden_size: usize, origin: &str) -> Result<(usize, usize, usize)> {
@@ -432,27 +502,15 @@ impl ModelConfig {
             Architecture::Qwen2 => (true, false),
             _ => (attention_bias, attention_bias),
         };
-        let sliding_window = match architecture {
-            Architecture::Mistral => get_usize(&v, "sliding_window", origin)?,
-            Architecture::Qwen2 | Architecture::Qwen3
-                if get_bool(&v, "use_sliding_window", origin)? == Some(true) =>
-            {
-                return Err(bad(
-                    origin,
-                    format!(
-                        "{} `use_sliding_window: true` is not supported",
-                        architecture.hf_name()
-                    ),
-                ));
-            }
-            _ => None,
-        };
+        let num_layers = need_usize(&v, "num_hidden_layers", origin)?;
+        let (sliding_window, windowed_layers) =
+            sliding_window(&v, architecture, num_layers, origin)?;
         let cfg = ModelConfig {
             architecture,
             vocab_size: need_usize(&v, "vocab_size", origin)?,
             hidden_size,
             intermediate_size: need_usize(&v, "intermediate_size", origin)?,
-            num_layers: need_usize(&v, "num_hidden_layers", origin)?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -466,6 +524,7 @@ impl ModelConfig {
             o_bias,
             qk_norm: architecture == Architecture::Qwen3,
             sliding_window,
+            windowed_layers,
         };
         cfg.check_sizes(origin)?;
         Ok(cfg)
@@ -617,7 +676,14 @@ impl ModelConfig {
             f.push("tied embeddings".into());
         }
         if let Some(w) = self.sliding_window {
-            f.push(format!("sliding window {w}"));
+            let n = (0..self.num_layers)
+                .filter(|&i| self.layer_window(i).is_some())
+                .count();
+            f.push(if n == self.num_layers {
+                format!("sliding window {w}")
+            } else {
+                format!("sliding window {w} on {n} of {} layers", self.num_layers)
+            });
         }
         f
     }
@@ -651,8 +717,21 @@ impl ModelConfig {
         ) {
             v["mlp_bias"] = Value::Bool(false);
         }
-        if self.architecture == Architecture::Qwen3 {
-            v["use_sliding_window"] = Value::Bool(false);
+        if matches!(self.architecture, Architecture::Qwen2 | Architecture::Qwen3) {
+            v["use_sliding_window"] = Value::Bool(self.sliding_window.is_some());
+            if let Some(w) = self.sliding_window {
+                v["sliding_window"] = Value::from(w);
+                let types: Vec<&str> = (0..self.num_layers)
+                    .map(|i| match self.layer_window(i) {
+                        Some(_) => "sliding_attention",
+                        None => "full_attention",
+                    })
+                    .collect();
+                v["layer_types"] = serde_json::json!(types);
+                // transformers before `layer_types` read the windowed layers from here.
+                let first = (0..self.num_layers).find(|&i| self.layer_window(i).is_some());
+                v["max_window_layers"] = Value::from(first.unwrap_or(self.num_layers));
+            }
         }
         if self.architecture == Architecture::Mistral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
@@ -662,6 +741,15 @@ impl ModelConfig {
             v["rope_scaling"] = serde_json::to_value(&self.rope_scaling).unwrap_or(Value::Null);
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+
+    /// The sliding window of layer `layer`'s attention, if it has one.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let w = self.sliding_window?;
+        match self.windowed_layers.get(layer) {
+            Some(false) => None,
+            _ => Some(w),
+        }
     }
 
     /// q projection output width NH·HD.

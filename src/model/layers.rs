@@ -5,7 +5,7 @@
 
 use super::config::ModelConfig;
 use super::ops::{self, AttnShape, Rope};
-use super::units::UnitLayout;
+use super::units::{UnitKind, UnitLayout};
 use crate::{Error, Result};
 
 fn offset(unit: &UnitLayout, suffix: &str) -> Result<usize> {
@@ -195,6 +195,8 @@ pub struct DecoderBlock {
     pub(crate) bv: Option<usize>,
     pub(crate) wo: usize,
     pub(crate) bo: Option<usize>,
+    /// The sliding window of this layer's attention.
+    pub(crate) window: Option<usize>,
     /// QK-norm weights `[hd]` of q and k.
     pub(crate) qn: Option<usize>,
     pub(crate) kn: Option<usize>,
@@ -225,6 +227,15 @@ impl DecoderBlock {
             bv: opt_offset(unit, "self_attn.v_proj.bias", cfg.qkv_bias)?,
             wo: offset(unit, "self_attn.o_proj.weight")?,
             bo: opt_offset(unit, "self_attn.o_proj.bias", cfg.o_bias)?,
+            window: match unit.kind {
+                UnitKind::Block(i) => cfg.layer_window(i),
+                other => {
+                    return Err(Error::internal(
+                        "layer templates",
+                        format!("a decoder block for the {} unit", other.describe()),
+                    ))
+                }
+            },
             qn: opt_offset(unit, "self_attn.q_norm.weight", cfg.qk_norm)?,
             kn: opt_offset(unit, "self_attn.k_norm.weight", cfg.qk_norm)?,
             ln2: offset(unit, "post_attention_layernorm.weight")?,
@@ -325,7 +336,7 @@ impl DecoderBlock {
         );
         rope.apply(&mut ws.q[..n * qd], pos, self.nh, false);
         rope.apply(&mut ws.k[..n * kvd], pos, self.nkv, false);
-        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd);
+        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd).windowed(self.window);
         ops::attention_fwd(
             &mut ws.att[..n * qd],
             &mut ws.lse[..b * self.nh * t],
@@ -537,7 +548,7 @@ impl DecoderBlock {
                 c,
             );
         }
-        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd);
+        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd).windowed(self.window);
         ws.dk[..n * kvd].fill(0.0);
         ws.dv[..n * kvd].fill(0.0);
         ops::attention_bwd(

@@ -25,16 +25,6 @@ impl Templates {
     /// Templates for `cfg`, for sequences of up to `max_t` tokens.
     pub fn new(cfg: &ModelConfig, max_t: usize) -> Result<Self> {
         let units = super::units::units(cfg);
-        if let Some(w) = cfg.sliding_window {
-            if max_t > w {
-                return Err(Error::bad_input(
-                    "sequence length",
-                    max_t.to_string(),
-                    format!("exceeds the model's sliding window ({w}); sliding-window attention is not implemented"),
-                    Some("use a sequence length ≤ the sliding window"),
-                ));
-            }
-        }
         let l = cfg.num_layers;
         Ok(Templates {
             config: cfg.clone(),

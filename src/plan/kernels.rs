@@ -158,6 +158,25 @@ pub struct ComputeSplit {
     pub elementwise_s: f64,
 }
 
+/// The keys a query attends to in sequences of `seq` tokens, averaged over the queries and the
+/// layers: `seq / 2` under causal attention (the FLOP convention, as FlashAttention counts
+/// it), and under a sliding window of W < seq the exact mean `(W(W+1)/2 + (seq − W)·W) / seq`
+/// (a windowed layer's attention costs what its window costs).
+pub fn mean_keys_per_query(model: &ModelConfig, seq: u64) -> f64 {
+    let t = seq as f64;
+    let layers = model.num_layers.max(1);
+    (0..layers)
+        .map(|i| match model.layer_window(i) {
+            Some(w) if (w as u64) < seq => {
+                let w = w as f64;
+                (w * (w + 1.0) / 2.0 + (t - w) * w) / t
+            }
+            _ => t / 2.0,
+        })
+        .sum::<f64>()
+        / layers as f64
+}
+
 /// One micro-batch's kernel times, by unit kind and kind of kernel.
 pub(super) struct KernelParts {
     /// A block's forward: GEMMs, attention, elementwise.
@@ -193,7 +212,7 @@ impl KernelParts {
         let elementwise = elementwise_bytes_per_token(model, req.bf16) * tk / memory;
         let logits = 4.0 * 4.0 * model.vocab_size as f64 * tk / memory;
         let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;
-        let attn = 4.0 * (req.seq_len as f64 / 2.0) * model.q_dim() as f64 * tk;
+        let attn = 4.0 * mean_keys_per_query(model, req.seq_len) * model.q_dim() as f64 * tk;
         let head = (model.vocab_size * model.hidden_size) as f64;
         KernelParts {
             block_fwd: [2.0 * block * tk / gemm, attn / attn_fwd, elementwise],

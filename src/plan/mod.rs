@@ -440,10 +440,12 @@ fn layer_chunks(
 }
 
 /// FLOPs of one step: 2·N per token for the forward, again for the recompute, 4·N for the
-/// backward (8·N in all), plus causal attention (4·T·d per token per layer forward, ×4).
+/// backward (8·N in all), plus causal attention (4·T·d per token per layer forward, ×4; T the
+/// keys a query sees: [`kernels::mean_keys_per_query`]).
 pub fn step_flops(model: &ModelConfig, tokens: u64, seq: u64) -> f64 {
     let n = model.num_params() as f64;
-    let attn = 4.0 * (seq as f64 / 2.0) * model.q_dim() as f64 * model.num_layers as f64;
+    let keys = kernels::mean_keys_per_query(model, seq);
+    let attn = 4.0 * keys * model.q_dim() as f64 * model.num_layers as f64;
     tokens as f64 * (8.0 * n + 4.0 * attn)
 }
 

@@ -121,6 +121,7 @@ fn llama_like(
         o_bias: false,
         qk_norm: false,
         sliding_window: None,
+        windowed_layers: Vec::new(),
     }
 }
 
@@ -161,7 +162,7 @@ fn qwen3(h: usize, i: usize, l: usize, nh: usize, nkv: usize, tied: bool) -> Mod
 
 /// A model preset by name (configurations as published on the Hugging Face Hub).
 pub fn model(name: &str) -> Option<ModelConfig> {
-    use Architecture::{Llama, Qwen2};
+    use Architecture::{Llama, Mistral, Qwen2};
     Some(match name {
         "llama-3-8b" => llama_like(Llama, 128256, 4096, 14336, 32, 32, 8, false, 500000.0),
         "llama-3-70b" => llama_like(Llama, 128256, 8192, 28672, 80, 64, 8, false, 500000.0),
@@ -181,6 +182,9 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "qwen2.5-14b" => llama_like(Qwen2, 152064, 5120, 13824, 48, 40, 8, false, 1000000.0),
         "qwen2.5-32b" => llama_like(Qwen2, 152064, 5120, 27648, 64, 40, 8, false, 1000000.0),
         "qwen2.5-72b" => llama_like(Qwen2, 152064, 8192, 29568, 80, 64, 8, false, 1000000.0),
+        // Mistral Large 2 (Mistral-Large-Instruct-2407; Devstral 2's shape): 123B dense, no
+        // window, 32768-token vocabulary.
+        "mistral-large-2" => llama_like(Mistral, 32768, 12288, 28672, 88, 96, 8, false, 1000000.0),
         "qwen3-8b" => qwen3(4096, 12288, 36, 32, 8, false),
         "qwen3-32b" => qwen3(5120, 25600, 64, 64, 8, false),
         // Our own 120B configuration (MegaTrain reports a 120B model without publishing its
@@ -191,7 +195,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 14] = [
+pub const MODELS: [&str; 15] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
@@ -205,6 +209,7 @@ pub const MODELS: [&str; 14] = [
     "qwen2.5-72b",
     "qwen3-8b",
     "qwen3-32b",
+    "mistral-large-2",
     "llama-120b",
 ];
 
@@ -235,6 +240,11 @@ mod tests {
             let n = model(name).unwrap().num_params() as u64;
             assert_eq!(n, published, "{name}");
         }
+        // Mistral Large 2: published as 123B; its config.json's shapes give this count.
+        assert_eq!(
+            model("mistral-large-2").unwrap().num_params(),
+            122_610_069_504
+        );
         let n = model("llama-120b").unwrap().num_params() as f64;
         assert!((n / 1e9 - 120.0).abs() < 2.0, "{n}");
         for m in MACHINES {

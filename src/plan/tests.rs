@@ -375,6 +375,37 @@ fn compute_splits_into_gemm_attention_and_elementwise() {
     assert_eq!(long.gemm_s, s.gemm_s);
 }
 
+/// A sliding window costs what its window costs: at 32k tokens a 4096-token window on every
+/// layer leaves the GEMMs as they are and cuts attention by the ratio of the keys each query
+/// sees (3584 + … of 16384: ~4.3×); on half the layers, by about half of that.
+#[test]
+fn sliding_windows_cut_the_attention_time_by_their_keys() {
+    let (m, hw, r) = qwen_7b_on_an_h100_bf16();
+    let r = PlanRequest {
+        seq_len: 32768,
+        ..r
+    };
+    let full = plan(&m, &hw, &r).time.compute_split;
+    let all = ModelConfig {
+        sliding_window: Some(4096),
+        ..m.clone()
+    };
+    let half = ModelConfig {
+        windowed_layers: (0..m.num_layers).map(|i| i % 2 == 1).collect(),
+        ..all.clone()
+    };
+    let (w_all, w_half) = (
+        plan(&all, &hw, &r).time.compute_split,
+        plan(&half, &hw, &r).time.compute_split,
+    );
+    let keys = (4096.0 * 4097.0 / 2.0 + (32768.0 - 4096.0) * 4096.0) / 32768.0;
+    let ratio = full.attention_s / w_all.attention_s;
+    assert!((ratio - 16384.0 / keys).abs() < 1e-6 * ratio, "{ratio}");
+    let mid = (full.attention_s + w_all.attention_s) / 2.0;
+    assert!((w_half.attention_s - mid).abs() < 1e-6 * mid, "{w_half:?}");
+    assert_eq!(w_all.gemm_s, full.gemm_s);
+}
+
 /// docs/plan.md's comparison: Qwen2.5-7B on an H100 in bf16 is predicted at ≥ 1.2× the 272
 /// TFLOP/s MegaTrain published (6·N·tokens counted), the goal. A prediction of our
 /// model, guarded so a change to the model that loses it is seen.

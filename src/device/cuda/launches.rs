@@ -79,6 +79,8 @@ impl Arg {
 pub struct AttnArgs {
     pos: DevPtr,
     t: i32,
+    /// The sliding window (0: none; a window as long as the sequence is none).
+    window: i32,
     q0: i32,
     q1: i32,
     nh: i32,
@@ -93,6 +95,10 @@ impl AttnArgs {
         Ok(AttnArgs {
             pos,
             t: i32_of(s.t, "sequence length")?,
+            window: match s.window {
+                Some(w) if w < s.t => i32_of(w, "sliding window")?,
+                _ => 0,
+            },
             q0: i32_of(s.q0, "first query")?,
             q1: i32_of(s.q1, "last query")?,
             nh: i32_of(s.nh, "heads")?,
@@ -103,10 +109,11 @@ impl AttnArgs {
     }
 
     /// The SIMT kernels' trailing arguments, with their shared-memory `tile`.
-    fn simt(self, tile: u32) -> [Arg; 9] {
+    fn simt(self, tile: u32) -> [Arg; 10] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
+            Arg::I32(self.window),
             Arg::I32(self.q0),
             Arg::I32(self.q1),
             Arg::I32(self.nh),
@@ -118,10 +125,11 @@ impl AttnArgs {
     }
 
     /// The tensor-core kernels' trailing arguments (the head dim and tiles are compiled in).
-    fn flash(self) -> [Arg; 7] {
+    fn flash(self) -> [Arg; 8] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
+            Arg::I32(self.window),
             Arg::I32(self.q0),
             Arg::I32(self.q1),
             Arg::I32(self.nh),

@@ -226,7 +226,9 @@ impl<B: Backend> At<B> {
             rows: ch.rows(),
             period: ch.q1 - ch.q0,
             pos: B::ids_off(pos, r0),
-            attn: AttnShape::causal(ch.nb, s.t, blk.nh, blk.nkv, blk.hd).queries(ch.q0, ch.q1),
+            attn: AttnShape::causal(ch.nb, s.t, blk.nh, blk.nkv, blk.hd)
+                .windowed(blk.window)
+                .queries(ch.q0, ch.q1),
             seq0: ch.b0 * s.t,
         }
     }

@@ -153,8 +153,8 @@ fn hf_json_round_trips() {
 }
 
 /// Qwen3-8B's config.json as published: QK-norm, heads of 128 whatever the width, all layers
-/// full attention; a sliding-window layer or `use_sliding_window` is refused by name; the
-/// export is read back the same.
+/// full attention; sliding windows per layer as transformers reads them; what is not
+/// implemented is named; the export is read back the same.
 #[test]
 fn qwen3_8b_has_qk_norm_and_counts_8_19b_params() {
     let q3 = r#"{"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
@@ -179,27 +179,98 @@ fn qwen3_8b_has_qk_norm_and_counts_8_19b_params() {
     assert!(!ModelConfig::from_json_str(LLAMA3_8B, "l").unwrap().qk_norm);
     for (from, to, named) in [
         (
-            "\"use_sliding_window\": false",
-            "\"use_sliding_window\": true",
-            "use_sliding_window",
-        ),
-        (
-            "\"max_window_layers\": 36,",
-            "\"layer_types\": [\"full_attention\", \"sliding_attention\"],",
-            "sliding_attention",
-        ),
-        (
             "\"max_window_layers\": 36,",
             "\"layer_types\": \"full_attention\",",
             "not a list",
+        ),
+        (
+            "\"max_window_layers\": 36,",
+            "\"layer_types\": [\"full_attention\"],",
+            "1 entries for 36 layers",
+        ),
+        (
+            "\"max_window_layers\": 36,",
+            "\"layer_types\": [\"chunked_attention\"],",
+            "chunked_attention",
         ),
     ] {
         let e = ModelConfig::from_json_str(&q3.replace(from, to), "q3").unwrap_err();
         assert!(e.to_string().contains(named), "{e}");
     }
-    let ok = q3.replace(
-        "\"max_window_layers\": 36,",
-        "\"layer_types\": [\"full_attention\", \"full_attention\"],",
+    // transformers: `use_sliding_window` with `max_window_layers` 30 windows layers 30..36
+    // (4096 tokens unless `sliding_window` says otherwise); without it, sliding_attention
+    // layers attend to everything.
+    let windowed = q3
+        .replace(
+            "\"use_sliding_window\": false",
+            "\"use_sliding_window\": true",
+        )
+        .replace("\"max_window_layers\": 36", "\"max_window_layers\": 30")
+        .replace("\"sliding_window\": null,", "");
+    let c = ModelConfig::from_json_str(&windowed, "q3").unwrap();
+    assert_eq!(c.sliding_window, Some(4096));
+    assert_eq!(
+        (0..36).map(|i| c.layer_window(i)).collect::<Vec<_>>(),
+        (0..36)
+            .map(|i| (i >= 30).then_some(4096))
+            .collect::<Vec<_>>()
     );
-    assert!(ModelConfig::from_json_str(&ok, "q3").is_ok());
+    assert!(c
+        .features()
+        .contains(&"sliding window 4096 on 6 of 36 layers".to_owned()));
+    assert_eq!(
+        ModelConfig::from_json_str(&c.to_hf_json(), "export").unwrap(),
+        c
+    );
+    let types: String = (0..36)
+        .map(|i| {
+            if i % 2 == 1 {
+                "\"sliding_attention\""
+            } else {
+                "\"full_attention\""
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let listed = q3.replace(
+        "\"max_window_layers\": 36,",
+        &format!("\"layer_types\": [{types}],"),
+    );
+    assert_eq!(
+        ModelConfig::from_json_str(&listed, "q3")
+            .unwrap()
+            .sliding_window,
+        None
+    );
+    let c = ModelConfig::from_json_str(
+        &listed.replace(
+            "\"use_sliding_window\": false",
+            "\"use_sliding_window\": true",
+        ),
+        "q3",
+    )
+    .unwrap();
+    assert_eq!((c.layer_window(0), c.layer_window(1)), (None, Some(4096)));
+    assert_eq!(
+        ModelConfig::from_json_str(&c.to_hf_json(), "export").unwrap(),
+        c
+    );
+    // Mistral windows every layer; a window of 0 is refused; Llama has no sliding layers.
+    let m = LLAMA3_8B
+        .replace("LlamaForCausalLM", "MistralForCausalLM")
+        .replace("\"rope_scaling\": null,", "\"sliding_window\": 4096,");
+    let c = ModelConfig::from_json_str(&m, "m").unwrap();
+    assert!((0..32).all(|i| c.layer_window(i) == Some(4096)));
+    let e = ModelConfig::from_json_str(&m.replace("4096,", "0,"), "m").unwrap_err();
+    assert!(e.to_string().contains("sliding_window"), "{e}");
+    let llama_types = ["\"sliding_attention\""; 32].join(",");
+    let e = ModelConfig::from_json_str(
+        &LLAMA3_8B.replace(
+            "\"rope_scaling\": null,",
+            &format!("\"layer_types\": [{llama_types}],"),
+        ),
+        "l",
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("sliding_attention"), "{e}");
 }

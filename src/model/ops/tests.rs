@@ -367,3 +367,167 @@ fn gemm_rows_do_not_depend_on_how_many_rows_come_with_them() {
         }
     }
 }
+
+/// Softmax attention of query row i over keys j with `i − j < w`, `j ≤ i` and the same document,
+/// in f64 from an explicit mask (no `first_key`): what transformers' sliding-window mask does.
+fn windowed_naive(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos: &[u32],
+    s: AttnShape,
+    w: usize,
+) -> Vec<f32> {
+    let AttnShape {
+        b, t, nh, nkv, hd, ..
+    } = s;
+    let mut o = vec![0.0f32; b * t * nh * hd];
+    let scale = 1.0 / (hd as f64).sqrt();
+    for bi in 0..b {
+        for h in 0..nh {
+            let kh = h / (nh / nkv);
+            for i in 0..t {
+                let doc_start = i - pos[bi * t + i] as usize;
+                let keys: Vec<usize> = (0..=i).filter(|&j| j >= doc_start && i - j < w).collect();
+                let qi = &q[((bi * t + i) * nh + h) * hd..][..hd];
+                let sc: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| {
+                        let kj = &k[((bi * t + j) * nkv + kh) * hd..][..hd];
+                        qi.iter()
+                            .zip(kj)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = sc.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let acc: f64 = keys
+                        .iter()
+                        .zip(&e)
+                        .map(|(&j, p)| p * f64::from(v[((bi * t + j) * nkv + kh) * hd + d]))
+                        .sum();
+                    o[((bi * t + i) * nh + h) * hd + d] = (acc / z) as f32;
+                }
+            }
+        }
+    }
+    o
+}
+
+/// Sliding-window attention against an explicit mask: windows of one key, of fewer keys than a
+/// tile and of more, over flat rows and packed documents (a document shorter than the window
+/// and one starting inside a window); query ranges that start at tile multiples give the bits
+/// of one call; a window at least as long as the row is plain causal attention, bit for bit.
+#[test]
+fn sliding_window_attention_matches_an_explicit_mask() {
+    for (t, nh, nkv, w) in [
+        (130usize, 4usize, 2usize, 1usize),
+        (300, 4, 2, 7),
+        (300, 2, 1, 128),
+        (600, 4, 1, 257),
+    ] {
+        let hd = 16;
+        let s = AttnShape::causal(2, t, nh, nkv, hd).windowed(Some(w));
+        let (q, k, v) = (
+            rnd(2 * t * nh * hd, 31),
+            rnd(2 * t * nkv * hd, 32),
+            rnd(2 * t * nkv * hd, 33),
+        );
+        let lens = [t, 5, t / 2, t - t / 2 - 5];
+        for pos in [flat_positions(2, t), document_positions(&lens)] {
+            let (mut o, mut lse) = (vec![0.0; q.len()], vec![0.0; 2 * nh * t]);
+            attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s);
+            let want = windowed_naive(&q, &k, &v, &pos, s, w);
+            assert!(
+                max_rel(&o, &want) < 1e-5,
+                "t {t} w {w}: {}",
+                max_rel(&o, &want)
+            );
+            // Queries in two calls, split at a tile boundary: the same bits.
+            let cut = ATTN_TILE.min(t);
+            let mut parts = vec![0.0f32; q.len()];
+            for (q0, q1) in [(0, cut), (cut, t)] {
+                let part = s.queries(q0, q1);
+                let rows: Vec<f32> = (0..2)
+                    .flat_map(|bi| q[(bi * t + q0) * nh * hd..(bi * t + q1) * nh * hd].to_vec())
+                    .collect();
+                let mut o_part = vec![0.0; rows.len()];
+                let mut lse_part = vec![0.0; 2 * nh * (q1 - q0)];
+                attention_fwd(&mut o_part, &mut lse_part, &rows, &k, &v, &pos, part);
+                for bi in 0..2 {
+                    let n = (q1 - q0) * nh * hd;
+                    parts[(bi * t + q0) * nh * hd..][..n].copy_from_slice(&o_part[bi * n..][..n]);
+                }
+            }
+            assert!(
+                parts
+                    .iter()
+                    .zip(&o)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "t {t} w {w}: split queries"
+            );
+        }
+        if w == 1 {
+            // Only itself: the output is its own value row.
+            let (mut o, mut lse) = (vec![0.0; q.len()], vec![0.0; 2 * nh * t]);
+            attention_fwd(&mut o, &mut lse, &q, &k, &v, &flat_positions(2, t), s);
+            let own = (nh / nkv, hd);
+            for r in 0..2 * t {
+                for h in 0..nh {
+                    let kh = h / own.0;
+                    let (a, b) = (
+                        &o[(r * nh + h) * hd..][..hd],
+                        &v[(r * nkv + kh) * hd..][..hd],
+                    );
+                    assert!(a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6));
+                }
+            }
+        }
+    }
+    let s = AttnShape::causal(1, 200, 4, 2, 8);
+    let (q, k, v) = (rnd(200 * 32, 41), rnd(200 * 16, 42), rnd(200 * 16, 43));
+    let pos = document_positions(&[120, 80]);
+    let run = |s: AttnShape| {
+        let (mut o, mut lse) = (vec![0.0; q.len()], vec![0.0; 4 * 200]);
+        attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s);
+        o.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    };
+    assert_eq!(run(s.windowed(Some(200))), run(s));
+    assert_ne!(run(s.windowed(Some(50))), run(s));
+}
+
+/// The windowed backward by finite differences, across documents and window edges.
+#[test]
+fn sliding_window_backward_finite_differences() {
+    let s = AttnShape::causal(1, 90, 4, 2, 8).windowed(Some(9));
+    let (mut q, mut k, mut v) = (rnd(90 * 32, 44), rnd(90 * 16, 45), rnd(90 * 16, 46));
+    let w = rnd(90 * 32, 47);
+    let pos = document_positions(&[40, 3, 47]);
+    let fwd = |q: &[f32], k: &[f32], v: &[f32]| {
+        let mut o = vec![0.0; q.len()];
+        let mut lse = vec![0.0; 4 * 90];
+        attention_fwd(&mut o, &mut lse, q, k, v, &pos, s);
+        (o, lse)
+    };
+    let (o, lse) = fwd(&q, &k, &v);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    let mut delta = vec![0.0; 4 * 90];
+    attention_bwd(
+        &mut dq, &mut dk, &mut dv, &mut delta, &w, &q, &k, &v, &o, &lse, &pos, s,
+    );
+    let loss = |o: &[f32]| {
+        o.iter()
+            .zip(&w)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum::<f64>()
+    };
+    let (k0, v0) = (k.clone(), v.clone());
+    fd_check("dq", &mut q, &dq, |q| loss(&fwd(q, &k0, &v0).0), 40);
+    let q0 = q.clone();
+    fd_check("dk", &mut k, &dk, |k| loss(&fwd(&q0, k, &v0).0), 40);
+    fd_check("dv", &mut v, &dv, |v| loss(&fwd(&q0, &k0, v).0), 40);
+}

@@ -22,6 +22,7 @@ const ATTN: AttnShape = AttnShape {
     hd: 64,
     q0: 0,
     q1: 70,
+    window: None,
 };
 
 /// Rows `q0..q1` of every sequence of a `[B·T, width]` tensor, or (`back`) those rows written
@@ -87,6 +88,10 @@ impl Input {
 pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let simt = Kernels::Simt(Dtype::F32, launch::DEFAULT_SMEM);
     let mut out = attention_chunks(g, ATTN, &ATTN_DOCS, simt)?;
+    // A sliding window of 17 keys: shorter than a document and the tile, crossing both.
+    for o in attention_chunks(g, ATTN.windowed(Some(17)), &ATTN_DOCS, simt)? {
+        out.push(o.label("window 17: "));
+    }
     let optin = g.rt.smem_optin;
     if optin > launch::DEFAULT_SMEM {
         let s = AttnShape { hd: 128, ..ATTN };
@@ -120,6 +125,12 @@ pub(super) fn attention_bf16_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
     for o in attention_chunks(g, FLASH_LONG, &FLASH_LONG_DOCS, Kernels::Flash)? {
         out.push(o.label("hd 64, T 200 "));
     }
+    // A sliding window of 40 keys: a block's queries starting in several key tiles, warps
+    // whose window ends before a tile they are handed.
+    let windowed = FLASH_LONG.windowed(Some(40));
+    for o in attention_chunks(g, windowed, &FLASH_LONG_DOCS, Kernels::Flash)? {
+        out.push(o.label("hd 64, T 200, window 40 "));
+    }
     let hd = 96;
     if FLASH_HEAD_DIMS.contains(&hd) {
         return Err(Error::internal(
@@ -143,6 +154,7 @@ const FLASH_LONG: AttnShape = AttnShape {
     hd: 64,
     q0: 0,
     q1: 200,
+    window: None,
 };
 /// Its documents: one flat sequence; then 30, 100 and 70 tokens (queries 192.. start at key 130).
 const FLASH_LONG_DOCS: [usize; 4] = [200, 30, 100, 70];
