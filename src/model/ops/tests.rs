@@ -166,21 +166,23 @@ fn packed_documents_equal_separate_runs_and_never_mix() {
     }
 }
 
-#[test]
-fn attention_backward_finite_differences() {
-    let s = AttnShape::causal(1, 70, 4, 2, 8);
-    let (mut q, mut k, mut v) = (rnd(70 * 32, 4), rnd(70 * 16, 5), rnd(70 * 16, 6));
-    let w = rnd(70 * 32, 7); // loss = Σ w ⊙ o
-    let pos = document_positions(&[30, 1, 39]);
+/// The attention backward of shape `s` (one sequence, heads 4 / kv 2 of 8) over documents of
+/// `lens`, against central finite differences of Σ w ⊙ o (`seed` picks the inputs).
+fn attention_fd(s: AttnShape, lens: &[usize], seed: u64) {
+    let t = s.t;
+    let (qn, kn) = (t * s.nh * s.hd, t * s.nkv * s.hd);
+    let (mut q, mut k, mut v) = (rnd(qn, seed), rnd(kn, seed + 1), rnd(kn, seed + 2));
+    let w = rnd(qn, seed + 3); // loss = Σ w ⊙ o
+    let pos = document_positions(lens);
     let fwd = |q: &[f32], k: &[f32], v: &[f32]| {
         let mut o = vec![0.0; q.len()];
-        let mut lse = vec![0.0; 4 * 70];
+        let mut lse = vec![0.0; s.nh * t];
         attention_fwd(&mut o, &mut lse, q, k, v, &pos, s);
         (o, lse)
     };
     let (o, lse) = fwd(&q, &k, &v);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    let mut delta = vec![0.0; 4 * 70];
+    let mut delta = vec![0.0; s.nh * t];
     attention_bwd(
         &mut dq, &mut dk, &mut dv, &mut delta, &w, &q, &k, &v, &o, &lse, &pos, s,
     );
@@ -195,6 +197,11 @@ fn attention_backward_finite_differences() {
     let q0 = q.clone();
     fd_check("dk", &mut k, &dk, |k| loss(&fwd(&q0, k, &v0).0), 40);
     fd_check("dv", &mut v, &dv, |v| loss(&fwd(&q0, &k0, v).0), 40);
+}
+
+#[test]
+fn attention_backward_finite_differences() {
+    attention_fd(AttnShape::causal(1, 70, 4, 2, 8), &[30, 1, 39], 4);
 }
 
 #[test]
@@ -503,31 +510,9 @@ fn sliding_window_attention_matches_an_explicit_mask() {
 /// The windowed backward by finite differences, across documents and window edges.
 #[test]
 fn sliding_window_backward_finite_differences() {
-    let s = AttnShape::causal(1, 90, 4, 2, 8).windowed(Some(9));
-    let (mut q, mut k, mut v) = (rnd(90 * 32, 44), rnd(90 * 16, 45), rnd(90 * 16, 46));
-    let w = rnd(90 * 32, 47);
-    let pos = document_positions(&[40, 3, 47]);
-    let fwd = |q: &[f32], k: &[f32], v: &[f32]| {
-        let mut o = vec![0.0; q.len()];
-        let mut lse = vec![0.0; 4 * 90];
-        attention_fwd(&mut o, &mut lse, q, k, v, &pos, s);
-        (o, lse)
-    };
-    let (o, lse) = fwd(&q, &k, &v);
-    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    let mut delta = vec![0.0; 4 * 90];
-    attention_bwd(
-        &mut dq, &mut dk, &mut dv, &mut delta, &w, &q, &k, &v, &o, &lse, &pos, s,
+    attention_fd(
+        AttnShape::causal(1, 90, 4, 2, 8).windowed(Some(9)),
+        &[40, 3, 47],
+        44,
     );
-    let loss = |o: &[f32]| {
-        o.iter()
-            .zip(&w)
-            .map(|(a, b)| f64::from(*a) * f64::from(*b))
-            .sum::<f64>()
-    };
-    let (k0, v0) = (k.clone(), v.clone());
-    fd_check("dq", &mut q, &dq, |q| loss(&fwd(q, &k0, &v0).0), 40);
-    let q0 = q.clone();
-    fd_check("dk", &mut k, &dk, |k| loss(&fwd(&q0, k, &v0).0), 40);
-    fd_check("dv", &mut v, &dv, |v| loss(&fwd(&q0, &k0, v).0), 40);
 }
