@@ -834,7 +834,9 @@ mod scenarios {
             shape.hd as i32,
         );
         let (mut tile, mut scale) = (l.tile as i32, 1.0f32 / (shape.hd as f32).sqrt());
-        let mut args: [*mut c_void; 14] = [
+        // No sliding window.
+        let mut window = 0i32;
+        let mut args: [*mut c_void; 15] = [
             (&mut out as *mut u64).cast(),
             (&mut lse as *mut u64).cast(),
             (&mut q as *mut u64).cast(),
@@ -842,6 +844,7 @@ mod scenarios {
             (&mut v as *mut u64).cast(),
             (&mut pos as *mut u64).cast(),
             (&mut t as *mut i32).cast(),
+            (&mut window as *mut i32).cast(),
             (&mut q0 as *mut i32).cast(),
             (&mut q1 as *mut i32).cast(),
             (&mut nh as *mut i32).cast(),
