@@ -327,15 +327,34 @@ fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
 }
 
 /// The sliding window and the layers it applies to, as transformers reads them: Mistral's
-/// `sliding_window` on every layer; Qwen2's and Qwen3's only under `use_sliding_window`, on the
-/// layers `layer_types` names `sliding_attention` (else those from `max_window_layers` on, 28
-/// unless set); Llama's `layer_types` must be all `full_attention`. Empty layers: every layer.
+/// `sliding_window` on every layer (4096 when the key is absent, none when it is null;
+/// `layer_types` ignored); Qwen2's and Qwen3's only under `use_sliding_window` (the same
+/// default), on the layers `layer_types` names `sliding_attention` (else those from
+/// `max_window_layers` on, 28 unless set); Llama's `layer_types` must be all `full_attention`.
+/// Empty layers: every layer.
 fn sliding_window(
     v: &Value,
     arch: Architecture,
     layers: usize,
     origin: &str,
 ) -> Result<(Option<usize>, Vec<bool>)> {
+    // transformers' configs default the window to 4096; an explicit null means none.
+    let size = || -> Result<Option<usize>> {
+        match v.get("sliding_window") {
+            None => Ok(Some(4096)),
+            Some(Value::Null) => Ok(None),
+            Some(_) => match get_usize(v, "sliding_window", origin)? {
+                Some(0) => Err(bad(
+                    origin,
+                    "`sliding_window` is 0; a window holds at least the query itself",
+                )),
+                w => Ok(w),
+            },
+        }
+    };
+    if arch == Architecture::Mistral {
+        return Ok((size()?, Vec::new()));
+    }
     let types = match v.get("layer_types").filter(|x| !x.is_null()) {
         None => None,
         Some(Value::Array(a)) => Some(
@@ -360,23 +379,12 @@ fn sliding_window(
             ));
         }
     }
-    let size = |default: Option<usize>| -> Result<Option<usize>> {
-        match get_usize(v, "sliding_window", origin)?.or(default) {
-            Some(0) => Err(bad(
-                origin,
-                "`sliding_window` is 0; a window holds at least the query itself",
-            )),
-            w => Ok(w),
-        }
-    };
     match arch {
-        // transformers' Mistral windows every layer and ignores `layer_types`.
-        Architecture::Mistral => Ok((size(None)?, Vec::new())),
         Architecture::Qwen2 | Architecture::Qwen3 => {
             if get_bool(v, "use_sliding_window", origin)? != Some(true) {
                 return Ok((None, Vec::new()));
             }
-            let Some(w) = size(Some(4096))? else {
+            let Some(w) = size()? else {
                 return Ok((None, Vec::new()));
             };
             let windowed = match types {
@@ -391,11 +399,14 @@ fn sliding_window(
             }
             Ok((Some(w), windowed))
         }
-        Architecture::Llama => {
+        _ => {
             if types.is_some_and(|t| t.contains(&true)) {
                 return Err(bad(
                     origin,
-                    "`layer_types` names sliding_attention layers, which LlamaForCausalLM does not have",
+                    format!(
+                        "`layer_types` names sliding_attention layers, which {} does not have",
+                        arch.hf_name()
+                    ),
                 ));
             }
             Ok((None, Vec::new()))

@@ -243,10 +243,12 @@ fn qwen3_8b_has_qk_norm_and_counts_8_19b_params() {
         None
     );
     let c = ModelConfig::from_json_str(
-        &listed.replace(
-            "\"use_sliding_window\": false",
-            "\"use_sliding_window\": true",
-        ),
+        &listed
+            .replace(
+                "\"use_sliding_window\": false",
+                "\"use_sliding_window\": true",
+            )
+            .replace("\"sliding_window\": null,", "\"sliding_window\": 4096,"),
         "q3",
     )
     .unwrap();
@@ -255,7 +257,36 @@ fn qwen3_8b_has_qk_norm_and_counts_8_19b_params() {
         ModelConfig::from_json_str(&c.to_hf_json(), "export").unwrap(),
         c
     );
-    // Mistral windows every layer; a window of 0 is refused; Llama has no sliding layers.
+    // An explicit null is no window, whatever the layers say (transformers).
+    let null = windowed.replace(
+        "\"rope_scaling\": null,",
+        "\"rope_scaling\": null, \"sliding_window\": null,",
+    );
+    assert_eq!(
+        ModelConfig::from_json_str(&null, "q3")
+            .unwrap()
+            .sliding_window,
+        None
+    );
+    // Mistral windows every layer (4096 when the key is absent, none when null; its
+    // `layer_types` ignored); a window of 0 is refused; Llama has no sliding layers.
+    let absent = LLAMA3_8B.replace("LlamaForCausalLM", "MistralForCausalLM");
+    assert_eq!(
+        ModelConfig::from_json_str(&absent, "m")
+            .unwrap()
+            .sliding_window,
+        Some(4096)
+    );
+    let null = absent.replace(
+        "\"rope_scaling\": null,",
+        "\"sliding_window\": null, \"layer_types\": 7,",
+    );
+    assert_eq!(
+        ModelConfig::from_json_str(&null, "m")
+            .unwrap()
+            .sliding_window,
+        None
+    );
     let m = LLAMA3_8B
         .replace("LlamaForCausalLM", "MistralForCausalLM")
         .replace("\"rope_scaling\": null,", "\"sliding_window\": 4096,");
