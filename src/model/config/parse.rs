@@ -1,0 +1,383 @@
+//! Reading `config.json`'s fields as transformers reads them: the architecture, the features
+//! refused by name, RoPE and its scaling, sliding windows per layer, the attention heads, and
+//! typed access to a key with its error.
+
+use super::Architecture;
+use crate::model::ops::RopeScaling;
+use crate::{Error, Result};
+use serde_json::Value;
+
+/// The architecture `architectures[0]` names (or `model_type` implies).
+pub(super) fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
+    let arch_name = match v.get("architectures") {
+        Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or("").to_owned(),
+        _ => match v.get("model_type").and_then(Value::as_str) {
+            Some("llama") => "LlamaForCausalLM".into(),
+            Some("mistral") => "MistralForCausalLM".into(),
+            Some("qwen2") => "Qwen2ForCausalLM".into(),
+            Some("qwen3") => "Qwen3ForCausalLM".into(),
+            Some(other) => other.to_owned(),
+            None => {
+                return Err(bad(
+                    origin,
+                    "neither `architectures` nor `model_type` is set",
+                ))
+            }
+        },
+    };
+    match arch_name.as_str() {
+        "LlamaForCausalLM" => Ok(Architecture::Llama),
+        "MistralForCausalLM" => Ok(Architecture::Mistral),
+        "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
+        "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
+        other => Err(Error::bad_input(
+            "model config",
+            origin,
+            format!("architecture `{other}` is not supported"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM"),
+        )),
+    }
+}
+
+/// Refuse the features the layers do not implement: activations other than SiLU, MLP biases.
+pub(super) fn check_supported_features(v: &Value, origin: &str) -> Result<()> {
+    if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(bad(
+                origin,
+                format!("hidden_act `{act}` is not supported (only `silu`)"),
+            ));
+        }
+    }
+    if get_bool(v, "mlp_bias", origin)? == Some(true) {
+        return Err(bad(origin, "`mlp_bias: true` is not supported"));
+    }
+    Ok(())
+}
+
+/// RoPE's θ (10000 unless set) and its scaling. transformers 4 puts `rope_theta` and
+/// `rope_scaling` at the top level; transformers 5 nests both in `rope_parameters`. The scalings
+/// implemented are read with transformers' defaults (`original_max_position_embeddings` from
+/// the top level first, else the dict, else `max_position_embeddings`; yarn's `factor` from the
+/// context ratio, `attention_factor` from `factor`, `mscale` and `mscale_all_dim`); any other
+/// type, per-layer parameters and partial rotation are refused by name.
+pub(super) fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
+    let rope_params = v.get("rope_parameters").filter(|x| !x.is_null());
+    if let Some(rp) = rope_params {
+        let nested = rp
+            .as_object()
+            .is_some_and(|o| !o.is_empty() && o.values().all(Value::is_object));
+        if nested {
+            return Err(bad(
+                origin,
+                "RoPE parameters per layer type (`rope_parameters` holding one dict per layer type) are not supported",
+            ));
+        }
+    }
+    let rope_theta = match rope_params {
+        Some(rp) => get_f64(rp, "rope_theta", origin)?,
+        None => None,
+    }
+    .or(get_f64(v, "rope_theta", origin)?)
+    .unwrap_or(10000.0);
+    let partial = match rope_params {
+        Some(rp) => get_f64(rp, "partial_rotary_factor", origin)?,
+        None => None,
+    }
+    .or(get_f64(v, "partial_rotary_factor", origin)?);
+    if partial.is_some_and(|p| p != 1.0) {
+        return Err(bad(
+            origin,
+            "`partial_rotary_factor` below 1 (RoPE on part of each head) is not supported",
+        ));
+    }
+    // The dict that scales: the first of transformers 4's `rope_scaling` and transformers 5's
+    // `rope_parameters` that names a type other than the default.
+    let kind = |s: &Value| {
+        s.get("rope_type")
+            .or_else(|| s.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default")
+            .to_owned()
+    };
+    // transformers reads `rope_scaling or rope_parameters`: the transformers-4 key wins.
+    let scaling = [v.get("rope_scaling").filter(|x| !x.is_null()), rope_params]
+        .into_iter()
+        .flatten()
+        .find(|s| kind(s) != "default");
+    let Some(s) = scaling else {
+        return Ok((rope_theta, RopeScaling::Default));
+    };
+    let field = |key: &str| -> Result<Option<f64>> {
+        match s.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .filter(|f| f.is_finite())
+                .map(Some)
+                .ok_or_else(|| {
+                    bad(
+                        origin,
+                        format!("RoPE scaling `{key}` is {x}, not a finite number"),
+                    )
+                }),
+        }
+    };
+    let need = |key: &str| -> Result<f64> {
+        field(key)?.ok_or_else(|| bad(origin, format!("RoPE scaling `{}` needs `{key}`", kind(s))))
+    };
+    let positive = |key: &str, x: f64| -> Result<f64> {
+        if x > 0.0 {
+            Ok(x)
+        } else {
+            Err(bad(
+                origin,
+                format!("RoPE scaling `{key}` must be positive, not {x}"),
+            ))
+        }
+    };
+    let max_pos = get_usize(v, "max_position_embeddings", origin)?.unwrap_or(2048) as f64;
+    let original = match get_f64(v, "original_max_position_embeddings", origin)? {
+        Some(top) => top,
+        None => field("original_max_position_embeddings")?.unwrap_or(max_pos),
+    };
+    if !(original >= 1.0 && original.fract() == 0.0 && original <= (1u64 << 40) as f64) {
+        return Err(bad(
+            origin,
+            format!("`original_max_position_embeddings` must be a positive whole number, not {original}"),
+        ));
+    }
+    let original = original as usize;
+    let scaling = match kind(s).as_str() {
+        "linear" => RopeScaling::Linear {
+            factor: positive("factor", need("factor")?)?,
+        },
+        "llama3" => {
+            let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
+            if !(high > low && low > 0.0) {
+                return Err(bad(
+                    origin,
+                    format!("RoPE scaling llama3 needs 0 < low_freq_factor < high_freq_factor, not {low} and {high}"),
+                ));
+            }
+            RopeScaling::Llama3 {
+                factor: positive("factor", need("factor")?)?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            }
+        }
+        "yarn" => {
+            let factor = positive(
+                "factor",
+                field("factor")?.unwrap_or(max_pos / original as f64),
+            )?;
+            let mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention_factor = match field("attention_factor")? {
+                Some(a) => positive("attention_factor", a)?,
+                None => match (field("mscale")?, field("mscale_all_dim")?) {
+                    (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                        mscale(factor, m) / mscale(factor, all)
+                    }
+                    _ => mscale(factor, 1.0),
+                },
+            };
+            // transformers: `beta_fast or 32`, `beta_slow or 1` (0 and null take the default).
+            let or = |x: Option<f64>, d: f64| x.filter(|&b| b != 0.0).unwrap_or(d);
+            // transformers: `rope_parameters.get("truncate", True)`: absent is true, null false.
+            let truncate = match s.get("truncate") {
+                None => true,
+                Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(x) => return Err(bad(origin, format!("RoPE scaling `truncate` is {x}, not true or false"))),
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: or(field("beta_fast")?, 32.0),
+                beta_slow: or(field("beta_slow")?, 1.0),
+                attention_factor,
+                truncate,
+            }
+        }
+        other => {
+            return Err(bad(
+                origin,
+                format!("RoPE scaling type `{other}` is not supported (default, linear, llama3 and yarn are)"),
+            ))
+        }
+    };
+    Ok((rope_theta, scaling))
+}
+
+/// The sliding window and the layers it applies to, as transformers reads them: Mistral's
+/// `sliding_window` on every layer (4096 when the key is absent, none when it is null;
+/// `layer_types` ignored); Qwen2's and Qwen3's only under `use_sliding_window` (the same
+/// default), on the layers `layer_types` names `sliding_attention` (else those from
+/// `max_window_layers` on, 28 unless set); Llama's `layer_types` must be all `full_attention`.
+/// Empty layers: every layer.
+pub(super) fn sliding_window(
+    v: &Value,
+    arch: Architecture,
+    layers: usize,
+    origin: &str,
+) -> Result<(Option<usize>, Vec<bool>)> {
+    // transformers' configs default the window to 4096; an explicit null means none.
+    let size = || -> Result<Option<usize>> {
+        match v.get("sliding_window") {
+            None => Ok(Some(4096)),
+            Some(Value::Null) => Ok(None),
+            Some(_) => match get_usize(v, "sliding_window", origin)? {
+                Some(0) => Err(bad(
+                    origin,
+                    "`sliding_window` is 0; a window holds at least the query itself",
+                )),
+                w => Ok(w),
+            },
+        }
+    };
+    if arch == Architecture::Mistral {
+        return Ok((size()?, Vec::new()));
+    }
+    let types = match v.get("layer_types").filter(|x| !x.is_null()) {
+        None => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(false),
+                    Some("sliding_attention") => Ok(true),
+                    _ => Err(bad(
+                        origin,
+                        format!("`layer_types` names {t}: full_attention and sliding_attention are supported"),
+                    )),
+                })
+                .collect::<Result<Vec<bool>>>()?,
+        ),
+        Some(other) => return Err(bad(origin, format!("`layer_types` is {other}, not a list"))),
+    };
+    if let Some(t) = &types {
+        if t.len() != layers {
+            return Err(bad(
+                origin,
+                format!("`layer_types` has {} entries for {layers} layers", t.len()),
+            ));
+        }
+    }
+    match arch {
+        Architecture::Qwen2 | Architecture::Qwen3 => {
+            if get_bool(v, "use_sliding_window", origin)? != Some(true) {
+                return Ok((None, Vec::new()));
+            }
+            let Some(w) = size()? else {
+                return Ok((None, Vec::new()));
+            };
+            let windowed = match types {
+                Some(t) => t,
+                None => {
+                    let from = get_usize(v, "max_window_layers", origin)?.unwrap_or(28);
+                    (0..layers).map(|i| i >= from).collect()
+                }
+            };
+            if !windowed.contains(&true) {
+                return Ok((None, Vec::new()));
+            }
+            Ok((Some(w), windowed))
+        }
+        _ => {
+            if types.is_some_and(|t| t.contains(&true)) {
+                return Err(bad(
+                    origin,
+                    format!(
+                        "`layer_types` names sliding_attention layers, which {} does not have",
+                        arch.hf_name()
+                    ),
+                ));
+            }
+            Ok((None, Vec::new()))
+        }
+    }
+}
+
+/// Query heads, key/value heads and the head dimension: heads a positive multiple of key/value
+/// heads, the head dimension even (RoPE rotates pairs).
+pub(super) fn attention_heads(
+    v: &Value,
+    hidden_size: usize,
+    origin: &str,
+) -> Result<(usize, usize, usize)> {
+    let num_heads = need_usize(v, "num_attention_heads", origin)?;
+    let num_kv_heads = get_usize(v, "num_key_value_heads", origin)?.unwrap_or(num_heads);
+    if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(bad(
+            origin,
+            format!("num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"),
+        ));
+    }
+    let head_dim = match get_usize(v, "head_dim", origin)? {
+        Some(hd) => hd,
+        None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
+        None => {
+            return Err(bad(
+                origin,
+                "hidden_size is not a multiple of num_attention_heads and head_dim is unset",
+            ))
+        }
+    };
+    if head_dim % 2 != 0 {
+        return Err(bad(
+            origin,
+            format!("head_dim {head_dim} is odd; RoPE needs an even head dimension"),
+        ));
+    }
+    Ok((num_heads, num_kv_heads, head_dim))
+}
+
+pub(super) fn bad(origin: &str, reason: impl Into<String>) -> Error {
+    Error::bad_input("model config", origin, reason, None)
+}
+
+pub(super) fn get_usize(v: &Value, key: &str, origin: &str) -> Result<Option<usize>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                bad(
+                    origin,
+                    format!("`{key}` must be a non-negative integer, found {x}"),
+                )
+            }),
+    }
+}
+
+pub(super) fn need_usize(v: &Value, key: &str, origin: &str) -> Result<usize> {
+    get_usize(v, key, origin)?.ok_or_else(|| bad(origin, format!("`{key}` is missing")))
+}
+
+pub(super) fn get_f64(v: &Value, key: &str, origin: &str) -> Result<Option<f64>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| bad(origin, format!("`{key}` must be a number, found {x}"))),
+    }
+}
+
+pub(super) fn get_bool(v: &Value, key: &str, origin: &str) -> Result<Option<bool>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| bad(origin, format!("`{key}` must be true or false, found {x}"))),
+    }
+}
