@@ -152,8 +152,8 @@ if [ -n "$stage_ok" ]; then
   t0=$(date +%s)
   if stage_run 300 "$out/goldens.txt" selftest --device cuda --goldens "$root/tests/golden"; then r=PASS; else r=FAIL; fi
   n_pass="$(grep -c ' pass$' "$out/goldens.txt")"; n_fail="$(grep -c ' FAIL$' "$out/goldens.txt")"
-  fp32="$(grep -E '^train_(mha|gqa|tied|clip|accum): loss' "$out/goldens.txt" | awk '{print $(NF-2)}' | sort -g | tail -1)"
-  bf16="$(grep -E '^train_bf16_[a-z_]*: loss' "$out/goldens.txt" | awk '{print $(NF-2)}' | sort -g | tail -1)"
+  fp32="$(grep -E '^train_[a-z0-9_]*: loss' "$out/goldens.txt" | grep -v '^train_bf16_' | awk '{print $(NF-2)}' | sort -g | tail -1)"
+  bf16="$(grep -E '^train_bf16_[a-z0-9_]*: loss' "$out/goldens.txt" | awk '{print $(NF-2)}' | sort -g | tail -1)"
   same="$(grep -q 'same bits.* pass$' "$out/goldens.txt" && echo 'same bits twice' || echo 'NOT the same bits twice')"
   row goldens $r "$n_pass pass, $n_fail fail; worst step error vs PyTorch: fp32 ${fp32:-n/a}, bf16 ${bf16:-n/a}; $same" $(( $(date +%s) - t0 ))
 else
