@@ -2,27 +2,27 @@
 #include "common.cuh"
 
 #define EMBEDDING_FWD(name, T, W)                                                                \
-    /* out[N, C] = wte[tokens[n], :] */                                                        \
+    /* out[N, C] = wte[tokens[n], :] · scale */                                                \
     extern "C" __global__ void embedding_fwd_##name(T* __restrict__ out,         /* [N, C] */  \
                                                     const W* __restrict__ wte,   /* [V, C] */  \
                                                     const unsigned* __restrict__ tokens, /* [N] */ \
-                                                    int n, int c) {                            \
+                                                    int n, int c, float scale) {               \
         FOR_EACH(i, (long long)n * c) {                                                        \
             const long long row = i / c, col = i % c;                                          \
-            st(&out[i], ld(wte[(long long)tokens[row] * c + col]));                            \
+            st(&out[i], ld(wte[(long long)tokens[row] * c + col]) * scale);                    \
         }                                                                                      \
     }
 
 FOR_WEIGHT_DTYPES(EMBEDDING_FWD)
 
 #define EMBEDDING_BWD(name, T)                                                                   \
-    /* dwte[t, :] += Σ dout[r, :] over the rows r of token t, added in row order: the rows come  \
+    /* dwte[t, :] += Σ dout[r, :]·scale over the rows r of token t, added in row order: the rows come \
        grouped by token (`launch::group_tokens`: order ‖ starts ‖ tokens), one thread per        \
        (token, column), no atomics — the CPU's bits on every run. */                            \
     extern "C" __global__ void embedding_bwd_##name(float* __restrict__ dwte,    /* [V, C] */  \
                                                     const T* __restrict__ dout,  /* [N, C] */  \
                                                     const unsigned* __restrict__ groups,       \
-                                                    int n, int u, int c) {                     \
+                                                    int n, int u, int c, float scale) {        \
         const unsigned* order = groups;       /* [N] */                                       \
         const unsigned* starts = groups + n;  /* [U + 1] */                                   \
         const unsigned* tokens = starts + u + 1; /* [U] */                                    \
@@ -31,7 +31,7 @@ FOR_WEIGHT_DTYPES(EMBEDDING_FWD)
             float* dst = &dwte[(long long)tokens[g] * c + col];                                \
             float acc = *dst;                                                                  \
             for (unsigned j = starts[g]; j < starts[g + 1]; ++j)                               \
-                acc += ld(dout[(long long)order[j] * c + col]);                                \
+                acc += ld(dout[(long long)order[j] * c + col]) * scale;                        \
             *dst = acc;                                                                        \
         }                                                                                      \
     }

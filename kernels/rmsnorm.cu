@@ -1,5 +1,6 @@
-// RMSNorm y = w · x · rsqrt(mean(x²) + eps), one block per row; backward recomputes from rstd:
-// dx one block per row, dw by columns in a fixed order (`column_sum`, no atomics).
+// RMSNorm y = (w_offset + w) · x · rsqrt(mean(x²) + eps) (`w_offset` 0, or 1 for Gemma's `1 + w`),
+// one block per row; backward recomputes from rstd: dx one block per row, dw by columns in a
+// fixed order (`column_sum`, no atomics).
 #include "common.cuh"
 
 #define RMSNORM_FWD(name, O, T, W)                                                                  \
@@ -7,7 +8,7 @@
                                                   float* __restrict__ rstd,   /* [N] */        \
                                                   const T* __restrict__ x,    /* [N, C] */     \
                                                   const W* __restrict__ w,    /* [C] */        \
-                                                  int n, int c, float eps) {                   \
+                                                  int n, int c, float eps, float w_offset) {   \
         __shared__ float scratch[WARP];                                                        \
         const long long row = blockIdx.x;                                                      \
         if (row >= n) return;                                                                  \
@@ -21,7 +22,7 @@
         const float r = rsqrtf(ss / (float)c + eps);                                           \
         if (threadIdx.x == 0) rstd[row] = r;                                                   \
         for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
-            st(&out[row * c + j], ld(w[j]) * (ld(xr[j]) * r));                                 \
+            st(&out[row * c + j], (w_offset + ld(w[j])) * (ld(xr[j]) * r));                    \
     }
 
 // Forward for each (output O, input T, weights W): `f32w16o16` writes the bf16 a bf16 device keeps
@@ -33,13 +34,15 @@
 FOR_RMSNORM_FWD(RMSNORM_FWD)
 
 #define RMSNORM(name, T, W)                                                                      \
-    /* dx (+)= r·(w∘dy) − x·r³/C · Σ(w∘dy∘x) (+= when accumulate: the residual fused) */    \
+    /* dx (+)= r·(w'∘dy) − x·r³/C · Σ(w'∘dy∘x), w' = w_offset + w (+= when accumulate: the    \
+       residual fused) */                                                                       \
     extern "C" __global__ void rmsnorm_bwd_##name(T* __restrict__ dx,          /* [N, C] */    \
                                                   const T* __restrict__ dout,  /* [N, C] */    \
                                                   const T* __restrict__ x,     /* [N, C] */    \
                                                   const W* __restrict__ w,     /* [C] */       \
                                                   const float* __restrict__ rstd, /* [N] */    \
-                                                  int n, int c, int accumulate) {              \
+                                                  int n, int c, int accumulate,                \
+                                                  float w_offset) {                            \
         __shared__ float scratch[WARP];                                                        \
         const long long row = blockIdx.x;                                                      \
         if (row >= n) return;                                                                  \
@@ -48,12 +51,12 @@ FOR_RMSNORM_FWD(RMSNORM_FWD)
         const float r = rstd[row];                                                             \
         float dot = 0.0f;                                                                      \
         for (int j = threadIdx.x; j < c; j += blockDim.x)                                      \
-            dot += ld(w[j]) * ld(dyr[j]) * ld(xr[j]);                                          \
+            dot += (w_offset + ld(w[j])) * ld(dyr[j]) * ld(xr[j]);                             \
         dot = block_sum(dot, scratch);                                                         \
         const float k = dot * r * r * r / (float)c;                                            \
         for (int j = threadIdx.x; j < c; j += blockDim.x) {                                    \
             const float xv = ld(xr[j]), dy = ld(dyr[j]);                                       \
-            const float v = r * ld(w[j]) * dy - xv * k;                                        \
+            const float v = r * (w_offset + ld(w[j])) * dy - xv * k;                           \
             st(&dx[row * c + j], accumulate ? ld(dx[row * c + j]) + v : v);                    \
         }                                                                                      \
     }

@@ -700,6 +700,7 @@ mod scenarios {
         rows: i32,
         cols: i32,
         eps: f32,
+        w_offset: f32,
     }
 
     impl Norm {
@@ -717,6 +718,7 @@ mod scenarios {
                 rows: rows as i32,
                 cols: cols as i32,
                 eps: 1e-5,
+                w_offset: 0.0,
             };
             upload(n.x, &x, s)?;
             upload(n.w, &w, s)?;
@@ -724,7 +726,7 @@ mod scenarios {
         }
 
         fn launch(&mut self, f: sys::CUfunction, grid: u32, block: u32, s: sys::CUstream) -> R<()> {
-            let mut args: [*mut c_void; 7] = [
+            let mut args: [*mut c_void; 8] = [
                 (&mut self.out as *mut u64).cast(),
                 (&mut self.rstd as *mut u64).cast(),
                 (&mut self.x as *mut u64).cast(),
@@ -732,6 +734,7 @@ mod scenarios {
                 (&mut self.rows as *mut i32).cast(),
                 (&mut self.cols as *mut i32).cast(),
                 (&mut self.eps as *mut f32).cast(),
+                (&mut self.w_offset as *mut f32).cast(),
             ];
             launch(f, (grid, 1, 1), block, 0, s, &mut args)
         }

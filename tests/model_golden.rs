@@ -86,6 +86,26 @@ fn mean_loss_and_grads(
         / n as f64
 }
 
+/// The worst relative error of the logits and of every gradient against the golden's.
+fn worst_error(c: &Case) -> f32 {
+    let tm = Templates::new(&c.layout.config, c.t).unwrap();
+    let mut ws = Workspace::new(&c.layout.config, c.b, c.t);
+    let params = units(c, "param");
+    let (toks, tgts) = (tokens(c, "tokens"), tokens(c, "targets"));
+    let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
+    let pos = flat_positions(c.b, c.t);
+    let logits = forward_logits(&tm, &refs, &toks, &pos, c.b, c.t, &mut ws).unwrap();
+    let mut worst = rel_err(&logits, c.g.get("logits"), 1e-6);
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+    mean_loss_and_grads(c, &tm, &params, &mut grads, &toks, &tgts, &mut ws);
+    for (name, loc) in &c.layout.manifest {
+        let spec = &c.layout.units[loc.unit].tensors[loc.index];
+        let ours = &grads[loc.unit][spec.offset..spec.offset + spec.numel()];
+        worst = worst.max(rel_err(ours, c.g.get(&format!("grad.{name}")), 1e-6));
+    }
+    worst
+}
+
 fn check_case(case: &str) {
     let c = load(case);
     let tm = Templates::new(&c.layout.config, c.t).unwrap();
@@ -244,6 +264,87 @@ fn mistral_sliding_window() {
 #[test]
 fn qwen2_window_on_some_layers() {
     check_case("qwen2_window");
+}
+
+/// Gemma 3 text: `1 + w` norms (weights around 0), sandwich norms, QK-norm, GELU-tanh,
+/// embeddings × √hidden, attention scale `query_pre_attn_scalar^-½`, a local layer (window 7
+/// of 40, its own RoPE θ) and a global one (linear RoPE), tied, padding index 0.
+#[test]
+fn gemma3_text() {
+    check_case("gemma3");
+}
+
+/// Each Gemma 3 feature moves the numbers: the golden fails with any one of them switched off.
+#[test]
+fn gemma3_golden_fails_without_each_feature() {
+    use megatrain::model::config::{MlpActivation, NormWeight};
+    let c = load("gemma3");
+    let base = c.layout.config.clone();
+    let off: Vec<(&str, ModelConfig)> = vec![
+        (
+            "1 + w norms",
+            ModelConfig {
+                norm_weight: NormWeight::Scale,
+                ..base.clone()
+            },
+        ),
+        (
+            "GELU-tanh",
+            ModelConfig {
+                mlp_activation: MlpActivation::Silu,
+                ..base.clone()
+            },
+        ),
+        (
+            "embedding scale",
+            ModelConfig {
+                scale_embeddings: false,
+                ..base.clone()
+            },
+        ),
+        (
+            "attention scale",
+            ModelConfig {
+                query_pre_attn_scalar: None,
+                ..base.clone()
+            },
+        ),
+        (
+            "local RoPE",
+            ModelConfig {
+                local_rope: None,
+                ..base.clone()
+            },
+        ),
+        (
+            "sliding window",
+            ModelConfig {
+                sliding_window: None,
+                ..base.clone()
+            },
+        ),
+        (
+            "padding index",
+            ModelConfig {
+                pad_token_id: None,
+                ..base.clone()
+            },
+        ),
+    ];
+    for (what, cfg) in off {
+        let layout = StateLayout::new(&cfg, Mode::Exact);
+        let changed = Case {
+            g: Golden::open("model_gemma3.safetensors"),
+            layout,
+            b: c.b,
+            t: c.t,
+        };
+        let err = worst_error(&changed);
+        assert!(
+            err > 100.0 * TOL,
+            "{what} switched off still matches ({err:e})"
+        );
+    }
 }
 
 /// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding

@@ -385,6 +385,13 @@ fn mistral_sliding_window() {
 fn qwen3_qk_norm() {
     check("qwen3");
 }
+/// Gemma 3 text (`1 + w` and sandwich norms, QK-norm, GELU-tanh, scaled embeddings, attention
+/// scale, local and global layers with their own RoPE, tied, padding index) from transformers
+/// 5's own checkpoint.
+#[test]
+fn gemma3_text() {
+    check("gemma3");
+}
 /// `--precision bf16` on the CPU device against torch running the same recipe
 /// (tools/golden_train_bf16.py).
 #[test]
@@ -441,6 +448,10 @@ mod cuda {
     #[test]
     fn qwen3_qk_norm() {
         check_on("qwen3", On::Cuda { delays: false });
+    }
+    #[test]
+    fn gemma3_text_with_random_stream_delays() {
+        check_on("gemma3", On::Cuda { delays: true });
     }
     #[test]
     fn mistral_sliding_window_with_random_stream_delays() {

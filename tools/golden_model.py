@@ -11,12 +11,15 @@ and tensors (all float32; token ids are exact small integers):
   grad.{hf_name}    d loss / d param
   step_loss [S]     loss at each of S AdamW steps on the same batch (torch.optim.AdamW)
   final.{hf_name}   parameters after the S steps
-Cases (mha, gqa, mqa, tied, qwen2, mistral, llama31, yarn, qwen3, mistral_window, qwen2_window)
+Cases (mha, gqa, mqa, tied, qwen2, mistral, llama31, yarn, qwen3, mistral_window, qwen2_window,
+gemma3)
 cover MHA, GQA, MQA, tied embeddings, Qwen2 q/k/v bias, Mistral, sequence lengths that are not a
 multiple of the 64-token attention tile, scaled RoPE (Llama 3.1's llama3, YaRN), Qwen3 (per-head
 RMSNorm of q and k before RoPE, "QK-norm", with q_norm/k_norm weights 1 + 0.5·randn; head_dim
 12 ≠ hidden/heads), and sliding-window attention (Mistral on every layer, window 7 over 40
-tokens; Qwen2 on layer 1 only, max_window_layers 1, window 5 over 50 tokens). Run:
+tokens; Qwen2 on layer 1 only, max_window_layers 1, window 5 over 50 tokens), and Gemma 3 text
+(`1 + w` norms around 0, sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar,
+local and global layers with their own RoPE, padding index). Run:
   python3 tools/golden_model.py [CASE ...]      (every case, or only those named)
 """
 import json
@@ -65,6 +68,16 @@ CASES = {
     "mistral_window": (dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=7), 2, 40),
     "qwen2_window": (dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                           use_sliding_window=True, sliding_window=5, max_window_layers=1), 1, 50),
+    # Gemma 3 text, every feature moving the numbers: `1 + w` norms (weights around 0), four per
+    # block, QK-norm, GELU-tanh, embeddings × √32, attention scale 20^-½ (head_dim 12), a local
+    # layer (window 7 over 40 tokens, its own RoPE θ 100) before a global one (linear RoPE ÷2),
+    # tied head, padding index 0 (its row gets no gradient from the lookup).
+    "gemma3": (dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    tie_word_embeddings=True, query_pre_attn_scalar=20, sliding_window=7,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                     "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=10000.0)},
+                    hidden_activation="gelu_pytorch_tanh"), 2, 40),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
@@ -76,6 +89,9 @@ def make(case, over, b, t, seed):
     if "rope_parameters" in d:
         d.pop("rope_theta")
     model_type = d.pop("model_type")
+    gemma = model_type.startswith("gemma")
+    if gemma:
+        d.pop("hidden_act")
     cfg = AutoConfig.for_model(model_type, **d)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -83,10 +99,12 @@ def make(case, over, b, t, seed):
     model.eval()  # no dropout (there is none in these models anyway)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            # Norm weights around 1, or around 0 where the norm applies 1 + w (Gemma).
+            center = 0.0 if gemma else 1.0
             if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.copy_(1.0 + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
+                p.copy_(center + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
             elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(center + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
@@ -97,6 +115,8 @@ def make(case, over, b, t, seed):
         out[f"param.{n}"] = p.detach().clone()
     v = cfg.vocab_size
     tokens = torch.randint(0, v, (b, t + 1), generator=g)
+    if gemma:
+        tokens[0, 5] = cfg.pad_token_id  # the padding index among the inputs: its row gets no lookup gradient
     inp, tgt = tokens[:, :t], tokens[:, 1:]
     out["tokens"], out["targets"] = inp.float(), tgt.float()
     logits = model(input_ids=inp).logits

@@ -8,8 +8,9 @@ data and loss semantics:
   lr(t) = lr·t/warmup for t ≤ warmup, then cosine to 0 over the remaining steps.
 
 Models are Llama unless a case names model_type (qwen3: QK-norm, with q_norm/k_norm weights
-1 + 0.5·randn, and head_dim from the case); a case's `config` dict adds config keys (e.g.
-sliding_window for mistral_window).
+1 + 0.5·randn, and head_dim from the case; gemma3_text: Gemma 3, norm weights around 0 as its
+norms apply 1 + w); a case's `config` dict adds config keys (e.g. sliding_window for
+mistral_window).
 
 For each case writes tests/golden/train_{case}/ with
   init/         the initial weights, as transformers saves them (the CLI's --init-from)
@@ -51,6 +52,17 @@ CASES = {
     # Mistral with sliding-window attention, window 6 over rows of 20 tokens.
     "mistral_window": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
                            model_type="mistral", config=dict(sliding_window=6)),
+    # Gemma 3 text (see tools/golden_model.py): norms 1 + w around 0, sandwich norms, QK-norm,
+    # GELU-tanh, embeddings × √32, attention scale 20^-½, a local layer (window 6 of 20, RoPE θ
+    # 100) and a global one (linear RoPE ÷2), tied, padding index 0.
+    "gemma3": dict(heads=4, kv=2, tied=True, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                   model_type="gemma3_text", head_dim=12,
+                   config=dict(query_pre_attn_scalar=20, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                                "full_attention": dict(rope_type="linear", factor=2.0,
+                                                                       rope_theta=10000.0)},
+                               hidden_activation="gelu_pytorch_tanh")),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
@@ -81,15 +93,22 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
     elif "head_dim" in c:
         d["head_dim"] = c["head_dim"]
     d.update(c.get("config", {}))  # further config.json keys (e.g. sliding_window)
+    gemma = model_type.startswith("gemma")
+    if gemma:
+        d.pop("hidden_act")
+        if "rope_parameters" in d:
+            d.pop("rope_theta", None)
     cfg = AutoConfig.for_model(model_type, **d)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.no_grad():
         for n, p in model.named_parameters():
+            # Norm weights around 1, or around 0 where the norm applies 1 + w (Gemma).
+            center = 0.0 if gemma else 1.0
             if n.endswith(("q_norm.weight", "k_norm.weight")):
-                p.copy_(1.0 + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
+                p.copy_(center + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(center + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
     model.save_pretrained(os.path.join(root, "init"), safe_serialization=True)
     B, T, M, S = c["B"], c["T"], c["M"], c["steps"]
     rows = B * M * S + 1

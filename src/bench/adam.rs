@@ -15,7 +15,7 @@
 //! is the high plane itself (no shadow write). Its extra cost is the join and split in L1.
 
 use crate::host::{PageKind, Region, RegionSpec};
-use crate::model::config::{Architecture, ModelConfig};
+use crate::model::config::{Architecture, MlpActivation, ModelConfig, NormWeight};
 use crate::optim::adamw::{AdamWConfig, Isa};
 use crate::optim::moments;
 use crate::optim::{unit_segments, AdamPool, Salts};
@@ -172,6 +172,13 @@ fn bench_model(params: usize) -> Result<ModelConfig> {
         qk_norm: false,
         sliding_window: None,
         windowed_layers: Vec::new(),
+        norm_weight: NormWeight::Scale,
+        sandwich_norms: false,
+        mlp_activation: MlpActivation::Silu,
+        scale_embeddings: false,
+        query_pre_attn_scalar: None,
+        local_rope: None,
+        pad_token_id: None,
     })
 }
 

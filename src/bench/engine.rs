@@ -13,7 +13,7 @@
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
 use crate::engine::schedule::{self, Activations, LeanPieces, ScheduleSpec};
 use crate::engine::{MicroBatch, StepMetrics, Streamer, StreamerConfig};
-use crate::model::config::{Architecture, ModelConfig};
+use crate::model::config::{Architecture, MlpActivation, ModelConfig, NormWeight};
 use crate::model::reference::Templates;
 use crate::optim::adamw::Isa;
 use crate::optim::adamw::{self, AdamSlices, StepScalars};
@@ -109,6 +109,13 @@ fn model() -> ModelConfig {
         qk_norm: false,
         sliding_window: None,
         windowed_layers: Vec::new(),
+        norm_weight: NormWeight::Scale,
+        sandwich_norms: false,
+        mlp_activation: MlpActivation::Silu,
+        scale_embeddings: false,
+        query_pre_attn_scalar: None,
+        local_rope: None,
+        pad_token_id: None,
     }
 }
 

@@ -6,6 +6,7 @@
 
 use super::program::{Backend, Gemm};
 use super::Precision;
+use crate::model::config::MlpActivation;
 use crate::model::ops::{self, AttnShape, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
@@ -333,7 +334,7 @@ impl Backend for HostBackend<'_> {
         y: HostP,
         rstd: HostP,
         x: HostP,
-        w: HostP,
+        (w, w_offset): (HostP, f32),
         rows: usize,
         c: usize,
         eps: f32,
@@ -344,7 +345,7 @@ impl Backend for HostBackend<'_> {
             [(y, rows * c), (rstd, rows)],
             [(x, rows * c), (w, c)],
         )?;
-        ops::rmsnorm_fwd(y, r, x, w, c, eps);
+        ops::rmsnorm_fwd(y, r, x, (w, w_offset), c, eps);
         if keep16 {
             y.iter_mut().for_each(|v| *v = bf16_value(*v));
         }
@@ -357,7 +358,7 @@ impl Backend for HostBackend<'_> {
         dw: HostP,
         dy: HostP,
         x: HostP,
-        w: HostP,
+        (w, w_offset): (HostP, f32),
         rstd: HostP,
         rows: usize,
         c: usize,
@@ -368,7 +369,7 @@ impl Backend for HostBackend<'_> {
             [(dx, rows * c), (dw, c)],
             [(dy, rows * c), (x, rows * c), (w, c), (rstd, rows)],
         )?;
-        ops::rmsnorm_bwd(dx, accumulate, dw, dy, x, w, r, c);
+        ops::rmsnorm_bwd(dx, accumulate, dw, dy, x, (w, w_offset), r, c);
         Ok(())
     }
 
@@ -377,9 +378,9 @@ impl Backend for HostBackend<'_> {
         y: HostP,
         x: HostP,
         pos: HostIds,
-        rows: usize,
-        heads: usize,
+        (rows, heads): (usize, usize),
         inverse: bool,
+        table: usize,
     ) -> Result<()> {
         let len = rows * heads * self.rope.head_dim;
         // In place only as fp32: a stored output over its own input is an overlap (on a GPU,
@@ -404,7 +405,13 @@ impl Backend for HostBackend<'_> {
                 ),
             ));
         }
-        self.rope.apply(y, pos, heads, inverse);
+        if table >= self.rope.tables {
+            return Err(Error::internal(
+                "device program",
+                format!("rope: table {table} of {}", self.rope.tables),
+            ));
+        }
+        self.rope.apply_table(y, pos, heads, inverse, table);
         if keep16 {
             y.iter_mut().for_each(|v| *v = bf16_value(*v));
         }
@@ -474,18 +481,26 @@ impl Backend for HostBackend<'_> {
         Ok(())
     }
 
-    fn swiglu_fwd(&mut self, h: HostP, g: HostP, u: HostP, len: usize) -> Result<()> {
+    fn gated_fwd(
+        &mut self,
+        act: MlpActivation,
+        h: HostP,
+        g: HostP,
+        u: HostP,
+        len: usize,
+    ) -> Result<()> {
         let (h, keep16) = h.plain();
-        let ([h], [g, u]) = views("swiglu_fwd", [(h, len)], [(g, len), (u, len)])?;
-        ops::swiglu_fwd(h, g, u);
+        let ([h], [g, u]) = views("gated_fwd", [(h, len)], [(g, len), (u, len)])?;
+        ops::gated_fwd(act, h, g, u);
         if keep16 {
             h.iter_mut().for_each(|v| *v = bf16_value(*v));
         }
         Ok(())
     }
 
-    fn swiglu_bwd(
+    fn gated_bwd(
         &mut self,
+        act: MlpActivation,
         dg: HostP,
         du: HostP,
         dh: HostP,
@@ -495,11 +510,11 @@ impl Backend for HostBackend<'_> {
     ) -> Result<()> {
         let ((dg, g16), (du, u16)) = (dg.plain(), du.plain());
         let ([dg, du], [dh, g, u]) = views(
-            "swiglu_bwd",
+            "gated_bwd",
             [(dg, len), (du, len)],
             [(dh, len), (g, len), (u, len)],
         )?;
-        ops::swiglu_bwd(dg, du, dh, g, u);
+        ops::gated_bwd(act, dg, du, dh, g, u);
         for (out, keep16) in [(dg, g16), (du, u16)] {
             if keep16 {
                 out.iter_mut().for_each(|v| *v = bf16_value(*v));
@@ -513,17 +528,19 @@ impl Backend for HostBackend<'_> {
         x: HostP,
         e: HostP,
         ids: HostIds,
-        rows: usize,
-        c: usize,
-        vocab: usize,
+        (rows, c, vocab): (usize, usize, usize),
+        scale: f32,
     ) -> Result<()> {
         let ids = self.ids(ids, rows, "embed_fwd")?;
         let ([x], [e]) = views("embed_fwd", [(x, rows * c)], [(e, vocab * c)])?;
         for (row, &tok) in x.chunks_mut(c).zip(ids) {
             let t = tok as usize;
-            row.copy_from_slice(e.get(t * c..(t + 1) * c).ok_or_else(|| {
+            let src = e.get(t * c..(t + 1) * c).ok_or_else(|| {
                 Error::internal("device program", format!("embed_fwd: token {t} ≥ {vocab}"))
-            })?);
+            })?;
+            for (o, v) in row.iter_mut().zip(src) {
+                *o = *v * scale;
+            }
         }
         Ok(())
     }
@@ -533,9 +550,9 @@ impl Backend for HostBackend<'_> {
         de: HostP,
         tokens: &[u32],
         dx: HostP,
-        rows: usize,
-        c: usize,
-        vocab: usize,
+        (rows, c, vocab): (usize, usize, usize),
+        scale: f32,
+        pad: Option<u32>,
     ) -> Result<()> {
         let ids = tokens.get(..rows).ok_or_else(|| {
             Error::internal(
@@ -545,12 +562,15 @@ impl Backend for HostBackend<'_> {
         })?;
         let ([de], [dx]) = views("embed_bwd", [(de, vocab * c)], [(dx, rows * c)])?;
         for (row, &tok) in dx.chunks(c).zip(ids) {
+            if Some(tok) == pad {
+                continue;
+            }
             let t = tok as usize;
             let dst = de.get_mut(t * c..(t + 1) * c).ok_or_else(|| {
                 Error::internal("device program", format!("embed_bwd: token {t} ≥ {vocab}"))
             })?;
             for (d, v) in dst.iter_mut().zip(row) {
-                *d += *v;
+                *d += *v * scale;
             }
         }
         Ok(())
@@ -668,12 +688,12 @@ mod tests {
             let (mut x, mut y) = (src.clone(), vec![0.0f32; len]);
             // SAFETY: x and y outlive the calls.
             let (xp, yp) = unsafe { (HostP::write(&mut x), HostP::write(&mut y)) };
-            be.rope(HostBackend::as_bf16(yp), xp, ids, rows, heads, inverse)
+            be.rope(HostBackend::as_bf16(yp), xp, ids, (rows, heads), inverse, 0)
                 .unwrap();
             assert_eq!(x, src, "the input is left as it was");
-            let over_itself = be.rope(HostBackend::as_bf16(xp), xp, ids, rows, heads, inverse);
+            let over_itself = be.rope(HostBackend::as_bf16(xp), xp, ids, (rows, heads), inverse, 0);
             assert!(over_itself.is_err(), "bf16 written over its own fp32 input");
-            be.rope(xp, xp, ids, rows, heads, inverse).unwrap();
+            be.rope(xp, xp, ids, (rows, heads), inverse, 0).unwrap();
             assert_ne!(x, src);
             let want: Vec<f32> = x.iter().map(|v| bf16_value(*v)).collect();
             assert_eq!(y, want, "inverse {inverse}");

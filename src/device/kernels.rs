@@ -81,10 +81,14 @@ const FLASH_BWD: &[Param] = &[
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
 const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
-/// `embedding_bwd`: dwte, dout, the grouped tokens, n, groups, c.
-const EMBED_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, I32];
-const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32];
-const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
+/// `embedding_fwd`: out, wte, tokens, n, c, scale.
+const EMBED_FWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
+/// `embedding_bwd`: dwte, dout, the grouped tokens, n, groups, c, scale.
+const EMBED_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, I32, F32];
+/// `rmsnorm_fwd`: out, rstd, x, w, n, c, eps, w_offset.
+const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32, F32];
+/// `rmsnorm_bwd`: dx, dout, x, w, rstd, n, c, accumulate, w_offset.
+const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32];
 const RMSNORM_DW: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
 const ROPE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
 const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
@@ -95,10 +99,10 @@ pub const FILES: &[KernelFile] = &[
         file: "embedding.cu",
         source: include_str!("../../kernels/embedding.cu"),
         kernels: &[
-            sig("embedding_fwd_f32", PTR3_ROWS_COLS),
+            sig("embedding_fwd_f32", EMBED_FWD),
             sig("embedding_bwd_f32", EMBED_BWD),
-            sig("embedding_fwd_bf16", PTR3_ROWS_COLS),
-            sig("embedding_fwd_f32w16", PTR3_ROWS_COLS),
+            sig("embedding_fwd_bf16", EMBED_FWD),
+            sig("embedding_fwd_f32w16", EMBED_FWD),
             sig("embedding_bwd_bf16", EMBED_BWD),
         ],
     },
@@ -139,6 +143,12 @@ pub const FILES: &[KernelFile] = &[
             sig("swiglu_bwd_bf16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
             sig("swiglu_fwd_f32o16", &[Ptr, Ptr, Ptr, I64]),
             sig("swiglu_bwd_f32o16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
+            sig("geglu_fwd_f32", &[Ptr, Ptr, Ptr, I64]),
+            sig("geglu_bwd_f32", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
+            sig("geglu_fwd_bf16", &[Ptr, Ptr, Ptr, I64]),
+            sig("geglu_bwd_bf16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
+            sig("geglu_fwd_f32o16", &[Ptr, Ptr, Ptr, I64]),
+            sig("geglu_bwd_f32o16", &[Ptr, Ptr, Ptr, Ptr, Ptr, I64]),
         ],
     },
     KernelFile {

@@ -268,8 +268,9 @@ pub struct TokenGroups {
     pub groups: usize,
 }
 
-/// Group `tokens` (each below `vocab`) for [`TokenGroups`].
-pub fn group_tokens(tokens: &[u32], vocab: usize) -> Result<TokenGroups> {
+/// Group `tokens` (each below `vocab`) for [`TokenGroups`]; the rows of token `skip` (the
+/// embedding's padding index, which gets no gradient) are left out of every group.
+pub fn group_tokens(tokens: &[u32], vocab: usize, skip: Option<u32>) -> Result<TokenGroups> {
     if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::internal(
             "embedding gradient",
@@ -283,17 +284,23 @@ pub fn group_tokens(tokens: &[u32], vocab: usize) -> Result<TokenGroups> {
         )
     })?;
     let mut order: Vec<u32> = (0..n).collect();
-    order.sort_by_key(|&r| tokens[r as usize]);
+    // The skipped rows last, after every group.
+    order.sort_by_key(|&r| (Some(tokens[r as usize]) == skip, tokens[r as usize]));
     let mut starts = Vec::new();
     let mut ids = Vec::new();
+    let mut end = n;
     for (i, &r) in order.iter().enumerate() {
         let t = tokens[r as usize];
+        if Some(t) == skip {
+            end = i as u32;
+            break;
+        }
         if ids.last() != Some(&t) {
             starts.push(i as u32);
             ids.push(t);
         }
     }
-    starts.push(n);
+    starts.push(end);
     let groups = ids.len();
     let mut packed = order;
     packed.extend(starts);
@@ -472,7 +479,7 @@ mod tests {
     #[test]
     fn token_groups_cover_every_row_in_order() {
         let tokens = [5u32, 2, 5, 0, 2, 5, 9];
-        let g = group_tokens(&tokens, 10).unwrap();
+        let g = group_tokens(&tokens, 10, None).unwrap();
         let n = tokens.len();
         assert_eq!(g.groups, 4);
         let (order, rest) = g.packed.split_at(n);
@@ -485,7 +492,11 @@ mod tests {
                 assert_eq!(tokens[r as usize], ids[k]);
             }
         }
-        assert!(group_tokens(&tokens, 9).is_err(), "token 9 of 9");
-        assert_eq!(group_tokens(&[], 4).unwrap().packed, vec![0]);
+        assert!(group_tokens(&tokens, 9, None).is_err(), "token 9 of 9");
+        assert_eq!(group_tokens(&[], 4, None).unwrap().packed, vec![0]);
+        // A skipped token's rows: last in the order, in no group.
+        let g = group_tokens(&[3, 1, 3, 2, 1], 4, Some(3)).unwrap();
+        assert_eq!(g.groups, 2);
+        assert_eq!(g.packed, vec![1, 4, 3, 0, 2, 0, 2, 3, 1, 2]);
     }
 }

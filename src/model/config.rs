@@ -1,11 +1,15 @@
-//! Llama-family model configuration, read from a Hugging Face `config.json`.
+//! Decoder-only model configuration, read from a Hugging Face `config.json`: one description of
+//! the decoder block (its norms and their kind, the attention variant, the MLP's activation, the
+//! embedding scale, RoPE per layer type) from which every layer program follows.
 //!
-//! Accepts Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (QK-norm), tied embeddings, and both transformers-4 and
+//! Accepts Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (QK-norm) and Gemma 3 text (`1 + w` norms,
+//! sandwich norms, GELU-tanh, scaled embeddings, local/global layers), tied embeddings, and both transformers-4 and
 //! transformers-5 spellings (`torch_dtype`/`dtype`, top-level `rope_theta` or
 //! `rope_parameters.rope_theta`). Anything we do not implement — another architecture, a RoPE
 //! scaling type, an activation other than SiLU, MLP bias — is an error naming it, never silently
 //! wrong. Keys we do not use (token ids, dtype, ...) are ignored: HF configs carry many.
 
+pub use super::ops::MlpActivation;
 use super::ops::RopeScaling;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -48,6 +52,10 @@ pub enum Architecture {
     Qwen2,
     /// `Qwen3ForCausalLM` (Llama with QK-norm: a per-head RMSNorm on q and k before RoPE).
     Qwen3,
+    /// `Gemma3ForCausalLM` (and the text part of `Gemma3ForConditionalGeneration`): `1 + w`
+    /// RMSNorms, four per block, QK-norm, GELU-tanh MLP, embeddings scaled by √hidden, local
+    /// sliding-window layers with their own RoPE between global ones.
+    Gemma3,
 }
 
 impl Architecture {
@@ -58,6 +66,7 @@ impl Architecture {
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -68,8 +77,39 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3_text",
         }
     }
+}
+
+/// How an RMSNorm applies its weight to the normalised row `x̂ = x·rsqrt(mean(x²) + eps)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormWeight {
+    /// `w ⊙ x̂` (Llama, Mistral, Qwen; weights start at 1).
+    #[default]
+    Scale,
+    /// `(1 + w) ⊙ x̂` (Gemma; weights start at 0).
+    OnePlus,
+}
+
+impl NormWeight {
+    /// What the kernels add to each weight: 0 or 1.
+    pub fn offset(self) -> f32 {
+        match self {
+            NormWeight::Scale => 0.0,
+            NormWeight::OnePlus => 1.0,
+        }
+    }
+}
+
+/// RoPE of one layer type: base θ and frequency scaling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeParams {
+    /// Base θ.
+    pub theta: f64,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
 }
 
 /// The shape of a Llama-family decoder.
@@ -118,6 +158,58 @@ pub struct ModelConfig {
     /// Qwen2's layers from `max_window_layers` on); empty: every layer.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub windowed_layers: Vec<bool>,
+    /// How every RMSNorm (blocks, QK-norm, final) applies its weight.
+    #[serde(default)]
+    pub norm_weight: NormWeight,
+    /// Sandwich norms (Gemma): the attention's and the MLP's outputs are normed before their
+    /// residual adds (`post_attention_layernorm`, `post_feedforward_layernorm`), the MLP's
+    /// input by `pre_feedforward_layernorm`.
+    #[serde(default)]
+    pub sandwich_norms: bool,
+    /// The gated MLP's activation.
+    #[serde(default)]
+    pub mlp_activation: MlpActivation,
+    /// Embeddings are multiplied by √hidden (in fp32, as transformers' `embed_scale`) (Gemma).
+    #[serde(default)]
+    pub scale_embeddings: bool,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-½` instead of `head_dim^-½`
+    /// (Gemma).
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// RoPE of the sliding-window layers where it differs from the global layers' (Gemma 3's
+    /// `rope_local_base_freq`, or `rope_parameters.sliding_attention`).
+    #[serde(default)]
+    pub local_rope: Option<RopeParams>,
+    /// The embedding's padding index (`pad_token_id`, transformers' `nn.Embedding(padding_idx)`):
+    /// its row gets no gradient from the lookup (a tied head still trains it).
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
+}
+
+impl RopeParams {
+    /// "RoPE θ 500000, llama3 ×8 over 8192 positions", for people.
+    pub fn describe(&self) -> String {
+        let rope = format!("RoPE θ {}", self.theta);
+        match &self.scaling {
+            RopeScaling::Default => rope,
+            RopeScaling::Linear { factor } => format!("{rope}, linear ÷{factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                original_max_position_embeddings,
+                ..
+            } => format!(
+                "{rope}, llama3 ×{factor} over {original_max_position_embeddings} positions"
+            ),
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                ..
+            } => format!(
+                "{rope}, yarn ×{factor} over {original_max_position_embeddings} positions (attention ×{attention_factor:.3})"
+            ),
+        }
+    }
 }
 
 impl ModelConfig {
@@ -135,39 +227,63 @@ impl ModelConfig {
         if !v.is_object() {
             return Err(bad(origin, "not a JSON object"));
         }
-        let architecture = architecture(&v, origin)?;
-        check_supported_features(&v, origin)?;
-        let (rope_theta, rope_scaling) = rope(&v, origin)?;
-        let hidden_size = need_usize(&v, "hidden_size", origin)?;
-        let (num_heads, num_kv_heads, head_dim) = attention_heads(&v, hidden_size, origin)?;
-        let attention_bias = get_bool(&v, "attention_bias", origin)?.unwrap_or(false);
+        let (architecture, v) = architecture(&v, origin)?;
+        let v = &v;
+        let mlp_activation = check_supported_features(v, architecture, origin)?;
+        let ((rope_theta, rope_scaling), local_rope) = match architecture {
+            Architecture::Gemma3 => gemma3_rope(v, origin)?,
+            _ => (rope(v, origin)?, None),
+        };
+        let hidden_size = need_usize(v, "hidden_size", origin)?;
+        let (num_heads, num_kv_heads, head_dim) = attention_heads(v, hidden_size, origin)?;
+        let attention_bias = get_bool(v, "attention_bias", origin)?.unwrap_or(false);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 => (true, false),
             _ => (attention_bias, attention_bias),
         };
-        let num_layers = need_usize(&v, "num_hidden_layers", origin)?;
+        let num_layers = need_usize(v, "num_hidden_layers", origin)?;
         let (sliding_window, windowed_layers) =
-            sliding_window(&v, architecture, num_layers, origin)?;
+            sliding_window(v, architecture, num_layers, origin)?;
+        let gemma = architecture == Architecture::Gemma3;
+        let query_pre_attn_scalar = match gemma {
+            true => Some(get_f64(v, "query_pre_attn_scalar", origin)?.unwrap_or(256.0)),
+            false => None,
+        };
         let cfg = ModelConfig {
             architecture,
-            vocab_size: need_usize(&v, "vocab_size", origin)?,
+            vocab_size: need_usize(v, "vocab_size", origin)?,
             hidden_size,
-            intermediate_size: need_usize(&v, "intermediate_size", origin)?,
+            intermediate_size: need_usize(v, "intermediate_size", origin)?,
             num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: get_f64(&v, "rms_norm_eps", origin)?.unwrap_or(1e-6),
+            rms_norm_eps: get_f64(v, "rms_norm_eps", origin)?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: get_usize(&v, "max_position_embeddings", origin)?
+            max_position_embeddings: get_usize(v, "max_position_embeddings", origin)?
                 .unwrap_or(2048),
-            tie_word_embeddings: get_bool(&v, "tie_word_embeddings", origin)?.unwrap_or(false),
+            tie_word_embeddings: get_bool(v, "tie_word_embeddings", origin)?.unwrap_or(false),
             qkv_bias,
             o_bias,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
             sliding_window,
             windowed_layers,
+            norm_weight: if gemma {
+                NormWeight::OnePlus
+            } else {
+                NormWeight::Scale
+            },
+            sandwich_norms: gemma,
+            mlp_activation,
+            scale_embeddings: gemma,
+            query_pre_attn_scalar,
+            local_rope,
+            pad_token_id: None,
+        };
+        let cfg = ModelConfig {
+            pad_token_id: pad_token_id(v, cfg.vocab_size, origin)?,
+            ..cfg
         };
         cfg.check_sizes(origin)?;
         Ok(cfg)
@@ -212,9 +328,13 @@ impl ModelConfig {
             1,
             limits::MAX_POSITIONS,
         )?;
+        let local_theta = self.local_rope.as_ref().map_or(1.0, |r| r.theta);
+        let scalar = self.query_pre_attn_scalar.unwrap_or(1.0);
         for (key, v) in [
             ("rms_norm_eps", self.rms_norm_eps),
             ("rope_theta", self.rope_theta),
+            ("rope_local_base_freq", local_theta),
+            ("query_pre_attn_scalar", scalar),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(
@@ -250,7 +370,8 @@ impl ModelConfig {
             self.num_heads as u128 * self.head_dim as u128,
             self.num_kv_heads as u128 * self.head_dim as u128,
         );
-        let mut layer = 2 * c + q * c + 2 * kv * c + c * q + 3 * i * c;
+        let norms = if self.sandwich_norms { 4 } else { 2 };
+        let mut layer = norms * c + q * c + 2 * kv * c + c * q + 3 * i * c;
         if self.qkv_bias {
             layer += q + 2 * kv;
         }
@@ -286,24 +407,16 @@ impl ModelConfig {
                 self.num_heads, self.num_kv_heads, self.head_dim
             ),
         ];
-        let rope = format!("RoPE θ {}", self.rope_theta);
-        f.push(match &self.rope_scaling {
-            RopeScaling::Default => rope,
-            RopeScaling::Linear { factor } => format!("{rope}, linear ÷{factor}"),
-            RopeScaling::Llama3 {
-                factor,
-                original_max_position_embeddings,
-                ..
-            } => format!(
-                "{rope}, llama3 ×{factor} over {original_max_position_embeddings} positions"
-            ),
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                attention_factor,
-                ..
-            } => format!(
-                "{rope}, yarn ×{factor} over {original_max_position_embeddings} positions (attention ×{attention_factor:.3})"
+        let global = RopeParams {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling.clone(),
+        };
+        f.push(match &self.local_rope {
+            None => global.describe(),
+            Some(local) => format!(
+                "{} (global layers), {} (local layers)",
+                global.describe(),
+                local.describe()
             ),
         });
         if self.qkv_bias {
@@ -317,6 +430,21 @@ impl ModelConfig {
         }
         if self.tie_word_embeddings {
             f.push("tied embeddings".into());
+        }
+        if self.norm_weight == NormWeight::OnePlus {
+            f.push("RMSNorm (1 + w)".into());
+        }
+        if self.sandwich_norms {
+            f.push("sandwich norms (4 per block)".into());
+        }
+        if self.mlp_activation == MlpActivation::GeluTanh {
+            f.push("GELU-tanh MLP".into());
+        }
+        if self.scale_embeddings {
+            f.push("embeddings × √hidden".into());
+        }
+        if let Some(s) = self.query_pre_attn_scalar {
+            f.push(format!("attention scale {s}^-½"));
         }
         if let Some(w) = self.sliding_window {
             let n = (0..self.num_layers)
@@ -350,6 +478,7 @@ impl ModelConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": "float32",
+            "pad_token_id": self.pad_token_id,
         });
         if self.architecture != Architecture::Qwen2 {
             v["attention_bias"] = Value::Bool(self.qkv_bias);
@@ -379,11 +508,82 @@ impl ModelConfig {
         if self.architecture == Architecture::Mistral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
         }
-        if self.rope_scaling != RopeScaling::Default {
+        if self.architecture == Architecture::Gemma3 {
+            self.gemma3_hf_fields(&mut v);
+        } else if self.rope_scaling != RopeScaling::Default {
             // The same fields transformers reads back (its `rope_type` tag included).
             v["rope_scaling"] = serde_json::to_value(&self.rope_scaling).unwrap_or(Value::Null);
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+
+    /// Gemma 3's own keys (transformers 5 spelling: RoPE per layer type in `rope_parameters`).
+    fn gemma3_hf_fields(&self, v: &mut Value) {
+        let o = v.as_object_mut().expect("a JSON object");
+        for key in ["hidden_act", "rope_theta"] {
+            o.remove(key);
+        }
+        let rope = |r: &RopeParams| {
+            let mut d = serde_json::to_value(&r.scaling).unwrap_or(Value::Null);
+            d["rope_theta"] = Value::from(r.theta);
+            d
+        };
+        let global = RopeParams {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling.clone(),
+        };
+        let local = self.local_rope.clone().unwrap_or(global.clone());
+        let types: Vec<&str> = (0..self.num_layers)
+            .map(|i| match self.windowed_layers.get(i) {
+                Some(true) => "sliding_attention",
+                _ => "full_attention",
+            })
+            .collect();
+        for (key, value) in [
+            ("hidden_activation", Value::from("gelu_pytorch_tanh")),
+            (
+                "query_pre_attn_scalar",
+                Value::from(self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64)),
+            ),
+            (
+                "sliding_window",
+                self.sliding_window.map_or(Value::Null, Value::from),
+            ),
+            ("layer_types", serde_json::json!(types)),
+            (
+                "rope_parameters",
+                serde_json::json!({"full_attention": rope(&global), "sliding_attention": rope(&local)}),
+            ),
+            ("final_logit_softcapping", Value::Null),
+            ("attn_logit_softcapping", Value::Null),
+            ("use_bidirectional_attention", Value::Bool(false)),
+        ] {
+            o.insert(key.to_owned(), value);
+        }
+    }
+
+    /// Which RoPE table layer `layer` rotates with: 0 the global one, 1 the local one (the
+    /// sliding-window layers' own RoPE, [`ModelConfig::local_rope`]).
+    pub fn layer_rope(&self, layer: usize) -> usize {
+        match (&self.local_rope, self.windowed_layers.get(layer)) {
+            (Some(_), Some(true)) => 1,
+            _ => 0,
+        }
+    }
+
+    /// The attention's softmax scale where it is not `head_dim^-½`: `query_pre_attn_scalar^-½`
+    /// (transformers' Python float, applied as fp32).
+    pub fn attn_scale(&self) -> Option<f32> {
+        self.query_pre_attn_scalar.map(|s| s.powf(-0.5) as f32)
+    }
+
+    /// The factor on the embeddings: √hidden as transformers' fp32 `embed_scale`, else 1.
+    pub fn embed_scale(&self) -> f32 {
+        if self.scale_embeddings {
+            (self.hidden_size as f64).sqrt() as f32
+        } else {
+            1.0
+        }
     }
 
     /// The sliding window of layer `layer`'s attention, if it has one.
@@ -408,7 +608,8 @@ impl ModelConfig {
     /// Parameters of one decoder layer.
     pub fn params_per_layer(&self) -> usize {
         let c = self.hidden_size;
-        let mut n = 2 * c // two norms
+        let norms = if self.sandwich_norms { 4 } else { 2 };
+        let mut n = norms * c
             + self.q_dim() * c
             + 2 * self.kv_dim() * c
             + c * self.q_dim()

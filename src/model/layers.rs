@@ -3,7 +3,7 @@
 //! Nothing persists between calls. Backward recomputes a block's internals from its input
 //! activation, the only one kept between forward and backward.
 
-use super::config::ModelConfig;
+use super::config::{MlpActivation, ModelConfig};
 use super::ops::{self, AttnShape, Rope};
 use super::units::{UnitKind, UnitLayout};
 use crate::{Error, Result};
@@ -56,6 +56,11 @@ pub struct Workspace {
     k_raw: Vec<f32>,  // [N, NKV·HD] keys before their norm
     rstd_q: Vec<f32>, // [N·NH]
     rstd_k: Vec<f32>, // [N·NKV]
+    // sandwich norms only (else empty)
+    attn_out: Vec<f32>, // [N, C] the attention's output projection, before its norm
+    rstd_pa: Vec<f32>,  // [N]
+    mlp_out: Vec<f32>,  // [N, C] the MLP's down projection, before its norm
+    rstd_pf: Vec<f32>,  // [N]
 }
 
 impl Workspace {
@@ -70,6 +75,13 @@ impl Workspace {
         );
         let z = |len: usize| vec![0.0f32; len];
         let qk = |len: usize| if cfg.qk_norm { z(len) } else { Vec::new() };
+        let sw = |len: usize| {
+            if cfg.sandwich_norms {
+                z(len)
+            } else {
+                Vec::new()
+            }
+        };
         Workspace {
             h1: z(n * c),
             rstd1: z(n),
@@ -99,6 +111,10 @@ impl Workspace {
             k_raw: qk(n * kvd),
             rstd_q: qk(n * cfg.num_heads),
             rstd_k: qk(n * cfg.num_kv_heads),
+            attn_out: sw(n * c),
+            rstd_pa: sw(n),
+            mlp_out: sw(n * c),
+            rstd_pf: sw(n),
         }
     }
 
@@ -133,6 +149,10 @@ impl Workspace {
             &self.k_raw,
             &self.rstd_q,
             &self.rstd_k,
+            &self.attn_out,
+            &self.rstd_pa,
+            &self.mlp_out,
+            &self.rstd_pf,
         ]
         .iter()
         .map(|v| v.capacity())
@@ -145,6 +165,10 @@ impl Workspace {
 pub struct Embedding {
     c: usize,
     vocab: usize,
+    /// The factor on every embedding ([`ModelConfig::embed_scale`]: 1, or Gemma's √hidden).
+    pub(crate) scale: f32,
+    /// The padding index, whose row the lookup leaves without gradient.
+    pub(crate) pad: Option<u32>,
 }
 
 impl Embedding {
@@ -153,31 +177,39 @@ impl Embedding {
         Embedding {
             c: cfg.hidden_size,
             vocab: cfg.vocab_size,
+            scale: cfg.embed_scale(),
+            pad: cfg.pad_token_id,
         }
     }
 
-    /// x[N, C] = E\[tokens\].
+    /// x[N, C] = E\[tokens\]·scale.
     pub fn forward(&self, p: &[f32], tokens: &[u32], x: &mut [f32]) {
         for (row, &tok) in x.chunks_mut(self.c).zip(tokens) {
             let t = tok as usize;
-            row.copy_from_slice(&p[t * self.c..(t + 1) * self.c]);
+            for (o, e) in row.iter_mut().zip(&p[t * self.c..(t + 1) * self.c]) {
+                *o = *e * self.scale;
+            }
         }
     }
 
-    /// dE\[tokens\] += dx.
+    /// dE\[tokens\] += dx·scale, but for the padding index's rows.
     pub fn backward(&self, g: &mut [f32], tokens: &[u32], dx: &[f32]) {
         for (row, &tok) in dx.chunks(self.c).zip(tokens) {
+            if Some(tok) == self.pad {
+                continue;
+            }
             let t = tok as usize;
             debug_assert!(t < self.vocab);
             for (d, v) in g[t * self.c..(t + 1) * self.c].iter_mut().zip(row) {
-                *d += *v;
+                *d += *v * self.scale;
             }
         }
     }
 }
 
 /// One decoder layer: RMSNorm → GQA attention with RoPE (after a per-head RMSNorm of q and k
-/// under QK-norm) → residual → RMSNorm → SwiGLU MLP → residual.
+/// under QK-norm) (→ RMSNorm under sandwich norms) → residual → RMSNorm → gated MLP (→ RMSNorm)
+/// → residual. Every norm applies its weight as [`ModelConfig::norm_weight`] says.
 #[derive(Debug, Clone)]
 pub struct DecoderBlock {
     pub(crate) c: usize,
@@ -200,10 +232,22 @@ pub struct DecoderBlock {
     /// QK-norm weights `[hd]` of q and k.
     pub(crate) qn: Option<usize>,
     pub(crate) kn: Option<usize>,
+    /// The MLP's input norm.
     pub(crate) ln2: usize,
     pub(crate) wg: usize,
     pub(crate) wu: usize,
     pub(crate) wd: usize,
+    /// Sandwich norms: of the attention's output and of the MLP's.
+    pub(crate) post_attn_norm: Option<usize>,
+    pub(crate) post_mlp_norm: Option<usize>,
+    /// What every norm adds to its weight (0, or 1 for `1 + w`).
+    pub(crate) norm_offset: f32,
+    /// The gated MLP's activation.
+    pub(crate) act: MlpActivation,
+    /// The attention's softmax scale where it is not `hd^-½`.
+    pub(crate) attn_scale: Option<f32>,
+    /// The RoPE table this layer rotates with ([`ModelConfig::layer_rope`]).
+    pub(crate) rope_table: usize,
     /// Elements of the unit's shard.
     pub(crate) numel: usize,
 }
@@ -211,6 +255,16 @@ pub struct DecoderBlock {
 impl DecoderBlock {
     /// The template for a block unit of `cfg`.
     pub fn new(cfg: &ModelConfig, unit: &UnitLayout) -> Result<Self> {
+        let layer = match unit.kind {
+            UnitKind::Block(i) => i,
+            other => {
+                return Err(Error::internal(
+                    "layer templates",
+                    format!("a decoder block for the {} unit", other.describe()),
+                ))
+            }
+        };
+        let sandwich = cfg.sandwich_norms;
         Ok(DecoderBlock {
             c: cfg.hidden_size,
             nh: cfg.num_heads,
@@ -227,21 +281,26 @@ impl DecoderBlock {
             bv: opt_offset(unit, "self_attn.v_proj.bias", cfg.qkv_bias)?,
             wo: offset(unit, "self_attn.o_proj.weight")?,
             bo: opt_offset(unit, "self_attn.o_proj.bias", cfg.o_bias)?,
-            window: match unit.kind {
-                UnitKind::Block(i) => cfg.layer_window(i),
-                other => {
-                    return Err(Error::internal(
-                        "layer templates",
-                        format!("a decoder block for the {} unit", other.describe()),
-                    ))
-                }
-            },
+            window: cfg.layer_window(layer),
             qn: opt_offset(unit, "self_attn.q_norm.weight", cfg.qk_norm)?,
             kn: opt_offset(unit, "self_attn.k_norm.weight", cfg.qk_norm)?,
-            ln2: offset(unit, "post_attention_layernorm.weight")?,
+            ln2: offset(
+                unit,
+                if sandwich {
+                    "pre_feedforward_layernorm.weight"
+                } else {
+                    "post_attention_layernorm.weight"
+                },
+            )?,
             wg: offset(unit, "mlp.gate_proj.weight")?,
             wu: offset(unit, "mlp.up_proj.weight")?,
             wd: offset(unit, "mlp.down_proj.weight")?,
+            post_attn_norm: opt_offset(unit, "post_attention_layernorm.weight", sandwich)?,
+            post_mlp_norm: opt_offset(unit, "post_feedforward_layernorm.weight", sandwich)?,
+            norm_offset: cfg.norm_weight.offset(),
+            act: cfg.mlp_activation,
+            attn_scale: cfg.attn_scale(),
+            rope_table: cfg.layer_rope(layer),
             numel: unit.numel,
         })
     }
@@ -252,6 +311,13 @@ impl DecoderBlock {
 
     fn kvd(&self) -> usize {
         self.nkv * self.hd
+    }
+
+    /// The attention's shape over `b` sequences of `t`.
+    fn attn_shape(&self, b: usize, t: usize) -> AttnShape {
+        AttnShape::causal(b, t, self.nh, self.nkv, self.hd)
+            .windowed(self.window)
+            .scaled(self.attn_scale)
     }
 
     /// Forward internals up to the MLP activation, kept in `ws` for the backward.
@@ -272,7 +338,7 @@ impl DecoderBlock {
             &mut ws.h1[..n * c],
             &mut ws.rstd1[..n],
             x,
-            w(self.ln1, c),
+            (w(self.ln1, c), self.norm_offset),
             c,
             self.eps,
         );
@@ -312,7 +378,7 @@ impl DecoderBlock {
                 &mut ws.q[..n * qd],
                 &mut ws.rstd_q[..n * self.nh],
                 &ws.q_raw[..n * qd],
-                w(qn, hd),
+                (w(qn, hd), self.norm_offset),
                 hd,
                 self.eps,
             );
@@ -320,7 +386,7 @@ impl DecoderBlock {
                 &mut ws.k[..n * kvd],
                 &mut ws.rstd_k[..n * self.nkv],
                 &ws.k_raw[..n * kvd],
-                w(kn, hd),
+                (w(kn, hd), self.norm_offset),
                 hd,
                 self.eps,
             );
@@ -334,9 +400,9 @@ impl DecoderBlock {
             c,
             kvd,
         );
-        rope.apply(&mut ws.q[..n * qd], pos, self.nh, false);
-        rope.apply(&mut ws.k[..n * kvd], pos, self.nkv, false);
-        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd).windowed(self.window);
+        rope.apply_table(&mut ws.q[..n * qd], pos, self.nh, false, self.rope_table);
+        rope.apply_table(&mut ws.k[..n * kvd], pos, self.nkv, false, self.rope_table);
+        let shape = self.attn_shape(b, t);
         ops::attention_fwd(
             &mut ws.att[..n * qd],
             &mut ws.lse[..b * self.nh * t],
@@ -346,9 +412,13 @@ impl DecoderBlock {
             pos,
             shape,
         );
-        // x2 = x + att·Woᵀ (+ bo)
+        // x2 = x + att·Woᵀ (+ bo), the projection normed first under sandwich norms.
+        let proj = match self.post_attn_norm {
+            Some(_) => &mut ws.attn_out[..n * c],
+            None => &mut ws.x2[..n * c],
+        };
         ops::linear_fwd(
-            &mut ws.x2[..n * c],
+            proj,
             &ws.att[..n * qd],
             w(self.wo, c * qd),
             self.bo.map(|o| w(o, c)),
@@ -356,6 +426,16 @@ impl DecoderBlock {
             qd,
             c,
         );
+        if let Some(pa) = self.post_attn_norm {
+            ops::rmsnorm_fwd(
+                &mut ws.x2[..n * c],
+                &mut ws.rstd_pa[..n],
+                &ws.attn_out[..n * c],
+                (w(pa, c), self.norm_offset),
+                c,
+                self.eps,
+            );
+        }
         for (a, xv) in ws.x2[..n * c].iter_mut().zip(x) {
             *a += *xv;
         }
@@ -363,7 +443,7 @@ impl DecoderBlock {
             &mut ws.h2[..n * c],
             &mut ws.rstd2[..n],
             &ws.x2[..n * c],
-            w(self.ln2, c),
+            (w(self.ln2, c), self.norm_offset),
             c,
             self.eps,
         );
@@ -385,7 +465,41 @@ impl DecoderBlock {
             c,
             i,
         );
-        ops::swiglu_fwd(&mut ws.act[..n * i], &ws.gate[..n * i], &ws.up[..n * i]);
+        ops::gated_fwd(
+            self.act,
+            &mut ws.act[..n * i],
+            &ws.gate[..n * i],
+            &ws.up[..n * i],
+        );
+    }
+
+    /// The MLP's down projection of `ws.act` into `out` (`[N, C]`), or under sandwich norms
+    /// into `ws.mlp_out` and its norm into `out` (1/rms into `ws.rstd_pf`).
+    fn mlp_output(&self, p: &[f32], out: &mut [f32], ws: &mut Workspace, n: usize) {
+        let (c, i) = (self.c, self.inter);
+        let wd = &p[self.wd..self.wd + c * i];
+        match self.post_mlp_norm {
+            None => ops::linear_fwd(&mut out[..n * c], &ws.act[..n * i], wd, None, n, i, c),
+            Some(pf) => {
+                ops::linear_fwd(
+                    &mut ws.mlp_out[..n * c],
+                    &ws.act[..n * i],
+                    wd,
+                    None,
+                    n,
+                    i,
+                    c,
+                );
+                ops::rmsnorm_fwd(
+                    &mut out[..n * c],
+                    &mut ws.rstd_pf[..n],
+                    &ws.mlp_out[..n * c],
+                    (&p[pf..pf + c], self.norm_offset),
+                    c,
+                    self.eps,
+                );
+            }
+        }
     }
 
     /// y[N, C] = block(x[N, C]) with this unit's params `p`; `pos` [N] is each token's
@@ -402,17 +516,9 @@ impl DecoderBlock {
         b: usize,
         t: usize,
     ) {
-        let (n, c, i) = (b * t, self.c, self.inter);
+        let (n, c) = (b * t, self.c);
         self.internals(p, x, ws, rope, pos, b, t);
-        ops::linear_fwd(
-            &mut y[..n * c],
-            &ws.act[..n * i],
-            &p[self.wd..self.wd + c * i],
-            None,
-            n,
-            i,
-            c,
-        );
+        self.mlp_output(p, y, ws, n);
         for (a, r) in y[..n * c].iter_mut().zip(&ws.x2[..n * c]) {
             *a += *r;
         }
@@ -452,14 +558,34 @@ impl DecoderBlock {
         t: usize,
     ) {
         let (n, c, i) = (b * t, self.c, self.inter);
+        // MLP: y = x2 + act·Wdᵀ, act = act(gate) ⊙ up; under sandwich norms y = x2 +
+        // norm(act·Wdᵀ): its backward (the projection and its 1/rms recomputed; the norm's
+        // output, not needed, lands in d_c) gives dL/d(act·Wdᵀ) in d_c.
+        let mut d_c = std::mem::take(&mut ws.d_c);
+        let d_out: &[f32] = match self.post_mlp_norm {
+            None => dy,
+            Some(pf) => {
+                self.mlp_output(p, &mut d_c, ws, n);
+                ops::rmsnorm_bwd(
+                    &mut d_c[..n * c],
+                    false,
+                    &mut g[pf..pf + c],
+                    dy,
+                    &ws.mlp_out[..n * c],
+                    (&p[pf..pf + c], self.norm_offset),
+                    &ws.rstd_pf[..n],
+                    c,
+                );
+                &d_c[..n * c]
+            }
+        };
         let w = |off: usize, len: usize| &p[off..off + len];
-        // MLP: y = x2 + act·Wdᵀ, act = silu(gate) ⊙ up
         ops::linear_bwd(
             &mut ws.d_i1[..n * i],
             false,
             &mut g[self.wd..self.wd + c * i],
             None,
-            dy,
+            d_out,
             &ws.act[..n * i],
             w(self.wd, c * i),
             n,
@@ -467,7 +593,9 @@ impl DecoderBlock {
             i,
             c,
         );
-        ops::swiglu_bwd(
+        ws.d_c = d_c;
+        ops::gated_bwd(
+            self.act,
             &mut ws.d_i2[..n * i],
             &mut ws.d_i3[..n * i],
             &ws.d_i1[..n * i],
@@ -508,7 +636,7 @@ impl DecoderBlock {
             &mut g[self.ln2..self.ln2 + c],
             &ws.d_c[..n * c],
             &ws.x2[..n * c],
-            w(self.ln2, c),
+            (w(self.ln2, c), self.norm_offset),
             &ws.rstd2[..n],
             c,
         );
@@ -531,15 +659,32 @@ impl DecoderBlock {
     ) {
         let (n, c, qd, kvd) = (b * t, self.c, self.qd(), self.kvd());
         let w = |off: usize, len: usize| &p[off..off + len];
-        // Attention: x2 = x + att·Woᵀ (+ bo)
+        // Attention: x2 = x + att·Woᵀ (+ bo), under sandwich norms x + norm(att·Woᵀ (+ bo)):
+        // dL/d(att·Woᵀ) through d_c (free here).
+        if let Some(pa) = self.post_attn_norm {
+            ops::rmsnorm_bwd(
+                &mut ws.d_c[..n * c],
+                false,
+                &mut g[pa..pa + c],
+                &ws.d_c2[..n * c],
+                &ws.attn_out[..n * c],
+                (w(pa, c), self.norm_offset),
+                &ws.rstd_pa[..n],
+                c,
+            );
+        }
         {
             let (gw, gb) = split_two(g, (self.wo, c * qd), self.bo.map(|o| (o, c)));
+            let d_proj = match self.post_attn_norm {
+                Some(_) => &ws.d_c[..n * c],
+                None => &ws.d_c2[..n * c],
+            };
             ops::linear_bwd(
                 &mut ws.d_att[..n * qd],
                 false,
                 gw,
                 gb,
-                &ws.d_c2[..n * c],
+                d_proj,
                 &ws.att[..n * qd],
                 w(self.wo, c * qd),
                 n,
@@ -548,7 +693,7 @@ impl DecoderBlock {
                 c,
             );
         }
-        let shape = AttnShape::causal(b, t, self.nh, self.nkv, self.hd).windowed(self.window);
+        let shape = self.attn_shape(b, t);
         ws.dk[..n * kvd].fill(0.0);
         ws.dv[..n * kvd].fill(0.0);
         ops::attention_bwd(
@@ -565,8 +710,8 @@ impl DecoderBlock {
             pos,
             shape,
         );
-        rope.apply(&mut ws.dq[..n * qd], pos, self.nh, true);
-        rope.apply(&mut ws.dk[..n * kvd], pos, self.nkv, true);
+        rope.apply_table(&mut ws.dq[..n * qd], pos, self.nh, true, self.rope_table);
+        rope.apply_table(&mut ws.dk[..n * kvd], pos, self.nkv, true, self.rope_table);
         // QK-norm: dL/d q_raw and dL/d k_raw (through d_att, free now) replace dq and dk.
         if let (Some(qn), Some(kn)) = (self.qn, self.kn) {
             let hd = self.hd;
@@ -586,7 +731,7 @@ impl DecoderBlock {
                     &mut g[wn..wn + hd],
                     &d[..len],
                     &raw[..len],
-                    w(wn, hd),
+                    (w(wn, hd), self.norm_offset),
                     rstd,
                     hd,
                 );
@@ -638,7 +783,7 @@ impl DecoderBlock {
             &mut g[self.ln1..self.ln1 + c],
             &ws.d_c[..n * c],
             x,
-            w(self.ln1, c),
+            (w(self.ln1, c), self.norm_offset),
             &ws.rstd1[..n],
             c,
         );
@@ -672,6 +817,8 @@ pub struct Head {
     vocab: usize,
     eps: f32,
     norm: usize,
+    /// What the final norm adds to its weight (0, or 1 for `1 + w`).
+    pub(crate) norm_offset: f32,
     /// Offset of `lm_head.weight` in the head unit; `None` when tied to the embedding.
     pub lm_head: Option<usize>,
 }
@@ -684,6 +831,7 @@ impl Head {
             vocab: cfg.vocab_size,
             eps: cfg.rms_norm_eps as f32,
             norm: offset(unit, "model.norm.weight")?,
+            norm_offset: cfg.norm_weight.offset(),
             lm_head: opt_offset(unit, "lm_head.weight", !cfg.tie_word_embeddings)?,
         })
     }
@@ -713,7 +861,7 @@ impl Head {
             &mut ws.h1[..n * c],
             &mut ws.rstd1[..n],
             x,
-            norm_w,
+            (norm_w, self.norm_offset),
             c,
             self.eps,
         );
@@ -735,7 +883,7 @@ impl Head {
             g_norm,
             &ws.d_c[..n * c],
             x,
-            norm_w,
+            (norm_w, self.norm_offset),
             &ws.rstd1[..n],
             c,
         );
@@ -751,7 +899,7 @@ impl Head {
             &mut h,
             &mut r,
             x,
-            &p_head[self.norm..self.norm + c],
+            (&p_head[self.norm..self.norm + c], self.norm_offset),
             c,
             self.eps,
         );

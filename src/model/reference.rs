@@ -21,6 +21,16 @@ pub struct Templates {
     pub rope: Rope,
 }
 
+/// RoPE tables of `cfg` up to `max_t`: the global one, and the local layers' own where they
+/// have one ([`ModelConfig::layer_rope`]).
+pub fn rope_tables(cfg: &ModelConfig, max_t: usize) -> Rope {
+    let global = (cfg.rope_theta, &cfg.rope_scaling);
+    match &cfg.local_rope {
+        None => Rope::with_tables(cfg.head_dim, &[global], max_t),
+        Some(l) => Rope::with_tables(cfg.head_dim, &[global, (l.theta, &l.scaling)], max_t),
+    }
+}
+
 impl Templates {
     /// Templates for `cfg`, for sequences of up to `max_t` tokens.
     pub fn new(cfg: &ModelConfig, max_t: usize) -> Result<Self> {
@@ -33,7 +43,7 @@ impl Templates {
                 .map(|i| DecoderBlock::new(cfg, &units[1 + i]))
                 .collect::<Result<_>>()?,
             head: Head::new(cfg, &units[l + 1])?,
-            rope: Rope::scaled(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, max_t),
+            rope: rope_tables(cfg, max_t),
         })
     }
 

@@ -131,12 +131,20 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
         t.push((format!("{p}.self_attn.q_norm.weight"), vec![c.head_dim]));
         t.push((format!("{p}.self_attn.k_norm.weight"), vec![c.head_dim]));
     }
+    // Llama's `post_attention_layernorm` is the MLP's input norm; under sandwich norms it norms
+    // the attention's output, `pre_feedforward_layernorm` the MLP's input.
+    t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+    if c.sandwich_norms {
+        t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+    }
     t.extend([
-        (format!("{p}.post_attention_layernorm.weight"), vec![h]),
         (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),
         (format!("{p}.mlp.up_proj.weight"), vec![im, h]),
         (format!("{p}.mlp.down_proj.weight"), vec![h, im]),
     ]);
+    if c.sandwich_norms {
+        t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+    }
     t
 }
 

@@ -3,7 +3,7 @@
 //! preset names its sources. They are inputs to a prediction, not our measurements.
 
 use super::Hardware;
-use crate::model::config::{Architecture, ModelConfig};
+use crate::model::config::{Architecture, MlpActivation, ModelConfig, NormWeight};
 use crate::model::ops::RopeScaling;
 
 const GB: u64 = 1_000_000_000;
@@ -122,6 +122,13 @@ fn llama_like(
         qk_norm: false,
         sliding_window: None,
         windowed_layers: Vec::new(),
+        norm_weight: NormWeight::Scale,
+        sandwich_norms: false,
+        mlp_activation: MlpActivation::Silu,
+        scale_embeddings: false,
+        query_pre_attn_scalar: None,
+        local_rope: None,
+        pad_token_id: None,
     }
 }
 

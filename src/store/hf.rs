@@ -7,7 +7,7 @@
 
 use super::layout::StateLayout;
 use super::{HostStore, UnitGuard};
-use crate::model::config::ModelConfig;
+use crate::model::config::{Architecture, ModelConfig};
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors, View};
 use std::borrow::Cow;
@@ -145,8 +145,39 @@ pub struct LoadReport {
     pub files: usize,
     /// Tensors loaded.
     pub tensors: usize,
-    /// Tensors skipped on purpose (RoPE buffers, a tied `lm_head.weight`).
+    /// Tensors skipped on purpose (RoPE buffers, a tied `lm_head.weight`, a multimodal
+    /// checkpoint's vision tower).
     pub skipped: Vec<String>,
+}
+
+/// The name a checkpoint's tensor has in the text model megatrain trains: itself, or for a
+/// Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`) the language model's tensor
+/// under its causal-LM name (transformers 5's `model.language_model.*`, earlier releases'
+/// `language_model.model.*` and `language_model.lm_head.*`); `None` for its vision tower and
+/// projector, which are not trained (and not exported).
+fn text_model_name<'a>(name: &'a str, cfg: &ModelConfig) -> Option<Cow<'a, str>> {
+    if cfg.architecture != Architecture::Gemma3 {
+        return Some(Cow::Borrowed(name));
+    }
+    for (from, to) in [
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ] {
+        if let Some(rest) = name.strip_prefix(from) {
+            return Some(Cow::Owned(format!("{to}{rest}")));
+        }
+    }
+    let vision = [
+        "model.vision_tower.",
+        "vision_tower.",
+        "model.multi_modal_projector.",
+        "multi_modal_projector.",
+    ];
+    if vision.iter().any(|p| name.starts_with(p)) {
+        return None;
+    }
+    Some(Cow::Borrowed(name))
 }
 
 /// Load an HF checkpoint into `store`'s params shards. Every parameter of the layout must be
@@ -174,11 +205,16 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                 Some("re-download or re-export the checkpoint"),
             )
         })?;
-        for (name, view) in st.iter() {
+        for (stored_name, view) in st.iter() {
+            let Some(name) = text_model_name(stored_name, &layout.config) else {
+                skipped.push(stored_name.to_owned());
+                continue;
+            };
+            let name = name.as_ref();
             if name.ends_with("rotary_emb.inv_freq")
                 || (name == "lm_head.weight" && layout.config.tie_word_embeddings)
             {
-                skipped.push(name.to_owned());
+                skipped.push(stored_name.to_owned());
                 continue;
             }
             let (unit, spec) = layout.tensor(name).map_err(|_| {

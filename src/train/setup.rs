@@ -600,7 +600,8 @@ fn normal_fill(x: &mut [f32], seed: u64, std: f32) {
     }
 }
 
-/// Random init as HF does for Llama: N(0, 0.02) for matrices and embeddings, 1 for norm weights,
+/// Random init as HF does for Llama: N(0, 0.02) for matrices and embeddings, 1 for norm weights
+/// (0 for Gemma's `1 + w`),
 /// 0 for biases; seeded per tensor.
 fn random_init(store: &HostStore, seed: u64) -> Result<()> {
     let layout = store.layout().clone();
@@ -610,7 +611,8 @@ fn random_init(store: &HostStore, seed: u64) -> Result<()> {
         for (i, t) in unit.tensors.iter().enumerate() {
             let fill = |dst: &mut [f32]| {
                 if t.name.ends_with("norm.weight") {
-                    dst.fill(1.0);
+                    // w, or 0 where the norm applies 1 + w: the identity either way.
+                    dst.fill(1.0 - layout.config.norm_weight.offset());
                 } else if t.name.ends_with(".bias") {
                     dst.fill(0.0);
                 } else {

@@ -17,6 +17,7 @@ use super::runtime::{drv, CudaRuntime, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm};
 use crate::device::Precision;
+use crate::model::config::MlpActivation;
 use crate::model::ops::{AttnShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::cublasOperation_t as Op;
@@ -63,6 +64,9 @@ pub struct CudaBackend {
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
     head_dim: usize,
+    /// RoPE tables uploaded, and the positions each covers.
+    rope_tables: usize,
+    rope_rows: usize,
     ids: IdsBuffer,
     positions: IdsBuffer,
     /// The micro-batch's tokens grouped for the embedding gradient (`launch::group_tokens`).
@@ -129,6 +133,8 @@ impl CudaBackend {
             cos,
             sin,
             head_dim: rope.head_dim,
+            rope_tables: rope.tables,
+            rope_rows: rope.max_pos,
             ids,
             groups,
             positions,
@@ -245,10 +251,19 @@ impl CudaBackend {
         Ok((dt, ins.map(|p| p.addr)))
     }
 
-    fn tables(&self) -> (DevPtr, DevPtr) {
+    /// The cos and sin rows of RoPE table `table` (tables lie end to end, `rope_rows` rows of
+    /// `hd/2` each).
+    fn tables(&self, table: usize) -> Result<(DevPtr, DevPtr)> {
+        if table >= self.rope_tables {
+            return Err(Error::internal(
+                "CUDA backend",
+                format!("rope: table {table} of {}", self.rope_tables),
+            ));
+        }
         let (c, _g1) = self.cos.device_ptr(&self.stream);
         let (s, _g2) = self.sin.device_ptr(&self.stream);
-        (c, s)
+        let skip = 4 * (table * self.rope_rows * (self.head_dim / 2)) as u64;
+        Ok((c + skip, s + skip))
     }
 }
 
@@ -465,7 +480,7 @@ impl Backend for CudaBackend {
         y: DevP,
         rstd: DevP,
         x: DevP,
-        w: DevP,
+        (w, w_offset): (DevP, f32),
         rows: usize,
         c: usize,
         eps: f32,
@@ -485,7 +500,7 @@ impl Backend for CudaBackend {
         let (r, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::per_row(rows, c)?;
         self.k()
-            .rmsnorm_fwd(dt, l, y.addr, rstd, x, w.addr, r, ci, eps)
+            .rmsnorm_fwd(dt, l, y.addr, rstd, x, (w.addr, w_offset), r, ci, eps)
     }
 
     fn rmsnorm_bwd(
@@ -494,7 +509,7 @@ impl Backend for CudaBackend {
         dw: DevP,
         dy: DevP,
         x: DevP,
-        w: DevP,
+        (w, w_offset): (DevP, f32),
         rstd: DevP,
         rows: usize,
         c: usize,
@@ -509,7 +524,7 @@ impl Backend for CudaBackend {
             dx,
             dy,
             x,
-            w.addr,
+            (w.addr, w_offset),
             rstd,
             r,
             ci,
@@ -524,15 +539,15 @@ impl Backend for CudaBackend {
         y: DevP,
         x: DevP,
         pos: DevPtr,
-        rows: usize,
-        heads: usize,
+        (rows, heads): (usize, usize),
         inverse: bool,
+        table: usize,
     ) -> Result<()> {
         let [x] = f32s([x], "rope")?;
         // A bf16 output is a stored Q or K (or dQ, dK for their GEMMs).
         let dt = if y.bf16 { Dtype::F32O16 } else { F32 };
         // Positions were checked on the host (`Templates::check_batch`: each < T ≤ the table).
-        let (cos, sin) = self.tables();
+        let (cos, sin) = self.tables(table)?;
         let (n, h, hd) = (
             i32_of(rows, "rows")?,
             i32_of(heads, "heads")?,
@@ -595,16 +610,24 @@ impl Backend for CudaBackend {
             .attention_bwd_kv(dt, &g, dk, dv, d_o, q, kk, v, lse, delta, a)
     }
 
-    fn swiglu_fwd(&mut self, h: DevP, g: DevP, u: DevP, len: usize) -> Result<()> {
+    fn gated_fwd(
+        &mut self,
+        act: MlpActivation,
+        h: DevP,
+        g: DevP,
+        u: DevP,
+        len: usize,
+    ) -> Result<()> {
         // A bf16 output is the down projection's input, kept in bf16.
         let dt = if h.bf16 { Dtype::F32O16 } else { F32 };
-        let [g, u] = f32s([g, u], "swiglu_fwd")?;
+        let [g, u] = f32s([g, u], "gated_fwd")?;
         let l = launch::elementwise(len, self.sms());
-        self.k().swiglu_fwd(dt, l, h.addr, g, u, len as i64)
+        self.k().gated_fwd(act, dt, l, h.addr, g, u, len as i64)
     }
 
-    fn swiglu_bwd(
+    fn gated_bwd(
         &mut self,
+        act: MlpActivation,
         dg: DevP,
         du: DevP,
         dh: DevP,
@@ -619,14 +642,14 @@ impl Backend for CudaBackend {
             _ => {
                 return Err(Error::internal(
                     "CUDA backend",
-                    "swiglu_bwd: one output in bf16, the other in fp32",
+                    "gated_bwd: one output in bf16, the other in fp32",
                 ))
             }
         };
-        let [dh, g, u] = f32s([dh, g, u], "swiglu_bwd")?;
+        let [dh, g, u] = f32s([dh, g, u], "gated_bwd")?;
         let l = launch::elementwise(len, self.sms());
         self.k()
-            .swiglu_bwd(dt, l, dg.addr, du.addr, dh, g, u, len as i64)
+            .gated_bwd(act, dt, l, dg.addr, du.addr, dh, g, u, len as i64)
     }
 
     fn embed_fwd(
@@ -634,15 +657,14 @@ impl Backend for CudaBackend {
         x: DevP,
         e: DevP,
         ids: DevPtr,
-        rows: usize,
-        c: usize,
-        _vocab: usize,
+        (rows, c, _vocab): (usize, usize, usize),
+        scale: f32,
     ) -> Result<()> {
         let [x] = f32s([x], "embed_fwd")?;
         let (n, ci) = (i32_of(rows, "rows")?, i32_of(c, "hidden")?);
         let l = launch::elementwise(rows * c, self.sms());
         self.k()
-            .embedding_fwd(weight_dtype(e), l, x, e.addr, ids, n, ci)
+            .embedding_fwd(weight_dtype(e), l, x, e.addr, ids, (n, ci), scale)
     }
 
     fn embed_bwd(
@@ -650,9 +672,9 @@ impl Backend for CudaBackend {
         de: DevP,
         tokens: &[u32],
         dx: DevP,
-        rows: usize,
-        c: usize,
-        vocab: usize,
+        (rows, c, vocab): (usize, usize, usize),
+        scale: f32,
+        pad: Option<u32>,
     ) -> Result<()> {
         let [de, dx] = f32s([de, dx], "embed_bwd")?;
         let tokens = tokens.get(..rows).ok_or_else(|| {
@@ -661,7 +683,7 @@ impl Backend for CudaBackend {
                 format!("embed_bwd: {} token ids for {rows} rows", tokens.len()),
             )
         })?;
-        let g = launch::group_tokens(tokens, vocab)?;
+        let g = launch::group_tokens(tokens, vocab, pad)?;
         let groups = self
             .groups
             .upload(&self.stream, &g.packed, "grouped token ids")?;
@@ -671,7 +693,8 @@ impl Backend for CudaBackend {
             i32_of(c, "hidden")?,
         );
         let l = launch::elementwise(g.groups * c, self.sms());
-        self.k().embedding_bwd(F32, l, de, dx, groups, (n, u), ci)
+        self.k()
+            .embedding_bwd(F32, l, de, dx, groups, (n, u), ci, scale)
     }
 
     fn cross_entropy(

@@ -6,6 +6,7 @@
 use super::runtime::{CudaRuntime, DevPtr};
 use crate::device::kernels::{signature, Param};
 use crate::device::launch::{AttnLaunch, AttnShape, FlashLaunch, Launch};
+use crate::model::config::MlpActivation;
 use crate::{Error, Result};
 use cudarc::driver::CudaStream;
 
@@ -90,7 +91,7 @@ pub struct AttnArgs {
 }
 
 impl AttnArgs {
-    /// For `s` with positions `pos`: softmax scale 1/√hd.
+    /// For `s` with positions `pos`: softmax scale [`AttnShape::softmax_scale`].
     pub fn new(s: AttnShape, pos: DevPtr) -> Result<Self> {
         Ok(AttnArgs {
             pos,
@@ -104,7 +105,7 @@ impl AttnArgs {
             nh: i32_of(s.nh, "heads")?,
             nkv: i32_of(s.nkv, "kv heads")?,
             hd: i32_of(s.hd, "head dim")?,
-            scale: 1.0 / (s.hd as f32).sqrt(),
+            scale: s.softmax_scale(),
         })
     }
 
@@ -198,7 +199,7 @@ impl Launcher<'_> {
         .map_err(|e| Error::cuda(format!("launch {name}"), e))
     }
 
-    /// `out[r] = wte[tokens[r]]`.
+    /// `out[r] = wte[tokens[r]]·scale`.
     #[allow(clippy::too_many_arguments)]
     pub fn embedding_fwd(
         &self,
@@ -207,18 +208,18 @@ impl Launcher<'_> {
         out: DevPtr,
         wte: DevPtr,
         tokens: DevPtr,
-        n: i32,
-        c: i32,
+        (n, c): (i32, i32),
+        scale: f32,
     ) -> Result<()> {
         self.launch(
             &dt.symbol("embedding_fwd"),
             l,
-            &[Ptr(out), Ptr(wte), Ptr(tokens), I32(n), I32(c)],
+            &[Ptr(out), Ptr(wte), Ptr(tokens), I32(n), I32(c), F32(scale)],
         )
     }
 
-    /// `dwte[t] += Σ dout[r]` over each token's rows in order (fp32 accumulator), from the
-    /// tokens grouped by [`crate::device::launch::group_tokens`] (`u` groups).
+    /// `dwte[t] += Σ dout[r]·scale` over each token's rows in order (fp32 accumulator), from
+    /// the tokens grouped by [`crate::device::launch::group_tokens`] (`u` groups).
     #[allow(clippy::too_many_arguments)]
     pub fn embedding_bwd(
         &self,
@@ -229,15 +230,24 @@ impl Launcher<'_> {
         groups: DevPtr,
         (n, u): (i32, i32),
         c: i32,
+        scale: f32,
     ) -> Result<()> {
         self.launch(
             &dt.symbol("embedding_bwd"),
             l,
-            &[Ptr(dwte), Ptr(dout), Ptr(groups), I32(n), I32(u), I32(c)],
+            &[
+                Ptr(dwte),
+                Ptr(dout),
+                Ptr(groups),
+                I32(n),
+                I32(u),
+                I32(c),
+                F32(scale),
+            ],
         )
     }
 
-    /// RMSNorm forward; `rstd` [N].
+    /// RMSNorm forward with weights `w_offset + w`; `rstd` [N].
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_fwd(
         &self,
@@ -246,7 +256,7 @@ impl Launcher<'_> {
         out: DevPtr,
         rstd: DevPtr,
         x: DevPtr,
-        w: DevPtr,
+        (w, w_offset): (DevPtr, f32),
         n: i32,
         c: i32,
         eps: f32,
@@ -262,6 +272,7 @@ impl Launcher<'_> {
                 I32(n),
                 I32(c),
                 F32(eps),
+                F32(w_offset),
             ],
         )
     }
@@ -275,7 +286,7 @@ impl Launcher<'_> {
         dx: DevPtr,
         dout: DevPtr,
         x: DevPtr,
-        w: DevPtr,
+        (w, w_offset): (DevPtr, f32),
         rstd: DevPtr,
         n: i32,
         c: i32,
@@ -293,6 +304,7 @@ impl Launcher<'_> {
                 I32(n),
                 I32(c),
                 I32(i32::from(accumulate)),
+                F32(w_offset),
             ],
         )
     }
@@ -351,9 +363,11 @@ impl Launcher<'_> {
         )
     }
 
-    /// `out = silu(gate)·up` over `n` elements.
-    pub fn swiglu_fwd(
+    /// `out = act(gate)·up` over `n` elements (`swiglu_fwd` or `geglu_fwd`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_fwd(
         &self,
+        act: MlpActivation,
         dt: Dtype,
         l: Launch,
         out: DevPtr,
@@ -362,16 +376,17 @@ impl Launcher<'_> {
         n: i64,
     ) -> Result<()> {
         self.launch(
-            &dt.symbol("swiglu_fwd"),
+            &dt.symbol(gated_stem(act, "fwd")),
             l,
             &[Ptr(out), Ptr(gate), Ptr(up), I64(n)],
         )
     }
 
-    /// SwiGLU backward.
+    /// Its backward.
     #[allow(clippy::too_many_arguments)]
-    pub fn swiglu_bwd(
+    pub fn gated_bwd(
         &self,
+        act: MlpActivation,
         dt: Dtype,
         l: Launch,
         dgate: DevPtr,
@@ -382,7 +397,7 @@ impl Launcher<'_> {
         n: i64,
     ) -> Result<()> {
         self.launch(
-            &dt.symbol("swiglu_bwd"),
+            &dt.symbol(gated_stem(act, "bwd")),
             l,
             &[Ptr(dgate), Ptr(dup), Ptr(dout), Ptr(gate), Ptr(up), I64(n)],
         )
@@ -635,3 +650,13 @@ pub const WRAPPED: &[&str] = &[
     "bias_bwd",
     "add_fwd",
 ];
+
+/// The kernel stem of the gated MLP's activation `act`, `fwd` or `bwd`.
+fn gated_stem(act: MlpActivation, pass: &str) -> &'static str {
+    match (act, pass) {
+        (MlpActivation::Silu, "fwd") => "swiglu_fwd",
+        (MlpActivation::Silu, _) => "swiglu_bwd",
+        (MlpActivation::GeluTanh, "fwd") => "geglu_fwd",
+        (MlpActivation::GeluTanh, _) => "geglu_bwd",
+    }
+}

@@ -58,7 +58,15 @@ fn qk_projection<B: Backend>(
         None => linear_fwd(be, y, h1, w(wt), bias.map(w), n, c, heads * hd),
         Some((wn, raw, rstd)) => {
             linear_fwd(be, raw, h1, w(wt), bias.map(w), n, c, heads * hd)?;
-            be.rmsnorm_fwd(y, rstd, raw, w(wn), n * heads, hd, blk.eps)
+            be.rmsnorm_fwd(
+                y,
+                rstd,
+                raw,
+                (w(wn), blk.norm_offset),
+                n * heads,
+                hd,
+                blk.eps,
+            )
         }
     }
 }
@@ -82,12 +90,13 @@ fn qk_grad<B: Backend>(
     let hd = blk.hd;
     match norm {
         None => Ok((
-            unrotated_gemm_grad(be, d, spare, bias, pos, n, heads, hd)?,
+            unrotated_gemm_grad(be, d, spare, bias, pos, (n, heads, hd), blk.rope_table)?,
             d,
         )),
         Some((wn, raw, rstd)) => {
-            be.rope(d, d, pos, n, heads, true)?;
+            be.rope(d, d, pos, (n, heads), true, blk.rope_table)?;
             let (w, gw) = (B::off(p, wn), B::off(g, wn));
+            let w = (w, blk.norm_offset);
             be.rmsnorm_bwd(scratch, gw, d, raw, w, rstd, n * heads, hd, false)?;
             Ok((gemm_grad(be, scratch, spare, n * heads * hd)?, scratch))
         }
@@ -179,7 +188,8 @@ fn gemm_grad<B: Backend>(be: &mut B, d: B::P, spare: B::P, len: usize) -> Result
     }
 }
 
-/// [`gemm_grad`] of dQ or dK `d` after RoPE⁻¹ (`rows` rows of `heads` heads). Under
+/// [`gemm_grad`] of dQ or dK `d` after RoPE⁻¹ with table `table` (`rows` rows of `heads`
+/// heads of `hd`). Under
 /// [`Precision::Bf16`] RoPE⁻¹ writes it to `spare` directly, unless a bias gradient needs the
 /// fp32 values (`bias`): then they are rotated in place and stored. In fp32, rotated in place.
 #[allow(clippy::too_many_arguments)]
@@ -189,16 +199,15 @@ fn unrotated_gemm_grad<B: Backend>(
     spare: B::P,
     bias: bool,
     pos: B::Ids,
-    rows: usize,
-    heads: usize,
-    hd: usize,
+    (rows, heads, hd): (usize, usize, usize),
+    table: usize,
 ) -> Result<B::P> {
     if be.precision() == Precision::Bf16 && !bias {
         let s = B::as_bf16(spare);
-        be.rope(s, d, pos, rows, heads, true)?;
+        be.rope(s, d, pos, (rows, heads), true, table)?;
         return Ok(s);
     }
-    be.rope(d, d, pos, rows, heads, true)?;
+    be.rope(d, d, pos, (rows, heads), true, table)?;
     gemm_grad(be, d, spare, rows * heads * hd)
 }
 
@@ -228,6 +237,7 @@ impl<B: Backend> At<B> {
             pos: B::ids_off(pos, r0),
             attn: AttnShape::causal(ch.nb, s.t, blk.nh, blk.nkv, blk.hd)
                 .windowed(blk.window)
+                .scaled(blk.attn_scale)
                 .queries(ch.q0, ch.q1),
             seq0: ch.b0 * s.t,
         }
@@ -252,14 +262,15 @@ fn keys_values<B: Backend>(
     let (n, c, kvd) = (at.rows, blk.c, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
     let h1 = stored(be, ws.h1);
-    be.rmsnorm_fwd(h1, ws.rstd1, at.rows_of(x, c), w(blk.ln1), n, c, blk.eps)?;
+    let ln1 = (w(blk.ln1), blk.norm_offset);
+    be.rmsnorm_fwd(h1, ws.rstd1, at.rows_of(x, c), ln1, n, c, blk.eps)?;
     // Under bf16 each is computed in the attention output's region (free until the queries
     // run), then stored: K by its RoPE, V by a cast.
     let k = at.rows_of(stored(be, ws.k), kvd);
     let y = computed_in(be, k, ws.att);
     let norm = blk.kn.map(|o| (o, ws.k_raw, ws.rstd_k));
     qk_projection(be, blk, p, y, h1, (blk.wk, blk.bk), norm, (n, blk.nkv))?;
-    be.rope(k, y, at.pos, n, blk.nkv, false)?;
+    be.rope(k, y, at.pos, (n, blk.nkv), false, blk.rope_table)?;
     let v = at.rows_of(stored(be, ws.v), kvd);
     let y = computed_in(be, v, ws.att);
     linear_fwd(be, y, h1, w(blk.wv), blk.bv.map(w), n, c, kvd)?;
@@ -310,23 +321,54 @@ fn query_internals<B: Backend>(
     let w = |o: usize| B::off(p, o);
     let x = at.rows_of(x, c);
     let (h1, h2, act) = (stored(be, ws.h1), stored(be, ws.h2), stored(be, ws.act));
-    be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+    let norm_w = |o: usize| (w(o), blk.norm_offset);
+    be.rmsnorm_fwd(h1, ws.rstd1, x, norm_w(blk.ln1), n, c, blk.eps)?;
     // Under bf16 the queries are computed where the attention writes its output, then stored
     // by their RoPE.
     let q = stored(be, ws.q);
     let y = computed_in(be, q, ws.att);
     let norm = blk.qn.map(|o| (o, ws.q_raw, ws.rstd_q));
     qk_projection(be, blk, p, y, h1, (blk.wq, blk.bq), norm, (n, blk.nh))?;
-    be.rope(q, y, at.pos, n, blk.nh, false)?;
+    be.rope(q, y, at.pos, (n, blk.nh), false, blk.rope_table)?;
     let (k, v) = sequence_keys_values(be, blk, ws, at);
     let seq_pos = B::ids_off(pos, at.seq0);
     be.attention_fwd(ws.att, ws.lse, q, k, v, seq_pos, at.attn)?;
-    linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?;
+    // x2 = x + att·Woᵀ (+ bo), the projection normed first under sandwich norms.
+    match blk.post_attn_norm {
+        None => linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?,
+        Some(pa) => {
+            linear_fwd(be, ws.attn_out, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?;
+            be.rmsnorm_fwd(ws.x2, ws.rstd_pa, ws.attn_out, norm_w(pa), n, c, blk.eps)?;
+        }
+    }
     be.add(ws.x2, x, n * c)?;
-    be.rmsnorm_fwd(h2, ws.rstd2, ws.x2, w(blk.ln2), n, c, blk.eps)?;
+    be.rmsnorm_fwd(h2, ws.rstd2, ws.x2, norm_w(blk.ln2), n, c, blk.eps)?;
     linear_fwd(be, ws.gate, h2, w(blk.wg), None, n, c, i)?;
     linear_fwd(be, ws.up, h2, w(blk.wu), None, n, c, i)?;
-    be.swiglu_fwd(act, ws.gate, ws.up, n * i)
+    be.gated_fwd(blk.act, act, ws.gate, ws.up, n * i)
+}
+
+/// The MLP's down projection of the chunk's `act` into `out` (`[rows, C]`), or under sandwich
+/// norms into `ws.mlp_out` and its norm into `out` (1/rms into `ws.rstd_pf`).
+fn mlp_output<B: Backend>(
+    be: &mut B,
+    blk: &DecoderBlock,
+    p: B::P,
+    out: B::P,
+    ws: &Ws<B::P>,
+    rows: usize,
+) -> Result<()> {
+    let (c, i) = (blk.c, blk.inter);
+    let act = stored(be, ws.act);
+    let wd = B::off(p, blk.wd);
+    match blk.post_mlp_norm {
+        None => linear_fwd(be, out, act, wd, None, rows, i, c),
+        Some(pf) => {
+            linear_fwd(be, ws.mlp_out, act, wd, None, rows, i, c)?;
+            let w = (B::off(p, pf), blk.norm_offset);
+            be.rmsnorm_fwd(out, ws.rstd_pf, ws.mlp_out, w, rows, c, blk.eps)
+        }
+    }
 }
 
 /// K and V `[B, T, nkv·hd]` of the chunk's sequences, as the recipe stores them.
@@ -353,7 +395,7 @@ pub fn block_fwd<B: Backend>(
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<()> {
-    let (c, i) = (blk.c, blk.inter);
+    let c = blk.c;
     for ch in s.chunks() {
         keys_values(be, blk, p, x, ws, &At::<B>::new(blk, s, ch, pos))?;
     }
@@ -361,8 +403,7 @@ pub fn block_fwd<B: Backend>(
         let at = At::<B>::new(blk, s, ch, pos);
         query_internals(be, blk, p, x, ws, &at, pos)?;
         let y = at.rows_of(y, c);
-        let act = stored(be, ws.act);
-        linear_fwd(be, y, act, B::off(p, blk.wd), None, at.rows, i, c)?;
+        mlp_output(be, blk, p, y, ws, at.rows)?;
         be.add(y, ws.x2, at.rows * c)?;
     }
     Ok(())
@@ -409,8 +450,17 @@ pub fn block_bwd<B: Backend>(
         }
         // dx = dx2 + rmsnorm_bwd(dh1): dx2 now (into dx), the rest in pass three.
         mlp_bwd(be, blk, p, g, dy, dx, ws, rows)?;
-        // Attention: x2 = x + att·Woᵀ (+ bo). Under bf16 dO is computed where the attention
+        // Attention: x2 = x + att·Woᵀ (+ bo), under sandwich norms x + norm(att·Woᵀ (+ bo)):
+        // dL/d(att·Woᵀ) through d_c (free here). Under bf16 dO is computed where the attention
         // backward writes dQ, then stored.
+        let d_proj = match blk.post_attn_norm {
+            None => dx,
+            Some(pa) => {
+                let wn = (w(pa), blk.norm_offset);
+                be.rmsnorm_bwd(ws.d_c, gw(pa), dx, ws.attn_out, wn, ws.rstd_pa, n, c, false)?;
+                ws.d_c
+            }
+        };
         let d_att = stored(be, ws.d_att);
         let d_att_f32 = computed_in(be, d_att, ws.dq);
         linear_bwd(
@@ -418,8 +468,8 @@ pub fn block_bwd<B: Backend>(
             d_att_f32,
             false,
             gw(blk.wo),
-            blk.bo.map(|o| (gw(o), dx)),
-            dx,
+            blk.bo.map(|o| (gw(o), d_proj)),
+            d_proj,
             ws.att,
             w(blk.wo),
             rows,
@@ -478,8 +528,9 @@ pub fn block_bwd<B: Backend>(
         let (x, dy, dx) = (at.rows_of(x, c), at.rows_of(dy, c), at.rows_of(dx, c));
         let (dk, dv) = (at.rows_of(ws.dk, kvd), at.rows_of(ws.dv, kvd));
         let h1 = stored(be, ws.h1);
+        let ln1 = (w(blk.ln1), blk.norm_offset);
         if recompute {
-            be.rmsnorm_fwd(h1, ws.rstd1, x, w(blk.ln1), n, c, blk.eps)?;
+            be.rmsnorm_fwd(h1, ws.rstd1, x, ln1, n, c, blk.eps)?;
         }
         // Under bf16 the GEMMs read dK and dV stored where dO and dQ were (free now, and in
         // the workspace: kept internals are read-only here). QK-norm's backward needs the
@@ -488,7 +539,8 @@ pub fn block_bwd<B: Backend>(
         let norm = blk.kn.map(|o| (o, ws.k_raw, ws.rstd_k));
         if let (Some((kn, raw, rstd)), true) = (norm, recompute) {
             linear_fwd(be, raw, h1, w(blk.wk), blk.bk.map(w), n, c, kvd)?;
-            be.rmsnorm_fwd(ws.d_raw, rstd, raw, w(kn), n * blk.nkv, blk.hd, blk.eps)?;
+            let kn = (w(kn), blk.norm_offset);
+            be.rmsnorm_fwd(ws.d_raw, rstd, raw, kn, n * blk.nkv, blk.hd, blk.eps)?;
         }
         let (bk, pk) = (blk.bk.is_some(), (p, g));
         let (dk16, dk32) = qk_grad(
@@ -518,7 +570,7 @@ pub fn block_bwd<B: Backend>(
                 kvd,
             )?;
         }
-        be.rmsnorm_bwd(dx, gw(blk.ln1), dy, x, w(blk.ln1), ws.rstd1, n, c, true)?;
+        be.rmsnorm_bwd(dx, gw(blk.ln1), dy, x, ln1, ws.rstd1, n, c, true)?;
     }
     Ok(())
 }
@@ -539,14 +591,25 @@ fn mlp_bwd<B: Backend>(
     let (n, c, i) = (rows.0, blk.c, blk.inter);
     let w = |o: usize| B::off(p, o);
     let gw = |o: usize| B::off(g, o);
-    // MLP: y = x2 + act·Wdᵀ, act = silu(gate) ⊙ up.
+    // MLP: y = x2 + act·Wdᵀ, act = act(gate) ⊙ up; under sandwich norms y = x2 +
+    // norm(act·Wdᵀ): its backward (the projection and its 1/rms recomputed; the norm's output,
+    // not needed, lands in d_c) gives dL/d(act·Wdᵀ) in d_c.
+    let d_out = match blk.post_mlp_norm {
+        None => dy,
+        Some(pf) => {
+            mlp_output(be, blk, p, ws.d_c, ws, n)?;
+            let wn = (w(pf), blk.norm_offset);
+            be.rmsnorm_bwd(ws.d_c, gw(pf), dy, ws.mlp_out, wn, ws.rstd_pf, n, c, false)?;
+            ws.d_c
+        }
+    };
     linear_bwd(
         be,
         ws.d_i1,
         false,
         gw(blk.wd),
         None,
-        dy,
+        d_out,
         stored(be, ws.act),
         w(blk.wd),
         rows,
@@ -555,7 +618,7 @@ fn mlp_bwd<B: Backend>(
     )?;
     // d gate and d up are read only by the GEMMs below (the MLP has no biases).
     let (d_gate, d_up) = (stored(be, ws.d_i2), stored(be, ws.d_i3));
-    be.swiglu_bwd(d_gate, d_up, ws.d_i1, ws.gate, ws.up, n * i)?;
+    be.gated_bwd(blk.act, d_gate, d_up, ws.d_i1, ws.gate, ws.up, n * i)?;
     linear_bwd(
         be,
         ws.d_c,
@@ -588,7 +651,7 @@ fn mlp_bwd<B: Backend>(
         gw(blk.ln2),
         ws.d_c,
         ws.x2,
-        w(blk.ln2),
+        (w(blk.ln2), blk.norm_offset),
         ws.rstd2,
         n,
         c,
@@ -615,12 +678,13 @@ pub fn head_loss_bwd<B: Backend>(
     n: usize,
 ) -> Result<()> {
     let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
+    let norm = (norm_w, cfg.norm_weight.offset());
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
         let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
         let h = stored(be, ws.h1);
-        be.rmsnorm_fwd(h, ws.rstd1, x, norm_w, m, c, eps)?;
+        be.rmsnorm_fwd(h, ws.rstd1, x, norm, m, c, eps)?;
         be.gemm(Gemm {
             c: ws.ce,
             a: h,
@@ -663,7 +727,7 @@ pub fn head_loss_bwd<B: Backend>(
             n: c,
             accumulate: true,
         })?;
-        be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm_w, ws.rstd1, m, c, false)?;
+        be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm, ws.rstd1, m, c, false)?;
     }
     Ok(())
 }

@@ -15,6 +15,7 @@ mod shape;
 mod workspace;
 
 use super::{Batch, BufId, DeviceKernel, Kernel, Precision};
+use crate::model::config::MlpActivation;
 use crate::model::layers::DecoderBlock;
 use crate::model::ops::AttnShape;
 use crate::model::reference::Templates;
@@ -65,7 +66,7 @@ pub trait Backend {
     /// The region at `p` as the bf16 recipe stores an activation that only GEMMs and attention
     /// read (only called under [`Precision::Bf16`]): bf16 values, rounded to nearest even when
     /// written — on a GPU 2-byte elements, on the CPU the fp32 storage of the rounded values.
-    /// Only [`Backend::rmsnorm_fwd`], [`Backend::swiglu_fwd`], [`Backend::swiglu_bwd`],
+    /// Only [`Backend::rmsnorm_fwd`], [`Backend::gated_fwd`], [`Backend::gated_bwd`],
     /// [`Backend::rope`] and [`Backend::store_bf16`] write one; only [`Backend::gemm`] reads one, and attention its
     /// inputs (Q, K, V, dO), which are always one under bf16. Offsets from it count its
     /// elements.
@@ -104,13 +105,14 @@ pub trait Backend {
     /// [`crate::model::ops::grad_blocks`] (the CPU: bits that do not depend on the chunking) or
     /// as one GEMM over a chunk's rows (a GPU: fewer, larger GEMMs).
     fn fixed_grad_blocks(&self) -> bool;
-    /// RMSNorm of `rows` rows of `c`; 1/rms per row into `rstd`.
+    /// RMSNorm of `rows` rows of `c` with weights `(w, offset)`: `y = (offset + w) ⊙ x̂`;
+    /// 1/rms per row into `rstd`.
     fn rmsnorm_fwd(
         &mut self,
         y: Self::P,
         rstd: Self::P,
         x: Self::P,
-        w: Self::P,
+        w: (Self::P, f32),
         rows: usize,
         c: usize,
         eps: f32,
@@ -123,23 +125,24 @@ pub trait Backend {
         dw: Self::P,
         dy: Self::P,
         x: Self::P,
-        w: Self::P,
+        w: (Self::P, f32),
         rstd: Self::P,
         rows: usize,
         c: usize,
         accumulate: bool,
     ) -> Result<()>;
-    /// `y = RoPE(x)` on `rows` rows of `heads` heads (`inverse`: the backward); row r is at
-    /// position `pos[r]`. `x` is fp32; `y` is `x` itself (in place) or a region the recipe
-    /// stores ([`Backend::as_bf16`]) disjoint from it.
+    /// `y = RoPE(x)` with RoPE table `table` ([`crate::model::ops::Rope`]) on `rows` rows of
+    /// `heads` heads (`inverse`: the backward); row r is at position `pos[r]`. `x` is fp32;
+    /// `y` is `x` itself (in place) or a region the recipe stores ([`Backend::as_bf16`])
+    /// disjoint from it.
     fn rope(
         &mut self,
         y: Self::P,
         x: Self::P,
         pos: Self::Ids,
-        rows: usize,
-        heads: usize,
+        rows_heads: (usize, usize),
         inverse: bool,
+        table: usize,
     ) -> Result<()>;
     /// Causal GQA attention inside documents for the queries `s.q0..s.q1` of each sequence
     /// (layouts in [`AttnShape`]): query i attends to keys `i − pos[i] ..= i` of its sequence
@@ -171,11 +174,19 @@ pub trait Backend {
         pos: Self::Ids,
         s: AttnShape,
     ) -> Result<()>;
-    /// `h = silu(g)·u`.
-    fn swiglu_fwd(&mut self, h: Self::P, g: Self::P, u: Self::P, len: usize) -> Result<()>;
-    /// Its backward.
-    fn swiglu_bwd(
+    /// The gated MLP's `h = act(g)·u`.
+    fn gated_fwd(
         &mut self,
+        act: MlpActivation,
+        h: Self::P,
+        g: Self::P,
+        u: Self::P,
+        len: usize,
+    ) -> Result<()>;
+    /// Its backward.
+    fn gated_bwd(
+        &mut self,
+        act: MlpActivation,
         dg: Self::P,
         du: Self::P,
         dh: Self::P,
@@ -183,26 +194,26 @@ pub trait Backend {
         u: Self::P,
         len: usize,
     ) -> Result<()>;
-    /// `x[r] = E[ids[r]]` (`E` is `[V, c]`).
+    /// `x[r] = E[ids[r]]·scale` (`E` is `[V, c]`).
     fn embed_fwd(
         &mut self,
         x: Self::P,
         e: Self::P,
         ids: Self::Ids,
-        rows: usize,
-        c: usize,
-        vocab: usize,
+        rows_c_vocab: (usize, usize, usize),
+        scale: f32,
     ) -> Result<()>;
-    /// `dE[tokens[r]] += dx[r]`, each row of `dE` summed in row order (the same bits on every
-    /// run and every device). The tokens are the host's: a GPU groups them by id first.
+    /// `dE[tokens[r]] += dx[r]·scale` but for the rows of token `pad` (the padding index),
+    /// each row of `dE` summed in row order (the same bits on every run and every device). The
+    /// tokens are the host's: a GPU groups them by id first.
     fn embed_bwd(
         &mut self,
         de: Self::P,
         tokens: &[u32],
         dx: Self::P,
-        rows: usize,
-        c: usize,
-        vocab: usize,
+        rows_c_vocab: (usize, usize, usize),
+        scale: f32,
+        pad: Option<u32>,
     ) -> Result<()>;
     /// Per-row loss `lse(z) − z[target]` into `losses`, and in place `z = scale·(softmax(z) −
     /// onehot)`; a row whose target is [`crate::model::ops::IGNORE`] gets loss 0 and `z = 0`.
@@ -243,13 +254,14 @@ pub fn run<B: Backend>(
             let e = at.range(*w, 0, v * c, "embedding")?;
             let x = at.range(*x, 0, n * c, "x")?;
             let ids = be.upload_ids(&batch.tokens)?;
-            be.embed_fwd(x, e, ids, n, c, v)
+            be.embed_fwd(x, e, ids, (n, c, v), tm.embedding.scale)
         }
         Kernel::EmbedBwd { batch, g, dx } => {
             at.ids(&batch.tokens, n, "tokens")?;
             let de = at.range(*g, 0, v * c, "embedding grads")?;
             let dx = at.range(*dx, 0, n * c, "dx")?;
-            be.embed_bwd(de, &batch.tokens, dx, n, c, v)
+            let emb = &tm.embedding;
+            be.embed_bwd(de, &batch.tokens, dx, (n, c, v), emb.scale, emb.pad)
         }
         Kernel::BlockFwd {
             batch,

@@ -37,6 +37,20 @@ fn qwen3(bias: bool) -> ModelConfig {
     .unwrap()
 }
 
+/// A Gemma 3 block: `1 + w` and sandwich norms, QK-norm, GELU-tanh, attention scale
+/// `query_pre_attn_scalar^-½`, layer 0 local (a window of 70 and its own RoPE θ), untied.
+fn gemma3() -> ModelConfig {
+    ModelConfig::from_json_str(
+        r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":48,"intermediate_size":80,
+        "num_hidden_layers":2,"num_attention_heads":6,"num_key_value_heads":2,"head_dim":10,
+        "vocab_size":53,"tie_word_embeddings":false,"query_pre_attn_scalar":30,
+        "sliding_window":70,"layer_types":["sliding_attention","full_attention"],
+        "rope_local_base_freq":100.0}"#,
+        "t",
+    )
+    .unwrap()
+}
+
 /// What one program run produced: block output, gradients and dx; head gradients, dx and loss.
 struct Outputs {
     y: Vec<f32>,
@@ -237,8 +251,8 @@ fn assert_same(got: &Outputs, want: &Outputs, what: &str) {
 #[test]
 fn program_matches_the_reference_layers_bit_for_bit() {
     // 300 rows: two cross-entropy chunks; one flat sequence, one of three documents.
-    // Also a Qwen3 block: QK-norm, head_dim ≠ hidden / heads.
-    for cfg in [model(false), qwen3(true)] {
+    // Also a Qwen3 block: QK-norm, head_dim ≠ hidden / heads; and a Gemma 3 one.
+    for cfg in [model(false), qwen3(true), gemma3()] {
         let case = Case::of(cfg, 2, 150, &[60, 1, 89]);
         let want = case.reference();
         assert_same(&case.program(Shape::whole(2, 150), false), &want, "whole");
@@ -252,12 +266,12 @@ fn program_matches_the_reference_layers_bit_for_bit() {
 /// with documents crossing chunk boundaries.
 #[test]
 fn every_chunking_gives_the_same_bits() {
-    for (b, t, docs, qk_norm) in [
-        (2usize, 513usize, &[255usize, 3, 254, 1][..], false),
-        (3, 700, &[1, 300, 399][..], false),
-        (2, 513, &[255, 3, 254, 1][..], true),
+    for (b, t, docs, cfg) in [
+        (2usize, 513usize, &[255usize, 3, 254, 1][..], model(false)),
+        (3, 700, &[1, 300, 399][..], model(false)),
+        (2, 513, &[255, 3, 254, 1][..], qwen3(false)),
+        (2, 513, &[255, 3, 254, 1][..], gemma3()),
     ] {
-        let cfg = if qk_norm { qwen3(false) } else { model(false) };
         let case = Case::of(cfg, b, t, docs);
         let want = case.reference();
         let mut chunks = vec![b * t, 2 * t, t];
@@ -279,12 +293,15 @@ fn every_chunking_gives_the_same_bits() {
 #[test]
 fn bf16_program_gives_the_same_bits_in_every_chunking() {
     let (b, t) = (2, 513);
-    for (bias, qk_norm) in [(true, false), (false, false), (true, true), (false, true)] {
-        let cfg = if qk_norm {
-            qwen3(bias)
-        } else {
-            model_with(false, bias)
-        };
+    let cases = [
+        (true, model_with(false, true)),
+        (false, model_with(false, false)),
+        (true, qwen3(true)),
+        (false, qwen3(false)),
+        (false, gemma3()),
+    ];
+    for (bias, cfg) in cases {
+        let qk_norm = cfg.qk_norm;
         let case = Case::of(cfg, b, t, &[255, 3, 254, 1]);
         let whole = Shape::whole(b, t);
         let want = case.program_in(whole, false, Precision::Bf16);

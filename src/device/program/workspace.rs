@@ -94,6 +94,14 @@ pub struct Ws<P> {
     /// QK-norm: `[M, nh·hd]` dL/d q_raw, then dL/d k_raw (fp32, for the projections'
     /// backward).
     pub d_raw: P,
+    /// Sandwich norms (else empty): `[M, C]` the attention's output projection before its norm.
+    pub attn_out: P,
+    /// Sandwich norms: `[M]` its norm's 1/rms.
+    pub rstd_pa: P,
+    /// Sandwich norms: `[M, C]` the MLP's down projection before its norm.
+    pub mlp_out: P,
+    /// Sandwich norms: `[M]` its norm's 1/rms.
+    pub rstd_pf: P,
 }
 
 impl Ws<usize> {
@@ -114,6 +122,7 @@ impl Ws<usize> {
         let mut regions = Regions::default();
         let half = |len: usize| words(len, stored);
         let qk = |len: usize| if cfg.qk_norm { len } else { 0 };
+        let sw = |len: usize| if cfg.sandwich_norms { len } else { 0 };
         let mut take = |len: usize| regions.take(len);
         let ws = Ws {
             h1: take(half(mh * c)),
@@ -145,6 +154,10 @@ impl Ws<usize> {
             rstd_q: take(qk(m * cfg.num_heads)),
             rstd_k: take(qk(m * cfg.num_kv_heads)),
             d_raw: take(qk(m * qd)),
+            attn_out: take(sw(m * c)),
+            rstd_pa: take(sw(m)),
+            mlp_out: take(sw(m * c)),
+            rstd_pf: take(sw(m)),
         };
         (ws, regions.end)
     }
@@ -182,14 +195,18 @@ impl Ws<usize> {
             rstd_q: f(self.rstd_q),
             rstd_k: f(self.rstd_k),
             d_raw: f(self.d_raw),
+            attn_out: f(self.attn_out),
+            rstd_pa: f(self.rstd_pa),
+            mlp_out: f(self.mlp_out),
+            rstd_pf: f(self.rstd_pf),
         }
     }
 }
 
 /// A block's forward internals kept for its backward ([`crate::engine::Activations::Keep`]):
 /// offsets, for `n` tokens (the whole micro-batch), of the [`Ws`] regions the forward writes
-/// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act, and
-/// under QK-norm q_raw, k_raw, rstd_q, rstd_k — in one
+/// and the backward reads — h1, rstd1, q, k, v, att, lse, x2, h2, rstd2, gate, up, act, under
+/// QK-norm q_raw, k_raw, rstd_q, rstd_k, under sandwich norms attn_out, rstd_pa — in one
 /// buffer of [`internals_len`] 4-byte words; the stored ones (h1, q, k, v, h2, act) as
 /// [`Ws::layout`] holds them.
 #[derive(Debug, Clone, Copy)]
@@ -211,6 +228,8 @@ struct Internals {
     k_raw: usize,
     rstd_q: usize,
     rstd_k: usize,
+    attn_out: usize,
+    rstd_pa: usize,
 }
 
 impl Internals {
@@ -222,6 +241,7 @@ impl Internals {
             cfg.intermediate_size,
         );
         let qk = |len: usize| if cfg.qk_norm { len } else { 0 };
+        let sw = |len: usize| if cfg.sandwich_norms { len } else { 0 };
         let mut regions = Regions::default();
         let mut take = |len: usize| regions.take(len);
         let r = Internals {
@@ -242,6 +262,8 @@ impl Internals {
             k_raw: take(qk(n * kvd)),
             rstd_q: take(qk(n * cfg.num_heads)),
             rstd_k: take(qk(n * cfg.num_kv_heads)),
+            attn_out: take(sw(n * c)),
+            rstd_pa: take(sw(n)),
         };
         (r, regions.end)
     }
@@ -292,6 +314,8 @@ impl<P: Copy> Ws<P> {
             k_raw: f(r.k_raw),
             rstd_q: f(r.rstd_q),
             rstd_k: f(r.rstd_k),
+            attn_out: f(r.attn_out),
+            rstd_pa: f(r.rstd_pa),
             ..*self
         }
     }

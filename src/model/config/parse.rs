@@ -2,13 +2,15 @@
 //! refused by name, RoPE and its scaling, sliding windows per layer, the attention heads, and
 //! typed access to a key with its error.
 
-use super::Architecture;
+use super::{Architecture, MlpActivation, RopeParams};
 use crate::model::ops::RopeScaling;
 use crate::{Error, Result};
 use serde_json::Value;
 
-/// The architecture `architectures[0]` names (or `model_type` implies).
-pub(super) fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
+/// The architecture `architectures[0]` names (or `model_type` implies), and the config to read
+/// it from: the text model's of a `Gemma3ForConditionalGeneration` (its `text_config`), with
+/// Gemma 3's defaults under every key it leaves out, as transformers' `Gemma3TextConfig` has them.
+pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Value)> {
     let arch_name = match v.get("architectures") {
         Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or("").to_owned(),
         _ => match v.get("model_type").and_then(Value::as_str) {
@@ -16,6 +18,8 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
             Some("mistral") => "MistralForCausalLM".into(),
             Some("qwen2") => "Qwen2ForCausalLM".into(),
             Some("qwen3") => "Qwen3ForCausalLM".into(),
+            Some("gemma3_text") => "Gemma3ForCausalLM".into(),
+            Some("gemma3") => "Gemma3ForConditionalGeneration".into(),
             Some(other) => other.to_owned(),
             None => {
                 return Err(bad(
@@ -25,34 +29,152 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<Architecture> {
             }
         },
     };
-    match arch_name.as_str() {
-        "LlamaForCausalLM" => Ok(Architecture::Llama),
-        "MistralForCausalLM" => Ok(Architecture::Mistral),
-        "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
-        "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
-        other => Err(Error::bad_input(
+    let arch = match arch_name.as_str() {
+        "LlamaForCausalLM" => Architecture::Llama,
+        "MistralForCausalLM" => Architecture::Mistral,
+        "Qwen2ForCausalLM" => Architecture::Qwen2,
+        "Qwen3ForCausalLM" => Architecture::Qwen3,
+        "Gemma3ForCausalLM" | "Gemma3ForConditionalGeneration" => Architecture::Gemma3,
+        other => return Err(Error::bad_input(
             "model config",
             origin,
             format!("architecture `{other}` is not supported"),
-            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"),
+        )),
+    };
+    if arch != Architecture::Gemma3 {
+        return Ok((arch, v.clone()));
+    }
+    let text = if arch_name == "Gemma3ForConditionalGeneration" {
+        match v.get("text_config") {
+            Some(t @ Value::Object(_)) => t,
+            _ => {
+                return Err(bad(
+                    origin,
+                    "a Gemma3ForConditionalGeneration config without a `text_config` object",
+                ))
+            }
+        }
+    } else {
+        v
+    };
+    // transformers' `Gemma3TextConfig` class defaults.
+    let mut merged = serde_json::json!({
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": true, "query_pre_attn_scalar": 256, "pad_token_id": 0,
+    });
+    if let (Some(m), Some(t)) = (merged.as_object_mut(), text.as_object()) {
+        for (k, x) in t {
+            m.insert(k.clone(), x.clone());
+        }
+    }
+    Ok((arch, merged))
+}
+
+/// Refuse the features the layers do not implement (MLP biases, an activation other than the
+/// architecture's: SiLU, or Gemma's GELU-tanh; logit soft-capping, bidirectional attention);
+/// the MLP's activation.
+pub(super) fn check_supported_features(
+    v: &Value,
+    arch: Architecture,
+    origin: &str,
+) -> Result<MlpActivation> {
+    if get_bool(v, "mlp_bias", origin)? == Some(true) {
+        return Err(bad(origin, "`mlp_bias: true` is not supported"));
+    }
+    if arch != Architecture::Gemma3 {
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(bad(
+                    origin,
+                    format!("hidden_act `{act}` is not supported (only `silu`)"),
+                ));
+            }
+        }
+        return Ok(MlpActivation::Silu);
+    }
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if v.get(key).is_some_and(|x| !x.is_null()) {
+            return Err(bad(
+                origin,
+                format!("`{key}` (logit soft-capping) is not supported"),
+            ));
+        }
+    }
+    if get_bool(v, "use_bidirectional_attention", origin)? == Some(true) {
+        return Err(bad(
+            origin,
+            "`use_bidirectional_attention: true` is not supported (megatrain trains causal LMs)",
+        ));
+    }
+    // transformers' Gemma 3 reads `hidden_activation` (default gelu_pytorch_tanh).
+    match v.get("hidden_activation").and_then(Value::as_str) {
+        None | Some("gelu_pytorch_tanh") => Ok(MlpActivation::GeluTanh),
+        Some(other) => Err(bad(
+            origin,
+            format!("hidden_activation `{other}` is not supported (only `gelu_pytorch_tanh`)"),
         )),
     }
 }
 
-/// Refuse the features the layers do not implement: activations other than SiLU, MLP biases.
-pub(super) fn check_supported_features(v: &Value, origin: &str) -> Result<()> {
-    if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
-        if act != "silu" {
+/// Gemma 3's RoPE per layer type: the global layers' θ (10⁶ unless set) and scaling, and the
+/// local (sliding-window) layers' (θ 10⁴ unless set, default frequencies): transformers 5's
+/// `rope_parameters` holding one dict per layer type, or transformers 4's `rope_theta`,
+/// `rope_scaling` (the global layers') and `rope_local_base_freq`.
+pub(super) fn gemma3_rope(
+    v: &Value,
+    origin: &str,
+) -> Result<((f64, RopeScaling), Option<RopeParams>)> {
+    let one = |d: Option<&Value>, default_theta: f64| -> Result<RopeParams> {
+        let Some(d) = d.filter(|d| !d.is_null()) else {
+            return Ok(RopeParams {
+                theta: default_theta,
+                scaling: RopeScaling::Default,
+            });
+        };
+        if !d.is_object() {
             return Err(bad(
                 origin,
-                format!("hidden_act `{act}` is not supported (only `silu`)"),
+                format!("RoPE parameters {d} are not an object"),
             ));
         }
-    }
-    if get_bool(v, "mlp_bias", origin)? == Some(true) {
-        return Err(bad(origin, "`mlp_bias: true` is not supported"));
-    }
-    Ok(())
+        Ok(RopeParams {
+            theta: get_f64(d, "rope_theta", origin)?.unwrap_or(default_theta),
+            scaling: if scaling_kind(d) == "default" {
+                RopeScaling::Default
+            } else {
+                scaling_from(d, v, origin)?
+            },
+        })
+    };
+    let (global, local) = match v.get("rope_parameters").filter(|x| !x.is_null()) {
+        Some(rp) => {
+            let nested =
+                rp.get("full_attention").is_some() || rp.get("sliding_attention").is_some();
+            if !nested {
+                return Err(bad(
+                    origin,
+                    "Gemma 3's `rope_parameters` must hold `full_attention` and `sliding_attention` dicts",
+                ));
+            }
+            (
+                one(rp.get("full_attention"), 1e6)?,
+                one(rp.get("sliding_attention"), 1e4)?,
+            )
+        }
+        None => {
+            let mut global = one(v.get("rope_scaling"), 1e6)?;
+            global.theta = get_f64(v, "rope_theta", origin)?.unwrap_or(1e6);
+            let local = RopeParams {
+                theta: get_f64(v, "rope_local_base_freq", origin)?.unwrap_or(1e4),
+                scaling: RopeScaling::Default,
+            };
+            (global, local)
+        }
+    };
+    Ok(((global.theta, global.scaling), Some(local)))
 }
 
 /// RoPE's θ (10000 unless set) and its scaling. transformers 4 puts `rope_theta` and
@@ -93,21 +215,30 @@ pub(super) fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
     }
     // The dict that scales: the first of transformers 4's `rope_scaling` and transformers 5's
     // `rope_parameters` that names a type other than the default.
-    let kind = |s: &Value| {
-        s.get("rope_type")
-            .or_else(|| s.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default")
-            .to_owned()
-    };
     // transformers reads `rope_scaling or rope_parameters`: the transformers-4 key wins.
     let scaling = [v.get("rope_scaling").filter(|x| !x.is_null()), rope_params]
         .into_iter()
         .flatten()
-        .find(|s| kind(s) != "default");
+        .find(|s| scaling_kind(s) != "default");
     let Some(s) = scaling else {
         return Ok((rope_theta, RopeScaling::Default));
     };
+    Ok((rope_theta, scaling_from(s, v, origin)?))
+}
+
+/// The `rope_type` (or `type`) a RoPE dict names; `default` when it names none.
+fn scaling_kind(s: &Value) -> String {
+    s.get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default")
+        .to_owned()
+}
+
+/// The scaling the RoPE dict `s` of config `v` describes (a type other than the default), with
+/// transformers' defaults.
+fn scaling_from(s: &Value, v: &Value, origin: &str) -> Result<RopeScaling> {
+    let kind = scaling_kind;
     let field = |key: &str| -> Result<Option<f64>> {
         match s.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -213,14 +344,16 @@ pub(super) fn rope(v: &Value, origin: &str) -> Result<(f64, RopeScaling)> {
             ))
         }
     };
-    Ok((rope_theta, scaling))
+    Ok(scaling)
 }
 
 /// The sliding window and the layers it applies to, as transformers reads them: Mistral's
 /// `sliding_window` on every layer (4096 when the key is absent, none when it is null;
 /// `layer_types` ignored); Qwen2's and Qwen3's only under `use_sliding_window` (the same
 /// default), on the layers `layer_types` names `sliding_attention` (else those from
-/// `max_window_layers` on, 28 unless set); Llama's `layer_types` must be all `full_attention`.
+/// `max_window_layers` on, 28 unless set); Gemma 3's on the layers `layer_types` names (else
+/// all but every `sliding_window_pattern`-th), every layer's type returned even without a
+/// window (they choose the RoPE); Llama's `layer_types` must be all `full_attention`.
 /// Empty layers: every layer.
 pub(super) fn sliding_window(
     v: &Value,
@@ -270,6 +403,21 @@ pub(super) fn sliding_window(
         }
     }
     match arch {
+        Architecture::Gemma3 => {
+            // Every layer's type, also without a window: the local layers keep their own RoPE.
+            let windowed = match types {
+                Some(t) => t,
+                None => {
+                    // transformers: `sliding_window_pattern` (6 unless set): every sixth layer global.
+                    let pattern = get_usize(v, "sliding_window_pattern", origin)?.unwrap_or(6);
+                    if pattern == 0 {
+                        return Err(bad(origin, "`sliding_window_pattern` is 0"));
+                    }
+                    (0..layers).map(|i| (i + 1) % pattern != 0).collect()
+                }
+            };
+            Ok((size()?, windowed))
+        }
         Architecture::Qwen2 | Architecture::Qwen3 => {
             if get_bool(v, "use_sliding_window", origin)? != Some(true) {
                 return Ok((None, Vec::new()));
@@ -336,6 +484,22 @@ pub(super) fn attention_heads(
         ));
     }
     Ok((num_heads, num_kv_heads, head_dim))
+}
+
+/// `pad_token_id` as `nn.Embedding` takes it: absent or null none, negative counted from the
+/// vocabulary's end; an id outside the vocabulary pads nothing.
+pub(super) fn pad_token_id(v: &Value, vocab: usize, origin: &str) -> Result<Option<u32>> {
+    let id = match v.get("pad_token_id") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(x) => x.as_i64().ok_or_else(|| {
+            bad(
+                origin,
+                format!("`pad_token_id` must be an integer, found {x}"),
+            )
+        })?,
+    };
+    let id = if id < 0 { vocab as i64 + id } else { id };
+    Ok(u32::try_from(id).ok().filter(|&i| (i as usize) < vocab))
 }
 
 pub(super) fn bad(origin: &str, reason: impl Into<String>) -> Error {

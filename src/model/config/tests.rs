@@ -305,3 +305,127 @@ fn qwen3_8b_has_qk_norm_and_counts_8_19b_params() {
     .unwrap_err();
     assert!(e.to_string().contains("sliding_attention"), "{e}");
 }
+
+/// gemma-3-27b-it's `config.json` as published (transformers 4.50: a multimodal model whose
+/// text model leaves most keys to `Gemma3TextConfig`'s defaults).
+const GEMMA3_27B: &str = r#"{
+  "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+  "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+  "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+  "text_config": {
+    "head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024
+  },
+  "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+  "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+    "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+    "patch_size": 14, "vision_use_head": false}
+}"#;
+
+#[test]
+fn gemma3_27b_reads_its_text_model_with_transformers_defaults() {
+    let c = ModelConfig::from_json_str(GEMMA3_27B, "gemma-3-27b-it").unwrap();
+    assert_eq!(c.architecture, Architecture::Gemma3);
+    assert_eq!(
+        (c.vocab_size, c.hidden_size, c.num_layers, c.head_dim),
+        (262_208, 5376, 62, 128)
+    );
+    assert!(c.tie_word_embeddings && c.qk_norm && c.sandwich_norms && c.scale_embeddings);
+    assert_eq!(c.norm_weight, NormWeight::OnePlus);
+    assert_eq!(c.mlp_activation, MlpActivation::GeluTanh);
+    assert_eq!(c.query_pre_attn_scalar, Some(168.0));
+    assert_eq!(c.pad_token_id, Some(0));
+    // Global layers: θ 10⁶, linear ÷8; local: θ 10⁴, default; every sixth layer global.
+    assert_eq!(
+        (c.rope_theta, &c.rope_scaling),
+        (1e6, &RopeScaling::Linear { factor: 8.0 })
+    );
+    let local = c.local_rope.clone().unwrap();
+    assert_eq!((local.theta, local.scaling), (1e4, RopeScaling::Default));
+    assert_eq!(c.sliding_window, Some(1024));
+    let global: Vec<usize> = (0..62).filter(|&i| c.layer_window(i).is_none()).collect();
+    assert_eq!(global, vec![5, 11, 17, 23, 29, 35, 41, 47, 53, 59]);
+    assert_eq!(c.layer_rope(5), 0);
+    assert_eq!(c.layer_rope(4), 1);
+    // The text model: 27.01 B parameters (the release's 27.4 B adds the 0.4 B SigLIP vision
+    // tower, which is not trained).
+    assert_eq!(c.num_params(), 27_009_346_304);
+    // Exported as the text model transformers loads, in its 5 spelling; read back equal.
+    let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
+    assert_eq!(back, c);
+    let v: serde_json::Value = serde_json::from_str(&c.to_hf_json()).unwrap();
+    assert_eq!(v["architectures"][0], "Gemma3ForCausalLM");
+    assert_eq!(v["rope_parameters"]["sliding_attention"]["rope_theta"], 1e4);
+    assert_eq!(
+        v["rope_parameters"]["full_attention"]["rope_type"],
+        "linear"
+    );
+    // transformers 4's spelling of the local θ.
+    let t4 = GEMMA3_27B.replace(
+        "\"sliding_window\": 1024",
+        "\"sliding_window\": 1024, \"rope_local_base_freq\": 5000.0, \"rope_theta\": 2e6",
+    );
+    let c4 = ModelConfig::from_json_str(&t4, "t4").unwrap();
+    assert_eq!((c4.rope_theta, c4.local_rope.unwrap().theta), (2e6, 5000.0));
+}
+
+#[test]
+fn gemma3_features_it_lacks_are_named() {
+    let text = r#"{"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 100, "sliding_window_pattern": 2 XX}"#;
+    let c = ModelConfig::from_json_str(&text.replace(" XX", ""), "g").unwrap();
+    assert_eq!(c.windowed_layers, vec![true, false]);
+    assert_eq!(c.query_pre_attn_scalar, Some(256.0));
+    for (extra, needle) in [
+        (
+            ", \"attn_logit_softcapping\": 50.0",
+            "attn_logit_softcapping",
+        ),
+        (
+            ", \"final_logit_softcapping\": 30.0",
+            "final_logit_softcapping",
+        ),
+        (", \"use_bidirectional_attention\": true", "bidirectional"),
+        (", \"hidden_activation\": \"relu\"", "relu"),
+        (", \"layer_types\": [\"full_attention\"]", "layer_types"),
+        (
+            ", \"rope_parameters\": {\"rope_theta\": 1e4}",
+            "full_attention",
+        ),
+    ] {
+        let e = ModelConfig::from_json_str(&text.replace(" XX", extra), "g")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{extra}: {e}");
+    }
+    let e = ModelConfig::from_json_str(
+        r#"{"architectures": ["Gemma3ForConditionalGeneration"]}"#,
+        "m",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("text_config"), "{e}");
+}
+
+#[test]
+fn pad_token_id_is_read_as_nn_embedding_takes_it() {
+    for (pad, want) in [
+        ("null", None),
+        ("7", Some(7)),
+        ("-1", Some(128_255)),
+        ("200000", None),
+    ] {
+        let j = LLAMA3_8B.replace(
+            "\"rope_scaling\": null",
+            &format!("\"rope_scaling\": null, \"pad_token_id\": {pad}"),
+        );
+        assert_eq!(
+            ModelConfig::from_json_str(&j, "p").unwrap().pad_token_id,
+            want,
+            "{pad}"
+        );
+    }
+}

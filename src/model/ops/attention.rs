@@ -24,7 +24,7 @@ use rayon::prelude::*;
 /// key-side ones (k, v, dk, dv `[B·T, NKV·HD]`) and the positions `[B·T]` the whole sequences.
 /// Query tiles start at `q0`: a caller that splits a sequence into query ranges starting at
 /// multiples of [`ATTN_TILE`] gets the same bits as one call over the whole sequence.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnShape {
     /// Batch.
     pub b: usize,
@@ -43,6 +43,8 @@ pub struct AttnShape {
     /// Sliding window: each query sees itself and the `window − 1` keys before it (transformers'
     /// `kv_idx > q_idx − sliding_window`); `None`: every earlier key of its document.
     pub window: Option<usize>,
+    /// The softmax scale where it is not `hd^-½` (Gemma's `query_pre_attn_scalar^-½`).
+    pub scale: Option<f32>,
 }
 
 impl AttnShape {
@@ -57,7 +59,18 @@ impl AttnShape {
             q0: 0,
             q1: t,
             window: None,
+            scale: None,
         }
+    }
+
+    /// The same attention with the softmax scale `scale` (`None`: `hd^-½`).
+    pub fn scaled(self, scale: Option<f32>) -> Self {
+        AttnShape { scale, ..self }
+    }
+
+    /// The factor on q·k: [`AttnShape::scale`], else `1/√hd`.
+    pub fn softmax_scale(&self) -> f32 {
+        self.scale.unwrap_or(1.0 / (self.hd as f32).sqrt())
     }
 
     /// The same attention with a sliding window of `window` keys (`None`: none).
@@ -340,7 +353,7 @@ pub fn attention_fwd(
         ],
     );
     let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = s.softmax_scale();
     let (qs, kvs) = (nh * hd, nkv * hd);
     let tile = query_tile(s);
     let qtiles = nq.div_ceil(tile);
@@ -455,7 +468,7 @@ pub fn attention_bwd(
         return;
     }
     let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = s.softmax_scale();
     let (qs, kvs) = (nh * hd, nkv * hd);
     // D[b, h, i] = dO_i · O_i
     delta[..b * nh * nq]
@@ -619,7 +632,7 @@ pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], pos: &[u3
     } = s;
     assert_eq!((s.q0, s.q1), (0, t), "attention_naive: every query");
     let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = s.softmax_scale();
     let (qs, kvs) = (nh * hd, nkv * hd);
     for bi in 0..b {
         for h in 0..nh {

@@ -3,6 +3,7 @@
 //! row-major; a Linear weight is `[out, in]` and `y = x·Wᵀ` (HF convention).
 
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 /// C[m, n] (row-major) = (accumulate ? C : 0) + A·B, where A is m×k and B is k×n, each given by
 /// its row and column strides (so a transpose is just swapped strides). Large products use every
@@ -248,8 +249,16 @@ pub fn linear_bwd(
     }
 }
 
-/// RMSNorm: y = w ⊙ (x · rsqrt(mean(x²) + eps)) per row; stores 1/rms per row in `rstd`.
-pub fn rmsnorm_fwd(y: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], c: usize, eps: f32) {
+/// RMSNorm: y = (w_offset + w) ⊙ (x · rsqrt(mean(x²) + eps)) per row (`w_offset` 0, or 1 for
+/// Gemma's `1 + w`); stores 1/rms per row in `rstd`.
+pub fn rmsnorm_fwd(
+    y: &mut [f32],
+    rstd: &mut [f32],
+    x: &[f32],
+    (w, w_offset): (&[f32], f32),
+    c: usize,
+    eps: f32,
+) {
     y.par_chunks_mut(c)
         .zip(rstd.par_iter_mut())
         .zip(x.par_chunks(c))
@@ -262,7 +271,7 @@ pub fn rmsnorm_fwd(y: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], c: usi
             let inv = 1.0 / ((ms as f32) + eps).sqrt();
             *r = inv;
             for ((o, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
-                *o = *wv * (*xv * inv);
+                *o = (w_offset + *wv) * (*xv * inv);
             }
         });
 }
@@ -275,7 +284,7 @@ pub fn rmsnorm_bwd(
     dw: &mut [f32],
     dy: &[f32],
     x: &[f32],
-    w: &[f32],
+    (w, w_offset): (&[f32], f32),
     rstd: &[f32],
     c: usize,
 ) {
@@ -288,11 +297,11 @@ pub fn rmsnorm_bwd(
                 .iter()
                 .zip(xr)
                 .zip(w)
-                .map(|((g, xv), wv)| f64::from(*g * *wv) * f64::from(*xv))
+                .map(|((g, xv), wv)| f64::from(*g * (w_offset + *wv)) * f64::from(*xv))
                 .sum();
             let k = (dot / c as f64) as f32 * r * r * r;
             for (((o, g), xv), wv) in dxr.iter_mut().zip(dyr).zip(xr).zip(w) {
-                let v = *r * (*wv * *g) - k * *xv;
+                let v = *r * ((w_offset + *wv) * *g) - k * *xv;
                 if dx_accumulate {
                     *o += v;
                 } else {
@@ -314,6 +323,88 @@ pub fn rmsnorm_bwd(
 
 /// Elements per task of the elementwise ops.
 const ELEMENTWISE: usize = 1 << 14;
+
+/// The gate's activation of the gated MLP `down(act(gate(x)) ⊙ up(x))`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpActivation {
+    /// SiLU, `g·σ(g)` (SwiGLU: `hidden_act: silu`).
+    #[default]
+    Silu,
+    /// GELU's tanh approximation (GeGLU: `gelu_pytorch_tanh`, Gemma).
+    GeluTanh,
+}
+
+/// The gated MLP's activation `h = act(g) ⊙ u` for `act`: [`swiglu_fwd`] or [`geglu_fwd`].
+pub fn gated_fwd(act: MlpActivation, h: &mut [f32], g: &[f32], u: &[f32]) {
+    match act {
+        MlpActivation::Silu => swiglu_fwd(h, g, u),
+        MlpActivation::GeluTanh => geglu_fwd(h, g, u),
+    }
+}
+
+/// Backward of [`gated_fwd`]: writes dg and du.
+pub fn gated_bwd(
+    act: MlpActivation,
+    dg: &mut [f32],
+    du: &mut [f32],
+    dh: &[f32],
+    g: &[f32],
+    u: &[f32],
+) {
+    match act {
+        MlpActivation::Silu => swiglu_bwd(dg, du, dh, g, u),
+        MlpActivation::GeluTanh => geglu_bwd(dg, du, dh, g, u),
+    }
+}
+
+/// √(2/π), PyTorch's `kBeta` of GELU's tanh approximation (`M_SQRT2 · M_2_SQRTPI · 0.5`).
+const GELU_BETA: f32 = (std::f64::consts::SQRT_2 * std::f64::consts::FRAC_2_SQRT_PI * 0.5) as f32;
+/// PyTorch's `kKappa`.
+const GELU_KAPPA: f32 = 0.044715;
+
+/// GELU, tanh approximation, in PyTorch's order: `0.5·x·(1 + tanh(β(x + κx³)))`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+    0.5 * x * (1.0 + inner.tanh())
+}
+
+/// Its derivative, in PyTorch's order (`GeluBackward`, approximate = tanh).
+pub fn gelu_tanh_grad(x: f32) -> f32 {
+    let x_sq = x * x;
+    let inner = GELU_BETA * (x + GELU_KAPPA * (x_sq * x));
+    let t = inner.tanh();
+    let left_derivative = 0.5 * (1.0 + t);
+    let right_derivative = 0.5 * x * (1.0 - t * t) * (GELU_BETA * (1.0 + 3.0 * GELU_KAPPA * x_sq));
+    left_derivative + right_derivative
+}
+
+/// GeGLU (tanh GELU): h = gelu_tanh(g) ⊙ u.
+pub fn geglu_fwd(h: &mut [f32], g: &[f32], u: &[f32]) {
+    h.par_chunks_mut(ELEMENTWISE)
+        .zip(g.par_chunks(ELEMENTWISE).zip(u.par_chunks(ELEMENTWISE)))
+        .for_each(|(h, (g, u))| {
+            for ((o, g), u) in h.iter_mut().zip(g).zip(u) {
+                *o = gelu_tanh(*g) * *u;
+            }
+        });
+}
+
+/// Backward of [`geglu_fwd`]: `du = dh·gelu(g)`, `dg = (dh·u)·gelu'(g)` (autograd's order).
+pub fn geglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f32]) {
+    dg.par_chunks_mut(ELEMENTWISE)
+        .zip(du.par_chunks_mut(ELEMENTWISE))
+        .zip(
+            dh.par_chunks(ELEMENTWISE)
+                .zip(g.par_chunks(ELEMENTWISE).zip(u.par_chunks(ELEMENTWISE))),
+        )
+        .for_each(|((dg, du), (dh, (g, u)))| {
+            for ((((dg, du), dh), g), u) in dg.iter_mut().zip(du.iter_mut()).zip(dh).zip(g).zip(u) {
+                *du = *dh * gelu_tanh(*g);
+                *dg = (*dh * *u) * gelu_tanh_grad(*g);
+            }
+        });
+}
 
 /// SwiGLU: h = silu(g) ⊙ u, silu(g) = g·σ(g) (σ vectorised, [`exp::sigmoid`]).
 pub fn swiglu_fwd(h: &mut [f32], g: &[f32], u: &[f32]) {

@@ -151,14 +151,19 @@ impl RopeScaling {
 /// Rotary position embedding tables, computed as HF does in fp32:
 /// `inv_freq[i] = 1 / θ^(2i/hd)` (then scaled, [`RopeScaling`]), `angle = pos · inv_freq[i]`,
 /// the tables `cos(angle)·s` and `sin(angle)·s` with `s` the scaling's attention factor.
+///
+/// A model whose layers rotate differently (Gemma 3's local and global layers) has one table per
+/// kind, end to end: table `i` is rows `i·max_pos ..` of `cos` and `sin`.
 #[derive(Debug, Clone)]
 pub struct Rope {
     /// Head dimension.
     pub head_dim: usize,
     /// Positions covered.
     pub max_pos: usize,
-    cos: Vec<f32>, // [max_pos, hd/2]
-    sin: Vec<f32>, // [max_pos, hd/2]
+    /// Tables.
+    pub tables: usize,
+    cos: Vec<f32>, // [tables, max_pos, hd/2]
+    sin: Vec<f32>, // [tables, max_pos, hd/2]
 }
 
 impl Rope {
@@ -169,16 +174,24 @@ impl Rope {
 
     /// Tables for positions `0..max_pos` with `scaling`.
     pub fn scaled(head_dim: usize, theta: f64, scaling: &RopeScaling, max_pos: usize) -> Self {
-        let (inv, factor) = scaling.frequencies(head_dim, theta);
+        Self::with_tables(head_dim, &[(theta, scaling)], max_pos)
+    }
+
+    /// One table per `(θ, scaling)`, in order, for positions `0..max_pos`.
+    pub fn with_tables(head_dim: usize, kinds: &[(f64, &RopeScaling)], max_pos: usize) -> Self {
         let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_pos * half);
-        let mut sin = Vec::with_capacity(max_pos * half);
-        for p in 0..max_pos {
-            Self::push_row(&inv, factor, p, &mut cos, &mut sin);
+        let mut cos = Vec::with_capacity(kinds.len() * max_pos * half);
+        let mut sin = Vec::with_capacity(kinds.len() * max_pos * half);
+        for (theta, scaling) in kinds {
+            let (inv, factor) = scaling.frequencies(head_dim, *theta);
+            for p in 0..max_pos {
+                Self::push_row(&inv, factor, p, &mut cos, &mut sin);
+            }
         }
         Rope {
             head_dim,
             max_pos,
+            tables: kinds.len(),
             cos,
             sin,
         }
@@ -209,16 +222,35 @@ impl Rope {
         }
     }
 
-    /// The tables, `[max_pos, hd/2]` each: (cos, sin).
+    /// The tables, `[tables, max_pos, hd/2]` each: (cos, sin).
     pub fn tables(&self) -> (&[f32], &[f32]) {
         (&self.cos, &self.sin)
     }
 
     /// Rotate `x` [B·T, heads·hd] in place, row r by the angle of position `positions[r]`
-    /// (`inverse` = the backward, Rᵀ).
+    /// (`inverse` = the backward, Rᵀ), with the first table.
     pub fn apply(&self, x: &mut [f32], positions: &[u32], heads: usize, inverse: bool) {
+        self.apply_table(x, positions, heads, inverse, 0)
+    }
+
+    /// [`Rope::apply`] with table `table`.
+    pub fn apply_table(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        heads: usize,
+        inverse: bool,
+        table: usize,
+    ) {
         let hd = self.head_dim;
         let half = hd / 2;
+        assert!(
+            table < self.tables,
+            "rope: table {table} of {}",
+            self.tables
+        );
+        let base = table * self.max_pos * half;
+        let (cos, sin) = (&self.cos[base..], &self.sin[base..]);
         assert_eq!(
             x.len(),
             positions.len() * heads * hd,
@@ -233,8 +265,8 @@ impl Rope {
             .for_each(|(xr, &pos)| {
                 let pos = pos as usize;
                 let (c, s) = (
-                    &self.cos[pos * half..(pos + 1) * half],
-                    &self.sin[pos * half..(pos + 1) * half],
+                    &cos[pos * half..(pos + 1) * half],
+                    &sin[pos * half..(pos + 1) * half],
                 );
                 for h in xr.chunks_mut(hd) {
                     for i in 0..half {

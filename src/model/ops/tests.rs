@@ -254,45 +254,69 @@ fn chunked_ce_matches_naive_and_finite_differences() {
 }
 
 #[test]
-fn rmsnorm_swiglu_rope_backward_finite_differences() {
+fn rmsnorm_gated_rope_backward_finite_differences() {
     let (rows, c) = (5, 24);
-    let (mut x, mut w) = (rnd(rows * c, 1), rnd(c, 2));
-    let gy = rnd(rows * c, 3);
-    let f = |x: &[f32], w: &[f32]| {
-        let (mut y, mut r) = (vec![0.0; rows * c], vec![0.0; rows]);
-        rmsnorm_fwd(&mut y, &mut r, x, w, c, 1e-5);
-        (y, r)
-    };
-    let (_, r) = f(&x, &w);
-    let (mut dx, mut dw) = (vec![0.0; rows * c], vec![0.0; c]);
-    rmsnorm_bwd(&mut dx, false, &mut dw, &gy, &x, &w, &r, c);
-    let loss = |y: &[f32]| {
-        y.iter()
-            .zip(&gy)
-            .map(|(a, b)| f64::from(*a) * f64::from(*b))
-            .sum::<f64>()
-    };
-    let w0 = w.clone();
-    fd_check("rmsnorm dx", &mut x, &dx, |x| loss(&f(x, &w0).0), 30);
-    let x0 = x.clone();
-    fd_check("rmsnorm dw", &mut w, &dw, |w| loss(&f(&x0, w).0), 20);
+    // The weights `w` and Gemma's `1 + w` (weights near 0, as it starts them).
+    for w_offset in [0.0f32, 1.0] {
+        let (mut x, mut w) = (rnd(rows * c, 1), rnd(c, 2));
+        let gy = rnd(rows * c, 3);
+        let f = |x: &[f32], w: &[f32]| {
+            let (mut y, mut r) = (vec![0.0; rows * c], vec![0.0; rows]);
+            rmsnorm_fwd(&mut y, &mut r, x, (w, w_offset), c, 1e-5);
+            (y, r)
+        };
+        let (_, r) = f(&x, &w);
+        let (mut dx, mut dw) = (vec![0.0; rows * c], vec![0.0; c]);
+        rmsnorm_bwd(&mut dx, false, &mut dw, &gy, &x, (&w, w_offset), &r, c);
+        let loss = |y: &[f32]| {
+            y.iter()
+                .zip(&gy)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+        };
+        let w0 = w.clone();
+        fd_check("rmsnorm dx", &mut x, &dx, |x| loss(&f(x, &w0).0), 30);
+        let x0 = x.clone();
+        fd_check("rmsnorm dw", &mut w, &dw, |w| loss(&f(&x0, w).0), 20);
+    }
+    // The offset is the norm's: y = (1 + w)·x̂, not w·x̂.
+    let (x, w) = (rnd(c, 7), rnd(c, 8));
+    let (mut y0, mut y1, mut r) = (vec![0.0; c], vec![0.0; c], vec![0.0; 1]);
+    rmsnorm_fwd(&mut y0, &mut r, &x, (&w, 0.0), c, 1e-5);
+    rmsnorm_fwd(&mut y1, &mut r, &x, (&w, 1.0), c, 1e-5);
+    for j in 0..c {
+        assert!((y1[j] - y0[j] - x[j] * r[0]).abs() < 1e-5, "column {j}");
+    }
 
-    let (mut g, mut u) = (rnd(60, 4), rnd(60, 5));
-    let dh = rnd(60, 6);
-    let (mut dg, mut du) = (vec![0.0; 60], vec![0.0; 60]);
-    swiglu_bwd(&mut dg, &mut du, &dh, &g, &u);
-    let sw = |g: &[f32], u: &[f32]| {
-        let mut h = vec![0.0; 60];
-        swiglu_fwd(&mut h, g, u);
-        h.iter()
-            .zip(&dh)
-            .map(|(a, b)| f64::from(*a) * f64::from(*b))
-            .sum::<f64>()
-    };
-    let u0 = u.clone();
-    fd_check("swiglu dg", &mut g, &dg, |g| sw(g, &u0), 30);
-    let g0 = g.clone();
-    fd_check("swiglu du", &mut u, &du, |u| sw(&g0, u), 30);
+    for act in [MlpActivation::Silu, MlpActivation::GeluTanh] {
+        let (mut g, mut u) = (rnd(60, 4), rnd(60, 5));
+        let dh = rnd(60, 6);
+        let (mut dg, mut du) = (vec![0.0; 60], vec![0.0; 60]);
+        gated_bwd(act, &mut dg, &mut du, &dh, &g, &u);
+        let sw = |g: &[f32], u: &[f32]| {
+            let mut h = vec![0.0; 60];
+            gated_fwd(act, &mut h, g, u);
+            h.iter()
+                .zip(&dh)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+        };
+        let u0 = u.clone();
+        fd_check(&format!("{act:?} dg"), &mut g, &dg, |g| sw(g, &u0), 30);
+        let g0 = g.clone();
+        fd_check(&format!("{act:?} du"), &mut u, &du, |u| sw(&g0, u), 30);
+    }
+    // GELU-tanh against its definition at a few points (f64), and against erf GELU's shape.
+    for x in [-3.0f32, -1.0, -0.1, 0.0, 0.5, 2.0, 4.0] {
+        let xd = f64::from(x);
+        let want = 0.5
+            * xd
+            * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh());
+        assert!(
+            (f64::from(gelu_tanh(x)) - want).abs() < 1e-6,
+            "gelu_tanh({x})"
+        );
+    }
 
     // RoPE is a rotation: backward(forward(x)) = x, and it preserves norms.
     let rope = Rope::new(8, 10000.0, 16);

@@ -23,6 +23,7 @@ const ATTN: AttnShape = AttnShape {
     q0: 0,
     q1: 70,
     window: None,
+    scale: None,
 };
 
 /// Rows `q0..q1` of every sequence of a `[B·T, width]` tensor, or (`back`) those rows written
@@ -155,6 +156,7 @@ const FLASH_LONG: AttnShape = AttnShape {
     q0: 0,
     q1: 200,
     window: None,
+    scale: None,
 };
 /// Its documents: one flat sequence; then 30, 100 and 70 tokens (queries 192.. start at key 130).
 const FLASH_LONG_DOCS: [usize; 4] = [200, 30, 100, 70];

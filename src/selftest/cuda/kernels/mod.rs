@@ -7,6 +7,7 @@ use super::super::{compare, compare_bounded, Check};
 use crate::device::cuda::launches::{Dtype, Launcher};
 use crate::device::cuda::{drv, CudaRuntime, DevPtr};
 use crate::device::launch;
+use crate::model::config::MlpActivation;
 use crate::model::ops;
 use crate::optim::adamw::{bf16_to_f32, f32_to_bf16};
 use crate::{Error, Result};
@@ -141,6 +142,11 @@ const CASES: &[Case] = &[
         run: rmsnorm_f32,
     },
     Case {
+        name: "rmsnorm (1 + w) f32",
+        tolerance: TOL_F32,
+        run: rmsnorm_one_plus_f32,
+    },
+    Case {
         name: "rmsnorm bf16",
         tolerance: TOL_BF16,
         run: rmsnorm_bf16,
@@ -149,6 +155,11 @@ const CASES: &[Case] = &[
         name: "swiglu f32",
         tolerance: TOL_F32,
         run: swiglu_f32,
+    },
+    Case {
+        name: "geglu (tanh) f32",
+        tolerance: TOL_F32,
+        run: geglu_f32,
     },
     Case {
         name: "swiglu bf16",
@@ -248,17 +259,32 @@ pub fn kernels(rt: &CudaRuntime, seed: u64) -> Result<Vec<Check>> {
 const RMS: (usize, usize, f32) = (64, 1000, 1e-5);
 
 fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    rmsnorm_f32_with(g, 0.0)
+}
+
+/// Gemma's norm: weights near 0, applied as `1 + w`.
+fn rmsnorm_one_plus_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    rmsnorm_f32_with(g, 1.0)
+}
+
+/// RMSNorm forward and backward with weights `w_offset + w` (`w` near `1 − w_offset`).
+fn rmsnorm_f32_with(g: &Gpu<'_>, w_offset: f32) -> Result<Vec<Out>> {
     let (n, c, eps) = RMS;
     let x = g.rnd(n * c, 1, 2.0);
-    let w: Vec<f32> = g.rnd(c, 2, 0.5).iter().map(|v| v + 1.0).collect();
+    let w: Vec<f32> = g
+        .rnd(c, 2, 0.5)
+        .iter()
+        .map(|v| v + 1.0 - w_offset)
+        .collect();
     let dy = g.rnd(n * c, 3, 1.0);
     let (mut y_ref, mut rstd_ref) = (vec![0.0; n * c], vec![0.0; n]);
-    ops::rmsnorm_fwd(&mut y_ref, &mut rstd_ref, &x, &w, c, eps);
+    ops::rmsnorm_fwd(&mut y_ref, &mut rstd_ref, &x, (&w, w_offset), c, eps);
     let mut dw_ref = vec![0.0; c];
     // dx accumulated onto a residual already there (the fused residual add).
     let residual = g.rnd(n * c, 4, 1.0);
     let mut dx_ref = residual.clone();
-    ops::rmsnorm_bwd(&mut dx_ref, true, &mut dw_ref, &dy, &x, &w, &rstd_ref, c);
+    let wo = (&w[..], w_offset);
+    ops::rmsnorm_bwd(&mut dx_ref, true, &mut dw_ref, &dy, &x, wo, &rstd_ref, c);
     let (xd, wd, dyd) = (g.up(&x)?, g.up(&w)?, g.up(&dy)?);
     let (yd, rd) = (g.zeros::<f32>(n * c)?, g.zeros::<f32>(n)?);
     let (dxd, dwd) = (g.up(&residual)?, g.zeros::<f32>(c)?);
@@ -271,7 +297,7 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.p(&yd),
         g.p(&rd),
         g.p(&xd),
-        g.p(&wd),
+        (g.p(&wd), w_offset),
         ni,
         ci,
         eps,
@@ -282,7 +308,7 @@ fn rmsnorm_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.p(&dxd),
         g.p(&dyd),
         g.p(&xd),
-        g.p(&wd),
+        (g.p(&wd), w_offset),
         g.p(&rd),
         ni,
         ci,
@@ -315,7 +341,7 @@ fn rmsnorm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         &mut y_ref,
         &mut rstd_ref,
         &round_bf16(&x),
-        &round_bf16(&w),
+        (&round_bf16(&w), 0.0),
         c,
         eps,
     );
@@ -328,7 +354,7 @@ fn rmsnorm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.p(&yb),
         g.p(&rd),
         g.p(&xb),
-        g.p(&wb),
+        (g.p(&wb), 0.0),
         n as i32,
         c as i32,
         eps,
@@ -339,18 +365,28 @@ fn rmsnorm_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
 const SWIGLU_N: usize = 100_003;
 
 fn swiglu_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    gated_f32(g, MlpActivation::Silu)
+}
+
+fn geglu_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
+    gated_f32(g, MlpActivation::GeluTanh)
+}
+
+/// The gated MLP's activation `act`, forward and backward.
+fn gated_f32(g: &Gpu<'_>, act: MlpActivation) -> Result<Vec<Out>> {
     let m = SWIGLU_N;
     let (gate, up, dh) = (g.rnd(m, 4, 3.0), g.rnd(m, 5, 1.0), g.rnd(m, 6, 1.0));
     let mut h_ref = vec![0.0; m];
-    ops::swiglu_fwd(&mut h_ref, &gate, &up);
+    ops::gated_fwd(act, &mut h_ref, &gate, &up);
     let (mut dg_ref, mut du_ref) = (vec![0.0; m], vec![0.0; m]);
-    ops::swiglu_bwd(&mut dg_ref, &mut du_ref, &dh, &gate, &up);
+    ops::gated_bwd(act, &mut dg_ref, &mut du_ref, &dh, &gate, &up);
     let (gd, ud, dhd) = (g.up(&gate)?, g.up(&up)?, g.up(&dh)?);
     let (hd, dgd, dud) = (g.zeros::<f32>(m)?, g.zeros::<f32>(m)?, g.zeros::<f32>(m)?);
     let l = launch::elementwise(m, g.sms());
     let k = g.k();
-    k.swiglu_fwd(Dtype::F32, l, g.p(&hd), g.p(&gd), g.p(&ud), m as i64)?;
-    k.swiglu_bwd(
+    k.gated_fwd(act, Dtype::F32, l, g.p(&hd), g.p(&gd), g.p(&ud), m as i64)?;
+    k.gated_bwd(
+        act,
         Dtype::F32,
         l,
         g.p(&dgd),
@@ -374,8 +410,9 @@ fn swiglu_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
     ops::swiglu_fwd(&mut h_ref, &round_bf16(&gate), &round_bf16(&up));
     let (gd, ud, hd) = (g.up16(&gate)?, g.up16(&up)?, g.zeros::<u16>(m)?);
     let l = launch::elementwise(m, g.sms());
+    let silu = MlpActivation::Silu;
     g.k()
-        .swiglu_fwd(Dtype::Bf16, l, g.p(&hd), g.p(&gd), g.p(&ud), m as i64)?;
+        .gated_fwd(silu, Dtype::Bf16, l, g.p(&hd), g.p(&gd), g.p(&ud), m as i64)?;
     Ok(vec![Out::new("forward", g.down16(&hd)?, h_ref)])
 }
 
@@ -504,11 +541,13 @@ fn embedding_bias_add(g: &Gpu<'_>) -> Result<Vec<Out>> {
     // The gradient already holds something (a tied head's part): each row adds onto it.
     let dw_base = g.rnd(vocab * c, 21, 1.0);
     let mut dw_ref = dw_base.clone();
+    // Gemma's embedding scale √c (1 leaves the values as they are).
+    let scale = (c as f64).sqrt() as f32;
     for (r, &t) in tokens.iter().enumerate() {
         let t = t as usize;
-        x_ref[r * c..(r + 1) * c].copy_from_slice(&wte[t * c..(t + 1) * c]);
         for j in 0..c {
-            dw_ref[t * c + j] += dy[r * c + j];
+            x_ref[r * c + j] = wte[t * c + j] * scale;
+            dw_ref[t * c + j] += dy[r * c + j] * scale;
         }
     }
     let mut y_ref = dy.clone();
@@ -526,15 +565,16 @@ fn embedding_bias_add(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.zeros::<f32>(c)?,
         g.up(&dy)?,
     );
-    let grouped = launch::group_tokens(&tokens, vocab)?;
+    let grouped = launch::group_tokens(&tokens, vocab, None)?;
     let gd = g.up(&grouped.packed)?;
     let u = grouped.groups as i32;
     let l = launch::elementwise(n * c, g.sms());
     let (ni, ci) = (n as i32, c as i32);
     let k = g.k();
-    k.embedding_fwd(Dtype::F32, l, g.p(&xd), g.p(&wd), g.p(&td), ni, ci)?;
+    k.embedding_fwd(Dtype::F32, l, g.p(&xd), g.p(&wd), g.p(&td), (ni, ci), scale)?;
     let lg = launch::elementwise(grouped.groups * c, g.sms());
-    k.embedding_bwd(Dtype::F32, lg, g.p(&dwd), g.p(&dyd), g.p(&gd), (ni, u), ci)?;
+    let (dw, dy, groups) = (g.p(&dwd), g.p(&dyd), g.p(&gd));
+    k.embedding_bwd(Dtype::F32, lg, dw, dy, groups, (ni, u), ci, scale)?;
     k.bias_fwd(Dtype::F32, l, g.p(&yd), g.p(&bd), ni, ci)?;
     k.add(Dtype::F32, l, g.p(&yd), g.p(&xd), (n * c) as i64)?;
     k.bias_bwd(
@@ -576,11 +616,13 @@ fn bf16_weights(g: &Gpu<'_>) -> Result<Vec<Out>> {
             g.up(&dy)?,
         );
         let (l, k) = (launch::per_row(n, c)?, g.k());
+        // Gemma's `1 + w` norm: the offset added to the bf16 weights as to fp32 ones.
+        let nw = (nw, 1.0);
         k.rmsnorm_fwd(dt, l, g.p(&yd), g.p(&rd), g.p(&xd), nw, ni, ci, eps)?;
         let (dx, r) = (g.p(&dxd), g.p(&rd));
         k.rmsnorm_bwd(dt, l, dx, g.p(&dyd), g.p(&xd), nw, r, ni, ci, false)?;
         let l = launch::elementwise(n * c, g.sms());
-        k.embedding_fwd(dt, l, g.p(&ed), ew, g.p(&td), ni, ci)?;
+        k.embedding_fwd(dt, l, g.p(&ed), ew, g.p(&td), (ni, ci), 1.0)?;
         k.bias_fwd(dt, l, g.p(&bd), bw, ni, ci)?;
         Ok([g.down(&yd)?, g.down(&dxd)?, g.down(&ed)?, g.down(&bd)?])
     };
@@ -623,35 +665,41 @@ fn bf16_stored_activations(g: &Gpu<'_>) -> Result<Vec<Out>> {
     );
     let (cast16, l) = (g.zeros::<u16>(len)?, launch::per_row(n, c)?);
     let k = g.k();
-    let (xp, wp, rp) = (g.p(&xd), g.p(&wd), g.p(&rd));
+    let (xp, wp, rp) = (g.p(&xd), (g.p(&wd), 0.0), g.p(&rd));
     k.rmsnorm_fwd(Dtype::F32W16O16, l, g.p(&y16), rp, xp, wp, ni, ci, eps)?;
     k.rmsnorm_fwd(Dtype::F32W16, l, g.p(&y32), rp, xp, wp, ni, ci, eps)?;
     let e = launch::elementwise(len, g.sms());
     k.cast_f32_bf16(e, g.p(&cast16), g.p(&y32), len as i64)?;
     let norm_cast = g.down16(&cast16)?;
     let (gp, up_p) = (g.p(&gd), g.p(&ud));
-    k.swiglu_fwd(Dtype::F32O16, e, g.p(&h16), gp, up_p, len as i64)?;
-    k.swiglu_fwd(Dtype::F32, e, g.p(&h32), gp, up_p, len as i64)?;
-    k.cast_f32_bf16(e, g.p(&cast16), g.p(&h32), len as i64)?;
-    let swiglu_cast = g.down16(&cast16)?;
+    let mut out = vec![Out::new("RMSNorm output", g.down16(&y16)?, norm_cast)];
     // The backward's d gate and d up, from the output's gradient.
     let dh = g.up(&g.rnd(len, 44, 1.0))?;
     let (dg16, du16) = (g.zeros::<u16>(len)?, g.zeros::<u16>(len)?);
     let (dg32, du32) = (g.zeros::<f32>(len)?, g.zeros::<f32>(len)?);
     let (dhp, n64) = (g.p(&dh), len as i64);
-    k.swiglu_bwd(Dtype::F32O16, e, g.p(&dg16), g.p(&du16), dhp, gp, up_p, n64)?;
-    k.swiglu_bwd(Dtype::F32, e, g.p(&dg32), g.p(&du32), dhp, gp, up_p, n64)?;
     let cast = |x: &CudaSlice<f32>| -> Result<Vec<f32>> {
         k.cast_f32_bf16(e, g.p(&cast16), g.p(x), n64)?;
         g.down16(&cast16)
     };
-    let (dg_cast, du_cast) = (cast(&dg32)?, cast(&du32)?);
-    let mut out = vec![
-        Out::new("RMSNorm output", g.down16(&y16)?, norm_cast),
-        Out::new("SwiGLU output", g.down16(&h16)?, swiglu_cast),
-        Out::new("SwiGLU d gate", g.down16(&dg16)?, dg_cast),
-        Out::new("SwiGLU d up", g.down16(&du16)?, du_cast),
-    ];
+    for (act, name) in [
+        (MlpActivation::Silu, "SwiGLU"),
+        (MlpActivation::GeluTanh, "GeGLU"),
+    ] {
+        k.gated_fwd(act, Dtype::F32O16, e, g.p(&h16), gp, up_p, n64)?;
+        k.gated_fwd(act, Dtype::F32, e, g.p(&h32), gp, up_p, n64)?;
+        let h_cast = cast(&h32)?;
+        let (dg, du) = (g.p(&dg16), g.p(&du16));
+        k.gated_bwd(act, Dtype::F32O16, e, dg, du, dhp, gp, up_p, n64)?;
+        let (dg, du) = (g.p(&dg32), g.p(&du32));
+        k.gated_bwd(act, Dtype::F32, e, dg, du, dhp, gp, up_p, n64)?;
+        let (dg_cast, du_cast) = (cast(&dg32)?, cast(&du32)?);
+        out.extend([
+            Out::new(&format!("{name} output"), g.down16(&h16)?, h_cast),
+            Out::new(&format!("{name} d gate"), g.down16(&dg16)?, dg_cast),
+            Out::new(&format!("{name} d up"), g.down16(&du16)?, du_cast),
+        ]);
+    }
     // RoPE storing Q (or K) from its fp32 projection: `len` = 50 rows of 3 heads of 32.
     let (heads, hd) = (3usize, 32usize);
     let rope = ops::Rope::new(hd, 10_000.0, n);
