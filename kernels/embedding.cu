@@ -18,7 +18,8 @@ FOR_WEIGHT_DTYPES(EMBEDDING_FWD)
 #define EMBEDDING_BWD(name, T)                                                                   \
     /* dwte[t, :] += Σ dout[r, :]·scale over the rows r of token t, added in row order: the rows come \
        grouped by token (`launch::group_tokens`: order ‖ starts ‖ tokens), one thread per        \
-       (token, column), no atomics — the CPU's bits on every run. */                            \
+       (token, column), no atomics — the CPU's bits on every run (the product rounded before    \
+       the sum, `__fmul_rn`, as the CPU does: never fused into an FMA). */                      \
     extern "C" __global__ void embedding_bwd_##name(float* __restrict__ dwte,    /* [V, C] */  \
                                                     const T* __restrict__ dout,  /* [N, C] */  \
                                                     const unsigned* __restrict__ groups,       \
@@ -31,7 +32,7 @@ FOR_WEIGHT_DTYPES(EMBEDDING_FWD)
             float* dst = &dwte[(long long)tokens[g] * c + col];                                \
             float acc = *dst;                                                                  \
             for (unsigned j = starts[g]; j < starts[g + 1]; ++j)                               \
-                acc += ld(dout[(long long)order[j] * c + col]) * scale;                        \
+                acc += __fmul_rn(ld(dout[(long long)order[j] * c + col]), scale);              \
             *dst = acc;                                                                        \
         }                                                                                      \
     }
