@@ -48,7 +48,7 @@ const MEMORY_SHARE: f64 = 0.9;
 /// Approximate GPU memory bytes the elementwise kernels move per token through one block's
 /// forward (activations fp32): three RMSNorms (the first runs for the K/V pass and again for the
 /// queries; read and write C each), two residual adds (two reads and a write), RoPE on Q and K,
-/// SwiGLU (read 2F, write F). Under bf16: RoPE writes Q and K in bf16 (2 bytes less per
+/// SwiGLU or GeGLU (read 2F, write F), and under sandwich norms two more norms. Under bf16: RoPE writes Q and K in bf16 (2 bytes less per
 /// element), V is stored by a cast (read 4, write 2 bytes per element) and the attention output
 /// cast for its GEMM (the same); less 2 bytes per element of the GEMM inputs written in bf16 instead of fp32 (the first
 /// norm's output twice, the second's once, the SwiGLU output); the weights need no cast (the
@@ -60,7 +60,9 @@ pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
         model.kv_dim() as f64,
     );
     let q = model.q_dim() as f64;
-    let fp32 = 4.0 * (6.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f);
+    // Sandwich norms (Gemma): two more norms of C, each reading and writing a row.
+    let sandwich = if model.sandwich_norms { 4.0 * c } else { 0.0 };
+    let fp32 = 4.0 * (6.0 * c + 6.0 * c + 2.0 * (q + kv) + 3.0 * f + sandwich);
     let recipe = if bf16 {
         -2.0 * (q + kv) + 6.0 * kv + 6.0 * q - 2.0 * (3.0 * c + f)
     } else {
@@ -214,11 +216,17 @@ impl KernelParts {
         let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;
         let attn = 4.0 * mean_keys_per_query(model, req.seq_len) * model.q_dim() as f64 * tk;
         let head = (model.vocab_size * model.hidden_size) as f64;
+        // Under sandwich norms the MLP's backward recomputes its down projection (for the
+        // norm after it).
+        let down = match model.sandwich_norms {
+            true => (model.intermediate_size * model.hidden_size) as f64,
+            false => 0.0,
+        };
         KernelParts {
             block_fwd: [2.0 * block * tk / gemm, attn / attn_fwd, elementwise],
             // The recompute (a forward) and the backward.
             block_bwd: [
-                6.0 * block * tk / gemm,
+                (6.0 * block + 2.0 * down) * tk / gemm,
                 attn / attn_fwd + ATTENTION_BWD_PER_FWD * attn / attn_bwd,
                 3.0 * elementwise,
             ],

@@ -167,6 +167,14 @@ fn qwen3(h: usize, i: usize, l: usize, nh: usize, nkv: usize, tied: bool) -> Mod
     }
 }
 
+/// gemma-3-27b's text model as its published `config.json` describes it (the other keys are
+/// transformers' `Gemma3TextConfig` defaults: vocabulary 262208, θ 10⁶ global / 10⁴ local, every
+/// sixth layer global, tied, padding index 0).
+const GEMMA3_27B_TEXT: &str = r#"{"architectures": ["Gemma3ForCausalLM"], "head_dim": 128,
+    "hidden_size": 5376, "intermediate_size": 21504, "num_attention_heads": 32,
+    "num_hidden_layers": 62, "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}"#;
+
 /// A model preset by name (configurations as published on the Hugging Face Hub).
 pub fn model(name: &str) -> Option<ModelConfig> {
     use Architecture::{Llama, Mistral, Qwen2};
@@ -194,6 +202,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "mistral-large-2" => llama_like(Mistral, 32768, 12288, 28672, 88, 96, 8, false, 1000000.0),
         "qwen3-8b" => qwen3(4096, 12288, 36, 32, 8, false),
         "qwen3-32b" => qwen3(5120, 25600, 64, 64, 8, false),
+        "gemma-3-27b" => ModelConfig::from_json_str(GEMMA3_27B_TEXT, "gemma-3-27b").ok()?,
         // Our own 120B configuration (MegaTrain reports a 120B model without publishing its
         // config): Llama-3 style, d = 12288, 74 layers.
         "llama-120b" => llama_like(Llama, 128256, 12288, 33792, 74, 96, 8, false, 500000.0),
@@ -202,7 +211,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 15] = [
+pub const MODELS: [&str; 16] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
@@ -216,6 +225,7 @@ pub const MODELS: [&str; 15] = [
     "qwen2.5-72b",
     "qwen3-8b",
     "qwen3-32b",
+    "gemma-3-27b",
     "mistral-large-2",
     "llama-120b",
 ];
@@ -252,6 +262,9 @@ mod tests {
             model("mistral-large-2").unwrap().num_params(),
             122_610_069_504
         );
+        // Gemma 3 27B: published as 27.4B with its 0.4B SigLIP vision tower; the text model
+        // megatrain trains counts this many.
+        assert_eq!(model("gemma-3-27b").unwrap().num_params(), 27_009_346_304);
         let n = model("llama-120b").unwrap().num_params() as f64;
         assert!((n / 1e9 - 120.0).abs() < 2.0, "{n}");
         for m in MACHINES {
