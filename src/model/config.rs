@@ -542,8 +542,12 @@ impl ModelConfig {
         for (key, value) in [
             ("hidden_activation", Value::from("gelu_pytorch_tanh")),
             (
+                // transformers' strict config wants an integer where the value is one.
                 "query_pre_attn_scalar",
-                Value::from(self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64)),
+                match self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64) {
+                    s if s.fract() == 0.0 && s.abs() < 1e15 => Value::from(s as i64),
+                    s => Value::from(s),
+                },
             ),
             (
                 "sliding_window",
