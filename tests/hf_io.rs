@@ -240,7 +240,11 @@ fn gemma3_checkpoint_round_trips_and_its_multimodal_form_loads_the_text_model() 
     safetensors::serialize_to_file(views, None, &mm.join(hf::SINGLE)).unwrap();
     let text_model = store_for(&mm);
     let report = hf::load_into_store(&mm, &text_model).unwrap();
-    assert_eq!(params(&text_model), want, "the multimodal checkpoint's text model");
+    assert_eq!(
+        params(&text_model),
+        want,
+        "the multimodal checkpoint's text model"
+    );
     assert!(
         report.skipped.iter().any(|n| n.contains("vision_tower")),
         "{:?}",

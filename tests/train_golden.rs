@@ -422,6 +422,12 @@ fn bf16_gradients_on_the_link() {
 fn bf16_qwen3_qk_norm() {
     check("bf16_qwen3");
 }
+/// Gemma 3 under the bf16 recipe: its `1 + w` and sandwich norms in fp32 on the projections'
+/// fp32 outputs, the scaled embedding of the weights' high plane.
+#[test]
+fn bf16_gemma3_text() {
+    check("bf16_gemma3");
+}
 
 /// The same cases on the CUDA device.
 #[cfg(feature = "cuda")]
@@ -486,6 +492,10 @@ mod cuda {
     #[test]
     fn bf16_qwen3_qk_norm() {
         check_on("bf16_qwen3", On::Cuda { delays: false });
+    }
+    #[test]
+    fn bf16_gemma3_text() {
+        check_on("bf16_gemma3", On::Cuda { delays: false });
     }
     #[test]
     fn bf16_tied() {

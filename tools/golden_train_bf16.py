@@ -13,7 +13,10 @@ megatrain's bf16 recipe (docs/precision.md) over an fp32 master:
     and every other op (norms, SwiGLU, residual adds, cross-entropy) are fp32;
   - Qwen3's QK-norm is fp32 between the projection's fp32 output and RoPE (its weights used as
     their high plane, as every norm's), so Q and K are rounded once, after RoPE: the backward runs
-    RoPE⁻¹ and the norm's backward in fp32 and rounds dq/dk to bf16 only for the projection's GEMMs.
+    RoPE⁻¹ and the norm's backward in fp32 and rounds dq/dk to bf16 only for the projection's GEMMs;
+  - Gemma 3: its norms ((1 + w)·x̂, w's high plane) fp32, the sandwich norms on the projections'
+    fp32 outputs, GELU-tanh fp32, the embedding's high plane times √hidden (fp32), the padding
+    index's row without lookup gradient.
 
 Data, loss and optimizer semantics are tools/golden_train.py's. A case with grad_link "bf16"
 (`--grad-link bf16`) rounds each micro-batch's gradients to bf16 (nearest even, as the device
@@ -30,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.models.llama import modeling_llama
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.qwen3 import modeling_qwen3
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +49,9 @@ CASES = {
     # tools/golden_train.py's "qwen3" (QK-norm, head_dim 12) under the bf16 recipe.
     "bf16_qwen3": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
                        model_type="qwen3", head_dim=12),
+    # tools/golden_train.py's "gemma3" under the bf16 recipe, over rows of 24 tokens at lr 1e-3
+    # (rows of 20 at 3e-3 put a value near a bf16 tie: docs/precision.md).
+    "bf16_gemma3": dict(golden_train.CASES["gemma3"], T=24, lr=1e-3),
 }
 
 
@@ -125,13 +132,20 @@ def linear_forward(self, x):
 
 
 def embedding_forward(self, ids):
-    return F.embedding(ids, Param.apply(self.weight))
+    return F.embedding(ids, Param.apply(self.weight), padding_idx=self.padding_idx)
 
 
 def rmsnorm_forward(self, h):
     h = h.to(torch.float32)
     var = h.pow(2).mean(-1, keepdim=True)
     return Param.apply(self.weight) * (h * torch.rsqrt(var + self.variance_epsilon))
+
+
+def gemma_rmsnorm_forward(self, h):
+    """Gemma's norm: (1 + w)·x̂ in fp32, w as its high plane."""
+    h = h.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    return (h * torch.rsqrt(var + self.eps)) * (1.0 + Param.apply(self.weight))
 
 
 def bf16_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -143,10 +157,18 @@ def bf16_attention(module, query, key, value, attention_mask, scaling, dropout=0
     w = torch.matmul(q, k.transpose(2, 3)) * scaling
     # A registered attention gets no mask for plain causal attention (it is implied, as for
     # SDPA's is_causal): apply it here; a given mask is additive.
+    # A sliding window comes the same way, as the `sliding_window` argument (query i sees keys
+    # i − window < j ≤ i).
     if attention_mask is None:
         tq, tk = w.shape[-2], w.shape[-1]
         attention_mask = torch.full((tq, tk), float("-inf")).triu(1 + tk - tq)
-    w = w + attention_mask
+        window = kwargs.get("sliding_window")
+        if window is not None:
+            attention_mask = attention_mask + torch.full((tq, tk), float("-inf")).tril(tk - tq - window)
+    if attention_mask.dtype == torch.bool:  # SDPA's form (a sliding window): True attends
+        w = w.masked_fill(~attention_mask, float("-inf"))
+    else:
+        w = w + attention_mask
     w = F.softmax(w, dim=-1, dtype=torch.float32)
     out = torch.matmul(w, v).transpose(1, 2).contiguous()
     return GradStored.apply(out), w
@@ -159,6 +181,8 @@ def install_recipe():
     # Qwen3's own norm class: the blocks' and final norms, and q_norm/k_norm (which Qwen3Attention
     # applies to the fp32 projection output before RoPE; Q and K reach `bf16_attention` in fp32).
     modeling_qwen3.Qwen3RMSNorm.forward = rmsnorm_forward
+    # Gemma 3's norms (blocks, sandwich, q_norm/k_norm, final) apply 1 + w.
+    modeling_gemma3.Gemma3RMSNorm.forward = gemma_rmsnorm_forward
     AttentionInterface.register("megatrain_bf16", bf16_attention)
 
 
