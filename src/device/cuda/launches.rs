@@ -630,6 +630,8 @@ pub const WRAPPED: &[&str] = &[
     "rope_bwd",
     "swiglu_fwd",
     "swiglu_bwd",
+    "geglu_fwd",
+    "geglu_bwd",
     "attention_fwd",
     "attention_bwd",
     "attention_bwd_kv",
