@@ -123,8 +123,22 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : x > 1.0f ? 1.0f : x; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fsqrt_rn(float x) { return sqrtf(x); }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
+// CUDA never contracts __fadd_rn/__fmul_rn into a fused multiply-add; the host build contracts
+// with -ffp-contract=fast (following --fmad), so the rounded value is pinned by an empty asm the
+// compiler cannot see through.
+inline float cuemu_pin(float r) {
+#if defined(__x86_64__)
+    asm("" : "+x"(r));
+#elif defined(__aarch64__)
+    asm("" : "+w"(r));
+#else
+    volatile float v = r;
+    r = v;
+#endif
+    return r;
+}
+inline float __fadd_rn(float a, float b) { return cuemu_pin(a + b); }
+inline float __fmul_rn(float a, float b) { return cuemu_pin(a * b); }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
