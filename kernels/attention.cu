@@ -5,7 +5,7 @@
 // Documents: pos [B, T] (u32) is each token's position in its document, so query i attends to keys
 // first_key(i) = i − pos[i] … i: documents packed into one row never see each other (varlen
 // attention, as FlashAttention's cu_seqlens). First keys never decrease along a row, which bounds
-// the tiles a block visits.
+// the tiles a block visits. Scores may be soft-capped (`softcap` > 0: Gemma 2).
 //
 // Queries: rows q0 … q1−1 of every sequence (a token chunk; 0 … T−1 for the whole sequence).
 // Layouts: q, out, dout, dq [B, q1−q0, NH, hd] (the chunk's rows only); k, v, dk, dv
@@ -68,7 +68,8 @@ template <typename I, typename O>
 __device__ void attention_fwd(O* __restrict__ out, float* __restrict__ lse,
                               const I* __restrict__ q, const I* __restrict__ k,
                               const I* __restrict__ v, const unsigned* __restrict__ pos, int t, int window,
-                              int q0, int q1, int nh, int nkv, int hd, int tile, float scale) {
+                              int q0, int q1, int nh, int nkv, int hd, int tile, float scale,
+                              float softcap) {
     extern __shared__ float smem[];
     float* ks = smem;              // [tile, hd]
     float* vs = smem + tile * hd;  // [tile, hd]
@@ -99,7 +100,8 @@ __device__ void attention_fwd(O* __restrict__ out, float* __restrict__ lse,
         if (!live) continue;
         const int jn = min(tile, i - j0 + 1);
         for (int jj = max(0, lo - j0); jj < jn; jj++) {
-            const float s = dot_shared(qr, ks + jj * hd, hd);
+            float dcap;
+            const float s = softcapped(dot_shared(qr, ks + jj * hd, hd), softcap, &dcap);
             const float mn = fmaxf(m, s);
             const float corr = __expf(m - mn), p = __expf(s - mn);
             l = l * corr + p;
@@ -130,7 +132,7 @@ __device__ void attention_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
                                  const I* __restrict__ q, const I* __restrict__ k,
                                  const I* __restrict__ v, const float* __restrict__ lse,
                                  const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
-                                 int nkv, int hd, int tile, float scale) {
+                                 int nkv, int hd, int tile, float scale, float softcap) {
     extern __shared__ float smem[];
     float* ks = smem;
     float* vs = smem + tile * hd;
@@ -172,8 +174,10 @@ __device__ void attention_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
         if (!live) continue;
         const int jn = min(tile, i - j0 + 1);
         for (int jj = max(0, lo - j0); jj < jn; jj++) {
-            const float p = __expf(dot_shared(qr, ks + jj * hd, hd) - li);
-            const float ds = p * (dot_shared(dor, vs + jj * hd, hd) - di);
+            float dcap;
+            const float sc = softcapped(dot_shared(qr, ks + jj * hd, hd), softcap, &dcap);
+            const float p = __expf(sc - li);
+            const float ds = p * (dot_shared(dor, vs + jj * hd, hd) - di) * dcap;
 #pragma unroll
             for (int x = 0; x < MAX_PER_LANE; x++) {
                 const int d = lane + x * WARP;
@@ -199,7 +203,7 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
                                  const I* __restrict__ k, const I* __restrict__ v,
                                  const float* __restrict__ lse, const float* __restrict__ delta,
                                  const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
-                                 int nkv, int hd, int tile, float scale) {
+                                 int nkv, int hd, int tile, float scale, float softcap) {
     extern __shared__ float smem[];
     float* qs = smem;                       // [tile, hd]
     float* ds_ = smem + tile * hd;          // [tile, hd] (dout rows)
@@ -241,9 +245,11 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
             __syncthreads();
             if (!live) continue;
             for (int ii = max(0, j - i0); ii < tile && i0 + ii < q1 && los[ii] <= j; ii++) {
-                const float p = __expf(dot_shared(kr, qs + ii * hd, hd) - ls[ii]);
+                float dcap;
+                const float sc = softcapped(dot_shared(kr, qs + ii * hd, hd), softcap, &dcap);
+                const float p = __expf(sc - ls[ii]);
                 const float dp = dot_shared(vr, ds_ + ii * hd, hd);
-                const float dsc = p * (dp - dls[ii]);
+                const float dsc = p * (dp - dls[ii]) * dcap;
 #pragma unroll
                 for (int x = 0; x < MAX_PER_LANE; x++) {
                     const int d = lane + x * WARP;
@@ -271,25 +277,27 @@ __device__ void attention_bwd_kv(O* __restrict__ dk, O* __restrict__ dv,
     extern "C" __global__ void attention_fwd_##name(O* out, float* lse, const I* q, const I* k,  \
                                                     const I* v, const unsigned* pos, int t, int window,     \
                                                     int q0, int q1, int nh, int nkv, int hd,    \
-                                                    int tile, float scale) {                    \
-        attention_fwd<I, O>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, hd, tile, scale);       \
+                                                    int tile, float scale, float softcap) {     \
+        attention_fwd<I, O>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, hd, tile, scale,        \
+                            softcap);                                                           \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_##name(O* dq, float* delta, const I* dout,          \
                                                     const O* out, const I* q, const I* k,       \
                                                     const I* v, const float* lse,               \
                                                     const unsigned* pos, int t, int window, int q0, int q1, \
                                                     int nh, int nkv, int hd, int tile,          \
-                                                    float scale) {                              \
+                                                    float scale, float softcap) {               \
         attention_bwd_dq<I, O>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1, nh, nkv, hd, \
-                               tile, scale);                                                    \
+                               tile, scale, softcap);                                           \
     }                                                                                           \
     extern "C" __global__ void attention_bwd_kv_##name(O* dk, O* dv, const I* dout, const I* q,  \
                                                        const I* k, const I* v, const float* lse, \
                                                        const float* delta, const unsigned* pos,  \
                                                        int t, int window, int q0, int q1, int nh, int nkv,   \
-                                                       int hd, int tile, float scale) {          \
+                                                       int hd, int tile, float scale,            \
+                                                       float softcap) {                          \
         attention_bwd_kv<I, O>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1, nh, nkv, hd,  \
-                               tile, scale);                                                    \
+                               tile, scale, softcap);                                           \
     }
 
 // fp32 throughout; bf16 throughout; bf16 inputs (Q, K, V, dO: the bf16 recipe stores them in

@@ -114,3 +114,16 @@ __device__ __forceinline__ void column_sum(float* __restrict__ dst, int n, int c
         dst[col] += s;
     }
 }
+
+// Attention logit soft-capping (Gemma 2's attn_logit_softcapping; softcap > 0, 0: none): a scaled
+// score s becomes softcap·tanh(s / softcap) (transformers' order: divide, tanh, multiply); its
+// derivative 1 − tanh² goes to *dcap (1 without a cap).
+__device__ __forceinline__ float softcapped(float s, float softcap, float* dcap) {
+    if (softcap > 0.0f) {
+        const float th = tanhf(s / softcap);
+        *dcap = 1.0f - th * th;
+        return th * softcap;
+    }
+    *dcap = 1.0f;
+    return s;
+}

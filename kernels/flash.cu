@@ -258,7 +258,7 @@ template <typename I, typename O, int HD>
 __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I* __restrict__ q,
                           const I* __restrict__ k, const I* __restrict__ v,
                           const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh, int nkv,
-                          float scale) {
+                          float scale, float softcap) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [FWD_KEYS, HD] bf16
@@ -304,7 +304,8 @@ __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I*
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int j = j0 + nt * 8 + 2 * tig + (e & 1);
-                s[nt][e] = rows[e >> 1].sees(j) ? s[nt][e] * scale : NEG_INF;
+                float dcap;
+                s[nt][e] = rows[e >> 1].sees(j) ? softcapped(s[nt][e] * scale, softcap, &dcap) : NEG_INF;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
             }
         float base[2];
@@ -348,7 +349,7 @@ __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
                              const I* __restrict__ q, const I* __restrict__ k,
                              const I* __restrict__ v, const float* __restrict__ lse,
                              const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
-                             int nkv, float scale) {
+                             int nkv, float scale, float softcap) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [DQ_KEYS, HD] bf16
@@ -408,8 +409,10 @@ __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-                const float p = rows[r].sees(j) ? __expf(s[nt][e] * scale - li[r]) : 0.0f;
-                s[nt][e] = p * (dp[nt][e] - di[r]);
+                float dcap;
+                const float sc = softcapped(s[nt][e] * scale, softcap, &dcap);
+                const float p = rows[r].sees(j) ? __expf(sc - li[r]) : 0.0f;
+                s[nt][e] = p * (dp[nt][e] - di[r]) * dcap;
             }
         // dQ += dS·K.
         add_split_times_tile<HD, DQ_KEYS>(acc, s, ks);
@@ -426,7 +429,8 @@ __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __
                              const I* __restrict__ q, const I* __restrict__ k,
                              const I* __restrict__ v, const float* __restrict__ lse,
                              const float* __restrict__ delta, const unsigned* __restrict__ pos,
-                             int t, int window, int q0, int q1, int nh, int nkv, float scale) {
+                             int t, int window, int q0, int q1, int nh, int nkv, float scale,
+                             float softcap) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* kb = reinterpret_cast<unsigned*>(smem);  // [FLASH_ROWS, HD] the block's keys
@@ -499,9 +503,11 @@ __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __
                 for (int e = 0; e < 4; e++) {
                     const int j = keys[e >> 1], ii = nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
                     const bool sees = j < q1 && i < q1 && los[ii] <= j && j <= i;
-                    const float p = sees ? __expf(s[nt][e] * scale - ls[ii]) : 0.0f;
+                    float dcap;
+                    const float sc = softcapped(s[nt][e] * scale, softcap, &dcap);
+                    const float p = sees ? __expf(sc - ls[ii]) : 0.0f;
                     s[nt][e] = p;
-                    dp[nt][e] = p * (dp[nt][e] - dls[ii]);
+                    dp[nt][e] = p * (dp[nt][e] - dls[ii]) * dcap;
                 }
             // dV += Pᵀ·dO and dK += dSᵀ·Q.
             add_split_times_tile<HD, KV_QUERIES>(dva, s, ds_);
@@ -526,22 +532,23 @@ static_assert(FWD_KEYS % 16 == 0 && DQ_KEYS % 16 == 0 && KV_QUERIES % 16 == 0,
     extern "C" __global__ void flash##HD##_fwd_##name(O* out, float* lse, const I* q,            \
                                                       const I* k, const I* v,                   \
                                                       const unsigned* pos, int t, int window, int q0,       \
-                                                      int q1, int nh, int nkv, float scale) {   \
-        flash_fwd<I, O, HD>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, scale);                  \
+                                                      int q1, int nh, int nkv, float scale,     \
+                                                      float softcap) {                          \
+        flash_fwd<I, O, HD>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, scale, softcap);         \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_##name(                                           \
         O* dq, float* delta, const I* dout, const O* out, const I* q, const I* k, const I* v,   \
         const float* lse, const unsigned* pos, int t, int window, int q0, int q1, int nh, int nkv,          \
-        float scale) {                                                                           \
+        float scale, float softcap) {                                                            \
         flash_bwd_dq<I, O, HD>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1, nh, nkv,      \
-                               scale);                                                           \
+                               scale, softcap);                                                  \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_kv_##name(                                        \
         O* dk, O* dv, const I* dout, const I* q, const I* k, const I* v, const float* lse,      \
         const float* delta, const unsigned* pos, int t, int window, int q0, int q1, int nh, int nkv,        \
-        float scale) {                                                                           \
+        float scale, float softcap) {                                                            \
         flash_bwd_kv<I, O, HD>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1, nh, nkv,       \
-                               scale);                                                           \
+                               scale, softcap);                                                  \
     }
 
 FLASH(32, f32i16, bf16, float)

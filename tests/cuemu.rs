@@ -837,9 +837,9 @@ mod scenarios {
             shape.hd as i32,
         );
         let (mut tile, mut scale) = (l.tile as i32, 1.0f32 / (shape.hd as f32).sqrt());
-        // No sliding window.
-        let mut window = 0i32;
-        let mut args: [*mut c_void; 15] = [
+        // No sliding window, no soft cap.
+        let (mut window, mut softcap) = (0i32, 0.0f32);
+        let mut args: [*mut c_void; 16] = [
             (&mut out as *mut u64).cast(),
             (&mut lse as *mut u64).cast(),
             (&mut q as *mut u64).cast(),
@@ -855,6 +855,7 @@ mod scenarios {
             (&mut hd as *mut i32).cast(),
             (&mut tile as *mut i32).cast(),
             (&mut scale as *mut f32).cast(),
+            (&mut softcap as *mut f32).cast(),
         ];
         launch(f, l.rows.grid, l.rows.block, l.rows.smem, s, &mut args)?;
         let mut o = vec![0f32; q_len];

@@ -347,6 +347,44 @@ fn gemma3_golden_fails_without_each_feature() {
     }
 }
 
+/// Gemma 2: Gemma 3's block without QK-norm, one RoPE, attention scores and logits soft-capped
+/// (at 0.2 and 0.5: these scores and logits bend there); the golden fails with either cap off.
+#[test]
+fn gemma2_soft_capping() {
+    check_case("gemma2");
+    let c = load("gemma2");
+    let base = c.layout.config.clone();
+    for (what, cfg) in [
+        (
+            "attention soft cap",
+            ModelConfig {
+                attn_logit_softcapping: None,
+                ..base.clone()
+            },
+        ),
+        (
+            "logit soft cap",
+            ModelConfig {
+                final_logit_softcapping: None,
+                ..base.clone()
+            },
+        ),
+    ] {
+        let layout = StateLayout::new(&cfg, Mode::Exact);
+        let changed = Case {
+            g: Golden::open("model_gemma2.safetensors"),
+            layout,
+            b: c.b,
+            t: c.t,
+        };
+        let err = worst_error(&changed);
+        assert!(
+            err > 100.0 * TOL,
+            "{what} switched off still matches ({err:e})"
+        );
+    }
+}
+
 /// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding
 /// (tools/golden_rope.py): the angle is one fp32 product as there, so the tables agree to the
 /// last bits of cos/sin (two libraries' fp32 cos/sin of the same argument).

@@ -392,6 +392,11 @@ fn qwen3_qk_norm() {
 fn gemma3_text() {
     check("gemma3");
 }
+/// Gemma 2: soft-capped attention scores and logits.
+#[test]
+fn gemma2_soft_capping() {
+    check("gemma2");
+}
 /// `--precision bf16` on the CPU device against torch running the same recipe
 /// (tools/golden_train_bf16.py).
 #[test]
@@ -458,6 +463,10 @@ mod cuda {
     #[test]
     fn gemma3_text_with_random_stream_delays() {
         check_on("gemma3", On::Cuda { delays: true });
+    }
+    #[test]
+    fn gemma2_soft_capping() {
+        check_on("gemma2", On::Cuda { delays: false });
     }
     #[test]
     fn mistral_sliding_window_with_random_stream_delays() {

@@ -19,7 +19,8 @@ RMSNorm of q and k before RoPE, "QK-norm", with q_norm/k_norm weights 1 + 0.5·r
 12 ≠ hidden/heads), and sliding-window attention (Mistral on every layer, window 7 over 40
 tokens; Qwen2 on layer 1 only, max_window_layers 1, window 5 over 50 tokens), and Gemma 3 text
 (`1 + w` norms around 0, sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar,
-local and global layers with their own RoPE, padding index). Run:
+local and global layers with their own RoPE, padding index), Gemma 2 (soft-capped attention
+scores and logits). Run:
   python3 tools/golden_model.py [CASE ...]      (every case, or only those named)
 """
 import json
@@ -78,6 +79,13 @@ CASES = {
                     rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
                                      "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=10000.0)},
                     hidden_activation="gelu_pytorch_tanh"), 2, 40),
+    # Gemma 2: Gemma 3's block without QK-norm and with one RoPE, attention scores and logits
+    # soft-capped — at 0.2 and 0.5, where these small scores and logits bend (the released 50 and
+    # 30 would barely touch them).
+    "gemma2": (dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    tie_word_embeddings=True, query_pre_attn_scalar=20, sliding_window=7,
+                    layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.2,
+                    final_logit_softcapping=0.5, hidden_activation="gelu_pytorch_tanh"), 2, 40),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

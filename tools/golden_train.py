@@ -63,6 +63,13 @@ CASES = {
                                                 "full_attention": dict(rope_type="linear", factor=2.0,
                                                                        rope_theta=10000.0)},
                                hidden_activation="gelu_pytorch_tanh")),
+    # Gemma 2 (see tools/golden_model.py): soft caps at 0.2 (scores) and 0.5 (logits).
+    "gemma2": dict(heads=4, kv=2, tied=True, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                   model_type="gemma2", head_dim=12,
+                   config=dict(query_pre_attn_scalar=20, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention"],
+                               attn_logit_softcapping=0.2, final_logit_softcapping=0.5,
+                               hidden_activation="gelu_pytorch_tanh")),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

@@ -116,6 +116,8 @@ fn model() -> ModelConfig {
         query_pre_attn_scalar: None,
         local_rope: None,
         pad_token_id: None,
+        attn_logit_softcapping: None,
+        final_logit_softcapping: None,
     }
 }
 

@@ -583,7 +583,7 @@ impl Backend for HostBackend<'_> {
         targets: HostIds,
         rows: usize,
         vocab: usize,
-        scale: f32,
+        (scale, softcap): (f32, Option<f32>),
     ) -> Result<()> {
         let tg = self.ids(targets, rows, "cross_entropy")?;
         if let Some(bad) = tg
@@ -600,7 +600,7 @@ impl Backend for HostBackend<'_> {
             [(logits, rows * vocab), (losses, rows)],
             [],
         )?;
-        ops::cross_entropy(z, l, tg, vocab, scale);
+        ops::cross_entropy(z, l, tg, vocab, scale, softcap);
         Ok(())
     }
 

@@ -63,24 +63,24 @@ const fn sig(name: &'static str, params: &'static [Param]) -> Signature {
     Signature { name, params }
 }
 
-/// `attention_fwd_*`: out, lse, q, k, v, pos; t, window, q0, q1, nh, nkv, hd, tile; scale.
+/// `attention_fwd_*`: out, lse, q, k, v, pos; t, window, q0, q1, nh, nkv, hd, tile; scale,
+/// softcap.
 const ATTN_FWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32, F32,
 ];
 const ATTN_BWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32, F32,
 ];
 /// `flash{HD}_fwd`: [`ATTN_FWD`] without the tile (the tensor-core kernels' tiles are fixed).
 const FLASH_FWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32, F32,
 ];
 /// `flash{HD}_bwd` and `flash{HD}_bwd_kv`: [`ATTN_BWD`] without the tile.
 const FLASH_BWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32, F32,
 ];
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];
-const PTR3_ROWS_COLS: &[Param] = &[Ptr, Ptr, Ptr, I32, I32];
 /// `embedding_fwd`: out, wte, tokens, n, c, scale.
 const EMBED_FWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
 /// `embedding_bwd`: dwte, dout, the grouped tokens, n, groups, c, scale.
@@ -91,7 +91,10 @@ const RMSNORM_FWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32, F32, F32];
 const RMSNORM_BWD: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, F32];
 const RMSNORM_DW: &[Param] = &[Ptr, Ptr, Ptr, Ptr, I32, I32];
 const ROPE: &[Param] = &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32];
-const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
+/// `cross_entropy_fwd`: losses, logits, targets, rows, vocab, softcap.
+const CE_FWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32];
+/// `cross_entropy_bwd`: logits, losses, targets, rows, vocab, scale, softcap.
+const CE_BWD: &[Param] = &[Ptr, Ptr, Ptr, I32, I32, F32, F32];
 
 /// Every kernel file.
 pub const FILES: &[KernelFile] = &[
@@ -185,9 +188,9 @@ pub const FILES: &[KernelFile] = &[
         file: "cross_entropy.cu",
         source: include_str!("../../kernels/cross_entropy.cu"),
         kernels: &[
-            sig("cross_entropy_fwd_f32", PTR3_ROWS_COLS),
+            sig("cross_entropy_fwd_f32", CE_FWD),
             sig("cross_entropy_bwd_f32", CE_BWD),
-            sig("cross_entropy_fwd_bf16", PTR3_ROWS_COLS),
+            sig("cross_entropy_fwd_bf16", CE_FWD),
             sig("cross_entropy_bwd_bf16", CE_BWD),
         ],
     },

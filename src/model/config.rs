@@ -52,6 +52,10 @@ pub enum Architecture {
     Qwen2,
     /// `Qwen3ForCausalLM` (Llama with QK-norm: a per-head RMSNorm on q and k before RoPE).
     Qwen3,
+    /// `Gemma2ForCausalLM`: `1 + w` RMSNorms, four per block, GELU-tanh MLP, embeddings scaled
+    /// by √hidden, local sliding-window layers between global ones, soft-capped attention scores
+    /// and logits.
+    Gemma2,
     /// `Gemma3ForCausalLM` (and the text part of `Gemma3ForConditionalGeneration`): `1 + w`
     /// RMSNorms, four per block, QK-norm, GELU-tanh MLP, embeddings scaled by √hidden, local
     /// sliding-window layers with their own RoPE between global ones.
@@ -66,6 +70,7 @@ impl Architecture {
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
@@ -77,6 +82,7 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
         }
     }
@@ -184,6 +190,12 @@ pub struct ModelConfig {
     /// its row gets no gradient from the lookup (a tied head still trains it).
     #[serde(default)]
     pub pad_token_id: Option<u32>,
+    /// Attention scores soft-capped as `cap·tanh(s / cap)` before the softmax (Gemma 2).
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Logits soft-capped as `cap·tanh(z / cap)` (Gemma 2).
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 impl RopeParams {
@@ -234,6 +246,7 @@ impl ModelConfig {
             Architecture::Gemma3 => gemma3_rope(v, origin)?,
             _ => (rope(v, origin)?, None),
         };
+        let (attn_logit_softcapping, final_logit_softcapping) = softcapping(v, origin)?;
         let hidden_size = need_usize(v, "hidden_size", origin)?;
         let (num_heads, num_kv_heads, head_dim) = attention_heads(v, hidden_size, origin)?;
         let attention_bias = get_bool(v, "attention_bias", origin)?.unwrap_or(false);
@@ -244,7 +257,7 @@ impl ModelConfig {
         let num_layers = need_usize(v, "num_hidden_layers", origin)?;
         let (sliding_window, windowed_layers) =
             sliding_window(v, architecture, num_layers, origin)?;
-        let gemma = architecture == Architecture::Gemma3;
+        let gemma = matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3);
         let query_pre_attn_scalar = match gemma {
             true => Some(get_f64(v, "query_pre_attn_scalar", origin)?.unwrap_or(256.0)),
             false => None,
@@ -280,6 +293,8 @@ impl ModelConfig {
             query_pre_attn_scalar,
             local_rope,
             pad_token_id: None,
+            attn_logit_softcapping,
+            final_logit_softcapping,
         };
         let cfg = ModelConfig {
             pad_token_id: pad_token_id(v, cfg.vocab_size, origin)?,
@@ -446,6 +461,12 @@ impl ModelConfig {
         if let Some(s) = self.query_pre_attn_scalar {
             f.push(format!("attention scale {s}^-½"));
         }
+        if let Some(c) = self.attn_logit_softcapping {
+            f.push(format!("attention scores soft-capped at {c}"));
+        }
+        if let Some(c) = self.final_logit_softcapping {
+            f.push(format!("logits soft-capped at {c}"));
+        }
         if let Some(w) = self.sliding_window {
             let n = (0..self.num_layers)
                 .filter(|&i| self.layer_window(i).is_some())
@@ -508,8 +529,11 @@ impl ModelConfig {
         if self.architecture == Architecture::Mistral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
         }
-        if self.architecture == Architecture::Gemma3 {
-            self.gemma3_hf_fields(&mut v);
+        if matches!(
+            self.architecture,
+            Architecture::Gemma2 | Architecture::Gemma3
+        ) {
+            self.gemma_hf_fields(&mut v);
         } else if self.rope_scaling != RopeScaling::Default {
             // The same fields transformers reads back (its `rope_type` tag included).
             v["rope_scaling"] = serde_json::to_value(&self.rope_scaling).unwrap_or(Value::Null);
@@ -517,11 +541,17 @@ impl ModelConfig {
         serde_json::to_string_pretty(&v).unwrap_or_default()
     }
 
-    /// Gemma 3's own keys (transformers 5 spelling: RoPE per layer type in `rope_parameters`).
-    fn gemma3_hf_fields(&self, v: &mut Value) {
+    /// Gemma's own keys (Gemma 3 in transformers 5's spelling: RoPE per layer type in
+    /// `rope_parameters`; Gemma 2 with one RoPE).
+    fn gemma_hf_fields(&self, v: &mut Value) {
+        let gemma3 = self.architecture == Architecture::Gemma3;
         let o = v.as_object_mut().expect("a JSON object");
-        for key in ["hidden_act", "rope_theta"] {
-            o.remove(key);
+        o.remove("hidden_act");
+        if gemma3 {
+            o.remove("rope_theta");
+        } else if self.rope_scaling != RopeScaling::Default {
+            let scaling = serde_json::to_value(&self.rope_scaling).unwrap_or(Value::Null);
+            o.insert("rope_scaling".into(), scaling);
         }
         let rope = |r: &RopeParams| {
             let mut d = serde_json::to_value(&r.scaling).unwrap_or(Value::Null);
@@ -555,14 +585,21 @@ impl ModelConfig {
             ),
             ("layer_types", serde_json::json!(types)),
             (
-                "rope_parameters",
-                serde_json::json!({"full_attention": rope(&global), "sliding_attention": rope(&local)}),
+                "final_logit_softcapping",
+                self.final_logit_softcapping
+                    .map_or(Value::Null, Value::from),
             ),
-            ("final_logit_softcapping", Value::Null),
-            ("attn_logit_softcapping", Value::Null),
+            (
+                "attn_logit_softcapping",
+                self.attn_logit_softcapping.map_or(Value::Null, Value::from),
+            ),
             ("use_bidirectional_attention", Value::Bool(false)),
         ] {
             o.insert(key.to_owned(), value);
+        }
+        if gemma3 {
+            let rope = serde_json::json!({"full_attention": rope(&global), "sliding_attention": rope(&local)});
+            o.insert("rope_parameters".into(), rope);
         }
     }
 

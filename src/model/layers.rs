@@ -248,6 +248,8 @@ pub struct DecoderBlock {
     pub(crate) attn_scale: Option<f32>,
     /// The RoPE table this layer rotates with ([`ModelConfig::layer_rope`]).
     pub(crate) rope_table: usize,
+    /// The attention scores' soft cap (Gemma 2's `attn_logit_softcapping`).
+    pub(crate) attn_softcap: Option<f32>,
     /// Elements of the unit's shard.
     pub(crate) numel: usize,
 }
@@ -301,6 +303,7 @@ impl DecoderBlock {
             act: cfg.mlp_activation,
             attn_scale: cfg.attn_scale(),
             rope_table: cfg.layer_rope(layer),
+            attn_softcap: cfg.attn_logit_softcapping.map(|c| c as f32),
             numel: unit.numel,
         })
     }
@@ -318,6 +321,7 @@ impl DecoderBlock {
         AttnShape::causal(b, t, self.nh, self.nkv, self.hd)
             .windowed(self.window)
             .scaled(self.attn_scale)
+            .softcapped(self.attn_softcap)
     }
 
     /// Forward internals up to the MLP activation, kept in `ws` for the backward.
@@ -819,6 +823,8 @@ pub struct Head {
     norm: usize,
     /// What the final norm adds to its weight (0, or 1 for `1 + w`).
     pub(crate) norm_offset: f32,
+    /// The logits' soft cap (Gemma 2's `final_logit_softcapping`).
+    pub(crate) softcap: Option<f32>,
     /// Offset of `lm_head.weight` in the head unit; `None` when tied to the embedding.
     pub lm_head: Option<usize>,
 }
@@ -832,6 +838,7 @@ impl Head {
             eps: cfg.rms_norm_eps as f32,
             norm: offset(unit, "model.norm.weight")?,
             norm_offset: cfg.norm_weight.offset(),
+            softcap: cfg.final_logit_softcapping.map(|c| c as f32),
             lm_head: opt_offset(unit, "lm_head.weight", !cfg.tie_word_embeddings)?,
         })
     }
@@ -873,7 +880,7 @@ impl Head {
             targets,
             n,
             c,
-            v,
+            (v, self.softcap),
             grad_scale,
             &mut ws.ce,
         );
@@ -904,6 +911,9 @@ impl Head {
             self.eps,
         );
         ops::logits(out, &h, w, n, c, self.vocab);
+        if let Some(cap) = self.softcap {
+            ops::softcap_logits(&mut out[..n * self.vocab], cap);
+        }
     }
 
     /// Σ loss only (validation); [`ops::IGNORE`] targets add nothing.

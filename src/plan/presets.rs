@@ -129,6 +129,8 @@ fn llama_like(
         query_pre_attn_scalar: None,
         local_rope: None,
         pad_token_id: None,
+        attn_logit_softcapping: None,
+        final_logit_softcapping: None,
     }
 }
 

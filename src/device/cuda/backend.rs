@@ -704,13 +704,14 @@ impl Backend for CudaBackend {
         targets: DevPtr,
         rows: usize,
         vocab: usize,
-        scale: f32,
+        (scale, softcap): (f32, Option<f32>),
     ) -> Result<()> {
         let [logits, losses] = f32s([logits, losses], "cross_entropy")?;
         let (r, v) = (i32_of(rows, "rows")?, i32_of(vocab, "vocab")?);
         let l = launch::per_row(rows, vocab)?;
+        let cap = softcap.unwrap_or(0.0);
         self.k()
-            .cross_entropy_bwd(F32, l, logits, losses, targets, r, v, scale)
+            .cross_entropy_bwd(F32, l, logits, losses, targets, (r, v), scale, cap)
     }
 
     fn add_loss(&mut self, losses: DevP, rows: usize, into: Arc<Mutex<f64>>) -> Result<()> {

@@ -88,10 +88,12 @@ pub struct AttnArgs {
     nkv: i32,
     hd: i32,
     scale: f32,
+    /// The scores' soft cap (0: none).
+    softcap: f32,
 }
 
 impl AttnArgs {
-    /// For `s` with positions `pos`: softmax scale [`AttnShape::softmax_scale`].
+    /// For `s` with positions `pos`: softmax scale [`AttnShape::softmax_scale`], its soft cap.
     pub fn new(s: AttnShape, pos: DevPtr) -> Result<Self> {
         Ok(AttnArgs {
             pos,
@@ -106,11 +108,12 @@ impl AttnArgs {
             nkv: i32_of(s.nkv, "kv heads")?,
             hd: i32_of(s.hd, "head dim")?,
             scale: s.softmax_scale(),
+            softcap: s.softcap.unwrap_or(0.0),
         })
     }
 
     /// The SIMT kernels' trailing arguments, with their shared-memory `tile`.
-    fn simt(self, tile: u32) -> [Arg; 10] {
+    fn simt(self, tile: u32) -> [Arg; 11] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
@@ -122,11 +125,12 @@ impl AttnArgs {
             Arg::I32(self.hd),
             Arg::I32(tile as i32),
             Arg::F32(self.scale),
+            Arg::F32(self.softcap),
         ]
     }
 
     /// The tensor-core kernels' trailing arguments (the head dim and tiles are compiled in).
-    fn flash(self) -> [Arg; 8] {
+    fn flash(self) -> [Arg; 9] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
@@ -136,6 +140,7 @@ impl AttnArgs {
             Arg::I32(self.nh),
             Arg::I32(self.nkv),
             Arg::F32(self.scale),
+            Arg::F32(self.softcap),
         ]
     }
 }
@@ -520,7 +525,7 @@ impl Launcher<'_> {
         self.launch(&format!("flash{}_bwd_kv_f32i16", g.hd), g.kv, &args)
     }
 
-    /// Per-row loss of a chunk of logits.
+    /// Per-row loss of a chunk of logits (soft-capped at `softcap` > 0).
     #[allow(clippy::too_many_arguments)]
     pub fn cross_entropy_fwd(
         &self,
@@ -529,8 +534,8 @@ impl Launcher<'_> {
         losses: DevPtr,
         logits: DevPtr,
         targets: DevPtr,
-        rows: i32,
-        vocab: i32,
+        (rows, vocab): (i32, i32),
+        softcap: f32,
     ) -> Result<()> {
         self.launch(
             &dt.symbol("cross_entropy_fwd"),
@@ -541,11 +546,13 @@ impl Launcher<'_> {
                 Ptr(targets),
                 I32(rows),
                 I32(vocab),
+                F32(softcap),
             ],
         )
     }
 
-    /// Per-row loss, and the logits replaced by `scale·(softmax − onehot)`.
+    /// Per-row loss, and the logits replaced by `scale·(softmax − onehot)` (of the logits
+    /// soft-capped at `softcap` > 0, taken back through the cap).
     #[allow(clippy::too_many_arguments)]
     pub fn cross_entropy_bwd(
         &self,
@@ -554,9 +561,9 @@ impl Launcher<'_> {
         logits: DevPtr,
         losses: DevPtr,
         targets: DevPtr,
-        rows: i32,
-        vocab: i32,
+        (rows, vocab): (i32, i32),
         scale: f32,
+        softcap: f32,
     ) -> Result<()> {
         self.launch(
             &dt.symbol("cross_entropy_bwd"),
@@ -568,6 +575,7 @@ impl Launcher<'_> {
                 I32(rows),
                 I32(vocab),
                 F32(scale),
+                F32(softcap),
             ],
         )
     }

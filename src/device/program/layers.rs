@@ -238,6 +238,7 @@ impl<B: Backend> At<B> {
             attn: AttnShape::causal(ch.nb, s.t, blk.nh, blk.nkv, blk.hd)
                 .windowed(blk.window)
                 .scaled(blk.attn_scale)
+                .softcapped(blk.attn_softcap)
                 .queries(ch.q0, ch.q1),
             seq0: ch.b0 * s.t,
         }
@@ -702,7 +703,7 @@ pub fn head_loss_bwd<B: Backend>(
             B::ids_off(targets, r0),
             m,
             vocab,
-            grad_scale,
+            (grad_scale, cfg.final_logit_softcapping.map(|c| c as f32)),
         )?;
         // dh = dlogits·W;  dW += dlogitsᵀ·h.
         be.gemm(Gemm {

@@ -217,6 +217,7 @@ pub trait Backend {
     ) -> Result<()>;
     /// Per-row loss `lse(z) − z[target]` into `losses`, and in place `z = scale·(softmax(z) −
     /// onehot)`; a row whose target is [`crate::model::ops::IGNORE`] gets loss 0 and `z = 0`.
+    /// With a soft cap, of `z' = cap·tanh(z / cap)`, the gradient taken back through the cap.
     fn cross_entropy(
         &mut self,
         logits: Self::P,
@@ -224,7 +225,7 @@ pub trait Backend {
         targets: Self::Ids,
         rows: usize,
         vocab: usize,
-        scale: f32,
+        scale_softcap: (f32, Option<f32>),
     ) -> Result<()>;
     /// Add `Σ losses[..rows]` (summed in order, in f64) to `into` once the kernels before it
     /// are done.

@@ -51,6 +51,19 @@ fn gemma3() -> ModelConfig {
     .unwrap()
 }
 
+/// A Gemma 2 block: Gemma's without QK-norm, scores and logits soft-capped (at values these
+/// small models' scores and logits reach), layer 0 local (a window of 70), untied.
+fn gemma2() -> ModelConfig {
+    ModelConfig::from_json_str(
+        r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":48,"intermediate_size":80,
+        "num_hidden_layers":2,"num_attention_heads":6,"num_key_value_heads":2,"head_dim":10,
+        "vocab_size":53,"tie_word_embeddings":false,"query_pre_attn_scalar":30,
+        "sliding_window":70,"attn_logit_softcapping":0.3,"final_logit_softcapping":0.5}"#,
+        "t",
+    )
+    .unwrap()
+}
+
 /// What one program run produced: block output, gradients and dx; head gradients, dx and loss.
 struct Outputs {
     y: Vec<f32>,
@@ -252,7 +265,7 @@ fn assert_same(got: &Outputs, want: &Outputs, what: &str) {
 fn program_matches_the_reference_layers_bit_for_bit() {
     // 300 rows: two cross-entropy chunks; one flat sequence, one of three documents.
     // Also a Qwen3 block: QK-norm, head_dim ≠ hidden / heads; and a Gemma 3 one.
-    for cfg in [model(false), qwen3(true), gemma3()] {
+    for cfg in [model(false), qwen3(true), gemma3(), gemma2()] {
         let case = Case::of(cfg, 2, 150, &[60, 1, 89]);
         let want = case.reference();
         assert_same(&case.program(Shape::whole(2, 150), false), &want, "whole");
@@ -271,6 +284,7 @@ fn every_chunking_gives_the_same_bits() {
         (3, 700, &[1, 300, 399][..], model(false)),
         (2, 513, &[255, 3, 254, 1][..], qwen3(false)),
         (2, 513, &[255, 3, 254, 1][..], gemma3()),
+        (2, 513, &[255, 3, 254, 1][..], gemma2()),
     ] {
         let case = Case::of(cfg, b, t, docs);
         let want = case.reference();
@@ -299,6 +313,7 @@ fn bf16_program_gives_the_same_bits_in_every_chunking() {
         (true, qwen3(true)),
         (false, qwen3(false)),
         (false, gemma3()),
+        (false, gemma2()),
     ];
     for (bias, cfg) in cases {
         let qk_norm = cfg.qk_norm;

@@ -19,6 +19,7 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
             Some("qwen2") => "Qwen2ForCausalLM".into(),
             Some("qwen3") => "Qwen3ForCausalLM".into(),
             Some("gemma3_text") => "Gemma3ForCausalLM".into(),
+            Some("gemma2") => "Gemma2ForCausalLM".into(),
             Some("gemma3") => "Gemma3ForConditionalGeneration".into(),
             Some(other) => other.to_owned(),
             None => {
@@ -34,14 +35,26 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
         "MistralForCausalLM" => Architecture::Mistral,
         "Qwen2ForCausalLM" => Architecture::Qwen2,
         "Qwen3ForCausalLM" => Architecture::Qwen3,
+        "Gemma2ForCausalLM" => Architecture::Gemma2,
         "Gemma3ForCausalLM" | "Gemma3ForConditionalGeneration" => Architecture::Gemma3,
         other => return Err(Error::bad_input(
             "model config",
             origin,
             format!("architecture `{other}` is not supported"),
-            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"),
         )),
     };
+    if arch == Architecture::Gemma2 {
+        // transformers' `Gemma2Config` class defaults (soft caps on unless set to null).
+        let defaults = serde_json::json!({
+            "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": true, "query_pre_attn_scalar": 256, "pad_token_id": 0,
+            "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        });
+        return Ok((arch, with_defaults(defaults, v)));
+    }
     if arch != Architecture::Gemma3 {
         return Ok((arch, v.clone()));
     }
@@ -59,18 +72,41 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
         v
     };
     // transformers' `Gemma3TextConfig` class defaults.
-    let mut merged = serde_json::json!({
+    let defaults = serde_json::json!({
         "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
         "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": true, "query_pre_attn_scalar": 256, "pad_token_id": 0,
     });
-    if let (Some(m), Some(t)) = (merged.as_object_mut(), text.as_object()) {
-        for (k, x) in t {
+    Ok((arch, with_defaults(defaults, text)))
+}
+
+/// `config` over `defaults`: every key `config` sets wins (null included).
+fn with_defaults(mut defaults: Value, config: &Value) -> Value {
+    if let (Some(m), Some(c)) = (defaults.as_object_mut(), config.as_object()) {
+        for (k, x) in c {
             m.insert(k.clone(), x.clone());
         }
     }
-    Ok((arch, merged))
+    defaults
+}
+
+/// The attention scores' and the logits' soft caps (`attn_logit_softcapping`,
+/// `final_logit_softcapping`): null or absent none, else a positive number.
+pub(super) fn softcapping(v: &Value, origin: &str) -> Result<(Option<f64>, Option<f64>)> {
+    let cap = |key: &str| -> Result<Option<f64>> {
+        match get_f64(v, key, origin)? {
+            Some(c) if !(c.is_finite() && c > 0.0) => Err(bad(
+                origin,
+                format!("`{key}` is {c}; a soft cap is a positive number"),
+            )),
+            c => Ok(c),
+        }
+    };
+    Ok((
+        cap("attn_logit_softcapping")?,
+        cap("final_logit_softcapping")?,
+    ))
 }
 
 /// Refuse the features the layers do not implement (MLP biases, an activation other than the
@@ -84,7 +120,18 @@ pub(super) fn check_supported_features(
     if get_bool(v, "mlp_bias", origin)? == Some(true) {
         return Err(bad(origin, "`mlp_bias: true` is not supported"));
     }
-    if arch != Architecture::Gemma3 {
+    if !matches!(arch, Architecture::Gemma2 | Architecture::Gemma3) {
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if v.get(key).is_some_and(|x| !x.is_null()) {
+                return Err(bad(
+                    origin,
+                    format!(
+                        "`{key}` (logit soft-capping) is not part of {}",
+                        arch.hf_name()
+                    ),
+                ));
+            }
+        }
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
                 return Err(bad(
@@ -95,21 +142,13 @@ pub(super) fn check_supported_features(
         }
         return Ok(MlpActivation::Silu);
     }
-    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-        if v.get(key).is_some_and(|x| !x.is_null()) {
-            return Err(bad(
-                origin,
-                format!("`{key}` (logit soft-capping) is not supported"),
-            ));
-        }
-    }
     if get_bool(v, "use_bidirectional_attention", origin)? == Some(true) {
         return Err(bad(
             origin,
             "`use_bidirectional_attention: true` is not supported (megatrain trains causal LMs)",
         ));
     }
-    // transformers' Gemma 3 reads `hidden_activation` (default gelu_pytorch_tanh).
+    // transformers' Gemma reads `hidden_activation` (default gelu_pytorch_tanh).
     match v.get("hidden_activation").and_then(Value::as_str) {
         None | Some("gelu_pytorch_tanh") => Ok(MlpActivation::GeluTanh),
         Some(other) => Err(bad(
@@ -403,13 +442,18 @@ pub(super) fn sliding_window(
         }
     }
     match arch {
-        Architecture::Gemma3 => {
-            // Every layer's type, also without a window: the local layers keep their own RoPE.
+        Architecture::Gemma2 | Architecture::Gemma3 => {
+            // Every layer's type, also without a window: Gemma 3's local layers keep their own
+            // RoPE.
             let windowed = match types {
                 Some(t) => t,
                 None => {
-                    // transformers: `sliding_window_pattern` (6 unless set): every sixth layer global.
-                    let pattern = get_usize(v, "sliding_window_pattern", origin)?.unwrap_or(6);
+                    // transformers: Gemma 2 alternates (every second layer global); Gemma 3
+                    // reads `sliding_window_pattern` (6 unless set): every sixth layer global.
+                    let pattern = match arch {
+                        Architecture::Gemma2 => 2,
+                        _ => get_usize(v, "sliding_window_pattern", origin)?.unwrap_or(6),
+                    };
                     if pattern == 0 {
                         return Err(bad(origin, "`sliding_window_pattern` is 0"));
                     }

@@ -381,12 +381,8 @@ fn gemma3_features_it_lacks_are_named() {
     assert_eq!(c.query_pre_attn_scalar, Some(256.0));
     for (extra, needle) in [
         (
-            ", \"attn_logit_softcapping\": 50.0",
+            ", \"attn_logit_softcapping\": 0",
             "attn_logit_softcapping",
-        ),
-        (
-            ", \"final_logit_softcapping\": 30.0",
-            "final_logit_softcapping",
         ),
         (", \"use_bidirectional_attention\": true", "bidirectional"),
         (", \"hidden_activation\": \"relu\"", "relu"),
@@ -428,4 +424,68 @@ fn pad_token_id_is_read_as_nn_embedding_takes_it() {
             "{pad}"
         );
     }
+}
+
+/// gemma-2-9b's `config.json` as published (transformers 4.42).
+const GEMMA2_9B: &str = r#"{
+  "architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+  "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256,
+  "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 14336,
+  "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 16,
+  "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+  "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+  "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "float32",
+  "transformers_version": "4.42.0.dev0", "use_cache": true, "vocab_size": 256000
+}"#;
+
+#[test]
+fn gemma2_9b_counts_its_published_9_24b_params_and_soft_caps() {
+    let c = ModelConfig::from_json_str(GEMMA2_9B, "gemma-2-9b").unwrap();
+    assert_eq!(c.architecture, Architecture::Gemma2);
+    assert_eq!(c.num_params(), 9_241_705_984);
+    assert_eq!(
+        (c.attn_logit_softcapping, c.final_logit_softcapping),
+        (Some(50.0), Some(30.0))
+    );
+    assert!(!c.qk_norm && c.sandwich_norms && c.local_rope.is_none());
+    // Layers alternate, the first local.
+    assert_eq!(c.layer_window(0), Some(4096));
+    assert_eq!(c.layer_window(1), None);
+    let back = ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap();
+    assert_eq!(back, c);
+    // Absent caps are transformers' defaults (50 and 30); null turns one off; a bad one is named.
+    let absent = GEMMA2_9B
+        .replace("\"attn_logit_softcapping\": 50.0,", "")
+        .replace(
+            "\"final_logit_softcapping\": 30.0,",
+            "\"final_logit_softcapping\": null,",
+        );
+    let a = ModelConfig::from_json_str(&absent, "a").unwrap();
+    assert_eq!(
+        (a.attn_logit_softcapping, a.final_logit_softcapping),
+        (Some(50.0), None)
+    );
+    let e = ModelConfig::from_json_str(
+        &GEMMA2_9B.replace(
+            "\"attn_logit_softcapping\": 50.0",
+            "\"attn_logit_softcapping\": -1",
+        ),
+        "n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("attn_logit_softcapping"), "{e}");
+    // Llama has no soft caps: named.
+    let e = ModelConfig::from_json_str(
+        &LLAMA3_8B.replace(
+            "\"rope_scaling\": null",
+            "\"final_logit_softcapping\": 30.0",
+        ),
+        "l",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("final_logit_softcapping"), "{e}");
 }

@@ -45,6 +45,9 @@ pub struct AttnShape {
     pub window: Option<usize>,
     /// The softmax scale where it is not `hd^-½` (Gemma's `query_pre_attn_scalar^-½`).
     pub scale: Option<f32>,
+    /// Logit soft-capping (Gemma 2's `attn_logit_softcapping`): each scaled score s becomes
+    /// `cap·tanh(s / cap)` before the softmax.
+    pub softcap: Option<f32>,
 }
 
 impl AttnShape {
@@ -60,7 +63,13 @@ impl AttnShape {
             q1: t,
             window: None,
             scale: None,
+            softcap: None,
         }
+    }
+
+    /// The same attention with its scores soft-capped at `softcap` (`None`: none).
+    pub fn softcapped(self, softcap: Option<f32>) -> Self {
+        AttnShape { softcap, ..self }
     }
 
     /// The same attention with the softmax scale `scale` (`None`: `hd^-½`).
@@ -142,6 +151,15 @@ fn first_key(pos: &[u32], s: AttnShape, bi: usize, i: usize) -> usize {
     }
 }
 
+/// Soft-cap scores in place: `s = cap·tanh(s / cap)` (transformers' order: divide, tanh,
+/// multiply).
+#[inline]
+fn cap_scores(row: &mut [f32], cap: f32) {
+    for x in row {
+        *x = (*x / cap).tanh() * cap;
+    }
+}
+
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 // SAFETY: used only to hand disjoint row ranges of one buffer to parallel tasks (see callers).
@@ -187,6 +205,7 @@ struct BwdScratch {
     do_: Vec<f32>, // [rows, hd] dO rows, contiguous
     s: Vec<f32>,   // [rows, KEY_TILE] probabilities
     dp: Vec<f32>,  // [rows, KEY_TILE] dO·Vᵀ, then dS
+    cap: Vec<f32>, // [KEY_TILE] under soft-capping: one row's 1 − tanh² of its scores
 }
 
 impl BwdScratch {
@@ -196,6 +215,7 @@ impl BwdScratch {
             do_: vec![0.0; rows * hd],
             s: vec![0.0; rows * KEY_TILE],
             dp: vec![0.0; rows * KEY_TILE],
+            cap: vec![0.0; KEY_TILE],
         }
     }
 }
@@ -387,6 +407,9 @@ pub fn attention_fwd(
                         row.fill(0.0);
                         continue;
                     }
+                    if let Some(cap) = s.softcap {
+                        cap_scores(&mut row[lo..hi], cap);
+                    }
                     let m_new = sc.mx[r].max(row_max(&row[lo..hi]));
                     let corr = (sc.mx[r] - m_new).exp();
                     row[..lo].fill(0.0);
@@ -570,7 +593,7 @@ struct Tile<'a> {
 
 impl Tile<'_> {
     /// For the gathered rows and keys `j0..j0+n`: `sc.s` = P (0 where not visible), `sc.dp` =
-    /// dS = P ⊙ (dO·Vᵀ − D).
+    /// dS = P ⊙ (dO·Vᵀ − D) — under soft-capping times the cap's derivative 1 − tanh².
     #[allow(clippy::too_many_arguments)]
     fn probabilities_and_ds(
         &self,
@@ -601,9 +624,21 @@ impl Tile<'_> {
             );
             p[..lo].fill(0.0);
             p[hi..].fill(0.0);
+            if let Some(cap) = self.s.softcap {
+                for (c, x) in sc.cap[lo..hi].iter_mut().zip(&mut p[lo..hi]) {
+                    let th = (*x / cap).tanh();
+                    *c = 1.0 - th * th;
+                    *x = th * cap;
+                }
+            }
             exp_shifted(&mut p[lo..hi], li);
             for (d, pp) in ds.iter_mut().zip(p.iter()) {
                 *d = *pp * (*d - di);
+            }
+            if self.s.softcap.is_some() {
+                for (d, c) in ds[lo..hi].iter_mut().zip(&sc.cap[lo..hi]) {
+                    *d *= *c;
+                }
             }
         }
     }
@@ -640,8 +675,16 @@ pub fn attention_naive(o: &mut [f32], q: &[f32], k: &[f32], v: &[f32], pos: &[u3
             for i in 0..t {
                 let qi = &q[(bi * t + i) * qs + h * hd..][..hd];
                 let j0 = first_key(pos, s, bi, i);
+                let cap = |x: f32| match s.softcap {
+                    Some(c) => (x / c).tanh() * c,
+                    None => x,
+                };
                 let sc: Vec<f64> = (j0..=i)
-                    .map(|j| f64::from(dot(qi, &k[(bi * t + j) * kvs + kh * hd..][..hd]) * scale))
+                    .map(|j| {
+                        f64::from(cap(
+                            dot(qi, &k[(bi * t + j) * kvs + kh * hd..][..hd]) * scale
+                        ))
+                    })
                     .collect();
                 let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();

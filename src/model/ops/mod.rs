@@ -455,7 +455,7 @@ pub const CE_CHUNK_ROWS: usize = 256;
 
 /// Fused LM head + cross-entropy, chunked over tokens so B·T·V logits never exist at once.
 ///
-/// h [N, C], w [V, C]. Returns Σ loss over the N rows (caller divides by the step's token count).
+/// h [N, C], w [V, C]; the logits soft-capped at `softcap` where given. Returns Σ loss over the N rows (caller divides by the step's token count).
 /// With `grad_scale` = 1/(tokens of the step): dh = dlogits·W is written, dW += dlogitsᵀ·h.
 #[allow(clippy::too_many_arguments)]
 pub fn lm_head_ce(
@@ -466,7 +466,7 @@ pub fn lm_head_ce(
     targets: &[u32],
     n: usize,
     c: usize,
-    vocab: usize,
+    (vocab, softcap): (usize, Option<f32>),
     grad_scale: f32,
     scratch: &mut Vec<f32>,
 ) -> f64 {
@@ -495,6 +495,7 @@ pub fn lm_head_ce(
             &targets[r0..r1],
             vocab,
             grad_scale,
+            softcap,
         );
         // Row by row, in order: the device program sums its per-row losses the same way.
         for l in &losses[..m] {
@@ -527,25 +528,44 @@ pub fn lm_head_ce(
     total
 }
 
+/// Soft-cap logits in place (Gemma 2's `final_logit_softcapping`): `z = cap·tanh(z / cap)`, in
+/// transformers' order (divide, tanh, multiply).
+pub fn softcap_logits(z: &mut [f32], cap: f32) {
+    z.par_chunks_mut(ELEMENTWISE).for_each(|z| {
+        for x in z {
+            *x = (*x / cap).tanh() * cap;
+        }
+    });
+}
+
 /// Cross-entropy over a chunk of logits `[rows, vocab]`: per-row loss `lse(z) − z[target]` into
 /// `losses`, and in place `z = scale·(softmax(z) − onehot(target))`; a row whose target is
-/// [`IGNORE`] gets loss 0 and gradient 0.
+/// [`IGNORE`] gets loss 0 and gradient 0. With `softcap`, of the capped logits
+/// `z' = cap·tanh(z / cap)`, the gradient taken back through the cap (× `1 − (z'/cap)²`).
 pub fn cross_entropy(
     logits: &mut [f32],
     losses: &mut [f32],
     targets: &[u32],
     vocab: usize,
     scale: f32,
+    softcap: Option<f32>,
 ) {
     logits
         .par_chunks_mut(vocab)
         .zip(losses.par_iter_mut())
         .zip(targets.par_iter())
-        .for_each(|((row, loss), &tg)| {
+        .for_each_init(Vec::new, |capped, ((row, loss), &tg)| {
             if tg == IGNORE {
                 *loss = 0.0;
                 row.fill(0.0);
                 return;
+            }
+            if let Some(cap) = softcap {
+                for x in row.iter_mut() {
+                    *x = (*x / cap).tanh() * cap;
+                }
+                capped.clear();
+                capped.extend_from_slice(row);
             }
             // One vectorised exp pass: row = e^(z − max), Σ = its sum, softmax = row / Σ.
             let (mx, zt) = (exp::row_max(row), row[tg as usize]);
@@ -556,6 +576,12 @@ pub fn cross_entropy(
                 *x *= k;
             }
             row[tg as usize] -= scale;
+            if let Some(cap) = softcap {
+                for (x, z) in row.iter_mut().zip(capped.iter()) {
+                    let th = *z / cap;
+                    *x *= 1.0 - th * th;
+                }
+            }
         });
 }
 

@@ -206,6 +206,13 @@ fn attention_backward_finite_differences() {
 
 #[test]
 fn chunked_ce_matches_naive_and_finite_differences() {
+    // Plain, and with the logits soft-capped at 0.5 (Gemma 2's final_logit_softcapping).
+    for softcap in [None, Some(0.5f32)] {
+        chunked_ce_case(softcap);
+    }
+}
+
+fn chunked_ce_case(softcap: Option<f32>) {
     let (n, c, vocab) = (CE_CHUNK_ROWS + 37, 12, 50);
     let (mut h, w) = (rnd(n * c, 1), rnd(vocab * c, 2));
     // Every seventh row is masked out (trains nothing, counts nothing).
@@ -226,7 +233,7 @@ fn chunked_ce_matches_naive_and_finite_differences() {
         &targets,
         n,
         c,
-        vocab,
+        (vocab, softcap),
         scale,
         &mut scratch,
     ) / trained as f64;
@@ -234,6 +241,9 @@ fn chunked_ce_matches_naive_and_finite_differences() {
     let naive = |h: &[f32]| {
         let mut lg = vec![0.0; n * vocab];
         logits(&mut lg, h, &w, n, c, vocab);
+        if let Some(cap) = softcap {
+            softcap_logits(&mut lg, cap);
+        }
         (0..n)
             .filter(|&i| targets[i] != IGNORE)
             .map(|i| {
@@ -538,5 +548,57 @@ fn sliding_window_backward_finite_differences() {
         AttnShape::causal(1, 90, 4, 2, 8).windowed(Some(9)),
         &[40, 3, 47],
         44,
+    );
+}
+
+/// Soft-capped scores (Gemma 2's `attn_logit_softcapping`): the tiled forward against the naive
+/// one (which caps each score as transformers does), a cap that bends the scores changing the
+/// output, and the backward by finite differences — with a window and documents too.
+#[test]
+fn soft_capped_attention_matches_naive_and_finite_differences() {
+    let (t, nh, nkv, hd) = (70, 4, 2, 16);
+    let base = AttnShape::causal(2, t, nh, nkv, hd);
+    // Scores of order 3 (q, k ~ 2·rnd): a cap of 1 bends them hard.
+    let (q, k, v) = (
+        rnd(2 * t * nh * hd, 1)
+            .iter()
+            .map(|x| 8.0 * x)
+            .collect::<Vec<_>>(),
+        rnd(2 * t * nkv * hd, 2)
+            .iter()
+            .map(|x| 8.0 * x)
+            .collect::<Vec<_>>(),
+        rnd(2 * t * nkv * hd, 3),
+    );
+    let pos = document_positions(&[t, 20, 1, t - 21]);
+    let run = |s: AttnShape| {
+        let (mut o, mut lse) = (vec![0.0; q.len()], vec![0.0; 2 * nh * t]);
+        attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, s);
+        o
+    };
+    for s in [
+        base.softcapped(Some(1.0)),
+        base.softcapped(Some(1.0)).windowed(Some(9)),
+    ] {
+        let mut want = vec![0.0; q.len()];
+        attention_naive(&mut want, &q, &k, &v, &pos, s);
+        let got = run(s);
+        assert!(max_rel(&got, &want) < 1e-5, "{}", max_rel(&got, &want));
+        assert!(
+            max_rel(&got, &run(s.softcapped(None))) > 1e-2,
+            "the cap bends the scores"
+        );
+    }
+    attention_fd(
+        AttnShape::causal(1, 90, 4, 2, 8).softcapped(Some(0.3)),
+        &[40, 3, 47],
+        45,
+    );
+    attention_fd(
+        AttnShape::causal(1, 90, 4, 2, 8)
+            .windowed(Some(9))
+            .softcapped(Some(0.3)),
+        &[90],
+        46,
     );
 }

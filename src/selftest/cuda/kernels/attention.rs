@@ -24,6 +24,7 @@ const ATTN: AttnShape = AttnShape {
     q1: 70,
     window: None,
     scale: None,
+    softcap: None,
 };
 
 /// Rows `q0..q1` of every sequence of a `[B·T, width]` tensor, or (`back`) those rows written
@@ -93,6 +94,10 @@ pub(super) fn attention_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     for o in attention_chunks(g, ATTN.windowed(Some(17)), &ATTN_DOCS, simt)? {
         out.push(o.label("window 17: "));
     }
+    // Scores soft-capped at 0.5 (Gemma 2's 50 on these scores would barely bend them).
+    for o in attention_chunks(g, ATTN.softcapped(Some(0.5)), &ATTN_DOCS, simt)? {
+        out.push(o.label("soft cap 0.5: "));
+    }
     let optin = g.rt.smem_optin;
     if optin > launch::DEFAULT_SMEM {
         let s = AttnShape { hd: 128, ..ATTN };
@@ -132,6 +137,10 @@ pub(super) fn attention_bf16_inputs(g: &Gpu<'_>) -> Result<Vec<Out>> {
     for o in attention_chunks(g, windowed, &FLASH_LONG_DOCS, Kernels::Flash)? {
         out.push(o.label("hd 64, T 200, window 40 "));
     }
+    let capped = FLASH_LONG.softcapped(Some(0.5));
+    for o in attention_chunks(g, capped, &FLASH_LONG_DOCS, Kernels::Flash)? {
+        out.push(o.label("hd 64, T 200, soft cap 0.5 "));
+    }
     let hd = 96;
     if FLASH_HEAD_DIMS.contains(&hd) {
         return Err(Error::internal(
@@ -157,6 +166,7 @@ const FLASH_LONG: AttnShape = AttnShape {
     q1: 200,
     window: None,
     scale: None,
+    softcap: None,
 };
 /// Its documents: one flat sequence; then 30, 100 and 70 tokens (queries 192.. start at key 130).
 const FLASH_LONG_DOCS: [usize; 4] = [200, 30, 100, 70];

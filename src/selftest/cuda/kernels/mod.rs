@@ -448,18 +448,33 @@ fn rope_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
     Ok(out)
 }
 
-/// Loss and `scale·(softmax − onehot)` of each row of `z`, in f32 (0 and 0 for an ignored row).
-fn cross_entropy_ref(z: &[f32], targets: &[u32], vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+/// Loss and `scale·(softmax − onehot)` of each row of `z`, in f32 (0 and 0 for an ignored row);
+/// with `softcap` of `cap·tanh(z / cap)`, the gradient times `1 − tanh²`.
+fn cross_entropy_ref(
+    z: &[f32],
+    targets: &[u32],
+    vocab: usize,
+    scale: f32,
+    softcap: Option<f32>,
+) -> (Vec<f32>, Vec<f32>) {
     let rows = targets.len();
     let (mut loss, mut grad) = (vec![0.0f32; rows], vec![0.0f32; rows * vocab]);
+    let th = |x: f32| softcap.map_or(1.0, |c| (x / c).tanh());
+    let cap = |x: f32| softcap.map_or(x, |c| (x / c).tanh() * c);
     for r in (0..rows).filter(|&r| targets[r] != ops::IGNORE) {
-        let zr = &z[r * vocab..(r + 1) * vocab];
+        let raw = &z[r * vocab..(r + 1) * vocab];
+        let zr: Vec<f32> = raw.iter().map(|x| cap(*x)).collect();
         let mx = zr.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
         let lse = mx + zr.iter().map(|x| (x - mx).exp()).sum::<f32>().ln();
         loss[r] = lse - zr[targets[r] as usize];
         for (j, gr) in grad[r * vocab..(r + 1) * vocab].iter_mut().enumerate() {
             let onehot = if j == targets[r] as usize { 1.0 } else { 0.0 };
-            *gr = scale * ((zr[j] - lse).exp() - onehot);
+            let dcap = if softcap.is_some() {
+                1.0 - th(raw[j]) * th(raw[j])
+            } else {
+                1.0
+            };
+            *gr = scale * ((zr[j] - lse).exp() - onehot) * dcap;
         }
     }
     (loss, grad)
@@ -475,22 +490,25 @@ fn cross_entropy_f32(g: &Gpu<'_>) -> Result<Vec<Out>> {
             _ => (r * 131 % vocab) as u32,
         })
         .collect();
-    let (loss_ref, grad_ref) = cross_entropy_ref(&z, &targets, vocab, scale);
-    let (zd, td, ld) = (g.up(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
-    g.k().cross_entropy_bwd(
-        Dtype::F32,
-        launch::per_row(rows, vocab)?,
-        g.p(&zd),
-        g.p(&ld),
-        g.p(&td),
-        rows as i32,
-        vocab as i32,
-        scale,
-    )?;
-    Ok(vec![
-        Out::new("loss", g.down(&ld)?, loss_ref),
-        Out::new("gradient", g.down(&zd)?, grad_ref),
-    ])
+    let mut out = Vec::new();
+    // Plain, and soft-capped at 3 (Gemma 2's final_logit_softcapping; these logits reach ±4).
+    for (softcap, what) in [(None, ""), (Some(3.0f32), "soft-capped ")] {
+        let (loss_ref, grad_ref) = cross_entropy_ref(&z, &targets, vocab, scale, softcap);
+        let (zd, td, ld) = (g.up(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
+        g.k().cross_entropy_bwd(
+            Dtype::F32,
+            launch::per_row(rows, vocab)?,
+            g.p(&zd),
+            g.p(&ld),
+            g.p(&td),
+            (rows as i32, vocab as i32),
+            scale,
+            softcap.unwrap_or(0.0),
+        )?;
+        out.push(Out::new(&format!("{what}loss"), g.down(&ld)?, loss_ref));
+        out.push(Out::new(&format!("{what}gradient"), g.down(&zd)?, grad_ref));
+    }
+    Ok(out)
 }
 
 fn cross_entropy_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
@@ -498,7 +516,7 @@ fn cross_entropy_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
     let z = g.rnd(rows * vocab, 26, 4.0);
     let mut targets: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
     targets[4] = ops::IGNORE;
-    let (loss_ref, _) = cross_entropy_ref(&round_bf16(&z), &targets, vocab, 1.0);
+    let (loss_ref, _) = cross_entropy_ref(&round_bf16(&z), &targets, vocab, 1.0, None);
     let (zd, td, ld) = (g.up16(&z)?, g.up(&targets)?, g.zeros::<f32>(rows)?);
     g.k().cross_entropy_fwd(
         Dtype::Bf16,
@@ -506,8 +524,8 @@ fn cross_entropy_bf16(g: &Gpu<'_>) -> Result<Vec<Out>> {
         g.p(&ld),
         g.p(&zd),
         g.p(&td),
-        rows as i32,
-        vocab as i32,
+        (rows as i32, vocab as i32),
+        0.0,
     )?;
     Ok(vec![Out::new("loss", g.down(&ld)?, loss_ref)])
 }
