@@ -254,19 +254,11 @@ __device__ __forceinline__ void store_rows(T* ra, T* rb, const float c[HD / 8][4
     }
 }
 
-// Soft-capping compiled in only where asked (CAP), so the uncapped kernels keep their speed.
-template <bool CAP>
-__device__ __forceinline__ float cap_if(float s, float softcap, float* dcap) {
-    if (CAP) return softcapped(s, softcap, dcap);
-    *dcap = 1.0f;
-    return s;
-}
-
-template <typename I, typename O, int HD, bool CAP>
+template <typename I, typename O, int HD>
 __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I* __restrict__ q,
                           const I* __restrict__ k, const I* __restrict__ v,
                           const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh, int nkv,
-                          float scale, float softcap) {
+                          float scale) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [FWD_KEYS, HD] bf16
@@ -312,8 +304,7 @@ __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I*
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int j = j0 + nt * 8 + 2 * tig + (e & 1);
-                float dcap;
-                s[nt][e] = rows[e >> 1].sees(j) ? cap_if<CAP>(s[nt][e] * scale, softcap, &dcap) : NEG_INF;
+                s[nt][e] = rows[e >> 1].sees(j) ? s[nt][e] * scale : NEG_INF;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
             }
         float base[2];
@@ -351,13 +342,13 @@ __device__ void flash_fwd(O* __restrict__ out, float* __restrict__ lse, const I*
 
 // dq_i = scale · Σ_j p_ij (dO_i·v_j − D_i) k_j with D_i = dO_i·O_i (fp32, written to `delta` for
 // the dk/dv kernel) and p_ij = exp(scale q_i·k_j − lse_i).
-template <typename I, typename O, int HD, bool CAP>
+template <typename I, typename O, int HD>
 __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
                              const I* __restrict__ dout, const O* __restrict__ out,
                              const I* __restrict__ q, const I* __restrict__ k,
                              const I* __restrict__ v, const float* __restrict__ lse,
                              const unsigned* __restrict__ pos, int t, int window, int q0, int q1, int nh,
-                             int nkv, float scale, float softcap) {
+                             int nkv, float scale) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* ks = reinterpret_cast<unsigned*>(smem);  // [DQ_KEYS, HD] bf16
@@ -417,10 +408,8 @@ __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = e >> 1, j = j0 + nt * 8 + 2 * tig + (e & 1);
-                float dcap;
-                const float sc = cap_if<CAP>(s[nt][e] * scale, softcap, &dcap);
-                const float p = rows[r].sees(j) ? __expf(sc - li[r]) : 0.0f;
-                s[nt][e] = p * (dp[nt][e] - di[r]) * dcap;
+                const float p = rows[r].sees(j) ? __expf(s[nt][e] * scale - li[r]) : 0.0f;
+                s[nt][e] = p * (dp[nt][e] - di[r]);
             }
         // dQ += dS·K.
         add_split_times_tile<HD, DQ_KEYS>(acc, s, ks);
@@ -432,13 +421,12 @@ __device__ void flash_bwd_dq(O* __restrict__ dq, float* __restrict__ delta,
 // For kv head g's key rows j < q1: dv_j += Σ_{h in g} Σ_i p_ij dO_i and
 // dk_j += scale · Σ_{h in g} Σ_i p_ij (dO_i·v_j − D_i) q_i over the chunk's queries i that see j.
 // A warp owns 16 key rows: no atomics.
-template <typename I, typename O, int HD, bool CAP>
+template <typename I, typename O, int HD>
 __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __restrict__ dout,
                              const I* __restrict__ q, const I* __restrict__ k,
                              const I* __restrict__ v, const float* __restrict__ lse,
                              const float* __restrict__ delta, const unsigned* __restrict__ pos,
-                             int t, int window, int q0, int q1, int nh, int nkv, float scale,
-                             float softcap) {
+                             int t, int window, int q0, int q1, int nh, int nkv, float scale) {
     extern __shared__ float smem[];
     constexpr int W = (HD + PAD) / 2;
     unsigned* kb = reinterpret_cast<unsigned*>(smem);  // [FLASH_ROWS, HD] the block's keys
@@ -511,11 +499,9 @@ __device__ void flash_bwd_kv(O* __restrict__ dk, O* __restrict__ dv, const I* __
                 for (int e = 0; e < 4; e++) {
                     const int j = keys[e >> 1], ii = nt * 8 + 2 * tig + (e & 1), i = i0 + ii;
                     const bool sees = j < q1 && i < q1 && los[ii] <= j && j <= i;
-                    float dcap;
-                    const float sc = cap_if<CAP>(s[nt][e] * scale, softcap, &dcap);
-                    const float p = sees ? __expf(sc - ls[ii]) : 0.0f;
+                    const float p = sees ? __expf(s[nt][e] * scale - ls[ii]) : 0.0f;
                     s[nt][e] = p;
-                    dp[nt][e] = p * (dp[nt][e] - dls[ii]) * dcap;
+                    dp[nt][e] = p * (dp[nt][e] - dls[ii]);
                 }
             // dV += Pᵀ·dO and dK += dSᵀ·Q.
             add_split_times_tile<HD, KV_QUERIES>(dva, s, ds_);
@@ -540,36 +526,22 @@ static_assert(FWD_KEYS % 16 == 0 && DQ_KEYS % 16 == 0 && KV_QUERIES % 16 == 0,
     extern "C" __global__ void flash##HD##_fwd_##name(O* out, float* lse, const I* q,            \
                                                       const I* k, const I* v,                   \
                                                       const unsigned* pos, int t, int window, int q0,       \
-                                                      int q1, int nh, int nkv, float scale,     \
-                                                      float softcap) {                          \
-        if (softcap > 0.0f)                                                                      \
-            flash_fwd<I, O, HD, true>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, scale,      \
-                                      softcap);                                                  \
-        else                                                                                     \
-            flash_fwd<I, O, HD, false>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, scale,     \
-                                       softcap);                                                 \
+                                                      int q1, int nh, int nkv, float scale) {   \
+        flash_fwd<I, O, HD>(out, lse, q, k, v, pos, t, window, q0, q1, nh, nkv, scale);                  \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_##name(                                           \
         O* dq, float* delta, const I* dout, const O* out, const I* q, const I* k, const I* v,   \
         const float* lse, const unsigned* pos, int t, int window, int q0, int q1, int nh, int nkv,          \
-        float scale, float softcap) {                                                            \
-        if (softcap > 0.0f)                                                                      \
-            flash_bwd_dq<I, O, HD, true>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1,  \
-                                         nh, nkv, scale, softcap);                               \
-        else                                                                                     \
-            flash_bwd_dq<I, O, HD, false>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1, \
-                                          nh, nkv, scale, softcap);                              \
+        float scale) {                                                                           \
+        flash_bwd_dq<I, O, HD>(dq, delta, dout, out, q, k, v, lse, pos, t, window, q0, q1, nh, nkv,      \
+                               scale);                                                           \
     }                                                                                            \
     extern "C" __global__ void flash##HD##_bwd_kv_##name(                                        \
         O* dk, O* dv, const I* dout, const I* q, const I* k, const I* v, const float* lse,      \
         const float* delta, const unsigned* pos, int t, int window, int q0, int q1, int nh, int nkv,        \
-        float scale, float softcap) {                                                            \
-        if (softcap > 0.0f)                                                                      \
-            flash_bwd_kv<I, O, HD, true>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1,   \
-                                         nh, nkv, scale, softcap);                               \
-        else                                                                                     \
-            flash_bwd_kv<I, O, HD, false>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1,  \
-                                          nh, nkv, scale, softcap);                              \
+        float scale) {                                                                           \
+        flash_bwd_kv<I, O, HD>(dk, dv, dout, q, k, v, lse, delta, pos, t, window, q0, q1, nh, nkv,       \
+                               scale);                                                           \
     }
 
 FLASH(32, f32i16, bf16, float)

@@ -71,13 +71,14 @@ const ATTN_FWD: &[Param] = &[
 const ATTN_BWD: &[Param] = &[
     Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, I32, I32, F32, F32,
 ];
-/// `flash{HD}_fwd`: [`ATTN_FWD`] without the tile (the tensor-core kernels' tiles are fixed).
+/// `flash{HD}_fwd`: [`ATTN_FWD`] without the tile (the tensor-core kernels' tiles are fixed)
+/// and the soft cap (soft-capped scores take the SIMT kernels).
 const FLASH_FWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32,
 ];
-/// `flash{HD}_bwd` and `flash{HD}_bwd_kv`: [`ATTN_BWD`] without the tile.
+/// `flash{HD}_bwd` and `flash{HD}_bwd_kv`: [`ATTN_BWD`] without the tile and the soft cap.
 const FLASH_BWD: &[Param] = &[
-    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32, F32,
+    Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32, I32, F32,
 ];
 const PTR2_N64: &[Param] = &[Ptr, Ptr, I64];
 const PTR2_ROWS_COLS: &[Param] = &[Ptr, Ptr, I32, I32];

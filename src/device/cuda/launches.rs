@@ -129,8 +129,9 @@ impl AttnArgs {
         ]
     }
 
-    /// The tensor-core kernels' trailing arguments (the head dim and tiles are compiled in).
-    fn flash(self) -> [Arg; 9] {
+    /// The tensor-core kernels' trailing arguments (the head dim and tiles are compiled in; they
+    /// take no soft cap: [`crate::device::launch::flash`]).
+    fn flash(self) -> [Arg; 8] {
         [
             Arg::Ptr(self.pos),
             Arg::I32(self.t),
@@ -140,7 +141,6 @@ impl AttnArgs {
             Arg::I32(self.nh),
             Arg::I32(self.nkv),
             Arg::F32(self.scale),
-            Arg::F32(self.softcap),
         ]
     }
 }

@@ -380,10 +380,7 @@ fn gemma3_features_it_lacks_are_named() {
     assert_eq!(c.windowed_layers, vec![true, false]);
     assert_eq!(c.query_pre_attn_scalar, Some(256.0));
     for (extra, needle) in [
-        (
-            ", \"attn_logit_softcapping\": 0",
-            "attn_logit_softcapping",
-        ),
+        (", \"attn_logit_softcapping\": 0", "attn_logit_softcapping"),
         (", \"use_bidirectional_attention\": true", "bidirectional"),
         (", \"hidden_activation\": \"relu\"", "relu"),
         (", \"layer_types\": [\"full_attention\"]", "layer_types"),
