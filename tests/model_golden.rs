@@ -278,8 +278,7 @@ fn gemma3_text() {
 #[test]
 fn gemma3_golden_fails_without_each_feature() {
     use megatrain::model::config::{MlpActivation, NormWeight};
-    let c = load("gemma3");
-    let base = c.layout.config.clone();
+    let base = load("gemma3").layout.config;
     let off: Vec<(&str, ModelConfig)> = vec![
         (
             "1 + w norms",
@@ -331,10 +330,17 @@ fn gemma3_golden_fails_without_each_feature() {
             },
         ),
     ];
-    for (what, cfg) in off {
+    fails_without("gemma3", off);
+}
+
+/// The golden of `case` fails (100× its tolerance) under each of `variants` (what is switched
+/// off, and the config without it).
+fn fails_without(case: &str, variants: Vec<(&str, ModelConfig)>) {
+    let c = load(case);
+    for (what, cfg) in variants {
         let layout = StateLayout::new(&cfg, Mode::Exact);
         let changed = Case {
-            g: Golden::open("model_gemma3.safetensors"),
+            g: Golden::open(&format!("model_{case}.safetensors")),
             layout,
             b: c.b,
             t: c.t,
@@ -342,7 +348,7 @@ fn gemma3_golden_fails_without_each_feature() {
         let err = worst_error(&changed);
         assert!(
             err > 100.0 * TOL,
-            "{what} switched off still matches ({err:e})"
+            "{case}: {what} switched off still matches ({err:e})"
         );
     }
 }
@@ -352,9 +358,8 @@ fn gemma3_golden_fails_without_each_feature() {
 #[test]
 fn gemma2_soft_capping() {
     check_case("gemma2");
-    let c = load("gemma2");
-    let base = c.layout.config.clone();
-    for (what, cfg) in [
+    let base = load("gemma2").layout.config;
+    let off = vec![
         (
             "attention soft cap",
             ModelConfig {
@@ -366,23 +371,11 @@ fn gemma2_soft_capping() {
             "logit soft cap",
             ModelConfig {
                 final_logit_softcapping: None,
-                ..base.clone()
+                ..base
             },
         ),
-    ] {
-        let layout = StateLayout::new(&cfg, Mode::Exact);
-        let changed = Case {
-            g: Golden::open("model_gemma2.safetensors"),
-            layout,
-            b: c.b,
-            t: c.t,
-        };
-        let err = worst_error(&changed);
-        assert!(
-            err > 100.0 * TOL,
-            "{what} switched off still matches ({err:e})"
-        );
-    }
+    ];
+    fails_without("gemma2", off);
 }
 
 /// RoPE at long positions (up to 2^19, beyond 2^16) against transformers' LlamaRotaryEmbedding

@@ -15,7 +15,7 @@
 //! is the high plane itself (no shadow write). Its extra cost is the join and split in L1.
 
 use crate::host::{PageKind, Region, RegionSpec};
-use crate::model::config::{Architecture, MlpActivation, ModelConfig, NormWeight};
+use crate::model::config::{Architecture, ModelConfig};
 use crate::optim::adamw::{AdamWConfig, Isa};
 use crate::optim::moments;
 use crate::optim::{unit_segments, AdamPool, Salts};
@@ -154,33 +154,15 @@ fn bench_model(params: usize) -> Result<ModelConfig> {
     // params_per_layer ≈ 4C² (attention) + 3·C·(8C/3) (MLP) = 12C².
     let c = (((params / layers) as f64 / 12.0).sqrt() as usize / 64).max(1) * 64;
     Ok(ModelConfig {
-        architecture: Architecture::Llama,
-        vocab_size: 256,
-        hidden_size: c,
-        intermediate_size: c * 8 / 3 / 64 * 64,
-        num_layers: layers,
-        num_heads: c / 64,
-        num_kv_heads: c / 64,
-        head_dim: 64,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: Default::default(),
         max_position_embeddings: 2048,
-        tie_word_embeddings: true,
-        qkv_bias: false,
-        o_bias: false,
-        qk_norm: false,
-        sliding_window: None,
-        windowed_layers: Vec::new(),
-        norm_weight: NormWeight::Scale,
-        sandwich_norms: false,
-        mlp_activation: MlpActivation::Silu,
-        scale_embeddings: false,
-        query_pre_attn_scalar: None,
-        local_rope: None,
-        pad_token_id: None,
-        attn_logit_softcapping: None,
-        final_logit_softcapping: None,
+        ..ModelConfig::dense(
+            Architecture::Llama,
+            256,
+            (c, c * 8 / 3 / 64 * 64, layers),
+            (c / 64, c / 64),
+            true,
+            10000.0,
+        )
     })
 }
 

@@ -13,7 +13,7 @@
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
 use crate::engine::schedule::{self, Activations, LeanPieces, ScheduleSpec};
 use crate::engine::{MicroBatch, StepMetrics, Streamer, StreamerConfig};
-use crate::model::config::{Architecture, MlpActivation, ModelConfig, NormWeight};
+use crate::model::config::{Architecture, ModelConfig};
 use crate::model::reference::Templates;
 use crate::optim::adamw::Isa;
 use crate::optim::adamw::{self, AdamSlices, StepScalars};
@@ -90,35 +90,14 @@ pub struct EngineCase {
 }
 
 fn model() -> ModelConfig {
-    ModelConfig {
-        architecture: Architecture::Llama,
-        vocab_size: 2048,
-        hidden_size: 256,
-        intermediate_size: 704,
-        num_layers: 6,
-        num_heads: 4,
-        num_kv_heads: 4,
-        head_dim: 64,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: Default::default(),
-        max_position_embeddings: 4096,
-        tie_word_embeddings: false,
-        qkv_bias: false,
-        o_bias: false,
-        qk_norm: false,
-        sliding_window: None,
-        windowed_layers: Vec::new(),
-        norm_weight: NormWeight::Scale,
-        sandwich_norms: false,
-        mlp_activation: MlpActivation::Silu,
-        scale_embeddings: false,
-        query_pre_attn_scalar: None,
-        local_rope: None,
-        pad_token_id: None,
-        attn_logit_softcapping: None,
-        final_logit_softcapping: None,
-    }
+    ModelConfig::dense(
+        Architecture::Llama,
+        2048,
+        (256, 704, 6),
+        (4, 4),
+        false,
+        10000.0,
+    )
 }
 
 /// One configuration.

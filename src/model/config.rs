@@ -225,6 +225,49 @@ impl RopeParams {
 }
 
 impl ModelConfig {
+    /// A Llama-style dense decoder of `arch` (Qwen2's q/k/v bias included): vocabulary `v`,
+    /// width, MLP width and layers `(h, i, l)`, `(nh, nkv)` heads of `h / nh`, RMSNorm eps 1e-5,
+    /// RoPE θ `theta` unscaled, 4096 positions; no window, Llama's norms and SiLU. For presets
+    /// and benchmarks; a `config.json` goes through [`ModelConfig::from_json_str`].
+    pub fn dense(
+        arch: Architecture,
+        v: usize,
+        (h, i, l): (usize, usize, usize),
+        (nh, nkv): (usize, usize),
+        tied: bool,
+        theta: f64,
+    ) -> Self {
+        ModelConfig {
+            architecture: arch,
+            vocab_size: v,
+            hidden_size: h,
+            intermediate_size: i,
+            num_layers: l,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: h / nh.max(1),
+            rms_norm_eps: 1e-5,
+            rope_theta: theta,
+            rope_scaling: RopeScaling::Default,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: tied,
+            qkv_bias: arch == Architecture::Qwen2,
+            o_bias: false,
+            qk_norm: false,
+            sliding_window: None,
+            windowed_layers: Vec::new(),
+            norm_weight: NormWeight::Scale,
+            sandwich_norms: false,
+            mlp_activation: MlpActivation::Silu,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
+            local_rope: None,
+            pad_token_id: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+        }
+    }
+
     /// Read `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text =

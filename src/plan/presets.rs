@@ -3,7 +3,7 @@
 //! preset names its sources. They are inputs to a prediction, not our measurements.
 
 use super::Hardware;
-use crate::model::config::{Architecture, MlpActivation, ModelConfig, NormWeight};
+use crate::model::config::{Architecture, ModelConfig};
 use crate::model::ops::RopeScaling;
 
 const GB: u64 = 1_000_000_000;
@@ -91,6 +91,7 @@ pub fn machine(name: &str) -> Option<Hardware> {
 /// Machine preset names.
 pub const MACHINES: [&str; 4] = ["h200-1.5tb", "gh200-480gb", "h100-512gb", "rtx4090-256gb"];
 
+/// A Llama-style dense model ([`ModelConfig::dense`]).
 #[allow(clippy::too_many_arguments)]
 fn llama_like(
     arch: Architecture,
@@ -104,33 +105,8 @@ fn llama_like(
     theta: f64,
 ) -> ModelConfig {
     ModelConfig {
-        architecture: arch,
-        vocab_size: v,
-        hidden_size: h,
-        intermediate_size: i,
-        num_layers: l,
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: h / nh,
-        rms_norm_eps: 1e-5,
-        rope_theta: theta,
-        rope_scaling: RopeScaling::Default,
         max_position_embeddings: 131072,
-        tie_word_embeddings: tied,
-        qkv_bias: arch == Architecture::Qwen2,
-        o_bias: false,
-        qk_norm: false,
-        sliding_window: None,
-        windowed_layers: Vec::new(),
-        norm_weight: NormWeight::Scale,
-        sandwich_norms: false,
-        mlp_activation: MlpActivation::Silu,
-        scale_embeddings: false,
-        query_pre_attn_scalar: None,
-        local_rope: None,
-        pad_token_id: None,
-        attn_logit_softcapping: None,
-        final_logit_softcapping: None,
+        ..ModelConfig::dense(arch, v, (h, i, l), (nh, nkv), tied, theta)
     }
 }
 
