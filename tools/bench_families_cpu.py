@@ -15,13 +15,14 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_torch_cpu  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -42,28 +43,8 @@ FAMILIES = {
 
 
 def torch_run(cfg_dict, a, tokens):
-    torch.set_num_threads(a.threads)
-    d = dict(cfg_dict)
-    d.pop("architectures")
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     rows = torch.from_numpy(tokens[: a.batch * (a.seq + 1)].astype(np.int64)).reshape(a.batch, a.seq + 1)
-    times = []
-    for i in range(a.steps + 3):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=rows[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), rows[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    params = sum(p.numel() for p in model.parameters())
-    return a.batch * a.seq / times[len(times) // 2], params
+    return bench_torch_cpu.train_tokens_per_s(cfg_dict, a.batch, a.seq, a.steps, a.threads, rows)
 
 
 def megatrain_run(cfg_path, data_path, a, tmp):
@@ -72,7 +53,7 @@ def megatrain_run(cfg_path, data_path, a, tmp):
     if os.path.exists(metrics):
         os.remove(metrics)
     cmd = [binary, "train", "--model", cfg_path, "--data", data_path, "--seq-len", str(a.seq),
-           "--batch-size", str(a.batch), "--steps", str(a.steps + 1), "--lr", "1e-3",
+           "--batch-size", str(a.batch), "--steps", str(a.steps + 1), "--lr", "2e-3",
            "--weight-decay", "0.1", "--grad-clip", "1.0", "--metrics", metrics]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     lines = [json.loads(l) for l in open(metrics)]
