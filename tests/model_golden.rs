@@ -266,6 +266,12 @@ fn qwen2_window_on_some_layers() {
     check_case("qwen2_window");
 }
 
+/// Ministral: the window (7 of 40) on layer 0 only, as `layer_types` says.
+#[test]
+fn ministral_window_on_some_layers() {
+    check_case("ministral_window");
+}
+
 /// Gemma 3 text: `1 + w` norms (weights around 0), sandwich norms, QK-norm, GELU-tanh,
 /// embeddings × √hidden, attention scale `query_pre_attn_scalar^-½`, a local layer (window 7
 /// of 40, its own RoPE θ) and a global one (linear RoPE), tied, padding index 0.

@@ -397,6 +397,11 @@ fn gemma3_text() {
 fn gemma2_soft_capping() {
     check("gemma2");
 }
+/// Ministral: a window of 6 on layer 0 only.
+#[test]
+fn ministral_window_on_some_layers() {
+    check("ministral_window");
+}
 /// `--precision bf16` on the CPU device against torch running the same recipe
 /// (tools/golden_train_bf16.py).
 #[test]
@@ -467,6 +472,10 @@ mod cuda {
     #[test]
     fn gemma2_soft_capping() {
         check_on("gemma2", On::Cuda { delays: false });
+    }
+    #[test]
+    fn ministral_window_on_some_layers() {
+        check_on("ministral_window", On::Cuda { delays: true });
     }
     #[test]
     fn mistral_sliding_window_with_random_stream_delays() {

@@ -86,6 +86,9 @@ CASES = {
                     tie_word_embeddings=True, query_pre_attn_scalar=20, sliding_window=7,
                     layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.2,
                     final_logit_softcapping=0.5, hidden_activation="gelu_pytorch_tanh"), 2, 40),
+    # Ministral: Mistral with the window on the layers `layer_types` names (layer 0 here).
+    "ministral_window": (dict(model_type="ministral", num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=7,
+                              layer_types=["sliding_attention", "full_attention"]), 2, 40),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

@@ -70,6 +70,10 @@ CASES = {
                                layer_types=["sliding_attention", "full_attention"],
                                attn_logit_softcapping=0.2, final_logit_softcapping=0.5,
                                hidden_activation="gelu_pytorch_tanh")),
+    # Ministral with a window of 6 on layer 0 only.
+    "ministral_window": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0,
+                             wd=0.1, model_type="ministral", head_dim=8,
+                             config=dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

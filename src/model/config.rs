@@ -48,6 +48,8 @@ pub enum Architecture {
     Llama,
     /// `MistralForCausalLM` (Llama with an optional sliding window).
     Mistral,
+    /// `MinistralForCausalLM` (Mistral with a window on the layers `layer_types` names).
+    Ministral,
     /// `Qwen2ForCausalLM` (Llama with q/k/v bias).
     Qwen2,
     /// `Qwen3ForCausalLM` (Llama with QK-norm: a per-head RMSNorm on q and k before RoPE).
@@ -68,6 +70,7 @@ impl Architecture {
         match self {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Ministral => "MinistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Gemma2 => "Gemma2ForCausalLM",
@@ -80,6 +83,7 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
+            Architecture::Ministral => "ministral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma2 => "gemma2",
@@ -544,7 +548,10 @@ impl ModelConfig {
             "torch_dtype": "float32",
             "pad_token_id": self.pad_token_id,
         });
-        if self.architecture != Architecture::Qwen2 {
+        if !matches!(
+            self.architecture,
+            Architecture::Qwen2 | Architecture::Ministral
+        ) {
             v["attention_bias"] = Value::Bool(self.qkv_bias);
         }
         if matches!(
@@ -571,6 +578,16 @@ impl ModelConfig {
         }
         if self.architecture == Architecture::Mistral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
+        }
+        if self.architecture == Architecture::Ministral {
+            v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
+            let types: Vec<&str> = (0..self.num_layers)
+                .map(|i| match self.layer_window(i) {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect();
+            v["layer_types"] = serde_json::json!(types);
         }
         if matches!(
             self.architecture,

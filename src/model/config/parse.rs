@@ -16,6 +16,7 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
         _ => match v.get("model_type").and_then(Value::as_str) {
             Some("llama") => "LlamaForCausalLM".into(),
             Some("mistral") => "MistralForCausalLM".into(),
+            Some("ministral") => "MinistralForCausalLM".into(),
             Some("qwen2") => "Qwen2ForCausalLM".into(),
             Some("qwen3") => "Qwen3ForCausalLM".into(),
             Some("gemma3_text") => "Gemma3ForCausalLM".into(),
@@ -33,6 +34,7 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
     let arch = match arch_name.as_str() {
         "LlamaForCausalLM" => Architecture::Llama,
         "MistralForCausalLM" => Architecture::Mistral,
+        "MinistralForCausalLM" => Architecture::Ministral,
         "Qwen2ForCausalLM" => Architecture::Qwen2,
         "Qwen3ForCausalLM" => Architecture::Qwen3,
         "Gemma2ForCausalLM" => Architecture::Gemma2,
@@ -41,7 +43,7 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
             "model config",
             origin,
             format!("architecture `{other}` is not supported"),
-            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"),
         )),
     };
     if arch == Architecture::Gemma2 {
@@ -390,7 +392,8 @@ fn scaling_from(s: &Value, v: &Value, origin: &str) -> Result<RopeScaling> {
 /// `sliding_window` on every layer (4096 when the key is absent, none when it is null;
 /// `layer_types` ignored); Qwen2's and Qwen3's only under `use_sliding_window` (the same
 /// default), on the layers `layer_types` names `sliding_attention` (else those from
-/// `max_window_layers` on, 28 unless set); Gemma 3's on the layers `layer_types` names (else
+/// `max_window_layers` on, 28 unless set); Ministral's on the layers `layer_types` names (else
+/// every layer); Gemma 3's on the layers `layer_types` names (else
 /// all but every `sliding_window_pattern`-th), every layer's type returned even without a
 /// window (they choose the RoPE); Llama's `layer_types` must be all `full_attention`.
 /// Empty layers: every layer.
@@ -461,6 +464,19 @@ pub(super) fn sliding_window(
                 }
             };
             Ok((size()?, windowed))
+        }
+        Architecture::Ministral => {
+            // transformers: `layer_types`, else every layer sliding when there is a window.
+            let Some(w) = size()? else {
+                if types.is_some_and(|t| t.contains(&true)) {
+                    return Err(bad(
+                        origin,
+                        "`layer_types` names sliding_attention layers but `sliding_window` is null",
+                    ));
+                }
+                return Ok((None, Vec::new()));
+            };
+            Ok((Some(w), types.unwrap_or_default()))
         }
         Architecture::Qwen2 | Architecture::Qwen3 => {
             if get_bool(v, "use_sliding_window", origin)? != Some(true) {

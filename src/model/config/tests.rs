@@ -486,3 +486,32 @@ fn gemma2_9b_counts_its_published_9_24b_params_and_soft_caps() {
     .to_string();
     assert!(e.contains("final_logit_softcapping"), "{e}");
 }
+
+#[test]
+fn ministral_windows_follow_layer_types() {
+    let base = r#"{"architectures": ["MinistralForCausalLM"], "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100 XX}"#;
+    let c = ModelConfig::from_json_str(&base.replace(" XX", ""), "m").unwrap();
+    // No key: transformers' 4096 on every layer.
+    assert_eq!(
+        (0..3).map(|i| c.layer_window(i)).collect::<Vec<_>>(),
+        vec![Some(4096); 3]
+    );
+    let typed = base.replace(
+        " XX",
+        r#", "sliding_window": 32, "layer_types": ["full_attention", "sliding_attention", "full_attention"]"#,
+    );
+    let c = ModelConfig::from_json_str(&typed, "m").unwrap();
+    assert_eq!(
+        (0..3).map(|i| c.layer_window(i)).collect::<Vec<_>>(),
+        vec![None, Some(32), None]
+    );
+    assert_eq!(
+        ModelConfig::from_json_str(&c.to_hf_json(), "back").unwrap(),
+        c
+    );
+    let none = ModelConfig::from_json_str(&base.replace(" XX", r#", "sliding_window": null"#), "m")
+        .unwrap();
+    assert_eq!(none.layer_window(0), None);
+}
