@@ -564,13 +564,7 @@ impl ModelConfig {
             v["use_sliding_window"] = Value::Bool(self.sliding_window.is_some());
             if let Some(w) = self.sliding_window {
                 v["sliding_window"] = Value::from(w);
-                let types: Vec<&str> = (0..self.num_layers)
-                    .map(|i| match self.layer_window(i) {
-                        Some(_) => "sliding_attention",
-                        None => "full_attention",
-                    })
-                    .collect();
-                v["layer_types"] = serde_json::json!(types);
+                v["layer_types"] = self.hf_layer_types();
                 // transformers before `layer_types` read the windowed layers from here.
                 let first = (0..self.num_layers).find(|&i| self.layer_window(i).is_some());
                 v["max_window_layers"] = Value::from(first.unwrap_or(self.num_layers));
@@ -581,13 +575,7 @@ impl ModelConfig {
         }
         if self.architecture == Architecture::Ministral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
-            let types: Vec<&str> = (0..self.num_layers)
-                .map(|i| match self.layer_window(i) {
-                    Some(_) => "sliding_attention",
-                    None => "full_attention",
-                })
-                .collect();
-            v["layer_types"] = serde_json::json!(types);
+            v["layer_types"] = self.hf_layer_types();
         }
         if matches!(
             self.architecture,
@@ -605,7 +593,10 @@ impl ModelConfig {
     /// `rope_parameters`; Gemma 2 with one RoPE).
     fn gemma_hf_fields(&self, v: &mut Value) {
         let gemma3 = self.architecture == Architecture::Gemma3;
-        let o = v.as_object_mut().expect("a JSON object");
+        let layer_types = self.hf_layer_types();
+        let Some(o) = v.as_object_mut() else {
+            return;
+        };
         o.remove("hidden_act");
         if gemma3 {
             o.remove("rope_theta");
@@ -623,12 +614,6 @@ impl ModelConfig {
             scaling: self.rope_scaling.clone(),
         };
         let local = self.local_rope.clone().unwrap_or(global.clone());
-        let types: Vec<&str> = (0..self.num_layers)
-            .map(|i| match self.windowed_layers.get(i) {
-                Some(true) => "sliding_attention",
-                _ => "full_attention",
-            })
-            .collect();
         for (key, value) in [
             ("hidden_activation", Value::from("gelu_pytorch_tanh")),
             (
@@ -643,7 +628,7 @@ impl ModelConfig {
                 "sliding_window",
                 self.sliding_window.map_or(Value::Null, Value::from),
             ),
-            ("layer_types", serde_json::json!(types)),
+            ("layer_types", layer_types),
             (
                 "final_logit_softcapping",
                 self.final_logit_softcapping
@@ -663,11 +648,32 @@ impl ModelConfig {
         }
     }
 
+    /// Whether layer `layer` is a local (`sliding_attention`) one: as `windowed_layers` says,
+    /// else every layer when there is a window. Gemma's local layers stay local without a
+    /// window (their RoPE is theirs); [`ModelConfig::layer_window`] is the window itself.
+    fn is_local_layer(&self, layer: usize) -> bool {
+        match self.windowed_layers.get(layer) {
+            Some(local) => *local,
+            None => self.sliding_window.is_some(),
+        }
+    }
+
+    /// `layer_types` as transformers reads it.
+    fn hf_layer_types(&self) -> Value {
+        let types: Vec<&str> = (0..self.num_layers)
+            .map(|i| match self.is_local_layer(i) {
+                true => "sliding_attention",
+                false => "full_attention",
+            })
+            .collect();
+        serde_json::json!(types)
+    }
+
     /// Which RoPE table layer `layer` rotates with: 0 the global one, 1 the local one (the
     /// sliding-window layers' own RoPE, [`ModelConfig::local_rope`]).
     pub fn layer_rope(&self, layer: usize) -> usize {
-        match (&self.local_rope, self.windowed_layers.get(layer)) {
-            (Some(_), Some(true)) => 1,
+        match (&self.local_rope, self.is_local_layer(layer)) {
+            (Some(_), true) => 1,
             _ => 0,
         }
     }
@@ -690,10 +696,7 @@ impl ModelConfig {
     /// The sliding window of layer `layer`'s attention, if it has one.
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
         let w = self.sliding_window?;
-        match self.windowed_layers.get(layer) {
-            Some(false) => None,
-            _ => Some(w),
-        }
+        self.is_local_layer(layer).then_some(w)
     }
 
     /// q projection output width NH·HD.
