@@ -459,3 +459,46 @@ fn scaled_rope_matches_transformers() {
         assert!(unscaled > 0.1, "{case}: the scaling does not matter here");
     }
 }
+
+/// Mixtral: 4 experts of width 24 on both layers, top-2 renormalised (every expert gets tokens).
+#[test]
+fn mixtral_mixture_of_experts() {
+    check_case("mixtral");
+}
+
+/// Qwen3-MoE: QK-norm, 32 experts of width 16, top-3 not renormalised on layers 0 and 2 (layer 1
+/// dense): most experts get no token and no gradient.
+#[test]
+fn qwen3_moe_mixture_of_experts() {
+    check_case("qwen3_moe");
+}
+
+/// Routing matters: each golden fails with the renormalisation flipped or another k.
+#[test]
+fn moe_goldens_fail_without_their_routing() {
+    for (case, flips) in [("mixtral", true), ("qwen3_moe", false)] {
+        let base = load(case).layout.config;
+        let m = base.moe.clone().unwrap();
+        let with = |moe: megatrain::model::config::MoeConfig| ModelConfig {
+            moe: Some(moe),
+            ..base.clone()
+        };
+        let off = vec![
+            (
+                "norm_topk_prob flipped",
+                with(megatrain::model::config::MoeConfig {
+                    norm_topk_prob: !flips,
+                    ..m.clone()
+                }),
+            ),
+            (
+                "top_k + 1",
+                with(megatrain::model::config::MoeConfig {
+                    top_k: m.top_k + 1,
+                    ..m.clone()
+                }),
+            ),
+        ];
+        fails_without(case, off);
+    }
+}

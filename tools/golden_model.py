@@ -89,6 +89,16 @@ CASES = {
     # Ministral: Mistral with the window on the layers `layer_types` names (layer 0 here).
     "ministral_window": (dict(model_type="ministral", num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=7,
                               layer_types=["sliding_attention", "full_attention"]), 2, 40),
+    # Mixtral: a mixture of 4 experts of width 24 on every layer, top-2 renormalised; every
+    # expert gets tokens.
+    "mixtral": (dict(model_type="mixtral", num_attention_heads=4, num_key_value_heads=2, intermediate_size=24,
+                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None), 2, 20),
+    # Qwen3-MoE: QK-norm attention; 32 experts of width 16, top-3 not renormalised, on layers 0
+    # and 2 (layer 1 dense, `mlp_only_layers`); 9 tokens choose at most 27 experts, so some
+    # experts get no token (no gradient, AdamW still decays them).
+    "qwen3_moe": (dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                       num_hidden_layers=3, num_experts=32, num_experts_per_tok=3, moe_intermediate_size=16,
+                       norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=False), 1, 9),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

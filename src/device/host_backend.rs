@@ -4,10 +4,10 @@
 //! caller holds for writing. A range the program gets wrong is an error here, where on a GPU it
 //! would be silent memory corruption.
 
-use super::program::{Backend, Gemm};
+use super::program::{Backend, Gemm, MoeAt};
 use super::Precision;
 use crate::model::config::MlpActivation;
-use crate::model::ops::{self, AttnShape, Rope};
+use crate::model::ops::{self, AttnShape, MoeGrads, MoeShape, MoeWeights, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -495,6 +495,75 @@ impl Backend for HostBackend<'_> {
         if keep16 {
             h.iter_mut().for_each(|v| *v = bf16_value(*v));
         }
+        Ok(())
+    }
+
+    fn moe_fwd(
+        &mut self,
+        out: HostP,
+        h: HostP,
+        w: MoeAt<HostP>,
+        rows: usize,
+        s: MoeShape,
+    ) -> Result<()> {
+        let (e, c, i) = (s.experts, s.c, s.inter);
+        let ([out], [h, router, gate_up, down]) = views(
+            "moe_fwd",
+            [(out, rows * c)],
+            [
+                (h, rows * c),
+                (w.router, e * c),
+                (w.gate_up, e * 2 * i * c),
+                (w.down, e * c * i),
+            ],
+        )?;
+        let w = MoeWeights {
+            router,
+            gate_up,
+            down,
+        };
+        ops::moe_fwd(out, h, &w, rows, s);
+        Ok(())
+    }
+
+    fn moe_bwd(
+        &mut self,
+        dh: HostP,
+        g: MoeAt<HostP>,
+        d_out: HostP,
+        h: HostP,
+        w: MoeAt<HostP>,
+        rows: usize,
+        s: MoeShape,
+    ) -> Result<()> {
+        let (e, c, i) = (s.experts, s.c, s.inter);
+        let ([dh, g_router, g_gate_up, g_down], [d_out, h, router, gate_up, down]) = views(
+            "moe_bwd",
+            [
+                (dh, rows * c),
+                (g.router, e * c),
+                (g.gate_up, e * 2 * i * c),
+                (g.down, e * c * i),
+            ],
+            [
+                (d_out, rows * c),
+                (h, rows * c),
+                (w.router, e * c),
+                (w.gate_up, e * 2 * i * c),
+                (w.down, e * c * i),
+            ],
+        )?;
+        let grads = MoeGrads {
+            router: g_router,
+            gate_up: g_gate_up,
+            down: g_down,
+        };
+        let w = MoeWeights {
+            router,
+            gate_up,
+            down,
+        };
+        ops::moe_bwd(dh, grads, d_out, h, &w, rows, s);
         Ok(())
     }
 

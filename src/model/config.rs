@@ -16,7 +16,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
+mod moe;
 mod parse;
+pub use moe::{MoeConfig, MAX_EXPERTS};
 use parse::*;
 
 /// The largest sizes a config may have. Real models are far inside them (Llama-3-405B: hidden
@@ -62,6 +64,12 @@ pub enum Architecture {
     /// RMSNorms, four per block, QK-norm, GELU-tanh MLP, embeddings scaled by √hidden, local
     /// sliding-window layers with their own RoPE between global ones.
     Gemma3,
+    /// `MixtralForCausalLM`: Mistral's block with a mixture-of-experts MLP (softmax router,
+    /// top-k renormalised).
+    Mixtral,
+    /// `Qwen3MoeForCausalLM`: Qwen3's block (QK-norm) with a mixture-of-experts MLP on the
+    /// layers `decoder_sparse_step` and `mlp_only_layers` choose.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -75,6 +83,8 @@ impl Architecture {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -88,6 +98,8 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 }
@@ -200,6 +212,9 @@ pub struct ModelConfig {
     /// Logits soft-capped as `cap·tanh(z / cap)` (Gemma 2).
     #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
+    /// The mixture-of-experts MLP (Mixtral, Qwen3-MoE), on the layers it names.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
 }
 
 impl RopeParams {
@@ -269,6 +284,7 @@ impl ModelConfig {
             pad_token_id: None,
             attn_logit_softcapping: None,
             final_logit_softcapping: None,
+            moe: None,
         }
     }
 
@@ -326,7 +342,10 @@ impl ModelConfig {
             tie_word_embeddings: get_bool(v, "tie_word_embeddings", origin)?.unwrap_or(false),
             qkv_bias,
             o_bias,
-            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
+            qk_norm: matches!(
+                architecture,
+                Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3
+            ),
             sliding_window,
             windowed_layers,
             norm_weight: if gemma {
@@ -342,6 +361,7 @@ impl ModelConfig {
             pad_token_id: None,
             attn_logit_softcapping,
             final_logit_softcapping,
+            moe: moe::moe(v, architecture, num_layers, origin)?,
         };
         let cfg = ModelConfig {
             pad_token_id: pad_token_id(v, cfg.vocab_size, origin)?,
@@ -433,7 +453,7 @@ impl ModelConfig {
             self.num_kv_heads as u128 * self.head_dim as u128,
         );
         let norms = if self.sandwich_norms { 4 } else { 2 };
-        let mut layer = norms * c + q * c + 2 * kv * c + c * q + 3 * i * c;
+        let mut layer = norms * c + q * c + 2 * kv * c + c * q;
         if self.qkv_bias {
             layer += q + 2 * kv;
         }
@@ -443,8 +463,17 @@ impl ModelConfig {
         if self.qk_norm {
             layer += 2 * self.head_dim as u128;
         }
+        let mlps: u128 = match &self.moe {
+            None => self.num_layers as u128 * 3 * i * c,
+            Some(m) => {
+                let sparse = (0..self.num_layers).filter(|&l| m.is_sparse(l)).count() as u128;
+                let experts = m.num_experts as u128;
+                let moe = experts * c + experts * 3 * m.expert_intermediate as u128 * c;
+                sparse * moe + (self.num_layers as u128 - sparse) * 3 * i * c
+            }
+        };
         let head = if self.tie_word_embeddings { 0 } else { v * c };
-        v * c + self.num_layers as u128 * layer + c + head
+        v * c + self.num_layers as u128 * layer + mlps + c + head
     }
 
     /// The architecture's features, for people: the attention heads, RoPE and its scaling, the
@@ -495,6 +524,21 @@ impl ModelConfig {
         }
         if self.norm_weight == NormWeight::OnePlus {
             f.push("RMSNorm (1 + w)".into());
+        }
+        if let Some(m) = &self.moe {
+            let sparse = (0..self.num_layers).filter(|&l| m.is_sparse(l)).count();
+            f.push(format!(
+                "MoE: {} experts of width {}, top-{}{} on {sparse} of {} layers",
+                m.num_experts,
+                m.expert_intermediate,
+                m.top_k,
+                if m.norm_topk_prob {
+                    " renormalised"
+                } else {
+                    ""
+                },
+                self.num_layers
+            ));
         }
         if self.sandwich_norms {
             f.push("sandwich norms (4 per block)".into());
@@ -570,8 +614,18 @@ impl ModelConfig {
                 v["max_window_layers"] = Value::from(first.unwrap_or(self.num_layers));
             }
         }
-        if self.architecture == Architecture::Mistral {
+        if matches!(
+            self.architecture,
+            Architecture::Mistral | Architecture::Mixtral
+        ) {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
+        }
+        if self.architecture == Architecture::Qwen3Moe {
+            v["use_sliding_window"] = Value::Bool(self.sliding_window.is_some());
+            v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
+        }
+        if let (Some(m), Some(o)) = (&self.moe, v.as_object_mut()) {
+            moe::hf_fields(m, self.architecture, self.num_layers, o);
         }
         if self.architecture == Architecture::Ministral {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
@@ -709,15 +763,30 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Parameters of one decoder layer.
-    pub fn params_per_layer(&self) -> usize {
+    /// Whether decoder layer `layer` has the mixture-of-experts MLP.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
+    /// Parameters of the MLP of decoder layer `layer`: the dense one (gate, up, down), or the
+    /// router and every expert.
+    pub fn mlp_params(&self, layer: usize) -> usize {
+        let c = self.hidden_size;
+        match &self.moe {
+            Some(m) if m.is_sparse(layer) => m.num_experts * c * (1 + 3 * m.expert_intermediate),
+            _ => 3 * self.intermediate_size * c,
+        }
+    }
+
+    /// Parameters of decoder layer `layer`.
+    pub fn layer_params(&self, layer: usize) -> usize {
         let c = self.hidden_size;
         let norms = if self.sandwich_norms { 4 } else { 2 };
         let mut n = norms * c
             + self.q_dim() * c
             + 2 * self.kv_dim() * c
             + c * self.q_dim()
-            + 3 * self.intermediate_size * c;
+            + self.mlp_params(layer);
         if self.qkv_bias {
             n += self.q_dim() + 2 * self.kv_dim();
         }
@@ -734,7 +803,8 @@ impl ModelConfig {
     pub fn num_params(&self) -> usize {
         let emb = self.vocab_size * self.hidden_size;
         let head = if self.tie_word_embeddings { 0 } else { emb };
-        emb + self.num_layers * self.params_per_layer() + self.hidden_size + head
+        let layers: usize = (0..self.num_layers).map(|l| self.layer_params(l)).sum();
+        emb + layers + self.hidden_size + head
     }
 }
 

@@ -5,6 +5,7 @@
 
 use super::config::{MlpActivation, ModelConfig};
 use super::ops::{self, AttnShape, Rope};
+use super::ops::{MoeGrads, MoeShape, MoeWeights};
 use super::units::{UnitKind, UnitLayout};
 use crate::{Error, Result};
 
@@ -24,6 +25,50 @@ fn opt_offset(unit: &UnitLayout, suffix: &str, present: bool) -> Result<Option<u
         offset(unit, suffix).map(Some)
     } else {
         Ok(None)
+    }
+}
+
+/// The offset of a dense MLP tensor, or 0 in a mixture-of-experts layer (which has none).
+fn dense_offset(unit: &UnitLayout, suffix: &str, dense: bool) -> Result<usize> {
+    Ok(opt_offset(unit, suffix, dense)?.unwrap_or(0))
+}
+
+/// A layer's mixture-of-experts MLP: where its tensors are in the unit, and its shape.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeMlp {
+    /// Router `[E, C]`.
+    pub router: usize,
+    /// Experts' gate and up projections `[E, 2I, C]`.
+    pub gate_up: usize,
+    /// Experts' down projections `[E, C, I]`.
+    pub down: usize,
+    /// The shape.
+    pub shape: MoeShape,
+}
+
+impl MoeMlp {
+    /// Its weights in the unit's params `p`.
+    pub fn weights<'a>(&self, p: &'a [f32]) -> MoeWeights<'a> {
+        let s = self.shape;
+        let (e, c, i) = (s.experts, s.c, s.inter);
+        MoeWeights {
+            router: &p[self.router..self.router + e * c],
+            gate_up: &p[self.gate_up..self.gate_up + e * 2 * i * c],
+            down: &p[self.down..self.down + e * c * i],
+        }
+    }
+
+    /// Their gradients in the unit's gradients `g` (three disjoint ranges, in packing order).
+    pub fn grads<'a>(&self, g: &'a mut [f32]) -> MoeGrads<'a> {
+        let s = self.shape;
+        let (e, c, i) = (s.experts, s.c, s.inter);
+        let (head, rest) = g.split_at_mut(self.gate_up);
+        let (gu, rest) = rest.split_at_mut(self.down - self.gate_up);
+        MoeGrads {
+            router: &mut head[self.router..self.router + e * c],
+            gate_up: &mut gu[..e * 2 * i * c],
+            down: &mut rest[..e * c * i],
+        }
     }
 }
 
@@ -195,6 +240,9 @@ pub struct DecoderBlock {
     pub(crate) wg: usize,
     pub(crate) wu: usize,
     pub(crate) wd: usize,
+    /// The mixture-of-experts MLP in place of the dense one (`wg`, `wu`, `wd` and `inter`
+    /// unused then).
+    pub(crate) moe: Option<MoeMlp>,
     /// Sandwich norms: of the attention's output and of the MLP's.
     pub(crate) post_attn_norm: Option<usize>,
     pub(crate) post_mlp_norm: Option<usize>,
@@ -225,6 +273,22 @@ impl DecoderBlock {
             }
         };
         let sandwich = cfg.sandwich_norms;
+        let moe = match cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+            None => None,
+            Some(m) => Some(MoeMlp {
+                router: offset(unit, "mlp.gate.weight")?,
+                gate_up: offset(unit, "mlp.experts.gate_up_proj")?,
+                down: offset(unit, "mlp.experts.down_proj")?,
+                shape: MoeShape {
+                    c: cfg.hidden_size,
+                    experts: m.num_experts,
+                    top_k: m.top_k,
+                    inter: m.expert_intermediate,
+                    norm_topk: m.norm_topk_prob,
+                    act: cfg.mlp_activation,
+                },
+            }),
+        };
         Ok(DecoderBlock {
             c: cfg.hidden_size,
             nh: cfg.num_heads,
@@ -252,9 +316,10 @@ impl DecoderBlock {
                     "post_attention_layernorm.weight"
                 },
             )?,
-            wg: offset(unit, "mlp.gate_proj.weight")?,
-            wu: offset(unit, "mlp.up_proj.weight")?,
-            wd: offset(unit, "mlp.down_proj.weight")?,
+            wg: dense_offset(unit, "mlp.gate_proj.weight", moe.is_none())?,
+            wu: dense_offset(unit, "mlp.up_proj.weight", moe.is_none())?,
+            wd: dense_offset(unit, "mlp.down_proj.weight", moe.is_none())?,
+            moe,
             post_attn_norm: opt_offset(unit, "post_attention_layernorm.weight", sandwich)?,
             post_mlp_norm: opt_offset(unit, "post_feedforward_layernorm.weight", sandwich)?,
             norm_offset: cfg.norm_weight.offset(),
@@ -409,6 +474,9 @@ impl DecoderBlock {
             c,
             self.eps,
         );
+        if self.moe.is_some() {
+            return;
+        }
         ops::linear_fwd(
             &mut ws.gate[..n * i],
             &ws.h2[..n * c],
@@ -440,18 +508,18 @@ impl DecoderBlock {
     fn mlp_output(&self, p: &[f32], out: &mut [f32], ws: &mut Workspace, n: usize) {
         let (c, i) = (self.c, self.inter);
         let wd = &p[self.wd..self.wd + c * i];
+        let project = |out: &mut [f32], ws: &Workspace| match &self.moe {
+            Some(m) => {
+                ops::moe_fwd(out, &ws.h2[..n * c], &m.weights(p), n, m.shape);
+            }
+            None => ops::linear_fwd(out, &ws.act[..n * i], wd, None, n, i, c),
+        };
         match self.post_mlp_norm {
-            None => ops::linear_fwd(&mut out[..n * c], &ws.act[..n * i], wd, None, n, i, c),
+            None => project(&mut out[..n * c], ws),
             Some(pf) => {
-                ops::linear_fwd(
-                    &mut ws.mlp_out[..n * c],
-                    &ws.act[..n * i],
-                    wd,
-                    None,
-                    n,
-                    i,
-                    c,
-                );
+                let mut mlp_out = std::mem::take(&mut ws.mlp_out);
+                project(&mut mlp_out[..n * c], ws);
+                ws.mlp_out = mlp_out;
                 ops::rmsnorm_fwd(
                     &mut out[..n * c],
                     &mut ws.rstd_pf[..n],
@@ -542,6 +610,21 @@ impl DecoderBlock {
             }
         };
         let w = |off: usize, len: usize| &p[off..off + len];
+        if let Some(m) = &self.moe {
+            ops::moe_bwd(
+                &mut ws.d_c2[..n * c],
+                m.grads(g),
+                d_out,
+                &ws.h2[..n * c],
+                &m.weights(p),
+                n,
+                m.shape,
+            );
+            ws.d_c = d_c;
+            ws.d_c[..n * c].copy_from_slice(&ws.d_c2[..n * c]);
+            self.norm2_backward(p, g, dy, ws, n);
+            return;
+        }
         ops::linear_bwd(
             &mut ws.d_i1[..n * i],
             false,
@@ -590,7 +673,12 @@ impl DecoderBlock {
             c,
             i,
         );
-        // dx2 = dy + rmsnorm_bwd(dh2)
+        self.norm2_backward(p, g, dy, ws, n);
+    }
+
+    /// `ws.d_c2` = dL/dx2 = dy + the MLP input norm's backward of `ws.d_c` = dL/dh2.
+    fn norm2_backward(&self, p: &[f32], g: &mut [f32], dy: &[f32], ws: &mut Workspace, n: usize) {
+        let c = self.c;
         ws.d_c2[..n * c].copy_from_slice(&dy[..n * c]);
         ops::rmsnorm_bwd(
             &mut ws.d_c2[..n * c],
@@ -598,7 +686,7 @@ impl DecoderBlock {
             &mut g[self.ln2..self.ln2 + c],
             &ws.d_c[..n * c],
             &ws.x2[..n * c],
-            (w(self.ln2, c), self.norm_offset),
+            (&p[self.ln2..self.ln2 + c], self.norm_offset),
             &ws.rstd2[..n],
             c,
         );

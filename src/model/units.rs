@@ -137,11 +137,25 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
     if c.sandwich_norms {
         t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
     }
-    t.extend([
-        (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),
-        (format!("{p}.mlp.up_proj.weight"), vec![im, h]),
-        (format!("{p}.mlp.down_proj.weight"), vec![h, im]),
-    ]);
+    match c.moe.as_ref().filter(|m| m.is_sparse(i)) {
+        // transformers 5's fused experts: gate rows then up rows per expert, as a Linear's.
+        Some(m) => t.extend([
+            (format!("{p}.mlp.gate.weight"), vec![m.num_experts, h]),
+            (
+                format!("{p}.mlp.experts.gate_up_proj"),
+                vec![m.num_experts, 2 * m.expert_intermediate, h],
+            ),
+            (
+                format!("{p}.mlp.experts.down_proj"),
+                vec![m.num_experts, h, m.expert_intermediate],
+            ),
+        ]),
+        None => t.extend([
+            (format!("{p}.mlp.gate_proj.weight"), vec![im, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![im, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, im]),
+        ]),
+    }
     if c.sandwich_norms {
         t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
     }

@@ -95,6 +95,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         ..cfg.clone()
     };
     cfg.check_grad_link()?;
+    check_moe(&cfg, &inputs.model)?;
     let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
     let cfg = TrainConfig {
         mode: Some(mode),
@@ -537,6 +538,32 @@ fn choose_mode(
         }
     ));
     m
+}
+
+/// Mixture-of-experts layers run so far on the CPU device, in fp32: anything else is refused
+/// by name before anything is allocated.
+fn check_moe(cfg: &TrainConfig, model: &ModelConfig) -> Result<()> {
+    if model.moe.is_none() {
+        return Ok(());
+    }
+    let arch = model.architecture.hf_name();
+    if cfg.device != config::DeviceKind::Cpu {
+        return Err(Error::bad_input(
+            "--device",
+            "cuda",
+            format!("{arch} has mixture-of-experts layers, which have no CUDA kernels yet"),
+            Some("train it with --device cpu"),
+        ));
+    }
+    if cfg.resolved_precision() != Precision::Fp32 {
+        return Err(Error::bad_input(
+            "--precision",
+            "bf16",
+            format!("{arch}'s mixture-of-experts layers are computed in fp32 only so far"),
+            Some("use --precision fp32"),
+        ));
+    }
+    Ok(())
 }
 
 /// The compute device the configuration names, for its micro-batches, in the largest token

@@ -15,10 +15,10 @@ use super::launches::{i32_of, AttnArgs, Dtype, Launcher};
 use super::pinned::{host_fn, Pinned};
 use super::runtime::{drv, CudaRuntime, DevPtr};
 use crate::device::launch;
-use crate::device::program::{Backend, Gemm};
+use crate::device::program::{Backend, Gemm, MoeAt};
 use crate::device::Precision;
 use crate::model::config::MlpActivation;
-use crate::model::ops::{AttnShape, Rope};
+use crate::model::ops::{AttnShape, MoeShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
@@ -625,6 +625,23 @@ impl Backend for CudaBackend {
         self.k().gated_fwd(act, dt, l, h.addr, g, u, len as i64)
     }
 
+    fn moe_fwd(&mut self, _: DevP, _: DevP, _: MoeAt<DevP>, _: usize, _: MoeShape) -> Result<()> {
+        Err(moe_on_cuda())
+    }
+
+    fn moe_bwd(
+        &mut self,
+        _: DevP,
+        _: MoeAt<DevP>,
+        _: DevP,
+        _: DevP,
+        _: MoeAt<DevP>,
+        _: usize,
+        _: MoeShape,
+    ) -> Result<()> {
+        Err(moe_on_cuda())
+    }
+
     fn gated_bwd(
         &mut self,
         act: MlpActivation,
@@ -767,4 +784,15 @@ fn weight_dtype(w: DevP) -> Dtype {
     } else {
         F32
     }
+}
+
+/// Mixture-of-experts layers have no CUDA kernels yet (the trainer refuses them on
+/// `--device cuda` before anything runs; this is the program's own guard).
+fn moe_on_cuda() -> Error {
+    Error::bad_input(
+        "--device cuda",
+        "a mixture-of-experts layer",
+        "the CUDA device has no mixture-of-experts kernels yet",
+        Some("train mixture-of-experts models with --device cpu"),
+    )
 }

@@ -3,9 +3,9 @@
 //! token chunks ([`Shape::chunks`]): only K, V and their gradients span the micro-batch, every
 //! other intermediate is one chunk's.
 
-use super::{Backend, Chunk, Gemm, Precision, Shape, Ws};
+use super::{Backend, Chunk, Gemm, MoeAt, Precision, Shape, Ws};
 use crate::model::config::ModelConfig;
-use crate::model::layers::DecoderBlock;
+use crate::model::layers::{DecoderBlock, MoeMlp};
 use crate::model::ops::{self, AttnShape, CE_CHUNK_ROWS};
 use crate::Result;
 
@@ -344,6 +344,9 @@ fn query_internals<B: Backend>(
     }
     be.add(ws.x2, x, n * c)?;
     be.rmsnorm_fwd(h2, ws.rstd2, ws.x2, norm_w(blk.ln2), n, c, blk.eps)?;
+    if blk.moe.is_some() {
+        return Ok(());
+    }
     linear_fwd(be, ws.gate, h2, w(blk.wg), None, n, c, i)?;
     linear_fwd(be, ws.up, h2, w(blk.wu), None, n, c, i)?;
     be.gated_fwd(blk.act, act, ws.gate, ws.up, n * i)
@@ -362,13 +365,26 @@ fn mlp_output<B: Backend>(
     let (c, i) = (blk.c, blk.inter);
     let act = stored(be, ws.act);
     let wd = B::off(p, blk.wd);
-    match blk.post_mlp_norm {
+    let project = |be: &mut B, out: B::P| match &blk.moe {
+        Some(m) => be.moe_fwd(out, ws.h2, moe_at::<B>(p, m), rows, m.shape),
         None => linear_fwd(be, out, act, wd, None, rows, i, c),
+    };
+    match blk.post_mlp_norm {
+        None => project(be, out),
         Some(pf) => {
-            linear_fwd(be, ws.mlp_out, act, wd, None, rows, i, c)?;
+            project(be, ws.mlp_out)?;
             let w = (B::off(p, pf), blk.norm_offset);
             be.rmsnorm_fwd(out, ws.rstd_pf, ws.mlp_out, w, rows, c, blk.eps)
         }
+    }
+}
+
+/// A mixture-of-experts MLP's tensors in a unit's buffer at `base` (params or gradients).
+fn moe_at<B: Backend>(base: B::P, m: &MoeMlp) -> MoeAt<B::P> {
+    MoeAt {
+        router: B::off(base, m.router),
+        gate_up: B::off(base, m.gate_up),
+        down: B::off(base, m.down),
     }
 }
 
@@ -604,6 +620,18 @@ fn mlp_bwd<B: Backend>(
             ws.d_c
         }
     };
+    if let Some(m) = &blk.moe {
+        be.moe_bwd(
+            ws.d_c,
+            moe_at::<B>(g, m),
+            d_out,
+            ws.h2,
+            moe_at::<B>(p, m),
+            n,
+            m.shape,
+        )?;
+        return norm2_bwd(be, blk, p, g, dy, dx2, ws, n);
+    }
     linear_bwd(
         be,
         ws.d_i1,
@@ -646,6 +674,23 @@ fn mlp_bwd<B: Backend>(
         c,
         i,
     )?;
+    norm2_bwd(be, blk, p, g, dy, dx2, ws, n)
+}
+
+/// `dx2` = the MLP input norm's backward of `ws.d_c` = dL/dh2, plus `dy`.
+#[allow(clippy::too_many_arguments)]
+fn norm2_bwd<B: Backend>(
+    be: &mut B,
+    blk: &DecoderBlock,
+    p: B::P,
+    g: B::P,
+    dy: B::P,
+    dx2: B::P,
+    ws: &Ws<B::P>,
+    n: usize,
+) -> Result<()> {
+    let c = blk.c;
+    let (w, gw) = (|o: usize| B::off(p, o), |o: usize| B::off(g, o));
     // dx2 = rmsnorm_bwd(dh2) + dy.
     be.rmsnorm_bwd(
         dx2,

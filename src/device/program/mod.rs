@@ -17,7 +17,7 @@ mod workspace;
 use super::{Batch, BufId, DeviceKernel, Kernel, Precision};
 use crate::model::config::MlpActivation;
 use crate::model::layers::DecoderBlock;
-use crate::model::ops::AttnShape;
+use crate::model::ops::{AttnShape, MoeShape};
 use crate::model::reference::Templates;
 use crate::{Error, Result};
 pub use layers::{block_bwd, block_fwd, head_loss_bwd};
@@ -50,6 +50,17 @@ pub struct Gemm<P> {
     pub n: usize,
     /// `C +=` instead of `C =`.
     pub accumulate: bool,
+}
+
+/// Where a mixture-of-experts MLP's three tensors are (weights or their gradients).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeAt<P> {
+    /// Router `[E, C]`.
+    pub router: P,
+    /// Experts' gate and up projections `[E, 2I, C]`.
+    pub gate_up: P,
+    /// Experts' down projections `[E, C, I]`.
+    pub down: P,
 }
 
 /// The primitives a device offers. Addresses are `P` (f32 elements); token ids are `Ids`. Every
@@ -193,6 +204,29 @@ pub trait Backend {
         g: Self::P,
         u: Self::P,
         len: usize,
+    ) -> Result<()>;
+    /// The mixture-of-experts MLP of `rows` rows of `h` into `out` (`[rows, C]` each), weights
+    /// at `w` ([`crate::model::ops::moe_fwd`]: router, top-k, the experts' gated MLPs, the
+    /// weighted sum). Only called in fp32.
+    fn moe_fwd(
+        &mut self,
+        out: Self::P,
+        h: Self::P,
+        w: MoeAt<Self::P>,
+        rows: usize,
+        s: MoeShape,
+    ) -> Result<()>;
+    /// Its backward ([`crate::model::ops::moe_bwd`], the forward recomputed from `h`): `dh`
+    /// written, the router's and experts' gradients at `g` added to.
+    fn moe_bwd(
+        &mut self,
+        dh: Self::P,
+        g: MoeAt<Self::P>,
+        d_out: Self::P,
+        h: Self::P,
+        w: MoeAt<Self::P>,
+        rows: usize,
+        s: MoeShape,
     ) -> Result<()>;
     /// `x[r] = E[ids[r]]·scale` (`E` is `[V, c]`).
     fn embed_fwd(

@@ -22,6 +22,8 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
             Some("gemma3_text") => "Gemma3ForCausalLM".into(),
             Some("gemma2") => "Gemma2ForCausalLM".into(),
             Some("gemma3") => "Gemma3ForConditionalGeneration".into(),
+            Some("mixtral") => "MixtralForCausalLM".into(),
+            Some("qwen3_moe") => "Qwen3MoeForCausalLM".into(),
             Some(other) => other.to_owned(),
             None => {
                 return Err(bad(
@@ -39,11 +41,13 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
         "Qwen3ForCausalLM" => Architecture::Qwen3,
         "Gemma2ForCausalLM" => Architecture::Gemma2,
         "Gemma3ForCausalLM" | "Gemma3ForConditionalGeneration" => Architecture::Gemma3,
+        "MixtralForCausalLM" => Architecture::Mixtral,
+        "Qwen3MoeForCausalLM" => Architecture::Qwen3Moe,
         other => return Err(Error::bad_input(
             "model config",
             origin,
             format!("architecture `{other}` is not supported"),
-            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, the text model of Gemma3ForConditionalGeneration, MixtralForCausalLM and Qwen3MoeForCausalLM"),
         )),
     };
     if arch == Architecture::Gemma2 {
@@ -417,8 +421,21 @@ pub(super) fn sliding_window(
             },
         }
     };
-    if arch == Architecture::Mistral {
-        return Ok((size()?, Vec::new()));
+    match arch {
+        Architecture::Mistral => return Ok((size()?, Vec::new())),
+        // transformers' Mixtral has no window unless set.
+        Architecture::Mixtral if v.get("sliding_window").is_none() => {
+            return Ok((None, Vec::new()))
+        }
+        Architecture::Mixtral => return Ok((size()?, Vec::new())),
+        // Qwen3-MoE: every layer windowed under `use_sliding_window` (no `layer_types`).
+        Architecture::Qwen3Moe => {
+            return match get_bool(v, "use_sliding_window", origin)? {
+                Some(true) => Ok((size()?, Vec::new())),
+                _ => Ok((None, Vec::new())),
+            }
+        }
+        _ => {}
     }
     let types = match v.get("layer_types").filter(|x| !x.is_null()) {
         None => None,

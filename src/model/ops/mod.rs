@@ -443,11 +443,13 @@ pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f3
 
 mod attention;
 mod exp;
+mod moe;
 mod rope;
 pub use attention::{
     attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
     ATTN_TILE, IGNORE,
 };
+pub use moe::{moe_bwd, moe_fwd, route, MoeGrads, MoeShape, MoeWeights, Routing};
 pub use rope::{Rope, RopeScaling};
 
 /// Rows of logits materialised at once by [`lm_head_ce`]: chunk × V floats.

@@ -1,0 +1,192 @@
+use super::*;
+
+fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+#[derive(Clone)]
+struct Case {
+    s: MoeShape,
+    n: usize,
+    h: Vec<f32>,
+    router: Vec<f32>,
+    gate_up: Vec<f32>,
+    down: Vec<f32>,
+}
+
+fn case(norm_topk: bool, act: MlpActivation) -> Case {
+    let s = MoeShape {
+        c: 12,
+        experts: 10,
+        top_k: 2,
+        inter: 8,
+        norm_topk,
+        act,
+    };
+    let n = 4;
+    Case {
+        s,
+        n,
+        h: rand_vec(n * s.c, 1, 1.0),
+        router: rand_vec(s.experts * s.c, 2, 0.8),
+        gate_up: rand_vec(s.experts * 2 * s.inter * s.c, 3, 0.3),
+        down: rand_vec(s.experts * s.c * s.inter, 4, 0.3),
+    }
+}
+
+impl Case {
+    fn weights(&self) -> MoeWeights<'_> {
+        MoeWeights {
+            router: &self.router,
+            gate_up: &self.gate_up,
+            down: &self.down,
+        }
+    }
+
+    /// Σ out ⊙ r for a fixed r: a scalar loss.
+    fn loss(&self, r: &[f32]) -> f64 {
+        let mut out = vec![0f32; self.n * self.s.c];
+        moe_fwd(&mut out, &self.h, &self.weights(), self.n, self.s);
+        out.iter().zip(r).map(|(a, b)| *a as f64 * *b as f64).sum()
+    }
+}
+
+/// Token by token, in f64: softmax, top k, each chosen expert's MLP.
+fn naive(c: &Case) -> Vec<f64> {
+    let s = c.s;
+    let (cc, i, e) = (s.c, s.inter, s.experts);
+    let mut out = vec![0f64; c.n * cc];
+    for t in 0..c.n {
+        let h = &c.h[t * cc..(t + 1) * cc];
+        let z: Vec<f64> = (0..e)
+            .map(|x| {
+                (0..cc)
+                    .map(|j| h[j] as f64 * c.router[x * cc + j] as f64)
+                    .sum()
+            })
+            .collect();
+        let max = z.iter().cloned().fold(f64::MIN, f64::max);
+        let p: Vec<f64> = z.iter().map(|v| (v - max).exp()).collect();
+        let sum: f64 = p.iter().sum();
+        let p: Vec<f64> = p.iter().map(|v| v / sum).collect();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|a, b| p[*b].total_cmp(&p[*a]));
+        let chosen = &order[..s.top_k];
+        let total: f64 = chosen.iter().map(|&x| p[x]).sum();
+        for &x in chosen {
+            let wt = if s.norm_topk { p[x] / total } else { p[x] };
+            let gu = &c.gate_up[x * 2 * i * cc..];
+            let act: Vec<f64> = (0..i)
+                .map(|r| {
+                    let g: f64 = (0..cc).map(|j| h[j] as f64 * gu[r * cc + j] as f64).sum();
+                    let u: f64 = (0..cc)
+                        .map(|j| h[j] as f64 * gu[(i + r) * cc + j] as f64)
+                        .sum();
+                    match s.act {
+                        MlpActivation::Silu => g / (1.0 + (-g).exp()) * u,
+                        MlpActivation::GeluTanh => super::super::gelu_tanh(g as f32) as f64 * u,
+                    }
+                })
+                .collect();
+            let d = &c.down[x * cc * i..];
+            for o in 0..cc {
+                let y: f64 = (0..i).map(|r| act[r] * d[o * i + r] as f64).sum();
+                out[t * cc + o] += wt * y;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn forward_matches_a_token_by_token_computation() {
+    for norm in [false, true] {
+        let c = case(norm, MlpActivation::Silu);
+        let mut out = vec![0f32; c.n * c.s.c];
+        let r = moe_fwd(&mut out, &c.h, &c.weights(), c.n, c.s);
+        let want = naive(&c);
+        for (a, b) in out.iter().zip(&want) {
+            assert!((*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        assert_eq!(r.counts().iter().sum::<usize>(), c.n * c.s.top_k);
+        let chosen_once = (0..c.n).all(|t| r.expert[t * 2] != r.expert[t * 2 + 1]);
+        assert!(chosen_once);
+    }
+}
+
+#[test]
+fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
+    for (norm, act) in [
+        (true, MlpActivation::Silu),
+        (false, MlpActivation::GeluTanh),
+    ] {
+        let c = case(norm, act);
+        let s = c.s;
+        let r = rand_vec(c.n * s.c, 9, 1.0);
+        let mut dh = vec![0f32; c.n * s.c];
+        let (mut gr, mut ggu, mut gd) = (
+            vec![0f32; c.router.len()],
+            vec![0f32; c.gate_up.len()],
+            vec![0f32; c.down.len()],
+        );
+        let w = MoeWeights {
+            router: &c.router,
+            gate_up: &c.gate_up,
+            down: &c.down,
+        };
+        let routing = moe_fwd(&mut vec![0f32; c.n * s.c], &c.h, &w, c.n, s);
+        moe_bwd(
+            &mut dh,
+            MoeGrads {
+                router: &mut gr,
+                gate_up: &mut ggu,
+                down: &mut gd,
+            },
+            &r,
+            &c.h,
+            &w,
+            c.n,
+            s,
+        );
+        assert!(routing.counts().contains(&0), "{:?}", routing.counts());
+        for (ex, &count) in routing.counts().iter().enumerate() {
+            let block = 2 * s.inter * s.c;
+            let zero = ggu[ex * block..(ex + 1) * block].iter().all(|&g| g == 0.0);
+            assert_eq!(zero, count == 0, "expert {ex} with {count} tokens");
+        }
+        // Central differences (f32 forward, steps small enough to keep every routing).
+        let eps = 1e-3f32;
+        let check = |c: &Case, which: usize, idx: usize, analytic: f32| {
+            let at = |delta: f32| {
+                let mut d = c.clone();
+                let t = match which {
+                    0 => &mut d.h,
+                    1 => &mut d.router,
+                    2 => &mut d.gate_up,
+                    _ => &mut d.down,
+                };
+                t[idx] += delta;
+                d.loss(&r)
+            };
+            let numeric = (at(eps) - at(-eps)) / (2.0 * eps as f64);
+            assert!(
+                (numeric - analytic as f64).abs() < 2e-2 * (1.0 + numeric.abs()),
+                "tensor {which}[{idx}]: numeric {numeric} analytic {analytic}"
+            );
+        };
+        for idx in [0, 5, 13, 40, 77] {
+            check(&c, 0, idx % dh.len(), dh[idx % dh.len()]);
+            check(&c, 1, idx % c.router.len(), gr[idx % gr.len()]);
+            check(&c, 2, idx * 7 % ggu.len(), ggu[idx * 7 % ggu.len()]);
+            check(&c, 3, idx * 5 % gd.len(), gd[idx * 5 % gd.len()]);
+        }
+    }
+}
