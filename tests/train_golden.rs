@@ -217,6 +217,7 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
     for f in megatrain::store::hf::checkpoint_files(&out).unwrap() {
         ours.extend(read_f32_safetensors(&f));
     }
+    fuse_expert_pieces(&out, &mut ours);
     let bound = 2.0 * s["steps"].as_f64().unwrap() as f32 * s["lr"].as_f64().unwrap() as f32;
     let (mut n, mut loose) = (0usize, 0usize);
     for (key, (_, want)) in g.tensors.iter().filter(|(k, _)| k.starts_with("final.")) {
@@ -392,6 +393,18 @@ fn qwen3_qk_norm() {
 fn gemma3_text() {
     check("gemma3");
 }
+/// Mixtral: 4 experts, top-2 renormalised, 2 micro-batches per step; the export holds the
+/// per-expert tensors transformers' `save_pretrained` writes.
+#[test]
+fn mixtral_mixture_of_experts() {
+    check("mixtral");
+}
+/// Qwen3-MoE: 32 experts, top-3, a dense layer between two MoE layers; most experts get no
+/// token in a step and are only decayed.
+#[test]
+fn qwen3_moe_mixture_of_experts() {
+    check("qwen3_moe");
+}
 /// Gemma 2: soft-capped attention scores and logits.
 #[test]
 fn gemma2_soft_capping() {
@@ -531,5 +544,26 @@ mod cuda {
     #[test]
     fn bf16_gradients_on_the_link_with_random_stream_delays() {
         check_on("bf16_grad_link", On::Cuda { delays: true });
+    }
+}
+
+/// The fused expert tensors (`….mlp.experts.gate_up_proj`, as torch names its parameters) of
+/// an export that stores them per expert, put together from their pieces.
+fn fuse_expert_pieces(export: &Path, tensors: &mut std::collections::HashMap<String, Vec<f32>>) {
+    use megatrain::model::config::ModelConfig;
+    use megatrain::model::units::{stored_tensors, units};
+    let cfg = ModelConfig::from_file(&export.join("config.json")).unwrap();
+    for unit in units(&cfg) {
+        for piece in stored_tensors(&cfg, &unit) {
+            if piece.name == piece.tensor {
+                continue;
+            }
+            let spec = unit.tensor(&piece.tensor).unwrap();
+            let values = tensors[&piece.name].clone();
+            let fused = tensors
+                .entry(piece.tensor.clone())
+                .or_insert_with(|| vec![0.0; spec.numel()]);
+            fused[piece.offset..piece.offset + piece.numel()].copy_from_slice(&values);
+        }
     }
 }

@@ -74,6 +74,19 @@ CASES = {
     "ministral_window": dict(heads=4, kv=2, tied=False, B=2, T=20, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0,
                              wd=0.1, model_type="ministral", head_dim=8,
                              config=dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+    # Mixtral: 4 experts of width 24, top-2 renormalised, on both layers; 2 micro-batches a step.
+    "mixtral": dict(heads=4, kv=2, tied=False, B=2, T=12, M=2, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                    model_type="mixtral",
+                    config=dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=None)),
+    # Qwen3-MoE: 32 experts of width 16, top-3 not renormalised, on layers 0 and 2 (layer 1 dense);
+    # 8 tokens a step reach at most 24 experts, so some get no token in every step (no gradient,
+    # yet AdamW decays them and their moments).
+    "qwen3_moe": dict(heads=4, kv=2, tied=False, B=1, T=8, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                      model_type="qwen3_moe", head_dim=12,
+                      config=dict(num_hidden_layers=3, num_experts=32, num_experts_per_tok=3,
+                                  moe_intermediate_size=16, norm_topk_prob=False, mlp_only_layers=[1],
+                                  use_sliding_window=False)),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 

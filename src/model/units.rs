@@ -179,3 +179,88 @@ pub fn units(config: &ModelConfig) -> Vec<UnitLayout> {
     units.push(pack(UnitKind::Head, head));
     units
 }
+
+/// A tensor as a checkpoint stores it: a unit's tensor whole, or one expert's projection — a
+/// contiguous piece of a fused expert tensor, under the per-expert name that transformers'
+/// `save_pretrained` writes and released checkpoints use (`….experts.3.gate_proj.weight`,
+/// Mixtral's `….block_sparse_moe.experts.3.w1.weight`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredTensor {
+    /// The name in the checkpoint.
+    pub name: String,
+    /// The unit's tensor it is (part of).
+    pub tensor: String,
+    /// Its first element inside that tensor.
+    pub offset: usize,
+    /// Its shape.
+    pub shape: Vec<usize>,
+}
+
+impl StoredTensor {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// `t` whole, under its own name.
+    pub fn whole(t: &TensorSpec) -> Self {
+        StoredTensor {
+            name: t.name.clone(),
+            tensor: t.name.clone(),
+            offset: 0,
+            shape: t.shape.clone(),
+        }
+    }
+}
+
+/// The tensors of `unit` as a checkpoint of `config` stores them: every tensor whole, but an
+/// MoE layer's router under its architecture's name and its fused experts one projection per
+/// expert (per expert: gate, up, then the down projections).
+pub fn stored_tensors(config: &ModelConfig, unit: &UnitLayout) -> Vec<StoredTensor> {
+    use super::config::Architecture;
+    let mixtral = config.architecture == Architecture::Mixtral;
+    let (moe_name, gate, up, down) = match mixtral {
+        true => ("block_sparse_moe", "w1", "w3", "w2"),
+        false => ("mlp", "gate_proj", "up_proj", "down_proj"),
+    };
+    let mut out = Vec::with_capacity(unit.tensors.len());
+    for t in &unit.tensors {
+        let Some(prefix) = t
+            .name
+            .strip_suffix(".mlp.experts.gate_up_proj")
+            .or_else(|| t.name.strip_suffix(".mlp.experts.down_proj"))
+        else {
+            let name = match t.name.strip_suffix(".mlp.gate.weight") {
+                Some(p) if mixtral => format!("{p}.block_sparse_moe.gate.weight"),
+                _ => t.name.clone(),
+            };
+            out.push(StoredTensor {
+                name,
+                ..StoredTensor::whole(t)
+            });
+            continue;
+        };
+        let (experts, rows, cols) = (t.shape[0], t.shape[1], t.shape[2]);
+        let piece = |e: usize, proj: &str, offset: usize, shape: Vec<usize>| StoredTensor {
+            name: format!("{prefix}.{moe_name}.experts.{e}.{proj}.weight"),
+            tensor: t.name.clone(),
+            offset,
+            shape,
+        };
+        for e in 0..experts {
+            if t.name.ends_with("gate_up_proj") {
+                let half = rows / 2;
+                out.push(piece(e, gate, e * rows * cols, vec![half, cols]));
+                out.push(piece(
+                    e,
+                    up,
+                    e * rows * cols + half * cols,
+                    vec![half, cols],
+                ));
+            } else {
+                out.push(piece(e, down, e * rows * cols, vec![rows, cols]));
+            }
+        }
+    }
+    out
+}

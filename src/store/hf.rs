@@ -8,6 +8,7 @@
 use super::layout::StateLayout;
 use super::{HostStore, UnitGuard};
 use crate::model::config::{Architecture, ModelConfig};
+use crate::model::units::{stored_tensors, StoredTensor};
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors, View};
 use std::borrow::Cow;
@@ -188,7 +189,19 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
     let mut guards: Vec<UnitGuard> = (0..store.num_units())
         .map(|u| store.take(u))
         .collect::<Result<_>>()?;
-    let mut seen: BTreeMap<&str, PathBuf> = BTreeMap::new();
+    // Every name a checkpoint may hold a parameter under: the layout's own, and the
+    // per-expert pieces of fused expert tensors.
+    let mut names: HashMap<String, StoredTensor> = HashMap::new();
+    for unit in &layout.units {
+        for t in &unit.tensors {
+            names.insert(t.name.clone(), StoredTensor::whole(t));
+        }
+        for piece in stored_tensors(&layout.config, unit) {
+            names.insert(piece.name.clone(), piece);
+        }
+    }
+    let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let mut covered: HashMap<String, usize> = HashMap::new();
     let mut skipped = Vec::new();
     for file in &files {
         let shown = file.display().to_string();
@@ -217,7 +230,7 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                 skipped.push(stored_name.to_owned());
                 continue;
             }
-            let (unit, spec) = layout.tensor(name).map_err(|_| {
+            let stored = names.get(name).ok_or_else(|| {
                 Error::bad_input(
                     "checkpoint tensor",
                     name,
@@ -228,23 +241,21 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                     Some("check that config.json belongs to these weights"),
                 )
             })?;
-            if view.shape() != spec.shape.as_slice() {
+            let (unit, spec) = layout.tensor(&stored.tensor)?;
+            if view.shape() != stored.shape.as_slice() {
                 return Err(Error::bad_input(
                     "checkpoint tensor",
                     name,
                     format!(
                         "in {shown} has shape {:?}, the model needs {:?}",
                         view.shape(),
-                        spec.shape
+                        stored.shape
                     ),
                     Some("check that config.json belongs to these weights"),
                 ));
             }
-            let (key, _) = layout
-                .manifest
-                .get_key_value(name)
-                .ok_or_else(|| Error::bad_input("tensor", name, "not in manifest", None))?;
-            if let Some(prev) = seen.insert(key.as_str(), file.clone()) {
+            *covered.entry(stored.tensor.clone()).or_default() += stored.numel();
+            if let Some(prev) = seen.insert(name.to_owned(), file.clone()) {
                 return Err(Error::bad_input(
                     "checkpoint tensor",
                     name,
@@ -261,7 +272,8 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                 )
             };
             let mut master = guards[unit].master();
-            let range = spec.offset..spec.offset + spec.numel();
+            let start = spec.offset + stored.offset;
+            let range = start..start + stored.numel();
             // Weights that are not finite would train to a NaN loss; named here instead.
             let check = |values: &[f32]| {
                 match values.iter().position(|x| !x.is_finite()) {
@@ -284,18 +296,42 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                     check(&p[range])?;
                 }
                 None => {
-                    let mut values = vec![0f32; spec.numel()];
+                    let mut values = vec![0f32; stored.numel()];
                     widen(view.dtype(), view.data(), &mut values).map_err(unsupported)?;
                     check(&values)?;
-                    master.write(spec.offset, &values);
+                    master.write(start, &values);
                 }
+            }
+        }
+    }
+    // Each parameter whole, once: from its own tensor or from every one of its pieces.
+    for (name, loc) in &layout.manifest {
+        let numel = layout.units[loc.unit].tensors[loc.index].numel();
+        match covered.get(name).copied().unwrap_or(0) {
+            n if n == numel => {}
+            n if n > numel => {
+                return Err(Error::bad_input(
+                    "checkpoint",
+                    path.display().to_string(),
+                    format!("tensor `{name}` is stored both whole and as per-expert pieces"),
+                    Some("keep one of the two copies"),
+                ))
+            }
+            0 => {}
+            _ => {
+                return Err(Error::bad_input(
+                    "checkpoint",
+                    path.display().to_string(),
+                    format!("tensor `{name}` is missing some of its experts' pieces"),
+                    Some("check that config.json belongs to these weights and the checkpoint is complete"),
+                ))
             }
         }
     }
     if let Some(missing) = layout
         .manifest
         .keys()
-        .find(|k| !seen.contains_key(k.as_str()))
+        .find(|k| !covered.contains_key(k.as_str()))
     {
         return Err(Error::bad_input(
             "checkpoint",
@@ -341,18 +377,18 @@ impl View for F32View<'_> {
 
 /// Plan the shards: tensors in layout order, a new shard when the next tensor would pass
 /// `max_shard_bytes` (a tensor larger than the limit gets a shard of its own).
-fn plan_shards(layout: &StateLayout, max_shard_bytes: u64) -> Vec<Vec<(usize, usize)>> {
-    let mut shards: Vec<Vec<(usize, usize)>> = vec![Vec::new()];
+fn plan_shards(layout: &StateLayout, max_shard_bytes: u64) -> Vec<Vec<(usize, StoredTensor)>> {
+    let mut shards: Vec<Vec<(usize, StoredTensor)>> = vec![Vec::new()];
     let mut size = 0u64;
     for (u, unit) in layout.units.iter().enumerate() {
-        for (i, t) in unit.tensors.iter().enumerate() {
+        for t in stored_tensors(&layout.config, unit) {
             let bytes = 4 * t.numel() as u64;
             if size > 0 && size + bytes > max_shard_bytes {
                 shards.push(Vec::new());
                 size = 0;
             }
             if let Some(s) = shards.last_mut() {
-                s.push((u, i));
+                s.push((u, t));
             }
             size += bytes;
         }
@@ -510,15 +546,16 @@ fn write_export(
                 (*u, data)
             })
             .collect();
-        for &(u, i) in shard {
-            let t = &layout.units[u].tensors[i];
+        for (u, t) in shard {
+            let (_, spec) = layout.tensor(&t.tensor)?;
+            let start = spec.offset + t.offset;
             weight_map.insert(t.name.clone(), file.clone());
             total += 4 * t.numel() as u64;
             views.push((
                 t.name.clone(),
                 F32View {
                     shape: t.shape.clone(),
-                    data: &params[&u][t.offset..t.offset + t.numel()],
+                    data: &params[u][start..start + t.numel()],
                 },
             ));
         }
