@@ -36,7 +36,7 @@ fn bench(c: &mut Criterion) {
 
     // FLOPs: matmuls 2·N·P forward; attention 2·2·N·(T/2)·(NH·HD) forward (causal half);
     // training = forward + recompute + backward (2× forward) = 4× forward.
-    let p_mm = cfg.params_per_layer() as u64;
+    let p_mm = cfg.layer_params(0) as u64;
     let fwd = 2 * n as u64 * p_mm + 4 * n as u64 * (t as u64 / 2) * cfg.q_dim() as u64;
     let train_flops = 4 * fwd;
 

@@ -151,7 +151,7 @@ fn measure_in_turn(reps: usize, mut cases: Vec<Case<'_>>) -> Result<Vec<Measured
 /// benchmark updates units of realistic size and count.
 fn bench_model(params: usize) -> Result<ModelConfig> {
     let layers = 8;
-    // params_per_layer ≈ 4C² (attention) + 3·C·(8C/3) (MLP) = 12C².
+    // layer_params ≈ 4C² (attention) + 3·C·(8C/3) (MLP) = 12C².
     let c = (((params / layers) as f64 / 12.0).sqrt() as usize / 64).max(1) * 64;
     Ok(ModelConfig {
         max_position_embeddings: 2048,

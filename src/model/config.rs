@@ -778,6 +778,32 @@ impl ModelConfig {
         }
     }
 
+    /// Parameters of the MLP of decoder layer `layer` that one token computes with: the dense
+    /// MLP, or the router and `top_k` experts.
+    pub fn active_mlp_params(&self, layer: usize) -> usize {
+        let c = self.hidden_size;
+        match &self.moe {
+            Some(m) if m.is_sparse(layer) => {
+                m.num_experts * c + m.top_k * 3 * m.expert_intermediate * c
+            }
+            _ => 3 * self.intermediate_size * c,
+        }
+    }
+
+    /// Parameters one token computes with (the embedding counted once, as
+    /// [`ModelConfig::num_params`] does): all of a dense model, the active part of an MoE one.
+    pub fn active_params(&self) -> usize {
+        let idle: usize = (0..self.num_layers)
+            .map(|l| self.mlp_params(l) - self.active_mlp_params(l))
+            .sum();
+        self.num_params() - idle
+    }
+
+    /// Parameters of decoder layer `layer` that one token computes with.
+    pub fn active_layer_params(&self, layer: usize) -> usize {
+        self.layer_params(layer) - self.mlp_params(layer) + self.active_mlp_params(layer)
+    }
+
     /// Parameters of decoder layer `layer`.
     pub fn layer_params(&self, layer: usize) -> usize {
         let c = self.hidden_size;

@@ -54,9 +54,12 @@ const MEMORY_SHARE: f64 = 0.9;
 /// norm's output twice, the second's once, the SwiGLU output); the weights need no cast (the
 /// device holds them in bf16). A count of the program's passes, not a measurement.
 pub fn elementwise_bytes_per_token(model: &ModelConfig, bf16: bool) -> f64 {
+    // A token's MLP width: an MoE layer's top-k experts (the mean over the layers).
+    let layers = model.num_layers.max(1);
+    let width: usize = (0..layers).map(|l| model.active_mlp_params(l)).sum();
     let (c, f, kv) = (
         model.hidden_size as f64,
-        model.intermediate_size as f64,
+        width as f64 / (3 * layers * model.hidden_size.max(1)) as f64,
         model.kv_dim() as f64,
     );
     let q = model.q_dim() as f64;
@@ -213,7 +216,11 @@ impl KernelParts {
         // about three times as much. The head's cross-entropy reads and writes the fp32 logits.
         let elementwise = elementwise_bytes_per_token(model, req.bf16) * tk / memory;
         let logits = 4.0 * 4.0 * model.vocab_size as f64 * tk / memory;
-        let block = req.layout(model).units.get(1).map_or(0, |u| u.params) as f64;
+        // What one token's GEMMs compute with in a mean block (the router and its top-k
+        // experts of an MoE layer).
+        let layers = model.num_layers.max(1);
+        let active: usize = (0..layers).map(|l| model.active_layer_params(l)).sum();
+        let block = active as f64 / layers as f64;
         let attn = 4.0 * mean_keys_per_query(model, req.seq_len) * model.q_dim() as f64 * tk;
         let head = (model.vocab_size * model.hidden_size) as f64;
         // Under sandwich norms the MLP's backward recomputes its down projection (for the

@@ -225,6 +225,9 @@ pub struct TimePlan {
 pub struct Plan {
     /// Parameters.
     pub params: u64,
+    /// Parameters a token computes with (all of a dense model; a mixture of experts' router
+    /// and top-k experts): the FLOPs of the step count these.
+    pub active_params: u64,
     /// Tokens per micro-batch used (chosen by the planner unless given).
     pub micro_batch_tokens: u64,
     /// Memory per tier.
@@ -443,7 +446,7 @@ fn layer_chunks(
 /// backward (8·N in all), plus causal attention (4·T·d per token per layer forward, ×4; T the
 /// keys a query sees: [`kernels::mean_keys_per_query`]).
 pub fn step_flops(model: &ModelConfig, tokens: u64, seq: u64) -> f64 {
-    let n = model.num_params() as f64;
+    let n = model.active_params() as f64;
     let keys = kernels::mean_keys_per_query(model, seq);
     let attn = 4.0 * keys * model.q_dim() as f64 * model.num_layers as f64;
     tokens as f64 * (8.0 * n + 4.0 * attn)
@@ -505,7 +508,8 @@ fn sim_costs(
 /// micro-batches are extrapolated from one and two (each further micro-batch adds the same
 /// period), so planning a 405B model with thousands of micro-batches stays instant.
 pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
-    let n = model.num_params() as f64;
+    // The FLOPs a token costs: a mixture of experts computes with its active part.
+    let n = model.active_params() as f64;
     let peak = if req.bf16 {
         hw.bf16_tflops
     } else {
@@ -757,6 +761,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     });
     Plan {
         params: model.num_params() as u64,
+        active_params: model.active_params() as u64,
         micro_batch_tokens: req.micro_tokens(),
         time: time(model, hw, req),
         grad_link,

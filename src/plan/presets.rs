@@ -153,6 +153,31 @@ const GEMMA3_27B_TEXT: &str = r#"{"architectures": ["Gemma3ForCausalLM"], "head_
     "num_hidden_layers": 62, "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
     "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}"#;
 
+/// Mixture-of-experts presets as their published `config.json`s describe them (the keys that
+/// shape the model; the rest are transformers' defaults).
+const MIXTRAL_8X7B: &str = r#"{"architectures": ["MixtralForCausalLM"], "vocab_size": 32000,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5, "sliding_window": null}"#;
+const MIXTRAL_8X22B: &str = r#"{"architectures": ["MixtralForCausalLM"], "vocab_size": 32768,
+    "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+    "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "rope_theta": 1000000.0, "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-5, "sliding_window": null}"#;
+const QWEN3_30B_A3B: &str = r#"{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": false}"#;
+const QWEN3_235B_A22B: &str = r#"{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+    "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": false}"#;
+
 /// A model preset by name (configurations as published on the Hugging Face Hub).
 pub fn model(name: &str) -> Option<ModelConfig> {
     use Architecture::{Llama, Mistral, Qwen2};
@@ -181,6 +206,10 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "qwen3-8b" => qwen3(4096, 12288, 36, 32, 8, false),
         "qwen3-32b" => qwen3(5120, 25600, 64, 64, 8, false),
         "gemma-3-27b" => ModelConfig::from_json_str(GEMMA3_27B_TEXT, "gemma-3-27b").ok()?,
+        "mixtral-8x7b" => ModelConfig::from_json_str(MIXTRAL_8X7B, name).ok()?,
+        "mixtral-8x22b" => ModelConfig::from_json_str(MIXTRAL_8X22B, name).ok()?,
+        "qwen3-30b-a3b" => ModelConfig::from_json_str(QWEN3_30B_A3B, name).ok()?,
+        "qwen3-235b-a22b" => ModelConfig::from_json_str(QWEN3_235B_A22B, name).ok()?,
         // Our own 120B configuration (MegaTrain reports a 120B model without publishing its
         // config): Llama-3 style, d = 12288, 74 layers.
         "llama-120b" => llama_like(Llama, 128256, 12288, 33792, 74, 96, 8, false, 500000.0),
@@ -189,7 +218,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 16] = [
+pub const MODELS: [&str; 20] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
@@ -206,6 +235,10 @@ pub const MODELS: [&str; 16] = [
     "gemma-3-27b",
     "mistral-large-2",
     "llama-120b",
+    "mixtral-8x7b",
+    "mixtral-8x22b",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
 ];
 
 #[cfg(test)]
@@ -243,6 +276,23 @@ mod tests {
         // Gemma 3 27B: published as 27.4B with its 0.4B SigLIP vision tower; the text model
         // megatrain trains counts this many.
         assert_eq!(model("gemma-3-27b").unwrap().num_params(), 27_009_346_304);
+        // Mixtral 8x7B: its bf16 safetensors index's total_size / 2 (93 405 585 408 bytes);
+        // the others published rounded (total / active, billions).
+        assert_eq!(model("mixtral-8x7b").unwrap().num_params(), 46_702_792_704);
+        for (name, total, active) in [
+            ("mixtral-8x7b", 46.7, 12.9),
+            ("mixtral-8x22b", 140.6, 39.2),
+            ("qwen3-30b-a3b", 30.5, 3.3),
+            ("qwen3-235b-a22b", 235.1, 22.2),
+        ] {
+            let m = model(name).unwrap();
+            let (n, a) = (m.num_params() as f64 / 1e9, m.active_params() as f64 / 1e9);
+            assert!(
+                (n - total).abs() < 0.05 * total / 10.0,
+                "{name}: {n}B total"
+            );
+            assert!((a - active).abs() < 0.03 * active, "{name}: {a}B active");
+        }
         let n = model("llama-120b").unwrap().num_params() as f64;
         assert!((n / 1e9 - 120.0).abs() < 2.0, "{n}");
         for m in MACHINES {

@@ -15,11 +15,15 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         }
     };
     let mut s = format!(
-        "megatrain plan — {model_name} ({:.2}B params) on {} ({})\n\
+        "megatrain plan — {model_name} ({:.2}B params{}) on {} ({})\n\
          model: {}\n\
          {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
          memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
+        match p.active_params < p.params {
+            true => format!(", {:.2}B active", p.active_params as f64 / 1e9),
+            false => String::new(),
+        },
         hw.name,
         hw.gpu,
         p.features.join(", "),
@@ -77,5 +81,9 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         "  gradients   {}\n",
         grad_link::grad_link_line(&p.grad_link, ms)
     );
+    if p.active_params < p.params {
+        s += "  note        mixture-of-experts layers train on the CPU device only so far (--device cpu, fp32); \
+              this predicts the GPU path, its expert GEMMs at the dense GEMMs' efficiency, FLOPs of the active parameters\n";
+    }
     s
 }
