@@ -467,6 +467,14 @@ mod cuda {
     }
 
     #[test]
+    fn mixtral_mixture_of_experts_with_random_stream_delays() {
+        check_on("mixtral", On::Cuda { delays: true });
+    }
+    #[test]
+    fn qwen3_moe_mixture_of_experts() {
+        check_on("qwen3_moe", On::Cuda { delays: false });
+    }
+    #[test]
     fn mha() {
         check_on("mha", On::Cuda { delays: false });
     }

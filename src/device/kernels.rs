@@ -156,6 +156,34 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        file: "moe.cu",
+        source: include_str!("../../kernels/moe.cu"),
+        kernels: &[
+            // probs, expert, weight, logits; n, e, k, norm.
+            sig(
+                "moe_route_fwd_f32",
+                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
+            ),
+            // x, h, slots; rows, c, k.
+            sig("moe_gather_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32, I32]),
+            // out, y, row_of, expert, weight (or null); n, c, k.
+            sig(
+                "moe_combine_fwd_f32",
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32],
+            ),
+            // dy, dweight, dout, y, slots, row_of, weight; rows, c, k.
+            sig(
+                "moe_combine_bwd_f32",
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32],
+            ),
+            // dlogits, probs, expert, dweight; n, e, k, norm.
+            sig(
+                "moe_route_bwd_f32",
+                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
+            ),
+        ],
+    },
+    KernelFile {
         file: "attention.cu",
         source: include_str!("../../kernels/attention.cu"),
         kernels: &[

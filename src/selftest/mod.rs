@@ -201,6 +201,19 @@ pub fn small_model() -> Result<ModelConfig> {
     )
 }
 
+/// The self-test's mixture-of-experts model: Qwen3-MoE with 16 experts of width 64, top-4
+/// renormalised, on layers 0 and 2 (layer 1 dense), a vocabulary larger than one logit chunk's
+/// rows; on the GPU its 300 tokens route in token chunks of 256 and 44.
+pub fn small_moe_model() -> Result<ModelConfig> {
+    ModelConfig::from_json_str(
+        r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":128,"intermediate_size":320,
+        "moe_intermediate_size":64,"num_experts":16,"num_experts_per_tok":4,"norm_topk_prob":true,
+        "mlp_only_layers":[1],"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,
+        "head_dim":32,"vocab_size":700,"tie_word_embeddings":false}"#,
+        "the self-test MoE model",
+    )
+}
+
 /// Sequences per micro-batch of the training check.
 pub const BATCH: usize = 1;
 /// Tokens per sequence of the training check (300 rows: two logit chunks, and on the GPU two

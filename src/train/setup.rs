@@ -540,21 +540,13 @@ fn choose_mode(
     m
 }
 
-/// Mixture-of-experts layers run so far on the CPU device, in fp32: anything else is refused
-/// by name before anything is allocated.
+/// Mixture-of-experts layers are computed in fp32 so far: bf16 is refused by name before
+/// anything is allocated.
 fn check_moe(cfg: &TrainConfig, model: &ModelConfig) -> Result<()> {
     if model.moe.is_none() {
         return Ok(());
     }
     let arch = model.architecture.hf_name();
-    if cfg.device != config::DeviceKind::Cpu {
-        return Err(Error::bad_input(
-            "--device",
-            "cuda",
-            format!("{arch} has mixture-of-experts layers, which have no CUDA kernels yet"),
-            Some("train it with --device cpu"),
-        ));
-    }
     if cfg.resolved_precision() != Precision::Fp32 {
         return Err(Error::bad_input(
             "--precision",

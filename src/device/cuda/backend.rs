@@ -24,6 +24,8 @@ use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::sync::{Arc, Mutex};
 
+mod moe;
+
 /// A raw pointer handed to a host function.
 #[derive(Clone, Copy)]
 struct SendPtr<T>(*mut T);
@@ -78,6 +80,8 @@ pub struct CudaBackend {
     smem: usize,
     /// Under bf16: two bf16 buffers for a GEMM's operands.
     bf16: Option<Bf16Operands>,
+    /// The mixture-of-experts MLP's scratch, once one ran.
+    moe: Option<moe::MoeScratch>,
 }
 
 /// The bf16 copies of a GEMM's two operands ([`crate::device::program::bf16_operand_elems`]
@@ -142,6 +146,7 @@ impl CudaBackend {
             losses,
             smem,
             bf16,
+            moe: None,
         })
     }
 
@@ -625,21 +630,28 @@ impl Backend for CudaBackend {
         self.k().gated_fwd(act, dt, l, h.addr, g, u, len as i64)
     }
 
-    fn moe_fwd(&mut self, _: DevP, _: DevP, _: MoeAt<DevP>, _: usize, _: MoeShape) -> Result<()> {
-        Err(moe_on_cuda())
+    fn moe_fwd(
+        &mut self,
+        out: DevP,
+        h: DevP,
+        w: MoeAt<DevP>,
+        rows: usize,
+        s: MoeShape,
+    ) -> Result<()> {
+        self.moe_forward(out, h, w, rows, s)
     }
 
     fn moe_bwd(
         &mut self,
-        _: DevP,
-        _: MoeAt<DevP>,
-        _: DevP,
-        _: DevP,
-        _: MoeAt<DevP>,
-        _: usize,
-        _: MoeShape,
+        dh: DevP,
+        g: MoeAt<DevP>,
+        d_out: DevP,
+        h: DevP,
+        w: MoeAt<DevP>,
+        rows: usize,
+        s: MoeShape,
     ) -> Result<()> {
-        Err(moe_on_cuda())
+        self.moe_backward(dh, g, d_out, h, w, rows, s)
     }
 
     fn gated_bwd(
@@ -784,15 +796,4 @@ fn weight_dtype(w: DevP) -> Dtype {
     } else {
         F32
     }
-}
-
-/// Mixture-of-experts layers have no CUDA kernels yet (the trainer refuses them on
-/// `--device cuda` before anything runs; this is the program's own guard).
-fn moe_on_cuda() -> Error {
-    Error::bad_input(
-        "--device cuda",
-        "a mixture-of-experts layer",
-        "the CUDA device has no mixture-of-experts kernels yet",
-        Some("train mixture-of-experts models with --device cpu"),
-    )
 }

@@ -10,6 +10,8 @@ use crate::model::config::MlpActivation;
 use crate::{Error, Result};
 use cudarc::driver::CudaStream;
 
+mod moe;
+
 /// The storage type of a kernel family (the symbol's `_f32`/`_bf16`/`_f32w16` suffix); math is
 /// fp32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

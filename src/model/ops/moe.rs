@@ -111,22 +111,7 @@ pub fn route(logits: &[f32], n: usize, s: MoeShape) -> Routing {
                 }
             }
         });
-    let mut offsets = vec![0usize; e + 1];
-    for &x in &expert {
-        offsets[x as usize + 1] += 1;
-    }
-    for i in 0..e {
-        offsets[i + 1] += offsets[i];
-    }
-    let mut next = offsets.clone();
-    let mut slots = vec![0u32; n * k];
-    let mut row_of = vec![0u32; n * k];
-    for (slot, &x) in expert.iter().enumerate() {
-        let r = next[x as usize];
-        next[x as usize] += 1;
-        slots[r] = slot as u32;
-        row_of[slot] = r as u32;
-    }
+    let (offsets, slots, row_of) = group(&expert, e);
     Routing {
         probs,
         expert,
@@ -135,6 +120,43 @@ pub fn route(logits: &[f32], n: usize, s: MoeShape) -> Routing {
         slots,
         row_of,
     }
+}
+
+/// The slots of `expert` (`[n, k]`, every id below `e`) grouped by expert, tokens ascending
+/// within one: each expert's first row (`e + 1` entries), the slot of each row, the row of
+/// each slot.
+fn group(expert: &[u32], e: usize) -> (Vec<usize>, Vec<u32>, Vec<u32>) {
+    let mut offsets = vec![0usize; e + 1];
+    for &x in expert {
+        offsets[x as usize + 1] += 1;
+    }
+    for i in 0..e {
+        offsets[i + 1] += offsets[i];
+    }
+    let mut next = offsets.clone();
+    let mut slots = vec![0u32; expert.len()];
+    let mut row_of = vec![0u32; expert.len()];
+    for (slot, &x) in expert.iter().enumerate() {
+        let r = next[x as usize];
+        next[x as usize] += 1;
+        slots[r] = slot as u32;
+        row_of[slot] = r as u32;
+    }
+    (offsets, slots, row_of)
+}
+
+/// [`group`] for experts a device chose: an id not below `e` is an error, not a panic.
+pub fn group_by_expert(
+    expert: &[u32],
+    e: usize,
+) -> crate::Result<(Vec<usize>, Vec<u32>, Vec<u32>)> {
+    if let Some(bad) = expert.iter().find(|&&x| x as usize >= e) {
+        return Err(crate::Error::internal(
+            "mixture of experts",
+            format!("the router chose expert {bad} of {e}"),
+        ));
+    }
+    Ok(group(expert, e))
 }
 
 /// What the forward computes per grouped row (`n·k` rows, grouped by expert): the gathered

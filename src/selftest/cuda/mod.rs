@@ -6,7 +6,9 @@ mod kernels;
 
 pub use kernels::kernels;
 
-use super::{compare_runs, small_model, train_steps, Check, GradMetric, BATCH, SEQ};
+use super::{
+    compare_runs, small_model, small_moe_model, train_steps, Check, GradMetric, BATCH, SEQ,
+};
 use crate::device::cuda::pinned::PageLock;
 use crate::device::cuda::{drv, CudaDevice, CudaDeviceConfig, CudaRuntime};
 use crate::device::Precision;
@@ -26,13 +28,24 @@ pub const TOL_TRAINING_BF16: f64 = 1e-2;
 /// the same steps on the CPU device, in fp32 and in bf16 (the tensor-core attention, the bf16
 /// GEMMs, the bf16 weight stream).
 pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
-    let mut checks = training_at(ordinal, seed, Precision::Fp32)?;
-    checks.extend(training_at(ordinal, seed, Precision::Bf16)?);
+    let mut checks = training_at(small_model()?, ordinal, seed, Precision::Fp32)?;
+    checks.extend(training_at(small_model()?, ordinal, seed, Precision::Bf16)?);
+    checks.extend(training_at(
+        small_moe_model()?,
+        ordinal,
+        seed,
+        Precision::Fp32,
+    )?);
     Ok(checks)
 }
 
-fn training_at(ordinal: usize, seed: u64, precision: Precision) -> Result<Vec<Check>> {
-    let cfg = small_model()?;
+fn training_at(
+    cfg: crate::model::config::ModelConfig,
+    ordinal: usize,
+    seed: u64,
+    precision: Precision,
+) -> Result<Vec<Check>> {
+    let moe = cfg.moe.is_some();
     let tm = Arc::new(crate::model::reference::Templates::new(&cfg, SEQ)?);
     let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
     let cpu = Arc::new(crate::device::cpu::CpuDevice::new(
@@ -61,6 +74,13 @@ fn training_at(ordinal: usize, seed: u64, precision: Precision) -> Result<Vec<Ch
     )?);
     let got = train_steps(&machine, gpu, tm, seed)?;
     Ok(match precision {
+        Precision::Fp32 if moe => compare_runs(
+            "training moe",
+            &got,
+            &want,
+            TOL_TRAINING,
+            GradMetric::Elementwise,
+        ),
         Precision::Fp32 => compare_runs(
             "training",
             &got,

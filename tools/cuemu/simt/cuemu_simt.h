@@ -139,6 +139,8 @@ inline float cuemu_pin(float r) {
 }
 inline float __fadd_rn(float a, float b) { return cuemu_pin(a + b); }
 inline float __fmul_rn(float a, float b) { return cuemu_pin(a * b); }
+inline float __fsub_rn(float a, float b) { return cuemu_pin(a - b); }
+inline float __fdiv_rn(float a, float b) { return cuemu_pin(a / b); }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }

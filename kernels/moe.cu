@@ -1,0 +1,143 @@
+// The mixture-of-experts MLP's routing, permutation and combination (fp32), around the experts'
+// GEMMs (cuBLAS): the router's softmax and top-k per token, the gather of each expert's rows, the
+// weighted sum of the experts' outputs per token in ascending expert order (transformers'
+// `index_add_` loop, as src/model/ops/moe.rs), and their backward. Products and sums that the
+// CPU reference forms one by one are formed here with __fmul_rn / __fadd_rn in its order, so no
+// contraction into an FMA changes the bits.
+#include "common.cuh"
+
+// Per token (one thread): softmax of the router logits [E] (max-shifted), the k largest
+// probabilities (ties: the lower index) and their weights, renormalised to sum 1 when `norm`.
+extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /* [N, E] */
+                                             unsigned* __restrict__ expert,    /* [N, k] */
+                                             float* __restrict__ weight,       /* [N, k] */
+                                             const float* __restrict__ logits, /* [N, E] */
+                                             int n, int e, int k, int norm) {
+    FOR_EACH(t, n) {
+        const float* z = logits + t * (long long)e;
+        float* p = probs + t * (long long)e;
+        float m = NEG_INF;
+        for (int i = 0; i < e; i++) m = fmaxf(m, z[i]);
+        float sum = 0.0f;
+        for (int i = 0; i < e; i++) {
+            p[i] = expf(z[i] - m);
+            sum = __fadd_rn(sum, p[i]);
+        }
+        for (int i = 0; i < e; i++) p[i] = __fdiv_rn(p[i], sum);
+        unsigned* ex = expert + t * (long long)k;
+        float* w = weight + t * (long long)k;
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int i = 0; i < e; i++) {
+                bool taken = false;
+                for (int q = 0; q < j; q++) taken |= ex[q] == (unsigned)i;
+                if (!taken && (best < 0 || p[i] > p[best])) best = i;
+            }
+            ex[j] = (unsigned)best;
+            w[j] = p[best];
+            total = __fadd_rn(total, w[j]);
+        }
+        if (norm)
+            for (int j = 0; j < k; j++) w[j] = __fdiv_rn(w[j], total);
+    }
+}
+
+// x[r, :] = h[slots[r] / k, :]: each expert's rows, grouped.
+extern "C" __global__ void moe_gather_fwd_f32(float* __restrict__ x,             /* [R, C] */
+                                              const float* __restrict__ h,       /* [N, C] */
+                                              const unsigned* __restrict__ slots, /* [R] */
+                                              int rows, int c, int k) {
+    FOR_EACH(i, (long long)rows * c) {
+        const long long r = i / c, col = i % c;
+        x[i] = h[(long long)(slots[r] / k) * c + col];
+    }
+}
+
+// The j-th of token t's k slots in ascending expert order (the experts of a token differ).
+__device__ __forceinline__ int nth_slot(const unsigned* ex, int k, int j) {
+    int prev = -1, slot = 0;
+    for (int q = 0; q <= j; q++) {
+        int best = -1;
+        for (int s = 0; s < k; s++)
+            if ((int)ex[s] > prev && (best < 0 || ex[s] < ex[best])) best = s;
+        prev = (int)ex[best];
+        slot = best;
+    }
+    return slot;
+}
+
+// out[t, :] = Σ over t's slots in ascending expert order of weight · y[row of the slot, :]
+// (weight 1 when `weight` is null: the backward's sum of the rows' input gradients).
+extern "C" __global__ void moe_combine_fwd_f32(float* __restrict__ out,             /* [N, C] */
+                                               const float* __restrict__ y,         /* [R, C] */
+                                               const unsigned* __restrict__ row_of, /* [N, k] */
+                                               const unsigned* __restrict__ expert, /* [N, k] */
+                                               const float* __restrict__ weight,    /* [N, k] */
+                                               int n, int c, int k) {
+    FOR_EACH(i, (long long)n * c) {
+        const long long t = i / c, col = i % c;
+        const unsigned* ex = expert + t * k;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const int s = nth_slot(ex, k, j);
+            const float v = y[(long long)row_of[t * k + s] * c + col];
+            acc = __fadd_rn(acc, weight ? __fmul_rn(v, weight[t * k + s]) : v);
+        }
+        out[i] = acc;
+    }
+}
+
+// The weighted sum's backward: dy[r, :] = weight of r's slot · dout[token of r, :], and per slot
+// d weight = Σ_c dout[t, c] · y[row, c] (in column order).
+extern "C" __global__ void moe_combine_bwd_f32(float* __restrict__ dy,              /* [R, C] */
+                                               float* __restrict__ dweight,         /* [N, k] */
+                                               const float* __restrict__ dout,      /* [N, C] */
+                                               const float* __restrict__ y,         /* [R, C] */
+                                               const unsigned* __restrict__ slots,  /* [R] */
+                                               const unsigned* __restrict__ row_of, /* [N, k] */
+                                               const float* __restrict__ weight,    /* [N, k] */
+                                               int rows, int c, int k) {
+    FOR_EACH(i, (long long)rows * c) {
+        const long long r = i / c, col = i % c;
+        const unsigned slot = slots[r];
+        dy[i] = __fmul_rn(dout[(long long)(slot / k) * c + col], weight[slot]);
+    }
+    FOR_EACH(slot, rows) {
+        const float* d = dout + (slot / k) * (long long)c;
+        const float* yr = y + (long long)row_of[slot] * c;
+        float acc = 0.0f;
+        for (int col = 0; col < c; col++) acc = __fadd_rn(acc, __fmul_rn(d[col], yr[col]));
+        dweight[slot] = acc;
+    }
+}
+
+// The router's backward per token (one thread): d probability of each chosen expert (through
+// the renormalisation when `norm`), then the softmax's: dz = p ⊙ (dp − Σ p·dp).
+extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,         /* [N, E] */
+                                             const float* __restrict__ probs,     /* [N, E] */
+                                             const unsigned* __restrict__ expert, /* [N, k] */
+                                             const float* __restrict__ dweight,   /* [N, k] */
+                                             int n, int e, int k, int norm) {
+    FOR_EACH(t, n) {
+        const float* p = probs + t * (long long)e;
+        const unsigned* ex = expert + t * (long long)k;
+        const float* dw = dweight + t * (long long)k;
+        float* dz = dlogits + t * (long long)e;
+        float total = 0.0f, cross = 0.0f;
+        if (norm)
+            for (int j = 0; j < k; j++) {
+                total = __fadd_rn(total, p[ex[j]]);
+                cross = __fadd_rn(cross, __fmul_rn(dw[j], p[ex[j]]));
+            }
+        // dz first holds dp (0 for the experts not chosen), then the softmax's backward.
+        for (int i = 0; i < e; i++) dz[i] = 0.0f;
+        for (int j = 0; j < k; j++)
+            dz[ex[j]] = norm ? __fsub_rn(__fdiv_rn(dw[j], total),
+                                         __fdiv_rn(cross, __fmul_rn(total, total)))
+                             : dw[j];
+        float dot = 0.0f;
+        for (int i = 0; i < e; i++) dot = __fadd_rn(dot, __fmul_rn(p[i], dz[i]));
+        for (int i = 0; i < e; i++) dz[i] = __fmul_rn(p[i], __fsub_rn(dz[i], dot));
+    }
+}

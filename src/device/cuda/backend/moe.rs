@@ -1,0 +1,370 @@
+//! The mixture-of-experts MLP on the GPU (fp32): the router's GEMM (cuBLAS), softmax and top-k
+//! (`moe_route`), the tokens grouped by expert on the host from the chosen experts (one small
+//! device→host copy per call: each expert's row count sizes its GEMMs), the rows gathered, each
+//! expert's three GEMMs on its rows, the activation over all rows at once, and the weighted sum
+//! per token in ascending expert order — the CPU reference's order (`model::ops::moe`). The
+//! backward recomputes the forward and runs the same steps in reverse.
+//!
+//! Scratch lives in [`MoeScratch`], sized for the largest call so far.
+
+use super::{CudaBackend, DevP};
+use crate::device::cuda::runtime::{drv, DevPtr};
+use crate::device::launch;
+use crate::device::program::{Backend, Gemm, MoeAt};
+use crate::model::ops::{group_by_expert, MoeShape};
+use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::sync::Arc;
+
+/// What one MoE call computes besides its output, on the device (`R = rows·k` grouped rows).
+#[derive(Debug)]
+pub(super) struct MoeScratch {
+    /// Tokens and the shape it was sized for.
+    rows: usize,
+    shape: (usize, usize, usize, usize),
+    /// Router logits `[n, E]` (later d logits) and probabilities `[n, E]`.
+    logits: CudaSlice<f32>,
+    probs: CudaSlice<f32>,
+    /// Chosen experts, their weights and d weights `[n, k]`.
+    expert: CudaSlice<u32>,
+    weight: CudaSlice<f32>,
+    dweight: CudaSlice<f32>,
+    /// The slots grouped by expert `[R]`, and each slot's grouped row `[n·k]`.
+    slots: CudaSlice<u32>,
+    row_of: CudaSlice<u32>,
+    /// Gathered inputs `[R, C]`, the experts' outputs `[R, C]`, their gradients `[R, C]` (dy,
+    /// then dx).
+    x: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+    dy: CudaSlice<f32>,
+    /// Gate, up, activation `[R, I]`; d activation, d gate, d up `[R, I]`.
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    da: CudaSlice<f32>,
+    dg: CudaSlice<f32>,
+    du: CudaSlice<f32>,
+    /// The host's copies of the routing (kept until the next call's synchronisation, so no
+    /// copy from them is ever in flight when they change).
+    expert_host: Vec<u32>,
+    grouped: (Vec<usize>, Vec<u32>, Vec<u32>),
+}
+
+fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    drv(
+        stream.alloc_zeros::<T>(len.max(1)),
+        "allocate the mixture-of-experts scratch",
+    )
+}
+
+impl MoeScratch {
+    fn new(stream: &Arc<CudaStream>, rows: usize, s: MoeShape) -> Result<Self> {
+        let (n, e, k, c, i) = (rows, s.experts, s.top_k, s.c, s.inter);
+        let r = n * k;
+        Ok(MoeScratch {
+            rows,
+            shape: (e, k, c, i),
+            logits: alloc(stream, n * e)?,
+            probs: alloc(stream, n * e)?,
+            expert: alloc(stream, r)?,
+            weight: alloc(stream, r)?,
+            dweight: alloc(stream, r)?,
+            slots: alloc(stream, r)?,
+            row_of: alloc(stream, r)?,
+            x: alloc(stream, r * c)?,
+            y: alloc(stream, r * c)?,
+            dy: alloc(stream, r * c)?,
+            gate: alloc(stream, r * i)?,
+            up: alloc(stream, r * i)?,
+            act: alloc(stream, r * i)?,
+            da: alloc(stream, r * i)?,
+            dg: alloc(stream, r * i)?,
+            du: alloc(stream, r * i)?,
+            expert_host: Vec::new(),
+            grouped: (Vec::new(), Vec::new(), Vec::new()),
+        })
+    }
+}
+
+/// Device addresses of the scratch (f32 unless named).
+struct At {
+    logits: DevPtr,
+    probs: DevPtr,
+    expert: DevPtr,
+    weight: DevPtr,
+    dweight: DevPtr,
+    slots: DevPtr,
+    row_of: DevPtr,
+    x: DevPtr,
+    y: DevPtr,
+    dy: DevPtr,
+    gate: DevPtr,
+    up: DevPtr,
+    act: DevPtr,
+    da: DevPtr,
+    dg: DevPtr,
+    du: DevPtr,
+}
+
+impl CudaBackend {
+    /// The scratch for `rows` tokens of shape `s`, allocated (or grown) on first need.
+    fn moe_scratch(&mut self, rows: usize, s: MoeShape) -> Result<At> {
+        let fits = self
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.rows >= rows && m.shape == (s.experts, s.top_k, s.c, s.inter));
+        if !fits {
+            self.moe = Some(MoeScratch::new(&self.stream, rows, s)?);
+        }
+        let m = self
+            .moe
+            .as_ref()
+            .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+        let st = &self.stream;
+        let p32 = |x: &CudaSlice<f32>| x.device_ptr(st).0;
+        let pu = |x: &CudaSlice<u32>| x.device_ptr(st).0;
+        Ok(At {
+            logits: p32(&m.logits),
+            probs: p32(&m.probs),
+            expert: pu(&m.expert),
+            weight: p32(&m.weight),
+            dweight: p32(&m.dweight),
+            slots: pu(&m.slots),
+            row_of: pu(&m.row_of),
+            x: p32(&m.x),
+            y: p32(&m.y),
+            dy: p32(&m.dy),
+            gate: p32(&m.gate),
+            up: p32(&m.up),
+            act: p32(&m.act),
+            da: p32(&m.da),
+            dg: p32(&m.dg),
+            du: p32(&m.du),
+        })
+    }
+
+    /// The router, the grouping and every expert's rows up to their outputs `y` (the forward,
+    /// and the backward's recompute); returns each expert's first grouped row (`E + 1`).
+    fn moe_internals(
+        &mut self,
+        at: &At,
+        h: DevP,
+        w: MoeAt<DevP>,
+        n: usize,
+        s: MoeShape,
+    ) -> Result<Vec<usize>> {
+        if self.bf16.is_some() || h.bf16 || w.router.bf16 || w.gate_up.bf16 || w.down.bf16 {
+            return Err(Error::internal(
+                "CUDA backend",
+                "the mixture-of-experts MLP is computed in fp32 only",
+            ));
+        }
+        let (e, k, c, i) = (s.experts, s.top_k, s.c, s.inter);
+        let f = DevP::f32;
+        let gemm =
+            |c_: DevPtr, a: DevP, b: DevP, tb: bool, (m, kk, nn): (usize, usize, usize)| Gemm {
+                c: f(c_),
+                a,
+                ta: false,
+                b,
+                tb,
+                m,
+                k: kk,
+                n: nn,
+                accumulate: false,
+            };
+        self.gemm(gemm(at.logits, h, w.router, true, (n, c, e)))?;
+        let l = launch::elementwise(n, self.sms());
+        self.k().moe_route(
+            l,
+            (at.probs, at.expert, at.weight),
+            at.logits,
+            (n, e, k),
+            s.norm_topk,
+        )?;
+        // Each expert's row count sizes its GEMMs: the chosen experts come to the host.
+        let m = self
+            .moe
+            .as_mut()
+            .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+        m.expert_host.resize(n * k, 0);
+        drv(
+            self.stream
+                .memcpy_dtoh(&m.expert.slice(..n * k), &mut m.expert_host[..]),
+            "copy the chosen experts to the host",
+        )?;
+        drv(
+            self.stream.synchronize(),
+            "wait for the chosen experts (mixture of experts)",
+        )?;
+        m.grouped = group_by_expert(&m.expert_host, e)?;
+        let (offsets, slots, row_of) = &m.grouped;
+        drv(
+            self.stream
+                .memcpy_htod(&slots[..], &mut m.slots.slice_mut(..n * k)),
+            "upload the grouped slots",
+        )?;
+        drv(
+            self.stream
+                .memcpy_htod(&row_of[..], &mut m.row_of.slice_mut(..n * k)),
+            "upload the grouped rows",
+        )?;
+        let offsets = offsets.clone();
+        let r = n * k;
+        let l = launch::elementwise(r * c, self.sms());
+        self.k().moe_gather(l, at.x, h.addr, at.slots, (r, c, k))?;
+        let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
+        for ex in 0..e {
+            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
+            if m == 0 {
+                continue;
+            }
+            let wgu = Self::off(w.gate_up, ex * 2 * i * c);
+            let x = rows_at(at.x, lo, c);
+            self.gemm(gemm(rows_at(at.gate, lo, i).addr, x, wgu, true, (m, c, i)))?;
+            let wu = Self::off(wgu, i * c);
+            self.gemm(gemm(rows_at(at.up, lo, i).addr, x, wu, true, (m, c, i)))?;
+        }
+        self.gated_fwd(s.act, f(at.act), f(at.gate), f(at.up), r * i)?;
+        for ex in 0..e {
+            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
+            if m == 0 {
+                continue;
+            }
+            let wd = Self::off(w.down, ex * c * i);
+            let act = rows_at(at.act, lo, i);
+            self.gemm(gemm(rows_at(at.y, lo, c).addr, act, wd, true, (m, i, c)))?;
+        }
+        Ok(offsets)
+    }
+
+    /// See [`Backend::moe_fwd`].
+    pub(super) fn moe_forward(
+        &mut self,
+        out: DevP,
+        h: DevP,
+        w: MoeAt<DevP>,
+        n: usize,
+        s: MoeShape,
+    ) -> Result<()> {
+        let at = self.moe_scratch(n, s)?;
+        self.moe_internals(&at, h, w, n, s)?;
+        let l = launch::elementwise(n * s.c, self.sms());
+        self.k().moe_combine(
+            l,
+            out.addr,
+            at.y,
+            (at.row_of, at.expert, at.weight),
+            (n, s.c, s.top_k),
+        )
+    }
+
+    /// See [`Backend::moe_bwd`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_backward(
+        &mut self,
+        dh: DevP,
+        g: MoeAt<DevP>,
+        d_out: DevP,
+        h: DevP,
+        w: MoeAt<DevP>,
+        n: usize,
+        s: MoeShape,
+    ) -> Result<()> {
+        let at = self.moe_scratch(n, s)?;
+        let offsets = self.moe_internals(&at, h, w, n, s)?;
+        let (e, k, c, i) = (s.experts, s.top_k, s.c, s.inter);
+        let r = n * k;
+        let f = DevP::f32;
+        let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
+        let l = launch::elementwise(r * c, self.sms());
+        self.k().moe_combine_bwd(
+            l,
+            (at.dy, at.dweight),
+            (d_out.addr, at.y),
+            (at.slots, at.row_of, at.weight),
+            (r, c, k),
+        )?;
+        let gemm = |c_: DevP, (a, ta): (DevP, bool), (b, tb): (DevP, bool), m, kk, nn, acc| Gemm {
+            c: c_,
+            a,
+            ta,
+            b,
+            tb,
+            m,
+            k: kk,
+            n: nn,
+            accumulate: acc,
+        };
+        // Per expert: d activation = dY·Wd; dWd += dYᵀ·A.
+        for ex in 0..e {
+            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
+            if m == 0 {
+                continue;
+            }
+            let (wd, gd) = (Self::off(w.down, ex * c * i), Self::off(g.down, ex * c * i));
+            let dy = rows_at(at.dy, lo, c);
+            self.gemm(gemm(
+                rows_at(at.da, lo, i),
+                (dy, false),
+                (wd, false),
+                m,
+                c,
+                i,
+                false,
+            ))?;
+            let act = rows_at(at.act, lo, i);
+            self.gemm(gemm(gd, (dy, true), (act, false), c, m, i, true))?;
+        }
+        self.gated_bwd(
+            s.act,
+            f(at.dg),
+            f(at.du),
+            f(at.da),
+            f(at.gate),
+            f(at.up),
+            r * i,
+        )?;
+        // Per expert: dWg += dGᵀ·X, dWu += dUᵀ·X, dX = dG·Wg + dU·Wu (into dy's rows).
+        for ex in 0..e {
+            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
+            if m == 0 {
+                continue;
+            }
+            let (wg, gg) = (
+                Self::off(w.gate_up, ex * 2 * i * c),
+                Self::off(g.gate_up, ex * 2 * i * c),
+            );
+            let (wu, gu) = (Self::off(wg, i * c), Self::off(gg, i * c));
+            let (dg, du, x) = (
+                rows_at(at.dg, lo, i),
+                rows_at(at.du, lo, i),
+                rows_at(at.x, lo, c),
+            );
+            self.gemm(gemm(gg, (dg, true), (x, false), i, m, c, true))?;
+            self.gemm(gemm(gu, (du, true), (x, false), i, m, c, true))?;
+            let dx = rows_at(at.dy, lo, c);
+            self.gemm(gemm(dx, (dg, false), (wg, false), m, i, c, false))?;
+            self.gemm(gemm(dx, (du, false), (wu, false), m, i, c, true))?;
+        }
+        // The router: d logits (into the logits' scratch), dWr += dZᵀ·h; dh = Σ the rows' dx
+        // (ascending expert) + dZ·Wr.
+        let l = launch::elementwise(n, self.sms());
+        self.k().moe_route_bwd(
+            l,
+            at.logits,
+            (at.probs, at.expert, at.dweight),
+            (n, e, k),
+            s.norm_topk,
+        )?;
+        let dz = f(at.logits);
+        self.gemm(gemm(g.router, (dz, true), (h, false), e, n, c, true))?;
+        let l = launch::elementwise(n * c, self.sms());
+        self.k()
+            .moe_combine(l, dh.addr, at.dy, (at.row_of, at.expert, 0), (n, c, k))?;
+        self.gemm(gemm(dh, (dz, false), (w.router, false), n, e, c, true))
+    }
+}

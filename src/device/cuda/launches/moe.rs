@@ -1,0 +1,145 @@
+//! The mixture-of-experts kernels' launches (`kernels/moe.cu`).
+
+use super::Arg::{Ptr, I32};
+use super::{i32_of, Launcher};
+use crate::device::cuda::runtime::DevPtr;
+use crate::device::launch::Launch;
+use crate::Result;
+
+/// A token count, an expert count and k as the kernels take them.
+fn dims(n: usize, e: usize, k: usize) -> Result<(i32, i32, i32)> {
+    Ok((
+        i32_of(n, "moe tokens")?,
+        i32_of(e, "moe experts")?,
+        i32_of(k, "moe top-k")?,
+    ))
+}
+
+impl Launcher<'_> {
+    /// Softmax over `e` router logits per token, the top `k`, their (renormalised) weights.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route(
+        &self,
+        l: Launch,
+        (probs, expert, weight): (DevPtr, DevPtr, DevPtr),
+        logits: DevPtr,
+        (n, e, k): (usize, usize, usize),
+        norm: bool,
+    ) -> Result<()> {
+        let (n, e, k) = dims(n, e, k)?;
+        self.launch(
+            "moe_route_fwd_f32",
+            l,
+            &[
+                Ptr(probs),
+                Ptr(expert),
+                Ptr(weight),
+                Ptr(logits),
+                I32(n),
+                I32(e),
+                I32(k),
+                I32(norm as i32),
+            ],
+        )
+    }
+
+    /// `x[r] = h[slots[r] / k]` over `rows` rows of `c`.
+    pub fn moe_gather(
+        &self,
+        l: Launch,
+        x: DevPtr,
+        h: DevPtr,
+        slots: DevPtr,
+        (rows, c, k): (usize, usize, usize),
+    ) -> Result<()> {
+        let (rows, c, k) = dims(rows, c, k)?;
+        self.launch(
+            "moe_gather_fwd_f32",
+            l,
+            &[Ptr(x), Ptr(h), Ptr(slots), I32(rows), I32(c), I32(k)],
+        )
+    }
+
+    /// `out[t] = Σ (weight ·) y[row]` over t's slots in ascending expert order (`weight` 0:
+    /// unweighted).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &self,
+        l: Launch,
+        out: DevPtr,
+        y: DevPtr,
+        (row_of, expert, weight): (DevPtr, DevPtr, DevPtr),
+        (n, c, k): (usize, usize, usize),
+    ) -> Result<()> {
+        let (n, c, k) = dims(n, c, k)?;
+        self.launch(
+            "moe_combine_fwd_f32",
+            l,
+            &[
+                Ptr(out),
+                Ptr(y),
+                Ptr(row_of),
+                Ptr(expert),
+                Ptr(weight),
+                I32(n),
+                I32(c),
+                I32(k),
+            ],
+        )
+    }
+
+    /// The weighted sum's backward: `dy` of the rows, `dweight` of the slots.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_bwd(
+        &self,
+        l: Launch,
+        (dy, dweight): (DevPtr, DevPtr),
+        (dout, y): (DevPtr, DevPtr),
+        (slots, row_of, weight): (DevPtr, DevPtr, DevPtr),
+        (rows, c, k): (usize, usize, usize),
+    ) -> Result<()> {
+        let (rows, c, k) = dims(rows, c, k)?;
+        self.launch(
+            "moe_combine_bwd_f32",
+            l,
+            &[
+                Ptr(dy),
+                Ptr(dweight),
+                Ptr(dout),
+                Ptr(y),
+                Ptr(slots),
+                Ptr(row_of),
+                Ptr(weight),
+                I32(rows),
+                I32(c),
+                I32(k),
+            ],
+        )
+    }
+
+    /// The router's backward: d logits from the slots' d weight.
+    pub fn moe_route_bwd(
+        &self,
+        l: Launch,
+        dlogits: DevPtr,
+        (probs, expert, dweight): (DevPtr, DevPtr, DevPtr),
+        (n, e, k): (usize, usize, usize),
+        norm: bool,
+    ) -> Result<()> {
+        let (n, e, k) = dims(n, e, k)?;
+        self.launch(
+            "moe_route_bwd_f32",
+            l,
+            &[
+                Ptr(dlogits),
+                Ptr(probs),
+                Ptr(expert),
+                Ptr(dweight),
+                I32(n),
+                I32(e),
+                I32(k),
+                I32(norm as i32),
+            ],
+        )
+    }
+}
