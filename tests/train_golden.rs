@@ -575,3 +575,22 @@ fn fuse_expert_pieces(export: &Path, tensors: &mut std::collections::HashMap<Str
         }
     }
 }
+
+/// Mixture-of-experts layers compute in fp32 only so far: `--precision bf16` is refused by
+/// name before anything runs, and without `--precision` a MoE model trains in fp32.
+#[test]
+fn moe_models_refuse_bf16_by_name() {
+    let dir = golden_dir("train_mixtral");
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["train", "--init-from", dir.join("init").to_str().unwrap()])
+        .args(["--data", dir.join("data.bin").to_str().unwrap()])
+        .args(["--seq-len", "8", "--steps", "1", "--precision", "bf16"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("mixture-of-experts") && stderr.contains("--precision fp32"),
+        "{stderr}"
+    );
+}

@@ -2,7 +2,7 @@
 """megatrain's CPU device against PyTorch eager, training the same small model of a family with
 the same batch, sequence, optimizer and threads: tokens/s of each, and their ratio, in one run.
 
-  python3 tools/bench_families_cpu.py [--family qwen3|gemma3|llama] [--threads 2] [--steps 30]
+  python3 tools/bench_families_cpu.py [--family qwen3|gemma3|llama|qwen3_moe|mixtral] [--threads 2] [--steps 30]
 
 The shapes are the family's (Qwen3: QK-norm, head_dim 64 ≠ hidden/heads; Gemma 3: `1 + w` and
 sandwich norms, QK-norm, GELU-tanh, scaled embeddings, local layers with a window of 64 over rows
@@ -39,6 +39,15 @@ FAMILIES = {
                    layer_types=["sliding_attention"] * 3 + ["full_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    # Qwen3-MoE shaped (Qwen3-30B-A3B's ratios at this width): 32 experts of width 128, top-4
+    # renormalised, on every layer; torch runs transformers' own expert loop.
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu",
+                      head_dim=64, rope_theta=1e6, use_sliding_window=False, attention_bias=False,
+                      num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True,
+                      mlp_only_layers=[], decoder_sparse_step=1),
+    # Mixtral shaped: 8 experts of width 704, top-2.
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_act="silu",
+                    rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
 }
 
 

@@ -85,10 +85,14 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         .or_else(|| resumed.map(|(_, st)| checkpoint::adam_state_of(st)))
         .unwrap_or_default();
     // A resumed run keeps the precision it was trained in unless `--precision` says otherwise.
+    // Mixture-of-experts layers compute in fp32 only so far: their default on every device.
     let precision = cfg
         .precision
         .or_else(|| resumed.and_then(|(_, st)| st.config.precision))
-        .unwrap_or_else(|| cfg.resolved_precision());
+        .unwrap_or_else(|| match inputs.model.moe {
+            Some(_) => Precision::Fp32,
+            None => cfg.resolved_precision(),
+        });
     let cfg = TrainConfig {
         adam_state: Some(adam_state),
         precision: Some(precision),
@@ -552,7 +556,7 @@ fn check_moe(cfg: &TrainConfig, model: &ModelConfig) -> Result<()> {
             "--precision",
             "bf16",
             format!("{arch}'s mixture-of-experts layers are computed in fp32 only so far"),
-            Some("use --precision fp32"),
+            Some("use --precision fp32 (the default for mixture-of-experts models)"),
         ));
     }
     Ok(())
