@@ -502,3 +502,50 @@ fn moe_goldens_fail_without_their_routing() {
         fails_without(case, off);
     }
 }
+
+/// GPT-OSS: q/k/v/o biases, attention sinks, a window of 7 on layer 0, YaRN; 8 experts, a
+/// biased top-2-then-softmax router, biased transposed experts with interleaved gate/up and a
+/// SwiGLU clamped at 0.3.
+#[test]
+fn gpt_oss_mixture_of_experts() {
+    check_case("gpt_oss");
+}
+
+/// Each GPT-OSS feature moves the numbers: the golden fails with the clamp, the router's order
+/// (top-k then softmax) or the window switched off. (The sinks are parameters: without them the
+/// golden's parameter set differs; `model::ops::sinks` tests them against their definition.)
+#[test]
+fn gpt_oss_golden_fails_without_each_feature() {
+    use megatrain::model::config::MoeConfig;
+    use megatrain::model::ops::Router;
+    let base = load("gpt_oss").layout.config;
+    let m = base.moe.clone().unwrap();
+    let with = |moe: MoeConfig| ModelConfig {
+        moe: Some(moe),
+        ..base.clone()
+    };
+    let off = vec![
+        (
+            "the SwiGLU clamp",
+            with(MoeConfig {
+                swiglu_clamp: Some((1.702, 1e9)),
+                ..m.clone()
+            }),
+        ),
+        (
+            "top-k then softmax",
+            with(MoeConfig {
+                router: Router::SoftmaxTopK,
+                ..m.clone()
+            }),
+        ),
+        (
+            "the window",
+            ModelConfig {
+                sliding_window: None,
+                ..base.clone()
+            },
+        ),
+    ];
+    fails_without("gpt_oss", off);
+}

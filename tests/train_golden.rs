@@ -405,6 +405,12 @@ fn mixtral_mixture_of_experts() {
 fn qwen3_moe_mixture_of_experts() {
     check("qwen3_moe");
 }
+/// GPT-OSS: biases, sinks, a window on layer 0, YaRN; a biased top-2-then-softmax router and
+/// biased interleaved experts with a clamped SwiGLU; 2 micro-batches per step.
+#[test]
+fn gpt_oss_mixture_of_experts() {
+    check("gpt_oss");
+}
 /// Gemma 2: soft-capped attention scores and logits.
 #[test]
 fn gemma2_soft_capping() {

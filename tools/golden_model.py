@@ -99,6 +99,13 @@ CASES = {
     "qwen3_moe": (dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                        num_hidden_layers=3, num_experts=32, num_experts_per_tok=3, moe_intermediate_size=16,
                        norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=False), 1, 9),
+    # GPT-OSS: q/k/v/o biases, attention sinks (std 1, so they take a real share of the
+    # softmax), a window of 7 on layer 0 and full attention on layer 1, YaRN ×32; 8 experts of
+    # width 16, a biased router (top-2 logits, then their softmax), biased transposed experts with
+    # gate and up interleaved, and a SwiGLU clamped at 0.3 (where these small activations bend).
+    "gpt_oss": (dict(model_type="gpt_oss", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=7,
+                     swiglu_limit=0.3), 2, 20),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
@@ -122,7 +129,9 @@ def make(case, over, b, t, seed):
         for name, p in model.named_parameters():
             # Norm weights around 1, or around 0 where the norm applies 1 + w (Gemma).
             center = 0.0 if gemma else 1.0
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(center + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
             elif "norm" in name:
                 p.copy_(center + 0.1 * torch.randn(p.shape, generator=g))

@@ -87,6 +87,13 @@ CASES = {
                       config=dict(num_hidden_layers=3, num_experts=32, num_experts_per_tok=3,
                                   moe_intermediate_size=16, norm_topk_prob=False, mlp_only_layers=[1],
                                   use_sliding_window=False)),
+    # GPT-OSS (see tools/golden_model.py): biases, sinks (std 1), a window of 6 on layer 0, YaRN;
+    # 8 experts of width 16, top-2 logits then their softmax, biased interleaved experts, the
+    # SwiGLU clamped at 0.3; 2 micro-batches a step.
+    "gpt_oss": dict(heads=4, kv=2, tied=False, B=2, T=12, M=2, steps=4, clip=1.0, lr=3e-3, warmup=0, wd=0.1,
+                    model_type="gpt_oss", head_dim=8,
+                    config=dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                                sliding_window=6, swiglu_limit=0.3)),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
@@ -129,7 +136,9 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
         for n, p in model.named_parameters():
             # Norm weights around 1, or around 0 where the norm applies 1 + w (Gemma).
             center = 0.0 if gemma else 1.0
-            if n.endswith(("q_norm.weight", "k_norm.weight")):
+            if n.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif n.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(center + QK_NORM_SPREAD * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(center + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))

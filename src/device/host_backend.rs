@@ -84,6 +84,24 @@ pub struct HostIds {
 type Views<'a, const W: usize, const R: usize> = ([&'a mut [f32]; W], [&'a [f32]; R]);
 
 /// Checked slices for one call: `outs` are written, `ins` read.
+/// An MoE MLP's six ranges at `at` (router, gate/up, down, and their biases — empty without
+/// biases).
+fn moe_ranges(at: MoeAt<HostP>, s: MoeShape) -> [(HostP, usize); 6] {
+    let (e, c, i) = (s.experts, s.c, s.inter);
+    let (b, lens) = match at.biases {
+        Some(b) => (b, [e, e * 2 * i, e * c]),
+        None => ([at.router; 3], [0; 3]),
+    };
+    [
+        (at.router, e * c),
+        (at.gate_up, e * 2 * i * c),
+        (at.down, e * c * i),
+        (b[0], lens[0]),
+        (b[1], lens[1]),
+        (b[2], lens[2]),
+    ]
+}
+
 fn views<'a, const W: usize, const R: usize>(
     op: &str,
     outs: [(HostP, usize); W],
@@ -498,6 +516,41 @@ impl Backend for HostBackend<'_> {
         Ok(())
     }
 
+    fn attn_sinks_fwd(&mut self, o: HostP, lse: HostP, sinks: HostP, s: AttnShape) -> Result<()> {
+        let rows = s.b * (s.q1 - s.q0);
+        let ([o, lse], [sinks]) = views(
+            "attn_sinks_fwd",
+            [(o, rows * s.nh * s.hd), (lse, rows * s.nh)],
+            [(sinks, s.nh)],
+        )?;
+        ops::sinks_fwd(o, lse, sinks, s);
+        Ok(())
+    }
+
+    fn attn_sinks_bwd(
+        &mut self,
+        dsinks: HostP,
+        d_o: HostP,
+        o: HostP,
+        lse: HostP,
+        sinks: HostP,
+        s: AttnShape,
+    ) -> Result<()> {
+        let rows = s.b * (s.q1 - s.q0);
+        let ([dsinks], [d_o, o, lse, sinks]) = views(
+            "attn_sinks_bwd",
+            [(dsinks, s.nh)],
+            [
+                (d_o, rows * s.nh * s.hd),
+                (o, rows * s.nh * s.hd),
+                (lse, rows * s.nh),
+                (sinks, s.nh),
+            ],
+        )?;
+        ops::sinks_bwd(dsinks, d_o, o, lse, sinks, s);
+        Ok(())
+    }
+
     fn moe_fwd(
         &mut self,
         out: HostP,
@@ -506,21 +559,18 @@ impl Backend for HostBackend<'_> {
         rows: usize,
         s: MoeShape,
     ) -> Result<()> {
-        let (e, c, i) = (s.experts, s.c, s.inter);
-        let ([out], [h, router, gate_up, down]) = views(
+        let c = s.c;
+        let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
+        let ([out], [h, router, gate_up, down, b_r, b_gu, b_d]) = views(
             "moe_fwd",
             [(out, rows * c)],
-            [
-                (h, rows * c),
-                (w.router, e * c),
-                (w.gate_up, e * 2 * i * c),
-                (w.down, e * c * i),
-            ],
+            [(h, rows * c), wr, wgu, wd, br, bgu, bd],
         )?;
         let w = MoeWeights {
             router,
             gate_up,
             down,
+            biases: s.biases().then_some([b_r, b_gu, b_d]),
         };
         ops::moe_fwd(out, h, &w, rows, s);
         Ok(())
@@ -536,32 +586,26 @@ impl Backend for HostBackend<'_> {
         rows: usize,
         s: MoeShape,
     ) -> Result<()> {
-        let (e, c, i) = (s.experts, s.c, s.inter);
-        let ([dh, g_router, g_gate_up, g_down], [d_out, h, router, gate_up, down]) = views(
-            "moe_bwd",
-            [
-                (dh, rows * c),
-                (g.router, e * c),
-                (g.gate_up, e * 2 * i * c),
-                (g.down, e * c * i),
-            ],
-            [
-                (d_out, rows * c),
-                (h, rows * c),
-                (w.router, e * c),
-                (w.gate_up, e * 2 * i * c),
-                (w.down, e * c * i),
-            ],
-        )?;
+        let c = s.c;
+        let [gr, ggu, gd, gbr, gbgu, gbd] = moe_ranges(g, s);
+        let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
+        let ([dh, g_r, g_gu, g_d, g_br, g_bgu, g_bd], [d_out, h, router, gate_up, down, b_r, b_gu, b_d]) =
+            views(
+                "moe_bwd",
+                [(dh, rows * c), gr, ggu, gd, gbr, gbgu, gbd],
+                [(d_out, rows * c), (h, rows * c), wr, wgu, wd, br, bgu, bd],
+            )?;
         let grads = MoeGrads {
-            router: g_router,
-            gate_up: g_gate_up,
-            down: g_down,
+            router: g_r,
+            gate_up: g_gu,
+            down: g_d,
+            biases: s.biases().then_some([g_br, g_bgu, g_bd]),
         };
         let w = MoeWeights {
             router,
             gate_up,
             down,
+            biases: s.biases().then_some([b_r, b_gu, b_d]),
         };
         ops::moe_bwd(dh, grads, d_out, h, &w, rows, s);
         Ok(())

@@ -10,7 +10,7 @@
 //! wrong. Keys we do not use (token ids, dtype, ...) are ignored: HF configs carry many.
 
 pub use super::ops::MlpActivation;
-use super::ops::RopeScaling;
+use super::ops::{ExpertLayout, RopeScaling};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -70,6 +70,10 @@ pub enum Architecture {
     /// `Qwen3MoeForCausalLM`: Qwen3's block (QK-norm) with a mixture-of-experts MLP on the
     /// layers `decoder_sparse_step` and `mlp_only_layers` choose.
     Qwen3Moe,
+    /// `GptOssForCausalLM`: biased q/k/v/o, attention sinks, sliding-window layers alternating
+    /// with full ones, YaRN; a mixture of experts with a biased router (top-k logits, then their
+    /// softmax) and biased, transposed experts (gate and up interleaved, a clamped SwiGLU).
+    GptOss,
 }
 
 impl Architecture {
@@ -85,6 +89,7 @@ impl Architecture {
             Architecture::Gemma3 => "Gemma3ForCausalLM",
             Architecture::Mixtral => "MixtralForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -100,6 +105,7 @@ impl Architecture {
             Architecture::Gemma3 => "gemma3_text",
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 }
@@ -212,9 +218,13 @@ pub struct ModelConfig {
     /// Logits soft-capped as `cap·tanh(z / cap)` (Gemma 2).
     #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
-    /// The mixture-of-experts MLP (Mixtral, Qwen3-MoE), on the layers it names.
+    /// The mixture-of-experts MLP (Mixtral, Qwen3-MoE, GPT-OSS), on the layers it names.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// A learned logit per query head in every softmax of the attention, its probability
+    /// dropped (GPT-OSS's `sinks`).
+    #[serde(default)]
+    pub attention_sinks: bool,
 }
 
 impl RopeParams {
@@ -285,6 +295,7 @@ impl ModelConfig {
             attn_logit_softcapping: None,
             final_logit_softcapping: None,
             moe: None,
+            attention_sinks: false,
         }
     }
 
@@ -362,6 +373,7 @@ impl ModelConfig {
             attn_logit_softcapping,
             final_logit_softcapping,
             moe: moe::moe(v, architecture, num_layers, origin)?,
+            attention_sinks: architecture == Architecture::GptOss,
         };
         let cfg = ModelConfig {
             pad_token_id: pad_token_id(v, cfg.vocab_size, origin)?,
@@ -463,12 +475,19 @@ impl ModelConfig {
         if self.qk_norm {
             layer += 2 * self.head_dim as u128;
         }
+        if self.attention_sinks {
+            layer += self.num_heads as u128;
+        }
         let mlps: u128 = match &self.moe {
             None => self.num_layers as u128 * 3 * i * c,
             Some(m) => {
                 let sparse = (0..self.num_layers).filter(|&l| m.is_sparse(l)).count() as u128;
-                let experts = m.num_experts as u128;
-                let moe = experts * c + experts * 3 * m.expert_intermediate as u128 * c;
+                let (experts, mi) = (m.num_experts as u128, m.expert_intermediate as u128);
+                let biases = match m.layout {
+                    ExpertLayout::InterleavedColumns => experts * (1 + 2 * mi + c),
+                    ExpertLayout::GateUpRows => 0,
+                };
+                let moe = experts * c + experts * 3 * mi * c + biases;
                 sparse * moe + (self.num_layers as u128 - sparse) * 3 * i * c
             }
         };
@@ -627,7 +646,10 @@ impl ModelConfig {
         if let (Some(m), Some(o)) = (&self.moe, v.as_object_mut()) {
             moe::hf_fields(m, self.architecture, self.num_layers, o);
         }
-        if self.architecture == Architecture::Ministral {
+        if matches!(
+            self.architecture,
+            Architecture::Ministral | Architecture::GptOss
+        ) {
             v["sliding_window"] = self.sliding_window.map_or(Value::Null, Value::from);
             v["layer_types"] = self.hf_layer_types();
         }
@@ -773,7 +795,13 @@ impl ModelConfig {
     pub fn mlp_params(&self, layer: usize) -> usize {
         let c = self.hidden_size;
         match &self.moe {
-            Some(m) if m.is_sparse(layer) => m.num_experts * c * (1 + 3 * m.expert_intermediate),
+            Some(m) if m.is_sparse(layer) => {
+                let biases = match m.layout {
+                    ExpertLayout::InterleavedColumns => 1 + 2 * m.expert_intermediate + c,
+                    ExpertLayout::GateUpRows => 0,
+                };
+                m.num_experts * (c * (1 + 3 * m.expert_intermediate) + biases)
+            }
             _ => 3 * self.intermediate_size * c,
         }
     }
@@ -784,7 +812,11 @@ impl ModelConfig {
         let c = self.hidden_size;
         match &self.moe {
             Some(m) if m.is_sparse(layer) => {
-                m.num_experts * c + m.top_k * 3 * m.expert_intermediate * c
+                let biases = match m.layout {
+                    ExpertLayout::InterleavedColumns => m.num_experts + m.top_k * (2 * m.expert_intermediate + c),
+                    ExpertLayout::GateUpRows => 0,
+                };
+                m.num_experts * c + m.top_k * 3 * m.expert_intermediate * c + biases
             }
             _ => 3 * self.intermediate_size * c,
         }
@@ -821,6 +853,9 @@ impl ModelConfig {
         }
         if self.qk_norm {
             n += 2 * self.head_dim;
+        }
+        if self.attention_sinks {
+            n += self.num_heads;
         }
         n
     }

@@ -5,7 +5,7 @@
 
 use super::config::{MlpActivation, ModelConfig};
 use super::ops::{self, AttnShape, Rope};
-use super::ops::{MoeGrads, MoeShape, MoeWeights};
+use super::ops::{ExpertLayout, MoeGrads, MoeShape, MoeWeights};
 use super::units::{UnitKind, UnitLayout};
 use crate::{Error, Result};
 
@@ -33,6 +33,15 @@ fn dense_offset(unit: &UnitLayout, suffix: &str, dense: bool) -> Result<usize> {
     Ok(opt_offset(unit, suffix, dense)?.unwrap_or(0))
 }
 
+/// The router's tensor (`weight` or `bias`): `mlp.router.*` in GPT-OSS, `mlp.gate.*` elsewhere.
+pub fn moe_router_name(cfg: &ModelConfig, what: &str) -> &'static str {
+    match (cfg.architecture == crate::model::config::Architecture::GptOss, what) {
+        (true, "bias") => "mlp.router.bias",
+        (true, _) => "mlp.router.weight",
+        (false, _) => "mlp.gate.weight",
+    }
+}
+
 /// A layer's mixture-of-experts MLP: where its tensors are in the unit, and its shape.
 #[derive(Debug, Clone, Copy)]
 pub struct MoeMlp {
@@ -42,6 +51,8 @@ pub struct MoeMlp {
     pub gate_up: usize,
     /// Experts' down projections `[E, C, I]`.
     pub down: usize,
+    /// The router's, gate/up's and down's biases (GPT-OSS).
+    pub biases: Option<[usize; 3]>,
     /// The shape.
     pub shape: MoeShape,
 }
@@ -55,21 +66,52 @@ impl MoeMlp {
             router: &p[self.router..self.router + e * c],
             gate_up: &p[self.gate_up..self.gate_up + e * 2 * i * c],
             down: &p[self.down..self.down + e * c * i],
+            biases: self.biases.map(|[r, gu, d]| {
+                [&p[r..r + e], &p[gu..gu + e * 2 * i], &p[d..d + e * c]]
+            }),
         }
     }
 
-    /// Their gradients in the unit's gradients `g` (three disjoint ranges, in packing order).
+    /// Their gradients in the unit's gradients `g` (disjoint ranges).
     pub fn grads<'a>(&self, g: &'a mut [f32]) -> MoeGrads<'a> {
         let s = self.shape;
         let (e, c, i) = (s.experts, s.c, s.inter);
-        let (head, rest) = g.split_at_mut(self.gate_up);
-        let (gu, rest) = rest.split_at_mut(self.down - self.gate_up);
+        let mut ranges = vec![
+            (self.router, e * c),
+            (self.gate_up, e * 2 * i * c),
+            (self.down, e * c * i),
+        ];
+        if let Some([r, gu, d]) = self.biases {
+            ranges.extend([(r, e), (gu, e * 2 * i), (d, e * c)]);
+        }
+        let mut parts = disjoint_mut(g, &ranges).into_iter();
+        let mut next = || parts.next().unwrap_or_default();
+        let (router, gate_up, down) = (next(), next(), next());
+        let biases = self.biases.map(|_| [next(), next(), next()]);
         MoeGrads {
-            router: &mut head[self.router..self.router + e * c],
-            gate_up: &mut gu[..e * 2 * i * c],
-            down: &mut rest[..e * c * i],
+            router,
+            gate_up,
+            down,
+            biases,
         }
     }
+}
+
+/// Disjoint `(offset, len)` ranges of `g` as mutable slices, in the order given.
+fn disjoint_mut<'a>(g: &'a mut [f32], ranges: &[(usize, usize)]) -> Vec<&'a mut [f32]> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&k| ranges[k].0);
+    let mut out: Vec<Option<&'a mut [f32]>> = (0..ranges.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (g, 0usize);
+    for k in order {
+        let (off, len) = ranges[k];
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
+        let (piece, tail) = tail.split_at_mut(len);
+        out[k] = Some(piece);
+        rest = tail;
+        at = off + len;
+    }
+    out.into_iter().map(Option::unwrap_or_default).collect()
 }
 
 /// Scratch for one layer's forward and backward over N = B·T tokens. Sized once for the largest
@@ -232,6 +274,8 @@ pub struct DecoderBlock {
     pub(crate) bo: Option<usize>,
     /// The sliding window of this layer's attention.
     pub(crate) window: Option<usize>,
+    /// Attention sinks `[nh]` (GPT-OSS).
+    pub(crate) sinks: Option<usize>,
     /// QK-norm weights `[hd]` of q and k.
     pub(crate) qn: Option<usize>,
     pub(crate) kn: Option<usize>,
@@ -276,17 +320,18 @@ impl DecoderBlock {
         let moe = match cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
             None => None,
             Some(m) => Some(MoeMlp {
-                router: offset(unit, "mlp.gate.weight")?,
+                router: offset(unit, moe_router_name(cfg, "weight"))?,
                 gate_up: offset(unit, "mlp.experts.gate_up_proj")?,
                 down: offset(unit, "mlp.experts.down_proj")?,
-                shape: MoeShape {
-                    c: cfg.hidden_size,
-                    experts: m.num_experts,
-                    top_k: m.top_k,
-                    inter: m.expert_intermediate,
-                    norm_topk: m.norm_topk_prob,
-                    act: cfg.mlp_activation,
+                biases: match m.layout {
+                    ExpertLayout::GateUpRows => None,
+                    ExpertLayout::InterleavedColumns => Some([
+                        offset(unit, moe_router_name(cfg, "bias"))?,
+                        offset(unit, "mlp.experts.gate_up_proj_bias")?,
+                        offset(unit, "mlp.experts.down_proj_bias")?,
+                    ]),
                 },
+                shape: m.shape(cfg.hidden_size, cfg.mlp_activation),
             }),
         };
         Ok(DecoderBlock {
@@ -306,6 +351,7 @@ impl DecoderBlock {
             wo: offset(unit, "self_attn.o_proj.weight")?,
             bo: opt_offset(unit, "self_attn.o_proj.bias", cfg.o_bias)?,
             window: cfg.layer_window(layer),
+            sinks: opt_offset(unit, "self_attn.sinks", cfg.attention_sinks)?,
             qn: opt_offset(unit, "self_attn.q_norm.weight", cfg.qk_norm)?,
             kn: opt_offset(unit, "self_attn.k_norm.weight", cfg.qk_norm)?,
             ln2: offset(
@@ -439,6 +485,14 @@ impl DecoderBlock {
             pos,
             shape,
         );
+        if let Some(o) = self.sinks {
+            ops::sinks_fwd(
+                &mut ws.att[..n * qd],
+                &mut ws.lse[..b * self.nh * t],
+                w(o, self.nh),
+                shape,
+            );
+        }
         // x2 = x + att·Woᵀ (+ bo), the projection normed first under sandwich norms.
         let proj = match self.post_attn_norm {
             Some(_) => &mut ws.attn_out[..n * c],
@@ -744,6 +798,16 @@ impl DecoderBlock {
             );
         }
         let shape = self.attn_shape(b, t);
+        if let Some(o) = self.sinks {
+            ops::sinks_bwd(
+                &mut g[o..o + self.nh],
+                &ws.d_att[..n * qd],
+                &ws.att[..n * qd],
+                &ws.lse[..b * self.nh * t],
+                w(o, self.nh),
+                shape,
+            );
+        }
         ws.dk[..n * kvd].fill(0.0);
         ws.dv[..n * kvd].fill(0.0);
         ops::attention_bwd(

@@ -7,6 +7,7 @@
 //! these offsets.
 
 use super::config::ModelConfig;
+use super::ops::ExpertLayout;
 use crate::host::SHARD_ALIGN;
 use serde::{Deserialize, Serialize};
 
@@ -131,6 +132,9 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
         t.push((format!("{p}.self_attn.q_norm.weight"), vec![c.head_dim]));
         t.push((format!("{p}.self_attn.k_norm.weight"), vec![c.head_dim]));
     }
+    if c.attention_sinks {
+        t.push((format!("{p}.self_attn.sinks"), vec![c.num_heads]));
+    }
     // Llama's `post_attention_layernorm` is the MLP's input norm; under sandwich norms it norms
     // the attention's output, `pre_feedforward_layernorm` the MLP's input.
     t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
@@ -138,6 +142,18 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
         t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
     }
     match c.moe.as_ref().filter(|m| m.is_sparse(i)) {
+        // GPT-OSS: a biased router; experts transposed, gate and up in alternating columns.
+        Some(m) if m.layout == ExpertLayout::InterleavedColumns => {
+            let (e, mi) = (m.num_experts, m.expert_intermediate);
+            t.extend([
+                (format!("{p}.mlp.router.weight"), vec![e, h]),
+                (format!("{p}.mlp.router.bias"), vec![e]),
+                (format!("{p}.mlp.experts.gate_up_proj"), vec![e, h, 2 * mi]),
+                (format!("{p}.mlp.experts.gate_up_proj_bias"), vec![e, 2 * mi]),
+                (format!("{p}.mlp.experts.down_proj"), vec![e, mi, h]),
+                (format!("{p}.mlp.experts.down_proj_bias"), vec![e, h]),
+            ])
+        }
         // transformers 5's fused experts: gate rows then up rows per expert, as a Linear's.
         Some(m) => t.extend([
             (format!("{p}.mlp.gate.weight"), vec![m.num_experts, h]),
@@ -219,6 +235,10 @@ impl StoredTensor {
 pub fn stored_tensors(config: &ModelConfig, unit: &UnitLayout) -> Vec<StoredTensor> {
     use super::config::Architecture;
     let mixtral = config.architecture == Architecture::Mixtral;
+    // GPT-OSS's checkpoints hold its fused experts as they are.
+    if config.architecture == Architecture::GptOss {
+        return unit.tensors.iter().map(StoredTensor::whole).collect();
+    }
     let (moe_name, gate, up, down) = match mixtral {
         true => ("block_sparse_moe", "w1", "w3", "w2"),
         false => ("mlp", "gate_proj", "up_proj", "down_proj"),

@@ -334,6 +334,9 @@ fn query_internals<B: Backend>(
     let (k, v) = sequence_keys_values(be, blk, ws, at);
     let seq_pos = B::ids_off(pos, at.seq0);
     be.attention_fwd(ws.att, ws.lse, q, k, v, seq_pos, at.attn)?;
+    if let Some(o) = blk.sinks {
+        be.attn_sinks_fwd(ws.att, ws.lse, w(o), at.attn)?;
+    }
     // x2 = x + att·Woᵀ (+ bo), the projection normed first under sandwich norms.
     match blk.post_attn_norm {
         None => linear_fwd(be, ws.x2, ws.att, w(blk.wo), blk.bo.map(w), n, qd, c)?,
@@ -385,6 +388,7 @@ fn moe_at<B: Backend>(base: B::P, m: &MoeMlp) -> MoeAt<B::P> {
         router: B::off(base, m.router),
         gate_up: B::off(base, m.gate_up),
         down: B::off(base, m.down),
+        biases: m.biases.map(|b| b.map(|o| B::off(base, o))),
     }
 }
 
@@ -494,6 +498,9 @@ pub fn block_bwd<B: Backend>(
             c,
         )?;
         let (dk, dv) = (B::off(ws.dk, at.seq0 * kvd), B::off(ws.dv, at.seq0 * kvd));
+        if let Some(o) = blk.sinks {
+            be.attn_sinks_bwd(gw(o), d_att_f32, ws.att, ws.lse, w(o), at.attn)?;
+        }
         store(be, d_att, d_att_f32, n * qd)?;
         let (k, v) = sequence_keys_values(be, blk, ws, &at);
         be.attention_bwd(

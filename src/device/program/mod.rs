@@ -61,6 +61,8 @@ pub struct MoeAt<P> {
     pub gate_up: P,
     /// Experts' down projections `[E, C, I]`.
     pub down: P,
+    /// The router's, gate/up's and down's biases (GPT-OSS).
+    pub biases: Option<[P; 3]>,
 }
 
 /// The primitives a device offers. Addresses are `P` (f32 elements); token ids are `Ids`. Every
@@ -183,6 +185,26 @@ pub trait Backend {
         o: Self::P,
         lse: Self::P,
         pos: Self::Ids,
+        s: AttnShape,
+    ) -> Result<()>;
+    /// Attention sinks after [`Backend::attention_fwd`] ([`crate::model::ops::sinks_fwd`]): the
+    /// output `o` and log-sum-exp `lse` rescaled in place; `sinks` `[NH]`.
+    fn attn_sinks_fwd(
+        &mut self,
+        o: Self::P,
+        lse: Self::P,
+        sinks: Self::P,
+        s: AttnShape,
+    ) -> Result<()>;
+    /// Their gradient `dsinks +=` ([`crate::model::ops::sinks_bwd`]) from the rescaled `o` and
+    /// `lse` and the output gradient `d_o` (fp32).
+    fn attn_sinks_bwd(
+        &mut self,
+        dsinks: Self::P,
+        d_o: Self::P,
+        o: Self::P,
+        lse: Self::P,
+        sinks: Self::P,
         s: AttnShape,
     ) -> Result<()>;
     /// The gated MLP's `h = act(g)·u`.

@@ -4,6 +4,7 @@
 
 use super::parse::{bad, get_bool, get_f64, get_usize};
 use super::Architecture;
+use crate::model::ops::{ExpertAct, ExpertLayout, MlpActivation, MoeShape, Router};
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -32,12 +33,41 @@ pub struct MoeConfig {
     /// `router_aux_loss_coef` (recorded for export; the load-balancing loss is only added when
     /// `output_router_logits` is set, which megatrain refuses so far).
     pub router_aux_loss_coef: f64,
+    /// How the router picks (GPT-OSS: top-k logits, then their softmax).
+    #[serde(default)]
+    pub router: Router,
+    /// How the experts' weights are laid out (GPT-OSS: transposed, interleaved, with biases).
+    #[serde(default)]
+    pub layout: ExpertLayout,
+    /// GPT-OSS's clamped SwiGLU `(swiglu_alpha, swiglu_limit)`, else the model's gated MLP.
+    #[serde(default)]
+    pub swiglu_clamp: Option<(f64, f64)>,
 }
 
 impl MoeConfig {
     /// Whether layer `layer` has the MoE MLP.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.sparse_layers.get(layer).copied().unwrap_or(true)
+    }
+
+    /// The shape of its MLP in a model of width `c` whose gated MLPs use `act`.
+    pub fn shape(&self, c: usize, act: MlpActivation) -> MoeShape {
+        MoeShape {
+            c,
+            experts: self.num_experts,
+            top_k: self.top_k,
+            inter: self.expert_intermediate,
+            norm_topk: self.norm_topk_prob,
+            router: self.router,
+            layout: self.layout,
+            act: match self.swiglu_clamp {
+                Some((alpha, limit)) => ExpertAct::ClampedSwiglu {
+                    alpha: alpha as f32,
+                    limit: limit as f32,
+                },
+                None => ExpertAct::Gated(act),
+            },
+        }
     }
 }
 
@@ -61,6 +91,11 @@ pub(super) fn moe(
             "moe_intermediate_size",
             None,
         ),
+        Architecture::GptOss => (
+            ["num_local_experts", "num_experts"],
+            "intermediate_size",
+            Some(false),
+        ),
         _ => return Ok(None),
     };
     let experts_key = experts_keys
@@ -69,6 +104,7 @@ pub(super) fn moe(
         .unwrap_or(experts_keys[0]);
     let (default_experts, default_k, default_width) = match arch {
         Architecture::Mixtral => (8, 2, 14336),
+        Architecture::GptOss => (128, 4, 2880),
         _ => (128, 8, 768),
     };
     let num_experts = get_usize(v, experts_key, origin)?.unwrap_or(default_experts);
@@ -126,7 +162,35 @@ pub(super) fn moe(
         norm_topk_prob,
         sparse_layers,
         router_aux_loss_coef: get_f64(v, "router_aux_loss_coef", origin)?.unwrap_or(0.001),
+        router: match arch {
+            Architecture::GptOss => Router::TopKSoftmax,
+            _ => Router::SoftmaxTopK,
+        },
+        layout: match arch {
+            Architecture::GptOss => ExpertLayout::InterleavedColumns,
+            _ => ExpertLayout::GateUpRows,
+        },
+        swiglu_clamp: match arch {
+            Architecture::GptOss => Some(swiglu_clamp(v, origin)?),
+            _ => None,
+        },
     }))
+}
+
+/// GPT-OSS's `(swiglu_alpha, swiglu_limit)`: positive numbers.
+fn swiglu_clamp(v: &Value, origin: &str) -> Result<(f64, f64)> {
+    let mut out = [0.0; 2];
+    for (slot, (key, default)) in out
+        .iter_mut()
+        .zip([("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)])
+    {
+        let x = get_f64(v, key, origin)?.unwrap_or(default);
+        if !(x.is_finite() && x > 0.0) {
+            return Err(bad(origin, format!("`{key}` must be a positive number, found {x}")));
+        }
+        *slot = x;
+    }
+    Ok((out[0], out[1]))
 }
 
 /// Qwen3-MoE's MoE layers: not in `mlp_only_layers`, and every `decoder_sparse_step`-th
@@ -181,6 +245,14 @@ pub(super) fn hf_fields(
         Value::from(moe.router_aux_loss_coef),
     );
     match arch {
+        Architecture::GptOss => {
+            o.insert("num_local_experts".into(), Value::from(moe.num_experts));
+            o.insert("intermediate_size".into(), Value::from(moe.expert_intermediate));
+            if let Some((alpha, limit)) = moe.swiglu_clamp {
+                o.insert("swiglu_alpha".into(), Value::from(alpha));
+                o.insert("swiglu_limit".into(), Value::from(limit));
+            }
+        }
         Architecture::Mixtral => {
             o.insert("num_local_experts".into(), Value::from(moe.num_experts));
             o.insert(

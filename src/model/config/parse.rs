@@ -24,6 +24,7 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
             Some("gemma3") => "Gemma3ForConditionalGeneration".into(),
             Some("mixtral") => "MixtralForCausalLM".into(),
             Some("qwen3_moe") => "Qwen3MoeForCausalLM".into(),
+            Some("gpt_oss") => "GptOssForCausalLM".into(),
             Some(other) => other.to_owned(),
             None => {
                 return Err(bad(
@@ -43,11 +44,12 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
         "Gemma3ForCausalLM" | "Gemma3ForConditionalGeneration" => Architecture::Gemma3,
         "MixtralForCausalLM" => Architecture::Mixtral,
         "Qwen3MoeForCausalLM" => Architecture::Qwen3Moe,
+        "GptOssForCausalLM" => Architecture::GptOss,
         other => return Err(Error::bad_input(
             "model config",
             origin,
             format!("architecture `{other}` is not supported"),
-            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, the text model of Gemma3ForConditionalGeneration, MixtralForCausalLM and Qwen3MoeForCausalLM"),
+            Some("megatrain implements LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, the text model of Gemma3ForConditionalGeneration, MixtralForCausalLM, Qwen3MoeForCausalLM and GptOssForCausalLM"),
         )),
     };
     if arch == Architecture::Gemma2 {
@@ -60,6 +62,42 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
             "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
         });
         return Ok((arch, with_defaults(defaults, v)));
+    }
+    if arch == Architecture::GptOss {
+        // transformers' `GptOssConfig` class defaults (YaRN ×32 over 4096 positions, θ 150000;
+        // sliding-window layers of 128 alternating with full ones: `layer_types`).
+        let mut defaults = serde_json::json!({
+            "vocab_size": 201_088, "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+            "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131_072,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": false, "attention_bias": true,
+            "num_local_experts": 128, "num_experts_per_tok": 4,
+            "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        });
+        let yarn = serde_json::json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096,
+            "rope_theta": 150_000.0});
+        let has_rope = ["rope_parameters", "rope_scaling"]
+            .iter()
+            .any(|k| v.get(*k).is_some_and(|x| !x.is_null()));
+        if !has_rope {
+            defaults["rope_parameters"] = yarn;
+        }
+        if v.get("rope_theta").is_none() {
+            defaults["rope_theta"] = serde_json::json!(150_000.0);
+        }
+        let mut merged = with_defaults(defaults, v);
+        if merged.get("layer_types").is_none_or(Value::is_null) {
+            let layers = merged["num_hidden_layers"].as_u64().unwrap_or(0).min(1 << 16);
+            let types: Vec<&str> = (0..layers)
+                .map(|i| match (i + 1) % 2 {
+                    1 => "sliding_attention",
+                    _ => "full_attention",
+                })
+                .collect();
+            merged["layer_types"] = serde_json::json!(types);
+        }
+        return Ok((arch, merged));
     }
     if arch != Architecture::Gemma3 {
         return Ok((arch, v.clone()));
@@ -482,7 +520,7 @@ pub(super) fn sliding_window(
             };
             Ok((size()?, windowed))
         }
-        Architecture::Ministral => {
+        Architecture::Ministral | Architecture::GptOss => {
             // transformers: `layer_types`, else every layer sliding when there is a window.
             let Some(w) = size()? else {
                 if types.is_some_and(|t| t.contains(&true)) {

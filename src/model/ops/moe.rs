@@ -1,7 +1,9 @@
 //! The mixture-of-experts MLP on the CPU, forward and explicit backward, as transformers 5
-//! computes it (Mixtral, Qwen3-MoE): router logits `h·Wrᵀ`, softmax in fp32, the `top_k`
-//! largest probabilities (renormalised when asked), each chosen expert's gated MLP on the rows
-//! routed to it, and the outputs weighted and added per token in ascending expert order
+//! computes it: router logits `h·Wrᵀ (+ b)`; Mixtral and Qwen3-MoE take the softmax over every
+//! expert (fp32) and its `top_k` largest probabilities (renormalised when asked), GPT-OSS the
+//! `top_k` largest logits and the softmax over them; each chosen expert's gated MLP on the rows
+//! routed to it (GPT-OSS: transposed weights with biases, gate and up in alternating columns, a
+//! clamped SwiGLU); the outputs weighted and added per token in ascending expert order
 //! (transformers' `index_add_` loop). Tokens are grouped by expert (a stable, deterministic
 //! permutation) and each expert's rows go through GEMMs together; experts run in parallel.
 //! The backward recomputes the forward (nothing is kept between calls) and gives the router's
@@ -9,9 +11,50 @@
 
 use super::{gated_bwd, gated_fwd, gemm, linear_fwd, MlpActivation};
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// How the router picks and weights a token's experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Router {
+    /// Softmax over every expert's logit, then the `k` largest probabilities (Mixtral,
+    /// Qwen3-MoE; renormalised to sum 1 when [`MoeShape::norm_topk`]).
+    #[default]
+    SoftmaxTopK,
+    /// The `k` largest logits, then the softmax over them (GPT-OSS).
+    TopKSoftmax,
+}
+
+/// How an expert's weights are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertLayout {
+    /// As Linear weights: gate and up `[E, 2I, C]` (per expert the gate's `I` rows, then the up
+    /// projection's), down `[E, C, I]`; no biases (Mixtral, Qwen3-MoE).
+    #[default]
+    GateUpRows,
+    /// Transposed with biases: gate and up `[E, C, 2I]` in alternating columns (gate even, up
+    /// odd) plus `[E, 2I]`, down `[E, I, C]` plus `[E, C]`; the router has a bias `[E]`
+    /// (GPT-OSS).
+    InterleavedColumns,
+}
+
+/// An expert's activation of gate and up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertAct {
+    /// `act(gate)·up` ([`MlpActivation`]).
+    Gated(MlpActivation),
+    /// GPT-OSS: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `(u + 1)·g·σ(α·g)`.
+    ClampedSwiglu {
+        /// α.
+        alpha: f32,
+        /// The clamp.
+        limit: f32,
+    },
+}
 
 /// An MoE MLP's shape.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeShape {
     /// Model width C.
     pub c: usize,
@@ -21,33 +64,48 @@ pub struct MoeShape {
     pub top_k: usize,
     /// Each expert's MLP width I.
     pub inter: usize,
-    /// The k weights renormalised to sum 1.
+    /// The k weights renormalised to sum 1 ([`Router::SoftmaxTopK`]).
     pub norm_topk: bool,
-    /// The experts' gate activation.
-    pub act: MlpActivation,
+    /// How the router picks.
+    pub router: Router,
+    /// How the experts' weights are laid out (and whether they have biases).
+    pub layout: ExpertLayout,
+    /// The experts' activation.
+    pub act: ExpertAct,
 }
 
-/// The weights of an MoE MLP (HF layout): router `[E, C]`, fused gate/up `[E, 2I, C]` (per
-/// expert the gate's `I` rows, then the up projection's), down `[E, C, I]`.
+impl MoeShape {
+    /// Whether the router and the experts have biases.
+    pub fn biases(&self) -> bool {
+        self.layout == ExpertLayout::InterleavedColumns
+    }
+}
+
+/// The weights of an MoE MLP (HF layout, [`ExpertLayout`]).
 #[derive(Debug, Clone, Copy)]
 pub struct MoeWeights<'a> {
     /// Router `[E, C]`.
     pub router: &'a [f32],
-    /// Gate and up projections `[E, 2I, C]`.
+    /// Gate and up projections (`[E, 2I, C]` or `[E, C, 2I]`).
     pub gate_up: &'a [f32],
-    /// Down projections `[E, C, I]`.
+    /// Down projections (`[E, C, I]` or `[E, I, C]`).
     pub down: &'a [f32],
+    /// The router's, gate/up's and down's biases `[E]`, `[E, 2I]`, `[E, C]`
+    /// ([`MoeShape::biases`]).
+    pub biases: Option<[&'a [f32]; 3]>,
 }
 
 /// Their gradients, added to.
 #[derive(Debug)]
 pub struct MoeGrads<'a> {
-    /// `[E, C]`.
+    /// Router.
     pub router: &'a mut [f32],
-    /// `[E, 2I, C]`.
+    /// Gate and up projections.
     pub gate_up: &'a mut [f32],
-    /// `[E, C, I]`.
+    /// Down projections.
     pub down: &'a mut [f32],
+    /// The biases' gradients (router, gate/up, down).
+    pub biases: Option<[&'a mut [f32]; 3]>,
 }
 
 /// The router's decisions for `n` tokens.
@@ -88,26 +146,26 @@ pub fn route(logits: &[f32], n: usize, s: MoeShape) -> Routing {
         .enumerate()
         .for_each(|(t, ((p, ex), w))| {
             let z = &logits[t * e..(t + 1) * e];
-            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for (pi, zi) in p.iter_mut().zip(z) {
-                *pi = (zi - max).exp();
-                sum += *pi;
-            }
-            for pi in p.iter_mut() {
-                *pi /= sum;
-            }
-            let mut order: Vec<u32> = (0..e as u32).collect();
-            // Descending probability; among equal ones the lower index first (stable).
-            order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]));
-            ex.copy_from_slice(&order[..k]);
-            for (wj, &x) in w.iter_mut().zip(ex.iter()) {
-                *wj = p[x as usize];
-            }
-            if s.norm_topk {
-                let total: f32 = w.iter().sum();
-                for wj in w.iter_mut() {
-                    *wj /= total;
+            match s.router {
+                Router::SoftmaxTopK => {
+                    softmax_into(p, z);
+                    top_k(ex, p);
+                    for (wj, &x) in w.iter_mut().zip(ex.iter()) {
+                        *wj = p[x as usize];
+                    }
+                    if s.norm_topk {
+                        let total: f32 = w.iter().sum();
+                        for wj in w.iter_mut() {
+                            *wj /= total;
+                        }
+                    }
+                }
+                Router::TopKSoftmax => {
+                    // The scores the experts were chosen by: the logits themselves.
+                    p.copy_from_slice(z);
+                    top_k(ex, z);
+                    let chosen: Vec<f32> = ex.iter().map(|&x| z[x as usize]).collect();
+                    softmax_into(w, &chosen);
                 }
             }
         });
@@ -159,6 +217,65 @@ pub fn group_by_expert(
     Ok(group(expert, e))
 }
 
+/// `p = softmax(z)` (max-shifted, summed in order).
+fn softmax_into(p: &mut [f32], z: &[f32]) {
+    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for (pi, zi) in p.iter_mut().zip(z) {
+        *pi = (zi - max).exp();
+        sum += *pi;
+    }
+    for pi in p.iter_mut() {
+        *pi /= sum;
+    }
+}
+
+/// The indices of the `ex.len()` largest scores, descending (ties: the lower index first).
+fn top_k(ex: &mut [u32], scores: &[f32]) {
+    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]));
+    let k = ex.len();
+    ex.copy_from_slice(&order[..k]);
+}
+
+/// The clamped SwiGLU of GPT-OSS over interleaved `gu` `[R, 2I]` (gate even, up odd) into
+/// `out` `[R, I]`, in transformers' order.
+fn clamped_swiglu_fwd(out: &mut [f32], gu: &[f32], alpha: f32, limit: f32) {
+    out.par_iter_mut().enumerate().for_each(|(j, o)| {
+        let g = gu[2 * j].min(limit);
+        let u = gu[2 * j + 1].clamp(-limit, limit);
+        let glu = g * sigmoid(g * alpha);
+        *o = (u + 1.0) * glu;
+    });
+}
+
+/// Its backward: `dgu` `[R, 2I]` from `d_out` `[R, I]` (no gradient where a clamp holds,
+/// torch's `clamp` backward: the bounds themselves pass).
+fn clamped_swiglu_bwd(dgu: &mut [f32], d_out: &[f32], gu: &[f32], alpha: f32, limit: f32) {
+    dgu.par_chunks_mut(2).enumerate().for_each(|(j, d)| {
+        let (gate, up) = (gu[2 * j], gu[2 * j + 1]);
+        let g = gate.min(limit);
+        let u = up.clamp(-limit, limit);
+        let sg = sigmoid(g * alpha);
+        let glu = g * sg;
+        let dglu = d_out[j] * (u + 1.0);
+        d[0] = if gate <= limit {
+            dglu * (sg + g * alpha * sg * (1.0 - sg))
+        } else {
+            0.0
+        };
+        d[1] = if (-limit..=limit).contains(&up) {
+            d_out[j] * glu
+        } else {
+            0.0
+        };
+    });
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// What the forward computes per grouped row (`n·k` rows, grouped by expert): the gathered
 /// input `[R, C]`, gate and up `[R, I]`, the activation `[R, I]`, the expert's output `[R, C]`.
 struct Internals {
@@ -170,26 +287,81 @@ struct Internals {
     y: Vec<f32>,
 }
 
-/// Expert `e`'s gate and up projections `[I, C]` each, and its down projection `[C, I]`.
-fn expert_weights<'a>(
-    w: &MoeWeights<'a>,
-    s: MoeShape,
-    e: usize,
-) -> (&'a [f32], &'a [f32], &'a [f32]) {
+/// Expert `e`'s gate/up weights and down weights (its slices of the fused tensors).
+fn expert_weights<'a>(w: &MoeWeights<'a>, s: MoeShape, e: usize) -> (&'a [f32], &'a [f32]) {
     let (c, i) = (s.c, s.inter);
-    let gu = &w.gate_up[e * 2 * i * c..(e + 1) * 2 * i * c];
     (
-        &gu[..i * c],
-        &gu[i * c..],
+        &w.gate_up[e * 2 * i * c..(e + 1) * 2 * i * c],
         &w.down[e * c * i..(e + 1) * c * i],
     )
+}
+
+/// Width of the gate/up buffer's rows: `I` each for [`ExpertLayout::GateUpRows`] (gate and up
+/// apart), `2I` interleaved for [`ExpertLayout::InterleavedColumns`] (up unused).
+fn gate_width(s: MoeShape) -> (usize, usize) {
+    match s.layout {
+        ExpertLayout::GateUpRows => (s.inter, s.inter),
+        ExpertLayout::InterleavedColumns => (2 * s.inter, 0),
+    }
+}
+
+/// `y[r, :] += b` for every row of `y`.
+fn add_rows(y: &mut [f32], b: &[f32]) {
+    for row in y.chunks_mut(b.len()) {
+        for (v, bv) in row.iter_mut().zip(b) {
+            *v += *bv;
+        }
+    }
+}
+
+/// One expert's forward on its `m` rows `xe`: gate/up (or interleaved gu), the activation, its
+/// output `ye`.
+#[allow(clippy::too_many_arguments)]
+fn expert_fwd(
+    w: &MoeWeights<'_>,
+    s: MoeShape,
+    ex: usize,
+    xe: &[f32],
+    (g, u, a, ye): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
+    m: usize,
+) {
+    let (c, i) = (s.c, s.inter);
+    let (wgu, wd) = expert_weights(w, s, ex);
+    match s.layout {
+        ExpertLayout::GateUpRows => {
+            linear_fwd(g, xe, &wgu[..i * c], None, m, c, i);
+            linear_fwd(u, xe, &wgu[i * c..], None, m, c, i);
+        }
+        ExpertLayout::InterleavedColumns => {
+            // gu [m, 2I] = x [m, C] · W [C, 2I] + b.
+            gemm(g, xe, (c, 1), wgu, (2 * i, 1), m, c, 2 * i, false);
+            if let Some([_, bgu, _]) = w.biases {
+                add_rows(g, &bgu[ex * 2 * i..(ex + 1) * 2 * i]);
+            }
+        }
+    }
+    match s.act {
+        ExpertAct::Gated(act) => gated_fwd(act, a, g, u),
+        ExpertAct::ClampedSwiglu { alpha, limit } => clamped_swiglu_fwd(a, g, alpha, limit),
+    }
+    match s.layout {
+        ExpertLayout::GateUpRows => linear_fwd(ye, a, wd, None, m, i, c),
+        ExpertLayout::InterleavedColumns => {
+            // y [m, C] = a [m, I] · Wd [I, C] + b.
+            gemm(ye, a, (i, 1), wd, (c, 1), m, i, c, false);
+            if let Some([_, _, bd]) = w.biases {
+                add_rows(ye, &bd[ex * c..(ex + 1) * c]);
+            }
+        }
+    }
 }
 
 /// The router and every expert on `h` `[n, C]`.
 fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Internals {
     let (c, i, e) = (s.c, s.inter, s.experts);
     let mut logits = vec![0f32; n * e];
-    linear_fwd(&mut logits, &h[..n * c], w.router, None, n, c, e);
+    let router_bias = w.biases.map(|[b, _, _]| b);
+    linear_fwd(&mut logits, &h[..n * c], w.router, router_bias, n, c, e);
     let routing = route(&logits, n, s);
     let rows = n * s.top_k;
     let mut x = vec![0f32; rows * c];
@@ -197,30 +369,27 @@ fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Internals 
         let t = routing.slots[r] as usize / s.top_k;
         xr.copy_from_slice(&h[t * c..(t + 1) * c]);
     }
+    let (gw, uw) = gate_width(s);
     let (mut gate, mut up, mut act) = (
-        vec![0f32; rows * i],
-        vec![0f32; rows * i],
+        vec![0f32; rows * gw],
+        vec![0f32; rows * uw],
         vec![0f32; rows * i],
     );
     let mut y = vec![0f32; rows * c];
     let bounds = &routing.offsets;
-    split_rows(&mut gate, bounds, i)
+    split_rows(&mut gate, bounds, gw)
         .into_par_iter()
-        .zip(split_rows(&mut up, bounds, i))
+        .zip(split_rows(&mut up, bounds, uw))
         .zip(split_rows(&mut act, bounds, i))
         .zip(split_rows(&mut y, bounds, c))
         .enumerate()
         .for_each(|(ex, (((g, u), a), ye))| {
-            let m = g.len() / i.max(1);
+            let m = bounds[ex + 1] - bounds[ex];
             if m == 0 {
                 return;
             }
             let xe = &x[bounds[ex] * c..bounds[ex + 1] * c];
-            let (wg, wu, wd) = expert_weights(w, s, ex);
-            linear_fwd(g, xe, wg, None, m, c, i);
-            linear_fwd(u, xe, wu, None, m, c, i);
-            gated_fwd(s.act, a, g, u);
-            linear_fwd(ye, a, wd, None, m, i, c);
+            expert_fwd(w, s, ex, xe, (g, u, a, ye), m);
         });
     Internals {
         routing,
@@ -282,6 +451,84 @@ pub fn moe_fwd(out: &mut [f32], h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeS
     f.routing
 }
 
+/// One expert's forward internals and output gradient, on its rows.
+struct ExpertRows<'a> {
+    x: &'a [f32],
+    gate: &'a [f32],
+    up: &'a [f32],
+    act: &'a [f32],
+    dy: &'a [f32],
+}
+
+/// One expert's backward on its rows: its weight (and bias) gradients added to, `dxe` written.
+fn expert_bwd(
+    w: &MoeWeights<'_>,
+    s: MoeShape,
+    ex: usize,
+    f: ExpertRows<'_>,
+    (dxe, ggu, gd): (&mut [f32], &mut [f32], &mut [f32]),
+    (gbgu, gbd): (Option<&mut [f32]>, Option<&mut [f32]>),
+) {
+    let (c, i) = (s.c, s.inter);
+    let m = f.x.len() / c;
+    let (wgu, wd) = expert_weights(w, s, ex);
+    let mut da = vec![0f32; m * i];
+    match s.layout {
+        ExpertLayout::GateUpRows => {
+            // dA [m, I] = dY [m, C] · Wd [C, I]; dWd [C, I] += dYᵀ · A.
+            gemm(&mut da, f.dy, (c, 1), wd, (i, 1), m, c, i, false);
+            gemm(gd, f.dy, (1, c), f.act, (i, 1), c, m, i, true);
+        }
+        ExpertLayout::InterleavedColumns => {
+            // dA [m, I] = dY [m, C] · Wdᵀ (Wd [I, C]); dWd [I, C] += Aᵀ · dY; db += Σ dY.
+            gemm(&mut da, f.dy, (c, 1), wd, (1, c), m, c, i, false);
+            gemm(gd, f.act, (1, i), f.dy, (c, 1), i, m, c, true);
+            if let Some(gbd) = gbd {
+                super::bias_bwd(gbd, f.dy, m);
+            }
+        }
+    }
+    match (s.layout, s.act) {
+        (ExpertLayout::GateUpRows, ExpertAct::Gated(act)) => {
+            let (mut dgate, mut dup) = (vec![0f32; m * i], vec![0f32; m * i]);
+            gated_bwd(act, &mut dgate, &mut dup, &da, f.gate, f.up);
+            let (wg, wu) = wgu.split_at(i * c);
+            let (ggate, gup) = ggu.split_at_mut(i * c);
+            gemm(ggate, &dgate, (1, i), f.x, (c, 1), i, m, c, true);
+            gemm(gup, &dup, (1, i), f.x, (c, 1), i, m, c, true);
+            gemm(dxe, &dgate, (i, 1), wg, (c, 1), m, i, c, false);
+            gemm(dxe, &dup, (i, 1), wu, (c, 1), m, i, c, true);
+        }
+        (ExpertLayout::InterleavedColumns, act) => {
+            let mut dgu = vec![0f32; m * 2 * i];
+            match act {
+                ExpertAct::ClampedSwiglu { alpha, limit } => {
+                    clamped_swiglu_bwd(&mut dgu, &da, f.gate, alpha, limit)
+                }
+                ExpertAct::Gated(a) => {
+                    let (g, u): (Vec<f32>, Vec<f32>) =
+                        f.gate.chunks(2).map(|p| (p[0], p[1])).unzip();
+                    let (mut dg, mut du) = (vec![0f32; m * i], vec![0f32; m * i]);
+                    gated_bwd(a, &mut dg, &mut du, &da, &g, &u);
+                    for (j, d) in dgu.chunks_mut(2).enumerate() {
+                        d[0] = dg[j];
+                        d[1] = du[j];
+                    }
+                }
+            }
+            // dW [C, 2I] += Xᵀ · dGU; db += Σ dGU; dX = dGU · Wᵀ.
+            gemm(ggu, f.x, (1, c), &dgu, (2 * i, 1), c, m, 2 * i, true);
+            if let Some(gbgu) = gbgu {
+                super::bias_bwd(gbgu, &dgu, m);
+            }
+            gemm(dxe, &dgu, (2 * i, 1), wgu, (1, 2 * i), m, 2 * i, c, false);
+        }
+        (ExpertLayout::GateUpRows, ExpertAct::ClampedSwiglu { .. }) => {
+            unreachable!("a clamped SwiGLU comes with interleaved columns (MoeShape::new)")
+        }
+    }
+}
+
 /// Backward of [`moe_fwd`] (its forward recomputed from `h`): `dh` `[n, C]` = dL/dh, the
 /// router's and the experts' gradients added to `g`.
 pub fn moe_bwd(
@@ -322,65 +569,81 @@ pub fn moe_bwd(
     let bounds = &r.offsets;
     let g_gu: Vec<&mut [f32]> = g.gate_up.chunks_mut(2 * i * c).collect();
     let g_d: Vec<&mut [f32]> = g.down.chunks_mut(c * i).collect();
+    let (g_router, mut g_bias) = (g.router, g.biases);
+    let (g_bgu, g_bd): (Vec<Option<&mut [f32]>>, Vec<Option<&mut [f32]>>) = match &mut g_bias {
+        Some([_, bgu, bd]) => (
+            bgu.chunks_mut(2 * i).map(Some).collect(),
+            bd.chunks_mut(c).map(Some).collect(),
+        ),
+        None => ((0..e).map(|_| None).collect(), (0..e).map(|_| None).collect()),
+    };
     split_rows(&mut dx, bounds, c)
         .into_par_iter()
         .zip(g_gu)
         .zip(g_d)
+        .zip(g_bgu)
+        .zip(g_bd)
         .enumerate()
-        .for_each(|(ex, ((dxe, ggu), gd))| {
+        .for_each(|(ex, ((((dxe, ggu), gd), gbgu), gbd))| {
             let (lo, hi) = (bounds[ex], bounds[ex + 1]);
-            let m = hi - lo;
-            if m == 0 {
+            if hi == lo {
                 return;
             }
-            let (wg, wu, wd) = expert_weights(w, s, ex);
-            let rows_of = |b: &[f32], width: usize| b[lo * width..hi * width].to_vec();
-            let (dye, xe, a) = (rows_of(&dy, c), rows_of(&f.x, c), rows_of(&f.act, i));
-            // dA [m, I] = dY [m, C] · Wd [C, I]; dWd [C, I] += dYᵀ · A.
-            let mut da = vec![0f32; m * i];
-            gemm(&mut da, &dye, (c, 1), wd, (i, 1), m, c, i, false);
-            gemm(gd, &dye, (1, c), &a, (i, 1), c, m, i, true);
-            let (mut dgate, mut dup) = (vec![0f32; m * i], vec![0f32; m * i]);
-            gated_bwd(
-                s.act,
-                &mut dgate,
-                &mut dup,
-                &da,
-                &f.gate[lo * i..hi * i],
-                &f.up[lo * i..hi * i],
-            );
-            let (ggate, gup) = ggu.split_at_mut(i * c);
-            gemm(ggate, &dgate, (1, i), &xe, (c, 1), i, m, c, true);
-            gemm(gup, &dup, (1, i), &xe, (c, 1), i, m, c, true);
-            gemm(dxe, &dgate, (i, 1), wg, (c, 1), m, i, c, false);
-            gemm(dxe, &dup, (i, 1), wu, (c, 1), m, i, c, true);
+            fn rows_of(b: &[f32], (lo, hi): (usize, usize), width: usize) -> &[f32] {
+                &b[lo * width..hi * width]
+            }
+            let rows_of = |b, width| rows_of(b, (lo, hi), width);
+            let f_rows = ExpertRows {
+                x: rows_of(&f.x, c),
+                gate: rows_of(&f.gate, gate_width(s).0),
+                up: rows_of(&f.up, gate_width(s).1),
+                act: rows_of(&f.act, i),
+                dy: rows_of(&dy, c),
+            };
+            expert_bwd(w, s, ex, f_rows, (dxe, ggu, gd), (gbgu, gbd));
         });
     // The router: through the renormalisation and the softmax.
     let mut d_logits = vec![0f32; n * e];
     d_logits.par_chunks_mut(e).enumerate().for_each(|(t, dz)| {
-        let p = &r.probs[t * e..(t + 1) * e];
-        let mut dp = vec![0f32; e];
         let chosen = &r.expert[t * k..(t + 1) * k];
         let dw = &d_weight[t * k..(t + 1) * k];
-        if s.norm_topk {
-            let total: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
-            let cross: f32 = chosen.iter().zip(dw).map(|(&x, d)| d * p[x as usize]).sum();
-            for (&x, d) in chosen.iter().zip(dw) {
-                dp[x as usize] = d / total - cross / (total * total);
+        match s.router {
+            Router::SoftmaxTopK => {
+                let p = &r.probs[t * e..(t + 1) * e];
+                let mut dp = vec![0f32; e];
+                if s.norm_topk {
+                    let total: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
+                    let cross: f32 = chosen.iter().zip(dw).map(|(&x, d)| d * p[x as usize]).sum();
+                    for (&x, d) in chosen.iter().zip(dw) {
+                        dp[x as usize] = d / total - cross / (total * total);
+                    }
+                } else {
+                    for (&x, d) in chosen.iter().zip(dw) {
+                        dp[x as usize] = *d;
+                    }
+                }
+                let dot: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for ((z, pv), dpv) in dz.iter_mut().zip(p).zip(&dp) {
+                    *z = pv * (dpv - dot);
+                }
             }
-        } else {
-            for (&x, d) in chosen.iter().zip(dw) {
-                dp[x as usize] = *d;
+            Router::TopKSoftmax => {
+                // The softmax over the chosen logits: dz_j = w_j (dw_j − Σ w·dw); others 0.
+                let wt = &r.weight[t * k..(t + 1) * k];
+                let dot: f32 = wt.iter().zip(dw).map(|(a, b)| a * b).sum();
+                dz.fill(0.0);
+                for ((&x, wj), dwj) in chosen.iter().zip(wt).zip(dw) {
+                    dz[x as usize] = wj * (dwj - dot);
+                }
             }
-        }
-        let dot: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-        for ((z, pv), dpv) in dz.iter_mut().zip(p).zip(&dp) {
-            *z = pv * (dpv - dot);
         }
     });
+    if let Some([g_rb, _, _]) = g_bias {
+        super::bias_bwd(g_rb, &d_logits, n);
+    }
     // dWr [E, C] += dZᵀ · h; dh = Σ the experts' dx (ascending expert) + dZ · Wr.
     gemm(
-        g.router,
+        g_router,
         &d_logits,
         (1, e),
         &h[..n * c],
