@@ -6,16 +6,46 @@
 // contraction into an FMA changes the bits.
 #include "common.cuh"
 
-// Per token (one thread): softmax of the router logits [E] (max-shifted), the k largest
-// probabilities (ties: the lower index) and their weights, renormalised to sum 1 when `norm`.
+// The indices of the k largest of `z` [e] into `ex`, descending (ties: the lower index).
+__device__ __forceinline__ void top_k(unsigned* ex, const float* z, int e, int k) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < e; i++) {
+            bool taken = false;
+            for (int q = 0; q < j; q++) taken |= ex[q] == (unsigned)i;
+            if (!taken && (best < 0 || z[i] > z[best])) best = i;
+        }
+        ex[j] = (unsigned)best;
+    }
+}
+
+// Per token (one thread). `router` 0 (Mixtral, Qwen3-MoE): softmax of the router logits [E]
+// (max-shifted), the k largest probabilities (ties: the lower index) and their weights,
+// renormalised to sum 1 when `norm`. `router` 1 (GPT-OSS): the k largest logits and the softmax
+// over them (`probs` gets the logits).
 extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /* [N, E] */
                                              unsigned* __restrict__ expert,    /* [N, k] */
                                              float* __restrict__ weight,       /* [N, k] */
                                              const float* __restrict__ logits, /* [N, E] */
-                                             int n, int e, int k, int norm) {
+                                             int n, int e, int k, int norm, int router) {
     FOR_EACH(t, n) {
         const float* z = logits + t * (long long)e;
         float* p = probs + t * (long long)e;
+        unsigned* ex = expert + t * (long long)k;
+        float* w = weight + t * (long long)k;
+        if (router == 1) {
+            for (int i = 0; i < e; i++) p[i] = z[i];
+            top_k(ex, z, e, k);
+            float m = NEG_INF;
+            for (int j = 0; j < k; j++) m = fmaxf(m, z[ex[j]]);
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++) {
+                w[j] = expf(z[ex[j]] - m);
+                sum = __fadd_rn(sum, w[j]);
+            }
+            for (int j = 0; j < k; j++) w[j] = __fdiv_rn(w[j], sum);
+            continue;
+        }
         float m = NEG_INF;
         for (int i = 0; i < e; i++) m = fmaxf(m, z[i]);
         float sum = 0.0f;
@@ -24,18 +54,10 @@ extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /
             sum = __fadd_rn(sum, p[i]);
         }
         for (int i = 0; i < e; i++) p[i] = __fdiv_rn(p[i], sum);
-        unsigned* ex = expert + t * (long long)k;
-        float* w = weight + t * (long long)k;
+        top_k(ex, p, e, k);
         float total = 0.0f;
         for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int i = 0; i < e; i++) {
-                bool taken = false;
-                for (int q = 0; q < j; q++) taken |= ex[q] == (unsigned)i;
-                if (!taken && (best < 0 || p[i] > p[best])) best = i;
-            }
-            ex[j] = (unsigned)best;
-            w[j] = p[best];
+            w[j] = p[ex[j]];
             total = __fadd_rn(total, w[j]);
         }
         if (norm)
@@ -112,18 +134,28 @@ extern "C" __global__ void moe_combine_bwd_f32(float* __restrict__ dy,          
     }
 }
 
-// The router's backward per token (one thread): d probability of each chosen expert (through
-// the renormalisation when `norm`), then the softmax's: dz = p ⊙ (dp − Σ p·dp).
+// The router's backward per token (one thread). `router` 0: d probability of each chosen expert
+// (through the renormalisation when `norm`), then the softmax's: dz = p ⊙ (dp − Σ p·dp).
+// `router` 1: the softmax over the chosen logits: dz_j = w_j (dw_j − Σ w·dw), 0 elsewhere.
 extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,         /* [N, E] */
                                              const float* __restrict__ probs,     /* [N, E] */
                                              const unsigned* __restrict__ expert, /* [N, k] */
+                                             const float* __restrict__ weight,    /* [N, k] */
                                              const float* __restrict__ dweight,   /* [N, k] */
-                                             int n, int e, int k, int norm) {
+                                             int n, int e, int k, int norm, int router) {
     FOR_EACH(t, n) {
         const float* p = probs + t * (long long)e;
         const unsigned* ex = expert + t * (long long)k;
         const float* dw = dweight + t * (long long)k;
         float* dz = dlogits + t * (long long)e;
+        for (int i = 0; i < e; i++) dz[i] = 0.0f;
+        if (router == 1) {
+            const float* w = weight + t * (long long)k;
+            float dot = 0.0f;
+            for (int j = 0; j < k; j++) dot = __fadd_rn(dot, __fmul_rn(w[j], dw[j]));
+            for (int j = 0; j < k; j++) dz[ex[j]] = __fmul_rn(w[j], __fsub_rn(dw[j], dot));
+            continue;
+        }
         float total = 0.0f, cross = 0.0f;
         if (norm)
             for (int j = 0; j < k; j++) {
@@ -131,7 +163,6 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
                 cross = __fadd_rn(cross, __fmul_rn(dw[j], p[ex[j]]));
             }
         // dz first holds dp (0 for the experts not chosen), then the softmax's backward.
-        for (int i = 0; i < e; i++) dz[i] = 0.0f;
         for (int j = 0; j < k; j++)
             dz[ex[j]] = norm ? __fsub_rn(__fdiv_rn(dw[j], total),
                                          __fdiv_rn(cross, __fmul_rn(total, total)))
@@ -139,5 +170,41 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
         float dot = 0.0f;
         for (int i = 0; i < e; i++) dot = __fadd_rn(dot, __fmul_rn(p[i], dz[i]));
         for (int i = 0; i < e; i++) dz[i] = __fmul_rn(p[i], __fsub_rn(dz[i], dot));
+    }
+}
+
+__device__ __forceinline__ float moe_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// GPT-OSS's clamped SwiGLU over interleaved gate/up `gu` [R, 2I] (gate even, up odd):
+// g = min(gate, limit), u = clamp(up, −limit, limit), out = (u + 1)·g·σ(α·g), in
+// transformers' order.
+extern "C" __global__ void moe_clamped_swiglu_fwd_f32(float* __restrict__ out,      /* [R, I] */
+                                                      const float* __restrict__ gu, /* [R, 2I] */
+                                                      long long n, float alpha, float limit) {
+    FOR_EACH(j, n) {
+        const float g = fminf(gu[2 * j], limit);
+        const float u = fminf(fmaxf(gu[2 * j + 1], -limit), limit);
+        const float glu = __fmul_rn(g, moe_sigmoid(__fmul_rn(g, alpha)));
+        out[j] = __fmul_rn(__fadd_rn(u, 1.0f), glu);
+    }
+}
+
+// Its backward: d gu [R, 2I] from d out [R, I]; no gradient where a clamp holds (the bounds
+// themselves pass, as torch's clamp).
+extern "C" __global__ void moe_clamped_swiglu_bwd_f32(float* __restrict__ dgu,       /* [R, 2I] */
+                                                      const float* __restrict__ dout, /* [R, I] */
+                                                      const float* __restrict__ gu,   /* [R, 2I] */
+                                                      long long n, float alpha, float limit) {
+    FOR_EACH(j, n) {
+        const float gate = gu[2 * j], up = gu[2 * j + 1];
+        const float g = fminf(gate, limit);
+        const float u = fminf(fmaxf(up, -limit), limit);
+        const float sg = moe_sigmoid(__fmul_rn(g, alpha));
+        const float glu = __fmul_rn(g, sg);
+        const float dglu = __fmul_rn(dout[j], __fadd_rn(u, 1.0f));
+        const float slope =
+            __fadd_rn(sg, __fmul_rn(__fmul_rn(__fmul_rn(g, alpha), sg), __fsub_rn(1.0f, sg)));
+        dgu[2 * j] = gate <= limit ? __fmul_rn(dglu, slope) : 0.0f;
+        dgu[2 * j + 1] = (up >= -limit && up <= limit) ? __fmul_rn(dout[j], glu) : 0.0f;
     }
 }

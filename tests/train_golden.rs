@@ -481,6 +481,10 @@ mod cuda {
         check_on("qwen3_moe", On::Cuda { delays: false });
     }
     #[test]
+    fn gpt_oss_mixture_of_experts_with_random_stream_delays() {
+        check_on("gpt_oss", On::Cuda { delays: true });
+    }
+    #[test]
     fn mha() {
         check_on("mha", On::Cuda { delays: false });
     }

@@ -589,12 +589,14 @@ impl Backend for HostBackend<'_> {
         let c = s.c;
         let [gr, ggu, gd, gbr, gbgu, gbd] = moe_ranges(g, s);
         let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
-        let ([dh, g_r, g_gu, g_d, g_br, g_bgu, g_bd], [d_out, h, router, gate_up, down, b_r, b_gu, b_d]) =
-            views(
-                "moe_bwd",
-                [(dh, rows * c), gr, ggu, gd, gbr, gbgu, gbd],
-                [(d_out, rows * c), (h, rows * c), wr, wgu, wd, br, bgu, bd],
-            )?;
+        let (
+            [dh, g_r, g_gu, g_d, g_br, g_bgu, g_bd],
+            [d_out, h, router, gate_up, down, b_r, b_gu, b_d],
+        ) = views(
+            "moe_bwd",
+            [(dh, rows * c), gr, ggu, gd, gbr, gbgu, gbd],
+            [(d_out, rows * c), (h, rows * c), wr, wgu, wd, br, bgu, bd],
+        )?;
         let grads = MoeGrads {
             router: g_r,
             gate_up: g_gu,

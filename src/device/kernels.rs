@@ -159,10 +159,11 @@ pub const FILES: &[KernelFile] = &[
         file: "moe.cu",
         source: include_str!("../../kernels/moe.cu"),
         kernels: &[
-            // probs, expert, weight, logits; n, e, k, norm.
+            // probs, expert, weight, logits; n, e, k, norm, router
+            // (router: 0 softmax then top-k, 1 top-k then softmax)
             sig(
                 "moe_route_fwd_f32",
-                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
+                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32],
             ),
             // x, h, slots; rows, c, k.
             sig("moe_gather_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32, I32]),
@@ -176,10 +177,30 @@ pub const FILES: &[KernelFile] = &[
                 "moe_combine_bwd_f32",
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32],
             ),
-            // dlogits, probs, expert, dweight; n, e, k, norm.
+            // dlogits, probs, expert, weight, dweight; n, e, k, norm, router.
             sig(
                 "moe_route_bwd_f32",
-                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32],
+            ),
+            // out, gu; n, alpha, limit.
+            sig("moe_clamped_swiglu_fwd_f32", &[Ptr, Ptr, I64, F32, F32]),
+            // dgu, dout, gu; n, alpha, limit.
+            sig(
+                "moe_clamped_swiglu_bwd_f32",
+                &[Ptr, Ptr, Ptr, I64, F32, F32],
+            ),
+        ],
+    },
+    KernelFile {
+        file: "sinks.cu",
+        source: include_str!("../../kernels/sinks.cu"),
+        kernels: &[
+            // o, lse, sinks; nb, rows, nh, hd.
+            sig("attn_sinks_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32, I32, I32]),
+            // dsinks, d_o, o, lse, sinks; nb, rows, nh, hd.
+            sig(
+                "attn_sinks_bwd_f32",
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
             ),
         ],
     },

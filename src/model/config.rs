@@ -813,7 +813,9 @@ impl ModelConfig {
         match &self.moe {
             Some(m) if m.is_sparse(layer) => {
                 let biases = match m.layout {
-                    ExpertLayout::InterleavedColumns => m.num_experts + m.top_k * (2 * m.expert_intermediate + c),
+                    ExpertLayout::InterleavedColumns => {
+                        m.num_experts + m.top_k * (2 * m.expert_intermediate + c)
+                    }
                     ExpertLayout::GateUpRows => 0,
                 };
                 m.num_experts * c + m.top_k * 3 * m.expert_intermediate * c + biases

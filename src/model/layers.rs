@@ -35,7 +35,10 @@ fn dense_offset(unit: &UnitLayout, suffix: &str, dense: bool) -> Result<usize> {
 
 /// The router's tensor (`weight` or `bias`): `mlp.router.*` in GPT-OSS, `mlp.gate.*` elsewhere.
 pub fn moe_router_name(cfg: &ModelConfig, what: &str) -> &'static str {
-    match (cfg.architecture == crate::model::config::Architecture::GptOss, what) {
+    match (
+        cfg.architecture == crate::model::config::Architecture::GptOss,
+        what,
+    ) {
         (true, "bias") => "mlp.router.bias",
         (true, _) => "mlp.router.weight",
         (false, _) => "mlp.gate.weight",
@@ -66,9 +69,9 @@ impl MoeMlp {
             router: &p[self.router..self.router + e * c],
             gate_up: &p[self.gate_up..self.gate_up + e * 2 * i * c],
             down: &p[self.down..self.down + e * c * i],
-            biases: self.biases.map(|[r, gu, d]| {
-                [&p[r..r + e], &p[gu..gu + e * 2 * i], &p[d..d + e * c]]
-            }),
+            biases: self
+                .biases
+                .map(|[r, gu, d]| [&p[r..r + e], &p[gu..gu + e * 2 * i], &p[d..d + e * c]]),
         }
     }
 

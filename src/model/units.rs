@@ -149,7 +149,10 @@ pub fn block_tensors(c: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
                 (format!("{p}.mlp.router.weight"), vec![e, h]),
                 (format!("{p}.mlp.router.bias"), vec![e]),
                 (format!("{p}.mlp.experts.gate_up_proj"), vec![e, h, 2 * mi]),
-                (format!("{p}.mlp.experts.gate_up_proj_bias"), vec![e, 2 * mi]),
+                (
+                    format!("{p}.mlp.experts.gate_up_proj_bias"),
+                    vec![e, 2 * mi],
+                ),
                 (format!("{p}.mlp.experts.down_proj"), vec![e, mi, h]),
                 (format!("{p}.mlp.experts.down_proj_bias"), vec![e, h]),
             ])

@@ -214,6 +214,19 @@ pub fn small_moe_model() -> Result<ModelConfig> {
     )
 }
 
+/// The self-test's GPT-OSS model: attention sinks and biases, a window of 64 on layer 0, 16
+/// biased experts of width 64 with interleaved gate/up and the clamped SwiGLU, top-4 logits
+/// then their softmax.
+pub fn small_gpt_oss_model() -> Result<ModelConfig> {
+    ModelConfig::from_json_str(
+        r#"{"architectures":["GptOssForCausalLM"],"hidden_size":128,"intermediate_size":64,
+        "num_local_experts":16,"num_experts_per_tok":4,"num_hidden_layers":2,
+        "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"sliding_window":64,
+        "vocab_size":700,"swiglu_limit":1.0}"#,
+        "the self-test GPT-OSS model",
+    )
+}
+
 /// Sequences per micro-batch of the training check.
 pub const BATCH: usize = 1;
 /// Tokens per sequence of the training check (300 rows: two logit chunks, and on the GPU two

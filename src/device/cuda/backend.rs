@@ -25,6 +25,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::sync::{Arc, Mutex};
 
 mod moe;
+mod sinks;
 
 /// A raw pointer handed to a host function.
 #[derive(Clone, Copy)]
@@ -628,6 +629,22 @@ impl Backend for CudaBackend {
         let [g, u] = f32s([g, u], "gated_fwd")?;
         let l = launch::elementwise(len, self.sms());
         self.k().gated_fwd(act, dt, l, h.addr, g, u, len as i64)
+    }
+
+    fn attn_sinks_fwd(&mut self, o: DevP, lse: DevP, sinks: DevP, s: AttnShape) -> Result<()> {
+        self.sinks_forward(o, lse, sinks, s)
+    }
+
+    fn attn_sinks_bwd(
+        &mut self,
+        ds: DevP,
+        d_o: DevP,
+        o: DevP,
+        lse: DevP,
+        sinks: DevP,
+        s: AttnShape,
+    ) -> Result<()> {
+        self.sinks_backward(ds, (d_o, o, lse, sinks), s)
     }
 
     fn moe_fwd(

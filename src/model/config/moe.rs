@@ -186,7 +186,10 @@ fn swiglu_clamp(v: &Value, origin: &str) -> Result<(f64, f64)> {
     {
         let x = get_f64(v, key, origin)?.unwrap_or(default);
         if !(x.is_finite() && x > 0.0) {
-            return Err(bad(origin, format!("`{key}` must be a positive number, found {x}")));
+            return Err(bad(
+                origin,
+                format!("`{key}` must be a positive number, found {x}"),
+            ));
         }
         *slot = x;
     }
@@ -247,7 +250,10 @@ pub(super) fn hf_fields(
     match arch {
         Architecture::GptOss => {
             o.insert("num_local_experts".into(), Value::from(moe.num_experts));
-            o.insert("intermediate_size".into(), Value::from(moe.expert_intermediate));
+            o.insert(
+                "intermediate_size".into(),
+                Value::from(moe.expert_intermediate),
+            );
             if let Some((alpha, limit)) = moe.swiglu_clamp {
                 o.insert("swiglu_alpha".into(), Value::from(alpha));
                 o.insert("swiglu_limit".into(), Value::from(limit));

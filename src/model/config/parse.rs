@@ -88,7 +88,10 @@ pub(super) fn architecture(v: &Value, origin: &str) -> Result<(Architecture, Val
         }
         let mut merged = with_defaults(defaults, v);
         if merged.get("layer_types").is_none_or(Value::is_null) {
-            let layers = merged["num_hidden_layers"].as_u64().unwrap_or(0).min(1 << 16);
+            let layers = merged["num_hidden_layers"]
+                .as_u64()
+                .unwrap_or(0)
+                .min(1 << 16);
             let types: Vec<&str> = (0..layers)
                 .map(|i| match (i + 1) % 2 {
                     1 => "sliding_attention",

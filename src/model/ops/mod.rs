@@ -446,16 +446,16 @@ mod exp;
 mod moe;
 mod rope;
 mod sinks;
-pub use sinks::{sinks_bwd, sinks_fwd};
 pub use attention::{
     attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
     ATTN_TILE, IGNORE,
 };
 pub use moe::{
-    group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, MoeGrads, MoeShape, MoeWeights,
-    Router, Routing,
+    group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, MoeGrads, MoeShape,
+    MoeWeights, Router, Routing,
 };
 pub use rope::{Rope, RopeScaling};
+pub use sinks::{sinks_bwd, sinks_fwd};
 
 /// Rows of logits materialised at once by [`lm_head_ce`]: chunk × V floats.
 pub const CE_CHUNK_ROWS: usize = 256;

@@ -575,7 +575,10 @@ pub fn moe_bwd(
             bgu.chunks_mut(2 * i).map(Some).collect(),
             bd.chunks_mut(c).map(Some).collect(),
         ),
-        None => ((0..e).map(|_| None).collect(), (0..e).map(|_| None).collect()),
+        None => (
+            (0..e).map(|_| None).collect(),
+            (0..e).map(|_| None).collect(),
+        ),
     };
     split_rows(&mut dx, bounds, c)
         .into_par_iter()

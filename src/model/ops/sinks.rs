@@ -40,7 +40,14 @@ pub fn sinks_fwd(o: &mut [f32], lse: &mut [f32], sinks: &[f32], s: AttnShape) {
 
 /// The sinks' gradient `dsinks += −Σ_rows e^(sink − lse')·rowsum(dO ⊙ O')`, rows in order, from
 /// the forward's rewritten `o` and `lse`.
-pub fn sinks_bwd(dsinks: &mut [f32], d_o: &[f32], o: &[f32], lse: &[f32], sinks: &[f32], s: AttnShape) {
+pub fn sinks_bwd(
+    dsinks: &mut [f32],
+    d_o: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    sinks: &[f32],
+    s: AttnShape,
+) {
     let (rows, hd) = (s.q1 - s.q0, s.hd);
     let width = s.nh * hd;
     for (h, ds) in dsinks.iter_mut().enumerate().take(s.nh) {
@@ -92,7 +99,8 @@ mod tests {
         // d sink of L = Σ dO·O': −p_sink·Σ dO ⊙ O' (finite difference of the definition).
         let d_o = [0.4f32, -0.9];
         let loss = |sink: f32| -> f64 {
-            let z: f64 = scores.iter().map(|s| (*s as f64).exp()).sum::<f64>() + (sink as f64).exp();
+            let z: f64 =
+                scores.iter().map(|s| (*s as f64).exp()).sum::<f64>() + (sink as f64).exp();
             (0..2)
                 .map(|d| {
                     d_o[d] as f64
@@ -105,6 +113,10 @@ mod tests {
         let numeric = (loss(sink + 1e-3) - loss(sink - 1e-3)) / 2e-3;
         let mut ds = [0f32];
         sinks_bwd(&mut ds, &d_o, &o, &lse, &[sink], s);
-        assert!((ds[0] as f64 - numeric).abs() < 1e-4, "{} vs {numeric}", ds[0]);
+        assert!(
+            (ds[0] as f64 - numeric).abs() < 1e-4,
+            "{} vs {numeric}",
+            ds[0]
+        );
     }
 }

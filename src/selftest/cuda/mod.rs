@@ -7,7 +7,8 @@ mod kernels;
 pub use kernels::kernels;
 
 use super::{
-    compare_runs, small_model, small_moe_model, train_steps, Check, GradMetric, BATCH, SEQ,
+    compare_runs, small_gpt_oss_model, small_model, small_moe_model, train_steps, Check,
+    GradMetric, BATCH, SEQ,
 };
 use crate::device::cuda::pinned::PageLock;
 use crate::device::cuda::{drv, CudaDevice, CudaDeviceConfig, CudaRuntime};
@@ -26,16 +27,14 @@ pub const TOL_TRAINING_BF16: f64 = 1e-2;
 
 /// The training check: [`super::STEPS`] steps of the self-test model on GPU `ordinal` against
 /// the same steps on the CPU device, in fp32 and in bf16 (the tensor-core attention, the bf16
-/// GEMMs, the bf16 weight stream).
+/// GEMMs, the bf16 weight stream); then the mixture-of-experts models (Qwen3-MoE, GPT-OSS) in
+/// fp32.
 pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
     let mut checks = training_at(small_model()?, ordinal, seed, Precision::Fp32)?;
     checks.extend(training_at(small_model()?, ordinal, seed, Precision::Bf16)?);
-    checks.extend(training_at(
-        small_moe_model()?,
-        ordinal,
-        seed,
-        Precision::Fp32,
-    )?);
+    for moe in [small_moe_model()?, small_gpt_oss_model()?] {
+        checks.extend(training_at(moe, ordinal, seed, Precision::Fp32)?);
+    }
     Ok(checks)
 }
 
@@ -45,7 +44,11 @@ fn training_at(
     seed: u64,
     precision: Precision,
 ) -> Result<Vec<Check>> {
-    let moe = cfg.moe.is_some();
+    let moe = match (&cfg.moe, cfg.attention_sinks) {
+        (None, _) => None,
+        (Some(_), false) => Some("training moe"),
+        (Some(_), true) => Some("training gpt-oss"),
+    };
     let tm = Arc::new(crate::model::reference::Templates::new(&cfg, SEQ)?);
     let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
     let cpu = Arc::new(crate::device::cpu::CpuDevice::new(
@@ -74,8 +77,8 @@ fn training_at(
     )?);
     let got = train_steps(&machine, gpu, tm, seed)?;
     Ok(match precision {
-        Precision::Fp32 if moe => compare_runs(
-            "training moe",
+        Precision::Fp32 if moe.is_some() => compare_runs(
+            moe.unwrap_or_default(),
             &got,
             &want,
             TOL_TRAINING,

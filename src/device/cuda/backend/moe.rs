@@ -11,7 +11,7 @@ use super::{CudaBackend, DevP};
 use crate::device::cuda::runtime::{drv, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
-use crate::model::ops::{group_by_expert, MoeShape};
+use crate::model::ops::{group_by_expert, ExpertAct, ExpertLayout, MoeShape};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -37,7 +37,8 @@ pub(super) struct MoeScratch {
     x: CudaSlice<f32>,
     y: CudaSlice<f32>,
     dy: CudaSlice<f32>,
-    /// Gate, up, activation `[R, I]`; d activation, d gate, d up `[R, I]`.
+    /// Gate (GPT-OSS: interleaved gate/up `[R, 2I]`), up, activation `[R, I]`; d activation,
+    /// d gate (or d gate/up `[R, 2I]`), d up `[R, I]`.
     gate: CudaSlice<f32>,
     up: CudaSlice<f32>,
     act: CudaSlice<f32>,
@@ -77,11 +78,11 @@ impl MoeScratch {
             x: alloc(stream, r * c)?,
             y: alloc(stream, r * c)?,
             dy: alloc(stream, r * c)?,
-            gate: alloc(stream, r * i)?,
+            gate: alloc(stream, r * 2 * i)?,
             up: alloc(stream, r * i)?,
             act: alloc(stream, r * i)?,
             da: alloc(stream, r * i)?,
-            dg: alloc(stream, r * i)?,
+            dg: alloc(stream, r * 2 * i)?,
             du: alloc(stream, r * i)?,
             expert_host: Vec::new(),
             grouped: (Vec::new(), Vec::new(), Vec::new()),
@@ -177,13 +178,16 @@ impl CudaBackend {
                 accumulate: false,
             };
         self.gemm(gemm(at.logits, h, w.router, true, (n, c, e)))?;
+        if let Some([br, _, _]) = w.biases {
+            self.bias_fwd(f(at.logits), br, n, e)?;
+        }
         let l = launch::elementwise(n, self.sms());
         self.k().moe_route(
             l,
             (at.probs, at.expert, at.weight),
             at.logits,
             (n, e, k),
-            s.norm_topk,
+            (s.norm_topk, s.router),
         )?;
         // Each expert's row count sizes its GEMMs: the chosen experts come to the host.
         let m = self
@@ -217,6 +221,7 @@ impl CudaBackend {
         let l = launch::elementwise(r * c, self.sms());
         self.k().moe_gather(l, at.x, h.addr, at.slots, (r, c, k))?;
         let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
+        let interleaved = s.layout == ExpertLayout::InterleavedColumns;
         for ex in 0..e {
             let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
             if m == 0 {
@@ -224,19 +229,39 @@ impl CudaBackend {
             }
             let wgu = Self::off(w.gate_up, ex * 2 * i * c);
             let x = rows_at(at.x, lo, c);
+            if interleaved {
+                // gu [m, 2I] = x · W [C, 2I] + b.
+                let gu = rows_at(at.gate, lo, 2 * i);
+                self.gemm(gemm(gu.addr, x, wgu, false, (m, c, 2 * i)))?;
+                if let Some([_, bgu, _]) = w.biases {
+                    self.bias_fwd(gu, Self::off(bgu, ex * 2 * i), m, 2 * i)?;
+                }
+                continue;
+            }
             self.gemm(gemm(rows_at(at.gate, lo, i).addr, x, wgu, true, (m, c, i)))?;
             let wu = Self::off(wgu, i * c);
             self.gemm(gemm(rows_at(at.up, lo, i).addr, x, wu, true, (m, c, i)))?;
         }
-        self.gated_fwd(s.act, f(at.act), f(at.gate), f(at.up), r * i)?;
+        match s.act {
+            ExpertAct::Gated(act) => self.gated_fwd(act, f(at.act), f(at.gate), f(at.up), r * i)?,
+            ExpertAct::ClampedSwiglu { alpha, limit } => {
+                let l = launch::elementwise(r * i, self.sms());
+                self.k()
+                    .moe_clamped_swiglu(l, at.act, at.gate, r * i, (alpha, limit))?
+            }
+        }
         for ex in 0..e {
             let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
             if m == 0 {
                 continue;
             }
             let wd = Self::off(w.down, ex * c * i);
-            let act = rows_at(at.act, lo, i);
-            self.gemm(gemm(rows_at(at.y, lo, c).addr, act, wd, true, (m, i, c)))?;
+            let (act, y) = (rows_at(at.act, lo, i), rows_at(at.y, lo, c));
+            // y = act · Wdᵀ (Wd [C, I]), or GPT-OSS's act · Wd (Wd [I, C]) + b.
+            self.gemm(gemm(y.addr, act, wd, !interleaved, (m, i, c)))?;
+            if let (true, Some([_, _, bd])) = (interleaved, w.biases) {
+                self.bias_fwd(y, Self::off(bd, ex * c), m, c)?;
+            }
         }
         Ok(offsets)
     }
@@ -299,36 +324,48 @@ impl CudaBackend {
             n: nn,
             accumulate: acc,
         };
-        // Per expert: d activation = dY·Wd; dWd += dYᵀ·A.
+        let interleaved = s.layout == ExpertLayout::InterleavedColumns;
+        // Per expert: d activation = dY·Wd; dWd += dYᵀ·A (GPT-OSS: dY·Wdᵀ; dWd += Aᵀ·dY; db).
         for ex in 0..e {
             let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
             if m == 0 {
                 continue;
             }
             let (wd, gd) = (Self::off(w.down, ex * c * i), Self::off(g.down, ex * c * i));
-            let dy = rows_at(at.dy, lo, c);
-            self.gemm(gemm(
-                rows_at(at.da, lo, i),
-                (dy, false),
-                (wd, false),
-                m,
-                c,
-                i,
-                false,
-            ))?;
-            let act = rows_at(at.act, lo, i);
-            self.gemm(gemm(gd, (dy, true), (act, false), c, m, i, true))?;
+            let (dy, act) = (rows_at(at.dy, lo, c), rows_at(at.act, lo, i));
+            let da = rows_at(at.da, lo, i);
+            self.gemm(gemm(da, (dy, false), (wd, interleaved), m, c, i, false))?;
+            if interleaved {
+                self.gemm(gemm(gd, (act, true), (dy, false), i, m, c, true))?;
+                if let Some([_, _, gbd]) = g.biases {
+                    self.bias_bwd(Self::off(gbd, ex * c), dy, m, c)?;
+                }
+            } else {
+                self.gemm(gemm(gd, (dy, true), (act, false), c, m, i, true))?;
+            }
         }
-        self.gated_bwd(
-            s.act,
-            f(at.dg),
-            f(at.du),
-            f(at.da),
-            f(at.gate),
-            f(at.up),
-            r * i,
-        )?;
-        // Per expert: dWg += dGᵀ·X, dWu += dUᵀ·X, dX = dG·Wg + dU·Wu (into dy's rows).
+        match s.act {
+            ExpertAct::Gated(act) => self.gated_bwd(
+                act,
+                f(at.dg),
+                f(at.du),
+                f(at.da),
+                f(at.gate),
+                f(at.up),
+                r * i,
+            )?,
+            ExpertAct::ClampedSwiglu { alpha, limit } => {
+                let l = launch::elementwise(r * i, self.sms());
+                self.k().moe_clamped_swiglu_bwd(
+                    l,
+                    (at.dg, at.da, at.gate),
+                    r * i,
+                    (alpha, limit),
+                )?
+            }
+        }
+        // Per expert: dWg += dGᵀ·X, dWu += dUᵀ·X, dX = dG·Wg + dU·Wu (into dy's rows); GPT-OSS:
+        // dW += Xᵀ·dGU, db += Σ dGU, dX = dGU·Wᵀ.
         for ex in 0..e {
             let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
             if m == 0 {
@@ -338,15 +375,20 @@ impl CudaBackend {
                 Self::off(w.gate_up, ex * 2 * i * c),
                 Self::off(g.gate_up, ex * 2 * i * c),
             );
+            let (x, dx) = (rows_at(at.x, lo, c), rows_at(at.dy, lo, c));
+            if interleaved {
+                let dgu = rows_at(at.dg, lo, 2 * i);
+                self.gemm(gemm(gg, (x, true), (dgu, false), c, m, 2 * i, true))?;
+                if let Some([_, gbgu, _]) = g.biases {
+                    self.bias_bwd(Self::off(gbgu, ex * 2 * i), dgu, m, 2 * i)?;
+                }
+                self.gemm(gemm(dx, (dgu, false), (wg, true), m, 2 * i, c, false))?;
+                continue;
+            }
             let (wu, gu) = (Self::off(wg, i * c), Self::off(gg, i * c));
-            let (dg, du, x) = (
-                rows_at(at.dg, lo, i),
-                rows_at(at.du, lo, i),
-                rows_at(at.x, lo, c),
-            );
+            let (dg, du) = (rows_at(at.dg, lo, i), rows_at(at.du, lo, i));
             self.gemm(gemm(gg, (dg, true), (x, false), i, m, c, true))?;
             self.gemm(gemm(gu, (du, true), (x, false), i, m, c, true))?;
-            let dx = rows_at(at.dy, lo, c);
             self.gemm(gemm(dx, (dg, false), (wg, false), m, i, c, false))?;
             self.gemm(gemm(dx, (du, false), (wu, false), m, i, c, true))?;
         }
@@ -356,11 +398,14 @@ impl CudaBackend {
         self.k().moe_route_bwd(
             l,
             at.logits,
-            (at.probs, at.expert, at.dweight),
+            (at.probs, at.expert, at.weight, at.dweight),
             (n, e, k),
-            s.norm_topk,
+            (s.norm_topk, s.router),
         )?;
         let dz = f(at.logits);
+        if let Some([gbr, _, _]) = g.biases {
+            self.bias_bwd(gbr, dz, n, e)?;
+        }
         self.gemm(gemm(g.router, (dz, true), (h, false), e, n, c, true))?;
         let l = launch::elementwise(n * c, self.sms());
         self.k()

@@ -1,10 +1,20 @@
-//! The mixture-of-experts kernels' launches (`kernels/moe.cu`).
+//! The mixture-of-experts kernels' launches (`kernels/moe.cu`) and the attention sinks'
+//! (`kernels/sinks.cu`).
 
-use super::Arg::{Ptr, I32};
+use super::Arg::{Ptr, F32, I32, I64};
 use super::{i32_of, Launcher};
 use crate::device::cuda::runtime::DevPtr;
 use crate::device::launch::Launch;
+use crate::model::ops::Router;
 use crate::Result;
+
+/// The kernels' code of a router: 0 softmax then top-k, 1 top-k then softmax.
+fn router_code(r: Router) -> i32 {
+    match r {
+        Router::SoftmaxTopK => 0,
+        Router::TopKSoftmax => 1,
+    }
+}
 
 /// A token count, an expert count and k as the kernels take them.
 fn dims(n: usize, e: usize, k: usize) -> Result<(i32, i32, i32)> {
@@ -24,7 +34,7 @@ impl Launcher<'_> {
         (probs, expert, weight): (DevPtr, DevPtr, DevPtr),
         logits: DevPtr,
         (n, e, k): (usize, usize, usize),
-        norm: bool,
+        (norm, router): (bool, Router),
     ) -> Result<()> {
         let (n, e, k) = dims(n, e, k)?;
         self.launch(
@@ -39,6 +49,96 @@ impl Launcher<'_> {
                 I32(e),
                 I32(k),
                 I32(norm as i32),
+                I32(router_code(router)),
+            ],
+        )
+    }
+
+    /// GPT-OSS's clamped SwiGLU over interleaved gate/up (`n` outputs).
+    pub fn moe_clamped_swiglu(
+        &self,
+        l: Launch,
+        out: DevPtr,
+        gu: DevPtr,
+        n: usize,
+        (alpha, limit): (f32, f32),
+    ) -> Result<()> {
+        self.launch(
+            "moe_clamped_swiglu_fwd_f32",
+            l,
+            &[Ptr(out), Ptr(gu), I64(n as i64), F32(alpha), F32(limit)],
+        )
+    }
+
+    /// Its backward.
+    pub fn moe_clamped_swiglu_bwd(
+        &self,
+        l: Launch,
+        (dgu, dout, gu): (DevPtr, DevPtr, DevPtr),
+        n: usize,
+        (alpha, limit): (f32, f32),
+    ) -> Result<()> {
+        self.launch(
+            "moe_clamped_swiglu_bwd_f32",
+            l,
+            &[
+                Ptr(dgu),
+                Ptr(dout),
+                Ptr(gu),
+                I64(n as i64),
+                F32(alpha),
+                F32(limit),
+            ],
+        )
+    }
+
+    /// Attention sinks on the output and log-sum-exp of `nb` sequences of `rows` query rows.
+    pub fn attn_sinks(
+        &self,
+        l: Launch,
+        (o, lse, sinks): (DevPtr, DevPtr, DevPtr),
+        (nb, rows, nh, hd): (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let (nb, rows) = (i32_of(nb, "sequences")?, i32_of(rows, "query rows")?);
+        let (nh, hd) = (i32_of(nh, "heads")?, i32_of(hd, "head dim")?);
+        self.launch(
+            "attn_sinks_fwd_f32",
+            l,
+            &[
+                Ptr(o),
+                Ptr(lse),
+                Ptr(sinks),
+                I32(nb),
+                I32(rows),
+                I32(nh),
+                I32(hd),
+            ],
+        )
+    }
+
+    /// The sinks' gradient (`dsinks +=`).
+    pub fn attn_sinks_bwd(
+        &self,
+        l: Launch,
+        dsinks: DevPtr,
+        (d_o, o, lse, sinks): (DevPtr, DevPtr, DevPtr, DevPtr),
+        (nb, rows, nh, hd): (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let (nb, rows) = (i32_of(nb, "sequences")?, i32_of(rows, "query rows")?);
+        let (nh, hd) = (i32_of(nh, "heads")?, i32_of(hd, "head dim")?);
+        self.launch(
+            "attn_sinks_bwd_f32",
+            l,
+            &[
+                Ptr(dsinks),
+                Ptr(d_o),
+                Ptr(o),
+                Ptr(lse),
+                Ptr(sinks),
+                I32(nb),
+                I32(rows),
+                I32(nh),
+                I32(hd),
             ],
         )
     }
@@ -122,9 +222,9 @@ impl Launcher<'_> {
         &self,
         l: Launch,
         dlogits: DevPtr,
-        (probs, expert, dweight): (DevPtr, DevPtr, DevPtr),
+        (probs, expert, weight, dweight): (DevPtr, DevPtr, DevPtr, DevPtr),
         (n, e, k): (usize, usize, usize),
-        norm: bool,
+        (norm, router): (bool, Router),
     ) -> Result<()> {
         let (n, e, k) = dims(n, e, k)?;
         self.launch(
@@ -134,11 +234,13 @@ impl Launcher<'_> {
                 Ptr(dlogits),
                 Ptr(probs),
                 Ptr(expert),
+                Ptr(weight),
                 Ptr(dweight),
                 I32(n),
                 I32(e),
                 I32(k),
                 I32(norm as i32),
+                I32(router_code(router)),
             ],
         )
     }
