@@ -251,3 +251,48 @@ fn gemma3_checkpoint_round_trips_and_its_multimodal_form_loads_the_text_model() 
         report.skipped
     );
 }
+
+/// A GPT-OSS checkpoint with MXFP4 experts (`_blocks` / `_scales`, as released; made by
+/// tools/make_mxfp4_checkpoint.py) loads exactly as its twin dequantised by transformers'
+/// `convert_moe_packed_tensors`; a missing `_scales` is named.
+#[test]
+fn gpt_oss_mxfp4_experts_load_as_their_dequantised_twin() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/gpt_oss_mxfp4");
+    let (mx, twin) = (store_for(&dir), store_for(&dir.join("twin")));
+    hf::load_into_store(&dir, &mx).unwrap();
+    hf::load_into_store(&dir.join("twin"), &twin).unwrap();
+    let (a, b) = (params(&mx), params(&twin));
+    assert_eq!(a.len(), b.len());
+    for (u, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "unit {u} differs"
+        );
+    }
+    let e = broken_copy(&dir, |name| name.ends_with("layers.1.mlp.experts.down_proj_scales"));
+    assert!(e.contains("down_proj_scales") && e.contains("incomplete"), "{e}");
+    // Another quantisation method is refused by name.
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("\"mxfp4\"", "\"gptq\"");
+    let e = megatrain::model::config::ModelConfig::from_json_str(&cfg, "c")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gptq"), "{e}");
+}
+
+/// A copy of the checkpoint in `dir` without the tensors `drop` names: the load's error.
+fn broken_copy(dir: &Path, drop: impl Fn(&str) -> bool) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).unwrap();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !drop(n))
+        .collect();
+    safetensors::serialize_to_file(kept, None, &tmp.path().join("model.safetensors")).unwrap();
+    let store = store_for(dir);
+    hf::load_into_store(tmp.path(), &store).unwrap_err().to_string()
+}

@@ -6,6 +6,7 @@
 //! (bf16/fp16 checkpoints are widened to fp32 on the way). No whole-model copy is made.
 
 use super::layout::StateLayout;
+use super::mxfp4;
 use super::{HostStore, UnitGuard};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::units::{stored_tensors, StoredTensor};
@@ -181,6 +182,40 @@ fn text_model_name<'a>(name: &'a str, cfg: &ModelConfig) -> Option<Cow<'a, str>>
     Some(Cow::Borrowed(name))
 }
 
+/// The error for a checkpoint tensor the model has no parameter for.
+fn not_ours(name: &str, shown: &str, layout: &StateLayout) -> Error {
+    Error::bad_input(
+        "checkpoint tensor",
+        name,
+        format!(
+            "in {shown} is not a parameter of this model ({} layers, config.json)",
+            layout.config.num_layers
+        ),
+        Some("check that config.json belongs to these weights"),
+    )
+}
+
+/// `file` mapped read-only.
+fn map_file(file: &Path) -> Result<memmap2::Mmap> {
+    let f = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
+    // SAFETY: the mapping is read-only and private to the loader; a concurrent writer to the
+    // checkpoint file would change what we read but cannot break memory safety of the byte
+    // slices we copy from (they stay mapped while the map lives).
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io("mmap", file, e))
+}
+
+/// The safetensors file in `map` (read from `file`).
+fn safetensors_of<'a>(map: &'a memmap2::Mmap, file: &Path) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(map).map_err(|e| {
+        Error::bad_input(
+            "safetensors file",
+            file.display().to_string(),
+            format!("corrupt or truncated: {e}"),
+            Some("re-download or re-export the checkpoint"),
+        )
+    })
+}
+
 /// Load an HF checkpoint into `store`'s params shards. Every parameter of the layout must be
 /// present with the right shape; unknown tensors are errors (a checkpoint for another config).
 pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
@@ -203,44 +238,82 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
     let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
     let mut covered: HashMap<String, usize> = HashMap::new();
     let mut skipped = Vec::new();
+    // MXFP4 experts (GPT-OSS's releases): where each `_scales` tensor is.
+    let mut scales_in: HashMap<String, PathBuf> = HashMap::new();
+    for file in &files {
+        let map = map_file(file)?;
+        for name in safetensors_of(&map, file)?.names() {
+            if name.ends_with("_scales") {
+                scales_in.insert(name.to_string(), file.clone());
+            }
+        }
+    }
     for file in &files {
         let shown = file.display().to_string();
-        let f = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
-        // SAFETY: the mapping is read-only and private to this function; a concurrent writer to
-        // the checkpoint file would change what we read but cannot break memory safety of the
-        // byte slice we copy from (it stays mapped until `map` drops).
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io("mmap", file, e))?;
-        let st = SafeTensors::deserialize(&map).map_err(|e| {
-            Error::bad_input(
-                "safetensors file",
-                &shown,
-                format!("corrupt or truncated: {e}"),
-                Some("re-download or re-export the checkpoint"),
-            )
-        })?;
+        let map = map_file(file)?;
+        let st = safetensors_of(&map, file)?;
         for (stored_name, view) in st.iter() {
             let Some(name) = text_model_name(stored_name, &layout.config) else {
                 skipped.push(stored_name.to_owned());
                 continue;
             };
             let name = name.as_ref();
+            if let Some(base) = name.strip_suffix("_blocks") {
+                let scales_name = stored_name.replace("_blocks", "_scales");
+                let Some(scales_file) = scales_in.get(&scales_name) else {
+                    return Err(Error::bad_input(
+                        "MXFP4 checkpoint tensor",
+                        name,
+                        format!("in {shown} has no `{scales_name}` beside it"),
+                        Some("the checkpoint is incomplete: re-download it"),
+                    ));
+                };
+                let scales_map = map_file(scales_file)?;
+                let scales_st = safetensors_of(&scales_map, scales_file)?;
+                let scales = scales_st.tensor(&scales_name).map_err(|e| {
+                    Error::bad_input("MXFP4 checkpoint tensor", &scales_name, e.to_string(), None)
+                })?;
+                let stored = names.get(base).ok_or_else(|| not_ours(base, &shown, layout))?;
+                let (unit, spec) = layout.tensor(&stored.tensor)?;
+                if view.dtype() != Dtype::U8 || scales.dtype() != Dtype::U8 {
+                    return Err(Error::bad_input(
+                        "MXFP4 checkpoint tensor",
+                        name,
+                        format!("in {shown}: blocks and scales must be U8, found {:?} and {:?}", view.dtype(), scales.dtype()),
+                        None,
+                    ));
+                }
+                mxfp4::check_shapes(name, view.shape(), scales.shape(), &stored.shape)?;
+                let (experts, out_rows, groups) = (view.shape()[0], view.shape()[1], view.shape()[2]);
+                let per_expert = stored.numel() / experts.max(1);
+                let mut master = guards[unit].master();
+                for e in 0..experts {
+                    let w = mxfp4::dequantize_expert(
+                        name,
+                        view.data(),
+                        scales.data(),
+                        (out_rows, groups),
+                        e,
+                    )?;
+                    master.write(spec.offset + stored.offset + e * per_expert, &w);
+                }
+                *covered.entry(stored.tensor.clone()).or_default() += stored.numel();
+                seen.insert(base.to_owned(), file.clone());
+                continue;
+            }
+            if name.ends_with("_scales") && !names.contains_key(name) {
+                // Read with its `_blocks`.
+                continue;
+            }
             if name.ends_with("rotary_emb.inv_freq")
                 || (name == "lm_head.weight" && layout.config.tie_word_embeddings)
             {
                 skipped.push(stored_name.to_owned());
                 continue;
             }
-            let stored = names.get(name).ok_or_else(|| {
-                Error::bad_input(
-                    "checkpoint tensor",
-                    name,
-                    format!(
-                        "in {shown} is not a parameter of this model ({} layers, config.json)",
-                        layout.config.num_layers
-                    ),
-                    Some("check that config.json belongs to these weights"),
-                )
-            })?;
+            let stored = names
+                .get(name)
+                .ok_or_else(|| not_ours(name, &shown, layout))?;
             let (unit, spec) = layout.tensor(&stored.tensor)?;
             if view.shape() != stored.shape.as_slice() {
                 return Err(Error::bad_input(

@@ -9,6 +9,7 @@
 pub mod hf;
 pub mod layout;
 mod master;
+mod mxfp4;
 pub mod placement;
 pub mod planes;
 

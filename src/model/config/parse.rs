@@ -164,6 +164,19 @@ pub(super) fn check_supported_features(
     arch: Architecture,
     origin: &str,
 ) -> Result<MlpActivation> {
+    // Quantised checkpoints: GPT-OSS's MXFP4 experts are read (dequantised to the fp32
+    // master); other methods' packed weights are not.
+    if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
+        if !(method == "mxfp4" && arch == Architecture::GptOss) {
+            return Err(Error::bad_input(
+                "model config",
+                origin,
+                format!("`quantization_config` names `{method}` weights, which megatrain does not read"),
+                Some("start from the full-precision (bf16/fp32) checkpoint of this model; MXFP4 is read for GPT-OSS only"),
+            ));
+        }
+    }
     if get_bool(v, "mlp_bias", origin)? == Some(true) {
         return Err(bad(origin, "`mlp_bias: true` is not supported"));
     }
