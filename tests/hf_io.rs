@@ -269,8 +269,13 @@ fn gpt_oss_mxfp4_experts_load_as_their_dequantised_twin() {
             "unit {u} differs"
         );
     }
-    let e = broken_copy(&dir, |name| name.ends_with("layers.1.mlp.experts.down_proj_scales"));
-    assert!(e.contains("down_proj_scales") && e.contains("incomplete"), "{e}");
+    let e = broken_copy(&dir, |name| {
+        name.ends_with("layers.1.mlp.experts.down_proj_scales")
+    });
+    assert!(
+        e.contains("down_proj_scales") && e.contains("incomplete"),
+        "{e}"
+    );
     // Another quantisation method is refused by name.
     let cfg = std::fs::read_to_string(dir.join("config.json"))
         .unwrap()
@@ -287,12 +292,11 @@ fn broken_copy(dir: &Path, drop: impl Fn(&str) -> bool) -> String {
     std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).unwrap();
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
-        .tensors()
-        .into_iter()
-        .filter(|(n, _)| !drop(n))
-        .collect();
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        st.tensors().into_iter().filter(|(n, _)| !drop(n)).collect();
     safetensors::serialize_to_file(kept, None, &tmp.path().join("model.safetensors")).unwrap();
     let store = store_for(dir);
-    hf::load_into_store(tmp.path(), &store).unwrap_err().to_string()
+    hf::load_into_store(tmp.path(), &store)
+        .unwrap_err()
+        .to_string()
 }

@@ -178,6 +178,15 @@ const QWEN3_235B_A22B: &str = r#"{"architectures": ["Qwen3MoeForCausalLM"], "voc
     "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": false}"#;
 
+const GPT_OSS_120B: &str = r#"{"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 36,
+    "num_local_experts": 128, "num_experts_per_tok": 4,
+    "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "sliding_window": 128, "vocab_size": 201088}"#;
+const GPT_OSS_20B: &str = r#"{"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 24,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "sliding_window": 128, "vocab_size": 201088}"#;
+
 /// A model preset by name (configurations as published on the Hugging Face Hub).
 pub fn model(name: &str) -> Option<ModelConfig> {
     use Architecture::{Llama, Mistral, Qwen2};
@@ -210,6 +219,8 @@ pub fn model(name: &str) -> Option<ModelConfig> {
         "mixtral-8x22b" => ModelConfig::from_json_str(MIXTRAL_8X22B, name).ok()?,
         "qwen3-30b-a3b" => ModelConfig::from_json_str(QWEN3_30B_A3B, name).ok()?,
         "qwen3-235b-a22b" => ModelConfig::from_json_str(QWEN3_235B_A22B, name).ok()?,
+        "gpt-oss-20b" => ModelConfig::from_json_str(GPT_OSS_20B, name).ok()?,
+        "gpt-oss-120b" => ModelConfig::from_json_str(GPT_OSS_120B, name).ok()?,
         // Our own 120B configuration (MegaTrain reports a 120B model without publishing its
         // config): Llama-3 style, d = 12288, 74 layers.
         "llama-120b" => llama_like(Llama, 128256, 12288, 33792, 74, 96, 8, false, 500000.0),
@@ -218,7 +229,7 @@ pub fn model(name: &str) -> Option<ModelConfig> {
 }
 
 /// Model preset names.
-pub const MODELS: [&str; 20] = [
+pub const MODELS: [&str; 22] = [
     "llama-3-8b",
     "llama-3-70b",
     "llama-3-405b",
@@ -239,6 +250,8 @@ pub const MODELS: [&str; 20] = [
     "mixtral-8x22b",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
 ];
 
 #[cfg(test)]
@@ -284,6 +297,10 @@ mod tests {
             ("mixtral-8x22b", 140.6, 39.2),
             ("qwen3-30b-a3b", 30.5, 3.3),
             ("qwen3-235b-a22b", 235.1, 22.2),
+            // OpenAI's model card: 116.83B / 5.13B and 20.91B / 3.61B (its active count leaves
+            // the input embedding out, 0.58B).
+            ("gpt-oss-120b", 116.83, 5.13 + 0.58),
+            ("gpt-oss-20b", 20.91, 3.61 + 0.58),
         ] {
             let m = model(name).unwrap();
             let (n, a) = (m.num_params() as f64 / 1e9, m.active_params() as f64 / 1e9);

@@ -82,8 +82,8 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         grad_link::grad_link_line(&p.grad_link, ms)
     );
     if p.active_params < p.params {
-        s += "  note        mixture-of-experts layers train on the CPU device only so far (--device cpu, fp32); \
-              this predicts the GPU path, its expert GEMMs at the dense GEMMs' efficiency, FLOPs of the active parameters\n";
+        s += "  note        mixture-of-experts layers train in fp32 only so far, their experts' GEMMs one expert at a time; \
+              this predicts the bf16 recipe with grouped expert GEMMs at the dense GEMMs' efficiency, FLOPs of the active parameters\n";
     }
     s
 }

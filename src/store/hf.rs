@@ -273,18 +273,25 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                 let scales = scales_st.tensor(&scales_name).map_err(|e| {
                     Error::bad_input("MXFP4 checkpoint tensor", &scales_name, e.to_string(), None)
                 })?;
-                let stored = names.get(base).ok_or_else(|| not_ours(base, &shown, layout))?;
+                let stored = names
+                    .get(base)
+                    .ok_or_else(|| not_ours(base, &shown, layout))?;
                 let (unit, spec) = layout.tensor(&stored.tensor)?;
                 if view.dtype() != Dtype::U8 || scales.dtype() != Dtype::U8 {
                     return Err(Error::bad_input(
                         "MXFP4 checkpoint tensor",
                         name,
-                        format!("in {shown}: blocks and scales must be U8, found {:?} and {:?}", view.dtype(), scales.dtype()),
+                        format!(
+                            "in {shown}: blocks and scales must be U8, found {:?} and {:?}",
+                            view.dtype(),
+                            scales.dtype()
+                        ),
                         None,
                     ));
                 }
                 mxfp4::check_shapes(name, view.shape(), scales.shape(), &stored.shape)?;
-                let (experts, out_rows, groups) = (view.shape()[0], view.shape()[1], view.shape()[2]);
+                let (experts, out_rows, groups) =
+                    (view.shape()[0], view.shape()[1], view.shape()[2]);
                 let per_expert = stored.numel() / experts.max(1);
                 let mut master = guards[unit].master();
                 for e in 0..experts {

@@ -570,7 +570,8 @@ pub fn moe_bwd(
     let g_gu: Vec<&mut [f32]> = g.gate_up.chunks_mut(2 * i * c).collect();
     let g_d: Vec<&mut [f32]> = g.down.chunks_mut(c * i).collect();
     let (g_router, mut g_bias) = (g.router, g.biases);
-    let (g_bgu, g_bd): (Vec<Option<&mut [f32]>>, Vec<Option<&mut [f32]>>) = match &mut g_bias {
+    type PerExpert<'a> = Vec<Option<&'a mut [f32]>>;
+    let (g_bgu, g_bd): (PerExpert<'_>, PerExpert<'_>) = match &mut g_bias {
         Some([_, bgu, bd]) => (
             bgu.chunks_mut(2 * i).map(Some).collect(),
             bd.chunks_mut(c).map(Some).collect(),

@@ -20,6 +20,8 @@ struct Case {
     router: Vec<f32>,
     gate_up: Vec<f32>,
     down: Vec<f32>,
+    /// Router, gate/up and down biases (GPT-OSS's layout only).
+    biases: [Vec<f32>; 3],
 }
 
 fn case(norm_topk: bool, act: MlpActivation) -> Case {
@@ -29,7 +31,9 @@ fn case(norm_topk: bool, act: MlpActivation) -> Case {
         top_k: 2,
         inter: 8,
         norm_topk,
-        act,
+        router: Router::SoftmaxTopK,
+        layout: ExpertLayout::GateUpRows,
+        act: ExpertAct::Gated(act),
     };
     let n = 4;
     Case {
@@ -39,15 +43,37 @@ fn case(norm_topk: bool, act: MlpActivation) -> Case {
         router: rand_vec(s.experts * s.c, 2, 0.8),
         gate_up: rand_vec(s.experts * 2 * s.inter * s.c, 3, 0.3),
         down: rand_vec(s.experts * s.c * s.inter, 4, 0.3),
+        biases: [Vec::new(), Vec::new(), Vec::new()],
     }
+}
+
+/// GPT-OSS's variant: top-k logits then their softmax, transposed interleaved experts with
+/// biases, the SwiGLU clamped where these activations reach (0.25).
+fn gpt_oss_case() -> Case {
+    let mut c = case(false, MlpActivation::Silu);
+    c.s.router = Router::TopKSoftmax;
+    c.s.layout = ExpertLayout::InterleavedColumns;
+    c.s.act = ExpertAct::ClampedSwiglu {
+        alpha: 1.702,
+        limit: 0.25,
+    };
+    let (e, i, cc) = (c.s.experts, c.s.inter, c.s.c);
+    c.biases = [
+        rand_vec(e, 5, 0.3),
+        rand_vec(e * 2 * i, 6, 0.3),
+        rand_vec(e * cc, 7, 0.3),
+    ];
+    c
 }
 
 impl Case {
     fn weights(&self) -> MoeWeights<'_> {
+        let [b0, b1, b2] = &self.biases;
         MoeWeights {
             router: &self.router,
             gate_up: &self.gate_up,
             down: &self.down,
+            biases: self.s.biases().then_some([&b0[..], &b1[..], &b2[..]]),
         }
     }
 
@@ -91,8 +117,11 @@ fn naive(c: &Case) -> Vec<f64> {
                         .map(|j| h[j] as f64 * gu[(i + r) * cc + j] as f64)
                         .sum();
                     match s.act {
-                        MlpActivation::Silu => g / (1.0 + (-g).exp()) * u,
-                        MlpActivation::GeluTanh => super::super::gelu_tanh(g as f32) as f64 * u,
+                        ExpertAct::Gated(MlpActivation::Silu) => g / (1.0 + (-g).exp()) * u,
+                        ExpertAct::Gated(MlpActivation::GeluTanh) => {
+                            super::super::gelu_tanh(g as f32) as f64 * u
+                        }
+                        ExpertAct::ClampedSwiglu { .. } => unreachable!("not in these cases"),
                     }
                 })
                 .collect();
@@ -124,11 +153,11 @@ fn forward_matches_a_token_by_token_computation() {
 
 #[test]
 fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
-    for (norm, act) in [
-        (true, MlpActivation::Silu),
-        (false, MlpActivation::GeluTanh),
+    for c in [
+        case(true, MlpActivation::Silu),
+        case(false, MlpActivation::GeluTanh),
+        gpt_oss_case(),
     ] {
-        let c = case(norm, act);
         let s = c.s;
         let r = rand_vec(c.n * s.c, 9, 1.0);
         let mut dh = vec![0f32; c.n * s.c];
@@ -137,25 +166,21 @@ fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
             vec![0f32; c.gate_up.len()],
             vec![0f32; c.down.len()],
         );
-        let w = MoeWeights {
-            router: &c.router,
-            gate_up: &c.gate_up,
-            down: &c.down,
-        };
+        let mut gb = c.biases.clone().map(|b| vec![0f32; b.len()]);
+        let w = c.weights();
         let routing = moe_fwd(&mut vec![0f32; c.n * s.c], &c.h, &w, c.n, s);
-        moe_bwd(
-            &mut dh,
-            MoeGrads {
+        {
+            let [b0, b1, b2] = &mut gb;
+            let grads = MoeGrads {
                 router: &mut gr,
                 gate_up: &mut ggu,
                 down: &mut gd,
-            },
-            &r,
-            &c.h,
-            &w,
-            c.n,
-            s,
-        );
+                biases: s
+                    .biases()
+                    .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
+            };
+            moe_bwd(&mut dh, grads, &r, &c.h, &w, c.n, s);
+        }
         assert!(routing.counts().contains(&0), "{:?}", routing.counts());
         for (ex, &count) in routing.counts().iter().enumerate() {
             let block = 2 * s.inter * s.c;
@@ -171,7 +196,8 @@ fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
                     0 => &mut d.h,
                     1 => &mut d.router,
                     2 => &mut d.gate_up,
-                    _ => &mut d.down,
+                    3 => &mut d.down,
+                    b => &mut d.biases[b - 4],
                 };
                 t[idx] += delta;
                 d.loss(&r)
@@ -187,6 +213,11 @@ fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
             check(&c, 1, idx % c.router.len(), gr[idx % gr.len()]);
             check(&c, 2, idx * 7 % ggu.len(), ggu[idx * 7 % ggu.len()]);
             check(&c, 3, idx * 5 % gd.len(), gd[idx * 5 % gd.len()]);
+            if s.biases() {
+                for (b, g) in gb.iter().enumerate() {
+                    check(&c, 4 + b, idx * 3 % g.len(), g[idx * 3 % g.len()]);
+                }
+            }
         }
     }
 }
