@@ -2,7 +2,7 @@
 """megatrain's CPU device against PyTorch eager, training the same small model of a family with
 the same batch, sequence, optimizer and threads: tokens/s of each, and their ratio, in one run.
 
-  python3 tools/bench_families_cpu.py [--family qwen3|gemma3|llama|qwen3_moe|mixtral] [--threads 2] [--steps 30]
+  python3 tools/bench_families_cpu.py [--family qwen3|gemma3|llama|qwen3_moe|mixtral|gpt_oss] [--threads 2] [--steps 30]
 
 The shapes are the family's (Qwen3: QK-norm, head_dim 64 ≠ hidden/heads; Gemma 3: `1 + w` and
 sandwich norms, QK-norm, GELU-tanh, scaled embeddings, local layers with a window of 64 over rows
@@ -45,6 +45,10 @@ FAMILIES = {
                       head_dim=64, rope_theta=1e6, use_sliding_window=False, attention_bias=False,
                       num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True,
                       mlp_only_layers=[], decoder_sparse_step=1),
+    # GPT-OSS shaped: sinks, biases, a window of 64 on every other layer, 32 biased experts of
+    # width 128 with interleaved gate/up and the clamped SwiGLU, top-4 logits then their softmax.
+    "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_act="silu", head_dim=64,
+                    intermediate_size=128, num_local_experts=32, num_experts_per_tok=4, sliding_window=64),
     # Mixtral shaped: 8 experts of width 704, top-2.
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_act="silu",
                     rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),

@@ -314,6 +314,25 @@ fn add_rows(y: &mut [f32], b: &[f32]) {
     }
 }
 
+/// A GEMM inside the loop over experts ([`gemm`]'s arguments, `(m, k, n)` together): on the
+/// calling thread when the experts alone keep every thread busy, else itself parallel.
+#[allow(clippy::too_many_arguments)]
+fn mm(
+    s: MoeShape,
+    c: &mut [f32],
+    a: &[f32],
+    a_st: (usize, usize),
+    b: &[f32],
+    b_st: (usize, usize),
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+) {
+    match s.experts >= 2 * rayon::current_num_threads() {
+        true => super::gemm_serial(c, a, a_st, b, b_st, m, k, n, accumulate),
+        false => gemm(c, a, a_st, b, b_st, m, k, n, accumulate),
+    }
+}
+
 /// One expert's forward on its `m` rows `xe`: gate/up (or interleaved gu), the activation, its
 /// output `ye`.
 #[allow(clippy::too_many_arguments)]
@@ -329,12 +348,12 @@ fn expert_fwd(
     let (wgu, wd) = expert_weights(w, s, ex);
     match s.layout {
         ExpertLayout::GateUpRows => {
-            linear_fwd(g, xe, &wgu[..i * c], None, m, c, i);
-            linear_fwd(u, xe, &wgu[i * c..], None, m, c, i);
+            mm(s, g, xe, (c, 1), &wgu[..i * c], (1, c), (m, c, i), false);
+            mm(s, u, xe, (c, 1), &wgu[i * c..], (1, c), (m, c, i), false);
         }
         ExpertLayout::InterleavedColumns => {
             // gu [m, 2I] = x [m, C] · W [C, 2I] + b.
-            gemm(g, xe, (c, 1), wgu, (2 * i, 1), m, c, 2 * i, false);
+            mm(s, g, xe, (c, 1), wgu, (2 * i, 1), (m, c, 2 * i), false);
             if let Some([_, bgu, _]) = w.biases {
                 add_rows(g, &bgu[ex * 2 * i..(ex + 1) * 2 * i]);
             }
@@ -345,10 +364,10 @@ fn expert_fwd(
         ExpertAct::ClampedSwiglu { alpha, limit } => clamped_swiglu_fwd(a, g, alpha, limit),
     }
     match s.layout {
-        ExpertLayout::GateUpRows => linear_fwd(ye, a, wd, None, m, i, c),
+        ExpertLayout::GateUpRows => mm(s, ye, a, (i, 1), wd, (1, i), (m, i, c), false),
         ExpertLayout::InterleavedColumns => {
             // y [m, C] = a [m, I] · Wd [I, C] + b.
-            gemm(ye, a, (i, 1), wd, (c, 1), m, i, c, false);
+            mm(s, ye, a, (i, 1), wd, (c, 1), (m, i, c), false);
             if let Some([_, _, bd]) = w.biases {
                 add_rows(ye, &bd[ex * c..(ex + 1) * c]);
             }
@@ -476,13 +495,13 @@ fn expert_bwd(
     match s.layout {
         ExpertLayout::GateUpRows => {
             // dA [m, I] = dY [m, C] · Wd [C, I]; dWd [C, I] += dYᵀ · A.
-            gemm(&mut da, f.dy, (c, 1), wd, (i, 1), m, c, i, false);
-            gemm(gd, f.dy, (1, c), f.act, (i, 1), c, m, i, true);
+            mm(s, &mut da, f.dy, (c, 1), wd, (i, 1), (m, c, i), false);
+            mm(s, gd, f.dy, (1, c), f.act, (i, 1), (c, m, i), true);
         }
         ExpertLayout::InterleavedColumns => {
             // dA [m, I] = dY [m, C] · Wdᵀ (Wd [I, C]); dWd [I, C] += Aᵀ · dY; db += Σ dY.
-            gemm(&mut da, f.dy, (c, 1), wd, (1, c), m, c, i, false);
-            gemm(gd, f.act, (1, i), f.dy, (c, 1), i, m, c, true);
+            mm(s, &mut da, f.dy, (c, 1), wd, (1, c), (m, c, i), false);
+            mm(s, gd, f.act, (1, i), f.dy, (c, 1), (i, m, c), true);
             if let Some(gbd) = gbd {
                 super::bias_bwd(gbd, f.dy, m);
             }
@@ -494,10 +513,10 @@ fn expert_bwd(
             gated_bwd(act, &mut dgate, &mut dup, &da, f.gate, f.up);
             let (wg, wu) = wgu.split_at(i * c);
             let (ggate, gup) = ggu.split_at_mut(i * c);
-            gemm(ggate, &dgate, (1, i), f.x, (c, 1), i, m, c, true);
-            gemm(gup, &dup, (1, i), f.x, (c, 1), i, m, c, true);
-            gemm(dxe, &dgate, (i, 1), wg, (c, 1), m, i, c, false);
-            gemm(dxe, &dup, (i, 1), wu, (c, 1), m, i, c, true);
+            mm(s, ggate, &dgate, (1, i), f.x, (c, 1), (i, m, c), true);
+            mm(s, gup, &dup, (1, i), f.x, (c, 1), (i, m, c), true);
+            mm(s, dxe, &dgate, (i, 1), wg, (c, 1), (m, i, c), false);
+            mm(s, dxe, &dup, (i, 1), wu, (c, 1), (m, i, c), true);
         }
         (ExpertLayout::InterleavedColumns, act) => {
             let mut dgu = vec![0f32; m * 2 * i];
@@ -517,11 +536,20 @@ fn expert_bwd(
                 }
             }
             // dW [C, 2I] += Xᵀ · dGU; db += Σ dGU; dX = dGU · Wᵀ.
-            gemm(ggu, f.x, (1, c), &dgu, (2 * i, 1), c, m, 2 * i, true);
+            mm(s, ggu, f.x, (1, c), &dgu, (2 * i, 1), (c, m, 2 * i), true);
             if let Some(gbgu) = gbgu {
                 super::bias_bwd(gbgu, &dgu, m);
             }
-            gemm(dxe, &dgu, (2 * i, 1), wgu, (1, 2 * i), m, 2 * i, c, false);
+            mm(
+                s,
+                dxe,
+                &dgu,
+                (2 * i, 1),
+                wgu,
+                (1, 2 * i),
+                (m, 2 * i, c),
+                false,
+            );
         }
         (ExpertLayout::GateUpRows, ExpertAct::ClampedSwiglu { .. }) => {
             unreachable!("a clamped SwiGLU comes with interleaved columns (MoeShape::new)")
