@@ -133,8 +133,9 @@ fn read_reports(p: &Path) -> Result<Vec<Report>> {
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// A model preset (llama-3-8b, llama-3-70b, llama-3-405b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b,
-    /// qwen2.5-72b, llama-120b) or an HF config.json.
+    /// A model preset (llama-3-8b, llama-3.1-70b, qwen2.5-72b, qwen3-32b, gemma-3-27b,
+    /// mistral-large-2, llama-120b, mixtral-8x7b, qwen3-30b-a3b, gpt-oss-120b, … : README lists
+    /// them all) or an HF config.json
     #[arg(long)]
     model: String,
     /// A machine preset (h200-1.5tb, gh200-480gb, h100-512gb, rtx4090-256gb) or a
