@@ -287,3 +287,37 @@ pub fn stored_tensors(config: &ModelConfig, unit: &UnitLayout) -> Vec<StoredTens
     }
     out
 }
+
+/// Put together the tensors of `config` that `tensors` (a checkpoint's, by name) holds in pieces
+/// ([`stored_tensors`]: per expert, or renamed): each piece moved to its place in the unit's
+/// tensor, under the tensor's own name. `per_elem` values of `tensors` make one element (1 for
+/// `f32`s, 4 for their bytes). A piece that is missing or does not fit is left as it is.
+pub fn fuse_pieces<T: Copy + Default>(
+    config: &ModelConfig,
+    tensors: &mut std::collections::HashMap<String, Vec<T>>,
+    per_elem: usize,
+) {
+    for unit in units(config) {
+        for piece in stored_tensors(config, &unit) {
+            let Some(spec) = unit.tensor(&piece.tensor) else {
+                continue;
+            };
+            if piece.name == piece.tensor || !tensors.contains_key(&piece.name) {
+                continue;
+            }
+            let (at, len) = (piece.offset * per_elem, piece.numel() * per_elem);
+            let fused_len = spec.numel() * per_elem;
+            let Some(values) = tensors.remove(&piece.name) else {
+                continue;
+            };
+            if values.len() != len || at + len > fused_len {
+                tensors.insert(piece.name, values);
+                continue;
+            }
+            let fused = tensors
+                .entry(piece.tensor.clone())
+                .or_insert_with(|| vec![T::default(); fused_len]);
+            fused[at..at + len].copy_from_slice(&values);
+        }
+    }
+}

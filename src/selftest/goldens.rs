@@ -289,6 +289,9 @@ pub fn run_case(case: &Path, device: DeviceKind, scratch: &Path) -> Result<CaseR
             weights.insert(n, view.data().to_vec());
         }
     }
+    // A mixture of experts' export holds its experts one by one; the golden, fused.
+    let exported = crate::store::hf::load_config(&scratch.join("hf"))?;
+    crate::model::units::fuse_pieces(&exported, &mut weights, 4);
     let wtol = weight_tolerance(bf16, gpu);
     let steps_n = g.settings["steps"].as_f64().unwrap_or(0.0);
     let bound = 2.0 * steps_n * g.settings["lr"].as_f64().unwrap_or(0.0);

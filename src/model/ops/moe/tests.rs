@@ -1,15 +1,7 @@
 use super::*;
 
 fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
+    crate::util::uniform(n, seed, scale)
 }
 
 #[derive(Clone)]
