@@ -281,7 +281,10 @@ fn compiled_kernels_are_cached_and_checked() -> Result<(), String> {
     b[mid] ^= 0x55;
     std::fs::write(&entry, &b).map_err(|e| e.to_string())?;
     let third = line(&stack_only(&[("MEGATRAIN_KERNEL_CACHE", cache)])?)?;
-    if !third.contains(&format!("1 compiled now, {} from the disk cache", files - 1)) {
+    if !third.contains(&format!(
+        "1 compiled now, {} from the disk cache",
+        files - 1
+    )) {
         return Err(format!("after damaging an entry: {third}"));
     }
     // An entry that checks out but holds a CUBIN the driver refuses (here: one the emulator
