@@ -25,7 +25,7 @@ pub use shape::{Chunk, Shape, CHUNK_ALIGN};
 use std::sync::{Arc, Mutex};
 pub use workspace::{
     bf16_device_bytes, bf16_operand_bytes, bf16_operand_elems, bf16_staging_bytes, internals_len,
-    max_unit_numel, workspace_bytes, Ws,
+    max_unit_numel, moe_scratch_bytes, workspace_bytes, Ws,
 };
 
 /// `C[m, n] (= or +=) op(A)·op(B)`, row-major and packed: `A` is `m×k` (stored `k×m` when

@@ -461,3 +461,32 @@ fn bad_ranges_are_caught() {
     assert!(e.contains("reading only"), "{e}");
     be.add(ap, HostBackend::off(ap, 50), 50).unwrap();
 }
+
+/// The mixture-of-experts scratch is in the workspace's bytes (what fits a chunking and what the
+/// planner counts): none for a dense model, growing with the chunk's tokens for a MoE one.
+#[test]
+fn the_moe_scratch_is_charged_with_the_workspace() {
+    let moe = ModelConfig::from_json_str(
+        r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":128,"intermediate_size":320,
+        "moe_intermediate_size":32,"num_experts":8,"num_experts_per_tok":2,"num_hidden_layers":2,
+        "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"vocab_size":700}"#,
+        "moe",
+    )
+    .unwrap();
+    let (whole, chunked) = (Shape::whole(1, 512), Shape::chunked(1, 512, 256).unwrap());
+    assert_eq!(moe_scratch_bytes(&model(false), whole), 0);
+    let (a, b) = (
+        moe_scratch_bytes(&moe, whole),
+        moe_scratch_bytes(&moe, chunked),
+    );
+    assert!(a > 0 && a == 2 * b, "{a} {b}");
+    // 512 tokens × top-2 rows × (3·C + 2·2I + 4·I) words, plus the router's and the slots'.
+    let m = moe.moe.clone().unwrap();
+    let rows = 512 * m.top_k as u64;
+    let per_row = 3 * 128 + 4 * m.expert_intermediate as u64 + 4 * m.expert_intermediate as u64 + 5;
+    assert_eq!(a, 4 * (rows * per_row + 2 * 512 * m.num_experts as u64));
+    assert_eq!(
+        workspace_bytes(&moe, whole, Precision::Fp32),
+        4 * Ws::layout(&moe, whole, Precision::Fp32).1 as u64 + a
+    );
+}
