@@ -7,9 +7,11 @@
 use super::program::{Backend, Gemm, MoeAt};
 use super::Precision;
 use crate::model::config::MlpActivation;
-use crate::model::ops::{self, AttnShape, MoeGrads, MoeShape, MoeWeights, Rope};
+use crate::model::ops::{self, AttnShape, MoeShape, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
+
+mod moe;
 
 /// A host address: `off` elements into a buffer of `cap` elements at `base`.
 #[derive(Debug, Clone, Copy)]
@@ -84,25 +86,7 @@ pub struct HostIds {
 type Views<'a, const W: usize, const R: usize> = ([&'a mut [f32]; W], [&'a [f32]; R]);
 
 /// Checked slices for one call: `outs` are written, `ins` read.
-/// An MoE MLP's six ranges at `at` (router, gate/up, down, and their biases — empty without
-/// biases).
-fn moe_ranges(at: MoeAt<HostP>, s: MoeShape) -> [(HostP, usize); 6] {
-    let (e, c, i) = (s.experts, s.c, s.inter);
-    let (b, lens) = match at.biases {
-        Some(b) => (b, [e, e * 2 * i, e * c]),
-        None => ([at.router; 3], [0; 3]),
-    };
-    [
-        (at.router, e * c),
-        (at.gate_up, e * 2 * i * c),
-        (at.down, e * c * i),
-        (b[0], lens[0]),
-        (b[1], lens[1]),
-        (b[2], lens[2]),
-    ]
-}
-
-fn views<'a, const W: usize, const R: usize>(
+pub(super) fn views<'a, const W: usize, const R: usize>(
     op: &str,
     outs: [(HostP, usize); W],
     ins: [(HostP, usize); R],
@@ -559,23 +543,10 @@ impl Backend for HostBackend<'_> {
         rows: usize,
         s: MoeShape,
     ) -> Result<()> {
-        let c = s.c;
-        let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
-        let ([out], [h, router, gate_up, down, b_r, b_gu, b_d]) = views(
-            "moe_fwd",
-            [(out, rows * c)],
-            [(h, rows * c), wr, wgu, wd, br, bgu, bd],
-        )?;
-        let w = MoeWeights {
-            router,
-            gate_up,
-            down,
-            biases: s.biases().then_some([b_r, b_gu, b_d]),
-        };
-        ops::moe_fwd(out, h, &w, rows, s);
-        Ok(())
+        moe::forward(out, h, w, rows, s)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn moe_bwd(
         &mut self,
         dh: HostP,
@@ -586,31 +557,7 @@ impl Backend for HostBackend<'_> {
         rows: usize,
         s: MoeShape,
     ) -> Result<()> {
-        let c = s.c;
-        let [gr, ggu, gd, gbr, gbgu, gbd] = moe_ranges(g, s);
-        let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
-        let (
-            [dh, g_r, g_gu, g_d, g_br, g_bgu, g_bd],
-            [d_out, h, router, gate_up, down, b_r, b_gu, b_d],
-        ) = views(
-            "moe_bwd",
-            [(dh, rows * c), gr, ggu, gd, gbr, gbgu, gbd],
-            [(d_out, rows * c), (h, rows * c), wr, wgu, wd, br, bgu, bd],
-        )?;
-        let grads = MoeGrads {
-            router: g_r,
-            gate_up: g_gu,
-            down: g_d,
-            biases: s.biases().then_some([g_br, g_bgu, g_bd]),
-        };
-        let w = MoeWeights {
-            router,
-            gate_up,
-            down,
-            biases: s.biases().then_some([b_r, b_gu, b_d]),
-        };
-        ops::moe_bwd(dh, grads, d_out, h, &w, rows, s);
-        Ok(())
+        moe::backward(dh, g, d_out, h, w, rows, s)
     }
 
     fn gated_bwd(

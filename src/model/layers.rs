@@ -5,14 +5,17 @@
 
 use super::config::{MlpActivation, ModelConfig};
 use super::ops::{self, AttnShape, Rope};
-use super::ops::{ExpertLayout, MoeGrads, MoeShape, MoeWeights};
 use super::units::{UnitKind, UnitLayout};
 use crate::{Error, Result};
 
 mod embedding;
 mod head;
+mod moe;
+mod workspace;
 pub use embedding::Embedding;
 pub use head::Head;
+pub use moe::{moe_router_name, MoeMlp};
+pub use workspace::Workspace;
 
 fn offset(unit: &UnitLayout, suffix: &str) -> Result<usize> {
     unit.tensor(suffix).map(|t| t.offset).ok_or_else(|| {
@@ -31,228 +34,6 @@ fn opt_offset(unit: &UnitLayout, suffix: &str, present: bool) -> Result<Option<u
 /// The offset of a dense MLP tensor, or 0 in a mixture-of-experts layer (which has none).
 fn dense_offset(unit: &UnitLayout, suffix: &str, dense: bool) -> Result<usize> {
     Ok(opt_offset(unit, suffix, dense)?.unwrap_or(0))
-}
-
-/// The router's tensor (`weight` or `bias`): `mlp.router.*` in GPT-OSS, `mlp.gate.*` elsewhere.
-pub fn moe_router_name(cfg: &ModelConfig, what: &str) -> &'static str {
-    match (
-        cfg.architecture == crate::model::config::Architecture::GptOss,
-        what,
-    ) {
-        (true, "bias") => "mlp.router.bias",
-        (true, _) => "mlp.router.weight",
-        (false, _) => "mlp.gate.weight",
-    }
-}
-
-/// A layer's mixture-of-experts MLP: where its tensors are in the unit, and its shape.
-#[derive(Debug, Clone, Copy)]
-pub struct MoeMlp {
-    /// Router `[E, C]`.
-    pub router: usize,
-    /// Experts' gate and up projections `[E, 2I, C]`.
-    pub gate_up: usize,
-    /// Experts' down projections `[E, C, I]`.
-    pub down: usize,
-    /// The router's, gate/up's and down's biases (GPT-OSS).
-    pub biases: Option<[usize; 3]>,
-    /// The shape.
-    pub shape: MoeShape,
-}
-
-impl MoeMlp {
-    /// Its weights in the unit's params `p`.
-    pub fn weights<'a>(&self, p: &'a [f32]) -> MoeWeights<'a> {
-        let s = self.shape;
-        let (e, c, i) = (s.experts, s.c, s.inter);
-        MoeWeights {
-            router: &p[self.router..self.router + e * c],
-            gate_up: &p[self.gate_up..self.gate_up + e * 2 * i * c],
-            down: &p[self.down..self.down + e * c * i],
-            biases: self
-                .biases
-                .map(|[r, gu, d]| [&p[r..r + e], &p[gu..gu + e * 2 * i], &p[d..d + e * c]]),
-        }
-    }
-
-    /// Their gradients in the unit's gradients `g` (disjoint ranges).
-    pub fn grads<'a>(&self, g: &'a mut [f32]) -> MoeGrads<'a> {
-        let s = self.shape;
-        let (e, c, i) = (s.experts, s.c, s.inter);
-        let mut ranges = vec![
-            (self.router, e * c),
-            (self.gate_up, e * 2 * i * c),
-            (self.down, e * c * i),
-        ];
-        if let Some([r, gu, d]) = self.biases {
-            ranges.extend([(r, e), (gu, e * 2 * i), (d, e * c)]);
-        }
-        let mut parts = disjoint_mut(g, &ranges).into_iter();
-        let mut next = || parts.next().unwrap_or_default();
-        let (router, gate_up, down) = (next(), next(), next());
-        let biases = self.biases.map(|_| [next(), next(), next()]);
-        MoeGrads {
-            router,
-            gate_up,
-            down,
-            biases,
-        }
-    }
-}
-
-/// Disjoint `(offset, len)` ranges of `g` as mutable slices, in the order given.
-fn disjoint_mut<'a>(g: &'a mut [f32], ranges: &[(usize, usize)]) -> Vec<&'a mut [f32]> {
-    let mut order: Vec<usize> = (0..ranges.len()).collect();
-    order.sort_by_key(|&k| ranges[k].0);
-    let mut out: Vec<Option<&'a mut [f32]>> = (0..ranges.len()).map(|_| None).collect();
-    let (mut rest, mut at) = (g, 0usize);
-    for k in order {
-        let (off, len) = ranges[k];
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
-        let (piece, tail) = tail.split_at_mut(len);
-        out[k] = Some(piece);
-        rest = tail;
-        at = off + len;
-    }
-    out.into_iter().map(Option::unwrap_or_default).collect()
-}
-
-/// Scratch for one layer's forward and backward over N = B·T tokens. Sized once for the largest
-/// layer; its size does not depend on the number of layers.
-#[derive(Debug, Default)]
-pub struct Workspace {
-    h1: Vec<f32>,    // [N, C]   normed input
-    rstd1: Vec<f32>, // [N]
-    q: Vec<f32>,     // [N, NH·HD]
-    k: Vec<f32>,     // [N, NKV·HD]
-    v: Vec<f32>,     // [N, NKV·HD]
-    att: Vec<f32>,   // [N, NH·HD] attention output
-    lse: Vec<f32>,   // [B, NH, T] attention log-sum-exp
-    delta: Vec<f32>, // [B, NH, T] rowsum(dO ⊙ O), the attention backward's scratch
-    x2: Vec<f32>,    // [N, C]   after the attention residual
-    h2: Vec<f32>,    // [N, C]   normed x2
-    rstd2: Vec<f32>, // [N]
-    gate: Vec<f32>,  // [N, I]
-    up: Vec<f32>,    // [N, I]
-    act: Vec<f32>,   // [N, I]
-    // backward
-    d_i1: Vec<f32>,  // [N, I]   dL/d act
-    d_i2: Vec<f32>,  // [N, I]   dL/d gate
-    d_i3: Vec<f32>,  // [N, I]   dL/d up
-    d_att: Vec<f32>, // [N, NH·HD] dL/d att
-    d_c: Vec<f32>,   // [N, C]   dL/d h2, then dL/d h1
-    d_c2: Vec<f32>,  // [N, C]   dL/d x2
-    dq: Vec<f32>,    // [N, NH·HD] dL/d q
-    dk: Vec<f32>,    // [N, NKV·HD] dL/d k
-    dv: Vec<f32>,    // [N, NKV·HD] dL/d v
-    ce: Vec<f32>,    // [CE_CHUNK_ROWS, V] one chunk of logits, then their gradients
-    // QK-norm only (else empty)
-    q_raw: Vec<f32>,  // [N, NH·HD] queries before their norm
-    k_raw: Vec<f32>,  // [N, NKV·HD] keys before their norm
-    rstd_q: Vec<f32>, // [N·NH]
-    rstd_k: Vec<f32>, // [N·NKV]
-    // sandwich norms only (else empty)
-    attn_out: Vec<f32>, // [N, C] the attention's output projection, before its norm
-    rstd_pa: Vec<f32>,  // [N]
-    mlp_out: Vec<f32>,  // [N, C] the MLP's down projection, before its norm
-    rstd_pf: Vec<f32>,  // [N]
-}
-
-impl Workspace {
-    /// Scratch for `n` tokens of `cfg`'s layers.
-    pub fn new(cfg: &ModelConfig, b: usize, t: usize) -> Self {
-        let n = b * t;
-        let (c, qd, kvd, i) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-        );
-        let z = |len: usize| vec![0.0f32; len];
-        let qk = |len: usize| if cfg.qk_norm { z(len) } else { Vec::new() };
-        let sw = |len: usize| {
-            if cfg.sandwich_norms {
-                z(len)
-            } else {
-                Vec::new()
-            }
-        };
-        Workspace {
-            h1: z(n * c),
-            rstd1: z(n),
-            q: z(n * qd),
-            k: z(n * kvd),
-            v: z(n * kvd),
-            att: z(n * qd),
-            lse: z(b * cfg.num_heads * t),
-            delta: z(b * cfg.num_heads * t),
-            x2: z(n * c),
-            h2: z(n * c),
-            rstd2: z(n),
-            gate: z(n * i),
-            up: z(n * i),
-            act: z(n * i),
-            d_i1: z(n * i),
-            d_i2: z(n * i),
-            d_i3: z(n * i),
-            d_att: z(n * qd),
-            d_c: z(n * c),
-            d_c2: z(n * c),
-            dq: z(n * qd),
-            dk: z(n * kvd),
-            dv: z(n * kvd),
-            ce: Vec::new(),
-            q_raw: qk(n * qd),
-            k_raw: qk(n * kvd),
-            rstd_q: qk(n * cfg.num_heads),
-            rstd_k: qk(n * cfg.num_kv_heads),
-            attn_out: sw(n * c),
-            rstd_pa: sw(n),
-            mlp_out: sw(n * c),
-            rstd_pf: sw(n),
-        }
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        4 * [
-            &self.h1,
-            &self.rstd1,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.att,
-            &self.lse,
-            &self.delta,
-            &self.x2,
-            &self.h2,
-            &self.rstd2,
-            &self.gate,
-            &self.up,
-            &self.act,
-            &self.d_i1,
-            &self.d_i2,
-            &self.d_i3,
-            &self.d_att,
-            &self.d_c,
-            &self.d_c2,
-            &self.dq,
-            &self.dk,
-            &self.dv,
-            &self.ce,
-            &self.q_raw,
-            &self.k_raw,
-            &self.rstd_q,
-            &self.rstd_k,
-            &self.attn_out,
-            &self.rstd_pa,
-            &self.mlp_out,
-            &self.rstd_pf,
-        ]
-        .iter()
-        .map(|v| v.capacity())
-        .sum::<usize>()
-    }
 }
 
 /// One decoder layer: RMSNorm → GQA attention with RoPE (after a per-head RMSNorm of q and k
@@ -320,23 +101,7 @@ impl DecoderBlock {
             }
         };
         let sandwich = cfg.sandwich_norms;
-        let moe = match cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
-            None => None,
-            Some(m) => Some(MoeMlp {
-                router: offset(unit, moe_router_name(cfg, "weight"))?,
-                gate_up: offset(unit, "mlp.experts.gate_up_proj")?,
-                down: offset(unit, "mlp.experts.down_proj")?,
-                biases: match m.layout {
-                    ExpertLayout::GateUpRows => None,
-                    ExpertLayout::InterleavedColumns => Some([
-                        offset(unit, moe_router_name(cfg, "bias"))?,
-                        offset(unit, "mlp.experts.gate_up_proj_bias")?,
-                        offset(unit, "mlp.experts.down_proj_bias")?,
-                    ]),
-                },
-                shape: m.shape(cfg.hidden_size, cfg.mlp_activation),
-            }),
-        };
+        let moe = MoeMlp::of(cfg, unit, layer)?;
         Ok(DecoderBlock {
             c: cfg.hidden_size,
             nh: cfg.num_heads,

@@ -1,0 +1,87 @@
+//! The mixture-of-experts MLP on checked host ranges (`model::ops::moe_fwd`/`moe_bwd`).
+
+use super::{views, HostP};
+use crate::device::program::MoeAt;
+use crate::model::ops::{self, MoeGrads, MoeShape, MoeWeights};
+use crate::Result;
+
+/// See [`crate::device::program::Backend::moe_fwd`].
+pub(super) fn forward(
+    out: HostP,
+    h: HostP,
+    w: MoeAt<HostP>,
+    rows: usize,
+    s: MoeShape,
+) -> Result<()> {
+    let c = s.c;
+    let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
+    let ([out], [h, router, gate_up, down, b_r, b_gu, b_d]) = views(
+        "moe_fwd",
+        [(out, rows * c)],
+        [(h, rows * c), wr, wgu, wd, br, bgu, bd],
+    )?;
+    let w = MoeWeights {
+        router,
+        gate_up,
+        down,
+        biases: s.biases().then_some([b_r, b_gu, b_d]),
+    };
+    ops::moe_fwd(out, h, &w, rows, s);
+    Ok(())
+}
+
+/// See [`crate::device::program::Backend::moe_bwd`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    dh: HostP,
+    g: MoeAt<HostP>,
+    d_out: HostP,
+    h: HostP,
+    w: MoeAt<HostP>,
+    rows: usize,
+    s: MoeShape,
+) -> Result<()> {
+    let c = s.c;
+    let [gr, ggu, gd, gbr, gbgu, gbd] = moe_ranges(g, s);
+    let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
+    let (
+        [dh, g_r, g_gu, g_d, g_br, g_bgu, g_bd],
+        [d_out, h, router, gate_up, down, b_r, b_gu, b_d],
+    ) = views(
+        "moe_bwd",
+        [(dh, rows * c), gr, ggu, gd, gbr, gbgu, gbd],
+        [(d_out, rows * c), (h, rows * c), wr, wgu, wd, br, bgu, bd],
+    )?;
+    let grads = MoeGrads {
+        router: g_r,
+        gate_up: g_gu,
+        down: g_d,
+        biases: s.biases().then_some([g_br, g_bgu, g_bd]),
+    };
+    let w = MoeWeights {
+        router,
+        gate_up,
+        down,
+        biases: s.biases().then_some([b_r, b_gu, b_d]),
+    };
+    ops::moe_bwd(dh, grads, d_out, h, &w, rows, s);
+    Ok(())
+}
+
+/// An MoE MLP's six ranges at `at` (router, gate/up, down, and their biases — empty without
+/// biases).
+fn moe_ranges(at: MoeAt<HostP>, s: MoeShape) -> [(HostP, usize); 6] {
+    let (e, c, i) = (s.experts, s.c, s.inter);
+    let (b, lens) = match at.biases {
+        Some(b) => (b, [e, e * 2 * i, e * c]),
+        None => ([at.router; 3], [0; 3]),
+    };
+    [
+        (at.router, e * c),
+        (at.gate_up, e * 2 * i * c),
+        (at.down, e * c * i),
+        (b[0], lens[0]),
+        (b[1], lens[1]),
+        (b[2], lens[2]),
+    ]
+}
