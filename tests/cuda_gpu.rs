@@ -169,7 +169,7 @@ fn gpu_check_passes_every_stage() {
         "gpu_check failed:\n{summary}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for stage in ["stack", "selftest", "goldens", "bench", "step"] {
+    for stage in ["stack", "selftest", "goldens", "bench", "step", "moe"] {
         assert!(
             summary.contains(&format!("| {stage} | PASS |")),
             "{stage} did not pass:\n{summary}"
@@ -211,7 +211,7 @@ fn gpu_check_reports_a_refused_gpu() {
         summary.contains("| stack | FAIL |") && summary.contains("sm_80 or newer"),
         "{summary}"
     );
-    for stage in ["selftest", "goldens", "bench", "step", "big"] {
+    for stage in ["selftest", "goldens", "bench", "step", "moe", "big"] {
         assert!(
             summary.contains(&format!("| {stage} | SKIP |")),
             "{summary}"

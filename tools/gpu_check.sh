@@ -19,9 +19,12 @@
 #   bench     bench kernels, bench link, bench adam (bench.json, an array of their reports): the
 #             kernels' efficiencies and the link and AdamW rates calibrate the next stage's plan —
 #             and any later plan: `megatrain plan --calibration OUT_DIR/bench.json`
-#   step      a few steps of a model as wide as Llama-3-8B (4 layers): tokens/s, TFLOP/s and GPU
-#             memory (sampled from nvidia-smi) beside what `megatrain plan` predicts (step.txt)
-#   big       --big only: 12 layers of Llama-3-8B for a few minutes, beside the plan (big.txt)
+#   step      a few steps of a model as wide as Llama-3-8B (4 layers, bf16 recipe): tokens/s,
+#             TFLOP/s and GPU memory (sampled from nvidia-smi) beside what `megatrain plan`
+#             predicts (step.txt)
+#   moe       the same for 2 mixture-of-experts layers as wide as Qwen3-30B-A3B's (128 experts,
+#             top-8; fp32), appended to step.txt
+#   big       --big only: 12 layers of Llama-3-8B for a few minutes, beside the plan (step.txt)
 # run.log has every command and its stderr. --emulated runs the same stages under the CUDA
 # emulator (tools/cuemu.sh; CUEMU_CUDA=13 for a CUDA 13 stack) on small shapes: what CI runs, so
 # the script never rots. Its figures are host times, labelled emulated: never GPU figures.
@@ -33,7 +36,7 @@ for a in "$@"; do
   case "$a" in
     --emulated) emulated=1 ;;
     --big) big=1 ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $a (usage: tools/gpu_check.sh [--emulated] [--big] OUT_DIR)" >&2; exit 2 ;;
     *) [ -z "$out" ] || { echo "error: one OUT_DIR" >&2; exit 2; }; out="$a" ;;
   esac
@@ -54,7 +57,7 @@ bindir="$(cd "$(dirname "$bin")" && pwd)"
 [ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 summary="$out/summary.md" log="$out/run.log"
-for f in summary.md env.txt selftest.txt goldens.txt bench.json step.txt big.txt run.log; do rm -f "$out/$f"; done
+for f in summary.md env.txt selftest.txt goldens.txt bench.json step.txt run.log; do rm -f "$out/$f"; done
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/megatrain-gpu-check.XXXXXX")"
 sampler=""
 cleanup() { [ -n "$sampler" ] && kill "$sampler" 2>/dev/null; rm -rf "$scratch"; }
@@ -160,9 +163,9 @@ else
   skip_rest selftest goldens
 fi
 
-# ---- a step of an 8B-wide model, beside the plan ------------------------------------------------
-# model_config LAYERS HIDDEN FFN HEADS KV VOCAB → config.json
-model_config() {
+# ---- steps of an 8B-wide model and of a mixture of experts, beside the plan --------------------
+# llama_config LAYERS HIDDEN FFN HEADS KV VOCAB → config.json
+llama_config() {
   cat <<EOF
 {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $2,
  "intermediate_size": $3, "num_hidden_layers": $1, "num_attention_heads": $4,
@@ -170,18 +173,30 @@ model_config() {
  "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "hidden_act": "silu"}
 EOF
 }
-# steps NAME FILE LIMIT_S STEPS SEQ BATCH ACCUM LAYERS HIDDEN FFN HEADS KV VOCAB: train on random
-# tokens, sample GPU memory, and predict the same with the planner.
+# qwen3_moe_config LAYERS HIDDEN EXPERT_FFN EXPERTS TOP_K HEADS KV HEAD_DIM VOCAB → config.json
+qwen3_moe_config() {
+  cat <<EOF
+{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": $2,
+ "intermediate_size": $(( 8 * $3 )), "moe_intermediate_size": $3, "num_experts": $4,
+ "num_experts_per_tok": $5, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+ "num_hidden_layers": $1, "num_attention_heads": $6, "num_key_value_heads": $7, "head_dim": $8,
+ "vocab_size": $9, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+ "tie_word_embeddings": false, "hidden_act": "silu", "output_router_logits": false}
+EOF
+}
+# steps_stage NAME FILE LIMIT_S STEPS SEQ BATCH ACCUM PRECISION CONFIG DESCRIPTION: train CONFIG
+# on random tokens, sample GPU memory, and predict the same with the planner.
 steps_stage() {
-  local name="$1" file="$2" limit="$3" steps="$4" seq="$5" batch="$6" accum="$7"; shift 7
+  local name="$1" file="$2" limit="$3" steps="$4" seq="$5" batch="$6" accum="$7" precision="$8" \
+    config="$9" what="${10}"
   local t0; t0=$(date +%s)
   local dir="$scratch/$name"; mkdir -p "$dir"
-  model_config "$@" > "$dir/config.json"
+  cp "$config" "$dir/config.json"
   local rows_n=$(( batch * accum * (steps + 1) + 1 ))
   # u16 tokens (every value < 65536 ≤ the vocabulary): random, seq_len + 1 per row.
   head -c $(( 2 * rows_n * (seq + 1) )) /dev/urandom > "$dir/data.bin"
   {
-    echo "# $name: $1 layers, hidden $2, ffn $3, heads $4/$5, vocab $6; micro-batch $batch × $seq tokens, $accum micro-batches per step, $steps steps, bf16 recipe"
+    echo "# $name: $what; micro-batch $batch × $seq tokens, $accum micro-batches per step, $steps steps, $precision"
     echo "## megatrain train"
   } >> "$file"
   if [ -z "$emulated" ] && command -v nvidia-smi >/dev/null 2>&1; then
@@ -192,7 +207,7 @@ steps_stage() {
   local r=PASS
   stage_run "$limit" "$file" train --model "$dir/config.json" --data "$dir/data.bin" \
     --seq-len "$seq" --batch-size "$batch" --grad-accum "$accum" --steps "$steps" \
-    --device cuda --precision bf16 --lr 1e-4 --metrics "$dir/m.jsonl" || r=FAIL
+    --device cuda --precision "$precision" --lr 1e-4 --metrics "$dir/m.jsonl" || r=FAIL
   [ -n "$sampler" ] && { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; sampler=""; }
   [ -f "$dir/m.jsonl" ] && { echo "## metrics (one JSON line per step)"; cat "$dir/m.jsonl"; } >> "$file"
   # The plan for the same machine and run: the probed machine, else the preset of this GPU.
@@ -214,7 +229,7 @@ steps_stage() {
   done
   echo "## megatrain plan (machine $machine)" >> "$file"
   "$bin" plan --model "$dir/config.json" --machine "$machine" --tokens-per-step $(( batch * seq * accum )) \
-    --seq-len "$seq" --micro-batch-tokens $(( batch * seq )) --precision bf16 ${cal[@]+"${cal[@]}"} --json \
+    --seq-len "$seq" --micro-batch-tokens $(( batch * seq )) --precision "$precision" ${cal[@]+"${cal[@]}"} --json \
     > "$dir/plan.json" 2>> "$log"
   cat "$dir/plan.json" >> "$file"
   # Measured: the median tokens/s of the steps after the first (start-up), the peak device bytes.
@@ -222,7 +237,8 @@ steps_stage() {
   tps="$(grep -o '"tokens_per_s": *[0-9.eE+-]*' "$dir/m.jsonl" 2>/dev/null | sed 's/.*: *//' | tail -n +2 | sort -g \
          | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }')"
   peak="$(grep -o '"device_peak_bytes": *[0-9]*' "$dir/m.jsonl" 2>/dev/null | sed 's/.*: *//' | sort -g | tail -1)"
-  params="$(jnum "$dir/plan.json" params)"
+  # 6·N with N the parameters a token meets: the active ones (a mixture of experts' chosen experts).
+  params="$(jnum "$dir/plan.json" active_params)"
   ptps="$(jnum "$dir/plan.json" tokens_per_s)"
   pdev="$(jnum "$dir/plan.json" device_bytes)"
   smi="n/a" util="n/a"
@@ -278,29 +294,39 @@ if [ -n "$stage_ok" ]; then
   bench_stage
   if [ -n "$emulated" ]; then
     # Small shapes: the emulator runs every thread of every block on the host.
-    steps_stage step "$out/step.txt" 300 3 64 2 2  2 128 256 4 2 65536
+    llama_config 2 128 256 4 2 65536 > "$scratch/step.json"
+    steps_stage step "$out/step.txt" 300 3 64 2 2 bf16 "$scratch/step.json" "2 layers, hidden 128, ffn 256, heads 4/2"
+    qwen3_moe_config 2 128 64 8 2 4 2 32 65536 > "$scratch/moe.json"
+    steps_stage moe "$out/step.txt" 300 3 64 2 1 fp32 "$scratch/moe.json" "Qwen3-MoE, 2 layers, hidden 128, 8 experts of 64, top-2"
   else
     # Llama-3-8B's width (4 layers; embedding and head in full): ~1.8 B parameters.
-    steps_stage step "$out/step.txt" 300 4 4096 1 8  4 4096 14336 32 8 128256
+    llama_config 4 4096 14336 32 8 128256 > "$scratch/step.json"
+    steps_stage step "$out/step.txt" 300 4 4096 1 8 bf16 "$scratch/step.json" "4 layers of Llama-3-8B's width (hidden 4096, ffn 14336, heads 32/8, vocab 128256)"
+    # Qwen3-30B-A3B's width (2 layers; 128 experts, top-8; embedding and head in full): 1.87 B
+    # parameters, 0.74 B active, ~30 GB of host state; mixture-of-experts layers train in fp32.
+    qwen3_moe_config 2 2048 768 128 8 32 4 128 151936 > "$scratch/moe.json"
+    steps_stage moe "$out/step.txt" 240 3 4096 8 1 fp32 "$scratch/moe.json" "2 layers of Qwen3-30B-A3B's width (hidden 2048, 128 experts of 768, top-8, heads 32/4, vocab 151936)"
   fi
   if [ -n "$big" ]; then
     if [ -n "$emulated" ]; then
-      steps_stage big "$out/big.txt" 600 4 64 2 4  4 128 256 4 2 65536
+      llama_config 4 128 256 4 2 65536 > "$scratch/big.json"
+      steps_stage big "$out/step.txt" 600 4 64 2 4 bf16 "$scratch/big.json" "4 layers, hidden 128, ffn 256, heads 4/2"
     else
       # 12 layers of Llama-3-8B (~3.7 B parameters, ~59 GB of host state): a few minutes.
-      steps_stage big "$out/big.txt" 600 12 4096 1 16  12 4096 14336 32 8 128256
+      llama_config 12 4096 14336 32 8 128256 > "$scratch/big.json"
+      steps_stage big "$out/step.txt" 600 12 4096 1 16 bf16 "$scratch/big.json" "12 layers of Llama-3-8B's width"
     fi
   else
     row big SKIP "not asked for (--big)" 0
   fi
 else
-  skip_rest bench step big
+  skip_rest bench step moe big
 fi
 
 total=$(( $(date +%s) - t_start ))
 {
   echo
-  echo "$failed stage(s) failed; $total s in all. Files: env.txt (machine, libraries), selftest.txt, goldens.txt, bench.json, step.txt, big.txt, run.log (every command's stderr)."
+  echo "$failed stage(s) failed; $total s in all. Files: env.txt (machine, libraries), selftest.txt, goldens.txt, bench.json, step.txt (step, moe, big), run.log (every command's stderr)."
   if [ -z "$emulated" ]; then
     echo "Record this run in docs/gpu.md (date, GPU, driver, result, figures, commit); plan with its measurements: megatrain plan --calibration $out/bench.json …"
   fi
