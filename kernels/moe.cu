@@ -22,7 +22,7 @@ __device__ __forceinline__ void top_k(unsigned* ex, const float* z, int e, int k
 // Per token (one thread). `router` 0 (Mixtral, Qwen3-MoE): softmax of the router logits [E]
 // (max-shifted), the k largest probabilities (ties: the lower index) and their weights,
 // renormalised to sum 1 when `norm`. `router` 1 (GPT-OSS): the k largest logits and the softmax
-// over them (`probs` gets the logits).
+// over them. `probs` gets the softmax over every expert either way (the load-balancing loss's).
 extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /* [N, E] */
                                              unsigned* __restrict__ expert,    /* [N, k] */
                                              float* __restrict__ weight,       /* [N, k] */
@@ -33,19 +33,6 @@ extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /
         float* p = probs + t * (long long)e;
         unsigned* ex = expert + t * (long long)k;
         float* w = weight + t * (long long)k;
-        if (router == 1) {
-            for (int i = 0; i < e; i++) p[i] = z[i];
-            top_k(ex, z, e, k);
-            float m = NEG_INF;
-            for (int j = 0; j < k; j++) m = fmaxf(m, z[ex[j]]);
-            float sum = 0.0f;
-            for (int j = 0; j < k; j++) {
-                w[j] = expf(z[ex[j]] - m);
-                sum = __fadd_rn(sum, w[j]);
-            }
-            for (int j = 0; j < k; j++) w[j] = __fdiv_rn(w[j], sum);
-            continue;
-        }
         float m = NEG_INF;
         for (int i = 0; i < e; i++) m = fmaxf(m, z[i]);
         float sum = 0.0f;
@@ -54,6 +41,18 @@ extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /
             sum = __fadd_rn(sum, p[i]);
         }
         for (int i = 0; i < e; i++) p[i] = __fdiv_rn(p[i], sum);
+        if (router == 1) {
+            top_k(ex, z, e, k);
+            float mk = NEG_INF;
+            for (int j = 0; j < k; j++) mk = fmaxf(mk, z[ex[j]]);
+            float sk = 0.0f;
+            for (int j = 0; j < k; j++) {
+                w[j] = expf(z[ex[j]] - mk);
+                sk = __fadd_rn(sk, w[j]);
+            }
+            for (int j = 0; j < k; j++) w[j] = __fdiv_rn(w[j], sk);
+            continue;
+        }
         top_k(ex, p, e, k);
         float total = 0.0f;
         for (int j = 0; j < k; j++) {
@@ -137,11 +136,21 @@ extern "C" __global__ void moe_combine_bwd_f32(float* __restrict__ dy,          
 // The router's backward per token (one thread). `router` 0: d probability of each chosen expert
 // (through the renormalisation when `norm`), then the softmax's: dz = p ⊙ (dp − Σ p·dp).
 // `router` 1: the softmax over the chosen logits: dz_j = w_j (dw_j − Σ w·dw), 0 elsewhere.
+// The load-balancing loss's dL/dp `aux` [E] (null: none) through the softmax `p`, added to dz:
+// dz += p ⊙ (aux − ⟨p, aux⟩).
+__device__ __forceinline__ void add_aux(float* dz, const float* p, const float* aux, int e) {
+    if (!aux) return;
+    float dot = 0.0f;
+    for (int i = 0; i < e; i++) dot = __fadd_rn(dot, __fmul_rn(p[i], aux[i]));
+    for (int i = 0; i < e; i++) dz[i] = __fadd_rn(dz[i], __fmul_rn(p[i], __fsub_rn(aux[i], dot)));
+}
+
 extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,         /* [N, E] */
                                              const float* __restrict__ probs,     /* [N, E] */
                                              const unsigned* __restrict__ expert, /* [N, k] */
                                              const float* __restrict__ weight,    /* [N, k] */
                                              const float* __restrict__ dweight,   /* [N, k] */
+                                             const float* __restrict__ aux,       /* [E] or null */
                                              int n, int e, int k, int norm, int router) {
     FOR_EACH(t, n) {
         const float* p = probs + t * (long long)e;
@@ -154,6 +163,7 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
             float dot = 0.0f;
             for (int j = 0; j < k; j++) dot = __fadd_rn(dot, __fmul_rn(w[j], dw[j]));
             for (int j = 0; j < k; j++) dz[ex[j]] = __fmul_rn(w[j], __fsub_rn(dw[j], dot));
+            add_aux(dz, p, aux, e);
             continue;
         }
         float total = 0.0f, cross = 0.0f;
@@ -170,6 +180,19 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
         float dot = 0.0f;
         for (int i = 0; i < e; i++) dot = __fadd_rn(dot, __fmul_rn(p[i], dz[i]));
         for (int i = 0; i < e; i++) dz[i] = __fmul_rn(p[i], __fsub_rn(dz[i], dot));
+        add_aux(dz, p, aux, e);
+    }
+}
+
+// sums[i] = Σ_t probs[t, i] (t ascending, in double): each expert's router probability summed
+// over the call's tokens, in the CPU's order (`ExpertLoad::of`).
+extern "C" __global__ void moe_prob_sums_f64(double* __restrict__ sums,         /* [E] */
+                                             const float* __restrict__ probs,  /* [N, E] */
+                                             int n, int e) {
+    FOR_EACH(i, e) {
+        double s = 0.0;
+        for (int t = 0; t < n; t++) s += (double)probs[t * (long long)e + i];
+        sums[i] = s;
     }
 }
 

@@ -414,6 +414,20 @@ fn qwen3_moe_mixture_of_experts() {
 fn gpt_oss_mixture_of_experts() {
     check("gpt_oss");
 }
+
+/// transformers' load-balancing loss trained (`output_router_logits`, weight 0.5), each
+/// micro-batch's averaged over the step: loss, gradient norm and weights as PyTorch's.
+#[test]
+fn mixtral_load_balancing_loss() {
+    check("mixtral_aux");
+}
+
+/// The same for GPT-OSS, whose router picks by the logits while the aux loss takes the softmax
+/// over every expert.
+#[test]
+fn gpt_oss_load_balancing_loss() {
+    check("gpt_oss_aux");
+}
 /// Gemma 2: soft-capped attention scores and logits.
 #[test]
 fn gemma2_soft_capping() {
@@ -486,6 +500,14 @@ mod cuda {
     #[test]
     fn gpt_oss_mixture_of_experts_with_random_stream_delays() {
         check_on("gpt_oss", On::Cuda { delays: true });
+    }
+    #[test]
+    fn mixtral_load_balancing_loss_with_random_stream_delays() {
+        check_on("mixtral_aux", On::Cuda { delays: true });
+    }
+    #[test]
+    fn gpt_oss_load_balancing_loss() {
+        check_on("gpt_oss_aux", On::Cuda { delays: false });
     }
     #[test]
     fn mha() {

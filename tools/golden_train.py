@@ -3,7 +3,9 @@
 data and loss semantics:
 
   rows of T+1 consecutive tokens (row r = tokens[r(T+1):(r+1)(T+1)]), no shuffle, B rows per
-  micro-batch, M micro-batches per step; loss = mean over every token of the step; global-norm
+  micro-batch, M micro-batches per step; loss = mean over every token of the step (a mixture of
+  experts with output_router_logits: plus router_aux_loss_coef × transformers' aux_loss of each
+  micro-batch, averaged over the step's micro-batches); global-norm
   clipping (clip_grad_norm_) when max_norm > 0; torch.optim.AdamW, weight decay on every tensor;
   lr(t) = lr·t/warmup for t ≤ warmup, then cosine to 0 over the remaining steps.
 
@@ -94,6 +96,21 @@ CASES = {
                     model_type="gpt_oss", head_dim=8,
                     config=dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
                                 sliding_window=6, swiglu_limit=0.3)),
+    # Mixtral training transformers' load-balancing loss (output_router_logits) with a weight
+    # that matters (0.5: the aux term moves the router's gradient by about as much as the
+    # cross-entropy's); 2 micro-batches a step, each its own aux loss.
+    "mixtral_aux": dict(heads=4, kv=2, tied=False, B=2, T=12, M=2, steps=4, clip=1.0, lr=3e-3, warmup=0,
+                        wd=0.1, model_type="mixtral",
+                        config=dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=None, output_router_logits=True,
+                                    router_aux_loss_coef=0.5)),
+    # GPT-OSS likewise (its router picks by the logits; the aux loss still takes the softmax over
+    # every expert), one micro-batch a step.
+    "gpt_oss_aux": dict(heads=4, kv=2, tied=False, B=2, T=12, M=1, steps=4, clip=1.0, lr=3e-3, warmup=0,
+                        wd=0.1, model_type="gpt_oss", head_dim=8,
+                        config=dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                                    sliding_window=6, swiglu_limit=0.3, output_router_logits=True,
+                                    router_aux_loss_coef=0.5)),
 }
 QK_NORM_SPREAD = 0.5  # std of q_norm/k_norm weights around 1 (other norm weights: 0.1)
 
@@ -159,8 +176,11 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
         for _ in range(M):
             batch = torch.stack([tokens[(r + i) * (T + 1):(r + i + 1) * (T + 1)] for i in range(B)])
             r += B
-            logits = model(input_ids=batch[:, :T]).logits
+            out = model(input_ids=batch[:, :T])
+            logits = out.logits
             loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1), reduction="sum") / (B * T * M)
+            if getattr(cfg, "output_router_logits", False):
+                loss = loss + cfg.router_aux_loss_coef * out.aux_loss / M
             if micro_grads is None:
                 loss.backward()
             else:

@@ -60,8 +60,22 @@ impl megatrain::train::Progress for Reporter {
         }
     }
     fn step(&mut self, m: &megatrain::engine::StepMetrics, val: Option<f64>) {
+        // A mixture of experts: its aux loss and the least balanced layer's load.
+        let routing = m.aux_loss.map_or(String::new(), |aux| {
+            let worst = m
+                .expert_load
+                .iter()
+                .max_by(|a, b| a.max_over_mean.total_cmp(&b.max_over_mean));
+            format!(
+                " · aux {aux:.4}{}",
+                worst.map_or(String::new(), |l| format!(
+                    " (layer {} load max/mean {:.2})",
+                    l.layer, l.max_over_mean
+                ))
+            )
+        });
         let msg = format!(
-            "loss {:.4}{} · {:.0} tok/s · lr {:.2e}",
+            "loss {:.4}{}{routing} · {:.0} tok/s · lr {:.2e}",
             m.loss,
             val.map_or(String::new(), |v| format!(" (val {v:.4})")),
             m.tokens as f64 / m.wall_s,

@@ -7,7 +7,7 @@
 use super::program::{Backend, Gemm, MoeAt};
 use super::Precision;
 use crate::model::config::MlpActivation;
-use crate::model::ops::{self, AttnShape, MoeShape, Rope};
+use crate::model::ops::{self, AttnShape, ExpertLoad, MoeShape, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -542,7 +542,7 @@ impl Backend for HostBackend<'_> {
         w: MoeAt<HostP>,
         rows: usize,
         s: MoeShape,
-    ) -> Result<()> {
+    ) -> Result<ExpertLoad> {
         moe::forward(out, h, w, rows, s)
     }
 
@@ -556,8 +556,9 @@ impl Backend for HostBackend<'_> {
         w: MoeAt<HostP>,
         rows: usize,
         s: MoeShape,
+        aux: Option<&[f32]>,
     ) -> Result<()> {
-        moe::backward(dh, g, d_out, h, w, rows, s)
+        moe::backward(dh, g, d_out, h, w, rows, s, aux)
     }
 
     fn gated_bwd(

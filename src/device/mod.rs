@@ -260,6 +260,11 @@ pub struct Batch {
     pub grad_scale: f32,
     /// Σ loss of the step, added to by the head.
     pub loss: Arc<Mutex<f64>>,
+    /// What this micro-batch's MoE layers routed, added to by their forward.
+    pub router: Arc<Mutex<crate::model::ops::RouterTally>>,
+    /// The load-balancing loss's weight in this micro-batch's gradient (`router_aux_loss_coef`
+    /// over the step's micro-batches; 0: the loss is not trained).
+    pub aux_scale: f64,
 }
 
 /// The layer ops, as data, over buffers `B` with micro-batch data `D`: the step schedule names

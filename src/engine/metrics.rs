@@ -1,7 +1,8 @@
 //! What one step did: the figures the streamer reports per step, from the device's records of
 //! its streams, the AdamW jobs' intervals and the spill tier's counters.
 
-use crate::device::{OpRecord, StreamKind};
+use crate::device::{Batch, OpRecord, StreamKind};
+use crate::model::ops::ExpertLoad;
 use serde::Serialize;
 
 /// What one step did.
@@ -51,6 +52,72 @@ pub struct StepMetrics {
     pub nvme_wait_s: f64,
     /// Time the NVMe I/O thread was busy during the step, seconds.
     pub nvme_busy_s: f64,
+    /// A mixture of experts' load-balancing loss (transformers' `aux_loss`, before its
+    /// coefficient), the mean over the step's micro-batches; `loss` includes
+    /// `router_aux_loss_coef ·` it when the config trains it (`output_router_logits`).
+    pub aux_loss: Option<f64>,
+    /// Each MoE layer's routing over the step.
+    pub expert_load: Vec<LayerLoad>,
+}
+
+/// How evenly one MoE layer spread the step's tokens over its experts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerLoad {
+    /// Decoder layer.
+    pub layer: usize,
+    /// The most-loaded expert's tokens over the mean: 1 is balanced, E/k a collapse onto k
+    /// experts.
+    pub max_over_mean: f64,
+    /// Experts no token chose.
+    pub unused: usize,
+}
+
+/// The routing of a step's micro-batches.
+#[derive(Debug, Clone, Default)]
+pub struct Routing {
+    /// The mean load-balancing loss (None without MoE layers).
+    pub aux_loss: Option<f64>,
+    /// Per MoE layer, over every micro-batch.
+    pub layers: Vec<LayerLoad>,
+}
+
+impl Routing {
+    /// From the micro-batches' tallies.
+    pub fn of(batches: &[Batch]) -> Routing {
+        let mut per_layer = std::collections::BTreeMap::<usize, ExpertLoad>::new();
+        let mut aux = Vec::new();
+        for b in batches {
+            let t = crate::util::lock(&b.router);
+            if t.layers.is_empty() {
+                continue;
+            }
+            aux.push(t.aux_loss());
+            for (&l, load) in &t.layers {
+                per_layer.entry(l).or_default().add(load);
+            }
+        }
+        Routing {
+            aux_loss: (!aux.is_empty()).then(|| aux.iter().sum::<f64>() / aux.len() as f64),
+            layers: per_layer
+                .into_iter()
+                .map(|(layer, l)| LayerLoad {
+                    layer,
+                    max_over_mean: l.max_over_mean(),
+                    unused: l.unused(),
+                })
+                .collect(),
+        }
+    }
+
+    /// What the trained load-balancing loss adds to the step's loss: Σ over micro-batches of
+    /// its scale times its aux loss.
+    pub fn trained_aux(batches: &[Batch]) -> f64 {
+        batches
+            .iter()
+            .filter(|b| b.aux_scale > 0.0)
+            .map(|b| b.aux_scale * crate::util::lock(&b.router).aux_loss())
+            .sum()
+    }
 }
 
 impl StepMetrics {

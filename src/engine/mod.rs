@@ -6,6 +6,6 @@ pub mod schedule;
 pub mod streamer;
 pub mod trace;
 
-pub use metrics::StepMetrics;
+pub use metrics::{LayerLoad, StepMetrics};
 pub use schedule::Activations;
 pub use streamer::{clip_coef, device_bytes, MicroBatch, Streamer, StreamerConfig};

@@ -478,6 +478,16 @@ impl Streamer {
         }
         let loss = Arc::new(Mutex::new(0.0f64));
         let grad_scale = (1.0 / trained as f64) as f32;
+        // The load-balancing loss, where the config trains it: each micro-batch's (transformers
+        // computes it per forward call) weighted by the coefficient, averaged over the step's
+        // micro-batches.
+        let aux_scale = self
+            .templates
+            .config
+            .moe
+            .as_ref()
+            .filter(|m| m.aux_loss)
+            .map_or(0.0, |m| m.router_aux_loss_coef / batches.len() as f64);
         let nt = self.schedule.tasks.len();
         Ok(StepRun {
             events: vec![None; nt],
@@ -499,6 +509,8 @@ impl Streamer {
                     positions: mb.positions.clone(),
                     grad_scale,
                     loss: loss.clone(),
+                    router: Default::default(),
+                    aux_scale,
                 })
                 .collect(),
         })
@@ -675,9 +687,10 @@ impl Streamer {
             .batches
             .first()
             .map_or(0.0, |b| *crate::util::lock(&b.loss));
+        let routing = super::metrics::Routing::of(&run.batches);
         let mut m = StepMetrics {
             step: self.step,
-            loss: loss / run.trained as f64,
+            loss: loss / run.trained as f64 + super::metrics::Routing::trained_aux(&run.batches),
             grad_norm,
             clip_coef: run.coef,
             lr,
@@ -686,6 +699,8 @@ impl Streamer {
             optimizer_s: super::metrics::union_length(std::mem::take(&mut self.adam_spans)),
             host_wait_s: run.host_wait,
             device_peak_bytes: self.device.memory().peak,
+            aux_loss: routing.aux_loss,
+            expert_load: routing.layers,
             ..StepMetrics::default()
         };
         m.add_device_records(&records);

@@ -441,6 +441,7 @@ impl DecoderBlock {
                 &m.weights(p),
                 n,
                 m.shape,
+                None,
             );
             ws.d_c = d_c;
             ws.d_c[..n * c].copy_from_slice(&ws.d_c2[..n * c]);

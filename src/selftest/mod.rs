@@ -203,26 +203,29 @@ pub fn small_model() -> Result<ModelConfig> {
 
 /// The self-test's mixture-of-experts model: Qwen3-MoE with 8 experts of width 32, top-2
 /// renormalised, on layers 0 and 2 (layer 1 dense), a vocabulary larger than one logit chunk's
-/// rows; on the GPU its 300 tokens route in token chunks of 256 and 44.
+/// rows, the load-balancing loss trained (weight 0.1); on the GPU its 300 tokens route in token
+/// chunks of 256 and 44.
 pub fn small_moe_model() -> Result<ModelConfig> {
     ModelConfig::from_json_str(
         r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":128,"intermediate_size":320,
         "moe_intermediate_size":32,"num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,
         "mlp_only_layers":[1],"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,
-        "head_dim":32,"vocab_size":700,"tie_word_embeddings":false}"#,
+        "head_dim":32,"vocab_size":700,"tie_word_embeddings":false,
+        "output_router_logits":true,"router_aux_loss_coef":0.1}"#,
         "the self-test MoE model",
     )
 }
 
 /// The self-test's GPT-OSS model: attention sinks and biases, a window of 64 on layer 0, 8
 /// biased experts of width 32 with interleaved gate/up and the clamped SwiGLU, top-2 logits
-/// then their softmax.
+/// then their softmax, the load-balancing loss trained (weight 0.1).
 pub fn small_gpt_oss_model() -> Result<ModelConfig> {
     ModelConfig::from_json_str(
         r#"{"architectures":["GptOssForCausalLM"],"hidden_size":128,"intermediate_size":32,
         "num_local_experts":8,"num_experts_per_tok":2,"num_hidden_layers":2,
         "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"sliding_window":64,
-        "vocab_size":700,"swiglu_limit":1.0}"#,
+        "vocab_size":700,"swiglu_limit":1.0,"output_router_logits":true,
+        "router_aux_loss_coef":0.1}"#,
         "the self-test GPT-OSS model",
     )
 }

@@ -192,6 +192,11 @@ fn train_loop(
                 "io_wait_s": m.host_wait_s, "wall_s": m.wall_s, "clip_coef": m.clip_coef,
                 "htod_bytes": m.htod_bytes, "dtoh_bytes": m.dtoh_bytes, "val_loss": val,
             });
+            let mut line = line;
+            if let Some(aux) = m.aux_loss {
+                line["aux_loss"] = aux.into();
+                line["expert_load"] = serde_json::json!(m.expert_load);
+            }
             if let Some(w) = log.append(step, m.loss, val, &line) {
                 progress.note(&w);
             }

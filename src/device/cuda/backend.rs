@@ -18,7 +18,7 @@ use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
 use crate::device::Precision;
 use crate::model::config::MlpActivation;
-use crate::model::ops::{AttnShape, MoeShape, Rope};
+use crate::model::ops::{AttnShape, ExpertLoad, MoeShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -574,7 +574,7 @@ impl Backend for CudaBackend {
         w: MoeAt<DevP>,
         rows: usize,
         s: MoeShape,
-    ) -> Result<()> {
+    ) -> Result<ExpertLoad> {
         self.moe_forward(out, h, w, rows, s)
     }
 
@@ -587,8 +587,9 @@ impl Backend for CudaBackend {
         w: MoeAt<DevP>,
         rows: usize,
         s: MoeShape,
+        aux: Option<&[f32]>,
     ) -> Result<()> {
-        self.moe_backward(dh, g, d_out, h, w, rows, s)
+        self.moe_backward(dh, g, d_out, h, w, rows, s, aux)
     }
 
     fn gated_bwd(

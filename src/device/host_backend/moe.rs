@@ -2,7 +2,7 @@
 
 use super::{views, HostP};
 use crate::device::program::MoeAt;
-use crate::model::ops::{self, MoeGrads, MoeShape, MoeWeights};
+use crate::model::ops::{self, ExpertLoad, MoeGrads, MoeShape, MoeWeights};
 use crate::Result;
 
 /// See [`crate::device::program::Backend::moe_fwd`].
@@ -12,7 +12,7 @@ pub(super) fn forward(
     w: MoeAt<HostP>,
     rows: usize,
     s: MoeShape,
-) -> Result<()> {
+) -> Result<ExpertLoad> {
     let c = s.c;
     let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
     let ([out], [h, router, gate_up, down, b_r, b_gu, b_d]) = views(
@@ -26,8 +26,8 @@ pub(super) fn forward(
         down,
         biases: s.biases().then_some([b_r, b_gu, b_d]),
     };
-    ops::moe_fwd(out, h, &w, rows, s);
-    Ok(())
+    let r = ops::moe_fwd(out, h, &w, rows, s);
+    Ok(ExpertLoad::of(&r.expert, &r.probs, rows, s.experts))
 }
 
 /// See [`crate::device::program::Backend::moe_bwd`].
@@ -40,8 +40,15 @@ pub(super) fn backward(
     w: MoeAt<HostP>,
     rows: usize,
     s: MoeShape,
+    aux: Option<&[f32]>,
 ) -> Result<()> {
     let c = s.c;
+    if aux.is_some_and(|a| a.len() != s.experts) {
+        return Err(crate::Error::internal(
+            "moe_bwd",
+            "the load-balancing gradient is not one value per expert",
+        ));
+    }
     let [gr, ggu, gd, gbr, gbgu, gbd] = moe_ranges(g, s);
     let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
     let (
@@ -64,7 +71,7 @@ pub(super) fn backward(
         down,
         biases: s.biases().then_some([b_r, b_gu, b_d]),
     };
-    ops::moe_bwd(dh, grads, d_out, h, &w, rows, s);
+    ops::moe_bwd(dh, grads, d_out, h, &w, rows, s, aux);
     Ok(())
 }
 

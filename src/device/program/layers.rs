@@ -6,7 +6,7 @@
 use super::{Backend, Chunk, Gemm, MoeAt, Precision, Shape, Ws};
 use crate::model::config::ModelConfig;
 use crate::model::layers::{DecoderBlock, MoeMlp};
-use crate::model::ops::{self, AttnShape, CE_CHUNK_ROWS};
+use crate::model::ops::{self, AttnShape, ExpertLoad, CE_CHUNK_ROWS};
 use crate::Result;
 
 /// `y = x·Wᵀ (+ bias)`, W `[dout, din]`.
@@ -356,7 +356,8 @@ fn query_internals<B: Backend>(
 }
 
 /// The MLP's down projection of the chunk's `act` into `out` (`[rows, C]`), or under sandwich
-/// norms into `ws.mlp_out` and its norm into `out` (1/rms into `ws.rstd_pf`).
+/// norms into `ws.mlp_out` and its norm into `out` (1/rms into `ws.rstd_pf`). A mixture of
+/// experts returns what it routed.
 fn mlp_output<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
@@ -364,20 +365,23 @@ fn mlp_output<B: Backend>(
     out: B::P,
     ws: &Ws<B::P>,
     rows: usize,
-) -> Result<()> {
+) -> Result<Option<ExpertLoad>> {
     let (c, i) = (blk.c, blk.inter);
     let act = stored(be, ws.act);
     let wd = B::off(p, blk.wd);
     let project = |be: &mut B, out: B::P| match &blk.moe {
-        Some(m) => be.moe_fwd(out, ws.h2, moe_at::<B>(p, m), rows, m.shape),
-        None => linear_fwd(be, out, act, wd, None, rows, i, c),
+        Some(m) => be
+            .moe_fwd(out, ws.h2, moe_at::<B>(p, m), rows, m.shape)
+            .map(Some),
+        None => linear_fwd(be, out, act, wd, None, rows, i, c).map(|()| None),
     };
     match blk.post_mlp_norm {
         None => project(be, out),
         Some(pf) => {
-            project(be, ws.mlp_out)?;
+            let load = project(be, ws.mlp_out)?;
             let w = (B::off(p, pf), blk.norm_offset);
-            be.rmsnorm_fwd(out, ws.rstd_pf, ws.mlp_out, w, rows, c, blk.eps)
+            be.rmsnorm_fwd(out, ws.rstd_pf, ws.mlp_out, w, rows, c, blk.eps)?;
+            Ok(load)
         }
     }
 }
@@ -404,7 +408,8 @@ fn sequence_keys_values<B: Backend>(
 }
 
 /// `y = block(x)` with the unit's weights at `p`, chunk by chunk: K and V for every chunk,
-/// then each chunk's queries to its output.
+/// then each chunk's queries to its output. A mixture of experts returns what it routed over
+/// every chunk.
 #[allow(clippy::too_many_arguments)]
 pub fn block_fwd<B: Backend>(
     be: &mut B,
@@ -415,19 +420,22 @@ pub fn block_fwd<B: Backend>(
     pos: B::Ids,
     ws: &Ws<B::P>,
     s: Shape,
-) -> Result<()> {
+) -> Result<Option<ExpertLoad>> {
     let c = blk.c;
     for ch in s.chunks() {
         keys_values(be, blk, p, x, ws, &At::<B>::new(blk, s, ch, pos))?;
     }
+    let mut routed: Option<ExpertLoad> = None;
     for ch in s.chunks() {
         let at = At::<B>::new(blk, s, ch, pos);
         query_internals(be, blk, p, x, ws, &at, pos)?;
         let y = at.rows_of(y, c);
-        mlp_output(be, blk, p, y, ws, at.rows)?;
+        if let Some(load) = mlp_output(be, blk, p, y, ws, at.rows)? {
+            routed.get_or_insert_with(ExpertLoad::default).add(&load);
+        }
         be.add(y, ws.x2, at.rows * c)?;
     }
-    Ok(())
+    Ok(routed)
 }
 
 /// A block's backward from its input `x`, recomputing its internals chunk by chunk (unless
@@ -437,7 +445,8 @@ pub fn block_fwd<B: Backend>(
 /// Pass one recomputes K and V; pass two, per chunk, the chunk's internals, the MLP's and the
 /// attention output's backward, the attention backward for its queries (dK and dV summed over
 /// the chunks) and dL/dh1's query part; pass three, per chunk, the rest of dL/dh1 from the
-/// finished dK and dV and the first norm's backward.
+/// finished dK and dV and the first norm's backward. `aux`: a mixture of experts'
+/// load-balancing gradient per expert ([`Backend::moe_bwd`]).
 #[allow(clippy::too_many_arguments)]
 pub fn block_bwd<B: Backend>(
     be: &mut B,
@@ -451,6 +460,7 @@ pub fn block_bwd<B: Backend>(
     ws: &Ws<B::P>,
     s: Shape,
     recompute: bool,
+    aux: Option<&[f32]>,
 ) -> Result<()> {
     let (c, qd, kvd) = (blk.c, blk.nh * blk.hd, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
@@ -470,7 +480,7 @@ pub fn block_bwd<B: Backend>(
             query_internals(be, blk, p, x, ws, &at, pos)?;
         }
         // dx = dx2 + rmsnorm_bwd(dh1): dx2 now (into dx), the rest in pass three.
-        mlp_bwd(be, blk, p, g, dy, dx, ws, rows)?;
+        mlp_bwd(be, blk, p, g, dy, dx, ws, rows, aux)?;
         // Attention: x2 = x + att·Woᵀ (+ bo), under sandwich norms x + norm(att·Woᵀ (+ bo)):
         // dL/d(att·Woᵀ) through d_c (free here). Under bf16 dO is computed where the attention
         // backward writes dQ, then stored.
@@ -611,6 +621,7 @@ fn mlp_bwd<B: Backend>(
     dx2: B::P,
     ws: &Ws<B::P>,
     rows: (usize, usize),
+    aux: Option<&[f32]>,
 ) -> Result<()> {
     let (n, c, i) = (rows.0, blk.c, blk.inter);
     let w = |o: usize| B::off(p, o);
@@ -636,6 +647,7 @@ fn mlp_bwd<B: Backend>(
             moe_at::<B>(p, m),
             n,
             m.shape,
+            aux,
         )?;
         return norm2_bwd(be, blk, p, g, dy, dx2, ws, n);
     }

@@ -17,7 +17,7 @@ mod workspace;
 use super::{Batch, BufId, DeviceKernel, Kernel, Precision};
 use crate::model::config::MlpActivation;
 use crate::model::layers::DecoderBlock;
-use crate::model::ops::{AttnShape, MoeShape};
+use crate::model::ops::{AttnShape, ExpertLoad, MoeShape};
 use crate::model::reference::Templates;
 use crate::{Error, Result};
 pub use layers::{block_bwd, block_fwd, head_loss_bwd};
@@ -229,7 +229,8 @@ pub trait Backend {
     ) -> Result<()>;
     /// The mixture-of-experts MLP of `rows` rows of `h` into `out` (`[rows, C]` each), weights
     /// at `w` ([`crate::model::ops::moe_fwd`]: router, top-k, the experts' gated MLPs, the
-    /// weighted sum). Only called in fp32.
+    /// weighted sum). Only called in fp32. Returns what it routed (tokens per expert, the
+    /// router probabilities' sums), which the load-balancing loss and the metrics read.
     fn moe_fwd(
         &mut self,
         out: Self::P,
@@ -237,9 +238,10 @@ pub trait Backend {
         w: MoeAt<Self::P>,
         rows: usize,
         s: MoeShape,
-    ) -> Result<()>;
+    ) -> Result<ExpertLoad>;
     /// Its backward ([`crate::model::ops::moe_bwd`], the forward recomputed from `h`): `dh`
-    /// written, the router's and experts' gradients at `g` added to.
+    /// written, the router's and experts' gradients at `g` added to; `aux` `[E]`: the
+    /// load-balancing loss's dL/dp per expert ([`crate::model::ops::RouterTally::aux_grad`]).
     fn moe_bwd(
         &mut self,
         dh: Self::P,
@@ -249,6 +251,7 @@ pub trait Backend {
         w: MoeAt<Self::P>,
         rows: usize,
         s: MoeShape,
+        aux: Option<&[f32]>,
     ) -> Result<()>;
     /// `x[r] = E[ids[r]]·scale` (`E` is `[V, c]`).
     fn embed_fwd(
@@ -333,7 +336,10 @@ pub fn run<B: Backend>(
             let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
             let pos = positions(be, tm, &at, batch, s)?;
             let ws = at.kept(*keep, tm, ws, s, be.stored())?;
-            block_fwd(be, blk, p, x, y, pos, &ws, s)
+            if let Some(load) = block_fwd(be, blk, p, x, y, pos, &ws, s)? {
+                crate::util::lock(&batch.router).add(*layer, &load);
+            }
+            Ok(())
         }
         Kernel::BlockBwd {
             batch,
@@ -356,7 +362,23 @@ pub fn run<B: Backend>(
             let pos = positions(be, tm, &at, batch, s)?;
             let recompute = kept.is_none();
             let ws = at.kept(*kept, tm, ws, s, be.stored())?;
-            block_bwd(be, blk, p, gr, x, dy, dx, pos, &ws, s, recompute)
+            // The load-balancing gradient needs the whole forward's routing: done by now.
+            let aux = (blk.moe.is_some() && batch.aux_scale > 0.0)
+                .then(|| crate::util::lock(&batch.router).aux_grad(batch.aux_scale));
+            block_bwd(
+                be,
+                blk,
+                p,
+                gr,
+                x,
+                dy,
+                dx,
+                pos,
+                &ws,
+                s,
+                recompute,
+                aux.as_deref(),
+            )
         }
         Kernel::HeadLossBwd {
             batch,

@@ -201,7 +201,10 @@ impl Case {
             false => ws,
         };
         block_fwd(&mut be, blk, pp, xp, yp, pos, &bws, s).unwrap();
-        block_bwd(&mut be, blk, pp, gp, xp, dyp, dxp, pos, &bws, s, !keep).unwrap();
+        block_bwd(
+            &mut be, blk, pp, gp, xp, dyp, dxp, pos, &bws, s, !keep, None,
+        )
+        .unwrap();
         let (nr, off) = (tm.head.norm_range(), tm.head.lm_head.unwrap());
         let loss = Arc::new(Mutex::new(0.0f64));
         let ids = be.upload_ids(&self.targets).unwrap();
@@ -479,12 +482,17 @@ fn the_moe_scratch_is_charged_with_the_workspace() {
         moe_scratch_bytes(&moe, whole),
         moe_scratch_bytes(&moe, chunked),
     );
-    assert!(a > 0 && a == 2 * b, "{a} {b}");
+    // Per expert 12 bytes (its probability sum and load-balancing gradient) whatever the tokens.
+    let per_expert = 12 * moe.moe.as_ref().unwrap().num_experts as u64;
+    assert!(a > 0 && a - per_expert == 2 * (b - per_expert), "{a} {b}");
     // 512 tokens × top-2 rows × (3·C + 2·2I + 4·I) words, plus the router's and the slots'.
     let m = moe.moe.clone().unwrap();
     let rows = 512 * m.top_k as u64;
     let per_row = 3 * 128 + 4 * m.expert_intermediate as u64 + 4 * m.expert_intermediate as u64 + 5;
-    assert_eq!(a, 4 * (rows * per_row + 2 * 512 * m.num_experts as u64));
+    assert_eq!(
+        a,
+        4 * (rows * per_row + 2 * 512 * m.num_experts as u64) + per_expert
+    );
     assert_eq!(
         workspace_bytes(&moe, whole, Precision::Fp32),
         4 * Ws::layout(&moe, whole, Precision::Fp32).1 as u64 + a

@@ -331,8 +331,8 @@ pub fn workspace_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64
 /// dense model): per token its router logits and probabilities `[E]`, per grouped row (`k` per
 /// token) its expert, weights and slot numbers, the gathered input, the expert's output and its
 /// gradient `[C]` each, gate/up and their gradient `[2I]` each, and four more `[I]` (up, the
-/// activation, and their gradients) — the CUDA backend's `MoeScratch`, about what the CPU op
-/// allocates per call.
+/// activation, and their gradients), per expert its probability sum (f64) and load-balancing
+/// gradient — the CUDA backend's `MoeScratch`, about what the CPU op allocates per call.
 pub fn moe_scratch_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
     let Some(m) = &cfg.moe else {
         return 0;
@@ -340,7 +340,7 @@ pub fn moe_scratch_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
     let (n, e, k) = (s.chunk_rows() as u64, m.num_experts as u64, m.top_k as u64);
     let (c, i) = (cfg.hidden_size as u64, m.expert_intermediate as u64);
     let rows = n * k;
-    4 * (2 * n * e + 5 * rows + 3 * rows * c + 2 * rows * 2 * i + 4 * rows * i)
+    4 * (2 * n * e + 5 * rows + 3 * rows * c + 2 * rows * 2 * i + 4 * rows * i) + 12 * e
 }
 
 /// The elements of the largest unit of `cfg`.

@@ -30,9 +30,12 @@ pub struct MoeConfig {
     /// entry per layer; empty: every layer.
     #[serde(default)]
     pub sparse_layers: Vec<bool>,
-    /// `router_aux_loss_coef` (recorded for export; the load-balancing loss is only added when
-    /// `output_router_logits` is set, which megatrain refuses so far).
+    /// `router_aux_loss_coef`: the load-balancing loss's weight in the trained loss.
     pub router_aux_loss_coef: f64,
+    /// `output_router_logits`: the load-balancing loss is trained (transformers adds it to the
+    /// loss then; else the loss is the cross-entropy alone).
+    #[serde(default)]
+    pub aux_loss: bool,
     /// How the router picks (GPT-OSS: top-k logits, then their softmax).
     #[serde(default)]
     pub router: Router,
@@ -133,12 +136,11 @@ pub(super) fn moe(
             ),
         ));
     }
-    if get_bool(v, "output_router_logits", origin)? == Some(true) {
-        return Err(crate::Error::bad_input(
-            "model config",
+    let router_aux_loss_coef = get_f64(v, "router_aux_loss_coef", origin)?.unwrap_or(0.001);
+    if !(router_aux_loss_coef.is_finite() && router_aux_loss_coef >= 0.0) {
+        return Err(bad(
             origin,
-            "`output_router_logits: true` adds the router's load-balancing loss, which megatrain does not train yet",
-            Some("set `output_router_logits` to false (transformers' default: the loss is then the cross-entropy alone)"),
+            format!("`router_aux_loss_coef` must be a number ≥ 0, found {router_aux_loss_coef}"),
         ));
     }
     if get_f64(v, "router_jitter_noise", origin)?.is_some_and(|j| j != 0.0) {
@@ -161,7 +163,8 @@ pub(super) fn moe(
         expert_intermediate,
         norm_topk_prob,
         sparse_layers,
-        router_aux_loss_coef: get_f64(v, "router_aux_loss_coef", origin)?.unwrap_or(0.001),
+        router_aux_loss_coef,
+        aux_loss: get_bool(v, "output_router_logits", origin)?.unwrap_or(false),
         router: match arch {
             Architecture::GptOss => Router::TopKSoftmax,
             _ => Router::SoftmaxTopK,
@@ -242,7 +245,7 @@ pub(super) fn hf_fields(
     o: &mut serde_json::Map<String, Value>,
 ) {
     o.insert("num_experts_per_tok".into(), Value::from(moe.top_k));
-    o.insert("output_router_logits".into(), Value::Bool(false));
+    o.insert("output_router_logits".into(), Value::Bool(moe.aux_loss));
     o.insert(
         "router_aux_loss_coef".into(),
         Value::from(moe.router_aux_loss_coef),

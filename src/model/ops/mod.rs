@@ -451,8 +451,8 @@ pub use attention::{
     ATTN_TILE, IGNORE,
 };
 pub use moe::{
-    group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, MoeGrads, MoeShape,
-    MoeWeights, Router, Routing,
+    group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, ExpertLoad, MoeGrads,
+    MoeShape, MoeWeights, Router, RouterTally, Routing,
 };
 pub use rope::{Rope, RopeScaling};
 pub use sinks::{sinks_bwd, sinks_fwd};

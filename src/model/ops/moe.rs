@@ -8,10 +8,14 @@
 //! permutation) and each expert's rows go through GEMMs together; experts run in parallel.
 //! The backward recomputes the forward (nothing is kept between calls) and gives the router's
 //! gradient through the renormalisation and the softmax; an expert no token chose gets none.
+//! The load-balancing loss ([`RouterTally`]) adds its gradient at the router's logits.
 
 use super::{gated_bwd, gated_fwd, gemm, linear_fwd, MlpActivation};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+
+mod balance;
+pub use balance::{ExpertLoad, RouterTally};
 
 /// How the router picks and weights a token's experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -111,7 +115,8 @@ pub struct MoeGrads<'a> {
 /// The router's decisions for `n` tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routing {
-    /// Softmax of the router logits `[n, E]`.
+    /// Softmax of the router logits over every expert `[n, E]` (what the load-balancing loss
+    /// reads; GPT-OSS picks by the logits themselves).
     pub probs: Vec<f32>,
     /// The chosen experts `[n, k]`, by descending probability (ties: the lower index first).
     pub expert: Vec<u32>,
@@ -161,8 +166,8 @@ pub fn route(logits: &[f32], n: usize, s: MoeShape) -> Routing {
                     }
                 }
                 Router::TopKSoftmax => {
-                    // The scores the experts were chosen by: the logits themselves.
-                    p.copy_from_slice(z);
+                    // Chosen by the logits themselves; `p` for the load-balancing loss.
+                    softmax_into(p, z);
                     top_k(ex, z);
                     let chosen: Vec<f32> = ex.iter().map(|&x| z[x as usize]).collect();
                     softmax_into(w, &chosen);
@@ -558,7 +563,9 @@ fn expert_bwd(
 }
 
 /// Backward of [`moe_fwd`] (its forward recomputed from `h`): `dh` `[n, C]` = dL/dh, the
-/// router's and the experts' gradients added to `g`.
+/// router's and the experts' gradients added to `g`. `aux` `[E]`: dL/dp of the load-balancing
+/// loss for each router probability ([`RouterTally::aux_grad`]), through the softmax too.
+#[allow(clippy::too_many_arguments)]
 pub fn moe_bwd(
     dh: &mut [f32],
     g: MoeGrads<'_>,
@@ -567,6 +574,7 @@ pub fn moe_bwd(
     w: &MoeWeights<'_>,
     n: usize,
     s: MoeShape,
+    aux: Option<&[f32]>,
 ) {
     let (c, i, e, k) = (s.c, s.inter, s.experts, s.top_k);
     let f = internals(h, w, n, s);
@@ -668,6 +676,9 @@ pub fn moe_bwd(
                     dz[x as usize] = wj * (dwj - dot);
                 }
             }
+        }
+        if let Some(gp) = aux {
+            balance::softmax_bwd_add(dz, &r.probs[t * e..(t + 1) * e], gp);
         }
     });
     if let Some([g_rb, _, _]) = g_bias {

@@ -11,7 +11,7 @@ use super::{CudaBackend, DevP};
 use crate::device::cuda::runtime::{drv, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
-use crate::model::ops::{group_by_expert, ExpertAct, ExpertLayout, MoeShape};
+use crate::model::ops::{group_by_expert, ExpertAct, ExpertLayout, ExpertLoad, MoeShape};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -45,9 +45,14 @@ pub(super) struct MoeScratch {
     da: CudaSlice<f32>,
     dg: CudaSlice<f32>,
     du: CudaSlice<f32>,
+    /// Each expert's probability sum `[E]` (f64) and the load-balancing gradient `[E]`.
+    sums: CudaSlice<f64>,
+    aux: CudaSlice<f32>,
     /// The host's copies of the routing (kept until the next call's synchronisation, so no
     /// copy from them is ever in flight when they change).
     expert_host: Vec<u32>,
+    sums_host: Vec<f64>,
+    aux_host: Vec<f32>,
     grouped: (Vec<usize>, Vec<u32>, Vec<u32>),
 }
 
@@ -84,7 +89,11 @@ impl MoeScratch {
             da: alloc(stream, r * i)?,
             dg: alloc(stream, r * 2 * i)?,
             du: alloc(stream, r * i)?,
+            sums: alloc(stream, e)?,
+            aux: alloc(stream, e)?,
             expert_host: Vec::new(),
+            sums_host: Vec::new(),
+            aux_host: Vec::new(),
             grouped: (Vec::new(), Vec::new(), Vec::new()),
         })
     }
@@ -108,6 +117,8 @@ struct At {
     da: DevPtr,
     dg: DevPtr,
     du: DevPtr,
+    sums: DevPtr,
+    aux: DevPtr,
 }
 
 impl CudaBackend {
@@ -144,6 +155,8 @@ impl CudaBackend {
             da: p32(&m.da),
             dg: p32(&m.dg),
             du: p32(&m.du),
+            sums: m.sums.device_ptr(st).0,
+            aux: p32(&m.aux),
         })
     }
 
@@ -189,16 +202,25 @@ impl CudaBackend {
             (n, e, k),
             (s.norm_topk, s.router),
         )?;
-        // Each expert's row count sizes its GEMMs: the chosen experts come to the host.
+        let l = launch::elementwise(e, self.sms());
+        self.k().moe_prob_sums(l, at.sums, at.probs, n, e)?;
+        // Each expert's row count sizes its GEMMs: the chosen experts come to the host (with
+        // the probability sums the load-balancing loss reads).
         let m = self
             .moe
             .as_mut()
             .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
         m.expert_host.resize(n * k, 0);
+        m.sums_host.resize(e, 0.0);
         drv(
             self.stream
                 .memcpy_dtoh(&m.expert.slice(..n * k), &mut m.expert_host[..]),
             "copy the chosen experts to the host",
+        )?;
+        drv(
+            self.stream
+                .memcpy_dtoh(&m.sums.slice(..e), &mut m.sums_host[..]),
+            "copy the router's probability sums to the host",
         )?;
         drv(
             self.stream.synchronize(),
@@ -274,9 +296,9 @@ impl CudaBackend {
         w: MoeAt<DevP>,
         n: usize,
         s: MoeShape,
-    ) -> Result<()> {
+    ) -> Result<ExpertLoad> {
         let at = self.moe_scratch(n, s)?;
-        self.moe_internals(&at, h, w, n, s)?;
+        let offsets = self.moe_internals(&at, h, w, n, s)?;
         let l = launch::elementwise(n * s.c, self.sms());
         self.k().moe_combine(
             l,
@@ -284,7 +306,16 @@ impl CudaBackend {
             at.y,
             (at.row_of, at.expert, at.weight),
             (n, s.c, s.top_k),
-        )
+        )?;
+        let m = self
+            .moe
+            .as_ref()
+            .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+        Ok(ExpertLoad {
+            tokens: offsets.windows(2).map(|w| (w[1] - w[0]) as u64).collect(),
+            prob_sums: m.sums_host.clone(),
+            rows: n as u64,
+        })
     }
 
     /// See [`Backend::moe_bwd`].
@@ -298,9 +329,33 @@ impl CudaBackend {
         w: MoeAt<DevP>,
         n: usize,
         s: MoeShape,
+        aux: Option<&[f32]>,
     ) -> Result<()> {
         let at = self.moe_scratch(n, s)?;
         let offsets = self.moe_internals(&at, h, w, n, s)?;
+        let aux_at = match aux {
+            None => 0,
+            Some(a) if a.len() == s.experts => {
+                let m = self
+                    .moe
+                    .as_mut()
+                    .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+                m.aux_host.clear();
+                m.aux_host.extend_from_slice(a);
+                drv(
+                    self.stream
+                        .memcpy_htod(&m.aux_host[..], &mut m.aux.slice_mut(..a.len())),
+                    "upload the load-balancing gradient",
+                )?;
+                at.aux
+            }
+            Some(_) => {
+                return Err(Error::internal(
+                    "CUDA backend",
+                    "the load-balancing gradient is not one value per expert",
+                ))
+            }
+        };
         let (e, k, c, i) = (s.experts, s.top_k, s.c, s.inter);
         let r = n * k;
         let f = DevP::f32;
@@ -399,6 +454,7 @@ impl CudaBackend {
             l,
             at.logits,
             (at.probs, at.expert, at.weight, at.dweight),
+            aux_at,
             (n, e, k),
             (s.norm_topk, s.router),
         )?;

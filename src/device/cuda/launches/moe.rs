@@ -217,12 +217,32 @@ impl Launcher<'_> {
         )
     }
 
-    /// The router's backward: d logits from the slots' d weight.
+    /// Each expert's router probability summed over `n` tokens, in f64.
+    pub fn moe_prob_sums(
+        &self,
+        l: Launch,
+        sums: DevPtr,
+        probs: DevPtr,
+        n: usize,
+        e: usize,
+    ) -> Result<()> {
+        let (n, e, _) = dims(n, e, 1)?;
+        self.launch(
+            "moe_prob_sums_f64",
+            l,
+            &[Ptr(sums), Ptr(probs), I32(n), I32(e)],
+        )
+    }
+
+    /// The router's backward: d logits from the slots' d weight, plus the load-balancing
+    /// loss's `aux` `[E]` through the softmax (0: none).
+    #[allow(clippy::too_many_arguments)]
     pub fn moe_route_bwd(
         &self,
         l: Launch,
         dlogits: DevPtr,
         (probs, expert, weight, dweight): (DevPtr, DevPtr, DevPtr, DevPtr),
+        aux: DevPtr,
         (n, e, k): (usize, usize, usize),
         (norm, router): (bool, Router),
     ) -> Result<()> {
@@ -236,6 +256,7 @@ impl Launcher<'_> {
                 Ptr(expert),
                 Ptr(weight),
                 Ptr(dweight),
+                Ptr(aux),
                 I32(n),
                 I32(e),
                 I32(k),

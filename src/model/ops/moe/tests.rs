@@ -171,7 +171,7 @@ fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
                     .biases()
                     .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
             };
-            moe_bwd(&mut dh, grads, &r, &c.h, &w, c.n, s);
+            moe_bwd(&mut dh, grads, &r, &c.h, &w, c.n, s, None);
         }
         assert!(routing.counts().contains(&0), "{:?}", routing.counts());
         for (ex, &count) in routing.counts().iter().enumerate() {
@@ -211,5 +211,128 @@ fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
                 }
             }
         }
+    }
+}
+
+/// The load-balancing loss at its two ends: every expert equally loaded with uniform
+/// probabilities gives k, every token on the same k experts (probability 1/k each) gives E —
+/// transformers' `E·Σ f_e·P_e` over the rows of two layers.
+#[test]
+fn aux_loss_is_k_when_balanced_and_e_when_collapsed() {
+    let (e, k, n) = (8usize, 2usize, 16usize);
+    let uniform = vec![1.0 / e as f32; n * e];
+    let balanced: Vec<u32> = (0..n * k).map(|s| (s % e) as u32).collect();
+    let mut t = RouterTally::default();
+    for layer in [0, 3] {
+        t.add(layer, &ExpertLoad::of(&balanced, &uniform, n, e));
+    }
+    assert!((t.aux_loss() - k as f64).abs() < 1e-6, "{}", t.aux_loss());
+    assert_eq!(t.layers[&3].max_over_mean(), 1.0);
+    assert_eq!(t.layers[&3].unused(), 0);
+    let collapsed: Vec<u32> = (0..n * k).map(|s| (s % k) as u32).collect();
+    let mut probs = vec![0f32; n * e];
+    for row in probs.chunks_mut(e) {
+        row[..k].fill(1.0 / k as f32);
+    }
+    let mut t = RouterTally::default();
+    t.add(0, &ExpertLoad::of(&collapsed, &probs, n, e));
+    assert!((t.aux_loss() - e as f64).abs() < 1e-6, "{}", t.aux_loss());
+    assert_eq!(t.layers[&0].max_over_mean(), (e / k) as f64);
+    assert_eq!(t.layers[&0].unused(), e - k);
+}
+
+/// Σ out ⊙ r + λ·aux through `moe_bwd(…, aux)`: the router's (and its bias's) gradient and the
+/// input's match central differences of the whole objective, for both routers (the aux loss
+/// takes the softmax over every expert even where GPT-OSS picks by the logits).
+#[test]
+fn the_load_balancing_gradient_matches_finite_differences() {
+    let lambda = 0.7f64;
+    for c in [case(true, MlpActivation::Silu), gpt_oss_case()] {
+        let s = c.s;
+        let r = rand_vec(c.n * s.c, 11, 1.0);
+        let objective = |c: &Case| {
+            let mut out = vec![0f32; c.n * s.c];
+            let routing = moe_fwd(&mut out, &c.h, &c.weights(), c.n, s);
+            let mut t = RouterTally::default();
+            t.add(
+                0,
+                &ExpertLoad::of(&routing.expert, &routing.probs, c.n, s.experts),
+            );
+            let main: f64 = out.iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum();
+            (main + lambda * t.aux_loss(), t)
+        };
+        let (_, tally) = objective(&c);
+        let aux = tally.aux_grad(lambda);
+        let mut dh = vec![0f32; c.n * s.c];
+        let (mut gr, mut ggu, mut gd) = (
+            vec![0f32; c.router.len()],
+            vec![0f32; c.gate_up.len()],
+            vec![0f32; c.down.len()],
+        );
+        let mut gb = c.biases.clone().map(|b| vec![0f32; b.len()]);
+        {
+            let [b0, b1, b2] = &mut gb;
+            let grads = MoeGrads {
+                router: &mut gr,
+                gate_up: &mut ggu,
+                down: &mut gd,
+                biases: s
+                    .biases()
+                    .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
+            };
+            moe_bwd(&mut dh, grads, &r, &c.h, &c.weights(), c.n, s, Some(&aux));
+        }
+        let eps = 1e-3f32;
+        let fd = |which: usize, idx: usize| {
+            let at = |delta: f32| {
+                let mut d = c.clone();
+                match which {
+                    0 => d.h[idx] += delta,
+                    1 => d.router[idx] += delta,
+                    _ => d.biases[0][idx] += delta,
+                }
+                objective(&d).0
+            };
+            (at(eps) - at(-eps)) / (2.0 * eps as f64)
+        };
+        let mut checked = 0;
+        for (which, grads) in [(0, &dh), (1, &gr), (2, &gb[0])] {
+            for idx in (0..grads.len()).step_by(7) {
+                let (numeric, analytic) = (fd(which, idx), grads[idx] as f64);
+                assert!(
+                    (numeric - analytic).abs() < 2e-2 * (1.0 + numeric.abs()),
+                    "{:?} tensor {which}[{idx}]: numeric {numeric} analytic {analytic}",
+                    s.router
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 20);
+        // Without the aux term the router's gradient differs: the check above sees it.
+        let mut gr0 = vec![0f32; c.router.len()];
+        let mut scratch = (vec![0f32; c.gate_up.len()], vec![0f32; c.down.len()]);
+        let mut gb0 = c.biases.clone().map(|b| vec![0f32; b.len()]);
+        {
+            let [b0, b1, b2] = &mut gb0;
+            let grads = MoeGrads {
+                router: &mut gr0,
+                gate_up: &mut scratch.0,
+                down: &mut scratch.1,
+                biases: s
+                    .biases()
+                    .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
+            };
+            let mut dh0 = vec![0f32; c.n * s.c];
+            moe_bwd(&mut dh0, grads, &r, &c.h, &c.weights(), c.n, s, None);
+        }
+        let moved = gr
+            .iter()
+            .zip(&gr0)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            moved > 1e-2,
+            "the aux term moved the router's gradient by {moved}"
+        );
     }
 }
