@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 mod balance;
+mod scratch;
 pub use balance::{ExpertLoad, RouterTally};
 
 /// How the router picks and weights a token's experts.
@@ -131,6 +132,18 @@ pub struct Routing {
 }
 
 impl Routing {
+    /// No tokens (what a spent [`Internals`] keeps).
+    fn empty() -> Routing {
+        Routing {
+            probs: Vec::new(),
+            expert: Vec::new(),
+            weight: Vec::new(),
+            offsets: Vec::new(),
+            slots: Vec::new(),
+            row_of: Vec::new(),
+        }
+    }
+
     /// Tokens each expert received.
     pub fn counts(&self) -> Vec<usize> {
         self.offsets.windows(2).map(|w| w[1] - w[0]).collect()
@@ -292,6 +305,21 @@ struct Internals {
     y: Vec<f32>,
 }
 
+impl Drop for Internals {
+    /// The buffers go back for the next call ([`scratch`]).
+    fn drop(&mut self) {
+        for v in [
+            &mut self.x,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.act,
+            &mut self.y,
+        ] {
+            scratch::give(std::mem::take(v));
+        }
+    }
+}
+
 /// Expert `e`'s gate/up weights and down weights (its slices of the fused tensors).
 fn expert_weights<'a>(w: &MoeWeights<'a>, s: MoeShape, e: usize) -> (&'a [f32], &'a [f32]) {
     let (c, i) = (s.c, s.inter);
@@ -319,10 +347,66 @@ fn add_rows(y: &mut [f32], b: &[f32]) {
     }
 }
 
+/// Rows below which a GEMM whose B is a Linear-layout weight (`B = Wᵀ`, column-major) of at
+/// least [`TRANSPOSE_FROM`] elements first transposes it (see [`mm`]).
+const TRANSPOSE_BELOW: usize = 2048;
+/// Elements of B from which the transpose pays (`benches/moe.rs`, two cores: the `wide`
+/// shape's 512 K-element weights go from 98 to 129 GFLOP/s for the whole layer, the `small`
+/// shape's 32 K lose a tenth).
+const TRANSPOSE_FROM: usize = 1 << 18;
+
 /// A GEMM inside the loop over experts ([`gemm`]'s arguments, `(m, k, n)` together): on the
-/// calling thread when the experts alone keep every thread busy, else itself parallel.
+/// calling thread when the experts alone keep every thread busy, else itself parallel. A
+/// column-major B (an expert's Linear-layout weight used as `Wᵀ`) is transposed into a
+/// row-major copy first when the expert has few rows: the `gemm` crate packs such an operand
+/// slowly, a cost only a tall A amortises (one core, 128 rows × 1024 → 512: 50 GFLOP/s as is,
+/// 92 with the transpose, 106 for a row-major weight; all alike from 4096 rows on).
 #[allow(clippy::too_many_arguments)]
 fn mm(
+    s: MoeShape,
+    c: &mut [f32],
+    a: &[f32],
+    a_st: (usize, usize),
+    b: &[f32],
+    b_st: (usize, usize),
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+) {
+    if b_st == (1, k) && m < TRANSPOSE_BELOW && k * n >= TRANSPOSE_FROM {
+        let mut bt = scratch::take(k * n);
+        transpose(&mut bt, b, n, k);
+        mm_as_is(s, c, a, a_st, &bt, (n, 1), (m, k, n), accumulate);
+        scratch::give(bt);
+        return;
+    }
+    mm_as_is(s, c, a, a_st, b, b_st, (m, k, n), accumulate)
+}
+
+/// `dst` `[k, n]` = the transpose of `src` `[n, k]` (row-major), in 16×16 tiles read and
+/// written a row at a time.
+fn transpose(dst: &mut [f32], src: &[f32], n: usize, k: usize) {
+    const T: usize = 16;
+    let mut tile = [[0f32; T]; T];
+    for j0 in (0..n).step_by(T) {
+        let jn = T.min(n - j0);
+        for p0 in (0..k).step_by(T) {
+            let pn = T.min(k - p0);
+            for j in 0..jn {
+                let row = &src[(j0 + j) * k + p0..(j0 + j) * k + p0 + pn];
+                for (p, &v) in row.iter().enumerate() {
+                    tile[p][j] = v;
+                }
+            }
+            for (p, t) in tile.iter().enumerate().take(pn) {
+                dst[(p0 + p) * n + j0..(p0 + p) * n + j0 + jn].copy_from_slice(&t[..jn]);
+            }
+        }
+    }
+}
+
+/// [`mm`] without the transpose.
+#[allow(clippy::too_many_arguments)]
+fn mm_as_is(
     s: MoeShape,
     c: &mut [f32],
     a: &[f32],
@@ -383,23 +467,25 @@ fn expert_fwd(
 /// The router and every expert on `h` `[n, C]`.
 fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Internals {
     let (c, i, e) = (s.c, s.inter, s.experts);
-    let mut logits = vec![0f32; n * e];
+    let mut logits = scratch::take(n * e);
     let router_bias = w.biases.map(|[b, _, _]| b);
     linear_fwd(&mut logits, &h[..n * c], w.router, router_bias, n, c, e);
     let routing = route(&logits, n, s);
+    scratch::give(logits);
     let rows = n * s.top_k;
-    let mut x = vec![0f32; rows * c];
+    // Every element of these is written before it is read (gather, GEMMs, activation).
+    let mut x = scratch::take(rows * c);
     for (r, xr) in x.chunks_mut(c).enumerate() {
         let t = routing.slots[r] as usize / s.top_k;
         xr.copy_from_slice(&h[t * c..(t + 1) * c]);
     }
     let (gw, uw) = gate_width(s);
     let (mut gate, mut up, mut act) = (
-        vec![0f32; rows * gw],
-        vec![0f32; rows * uw],
-        vec![0f32; rows * i],
+        scratch::take(rows * gw),
+        scratch::take(rows * uw),
+        scratch::take(rows * i),
     );
-    let mut y = vec![0f32; rows * c];
+    let mut y = scratch::take(rows * c);
     let bounds = &routing.offsets;
     split_rows(&mut gate, bounds, gw)
         .into_par_iter()
@@ -472,7 +558,8 @@ pub fn moe_fwd(out: &mut [f32], h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeS
                 }
             }
         });
-    f.routing
+    let mut f = f;
+    std::mem::replace(&mut f.routing, Routing::empty())
 }
 
 /// One expert's forward internals and output gradient, on its rows.
@@ -496,7 +583,7 @@ fn expert_bwd(
     let (c, i) = (s.c, s.inter);
     let m = f.x.len() / c;
     let (wgu, wd) = expert_weights(w, s, ex);
-    let mut da = vec![0f32; m * i];
+    let mut da = scratch::take(m * i);
     match s.layout {
         ExpertLayout::GateUpRows => {
             // dA [m, I] = dY [m, C] · Wd [C, I]; dWd [C, I] += dYᵀ · A.
@@ -514,7 +601,7 @@ fn expert_bwd(
     }
     match (s.layout, s.act) {
         (ExpertLayout::GateUpRows, ExpertAct::Gated(act)) => {
-            let (mut dgate, mut dup) = (vec![0f32; m * i], vec![0f32; m * i]);
+            let (mut dgate, mut dup) = (scratch::take(m * i), scratch::take(m * i));
             gated_bwd(act, &mut dgate, &mut dup, &da, f.gate, f.up);
             let (wg, wu) = wgu.split_at(i * c);
             let (ggate, gup) = ggu.split_at_mut(i * c);
@@ -522,9 +609,11 @@ fn expert_bwd(
             mm(s, gup, &dup, (1, i), f.x, (c, 1), (i, m, c), true);
             mm(s, dxe, &dgate, (i, 1), wg, (c, 1), (m, i, c), false);
             mm(s, dxe, &dup, (i, 1), wu, (c, 1), (m, i, c), true);
+            scratch::give(dgate);
+            scratch::give(dup);
         }
         (ExpertLayout::InterleavedColumns, act) => {
-            let mut dgu = vec![0f32; m * 2 * i];
+            let mut dgu = scratch::take(m * 2 * i);
             match act {
                 ExpertAct::ClampedSwiglu { alpha, limit } => {
                     clamped_swiglu_bwd(&mut dgu, &da, f.gate, alpha, limit)
@@ -555,11 +644,13 @@ fn expert_bwd(
                 (m, 2 * i, c),
                 false,
             );
+            scratch::give(dgu);
         }
         (ExpertLayout::GateUpRows, ExpertAct::ClampedSwiglu { .. }) => {
             unreachable!("a clamped SwiGLU comes with interleaved columns (MoeShape::new)")
         }
     }
+    scratch::give(da);
 }
 
 /// Backward of [`moe_fwd`] (its forward recomputed from `h`): `dh` `[n, C]` = dL/dh, the
@@ -582,7 +673,8 @@ pub fn moe_bwd(
     let rows = n * k;
     // dL/d(weight of slot) = <dy_t, y_row>; dL/dy_row = weight · dy_t.
     let mut d_weight = vec![0f32; rows];
-    let mut dy = vec![0f32; rows * c];
+    // dy and dx: every element written before it is read.
+    let mut dy = scratch::take(rows * c);
     dy.par_chunks_mut(c).enumerate().for_each(|(row, d)| {
         let slot = r.slots[row] as usize;
         let t = slot / k;
@@ -601,7 +693,7 @@ pub fn moe_bwd(
             .sum();
     });
     // Per expert: the down projection, the gate, the up projection, and dL/dx of its rows.
-    let mut dx = vec![0f32; rows * c];
+    let mut dx = scratch::take(rows * c);
     let bounds = &r.offsets;
     let g_gu: Vec<&mut [f32]> = g.gate_up.chunks_mut(2 * i * c).collect();
     let g_d: Vec<&mut [f32]> = g.down.chunks_mut(c * i).collect();
@@ -718,6 +810,8 @@ pub fn moe_bwd(
         c,
         true,
     );
+    scratch::give(dy);
+    scratch::give(dx);
 }
 
 #[cfg(test)]

@@ -336,3 +336,17 @@ fn the_load_balancing_gradient_matches_finite_differences() {
         );
     }
 }
+
+#[test]
+fn the_tiled_transpose_is_a_transpose() {
+    for (n, k) in [(1, 1), (3, 17), (16, 16), (33, 70), (128, 40)] {
+        let src = rand_vec(n * k, 21, 1.0);
+        let mut dst = vec![0f32; n * k];
+        transpose(&mut dst, &src, n, k);
+        for j in 0..n {
+            for p in 0..k {
+                assert_eq!(dst[p * n + j], src[j * k + p], "{n}×{k} at {j},{p}");
+            }
+        }
+    }
+}
