@@ -3,8 +3,10 @@
 //! stored as a Linear's, like the experts' weights), all reported as FLOP/s ("elem/s"), for two
 //! Qwen3-MoE-like shapes (32 experts, top-4, 1024 tokens): `small` (width 256, experts of 128)
 //! and `wide` (width 1024, experts of 512). `experts_forward` is the whole layer (router,
-//! grouping, gather, GEMMs, activation, weighted sum); `expert_gemms` the experts' GEMMs alone
-//! (128 rows each, experts in parallel, each GEMM on its thread, as the op runs them).
+//! grouping, gather, GEMMs, activation, weighted sum: `ops::moe_fwd`); `expert_gemms_as_stored`
+//! the experts' three GEMMs alone as a plain `x·Wᵀ` on the weights as stored (128 rows each,
+//! experts in parallel, each GEMM on its thread) — what the op's layout choices (`ops::moe`'s
+//! `mm`, `expert_fwd_transposed`) improve on.
 #![allow(clippy::unwrap_used)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -78,7 +80,7 @@ fn bench_shape(c: &mut Criterion, name: &str, width: usize, inter: usize) {
             )
         })
         .collect();
-    g.bench_function("expert_gemms", |b| {
+    g.bench_function("expert_gemms_as_stored", |b| {
         b.iter(|| {
             bufs.par_iter_mut()
                 .enumerate()

@@ -431,10 +431,15 @@ fn expert_fwd(
     ex: usize,
     xe: &[f32],
     (g, u, a, ye): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
-    m: usize,
+    (m, keep): (usize, bool),
 ) {
     let (c, i) = (s.c, s.inter);
     let (wgu, wd) = expert_weights(w, s, ex);
+    if let (ExpertLayout::GateUpRows, ExpertAct::Gated(act)) = (s.layout, s.act) {
+        if m < TRANSPOSE_BELOW && i * c >= TRANSPOSE_FROM {
+            return expert_fwd_transposed(s, (wgu, wd), act, xe, (g, u, a, ye), (m, keep));
+        }
+    }
     match s.layout {
         ExpertLayout::GateUpRows => {
             mm(s, g, xe, (c, 1), &wgu[..i * c], (1, c), (m, c, i), false);
@@ -464,8 +469,64 @@ fn expert_fwd(
     }
 }
 
-/// The router and every expert on `h` `[n, C]`.
-fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Internals {
+/// [`expert_fwd`] of Linear-layout experts on few rows, computed transposed: `gᵀ = Wg·xᵀ`,
+/// `uᵀ = Wu·xᵀ`, `aᵀ = act(gᵀ)·uᵀ`, `yᵀ = Wd·aᵀ` — every GEMM with row-major operands, the
+/// layout the `gemm` crate runs at full speed for any number of rows (see [`mm`]), for two
+/// transposes of the expert's `m` rows instead of three of its weights. `keep`: the gate, up
+/// and activation rows are written too (the backward's recompute).
+fn expert_fwd_transposed(
+    s: MoeShape,
+    (wgu, wd): (&[f32], &[f32]),
+    act: MlpActivation,
+    xe: &[f32],
+    (g, u, a, ye): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
+    (m, keep): (usize, bool),
+) {
+    let (c, i) = (s.c, s.inter);
+    let mut xt = scratch::take(c * m);
+    transpose(&mut xt, xe, m, c);
+    let (mut gt, mut ut, mut at) = (
+        scratch::take(i * m),
+        scratch::take(i * m),
+        scratch::take(i * m),
+    );
+    mm_as_is(
+        s,
+        &mut gt,
+        &wgu[..i * c],
+        (c, 1),
+        &xt,
+        (m, 1),
+        (i, c, m),
+        false,
+    );
+    mm_as_is(
+        s,
+        &mut ut,
+        &wgu[i * c..],
+        (c, 1),
+        &xt,
+        (m, 1),
+        (i, c, m),
+        false,
+    );
+    gated_fwd(act, &mut at, &gt, &ut);
+    // yᵀ [C, m] in xt's buffer (x is no longer needed).
+    mm_as_is(s, &mut xt, wd, (i, 1), &at, (m, 1), (c, i, m), false);
+    transpose(ye, &xt, c, m);
+    if keep {
+        transpose(g, &gt, i, m);
+        transpose(u, &ut, i, m);
+        transpose(a, &at, i, m);
+    }
+    for v in [xt, gt, ut, at] {
+        scratch::give(v);
+    }
+}
+
+/// The router and every expert on `h` `[n, C]` (`keep`: the gate, up and activation rows too,
+/// else only the outputs are sure to be written).
+fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape, keep: bool) -> Internals {
     let (c, i, e) = (s.c, s.inter, s.experts);
     let mut logits = scratch::take(n * e);
     let router_bias = w.biases.map(|[b, _, _]| b);
@@ -499,7 +560,7 @@ fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Internals 
                 return;
             }
             let xe = &x[bounds[ex] * c..bounds[ex + 1] * c];
-            expert_fwd(w, s, ex, xe, (g, u, a, ye), m);
+            expert_fwd(w, s, ex, xe, (g, u, a, ye), (m, keep));
         });
     Internals {
         routing,
@@ -546,7 +607,7 @@ fn token_rows(r: &Routing, t: usize, k: usize) -> Vec<(usize, f32, usize)> {
 /// `out` `[n, C]` = the MoE MLP of `h` `[n, C]`; returns the routing (for counts and tests).
 pub fn moe_fwd(out: &mut [f32], h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Routing {
     let c = s.c;
-    let f = internals(h, w, n, s);
+    let f = internals(h, w, n, s, false);
     out[..n * c]
         .par_chunks_mut(c)
         .enumerate()
@@ -668,7 +729,7 @@ pub fn moe_bwd(
     aux: Option<&[f32]>,
 ) {
     let (c, i, e, k) = (s.c, s.inter, s.experts, s.top_k);
-    let f = internals(h, w, n, s);
+    let f = internals(h, w, n, s, true);
     let r = &f.routing;
     let rows = n * k;
     // dL/d(weight of slot) = <dy_t, y_row>; dL/dy_row = weight · dy_t.
