@@ -184,9 +184,9 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
     }
 }
 
-// sums[i] = Σ_t probs[t, i] (t ascending, in double): each expert's router probability summed
+// sums[i] = Σ_t probs[t, i] (t ascending, summed and written in double): each expert's router probability summed
 // over the call's tokens, in the CPU's order (`ExpertLoad::of`).
-extern "C" __global__ void moe_prob_sums_f64(double* __restrict__ sums,         /* [E] */
+extern "C" __global__ void moe_prob_sums_fwd_f32(double* __restrict__ sums,         /* [E] */
                                              const float* __restrict__ probs,  /* [N, E] */
                                              int n, int e) {
     FOR_EACH(i, e) {

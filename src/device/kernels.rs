@@ -183,7 +183,7 @@ pub const FILES: &[KernelFile] = &[
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32],
             ),
             // sums (f64), probs; n, e.
-            sig("moe_prob_sums_f64", &[Ptr, Ptr, I32, I32]),
+            sig("moe_prob_sums_fwd_f32", &[Ptr, Ptr, I32, I32]),
             // out, gu; n, alpha, limit.
             sig("moe_clamped_swiglu_fwd_f32", &[Ptr, Ptr, I64, F32, F32]),
             // dgu, dout, gu; n, alpha, limit.

@@ -228,7 +228,7 @@ impl Launcher<'_> {
     ) -> Result<()> {
         let (n, e, _) = dims(n, e, 1)?;
         self.launch(
-            "moe_prob_sums_f64",
+            "moe_prob_sums_fwd_f32",
             l,
             &[Ptr(sums), Ptr(probs), I32(n), I32(e)],
         )
