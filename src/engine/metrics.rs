@@ -74,16 +74,16 @@ pub struct LayerLoad {
 
 /// The routing of a step's micro-batches.
 #[derive(Debug, Clone, Default)]
-pub struct Routing {
+pub struct StepRouting {
     /// The mean load-balancing loss (None without MoE layers).
     pub aux_loss: Option<f64>,
     /// Per MoE layer, over every micro-batch.
     pub layers: Vec<LayerLoad>,
 }
 
-impl Routing {
+impl StepRouting {
     /// From the micro-batches' tallies.
-    pub fn of(batches: &[Batch]) -> Routing {
+    pub fn of(batches: &[Batch]) -> StepRouting {
         let mut per_layer = std::collections::BTreeMap::<usize, ExpertLoad>::new();
         let mut aux = Vec::new();
         for b in batches {
@@ -96,7 +96,7 @@ impl Routing {
                 per_layer.entry(l).or_default().add(load);
             }
         }
-        Routing {
+        StepRouting {
             aux_loss: (!aux.is_empty()).then(|| aux.iter().sum::<f64>() / aux.len() as f64),
             layers: per_layer
                 .into_iter()

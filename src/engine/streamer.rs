@@ -687,10 +687,11 @@ impl Streamer {
             .batches
             .first()
             .map_or(0.0, |b| *crate::util::lock(&b.loss));
-        let routing = super::metrics::Routing::of(&run.batches);
+        let routing = super::metrics::StepRouting::of(&run.batches);
         let mut m = StepMetrics {
             step: self.step,
-            loss: loss / run.trained as f64 + super::metrics::Routing::trained_aux(&run.batches),
+            loss: loss / run.trained as f64
+                + super::metrics::StepRouting::trained_aux(&run.batches),
             grad_norm,
             clip_coef: run.coef,
             lr,

@@ -658,6 +658,7 @@ pub const WRAPPED: &[&str] = &[
     "cross_entropy_bwd",
     "moe_route_fwd",
     "moe_route_bwd",
+    "moe_prob_sums_fwd",
     "moe_gather_fwd",
     "moe_combine_fwd",
     "moe_combine_bwd",

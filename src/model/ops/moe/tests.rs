@@ -77,6 +77,49 @@ impl Case {
     }
 }
 
+/// The gradients of one backward.
+struct Grads {
+    dh: Vec<f32>,
+    router: Vec<f32>,
+    gate_up: Vec<f32>,
+    down: Vec<f32>,
+    biases: [Vec<f32>; 3],
+}
+
+impl Case {
+    /// `moe_bwd` of `Σ out ⊙ r` (plus the load-balancing term `aux`) from zeroed gradients.
+    fn backward(&self, r: &[f32], aux: Option<&[f32]>) -> Grads {
+        let s = self.s;
+        let mut g = Grads {
+            dh: vec![0f32; self.n * s.c],
+            router: vec![0f32; self.router.len()],
+            gate_up: vec![0f32; self.gate_up.len()],
+            down: vec![0f32; self.down.len()],
+            biases: self.biases.clone().map(|b| vec![0f32; b.len()]),
+        };
+        let [b0, b1, b2] = &mut g.biases;
+        let grads = MoeGrads {
+            router: &mut g.router,
+            gate_up: &mut g.gate_up,
+            down: &mut g.down,
+            biases: s
+                .biases()
+                .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
+        };
+        moe_bwd(
+            &mut g.dh,
+            grads,
+            r,
+            &self.h,
+            &self.weights(),
+            self.n,
+            s,
+            aux,
+        );
+        g
+    }
+}
+
 /// Token by token, in f64: softmax, top k, each chosen expert's MLP.
 fn naive(c: &Case) -> Vec<f64> {
     let s = c.s;
@@ -152,27 +195,14 @@ fn gradients_match_finite_differences_and_an_unchosen_expert_gets_none() {
     ] {
         let s = c.s;
         let r = rand_vec(c.n * s.c, 9, 1.0);
-        let mut dh = vec![0f32; c.n * s.c];
-        let (mut gr, mut ggu, mut gd) = (
-            vec![0f32; c.router.len()],
-            vec![0f32; c.gate_up.len()],
-            vec![0f32; c.down.len()],
-        );
-        let mut gb = c.biases.clone().map(|b| vec![0f32; b.len()]);
-        let w = c.weights();
-        let routing = moe_fwd(&mut vec![0f32; c.n * s.c], &c.h, &w, c.n, s);
-        {
-            let [b0, b1, b2] = &mut gb;
-            let grads = MoeGrads {
-                router: &mut gr,
-                gate_up: &mut ggu,
-                down: &mut gd,
-                biases: s
-                    .biases()
-                    .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
-            };
-            moe_bwd(&mut dh, grads, &r, &c.h, &w, c.n, s, None);
-        }
+        let routing = moe_fwd(&mut vec![0f32; c.n * s.c], &c.h, &c.weights(), c.n, s);
+        let Grads {
+            dh,
+            router: gr,
+            gate_up: ggu,
+            down: gd,
+            biases: gb,
+        } = c.backward(&r, None);
         assert!(routing.counts().contains(&0), "{:?}", routing.counts());
         for (ex, &count) in routing.counts().iter().enumerate() {
             let block = 2 * s.inter * s.c;
@@ -263,25 +293,12 @@ fn the_load_balancing_gradient_matches_finite_differences() {
         };
         let (_, tally) = objective(&c);
         let aux = tally.aux_grad(lambda);
-        let mut dh = vec![0f32; c.n * s.c];
-        let (mut gr, mut ggu, mut gd) = (
-            vec![0f32; c.router.len()],
-            vec![0f32; c.gate_up.len()],
-            vec![0f32; c.down.len()],
-        );
-        let mut gb = c.biases.clone().map(|b| vec![0f32; b.len()]);
-        {
-            let [b0, b1, b2] = &mut gb;
-            let grads = MoeGrads {
-                router: &mut gr,
-                gate_up: &mut ggu,
-                down: &mut gd,
-                biases: s
-                    .biases()
-                    .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
-            };
-            moe_bwd(&mut dh, grads, &r, &c.h, &c.weights(), c.n, s, Some(&aux));
-        }
+        let Grads {
+            dh,
+            router: gr,
+            biases: gb,
+            ..
+        } = c.backward(&r, Some(&aux));
         let eps = 1e-3f32;
         let fd = |which: usize, idx: usize| {
             let at = |delta: f32| {
@@ -309,22 +326,7 @@ fn the_load_balancing_gradient_matches_finite_differences() {
         }
         assert!(checked > 20);
         // Without the aux term the router's gradient differs: the check above sees it.
-        let mut gr0 = vec![0f32; c.router.len()];
-        let mut scratch = (vec![0f32; c.gate_up.len()], vec![0f32; c.down.len()]);
-        let mut gb0 = c.biases.clone().map(|b| vec![0f32; b.len()]);
-        {
-            let [b0, b1, b2] = &mut gb0;
-            let grads = MoeGrads {
-                router: &mut gr0,
-                gate_up: &mut scratch.0,
-                down: &mut scratch.1,
-                biases: s
-                    .biases()
-                    .then_some([&mut b0[..], &mut b1[..], &mut b2[..]]),
-            };
-            let mut dh0 = vec![0f32; c.n * s.c];
-            moe_bwd(&mut dh0, grads, &r, &c.h, &c.weights(), c.n, s, None);
-        }
+        let gr0 = c.backward(&r, None).router;
         let moved = gr
             .iter()
             .zip(&gr0)
