@@ -20,12 +20,7 @@ pub(super) fn forward(
         [(out, rows * c)],
         [(h, rows * c), wr, wgu, wd, br, bgu, bd],
     )?;
-    let w = MoeWeights {
-        router,
-        gate_up,
-        down,
-        biases: s.biases().then_some([b_r, b_gu, b_d]),
-    };
+    let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d]);
     let r = ops::moe_fwd(out, h, &w, rows, s);
     Ok(ExpertLoad::of(&r.expert, &r.probs, rows, s.experts))
 }
@@ -65,14 +60,22 @@ pub(super) fn backward(
         down: g_d,
         biases: s.biases().then_some([g_br, g_bgu, g_bd]),
     };
-    let w = MoeWeights {
+    let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d]);
+    ops::moe_bwd(dh, grads, d_out, h, &w, rows, s, aux);
+    Ok(())
+}
+
+/// The weights from their six views ([`moe_ranges`]' order).
+fn weights<'a>(
+    s: MoeShape,
+    [router, gate_up, down, b_r, b_gu, b_d]: [&'a [f32]; 6],
+) -> MoeWeights<'a> {
+    MoeWeights {
         router,
         gate_up,
         down,
         biases: s.biases().then_some([b_r, b_gu, b_d]),
-    };
-    ops::moe_bwd(dh, grads, d_out, h, &w, rows, s, aux);
-    Ok(())
+    }
 }
 
 /// An MoE MLP's six ranges at `at` (router, gate/up, down, and their biases — empty without

@@ -161,7 +161,8 @@ impl CudaBackend {
     }
 
     /// The router, the grouping and every expert's rows up to their outputs `y` (the forward,
-    /// and the backward's recompute); returns each expert's first grouped row (`E + 1`).
+    /// and the backward's recompute; `sums`: the forward's probability sums too); returns each
+    /// expert's first grouped row (`E + 1`).
     fn moe_internals(
         &mut self,
         at: &At,
@@ -169,6 +170,7 @@ impl CudaBackend {
         w: MoeAt<DevP>,
         n: usize,
         s: MoeShape,
+        sums: bool,
     ) -> Result<Vec<usize>> {
         if self.bf16.is_some() || h.bf16 || w.router.bf16 || w.gate_up.bf16 || w.down.bf16 {
             return Err(Error::internal(
@@ -202,10 +204,12 @@ impl CudaBackend {
             (n, e, k),
             (s.norm_topk, s.router),
         )?;
-        let l = launch::elementwise(e, self.sms());
-        self.k().moe_prob_sums(l, at.sums, at.probs, n, e)?;
-        // Each expert's row count sizes its GEMMs: the chosen experts come to the host (with
-        // the probability sums the load-balancing loss reads).
+        if sums {
+            let l = launch::elementwise(e, self.sms());
+            self.k().moe_prob_sums(l, at.sums, at.probs, n, e)?;
+        }
+        // Each expert's row count sizes its GEMMs: the chosen experts come to the host (with,
+        // in the forward, the probability sums the load-balancing loss reads).
         let m = self
             .moe
             .as_mut()
@@ -217,11 +221,13 @@ impl CudaBackend {
                 .memcpy_dtoh(&m.expert.slice(..n * k), &mut m.expert_host[..]),
             "copy the chosen experts to the host",
         )?;
-        drv(
-            self.stream
-                .memcpy_dtoh(&m.sums.slice(..e), &mut m.sums_host[..]),
-            "copy the router's probability sums to the host",
-        )?;
+        if sums {
+            drv(
+                self.stream
+                    .memcpy_dtoh(&m.sums.slice(..e), &mut m.sums_host[..]),
+                "copy the router's probability sums to the host",
+            )?;
+        }
         drv(
             self.stream.synchronize(),
             "wait for the chosen experts (mixture of experts)",
@@ -298,7 +304,7 @@ impl CudaBackend {
         s: MoeShape,
     ) -> Result<ExpertLoad> {
         let at = self.moe_scratch(n, s)?;
-        let offsets = self.moe_internals(&at, h, w, n, s)?;
+        let offsets = self.moe_internals(&at, h, w, n, s, true)?;
         let l = launch::elementwise(n * s.c, self.sms());
         self.k().moe_combine(
             l,
@@ -332,7 +338,7 @@ impl CudaBackend {
         aux: Option<&[f32]>,
     ) -> Result<()> {
         let at = self.moe_scratch(n, s)?;
-        let offsets = self.moe_internals(&at, h, w, n, s)?;
+        let offsets = self.moe_internals(&at, h, w, n, s, false)?;
         let aux_at = match aux {
             None => 0,
             Some(a) if a.len() == s.experts => {
