@@ -41,6 +41,7 @@ fn bench_shape(c: &mut Criterion, name: &str, width: usize, inter: usize) {
         gate_up: &gate_up,
         down: &down,
         biases: None,
+        bf16_recipe: false,
     };
     // The experts' GEMM FLOPs: 2·(N·k)·C·3I (gate, up, down).
     let rows = n * s.top_k;

@@ -65,15 +65,20 @@ extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /
 }
 
 // x[r, :] = h[slots[r] / k, :]: each expert's rows, grouped.
-extern "C" __global__ void moe_gather_fwd_f32(float* __restrict__ x,             /* [R, C] */
-                                              const float* __restrict__ h,       /* [N, C] */
-                                              const unsigned* __restrict__ slots, /* [R] */
-                                              int rows, int c, int k) {
-    FOR_EACH(i, (long long)rows * c) {
-        const long long r = i / c, col = i % c;
-        x[i] = h[(long long)(slots[r] / k) * c + col];
+#define GATHER(name, T)                                                                          \
+    /* x[r] = h[slots[r] / k]: each grouped row's token (bf16 under the bf16 recipe, where h is  \
+       the norm's bf16 output and x a GEMM operand) */                                          \
+    extern "C" __global__ void moe_gather_fwd_##name(T* __restrict__ x,              /* [R, C] */ \
+                                                     const T* __restrict__ h,        /* [N, C] */ \
+                                                     const unsigned* __restrict__ slots, /* [R] */ \
+                                                     int rows, int c, int k) {                  \
+        FOR_EACH(i, (long long)rows * c) {                                                      \
+            const long long r = i / c, col = i % c;                                             \
+            x[i] = h[(long long)(slots[r] / k) * c + col];                                      \
+        }                                                                                       \
     }
-}
+
+FOR_DTYPES(GATHER)
 
 // The j-th of token t's k slots in ascending expert order (the experts of a token differ).
 __device__ __forceinline__ int nth_slot(const unsigned* ex, int k, int j) {

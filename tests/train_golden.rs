@@ -474,6 +474,24 @@ fn bf16_qwen3_qk_norm() {
 fn bf16_gemma3_text() {
     check("bf16_gemma3");
 }
+/// Mixtures of experts under the bf16 recipe: the router's and every expert's GEMMs on bf16
+/// operands (the input rows, the activation, dY, d gate/up and d logits rounded), routing and
+/// the weighted sum in fp32; Mixtral with its load-balancing loss over 2 micro-batches.
+#[test]
+fn bf16_mixtral_with_the_load_balancing_loss() {
+    check("bf16_mixtral_aux");
+}
+/// Qwen3-MoE (32 experts, some without tokens) under the bf16 recipe.
+#[test]
+fn bf16_qwen3_moe() {
+    check("bf16_qwen3_moe");
+}
+/// GPT-OSS under the bf16 recipe: biased experts and router, the clamp, sinks whose gradient
+/// reads the attention output's gradient as stored (bf16), a window.
+#[test]
+fn bf16_gpt_oss() {
+    check("bf16_gpt_oss");
+}
 
 /// The same cases on the CUDA device.
 #[cfg(feature = "cuda")]
@@ -588,23 +606,18 @@ mod cuda {
     fn bf16_gradients_on_the_link_with_random_stream_delays() {
         check_on("bf16_grad_link", On::Cuda { delays: true });
     }
-}
-
-/// Mixture-of-experts layers compute in fp32 only so far: `--precision bf16` is refused by
-/// name before anything runs, and without `--precision` a MoE model trains in fp32.
-#[test]
-fn moe_models_refuse_bf16_by_name() {
-    let dir = golden_dir("train_mixtral");
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args(["train", "--init-from", dir.join("init").to_str().unwrap()])
-        .args(["--data", dir.join("data.bin").to_str().unwrap()])
-        .args(["--seq-len", "8", "--steps", "1", "--precision", "bf16"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("mixture-of-experts") && stderr.contains("--precision fp32"),
-        "{stderr}"
-    );
+    /// Mixtures of experts under the bf16 recipe: bf16 expert weights as held, the gathered
+    /// rows in bf16, the other operands cast per GEMM (`cublasGemmEx`).
+    #[test]
+    fn bf16_mixtral_aux_with_random_stream_delays() {
+        check_on("bf16_mixtral_aux", On::Cuda { delays: true });
+    }
+    #[test]
+    fn bf16_qwen3_moe() {
+        check_on("bf16_qwen3_moe", On::Cuda { delays: false });
+    }
+    #[test]
+    fn bf16_gpt_oss() {
+        check_on("bf16_gpt_oss", On::Cuda { delays: false });
+    }
 }

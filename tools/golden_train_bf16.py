@@ -17,6 +17,12 @@ megatrain's bf16 recipe (docs/precision.md) over an fp32 master:
   - Gemma 3: its norms ((1 + w)·x̂, w's high plane) fp32, the sandwich norms on the projections'
     fp32 outputs, GELU-tanh fp32, the embedding's high plane times √hidden (fp32), the padding
     index's row without lookup gradient.
+  - mixtures of experts (Mixtral, Qwen3-MoE, GPT-OSS): the router and every expert's projections
+    are bf16 GEMMs like any linear layer (the input rows, the activation, dY, d gate/up and
+    d logits rounded; the weights' and biases' high planes; fp32 sums, results and bias
+    gradients); routing, softmax, the activation, the weighted sum and the load-balancing loss
+    fp32. GPT-OSS's sinks are used as their high plane inside the fp32 softmax, and the
+    attention output's gradient, rounded to bf16, reaches them as it reaches Q, K and V.
 
 Data, loss and optimizer semantics are tools/golden_train.py's. A case with grad_link "bf16"
 (`--grad-link bf16`) rounds each micro-batch's gradients to bf16 (nearest even, as the device
@@ -35,6 +41,9 @@ from transformers import AttentionInterface
 from transformers.models.llama import modeling_llama
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.gpt_oss import modeling_gpt_oss
+from transformers.models.mixtral import modeling_mixtral
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import golden_train  # noqa: E402
@@ -52,6 +61,14 @@ CASES = {
     # tools/golden_train.py's "gemma3" under the bf16 recipe, over rows of 24 tokens at lr 1e-3
     # (rows of 20 at 3e-3 put a value near a bf16 tie: docs/precision.md).
     "bf16_gemma3": dict(golden_train.CASES["gemma3"], T=24, lr=1e-3),
+    # tools/golden_train.py's mixtures of experts under the bf16 recipe: Mixtral with its
+    # load-balancing loss (2 micro-batches), Qwen3-MoE (experts without tokens), GPT-OSS (sinks,
+    # biases, the clamp, a window; 2 micro-batches).
+    "bf16_mixtral_aux": dict(golden_train.CASES["mixtral_aux"]),
+    "bf16_qwen3_moe": dict(golden_train.CASES["qwen3_moe"]),
+    # At lr 3e-3 the emulated GPU's 4th step (its different summation order through the top-2
+    # of 8 logits and the clamp at 0.3) differed by 7e-3 in grad norm (the CPU device: 3e-8).
+    "bf16_gpt_oss": dict(golden_train.CASES["gpt_oss"], lr=1e-3),
 }
 
 
@@ -131,6 +148,42 @@ def linear_forward(self, x):
     return Bf16Linear.apply(x, self.weight, self.bias)
 
 
+def functional_linear(x, w, b=None):
+    """`F.linear` as the recipe's GEMM (the routers call it)."""
+    return Bf16Linear.apply(x, w, b)
+
+
+def expert_rows(self, top_k_index):
+    """Each expert that some token chose, with its (slot, token) pairs (transformers' loop)."""
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = e[0]
+        top_k_pos, token_idx = torch.where(mask[e])
+        yield e, top_k_pos, token_idx
+
+
+def gated_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Mixtral's and Qwen3-MoE's experts (gate/up rows, then down), each projection a bf16 GEMM."""
+    out = torch.zeros_like(hidden_states)
+    for e, pos, tok in expert_rows(self, top_k_index):
+        gate, up = Bf16Linear.apply(hidden_states[tok], self.gate_up_proj[e], None).chunk(2, dim=-1)
+        y = Bf16Linear.apply(self.act_fn(gate) * up, self.down_proj[e], None)
+        out.index_add_(0, tok, y * top_k_weights[tok, pos, None])
+    return out
+
+
+def gpt_oss_experts_forward(self, hidden_states, router_indices=None, routing_weights=None):
+    """GPT-OSS's experts (x·W + b with W [C, 2I] and [I, C]), each projection a bf16 GEMM."""
+    out = torch.zeros_like(hidden_states)
+    for e, pos, tok in expert_rows(self, router_indices):
+        gu = Bf16Linear.apply(hidden_states[tok], self.gate_up_proj[e].t(), self.gate_up_proj_bias[e])
+        y = Bf16Linear.apply(self._apply_gate(gu), self.down_proj[e].t(), self.down_proj_bias[e])
+        out.index_add_(0, tok, y * routing_weights[tok, pos, None])
+    return out
+
+
 def embedding_forward(self, ids):
     return F.embedding(ids, Param.apply(self.weight), padding_idx=self.padding_idx)
 
@@ -169,7 +222,14 @@ def bf16_attention(module, query, key, value, attention_mask, scaling, dropout=0
         w = w.masked_fill(~attention_mask, float("-inf"))
     else:
         w = w + attention_mask
-    w = F.softmax(w, dim=-1, dtype=torch.float32)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        w = F.softmax(w, dim=-1, dtype=torch.float32)
+    else:
+        # GPT-OSS: a per-head sink logit (its high plane) in the softmax, then dropped.
+        sink = Param.apply(sinks).reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], -1)
+        z = torch.cat([w, sink], dim=-1)
+        w = F.softmax(z - z.max(dim=-1, keepdim=True).values, dim=-1, dtype=torch.float32)[..., :-1]
     out = torch.matmul(w, v).transpose(1, 2).contiguous()
     return GradStored.apply(out), w
 
@@ -183,6 +243,14 @@ def install_recipe():
     modeling_qwen3.Qwen3RMSNorm.forward = rmsnorm_forward
     # Gemma 3's norms (blocks, sandwich, q_norm/k_norm, final) apply 1 + w.
     modeling_gemma3.Gemma3RMSNorm.forward = gemma_rmsnorm_forward
+    # Mixtures of experts: their norms, routers (F.linear) and experts.
+    for norm in (modeling_mixtral.MixtralRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm,
+                 modeling_gpt_oss.GptOssRMSNorm):
+        norm.forward = rmsnorm_forward
+    F.linear = functional_linear
+    modeling_mixtral.MixtralExperts.forward = gated_experts_forward
+    modeling_qwen3_moe.Qwen3MoeExperts.forward = gated_experts_forward
+    modeling_gpt_oss.GptOssExperts.forward = gpt_oss_experts_forward
     AttentionInterface.register("megatrain_bf16", bf16_attention)
 
 

@@ -147,6 +147,7 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
         "check", "max rel err", "tolerance"
     );
     let mut checks = cuda::kernels(&rt, a.seed)?;
+    checks.extend(cuda::moe_ops(a.gpu, a.seed)?);
     print(&checks);
     // Training steps through the streaming CUDA device against the CPU device; an error there
     // is a failed check, printed, and the link is still measured.

@@ -7,6 +7,7 @@
 use super::program::{Backend, Gemm, MoeAt};
 use super::Precision;
 use crate::model::config::MlpActivation;
+pub(crate) use crate::model::ops::bf16_value;
 use crate::model::ops::{self, AttnShape, ExpertLoad, MoeShape, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
@@ -154,21 +155,6 @@ thread_local! {
     static ROUNDED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
         std::cell::RefCell::new((Vec::new(), Vec::new()))
     };
-}
-
-/// `x` rounded to bf16 (nearest even) and back: exactly what a bf16 store keeps (a NaN stays a
-/// quiet NaN). Branch-free, so that loops over it vectorise; equal to the optimizer's
-/// `bf16_to_f32(f32_to_bf16(x))` (tested).
-#[inline(always)]
-pub(crate) fn bf16_value(x: f32) -> f32 {
-    let b = x.to_bits();
-    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
-    let quiet_nan = (b | 0x0040_0000) & 0xffff_0000;
-    f32::from_bits(if (b & 0x7fff_ffff) > 0x7f80_0000 {
-        quiet_nan
-    } else {
-        rounded
-    })
 }
 
 /// `src` rounded to bf16 into `dst` (resized to it), in parallel pieces.
@@ -521,6 +507,8 @@ impl Backend for HostBackend<'_> {
         s: AttnShape,
     ) -> Result<()> {
         let rows = s.b * (s.q1 - s.q0);
+        // dO as stored (bf16-kept under the bf16 recipe), read as the values it holds.
+        let d_o = d_o.plain().0;
         let ([dsinks], [d_o, o, lse, sinks]) = views(
             "attn_sinks_bwd",
             [(dsinks, s.nh)],
@@ -543,7 +531,7 @@ impl Backend for HostBackend<'_> {
         rows: usize,
         s: MoeShape,
     ) -> Result<ExpertLoad> {
-        moe::forward(out, h, w, rows, s)
+        moe::forward(out, h, w, rows, s, self.precision == Precision::Bf16)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -558,7 +546,8 @@ impl Backend for HostBackend<'_> {
         s: MoeShape,
         aux: Option<&[f32]>,
     ) -> Result<()> {
-        moe::backward(dh, g, d_out, h, w, rows, s, aux)
+        let bf16 = self.precision == Precision::Bf16;
+        moe::backward(dh, g, d_out, h, w, rows, (s, bf16), aux)
     }
 
     fn gated_bwd(

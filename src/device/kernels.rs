@@ -167,6 +167,7 @@ pub const FILES: &[KernelFile] = &[
             ),
             // x, h, slots; rows, c, k.
             sig("moe_gather_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32, I32]),
+            sig("moe_gather_fwd_bf16", &[Ptr, Ptr, Ptr, I32, I32, I32]),
             // out, y, row_of, expert, weight (or null); n, c, k.
             sig(
                 "moe_combine_fwd_f32",
@@ -199,9 +200,17 @@ pub const FILES: &[KernelFile] = &[
         kernels: &[
             // o, lse, sinks; nb, rows, nh, hd.
             sig("attn_sinks_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32, I32, I32]),
+            sig(
+                "attn_sinks_fwd_f32w16",
+                &[Ptr, Ptr, Ptr, I32, I32, I32, I32],
+            ),
             // dsinks, d_o, o, lse, sinks; nb, rows, nh, hd.
             sig(
                 "attn_sinks_bwd_f32",
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
+            ),
+            sig(
+                "attn_sinks_bwd_f32i16",
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32],
             ),
         ],

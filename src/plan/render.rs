@@ -83,8 +83,8 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     );
     if p.active_params < p.params {
         s += match req.bf16 {
-            true => "  note        mixture-of-experts layers train in fp32 only so far, their experts' GEMMs one expert at a time; \
-                     this predicts the bf16 recipe with grouped expert GEMMs at the dense GEMMs' efficiency, FLOPs of the active parameters\n",
+            true => "  note        the experts' GEMMs run one expert at a time (bf16 operands, cublasGemmEx), predicted at the dense GEMMs' \
+                     efficiency from the FLOPs of the active parameters; the bf16 MoE path has not run on a GPU yet (emulated only)\n",
             false => "  note        the experts' GEMMs run one expert at a time, predicted at the dense GEMMs' efficiency from the FLOPs \
                       of the active parameters (docs/gpu.md: an H100 measured 0.97–1.02× this for Qwen3-30B-A3B's layers, 0.79–0.82× for gpt-oss-20b's)\n",
         };

@@ -85,21 +85,16 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         .or_else(|| resumed.map(|(_, st)| checkpoint::adam_state_of(st)))
         .unwrap_or_default();
     // A resumed run keeps the precision it was trained in unless `--precision` says otherwise.
-    // Mixture-of-experts layers compute in fp32 only so far: their default on every device.
     let precision = cfg
         .precision
         .or_else(|| resumed.and_then(|(_, st)| st.config.precision))
-        .unwrap_or_else(|| match inputs.model.moe {
-            Some(_) => Precision::Fp32,
-            None => cfg.resolved_precision(),
-        });
+        .unwrap_or_else(|| cfg.resolved_precision());
     let cfg = TrainConfig {
         adam_state: Some(adam_state),
         precision: Some(precision),
         ..cfg.clone()
     };
     cfg.check_grad_link()?;
-    check_moe(&cfg, &inputs.model)?;
     let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
     let cfg = TrainConfig {
         mode: Some(mode),
@@ -542,24 +537,6 @@ fn choose_mode(
         }
     ));
     m
-}
-
-/// Mixture-of-experts layers are computed in fp32 so far: bf16 is refused by name before
-/// anything is allocated.
-fn check_moe(cfg: &TrainConfig, model: &ModelConfig) -> Result<()> {
-    if model.moe.is_none() {
-        return Ok(());
-    }
-    let arch = model.architecture.hf_name();
-    if cfg.resolved_precision() != Precision::Fp32 {
-        return Err(Error::bad_input(
-            "--precision",
-            "bf16",
-            format!("{arch}'s mixture-of-experts layers are computed in fp32 only so far"),
-            Some("use --precision fp32 (the default for mixture-of-experts models)"),
-        ));
-    }
-    Ok(())
 }
 
 /// The compute device the configuration names, for its micro-batches, in the largest token

@@ -16,6 +16,6 @@ pub mod nvrtc;
 pub mod pinned;
 pub mod runtime;
 
-pub use backend::CudaBackend;
+pub use backend::{CudaBackend, DevP};
 pub use device::{CudaDevice, CudaDeviceConfig, RESERVE_BYTES};
 pub use runtime::{drv, CudaRuntime, DevPtr, MIN_DRIVER, TIMED};

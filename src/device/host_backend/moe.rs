@@ -1,4 +1,6 @@
-//! The mixture-of-experts MLP on checked host ranges (`model::ops::moe_fwd`/`moe_bwd`).
+//! The mixture-of-experts MLP on checked host ranges (`model::ops::moe_fwd`/`moe_bwd`). Under
+//! the bf16 recipe its input is the norm's bf16-kept output and the op rounds its GEMMs'
+//! operands ([`MoeWeights::bf16_recipe`]).
 
 use super::{views, HostP};
 use crate::device::program::MoeAt;
@@ -12,15 +14,17 @@ pub(super) fn forward(
     w: MoeAt<HostP>,
     rows: usize,
     s: MoeShape,
+    bf16: bool,
 ) -> Result<ExpertLoad> {
     let c = s.c;
+    let h = moe_input(h, bf16)?;
     let [wr, wgu, wd, br, bgu, bd] = moe_ranges(w, s);
     let ([out], [h, router, gate_up, down, b_r, b_gu, b_d]) = views(
         "moe_fwd",
         [(out, rows * c)],
         [(h, rows * c), wr, wgu, wd, br, bgu, bd],
     )?;
-    let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d]);
+    let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d], bf16);
     let r = ops::moe_fwd(out, h, &w, rows, s);
     Ok(ExpertLoad::of(&r.expert, &r.probs, rows, s.experts))
 }
@@ -34,10 +38,11 @@ pub(super) fn backward(
     h: HostP,
     w: MoeAt<HostP>,
     rows: usize,
-    s: MoeShape,
+    (s, bf16): (MoeShape, bool),
     aux: Option<&[f32]>,
 ) -> Result<()> {
     let c = s.c;
+    let h = moe_input(h, bf16)?;
     if aux.is_some_and(|a| a.len() != s.experts) {
         return Err(crate::Error::internal(
             "moe_bwd",
@@ -60,22 +65,37 @@ pub(super) fn backward(
         down: g_d,
         biases: s.biases().then_some([g_br, g_bgu, g_bd]),
     };
-    let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d]);
+    let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d], bf16);
     ops::moe_bwd(dh, grads, d_out, h, &w, rows, s, aux);
     Ok(())
 }
 
-/// The weights from their six views ([`moe_ranges`]' order).
+/// The weights from their six views ([`moe_ranges`]' order); `bf16_recipe`: the backend's.
 fn weights<'a>(
     s: MoeShape,
     [router, gate_up, down, b_r, b_gu, b_d]: [&'a [f32]; 6],
+    bf16_recipe: bool,
 ) -> MoeWeights<'a> {
     MoeWeights {
         router,
         gate_up,
         down,
         biases: s.biases().then_some([b_r, b_gu, b_d]),
+        bf16_recipe,
     }
+}
+
+/// The MoE input as the op reads it: bf16-kept exactly under the bf16 recipe (the norm's
+/// output, which only GEMMs read), read as the values it holds.
+fn moe_input(h: HostP, bf16: bool) -> Result<HostP> {
+    let (h, kept16) = h.plain();
+    if kept16 != bf16 {
+        return Err(crate::Error::internal(
+            "moe",
+            "the input is bf16-kept exactly under the bf16 recipe",
+        ));
+    }
+    Ok(h)
 }
 
 /// An MoE MLP's six ranges at `at` (router, gate/up, down, and their biases — empty without

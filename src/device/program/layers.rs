@@ -371,7 +371,7 @@ fn mlp_output<B: Backend>(
     let wd = B::off(p, blk.wd);
     let project = |be: &mut B, out: B::P| match &blk.moe {
         Some(m) => be
-            .moe_fwd(out, ws.h2, moe_at::<B>(p, m), rows, m.shape)
+            .moe_fwd(out, stored(be, ws.h2), moe_at::<B>(p, m), rows, m.shape)
             .map(Some),
         None => linear_fwd(be, out, act, wd, None, rows, i, c).map(|()| None),
     };
@@ -508,10 +508,11 @@ pub fn block_bwd<B: Backend>(
             c,
         )?;
         let (dk, dv) = (B::off(ws.dk, at.seq0 * kvd), B::off(ws.dv, at.seq0 * kvd));
-        if let Some(o) = blk.sinks {
-            be.attn_sinks_bwd(gw(o), d_att_f32, ws.att, ws.lse, w(o), at.attn)?;
-        }
         store(be, d_att, d_att_f32, n * qd)?;
+        // The sinks' gradient from dO as stored (as the attention's backward reads it).
+        if let Some(o) = blk.sinks {
+            be.attn_sinks_bwd(gw(o), d_att, ws.att, ws.lse, w(o), at.attn)?;
+        }
         let (k, v) = sequence_keys_values(be, blk, ws, &at);
         be.attention_bwd(
             ws.dq,
@@ -643,7 +644,7 @@ fn mlp_bwd<B: Backend>(
             ws.d_c,
             moe_at::<B>(g, m),
             d_out,
-            ws.h2,
+            stored(be, ws.h2),
             moe_at::<B>(p, m),
             n,
             m.shape,

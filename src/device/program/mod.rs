@@ -197,7 +197,8 @@ pub trait Backend {
         s: AttnShape,
     ) -> Result<()>;
     /// Their gradient `dsinks +=` ([`crate::model::ops::sinks_bwd`]) from the rescaled `o` and
-    /// `lse` and the output gradient `d_o` (fp32).
+    /// `lse` and the output gradient `d_o` (as stored: bf16 under the bf16 recipe, what the
+    /// attention's backward reads too).
     fn attn_sinks_bwd(
         &mut self,
         dsinks: Self::P,
@@ -229,8 +230,10 @@ pub trait Backend {
     ) -> Result<()>;
     /// The mixture-of-experts MLP of `rows` rows of `h` into `out` (`[rows, C]` each), weights
     /// at `w` ([`crate::model::ops::moe_fwd`]: router, top-k, the experts' gated MLPs, the
-    /// weighted sum). Only called in fp32. Returns what it routed (tokens per expert, the
-    /// router probabilities' sums), which the load-balancing loss and the metrics read.
+    /// weighted sum). Under the bf16 recipe `h` is the norm's bf16-stored output and the
+    /// experts' GEMMs take bf16 operands ([`crate::model::ops::MoeWeights::bf16_recipe`]).
+    /// Returns what it routed (tokens per expert, the router probabilities' sums), which the
+    /// load-balancing loss and the metrics read.
     fn moe_fwd(
         &mut self,
         out: Self::P,

@@ -382,14 +382,20 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
 /// casts, for shape `s`: a device that casts operands to bf16 before a bf16 GEMM needs two bf16
 /// buffers of this many elements. The operands cast are the fp32 ones: a chunk's attention
 /// output (`rows × nh·hd`), the residual's gradient (`rows × C`, the output projections' dy)
-/// and a CE chunk's logits gradient (`rows × vocab`). The weights, the stored activations
-/// ([`Ws`]: the MLP's are the only `rows × I` operands) and the stored dQ, dK and dV are in
-/// bf16 already.
+/// and a CE chunk's logits gradient (`rows × vocab`); in a mixture of experts an expert's rows
+/// (at most `rows`: a token picks an expert once) of its activation, dY and d gate/up (`2I`
+/// wide interleaved) and the router's d logits (`rows × E`). The weights, the stored
+/// activations ([`Ws`]: the MLP's are the only `rows × I` operands), the MoE's gathered rows
+/// and the stored dQ, dK and dV are in bf16 already.
 pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
     let (c, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
     let rows = s.chunk_rows();
     let ce_rows = CE_CHUNK_ROWS.min(s.n().max(1));
-    let widest = c.max(qd).max(kvd);
+    let experts = cfg
+        .moe
+        .as_ref()
+        .map_or(0, |m| (2 * m.expert_intermediate).max(m.num_experts));
+    let widest = c.max(qd).max(kvd).max(experts);
     [rows * widest, ce_rows * cfg.vocab_size]
         .into_iter()
         .max()

@@ -66,6 +66,7 @@ impl MoeMlp {
             biases: self
                 .biases
                 .map(|[r, gu, d]| [&p[r..r + e], &p[gu..gu + e * 2 * i], &p[d..d + e * c]]),
+            bf16_recipe: false,
         }
     }
 

@@ -442,6 +442,7 @@ pub fn swiglu_bwd(dg: &mut [f32], du: &mut [f32], dh: &[f32], g: &[f32], u: &[f3
 }
 
 mod attention;
+mod bf16;
 mod exp;
 mod moe;
 mod rope;
@@ -450,6 +451,7 @@ pub use attention::{
     attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
     ATTN_TILE, IGNORE,
 };
+pub use bf16::{bf16_value, round_bf16};
 pub use moe::{
     group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, ExpertLoad, MoeGrads,
     MoeShape, MoeWeights, Router, RouterTally, Routing,

@@ -10,7 +10,7 @@
 //! gradient through the renormalisation and the softmax; an expert no token chose gets none.
 //! The load-balancing loss ([`RouterTally`]) adds its gradient at the router's logits.
 
-use super::{gated_bwd, gated_fwd, gemm, linear_fwd, MlpActivation};
+use super::{bf16_value, gated_bwd, gated_fwd, gemm, linear_fwd, MlpActivation};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -102,6 +102,11 @@ pub struct MoeWeights<'a> {
     /// The router's, gate/up's and down's biases `[E]`, `[E, 2I]`, `[E, C]`
     /// ([`MoeShape::biases`]).
     pub biases: Option<[&'a [f32]; 3]>,
+    /// The bf16 recipe (docs/precision.md): the weights are bf16 values (the master's high
+    /// plane, as a bf16 device holds them) and every GEMM's other operand is rounded to bf16
+    /// (nearest even) first — the input rows, the activation, dY, d gate/up and d logits — with
+    /// fp32 sums and results; the bias gradients sum the fp32 values.
+    pub bf16_recipe: bool,
 }
 
 /// Their gradients, added to.
@@ -333,6 +338,24 @@ fn expert_weights<'a>(w: &MoeWeights<'a>, s: MoeShape, e: usize) -> (&'a [f32], 
     )
 }
 
+/// `x` rounded to bf16 in place where `bf16` (the bf16 recipe's GEMM operands).
+fn round_if(bf16: bool, x: &mut [f32]) {
+    if bf16 {
+        x.iter_mut().for_each(|v| *v = bf16_value(*v));
+    }
+}
+
+/// `h` as the GEMMs read it: under the bf16 recipe a rounded copy (give it back to
+/// [`scratch`]), else `None` (`h` itself).
+fn gemm_input(h: &[f32], w: &MoeWeights<'_>) -> Option<Vec<f32>> {
+    w.bf16_recipe.then(|| {
+        let mut v = scratch::take(h.len());
+        v.copy_from_slice(h);
+        super::round_bf16(&mut v);
+        v
+    })
+}
+
 /// Width of the gate/up buffer's rows: `I` each for [`ExpertLayout::GateUpRows`] (gate and up
 /// apart), `2I` interleaved for [`ExpertLayout::InterleavedColumns`] (up unused).
 fn gate_width(s: MoeShape) -> (usize, usize) {
@@ -366,7 +389,8 @@ fn expert_fwd(
     let (wgu, wd) = expert_weights(w, s, ex);
     if let (ExpertLayout::GateUpRows, ExpertAct::Gated(act)) = (s.layout, s.act) {
         if m < TRANSPOSE_BELOW && i * c >= TRANSPOSE_FROM {
-            return expert_fwd_transposed(s, (wgu, wd), act, xe, (g, u, a, ye), (m, keep));
+            let round = w.bf16_recipe;
+            return expert_fwd_transposed(s, (wgu, wd), act, xe, (g, u, a, ye), (m, keep, round));
         }
     }
     match s.layout {
@@ -386,6 +410,7 @@ fn expert_fwd(
         ExpertAct::Gated(act) => gated_fwd(act, a, g, u),
         ExpertAct::ClampedSwiglu { alpha, limit } => clamped_swiglu_fwd(a, g, alpha, limit),
     }
+    round_if(w.bf16_recipe, a);
     match s.layout {
         ExpertLayout::GateUpRows => mm(s, ye, a, (i, 1), wd, (1, i), (m, i, c), false),
         ExpertLayout::InterleavedColumns => {
@@ -399,7 +424,8 @@ fn expert_fwd(
 }
 
 /// The router and every expert on `h` `[n, C]` (`keep`: the gate, up and activation rows too,
-/// else only the outputs are sure to be written).
+/// else only the outputs are sure to be written). Under the bf16 recipe `h` is rounded already
+/// ([`gemm_input`]).
 fn internals(h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape, keep: bool) -> Internals {
     let (c, i, e) = (s.c, s.inter, s.experts);
     let mut logits = scratch::take(n * e);
@@ -481,7 +507,11 @@ fn token_rows(r: &Routing, t: usize, k: usize) -> Vec<(usize, f32, usize)> {
 /// `out` `[n, C]` = the MoE MLP of `h` `[n, C]`; returns the routing (for counts and tests).
 pub fn moe_fwd(out: &mut [f32], h: &[f32], w: &MoeWeights<'_>, n: usize, s: MoeShape) -> Routing {
     let c = s.c;
-    let f = internals(h, w, n, s, false);
+    let hr = gemm_input(&h[..n * c], w);
+    let f = internals(hr.as_deref().unwrap_or(h), w, n, s, false);
+    if let Some(v) = hr {
+        scratch::give(v);
+    }
     out[..n * c]
         .par_chunks_mut(c)
         .enumerate()
@@ -519,25 +549,33 @@ fn expert_bwd(
     let m = f.x.len() / c;
     let (wgu, wd) = expert_weights(w, s, ex);
     let mut da = scratch::take(m * i);
+    // The bias gradient sums dY in fp32; the GEMMs read it rounded under the bf16 recipe.
+    if let (ExpertLayout::InterleavedColumns, Some(gbd)) = (s.layout, gbd) {
+        super::bias_bwd(gbd, f.dy, m);
+    }
+    let dy_rounded = gemm_input(f.dy, w);
+    let dy = dy_rounded.as_deref().unwrap_or(f.dy);
     match s.layout {
         ExpertLayout::GateUpRows => {
             // dA [m, I] = dY [m, C] · Wd [C, I]; dWd [C, I] += dYᵀ · A.
-            mm(s, &mut da, f.dy, (c, 1), wd, (i, 1), (m, c, i), false);
-            mm(s, gd, f.dy, (1, c), f.act, (i, 1), (c, m, i), true);
+            mm(s, &mut da, dy, (c, 1), wd, (i, 1), (m, c, i), false);
+            mm(s, gd, dy, (1, c), f.act, (i, 1), (c, m, i), true);
         }
         ExpertLayout::InterleavedColumns => {
             // dA [m, I] = dY [m, C] · Wdᵀ (Wd [I, C]); dWd [I, C] += Aᵀ · dY; db += Σ dY.
-            mm(s, &mut da, f.dy, (c, 1), wd, (1, c), (m, c, i), false);
-            mm(s, gd, f.act, (1, i), f.dy, (c, 1), (i, m, c), true);
-            if let Some(gbd) = gbd {
-                super::bias_bwd(gbd, f.dy, m);
-            }
+            mm(s, &mut da, dy, (c, 1), wd, (1, c), (m, c, i), false);
+            mm(s, gd, f.act, (1, i), dy, (c, 1), (i, m, c), true);
         }
+    }
+    if let Some(v) = dy_rounded {
+        scratch::give(v);
     }
     match (s.layout, s.act) {
         (ExpertLayout::GateUpRows, ExpertAct::Gated(act)) => {
             let (mut dgate, mut dup) = (scratch::take(m * i), scratch::take(m * i));
             gated_bwd(act, &mut dgate, &mut dup, &da, f.gate, f.up);
+            round_if(w.bf16_recipe, &mut dgate);
+            round_if(w.bf16_recipe, &mut dup);
             let (wg, wu) = wgu.split_at(i * c);
             let (ggate, gup) = ggu.split_at_mut(i * c);
             mm(s, ggate, &dgate, (1, i), f.x, (c, 1), (i, m, c), true);
@@ -564,11 +602,12 @@ fn expert_bwd(
                     }
                 }
             }
-            // dW [C, 2I] += Xᵀ · dGU; db += Σ dGU; dX = dGU · Wᵀ.
-            mm(s, ggu, f.x, (1, c), &dgu, (2 * i, 1), (c, m, 2 * i), true);
+            // db += Σ dGU (fp32); dW [C, 2I] += Xᵀ · dGU; dX = dGU · Wᵀ.
             if let Some(gbgu) = gbgu {
                 super::bias_bwd(gbgu, &dgu, m);
             }
+            round_if(w.bf16_recipe, &mut dgu);
+            mm(s, ggu, f.x, (1, c), &dgu, (2 * i, 1), (c, m, 2 * i), true);
             mm(
                 s,
                 dxe,
@@ -603,6 +642,8 @@ pub fn moe_bwd(
     aux: Option<&[f32]>,
 ) {
     let (c, i, e, k) = (s.c, s.inter, s.experts, s.top_k);
+    let h_rounded = gemm_input(&h[..n * c], w);
+    let h = h_rounded.as_deref().unwrap_or(h);
     let f = internals(h, w, n, s, true);
     let r = &f.routing;
     let rows = n * k;
@@ -711,6 +752,9 @@ pub fn moe_bwd(
     if let Some([g_rb, _, _]) = g_bias {
         super::bias_bwd(g_rb, &d_logits, n);
     }
+    if w.bf16_recipe {
+        super::round_bf16(&mut d_logits);
+    }
     // dWr [E, C] += dZᵀ · h; dh = Σ the experts' dx (ascending expert) + dZ · Wr.
     gemm(
         g_router,
@@ -747,6 +791,9 @@ pub fn moe_bwd(
     );
     scratch::give(dy);
     scratch::give(dx);
+    if let Some(v) = h_rounded {
+        scratch::give(v);
+    }
 }
 
 #[cfg(test)]

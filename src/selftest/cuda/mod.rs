@@ -3,8 +3,10 @@
 //! and the page-locked link.
 
 mod kernels;
+mod moe;
 
 pub use kernels::kernels;
+pub use moe::{moe_ops, TOL_MOE_BF16};
 
 use super::{
     compare_runs, small_gpt_oss_model, small_model, small_moe_model, train_steps, Check,
@@ -24,16 +26,24 @@ pub const TOL_TRAINING: f64 = 1e-3;
 /// operand on the other side of a bf16 rounding now and then, and a flipped rounding (2⁻⁸ of the
 /// value) is carried into everything after it.
 pub const TOL_TRAINING_BF16: f64 = 1e-2;
+/// Tolerance of the bf16 training check of the mixture-of-experts models. A flipped rounding
+/// upstream of a router can send a token to another expert (a top-k near-tie), which changes
+/// that token's whole MLP output: on the emulated GPU the first step's routing differed by one
+/// token's choice in one layer of each model (the CPU's and the GPU's expert loads), and the
+/// step-1 gradients by 1.3–3.3% norm-wise where the dense model's differ by 0.3–0.5%. The op
+/// itself is checked alone to 10⁻⁴ ([`TOL_MOE_BF16`], the same routing on both).
+pub const TOL_TRAINING_MOE_BF16: f64 = 5e-2;
 
 /// The training check: [`super::STEPS`] steps of the self-test model on GPU `ordinal` against
 /// the same steps on the CPU device, in fp32 and in bf16 (the tensor-core attention, the bf16
 /// GEMMs, the bf16 weight stream); then the mixture-of-experts models (Qwen3-MoE, GPT-OSS) in
-/// fp32.
+/// both.
 pub fn training(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
-    let mut checks = training_at(small_model()?, ordinal, seed, Precision::Fp32)?;
-    checks.extend(training_at(small_model()?, ordinal, seed, Precision::Bf16)?);
-    for moe in [small_moe_model()?, small_gpt_oss_model()?] {
-        checks.extend(training_at(moe, ordinal, seed, Precision::Fp32)?);
+    let mut checks = Vec::new();
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        for cfg in [small_model()?, small_moe_model()?, small_gpt_oss_model()?] {
+            checks.extend(training_at(cfg, ordinal, seed, precision)?);
+        }
     }
     Ok(checks)
 }
@@ -44,10 +54,14 @@ fn training_at(
     seed: u64,
     precision: Precision,
 ) -> Result<Vec<Check>> {
-    let moe = match (&cfg.moe, cfg.attention_sinks) {
-        (None, _) => None,
-        (Some(_), false) => Some("training moe"),
-        (Some(_), true) => Some("training gpt-oss"),
+    let moe = cfg.moe.is_some();
+    let name = match (&cfg.moe, cfg.attention_sinks, precision) {
+        (None, _, Precision::Fp32) => "training",
+        (None, _, Precision::Bf16) => "training bf16",
+        (Some(_), false, Precision::Fp32) => "training moe",
+        (Some(_), false, Precision::Bf16) => "training moe bf16",
+        (Some(_), true, Precision::Fp32) => "training gpt-oss",
+        (Some(_), true, Precision::Bf16) => "training gpt-oss bf16",
     };
     let tm = Arc::new(crate::model::reference::Templates::new(&cfg, SEQ)?);
     let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
@@ -77,27 +91,14 @@ fn training_at(
     )?);
     let got = train_steps(&machine, gpu, tm, seed)?;
     Ok(match precision {
-        Precision::Fp32 if moe.is_some() => compare_runs(
-            moe.unwrap_or_default(),
-            &got,
-            &want,
-            TOL_TRAINING,
-            GradMetric::Elementwise,
-        ),
-        Precision::Fp32 => compare_runs(
-            "training",
-            &got,
-            &want,
-            TOL_TRAINING,
-            GradMetric::Elementwise,
-        ),
-        Precision::Bf16 => compare_runs(
-            "training bf16",
-            &got,
-            &want,
-            TOL_TRAINING_BF16,
-            GradMetric::Norm,
-        ),
+        Precision::Fp32 => compare_runs(name, &got, &want, TOL_TRAINING, GradMetric::Elementwise),
+        Precision::Bf16 => {
+            let tol = match moe {
+                true => TOL_TRAINING_MOE_BF16,
+                false => TOL_TRAINING_BF16,
+            };
+            compare_runs(name, &got, &want, tol, GradMetric::Norm)
+        }
     })
 }
 

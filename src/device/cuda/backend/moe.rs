@@ -1,13 +1,19 @@
-//! The mixture-of-experts MLP on the GPU (fp32): the router's GEMM (cuBLAS), softmax and top-k
+//! The mixture-of-experts MLP on the GPU: the router's GEMM (cuBLAS), softmax and top-k
 //! (`moe_route`), the tokens grouped by expert on the host from the chosen experts (one small
 //! device→host copy per call: each expert's row count sizes its GEMMs), the rows gathered, each
 //! expert's three GEMMs on its rows, the activation over all rows at once, and the weighted sum
 //! per token in ascending expert order — the CPU reference's order (`model::ops::moe`). The
 //! backward recomputes the forward and runs the same steps in reverse.
 //!
+//! Under the bf16 recipe the input `h` (the norm's output) and the weights are bf16, the
+//! gathered rows are gathered in bf16 (the first half of the `x` scratch's bytes), and every
+//! GEMM takes its other operands cast to bf16 (`cublasGemmEx`, fp32 sums and results): the
+//! CPU's [`crate::model::ops::MoeWeights::bf16_recipe`].
+//!
 //! Scratch lives in [`MoeScratch`], sized for the largest call so far.
 
-use super::{CudaBackend, DevP};
+use super::{CudaBackend, DevP, F32};
+use crate::device::cuda::launches::Dtype;
 use crate::device::cuda::runtime::{drv, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
@@ -172,10 +178,12 @@ impl CudaBackend {
         s: MoeShape,
         sums: bool,
     ) -> Result<Vec<usize>> {
-        if self.bf16.is_some() || h.bf16 || w.router.bf16 || w.gate_up.bf16 || w.down.bf16 {
+        let bf16 = self.bf16.is_some();
+        let weights = [w.router, w.gate_up, w.down];
+        if h.bf16 != bf16 || weights.iter().any(|p| p.bf16 != bf16) {
             return Err(Error::internal(
                 "CUDA backend",
-                "the mixture-of-experts MLP is computed in fp32 only",
+                "the mixture-of-experts MLP: its input and weights are bf16 exactly under the bf16 recipe",
             ));
         }
         let (e, k, c, i) = (s.experts, s.top_k, s.c, s.inter);
@@ -247,7 +255,9 @@ impl CudaBackend {
         let offsets = offsets.clone();
         let r = n * k;
         let l = launch::elementwise(r * c, self.sms());
-        self.k().moe_gather(l, at.x, h.addr, at.slots, (r, c, k))?;
+        let gather = if bf16 { Dtype::Bf16 } else { F32 };
+        self.k()
+            .moe_gather(gather, l, at.x, h.addr, at.slots, (r, c, k))?;
         let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
         let interleaved = s.layout == ExpertLayout::InterleavedColumns;
         for ex in 0..e {
@@ -256,7 +266,7 @@ impl CudaBackend {
                 continue;
             }
             let wgu = Self::off(w.gate_up, ex * 2 * i * c);
-            let x = rows_at(at.x, lo, c);
+            let x = gathered(at.x, lo, c, bf16);
             if interleaved {
                 // gu [m, 2I] = x · W [C, 2I] + b.
                 let gu = rows_at(at.gate, lo, 2 * i);
@@ -363,7 +373,7 @@ impl CudaBackend {
             }
         };
         let (e, k, c, i) = (s.experts, s.top_k, s.c, s.inter);
-        let r = n * k;
+        let (r, bf16) = (n * k, self.bf16.is_some());
         let f = DevP::f32;
         let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
         let l = launch::elementwise(r * c, self.sms());
@@ -436,7 +446,7 @@ impl CudaBackend {
                 Self::off(w.gate_up, ex * 2 * i * c),
                 Self::off(g.gate_up, ex * 2 * i * c),
             );
-            let (x, dx) = (rows_at(at.x, lo, c), rows_at(at.dy, lo, c));
+            let (x, dx) = (gathered(at.x, lo, c, bf16), rows_at(at.dy, lo, c));
             if interleaved {
                 let dgu = rows_at(at.dg, lo, 2 * i);
                 self.gemm(gemm(gg, (x, true), (dgu, false), c, m, 2 * i, true))?;
@@ -473,5 +483,13 @@ impl CudaBackend {
         self.k()
             .moe_combine(l, dh.addr, at.dy, (at.row_of, at.expert, 0), (n, c, k))?;
         self.gemm(gemm(dh, (dz, false), (w.router, false), n, e, c, true))
+    }
+}
+
+/// Row `row` of the gathered rows (width `c`) at `x`: bf16 under the bf16 recipe.
+fn gathered(x: DevPtr, row: usize, c: usize, bf16: bool) -> DevP {
+    match bf16 {
+        true => DevP::bf16(x + 2 * (row * c) as u64),
+        false => DevP::f32(x + 4 * (row * c) as u64),
     }
 }

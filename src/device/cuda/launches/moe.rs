@@ -2,7 +2,7 @@
 //! (`kernels/sinks.cu`).
 
 use super::Arg::{Ptr, F32, I32, I64};
-use super::{i32_of, Launcher};
+use super::{i32_of, Dtype, Launcher};
 use crate::device::cuda::runtime::DevPtr;
 use crate::device::launch::Launch;
 use crate::model::ops::Router;
@@ -92,9 +92,11 @@ impl Launcher<'_> {
         )
     }
 
-    /// Attention sinks on the output and log-sum-exp of `nb` sequences of `rows` query rows.
+    /// Attention sinks on the output and log-sum-exp of `nb` sequences of `rows` query rows
+    /// (`dt`: `F32`, or `F32W16` for a bf16 device's sinks).
     pub fn attn_sinks(
         &self,
+        dt: Dtype,
         l: Launch,
         (o, lse, sinks): (DevPtr, DevPtr, DevPtr),
         (nb, rows, nh, hd): (usize, usize, usize, usize),
@@ -102,7 +104,7 @@ impl Launcher<'_> {
         let (nb, rows) = (i32_of(nb, "sequences")?, i32_of(rows, "query rows")?);
         let (nh, hd) = (i32_of(nh, "heads")?, i32_of(hd, "head dim")?);
         self.launch(
-            "attn_sinks_fwd_f32",
+            &dt.symbol("attn_sinks_fwd"),
             l,
             &[
                 Ptr(o),
@@ -116,9 +118,10 @@ impl Launcher<'_> {
         )
     }
 
-    /// The sinks' gradient (`dsinks +=`).
+    /// The sinks' gradient (`dsinks +=`; `dt`: `F32`, or `F32I16` for bf16 dO and sinks).
     pub fn attn_sinks_bwd(
         &self,
+        dt: Dtype,
         l: Launch,
         dsinks: DevPtr,
         (d_o, o, lse, sinks): (DevPtr, DevPtr, DevPtr, DevPtr),
@@ -127,7 +130,7 @@ impl Launcher<'_> {
         let (nb, rows) = (i32_of(nb, "sequences")?, i32_of(rows, "query rows")?);
         let (nh, hd) = (i32_of(nh, "heads")?, i32_of(hd, "head dim")?);
         self.launch(
-            "attn_sinks_bwd_f32",
+            &dt.symbol("attn_sinks_bwd"),
             l,
             &[
                 Ptr(dsinks),
@@ -143,9 +146,10 @@ impl Launcher<'_> {
         )
     }
 
-    /// `x[r] = h[slots[r] / k]` over `rows` rows of `c`.
+    /// `x[r] = h[slots[r] / k]` over `rows` rows of `c` (`dt`: both `F32` or both `Bf16`).
     pub fn moe_gather(
         &self,
+        dt: Dtype,
         l: Launch,
         x: DevPtr,
         h: DevPtr,
@@ -154,7 +158,7 @@ impl Launcher<'_> {
     ) -> Result<()> {
         let (rows, c, k) = dims(rows, c, k)?;
         self.launch(
-            "moe_gather_fwd_f32",
+            &dt.symbol("moe_gather_fwd"),
             l,
             &[Ptr(x), Ptr(h), Ptr(slots), I32(rows), I32(c), I32(k)],
         )

@@ -3,7 +3,9 @@
 //! transposed — the weight itself ([`mm`]), or, for Linear-layout experts, the whole expert
 //! ([`expert_fwd_transposed`]: two transposes of its rows instead of three of its weights).
 
-use super::{gated_fwd, gemm, scratch, MlpActivation, MoeShape};
+#[cfg(doc)]
+use super::MoeWeights;
+use super::{bf16_value, gated_fwd, gemm, scratch, MlpActivation, MoeShape};
 
 /// Rows below which a GEMM whose B is a Linear-layout weight (`B = Wᵀ`, column-major) of at
 /// least [`TRANSPOSE_FROM`] elements first transposes it (see [`mm`]).
@@ -84,14 +86,15 @@ fn mm_as_is(
 /// `uᵀ = Wu·xᵀ`, `aᵀ = act(gᵀ)·uᵀ`, `yᵀ = Wd·aᵀ` — every GEMM with row-major operands, the
 /// layout the `gemm` crate runs at full speed for any number of rows (see [`mm`]), for two
 /// transposes of the expert's `m` rows instead of three of its weights. `keep`: the gate, up
-/// and activation rows are written too (the backward's recompute).
+/// and activation rows are written too (the backward's recompute); `round`: the activation is
+/// rounded to bf16 before the down projection (the bf16 recipe, [`MoeWeights::bf16_recipe`]).
 pub(super) fn expert_fwd_transposed(
     s: MoeShape,
     (wgu, wd): (&[f32], &[f32]),
     act: MlpActivation,
     xe: &[f32],
     (g, u, a, ye): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
-    (m, keep): (usize, bool),
+    (m, keep, round): (usize, bool, bool),
 ) {
     let (c, i) = (s.c, s.inter);
     let mut xt = scratch::take(c * m);
@@ -122,6 +125,9 @@ pub(super) fn expert_fwd_transposed(
         false,
     );
     gated_fwd(act, &mut at, &gt, &ut);
+    if round {
+        at.iter_mut().for_each(|v| *v = bf16_value(*v));
+    }
     // yᵀ [C, m] in xt's buffer (x is no longer needed).
     mm_as_is(s, &mut xt, wd, (i, 1), &at, (m, 1), (c, i, m), false);
     transpose(ye, &xt, c, m);

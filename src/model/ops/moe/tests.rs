@@ -66,6 +66,7 @@ impl Case {
             gate_up: &self.gate_up,
             down: &self.down,
             biases: self.s.biases().then_some([&b0[..], &b1[..], &b2[..]]),
+            bf16_recipe: false,
         }
     }
 
@@ -120,13 +121,19 @@ impl Case {
     }
 }
 
-/// Token by token, in f64: softmax, top k, each chosen expert's MLP.
-fn naive(c: &Case) -> Vec<f64> {
+/// Token by token, in f64: softmax, top k, each chosen expert's MLP. `bf16`: the bf16 recipe's
+/// roundings ([`MoeWeights::bf16_recipe`]: the weights are taken as bf16 values already) — the
+/// input and the activation rounded to bf16, as fp32 values, before their GEMMs.
+fn naive(c: &Case, bf16: bool) -> Vec<f64> {
     let s = c.s;
     let (cc, i, e) = (s.c, s.inter, s.experts);
+    let round = |v: f32| if bf16 { bf16_value(v) } else { v };
     let mut out = vec![0f64; c.n * cc];
     for t in 0..c.n {
-        let h = &c.h[t * cc..(t + 1) * cc];
+        let h: Vec<f32> = c.h[t * cc..(t + 1) * cc]
+            .iter()
+            .map(|v| round(*v))
+            .collect();
         let z: Vec<f64> = (0..e)
             .map(|x| {
                 (0..cc)
@@ -159,6 +166,7 @@ fn naive(c: &Case) -> Vec<f64> {
                         ExpertAct::ClampedSwiglu { .. } => unreachable!("not in these cases"),
                     }
                 })
+                .map(|a| round(a as f32) as f64)
                 .collect();
             let d = &c.down[x * cc * i..];
             for o in 0..cc {
@@ -176,13 +184,43 @@ fn forward_matches_a_token_by_token_computation() {
         let c = case(norm, MlpActivation::Silu);
         let mut out = vec![0f32; c.n * c.s.c];
         let r = moe_fwd(&mut out, &c.h, &c.weights(), c.n, c.s);
-        let want = naive(&c);
+        let want = naive(&c, false);
         for (a, b) in out.iter().zip(&want) {
             assert!((*a as f64 - b).abs() < 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
         }
         assert_eq!(r.counts().iter().sum::<usize>(), c.n * c.s.top_k);
         let chosen_once = (0..c.n).all(|t| r.expert[t * 2] != r.expert[t * 2 + 1]);
         assert!(chosen_once);
+    }
+}
+
+/// The bf16 recipe: the input rows and the activation rounded before their GEMMs (weights
+/// already bf16 values), equal to the token-by-token recipe and not to the fp32 op.
+#[test]
+fn the_bf16_recipe_rounds_the_input_and_the_activation() {
+    for norm in [false, true] {
+        let mut c = case(norm, MlpActivation::Silu);
+        for w in [&mut c.router, &mut c.gate_up, &mut c.down] {
+            w.iter_mut().for_each(|v| *v = bf16_value(*v));
+        }
+        let run = |bf16: bool| {
+            let mut out = vec![0f32; c.n * c.s.c];
+            let w = MoeWeights {
+                bf16_recipe: bf16,
+                ..c.weights()
+            };
+            moe_fwd(&mut out, &c.h, &w, c.n, c.s);
+            out
+        };
+        let (got, fp32) = (run(true), run(false));
+        let want = naive(&c, true);
+        let far = |a: &[f32], tol: f64| {
+            a.iter()
+                .zip(&want)
+                .any(|(a, b)| (*a as f64 - b).abs() > tol * (1.0 + b.abs()))
+        };
+        assert!(!far(&got, 1e-5), "{got:?} vs {want:?}");
+        assert!(far(&fp32, 1e-4), "the roundings matter in this case");
     }
 }
 

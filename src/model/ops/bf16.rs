@@ -1,0 +1,26 @@
+//! Rounding to bf16, as the bf16 recipe stores a tensor or rounds a GEMM's operand
+//! (docs/precision.md).
+
+use rayon::prelude::*;
+
+/// `x` rounded to bf16 (nearest even) and back: exactly what a bf16 store keeps (a NaN stays a
+/// quiet NaN). Branch-free, so that loops over it vectorise; equal to the optimizer's
+/// `bf16_to_f32(f32_to_bf16(x))` (tested in `device::host_backend`).
+#[inline(always)]
+pub fn bf16_value(x: f32) -> f32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    let quiet_nan = (b | 0x0040_0000) & 0xffff_0000;
+    f32::from_bits(if (b & 0x7fff_ffff) > 0x7f80_0000 {
+        quiet_nan
+    } else {
+        rounded
+    })
+}
+
+/// Every value of `x` rounded to bf16 in place ([`bf16_value`]), in parallel pieces.
+pub fn round_bf16(x: &mut [f32]) {
+    const PIECE: usize = 1 << 14;
+    x.par_chunks_mut(PIECE)
+        .for_each(|p| p.iter_mut().for_each(|v| *v = bf16_value(*v)));
+}
