@@ -8,7 +8,9 @@
 //!
 //! On the CPU device, compute kernels and AdamW share the same cores, so their overlap is limited
 //! by the machine, not by the schedule; the link is emulated (copies sleep to the modelled time),
-//! so it overlaps freely.
+//! so it overlaps freely. The `moe` case is a mixture of experts shaped like the ones users bring
+//! (many experts, few active): every expert's weights cross the link and every parameter is
+//! updated each step while little is computed, so the link and AdamW bound it at once.
 
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig, LinkModel};
 use crate::engine::schedule::{self, Activations, LeanPieces, ScheduleSpec};
@@ -100,11 +102,24 @@ fn model() -> ModelConfig {
     )
 }
 
+/// The `moe` case's model: [`model`]'s width and depth with Qwen3-MoE layers of 16 experts of
+/// 176 (top-2): 2.7× the parameters, 4.3M of 15.6M active (the embeddings included).
+fn moe_model() -> Result<ModelConfig> {
+    ModelConfig::from_json_str(
+        r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":256,"intermediate_size":704,
+        "moe_intermediate_size":176,"num_experts":16,"num_experts_per_tok":2,"norm_topk_prob":true,
+        "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":4,"head_dim":64,
+        "vocab_size":2048,"tie_word_embeddings":false,"rope_theta":10000.0}"#,
+        "the engine bench's MoE model",
+    )
+}
+
 /// One configuration.
 #[derive(Debug, Clone)]
 struct Case {
     name: &'static str,
     bound: &'static str,
+    model: ModelConfig,
     batch: usize,
     seq: usize,
     link_gbps: f64,
@@ -278,7 +293,7 @@ fn run_case(
     nvme_dir: &std::path::Path,
     trace: Option<&std::path::Path>,
 ) -> Result<EngineCase> {
-    let layout = StateLayout::new(&model(), case.mode);
+    let layout = StateLayout::new(&case.model, case.mode);
     let isa = if case.scalar_adam {
         Isa::Scalar
     } else {
@@ -380,7 +395,7 @@ fn measure(
     trace: Option<&std::path::Path>,
 ) -> Result<Vec<StepMetrics>> {
     let n = case.batch * case.seq;
-    let vocab = model().vocab_size;
+    let vocab = case.model.vocab_size;
     let micro_batch = |k: usize| {
         let toks: Vec<u32> = (0..=n).map(|i| ((i * 7 + k * 13) % vocab) as u32).collect();
         MicroBatch::flat(toks[..n].to_vec(), toks[1..].to_vec(), case.seq)
@@ -524,6 +539,7 @@ pub fn run(
     let base = Case {
         name: "",
         bound: "",
+        model: model(),
         batch: 1,
         seq: 8,
         link_gbps: 200.0,
@@ -577,6 +593,18 @@ pub fn run(
             bound: "NVMe (all m/v spilled), lean",
             spill: true,
             mode: Mode::Lean,
+            ..base.clone()
+        },
+        // Every expert crosses the link (2 GB/s) and is updated (exact mode, the scalar AdamW
+        // on one thread: the slow host of the AdamW cases) each step, for 8 tokens of compute:
+        // the link and AdamW bound it at once.
+        Case {
+            name: "moe",
+            bound: "link + AdamW (MoE), exact",
+            model: moe_model()?,
+            link_gbps: 2.0,
+            adam_threads: 1,
+            scalar_adam: true,
             ..base
         },
     ];
@@ -588,8 +616,10 @@ pub fn run(
 
 /// Text table.
 pub fn render(cases: &[EngineCase]) -> String {
+    let moe = moe_model().ok();
     let mut s = format!(
-        "megatrain bench engine — CPU device, emulated link, model {} params in {} units, host activations\n\
+        "megatrain bench engine — CPU device, emulated link, model {} params in {} units \
+         (moe: {} params, {} active), host activations\n\
          times are medians over the measured steps, in ms; ideal = max(compute, htod, dtoh, adamw);\n\
          bound = max(ideal, htod before the loss + dtoh): gradients cannot leave before the forward ends;\n\
          predicted = the planner's step model (megatrain plan) on the same plan, with each component\n\
@@ -597,6 +627,8 @@ pub fn render(cases: &[EngineCase]) -> String {
          {:<14} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>10} {:>10} {:>13}\n",
         model().num_params(),
         model().num_layers + 2,
+        moe.as_ref().map_or(0, |m| m.num_params()),
+        moe.as_ref().map_or(0, |m| m.active_params()),
         "case", "tokens", "GB/s", "compute", "htod", "dtoh", "adamw", "nvme MB", "ideal", "step", "predicted", "step/ideal", "step/pred", "pred. bound"
     );
     for c in cases {
