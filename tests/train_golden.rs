@@ -607,7 +607,7 @@ mod cuda {
         check_on("bf16_grad_link", On::Cuda { delays: true });
     }
     /// Mixtures of experts under the bf16 recipe: bf16 expert weights as held, the gathered
-    /// rows in bf16, the other operands cast per GEMM (`cublasGemmEx`).
+    /// rows in bf16, the activation, dY and d gate/up cast once for all rows (`cublasGemmEx`).
     #[test]
     fn bf16_mixtral_aux_with_random_stream_delays() {
         check_on("bf16_mixtral_aux", On::Cuda { delays: true });

@@ -477,10 +477,10 @@ fn the_moe_scratch_is_charged_with_the_workspace() {
     )
     .unwrap();
     let (whole, chunked) = (Shape::whole(1, 512), Shape::chunked(1, 512, 256).unwrap());
-    assert_eq!(moe_scratch_bytes(&model(false), whole), 0);
+    assert_eq!(moe_scratch_bytes(&model(false), whole, Precision::Fp32), 0);
     let (a, b) = (
-        moe_scratch_bytes(&moe, whole),
-        moe_scratch_bytes(&moe, chunked),
+        moe_scratch_bytes(&moe, whole, Precision::Fp32),
+        moe_scratch_bytes(&moe, chunked, Precision::Fp32),
     );
     // Per expert 12 bytes (its probability sum and load-balancing gradient) whatever the tokens.
     let per_expert = 12 * moe.moe.as_ref().unwrap().num_experts as u64;
@@ -497,4 +497,7 @@ fn the_moe_scratch_is_charged_with_the_workspace() {
         workspace_bytes(&moe, whole, Precision::Fp32),
         4 * Ws::layout(&moe, whole, Precision::Fp32).1 as u64 + a
     );
+    // Under bf16 the GEMMs' bf16 copies of the activation, dY and d gate/up per row.
+    let copies = 2 * rows * (3 * m.expert_intermediate as u64 + 128);
+    assert_eq!(moe_scratch_bytes(&moe, whole, Precision::Bf16), a + copies);
 }

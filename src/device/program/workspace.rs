@@ -324,7 +324,7 @@ impl<P: Copy> Ws<P> {
 /// Bytes of a GPU's layer workspace for the shape `s` in `precision` (what the CPU device
 /// charges too), with the mixture-of-experts MLP's scratch ([`moe_scratch_bytes`]).
 pub fn workspace_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
-    4 * Ws::layout(cfg, s, precision).1 as u64 + moe_scratch_bytes(cfg, s)
+    4 * Ws::layout(cfg, s, precision).1 as u64 + moe_scratch_bytes(cfg, s, precision)
 }
 
 /// Bytes a mixture-of-experts MLP holds besides the workspace for one chunk of `s` (0 for a
@@ -332,15 +332,21 @@ pub fn workspace_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64
 /// token) its expert, weights and slot numbers, the gathered input, the expert's output and its
 /// gradient `[C]` each, gate/up and their gradient `[2I]` each, and four more `[I]` (up, the
 /// activation, and their gradients), per expert its probability sum (f64) and load-balancing
-/// gradient — the CUDA backend's `MoeScratch`, about what the CPU op allocates per call.
-pub fn moe_scratch_bytes(cfg: &ModelConfig, s: Shape) -> u64 {
+/// gradient; under bf16 the GEMMs' bf16 copies of the activation `[I]`, dY `[C]` and d gate/up
+/// `[2I]` per grouped row — the CUDA backend's `MoeScratch`, about what the CPU op allocates
+/// per call.
+pub fn moe_scratch_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
     let Some(m) = &cfg.moe else {
         return 0;
     };
     let (n, e, k) = (s.chunk_rows() as u64, m.num_experts as u64, m.top_k as u64);
     let (c, i) = (cfg.hidden_size as u64, m.expert_intermediate as u64);
     let rows = n * k;
-    4 * (2 * n * e + 5 * rows + 3 * rows * c + 2 * rows * 2 * i + 4 * rows * i) + 12 * e
+    let copies = match precision {
+        Precision::Fp32 => 0,
+        Precision::Bf16 => 2 * rows * (i + c + 2 * i),
+    };
+    4 * (2 * n * e + 5 * rows + 3 * rows * c + 2 * rows * 2 * i + 4 * rows * i) + 12 * e + copies
 }
 
 /// The elements of the largest unit of `cfg`.
@@ -382,19 +388,15 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
 /// casts, for shape `s`: a device that casts operands to bf16 before a bf16 GEMM needs two bf16
 /// buffers of this many elements. The operands cast are the fp32 ones: a chunk's attention
 /// output (`rows × nh·hd`), the residual's gradient (`rows × C`, the output projections' dy)
-/// and a CE chunk's logits gradient (`rows × vocab`); in a mixture of experts an expert's rows
-/// (at most `rows`: a token picks an expert once) of its activation, dY and d gate/up (`2I`
-/// wide interleaved) and the router's d logits (`rows × E`). The weights, the stored
-/// activations ([`Ws`]: the MLP's are the only `rows × I` operands), the MoE's gathered rows
+/// and a CE chunk's logits gradient (`rows × vocab`); in a mixture of experts the router's
+/// d logits (`rows × E`). The weights, the stored activations ([`Ws`]: the MLP's are the only
+/// `rows × I` operands), the MoE's operands (its scratch's bf16 copies, [`moe_scratch_bytes`])
 /// and the stored dQ, dK and dV are in bf16 already.
 pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
     let (c, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
     let rows = s.chunk_rows();
     let ce_rows = CE_CHUNK_ROWS.min(s.n().max(1));
-    let experts = cfg
-        .moe
-        .as_ref()
-        .map_or(0, |m| (2 * m.expert_intermediate).max(m.num_experts));
+    let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
     let widest = c.max(qd).max(kvd).max(experts);
     [rows * widest, ce_rows * cfg.vocab_size]
         .into_iter()

@@ -6,9 +6,11 @@
 //! backward recomputes the forward and runs the same steps in reverse.
 //!
 //! Under the bf16 recipe the input `h` (the norm's output) and the weights are bf16, the
-//! gathered rows are gathered in bf16 (the first half of the `x` scratch's bytes), and every
-//! GEMM takes its other operands cast to bf16 (`cublasGemmEx`, fp32 sums and results): the
-//! CPU's [`crate::model::ops::MoeWeights::bf16_recipe`].
+//! gathered rows are gathered in bf16 (the first half of the `x` scratch's bytes), and the
+//! experts' other GEMM operands — the activation, dY, d gate/up — are cast to bf16 once for all
+//! rows (one launch each, not one per expert), so every expert's GEMMs read bf16 as held
+//! (`cublasGemmEx`, fp32 sums and results); the router's d logits are cast per GEMM: the CPU's
+//! [`crate::model::ops::MoeWeights::bf16_recipe`].
 //!
 //! Scratch lives in [`MoeScratch`], sized for the largest call so far.
 
@@ -54,6 +56,11 @@ pub(super) struct MoeScratch {
     /// Each expert's probability sum `[E]` (f64) and the load-balancing gradient `[E]`.
     sums: CudaSlice<f64>,
     aux: CudaSlice<f32>,
+    /// Under bf16: the activation `[R, I]`, dY `[R, C]` and d gate/up `[R, 2I]` (gate then up
+    /// for Linear-layout experts) as the GEMMs read them (one element when fp32).
+    act16: CudaSlice<u16>,
+    dy16: CudaSlice<u16>,
+    dgu16: CudaSlice<u16>,
     /// The host's copies of the routing (kept until the next call's synchronisation, so no
     /// copy from them is ever in flight when they change).
     expert_host: Vec<u32>,
@@ -73,9 +80,10 @@ fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 }
 
 impl MoeScratch {
-    fn new(stream: &Arc<CudaStream>, rows: usize, s: MoeShape) -> Result<Self> {
+    fn new(stream: &Arc<CudaStream>, rows: usize, s: MoeShape, bf16: bool) -> Result<Self> {
         let (n, e, k, c, i) = (rows, s.experts, s.top_k, s.c, s.inter);
         let r = n * k;
+        let b16 = |len: usize| if bf16 { len } else { 1 };
         Ok(MoeScratch {
             rows,
             shape: (e, k, c, i),
@@ -97,6 +105,9 @@ impl MoeScratch {
             du: alloc(stream, r * i)?,
             sums: alloc(stream, e)?,
             aux: alloc(stream, e)?,
+            act16: alloc(stream, b16(r * i))?,
+            dy16: alloc(stream, b16(r * c))?,
+            dgu16: alloc(stream, b16(r * 2 * i))?,
             expert_host: Vec::new(),
             sums_host: Vec::new(),
             aux_host: Vec::new(),
@@ -125,6 +136,9 @@ struct At {
     du: DevPtr,
     sums: DevPtr,
     aux: DevPtr,
+    act16: DevPtr,
+    dy16: DevPtr,
+    dgu16: DevPtr,
 }
 
 impl CudaBackend {
@@ -135,7 +149,8 @@ impl CudaBackend {
             .as_ref()
             .is_some_and(|m| m.rows >= rows && m.shape == (s.experts, s.top_k, s.c, s.inter));
         if !fits {
-            self.moe = Some(MoeScratch::new(&self.stream, rows, s)?);
+            let bf16 = self.bf16.is_some();
+            self.moe = Some(MoeScratch::new(&self.stream, rows, s, bf16)?);
         }
         let m = self
             .moe
@@ -144,6 +159,7 @@ impl CudaBackend {
         let st = &self.stream;
         let p32 = |x: &CudaSlice<f32>| x.device_ptr(st).0;
         let pu = |x: &CudaSlice<u32>| x.device_ptr(st).0;
+        let p16 = |x: &CudaSlice<u16>| x.device_ptr(st).0;
         Ok(At {
             logits: p32(&m.logits),
             probs: p32(&m.probs),
@@ -163,6 +179,9 @@ impl CudaBackend {
             du: p32(&m.du),
             sums: m.sums.device_ptr(st).0,
             aux: p32(&m.aux),
+            act16: p16(&m.act16),
+            dy16: p16(&m.dy16),
+            dgu16: p16(&m.dgu16),
         })
     }
 
@@ -288,13 +307,19 @@ impl CudaBackend {
                     .moe_clamped_swiglu(l, at.act, at.gate, r * i, (alpha, limit))?
             }
         }
+        if bf16 {
+            self.cast_rows(at.act16, at.act, r * i)?;
+        }
         for ex in 0..e {
             let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
             if m == 0 {
                 continue;
             }
             let wd = Self::off(w.down, ex * c * i);
-            let (act, y) = (rows_at(at.act, lo, i), rows_at(at.y, lo, c));
+            let (act, y) = (
+                operand((at.act, at.act16), lo, i, bf16),
+                rows_at(at.y, lo, c),
+            );
             // y = act · Wdᵀ (Wd [C, I]), or GPT-OSS's act · Wd (Wd [I, C]) + b.
             self.gemm(gemm(y.addr, act, wd, !interleaved, (m, i, c)))?;
             if let (true, Some([_, _, bd])) = (interleaved, w.biases) {
@@ -302,6 +327,12 @@ impl CudaBackend {
             }
         }
         Ok(offsets)
+    }
+
+    /// `len` fp32 values at `src` rounded to bf16 into `dst` (one launch).
+    fn cast_rows(&mut self, dst: DevPtr, src: DevPtr, len: usize) -> Result<()> {
+        let l = launch::elementwise(len, self.sms());
+        self.k().cast_f32_bf16(l, dst, src, len as i64)
     }
 
     /// See [`Backend::moe_fwd`].
@@ -384,6 +415,9 @@ impl CudaBackend {
             (at.slots, at.row_of, at.weight),
             (r, c, k),
         )?;
+        if bf16 {
+            self.cast_rows(at.dy16, at.dy, r * c)?;
+        }
         let gemm = |c_: DevP, (a, ta): (DevP, bool), (b, tb): (DevP, bool), m, kk, nn, acc| Gemm {
             c: c_,
             a,
@@ -403,13 +437,16 @@ impl CudaBackend {
                 continue;
             }
             let (wd, gd) = (Self::off(w.down, ex * c * i), Self::off(g.down, ex * c * i));
-            let (dy, act) = (rows_at(at.dy, lo, c), rows_at(at.act, lo, i));
+            // The GEMMs read dY and the activation as the recipe rounds them; the bias
+            // gradient sums dY in fp32.
+            let dy = operand((at.dy, at.dy16), lo, c, bf16);
+            let act = operand((at.act, at.act16), lo, i, bf16);
             let da = rows_at(at.da, lo, i);
             self.gemm(gemm(da, (dy, false), (wd, interleaved), m, c, i, false))?;
             if interleaved {
                 self.gemm(gemm(gd, (act, true), (dy, false), i, m, c, true))?;
                 if let Some([_, _, gbd]) = g.biases {
-                    self.bias_bwd(Self::off(gbd, ex * c), dy, m, c)?;
+                    self.bias_bwd(Self::off(gbd, ex * c), rows_at(at.dy, lo, c), m, c)?;
                 }
             } else {
                 self.gemm(gemm(gd, (dy, true), (act, false), c, m, i, true))?;
@@ -435,6 +472,17 @@ impl CudaBackend {
                 )?
             }
         }
+        // d gate/up as the GEMMs read them: [R, 2I] interleaved, else d gate then d up.
+        let du16 = at.dgu16 + 2 * (r * i) as u64;
+        if bf16 {
+            match interleaved {
+                true => self.cast_rows(at.dgu16, at.dg, r * 2 * i)?,
+                false => {
+                    self.cast_rows(at.dgu16, at.dg, r * i)?;
+                    self.cast_rows(du16, at.du, r * i)?;
+                }
+            }
+        }
         // Per expert: dWg += dGᵀ·X, dWu += dUᵀ·X, dX = dG·Wg + dU·Wu (into dy's rows); GPT-OSS:
         // dW += Xᵀ·dGU, db += Σ dGU, dX = dGU·Wᵀ.
         for ex in 0..e {
@@ -448,16 +496,18 @@ impl CudaBackend {
             );
             let (x, dx) = (gathered(at.x, lo, c, bf16), rows_at(at.dy, lo, c));
             if interleaved {
-                let dgu = rows_at(at.dg, lo, 2 * i);
+                let dgu = operand((at.dg, at.dgu16), lo, 2 * i, bf16);
                 self.gemm(gemm(gg, (x, true), (dgu, false), c, m, 2 * i, true))?;
                 if let Some([_, gbgu, _]) = g.biases {
-                    self.bias_bwd(Self::off(gbgu, ex * 2 * i), dgu, m, 2 * i)?;
+                    let dgu32 = rows_at(at.dg, lo, 2 * i);
+                    self.bias_bwd(Self::off(gbgu, ex * 2 * i), dgu32, m, 2 * i)?;
                 }
                 self.gemm(gemm(dx, (dgu, false), (wg, true), m, 2 * i, c, false))?;
                 continue;
             }
             let (wu, gu) = (Self::off(wg, i * c), Self::off(gg, i * c));
-            let (dg, du) = (rows_at(at.dg, lo, i), rows_at(at.du, lo, i));
+            let dg = operand((at.dg, at.dgu16), lo, i, bf16);
+            let du = operand((at.du, du16), lo, i, bf16);
             self.gemm(gemm(gg, (dg, true), (x, false), i, m, c, true))?;
             self.gemm(gemm(gu, (du, true), (x, false), i, m, c, true))?;
             self.gemm(gemm(dx, (dg, false), (wg, false), m, i, c, false))?;
@@ -483,6 +533,15 @@ impl CudaBackend {
         self.k()
             .moe_combine(l, dh.addr, at.dy, (at.row_of, at.expert, 0), (n, c, k))?;
         self.gemm(gemm(dh, (dz, false), (w.router, false), n, e, c, true))
+    }
+}
+
+/// Row `row` of an expert GEMM operand of width `w`: its fp32 rows, or under the bf16 recipe
+/// their bf16 copy.
+fn operand((f32_rows, bf16_rows): (DevPtr, DevPtr), row: usize, w: usize, bf16: bool) -> DevP {
+    match bf16 {
+        true => DevP::bf16(bf16_rows + 2 * (row * w) as u64),
+        false => DevP::f32(f32_rows + 4 * (row * w) as u64),
     }
 }
 
