@@ -80,6 +80,38 @@ extern "C" __global__ void moe_route_fwd_f32(float* __restrict__ probs,        /
 
 FOR_DTYPES(GATHER)
 
+// The experts' biases over all grouped rows at once: y[r, :] += b[e, :], e = the expert of row r
+// (the expert chosen in its slot); `W`: the biases as the device holds them.
+#define EXPERT_BIAS(name, T, W)                                                                  \
+    extern "C" __global__ void moe_bias_fwd_##name(T* __restrict__ y,              /* [R, w] */ \
+                                                   const W* __restrict__ b,        /* [E, w] */ \
+                                                   const unsigned* __restrict__ slots, /* [R] */ \
+                                                   const unsigned* __restrict__ expert,        \
+                                                   int rows, int w) {                          \
+        FOR_EACH(i, (long long)rows * w) {                                                      \
+            const long long r = i / w, col = i % w;                                             \
+            st(&y[i], ld(y[i]) + ld(b[(long long)expert[slots[r]] * w + col]));                 \
+        }                                                                                       \
+    }
+
+EXPERT_BIAS(f32, float, float)
+EXPERT_BIAS(f32w16, float, bf16)
+
+// The experts' bias gradients: db[e, col] += Σ over expert e's rows (offsets[e] ≤ r <
+// offsets[e + 1]) of dy[r, col], in row order (the CPU's); one thread per (expert, column).
+extern "C" __global__ void moe_bias_bwd_f32(float* __restrict__ db,               /* [E, w] */
+                                            const float* __restrict__ dy,         /* [R, w] */
+                                            const unsigned* __restrict__ offsets, /* [E + 1] */
+                                            int e, int w) {
+    FOR_EACH(i, (long long)e * w) {
+        const long long x = i / w, col = i % w;
+        float acc = 0.0f;
+        for (long long r = offsets[x]; r < offsets[x + 1]; r++)
+            acc = __fadd_rn(acc, dy[r * w + col]);
+        db[i] = __fadd_rn(db[i], acc);
+    }
+}
+
 // The j-th of token t's k slots in ascending expert order (the experts of a token differ).
 __device__ __forceinline__ int nth_slot(const unsigned* ex, int k, int j) {
     int prev = -1, slot = 0;

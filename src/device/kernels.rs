@@ -168,6 +168,11 @@ pub const FILES: &[KernelFile] = &[
             // x, h, slots; rows, c, k.
             sig("moe_gather_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32, I32]),
             sig("moe_gather_fwd_bf16", &[Ptr, Ptr, Ptr, I32, I32, I32]),
+            // y, b, slots, expert; rows, w.
+            sig("moe_bias_fwd_f32", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
+            sig("moe_bias_fwd_f32w16", &[Ptr, Ptr, Ptr, Ptr, I32, I32]),
+            // db, dy, offsets; e, w.
+            sig("moe_bias_bwd_f32", &[Ptr, Ptr, Ptr, I32, I32]),
             // out, y, row_of, expert, weight (or null); n, c, k.
             sig(
                 "moe_combine_fwd_f32",

@@ -660,6 +660,8 @@ pub const WRAPPED: &[&str] = &[
     "moe_route_bwd",
     "moe_prob_sums_fwd",
     "moe_gather_fwd",
+    "moe_bias_fwd",
+    "moe_bias_bwd",
     "moe_combine_fwd",
     "moe_combine_bwd",
     "moe_clamped_swiglu_fwd",

@@ -1,8 +1,8 @@
 //! The mixture-of-experts MLP on the GPU: the router's GEMM (cuBLAS), softmax and top-k
 //! (`moe_route`), the tokens grouped by expert on the host from the chosen experts (one small
 //! device→host copy per call: each expert's row count sizes its GEMMs), the rows gathered, each
-//! expert's three GEMMs on its rows, the activation over all rows at once, and the weighted sum
-//! per token in ascending expert order — the CPU reference's order (`model::ops::moe`). The
+//! expert's three GEMMs on its rows, GPT-OSS's expert biases and the activation over all rows
+//! at once, and the weighted sum per token in ascending expert order — the CPU reference's order (`model::ops::moe`). The
 //! backward recomputes the forward and runs the same steps in reverse.
 //!
 //! Under the bf16 recipe the input `h` (the norm's output) and the weights are bf16, the
@@ -37,9 +37,11 @@ pub(super) struct MoeScratch {
     expert: CudaSlice<u32>,
     weight: CudaSlice<f32>,
     dweight: CudaSlice<f32>,
-    /// The slots grouped by expert `[R]`, and each slot's grouped row `[n·k]`.
+    /// The slots grouped by expert `[R]`, each slot's grouped row `[n·k]`, and each expert's
+    /// first grouped row `[E + 1]`.
     slots: CudaSlice<u32>,
     row_of: CudaSlice<u32>,
+    offsets: CudaSlice<u32>,
     /// Gathered inputs `[R, C]`, the experts' outputs `[R, C]`, their gradients `[R, C]` (dy,
     /// then dx).
     x: CudaSlice<f32>,
@@ -64,6 +66,7 @@ pub(super) struct MoeScratch {
     /// The host's copies of the routing (kept until the next call's synchronisation, so no
     /// copy from them is ever in flight when they change).
     expert_host: Vec<u32>,
+    offsets_host: Vec<u32>,
     sums_host: Vec<f64>,
     aux_host: Vec<f32>,
     grouped: (Vec<usize>, Vec<u32>, Vec<u32>),
@@ -94,6 +97,7 @@ impl MoeScratch {
             dweight: alloc(stream, r)?,
             slots: alloc(stream, r)?,
             row_of: alloc(stream, r)?,
+            offsets: alloc(stream, e + 1)?,
             x: alloc(stream, r * c)?,
             y: alloc(stream, r * c)?,
             dy: alloc(stream, r * c)?,
@@ -109,6 +113,7 @@ impl MoeScratch {
             dy16: alloc(stream, b16(r * c))?,
             dgu16: alloc(stream, b16(r * 2 * i))?,
             expert_host: Vec::new(),
+            offsets_host: Vec::new(),
             sums_host: Vec::new(),
             aux_host: Vec::new(),
             grouped: (Vec::new(), Vec::new(), Vec::new()),
@@ -125,6 +130,7 @@ struct At {
     dweight: DevPtr,
     slots: DevPtr,
     row_of: DevPtr,
+    offsets: DevPtr,
     x: DevPtr,
     y: DevPtr,
     dy: DevPtr,
@@ -168,6 +174,7 @@ impl CudaBackend {
             dweight: p32(&m.dweight),
             slots: pu(&m.slots),
             row_of: pu(&m.row_of),
+            offsets: pu(&m.offsets),
             x: p32(&m.x),
             y: p32(&m.y),
             dy: p32(&m.dy),
@@ -271,6 +278,18 @@ impl CudaBackend {
                 .memcpy_htod(&row_of[..], &mut m.row_of.slice_mut(..n * k)),
             "upload the grouped rows",
         )?;
+        m.offsets_host.clear();
+        for &o in offsets {
+            let o = u32::try_from(o).map_err(|_| {
+                Error::internal("CUDA backend", "more grouped rows than a u32 counts")
+            })?;
+            m.offsets_host.push(o);
+        }
+        drv(
+            self.stream
+                .memcpy_htod(&m.offsets_host[..], &mut m.offsets.slice_mut(..e + 1)),
+            "upload the experts' first rows",
+        )?;
         let offsets = offsets.clone();
         let r = n * k;
         let l = launch::elementwise(r * c, self.sms());
@@ -290,14 +309,15 @@ impl CudaBackend {
                 // gu [m, 2I] = x · W [C, 2I] + b.
                 let gu = rows_at(at.gate, lo, 2 * i);
                 self.gemm(gemm(gu.addr, x, wgu, false, (m, c, 2 * i)))?;
-                if let Some([_, bgu, _]) = w.biases {
-                    self.bias_fwd(gu, Self::off(bgu, ex * 2 * i), m, 2 * i)?;
-                }
                 continue;
             }
             self.gemm(gemm(rows_at(at.gate, lo, i).addr, x, wgu, true, (m, c, i)))?;
             let wu = Self::off(wgu, i * c);
             self.gemm(gemm(rows_at(at.up, lo, i).addr, x, wu, true, (m, c, i)))?;
+        }
+        // GPT-OSS's gate/up biases, every expert's rows in one launch.
+        if let Some([_, bgu, _]) = w.biases {
+            self.expert_bias(at, (at.gate, bgu), r, 2 * i)?;
         }
         match s.act {
             ExpertAct::Gated(act) => self.gated_fwd(act, f(at.act), f(at.gate), f(at.up), r * i)?,
@@ -322,11 +342,34 @@ impl CudaBackend {
             );
             // y = act · Wdᵀ (Wd [C, I]), or GPT-OSS's act · Wd (Wd [I, C]) + b.
             self.gemm(gemm(y.addr, act, wd, !interleaved, (m, i, c)))?;
-            if let (true, Some([_, _, bd])) = (interleaved, w.biases) {
-                self.bias_fwd(y, Self::off(bd, ex * c), m, c)?;
-            }
+        }
+        if let Some([_, _, bd]) = w.biases {
+            self.expert_bias(at, (at.y, bd), r, c)?;
         }
         Ok(offsets)
+    }
+
+    /// `y[r] += b[expert of r]` over the `rows` grouped rows of width `w` at `y` (one launch).
+    fn expert_bias(
+        &mut self,
+        at: &At,
+        (y, b): (DevPtr, DevP),
+        rows: usize,
+        w: usize,
+    ) -> Result<()> {
+        let dt = if b.bf16 { Dtype::F32W16 } else { F32 };
+        let l = launch::elementwise(rows * w, self.sms());
+        self.k()
+            .moe_bias(dt, l, (y, b.addr), (at.slots, at.expert), (rows, w))
+    }
+
+    /// `db[e] += Σ dy[r]` over each expert's grouped rows of width `w` at `dy` (one launch).
+    fn expert_bias_bwd(&mut self, at: &At, db: DevP, dy: DevPtr, w: usize, e: usize) -> Result<()> {
+        if db.bf16 {
+            return Err(Error::internal("CUDA backend", "a bf16 bias gradient"));
+        }
+        let l = launch::elementwise(e * w, self.sms());
+        self.k().moe_bias_bwd(l, (db.addr, dy, at.offsets), (e, w))
     }
 
     /// `len` fp32 values at `src` rounded to bf16 into `dst` (one launch).
@@ -445,12 +488,13 @@ impl CudaBackend {
             self.gemm(gemm(da, (dy, false), (wd, interleaved), m, c, i, false))?;
             if interleaved {
                 self.gemm(gemm(gd, (act, true), (dy, false), i, m, c, true))?;
-                if let Some([_, _, gbd]) = g.biases {
-                    self.bias_bwd(Self::off(gbd, ex * c), rows_at(at.dy, lo, c), m, c)?;
-                }
             } else {
                 self.gemm(gemm(gd, (dy, true), (act, false), c, m, i, true))?;
             }
+        }
+        // The down biases' gradient (GPT-OSS) from dY in fp32, before dX takes its rows.
+        if let Some([_, _, gbd]) = g.biases {
+            self.expert_bias_bwd(&at, gbd, at.dy, c, e)?;
         }
         match s.act {
             ExpertAct::Gated(act) => self.gated_bwd(
@@ -471,6 +515,10 @@ impl CudaBackend {
                     (alpha, limit),
                 )?
             }
+        }
+        // The gate/up biases' gradient (GPT-OSS) from d gate/up in fp32.
+        if let Some([_, gbgu, _]) = g.biases {
+            self.expert_bias_bwd(&at, gbgu, at.dg, 2 * i, e)?;
         }
         // d gate/up as the GEMMs read them: [R, 2I] interleaved, else d gate then d up.
         let du16 = at.dgu16 + 2 * (r * i) as u64;
@@ -498,10 +546,6 @@ impl CudaBackend {
             if interleaved {
                 let dgu = operand((at.dg, at.dgu16), lo, 2 * i, bf16);
                 self.gemm(gemm(gg, (x, true), (dgu, false), c, m, 2 * i, true))?;
-                if let Some([_, gbgu, _]) = g.biases {
-                    let dgu32 = rows_at(at.dg, lo, 2 * i);
-                    self.bias_bwd(Self::off(gbgu, ex * 2 * i), dgu32, m, 2 * i)?;
-                }
                 self.gemm(gemm(dx, (dgu, false), (wg, true), m, 2 * i, c, false))?;
                 continue;
             }

@@ -164,6 +164,40 @@ impl Launcher<'_> {
         )
     }
 
+    /// `y[r] += b[expert of row r]` over `rows` grouped rows of `w` (`dt`: `F32`, or `F32W16`
+    /// for a bf16 device's biases).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_bias(
+        &self,
+        dt: Dtype,
+        l: Launch,
+        (y, b): (DevPtr, DevPtr),
+        (slots, expert): (DevPtr, DevPtr),
+        (rows, w): (usize, usize),
+    ) -> Result<()> {
+        let (rows, w) = (i32_of(rows, "moe rows")?, i32_of(w, "moe bias width")?);
+        self.launch(
+            &dt.symbol("moe_bias_fwd"),
+            l,
+            &[Ptr(y), Ptr(b), Ptr(slots), Ptr(expert), I32(rows), I32(w)],
+        )
+    }
+
+    /// `db[e] += Σ dy[r]` over expert `e`'s grouped rows (`offsets` `[E + 1]`), in row order.
+    pub fn moe_bias_bwd(
+        &self,
+        l: Launch,
+        (db, dy, offsets): (DevPtr, DevPtr, DevPtr),
+        (e, w): (usize, usize),
+    ) -> Result<()> {
+        let (e, w) = (i32_of(e, "moe experts")?, i32_of(w, "moe bias width")?);
+        self.launch(
+            "moe_bias_bwd_f32",
+            l,
+            &[Ptr(db), Ptr(dy), Ptr(offsets), I32(e), I32(w)],
+        )
+    }
+
     /// `out[t] = Σ (weight ·) y[row]` over t's slots in ascending expert order (`weight` 0:
     /// unweighted).
     #[allow(clippy::too_many_arguments)]
