@@ -8,7 +8,7 @@ use super::program::{Backend, Gemm, MoeAt};
 use super::Precision;
 use crate::model::config::MlpActivation;
 pub(crate) use crate::model::ops::bf16_value;
-use crate::model::ops::{self, AttnShape, ExpertLoad, MoeShape, Rope};
+use crate::model::ops::{self, round_into, AttnShape, ExpertLoad, MoeShape, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -155,23 +155,6 @@ thread_local! {
     static ROUNDED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
         std::cell::RefCell::new((Vec::new(), Vec::new()))
     };
-}
-
-/// `src` rounded to bf16 into `dst` (resized to it), in parallel pieces.
-fn round_into(dst: &mut Vec<f32>, src: &[f32]) {
-    use rayon::prelude::*;
-    const PIECE: usize = 1 << 14;
-    if dst.len() < src.len() {
-        dst.resize(src.len(), 0.0);
-    }
-    dst.truncate(src.len());
-    dst.par_chunks_mut(PIECE)
-        .zip(src.par_chunks(PIECE))
-        .for_each(|(d, s)| {
-            for (d, s) in d.iter_mut().zip(s) {
-                *d = bf16_value(*s);
-            }
-        });
 }
 
 impl<'r> HostBackend<'r> {

@@ -18,9 +18,26 @@ pub fn bf16_value(x: f32) -> f32 {
     })
 }
 
+/// Pieces rounded by one task.
+const PIECE: usize = 1 << 14;
+
 /// Every value of `x` rounded to bf16 in place ([`bf16_value`]), in parallel pieces.
 pub fn round_bf16(x: &mut [f32]) {
-    const PIECE: usize = 1 << 14;
     x.par_chunks_mut(PIECE)
         .for_each(|p| p.iter_mut().for_each(|v| *v = bf16_value(*v)));
+}
+
+/// `src` rounded to bf16 into `dst` (resized to it), in parallel pieces.
+pub fn round_into(dst: &mut Vec<f32>, src: &[f32]) {
+    if dst.len() < src.len() {
+        dst.resize(src.len(), 0.0);
+    }
+    dst.truncate(src.len());
+    dst.par_chunks_mut(PIECE)
+        .zip(src.par_chunks(PIECE))
+        .for_each(|(d, s)| {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d = bf16_value(*s);
+            }
+        });
 }

@@ -451,7 +451,7 @@ pub use attention::{
     attention_bwd, attention_fwd, attention_naive, document_positions, flat_positions, AttnShape,
     ATTN_TILE, IGNORE,
 };
-pub use bf16::{bf16_value, round_bf16};
+pub use bf16::{bf16_value, round_bf16, round_into};
 pub use moe::{
     group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, ExpertLoad, MoeGrads,
     MoeShape, MoeWeights, Router, RouterTally, Routing,

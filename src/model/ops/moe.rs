@@ -10,7 +10,7 @@
 //! gradient through the renormalisation and the softmax; an expert no token chose gets none.
 //! The load-balancing loss ([`RouterTally`]) adds its gradient at the router's logits.
 
-use super::{bf16_value, gated_bwd, gated_fwd, gemm, linear_fwd, MlpActivation};
+use super::{gated_bwd, gated_fwd, gemm, linear_fwd, MlpActivation};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -200,7 +200,7 @@ fn expert_weights<'a>(w: &MoeWeights<'a>, s: MoeShape, e: usize) -> (&'a [f32], 
 /// `x` rounded to bf16 in place where `bf16` (the bf16 recipe's GEMM operands).
 fn round_if(bf16: bool, x: &mut [f32]) {
     if bf16 {
-        x.iter_mut().for_each(|v| *v = bf16_value(*v));
+        super::round_bf16(x);
     }
 }
 
@@ -209,8 +209,7 @@ fn round_if(bf16: bool, x: &mut [f32]) {
 fn gemm_input(h: &[f32], w: &MoeWeights<'_>) -> Option<Vec<f32>> {
     w.bf16_recipe.then(|| {
         let mut v = scratch::take(h.len());
-        v.copy_from_slice(h);
-        super::round_bf16(&mut v);
+        super::round_into(&mut v, h);
         v
     })
 }

@@ -304,7 +304,7 @@ impl CudaBackend {
                 continue;
             }
             let wgu = Self::off(w.gate_up, ex * 2 * i * c);
-            let x = gathered(at.x, lo, c, bf16);
+            let x = operand((at.x, at.x), lo, c, bf16);
             if interleaved {
                 // gu [m, 2I] = x · W [C, 2I] + b.
                 let gu = rows_at(at.gate, lo, 2 * i);
@@ -542,7 +542,7 @@ impl CudaBackend {
                 Self::off(w.gate_up, ex * 2 * i * c),
                 Self::off(g.gate_up, ex * 2 * i * c),
             );
-            let (x, dx) = (gathered(at.x, lo, c, bf16), rows_at(at.dy, lo, c));
+            let (x, dx) = (operand((at.x, at.x), lo, c, bf16), rows_at(at.dy, lo, c));
             if interleaved {
                 let dgu = operand((at.dg, at.dgu16), lo, 2 * i, bf16);
                 self.gemm(gemm(gg, (x, true), (dgu, false), c, m, 2 * i, true))?;
@@ -581,18 +581,10 @@ impl CudaBackend {
 }
 
 /// Row `row` of an expert GEMM operand of width `w`: its fp32 rows, or under the bf16 recipe
-/// their bf16 copy.
+/// their bf16 copy (the gathered rows: the same buffer, gathered in bf16).
 fn operand((f32_rows, bf16_rows): (DevPtr, DevPtr), row: usize, w: usize, bf16: bool) -> DevP {
     match bf16 {
         true => DevP::bf16(bf16_rows + 2 * (row * w) as u64),
         false => DevP::f32(f32_rows + 4 * (row * w) as u64),
-    }
-}
-
-/// Row `row` of the gathered rows (width `c`) at `x`: bf16 under the bf16 recipe.
-fn gathered(x: DevPtr, row: usize, c: usize, bf16: bool) -> DevP {
-    match bf16 {
-        true => DevP::bf16(x + 2 * (row * c) as u64),
-        false => DevP::f32(x + 4 * (row * c) as u64),
     }
 }

@@ -5,7 +5,7 @@
 
 #[cfg(doc)]
 use super::MoeWeights;
-use super::{bf16_value, gated_fwd, gemm, scratch, MlpActivation, MoeShape};
+use super::{gated_fwd, gemm, scratch, MlpActivation, MoeShape};
 
 /// Rows below which a GEMM whose B is a Linear-layout weight (`B = Wᵀ`, column-major) of at
 /// least [`TRANSPOSE_FROM`] elements first transposes it (see [`mm`]).
@@ -126,7 +126,7 @@ pub(super) fn expert_fwd_transposed(
     );
     gated_fwd(act, &mut at, &gt, &ut);
     if round {
-        at.iter_mut().for_each(|v| *v = bf16_value(*v));
+        crate::model::ops::round_bf16(&mut at);
     }
     // yᵀ [C, m] in xt's buffer (x is no longer needed).
     mm_as_is(s, &mut xt, wd, (i, 1), &at, (m, 1), (c, i, m), false);

@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::ops::bf16_value;
 
 fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     crate::util::uniform(n, seed, scale)
