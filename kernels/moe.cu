@@ -174,7 +174,8 @@ extern "C" __global__ void moe_combine_bwd_f32(float* __restrict__ dy,          
 // (through the renormalisation when `norm`), then the softmax's: dz = p ⊙ (dp − Σ p·dp).
 // `router` 1: the softmax over the chosen logits: dz_j = w_j (dw_j − Σ w·dw), 0 elsewhere.
 // The load-balancing loss's dL/dp `aux` [E] (null: none) through the softmax `p`, added to dz:
-// dz += p ⊙ (aux − ⟨p, aux⟩).
+// dz += p ⊙ (aux − ⟨p, aux⟩) — on the tokens that are not padding (`pad` [N] non-zero; null:
+// none is).
 __device__ __forceinline__ void add_aux(float* dz, const float* p, const float* aux, int e) {
     if (!aux) return;
     float dot = 0.0f;
@@ -188,9 +189,11 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
                                              const float* __restrict__ weight,    /* [N, k] */
                                              const float* __restrict__ dweight,   /* [N, k] */
                                              const float* __restrict__ aux,       /* [E] or null */
+                                             const unsigned char* __restrict__ pad, /* [N] or null */
                                              int n, int e, int k, int norm, int router) {
     FOR_EACH(t, n) {
         const float* p = probs + t * (long long)e;
+        const float* aux_t = (pad && pad[t]) ? (const float*)0 : aux;
         const unsigned* ex = expert + t * (long long)k;
         const float* dw = dweight + t * (long long)k;
         float* dz = dlogits + t * (long long)e;
@@ -200,7 +203,7 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
             float dot = 0.0f;
             for (int j = 0; j < k; j++) dot = __fadd_rn(dot, __fmul_rn(w[j], dw[j]));
             for (int j = 0; j < k; j++) dz[ex[j]] = __fmul_rn(w[j], __fsub_rn(dw[j], dot));
-            add_aux(dz, p, aux, e);
+            add_aux(dz, p, aux_t, e);
             continue;
         }
         float total = 0.0f, cross = 0.0f;
@@ -217,18 +220,20 @@ extern "C" __global__ void moe_route_bwd_f32(float* __restrict__ dlogits,       
         float dot = 0.0f;
         for (int i = 0; i < e; i++) dot = __fadd_rn(dot, __fmul_rn(p[i], dz[i]));
         for (int i = 0; i < e; i++) dz[i] = __fmul_rn(p[i], __fsub_rn(dz[i], dot));
-        add_aux(dz, p, aux, e);
+        add_aux(dz, p, aux_t, e);
     }
 }
 
 // sums[i] = Σ_t probs[t, i] (t ascending, summed and written in double): each expert's router probability summed
-// over the call's tokens, in the CPU's order (`ExpertLoad::of`).
-extern "C" __global__ void moe_prob_sums_fwd_f32(double* __restrict__ sums,         /* [E] */
-                                             const float* __restrict__ probs,  /* [N, E] */
-                                             int n, int e) {
+// over the call's tokens but padding (`pad` [N] non-zero; null: none is), in the CPU's order (`ExpertLoad::of`).
+extern "C" __global__ void moe_prob_sums_fwd_f32(double* __restrict__ sums,                 /* [E] */
+                                                 const float* __restrict__ probs,          /* [N, E] */
+                                                 const unsigned char* __restrict__ pad,    /* [N] or null */
+                                                 int n, int e) {
     FOR_EACH(i, e) {
         double s = 0.0;
-        for (int t = 0; t < n; t++) s += (double)probs[t * (long long)e + i];
+        for (int t = 0; t < n; t++)
+            if (!pad || !pad[t]) s += (double)probs[t * (long long)e + i];
         sums[i] = s;
     }
 }

@@ -100,6 +100,7 @@ fn batch(seed: u64, vocab: u32) -> MicroBatch {
         tokens: toks[..B * T].to_vec().into(),
         targets: targets.into(),
         positions: positions.into(),
+        pad: None,
     }
 }
 
@@ -405,6 +406,7 @@ fn device_peak_grows_with_the_sequence_only_by_what_attention_keeps() {
                 tokens: toks[..t].to_vec().into(),
                 targets: toks[1..].to_vec().into(),
                 positions: megatrain::model::ops::flat_positions(1, t).into(),
+                pad: None,
             };
             let m = r.streamer.step(&[mb], 1e-3).unwrap();
             assert!(m.loss.is_finite());

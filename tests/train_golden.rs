@@ -256,6 +256,12 @@ fn sft_chat_packed_with_grad_accumulation() {
 fn sft_chat_one_document_per_row() {
     check_sft_on("chat_unpacked", On::Cpu);
 }
+/// Mixtral with its load-balancing loss over packed rows whose tails are padding: the padding
+/// counts in no part of that loss (transformers with an `attention_mask`).
+#[test]
+fn sft_mixtral_aux_loss_leaves_padding_out() {
+    check_sft_on("chat_mixtral_aux", On::Cpu);
+}
 #[test]
 fn sft_prompt_completion_packed() {
     check_sft_on("prompt_completion", On::Cpu);
@@ -505,6 +511,10 @@ mod cuda {
     #[test]
     fn sft_prompt_completion_packed() {
         check_sft_on("prompt_completion", On::Cuda { delays: false });
+    }
+    #[test]
+    fn sft_mixtral_aux_loss_leaves_padding_out() {
+        check_sft_on("chat_mixtral_aux", On::Cuda { delays: false });
     }
 
     #[test]

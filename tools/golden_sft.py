@@ -10,6 +10,10 @@ transformers defines it, without packing:
   the step's loss is the sum over its documents' trained tokens divided by the number of trained
   tokens of the whole step (all its micro-batches: transformers' Trainer since 4.46);
   global-norm clipping; torch.optim.AdamW (weight decay on every tensor); constant lr.
+  A mixture of experts with `output_router_logits` adds `router_aux_loss_coef / M` times each
+  micro-batch's load-balancing loss: transformers' `load_balancing_loss_func` over the router
+  logits of all the micro-batch's documents — what transformers computes for a padded batch with
+  its `attention_mask` (padding counts in no part of it).
 
 Which documents make a step follows megatrain's documented packing: documents in file order,
 greedily into rows of T tokens (never split; none here is longer than T), B rows per micro-batch,
@@ -20,7 +24,7 @@ For each case writes tests/golden/sft_{case}/ with
   data.jsonl          the samples (prepared by the test with tests/fixtures/chat/gen)
   golden.safetensors  metadata: magic, version, settings (JSON); tensors: loss [S], grad_norm [S],
                       final.{name} (weights after S steps)
-Run:  python3 tools/golden_sft.py   (needs torch, transformers; tools/sft_example.py's venv)
+Run:  python3 tools/golden_sft.py [CASE…]   (needs torch, transformers; tools/sft_example.py's venv)
 """
 import json
 import os
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 MAGIC, VERSION = "megatrain-golden", "1"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +50,12 @@ CASES = {
     "chat_unpacked": dict(format="chat", packing="off", B=3, T=96, M=1, steps=3, clip=0.0, lr=3e-3, wd=0.0),
     "prompt_completion": dict(format="prompt-completion", packing="on", B=2, T=64, M=2, steps=3, clip=1.0,
                               lr=3e-3, wd=0.1),
+    # Mixtral with its load-balancing loss (coefficient 0.5, so that it matters) over packed rows
+    # whose tails are padding: the padding must count in neither the loss nor its gradient.
+    "chat_mixtral_aux": dict(format="chat", packing="on", B=2, T=160, M=2, steps=3, clip=1.0, lr=3e-3, wd=0.1,
+                             model_type="mixtral",
+                             config=dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                         router_aux_loss_coef=0.5)),
 }
 
 
@@ -119,7 +130,8 @@ def run(case, c, seed):
             f.write(json.dumps(s) + "\n")
 
     g = torch.Generator().manual_seed(seed)
-    cfg = AutoConfig.for_model("llama", **BASE, vocab_size=len(tok))
+    cfg = AutoConfig.for_model(c.get("model_type", "llama"), **BASE, vocab_size=len(tok), **c.get("config", {}))
+    moe = getattr(cfg, "output_router_logits", False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
@@ -138,12 +150,20 @@ def run(case, c, seed):
         total = 0.0
         for mb in micro:
             loss = 0.0
+            router = []  # per document: per layer [tokens, E]
             for ids, mask in mb:
                 x = torch.tensor([ids])
-                logits = model(input_ids=x).logits[0].float()
+                out = model(input_ids=x)
+                logits = out.logits[0].float()
                 labels = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
                 loss = loss + F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
+                if moe:
+                    router.append(out.router_logits)
             loss = loss / trained
+            if moe:
+                per_layer = tuple(torch.cat([doc[l] for doc in router]) for l in range(cfg.num_hidden_layers))
+                aux = load_balancing_loss_func(per_layer, cfg.num_local_experts, cfg.num_experts_per_tok, None)
+                loss = loss + cfg.router_aux_loss_coef * aux / M
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), c["clip"] if c["clip"] > 0 else float("inf"))
@@ -162,8 +182,10 @@ def run(case, c, seed):
 
 def main():
     torch.set_num_threads(1)
+    only = set(sys.argv[1:])
     for i, (case, c) in enumerate(CASES.items()):
-        run(case, c, 700 + i)
+        if not only or case in only:
+            run(case, c, 700 + i)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ use super::program::{Backend, Gemm, MoeAt};
 use super::Precision;
 use crate::model::config::MlpActivation;
 pub(crate) use crate::model::ops::bf16_value;
-use crate::model::ops::{self, round_into, AttnShape, ExpertLoad, MoeShape, Rope};
+use crate::model::ops::{self, round_into, AttnShape, AuxGrad, ExpertLoad, MoeShape, Rope};
 use crate::{Error, Result};
 use std::sync::{Arc, Mutex};
 
@@ -513,8 +513,9 @@ impl Backend for HostBackend<'_> {
         w: MoeAt<HostP>,
         rows: usize,
         s: MoeShape,
+        pad: Option<&[u8]>,
     ) -> Result<ExpertLoad> {
-        moe::forward(out, h, w, rows, s, self.precision == Precision::Bf16)
+        moe::forward(out, h, w, rows, (s, pad), self.precision == Precision::Bf16)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -527,7 +528,7 @@ impl Backend for HostBackend<'_> {
         w: MoeAt<HostP>,
         rows: usize,
         s: MoeShape,
-        aux: Option<&[f32]>,
+        aux: Option<AuxGrad<'_>>,
     ) -> Result<()> {
         let bf16 = self.precision == Precision::Bf16;
         moe::backward(dh, g, d_out, h, w, rows, (s, bf16), aux)

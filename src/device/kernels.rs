@@ -183,13 +183,14 @@ pub const FILES: &[KernelFile] = &[
                 "moe_combine_bwd_f32",
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32],
             ),
-            // dlogits, probs, expert, weight, dweight, aux (or null); n, e, k, norm, router.
+            // dlogits, probs, expert, weight, dweight, aux (or null), pad (u8, or null); n, e,
+            // k, norm, router.
             sig(
                 "moe_route_bwd_f32",
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32],
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32, I32],
             ),
-            // sums (f64), probs; n, e.
-            sig("moe_prob_sums_fwd_f32", &[Ptr, Ptr, I32, I32]),
+            // sums (f64), probs, pad (u8, or null); n, e.
+            sig("moe_prob_sums_fwd_f32", &[Ptr, Ptr, Ptr, I32, I32]),
             // out, gu; n, alpha, limit.
             sig("moe_clamped_swiglu_fwd_f32", &[Ptr, Ptr, I64, F32, F32]),
             // dgu, dout, gu; n, alpha, limit.

@@ -256,6 +256,9 @@ pub struct Batch {
     /// Each token's position in its document, `batch × seq` (RoPE angle; attention stays
     /// inside the document).
     pub positions: Arc<[u32]>,
+    /// Which tokens are padding (non-zero), `batch × seq`, when some are: they count in no
+    /// mixture of experts' load-balancing loss (transformers' `attention_mask`).
+    pub pad: Option<Arc<[u8]>>,
     /// Scale of the loss gradient.
     pub grad_scale: f32,
     /// Σ loss of the step, added to by the head.

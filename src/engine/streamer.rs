@@ -62,6 +62,8 @@ pub struct MicroBatch {
     pub targets: Arc<[u32]>,
     /// Positions.
     pub positions: Arc<[u32]>,
+    /// Which tokens are padding (non-zero), when some are (see [`crate::device::Batch::pad`]).
+    pub pad: Option<Arc<[u8]>>,
 }
 
 impl MicroBatch {
@@ -72,6 +74,7 @@ impl MicroBatch {
             tokens: tokens.into(),
             targets: targets.into(),
             positions: positions.into(),
+            pad: None,
         }
     }
 
@@ -507,6 +510,7 @@ impl Streamer {
                     tokens: mb.tokens.clone(),
                     targets: mb.targets.clone(),
                     positions: mb.positions.clone(),
+                    pad: mb.pad.clone(),
                     grad_scale,
                     loss: loss.clone(),
                     router: Default::default(),

@@ -285,8 +285,16 @@ impl Packed {
         }
     }
 
-    /// Row `r`'s inputs, targets and positions, T each, appended.
-    fn row(&self, r: usize, seq: usize, x: &mut Vec<u32>, y: &mut Vec<u32>, p: &mut Vec<u32>) {
+    /// Row `r`'s inputs, targets and positions, T each, appended; returns how many of its
+    /// tokens (its tail) are padding.
+    fn row(
+        &self,
+        r: usize,
+        seq: usize,
+        x: &mut Vec<u32>,
+        y: &mut Vec<u32>,
+        p: &mut Vec<u32>,
+    ) -> usize {
         let mut used = 0;
         for &(start, len) in &self.pieces[self.rows[r]..self.rows[r + 1]] {
             x.extend((start..start + len).map(|i| self.docs.token(i)));
@@ -304,6 +312,7 @@ impl Packed {
         x.extend(std::iter::repeat_n(self.docs.pad_id(), pad));
         y.extend(std::iter::repeat_n(IGNORE, pad));
         p.extend(0..pad as u32);
+        pad
     }
 }
 
@@ -460,7 +469,9 @@ impl Loader {
         let n = self.batch * self.seq;
         let (mut x, mut y) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let mut positions = Vec::with_capacity(n);
-        for _ in 0..self.batch {
+        // Padding flags per token, made only when a row has padding.
+        let mut pad: Option<Vec<u8>> = None;
+        for row in 0..self.batch {
             if self.cursor.position as usize >= self.order.len() {
                 self.cursor = Cursor {
                     epoch: self.cursor.epoch + 1,
@@ -475,7 +486,14 @@ impl Loader {
                     f.row(r, self.seq, &mut x, &mut y);
                     positions.extend(flat_positions(1, self.seq));
                 }
-                Rows::Packed(p) => p.row(r, self.seq, &mut x, &mut y, &mut positions),
+                Rows::Packed(p) => {
+                    let tail = p.row(r, self.seq, &mut x, &mut y, &mut positions);
+                    if tail > 0 {
+                        let flags = pad.get_or_insert_with(|| vec![0; n]);
+                        let end = (row + 1) * self.seq;
+                        flags[end - tail..end].fill(1);
+                    }
+                }
             }
             self.cursor.position += 1;
         }
@@ -483,6 +501,7 @@ impl Loader {
             tokens: x.into(),
             targets: y.into(),
             positions: positions.into(),
+            pad: pad.map(Into::into),
         }
     }
 }
@@ -625,13 +644,17 @@ mod tests {
         assert_eq!(&mb.tokens[..], &[10, 11, 12, 20, 21, 22, 23, 0]);
         assert_eq!(&mb.targets[..], &[11, 12, x, 21, 22, 23, x, x]);
         assert_eq!(&mb.positions[..], &[0, 1, 2, 0, 1, 2, 3, 0]);
+        // The row's tail is padding (untrained targets are not: the flags say which is which).
+        assert_eq!(mb.pad.as_deref(), Some(&[0, 0, 0, 0, 0, 0, 0, 1][..]));
         let mb = l.next_batch();
         assert_eq!(&mb.tokens[..], &[30, 31, 40, 41, 42, 43, 44, 45]);
         assert_eq!(&mb.targets[..], &[31, x, x, x, 43, 44, 45, x]);
         assert_eq!(&mb.positions[..], &[0, 1, 0, 1, 2, 3, 4, 5]);
+        assert_eq!(mb.pad, None, "a full row has no padding");
         let mb = l.next_batch();
         assert_eq!(&mb.targets[..], &[x, 52, x, x, x, x, x, x]);
         assert_eq!(&mb.positions[..], &[0, 1, 2, 0, 1, 2, 3, 4]);
+        assert_eq!(mb.pad.as_deref(), Some(&[0, 0, 0, 1, 1, 1, 1, 1][..]));
     }
 
     #[test]

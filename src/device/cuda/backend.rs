@@ -18,7 +18,7 @@ use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
 use crate::device::Precision;
 use crate::model::config::MlpActivation;
-use crate::model::ops::{AttnShape, ExpertLoad, MoeShape, Rope};
+use crate::model::ops::{AttnShape, AuxGrad, ExpertLoad, MoeShape, Rope};
 use crate::{Error, Result};
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -574,8 +574,9 @@ impl Backend for CudaBackend {
         w: MoeAt<DevP>,
         rows: usize,
         s: MoeShape,
+        pad: Option<&[u8]>,
     ) -> Result<ExpertLoad> {
-        self.moe_forward(out, h, w, rows, s)
+        self.moe_forward(out, h, w, rows, s, pad)
     }
 
     fn moe_bwd(
@@ -587,7 +588,7 @@ impl Backend for CudaBackend {
         w: MoeAt<DevP>,
         rows: usize,
         s: MoeShape,
-        aux: Option<&[f32]>,
+        aux: Option<AuxGrad<'_>>,
     ) -> Result<()> {
         self.moe_backward(dh, g, d_out, h, w, rows, s, aux)
     }

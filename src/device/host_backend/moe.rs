@@ -4,7 +4,7 @@
 
 use super::{views, HostP};
 use crate::device::program::MoeAt;
-use crate::model::ops::{self, ExpertLoad, MoeGrads, MoeShape, MoeWeights};
+use crate::model::ops::{self, AuxGrad, ExpertLoad, MoeGrads, MoeShape, MoeWeights};
 use crate::Result;
 
 /// See [`crate::device::program::Backend::moe_fwd`].
@@ -13,7 +13,7 @@ pub(super) fn forward(
     h: HostP,
     w: MoeAt<HostP>,
     rows: usize,
-    s: MoeShape,
+    (s, pad): (MoeShape, Option<&[u8]>),
     bf16: bool,
 ) -> Result<ExpertLoad> {
     let c = s.c;
@@ -26,7 +26,7 @@ pub(super) fn forward(
     )?;
     let w = weights(s, [router, gate_up, down, b_r, b_gu, b_d], bf16);
     let r = ops::moe_fwd(out, h, &w, rows, s);
-    Ok(ExpertLoad::of(&r.expert, &r.probs, rows, s.experts))
+    Ok(ExpertLoad::of(&r.expert, &r.probs, rows, s.experts, pad))
 }
 
 /// See [`crate::device::program::Backend::moe_bwd`].
@@ -39,14 +39,16 @@ pub(super) fn backward(
     w: MoeAt<HostP>,
     rows: usize,
     (s, bf16): (MoeShape, bool),
-    aux: Option<&[f32]>,
+    aux: Option<AuxGrad<'_>>,
 ) -> Result<()> {
     let c = s.c;
     let h = moe_input(h, bf16)?;
-    if aux.is_some_and(|a| a.len() != s.experts) {
+    if aux
+        .is_some_and(|a| a.per_expert.len() != s.experts || a.pad.is_some_and(|p| p.len() != rows))
+    {
         return Err(crate::Error::internal(
             "moe_bwd",
-            "the load-balancing gradient is not one value per expert",
+            "the load-balancing gradient is not one value per expert and a padding mask per row",
         ));
     }
     let [gr, ggu, gd, gbr, gbgu, gbd] = moe_ranges(g, s);

@@ -6,7 +6,7 @@
 use super::{Backend, Chunk, Gemm, MoeAt, Precision, Shape, Ws};
 use crate::model::config::ModelConfig;
 use crate::model::layers::{DecoderBlock, MoeMlp};
-use crate::model::ops::{self, AttnShape, ExpertLoad, CE_CHUNK_ROWS};
+use crate::model::ops::{self, AttnShape, AuxGrad, ExpertLoad, CE_CHUNK_ROWS};
 use crate::Result;
 
 /// `y = x·Wᵀ (+ bias)`, W `[dout, din]`.
@@ -248,6 +248,11 @@ impl<B: Backend> At<B> {
     fn rows_of(&self, p: B::P, width: usize) -> B::P {
         B::off(p, self.r0 * width)
     }
+
+    /// The chunk's padding flags, of the micro-batch's `pad` (`[N]`, checked with the batch).
+    fn pad<'a>(&self, pad: Option<&'a [u8]>) -> Option<&'a [u8]> {
+        pad.and_then(|p| p.get(self.r0..self.r0 + self.rows))
+    }
 }
 
 /// Pass one of a block: K and V `[N, nkv·hd]` for the chunk's rows (RoPE on K), from its
@@ -357,21 +362,28 @@ fn query_internals<B: Backend>(
 
 /// The MLP's down projection of the chunk's `act` into `out` (`[rows, C]`), or under sandwich
 /// norms into `ws.mlp_out` and its norm into `out` (1/rms into `ws.rstd_pf`). A mixture of
-/// experts returns what it routed.
+/// experts returns what it routed over the rows `pad` does not mark as padding.
 fn mlp_output<B: Backend>(
     be: &mut B,
     blk: &DecoderBlock,
     p: B::P,
     out: B::P,
     ws: &Ws<B::P>,
-    rows: usize,
+    (rows, pad): (usize, Option<&[u8]>),
 ) -> Result<Option<ExpertLoad>> {
     let (c, i) = (blk.c, blk.inter);
     let act = stored(be, ws.act);
     let wd = B::off(p, blk.wd);
     let project = |be: &mut B, out: B::P| match &blk.moe {
         Some(m) => be
-            .moe_fwd(out, stored(be, ws.h2), moe_at::<B>(p, m), rows, m.shape)
+            .moe_fwd(
+                out,
+                stored(be, ws.h2),
+                moe_at::<B>(p, m),
+                rows,
+                m.shape,
+                pad,
+            )
             .map(Some),
         None => linear_fwd(be, out, act, wd, None, rows, i, c).map(|()| None),
     };
@@ -409,7 +421,7 @@ fn sequence_keys_values<B: Backend>(
 
 /// `y = block(x)` with the unit's weights at `p`, chunk by chunk: K and V for every chunk,
 /// then each chunk's queries to its output. A mixture of experts returns what it routed over
-/// every chunk.
+/// every chunk, but for the tokens `pad` `[N]` marks as padding.
 #[allow(clippy::too_many_arguments)]
 pub fn block_fwd<B: Backend>(
     be: &mut B,
@@ -417,7 +429,7 @@ pub fn block_fwd<B: Backend>(
     p: B::P,
     x: B::P,
     y: B::P,
-    pos: B::Ids,
+    (pos, pad): (B::Ids, Option<&[u8]>),
     ws: &Ws<B::P>,
     s: Shape,
 ) -> Result<Option<ExpertLoad>> {
@@ -430,7 +442,7 @@ pub fn block_fwd<B: Backend>(
         let at = At::<B>::new(blk, s, ch, pos);
         query_internals(be, blk, p, x, ws, &at, pos)?;
         let y = at.rows_of(y, c);
-        if let Some(load) = mlp_output(be, blk, p, y, ws, at.rows)? {
+        if let Some(load) = mlp_output(be, blk, p, y, ws, (at.rows, at.pad(pad)))? {
             routed.get_or_insert_with(ExpertLoad::default).add(&load);
         }
         be.add(y, ws.x2, at.rows * c)?;
@@ -446,7 +458,8 @@ pub fn block_fwd<B: Backend>(
 /// attention output's backward, the attention backward for its queries (dK and dV summed over
 /// the chunks) and dL/dh1's query part; pass three, per chunk, the rest of dL/dh1 from the
 /// finished dK and dV and the first norm's backward. `aux`: a mixture of experts'
-/// load-balancing gradient per expert ([`Backend::moe_bwd`]).
+/// load-balancing gradient per expert and the micro-batch's padding flags `[N]`
+/// ([`Backend::moe_bwd`]).
 #[allow(clippy::too_many_arguments)]
 pub fn block_bwd<B: Backend>(
     be: &mut B,
@@ -460,7 +473,7 @@ pub fn block_bwd<B: Backend>(
     ws: &Ws<B::P>,
     s: Shape,
     recompute: bool,
-    aux: Option<&[f32]>,
+    aux: Option<AuxGrad<'_>>,
 ) -> Result<()> {
     let (c, qd, kvd) = (blk.c, blk.nh * blk.hd, blk.nkv * blk.hd);
     let w = |o: usize| B::off(p, o);
@@ -480,6 +493,10 @@ pub fn block_bwd<B: Backend>(
             query_internals(be, blk, p, x, ws, &at, pos)?;
         }
         // dx = dx2 + rmsnorm_bwd(dh1): dx2 now (into dx), the rest in pass three.
+        let aux = aux.map(|a| AuxGrad {
+            pad: at.pad(a.pad),
+            ..a
+        });
         mlp_bwd(be, blk, p, g, dy, dx, ws, rows, aux)?;
         // Attention: x2 = x + att·Woᵀ (+ bo), under sandwich norms x + norm(att·Woᵀ (+ bo)):
         // dL/d(att·Woᵀ) through d_c (free here). Under bf16 dO is computed where the attention
@@ -622,7 +639,7 @@ fn mlp_bwd<B: Backend>(
     dx2: B::P,
     ws: &Ws<B::P>,
     rows: (usize, usize),
-    aux: Option<&[f32]>,
+    aux: Option<AuxGrad<'_>>,
 ) -> Result<()> {
     let (n, c, i) = (rows.0, blk.c, blk.inter);
     let w = |o: usize| B::off(p, o);
@@ -633,7 +650,7 @@ fn mlp_bwd<B: Backend>(
     let d_out = match blk.post_mlp_norm {
         None => dy,
         Some(pf) => {
-            mlp_output(be, blk, p, ws.d_c, ws, n)?;
+            mlp_output(be, blk, p, ws.d_c, ws, (n, None))?;
             let wn = (w(pf), blk.norm_offset);
             be.rmsnorm_bwd(ws.d_c, gw(pf), dy, ws.mlp_out, wn, ws.rstd_pf, n, c, false)?;
             ws.d_c

@@ -17,7 +17,7 @@ mod workspace;
 use super::{Batch, BufId, DeviceKernel, Kernel, Precision};
 use crate::model::config::MlpActivation;
 use crate::model::layers::DecoderBlock;
-use crate::model::ops::{AttnShape, ExpertLoad, MoeShape};
+use crate::model::ops::{AttnShape, AuxGrad, ExpertLoad, MoeShape};
 use crate::model::reference::Templates;
 use crate::{Error, Result};
 pub use layers::{block_bwd, block_fwd, head_loss_bwd};
@@ -232,7 +232,8 @@ pub trait Backend {
     /// at `w` ([`crate::model::ops::moe_fwd`]: router, top-k, the experts' gated MLPs, the
     /// weighted sum). Under the bf16 recipe `h` is the norm's bf16-stored output and the
     /// experts' GEMMs take bf16 operands ([`crate::model::ops::MoeWeights::bf16_recipe`]).
-    /// Returns what it routed (tokens per expert, the router probabilities' sums), which the
+    /// Returns what it routed over the rows that are not padding (`pad` `[rows]`, non-zero:
+    /// padding; `None`: none is) — tokens per expert, the router probabilities' sums — which the
     /// load-balancing loss and the metrics read.
     fn moe_fwd(
         &mut self,
@@ -241,10 +242,12 @@ pub trait Backend {
         w: MoeAt<Self::P>,
         rows: usize,
         s: MoeShape,
+        pad: Option<&[u8]>,
     ) -> Result<ExpertLoad>;
     /// Its backward ([`crate::model::ops::moe_bwd`], the forward recomputed from `h`): `dh`
-    /// written, the router's and experts' gradients at `g` added to; `aux` `[E]`: the
-    /// load-balancing loss's dL/dp per expert ([`crate::model::ops::RouterTally::aux_grad`]).
+    /// written, the router's and experts' gradients at `g` added to; `aux`: the load-balancing
+    /// loss's dL/dp per expert ([`crate::model::ops::RouterTally::aux_grad`]) and the rows that
+    /// are padding (which take none of it).
     fn moe_bwd(
         &mut self,
         dh: Self::P,
@@ -254,7 +257,7 @@ pub trait Backend {
         w: MoeAt<Self::P>,
         rows: usize,
         s: MoeShape,
-        aux: Option<&[f32]>,
+        aux: Option<AuxGrad<'_>>,
     ) -> Result<()>;
     /// `x[r] = E[ids[r]]·scale` (`E` is `[V, c]`).
     fn embed_fwd(
@@ -338,8 +341,9 @@ pub fn run<B: Backend>(
             let p = at.range(*w, 0, blk.numel, "weights")?;
             let (x, y) = (at.range(*x, 0, n * c, "x")?, at.range(*y, 0, n * c, "y")?);
             let pos = positions(be, tm, &at, batch, s)?;
+            let pad = padding(&at, batch, n)?;
             let ws = at.kept(*keep, tm, ws, s, be.stored())?;
-            if let Some(load) = block_fwd(be, blk, p, x, y, pos, &ws, s)? {
+            if let Some(load) = block_fwd(be, blk, p, x, y, (pos, pad), &ws, s)? {
                 crate::util::lock(&batch.router).add(*layer, &load);
             }
             Ok(())
@@ -366,22 +370,13 @@ pub fn run<B: Backend>(
             let recompute = kept.is_none();
             let ws = at.kept(*kept, tm, ws, s, be.stored())?;
             // The load-balancing gradient needs the whole forward's routing: done by now.
-            let aux = (blk.moe.is_some() && batch.aux_scale > 0.0)
+            let per_expert = (blk.moe.is_some() && batch.aux_scale > 0.0)
                 .then(|| crate::util::lock(&batch.router).aux_grad(batch.aux_scale));
-            block_bwd(
-                be,
-                blk,
-                p,
-                gr,
-                x,
-                dy,
-                dx,
-                pos,
-                &ws,
-                s,
-                recompute,
-                aux.as_deref(),
-            )
+            let pad = padding(&at, batch, n)?;
+            let aux = per_expert
+                .as_deref()
+                .map(|per_expert| AuxGrad { per_expert, pad });
+            block_bwd(be, blk, p, gr, x, dy, dx, pos, &ws, s, recompute, aux)
         }
         Kernel::HeadLossBwd {
             batch,
@@ -400,6 +395,26 @@ pub fn run<B: Backend>(
             };
             run_head(be, tm, &at, head, batch, ws, n)
         }
+    }
+}
+
+/// The micro-batch's padding flags (`[N]`, non-zero where a token is padding), if it has any.
+fn padding<'a, B: Backend>(
+    at: &Ranges<'_, B>,
+    batch: &'a Batch,
+    n: usize,
+) -> Result<Option<&'a [u8]>> {
+    match batch.pad.as_deref() {
+        None => Ok(None),
+        Some(p) if p.len() == n => Ok(Some(p)),
+        Some(p) => Err(Error::internal(
+            "device program",
+            format!(
+                "{}: {} padding flags for a micro-batch of {n} tokens",
+                at.kernel.name(),
+                p.len()
+            ),
+        )),
     }
 }
 

@@ -200,7 +200,7 @@ impl Case {
             true => ws.keeping::<HostBackend<'_>>(cfg, n, keptp, Precision::Fp32),
             false => ws,
         };
-        block_fwd(&mut be, blk, pp, xp, yp, pos, &bws, s).unwrap();
+        block_fwd(&mut be, blk, pp, xp, yp, (pos, None), &bws, s).unwrap();
         block_bwd(
             &mut be, blk, pp, gp, xp, dyp, dxp, pos, &bws, s, !keep, None,
         )
@@ -485,13 +485,14 @@ fn the_moe_scratch_is_charged_with_the_workspace() {
     // Per expert 12 bytes (its probability sum and load-balancing gradient) whatever the tokens.
     let per_expert = 12 * moe.moe.as_ref().unwrap().num_experts as u64;
     assert!(a > 0 && a - per_expert == 2 * (b - per_expert), "{a} {b}");
-    // 512 tokens × top-2 rows × (3·C + 2·2I + 4·I) words, plus the router's and the slots'.
+    // 512 tokens × top-2 rows × (3·C + 2·2I + 4·I) words, plus the router's and the slots',
+    // and a padding byte per token.
     let m = moe.moe.clone().unwrap();
     let rows = 512 * m.top_k as u64;
     let per_row = 3 * 128 + 4 * m.expert_intermediate as u64 + 4 * m.expert_intermediate as u64 + 5;
     assert_eq!(
         a,
-        4 * (rows * per_row + 2 * 512 * m.num_experts as u64) + per_expert
+        4 * (rows * per_row + 2 * 512 * m.num_experts as u64) + 512 + per_expert
     );
     assert_eq!(
         workspace_bytes(&moe, whole, Precision::Fp32),

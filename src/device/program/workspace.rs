@@ -332,9 +332,9 @@ pub fn workspace_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64
 /// token) its expert, weights and slot numbers, the gathered input, the expert's output and its
 /// gradient `[C]` each, gate/up and their gradient `[2I]` each, and four more `[I]` (up, the
 /// activation, and their gradients), per expert its probability sum (f64) and load-balancing
-/// gradient; under bf16 the GEMMs' bf16 copies of the activation `[I]`, dY `[C]` and d gate/up
-/// `[2I]` per grouped row — the CUDA backend's `MoeScratch`, about what the CPU op allocates
-/// per call.
+/// gradient; per token a padding flag (one byte); under bf16 the GEMMs' bf16 copies of the
+/// activation `[I]`, dY `[C]` and d gate/up `[2I]` per grouped row — the CUDA backend's
+/// `MoeScratch`, about what the CPU op allocates per call.
 pub fn moe_scratch_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u64 {
     let Some(m) = &cfg.moe else {
         return 0;
@@ -346,7 +346,10 @@ pub fn moe_scratch_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> u
         Precision::Fp32 => 0,
         Precision::Bf16 => 2 * rows * (i + c + 2 * i),
     };
-    4 * (2 * n * e + 5 * rows + 3 * rows * c + 2 * rows * 2 * i + 4 * rows * i) + 12 * e + copies
+    4 * (2 * n * e + 5 * rows + 3 * rows * c + 2 * rows * 2 * i + 4 * rows * i)
+        + n
+        + 12 * e
+        + copies
 }
 
 /// The elements of the largest unit of `cfg`.

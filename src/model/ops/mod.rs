@@ -453,8 +453,8 @@ pub use attention::{
 };
 pub use bf16::{bf16_value, round_bf16, round_into};
 pub use moe::{
-    group_by_expert, moe_bwd, moe_fwd, route, ExpertAct, ExpertLayout, ExpertLoad, MoeGrads,
-    MoeShape, MoeWeights, Router, RouterTally, Routing,
+    group_by_expert, moe_bwd, moe_fwd, route, AuxGrad, ExpertAct, ExpertLayout, ExpertLoad,
+    MoeGrads, MoeShape, MoeWeights, Router, RouterTally, Routing,
 };
 pub use rope::{Rope, RopeScaling};
 pub use sinks::{sinks_bwd, sinks_fwd};

@@ -18,7 +18,7 @@ mod balance;
 mod expert_gemm;
 mod routing;
 mod scratch;
-pub use balance::{ExpertLoad, RouterTally};
+pub use balance::{AuxGrad, ExpertLoad, RouterTally};
 #[cfg(test)]
 use expert_gemm::transpose;
 use expert_gemm::{expert_fwd_transposed, mm, TRANSPOSE_BELOW, TRANSPOSE_FROM};
@@ -486,8 +486,9 @@ fn expert_bwd(
 }
 
 /// Backward of [`moe_fwd`] (its forward recomputed from `h`): `dh` `[n, C]` = dL/dh, the
-/// router's and the experts' gradients added to `g`. `aux` `[E]`: dL/dp of the load-balancing
-/// loss for each router probability ([`RouterTally::aux_grad`]), through the softmax too.
+/// router's and the experts' gradients added to `g`. `aux`: dL/dp of the load-balancing loss
+/// for each router probability ([`RouterTally::aux_grad`]) on every row but padding, through the
+/// softmax too.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_bwd(
     dh: &mut [f32],
@@ -497,7 +498,7 @@ pub fn moe_bwd(
     w: &MoeWeights<'_>,
     n: usize,
     s: MoeShape,
-    aux: Option<&[f32]>,
+    aux: Option<AuxGrad<'_>>,
 ) {
     let (c, i, e, k) = (s.c, s.inter, s.experts, s.top_k);
     let h_rounded = gemm_input(&h[..n * c], w);
@@ -603,8 +604,8 @@ pub fn moe_bwd(
                 }
             }
         }
-        if let Some(gp) = aux {
-            balance::softmax_bwd_add(dz, &r.probs[t * e..(t + 1) * e], gp);
+        if let Some(a) = aux.filter(|a| a.counts(t)) {
+            balance::softmax_bwd_add(dz, &r.probs[t * e..(t + 1) * e], a.per_expert);
         }
     });
     if let Some([g_rb, _, _]) = g_bias {

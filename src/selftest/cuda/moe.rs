@@ -9,7 +9,8 @@ use crate::device::cuda::{drv, CudaBackend, CudaRuntime, DevP};
 use crate::device::program::{Backend, MoeAt};
 use crate::model::config::MlpActivation;
 use crate::model::ops::{
-    self, bf16_value, ExpertAct, ExpertLayout, MoeGrads, MoeShape, MoeWeights, Router,
+    self, bf16_value, AuxGrad, ExpertAct, ExpertLayout, ExpertLoad, MoeGrads, MoeShape, MoeWeights,
+    Router,
 };
 use crate::optim::adamw::f32_to_bf16;
 use crate::Result;
@@ -102,8 +103,14 @@ fn case(
     let (n, c, e) = (ROWS, s.c, s.experts);
     let x = inputs(s, seed, bf16);
     let [h, router, gate_up, down, br, bgu, bd, d_out] = &x;
-    // The load-balancing gradient, one value per expert.
+    // The load-balancing gradient, one value per expert, and every fifth token padding (no
+    // part of the load, no share of that gradient).
     let aux = crate::util::uniform(e, seed.wrapping_add(200), 0.05);
+    let pad: Vec<u8> = (0..n).map(|r| u8::from(r % 5 == 4)).collect();
+    let aux_grad = AuxGrad {
+        per_expert: &aux,
+        pad: Some(&pad),
+    };
     // The CPU.
     let w = MoeWeights {
         router,
@@ -126,7 +133,7 @@ fn case(
                 .biases()
                 .then_some([&mut gbr[..], &mut gbgu[..], &mut gbd[..]]),
         };
-        ops::moe_bwd(&mut want_dh, grads, d_out, h, &w, n, s, Some(&aux));
+        ops::moe_bwd(&mut want_dh, grads, d_out, h, &w, n, s, Some(aux_grad));
     }
     // The GPU: the input and the weights as a bf16 device holds them under the recipe.
     let stream = rt.stream.clone();
@@ -165,7 +172,7 @@ fn case(
         down: gp(2),
         biases: s.biases().then(|| [gp(3), gp(4), gp(5)]),
     };
-    let load = be.moe_fwd(out_d.p(&stream), p(0), w_at, n, s)?;
+    let load = be.moe_fwd(out_d.p(&stream), p(0), w_at, n, s, Some(&pad))?;
     be.moe_bwd(
         dh_d.p(&stream),
         g_at,
@@ -174,7 +181,7 @@ fn case(
         w_at,
         n,
         s,
-        Some(&aux),
+        Some(aux_grad),
     )?;
     drv(stream.synchronize(), "wait for the MoE op")?;
     let recipe = if bf16 { "bf16" } else { "fp32" };
@@ -192,18 +199,20 @@ fn case(
             TOL_MOE_F32,
         ),
     };
-    let same_routing = load.tokens
-        == routing
-            .counts()
-            .iter()
-            .map(|&c| c as u64)
-            .collect::<Vec<_>>();
+    let want_load = ExpertLoad::of(&routing.expert, &routing.probs, n, e, Some(&pad));
+    let same_routing = (&load.tokens, load.rows) == (&want_load.tokens, want_load.rows);
     let mut out = vec![Check {
-        name: format!("{name} {recipe}: tokens per expert"),
+        name: format!("{name} {recipe}: tokens per expert (padding left out)"),
         max_rel_err: if same_routing { 0.0 } else { f64::INFINITY },
         tolerance: 0.0,
         pass: same_routing,
     }];
+    let sums = |l: &ExpertLoad| l.prob_sums.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    out.push(cmp(
+        "router probability sums",
+        sums(&load),
+        &sums(&want_load),
+    ));
     out.push(cmp("output", out_d.down(&stream)?, &want_out));
     out.push(cmp("dh", dh_d.down(&stream)?, &want_dh));
     let labels = [

@@ -19,7 +19,7 @@ use crate::device::cuda::launches::Dtype;
 use crate::device::cuda::runtime::{drv, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
-use crate::model::ops::{group_by_expert, ExpertAct, ExpertLayout, ExpertLoad, MoeShape};
+use crate::model::ops::{group_by_expert, AuxGrad, ExpertAct, ExpertLayout, ExpertLoad, MoeShape};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -58,6 +58,8 @@ pub(super) struct MoeScratch {
     /// Each expert's probability sum `[E]` (f64) and the load-balancing gradient `[E]`.
     sums: CudaSlice<f64>,
     aux: CudaSlice<f32>,
+    /// Which tokens are padding `[N]` (non-zero), when some are.
+    pad: CudaSlice<u8>,
     /// Under bf16: the activation `[R, I]`, dY `[R, C]` and d gate/up `[R, 2I]` (gate then up
     /// for Linear-layout experts) as the GEMMs read them (one element when fp32).
     act16: CudaSlice<u16>,
@@ -69,6 +71,7 @@ pub(super) struct MoeScratch {
     offsets_host: Vec<u32>,
     sums_host: Vec<f64>,
     aux_host: Vec<f32>,
+    pad_host: Vec<u8>,
     grouped: (Vec<usize>, Vec<u32>, Vec<u32>),
 }
 
@@ -109,6 +112,7 @@ impl MoeScratch {
             du: alloc(stream, r * i)?,
             sums: alloc(stream, e)?,
             aux: alloc(stream, e)?,
+            pad: alloc(stream, n)?,
             act16: alloc(stream, b16(r * i))?,
             dy16: alloc(stream, b16(r * c))?,
             dgu16: alloc(stream, b16(r * 2 * i))?,
@@ -116,6 +120,7 @@ impl MoeScratch {
             offsets_host: Vec::new(),
             sums_host: Vec::new(),
             aux_host: Vec::new(),
+            pad_host: Vec::new(),
             grouped: (Vec::new(), Vec::new(), Vec::new()),
         })
     }
@@ -142,6 +147,7 @@ struct At {
     du: DevPtr,
     sums: DevPtr,
     aux: DevPtr,
+    pad: DevPtr,
     act16: DevPtr,
     dy16: DevPtr,
     dgu16: DevPtr,
@@ -186,6 +192,7 @@ impl CudaBackend {
             du: p32(&m.du),
             sums: m.sums.device_ptr(st).0,
             aux: p32(&m.aux),
+            pad: m.pad.device_ptr(st).0,
             act16: p16(&m.act16),
             dy16: p16(&m.dy16),
             dgu16: p16(&m.dgu16),
@@ -193,7 +200,8 @@ impl CudaBackend {
     }
 
     /// The router, the grouping and every expert's rows up to their outputs `y` (the forward,
-    /// and the backward's recompute; `sums`: the forward's probability sums too); returns each
+    /// and the backward's recompute; `sums`: the forward's probability sums too, over the
+    /// tokens but those the padding flags at that address mark (0: none is)); returns each
     /// expert's first grouped row (`E + 1`).
     fn moe_internals(
         &mut self,
@@ -202,7 +210,7 @@ impl CudaBackend {
         w: MoeAt<DevP>,
         n: usize,
         s: MoeShape,
-        sums: bool,
+        sums: Option<DevPtr>,
     ) -> Result<Vec<usize>> {
         let bf16 = self.bf16.is_some();
         let weights = [w.router, w.gate_up, w.down];
@@ -238,9 +246,9 @@ impl CudaBackend {
             (n, e, k),
             (s.norm_topk, s.router),
         )?;
-        if sums {
+        if let Some(pad) = sums {
             let l = launch::elementwise(e, self.sms());
-            self.k().moe_prob_sums(l, at.sums, at.probs, n, e)?;
+            self.k().moe_prob_sums(l, at.sums, (at.probs, pad), n, e)?;
         }
         // Each expert's row count sizes its GEMMs: the chosen experts come to the host (with,
         // in the forward, the probability sums the load-balancing loss reads).
@@ -255,7 +263,7 @@ impl CudaBackend {
                 .memcpy_dtoh(&m.expert.slice(..n * k), &mut m.expert_host[..]),
             "copy the chosen experts to the host",
         )?;
-        if sums {
+        if sums.is_some() {
             drv(
                 self.stream
                     .memcpy_dtoh(&m.sums.slice(..e), &mut m.sums_host[..]),
@@ -378,6 +386,31 @@ impl CudaBackend {
         self.k().cast_f32_bf16(l, dst, src, len as i64)
     }
 
+    /// The padding flags of the call's `n` tokens on the device (0: none is padding).
+    fn upload_pad(&mut self, at: &At, pad: Option<&[u8]>, n: usize) -> Result<DevPtr> {
+        let Some(pad) = pad else {
+            return Ok(0);
+        };
+        if pad.len() != n {
+            return Err(Error::internal(
+                "CUDA backend",
+                format!("{} padding flags for {n} tokens", pad.len()),
+            ));
+        }
+        let m = self
+            .moe
+            .as_mut()
+            .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+        m.pad_host.clear();
+        m.pad_host.extend_from_slice(pad);
+        drv(
+            self.stream
+                .memcpy_htod(&m.pad_host[..], &mut m.pad.slice_mut(..n)),
+            "upload the padding flags",
+        )?;
+        Ok(at.pad)
+    }
+
     /// See [`Backend::moe_fwd`].
     pub(super) fn moe_forward(
         &mut self,
@@ -386,9 +419,11 @@ impl CudaBackend {
         w: MoeAt<DevP>,
         n: usize,
         s: MoeShape,
+        pad: Option<&[u8]>,
     ) -> Result<ExpertLoad> {
         let at = self.moe_scratch(n, s)?;
-        let offsets = self.moe_internals(&at, h, w, n, s, true)?;
+        let pad_at = self.upload_pad(&at, pad, n)?;
+        let offsets = self.moe_internals(&at, h, w, n, s, Some(pad_at))?;
         let l = launch::elementwise(n * s.c, self.sms());
         self.k().moe_combine(
             l,
@@ -401,10 +436,17 @@ impl CudaBackend {
             .moe
             .as_ref()
             .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+        let counted = match pad {
+            None => ExpertLoad {
+                tokens: offsets.windows(2).map(|w| (w[1] - w[0]) as u64).collect(),
+                prob_sums: Vec::new(),
+                rows: n as u64,
+            },
+            Some(pad) => ExpertLoad::counts(&m.expert_host, n, s.experts, Some(pad)),
+        };
         Ok(ExpertLoad {
-            tokens: offsets.windows(2).map(|w| (w[1] - w[0]) as u64).collect(),
             prob_sums: m.sums_host.clone(),
-            rows: n as u64,
+            ..counted
         })
     }
 
@@ -419,11 +461,12 @@ impl CudaBackend {
         w: MoeAt<DevP>,
         n: usize,
         s: MoeShape,
-        aux: Option<&[f32]>,
+        aux: Option<AuxGrad<'_>>,
     ) -> Result<()> {
         let at = self.moe_scratch(n, s)?;
-        let offsets = self.moe_internals(&at, h, w, n, s, false)?;
-        let aux_at = match aux {
+        let offsets = self.moe_internals(&at, h, w, n, s, None)?;
+        let pad_at = self.upload_pad(&at, aux.and_then(|a| a.pad), n)?;
+        let aux_at = match aux.map(|a| a.per_expert) {
             None => 0,
             Some(a) if a.len() == s.experts => {
                 let m = self
@@ -564,7 +607,7 @@ impl CudaBackend {
             l,
             at.logits,
             (at.probs, at.expert, at.weight, at.dweight),
-            aux_at,
+            (aux_at, pad_at),
             (n, e, k),
             (s.norm_topk, s.router),
         )?;

@@ -255,12 +255,13 @@ impl Launcher<'_> {
         )
     }
 
-    /// Each expert's router probability summed over `n` tokens, in f64.
+    /// Each expert's router probability summed over `n` tokens but those `pad` (bytes, non-zero
+    /// for padding; 0: none is) marks, in f64.
     pub fn moe_prob_sums(
         &self,
         l: Launch,
         sums: DevPtr,
-        probs: DevPtr,
+        (probs, pad): (DevPtr, DevPtr),
         n: usize,
         e: usize,
     ) -> Result<()> {
@@ -268,19 +269,20 @@ impl Launcher<'_> {
         self.launch(
             "moe_prob_sums_fwd_f32",
             l,
-            &[Ptr(sums), Ptr(probs), I32(n), I32(e)],
+            &[Ptr(sums), Ptr(probs), Ptr(pad), I32(n), I32(e)],
         )
     }
 
     /// The router's backward: d logits from the slots' d weight, plus the load-balancing
-    /// loss's `aux` `[E]` through the softmax (0: none).
+    /// loss's `aux` `[E]` through the softmax (0: none) on the tokens `pad` (bytes, non-zero for
+    /// padding; 0: none is) does not mark.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_route_bwd(
         &self,
         l: Launch,
         dlogits: DevPtr,
         (probs, expert, weight, dweight): (DevPtr, DevPtr, DevPtr, DevPtr),
-        aux: DevPtr,
+        (aux, pad): (DevPtr, DevPtr),
         (n, e, k): (usize, usize, usize),
         (norm, router): (bool, Router),
     ) -> Result<()> {
@@ -295,6 +297,7 @@ impl Launcher<'_> {
                 Ptr(weight),
                 Ptr(dweight),
                 Ptr(aux),
+                Ptr(pad),
                 I32(n),
                 I32(e),
                 I32(k),

@@ -5,6 +5,10 @@
 //! `aux = E · Σ_e (count_e / N)·(Σ p_e / N)`. Only `P` carries a gradient:
 //! `∂aux/∂p[r, e] = E·count_e / N²`, the same for every row of every layer — so a layer's
 //! backward needs only the counts of the whole forward, which the micro-batch's tally holds.
+//!
+//! Padding is not data: as transformers with an `attention_mask`, the rows of padding tokens
+//! (a packed row's tail) count in neither `F` nor `P` nor `N`, and their probabilities get no
+//! gradient from the loss.
 
 use std::collections::BTreeMap;
 
@@ -22,24 +26,48 @@ pub struct ExpertLoad {
 
 impl ExpertLoad {
     /// The load of `rows` rows with their chosen experts `expert` `[rows, k]` and router
-    /// probabilities `probs` `[rows, E]`.
-    pub fn of(expert: &[u32], probs: &[f32], rows: usize, e: usize) -> ExpertLoad {
-        let mut tokens = vec![0u64; e];
-        for &x in expert {
-            if let Some(t) = tokens.get_mut(x as usize) {
-                *t += 1;
+    /// probabilities `probs` `[rows, E]`, but for the rows `pad` `[rows]` marks (non-zero:
+    /// padding; `None`: no padding).
+    pub fn of(
+        expert: &[u32],
+        probs: &[f32],
+        rows: usize,
+        e: usize,
+        pad: Option<&[u8]>,
+    ) -> ExpertLoad {
+        let mut prob_sums = vec![0f64; e];
+        for (r, row) in probs[..rows * e].chunks(e).enumerate() {
+            if is_data(pad, r) {
+                for (s, &p) in prob_sums.iter_mut().zip(row) {
+                    *s += p as f64;
+                }
             }
         }
-        let mut prob_sums = vec![0f64; e];
-        for row in probs[..rows * e].chunks(e) {
-            for (s, &p) in prob_sums.iter_mut().zip(row) {
-                *s += p as f64;
+        ExpertLoad {
+            prob_sums,
+            ..ExpertLoad::counts(expert, rows, e, pad)
+        }
+    }
+
+    /// The tokens per expert and the rows of [`ExpertLoad::of`] (no probability sums).
+    pub fn counts(expert: &[u32], rows: usize, e: usize, pad: Option<&[u8]>) -> ExpertLoad {
+        let k = expert.len() / rows.max(1);
+        let mut tokens = vec![0u64; e];
+        let mut counted = 0u64;
+        for (r, chosen) in expert.chunks(k.max(1)).enumerate().take(rows) {
+            if is_data(pad, r) {
+                counted += 1;
+                for &x in chosen {
+                    if let Some(t) = tokens.get_mut(x as usize) {
+                        *t += 1;
+                    }
+                }
             }
         }
         ExpertLoad {
             tokens,
-            prob_sums,
-            rows: rows as u64,
+            prob_sums: vec![0.0; e],
+            rows: counted,
         }
     }
 
@@ -127,6 +155,28 @@ impl RouterTally {
             .map(|&c| (scale * e * c as f64 / (n * n)) as f32)
             .collect()
     }
+}
+
+/// The load-balancing loss's gradient in one MoE call: dL/dp per expert
+/// ([`RouterTally::aux_grad`]), for every row but those `pad` marks (non-zero: padding).
+#[derive(Debug, Clone, Copy)]
+pub struct AuxGrad<'a> {
+    /// dL/dp `[E]`, the same for every counted row.
+    pub per_expert: &'a [f32],
+    /// The call's rows that are padding `[rows]` (`None`: none is).
+    pub pad: Option<&'a [u8]>,
+}
+
+impl AuxGrad<'_> {
+    /// Whether row `r` of the call takes the gradient.
+    pub fn counts(&self, r: usize) -> bool {
+        is_data(self.pad, r)
+    }
+}
+
+/// Whether row `r` is data (not padding) by the mask `pad` (non-zero: padding).
+fn is_data(pad: Option<&[u8]>, r: usize) -> bool {
+    pad.is_none_or(|p| p.get(r).is_some_and(|&x| x == 0))
 }
 
 /// `dz += p ⊙ (g − ⟨p, g⟩)`: the softmax's backward of `g` = dL/dp added to dL/dz (sums in

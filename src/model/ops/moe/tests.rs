@@ -90,7 +90,7 @@ struct Grads {
 
 impl Case {
     /// `moe_bwd` of `Σ out ⊙ r` (plus the load-balancing term `aux`) from zeroed gradients.
-    fn backward(&self, r: &[f32], aux: Option<&[f32]>) -> Grads {
+    fn backward(&self, r: &[f32], aux: Option<AuxGrad<'_>>) -> Grads {
         let s = self.s;
         let mut g = Grads {
             dh: vec![0f32; self.n * s.c],
@@ -293,7 +293,7 @@ fn aux_loss_is_k_when_balanced_and_e_when_collapsed() {
     let balanced: Vec<u32> = (0..n * k).map(|s| (s % e) as u32).collect();
     let mut t = RouterTally::default();
     for layer in [0, 3] {
-        t.add(layer, &ExpertLoad::of(&balanced, &uniform, n, e));
+        t.add(layer, &ExpertLoad::of(&balanced, &uniform, n, e, None));
     }
     assert!((t.aux_loss() - k as f64).abs() < 1e-6, "{}", t.aux_loss());
     assert_eq!(t.layers[&3].max_over_mean(), 1.0);
@@ -304,40 +304,86 @@ fn aux_loss_is_k_when_balanced_and_e_when_collapsed() {
         row[..k].fill(1.0 / k as f32);
     }
     let mut t = RouterTally::default();
-    t.add(0, &ExpertLoad::of(&collapsed, &probs, n, e));
+    t.add(0, &ExpertLoad::of(&collapsed, &probs, n, e, None));
     assert!((t.aux_loss() - e as f64).abs() < 1e-6, "{}", t.aux_loss());
     assert_eq!(t.layers[&0].max_over_mean(), (e / k) as f64);
     assert_eq!(t.layers[&0].unused(), e - k);
 }
 
+/// Padding rows count in no part of the load: the load of a call with padding is the load of
+/// its data rows alone.
+#[test]
+fn padding_rows_are_not_in_the_load() {
+    let (e, k, n) = (6usize, 2usize, 10usize);
+    let expert: Vec<u32> = (0..n * k).map(|s| ((s * 7 + 3) % e) as u32).collect();
+    let probs = rand_vec(n * e, 5, 1.0);
+    let pad: Vec<u8> = (0..n).map(|r| u8::from(r % 3 == 1 || r >= 8)).collect();
+    let data: Vec<usize> = (0..n).filter(|&r| pad[r] == 0).collect();
+    let sub_expert: Vec<u32> = data
+        .iter()
+        .flat_map(|&r| expert[r * k..(r + 1) * k].to_vec())
+        .collect();
+    let sub_probs: Vec<f32> = data
+        .iter()
+        .flat_map(|&r| probs[r * e..(r + 1) * e].to_vec())
+        .collect();
+    let want = ExpertLoad::of(&sub_expert, &sub_probs, data.len(), e, None);
+    assert_eq!(ExpertLoad::of(&expert, &probs, n, e, Some(&pad)), want);
+    assert_eq!(want.rows, data.len() as u64);
+    let counts = ExpertLoad::counts(&expert, n, e, Some(&pad));
+    assert_eq!((counts.tokens, counts.rows), (want.tokens, want.rows));
+    // With no padding flagged, every row counts.
+    let zeros = vec![0u8; n];
+    assert_eq!(
+        ExpertLoad::of(&expert, &probs, n, e, Some(&zeros)),
+        ExpertLoad::of(&expert, &probs, n, e, None)
+    );
+}
+
 /// Σ out ⊙ r + λ·aux through `moe_bwd(…, aux)`: the router's (and its bias's) gradient and the
 /// input's match central differences of the whole objective, for both routers (the aux loss
-/// takes the softmax over every expert even where GPT-OSS picks by the logits).
+/// takes the softmax over every expert even where GPT-OSS picks by the logits), with and
+/// without padding rows (which take no part in the aux loss).
 #[test]
 fn the_load_balancing_gradient_matches_finite_differences() {
     let lambda = 0.7f64;
-    for c in [case(true, MlpActivation::Silu), gpt_oss_case()] {
+    for (c, padded) in [
+        (case(true, MlpActivation::Silu), false),
+        (gpt_oss_case(), false),
+        (case(true, MlpActivation::Silu), true),
+    ] {
         let s = c.s;
         let r = rand_vec(c.n * s.c, 11, 1.0);
+        let pad: Option<Vec<u8>> = padded.then(|| (0..c.n).map(|t| u8::from(t % 2 == 1)).collect());
         let objective = |c: &Case| {
             let mut out = vec![0f32; c.n * s.c];
             let routing = moe_fwd(&mut out, &c.h, &c.weights(), c.n, s);
             let mut t = RouterTally::default();
             t.add(
                 0,
-                &ExpertLoad::of(&routing.expert, &routing.probs, c.n, s.experts),
+                &ExpertLoad::of(
+                    &routing.expert,
+                    &routing.probs,
+                    c.n,
+                    s.experts,
+                    pad.as_deref(),
+                ),
             );
             let main: f64 = out.iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum();
             (main + lambda * t.aux_loss(), t)
         };
         let (_, tally) = objective(&c);
         let aux = tally.aux_grad(lambda);
+        let aux = AuxGrad {
+            per_expert: &aux,
+            pad: pad.as_deref(),
+        };
         let Grads {
             dh,
             router: gr,
             biases: gb,
             ..
-        } = c.backward(&r, Some(&aux));
+        } = c.backward(&r, Some(aux));
         let eps = 1e-3f32;
         let fd = |which: usize, idx: usize| {
             let at = |delta: f32| {
