@@ -10,7 +10,7 @@ use megatrain::engine::schedule::Op;
 use megatrain::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
 use megatrain::model::config::ModelConfig;
 use megatrain::model::layers::Workspace;
-use megatrain::model::reference::{step_resident, Templates};
+use megatrain::model::reference::{eval_loss, step_resident, Templates};
 use megatrain::optim::adamw::{self, AdamSlices, AdamWConfig};
 use megatrain::optim::{unit_segments, AdamPool};
 use megatrain::spill::io::EngineKind;
@@ -856,4 +856,89 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
         assert_eq!(buf32 - buf16, 2 * 2 * unit + kept, "{activations:?}");
         assert!(ws16 < ws32, "{ws16} {ws32}");
     }
+}
+
+/// Validation streams through the training device ([`Streamer::evaluate`]): its forward-only
+/// pass gives the resident reference's loss (fp32: the same ops, to 1e-6 relative) in every
+/// activations mode, tied or not, before and after a step (whose AdamW jobs it waits for);
+/// it leaves the state and the next step as they were, and in bf16 tracks fp32.
+#[test]
+fn evaluation_on_the_device_is_the_reference_loss_and_changes_nothing() {
+    let reference_loss = |c: &ModelConfig, params: &[Vec<f32>], mb: &MicroBatch| {
+        let tm = Templates::new(c, T).unwrap();
+        let mut ws = Workspace::new(c, B, T);
+        let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
+        eval_loss(
+            &tm,
+            &refs,
+            &mb.tokens,
+            &mb.targets,
+            &mb.positions,
+            B,
+            T,
+            &mut ws,
+        )
+        .unwrap()
+    };
+    let close = |got: f64, want: f64, what: &str| {
+        assert!(
+            ((got - want) / want).abs() < 1e-6,
+            "{what}: device {got} vs reference {want}"
+        );
+    };
+    let (val, train) = (batch(900, 61), vec![batch(901, 61)]);
+    for (tied, cp) in [
+        (false, Activations::Host),
+        (true, Activations::Device),
+        (false, Activations::Keep),
+    ] {
+        let c = cfg(2, tied);
+        let params = init(&StateLayout::new(&c, Mode::Exact));
+        let mut r = rig(&c, Mode::Exact, 1, cp, 1.0, None, &params);
+        let got = r.streamer.evaluate(&val).unwrap();
+        close(got, reference_loss(&c, &params, &val), "before a step");
+        assert_eq!(r.streamer.evaluate(&val).unwrap().to_bits(), got.to_bits());
+        let m = r.streamer.step(&train, 1e-3).unwrap();
+        // Right after the step, its AdamW jobs may still run: the pass waits for them.
+        let after = r.streamer.evaluate(&val).unwrap();
+        let updated = unit_params(&mut r.streamer);
+        close(after, reference_loss(&c, &updated, &val), "after a step");
+        assert_ne!(
+            after.to_bits(),
+            got.to_bits(),
+            "the step changed the weights"
+        );
+        // The same step without the passes: the same loss and weights, bit for bit.
+        let mut plain = rig(&c, Mode::Exact, 1, cp, 1.0, None, &params);
+        let m2 = plain.streamer.step(&train, 1e-3).unwrap();
+        assert_eq!(m.loss.to_bits(), m2.loss.to_bits());
+        assert_eq!(bits(&updated), bits(&unit_params(&mut plain.streamer)));
+        let next = r.streamer.step(&train, 1e-3).unwrap();
+        let next2 = plain.streamer.step(&train, 1e-3).unwrap();
+        assert_eq!(next.loss.to_bits(), next2.loss.to_bits());
+        assert_eq!(
+            next.htod_bytes, next2.htod_bytes,
+            "the pass's copies are not the step's"
+        );
+    }
+    // bf16: the forward of the bf16 recipe, near fp32's.
+    let c = cfg(2, false);
+    let params = init(&StateLayout::new(&c, Mode::Exact));
+    let mut r = rig_spill(
+        &c,
+        Mode::Exact,
+        1,
+        Activations::Host,
+        1.0,
+        None,
+        &params,
+        None,
+        (Shape::whole(B, T), Precision::Bf16),
+    );
+    let (got, want) = (
+        r.streamer.evaluate(&val).unwrap(),
+        reference_loss(&c, &params, &val),
+    );
+    let rel = ((got - want) / want).abs();
+    assert!(rel > 0.0 && rel < 1e-2, "bf16 {got} vs fp32 {want}");
 }

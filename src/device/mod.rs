@@ -317,6 +317,19 @@ pub enum Kernel<B, D> {
         /// Gradient of the input `[N, C]`.
         dx: B,
     },
+    /// Final norm, LM head and loss only (validation): the head unit's weights at `w`, the
+    /// tied embedding's weights (`tied`) as the LM head; Σ loss added to the batch's
+    /// accumulator.
+    HeadLoss {
+        /// The micro-batch.
+        batch: D,
+        /// The head unit's weights.
+        w: B,
+        /// Tied embeddings: the embedding's weights.
+        tied: Option<B>,
+        /// Input `[N, C]`.
+        x: B,
+    },
     /// Block backward (recomputing its internals from `x`): gradients accumulate into `g`,
     /// `dx` written, `dy` consumed (the program keeps intermediate sums there).
     BlockBwd {
@@ -360,6 +373,7 @@ impl<B: Copy, D> Kernel<B, D> {
             Kernel::EmbedFwd { .. } => "embed_fwd".into(),
             Kernel::BlockFwd { layer, .. } => format!("block{layer}_fwd"),
             Kernel::HeadLossBwd { .. } => "head_loss_bwd".into(),
+            Kernel::HeadLoss { .. } => "head_loss".into(),
             Kernel::BlockBwd { layer, .. } => format!("block{layer}_bwd"),
             Kernel::EmbedBwd { .. } => "embed_bwd".into(),
             Kernel::Zero { .. } => "zero".into(),
@@ -383,6 +397,11 @@ impl<B: Copy, D> Kernel<B, D> {
                 if let Some((tw, tg)) = tied {
                     v.extend([(*tw, Read), (*tg, Write)]);
                 }
+                v
+            }
+            Kernel::HeadLoss { w, tied, x, .. } => {
+                let mut v = vec![(*w, Read), (*x, Read)];
+                v.extend(tied.map(|t| (t, Read)));
                 v
             }
             Kernel::BlockBwd {
@@ -446,6 +465,12 @@ impl<B: Copy, D> Kernel<B, D> {
                 tied: tied.map(|(a, b)| (fb(a), fb(b))),
                 x: fb(x),
                 dx: fb(dx),
+            },
+            Kernel::HeadLoss { batch, w, tied, x } => Kernel::HeadLoss {
+                batch: fd(batch),
+                w: fb(w),
+                tied: tied.map(&fb),
+                x: fb(x),
             },
             Kernel::BlockBwd {
                 batch,

@@ -11,7 +11,8 @@
 
 use super::metrics::StepMetrics;
 use super::schedule::{
-    schedule, Activations, DevBuf, Lane, LeanPieces, Op, Schedule, ScheduleSpec, Task,
+    evaluation, evaluation_fits, schedule, Activations, DevBuf, Lane, LeanPieces, Op, Schedule,
+    ScheduleSpec, Task,
 };
 use super::trace::{Span, Timeline};
 use crate::device::{
@@ -27,6 +28,8 @@ use crate::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+mod evaluate;
 
 /// How the streamer runs.
 #[derive(Debug, Clone)]
@@ -102,6 +105,8 @@ pub struct Streamer {
     templates: Arc<Templates>,
     cfg: StreamerConfig,
     schedule: Schedule,
+    /// The forward-only pass of one micro-batch on the step's buffers ([`Streamer::evaluate`]).
+    evaluation: Schedule,
     bufs: HashMap<DevBuf, BufId>,
     /// Host copies of the layer-boundary activations (host activations).
     saved: Vec<HostBuffer>,
@@ -257,6 +262,13 @@ impl Streamer {
             lean_pieces: LeanPieces::of(&layout),
         };
         let schedule = schedule(&spec);
+        let evaluation = evaluation(&spec);
+        if !evaluation_fits(&evaluation, &schedule) {
+            return Err(Error::internal(
+                "streamer",
+                "the forward-only schedule uses a buffer the step does not allocate",
+            ));
+        }
         let n = cfg.batch * cfg.seq;
         let piece = layout.lean_piece_elems();
         let mut bufs = HashMap::new();
@@ -307,6 +319,7 @@ impl Streamer {
             templates,
             cfg,
             schedule,
+            evaluation,
             bufs,
             saved,
             lean,
@@ -841,6 +854,7 @@ impl Streamer {
         let mb = match k {
             Kernel::EmbedFwd { batch, .. }
             | Kernel::HeadLossBwd { batch, .. }
+            | Kernel::HeadLoss { batch, .. }
             | Kernel::EmbedBwd { batch, .. } => Some(*batch),
             _ => None,
         };

@@ -203,7 +203,7 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
                 }
                 Op::Kernel(Kernel::EmbedFwd { .. }) => k.embed_fwd,
                 Op::Kernel(Kernel::BlockFwd { .. }) => k.block_fwd,
-                Op::Kernel(Kernel::HeadLossBwd { .. }) => k.head,
+                Op::Kernel(Kernel::HeadLossBwd { .. } | Kernel::HeadLoss { .. }) => k.head,
                 Op::Kernel(Kernel::BlockBwd { .. }) => k.block_bwd,
                 Op::Kernel(Kernel::EmbedBwd { .. }) => k.embed_bwd,
                 Op::Kernel(Kernel::Zero { .. }) => k.zero,

@@ -19,8 +19,6 @@ pub mod run_dir;
 mod setup;
 
 use crate::engine::{MicroBatch, StepMetrics, Streamer};
-use crate::model::layers::Workspace;
-use crate::model::reference::{eval_loss, Templates};
 use crate::{Error, Result};
 use checkpoint::TrainState;
 use config::TrainConfig;
@@ -72,29 +70,14 @@ pub struct Summary {
     pub metrics_failures: u64,
 }
 
-/// Validation loss (mean per trained token) over `batches` micro-batches of `loader`, with the
-/// current params resident on the host (the streamer must be idle).
-fn validate(
-    streamer: &mut Streamer,
-    tm: &Templates,
-    loader: &mut Loader,
-    batches: usize,
-    b: usize,
-    t: usize,
-    ws: &mut Workspace,
-) -> Result<f64> {
-    streamer.finish()?;
-    let store = streamer.store();
-    let mut guards: Vec<_> = (0..store.num_units())
-        .map(|u| store.take(u))
-        .collect::<Result<_>>()?;
-    let params: Vec<Vec<f32>> = guards.iter_mut().map(|g| g.master().to_vec()).collect();
-    drop(guards);
-    let refs: Vec<&[f32]> = params.iter().map(|p| &p[..]).collect();
+/// Validation loss (mean per trained token) over `batches` micro-batches of `loader`: each a
+/// forward-only pass of the training device over the host store's current weights
+/// ([`Streamer::evaluate`]: no copy of the model, in the run's precision and token chunks).
+fn validate(streamer: &mut Streamer, loader: &mut Loader, batches: usize) -> Result<f64> {
     let (mut total, mut trained) = (0.0, 0usize);
     for _ in 0..batches.max(1) {
         let mb = loader.next_batch();
-        total += eval_loss(tm, &refs, &mb.tokens, &mb.targets, &mb.positions, b, t, ws)?;
+        total += streamer.evaluate(&mb)?;
         trained += mb.trained_tokens();
     }
     if trained == 0 {
@@ -228,11 +211,7 @@ fn validate_if_due(s: &mut Session, step: u64) -> Result<Option<f64>> {
     if !((every > 0 && step.is_multiple_of(every)) || step == s.cfg.steps) {
         return Ok(None);
     }
-    let (b, t) = (s.cfg.batch_size, s.cfg.seq_len);
-    let ws = s
-        .val_ws
-        .get_or_insert_with(|| Workspace::new(&s.model, b, t));
-    validate(&mut s.streamer, &s.tm, vl, s.cfg.val_batches, b, t, ws).map(Some)
+    validate(&mut s.streamer, vl, s.cfg.val_batches).map(Some)
 }
 
 /// Write a checkpoint of the current state (after `step`) under `root`.

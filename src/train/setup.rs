@@ -15,7 +15,6 @@ use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::device::Precision;
 use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
-use crate::model::layers::Workspace;
 use crate::model::reference::Templates;
 use crate::optim::{AdamPool, AdamWConfig};
 use crate::store::layout::{MasterFormat, Mode, StateLayout};
@@ -37,12 +36,9 @@ pub(super) struct Session {
     pub(super) run_dir: Option<RunDir>,
     /// Settings changed on each resume (recorded in every checkpoint).
     pub(super) changes: Vec<ConfigChange>,
-    pub(super) tm: Arc<Templates>,
     pub(super) streamer: Streamer,
     pub(super) loader: Loader,
     pub(super) val_loader: Option<Loader>,
-    /// The validation workspace, allocated at the first validation.
-    pub(super) val_ws: Option<Workspace>,
     pub(super) metrics: Option<MetricsLog>,
     pub(super) start_step: u64,
     /// The last step whose state is in a checkpoint on disk, and where.
@@ -173,11 +169,9 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         run_id: inputs.run_id,
         run_dir: inputs.run_dir,
         changes,
-        tm,
         streamer,
         loader,
         val_loader,
-        val_ws: None,
         metrics,
         start_step,
     })

@@ -4,9 +4,8 @@
 //! other intermediate is one chunk's.
 
 use super::{Backend, Chunk, Gemm, MoeAt, Precision, Shape, Ws};
-use crate::model::config::ModelConfig;
 use crate::model::layers::{DecoderBlock, MoeMlp};
-use crate::model::ops::{self, AttnShape, AuxGrad, ExpertLoad, CE_CHUNK_ROWS};
+use crate::model::ops::{self, AttnShape, AuxGrad, ExpertLoad};
 use crate::Result;
 
 /// `y = x·Wᵀ (+ bias)`, W `[dout, din]`.
@@ -287,7 +286,7 @@ fn keys_values<B: Backend>(
 /// (the norms' outputs, Q, K, V, the SwiGLU output, its gradients and the attention output's
 /// gradient): in bf16 under [`Precision::Bf16`] — rounded once when written, the value every
 /// GEMM reading it would round it to — else in fp32.
-fn stored<B: Backend>(be: &B, p: B::P) -> B::P {
+pub(super) fn stored<B: Backend>(be: &B, p: B::P) -> B::P {
     match be.precision() {
         Precision::Bf16 => B::as_bf16(p),
         Precision::Fp32 => p,
@@ -741,76 +740,4 @@ fn norm2_bwd<B: Backend>(
         false,
     )?;
     be.add(dx2, dy, n * c)
-}
-
-/// Final norm + LM head + loss over the rows of `x` (as `Head::loss_backward`), in chunks of
-/// [`CE_CHUNK_ROWS`] rows: per-row losses into `ws.losses`, `dx` written, gradients `+=`.
-#[allow(clippy::too_many_arguments)]
-pub fn head_loss_bwd<B: Backend>(
-    be: &mut B,
-    cfg: &ModelConfig,
-    norm_w: B::P,
-    norm_g: B::P,
-    lm_w: B::P,
-    lm_g: B::P,
-    x: B::P,
-    targets: B::Ids,
-    dx: B::P,
-    grad_scale: f32,
-    ws: &Ws<B::P>,
-    n: usize,
-) -> Result<()> {
-    let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
-    let norm = (norm_w, cfg.norm_weight.offset());
-    let rows = CE_CHUNK_ROWS.min(n.max(1));
-    for r0 in (0..n).step_by(rows) {
-        let m = (r0 + rows).min(n) - r0;
-        let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
-        let h = stored(be, ws.h1);
-        be.rmsnorm_fwd(h, ws.rstd1, x, norm, m, c, eps)?;
-        be.gemm(Gemm {
-            c: ws.ce,
-            a: h,
-            ta: false,
-            b: lm_w,
-            tb: true,
-            m,
-            k: c,
-            n: vocab,
-            accumulate: false,
-        })?;
-        be.cross_entropy(
-            ws.ce,
-            B::off(ws.losses, r0),
-            B::ids_off(targets, r0),
-            m,
-            vocab,
-            (grad_scale, cfg.final_logit_softcapping.map(|c| c as f32)),
-        )?;
-        // dh = dlogits·W;  dW += dlogitsᵀ·h.
-        be.gemm(Gemm {
-            c: ws.d_c,
-            a: ws.ce,
-            ta: false,
-            b: lm_w,
-            tb: false,
-            m,
-            k: vocab,
-            n: c,
-            accumulate: false,
-        })?;
-        be.gemm(Gemm {
-            c: lm_g,
-            a: ws.ce,
-            ta: true,
-            b: h,
-            tb: false,
-            m: vocab,
-            k: m,
-            n: c,
-            accumulate: true,
-        })?;
-        be.rmsnorm_bwd(dx, norm_g, ws.d_c, x, norm, ws.rstd1, m, c, false)?;
-    }
-    Ok(())
 }

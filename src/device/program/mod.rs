@@ -10,6 +10,7 @@
 //! left to prove on a GPU is only that each CUDA kernel matches its CPU op, which `megatrain
 //! selftest --device cuda` checks.
 
+mod head;
 mod layers;
 mod shape;
 mod workspace;
@@ -20,7 +21,9 @@ use crate::model::layers::DecoderBlock;
 use crate::model::ops::{AttnShape, AuxGrad, ExpertLoad, MoeShape};
 use crate::model::reference::Templates;
 use crate::{Error, Result};
-pub use layers::{block_bwd, block_fwd, head_loss_bwd};
+pub use head::{head_loss_bwd, head_loss_fwd};
+use head::{run_head, run_head_loss, HeadBuffers};
+pub use layers::{block_bwd, block_fwd};
 pub use shape::{Chunk, Shape, CHUNK_ALIGN};
 use std::sync::{Arc, Mutex};
 pub use workspace::{
@@ -395,6 +398,9 @@ pub fn run<B: Backend>(
             };
             run_head(be, tm, &at, head, batch, ws, n)
         }
+        Kernel::HeadLoss { batch, w, tied, x } => {
+            run_head_loss(be, tm, &at, (*w, *tied, *x), batch, ws, n)
+        }
     }
 }
 
@@ -438,71 +444,6 @@ fn positions<B: Backend>(
         ));
     }
     be.upload_positions(&batch.positions)
-}
-
-/// The buffers of a [`Kernel::HeadLossBwd`].
-struct HeadBuffers {
-    w: BufId,
-    g: BufId,
-    tied: Option<(BufId, BufId)>,
-    x: BufId,
-    dx: BufId,
-}
-
-/// The fused head + loss: the LM head is the tied embedding's unit or the head unit's own
-/// tensor, whose gradient must not overlap the norm's.
-fn run_head<B: Backend>(
-    be: &mut B,
-    tm: &Templates,
-    at: &Ranges<'_, B>,
-    h: HeadBuffers,
-    batch: &Batch,
-    ws: &Ws<B::P>,
-    n: usize,
-) -> Result<()> {
-    let (c, v) = (tm.config.hidden_size, tm.config.vocab_size);
-    at.ids(&batch.targets, n, "targets")?;
-    let nr = tm.head.norm_range();
-    let norm_w = at.range(h.w, nr.start, c, "norm weight")?;
-    let norm_g = at.range(h.g, nr.start, c, "norm grads")?;
-    let (lm_w, lm_g) = match (h.tied, tm.head.lm_head) {
-        (Some((tw, tg)), _) => ((tw, 0), (tg, 0)),
-        (None, Some(off)) => ((h.w, off), (h.g, off)),
-        (None, None) => {
-            return Err(Error::internal(
-                "device program",
-                "an untied head without an LM head tensor",
-            ))
-        }
-    };
-    let lw = at.range(lm_w.0, lm_w.1, v * c, "LM head")?;
-    let lg = at.range(lm_g.0, lm_g.1, v * c, "LM head grads")?;
-    if lm_g.0 == h.g && lm_g.1 < nr.end && nr.start < lm_g.1 + v * c {
-        return Err(Error::internal(
-            "device program",
-            "head_loss_bwd: the LM head gradient overlaps the norm gradient",
-        ));
-    }
-    let (x, dx) = (
-        at.range(h.x, 0, n * c, "x")?,
-        at.range(h.dx, 0, n * c, "dx")?,
-    );
-    let ids = be.upload_ids(&batch.targets)?;
-    head_loss_bwd(
-        be,
-        &tm.config,
-        norm_w,
-        norm_g,
-        lw,
-        lg,
-        x,
-        ids,
-        dx,
-        batch.grad_scale,
-        ws,
-        n,
-    )?;
-    be.add_loss(ws.losses, n, batch.loss.clone())
 }
 
 /// Checked access to a kernel's buffers: every range inside its buffer, every id list one per

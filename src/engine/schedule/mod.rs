@@ -15,6 +15,10 @@
 //! AdamW job's completion (not its submission); every device op of a step completes before the
 //! step returns, so the device ops a next step waits for are already done.
 
+mod evaluation;
+
+pub use evaluation::{evaluation, evaluation_fits};
+
 use crate::device::{Access, Kernel, StreamKind};
 use crate::store::layout::{Mode, StateLayout};
 use serde::{Deserialize, Serialize};
@@ -248,6 +252,18 @@ struct Builder {
 }
 
 impl Builder {
+    fn new() -> Self {
+        Builder {
+            tasks: Vec::new(),
+            w_content: [None, None],
+            next_w: 0,
+            next_g: 0,
+            next_lean: 0,
+            deferred: std::collections::VecDeque::new(),
+            updates: Vec::new(),
+        }
+    }
+
     fn push(&mut self, lane: Lane, op: Op, reads: Vec<Res>, writes: Vec<Res>) {
         self.tasks.push(Task {
             lane,
@@ -412,15 +428,7 @@ fn update_order(spec: &ScheduleSpec) -> Vec<usize> {
 pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     let l = spec.layers;
     let head = l + 1;
-    let mut b = Builder {
-        tasks: Vec::new(),
-        w_content: [None, None],
-        next_w: 0,
-        next_g: 0,
-        next_lean: 0,
-        deferred: std::collections::VecDeque::new(),
-        updates: Vec::new(),
-    };
+    let mut b = Builder::new();
     let order = update_order(spec);
     // The first unit to be updated: its m/v can come in from NVMe during the forward.
     b.host(Op::Prefetch { unit: order[0] }, vec![], vec![]);

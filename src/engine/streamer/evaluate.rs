@@ -1,0 +1,77 @@
+//! Validation on the training device: a forward-only pass of one micro-batch through the
+//! step's own buffers, the weights streamed unit by unit from the host store as in a step — no
+//! host copy of the model, no gradient, no update.
+
+use super::{MicroBatch, StepRun, Streamer};
+use crate::device::Batch;
+use crate::engine::schedule::Lane;
+use crate::{Error, Result};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+impl Streamer {
+    /// The summed loss of micro-batch `mb` (over its trained targets) under the current
+    /// weights, by the forward of the training device in its precision (bf16 streams the high
+    /// plane, as a step does) and its token chunks. Waits for running AdamW jobs first; leaves
+    /// the state, the step count and the step's metrics as they were. A mixture of experts'
+    /// load-balancing loss is not part of it (as transformers' evaluation loss).
+    pub fn evaluate(&mut self, mb: &MicroBatch) -> Result<f64> {
+        self.finish()?;
+        self.templates.check_batch(
+            &mb.tokens,
+            &mb.targets,
+            &mb.positions,
+            self.cfg.batch,
+            self.cfg.seq,
+        )?;
+        let loss = Arc::new(Mutex::new(0.0f64));
+        let batch = Batch {
+            tokens: mb.tokens.clone(),
+            targets: mb.targets.clone(),
+            positions: mb.positions.clone(),
+            pad: mb.pad.clone(),
+            grad_scale: 0.0,
+            loss: loss.clone(),
+            router: Default::default(),
+            aux_scale: 0.0,
+        };
+        let tasks = self.evaluation.tasks.clone();
+        let mut run = StepRun {
+            events: vec![None; tasks.len()],
+            host_done: vec![false; tasks.len()],
+            host_queue: VecDeque::new(),
+            norm_sq: 0.0,
+            coef: 1.0,
+            host_wait: 0.0,
+            adam: self.cfg.adam,
+            batches: vec![batch],
+            trained: mb.trained_tokens(),
+        };
+        let mut submitted = Ok(());
+        for (i, t) in tasks.iter().enumerate() {
+            submitted = match t.lane {
+                Lane::Stream(stream) => self.submit(&tasks, i, stream, &mut run),
+                Lane::Host => Err(Error::internal(
+                    "streamer",
+                    format!("{:?} in the forward-only schedule", t.op),
+                )),
+            };
+            if submitted.is_err() {
+                break;
+            }
+        }
+        // Every copy from the host store is done before its unit is released.
+        for e in run.events.iter().flatten() {
+            e.synchronize();
+        }
+        self.guards.iter_mut().for_each(|g| *g = None);
+        // The pass's records are not the next step's.
+        let _ = self.device.take_records();
+        submitted?;
+        if let Some(e) = self.device.take_error() {
+            return Err(e);
+        }
+        let total = *crate::util::lock(&loss);
+        Ok(total)
+    }
+}
