@@ -235,7 +235,7 @@ fn an_int8_checkpoint_exports_like_an_fp32_one() {
     let out = a.path().join("hf");
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
         .args(["export", "--checkpoint"])
-        .arg(s.checkpoint.unwrap())
+        .arg(s.checkpoint.as_ref().unwrap())
         .arg("--out")
         .arg(&out)
         .output()
@@ -253,4 +253,33 @@ fn an_int8_checkpoint_exports_like_an_fp32_one() {
         listed.iter().any(|f| f.ends_with(".safetensors")),
         "{listed:?}"
     );
+    // The export (read unit by unit from the checkpoint's params file, no store) holds the
+    // checkpoint's params exactly.
+    use megatrain::store::{hf, layout, placement, HostStore};
+    let ck = s.checkpoint.unwrap();
+    let state = checkpoint::open(&ck).unwrap();
+    let store = |l: layout::StateLayout| {
+        let m = megatrain::topology::probe(&megatrain::topology::TopologySource::Live).unwrap();
+        let p = placement::place(&m, &l, None, Default::default()).unwrap();
+        HostStore::allocate(l, p, &Default::default()).unwrap()
+    };
+    let saved = store(
+        layout::StateLayout::new(&state.model, layout::Mode::Lean)
+            .with_adam_state(checkpoint::adam_state_of(&state)),
+    );
+    checkpoint::load(&ck, &saved).unwrap();
+    let exported = store(layout::StateLayout::new(
+        &hf::load_config(&out).unwrap(),
+        layout::Mode::Lean,
+    ));
+    hf::load_into_store(&out, &exported).unwrap();
+    let params = |st: &HostStore| -> Vec<Vec<u32>> {
+        (0..st.num_units())
+            .map(|u| {
+                let v = st.take(u).unwrap().master().to_vec();
+                v.iter().map(|x| x.to_bits()).collect()
+            })
+            .collect()
+    };
+    assert_eq!(params(&exported), params(&saved));
 }

@@ -366,7 +366,13 @@ fn mutated_safetensors_never_panic() {
     // A valid file of the tiny model: written by our own export.
     let d = tempfile::tempdir().unwrap();
     let export = d.path().join("export");
-    megatrain::store::hf::export_store(&store, &export, 1 << 30, None).unwrap();
+    megatrain::store::hf::export_store(
+        &store,
+        &export,
+        1 << 30,
+        (None, megatrain::store::hf::ExportDtype::Fp32),
+    )
+    .unwrap();
     let file = std::fs::read(export.join("model-00001-of-00001.safetensors")).unwrap();
     let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();

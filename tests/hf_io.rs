@@ -57,7 +57,7 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
     hf::load_into_store(&hf_dir(), &store).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("export");
-    hf::export_store(&store, &out, 20_000, None).unwrap();
+    hf::export_store(&store, &out, 20_000, (None, hf::ExportDtype::Fp32)).unwrap();
     let files = hf::checkpoint_files(&out).unwrap();
     assert!(files.len() > 1, "small shard limit gives several shards");
     let cfg = hf::load_config(&out).unwrap();
@@ -75,15 +75,66 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
             .collect::<Vec<_>>()
     );
     // A second export to the same place is refused and the first stays intact.
-    let e = hf::export_store(&store, &out, 20_000, None).unwrap_err();
+    let e = hf::export_store(&store, &out, 20_000, (None, hf::ExportDtype::Fp32)).unwrap_err();
     assert!(e.to_string().contains("refusing to overwrite"), "{e}");
     hf::load_into_store(&out, &again).unwrap();
     // No temporary directories are left behind.
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
     // For tools/check_hf_export.py (transformers loads the export unchanged).
     if let Some(keep) = std::env::var_os("MEGATRAIN_KEEP_EXPORT") {
-        hf::export_store(&store, Path::new(&keep), 20_000, None).unwrap();
+        hf::export_store(
+            &store,
+            Path::new(&keep),
+            20_000,
+            (None, hf::ExportDtype::Fp32),
+        )
+        .unwrap();
     }
+}
+
+/// `--export-dtype bf16`: every tensor BF16, the master rounded to nearest-even, the config
+/// saying so; shards planned at 2 bytes per element; importing it gives those values.
+#[test]
+fn a_bf16_export_rounds_the_master_and_loads_back() {
+    use megatrain::optim::adamw::{bf16_to_f32, f32_to_bf16};
+    let store = store_for(&hf_dir());
+    hf::load_into_store(&hf_dir(), &store).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (out16, out32) = (tmp.path().join("bf16"), tmp.path().join("fp32"));
+    hf::export_store(&store, &out16, 20_000, (None, hf::ExportDtype::Bf16)).unwrap();
+    hf::export_store(&store, &out32, 20_000, (None, hf::ExportDtype::Fp32)).unwrap();
+    let files = hf::checkpoint_files(&out16).unwrap();
+    assert!(files.len() < hf::checkpoint_files(&out32).unwrap().len());
+    let mut tensors = 0;
+    for f in &files {
+        let bytes = std::fs::read(f).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, t) in st.tensors() {
+            assert_eq!(t.dtype(), safetensors::Dtype::BF16, "{name}");
+            tensors += 1;
+        }
+    }
+    assert_eq!(tensors, store.layout().manifest.len());
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out16.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let again = store_for(&out16);
+    hf::load_into_store(&out16, &again).unwrap();
+    let want: Vec<Vec<u32>> = params(&store)
+        .iter()
+        .map(|u| {
+            u.iter()
+                .map(|&x| bf16_to_f32(f32_to_bf16(x)).to_bits())
+                .collect()
+        })
+        .collect();
+    let got: Vec<Vec<u32>> = params(&again)
+        .iter()
+        .map(|u| u.iter().map(|x| x.to_bits()).collect())
+        .collect();
+    assert_eq!(got, want);
+    // The rounding is real: the fp32 master is not all bf16 values.
+    assert_ne!(params(&store), params(&again));
 }
 
 /// Copy the golden checkpoint, let `edit` break it, and return the load error text.
@@ -208,12 +259,18 @@ fn gemma3_checkpoint_round_trips_and_its_multimodal_form_loads_the_text_model() 
     let want = params(&store);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("export");
-    hf::export_store(&store, &out, 1 << 30, None).unwrap();
+    hf::export_store(&store, &out, 1 << 30, (None, hf::ExportDtype::Fp32)).unwrap();
     let again = store_for(&out);
     hf::load_into_store(&out, &again).unwrap();
     assert_eq!(params(&again), want, "export → import");
     if let Some(keep) = std::env::var_os("MEGATRAIN_KEEP_GEMMA3_EXPORT") {
-        hf::export_store(&store, Path::new(&keep), 1 << 30, None).unwrap();
+        hf::export_store(
+            &store,
+            Path::new(&keep),
+            1 << 30,
+            (None, hf::ExportDtype::Fp32),
+        )
+        .unwrap();
     }
 
     let mm = tmp.path().join("multimodal");

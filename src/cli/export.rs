@@ -1,7 +1,6 @@
 //! `megatrain export`: a training checkpoint as a Hugging Face model.
 
 use clap::Args;
-use megatrain::topology::{self, TopologySource};
 use megatrain::Result;
 use std::path::PathBuf;
 
@@ -13,6 +12,10 @@ pub struct ExportArgs {
     /// Output directory (must not exist or be empty).
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// The tensors' type: fp32 (the master as is) or bf16 (rounded to nearest-even; half the
+    /// bytes). Default: fp32 up to 1B parameters, bf16 above.
+    #[arg(long, value_enum, alias = "export-dtype")]
+    dtype: Option<megatrain::store::hf::ExportDtype>,
 }
 
 pub fn run(args: &ExportArgs) -> Result<()> {
@@ -58,18 +61,16 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     };
     // Verified before anything in it is parsed.
     let state = checkpoint::open(&dir)?;
-    // The checkpoint's own moment format: loaded as saved, nothing converted.
+    // The params only, unit by unit from the checkpoint's file: no host store, no moments.
     let layout = megatrain::store::layout::StateLayout::new(
         &state.model,
         megatrain::store::layout::Mode::Lean,
-    )
-    .with_adam_state(checkpoint::adam_state_of(&state));
-    let machine = topology::probe(&TopologySource::Live)?;
-    let placement =
-        megatrain::store::placement::place(&machine, &layout, None, Default::default())?;
-    let store = megatrain::store::HostStore::allocate(layout, placement, &Default::default())?;
-    checkpoint::load(&dir, &store)?;
-    megatrain::store::hf::export_store(&store, &args.out, 2 << 30, None)?;
+    );
+    let mut params = checkpoint::CheckpointParams::open(&dir, &layout)?;
+    let dtype = args.dtype.unwrap_or_else(|| {
+        megatrain::store::hf::ExportDtype::default_for(layout.num_params() as u64)
+    });
+    megatrain::store::hf::export(&mut params, &layout, &args.out, 2 << 30, (None, dtype))?;
     eprintln!(
         "exported {} (step {}) to {}",
         dir.display(),

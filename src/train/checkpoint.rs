@@ -22,6 +22,10 @@ use std::path::{Path, PathBuf};
 pub const FORMAT: u32 = 3;
 /// Oldest format read (1: no run identity; treated as belonging to whoever resumes it).
 const OLDEST_FORMAT: u32 = 1;
+mod params;
+
+pub use params::CheckpointParams;
+
 const MANIFEST: &str = "MANIFEST.json";
 const PARAMS_FILE: &str = "params.f32";
 

@@ -188,6 +188,7 @@ impl TrainConfig {
 
 use crate::host::PageKind;
 use crate::spill::io::EngineKind;
+use crate::store::hf::ExportDtype;
 use crate::store::placement::SpillPolicy;
 use crate::util::size::ByteSize;
 
@@ -250,6 +251,10 @@ settings! {
     value resume: Resume = Resume::Never => Option<Resume> [value_enum, num_args = 0..=1, default_missing_value = "always", value_name = "WHEN"];
     /// Export the final model as an HF checkpoint here.
     some export_hf: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
+    /// The export's tensors: fp32 (the master as is) or bf16 (rounded to nearest-even; half the
+    /// bytes). Default: fp32 up to 1B parameters, bf16 above (checkpoints keep the fp32 master
+    /// either way).
+    some export_dtype: Option<ExportDtype> = None => Option<ExportDtype> [value_enum];
     /// Compute device.
     value device: DeviceKind = DeviceKind::Cpu => Option<DeviceKind> [value_enum];
     /// Device memory budget of the CPU device, bytes or a size with a unit (e.g. 64MiB; the

@@ -19,6 +19,7 @@ pub mod run_dir;
 mod setup;
 
 use crate::engine::{MicroBatch, StepMetrics, Streamer};
+use crate::store::hf::ExportDtype;
 use crate::{Error, Result};
 use checkpoint::TrainState;
 use config::TrainConfig;
@@ -235,7 +236,12 @@ fn save_checkpoint(s: &mut Session, root: &Path, step: u64) -> Result<PathBuf> {
 /// The HF export, the loss curve and the trace.
 fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
     if let Some(out) = &s.cfg.export_hf {
-        crate::store::hf::export_store(s.streamer.store(), out, 2 << 30, Some(&s.run_id))?;
+        let store = s.streamer.store();
+        let dtype = s
+            .cfg
+            .export_dtype
+            .unwrap_or_else(|| ExportDtype::default_for(store.layout().num_params() as u64));
+        crate::store::hf::export_store(store, out, 2 << 30, (Some(&s.run_id), dtype))?;
         summary.export = Some(out.clone());
     }
     let curve = s

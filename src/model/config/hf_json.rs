@@ -7,8 +7,13 @@ use serde_json::Value;
 
 impl ModelConfig {
     /// The `config.json` that transformers loads unchanged (transformers-4 spelling, which
-    /// transformers 5 also reads).
+    /// transformers 5 also reads), for fp32 weights.
     pub fn to_hf_json(&self) -> String {
+        self.to_hf_json_as("float32")
+    }
+
+    /// The same for weights stored as `torch_dtype` (`float32`, `bfloat16`).
+    pub fn to_hf_json_as(&self, torch_dtype: &str) -> String {
         let mut v = serde_json::json!({
             "architectures": [self.architecture.hf_name()],
             "model_type": self.architecture.model_type(),
@@ -24,7 +29,7 @@ impl ModelConfig {
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": "float32",
+            "torch_dtype": torch_dtype,
             "pad_token_id": self.pad_token_id,
         });
         if !matches!(
