@@ -1,7 +1,7 @@
 //! The model out as a Hugging Face checkpoint: `config.json` + safetensors shards + index,
-//! which `transformers` loads unchanged, in fp32 or bf16, read unit by unit from a
-//! [`ParamSource`] (the host store, or a training checkpoint's params file) so that no more than
-//! one shard's units are in memory at once.
+//! which `transformers` loads unchanged, in fp32 or bf16, each tensor read from a
+//! [`ParamSource`] (the host store, or a training checkpoint's params file) only when the
+//! safetensors writer writes it: one tensor in memory at a time.
 
 use super::super::layout::StateLayout;
 use super::super::{HostStore, Master};
@@ -11,7 +11,9 @@ use crate::optim::adamw::f32_to_bf16;
 use crate::{Error, Result};
 use safetensors::{Dtype, View};
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::path::Path;
 
 /// The element type of an export's tensors.
@@ -55,60 +57,84 @@ impl ExportDtype {
     }
 }
 
-/// Where an export reads each unit's parameters (fp32, in the unit's layout order).
+/// Where an export reads the parameters (fp32, in each unit's layout order).
 pub trait ParamSource {
-    /// Unit `u`'s parameters.
-    fn unit(&mut self, u: usize) -> Result<Vec<f32>>;
+    /// Elements `range` of unit `u`'s parameters.
+    fn read(&mut self, u: usize, range: Range<usize>) -> Result<Vec<f32>>;
 }
 
-/// The host store's masters (a bf16-planes master joined into fp32).
+/// The host store's masters (a bf16-planes master's fp32 values).
 impl ParamSource for &HostStore {
-    fn unit(&mut self, u: usize) -> Result<Vec<f32>> {
+    fn read(&mut self, u: usize, range: Range<usize>) -> Result<Vec<f32>> {
         let mut g = self.take(u)?;
-        Ok(match g.master() {
-            Master::Fp32(p) => p.to_vec(),
-            planes => planes.to_vec(),
-        })
-    }
-}
-
-/// A tensor for the safetensors writer: a borrowed fp32 slice, or its bf16 bits.
-enum TensorView<'a> {
-    F32(Vec<usize>, &'a [f32]),
-    Bf16(Vec<usize>, Vec<u16>),
-}
-
-impl View for TensorView<'_> {
-    fn dtype(&self) -> Dtype {
-        match self {
-            TensorView::F32(..) => Dtype::F32,
-            TensorView::Bf16(..) => Dtype::BF16,
+        let master = g.master();
+        if range.end > master.len() {
+            return Err(Error::internal(
+                "export",
+                format!("unit {u}: elements {range:?} of {}", master.len()),
+            ));
         }
-    }
-    fn shape(&self) -> &[usize] {
-        match self {
-            TensorView::F32(s, _) | TensorView::Bf16(s, _) => s,
-        }
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        // SAFETY: f32 and u16 have no padding or invalid bit patterns as bytes; safetensors is
-        // little-endian, and so is this host (see the compile_error! guard in hf.rs).
-        Cow::Borrowed(unsafe {
-            match self {
-                TensorView::F32(_, d) => {
-                    std::slice::from_raw_parts(d.as_ptr().cast::<u8>(), d.len() * 4)
-                }
-                TensorView::Bf16(_, d) => {
-                    std::slice::from_raw_parts(d.as_ptr().cast::<u8>(), d.len() * 2)
-                }
+        Ok(match master {
+            Master::Fp32(p) => p[range].to_vec(),
+            planes => {
+                let mut out = vec![0f32; range.len()];
+                planes.read(range.start, &mut out);
+                out
             }
         })
     }
-    fn data_len(&self) -> usize {
-        match self {
-            TensorView::F32(_, d) => d.len() * 4,
-            TensorView::Bf16(_, d) => d.len() * 2,
+}
+
+/// The source, shared by the tensors of a shard, and its first error (the writer's `View`
+/// cannot return one).
+struct Fetch<'a> {
+    source: &'a mut dyn ParamSource,
+    error: Option<Error>,
+}
+
+/// A tensor read from the source when the safetensors writer writes it.
+struct LazyTensor<'s, 'a> {
+    fetch: &'s RefCell<Fetch<'a>>,
+    unit: usize,
+    range: Range<usize>,
+    shape: Vec<usize>,
+    dtype: ExportDtype,
+}
+
+impl View for LazyTensor<'_, '_> {
+    fn dtype(&self) -> Dtype {
+        match self.dtype {
+            ExportDtype::Fp32 => Dtype::F32,
+            ExportDtype::Bf16 => Dtype::BF16,
         }
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut f = self.fetch.borrow_mut();
+        let values = match f.error {
+            // The export fails anyway: the bytes only keep the file's layout.
+            Some(_) => Err(()),
+            None => f
+                .source
+                .read(self.unit, self.range.clone())
+                .map_err(|e| f.error = Some(e)),
+        };
+        let Ok(values) = values else {
+            return Cow::Owned(vec![0; self.data_len()]);
+        };
+        // Little-endian, as safetensors is (and this host: see hf.rs).
+        Cow::Owned(match self.dtype {
+            ExportDtype::Fp32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ExportDtype::Bf16 => values
+                .iter()
+                .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+                .collect(),
+        })
+    }
+    fn data_len(&self) -> usize {
+        self.range.len() * self.dtype.bytes() as usize
     }
 }
 
@@ -293,40 +319,36 @@ fn write_export(source: &mut dyn ParamSource, layout: &StateLayout, f: &Files<'_
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
-    // The unit the previous shard ended in, kept for the next shard when it continues there.
-    let mut carried: Option<(usize, Vec<f32>)> = None;
+    let fetch = RefCell::new(Fetch {
+        source,
+        error: None,
+    });
     for (k, shard) in shards.iter().enumerate() {
         let file = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
         let path = dir.join(&file);
-        let mut params: HashMap<usize, Vec<f32>> = HashMap::new();
-        if let Some((u, p)) = carried.take() {
-            if shard.iter().any(|(v, _)| *v == u) {
-                params.insert(u, p);
-            }
-        }
-        for &(u, _) in shard {
-            if let std::collections::hash_map::Entry::Vacant(e) = params.entry(u) {
-                e.insert(source.unit(u)?);
-            }
-        }
-        let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
+        let mut views = Vec::with_capacity(shard.len());
         for (u, t) in shard {
             let (_, spec) = layout.tensor(&t.tensor)?;
             let start = spec.offset + t.offset;
-            let data = &params[u][start..start + t.numel()];
             weight_map.insert(t.name.clone(), file.clone());
             total += f.dtype.bytes() * t.numel() as u64;
-            let view = match f.dtype {
-                ExportDtype::Fp32 => TensorView::F32(t.shape.clone(), data),
-                ExportDtype::Bf16 => TensorView::Bf16(
-                    t.shape.clone(),
-                    data.iter().map(|&x| f32_to_bf16(x)).collect(),
-                ),
-            };
-            views.push((t.name.clone(), view));
+            views.push((
+                t.name.clone(),
+                LazyTensor {
+                    fetch: &fetch,
+                    unit: *u,
+                    range: start..start + t.numel(),
+                    shape: t.shape.clone(),
+                    dtype: f.dtype,
+                },
+            ));
         }
         let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-        safetensors::serialize_to_file(views, Some(meta), &path).map_err(|e| {
+        let written = safetensors::serialize_to_file(views, Some(meta), &path);
+        if let Some(e) = fetch.borrow_mut().error.take() {
+            return Err(e);
+        }
+        written.map_err(|e| {
             Error::io(
                 "write safetensors",
                 &path,
@@ -336,10 +358,6 @@ fn write_export(source: &mut dyn ParamSource, layout: &StateLayout, f: &Files<'_
         std::fs::File::open(&path)
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::io("fsync", &path, e))?;
-        // A unit split across shards is read once.
-        if let Some(&(last, _)) = shard.last() {
-            carried = params.remove(&last).map(|p| (last, p));
-        }
     }
     let index =
         serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });

@@ -1,4 +1,4 @@
-//! A checkpoint's fp32 params read unit by unit from its params file, without a host store
+//! A checkpoint's fp32 params read tensor by tensor from its params file, without a host store
 //! (an export needs neither the moments nor the rest of the model in memory).
 
 use super::PARAMS_FILE;
@@ -45,17 +45,20 @@ impl CheckpointParams {
 }
 
 impl ParamSource for CheckpointParams {
-    fn unit(&mut self, u: usize) -> Result<Vec<f32>> {
-        let &(at, numel) = self
+    fn read(&mut self, u: usize, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let &(at, _) = self
             .units
             .get(u)
-            .ok_or_else(|| Error::internal("checkpoint params", format!("unit {u}")))?;
-        let mut out = vec![0f32; numel];
+            .filter(|&&(_, numel)| range.end <= numel)
+            .ok_or_else(|| {
+                Error::internal("checkpoint params", format!("unit {u}, elements {range:?}"))
+            })?;
+        let mut out = vec![0f32; range.len()];
         // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
         let bytes =
-            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), numel * 4) };
+            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4) };
         self.file
-            .read_exact_at(bytes, at)
+            .read_exact_at(bytes, at + 4 * range.start as u64)
             .map_err(|e| Error::io("read", &self.path, e))?;
         Ok(out)
     }
