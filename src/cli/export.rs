@@ -72,10 +72,15 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     });
     megatrain::store::hf::export(&mut params, &layout, &args.out, 2 << 30, (None, dtype))?;
     eprintln!(
-        "exported {} (step {}) to {}",
+        "exported {} (step {}) to {} as {}{}",
         dir.display(),
         state.step,
-        args.out.display()
+        args.out.display(),
+        dtype.torch_name(),
+        megatrain::util::peak_rss_bytes().map_or(String::new(), |b| format!(
+            " (peak RSS {})",
+            megatrain::util::human_bytes(b)
+        ))
     );
     Ok(())
 }

@@ -12,6 +12,7 @@ macro_rules! say {
 
 use clap::Args;
 use megatrain::train::config::{TrainConfig, TrainOverrides};
+use megatrain::util::human_bytes;
 use megatrain::Result;
 use std::path::PathBuf;
 
@@ -229,6 +230,17 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
             .map_or(String::new(), |v| format!(" (validation {v:.4})")),
         s.tokens_per_s
     );
+    if let Some(rss) = s.peak_rss {
+        let m = s.host_memory;
+        say!(
+            "  memory      peak RSS {} = host state {} + buffers {} + CPU device {} + {} other",
+            human_bytes(rss),
+            human_bytes(m.state),
+            human_bytes(m.buffers),
+            human_bytes(m.device),
+            human_bytes(rss.saturating_sub(m.total()))
+        );
+    }
     for (what, p) in [
         ("checkpoint", &s.checkpoint),
         ("HF export", &s.export),

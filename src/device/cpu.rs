@@ -624,6 +624,10 @@ impl Device for CpuDevice {
         }
     }
 
+    fn memory_in_host(&self) -> bool {
+        true
+    }
+
     fn memory(&self) -> MemStats {
         let a = lock(&self.shared.arena);
         MemStats {

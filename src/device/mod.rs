@@ -593,6 +593,11 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn synchronize(&self);
     /// Memory accounting.
     fn memory(&self) -> MemStats;
+    /// Whether the device's memory is this process's host memory (the CPU device's), so that
+    /// it counts in the process's resident set.
+    fn memory_in_host(&self) -> bool {
+        false
+    }
     /// The micro-batch shape and token chunks its layer program runs.
     fn shape(&self) -> program::Shape;
     /// The precision its layer program computes in.

@@ -8,4 +8,4 @@ pub mod trace;
 
 pub use metrics::{LayerLoad, StepMetrics};
 pub use schedule::Activations;
-pub use streamer::{clip_coef, device_bytes, MicroBatch, Streamer, StreamerConfig};
+pub use streamer::{clip_coef, device_bytes, HostMemory, MicroBatch, Streamer, StreamerConfig};

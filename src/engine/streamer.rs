@@ -30,6 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 mod evaluate;
+mod memory;
+
+pub use memory::HostMemory;
 
 /// How the streamer runs.
 #[derive(Debug, Clone)]

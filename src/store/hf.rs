@@ -204,6 +204,24 @@ fn map_file(file: &Path) -> Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io("mmap", file, e))
 }
 
+/// Drop `bytes` — a tensor of `map`, copied into the store — from the process's resident set
+/// (the file's pages stay in the page cache): loading a checkpoint holds the state plus about
+/// one tensor of it, not the whole mapped file. Best effort: a refusal only keeps the pages.
+fn release(map: &memmap2::Mmap, bytes: &[u8]) {
+    let Some(offset) = (bytes.as_ptr() as usize).checked_sub(map.as_ptr() as usize) else {
+        return;
+    };
+    if offset + bytes.len() > map.len() {
+        return;
+    }
+    // SAFETY: the map is a read-only private file mapping no one writes through: after
+    // MADV_DONTNEED its pages fault back in from the file with the same bytes, so every slice
+    // borrowed from it (the header, tensors not read yet) stays valid.
+    let _ = unsafe {
+        map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, bytes.len())
+    };
+}
+
 /// The safetensors file in `map` (read from `file`).
 fn safetensors_of<'a>(map: &'a memmap2::Mmap, file: &Path) -> Result<SafeTensors<'a>> {
     SafeTensors::deserialize(map).map_err(|e| {
@@ -382,6 +400,7 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                     master.write(start, &values);
                 }
             }
+            release(&map, view.data());
         }
     }
     // Each parameter whole, once: from its own tensor or from every one of its pieces.

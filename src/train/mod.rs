@@ -69,6 +69,10 @@ pub struct Summary {
     pub interrupted: bool,
     /// Metrics lines that could not be written (each failure was a warning).
     pub metrics_failures: u64,
+    /// What the run held in host memory at its end.
+    pub host_memory: crate::engine::HostMemory,
+    /// The process's peak resident set (`getrusage`), through every phase of the run.
+    pub peak_rss: Option<u64>,
 }
 
 /// Validation loss (mean per trained token) over `batches` micro-batches of `loader`: each a
@@ -126,6 +130,8 @@ pub fn run(
         return Err(rescue(&mut s, summary.steps, e, progress));
     }
     summary.metrics_failures = s.metrics.as_ref().map_or(0, |m| m.failed_writes);
+    summary.host_memory = s.streamer.host_memory();
+    summary.peak_rss = crate::util::peak_rss_bytes();
     Ok(summary)
 }
 

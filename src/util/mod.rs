@@ -17,6 +17,22 @@ pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// This process's peak resident set so far, in bytes (`getrusage`'s `ru_maxrss`), if the
+/// kernel reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a `rusage` into the pointed-to, properly sized and aligned
+    // buffer; RUSAGE_SELF is a valid `who`.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: initialised by the successful call above (and zeroed before it).
+    let ru = unsafe { ru.assume_init() };
+    // Linux reports kilobytes.
+    u64::try_from(ru.ru_maxrss).ok().map(|kb| kb * 1024)
+}
+
 /// The median (upper median for an even count; 0 for none).
 pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {

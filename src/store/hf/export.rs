@@ -4,7 +4,7 @@
 //! safetensors writer writes it: one tensor in memory at a time.
 
 use super::super::layout::StateLayout;
-use super::super::{HostStore, Master};
+use super::super::HostStore;
 use super::INDEX;
 use crate::model::units::{stored_tensors, StoredTensor};
 use crate::optim::adamw::f32_to_bf16;
@@ -59,31 +59,32 @@ impl ExportDtype {
 
 /// Where an export reads the parameters (fp32, in each unit's layout order).
 pub trait ParamSource {
-    /// Elements `range` of unit `u`'s parameters.
-    fn read(&mut self, u: usize, range: Range<usize>) -> Result<Vec<f32>>;
+    /// Unit `u`'s parameters from element `start` into `dst`.
+    fn read(&mut self, u: usize, start: usize, dst: &mut [f32]) -> Result<()>;
 }
 
 /// The host store's masters (a bf16-planes master's fp32 values).
 impl ParamSource for &HostStore {
-    fn read(&mut self, u: usize, range: Range<usize>) -> Result<Vec<f32>> {
+    fn read(&mut self, u: usize, start: usize, dst: &mut [f32]) -> Result<()> {
         let mut g = self.take(u)?;
         let master = g.master();
-        if range.end > master.len() {
+        if start + dst.len() > master.len() {
             return Err(Error::internal(
                 "export",
-                format!("unit {u}: elements {range:?} of {}", master.len()),
+                format!(
+                    "unit {u}: {} elements at {start} of {}",
+                    dst.len(),
+                    master.len()
+                ),
             ));
         }
-        Ok(match master {
-            Master::Fp32(p) => p[range].to_vec(),
-            planes => {
-                let mut out = vec![0f32; range.len()];
-                planes.read(range.start, &mut out);
-                out
-            }
-        })
+        master.read(start, dst);
+        Ok(())
     }
 }
+
+/// Elements read from the source at once while a tensor is written (1M: 4 MiB).
+const READ_CHUNK: usize = 1 << 20;
 
 /// The source, shared by the tensors of a shard, and its first error (the writer's `View`
 /// cannot return one).
@@ -113,25 +114,27 @@ impl View for LazyTensor<'_, '_> {
     }
     fn data(&self) -> Cow<'_, [u8]> {
         let mut f = self.fetch.borrow_mut();
-        let values = match f.error {
-            // The export fails anyway: the bytes only keep the file's layout.
-            Some(_) => Err(()),
-            None => f
-                .source
-                .read(self.unit, self.range.clone())
-                .map_err(|e| f.error = Some(e)),
-        };
-        let Ok(values) = values else {
-            return Cow::Owned(vec![0; self.data_len()]);
-        };
-        // Little-endian, as safetensors is (and this host: see hf.rs).
-        Cow::Owned(match self.dtype {
-            ExportDtype::Fp32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            ExportDtype::Bf16 => values
-                .iter()
-                .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
-                .collect(),
-        })
+        let mut out = Vec::with_capacity(self.data_len());
+        let mut chunk = vec![0f32; READ_CHUNK.min(self.range.len())];
+        let mut at = self.range.start;
+        while at < self.range.end && f.error.is_none() {
+            let part = &mut chunk[..READ_CHUNK.min(self.range.end - at)];
+            if let Err(e) = f.source.read(self.unit, at, part) {
+                f.error = Some(e);
+                break;
+            }
+            // Little-endian, as safetensors is (and this host: see hf.rs).
+            match self.dtype {
+                ExportDtype::Fp32 => out.extend(part.iter().flat_map(|x| x.to_le_bytes())),
+                ExportDtype::Bf16 => {
+                    out.extend(part.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()))
+                }
+            }
+            at += part.len();
+        }
+        // After an error the export fails anyway: the bytes only keep the file's layout.
+        out.resize(self.data_len(), 0);
+        Cow::Owned(out)
     }
     fn data_len(&self) -> usize {
         self.range.len() * self.dtype.bytes() as usize

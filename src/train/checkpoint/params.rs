@@ -45,21 +45,22 @@ impl CheckpointParams {
 }
 
 impl ParamSource for CheckpointParams {
-    fn read(&mut self, u: usize, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    fn read(&mut self, u: usize, start: usize, dst: &mut [f32]) -> Result<()> {
         let &(at, _) = self
             .units
             .get(u)
-            .filter(|&&(_, numel)| range.end <= numel)
+            .filter(|&&(_, numel)| start + dst.len() <= numel)
             .ok_or_else(|| {
-                Error::internal("checkpoint params", format!("unit {u}, elements {range:?}"))
+                Error::internal(
+                    "checkpoint params",
+                    format!("unit {u}, {} elements at {start}", dst.len()),
+                )
             })?;
-        let mut out = vec![0f32; range.len()];
         // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
         let bytes =
-            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4) };
+            unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), dst.len() * 4) };
         self.file
-            .read_exact_at(bytes, at + 4 * range.start as u64)
-            .map_err(|e| Error::io("read", &self.path, e))?;
-        Ok(out)
+            .read_exact_at(bytes, at + 4 * start as u64)
+            .map_err(|e| Error::io("read", &self.path, e))
     }
 }
