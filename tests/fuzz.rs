@@ -370,7 +370,7 @@ fn mutated_safetensors_never_panic() {
         &store,
         &export,
         1 << 30,
-        (None, megatrain::store::hf::ExportDtype::Fp32),
+        megatrain::store::hf::ExportOptions::new(megatrain::store::hf::ExportDtype::Fp32),
     )
     .unwrap();
     let file = std::fs::read(export.join("model-00001-of-00001.safetensors")).unwrap();

@@ -57,7 +57,13 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
     hf::load_into_store(&hf_dir(), &store).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("export");
-    hf::export_store(&store, &out, 20_000, (None, hf::ExportDtype::Fp32)).unwrap();
+    hf::export_store(
+        &store,
+        &out,
+        20_000,
+        hf::ExportOptions::new(hf::ExportDtype::Fp32),
+    )
+    .unwrap();
     let files = hf::checkpoint_files(&out).unwrap();
     assert!(files.len() > 1, "small shard limit gives several shards");
     let cfg = hf::load_config(&out).unwrap();
@@ -75,7 +81,13 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
             .collect::<Vec<_>>()
     );
     // A second export to the same place is refused and the first stays intact.
-    let e = hf::export_store(&store, &out, 20_000, (None, hf::ExportDtype::Fp32)).unwrap_err();
+    let e = hf::export_store(
+        &store,
+        &out,
+        20_000,
+        hf::ExportOptions::new(hf::ExportDtype::Fp32),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("refusing to overwrite"), "{e}");
     hf::load_into_store(&out, &again).unwrap();
     // No temporary directories are left behind.
@@ -86,7 +98,7 @@ fn export_then_import_is_bit_exact_and_refuses_to_overwrite() {
             &store,
             Path::new(&keep),
             20_000,
-            (None, hf::ExportDtype::Fp32),
+            hf::ExportOptions::new(hf::ExportDtype::Fp32),
         )
         .unwrap();
     }
@@ -101,8 +113,20 @@ fn a_bf16_export_rounds_the_master_and_loads_back() {
     hf::load_into_store(&hf_dir(), &store).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let (out16, out32) = (tmp.path().join("bf16"), tmp.path().join("fp32"));
-    hf::export_store(&store, &out16, 20_000, (None, hf::ExportDtype::Bf16)).unwrap();
-    hf::export_store(&store, &out32, 20_000, (None, hf::ExportDtype::Fp32)).unwrap();
+    hf::export_store(
+        &store,
+        &out16,
+        20_000,
+        hf::ExportOptions::new(hf::ExportDtype::Bf16),
+    )
+    .unwrap();
+    hf::export_store(
+        &store,
+        &out32,
+        20_000,
+        hf::ExportOptions::new(hf::ExportDtype::Fp32),
+    )
+    .unwrap();
     let files = hf::checkpoint_files(&out16).unwrap();
     assert!(files.len() < hf::checkpoint_files(&out32).unwrap().len());
     let mut tensors = 0;
@@ -259,7 +283,13 @@ fn gemma3_checkpoint_round_trips_and_its_multimodal_form_loads_the_text_model() 
     let want = params(&store);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("export");
-    hf::export_store(&store, &out, 1 << 30, (None, hf::ExportDtype::Fp32)).unwrap();
+    hf::export_store(
+        &store,
+        &out,
+        1 << 30,
+        hf::ExportOptions::new(hf::ExportDtype::Fp32),
+    )
+    .unwrap();
     let again = store_for(&out);
     hf::load_into_store(&out, &again).unwrap();
     assert_eq!(params(&again), want, "export → import");
@@ -268,7 +298,7 @@ fn gemma3_checkpoint_round_trips_and_its_multimodal_form_loads_the_text_model() 
             &store,
             Path::new(&keep),
             1 << 30,
-            (None, hf::ExportDtype::Fp32),
+            hf::ExportOptions::new(hf::ExportDtype::Fp32),
         )
         .unwrap();
     }
@@ -356,4 +386,93 @@ fn broken_copy(dir: &Path, drop: impl Fn(&str) -> bool) -> String {
     hf::load_into_store(tmp.path(), &store)
         .unwrap_err()
         .to_string()
+}
+
+/// A model started from a Hugging Face directory is exported with that directory's tokenizer
+/// files and generation config beside the weights (`train --export-hf`, and `megatrain export`
+/// from its checkpoint, which finds them through the run's `--init-from` or `--tokenizer`), so
+/// the export serves from one folder.
+#[test]
+fn an_export_of_a_model_started_from_hf_carries_its_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let init = tmp.path().join("init");
+    std::fs::create_dir(&init).unwrap();
+    let golden = root.join("tests/golden/sft_chat/init");
+    let tokenizer = root.join("tests/fixtures/chat/gen");
+    for (dir, name) in [
+        (&golden, "config.json"),
+        (&golden, "model.safetensors"),
+        (&golden, "generation_config.json"),
+        (&tokenizer, "tokenizer.json"),
+        (&tokenizer, "tokenizer_config.json"),
+    ] {
+        std::fs::copy(dir.join(name), init.join(name)).unwrap();
+    }
+    let vocab = hf::load_config(&init).unwrap().vocab_size as u16;
+    let data: Vec<u8> = (0..4000u16)
+        .flat_map(|i| (i * 7 % vocab).to_le_bytes())
+        .collect();
+    std::fs::write(tmp.path().join("data.bin"), data).unwrap();
+    let megatrain = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
+            .current_dir(tmp.path())
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{args:?}: {err}");
+        err
+    };
+    megatrain(&[
+        "train",
+        "--init-from",
+        "init",
+        "--data",
+        "data.bin",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        "ck",
+        "--export-hf",
+        "hf",
+    ]);
+    let served = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ];
+    let same = |dir: &str| {
+        for name in served {
+            assert_eq!(
+                std::fs::read(tmp.path().join(dir).join(name)).unwrap(),
+                std::fs::read(init.join(name)).unwrap(),
+                "{dir}/{name}"
+            );
+        }
+    };
+    same("hf");
+    let err = megatrain(&["export", "--checkpoint", "ck", "--out", "hf2"]);
+    assert!(err.contains("tokenizer.json"), "{err}");
+    same("hf2");
+    // The run's directory gone: the export says so, and --tokenizer names another.
+    std::fs::rename(&init, tmp.path().join("moved")).unwrap();
+    let err = megatrain(&["export", "--checkpoint", "ck", "--out", "hf3"]);
+    assert!(err.contains("pass --tokenizer"), "{err}");
+    assert!(!tmp.path().join("hf3/tokenizer.json").exists());
+    megatrain(&[
+        "export",
+        "--checkpoint",
+        "ck",
+        "--out",
+        "hf4",
+        "--tokenizer",
+        "moved",
+    ]);
+    std::fs::rename(tmp.path().join("moved"), &init).unwrap();
+    same("hf4");
 }

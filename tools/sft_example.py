@@ -11,10 +11,10 @@
       OUT_DIR/chat.jsonl      400 synthetic arithmetic conversations {"messages": [...]}
       OUT_DIR/chat_val.jsonl  40 more, for validation
 
-  python3 tools/sft_example.py generate HF_DIR TOKENIZER_DIR "What is 2 plus 5?"
-      loads the model from HF_DIR (e.g. a megatrain --export-hf directory) and the tokenizer from
-      TOKENIZER_DIR, applies the chat template with add_generation_prompt=True, greedily generates
-      up to 20 tokens and prints the completion.
+  python3 tools/sft_example.py generate HF_DIR "What is 2 plus 5?"
+      loads the model and its tokenizer from HF_DIR (a megatrain export, which carries the
+      tokenizer of the model it started from), applies the chat template with
+      add_generation_prompt=True, greedily generates up to 20 tokens and prints the completion.
 
 Everything `make` writes is deterministic (fixed seeds). For scale: in PyTorch, 400 steps of 16
 conversations at lr 3e-3 (loss on assistant tokens only) teach the model the answer format
@@ -27,7 +27,7 @@ import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 
@@ -119,8 +119,9 @@ def make(out):
     print(f"wrote {out}/model (vocab {len(tok)}), {out}/chat.jsonl (400), {out}/chat_val.jsonl (40)")
 
 
-def generate(hf_dir, tok_dir, prompt):
-    tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+def generate(hf_dir, prompt):
+    # The export carries the tokenizer and chat template of the model it started from.
+    tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
@@ -133,7 +134,7 @@ def generate(hf_dir, tok_dir, prompt):
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
-    elif len(sys.argv) == 5 and sys.argv[1] == "generate":
+    elif len(sys.argv) == 4 and sys.argv[1] == "generate":
         generate(*sys.argv[2:])
     else:
         sys.exit(__doc__)

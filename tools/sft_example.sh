@@ -36,4 +36,4 @@ done
 # A question from the training data (the model is far too small to learn arithmetic).
 question=$("$py" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["messages"][-2]["content"])' "$out/chat.jsonl")
 echo "Q: $question"
-echo "A: $("$py" tools/sft_example.py generate "$out/hf" "$out/model" "$question")"
+echo "A: $("$py" tools/sft_example.py generate "$out/hf" "$question")"

@@ -16,6 +16,11 @@ pub struct ExportArgs {
     /// bytes). Default: fp32 up to 1B parameters, bf16 above.
     #[arg(long, value_enum, alias = "export-dtype")]
     dtype: Option<megatrain::store::hf::ExportDtype>,
+    /// A Hugging Face model directory whose tokenizer files, chat template and generation config
+    /// go beside the weights. Default: the directory the run started from (`--init-from`),
+    /// if it is still there.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
 }
 
 pub fn run(args: &ExportArgs) -> Result<()> {
@@ -70,7 +75,39 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     let dtype = args.dtype.unwrap_or_else(|| {
         megatrain::store::hf::ExportDtype::default_for(layout.num_params() as u64)
     });
-    megatrain::store::hf::export(&mut params, &layout, &args.out, 2 << 30, (None, dtype))?;
+    let serving = match (&args.tokenizer, &state.config.init_from) {
+        (Some(t), _) if !t.is_dir() => {
+            return Err(megatrain::Error::bad_input(
+                "--tokenizer",
+                t.display().to_string(),
+                "is not a directory",
+                Some("pass the Hugging Face model directory that holds the tokenizer files"),
+            ))
+        }
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(init)) if init.is_dir() => Some(init.clone()),
+        (None, Some(init)) => {
+            eprintln!(
+                "note: the run started from {}, which is gone: the export has no tokenizer (pass --tokenizer DIR)",
+                init.display()
+            );
+            None
+        }
+        (None, None) => None,
+    };
+    let opts = megatrain::store::hf::ExportOptions {
+        serving_files_from: serving.as_deref(),
+        ..megatrain::store::hf::ExportOptions::new(dtype)
+    };
+    megatrain::store::hf::export(&mut params, &layout, &args.out, 2 << 30, opts)?;
+    let copied: Vec<&str> = megatrain::store::hf::SERVING_FILES
+        .iter()
+        .copied()
+        .filter(|f| args.out.join(f).is_file())
+        .collect();
+    if let Some(from) = serving.as_ref().filter(|_| !copied.is_empty()) {
+        eprintln!("with {} from {}", copied.join(", "), from.display());
+    }
     eprintln!(
         "exported {} (step {}) to {} as {}{}",
         dir.display(),

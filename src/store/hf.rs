@@ -452,7 +452,8 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
 mod export;
 
 pub use export::{
-    export, export_dir_state, export_store, ExportDir, ExportDtype, ParamSource, EXPORT_MARKER,
+    export, export_dir_state, export_store, ExportDir, ExportDtype, ExportOptions, ParamSource,
+    EXPORT_MARKER, SERVING_FILES,
 };
 
 #[cfg(test)]

@@ -247,7 +247,13 @@ fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
             .cfg
             .export_dtype
             .unwrap_or_else(|| ExportDtype::default_for(store.layout().num_params() as u64));
-        crate::store::hf::export_store(store, out, 2 << 30, (Some(&s.run_id), dtype))?;
+        let opts = crate::store::hf::ExportOptions {
+            run_id: Some(&s.run_id),
+            dtype,
+            // A model started from a Hugging Face directory is served with its tokenizer.
+            serving_files_from: s.cfg.init_from.as_deref().filter(|p| p.is_dir()),
+        };
+        crate::store::hf::export_store(store, out, 2 << 30, opts)?;
         summary.export = Some(out.clone());
     }
     let curve = s

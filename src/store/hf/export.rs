@@ -209,35 +209,77 @@ pub fn export_dir_state(out: &Path) -> Result<ExportDir> {
     }
 }
 
+/// The files of a Hugging Face model directory besides its weights and `config.json` that
+/// serving it needs — the tokenizer (every format transformers saves), its chat template, the
+/// generation config — which an export copies from the directory the model was started from.
+pub const SERVING_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
+
+/// How an export is written.
+#[derive(Debug, Clone, Copy)]
+pub struct ExportOptions<'a> {
+    /// The run that writes it (recorded in [`EXPORT_MARKER`]; an earlier export of the same run
+    /// is replaced).
+    pub run_id: Option<&'a str>,
+    /// The tensors' type.
+    pub dtype: ExportDtype,
+    /// A Hugging Face model directory whose [`SERVING_FILES`] are copied beside the weights
+    /// (those it has).
+    pub serving_files_from: Option<&'a Path>,
+}
+
+impl ExportOptions<'_> {
+    /// An export in `dtype`, of no run, with no serving files.
+    pub fn new(dtype: ExportDtype) -> Self {
+        ExportOptions {
+            run_id: None,
+            dtype,
+            serving_files_from: None,
+        }
+    }
+}
+
 /// [`export`] of the host store's params.
 pub fn export_store(
     store: &HostStore,
     out: &Path,
     max_shard_bytes: u64,
-    (run_id, dtype): (Option<&str>, ExportDtype),
+    opts: ExportOptions<'_>,
 ) -> Result<()> {
     let mut source = store;
-    export(
-        &mut source,
-        store.layout(),
-        out,
-        max_shard_bytes,
-        (run_id, dtype),
-    )
+    export(&mut source, store.layout(), out, max_shard_bytes, opts)
 }
 
 /// Write the params `source` gives for `layout` as an HF checkpoint directory `out`
-/// (config.json, safetensors shards of at most `max_shard_bytes` in `dtype`, and the index),
-/// through a temporary directory renamed into place. `out` must be absent or empty — or, when
-/// `run_id` is given, an earlier export of that run, which is replaced only once the new one is
-/// complete. Holds one shard's units at a time.
+/// (config.json, safetensors shards of at most `max_shard_bytes` in the options' dtype, the
+/// index, and the serving files of the directory the options name), through a temporary
+/// directory renamed into place. `out` must be absent or empty — or, when a run id is given, an
+/// earlier export of that run, which is replaced only once the new one is complete. Holds one
+/// tensor at a time.
 pub fn export(
     source: &mut dyn ParamSource,
     layout: &StateLayout,
     out: &Path,
     max_shard_bytes: u64,
-    (run_id, dtype): (Option<&str>, ExportDtype),
+    opts: ExportOptions<'_>,
 ) -> Result<()> {
+    let ExportOptions {
+        run_id,
+        dtype,
+        serving_files_from,
+    } = opts;
     let replace = match export_dir_state(out)? {
         ExportDir::Absent => false,
         ExportDir::Empty => {
@@ -270,30 +312,48 @@ pub fn export(
         run_id,
         dtype,
     };
-    let result = write_export(source, layout, &files).and_then(|()| {
-        if replace {
-            std::fs::rename(out, &old)
-                .map_err(|e| Error::io("move the old export aside", out, e))?;
-        }
-        if let Err(e) = std::fs::rename(&tmp, out) {
+    let result = write_export(source, layout, &files)
+        .and_then(|()| copy_serving_files(serving_files_from, &tmp))
+        .and_then(|()| {
             if replace {
-                let _ = std::fs::rename(&old, out);
+                std::fs::rename(out, &old)
+                    .map_err(|e| Error::io("move the old export aside", out, e))?;
             }
-            return Err(Error::io("rename export into place", out, e));
-        }
-        if replace {
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        // Make the rename durable.
-        if let Ok(d) = std::fs::File::open(parent) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    });
+            if let Err(e) = std::fs::rename(&tmp, out) {
+                if replace {
+                    let _ = std::fs::rename(&old, out);
+                }
+                return Err(Error::io("rename export into place", out, e));
+            }
+            if replace {
+                let _ = std::fs::remove_dir_all(&old);
+            }
+            // Make the rename durable.
+            if let Ok(d) = std::fs::File::open(parent) {
+                let _ = d.sync_all();
+            }
+            Ok(())
+        });
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
+}
+
+/// Copy the [`SERVING_FILES`] `from` has into `dir` (durably).
+fn copy_serving_files(from: Option<&Path>, dir: &Path) -> Result<()> {
+    let Some(from) = from else {
+        return Ok(());
+    };
+    for name in SERVING_FILES {
+        let src = from.join(name);
+        if !src.is_file() {
+            continue;
+        }
+        let bytes = std::fs::read(&src).map_err(|e| Error::io("read", &src, e))?;
+        crate::util::write_atomic(&dir.join(name), &bytes)?;
+    }
+    Ok(())
 }
 
 /// Where and how [`write_export`] writes.
