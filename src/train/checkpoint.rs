@@ -201,9 +201,10 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
         // One pass over the units, all three files at once: a spilled unit's m/v are staged
         // (read from NVMe) once, not once per file.
+        // Written past the page cache (O_DIRECT) where the filesystem allows.
         struct Out {
             path: PathBuf,
-            w: std::io::BufWriter<std::fs::File>,
+            w: crate::util::direct::DirectWriter,
             crc: u32,
             size: u64,
         }
@@ -211,10 +212,11 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         let names = files(store.layout().adam);
         for (name, _) in &names {
             let path = tmp.join(name);
-            let f = std::fs::File::create(&path).map_err(|e| Error::io("create", &path, e))?;
+            let w = crate::util::direct::DirectWriter::create(&path)
+                .map_err(|e| Error::io("create", &path, e))?;
             outs.push(Out {
                 path,
-                w: std::io::BufWriter::with_capacity(1 << 20, f),
+                w,
                 crc: 0,
                 size: 0,
             });
@@ -248,10 +250,8 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
         }
         let mut files = Vec::new();
         for (o, (name, _)) in outs.into_iter().zip(names) {
-            let f =
-                o.w.into_inner()
-                    .map_err(|e| Error::io("write", &o.path, e.into_error()))?;
-            f.sync_all().map_err(|e| Error::io("fsync", &o.path, e))?;
+            o.w.finish()
+                .map_err(|e| Error::io("write and fsync", &o.path, e))?;
             files.push((name, o.size, o.crc));
         }
         let state_json = serde_json::to_vec_pretty(state)

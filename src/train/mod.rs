@@ -196,8 +196,16 @@ fn train_loop(
         let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);
         if due || step == s.cfg.steps || stop {
             if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
+                let t0 = std::time::Instant::now();
                 let d = save_checkpoint(s, &root, step).map_err(Stop::AfterStep)?;
+                let secs = t0.elapsed().as_secs_f64();
                 progress.checkpoint(&d);
+                let bytes = checkpoint::tensor_bytes(s.streamer.store().layout());
+                progress.note(&format!(
+                    "  {} written in {secs:.1} s ({:.2} GB/s; training waited for it)",
+                    crate::util::human_bytes(bytes),
+                    bytes as f64 / secs.max(1e-9) / 1e9
+                ));
                 summary.checkpoint = Some(d);
             }
         }
