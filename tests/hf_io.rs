@@ -414,16 +414,7 @@ fn an_export_of_a_model_started_from_hf_carries_its_tokenizer() {
         .flat_map(|i| (i * 7 % vocab).to_le_bytes())
         .collect();
     std::fs::write(tmp.path().join("data.bin"), data).unwrap();
-    let megatrain = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
-            .current_dir(tmp.path())
-            .args(args)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(out.status.success(), "{args:?}: {err}");
-        err
-    };
+    let megatrain = |args: &[&str]| common::cli::megatrain_ok(tmp.path(), args);
     megatrain(&[
         "train",
         "--init-from",

@@ -7,8 +7,9 @@
 // The figures each phase measured are printed for the record (`--nocapture`).
 #![allow(clippy::print_stderr)]
 
-use std::path::Path;
-use std::process::Command;
+mod common;
+
+use common::cli::megatrain_ok as megatrain;
 
 /// What any phase may hold beyond the host state, the streamer's buffers and the CPU device's
 /// memory: the binary, its threads and allocator, the data loader.
@@ -34,18 +35,6 @@ fn bytes_of(text: &str) -> f64 {
         u => panic!("unit {u}"),
     };
     n.parse::<f64>().unwrap() * k
-}
-
-/// Run `megatrain` with `args`; its stderr.
-fn megatrain(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "{args:?}: {err}");
-    err
 }
 
 /// A training run's peak RSS and its excess over what it reports holding.

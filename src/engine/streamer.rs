@@ -455,6 +455,20 @@ impl Streamer {
         Ok(m)
     }
 
+    /// Check a micro-batch against the model and the streamer's shape.
+    fn check(&self, mb: &MicroBatch) -> Result<()> {
+        let (b, t) = (self.cfg.batch, self.cfg.seq);
+        self.templates
+            .check_batch(&mb.tokens, &mb.targets, &mb.positions, b, t)?;
+        match mb.pad.as_deref().map(<[u8]>::len) {
+            Some(len) if len != b * t => Err(Error::internal(
+                "streamer",
+                format!("{len} padding flags for a micro-batch of {} tokens", b * t),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Check the micro-batches and start the step: its counters, the device's peak, the spill
     /// tier's health.
     fn start_step(&mut self, batches: &[MicroBatch], lr: f64) -> Result<StepRun> {
@@ -469,13 +483,7 @@ impl Streamer {
             ));
         }
         for mb in batches {
-            self.templates.check_batch(
-                &mb.tokens,
-                &mb.targets,
-                &mb.positions,
-                self.cfg.batch,
-                self.cfg.seq,
-            )?;
+            self.check(mb)?;
         }
         // The loss is the mean over every trained token of the step, across its micro-batches
         // (as transformers' Trainer since 4.46), not a mean of per-micro-batch means.

@@ -104,3 +104,15 @@ pub fn steps_in_metrics(p: &Path) -> Vec<u64> {
         })
         .collect()
 }
+
+/// `megatrain ARGS` in `dir`, which must succeed; its stderr.
+pub fn megatrain_ok(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{args:?}: {err}");
+    err
+}

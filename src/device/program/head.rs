@@ -18,6 +18,59 @@ pub(super) struct HeadBuffers {
     pub(super) dx: BufId,
 }
 
+/// Where the LM head (or its gradient) is: the tied embedding's buffer `tied` from its start,
+/// or the head unit's buffer `head` at its tensor's offset.
+fn lm_head_at(tm: &Templates, tied: Option<BufId>, head: BufId) -> Result<(BufId, usize)> {
+    match (tied, tm.head.lm_head) {
+        (Some(t), _) => Ok((t, 0)),
+        (None, Some(off)) => Ok((head, off)),
+        (None, None) => Err(Error::internal(
+            "device program",
+            "an untied head without an LM head tensor",
+        )),
+    }
+}
+
+/// One chunk of rows `r0..r0 + m` of `x`: its final norm into `ws.h1` (1/rms into
+/// `ws.rstd1`), logits into `ws.ce`, per-row losses into `ws.losses` — and in `ws.ce` the
+/// loss's gradient scaled by `grad_scale`.
+#[allow(clippy::too_many_arguments)]
+fn logits_and_loss<B: Backend>(
+    be: &mut B,
+    cfg: &ModelConfig,
+    norm_w: B::P,
+    lm_w: B::P,
+    x: B::P,
+    targets: B::Ids,
+    ws: &Ws<B::P>,
+    (r0, m): (usize, usize),
+    grad_scale: f32,
+) -> Result<()> {
+    let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
+    let h = stored(be, ws.h1);
+    let norm = (norm_w, cfg.norm_weight.offset());
+    be.rmsnorm_fwd(h, ws.rstd1, B::off(x, r0 * c), norm, m, c, eps)?;
+    be.gemm(Gemm {
+        c: ws.ce,
+        a: h,
+        ta: false,
+        b: lm_w,
+        tb: true,
+        m,
+        k: c,
+        n: vocab,
+        accumulate: false,
+    })?;
+    be.cross_entropy(
+        ws.ce,
+        B::off(ws.losses, r0),
+        B::ids_off(targets, r0),
+        m,
+        vocab,
+        (grad_scale, cfg.final_logit_softcapping.map(|c| c as f32)),
+    )
+}
+
 /// The fused head + loss: the LM head is the tied embedding's unit or the head unit's own
 /// tensor, whose gradient must not overlap the norm's.
 pub(super) fn run_head<B: Backend>(
@@ -34,16 +87,8 @@ pub(super) fn run_head<B: Backend>(
     let nr = tm.head.norm_range();
     let norm_w = at.range(h.w, nr.start, c, "norm weight")?;
     let norm_g = at.range(h.g, nr.start, c, "norm grads")?;
-    let (lm_w, lm_g) = match (h.tied, tm.head.lm_head) {
-        (Some((tw, tg)), _) => ((tw, 0), (tg, 0)),
-        (None, Some(off)) => ((h.w, off), (h.g, off)),
-        (None, None) => {
-            return Err(Error::internal(
-                "device program",
-                "an untied head without an LM head tensor",
-            ))
-        }
-    };
+    let lm_w = lm_head_at(tm, h.tied.map(|(tw, _)| tw), h.w)?;
+    let lm_g = lm_head_at(tm, h.tied.map(|(_, tg)| tg), h.g)?;
     let lw = at.range(lm_w.0, lm_w.1, v * c, "LM head")?;
     let lg = at.range(lm_g.0, lm_g.1, v * c, "LM head grads")?;
     if lm_g.0 == h.g && lm_g.1 < nr.end && nr.start < lm_g.1 + v * c {
@@ -91,33 +136,14 @@ pub fn head_loss_bwd<B: Backend>(
     ws: &Ws<B::P>,
     n: usize,
 ) -> Result<()> {
-    let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
+    let (c, vocab) = (cfg.hidden_size, cfg.vocab_size);
     let norm = (norm_w, cfg.norm_weight.offset());
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
+        logits_and_loss(be, cfg, norm_w, lm_w, x, targets, ws, (r0, m), grad_scale)?;
         let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
         let h = stored(be, ws.h1);
-        be.rmsnorm_fwd(h, ws.rstd1, x, norm, m, c, eps)?;
-        be.gemm(Gemm {
-            c: ws.ce,
-            a: h,
-            ta: false,
-            b: lm_w,
-            tb: true,
-            m,
-            k: c,
-            n: vocab,
-            accumulate: false,
-        })?;
-        be.cross_entropy(
-            ws.ce,
-            B::off(ws.losses, r0),
-            B::ids_off(targets, r0),
-            m,
-            vocab,
-            (grad_scale, cfg.final_logit_softcapping.map(|c| c as f32)),
-        )?;
         // dh = dlogits·W;  dW += dlogitsᵀ·h.
         be.gemm(Gemm {
             c: ws.d_c,
@@ -159,33 +185,11 @@ pub fn head_loss_fwd<B: Backend>(
     ws: &Ws<B::P>,
     n: usize,
 ) -> Result<()> {
-    let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
-    let norm = (norm_w, cfg.norm_weight.offset());
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
-        let h = stored(be, ws.h1);
-        be.rmsnorm_fwd(h, ws.rstd1, B::off(x, r0 * c), norm, m, c, eps)?;
-        be.gemm(Gemm {
-            c: ws.ce,
-            a: h,
-            ta: false,
-            b: lm_w,
-            tb: true,
-            m,
-            k: c,
-            n: vocab,
-            accumulate: false,
-        })?;
         // The loss's gradient lands in the logits' scratch, unread.
-        be.cross_entropy(
-            ws.ce,
-            B::off(ws.losses, r0),
-            B::ids_off(targets, r0),
-            m,
-            vocab,
-            (0.0, cfg.final_logit_softcapping.map(|c| c as f32)),
-        )?;
+        logits_and_loss(be, cfg, norm_w, lm_w, x, targets, ws, (r0, m), 0.0)?;
     }
     Ok(())
 }
@@ -206,16 +210,7 @@ pub(super) fn run_head_loss<B: Backend>(
     at.ids(&batch.targets, n, "targets")?;
     let nr = tm.head.norm_range();
     let norm_w = at.range(w, nr.start, c, "norm weight")?;
-    let lm = match (tied, tm.head.lm_head) {
-        (Some(tw), _) => (tw, 0),
-        (None, Some(off)) => (w, off),
-        (None, None) => {
-            return Err(Error::internal(
-                "device program",
-                "an untied head without an LM head tensor",
-            ))
-        }
-    };
+    let lm = lm_head_at(tm, tied, w)?;
     let lw = at.range(lm.0, lm.1, v * c, "LM head")?;
     let x = at.range(x, 0, n * c, "x")?;
     let ids = be.upload_ids(&batch.targets)?;

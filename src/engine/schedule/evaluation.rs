@@ -1,7 +1,7 @@
 //! The schedule of a forward-only pass (validation): one micro-batch through the weight
 //! buffers of the step, nothing kept for a backward, no gradient, no update.
 
-use super::{track_hazards, Builder, DevBuf, Res, Schedule, ScheduleSpec};
+use super::{track_hazards, Builder, DevBuf, Schedule, ScheduleSpec};
 use crate::device::Kernel;
 
 /// The ops of one forward-only micro-batch (index 0): the embedding, every block from the two
@@ -39,17 +39,7 @@ pub fn evaluation(spec: &ScheduleSpec) -> Schedule {
     });
     let mut tasks = b.tasks;
     track_hazards(&mut tasks);
-    let mut buffers: Vec<DevBuf> = tasks
-        .iter()
-        .flat_map(|t| t.reads.iter().chain(&t.writes))
-        .filter_map(|r| match r {
-            Res::Dev(d) => Some(*d),
-            _ => None,
-        })
-        .collect();
-    buffers.sort();
-    buffers.dedup();
-    Schedule { tasks, buffers }
+    Schedule::of(tasks)
 }
 
 /// Whether `eval` uses only buffers `step` allocates.

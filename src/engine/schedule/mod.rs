@@ -453,17 +453,24 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     }
     let mut tasks = with_prefetches(b.tasks, &order);
     track_hazards(&mut tasks);
-    let mut buffers: Vec<DevBuf> = tasks
-        .iter()
-        .flat_map(|t| t.reads.iter().chain(&t.writes))
-        .filter_map(|r| match r {
-            Res::Dev(d) => Some(*d),
-            _ => None,
-        })
-        .collect();
-    buffers.sort();
-    buffers.dedup();
-    Schedule { tasks, buffers }
+    Schedule::of(tasks)
+}
+
+impl Schedule {
+    /// The schedule of `tasks` (waits derived), with the device buffers they touch.
+    fn of(tasks: Vec<Task>) -> Self {
+        let mut buffers: Vec<DevBuf> = tasks
+            .iter()
+            .flat_map(|t| t.reads.iter().chain(&t.writes))
+            .filter_map(|r| match r {
+                Res::Dev(d) => Some(*d),
+                _ => None,
+            })
+            .collect();
+        buffers.sort();
+        buffers.dedup();
+        Schedule { tasks, buffers }
+    }
 }
 
 /// After each unit's (first piece's) update, a hint to read the next unit's spilled state (so

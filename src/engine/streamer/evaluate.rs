@@ -17,13 +17,7 @@ impl Streamer {
     /// load-balancing loss is not part of it (as transformers' evaluation loss).
     pub fn evaluate(&mut self, mb: &MicroBatch) -> Result<f64> {
         self.finish()?;
-        self.templates.check_batch(
-            &mb.tokens,
-            &mb.targets,
-            &mb.positions,
-            self.cfg.batch,
-            self.cfg.seq,
-        )?;
+        self.check(mb)?;
         let loss = Arc::new(Mutex::new(0.0f64));
         let batch = Batch {
             tokens: mb.tokens.clone(),
