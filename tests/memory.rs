@@ -1,4 +1,5 @@
-//! Memory is the product, in every phase: a ~0.44B-parameter model trained for two steps with
+//! Memory is the product, in every phase: a 0.40B-parameter model (fewer layers where the disk
+//! cannot hold its checkpoints: see `layers_for_disk`) trained for two steps with
 //! validation and a checkpoint, resumed, exported, and trained again from its export — each
 //! process's peak resident set (`getrusage`, reported by the run) is the host state the run
 //! reports plus a constant (docs/ARCHITECTURE.md, "Memory in every phase"): no phase copies the
@@ -15,12 +16,54 @@ use common::cli::megatrain_ok as megatrain;
 /// memory: the binary, its threads and allocator, the data loader.
 const EXCESS_BYTES: f64 = 256.0 * 1048576.0;
 
-/// 12 layers of hidden 1536 (GQA 12/4 heads, SwiGLU 4096), a 32k vocabulary, untied: 0.44B.
-const MODEL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":1536,"intermediate_size":4096,
-  "num_hidden_layers":12,"num_attention_heads":12,"num_key_value_heads":4,"vocab_size":32000,
-  "tie_word_embeddings":false,"max_position_embeddings":256}"#;
+/// Up to 12 layers of hidden 1536 (GQA 12/4 heads, SwiGLU 4096), a 32k vocabulary, untied:
+/// 0.40B parameters at 12 layers.
+fn model(layers: usize) -> String {
+    format!(
+        r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":1536,"intermediate_size":4096,
+  "num_hidden_layers":{layers},"num_attention_heads":12,"num_key_value_heads":4,"vocab_size":32000,
+  "tie_word_embeddings":false,"max_position_embeddings":256}}"#
+    )
+}
 const VOCAB: usize = 32000;
 const HIDDEN: usize = 1536;
+const MAX_LAYERS: usize = 12;
+/// Parameters of the embedding and the untied LM head, and of one layer.
+const EMBED_PARAMS: u64 = 2 * (VOCAB * HIDDEN) as u64;
+const LAYER_PARAMS: u64 = (2 * 1536 * 1536 + 2 * 1536 * 512 + 3 * 1536 * 4096 + 2 * 1536) as u64;
+/// Disk bytes per parameter at the test's peak: the resume writes its int8-moment checkpoint
+/// (6 bytes per parameter) beside the one it read.
+const DISK_BYTES_PER_PARAM: u64 = 12;
+/// The token files and the filesystem's slack.
+const DISK_MARGIN: u64 = 256 << 20;
+
+/// The most layers (up to 12) whose checkpoints fit the free space of `dir`'s filesystem: CI
+/// machines come with anything from tens of GiB free to less than 3 GiB, and RSS beyond the
+/// host state is what is measured, a constant whatever the depth. Fails, naming the disk, when
+/// not even one layer fits.
+fn layers_for_disk(dir: &std::path::Path) -> usize {
+    let free = megatrain::util::free_space(dir).unwrap();
+    let fits = |layers: usize| {
+        (EMBED_PARAMS + layers as u64 * LAYER_PARAMS) * DISK_BYTES_PER_PARAM + DISK_MARGIN <= free
+    };
+    let layers = (1..=MAX_LAYERS)
+        .rev()
+        .find(|&l| fits(l))
+        .unwrap_or_else(|| {
+            panic!(
+                "{}: {free} bytes free; the memory test needs {} (one layer)",
+                dir.display(),
+                (EMBED_PARAMS + LAYER_PARAMS) * DISK_BYTES_PER_PARAM + DISK_MARGIN
+            )
+        });
+    eprintln!(
+        "{layers} layers, {:.2}B parameters ({:.1} GiB free at {})",
+        (EMBED_PARAMS + layers as u64 * LAYER_PARAMS) as f64 * 1e-9,
+        free as f64 / (1u64 << 30) as f64,
+        dir.display()
+    );
+    layers
+}
 
 /// Bytes from `human_bytes`' "12.3 MiB".
 fn bytes_of(text: &str) -> f64 {
@@ -52,7 +95,8 @@ fn train_memory(err: &str) -> (f64, f64) {
 fn every_phase_holds_the_host_state_plus_a_constant() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
-    std::fs::write(dir.join("model.json"), MODEL).unwrap();
+    let layers = layers_for_disk(dir);
+    std::fs::write(dir.join("model.json"), model(layers)).unwrap();
     let mut s = 7u64;
     let mut tokens = |n: usize| -> Vec<u8> {
         (0..n)
@@ -67,8 +111,9 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
     std::fs::write(dir.join("train.bin"), tokens(20_000)).unwrap();
     std::fs::write(dir.join("val.bin"), tokens(4_000)).unwrap();
     let rows = ["--seq-len", "32", "--batch-size", "1"];
-    // bf16 moments, one checkpoint kept: the disk holds two 3.5 GB checkpoints at most.
-    let state = ["--adam-state", "bf16", "--keep-checkpoints", "1"];
+    // int8 moments, one checkpoint kept: the disk holds two checkpoints of 6 bytes per
+    // parameter at most (the resume's, written beside the one it read).
+    let state = ["--adam-state", "int8", "--keep-checkpoints", "1"];
     let largest_tensor = (4 * VOCAB * HIDDEN) as f64;
     let check = |what: &str, err: &str, allowance: f64| {
         let (rss, other) = train_memory(err);
@@ -115,6 +160,8 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
         &err,
         2.0 * largest_tensor,
     );
+    // Its disk space is the resume's.
+    std::fs::remove_dir_all(dir.join("hf")).unwrap();
     // Resume (reading the checkpoint) and a third step.
     let err = megatrain(
         dir,
@@ -139,7 +186,7 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
     assert!(
         rss <= EXCESS_BYTES + largest_tensor,
         "export: peak RSS {rss:.0} for {} bytes of weights",
-        4 * 440_000_000u64
+        4 * (EMBED_PARAMS + layers as u64 * LAYER_PARAMS)
     );
     // Training from the export (safetensors mapped one file at a time).
     let err = megatrain(
