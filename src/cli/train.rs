@@ -245,6 +245,7 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
         ("checkpoint", &s.checkpoint),
         ("HF export", &s.export),
         ("metrics", &s.metrics),
+        ("tensorboard", &s.tensorboard),
         ("loss curve", &s.plot),
         ("trace", &s.trace),
     ] {
@@ -254,7 +255,7 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
     }
     if s.metrics_failures > 0 {
         say!(
-            "  warning: {} metrics line(s) could not be written",
+            "  warning: {} metrics line(s) or TensorBoard event(s) could not be written",
             s.metrics_failures
         );
     }

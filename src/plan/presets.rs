@@ -91,6 +91,39 @@ pub fn machine(name: &str) -> Option<Hardware> {
 /// Machine preset names.
 pub const MACHINES: [&str; 4] = ["h200-1.5tb", "gh200-480gb", "h100-512gb", "rtx4090-256gb"];
 
+/// A GPU's dense datasheet peaks (no sparsity), TFLOP/s: what a run's MFU is measured against.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PeakTflops {
+    /// FP32 on the CUDA cores.
+    pub fp32: f64,
+    /// TF32 tensor cores (fp32 GEMMs with `--tf32`).
+    pub tf32: f64,
+    /// BF16 tensor cores with fp32 accumulation.
+    pub bf16: f64,
+}
+
+/// The datasheet peaks of the GPU a device name contains (`cuda:NVIDIA H100 80GB HBM3 (sm_90)`),
+/// where the GPU is one we know; NVIDIA's datasheets for each.
+pub fn datasheet_peak(device_name: &str) -> Option<PeakTflops> {
+    let p = |fp32, tf32, bf16| PeakTflops { fp32, tf32, bf16 };
+    // Most specific first: "GH200" contains "H200", "H100 PCIe" contains "H100".
+    let table = [
+        ("GH200", p(67.0, 494.0, 989.0)),
+        ("H200 NVL", p(60.0, 418.0, 835.0)),
+        ("H200", p(67.0, 494.0, 989.0)),
+        ("H100 PCIe", p(51.0, 378.0, 756.0)),
+        ("H100 NVL", p(60.0, 418.0, 835.0)),
+        ("H100", p(67.0, 494.0, 989.0)),
+        ("A100", p(19.5, 156.0, 312.0)),
+        ("L40S", p(91.6, 183.0, 362.0)),
+        ("RTX 4090", p(82.6, 82.6, 165.2)),
+    ];
+    table
+        .into_iter()
+        .find(|(name, _)| device_name.contains(name))
+        .map(|(_, peak)| peak)
+}
+
 /// A Llama-style dense model ([`ModelConfig::dense`]).
 #[allow(clippy::too_many_arguments)]
 fn llama_like(

@@ -471,3 +471,19 @@ fn bf16_gradients_are_picked_where_the_link_bounds_the_step() {
         (GradLink::Fp32, None)
     );
 }
+
+#[test]
+fn datasheet_peaks_are_found_by_device_name_most_specific_first() {
+    use presets::datasheet_peak;
+    let bf16 = |name: &str| datasheet_peak(name).map(|p| p.bf16);
+    assert_eq!(bf16("cuda:NVIDIA H100 80GB HBM3 (sm_90)"), Some(989.0));
+    assert_eq!(bf16("cuda:NVIDIA H100 PCIe (sm_90)"), Some(756.0));
+    assert_eq!(bf16("cuda:NVIDIA GH200 480GB (sm_90)"), Some(989.0));
+    assert_eq!(bf16("cuda:NVIDIA H200 NVL (sm_90)"), Some(835.0));
+    assert_eq!(
+        datasheet_peak("cuda:NVIDIA A100-SXM4-80GB (sm_80)").map(|p| p.tf32),
+        Some(156.0)
+    );
+    assert_eq!(datasheet_peak("cpu"), None);
+    assert_eq!(datasheet_peak("cuda:cuemu (sm_90)"), None);
+}

@@ -240,6 +240,10 @@ settings! {
     value shuffle: bool = false => Option<bool> [num_args = 0..=1, default_missing_value = "true"];
     /// Metrics JSONL file (a loss curve SVG is written beside it).
     some metrics: Option<PathBuf> = None => Option<PathBuf> [value_name = "FILE.jsonl"];
+    /// TensorBoard directory: an event file per run start (scalars per step, the configuration
+    /// as text); `tensorboard --logdir DIR` shows it. A resumed run replaces the steps logged
+    /// after its checkpoint.
+    some tensorboard: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
     /// Checkpoint directory (the run holds it locked).
     some checkpoint_dir: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
     /// Checkpoint every N steps (0: only at the end).
@@ -564,6 +568,7 @@ impl TrainConfig {
             ("data", &self.data),
             ("val_data", &self.val_data),
             ("metrics", &self.metrics),
+            ("tensorboard", &self.tensorboard),
             ("checkpoint_dir", &self.checkpoint_dir),
             ("export_hf", &self.export_hf),
             ("trace", &self.trace),

@@ -17,6 +17,8 @@ pub mod plot;
 pub mod prepare;
 pub mod run_dir;
 mod setup;
+mod step_log;
+pub mod tensorboard;
 
 use crate::engine::{MicroBatch, StepMetrics, Streamer};
 use crate::store::hf::ExportDtype;
@@ -61,13 +63,16 @@ pub struct Summary {
     pub export: Option<PathBuf>,
     /// Metrics file.
     pub metrics: Option<PathBuf>,
+    /// TensorBoard directory (`tensorboard --logdir` it).
+    pub tensorboard: Option<PathBuf>,
     /// Loss curve.
     pub plot: Option<PathBuf>,
     /// Chrome trace.
     pub trace: Option<PathBuf>,
     /// Stopped early by an interrupt.
     pub interrupted: bool,
-    /// Metrics lines that could not be written (each failure was a warning).
+    /// Metrics lines and TensorBoard events that could not be written (each failure was a
+    /// warning).
     pub metrics_failures: u64,
     /// What the run held in host memory at its end.
     pub host_memory: crate::engine::HostMemory,
@@ -118,6 +123,7 @@ pub fn run(
     let mut summary = Summary {
         steps: s.start_step,
         metrics: s.metrics.as_ref().map(|m| m.path().to_owned()),
+        tensorboard: s.tensorboard.as_ref().and(s.cfg.tensorboard.clone()),
         ..Summary::default()
     };
     progress.start(s.start_step + 1, s.cfg.steps, s.model.num_params());
@@ -129,7 +135,8 @@ pub fn run(
     if let Err(e) = write_final_outputs(&mut s, &mut summary) {
         return Err(rescue(&mut s, summary.steps, e, progress));
     }
-    summary.metrics_failures = s.metrics.as_ref().map_or(0, |m| m.failed_writes);
+    summary.metrics_failures = s.metrics.as_ref().map_or(0, |m| m.failed_writes)
+        + s.tensorboard.as_ref().map_or(0, |t| t.failed_writes);
     summary.host_memory = s.streamer.host_memory();
     summary.peak_rss = crate::util::peak_rss_bytes();
     Ok(summary)
@@ -172,25 +179,7 @@ fn train_loop(
         if val.is_some() {
             summary.val_loss = val;
         }
-        if let Some(log) = s.metrics.as_mut() {
-            let line = serde_json::json!({
-                "step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
-                "tokens": m.tokens, "trained_tokens": m.trained_tokens,
-                "tokens_per_s": m.tokens as f64 / m.wall_s,
-                "trained_tokens_per_s": m.trained_tokens as f64 / m.wall_s, "device_peak_bytes": m.device_peak_bytes,
-                "compute_s": m.compute_s, "transfer_s": m.htod_s + m.dtoh_s, "optimizer_s": m.optimizer_s,
-                "io_wait_s": m.host_wait_s, "wall_s": m.wall_s, "clip_coef": m.clip_coef,
-                "htod_bytes": m.htod_bytes, "dtoh_bytes": m.dtoh_bytes, "val_loss": val,
-            });
-            let mut line = line;
-            if let Some(aux) = m.aux_loss {
-                line["aux_loss"] = aux.into();
-                line["expert_load"] = serde_json::json!(m.expert_load);
-            }
-            if let Some(w) = log.append(step, m.loss, val, &line) {
-                progress.note(&w);
-            }
-        }
+        step_log::log_step(s, &m, val, progress);
         progress.step(&m, val);
         let stop = interrupt.load(Ordering::SeqCst);
         let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);

@@ -150,6 +150,25 @@ fn check_file_output(kind: FileOutput, path: &Path) -> Result<()> {
     output_parent(key, path).map(|_| ())
 }
 
+/// The `--tensorboard` directory: a directory (created if missing) that accepts new files.
+fn check_tensorboard_dir(dir: &Path) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(Error::bad_input(
+            "setting",
+            "tensorboard",
+            format!("`{}` is a file; it must name a directory", shown(dir)),
+            Some("pass a directory to --tensorboard, e.g. runs/NAME"),
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| {
+        Error::io("create directory", dir, e).with_fix("choose another --tensorboard")
+    })?;
+    crate::util::check_writable_dir(dir).map_err(|e| {
+        Error::io("write into directory", dir, e)
+            .with_fix("make it writable, or choose another --tensorboard")
+    })
+}
+
 /// The loss curve written beside the metrics file `metrics`; none when the metrics go to a
 /// device, a FIFO or a descriptor (`/dev/stdout`), which have no "beside".
 pub fn loss_curve_path(metrics: &Path) -> Option<PathBuf> {
@@ -185,6 +204,14 @@ pub fn path_uses(cfg: &TrainConfig) -> Vec<PathUse> {
         Use::WriteFile,
     );
     add(&mut uses, "--trace", &cfg.trace, Use::WriteFile);
+    add(
+        &mut uses,
+        "--tensorboard",
+        &cfg.tensorboard,
+        Use::OwnedDir {
+            owns: super::tensorboard::owns,
+        },
+    );
     add(
         &mut uses,
         "--checkpoint-dir",
@@ -237,6 +264,9 @@ pub fn check(
     }
     if let Some(p) = &cfg.trace {
         check_file_output(FileOutput::Trace, p)?;
+    }
+    if let Some(dir) = &cfg.tensorboard {
+        check_tensorboard_dir(dir)?;
     }
     if let Some(out) = &cfg.export_hf {
         match export_dir_state(out)? {

@@ -10,6 +10,8 @@ use super::device_fit::{
 };
 use super::outputs::{self, MetricsLog};
 use super::run_dir::{self, RunDir};
+use super::step_log::FlopRate;
+use super::tensorboard::TensorBoardLog;
 use super::Progress;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::device::Precision;
@@ -40,6 +42,10 @@ pub(super) struct Session {
     pub(super) loader: Loader,
     pub(super) val_loader: Option<Loader>,
     pub(super) metrics: Option<MetricsLog>,
+    /// `--tensorboard`'s event file of this run start.
+    pub(super) tensorboard: Option<TensorBoardLog>,
+    /// What a step's model FLOP rate is measured against.
+    pub(super) flop_rate: FlopRate,
     pub(super) start_step: u64,
     /// The last step whose state is in a checkpoint on disk, and where.
     pub(super) saved: Option<(u64, PathBuf)>,
@@ -110,6 +116,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
     let device = open_device(&cfg, &tm, &layout)?;
     note_chunks(device.as_ref(), progress);
+    let flop_rate = FlopRate::of(&inputs.model, &cfg, &device.name());
     let store = allocate_store(
         &cfg,
         layout,
@@ -162,6 +169,10 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         }
         None => None,
     };
+    let tensorboard = match &cfg.tensorboard {
+        Some(dir) => Some(TensorBoardLog::create(dir, start_step + 1, &cfg.table())?),
+        None => None,
+    };
     Ok(Session {
         saved: resumed.map(|(d, st)| (st.step, d.clone())),
         cfg,
@@ -173,6 +184,8 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         loader,
         val_loader,
         metrics,
+        tensorboard,
+        flop_rate,
         start_step,
     })
 }
