@@ -62,6 +62,68 @@ fn bench_nvme_sweeps_blocks_and_depths() {
 }
 
 #[test]
+fn bench_io_times_every_phase_next_to_dd() {
+    let d = tempfile::tempdir().unwrap();
+    let v = json(&[
+        "bench",
+        "io",
+        "--dir",
+        d.path().to_str().unwrap(),
+        "--params",
+        "20M",
+        "--adam-state",
+        "bf16",
+        "--json",
+    ]);
+    let phases: Vec<&str> = v["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            "checkpoint write",
+            "resume read",
+            "export (bf16)",
+            "--init-from read"
+        ]
+    );
+    let params = v["params"].as_f64().unwrap();
+    assert!((20e6..30e6).contains(&params), "{params}");
+    let phase = |i: usize| &v["phases"][i];
+    // The checkpoint holds the fp32 master and bf16 moments (8 bytes per parameter), the
+    // export bf16 weights (2): the bytes are the files'.
+    let ck = phase(0)["bytes"].as_f64().unwrap();
+    assert!(
+        ck >= 8.0 * params && ck < 8.0 * params + (1 << 20) as f64,
+        "{ck}"
+    );
+    assert_eq!(phase(1)["bytes"], phase(0)["bytes"]);
+    let hf = phase(2)["bytes"].as_f64().unwrap();
+    assert!(
+        hf >= 2.0 * params && hf < 2.0 * params + (1 << 20) as f64,
+        "{hf}"
+    );
+    for i in 0..4 {
+        let (gbps, limit, ratio) = (
+            phase(i)["gbps"].as_f64().unwrap(),
+            phase(i)["limit_gbps"].as_f64().unwrap(),
+            phase(i)["ratio"].as_f64().unwrap(),
+        );
+        assert!(gbps > 0.0 && limit > 0.0, "{}", phase(i));
+        assert!((ratio - gbps / limit).abs() < 1e-9 * ratio);
+    }
+    assert!(v["dd_write_gbps"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        std::fs::read_dir(d.path()).unwrap().count(),
+        0,
+        "the bench removes its files"
+    );
+}
+
+#[test]
 fn bench_adam_reports_every_state_format_beside_the_triad() {
     let v = json(&["bench", "adam", "--params", "2M", "--reps", "2", "--json"]);
     assert!(v["triad"]["gbytes_per_s"].as_f64().unwrap() > 0.0);

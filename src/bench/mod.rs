@@ -4,6 +4,7 @@
 pub mod adam;
 pub mod attention;
 pub mod engine;
+pub mod io;
 pub mod kernel_report;
 #[cfg(feature = "cuda")]
 pub mod kernels;

@@ -1,4 +1,4 @@
-//! `megatrain bench adam|engine|nvme|link|attention|kernels`: measured next to the physical limit measured in
+//! `megatrain bench adam|engine|nvme|io|link|attention|kernels`: measured next to the physical limit measured in
 //! the same run. `--json` prints a report `megatrain plan --calibration` reads back.
 
 use super::print_report;
@@ -14,6 +14,7 @@ pub fn run(c: &BenchCommand) -> Result<()> {
         BenchCommand::Adam(a) => bench_adam(a),
         BenchCommand::Engine(a) => bench_engine(a),
         BenchCommand::Nvme(a) => bench_nvme(a),
+        BenchCommand::Io(a) => bench_io(a),
         BenchCommand::Link(a) => bench_link(a),
         BenchCommand::Attention(a) => bench_attention(a),
         BenchCommand::Kernels(a) => bench_kernels(a),
@@ -29,6 +30,9 @@ pub enum BenchCommand {
     Engine(BenchEngineArgs),
     /// Sequential write/read GB/s of the spill I/O engine per block size and queue depth.
     Nvme(BenchNvmeArgs),
+    /// A checkpoint written, a resume reading it, an HF export, `--init-from` reading it: each
+    /// through the trainer's code, next to `dd` with O_DIRECT on the same directory.
+    Io(BenchIoArgs),
     /// Copy bandwidth: host memcpy between every NUMA node pair; host↔device cases (waived
     /// without a CUDA device, with the reason).
     Link(BenchLinkArgs),
@@ -215,6 +219,41 @@ fn bench_nvme(a: &BenchNvmeArgs) -> Result<()> {
         with_fio: a.fio,
     })?;
     print_report(a.json, &Report::Nvme(r), Report::render);
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct BenchIoArgs {
+    /// Directory on the disk to measure (a scratch subdirectory is made and removed).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Parameters of the model (K/M/G suffixes, powers of 1000): its host state must fit in
+    /// RAM, its checkpoint and export on the disk.
+    #[arg(long, default_value = "500M", value_parser = megatrain::util::size::parse_count)]
+    params: usize,
+    /// The checkpoint's Adam moments.
+    #[arg(long, value_enum, default_value = "fp32")]
+    adam_state: megatrain::store::layout::AdamState,
+    /// The export's dtype.
+    #[arg(long, value_enum, default_value = "bf16")]
+    export_dtype: megatrain::store::hf::ExportDtype,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_io(a: &BenchIoArgs) -> Result<()> {
+    let machine = topology::probe(&TopologySource::Live)?;
+    let r = megatrain::bench::io::run(
+        &machine,
+        &megatrain::bench::io::IoBench {
+            dir: a.dir.clone(),
+            params: a.params as u64,
+            adam_state: a.adam_state,
+            export_dtype: a.export_dtype,
+        },
+    )?;
+    print_report(a.json, &r, megatrain::bench::io::render);
     Ok(())
 }
 

@@ -255,8 +255,14 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
     }
     if s.metrics_failures > 0 {
         say!(
-            "  warning: {} metrics line(s) or TensorBoard event(s) could not be written",
+            "  warning: {} metrics line(s) could not be written",
             s.metrics_failures
+        );
+    }
+    if s.tensorboard_failures > 0 {
+        say!(
+            "  warning: {} TensorBoard event(s) could not be written",
+            s.tensorboard_failures
         );
     }
     if s.interrupted {

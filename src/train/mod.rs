@@ -71,9 +71,10 @@ pub struct Summary {
     pub trace: Option<PathBuf>,
     /// Stopped early by an interrupt.
     pub interrupted: bool,
-    /// Metrics lines and TensorBoard events that could not be written (each failure was a
-    /// warning).
+    /// Metrics lines that could not be written (each failure was a warning).
     pub metrics_failures: u64,
+    /// TensorBoard events that could not be written (each failure was a warning).
+    pub tensorboard_failures: u64,
     /// What the run held in host memory at its end.
     pub host_memory: crate::engine::HostMemory,
     /// The process's peak resident set (`getrusage`), through every phase of the run.
@@ -135,8 +136,8 @@ pub fn run(
     if let Err(e) = write_final_outputs(&mut s, &mut summary) {
         return Err(rescue(&mut s, summary.steps, e, progress));
     }
-    summary.metrics_failures = s.metrics.as_ref().map_or(0, |m| m.failed_writes)
-        + s.tensorboard.as_ref().map_or(0, |t| t.failed_writes);
+    summary.metrics_failures = s.metrics.as_ref().map_or(0, |m| m.failed_writes);
+    summary.tensorboard_failures = s.tensorboard.as_ref().map_or(0, |t| t.failed_writes);
     summary.host_memory = s.streamer.host_memory();
     summary.peak_rss = crate::util::peak_rss_bytes();
     Ok(summary)

@@ -1,18 +1,19 @@
 //! The model out as a Hugging Face checkpoint: `config.json` + safetensors shards + index,
 //! which `transformers` loads unchanged, in fp32 or bf16, each tensor read from a
-//! [`ParamSource`] (the host store, or a training checkpoint's params file) only when the
-//! safetensors writer writes it: one tensor in memory at a time.
+//! [`ParamSource`] (the host store, or a training checkpoint's params file) 4 MiB at a time as
+//! its shard is written (`O_DIRECT`, at the disk's rate): one piece in memory, not a tensor.
 
 use super::super::layout::StateLayout;
 use super::super::HostStore;
 use super::INDEX;
 use crate::model::units::{stored_tensors, StoredTensor};
 use crate::optim::adamw::f32_to_bf16;
+use crate::util::direct::DirectWriter;
 use crate::{Error, Result};
-use safetensors::{Dtype, View};
-use std::borrow::Cow;
-use std::cell::RefCell;
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::Dtype;
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::ops::Range;
 use std::path::Path;
 
@@ -86,59 +87,74 @@ impl ParamSource for &HostStore {
 /// Elements read from the source at once while a tensor is written (1M: 4 MiB).
 const READ_CHUNK: usize = 1 << 20;
 
-/// The source, shared by the tensors of a shard, and its first error (the writer's `View`
-/// cannot return one).
-struct Fetch<'a> {
-    source: &'a mut dyn ParamSource,
-    error: Option<Error>,
-}
-
-/// A tensor read from the source when the safetensors writer writes it.
-struct LazyTensor<'s, 'a> {
-    fetch: &'s RefCell<Fetch<'a>>,
+/// One tensor of a shard: where its elements are in the source.
+struct ShardTensor {
+    name: String,
     unit: usize,
     range: Range<usize>,
     shape: Vec<usize>,
-    dtype: ExportDtype,
 }
 
-impl View for LazyTensor<'_, '_> {
-    fn dtype(&self) -> Dtype {
-        match self.dtype {
-            ExportDtype::Fp32 => Dtype::F32,
-            ExportDtype::Bf16 => Dtype::BF16,
-        }
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        let mut f = self.fetch.borrow_mut();
-        let mut out = Vec::with_capacity(self.data_len());
-        let mut chunk = vec![0f32; READ_CHUNK.min(self.range.len())];
-        let mut at = self.range.start;
-        while at < self.range.end && f.error.is_none() {
-            let part = &mut chunk[..READ_CHUNK.min(self.range.end - at)];
-            if let Err(e) = f.source.read(self.unit, at, part) {
-                f.error = Some(e);
-                break;
-            }
+/// Write `tensors` as the safetensors file `path`: the header as the safetensors crate lays it
+/// out (its `Metadata`, tensors sorted by name, padded to 8 bytes), then each tensor's bytes
+/// read from `source` [`READ_CHUNK`] elements at a time, converted to `dtype`, through an
+/// `O_DIRECT` writer (past the page cache, at the disk's rate), fsynced. Holds one piece.
+fn write_shard(
+    source: &mut dyn ParamSource,
+    path: &Path,
+    mut tensors: Vec<ShardTensor>,
+    dtype: ExportDtype,
+) -> Result<()> {
+    let st_dtype = match dtype {
+        ExportDtype::Fp32 => Dtype::F32,
+        ExportDtype::Bf16 => Dtype::BF16,
+    };
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut offset = 0usize;
+    let infos = tensors
+        .iter()
+        .map(|t| {
+            let n = t.range.len() * dtype.bytes() as usize;
+            offset += n;
+            let info = TensorInfo {
+                dtype: st_dtype,
+                shape: t.shape.clone(),
+                data_offsets: (offset - n, offset),
+            };
+            (t.name.clone(), info)
+        })
+        .collect();
+    let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+    let bad = |e: String| Error::io("write safetensors", path, std::io::Error::other(e));
+    let metadata = Metadata::new(Some(meta), infos).map_err(|e| bad(e.to_string()))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| bad(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let io = |e: std::io::Error| Error::io("write safetensors", path, e);
+    let mut w = DirectWriter::create(path).map_err(io)?;
+    w.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    w.write_all(&header).map_err(io)?;
+    let mut chunk = vec![0f32; READ_CHUNK];
+    let mut bytes = Vec::with_capacity(READ_CHUNK * 4);
+    for t in &tensors {
+        let mut at = t.range.start;
+        while at < t.range.end {
+            let part = &mut chunk[..READ_CHUNK.min(t.range.end - at)];
+            source.read(t.unit, at, part)?;
+            bytes.clear();
             // Little-endian, as safetensors is (and this host: see hf.rs).
-            match self.dtype {
-                ExportDtype::Fp32 => out.extend(part.iter().flat_map(|x| x.to_le_bytes())),
+            match dtype {
+                ExportDtype::Fp32 => bytes.extend(part.iter().flat_map(|x| x.to_le_bytes())),
                 ExportDtype::Bf16 => {
-                    out.extend(part.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()))
+                    bytes.extend(part.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()))
                 }
             }
+            w.write_all(&bytes).map_err(io)?;
             at += part.len();
         }
-        // After an error the export fails anyway: the bytes only keep the file's layout.
-        out.resize(self.data_len(), 0);
-        Cow::Owned(out)
     }
-    fn data_len(&self) -> usize {
-        self.range.len() * self.dtype.bytes() as usize
-    }
+    w.finish().map_err(io)?;
+    Ok(())
 }
 
 /// Plan the shards: tensors in layout order, a new shard when the next tensor would pass
@@ -382,45 +398,22 @@ fn write_export(source: &mut dyn ParamSource, layout: &StateLayout, f: &Files<'_
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
-    let fetch = RefCell::new(Fetch {
-        source,
-        error: None,
-    });
     for (k, shard) in shards.iter().enumerate() {
         let file = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
-        let path = dir.join(&file);
-        let mut views = Vec::with_capacity(shard.len());
+        let mut tensors = Vec::with_capacity(shard.len());
         for (u, t) in shard {
             let (_, spec) = layout.tensor(&t.tensor)?;
             let start = spec.offset + t.offset;
             weight_map.insert(t.name.clone(), file.clone());
             total += f.dtype.bytes() * t.numel() as u64;
-            views.push((
-                t.name.clone(),
-                LazyTensor {
-                    fetch: &fetch,
-                    unit: *u,
-                    range: start..start + t.numel(),
-                    shape: t.shape.clone(),
-                    dtype: f.dtype,
-                },
-            ));
+            tensors.push(ShardTensor {
+                name: t.name.clone(),
+                unit: *u,
+                range: start..start + t.numel(),
+                shape: t.shape.clone(),
+            });
         }
-        let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-        let written = safetensors::serialize_to_file(views, Some(meta), &path);
-        if let Some(e) = fetch.borrow_mut().error.take() {
-            return Err(e);
-        }
-        written.map_err(|e| {
-            Error::io(
-                "write safetensors",
-                &path,
-                std::io::Error::other(e.to_string()),
-            )
-        })?;
-        std::fs::File::open(&path)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| Error::io("fsync", &path, e))?;
+        write_shard(source, &dir.join(&file), tensors, f.dtype)?;
     }
     let index =
         serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
@@ -430,4 +423,80 @@ fn write_export(source: &mut dyn ParamSource, layout: &StateLayout, f: &Files<'_
             .unwrap_or_default()
             .as_bytes(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Unit `u`'s element `i` is `u + i / 7` (not all representable in bf16).
+    struct Ramp;
+
+    impl ParamSource for Ramp {
+        fn read(&mut self, u: usize, start: usize, dst: &mut [f32]) -> Result<()> {
+            for (i, x) in dst.iter_mut().enumerate() {
+                *x = u as f32 + (start + i) as f32 / 7.0;
+            }
+            Ok(())
+        }
+    }
+
+    /// The streamed shard is byte for byte what the safetensors crate serializes from the same
+    /// tensors, in both dtypes, across a piece boundary.
+    #[test]
+    fn a_streamed_shard_is_the_safetensors_crates_bytes() {
+        let d = tempfile::tempdir().unwrap();
+        let specs = [
+            (
+                "model.layers.0.mlp.up_proj.weight",
+                1,
+                5..5 + 3 * 5,
+                vec![3, 5],
+            ),
+            ("lm_head.weight", 0, 0..READ_CHUNK + 3, vec![READ_CHUNK + 3]),
+            ("model.norm.weight", 2, 0..4, vec![4]),
+        ];
+        for dtype in [ExportDtype::Fp32, ExportDtype::Bf16] {
+            let tensors = specs
+                .iter()
+                .map(|(name, unit, range, shape)| ShardTensor {
+                    name: (*name).into(),
+                    unit: *unit,
+                    range: range.clone(),
+                    shape: shape.clone(),
+                })
+                .collect();
+            let path = d.path().join("shard.safetensors");
+            write_shard(&mut Ramp, &path, tensors, dtype).unwrap();
+            let owned: Vec<(String, Vec<u8>, Vec<usize>)> = specs
+                .iter()
+                .map(|(name, unit, range, shape)| {
+                    let mut v = vec![0f32; range.len()];
+                    Ramp.read(*unit, range.start, &mut v).unwrap();
+                    let bytes = match dtype {
+                        ExportDtype::Fp32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                        ExportDtype::Bf16 => v
+                            .iter()
+                            .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+                            .collect(),
+                    };
+                    ((*name).to_owned(), bytes, shape.clone())
+                })
+                .collect();
+            let st = match dtype {
+                ExportDtype::Fp32 => Dtype::F32,
+                ExportDtype::Bf16 => Dtype::BF16,
+            };
+            let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+                .iter()
+                .map(|(n, b, s)| {
+                    let v = safetensors::tensor::TensorView::new(st, s.clone(), b).unwrap();
+                    (n.clone(), v)
+                })
+                .collect();
+            let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+            let want = safetensors::serialize(views, Some(meta)).unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), want, "{dtype:?}");
+        }
+    }
 }
