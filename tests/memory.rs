@@ -114,7 +114,6 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
     // int8 moments, one checkpoint kept: the disk holds two checkpoints of 6 bytes per
     // parameter at most (the resume's, written beside the one it read).
     let state = ["--adam-state", "int8", "--keep-checkpoints", "1"];
-    let largest_tensor = (4 * VOCAB * HIDDEN) as f64;
     let check = |what: &str, err: &str, allowance: f64| {
         let (rss, other) = train_memory(err);
         eprintln!(
@@ -128,8 +127,8 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
             EXCESS_BYTES + allowance
         );
     };
-    // Two steps, each validated, a checkpoint, and an export of the final model (tensor by
-    // tensor: the largest, as written, is the export's own).
+    // Two steps, each validated, a checkpoint, and an export of the final model (streamed in
+    // 4 MiB pieces: no tensor is held whole, the embedding's 188 MiB included).
     let err = megatrain(
         dir,
         &[
@@ -155,11 +154,7 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
         ]
         .concat(),
     );
-    check(
-        "train, validation, checkpoint, export",
-        &err,
-        2.0 * largest_tensor,
-    );
+    check("train, validation, checkpoint, export", &err, 0.0);
     // Its disk space is the resume's.
     std::fs::remove_dir_all(dir.join("hf")).unwrap();
     // Resume (reading the checkpoint) and a third step.
@@ -174,7 +169,7 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
         .concat(),
     );
     check("resume", &err, 0.0);
-    // Export from the checkpoint: no store at all, a tensor at a time.
+    // Export from the checkpoint: no store at all, 4 MiB at a time.
     let err = megatrain(dir, &["export", "--checkpoint", "ck", "--out", "hf2"]);
     let rss = bytes_of(
         err.split("(peak RSS ")
@@ -184,7 +179,7 @@ fn every_phase_holds_the_host_state_plus_a_constant() {
     );
     eprintln!("export: peak RSS {:.1} MiB", rss / 1048576.0);
     assert!(
-        rss <= EXCESS_BYTES + largest_tensor,
+        rss <= EXCESS_BYTES,
         "export: peak RSS {rss:.0} for {} bytes of weights",
         4 * (EMBED_PARAMS + layers as u64 * LAYER_PARAMS)
     );

@@ -259,16 +259,18 @@ fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
     // A crashed writer's temporary directory is ignored.
     std::fs::create_dir(root.join(".step-00000004.tmp-1")).unwrap();
     assert_eq!(checkpoint::latest(&root).unwrap().unwrap(), newest);
-    // Flip one byte of the newest: refused, naming step 2 as the newest good one.
+    // Flip one byte of the newest: its contents fail verification; choosing it reads only its
+    // listing, and the resume, which checks each file as it reads it (once), refuses it
+    // before training, naming step 2 as the newest good one.
     let p = newest.join("adam_v.f32");
     let mut b = read(&p);
     b[17] ^= 0x40;
-    std::fs::write(&p, b).unwrap();
-    let e = checkpoint::latest(&root).unwrap_err().to_string();
-    assert!(
-        e.contains("step-00000003") && e.contains("crc32c") && e.contains("step-00000002"),
-        "{e}"
+    std::fs::write(&p, &b).unwrap();
+    assert_eq!(
+        checkpoint::verify(&newest),
+        Err(checkpoint::Damage::Corrupt("adam_v.f32".into()))
     );
+    assert_eq!(checkpoint::latest(&root).unwrap().unwrap(), newest);
     let resumed = TrainConfig {
         resume: Resume::Always,
         steps: 4,
@@ -277,7 +279,17 @@ fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
     let e = run(&resumed, Arc::new(AtomicBool::new(false)), &mut Quiet)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("step-00000002"), "{e}");
+    assert!(
+        e.contains("step-00000003") && e.contains("crc32c") && e.contains("step-00000002"),
+        "{e}"
+    );
+    // A file cut short is refused at the choice, before anything is allocated.
+    std::fs::write(&p, &b[..b.len() - 4]).unwrap();
+    let e = checkpoint::latest(&root).unwrap_err().to_string();
+    assert!(
+        e.contains("adam_v.f32") && e.contains("step-00000002"),
+        "{e}"
+    );
 }
 
 fn megatrain(args: &[&str]) -> (i32, String) {

@@ -2,8 +2,9 @@
 //! written, a resume reading it back, an HF export, `--init-from` reading that export — timed
 //! through the trainer's own code on a model of the size asked for, next to what `dd` with
 //! O_DIRECT writes and reads on the same directory in the same run (the disk's sequential rate:
-//! the limit each phase is measured against). Reads start from a cold page cache (each file's
-//! cached pages are dropped first, after its fsync), so a read phase is the disk's.
+//! the limit each phase is measured against, right after it: writing as many bytes, or reading
+//! the same files). Reads start from a cold page cache (each file's cached pages are dropped
+//! first, after its fsync), so a read phase is the disk's.
 
 use crate::model::config::{Architecture, ModelConfig};
 use crate::store::hf::{ExportDtype, ExportOptions};
@@ -16,6 +17,7 @@ use crate::util::human_bytes;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -44,7 +46,8 @@ pub struct IoPhase {
     pub secs: f64,
     /// `bytes / secs`, GB/s.
     pub gbps: f64,
-    /// `dd`'s GB/s in the same direction on the same directory.
+    /// `dd`'s GB/s right after the phase: writing as many bytes to the same directory, or
+    /// reading the same files (the disk's rate then, whatever its drift over the run).
     pub limit_gbps: f64,
     /// `gbps / limit_gbps`.
     pub ratio: f64,
@@ -57,10 +60,6 @@ pub struct IoReport {
     pub dir: PathBuf,
     /// The model's parameters.
     pub params: u64,
-    /// `dd`'s sequential write, GB/s (8 MiB blocks, O_DIRECT, fsync at the end).
-    pub dd_write_gbps: f64,
-    /// `dd`'s sequential read, GB/s (8 MiB blocks, O_DIRECT).
-    pub dd_read_gbps: f64,
     /// How `dd` ran (`oflag=direct`, or buffered where the filesystem refuses O_DIRECT).
     pub dd_mode: String,
     /// The phases.
@@ -137,38 +136,71 @@ fn dd(args: &[String]) -> Result<f64> {
     Ok(t0.elapsed().as_secs_f64())
 }
 
-/// `dd`'s write and read GB/s for `bytes` (rounded up to 8 MiB blocks) in `dir`, and how it ran.
-fn dd_rates(dir: &Path, bytes: u64) -> Result<(f64, f64, String)> {
+/// Whether this directory takes `O_DIRECT` (tmpfs does not): `dd` runs with it where it does.
+fn takes_direct(dir: &Path) -> bool {
+    let probe = dir.join("dd-probe.bin");
+    let ok = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&probe)
+        .is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+/// `dd` writing `bytes` (whole 8 MiB blocks, at least as many) to a new file in `dir`, fsynced:
+/// GB/s.
+fn dd_write(dir: &Path, bytes: u64, direct: bool) -> Result<f64> {
     const BLOCK: u64 = 8 << 20;
     let count = bytes.div_ceil(BLOCK).max(1);
-    let total = count * BLOCK;
     let file = dir.join("dd.bin");
-    let of = format!("of={}", file.display());
-    let iff = format!("if={}", file.display());
-    let base = |a: &str, b: &str| vec![a.to_owned(), b.to_owned(), "bs=8M".to_owned()];
-    let mut write = base("if=/dev/zero", &of);
-    write.extend([format!("count={count}"), "conv=fsync".into()]);
-    let direct_write = [write.clone(), vec!["oflag=direct".into()]].concat();
-    let (write_s, mode) = match dd(&direct_write) {
-        Ok(s) => (s, "dd bs=8M oflag=direct conv=fsync / iflag=direct"),
-        // tmpfs and some network filesystems refuse O_DIRECT.
-        Err(_) => (
-            dd(&write)?,
-            "dd bs=8M conv=fsync / buffered read of dropped pages",
-        ),
-    };
-    drop_cache(&file)?;
-    let mut read = base(&iff, "of=/dev/null");
-    if mode.contains("iflag=direct") {
-        read.push("iflag=direct".into());
+    let mut args = vec![
+        "if=/dev/zero".to_owned(),
+        format!("of={}", file.display()),
+        "bs=8M".into(),
+        format!("count={count}"),
+        "conv=fsync".into(),
+    ];
+    if direct {
+        args.push("oflag=direct".into());
     }
-    let read_s = dd(&read)?;
+    let secs = dd(&args)?;
     std::fs::remove_file(&file).map_err(|e| Error::io("remove", &file, e))?;
-    Ok((
-        total as f64 / write_s / 1e9,
-        total as f64 / read_s / 1e9,
-        mode.into(),
-    ))
+    Ok((count * BLOCK) as f64 / secs / 1e9)
+}
+
+/// `dd` reading every file under `path` (8 MiB blocks, from a dropped page cache): GB/s.
+fn dd_read(path: &Path, direct: bool) -> Result<f64> {
+    let mut files = Vec::new();
+    collect_files(path, &mut files)?;
+    let (mut secs, mut bytes) = (0.0, 0u64);
+    for f in files {
+        drop_cache(&f)?;
+        let mut args = vec![
+            format!("if={}", f.display()),
+            "of=/dev/null".to_owned(),
+            "bs=8M".into(),
+        ];
+        if direct {
+            args.push("iflag=direct".into());
+        }
+        secs += dd(&args)?;
+        bytes += size_of(&f)?;
+    }
+    Ok(bytes as f64 / secs.max(1e-9) / 1e9)
+}
+
+fn collect_files(path: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    if !path.is_dir() {
+        out.push(path.to_owned());
+        return Ok(());
+    }
+    for e in std::fs::read_dir(path).map_err(|e| Error::io("list", path, e))? {
+        collect_files(&e.map_err(|e| Error::io("list", path, e))?.path(), out)?;
+    }
+    Ok(())
 }
 
 /// Run the phases on `machine`'s memory.
@@ -206,26 +238,34 @@ pub fn run(machine: &Machine, b: &IoBench) -> Result<IoReport> {
     std::fs::create_dir_all(&work).map_err(|e| Error::io("create directory", &work, e))?;
     let result = phases(&store, &model, b, &work);
     let _ = std::fs::remove_dir_all(&work);
-    let (phases, dd) = result?;
+    let (phases, dd_mode) = result?;
     Ok(IoReport {
         dir: b.dir.clone(),
         params: model.num_params() as u64,
-        dd_write_gbps: dd.0,
-        dd_read_gbps: dd.1,
-        dd_mode: dd.2,
+        dd_mode,
         phases,
     })
 }
-
-type DdRates = (f64, f64, String);
 
 fn phases(
     store: &HostStore,
     model: &ModelConfig,
     b: &IoBench,
     work: &Path,
-) -> Result<(Vec<IoPhase>, DdRates)> {
-    let mut timed: Vec<(String, u64, f64, bool)> = Vec::new();
+) -> Result<(Vec<IoPhase>, String)> {
+    let direct = takes_direct(work);
+    let mut out = Vec::new();
+    let mut phase = |name: &str, bytes: u64, secs: f64, limit_gbps: f64| {
+        let gbps = bytes as f64 / secs.max(1e-9) / 1e9;
+        out.push(IoPhase {
+            phase: name.into(),
+            bytes,
+            secs,
+            gbps,
+            limit_gbps,
+            ratio: gbps / limit_gbps,
+        });
+    };
     // A checkpoint, as a run writes it at a step.
     let state = TrainState {
         format: checkpoint::FORMAT,
@@ -244,18 +284,19 @@ fn phases(
     let ck_root = work.join("checkpoints");
     let t0 = Instant::now();
     let ck = checkpoint::save(&ck_root, store, &state, 1)?;
-    let write_s = t0.elapsed().as_secs_f64();
+    let secs = t0.elapsed().as_secs_f64();
     let ck_bytes = size_of(&ck)?;
-    timed.push(("checkpoint write".into(), ck_bytes, write_s, true));
+    phase(
+        "checkpoint write",
+        ck_bytes,
+        secs,
+        dd_write(work, ck_bytes, direct)?,
+    );
     drop_cache(&ck)?;
     let t0 = Instant::now();
     checkpoint::load(&ck, store)?;
-    timed.push((
-        "resume read".into(),
-        ck_bytes,
-        t0.elapsed().as_secs_f64(),
-        false,
-    ));
+    let secs = t0.elapsed().as_secs_f64();
+    phase("resume read", ck_bytes, secs, dd_read(&ck, direct)?);
     std::fs::remove_dir_all(&ck_root).map_err(|e| Error::io("remove", &ck_root, e))?;
     // The export, then a run started from it.
     let hf = work.join("hf");
@@ -270,52 +311,33 @@ fn phases(
             serving_files_from: None,
         },
     )?;
-    let export_s = t0.elapsed().as_secs_f64();
+    let secs = t0.elapsed().as_secs_f64();
     let hf_bytes = size_of(&hf)?;
     let name = match b.export_dtype {
         ExportDtype::Bf16 => "export (bf16)",
         ExportDtype::Fp32 => "export (fp32)",
     };
-    timed.push((name.into(), hf_bytes, export_s, true));
+    phase(name, hf_bytes, secs, dd_write(work, hf_bytes, direct)?);
     drop_cache(&hf)?;
     let t0 = Instant::now();
     crate::store::hf::load_into_store(&hf, store)?;
-    timed.push((
-        "--init-from read".into(),
-        hf_bytes,
-        t0.elapsed().as_secs_f64(),
-        false,
-    ));
+    let secs = t0.elapsed().as_secs_f64();
+    phase("--init-from read", hf_bytes, secs, dd_read(&hf, direct)?);
     std::fs::remove_dir_all(&hf).map_err(|e| Error::io("remove", &hf, e))?;
-    // The disk, as many bytes as the checkpoint.
-    let dd = dd_rates(work, ck_bytes)?;
-    let phases = timed
-        .into_iter()
-        .map(|(phase, bytes, secs, write)| {
-            let gbps = bytes as f64 / secs.max(1e-9) / 1e9;
-            let limit_gbps = if write { dd.0 } else { dd.1 };
-            IoPhase {
-                phase,
-                bytes,
-                secs,
-                gbps,
-                limit_gbps,
-                ratio: gbps / limit_gbps,
-            }
-        })
-        .collect();
-    Ok((phases, dd))
+    let how = match direct {
+        true => "dd bs=8M oflag=direct conv=fsync (writes) / iflag=direct (reads of the same files)",
+        false => "dd bs=8M conv=fsync (writes) / reads of the same files from a dropped page cache (no O_DIRECT here)",
+    };
+    Ok((out, how.into()))
 }
 
 /// The report as a table.
 pub fn render(r: &IoReport) -> String {
     let mut s = format!(
-        "bench io: {} ({:.2}B parameters)\ndisk: {} — write {:.2} GB/s, read {:.2} GB/s\n\n{:<18} {:>10} {:>8} {:>8} {:>8} {:>8}\n",
+        "bench io: {} ({:.2}B parameters)\nlimit: {}, right after each phase\n\n{:<18} {:>10} {:>8} {:>8} {:>8} {:>8}\n",
         r.dir.display(),
         r.params as f64 / 1e9,
         r.dd_mode,
-        r.dd_write_gbps,
-        r.dd_read_gbps,
         "phase",
         "bytes",
         "s",

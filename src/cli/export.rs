@@ -64,7 +64,9 @@ pub fn run(args: &ExportArgs) -> Result<()> {
             )
         })?
     };
-    // Verified before anything in it is parsed.
+    // Verified before anything in it is parsed: complete, and the params (all an export
+    // reads) against their checksum.
+    checkpoint::verify_params(&dir)?;
     let state = checkpoint::open(&dir)?;
     // The params only, unit by unit from the checkpoint's file: no host store, no moments.
     let layout = megatrain::store::layout::StateLayout::new(

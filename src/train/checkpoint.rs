@@ -20,13 +20,13 @@ use std::path::{Path, PathBuf};
 /// Checkpoint format version written (2: run identity and configuration history; 3: moment
 /// files named by their format).
 pub const FORMAT: u32 = 3;
-/// Oldest format read (1: no run identity; treated as belonging to whoever resumes it).
-const OLDEST_FORMAT: u32 = 1;
 mod params;
+mod verify;
 
 pub use params::CheckpointParams;
+pub use verify::{check_complete, verify, verify_params, Damage};
+use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
 
-const MANIFEST: &str = "MANIFEST.json";
 const PARAMS_FILE: &str = "params.f32";
 
 /// The tensor files of a checkpoint whose moments are stored as `state`: the params, then m and
@@ -87,85 +87,6 @@ pub struct TrainState {
     /// Settings changed on each resume, oldest first.
     #[serde(default)]
     pub changes: Vec<ConfigChange>,
-}
-
-/// Why a checkpoint must not be loaded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Damage {
-    /// No manifest: the write did not finish.
-    Unfinished,
-    /// The manifest is not what this version writes.
-    BadManifest(String),
-    /// The manifest does not list a file every checkpoint has.
-    Incomplete(String),
-    /// A listed file is gone.
-    Missing(String),
-    /// A file cannot be read (permissions, I/O error): the checkpoint may be fine.
-    Unreadable(String, String),
-    /// A file is shorter or longer than the manifest says.
-    WrongSize {
-        /// The file.
-        file: String,
-        /// Its bytes.
-        have: u64,
-        /// The manifest's bytes.
-        want: u64,
-    },
-    /// A file's bytes do not match its checksum.
-    Corrupt(String),
-    /// The checkpoint was deleted while it was being read (pruned by the run that owns it).
-    Gone,
-}
-
-impl Damage {
-    /// True when the checkpoint's bytes are bad (as opposed to being unreadable by us).
-    pub fn is_damage(&self) -> bool {
-        !matches!(self, Damage::Unreadable(..) | Damage::Gone)
-    }
-
-    /// What to do about it.
-    pub fn fix(&self) -> &'static str {
-        match self {
-            Damage::Unfinished => "it was being written when the run stopped; it is not usable",
-            Damage::BadManifest(_) => "it was written by another megatrain version, or edited",
-            Damage::Incomplete(_) | Damage::Missing(_) => {
-                "restore the missing file (was it moved or deleted?)"
-            }
-            Damage::Unreadable(..) => {
-                "check the file's owner and permissions (`ls -l`) and the disk; the checkpoint itself may be intact"
-            }
-            Damage::WrongSize { .. } => {
-                "it was cut short (a full disk or an interrupted copy): restore it from a good copy"
-            }
-            Damage::Corrupt(_) => "its bytes changed on disk: restore it from a good copy",
-            Damage::Gone => {
-                "the run that owns its directory pruned it (a run keeps its newest --keep-checkpoints): use a newer checkpoint (pass the checkpoint directory itself for the newest), or wait until that run ends"
-            }
-        }
-    }
-}
-
-impl std::fmt::Display for Damage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Damage::Unfinished => write!(f, "no {MANIFEST} (the write did not finish)"),
-            Damage::BadManifest(why) => write!(f, "{MANIFEST} is unusable: {why}"),
-            Damage::Incomplete(file) => write!(f, "{MANIFEST} does not list {file}"),
-            Damage::Missing(file) => write!(f, "{file} is missing"),
-            Damage::Unreadable(file, why) => write!(f, "{file} cannot be read: {why}"),
-            Damage::WrongSize { file, have, want } => {
-                write!(f, "{file} has {have} bytes, the manifest says {want}")
-            }
-            Damage::Corrupt(file) => write!(f, "{file} fails its crc32c check"),
-            Damage::Gone => write!(f, "it was deleted while it was being read"),
-        }
-    }
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Manifest {
-    format: u32,
-    files: Vec<(String, u64, u32)>,
 }
 
 /// True for the entries of a checkpoint directory that its run creates, replaces and deletes:
@@ -382,112 +303,6 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
         .collect())
 }
 
-/// Check a checkpoint's files against its manifest: every file a checkpoint has must be listed,
-/// present, readable, of the listed size and checksum. A checkpoint deleted meanwhile (pruned by
-/// its run) is [`Damage::Gone`], not damaged.
-pub fn verify(dir: &Path) -> std::result::Result<(), Damage> {
-    verify_files(dir).map_err(|d| if dir.is_dir() { d } else { Damage::Gone })
-}
-
-fn verify_files(dir: &Path) -> std::result::Result<(), Damage> {
-    let text = match std::fs::read(dir.join(MANIFEST)) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Damage::Unfinished),
-        Err(e) => return Err(Damage::Unreadable(MANIFEST.into(), e.to_string())),
-    };
-    let m: Manifest =
-        serde_json::from_slice(&text).map_err(|e| Damage::BadManifest(e.to_string()))?;
-    if !(OLDEST_FORMAT..=FORMAT).contains(&m.format) {
-        return Err(Damage::BadManifest(format!(
-            "format {} (this megatrain reads {OLDEST_FORMAT} to {FORMAT})",
-            m.format
-        )));
-    }
-    let listed = |name: &str| m.files.iter().any(|(n, _, _)| n == name);
-    for required in [PARAMS_FILE, "state.json"] {
-        if !listed(required) {
-            return Err(Damage::Incomplete(required.into()));
-        }
-    }
-    // The moments in one of the formats (state.json says which; `load` opens that one).
-    let formats: &[AdamState] = clap::ValueEnum::value_variants();
-    if !formats
-        .iter()
-        .any(|f| files(*f).iter().all(|(n, _)| listed(n)))
-    {
-        // Name the partner of a half-listed pair; with neither listed, every format's pair.
-        let half = formats.iter().find_map(|f| {
-            let [_, (m, _), (v, _)] = files(*f);
-            match (listed(&m), listed(&v)) {
-                (true, false) => Some(v),
-                (false, true) => Some(m),
-                _ => None,
-            }
-        });
-        return Err(Damage::Incomplete(half.unwrap_or_else(|| {
-            "adam_m.f32 and adam_v.f32 (or .bf16, .int8)".into()
-        })));
-    }
-    for (name, size, crc) in &m.files {
-        if name.contains('/') || name.contains("..") {
-            return Err(Damage::BadManifest(format!(
-                "it names a file outside: {name}"
-            )));
-        }
-        let p = dir.join(name);
-        let mut f = match std::fs::File::open(&p) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Damage::Missing(name.clone()))
-            }
-            Err(e) => return Err(Damage::Unreadable(name.clone(), e.to_string())),
-        };
-        let mut buf = vec![0u8; 1 << 20];
-        let (mut c, mut n) = (0u32, 0u64);
-        loop {
-            let k = f
-                .read(&mut buf)
-                .map_err(|e| Damage::Unreadable(name.clone(), e.to_string()))?;
-            if k == 0 {
-                break;
-            }
-            c = crc32c::crc32c_append(c, &buf[..k]);
-            n += k as u64;
-        }
-        if n != *size {
-            return Err(Damage::WrongSize {
-                file: name.clone(),
-                have: n,
-                want: *size,
-            });
-        }
-        if c != *crc {
-            return Err(Damage::Corrupt(name.clone()));
-        }
-    }
-    Ok(())
-}
-
-/// `verify` as the crate's error: bad input (exit 2) naming the checkpoint, what is wrong with
-/// it and the fix; `also` is appended to the fix (e.g. the newest good checkpoint).
-fn refuse(dir: &Path, damage: &Damage, also: Option<String>) -> Error {
-    let fix = match also {
-        Some(a) => format!("{}; {a}", damage.fix()),
-        None => damage.fix().to_owned(),
-    };
-    let what = if damage.is_damage() {
-        "is damaged"
-    } else {
-        "cannot be read"
-    };
-    Error::bad_input(
-        "checkpoint",
-        dir.display().to_string(),
-        format!("{what}: {damage}"),
-        Some(&fix),
-    )
-}
-
 /// The newest checkpoint under `root`, verified. `Ok(None)` if there is none; an error naming
 /// the newest good one if the newest is damaged or unreadable.
 pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
@@ -507,32 +322,16 @@ fn latest_once(root: &Path) -> Result<Option<Option<PathBuf>>> {
     let Some((_, newest)) = all.last().cloned() else {
         return Ok(Some(None));
     };
-    match verify(&newest) {
+    match check_complete(&newest) {
         Ok(()) => Ok(Some(Some(newest))),
         Err(Damage::Gone) => Ok(None),
-        Err(damage) => {
-            let good = all
-                .iter()
-                .rev()
-                .skip(1)
-                .find(|(_, d)| verify(d).is_ok())
-                .map(|(_, d)| d.clone());
-            let also = match (&good, damage.is_damage()) {
-                (Some(g), true) => format!(
-                    "or resume from the newest good checkpoint, {}, by moving the damaged one aside",
-                    g.display()
-                ),
-                (Some(g), false) => format!("the newest good older checkpoint is {}", g.display()),
-                (None, _) => "no older good checkpoint remains".to_owned(),
-            };
-            Err(refuse(&newest, &damage, Some(also)))
-        }
+        Err(damage) => Err(refuse_naming_older(&newest, &damage)),
     }
 }
-
-/// Verify the checkpoint in `dir` and read its state (the tensors are read by [`load`]).
+/// Check the checkpoint in `dir` is complete ([`check_complete`]) and read its state (the
+/// tensors are read, and checked against their checksums, by [`load`]).
 pub fn open(dir: &Path) -> Result<TrainState> {
-    verify(dir).map_err(|d| refuse(dir, &d, None))?;
+    check_complete(dir).map_err(|d| refuse(dir, &d, None))?;
     read_state(dir)
 }
 
@@ -573,9 +372,67 @@ pub fn adam_state_of(state: &TrainState) -> AdamState {
     state.config.adam_state.unwrap_or_default()
 }
 
-/// Load a verified checkpoint into `store`; returns its state and whether the moments were
-/// converted (the checkpoint's `--adam-state` differs from the store's: fp32 → compact quantises,
-/// compact → fp32 dequantises).
+/// A checkpoint file read front to back with its crc32c taken on the way.
+struct Checksummed {
+    name: String,
+    r: crate::util::direct::DirectReader,
+    crc: u32,
+    bytes: u64,
+}
+
+impl Checksummed {
+    fn new(name: String, r: crate::util::direct::DirectReader) -> Self {
+        Checksummed {
+            name,
+            r,
+            crc: 0,
+            bytes: 0,
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        self.r.read_exact(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, buf);
+        self.bytes += buf.len() as u64;
+        Ok(())
+    }
+
+    /// The file read to its end against `manifest`'s size and checksum for it: `Err(None)`
+    /// when the rest cannot be read.
+    fn finish(&mut self, manifest: &Manifest) -> std::result::Result<(), Option<Damage>> {
+        let mut rest = vec![0u8; 1 << 16];
+        loop {
+            match self.r.read(&mut rest) {
+                Ok(0) => break,
+                Ok(n) => {
+                    self.crc = crc32c::crc32c_append(self.crc, &rest[..n]);
+                    self.bytes += n as u64;
+                }
+                Err(e) => return Err(Some(Damage::Unreadable(self.name.clone(), e.to_string()))),
+            }
+        }
+        let Some((_, size, crc)) = manifest.files.iter().find(|(n, _, _)| *n == self.name) else {
+            return Err(Some(Damage::Incomplete(self.name.clone())));
+        };
+        if self.bytes != *size {
+            return Err(Some(Damage::WrongSize {
+                file: self.name.clone(),
+                have: self.bytes,
+                want: *size,
+            }));
+        }
+        if self.crc != *crc {
+            return Err(Some(Damage::Corrupt(self.name.clone())));
+        }
+        Ok(())
+    }
+}
+
+/// Load a complete checkpoint ([`check_complete`]) into `store`, reading each file once and
+/// checking it against its size and checksum on the way (a damaged file is refused naming the
+/// newest good older checkpoint, before training); returns its state and whether the moments
+/// were converted (the checkpoint's `--adam-state` differs from the store's: fp32 → compact
+/// quantises, compact → fp32 dequantises).
 pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
     load_files(dir, store).map_err(|e| match dir.is_dir() {
         true => e,
@@ -596,11 +453,15 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
     let (saved, held) = (adam_state_of(&state), store.layout().adam);
     // One pass over the units with the three files open: a spilled unit is staged and written
     // back once.
+    let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
     let mut readers = Vec::new();
     for (name, _) in files(saved) {
-        let path = dir.join(name);
-        let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
-        readers.push((path, std::io::BufReader::with_capacity(1 << 20, f)));
+        let path = dir.join(&name);
+        // Past the page cache in 8 MiB blocks, the next read while this one is consumed; each
+        // file's checksum is taken as it is read (the one read of a resume).
+        let r = crate::util::direct::DirectReader::open(&path)
+            .map_err(|e| Error::io("open", &path, e))?;
+        readers.push((path, Checksummed::new(name, r)));
     }
     let mut scratch = Vec::new();
     for u in 0..store.num_units() {
@@ -624,7 +485,7 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
         // The moments' map (signed for m, unsigned for v); none for the params.
         let targets = [(params, None), (sh.m, Some(true)), (sh.v, Some(false))];
         for ((path, f), (dst, moment)) in readers.iter_mut().zip(targets) {
-            let read = |f: &mut std::io::BufReader<std::fs::File>, buf: &mut [u8]| {
+            let read = |f: &mut Checksummed, buf: &mut [u8]| {
                 f.read_exact(buf)
                     .map_err(|e| Error::io("read", path.as_path(), e))
             };
@@ -642,6 +503,13 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
             sh.params.write(0, &fp32);
         }
         g.unstage(); // written back to NVMe if spilled
+    }
+    // Every byte of each file read, and what the manifest says it holds.
+    for (path, f) in &mut readers {
+        f.finish(&listed).map_err(|d| match d {
+            Some(d) => refuse_naming_older(dir, &d),
+            None => Error::io("read", path.as_path(), std::io::Error::other("read failed")),
+        })?;
     }
     let how = if saved == held {
         MomentsRestored::Exact
