@@ -73,8 +73,11 @@ fn bench_io_times_every_phase_next_to_dd() {
         "20M",
         "--adam-state",
         "bf16",
+        "--reps",
+        "2",
         "--json",
     ]);
+    assert_eq!(v["reps"], 2);
     let phases: Vec<&str> = v["phases"]
         .as_array()
         .unwrap()

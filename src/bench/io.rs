@@ -33,6 +33,8 @@ pub struct IoBench {
     pub adam_state: AdamState,
     /// The export's dtype.
     pub export_dtype: ExportDtype,
+    /// Passes of every phase; each phase's median pass is reported.
+    pub reps: usize,
 }
 
 /// One phase, next to the disk's rate in its direction.
@@ -60,6 +62,8 @@ pub struct IoReport {
     pub dir: PathBuf,
     /// The model's parameters.
     pub params: u64,
+    /// Passes (each phase's median pass, by ratio, is reported).
+    pub reps: usize,
     /// How `dd` ran (`oflag=direct`, or buffered where the filesystem refuses O_DIRECT).
     pub dd_mode: String,
     /// The phases.
@@ -236,12 +240,24 @@ pub fn run(machine: &Machine, b: &IoBench) -> Result<IoReport> {
         .dir
         .join(format!(".megatrain-bench-io-{}", std::process::id()));
     std::fs::create_dir_all(&work).map_err(|e| Error::io("create directory", &work, e))?;
-    let result = phases(&store, &model, b, &work);
+    let result = (0..b.reps.max(1))
+        .map(|_| phases(&store, &model, b, &work))
+        .collect::<Result<Vec<_>>>();
     let _ = std::fs::remove_dir_all(&work);
-    let (phases, dd_mode) = result?;
+    let passes = result?;
+    let dd_mode = passes[0].1.clone();
+    // Per phase, the median pass (by ratio: each ratio is a phase and its dd run side by side).
+    let phases = (0..passes[0].0.len())
+        .map(|i| {
+            let mut runs: Vec<IoPhase> = passes.iter().map(|(p, _)| p[i].clone()).collect();
+            runs.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
+            runs[runs.len() / 2].clone()
+        })
+        .collect();
     Ok(IoReport {
         dir: b.dir.clone(),
         params: model.num_params() as u64,
+        reps: b.reps.max(1),
         dd_mode,
         phases,
     })
@@ -334,9 +350,10 @@ fn phases(
 /// The report as a table.
 pub fn render(r: &IoReport) -> String {
     let mut s = format!(
-        "bench io: {} ({:.2}B parameters)\nlimit: {}, right after each phase\n\n{:<18} {:>10} {:>8} {:>8} {:>8} {:>8}\n",
+        "bench io: {} ({:.2}B parameters, median of {} pass(es))\nlimit: {}, right after each phase\n\n{:<18} {:>10} {:>8} {:>8} {:>8} {:>8}\n",
         r.dir.display(),
         r.params as f64 / 1e9,
+        r.reps,
         r.dd_mode,
         "phase",
         "bytes",

@@ -237,6 +237,9 @@ pub struct BenchIoArgs {
     /// The export's dtype.
     #[arg(long, value_enum, default_value = "bf16")]
     export_dtype: megatrain::store::hf::ExportDtype,
+    /// Passes of every phase (a disk's rate drifts between passes); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -251,6 +254,7 @@ fn bench_io(a: &BenchIoArgs) -> Result<()> {
             params: a.params as u64,
             adam_state: a.adam_state,
             export_dtype: a.export_dtype,
+            reps: a.reps,
         },
     )?;
     print_report(a.json, &r, megatrain::bench::io::render);
