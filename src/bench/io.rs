@@ -89,38 +89,39 @@ fn model_of(params: u64) -> ModelConfig {
 /// Drop the cached pages of every file under `path` (written and fsynced: clean pages go), so
 /// the next read comes from the disk.
 fn drop_cache(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        for e in std::fs::read_dir(path).map_err(|e| Error::io("list", path, e))? {
-            let e = e.map_err(|e| Error::io("list", path, e))?;
-            drop_cache(&e.path())?;
+    for file in files_under(path)? {
+        let f = std::fs::File::open(&file).map_err(|e| Error::io("open", &file, e))?;
+        f.sync_all().map_err(|e| Error::io("fsync", &file, e))?;
+        // SAFETY: a plain advice call on an open descriptor.
+        let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if r != 0 {
+            return Err(Error::io(
+                "drop cached pages",
+                &file,
+                std::io::Error::from_raw_os_error(r),
+            ));
         }
-        return Ok(());
-    }
-    let f = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
-    f.sync_all().map_err(|e| Error::io("fsync", path, e))?;
-    // SAFETY: a plain advice call on an open descriptor.
-    let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    if r != 0 {
-        return Err(Error::io(
-            "drop cached pages",
-            path,
-            std::io::Error::from_raw_os_error(r),
-        ));
     }
     Ok(())
 }
 
 /// Bytes of the files under `path`.
 fn size_of(path: &Path) -> Result<u64> {
-    let m = std::fs::metadata(path).map_err(|e| Error::io("stat", path, e))?;
-    if !m.is_dir() {
-        return Ok(m.len());
-    }
-    let mut total = 0;
-    for e in std::fs::read_dir(path).map_err(|e| Error::io("list", path, e))? {
-        total += size_of(&e.map_err(|e| Error::io("list", path, e))?.path())?;
-    }
-    Ok(total)
+    files_under(path)?
+        .iter()
+        .map(|f| {
+            std::fs::metadata(f)
+                .map(|m| m.len())
+                .map_err(|e| Error::io("stat", f, e))
+        })
+        .sum()
+}
+
+/// `path` itself if it is a file, else every file below it.
+fn files_under(path: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    collect_files(path, &mut out)?;
+    Ok(out)
 }
 
 /// `dd` with `args`, timed; an error names the command and what it said.
@@ -177,10 +178,8 @@ fn dd_write(dir: &Path, bytes: u64, direct: bool) -> Result<f64> {
 
 /// `dd` reading every file under `path` (8 MiB blocks, from a dropped page cache): GB/s.
 fn dd_read(path: &Path, direct: bool) -> Result<f64> {
-    let mut files = Vec::new();
-    collect_files(path, &mut files)?;
     let (mut secs, mut bytes) = (0.0, 0u64);
-    for f in files {
+    for f in files_under(path)? {
         drop_cache(&f)?;
         let mut args = vec![
             format!("if={}", f.display()),

@@ -196,21 +196,22 @@ impl TensorBoardLog {
         let secs = now_s() as u64;
         let pid = std::process::id();
         // A name no other writer uses; `create_new` never opens an existing file.
-        let (path, file) = (0u32..)
-            .map(|n| {
-                let name = match n {
-                    0 => format!("{FILE_PREFIX}{secs:010}.{host}.{pid}.megatrain"),
-                    n => format!("{FILE_PREFIX}{secs:010}.{host}.{pid}.{n}.megatrain"),
-                };
-                let path = dir.join(name);
-                let file = std::fs::OpenOptions::new()
-                    .append(true)
-                    .create_new(true)
-                    .open(&path);
-                (path, file)
-            })
-            .find(|(_, f)| !matches!(f, Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists))
-            .unwrap_or_else(|| unreachable!("an unbounded range ends"));
+        let mut n = 0u32;
+        let (path, file) = loop {
+            let name = match n {
+                0 => format!("{FILE_PREFIX}{secs:010}.{host}.{pid}.megatrain"),
+                n => format!("{FILE_PREFIX}{secs:010}.{host}.{pid}.{n}.megatrain"),
+            };
+            let path = dir.join(name);
+            match std::fs::OpenOptions::new()
+                .append(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
+                opened => break (path, opened),
+            }
+        };
         let file = file.map_err(|e| {
             Error::io("create event file", &path, e)
                 .with_fix("make the --tensorboard directory writable, or choose another")
