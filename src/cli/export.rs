@@ -26,16 +26,7 @@ pub struct ExportArgs {
 pub fn run(args: &ExportArgs) -> Result<()> {
     use megatrain::train::checkpoint;
     use megatrain::util::paths::{check_disjoint, PathUse, Use};
-    if !args.checkpoint.exists() {
-        return Err(megatrain::Error::bad_input(
-            "checkpoint",
-            args.checkpoint.display().to_string(),
-            "does not exist",
-            Some("check the path: pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
-        ));
-    }
-    let is_one = args.checkpoint.join("MANIFEST.json").exists()
-        || args.checkpoint.join("params.f32").exists();
+    let is_one = checkpoint::is_checkpoint(&args.checkpoint);
     // The checkpoint directory (the one given, or the one a step directory is in) is a live
     // run's to prune: the export may not go inside its checkpoints or take one's name.
     let root = match (is_one, args.checkpoint.parent()) {
@@ -52,18 +43,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         ),
         PathUse::new("--out", &args.out, Use::ReplacedDir),
     ])?;
-    let dir = if is_one {
-        args.checkpoint.clone()
-    } else {
-        checkpoint::latest(&args.checkpoint)?.ok_or_else(|| {
-            megatrain::Error::bad_input(
-                "checkpoint",
-                args.checkpoint.display().to_string(),
-                "contains no checkpoint",
-                Some("pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
-            )
-        })?
-    };
+    let dir = checkpoint::one_or_latest(&args.checkpoint)?;
     // Verified before anything in it is parsed: complete, and the params (all an export
     // reads) against their checksum.
     checkpoint::verify_params(&dir)?;

@@ -3,6 +3,7 @@
 
 mod bench;
 mod export;
+mod generate;
 mod plan;
 mod prepare;
 mod probe;
@@ -31,6 +32,9 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Write a training checkpoint as a Hugging Face model (config.json + safetensors).
     Export(export::ExportArgs),
+    /// Continue a prompt with a Hugging Face model or a training checkpoint (greedy or sampled,
+    /// on the training device, no KV cache: each token is a forward pass of the sequence).
+    Generate(generate::GenerateArgs),
     /// Tokenize text (.txt, or .jsonl with one document per line) into a token file for --data.
     Prepare(prepare::PrepareArgs),
     /// Will it fit, and how fast will it go: memory per tier and a predicted step time.
@@ -68,6 +72,7 @@ pub fn main() -> ExitCode {
         Command::Bench(b) => bench::run(b).map(|()| 0),
         Command::Train(a) => train::run(a),
         Command::Export(a) => export::run(a).map(|()| 0),
+        Command::Generate(a) => generate::run(a).map(|()| 0),
         Command::Prepare(a) => prepare::run(a).map(|()| 0),
         Command::Plan(a) => plan::run(a).map(|()| 0),
         Command::Selftest(a) => selftest::run(a).map(|()| 0),

@@ -646,6 +646,14 @@ impl Backend for HostBackend<'_> {
         *crate::util::lock(&into) += s;
         Ok(())
     }
+
+    fn read_back(&mut self, src: HostP, len: usize, into: Arc<Mutex<Vec<f32>>>) -> Result<()> {
+        let ([], [x]) = views("read_back", [], [(src, len)])?;
+        let mut dst = crate::util::lock(&into);
+        dst.clear();
+        dst.extend_from_slice(x);
+        Ok(())
+    }
 }
 
 #[cfg(test)]

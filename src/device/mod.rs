@@ -268,6 +268,18 @@ pub struct Batch {
     /// The load-balancing loss's weight in this micro-batch's gradient (`router_aux_loss_coef`
     /// over the step's micro-batches; 0: the loss is not trained).
     pub aux_scale: f64,
+    /// A forward-only pass's row of logits to read back (generation); none in a step.
+    pub logits: Option<LogitsRow>,
+}
+
+/// Which row of a forward-only pass's logits comes back to the host, and where it lands: the
+/// head's logits of token `row` of the micro-batch (`[vocab]`, before any soft cap).
+#[derive(Debug, Clone)]
+pub struct LogitsRow {
+    /// The token (row of the micro-batch's `batch × seq`).
+    pub row: usize,
+    /// Replaced by the row's `vocab` logits once the head has run.
+    pub into: Arc<Mutex<Vec<f32>>>,
 }
 
 /// The layer ops, as data, over buffers `B` with micro-batch data `D`: the step schedule names

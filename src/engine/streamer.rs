@@ -349,6 +349,11 @@ impl Streamer {
         self.prev_norm
     }
 
+    /// A micro-batch's shape: sequences, tokens per sequence.
+    pub fn micro_batch_shape(&self) -> (usize, usize) {
+        (self.cfg.batch, self.cfg.seq)
+    }
+
     /// The schedule being run.
     pub fn schedule(&self) -> &Schedule {
         &self.schedule
@@ -539,6 +544,7 @@ impl Streamer {
                     loss: loss.clone(),
                     router: Default::default(),
                     aux_scale,
+                    logits: None,
                 })
                 .collect(),
         })

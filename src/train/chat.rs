@@ -146,6 +146,13 @@ impl ChatTemplate {
         Ok(text)
     }
 
+    /// The text a model continues for `messages`: the template with `add_generation_prompt`
+    /// (transformers' `apply_chat_template(messages, add_generation_prompt=True)`).
+    pub fn render_prompt(&self, messages: &[Json]) -> Result<String, ChatError> {
+        let text = self.render_marked(messages, true)?;
+        Ok(strip_markers(&text).text)
+    }
+
     /// Render `messages` (HF chat format: objects with `role` and `content`) and find the text
     /// the assistant messages train on.
     pub fn render(&self, messages: &[Json]) -> Result<Rendered, ChatError> {

@@ -23,7 +23,7 @@ pub const FORMAT: u32 = 3;
 mod params;
 mod verify;
 
-pub use params::CheckpointParams;
+pub use params::{load_params, CheckpointParams};
 pub use verify::{check_complete, verify, verify_params, Damage};
 use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
 
@@ -328,6 +328,36 @@ fn latest_once(root: &Path) -> Result<Option<Option<PathBuf>>> {
         Err(damage) => Err(refuse_naming_older(&newest, &damage)),
     }
 }
+/// Whether `path` is one checkpoint (a `step-…` directory) rather than a run's checkpoint
+/// directory.
+pub fn is_checkpoint(path: &Path) -> bool {
+    path.join(MANIFEST).exists() || path.join(PARAMS_FILE).exists()
+}
+
+/// The checkpoint `path` names: itself when it is one, else the newest in it (a run's
+/// `--checkpoint-dir`), verified as [`latest`] does.
+pub fn one_or_latest(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        return Err(Error::bad_input(
+            "checkpoint",
+            path.display().to_string(),
+            "does not exist",
+            Some("check the path: pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
+        ));
+    }
+    if is_checkpoint(path) {
+        return Ok(path.to_owned());
+    }
+    latest(path)?.ok_or_else(|| {
+        Error::bad_input(
+            "checkpoint",
+            path.display().to_string(),
+            "contains no checkpoint",
+            Some("pass a checkpoint directory (step-…) or the --checkpoint-dir of a run"),
+        )
+    })
+}
+
 /// Check the checkpoint in `dir` is complete ([`check_complete`]) and read its state (the
 /// tensors are read, and checked against their checksums, by [`load`]).
 pub fn open(dir: &Path) -> Result<TrainState> {

@@ -312,6 +312,18 @@ settings! {
     value val_every: u64 = 0 => Option<u64> [];
     /// Sequences used per validation.
     value val_batches: usize = 8 => Option<usize> [];
+    /// Print (and log to TensorBoard) a continuation of `sample_prompt` every N steps and at the
+    /// end (0: never).
+    value sample_every: u64 = 0 => Option<u64> [];
+    /// The text samples continue.
+    some sample_prompt: Option<String> = None => Option<String> [value_name = "TEXT"];
+    /// Tokens per sample.
+    value sample_tokens: usize = 32 => Option<usize> [];
+    /// Samples: 0 greedy, else drawn at this temperature.
+    value sample_temperature: f64 = 0.0 => Option<f64> [];
+    /// The tokenizer of samples and `megatrain generate` (`bytes`: one token per byte, the
+    /// demo's); unset: the `init_from` directory's.
+    some tokenizer: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
 }
 
 impl TrainConfig {
@@ -400,7 +412,40 @@ impl TrainConfig {
         self.check_counts()?;
         self.check_optimizer()?;
         self.check_combinations()?;
+        self.check_samples()?;
         self.check_paths_are_utf8()
+    }
+
+    /// Samples: a prompt when they are asked for, a length, a usable temperature.
+    fn check_samples(&self) -> Result<()> {
+        if self.sample_every == 0 {
+            return Ok(());
+        }
+        if self.sample_prompt.as_deref().is_none_or(str::is_empty) {
+            return bad_setting(
+                "sample_every",
+                "samples need a prompt to continue",
+                "pass --sample-prompt TEXT",
+            );
+        }
+        if self.sample_tokens == 0 || self.sample_tokens > self.seq_len {
+            return bad_setting(
+                "sample_tokens",
+                &format!(
+                    "is {}; it must be between 1 and --seq-len",
+                    self.sample_tokens
+                ),
+                "e.g. --sample-tokens 32",
+            );
+        }
+        if !(self.sample_temperature.is_finite() && self.sample_temperature >= 0.0) {
+            return bad_setting(
+                "sample_temperature",
+                "must be a number ≥ 0 (0: greedy)",
+                "e.g. --sample-temperature 0.8",
+            );
+        }
+        Ok(())
     }
 
     /// Every count within its limit, micro-batches and steps within the token limits.

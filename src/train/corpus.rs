@@ -132,6 +132,7 @@ pub fn demo(dir: &std::path::Path) -> crate::Result<Demo> {
         export_hf: Some(run.join("hf")),
         val_every: 100,
         val_batches: 8,
+        tokenizer: Some("bytes".into()),
         ..TrainConfig::default()
     };
     Ok(Demo {

@@ -348,22 +348,13 @@ pub struct Cursor {
     pub position: u64,
 }
 
-/// splitmix64: a tiny, well-known deterministic generator for the shuffle.
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// The row order of `epoch`: identity, or a Fisher–Yates permutation seeded by (seed, epoch).
 pub fn epoch_order(rows: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..rows).collect();
     if shuffle {
         let mut s = seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407);
         for i in (1..rows).rev() {
-            let j = (splitmix(&mut s) % (i as u64 + 1)) as usize;
+            let j = (crate::util::splitmix64(&mut s) % (i as u64 + 1)) as usize;
             order.swap(i, j);
         }
     }

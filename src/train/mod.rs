@@ -11,6 +11,7 @@ pub mod corpus;
 pub mod data;
 mod device_fit;
 pub mod documents;
+pub mod generate;
 mod input_text;
 pub mod outputs;
 pub mod plot;
@@ -19,6 +20,7 @@ pub mod run_dir;
 mod setup;
 mod step_log;
 pub mod tensorboard;
+pub mod tokenizer;
 
 use crate::engine::{MicroBatch, StepMetrics, Streamer};
 use crate::store::hf::ExportDtype;
@@ -180,6 +182,7 @@ fn train_loop(
         if val.is_some() {
             summary.val_loss = val;
         }
+        sample_if_due(s, step, progress).map_err(Stop::AfterStep)?;
         step_log::log_step(s, &m, val, progress);
         progress.step(&m, val);
         let stop = interrupt.load(Ordering::SeqCst);
@@ -217,6 +220,23 @@ fn validate_if_due(s: &mut Session, step: u64) -> Result<Option<f64>> {
         return Ok(None);
     }
     validate(&mut s.streamer, vl, s.cfg.val_batches).map(Some)
+}
+
+/// A sample of the model's text when one is due at `step`: a note, and text in TensorBoard.
+fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) -> Result<()> {
+    let Some(samples) = s.samples.as_ref().filter(|x| x.due(step, s.cfg.steps)) else {
+        return Ok(());
+    };
+    let text = samples.sample(&mut s.streamer, step)?;
+    progress.note(&format!("sample at step {step}: {text:?}"));
+    if let Some(warning) = s
+        .tensorboard
+        .as_mut()
+        .and_then(|tb| tb.append_text(step, "samples", &text))
+    {
+        progress.note(&warning);
+    }
+    Ok(())
 }
 
 /// Write a checkpoint of the current state (after `step`) under `root`.

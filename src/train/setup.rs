@@ -8,6 +8,7 @@ use super::data::{Cursor, DataFile, Loader, RowSpec};
 use super::device_fit::{
     check_device_budget, check_working_set, choose_activations, cpu_shape, note_chunks,
 };
+use super::generate::TrainingSamples;
 use super::outputs::{self, MetricsLog};
 use super::run_dir::{self, RunDir};
 use super::step_log::FlopRate;
@@ -49,6 +50,8 @@ pub(super) struct Session {
     pub(super) start_step: u64,
     /// The last step whose state is in a checkpoint on disk, and where.
     pub(super) saved: Option<(u64, PathBuf)>,
+    /// `--sample-every`'s samples.
+    pub(super) samples: Option<TrainingSamples>,
 }
 
 /// What a run starts from: its checkpoint directory, the checkpoint it resumes (if any), the
@@ -103,6 +106,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         ..cfg
     };
     let changes = settings_changed(&cfg, resumed, progress);
+    let samples = TrainingSamples::for_run(&cfg, inputs.model.vocab_size)?;
     // Every output, and the host and device memory, before anything big is allocated.
     // bf16 streams the high plane of a master stored as planes (exact fp32, no shadow copy).
     let master = match cfg.resolved_precision() {
@@ -187,6 +191,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         tensorboard,
         flop_rate,
         start_step,
+        samples,
     })
 }
 
@@ -309,7 +314,7 @@ fn check_before_allocating(
 /// The host store, placed near the device's GPU (found in the topology by PCI address) and
 /// page-locked for its copies.
 #[allow(clippy::too_many_arguments)]
-fn allocate_store(
+pub(super) fn allocate_store(
     cfg: &TrainConfig,
     layout: StateLayout,
     machine: &Machine,
@@ -419,7 +424,7 @@ fn restore(
 }
 
 /// The streamer over `store` and `device`, with the node AdamW pools.
-fn build_streamer(
+pub(super) fn build_streamer(
     cfg: &TrainConfig,
     device: Arc<dyn crate::device::Device>,
     store: HostStore,
@@ -548,7 +553,7 @@ fn choose_mode(
 
 /// The compute device the configuration names, for its micro-batches, in the largest token
 /// chunks that fit.
-fn open_device(
+pub(super) fn open_device(
     cfg: &TrainConfig,
     tm: &Arc<Templates>,
     layout: &StateLayout,
@@ -589,13 +594,7 @@ fn open_device(
 /// Deterministic N(0, σ²) samples (splitmix64 + Box–Muller).
 fn normal_fill(x: &mut [f32], seed: u64, std: f32) {
     let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = || (crate::util::splitmix64(&mut s) >> 11) as f64 / (1u64 << 53) as f64;
     for pair in x.chunks_mut(2) {
         let (u1, u2) = (next().max(1e-300), next());
         let r = (-2.0 * u1.ln()).sqrt();

@@ -255,16 +255,24 @@ impl TensorBoardLog {
     /// Append one step's scalars, by tag (`section/name`: TensorBoard groups by section).
     /// `Some(warning)` on the first failure; later ones are counted.
     pub fn append(&mut self, step: u64, scalars: &[(&str, f64)]) -> Option<String> {
-        let summary = Summary {
-            value: scalars
-                .iter()
-                .map(|&(tag, v)| Value {
-                    tag: tag.into(),
-                    metadata: None,
-                    value: Some(ValueKind::SimpleValue(v as f32)),
-                })
-                .collect(),
-        };
+        let value = scalars
+            .iter()
+            .map(|&(tag, v)| Value {
+                tag: tag.into(),
+                metadata: None,
+                value: Some(ValueKind::SimpleValue(v as f32)),
+            })
+            .collect();
+        self.append_summary(step, Summary { value })
+    }
+
+    /// Append `text` at `step` under `tag` (the text plugin's tab), shown verbatim.
+    pub fn append_text(&mut self, step: u64, tag: &str, text: &str) -> Option<String> {
+        let value = vec![text_value(tag, &as_markdown_code(text))];
+        self.append_summary(step, Summary { value })
+    }
+
+    fn append_summary(&mut self, step: u64, summary: Summary) -> Option<String> {
         let mut bytes = Vec::new();
         frame(
             &event(step, What::Summary(summary)).encode_to_vec(),

@@ -80,6 +80,8 @@ pub struct CudaBackend {
     /// reused by another).
     positions_of: Option<Arc<[u32]>>,
     losses: Pinned,
+    /// Where [`Backend::read_back`] lands, once it was asked.
+    read_back: Option<Pinned>,
     smem: usize,
     /// Under bf16: two bf16 buffers for a GEMM's operands.
     bf16: Option<Bf16Operands>,
@@ -147,6 +149,7 @@ impl CudaBackend {
             positions,
             positions_of: None,
             losses,
+            read_back: None,
             smem,
             bf16,
             moe: None,
@@ -711,6 +714,46 @@ impl Backend for CudaBackend {
             let l = unsafe { std::slice::from_raw_parts(host.0, rows) };
             let s: f64 = l.iter().map(|x| f64::from(*x)).sum();
             *crate::util::lock(&into) += s;
+        })
+    }
+
+    fn read_back(&mut self, src: DevP, len: usize, into: Arc<Mutex<Vec<f32>>>) -> Result<()> {
+        let [src] = f32s([src], "read_back")?;
+        // One page-locked buffer of the first length asked (a model's vocabulary), kept.
+        if self.read_back.is_none() {
+            self.read_back = Some(Pinned::new(&self.rt.ctx, 4 * len.max(1))?);
+        }
+        let pinned = match &self.read_back {
+            Some(p) if p.bytes() >= 4 * len => p,
+            p => {
+                return Err(Error::internal(
+                    "CUDA backend",
+                    format!(
+                        "read back {len} values into a buffer of {}",
+                        p.as_ref().map_or(0, |p| p.bytes() / 4)
+                    ),
+                ))
+            }
+        };
+        let host = SendPtr(pinned.as_ptr().cast::<f32>());
+        // SAFETY: page-locked destination of ≥ 4·len bytes; the host function below reads it
+        // before anything later on this stream (the next copy into it) runs.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                host.0.cast(),
+                src,
+                4 * len,
+                self.stream.cu_stream(),
+            )
+        };
+        drv(r.result(), "copy a row of logits to the host")?;
+        host_fn(&self.stream, move || {
+            let host = host;
+            // SAFETY: the copy above completed (stream order) and nothing else writes it now.
+            let x = unsafe { std::slice::from_raw_parts(host.0, len) };
+            let mut dst = crate::util::lock(&into);
+            dst.clear();
+            dst.extend_from_slice(x);
         })
     }
 }

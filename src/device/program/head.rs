@@ -3,7 +3,7 @@
 
 use super::layers::stored;
 use super::{Backend, Gemm, Ranges, Ws};
-use crate::device::{Batch, BufId};
+use crate::device::{Batch, BufId, LogitsRow};
 use crate::model::config::ModelConfig;
 use crate::model::ops::CE_CHUNK_ROWS;
 use crate::model::reference::Templates;
@@ -45,6 +45,7 @@ fn logits_and_loss<B: Backend>(
     ws: &Ws<B::P>,
     (r0, m): (usize, usize),
     grad_scale: f32,
+    read: Option<&LogitsRow>,
 ) -> Result<()> {
     let (c, vocab, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps as f32);
     let h = stored(be, ws.h1);
@@ -61,6 +62,10 @@ fn logits_and_loss<B: Backend>(
         n: vocab,
         accumulate: false,
     })?;
+    // The row asked for, before the loss overwrites the logits with their gradient.
+    if let Some(r) = read.filter(|r| (r0..r0 + m).contains(&r.row)) {
+        be.read_back(B::off(ws.ce, (r.row - r0) * vocab), vocab, r.into.clone())?;
+    }
     be.cross_entropy(
         ws.ce,
         B::off(ws.losses, r0),
@@ -141,7 +146,18 @@ pub fn head_loss_bwd<B: Backend>(
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
-        logits_and_loss(be, cfg, norm_w, lm_w, x, targets, ws, (r0, m), grad_scale)?;
+        logits_and_loss(
+            be,
+            cfg,
+            norm_w,
+            lm_w,
+            x,
+            targets,
+            ws,
+            (r0, m),
+            grad_scale,
+            None,
+        )?;
         let (x, dx) = (B::off(x, r0 * c), B::off(dx, r0 * c));
         let h = stored(be, ws.h1);
         // dh = dlogits·W;  dW += dlogitsᵀ·h.
@@ -173,7 +189,8 @@ pub fn head_loss_bwd<B: Backend>(
 }
 
 /// Final norm + LM head + loss over the rows of `x`, forward only (validation): per-row losses
-/// into `ws.losses`, chunk by chunk as [`head_loss_bwd`] computes them (the same bits).
+/// into `ws.losses`, chunk by chunk as [`head_loss_bwd`] computes them (the same bits); the
+/// logits of the row `read` names copied back on the way (generation).
 #[allow(clippy::too_many_arguments)]
 pub fn head_loss_fwd<B: Backend>(
     be: &mut B,
@@ -184,12 +201,19 @@ pub fn head_loss_fwd<B: Backend>(
     targets: B::Ids,
     ws: &Ws<B::P>,
     n: usize,
+    read: Option<&LogitsRow>,
 ) -> Result<()> {
+    if let Some(r) = read.filter(|r| r.row >= n) {
+        return Err(Error::internal(
+            "device program",
+            format!("logits of row {} of {n}", r.row),
+        ));
+    }
     let rows = CE_CHUNK_ROWS.min(n.max(1));
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
         // The loss's gradient lands in the logits' scratch, unread.
-        logits_and_loss(be, cfg, norm_w, lm_w, x, targets, ws, (r0, m), 0.0)?;
+        logits_and_loss(be, cfg, norm_w, lm_w, x, targets, ws, (r0, m), 0.0, read)?;
     }
     Ok(())
 }
@@ -214,6 +238,16 @@ pub(super) fn run_head_loss<B: Backend>(
     let lw = at.range(lm.0, lm.1, v * c, "LM head")?;
     let x = at.range(x, 0, n * c, "x")?;
     let ids = be.upload_ids(&batch.targets)?;
-    head_loss_fwd(be, &tm.config, norm_w, lw, x, ids, ws, n)?;
+    head_loss_fwd(
+        be,
+        &tm.config,
+        norm_w,
+        lw,
+        x,
+        ids,
+        ws,
+        n,
+        batch.logits.as_ref(),
+    )?;
     be.add_loss(ws.losses, n, batch.loss.clone())
 }

@@ -298,6 +298,9 @@ pub trait Backend {
     /// Add `Σ losses[..rows]` (summed in order, in f64) to `into` once the kernels before it
     /// are done.
     fn add_loss(&mut self, losses: Self::P, rows: usize, into: Arc<Mutex<f64>>) -> Result<()>;
+    /// Copy `len` values of `src` into `into` (replacing what it held) once the kernels before
+    /// it are done: one row of logits read back for generation.
+    fn read_back(&mut self, src: Self::P, len: usize, into: Arc<Mutex<Vec<f32>>>) -> Result<()>;
 }
 
 /// Run one [`Kernel`] on a backend. `buf` resolves a device buffer to its address and length in

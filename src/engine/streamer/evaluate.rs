@@ -1,9 +1,9 @@
-//! Validation on the training device: a forward-only pass of one micro-batch through the
-//! step's own buffers, the weights streamed unit by unit from the host store as in a step — no
-//! host copy of the model, no gradient, no update.
+//! Validation and generation on the training device: a forward-only pass of one micro-batch
+//! through the step's own buffers, the weights streamed unit by unit from the host store as in a
+//! step — no host copy of the model, no gradient, no update.
 
 use super::{MicroBatch, StepRun, Streamer};
-use crate::device::Batch;
+use crate::device::{Batch, LogitsRow};
 use crate::engine::schedule::Lane;
 use crate::{Error, Result};
 use std::collections::VecDeque;
@@ -16,6 +16,44 @@ impl Streamer {
     /// the state, the step count and the step's metrics as they were. A mixture of experts'
     /// load-balancing loss is not part of it (as transformers' evaluation loss).
     pub fn evaluate(&mut self, mb: &MicroBatch) -> Result<f64> {
+        self.forward_only(mb, None)
+    }
+
+    /// The logits (`[vocab]`, before any soft cap) the model gives token `row` of micro-batch
+    /// `mb` (row-major `batch × seq`) under the current weights: the pass of [`Self::evaluate`],
+    /// one row of the head's logits read back.
+    pub fn logits(&mut self, mb: &MicroBatch, row: usize) -> Result<Vec<f32>> {
+        let n = self.cfg.batch * self.cfg.seq;
+        if row >= n {
+            return Err(Error::internal(
+                "streamer",
+                format!("logits of token {row} of a micro-batch of {n}"),
+            ));
+        }
+        let into = Arc::new(Mutex::new(Vec::new()));
+        self.forward_only(
+            mb,
+            Some(LogitsRow {
+                row,
+                into: into.clone(),
+            }),
+        )?;
+        let logits = std::mem::take(&mut *crate::util::lock(&into));
+        if logits.len() != self.templates.config.vocab_size {
+            return Err(Error::internal(
+                "streamer",
+                format!(
+                    "{} logits read back for a vocabulary of {}",
+                    logits.len(),
+                    self.templates.config.vocab_size
+                ),
+            ));
+        }
+        Ok(logits)
+    }
+
+    /// One forward-only pass of `mb`: its summed loss, the row `logits` names read back.
+    fn forward_only(&mut self, mb: &MicroBatch, logits: Option<LogitsRow>) -> Result<f64> {
         self.finish()?;
         self.check(mb)?;
         let loss = Arc::new(Mutex::new(0.0f64));
@@ -28,6 +66,7 @@ impl Streamer {
             loss: loss.clone(),
             router: Default::default(),
             aux_scale: 0.0,
+            logits,
         };
         let tasks = self.evaluation.tasks.clone();
         let mut run = StepRun {
