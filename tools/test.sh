@@ -39,6 +39,6 @@ echo "== the CUDA path under the CUDA emulator: selftest, training vs PyTorch, t
 # Every launch of the self-test runs under three thread schedules and shared-memory poisons; the
 # emulator presents CUDA 12 here, and CUDA 13 (sonames .so.13, memory pools) in gpu_check's test.
 CUEMU_SCHEDULES=3 cargo test --features cuda --test cuda_gpu
-cargo test --features cuda --test train_golden --test cuemu
+cargo test --features cuda --test train_golden --test cuemu --test generate
 echo "== the training goldens on the CUDA device with the emulator presenting CUDA 13"
 CUEMU_CUDA=13 cargo test --features cuda --test train_golden cuda::

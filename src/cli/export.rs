@@ -5,6 +5,9 @@ use megatrain::Result;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  megatrain export --checkpoint ckpt --out hf                     the newest checkpoint
+  megatrain export --checkpoint ckpt/step-00000400 --out hf16 --dtype bf16 --tokenizer ./Llama-3.2-1B")]
 pub struct ExportArgs {
     /// A checkpoint directory (`.../step-00000100`) or a checkpoint root (the newest is used).
     #[arg(long, value_name = "DIR")]

@@ -15,7 +15,22 @@ use std::process::ExitCode;
 
 /// Full-precision LLM training on one GPU, with the training state in host memory.
 #[derive(Debug, Parser)]
-#[command(name = "megatrain", version, about, propagate_version = true)]
+#[command(
+    name = "megatrain",
+    version,
+    about,
+    propagate_version = true,
+    after_help = "Examples (one per command; `megatrain COMMAND --help` for its settings):
+  megatrain train --demo                                  train the embedded default model
+  megatrain train --init-from ./Llama-3.2-1B --data train.bin --steps 1000 --checkpoint-dir ckpt
+  megatrain prepare --format chat --tokenizer ./Llama-3.2-1B --input chat.jsonl --out sft.bin
+  megatrain generate --checkpoint ckpt --prompt 'Once upon a time' --max-new-tokens 64
+  megatrain export --checkpoint ckpt --out hf --dtype bf16
+  megatrain plan --model llama-120b --machine h200-1.5tb --adam-state int8
+  megatrain probe --json > machine.json
+  megatrain bench adam --params 64M
+  megatrain selftest --device cuda"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -26,7 +41,15 @@ enum Command {
     /// Show the machine: packages, NUMA nodes, GPUs, NVMe, and what is close to what.
     Probe(probe::ProbeArgs),
     /// Measure a component next to the physical limit measured in the same run.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:
+  megatrain bench adam --params 64M            AdamW against the memory bandwidth
+  megatrain bench io --dir /nvme/ckpt          checkpoint, resume, export, load against dd
+  megatrain bench nvme --dir /nvme/spill       the spill tier against fio-style raw I/O
+  megatrain bench engine                       streamed steps against the planner's prediction
+  megatrain bench link                         host↔GPU copies (a CUDA build, a GPU)"
+    )]
     Bench(bench::BenchCommand),
     /// Train a model (every key of CONFIG.toml is also a flag; flags win).
     Train(Box<train::TrainArgs>),

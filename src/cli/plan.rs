@@ -132,6 +132,9 @@ fn read_reports(p: &Path) -> Result<Vec<Report>> {
 }
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  megatrain plan --model llama-120b --machine h200-1.5tb --adam-state int8 --tokens-per-step 16384
+  megatrain plan --model config.json --machine probe.json --calibration bench-adam.json")]
 pub struct PlanArgs {
     /// A model preset (llama-3-8b, llama-3.1-70b, qwen2.5-72b, qwen3-32b, gemma-3-27b,
     /// mistral-large-2, llama-120b, mixtral-8x7b, qwen3-30b-a3b, gpt-oss-120b, … : README lists

@@ -5,6 +5,10 @@ use megatrain::Result;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  megatrain prepare --tokenizer ./Llama-3.2-1B --input corpus.jsonl --out train.bin
+  megatrain prepare --format prompt-completion --tokenizer ./Qwen2.5-0.5B --input pairs.jsonl --out sft.bin
+  megatrain prepare --format chat --tokenizer ./Qwen2.5-0.5B-Instruct --input chat.jsonl --out sft.bin")]
 pub struct PrepareArgs {
     /// A Hugging Face tokenizer.json, or a model directory holding it (with tokenizer_config.json:
     /// special tokens, chat template).

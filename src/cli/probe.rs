@@ -7,6 +7,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  megatrain probe                          this machine: NUMA nodes, GPUs, NVMe, what is close to what
+  megatrain probe --json > machine.json    for `megatrain plan --machine machine.json`
+  megatrain probe --topology server.xml    an hwloc XML export of another machine")]
 pub struct ProbeArgs {
     /// Print the machine description as JSON (schema: docs/probe-schema.md).
     #[arg(long)]

@@ -5,6 +5,9 @@ use clap::Args;
 use megatrain::Result;
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  megatrain selftest --device cuda                             kernels, GEMMs, steps vs the CPU, the link
+  megatrain selftest --device cuda --goldens tests/golden      the training goldens vs PyTorch")]
 pub struct SelftestArgs {
     /// The device to check.
     #[arg(long, value_enum)]

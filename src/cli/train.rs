@@ -17,6 +17,12 @@ use megatrain::Result;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  megatrain train --demo --steps 200 --sample-every 100 --sample-prompt 'fn main'
+  megatrain train run.toml --resume auto
+  megatrain train --init-from ./Qwen2.5-0.5B --data sft.bin --seq-len 1024 --batch-size 4 \\
+      --grad-accum 8 --steps 500 --lr 2e-5 --checkpoint-dir ckpt --checkpoint-every 100 \\
+      --metrics metrics.jsonl --tensorboard tb --export-hf out/hf")]
 pub struct TrainArgs {
     /// TOML file with any of the settings below (keys use `_`).
     config: Option<PathBuf>,
