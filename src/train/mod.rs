@@ -19,6 +19,7 @@ pub mod prepare;
 pub mod run_dir;
 mod setup;
 mod step_log;
+pub mod table_input;
 pub mod tensorboard;
 pub mod tokenizer;
 

@@ -16,6 +16,7 @@ use super::chat_worker::{ChatWorker, WorkerError};
 use super::config::DataDtype;
 use super::documents::{self, Document};
 use super::input_text::{read_input, Reading};
+use super::table_input::TableInput;
 use super::tokenizer::Tok;
 use crate::{Error, Result};
 use serde_json::Value as Json;
@@ -106,7 +107,11 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
     } else {
         vec![PathUse::new("--tokenizer", &args.tokenizer, Use::ReadFile)]
     };
-    uses.push(PathUse::new("--input", &args.input, Use::ReadFile));
+    let input_use = match args.input.is_dir() {
+        true => Use::ReadDir,
+        false => Use::ReadFile,
+    };
+    uses.push(PathUse::new("--input", &args.input, input_use));
     uses.push(PathUse::new("--out", &args.out, Use::WriteFile));
     if let Some(t) = &args.chat_template {
         uses.push(PathUse::new("--chat-template", t, Use::ReadFile));
@@ -124,8 +129,6 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
             .iter()
             .find_map(|t| tok.tk.token_to_id(t)),
     };
-    let (text, mut notes) = read_input(&args.input)?;
-    notes.extend(tok.notes.iter().cloned());
     let mut report = PrepareReport {
         documents: 0,
         tokens: 0,
@@ -134,13 +137,40 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         dtype,
         vocab,
         eos_id,
-        notes,
+        notes: tok.notes.clone(),
     };
+    let out = Outputs {
+        dtype,
+        eos_id,
+        pad_id: match specials.get("pad_token") {
+            Some(p) => tok.id(p, "tokenizer_config.json pad_token")?,
+            None => eos_id.unwrap_or(0),
+        },
+    };
+    if let Some(table) = TableInput::detect(&args.input)? {
+        report.notes.push(table.describe());
+        return prepare_table(&tok, args, &table, &specials, &out, report);
+    }
+    let (text, notes) = read_input(&args.input)?;
+    report.notes.splice(0..0, notes);
     let reading = Reading::of(&args.input, &text)?;
     report.notes.push(reading.describe(&args.input));
     if args.format == Format::Text {
-        let ids = prepare_text(&tok, args, &text, &reading, eos_id, &mut report)?;
-        write_out(&args.out, &flat_bytes(&ids, dtype)?)?;
+        let mut w = FlatTokens::create(&args.out, &out)?;
+        if reading == Reading::PlainText {
+            w.documents(&tok, &[text.as_str()])?;
+        } else {
+            let mut batch: Vec<(String, Json)> = Vec::with_capacity(TOKENIZE_BATCH);
+            for record in reading.records(&text, &args.input) {
+                batch.push(record?);
+                if batch.len() == TOKENIZE_BATCH {
+                    w.documents(&tok, &texts_of(&batch, &args.text_key)?)?;
+                    batch.clear();
+                }
+            }
+            w.documents(&tok, &texts_of(&batch, &args.text_key)?)?;
+        }
+        w.finish(&args.input, &mut report)?;
         return Ok(report);
     }
     if reading == Reading::PlainText {
@@ -159,20 +189,71 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
     let mut docs = Vec::new();
     for record in reading.records(&text, &args.input) {
         let (at, v) = record?;
-        let doc = make.document(&v).map_err(|e| match e {
-            SampleError::Bad(why) => Error::bad_input("input", at, why, None),
-            SampleError::Other(e) => e,
-        })?;
-        match doc {
-            Sample::Train(d) => {
-                report.documents += 1;
-                report.tokens += d.tokens.len();
-                report.trained += d.trained();
-                docs.push(d);
-            }
-            Sample::Skip(reason) => *report.skipped.entry(reason).or_default() += 1,
-        }
+        add_sample(&mut make, &at, &v, &mut docs, &mut report)?;
     }
+    write_documents(args, &docs, &out, &mut report)?;
+    Ok(report)
+}
+
+/// Documents tokenized at once (in parallel, by the tokenizer's own thread pool).
+const TOKENIZE_BATCH: usize = 1024;
+
+/// What the output files take from the tokenizer.
+struct Outputs {
+    dtype: DataDtype,
+    eos_id: Option<u32>,
+    pad_id: u32,
+}
+
+/// The `text_key` strings of JSON records (each with its location), or an error naming the
+/// record without one.
+fn texts_of<'r>(records: &'r [(String, Json)], key: &str) -> Result<Vec<&'r str>> {
+    records
+        .iter()
+        .map(|(at, v)| {
+            v.get(key).and_then(Json::as_str).ok_or_else(|| {
+                Error::bad_input(
+                    "input",
+                    at,
+                    format!("has no string field `{key}`"),
+                    Some("set --text-key"),
+                )
+            })
+        })
+        .collect()
+}
+
+/// One JSON sample (`at`: where) made a document, or counted as skipped.
+fn add_sample(
+    make: &mut Samples<'_>,
+    at: &str,
+    v: &Json,
+    docs: &mut Vec<Document>,
+    report: &mut PrepareReport,
+) -> Result<()> {
+    let doc = make.document(v).map_err(|e| match e {
+        SampleError::Bad(why) => Error::bad_input("input", at, why, None),
+        SampleError::Other(e) => e,
+    })?;
+    match doc {
+        Sample::Train(d) => {
+            report.documents += 1;
+            report.tokens += d.tokens.len();
+            report.trained += d.trained();
+            docs.push(d);
+        }
+        Sample::Skip(reason) => *report.skipped.entry(reason).or_default() += 1,
+    }
+    Ok(())
+}
+
+/// The document file of `docs` (refused when there is none).
+fn write_documents(
+    args: &PrepareArgs,
+    docs: &[Document],
+    out: &Outputs,
+    report: &mut PrepareReport,
+) -> Result<()> {
     if docs.is_empty() {
         return Err(Error::bad_input(
             "input",
@@ -181,16 +262,164 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
             None,
         ));
     }
-    let pad_id = match specials.get("pad_token") {
-        Some(p) => tok.id(p, "tokenizer_config.json pad_token")?,
-        None => eos_id.unwrap_or(0),
-    };
-    let width = match dtype {
+    let width = match out.dtype {
         DataDtype::U16 => 2,
         DataDtype::U32 => 4,
     };
-    write_out(&args.out, &documents::encode(&docs, width, pad_id)?)?;
+    write_out(&args.out, &documents::encode(docs, width, out.pad_id)?)
+}
+
+/// A Parquet or Arrow input: `text` streams each row group's documents through the tokenizer
+/// into the token file; the other formats make documents of its records.
+fn prepare_table(
+    tok: &Tok,
+    args: &PrepareArgs,
+    table: &TableInput,
+    specials: &BTreeMap<String, String>,
+    out: &Outputs,
+    mut report: PrepareReport,
+) -> Result<PrepareReport> {
+    if args.format == Format::Text {
+        let mut w = FlatTokens::create(&args.out, out)?;
+        let key = args.text_key.as_str();
+        table.for_each_batch(&[key], true, |at, rows| {
+            let texts = rows
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.get(key).and_then(Json::as_str).ok_or_else(|| {
+                        Error::bad_input(
+                            "input",
+                            format!("{}, column `{key}`", at.row(i)),
+                            "is not a string",
+                            Some("set --text-key to a text column"),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            w.documents(tok, &texts)
+        })?;
+        w.finish(&args.input, &mut report)?;
+        return Ok(report);
+    }
+    let columns: &[&str] = match args.format {
+        Format::PromptCompletion => &["prompt", "completion"],
+        _ => &["messages"],
+    };
+    // The chat renderer's memory cap is sized for conversations of up to 16 MiB of JSON (a
+    // table's rows are not all seen before rendering starts).
+    let mut make = Samples::new(tok, args, specials, out.eos_id, 16 << 20)?;
+    let mut docs = Vec::new();
+    table.for_each_batch(columns, false, |at, rows| {
+        for (i, v) in rows.iter().enumerate() {
+            add_sample(&mut make, &at.row(i), v, &mut docs, &mut report)?;
+        }
+        Ok(())
+    })?;
+    write_documents(args, &docs, out, &mut report)?;
     Ok(report)
+}
+
+/// The `text` format's token file, written as documents arrive: each document's ids, then EOS.
+struct FlatTokens {
+    file: std::io::BufWriter<crate::util::output::AtomicFile>,
+    dtype: DataDtype,
+    eos_id: Option<u32>,
+    documents: usize,
+    tokens: usize,
+    /// Whether any document had text beyond whitespace.
+    any_text: bool,
+}
+
+impl FlatTokens {
+    fn create(path: &Path, out: &Outputs) -> Result<Self> {
+        if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
+        }
+        Ok(FlatTokens {
+            file: std::io::BufWriter::with_capacity(
+                8 << 20,
+                crate::util::output::AtomicFile::create(path)?,
+            ),
+            dtype: out.dtype,
+            eos_id: out.eos_id,
+            documents: 0,
+            tokens: 0,
+            any_text: false,
+        })
+    }
+
+    /// Tokenize `texts` (in parallel) and append each document's ids and EOS.
+    fn documents(&mut self, tok: &Tok, texts: &[&str]) -> Result<()> {
+        if texts.is_empty() {
+            return Ok(());
+        }
+        self.any_text |= texts.iter().any(|t| !t.trim().is_empty());
+        self.documents += texts.len();
+        if self.documents > 1 && self.eos_id.is_none() {
+            return Err(Error::bad_input(
+                "tokenizer",
+                tok.dir.display().to_string(),
+                "has no EOS token, so the documents would run into each other with nothing between them",
+                Some("pass --eos TOKEN (the token that ends a document for this model)"),
+            ));
+        }
+        let encodings = tok
+            .tk
+            .encode_batch_fast(texts.to_vec(), false)
+            .map_err(|e| Error::system("tokenizers", "encode", e))?;
+        let mut bytes = Vec::new();
+        for e in &encodings {
+            let ids = e.get_ids().iter().chain(self.eos_id.as_ref());
+            bytes.clear();
+            for &i in ids {
+                match self.dtype {
+                    DataDtype::U16 => bytes.extend_from_slice(
+                        &u16::try_from(i)
+                            .map_err(|_| {
+                                Error::bad_input(
+                                    "--dtype",
+                                    "u16",
+                                    format!("the tokenizer produced id {i}, more than u16 holds"),
+                                    Some("use --dtype u32"),
+                                )
+                            })?
+                            .to_le_bytes(),
+                    ),
+                    DataDtype::U32 => bytes.extend_from_slice(&i.to_le_bytes()),
+                }
+                self.tokens += 1;
+            }
+            std::io::Write::write_all(&mut self.file, &bytes)
+                .map_err(|e| Error::io("write", self.file.get_ref().writing(), e))?;
+        }
+        Ok(())
+    }
+
+    /// Check there was text, then make the file whole (an error leaves any earlier file there).
+    fn finish(self, input: &Path, report: &mut PrepareReport) -> Result<()> {
+        if !self.any_text {
+            return Err(Error::bad_input(
+                "input",
+                input.display().to_string(),
+                format!(
+                    "holds no text to train on ({} document(s), all empty)",
+                    self.documents
+                ),
+                Some("check the file (and --text-key for JSON or tabular input)"),
+            ));
+        }
+        report.documents = self.documents;
+        report.tokens = self.tokens;
+        report.trained = self.tokens.saturating_sub(1);
+        let mut w = self.file;
+        let path = w.get_ref().writing().to_owned();
+        std::io::Write::flush(&mut w).map_err(|e| Error::io("write", &path, e))?;
+        let file = w
+            .into_inner()
+            .map_err(|e| Error::io("write", &path, e.into_error()))?;
+        file.commit()
+    }
 }
 
 /// "3 empty completion, 1 no trained token", or "none skipped".
@@ -235,69 +464,6 @@ fn choose_dtype(tk: &tokenizers::Tokenizer, asked: Option<DataDtype>) -> Result<
         None if fits_u16 => Ok(DataDtype::U16),
         None => Ok(DataDtype::U32),
     }
-}
-
-/// `text` format: the documents' ids, each followed by EOS.
-fn prepare_text(
-    tok: &Tok,
-    args: &PrepareArgs,
-    text: &str,
-    reading: &Reading,
-    eos_id: Option<u32>,
-    report: &mut PrepareReport,
-) -> Result<Vec<u32>> {
-    let docs: Vec<String> = if *reading != Reading::PlainText {
-        reading
-            .records(text, &args.input)
-            .map(|record| {
-                let (at, v) = record?;
-                v.get(&args.text_key)
-                    .and_then(|t| t.as_str())
-                    .map(str::to_owned)
-                    .ok_or_else(|| {
-                        Error::bad_input(
-                            "input",
-                            at,
-                            format!("has no string field `{}`", args.text_key),
-                            Some("set --text-key"),
-                        )
-                    })
-            })
-            .collect::<Result<_>>()?
-    } else {
-        vec![text.to_owned()]
-    };
-    if docs.iter().all(|d| d.trim().is_empty()) {
-        return Err(Error::bad_input(
-            "input",
-            args.input.display().to_string(),
-            format!(
-                "holds no text to train on ({} document(s), all empty)",
-                docs.len()
-            ),
-            Some("check the file (and --text-key for JSON input)"),
-        ));
-    }
-    if docs.len() > 1 && eos_id.is_none() {
-        return Err(Error::bad_input(
-            "tokenizer",
-            tok.dir.display().to_string(),
-            format!(
-                "has no EOS token, so the {} documents would run into each other with nothing between them",
-                docs.len()
-            ),
-            Some("pass --eos TOKEN (the token that ends a document for this model)"),
-        ));
-    }
-    let mut ids: Vec<u32> = Vec::new();
-    for d in &docs {
-        ids.extend_from_slice(tok.encode(d, false)?.get_ids());
-        ids.extend(eos_id);
-    }
-    report.documents = docs.len();
-    report.tokens = ids.len();
-    report.trained = ids.len().saturating_sub(1);
-    Ok(ids)
 }
 
 /// Why one sample failed: bad input (named with its line by the caller) or anything else.
@@ -491,28 +657,6 @@ impl<'a> Samples<'a> {
             tokens: enc.get_ids().to_vec(),
             mask,
         })
-    }
-}
-
-/// Ids as little-endian `dtype` bytes.
-fn flat_bytes(ids: &[u32], dtype: DataDtype) -> Result<Vec<u8>> {
-    match dtype {
-        DataDtype::U16 => {
-            let mut out = Vec::with_capacity(ids.len() * 2);
-            for &i in ids {
-                let narrow = u16::try_from(i).map_err(|_| {
-                    Error::bad_input(
-                        "--dtype",
-                        "u16",
-                        format!("the tokenizer produced id {i}, more than u16 holds"),
-                        Some("use --dtype u32"),
-                    )
-                })?;
-                out.extend_from_slice(&narrow.to_le_bytes());
-            }
-            Ok(out)
-        }
-        DataDtype::U32 => Ok(ids.iter().flat_map(|&i| i.to_le_bytes()).collect()),
     }
 }
 

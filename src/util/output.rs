@@ -126,58 +126,121 @@ pub fn create_exclusive(path: &Path) -> std::io::Result<std::fs::File> {
 /// write succeeds. A symlink is written through (the file it points at is replaced, the link
 /// stays); a character device or FIFO is written in place; see [`target`] for what is refused.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let (kind, real) = classify(path)?;
-    if kind == Target::Stream {
-        let mut f = open_stream(path).map_err(|e| Error::io("open", path, e))?;
-        return f
-            .write_all(bytes)
-            .and_then(|()| f.flush())
-            .map_err(|e| Error::io("write", path, e));
-    }
-    let dir = match real.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = real
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .ok_or_else(|| {
-            Error::bad_input(
-                "output path",
-                path.display().to_string(),
-                "names no file",
-                None,
-            )
-        })?;
-    if !dir.is_dir() {
-        return Err(Error::io(
-            "write",
-            path,
-            std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!("directory `{}` does not exist", dir.display()),
-            ),
-        )
-        .with_fix("create the directory first, or choose another path"));
-    }
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    // A replaced file keeps its permissions (a 0600 file stays private).
-    let mode = std::fs::metadata(&real).ok().map(|m| m.permissions());
-    let result = (|| {
-        let mut f = create_exclusive(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-        if let Some(mode) = mode {
-            f.set_permissions(mode)
-                .map_err(|e| Error::io("set permissions", &tmp, e))?;
+    let mut f = AtomicFile::create(path)?;
+    f.write_all(bytes)
+        .map_err(|e| Error::io("write", f.writing(), e))?;
+    f.commit()
+}
+
+/// A file written piece by piece as [`write_atomic`] writes it whole: into a temporary file
+/// beside `path` renamed over it by [`AtomicFile::commit`] (dropped uncommitted, the temporary
+/// file is removed and `path` is untouched), or in place for a stream.
+#[derive(Debug)]
+pub struct AtomicFile {
+    file: std::fs::File,
+    /// The temporary file and where it goes; `None`: a stream written in place.
+    rename: Option<(PathBuf, PathBuf)>,
+    path: PathBuf,
+}
+
+impl AtomicFile {
+    /// Start writing `path` (its directory must exist).
+    pub fn create(path: &Path) -> Result<Self> {
+        let (kind, real) = classify(path)?;
+        if kind == Target::Stream {
+            let file = open_stream(path).map_err(|e| Error::io("open", path, e))?;
+            return Ok(AtomicFile {
+                file,
+                rename: None,
+                path: path.to_owned(),
+            });
         }
-        f.write_all(bytes)
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
-        std::fs::rename(&tmp, &real).map_err(|e| Error::io("rename into place", path, e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        let dir = match real.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let name = real
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| {
+                Error::bad_input(
+                    "output path",
+                    path.display().to_string(),
+                    "names no file",
+                    None,
+                )
+            })?;
+        if !dir.is_dir() {
+            return Err(Error::io(
+                "write",
+                path,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("directory `{}` does not exist", dir.display()),
+                ),
+            )
+            .with_fix("create the directory first, or choose another path"));
+        }
+        let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+        // A replaced file keeps its permissions (a 0600 file stays private).
+        let mode = std::fs::metadata(&real).ok().map(|m| m.permissions());
+        let file = create_exclusive(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        let out = AtomicFile {
+            file,
+            rename: Some((tmp, real)),
+            path: path.to_owned(),
+        };
+        if let Some(mode) = mode {
+            out.file
+                .set_permissions(mode)
+                .map_err(|e| Error::io("set permissions", out.writing(), e))?;
+        }
+        Ok(out)
     }
-    result
+
+    /// The file being written (the temporary one), for messages.
+    pub fn writing(&self) -> &Path {
+        self.rename.as_ref().map_or(&self.path, |(tmp, _)| tmp)
+    }
+
+    /// Make the file whole at `path`: fsync and rename (a stream: flushed).
+    pub fn commit(mut self) -> Result<()> {
+        let Some((tmp, real)) = self.rename.take() else {
+            return self
+                .file
+                .flush()
+                .map_err(|e| Error::io("write", &self.path, e));
+        };
+        let done = self
+            .file
+            .sync_all()
+            .map_err(|e| Error::io("fsync", &tmp, e))
+            .and_then(|()| {
+                std::fs::rename(&tmp, &real)
+                    .map_err(|e| Error::io("rename into place", &self.path, e))
+            });
+        if done.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        done
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if let Some((tmp, _)) = &self.rename {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
 }
 
 /// Check that the directory `dir` accepts new files: create and remove a probe file in it.

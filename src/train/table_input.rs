@@ -1,0 +1,395 @@
+//! A `prepare` input as the Hugging Face hub and `datasets` store it: Parquet (a `.parquet` file,
+//! or a directory of shards, as the hub lays them out) and Arrow IPC (a `.arrow` file, or a
+//! `Dataset.save_to_disk` folder of them), read with the Apache Arrow crates one row group (one
+//! IPC record batch) at a time — only the columns asked for, so a dataset never sits in memory
+//! whole — and handed on as JSON records, the shape the JSON Lines route reads.
+
+use crate::{Error, Result};
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, RecordBatch};
+use arrow_schema::{DataType, Schema};
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ParquetRecordBatchReaderBuilder};
+use parquet::arrow::ProjectionMask;
+use serde_json::Value as Json;
+use std::path::{Path, PathBuf};
+
+/// Rows decoded at a time.
+const BATCH_ROWS: usize = 1024;
+
+/// The files' format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableFormat {
+    /// Apache Parquet.
+    Parquet,
+    /// Arrow IPC (file or stream format; `datasets` writes streams).
+    ArrowIpc,
+}
+
+/// A tabular input: its files in order.
+#[derive(Debug, Clone)]
+pub struct TableInput {
+    /// The format.
+    pub format: TableFormat,
+    /// The files, sorted by path.
+    pub files: Vec<PathBuf>,
+}
+
+/// Where a batch of records came from, for messages: the file and its row group (a Parquet
+/// row group, or the IPC record batch).
+#[derive(Debug, Clone)]
+pub struct BatchAt {
+    /// The file.
+    pub file: PathBuf,
+    /// Its row group (or IPC record batch).
+    pub group: usize,
+    /// The batch's first row within the row group.
+    pub first_row: usize,
+}
+
+impl BatchAt {
+    /// "FILE, row group G, row R" for row `i` of the batch.
+    pub fn row(&self, i: usize) -> String {
+        format!(
+            "{}, row group {}, row {}",
+            self.file.display(),
+            self.group,
+            self.first_row + i
+        )
+    }
+}
+
+fn bad(what: String, why: impl Into<String>, fix: Option<&str>) -> Error {
+    Error::bad_input("input", what, why, fix)
+}
+
+impl TableInput {
+    /// The tabular input `path` names: a `.parquet` or `.arrow` file, or a directory holding
+    /// such files (anywhere below it, Parquet first); `None` for anything else (text and JSON
+    /// inputs). A `DatasetDict` folder is refused naming its splits.
+    pub fn detect(path: &Path) -> Result<Option<Self>> {
+        let ext = |p: &Path, e: &str| p.extension().is_some_and(|x| x == e);
+        if path.is_file() {
+            return Ok(if ext(path, "parquet") {
+                Some(TableInput {
+                    format: TableFormat::Parquet,
+                    files: vec![path.to_owned()],
+                })
+            } else if ext(path, "arrow") {
+                Some(TableInput {
+                    format: TableFormat::ArrowIpc,
+                    files: vec![path.to_owned()],
+                })
+            } else {
+                None
+            });
+        }
+        if !path.is_dir() {
+            return Ok(None);
+        }
+        if path.join("dataset_dict.json").is_file() {
+            let splits: Vec<String> = std::fs::read_dir(path)
+                .map_err(|e| Error::io("list", path, e))?
+                .flatten()
+                .filter(|e| e.path().is_dir())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            return Err(bad(
+                path.display().to_string(),
+                format!(
+                    "is a DatasetDict (splits: {}); prepare reads one split",
+                    splits.join(", ")
+                ),
+                Some("pass the split's folder, e.g. DIR/train"),
+            ));
+        }
+        let mut all = Vec::new();
+        collect_files(path, &mut all, 0)?;
+        all.sort();
+        for (format, e) in [
+            (TableFormat::Parquet, "parquet"),
+            (TableFormat::ArrowIpc, "arrow"),
+        ] {
+            let files: Vec<PathBuf> = all.iter().filter(|p| ext(p, e)).cloned().collect();
+            if !files.is_empty() {
+                return Ok(Some(TableInput { format, files }));
+            }
+        }
+        Err(bad(
+            path.display().to_string(),
+            "is a directory without .parquet or .arrow files",
+            Some(
+                "pass a text, JSON Lines, Parquet or Arrow file, or a directory of Parquet shards",
+            ),
+        ))
+    }
+
+    /// One line for the user: what is read.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} {} file(s), read a row group at a time",
+            self.files.len(),
+            match self.format {
+                TableFormat::Parquet => "Parquet",
+                TableFormat::ArrowIpc => "Arrow IPC",
+            }
+        )
+    }
+
+    /// Every row's `columns` as a JSON object, a batch at a time, in file and row order; with
+    /// `text`, each column must hold strings (else an error naming its type).
+    pub fn for_each_batch(
+        &self,
+        columns: &[&str],
+        text: bool,
+        mut f: impl FnMut(&BatchAt, Vec<Json>) -> Result<()>,
+    ) -> Result<()> {
+        let mut each = |at: &BatchAt, batch: &RecordBatch| -> Result<()> {
+            if text {
+                check_text(batch, columns, at)?;
+            }
+            f(at, records(batch, columns, at)?)
+        };
+        for file in &self.files {
+            match self.format {
+                TableFormat::Parquet => parquet_batches(file, columns, &mut each)?,
+                TableFormat::ArrowIpc => ipc_batches(file, columns, &mut each)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Files below `dir` (hidden entries and `datasets`' cache files skipped), at most 8 deep.
+fn collect_files(dir: &Path, out: &mut Vec<PathBuf>, depth: usize) -> Result<()> {
+    if depth > 8 {
+        return Ok(());
+    }
+    for e in std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))? {
+        let e = e.map_err(|e| Error::io("list", dir, e))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || name.starts_with("cache-") {
+            continue;
+        }
+        let p = e.path();
+        if p.is_dir() {
+            collect_files(&p, out, depth + 1)?;
+        } else {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// The indices of `columns` in `schema`, or an error naming the file and the columns it has.
+fn column_indices(schema: &Schema, columns: &[&str], file: &Path) -> Result<Vec<usize>> {
+    columns
+        .iter()
+        .map(|c| {
+            schema.index_of(c).map_err(|_| {
+                let have: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+                bad(
+                    file.display().to_string(),
+                    format!("has no column `{c}` (its columns: {})", have.join(", ")),
+                    Some("name the column (--text-key for text; prompt/completion or messages for the other formats)"),
+                )
+            })
+        })
+        .collect()
+}
+
+fn parquet_batches(
+    file: &Path,
+    columns: &[&str],
+    f: &mut impl FnMut(&BatchAt, &RecordBatch) -> Result<()>,
+) -> Result<()> {
+    let open = || std::fs::File::open(file).map_err(|e| Error::io("open", file, e));
+    let meta = ArrowReaderMetadata::load(&open()?, Default::default()).map_err(|e| {
+        bad(
+            file.display().to_string(),
+            format!("is not a readable Parquet file: {e}"),
+            Some("re-download or re-write it (a truncated file has no footer)"),
+        )
+    })?;
+    let idx = column_indices(meta.schema(), columns, file)?;
+    let groups = meta.metadata().num_row_groups();
+    for group in 0..groups {
+        let mask = ProjectionMask::roots(meta.parquet_schema(), idx.iter().copied());
+        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open()?, meta.clone())
+            .with_row_groups(vec![group])
+            .with_projection(mask)
+            .with_batch_size(BATCH_ROWS)
+            .build()
+            .map_err(|e| group_error(file, group, columns, &e))?;
+        let mut first_row = 0;
+        for batch in reader {
+            let batch = batch.map_err(|e| group_error(file, group, columns, &e))?;
+            let at = BatchAt {
+                file: file.to_owned(),
+                group,
+                first_row,
+            };
+            first_row += batch.num_rows();
+            f(&at, &batch)?;
+        }
+    }
+    Ok(())
+}
+
+fn group_error(file: &Path, group: usize, columns: &[&str], e: &dyn std::fmt::Display) -> Error {
+    bad(
+        format!("{}, row group {group}", file.display()),
+        format!("cannot be decoded (columns {}): {e}", columns.join(", ")),
+        Some("re-download or re-write the file; it is damaged or uses a codec this build lacks (snappy and lz4 are read; zstd, gzip and brotli are not)"),
+    )
+}
+
+fn ipc_batches(
+    file: &Path,
+    columns: &[&str],
+    f: &mut impl FnMut(&BatchAt, &RecordBatch) -> Result<()>,
+) -> Result<()> {
+    let mut fh = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
+    let mut magic = [0u8; 6];
+    let is_file_format =
+        std::io::Read::read_exact(&mut fh, &mut magic).is_ok() && &magic == b"ARROW1";
+    let fh = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
+    let not_arrow = |e: &dyn std::fmt::Display| {
+        bad(
+            file.display().to_string(),
+            format!("is not a readable Arrow IPC file: {e}"),
+            Some("pass the .arrow files `Dataset.save_to_disk` wrote, or Parquet"),
+        )
+    };
+    let batches: Box<dyn Iterator<Item = std::result::Result<RecordBatch, _>>> = if is_file_format {
+        let r = arrow_ipc::reader::FileReader::try_new(std::io::BufReader::new(fh), None)
+            .map_err(|e| not_arrow(&e))?;
+        let idx = column_indices(&r.schema(), columns, file)?;
+        Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
+    } else {
+        let r = arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(fh), None)
+            .map_err(|e| not_arrow(&e))?;
+        let idx = column_indices(&r.schema(), columns, file)?;
+        Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
+    };
+    for (group, batch) in batches.enumerate() {
+        let batch = batch.map_err(|e| group_error(file, group, columns, &e))?;
+        let at = BatchAt {
+            file: file.to_owned(),
+            group,
+            first_row: 0,
+        };
+        f(&at, &batch)?;
+    }
+    Ok(())
+}
+
+/// Every column of `batch` (named `columns`) holds strings.
+fn check_text(batch: &RecordBatch, columns: &[&str], at: &BatchAt) -> Result<()> {
+    for (c, name) in columns.iter().enumerate() {
+        let t = batch.column(c).data_type();
+        if !matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View) {
+            return Err(bad(
+                format!(
+                    "{}, row group {}, column `{name}`",
+                    at.file.display(),
+                    at.group
+                ),
+                format!("is of type {t}, not text"),
+                Some("name a text column (--text-key)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The rows of `batch` (its columns named `columns`, in order) as JSON objects; a null where a
+/// value is needed, or a column of a type that is not text, is an error naming the row.
+fn records(batch: &RecordBatch, columns: &[&str], at: &BatchAt) -> Result<Vec<Json>> {
+    let mut rows = vec![serde_json::Map::new(); batch.num_rows()];
+    for (c, name) in columns.iter().enumerate() {
+        let col = batch.column(c);
+        for (i, row) in rows.iter_mut().enumerate() {
+            let v = value(col.as_ref(), i).map_err(|why| {
+                bad(
+                    format!("{}, column `{name}`", at.row(i)),
+                    why,
+                    Some("fix the dataset, or filter such rows out before preparing it"),
+                )
+            })?;
+            row.insert((*name).to_owned(), v);
+        }
+    }
+    Ok(rows.into_iter().map(Json::Object).collect())
+}
+
+/// Row `i` of `a` as JSON: strings, numbers, booleans, lists and structs of them (a chat's
+/// `messages`); a null is an error.
+fn value(a: &dyn Array, i: usize) -> std::result::Result<Json, String> {
+    if a.is_null(i) {
+        return Err("is null".into());
+    }
+    let json = match a.data_type() {
+        DataType::Utf8 => Json::from(a.as_string::<i32>().value(i)),
+        DataType::LargeUtf8 => Json::from(a.as_string::<i64>().value(i)),
+        DataType::Utf8View => Json::from(a.as_string_view().value(i)),
+        DataType::Boolean => Json::from(a.as_boolean().value(i)),
+        DataType::Int8 | DataType::Int16 | DataType::Int32 | DataType::Int64 => {
+            let v = arrow_cast_i64(a, i)?;
+            Json::from(v)
+        }
+        DataType::UInt8 | DataType::UInt16 | DataType::UInt32 | DataType::UInt64 => {
+            Json::from(arrow_cast_u64(a, i)?)
+        }
+        DataType::Float32 => Json::from(f64::from(
+            a.as_primitive::<arrow_array::types::Float32Type>().value(i),
+        )),
+        DataType::Float64 => {
+            Json::from(a.as_primitive::<arrow_array::types::Float64Type>().value(i))
+        }
+        DataType::List(_) => list(a.as_list::<i32>().value(i).as_ref())?,
+        DataType::LargeList(_) => list(a.as_list::<i64>().value(i).as_ref())?,
+        DataType::Struct(fields) => {
+            let s = a.as_struct();
+            let mut m = serde_json::Map::new();
+            for (f, col) in fields.iter().zip(s.columns()) {
+                // A missing field of a struct (a message without `name`) is left out.
+                if col.is_null(i) {
+                    continue;
+                }
+                m.insert(f.name().clone(), value(col.as_ref(), i)?);
+            }
+            Json::Object(m)
+        }
+        other => return Err(format!("is of type {other}, not text, a number or a list")),
+    };
+    Ok(json)
+}
+
+fn list(items: &dyn Array) -> std::result::Result<Json, String> {
+    (0..items.len())
+        .map(|j| value(items, j))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map(Json::Array)
+}
+
+fn arrow_cast_i64(a: &dyn Array, i: usize) -> std::result::Result<i64, String> {
+    use arrow_array::types::{Int16Type, Int32Type, Int64Type, Int8Type};
+    Ok(match a.data_type() {
+        DataType::Int8 => i64::from(a.as_primitive::<Int8Type>().value(i)),
+        DataType::Int16 => i64::from(a.as_primitive::<Int16Type>().value(i)),
+        DataType::Int32 => i64::from(a.as_primitive::<Int32Type>().value(i)),
+        DataType::Int64 => a.as_primitive::<Int64Type>().value(i),
+        other => return Err(format!("is of type {other}")),
+    })
+}
+
+fn arrow_cast_u64(a: &dyn Array, i: usize) -> std::result::Result<u64, String> {
+    use arrow_array::types::{UInt16Type, UInt32Type, UInt64Type, UInt8Type};
+    Ok(match a.data_type() {
+        DataType::UInt8 => u64::from(a.as_primitive::<UInt8Type>().value(i)),
+        DataType::UInt16 => u64::from(a.as_primitive::<UInt16Type>().value(i)),
+        DataType::UInt32 => u64::from(a.as_primitive::<UInt32Type>().value(i)),
+        DataType::UInt64 => a.as_primitive::<UInt64Type>().value(i),
+        other => return Err(format!("is of type {other}")),
+    })
+}
