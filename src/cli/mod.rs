@@ -89,6 +89,7 @@ enum Command {
 /// error's status (2 bad input, 1 machine or library) after one `error:` line, or 128+signal
 /// for a run stopped by a signal.
 pub fn main() -> ExitCode {
+    megatrain::util::contain::quiet_hook();
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Probe(a) => probe::run(a).map(|()| 0),

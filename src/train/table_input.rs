@@ -4,6 +4,7 @@
 //! IPC record batch) at a time — only the columns asked for, so a dataset never sits in memory
 //! whole — and handed on as JSON records, the shape the JSON Lines route reads.
 
+use crate::util::contain::contain;
 use crate::{Error, Result};
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
@@ -203,26 +204,35 @@ fn parquet_batches(
     f: &mut impl FnMut(&BatchAt, &RecordBatch) -> Result<()>,
 ) -> Result<()> {
     let open = || std::fs::File::open(file).map_err(|e| Error::io("open", file, e));
-    let meta = ArrowReaderMetadata::load(&open()?, Default::default()).map_err(|e| {
+    let not_parquet = |e: &dyn std::fmt::Display| {
         bad(
             file.display().to_string(),
             format!("is not a readable Parquet file: {e}"),
             Some("re-download or re-write it (a truncated file has no footer)"),
         )
-    })?;
+    };
+    let fh = open()?;
+    let meta = contain(|| ArrowReaderMetadata::load(&fh, Default::default()))
+        .map_err(|p| not_parquet(&p))?
+        .map_err(|e| not_parquet(&e))?;
     let idx = column_indices(meta.schema(), columns, file)?;
     let groups = meta.metadata().num_row_groups();
     for group in 0..groups {
+        let failed = |e: &dyn std::fmt::Display| group_error(file, group, columns, e);
         let mask = ProjectionMask::roots(meta.parquet_schema(), idx.iter().copied());
-        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(open()?, meta.clone())
-            .with_row_groups(vec![group])
-            .with_projection(mask)
-            .with_batch_size(BATCH_ROWS)
-            .build()
-            .map_err(|e| group_error(file, group, columns, &e))?;
+        let fh = open()?;
+        let mut reader = contain(|| {
+            ParquetRecordBatchReaderBuilder::new_with_metadata(fh, meta.clone())
+                .with_row_groups(vec![group])
+                .with_projection(mask)
+                .with_batch_size(BATCH_ROWS)
+                .build()
+        })
+        .map_err(|p| failed(&p))?
+        .map_err(|e| failed(&e))?;
         let mut first_row = 0;
-        for batch in reader {
-            let batch = batch.map_err(|e| group_error(file, group, columns, &e))?;
+        while let Some(batch) = contain(|| reader.next()).map_err(|p| failed(&p))? {
+            let batch = batch.map_err(|e| failed(&e))?;
             let at = BatchAt {
                 file: file.to_owned(),
                 group,
@@ -243,6 +253,10 @@ fn group_error(file: &Path, group: usize, columns: &[&str], e: &dyn std::fmt::Di
     )
 }
 
+/// An Arrow IPC reader of either format, the columns wanted projected.
+type IpcBatches =
+    Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>>>;
+
 fn ipc_batches(
     file: &Path,
     columns: &[&str],
@@ -250,8 +264,7 @@ fn ipc_batches(
 ) -> Result<()> {
     let mut fh = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
     let mut magic = [0u8; 6];
-    let is_file_format =
-        std::io::Read::read_exact(&mut fh, &mut magic).is_ok() && &magic == b"ARROW1";
+    let file_format = std::io::Read::read_exact(&mut fh, &mut magic).is_ok() && &magic == b"ARROW1";
     let fh = std::fs::File::open(file).map_err(|e| Error::io("open", file, e))?;
     let not_arrow = |e: &dyn std::fmt::Display| {
         bad(
@@ -260,27 +273,35 @@ fn ipc_batches(
             Some("pass the .arrow files `Dataset.save_to_disk` wrote, or Parquet"),
         )
     };
-    let batches: Box<dyn Iterator<Item = std::result::Result<RecordBatch, _>>> = if is_file_format {
-        let r = arrow_ipc::reader::FileReader::try_new(std::io::BufReader::new(fh), None)
-            .map_err(|e| not_arrow(&e))?;
-        let idx = column_indices(&r.schema(), columns, file)?;
-        Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
-    } else {
-        let r = arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(fh), None)
-            .map_err(|e| not_arrow(&e))?;
-        let idx = column_indices(&r.schema(), columns, file)?;
-        Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
-    };
-    for (group, batch) in batches.enumerate() {
-        let batch = batch.map_err(|e| group_error(file, group, columns, &e))?;
+    let opened = contain(|| -> Result<IpcBatches> {
+        let fh = std::io::BufReader::new(fh);
+        Ok(if file_format {
+            let r = arrow_ipc::reader::FileReader::try_new(fh, None).map_err(|e| not_arrow(&e))?;
+            let idx = column_indices(&r.schema(), columns, file)?;
+            Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
+        } else {
+            let r =
+                arrow_ipc::reader::StreamReader::try_new(fh, None).map_err(|e| not_arrow(&e))?;
+            let idx = column_indices(&r.schema(), columns, file)?;
+            Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
+        })
+    });
+    let mut batches = opened.map_err(|p| not_arrow(&p))??;
+    let mut group = 0;
+    loop {
+        let failed = |e: &dyn std::fmt::Display| group_error(file, group, columns, e);
+        let Some(batch) = contain(|| batches.next()).map_err(|p| failed(&p))? else {
+            return Ok(());
+        };
+        let batch = batch.map_err(|e| failed(&e))?;
         let at = BatchAt {
             file: file.to_owned(),
             group,
             first_row: 0,
         };
         f(&at, &batch)?;
+        group += 1;
     }
-    Ok(())
 }
 
 /// Every column of `batch` (named `columns`) holds strings.

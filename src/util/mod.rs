@@ -1,5 +1,6 @@
 //! Small helpers shared by several modules.
 
+pub mod contain;
 pub mod direct;
 pub mod failpoint;
 pub mod lock;
