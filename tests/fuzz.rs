@@ -668,7 +668,6 @@ fn hostile_chat_templates_are_errors_not_crashes_or_hangs() {
     let d = tempfile::tempdir().unwrap();
     let tpl = d.path().join("t.jinja");
     let mut rng = Rng(0x5EED_0007);
-    const N: usize = 1000;
     let mut cases: Vec<String> = vec![
         "{% for i in range(100000) %}{% for j in range(100000) %}.{% endfor %}{% endfor %}".into(),
         "{% set ns = namespace(s='xy') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}".into(),
@@ -918,7 +917,7 @@ fn mutated_parquet_and_arrow_files_never_panic() {
     }
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
     let d = tempfile::tempdir().unwrap();
-    let mut rng = Rng(0x5EED_0007);
+    let mut rng = Rng(0x5EED_0008);
     const N: usize = 1000;
     let (mut written, mut refused) = (0, 0);
     for i in 0..N {

@@ -127,6 +127,7 @@ fn samples_while_training_and_a_checkpoint_generates_as_its_export() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let out = megatrain()
+        .env("MEGATRAIN_PROGRESS", "all")
         .args(["train", "--demo", "--demo-dir"])
         .arg(t)
         .args([
@@ -164,6 +165,10 @@ fn samples_while_training_and_a_checkpoint_generates_as_its_export() {
         samples[1].starts_with("sample at step 3: \"fn main"),
         "{err}"
     );
+    // The long phases' ends (MEGATRAIN_PROGRESS=all shows even short ones).
+    for phase in ["placement: ", "checkpoint write: ", "export: "] {
+        assert!(err.lines().any(|l| l.starts_with(phase)), "{phase}: {err}");
+    }
     let events = std::fs::read_dir(t.join("tb")).unwrap().next().unwrap();
     let bytes = std::fs::read(events.unwrap().path()).unwrap();
     let has = |needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);

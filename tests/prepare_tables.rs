@@ -86,6 +86,23 @@ fn parquet_text_equals_json_lines() {
     py(WRITE_TEXT, &[d]);
     let want = prepare_ok(&d.join("docs.jsonl"), &d.join("a.bin"), &[]);
     assert!(want.len() > 1000);
+    // Progress: every phase's end with MEGATRAIN_PROGRESS=all (here: not a terminal).
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .env("MEGATRAIN_PROGRESS", "all")
+        .args(["prepare", "--tokenizer"])
+        .arg(root().join("tests/fixtures/chat/gen"))
+        .arg("--input")
+        .arg(d.join("hub"))
+        .arg("--out")
+        .arg(d.join("p.bin"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("prepare: 300 records in") && l.ends_with("records/s)")),
+        "{err}"
+    );
     assert_eq!(prepare_ok(&d.join("hub"), &d.join("b.bin"), &[]), want);
     assert_eq!(
         prepare_ok(&d.join("large.parquet"), &d.join("c.bin"), &[]),

@@ -4,7 +4,7 @@ Python package's batch encoding of the same file on the same threads.
 
   python3 tools/bench_tokenize.py OUT_DIR [--mb 100] [--threads 2] [--megatrain target/release/megatrain]
 
-Makes (once, in OUT_DIR): a byte-level BPE tokenizer of 32k tokens trained by the `tokenizers`
+Makes (once, in OUT_DIR): a byte-level BPE tokenizer (up to 32k tokens; 19k on this corpus) trained by the `tokenizers`
 package on this repository's text (GPT-2's recipe: what most hub tokenizers are), and a Parquet
 file of about --mb MB of documents (paragraphs of this repository's text, shuffled, with a
 counter so no two are equal) in row groups of 10,000 rows, as `datasets` writes them. Then runs,

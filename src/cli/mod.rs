@@ -7,6 +7,7 @@ mod generate;
 mod plan;
 mod prepare;
 mod probe;
+mod progress;
 mod selftest;
 mod train;
 
@@ -90,6 +91,7 @@ enum Command {
 /// for a run stopped by a signal.
 pub fn main() -> ExitCode {
     megatrain::util::contain::quiet_hook();
+    progress::install();
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Probe(a) => probe::run(a).map(|()| 0),

@@ -10,6 +10,7 @@ use super::mxfp4;
 use super::{HostStore, UnitGuard};
 use crate::model::config::{Architecture, ModelConfig};
 use crate::model::units::{stored_tensors, StoredTensor};
+use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use std::borrow::Cow;
@@ -294,6 +295,11 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
             }
         }
     }
+    let total = files
+        .iter()
+        .map(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
+        .sum();
+    let meter = Meter::start("model load", total, Unit::Bytes);
     for file in &files {
         let shown = file.display().to_string();
         let map = map_file(file)?;
@@ -311,6 +317,7 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
             if let Some((_, next)) = in_order.get(i + 1) {
                 prefetch(&map, next.data());
             }
+            meter.add(view.data().len() as u64);
             let Some(name) = text_model_name(stored_name, &layout.config) else {
                 skipped.push(stored_name.to_owned());
                 continue;
@@ -487,6 +494,7 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
             Some("check that config.json belongs to these weights and the checkpoint is complete"),
         ));
     }
+    meter.finish();
     Ok(LoadReport {
         files: files.len(),
         tensors: seen.len(),

@@ -17,6 +17,7 @@ use crate::host::{HostRegistrar, PageKind, Region, RegionSpec};
 use crate::spill::extents::SpillConfig;
 use crate::spill::io::EngineKind;
 use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig, TierUnit};
+use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use layout::{MasterFormat, ShardKind, StateLayout};
 pub use master::Master;
@@ -531,6 +532,8 @@ fn allocate_regions(
     }
     let keys: Vec<(u32, ShardKind)> = sizes.keys().copied().collect();
     let mut regions = Vec::with_capacity(keys.len());
+    let total = sizes.values().map(|&b| b as u64).sum();
+    let meter = Meter::start("placement", total, Unit::Bytes);
     for &(node, kind) in &keys {
         let cpus = placement
             .nodes
@@ -556,8 +559,10 @@ fn allocate_regions(
                 .collect();
             region.register_pieces(r.0.as_ref(), &cuts)?;
         }
+        meter.add(sizes[&(node, kind)] as u64);
         regions.push(region);
     }
+    meter.finish();
     for (u, k, key, offset) in pending {
         let region = keys.iter().position(|x| *x == key).unwrap_or(0);
         locs[u][k.index()] = Some(ShardLoc { region, offset });

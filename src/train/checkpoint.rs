@@ -12,6 +12,7 @@ use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, ShardKind, StateLayout};
 use crate::store::{HostStore, Master};
+use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
@@ -142,6 +143,11 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
                 size: 0,
             });
         }
+        let meter = Meter::start(
+            "checkpoint write",
+            tensor_bytes(store.layout()),
+            Unit::Bytes,
+        );
         for u in 0..store.num_units() {
             let mut g = store.take(u)?;
             g.stage()?; // optimizer state on NVMe: read it in (no-op in RAM)
@@ -166,6 +172,7 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
                 crate::util::failpoint::check("checkpoint")
                     .and_then(|()| o.w.write_all(bytes))
                     .map_err(|e| Error::io("write", &o.path, e))?;
+                meter.add(bytes.len() as u64);
             }
             g.unstage_clean();
         }
@@ -175,6 +182,7 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
                 .map_err(|e| Error::io("write and fsync", &o.path, e))?;
             files.push((name, o.size, o.crc));
         }
+        meter.finish();
         let state_json = serde_json::to_vec_pretty(state)
             .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
         let sp = tmp.join("state.json");
@@ -494,6 +502,8 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
         readers.push((path, Checksummed::new(name, r)));
     }
     let mut scratch = Vec::new();
+    let total: u64 = listed.files.iter().map(|(_, size, _)| size).sum();
+    let meter = Meter::start("checkpoint read", total, Unit::Bytes);
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
         g.stage()?;
@@ -515,6 +525,7 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
         // The moments' map (signed for m, unsigned for v); none for the params.
         let targets = [(params, None), (sh.m, Some(true)), (sh.v, Some(false))];
         for ((path, f), (dst, moment)) in readers.iter_mut().zip(targets) {
+            let before = f.bytes;
             let read = |f: &mut Checksummed, buf: &mut [u8]| {
                 f.read_exact(buf)
                     .map_err(|e| Error::io("read", path.as_path(), e))
@@ -528,6 +539,7 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
                 }
                 _ => read(f, dst)?,
             }
+            meter.add(f.bytes - before);
         }
         if !fp32.is_empty() {
             sh.params.write(0, &fp32);
@@ -541,6 +553,7 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
             None => Error::io("read", path.as_path(), std::io::Error::other("read failed")),
         })?;
     }
+    meter.finish();
     let how = if saved == held {
         MomentsRestored::Exact
     } else {

@@ -18,6 +18,7 @@ use super::documents::{self, Document};
 use super::input_text::{read_input, Reading};
 use super::table_input::TableInput;
 use super::tokenizer::Tok;
+use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -160,15 +161,18 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
         if reading == Reading::PlainText {
             w.documents(&tok, &[text.as_str()])?;
         } else {
+            let meter = records_meter(&text, reading);
             let mut batch: Vec<(String, Json)> = Vec::with_capacity(TOKENIZE_BATCH);
             for record in reading.records(&text, &args.input) {
                 batch.push(record?);
                 if batch.len() == TOKENIZE_BATCH {
                     w.documents(&tok, &texts_of(&batch, &args.text_key)?)?;
+                    meter.add(batch.len() as u64);
                     batch.clear();
                 }
             }
             w.documents(&tok, &texts_of(&batch, &args.text_key)?)?;
+            meter.finish();
         }
         w.finish(&args.input, &mut report)?;
         return Ok(report);
@@ -187,12 +191,25 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
     let largest_line = text.lines().map(str::len).max().unwrap_or(0);
     let mut make = Samples::new(&tok, args, &specials, eos_id, largest_line)?;
     let mut docs = Vec::new();
+    let meter = records_meter(&text, reading);
     for record in reading.records(&text, &args.input) {
         let (at, v) = record?;
         add_sample(&mut make, &at, &v, &mut docs, &mut report)?;
+        meter.add(1);
     }
+    meter.finish();
     write_documents(args, &docs, &out, &mut report)?;
     Ok(report)
+}
+
+/// The progress of reading `text`'s records (as many as JSON Lines has lines; unknown for an
+/// array).
+fn records_meter(text: &str, reading: Reading) -> Meter {
+    let total = match reading {
+        Reading::JsonLines => text.lines().filter(|l| !l.trim().is_empty()).count() as u64,
+        _ => 0,
+    };
+    Meter::start("prepare", total, Unit::Records)
 }
 
 /// Documents tokenized at once (in parallel, by the tokenizer's own thread pool).

@@ -5,6 +5,7 @@
 //! whole — and handed on as JSON records, the shape the JSON Lines route reads.
 
 use crate::util::contain::contain;
+use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
@@ -144,11 +145,14 @@ impl TableInput {
         text: bool,
         mut f: impl FnMut(&BatchAt, Vec<Json>) -> Result<()>,
     ) -> Result<()> {
+        let meter = Meter::start("prepare", self.rows(), Unit::Records);
         let mut each = |at: &BatchAt, batch: &RecordBatch| -> Result<()> {
             if text {
                 check_text(batch, columns, at)?;
             }
-            f(at, records(batch, columns, at)?)
+            f(at, records(batch, columns, at)?)?;
+            meter.add(batch.num_rows() as u64);
+            Ok(())
         };
         for file in &self.files {
             match self.format {
@@ -156,7 +160,24 @@ impl TableInput {
                 TableFormat::ArrowIpc => ipc_batches(file, columns, &mut each)?,
             }
         }
+        meter.finish();
         Ok(())
+    }
+
+    /// Rows in all the files, as Parquet footers say (0: not known, as for Arrow IPC streams
+    /// or a footer that cannot be read — which the read itself then reports).
+    fn rows(&self) -> u64 {
+        if self.format != TableFormat::Parquet {
+            return 0;
+        }
+        let rows = |f: &PathBuf| -> Option<u64> {
+            let fh = std::fs::File::open(f).ok()?;
+            let meta = contain(|| ArrowReaderMetadata::load(&fh, Default::default()))
+                .ok()?
+                .ok()?;
+            u64::try_from(meta.metadata().file_metadata().num_rows()).ok()
+        };
+        self.files.iter().map(|f| rows(f).unwrap_or(0)).sum()
     }
 }
 

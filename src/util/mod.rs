@@ -6,6 +6,7 @@ pub mod failpoint;
 pub mod lock;
 pub mod output;
 pub mod paths;
+pub mod progress;
 pub mod size;
 
 use crate::{Error, Result};

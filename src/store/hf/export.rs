@@ -9,6 +9,7 @@ use super::INDEX;
 use crate::model::units::{stored_tensors, StoredTensor};
 use crate::optim::adamw::f32_to_bf16;
 use crate::util::direct::DirectWriter;
+use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
@@ -104,6 +105,7 @@ fn write_shard(
     path: &Path,
     mut tensors: Vec<ShardTensor>,
     dtype: ExportDtype,
+    meter: &Meter,
 ) -> Result<()> {
     let st_dtype = match dtype {
         ExportDtype::Fp32 => Dtype::F32,
@@ -150,6 +152,7 @@ fn write_shard(
                 }
             }
             w.write_all(&bytes).map_err(io)?;
+            meter.add(bytes.len() as u64);
             at += part.len();
         }
     }
@@ -396,6 +399,11 @@ fn write_export(source: &mut dyn ParamSource, layout: &StateLayout, f: &Files<'_
     )?;
     let shards = plan_shards(layout, f.max_shard_bytes, f.dtype.bytes());
     let n = shards.len();
+    let meter = Meter::start(
+        "export",
+        f.dtype.bytes() * layout.num_params() as u64,
+        Unit::Bytes,
+    );
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
     for (k, shard) in shards.iter().enumerate() {
@@ -413,8 +421,9 @@ fn write_export(source: &mut dyn ParamSource, layout: &StateLayout, f: &Files<'_
                 shape: t.shape.clone(),
             });
         }
-        write_shard(source, &dir.join(&file), tensors, f.dtype)?;
+        write_shard(source, &dir.join(&file), tensors, f.dtype, &meter)?;
     }
+    meter.finish();
     let index =
         serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
     crate::util::write_atomic(
@@ -467,7 +476,8 @@ mod tests {
                 })
                 .collect();
             let path = d.path().join("shard.safetensors");
-            write_shard(&mut Ramp, &path, tensors, dtype).unwrap();
+            let meter = Meter::start("test", 0, Unit::Bytes);
+            write_shard(&mut Ramp, &path, tensors, dtype, &meter).unwrap();
             let owned: Vec<(String, Vec<u8>, Vec<usize>)> = specs
                 .iter()
                 .map(|(name, unit, range, shape)| {

@@ -82,6 +82,12 @@ pub fn load_params(dir: &Path, store: &HostStore) -> Result<super::TrainState> {
         ));
     }
     let mut src = CheckpointParams::open(dir, store.layout())?;
+    let total = 4 * store.layout().num_params() as u64;
+    let meter = crate::util::progress::Meter::start(
+        "checkpoint read",
+        total,
+        crate::util::progress::Unit::Bytes,
+    );
     let mut fp32 = Vec::new();
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;
@@ -98,6 +104,8 @@ pub fn load_params(dir: &Path, store: &HostStore) -> Result<super::TrainState> {
             }
         }
         g.unstage();
+        meter.add(4 * numel as u64);
     }
+    meter.finish();
     Ok(state)
 }
