@@ -874,9 +874,9 @@ fn bench_and_plan_arguments_never_crash() {
     assert!(refused > 24, "{refused} refused");
 }
 
-/// Mutated Parquet and Arrow IPC files (written here by the Arrow crates: three row groups or
-/// batches of a text column) through `megatrain prepare`: a clear error or a written file,
-/// never a panic.
+/// Mutated Parquet and Arrow IPC files, stream and file format (written here by the Arrow
+/// crates: three row groups or batches of a text column) through `megatrain prepare`: a clear
+/// error or a written file, never a panic.
 #[test]
 fn mutated_parquet_and_arrow_files_never_panic() {
     use arrow_array::{RecordBatch, StringArray};
@@ -915,15 +915,25 @@ fn mutated_parquet_and_arrow_files_never_panic() {
         }
         w.finish().unwrap();
     }
+    let mut ipc_file_bytes = Vec::new();
+    {
+        let mut w =
+            arrow_ipc::writer::FileWriter::try_new(&mut ipc_file_bytes, &batch.schema()).unwrap();
+        for k in 0..3 {
+            w.write(&batch.slice(30 * k, 30)).unwrap();
+        }
+        w.finish().unwrap();
+    }
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
     let d = tempfile::tempdir().unwrap();
     let mut rng = Rng(0x5EED_0008);
     const N: usize = 1000;
     let (mut written, mut refused) = (0, 0);
     for i in 0..N {
-        let (name, good) = match i % 2 {
+        let (name, good) = match i % 3 {
             0 => ("t.parquet", &parquet_bytes),
-            _ => ("t.arrow", &ipc_bytes),
+            1 => ("t.arrow", &ipc_bytes),
+            _ => ("f.arrow", &ipc_file_bytes),
         };
         let input = d.path().join(name);
         std::fs::write(&input, mutate_bytes(&mut rng, good.clone())).unwrap();

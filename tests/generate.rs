@@ -44,10 +44,9 @@ fn check_golden(case: &str, mut c: Command, extra: &[&str]) {
     let expected: Json =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let max_new = expected["max_new_tokens"].as_u64().unwrap().to_string();
+    // The model directory holds its tokenizer.
     c.args(["generate", "--model"])
         .arg(dir.join("model"))
-        .arg("--tokenizer")
-        .arg(tokenizer())
         .args(["--prompt", expected["prompt"].as_str().unwrap()])
         .args(["--max-new-tokens", &max_new, "--json"])
         .args(extra);

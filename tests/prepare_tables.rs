@@ -108,6 +108,21 @@ fn parquet_text_equals_json_lines() {
         prepare_ok(&d.join("large.parquet"), &d.join("c.bin"), &[]),
         want
     );
+    // A hub folder holding two splits is refused naming them; a split is named by its prefix.
+    py(
+        "import sys, shutil; shutil.copy(sys.argv[1] + '/hub/data/train-00001-of-00002.parquet', sys.argv[1] + '/hub/data/test-00000-of-00001.parquet')",
+        &[d],
+    );
+    let (code, err) = prepare(&d.join("hub"), &d.join("s.bin"), &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("test, train") && err.contains("data/train"),
+        "{err}"
+    );
+    assert_eq!(
+        prepare_ok(&d.join("hub/data/train"), &d.join("t.bin"), &[]),
+        want
+    );
     // A single shard is a file of its own.
     let one = prepare_ok(
         &d.join("hub/data/train-00000-of-00002.parquet"),

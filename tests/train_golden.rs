@@ -267,8 +267,8 @@ fn sft_prompt_completion_packed() {
     check_sft_on("prompt_completion", On::Cpu);
 }
 /// `megatrain selftest --device cpu --goldens`: the same cases through the library's golden
-/// check (what `tools/gpu_check.sh` runs on a GPU) pass, and the first one gives the same bits
-/// twice.
+/// check (what `tools/gpu_check.sh` runs on a GPU) pass, the first one gives the same bits
+/// twice, and the generation goldens' greedy tokens are transformers'.
 #[test]
 fn the_goldens_command_passes_on_the_cpu_device() {
     let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
@@ -294,7 +294,17 @@ fn the_goldens_command_passes_on_the_cpu_device() {
         })
         .count();
     assert!(cases >= 15, "{cases} golden cases");
-    assert_eq!(passed, 2 * cases + 1, "{stdout}");
+    // And each generation golden's greedy tokens.
+    let generation = std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden"))
+        .unwrap()
+        .filter(|e| {
+            let p = e.as_ref().unwrap().path();
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("generate_"))
+        })
+        .count();
+    assert!(generation >= 2, "{generation} generation goldens");
+    assert_eq!(passed, 2 * cases + 1 + generation, "{stdout}");
 }
 
 /// The golden command has teeth: a case whose PyTorch loss is moved by 1e-4 of itself at one

@@ -4,7 +4,8 @@
 
 For each case writes tests/golden/generate_{case}/ with
   model/          config.json, generation_config.json (eos_token_id: the tokenizer's EOS),
-                  model.safetensors — what `megatrain generate --model` loads
+                  model.safetensors and the fixture tokenizer's files — what `megatrain generate
+                  --model` loads (and `megatrain selftest --goldens` runs on any device)
   expected.json   {"prompt", "chat", "max_new_tokens", "prompt_ids", "tokens", "margins"}
                   tokens: what model.generate() appended (an EOS that stopped it included);
                   margins: at each new token, its logit minus the runner-up's (all well above
@@ -87,6 +88,8 @@ def main():
         shutil.rmtree(d, ignore_errors=True)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.save_pretrained(os.path.join(d, "model"), safe_serialization=True)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(TOKENIZER, f), os.path.join(d, "model", f))
         with open(os.path.join(d, "expected.json"), "w") as f:
             json.dump(dict(exp, seed=seed), f, indent=1)
             f.write("\n")

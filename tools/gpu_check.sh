@@ -15,7 +15,8 @@
 #   selftest  every kernel and GEMM against the CPU reference, training steps against the CPU
 #             device, device→host landings bit for bit, the link (selftest.txt)
 #   goldens   the training goldens against PyTorch + transformers, fp32 and bf16, at the test
-#             suite's tolerances, and one case twice for the same bits (goldens.txt)
+#             suite's tolerances, one case twice for the same bits, and the generation goldens
+#             (greedy tokens equal to transformers' generate) (goldens.txt)
 #   bench     bench kernels, bench link, bench adam (bench.json, an array of their reports): the
 #             kernels' efficiencies and the link and AdamW rates calibrate the next stage's plan —
 #             and any later plan: `megatrain plan --calibration OUT_DIR/bench.json`

@@ -8,15 +8,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup-deps.sh
 
-echo "== cargo fmt --check"
+echo "== $(date +%T) cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy --all-targets -- -D warnings"
+echo "== $(date +%T) cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
-echo "== cargo clippy --all-targets --features cuda -- -D warnings (no CUDA toolkit needed)"
+echo "== $(date +%T) cargo clippy --all-targets --features cuda -- -D warnings (no CUDA toolkit needed)"
 cargo clippy --all-targets --features cuda --quiet -- -D warnings
-echo "== cargo clippy -p cuemu --all-targets -- -D warnings (the CUDA emulator)"
+echo "== $(date +%T) cargo clippy -p cuemu --all-targets -- -D warnings (the CUDA emulator)"
 cargo clippy -p cuemu --all-targets --quiet -- -D warnings
-echo "== aarch64 (Grace) cross-check of the NEON paths"
+echo "== $(date +%T) aarch64 (Grace) cross-check of the NEON paths"
 if rustup target list --installed 2>/dev/null | grep -q aarch64-unknown-linux-gnu \
    || rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1; then
   # `clippy` type-checks without linking, so the host's hwloc pkg-config entry is enough.
@@ -24,21 +24,21 @@ if rustup target list --installed 2>/dev/null | grep -q aarch64-unknown-linux-gn
 else
   echo "SKIP: rustup could not add the aarch64-unknown-linux-gnu target (offline?); NEON paths not checked"
 fi
-echo "== cargo test"
+echo "== $(date +%T) cargo test"
 cargo test --all-targets
 cargo test -p cuemu
-echo "== the CUDA feature's unit tests (the kernel cache)"
+echo "== $(date +%T) the CUDA feature's unit tests (the kernel cache)"
 cargo test --features cuda --lib device::cuda
-echo "== CUDA kernels through NVRTC 13.0 for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"
+echo "== $(date +%T) CUDA kernels through NVRTC 13.0 for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"
 (eval "$(bash tools/setup-cuda-wheels.sh --cuda 13)"
  MEGATRAIN_REQUIRE_NVRTC=1 cargo test --features cuda --test kernels -- --nocapture)
-echo "== CUDA kernels through NVRTC 12.9 for sm_80 and sm_90"
+echo "== $(date +%T) CUDA kernels through NVRTC 12.9 for sm_80 and sm_90"
 eval "$(bash tools/setup-cuda-wheels.sh)"
 MEGATRAIN_REQUIRE_NVRTC=1 cargo test --features cuda --test kernels -- --nocapture
-echo "== the CUDA path under the CUDA emulator: selftest, training vs PyTorch, the emulator's teeth"
+echo "== $(date +%T) the CUDA path under the CUDA emulator: selftest, training vs PyTorch, the emulator's teeth"
 # Every launch of the self-test runs under three thread schedules and shared-memory poisons; the
 # emulator presents CUDA 12 here, and CUDA 13 (sonames .so.13, memory pools) in gpu_check's test.
 CUEMU_SCHEDULES=3 cargo test --features cuda --test cuda_gpu
 cargo test --features cuda --test train_golden --test cuemu --test generate
-echo "== the training goldens on the CUDA device with the emulator presenting CUDA 13"
+echo "== $(date +%T) the training goldens on the CUDA device with the emulator presenting CUDA 13"
 CUEMU_CUDA=13 cargo test --features cuda --test train_golden cuda::

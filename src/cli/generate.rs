@@ -37,11 +37,13 @@ pub struct GenerateArgs {
     /// Tokens to generate at most (fewer when an end-of-sequence token comes first).
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
-    /// 0: greedy (transformers' do_sample=False); else sample at this temperature.
+    /// 0: greedy (transformers' do_sample=False, with the model's repetition_penalty); else
+    /// sample at this temperature.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
-    /// With a temperature: sample among the K most likely tokens only (0: all).
-    #[arg(long, default_value_t = 0, value_name = "K")]
+    /// With a temperature: sample among the K most likely tokens only (0: all; 50 as
+    /// transformers' default).
+    #[arg(long, default_value_t = 50, value_name = "K")]
     top_k: usize,
     /// The sampling seed.
     #[arg(long, default_value_t = 0)]
@@ -120,11 +122,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let g = generate::generate(&request, &mut Notes)?;
     let mut out = std::io::stdout().lock();
     let written = if args.json {
-        writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&g).unwrap_or_default()
-        )
+        let json = serde_json::to_string_pretty(&g)
+            .map_err(|e| megatrain::Error::system("serde_json", "the result", e))?;
+        writeln!(out, "{json}")
     } else {
         writeln!(out, "{}{}", args.prompt, g.text)
     };

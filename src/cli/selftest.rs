@@ -92,6 +92,14 @@ fn goldens(dir: &std::path::Path, device: megatrain::train::config::DeviceKind) 
             print_checks(std::slice::from_ref(&c));
             checks.push(c);
         }
+        // Generation: transformers' greedy tokens.
+        for case in megatrain::selftest::generation::cases(dir)? {
+            let t0 = std::time::Instant::now();
+            let c = megatrain::selftest::generation::run_case(&case, device)?;
+            print_checks(std::slice::from_ref(&c));
+            eprintln!("{}: {:.1} s", case.display(), t0.elapsed().as_secs_f64());
+            checks.push(c);
+        }
         verdict(&checks)
     })();
     let _ = std::fs::remove_dir_all(&scratch);

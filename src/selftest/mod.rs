@@ -5,6 +5,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod generation;
 pub mod goldens;
 
 use crate::device::Device;

@@ -24,7 +24,7 @@ pub const FORMAT: u32 = 3;
 mod params;
 mod verify;
 
-pub use params::{load_params, CheckpointParams};
+pub use params::CheckpointParams;
 pub use verify::{check_complete, verify, verify_params, Damage};
 use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
 
@@ -405,6 +405,60 @@ pub enum MomentsRestored {
     },
 }
 
+/// Load the fp32 params of checkpoint `dir` (complete: [`open`]) into `store`'s params alone —
+/// its moments are left as they are (generation reads none) — reading the params file once,
+/// checked against its size and checksum on the way (a damaged file is refused naming the newest
+/// good older checkpoint). Returns the checkpoint's state.
+pub fn load_params(dir: &Path, store: &HostStore) -> Result<TrainState> {
+    let state = open(dir)?;
+    if state.model != store.layout().config {
+        return Err(Error::bad_input(
+            "checkpoint",
+            dir.display().to_string(),
+            "was written for a different model configuration",
+            Some("load it with the checkpoint's own model settings"),
+        ));
+    }
+    let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
+    let path = dir.join(PARAMS_FILE);
+    let r =
+        crate::util::direct::DirectReader::open(&path).map_err(|e| Error::io("open", &path, e))?;
+    let mut f = Checksummed::new(PARAMS_FILE.to_owned(), r);
+    let total = 4 * store.layout().num_params() as u64;
+    let meter = Meter::start("checkpoint read", total, Unit::Bytes);
+    for u in 0..store.num_units() {
+        let mut g = store.take(u)?;
+        g.stage()?;
+        let numel = g.numel();
+        let mut sh = g.shards()?;
+        let mut fp32 = Vec::new();
+        let params: &mut [f32] = match sh.params.as_fp32() {
+            Some(p) => p,
+            None => {
+                fp32.resize(numel, 0f32);
+                &mut fp32
+            }
+        };
+        // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(params.as_mut_ptr().cast::<u8>(), params.len() * 4)
+        };
+        f.read_exact(bytes)
+            .map_err(|e| Error::io("read", path.as_path(), e))?;
+        if !fp32.is_empty() {
+            sh.params.write(0, &fp32);
+        }
+        g.unstage();
+        meter.add(4 * numel as u64);
+    }
+    f.finish(&listed).map_err(|d| match d {
+        Some(d) => refuse_naming_older(dir, &d),
+        None => Error::io("read", path.as_path(), std::io::Error::other("read failed")),
+    })?;
+    meter.finish();
+    Ok(state)
+}
+
 /// The moment format a checkpoint's state records (checkpoints before `--adam-state`: fp32).
 pub fn adam_state_of(state: &TrainState) -> AdamState {
     state.config.adam_state.unwrap_or_default()
@@ -502,7 +556,12 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
         readers.push((path, Checksummed::new(name, r)));
     }
     let mut scratch = Vec::new();
-    let total: u64 = listed.files.iter().map(|(_, size, _)| size).sum();
+    let total: u64 = listed
+        .files
+        .iter()
+        .filter(|(name, _, _)| files(saved).iter().any(|(f, _)| f == name))
+        .map(|(_, size, _)| size)
+        .sum();
     let meter = Meter::start("checkpoint read", total, Unit::Bytes);
     for u in 0..store.num_units() {
         let mut g = store.take(u)?;

@@ -313,7 +313,7 @@ settings! {
     /// Sequences used per validation.
     value val_batches: usize = 8 => Option<usize> [];
     /// Print (and log to TensorBoard) a continuation of `sample_prompt` every N steps and at the
-    /// end (0: never).
+    /// end (0: never); each new token is a forward pass of a micro-batch (no KV cache).
     value sample_every: u64 = 0 => Option<u64> [];
     /// The text samples continue.
     some sample_prompt: Option<String> = None => Option<String> [value_name = "TEXT"];

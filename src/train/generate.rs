@@ -55,12 +55,13 @@ pub struct Continuation {
     pub stop: Stop,
 }
 
-/// Continue `prompt` (token ids) under the streamer's current weights, stopping at any of `eos`.
+/// Continue `prompt` (token ids) under the streamer's current weights, with the model's own
+/// settings `model` (its EOS ids, its repetition penalty).
 pub fn continue_ids(
     streamer: &mut Streamer,
     prompt: &[u32],
     s: &Sampling,
-    eos: &[u32],
+    model: &ModelDefaults,
 ) -> Result<Continuation> {
     let (b, t) = streamer.micro_batch_shape();
     let cfg = &streamer.store().layout().config;
@@ -101,10 +102,17 @@ pub fn continue_ids(
         }
         let mb = row_zero(&seq, b, t);
         let mut logits = streamer.logits(&mb, seq.len() - 1)?;
-        let next = pick(&mut logits, softcap, s, &mut rng)?;
+        check_finite(&logits)?;
+        // transformers' order: the model's soft cap, then the processors (the repetition
+        // penalty), then the warpers (temperature, top-k) of a draw.
+        if let Some(cap) = softcap {
+            soft_cap(&mut logits, cap);
+        }
+        penalize(&mut logits, &seq, model.repetition_penalty);
+        let next = pick(&logits, s, &mut rng)?;
         seq.push(next);
         tokens.push(next);
-        if eos.contains(&next) {
+        if model.eos.contains(&next) {
             break Stop::Eos;
         }
     };
@@ -126,9 +134,7 @@ fn row_zero(seq: &[u32], b: usize, t: usize) -> MicroBatch {
     }
 }
 
-/// The next token from one row of logits (modified in place), as transformers' `generate`
-/// chooses it.
-pub fn pick(logits: &mut [f32], softcap: Option<f64>, s: &Sampling, rng: &mut u64) -> Result<u32> {
+fn check_finite(logits: &[f32]) -> Result<()> {
     if logits.iter().any(|z| !z.is_finite()) {
         return Err(Error::bad_input(
             "model",
@@ -137,9 +143,32 @@ pub fn pick(logits: &mut [f32], softcap: Option<f64>, s: &Sampling, rng: &mut u6
             Some("generate from an earlier checkpoint"),
         ));
     }
-    if let Some(cap) = softcap.map(|c| c as f32) {
-        logits.iter_mut().for_each(|z| *z = (*z / cap).tanh() * cap);
+    Ok(())
+}
+
+/// `z = cap·tanh(z / cap)` (Gemma 2's `final_logit_softcapping`).
+pub fn soft_cap(logits: &mut [f32], cap: f64) {
+    let cap = cap as f32;
+    logits.iter_mut().for_each(|z| *z = (*z / cap).tanh() * cap);
+}
+
+/// transformers' `RepetitionPenaltyLogitsProcessor`: every token of `context` made less likely
+/// (a positive logit divided by `penalty`, a negative one multiplied); 1: none.
+pub fn penalize(logits: &mut [f32], context: &[u32], penalty: f32) {
+    if penalty == 1.0 {
+        return;
     }
+    let mut seen = std::collections::HashSet::new();
+    for &t in context {
+        if let Some(z) = logits.get_mut(t as usize).filter(|_| seen.insert(t)) {
+            *z = if *z < 0.0 { *z * penalty } else { *z / penalty };
+        }
+    }
+}
+
+/// The next token from one row of (finite) logits, as transformers' `generate` chooses it:
+/// greedy, or drawn at a temperature among the `top_k` most likely.
+pub fn pick(logits: &[f32], s: &Sampling, rng: &mut u64) -> Result<u32> {
     if s.temperature <= 0.0 {
         // The first of the largest, as torch.argmax.
         let mut best = 0;
@@ -150,8 +179,6 @@ pub fn pick(logits: &mut [f32], softcap: Option<f64>, s: &Sampling, rng: &mut u6
         }
         return Ok(best as u32);
     }
-    let inv_t = 1.0 / s.temperature as f32;
-    logits.iter_mut().for_each(|z| *z *= inv_t);
     // transformers' top-k keeps every logit ≥ the k-th largest (ties included).
     let floor = match s.top_k {
         k if k > 0 && k < logits.len() => {
@@ -161,15 +188,25 @@ pub fn pick(logits: &mut [f32], softcap: Option<f64>, s: &Sampling, rng: &mut u6
         }
         _ => f32::NEG_INFINITY,
     };
+    // softmax(z / T) over the kept logits, in f64 from the unscaled ones (a tiny temperature
+    // cannot overflow 1/T).
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let weights: Vec<f64> = logits
         .iter()
         .map(|&z| match z >= floor {
-            true => f64::from(z - max).exp(),
+            true => (f64::from(z - max) / s.temperature).exp(),
             false => 0.0,
         })
         .collect();
     let total: f64 = weights.iter().sum();
+    if !(total.is_finite() && total > 0.0) {
+        return Err(Error::bad_input(
+            "temperature",
+            s.temperature.to_string(),
+            "leaves no token with a usable probability",
+            Some("use a temperature around 0.1–2, or 0 for greedy"),
+        ));
+    }
     let u = (crate::util::splitmix64(rng) >> 11) as f64 / (1u64 << 53) as f64 * total;
     let mut acc = 0.0;
     for (i, w) in weights.iter().enumerate() {
@@ -178,7 +215,7 @@ pub fn pick(logits: &mut [f32], softcap: Option<f64>, s: &Sampling, rng: &mut u6
             return Ok(i as u32);
         }
     }
-    // Rounding left `u` at the very top: the last token with any weight.
+    // Rounding left `u` at the very top: the last token with any weight (the max has weight 1).
     Ok(weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32)
 }
 
@@ -258,6 +295,18 @@ impl TextCodec {
         }
     }
 
+    /// The text `new` adds after `prompt`: the two decoded together, less the prompt's own
+    /// decoding (a SentencePiece tokenizer drops a leading space when a piece is decoded on its
+    /// own), as transformers' `TextStreamer` prints it.
+    pub fn continuation(&self, prompt: &[u32], new: &[u32]) -> Result<String> {
+        let before = self.decode(prompt)?;
+        let all = self.decode(&[prompt, new].concat())?;
+        Ok(match all.strip_prefix(&before) {
+            Some(rest) => rest.to_owned(),
+            None => self.decode(new)?,
+        })
+    }
+
     /// The tokenizer's own end-of-sequence token (`eos_token`), if it has one.
     pub fn eos_id(&self) -> Option<u32> {
         match self {
@@ -270,25 +319,63 @@ impl TextCodec {
     }
 }
 
-/// The tokens that end a generation: a model directory's `generation_config.json`
-/// `eos_token_id` (a number or a list), else its `config.json`'s, else the tokenizer's EOS.
-pub fn eos_ids(model_dir: Option<&Path>, codec: &TextCodec) -> Vec<u32> {
-    let from_file = |name: &str| -> Option<Vec<u32>> {
-        let text = std::fs::read_to_string(model_dir?.join(name)).ok()?;
-        let v: Json = serde_json::from_str(&text).ok()?;
-        match v.get("eos_token_id")? {
-            Json::Number(n) => Some(vec![u32::try_from(n.as_u64()?).ok()?]),
-            Json::Array(list) => list
-                .iter()
-                .map(|n| n.as_u64().and_then(|n| u32::try_from(n).ok()))
-                .collect(),
-            _ => None,
+/// What a model directory says about generating from it (`generation_config.json`, else
+/// `config.json`) that greedy decoding honours as transformers' `generate` does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelDefaults {
+    /// The tokens that end a generation: `eos_token_id` (a number or a list), else the
+    /// tokenizer's EOS.
+    pub eos: Vec<u32>,
+    /// `repetition_penalty` (1: none).
+    pub repetition_penalty: f32,
+    /// Settings of `generation_config.json` not applied (sampling is chosen by the flags).
+    pub ignored: Vec<String>,
+}
+
+impl ModelDefaults {
+    /// Read from `model_dir` (none: the tokenizer's EOS only).
+    pub fn read(model_dir: Option<&Path>, codec: &TextCodec) -> Self {
+        let json = |name: &str| -> Option<Json> {
+            let text = std::fs::read_to_string(model_dir?.join(name)).ok()?;
+            serde_json::from_str(&text).ok()
+        };
+        let (generation, config) = (json("generation_config.json"), json("config.json"));
+        let eos_of = |v: &Json| -> Option<Vec<u32>> {
+            match v.get("eos_token_id")? {
+                Json::Number(n) => Some(vec![u32::try_from(n.as_u64()?).ok()?]),
+                Json::Array(list) => list
+                    .iter()
+                    .map(|n| n.as_u64().and_then(|n| u32::try_from(n).ok()))
+                    .collect(),
+                _ => None,
+            }
+        };
+        let eos = generation
+            .as_ref()
+            .and_then(eos_of)
+            .or_else(|| config.as_ref().and_then(eos_of))
+            .or_else(|| codec.eos_id().map(|e| vec![e]))
+            .unwrap_or_default();
+        let repetition_penalty = generation
+            .as_ref()
+            .and_then(|g| g.get("repetition_penalty")?.as_f64())
+            .filter(|p| p.is_finite() && *p > 0.0)
+            .map_or(1.0, |p| p as f32);
+        let ignored = generation
+            .as_ref()
+            .map(|g| {
+                ["do_sample", "temperature", "top_k", "top_p", "min_p"]
+                    .into_iter()
+                    .filter_map(|k| Some(format!("{k}={}", g.get(k)?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ModelDefaults {
+            eos,
+            repetition_penalty,
+            ignored,
         }
-    };
-    from_file("generation_config.json")
-        .or_else(|| from_file("config.json"))
-        .or_else(|| codec.eos_id().map(|e| vec![e]))
-        .unwrap_or_default()
+    }
 }
 
 /// Samples while training (`--sample-every`): the prompt encoded once, continued on the
@@ -300,7 +387,7 @@ pub struct TrainingSamples {
     prompt_ids: Vec<u32>,
     codec: TextCodec,
     sampling: Sampling,
-    eos: Vec<u32>,
+    model: ModelDefaults,
 }
 
 impl TrainingSamples {
@@ -342,7 +429,15 @@ impl TrainingSamples {
                 Some("shorten the prompt or lower --sample-tokens"),
             ));
         }
-        let eos = eos_ids(cfg.init_from.as_deref().or(Some(spec.as_path())), &codec);
+        if prompt_ids.is_empty() {
+            return Err(Error::bad_input(
+                "--sample-prompt",
+                prompt,
+                "encodes to no tokens",
+                Some("give a prompt with some text"),
+            ));
+        }
+        let model = ModelDefaults::read(cfg.init_from.as_deref().or(Some(spec.as_path())), &codec);
         Ok(Some(TrainingSamples {
             every,
             prompt: prompt.clone(),
@@ -351,10 +446,10 @@ impl TrainingSamples {
             sampling: Sampling {
                 max_new_tokens: cfg.sample_tokens,
                 temperature: cfg.sample_temperature,
-                top_k: 0,
+                top_k: 50,
                 seed: cfg.seed,
             },
-            eos,
+            model,
         }))
     }
 
@@ -370,8 +465,9 @@ impl TrainingSamples {
             seed: self.sampling.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             ..self.sampling
         };
-        let c = continue_ids(streamer, &self.prompt_ids, &sampling, &self.eos)?;
-        Ok(format!("{}{}", self.prompt, self.codec.decode(&c.tokens)?))
+        let c = continue_ids(streamer, &self.prompt_ids, &sampling, &self.model)?;
+        let text = self.codec.continuation(&self.prompt_ids, &c.tokens)?;
+        Ok(format!("{}{text}", self.prompt))
     }
 }
 
@@ -389,15 +485,27 @@ mod tests {
     }
 
     #[test]
-    fn greedy_takes_the_first_largest_and_refuses_nan() {
-        let mut z = vec![0.5, 2.0, -1.0, 2.0];
-        assert_eq!(pick(&mut z, None, &greedy(), &mut 0).unwrap(), 1);
-        let mut z = vec![0.5, f32::NAN];
-        assert!(pick(&mut z, None, &greedy(), &mut 0).is_err());
+    fn greedy_takes_the_first_largest_the_cap_and_penalty_apply_nan_is_refused() {
+        let z = vec![0.5, 2.0, -1.0, 2.0];
+        assert_eq!(pick(&z, &greedy(), &mut 0).unwrap(), 1);
+        assert!(check_finite(&[0.5, f32::NAN]).is_err());
         // A soft cap is monotonic: the same choice, the logits capped.
         let mut z = vec![10.0, 80.0, 79.0];
-        assert_eq!(pick(&mut z, Some(30.0), &greedy(), &mut 0).unwrap(), 1);
+        soft_cap(&mut z, 30.0);
+        assert_eq!(pick(&z, &greedy(), &mut 0).unwrap(), 1);
         assert!(z[1] < 30.0);
+        // transformers' repetition penalty: positive logits divided, negative multiplied, each
+        // token once however often it occurs.
+        let mut z = vec![3.0, -2.0, 2.9, 1.0];
+        penalize(&mut z, &[0, 1, 0, 0], 1.5);
+        assert_eq!(z, vec![2.0, -3.0, 2.9, 1.0]);
+        assert_eq!(pick(&z, &greedy(), &mut 0).unwrap(), 2);
+        // A tiny temperature is greedy (the weights in f64: no overflow to NaN and token 0).
+        let s = Sampling {
+            temperature: 1e-300,
+            ..greedy()
+        };
+        assert_eq!(pick(&[1.0, 5.0, 2.0], &s, &mut 1).unwrap(), 1);
     }
 
     #[test]
@@ -412,8 +520,7 @@ mod tests {
         let mut counts = [0usize; 4];
         let mut rng = 1;
         for _ in 0..20_000 {
-            let mut z = base.to_vec();
-            counts[pick(&mut z, None, &s, &mut rng).unwrap() as usize] += 1;
+            counts[pick(&base, &s, &mut rng).unwrap() as usize] += 1;
         }
         // Only the two largest (weights 1 and 3) are ever drawn, in ratio ≈ 1:3.
         assert_eq!(counts[2] + counts[3], 0);
@@ -423,7 +530,7 @@ mod tests {
         let draw = |seed: u64| {
             let mut r = seed;
             (0..50)
-                .map(|_| pick(&mut base.to_vec(), None, &s, &mut r).unwrap())
+                .map(|_| pick(&base, &s, &mut r).unwrap())
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(3), draw(3));

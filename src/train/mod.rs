@@ -183,7 +183,10 @@ fn train_loop(
         if val.is_some() {
             summary.val_loss = val;
         }
-        sample_if_due(s, step, progress).map_err(Stop::AfterStep)?;
+        // A sample is a diagnostic: skipped once interrupted, a failure only warned about.
+        if !interrupt.load(Ordering::SeqCst) {
+            sample_if_due(s, step, progress);
+        }
         step_log::log_step(s, &m, val, progress);
         progress.step(&m, val);
         let stop = interrupt.load(Ordering::SeqCst);
@@ -223,12 +226,21 @@ fn validate_if_due(s: &mut Session, step: u64) -> Result<Option<f64>> {
     validate(&mut s.streamer, vl, s.cfg.val_batches).map(Some)
 }
 
-/// A sample of the model's text when one is due at `step`: a note, and text in TensorBoard.
-fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) -> Result<()> {
+/// A sample of the model's text when one is due at `step`: a note, and text in TensorBoard
+/// (a failure is a warning: training goes on).
+fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) {
     let Some(samples) = s.samples.as_ref().filter(|x| x.due(step, s.cfg.steps)) else {
-        return Ok(());
+        return;
     };
-    let text = samples.sample(&mut s.streamer, step)?;
+    let text = match samples.sample(&mut s.streamer, step) {
+        Ok(t) => t,
+        Err(e) => {
+            progress.note(&format!(
+                "warning: the sample at step {step} failed ({e}); training goes on"
+            ));
+            return;
+        }
+    };
     progress.note(&format!("sample at step {step}: {text:?}"));
     if let Some(warning) = s
         .tensorboard
@@ -237,7 +249,6 @@ fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) -> Res
     {
         progress.note(&warning);
     }
-    Ok(())
 }
 
 /// Write a checkpoint of the current state (after `step`) under `root`.

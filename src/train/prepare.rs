@@ -143,9 +143,11 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
     let out = Outputs {
         dtype,
         eos_id,
-        pad_id: match specials.get("pad_token") {
-            Some(p) => tok.id(p, "tokenizer_config.json pad_token")?,
-            None => eos_id.unwrap_or(0),
+        // Document files pad their rows; a token file has no padding.
+        pad_id: match (args.format, specials.get("pad_token")) {
+            (Format::Text, _) => 0,
+            (_, Some(p)) => tok.id(p, "tokenizer_config.json pad_token")?,
+            (_, None) => eos_id.unwrap_or(0),
         },
     };
     if let Some(table) = TableInput::detect(&args.input)? {
@@ -172,6 +174,7 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareReport> {
                 }
             }
             w.documents(&tok, &texts_of(&batch, &args.text_key)?)?;
+            meter.add(batch.len() as u64);
             meter.finish();
         }
         w.finish(&args.input, &mut report)?;

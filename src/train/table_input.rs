@@ -86,7 +86,7 @@ impl TableInput {
             });
         }
         if !path.is_dir() {
-            return Ok(None);
+            return Ok(split_prefix(path));
         }
         if path.join("dataset_dict.json").is_file() {
             let splits: Vec<String> = std::fs::read_dir(path)
@@ -112,9 +112,29 @@ impl TableInput {
             (TableFormat::ArrowIpc, "arrow"),
         ] {
             let files: Vec<PathBuf> = all.iter().filter(|p| ext(p, e)).cloned().collect();
-            if !files.is_empty() {
-                return Ok(Some(TableInput { format, files }));
+            if files.is_empty() {
+                continue;
             }
+            let splits: std::collections::BTreeSet<String> =
+                files.iter().filter_map(|f| split_of(path, f)).collect();
+            if splits.len() > 1 {
+                // The suggestion names the training split where there is one.
+                let first = files
+                    .iter()
+                    .filter_map(|f| Some((f, split_of(path, f)?)))
+                    .min_by_key(|(_, sp)| sp != "train")
+                    .map(|(f, sp)| split_input(path, f, &sp))
+                    .unwrap_or_default();
+                return Err(bad(
+                    path.display().to_string(),
+                    format!(
+                        "holds the shards of several splits ({}); prepare reads one",
+                        splits.into_iter().collect::<Vec<_>>().join(", ")
+                    ),
+                    Some(&format!("pass one split, e.g. --input {first}")),
+                ));
+            }
+            return Ok(Some(TableInput { format, files }));
         }
         Err(bad(
             path.display().to_string(),
@@ -179,6 +199,74 @@ impl TableInput {
         };
         self.files.iter().map(|f| rows(f).unwrap_or(0)).sum()
     }
+}
+
+/// The split a file of a dataset directory `root` belongs to: the hub's shard names
+/// (`{split}-00000-of-00004.parquet`) or a split's folder (`train/…`); `None` when neither says.
+fn split_of(root: &Path, file: &Path) -> Option<String> {
+    const SPLITS: [&str; 6] = ["train", "test", "validation", "valid", "dev", "eval"];
+    let stem = file.file_stem()?.to_str()?;
+    if let Some((split, _)) = shard_name(stem) {
+        if split != "data" {
+            return Some(split.to_owned());
+        }
+    }
+    file.strip_prefix(root)
+        .ok()?
+        .parent()?
+        .components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .find(|c| SPLITS.contains(c))
+        .map(str::to_owned)
+}
+
+/// `("train", "00000-of-00004")` for a shard's stem `train-00000-of-00004`.
+fn shard_name(stem: &str) -> Option<(&str, &str)> {
+    let (head, total) = stem.rsplit_once("-of-")?;
+    let (split, index) = head.rsplit_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(index) && digits(total)).then_some((split, &stem[split.len() + 1..]))
+}
+
+/// How to name split `split` of `root` as an input (`file` is one of its shards): its folder,
+/// or the shards' path prefix (`DIR/data/train`).
+fn split_input(root: &Path, file: &Path, split: &str) -> String {
+    let stem = file.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    match shard_name(stem) {
+        Some((s, _)) if s == split => file.with_file_name(split).display().to_string(),
+        _ => root.join(split).display().to_string(),
+    }
+}
+
+/// `PREFIX` naming the shards `PREFIX-00000-of-0000n.{parquet,arrow}` beside it (one split of a
+/// hub dataset: `--input DIR/data/train`).
+fn split_prefix(path: &Path) -> Option<TableInput> {
+    let (dir, name) = (path.parent()?, path.file_name()?.to_str()?);
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(shard_name)
+                .is_some_and(|(split, _)| split == name)
+        })
+        .collect();
+    files.sort();
+    let format = match files.first()?.extension()?.to_str()? {
+        "parquet" => TableFormat::Parquet,
+        "arrow" => TableFormat::ArrowIpc,
+        _ => return None,
+    };
+    let ext = files.first()?.extension()?.to_owned();
+    files.retain(|f| f.extension() == Some(&ext));
+    Some(TableInput { format, files })
 }
 
 /// Files below `dir` (hidden entries and `datasets`' cache files skipped), at most 8 deep.
@@ -294,17 +382,30 @@ fn ipc_batches(
             Some("pass the .arrow files `Dataset.save_to_disk` wrote, or Parquet"),
         )
     };
+    // The schema first (a reader without projection reads only the header here), then a
+    // reader that decodes the columns wanted alone (an image column is never decoded).
+    let open_again = || {
+        std::fs::File::open(file)
+            .map(std::io::BufReader::new)
+            .map_err(|e| Error::io("open", file, e))
+    };
     let opened = contain(|| -> Result<IpcBatches> {
         let fh = std::io::BufReader::new(fh);
         Ok(if file_format {
             let r = arrow_ipc::reader::FileReader::try_new(fh, None).map_err(|e| not_arrow(&e))?;
             let idx = column_indices(&r.schema(), columns, file)?;
-            Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
+            Box::new(
+                arrow_ipc::reader::FileReader::try_new(open_again()?, Some(idx))
+                    .map_err(|e| not_arrow(&e))?,
+            )
         } else {
             let r =
                 arrow_ipc::reader::StreamReader::try_new(fh, None).map_err(|e| not_arrow(&e))?;
             let idx = column_indices(&r.schema(), columns, file)?;
-            Box::new(r.map(move |b| b.and_then(|b| b.project(&idx))))
+            Box::new(
+                arrow_ipc::reader::StreamReader::try_new(open_again()?, Some(idx))
+                    .map_err(|e| not_arrow(&e))?,
+            )
         })
     });
     let mut batches = opened.map_err(|p| not_arrow(&p))??;

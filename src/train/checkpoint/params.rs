@@ -1,11 +1,9 @@
 //! A checkpoint's fp32 params read tensor by tensor from its params file, without a host store
-//! (an export needs neither the moments nor the rest of the model in memory), or into a host
-//! store's params alone (generation needs no moments).
+//! (an export needs neither the moments nor the rest of the model in memory).
 
 use super::PARAMS_FILE;
 use crate::store::hf::ParamSource;
 use crate::store::layout::StateLayout;
-use crate::store::HostStore;
 use crate::{Error, Result};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -65,47 +63,4 @@ impl ParamSource for CheckpointParams {
             .read_exact_at(bytes, at + 4 * start as u64)
             .map_err(|e| Error::io("read", &self.path, e))
     }
-}
-
-/// Load the fp32 params of checkpoint `dir` into `store`'s params, unit by unit, after checking
-/// the checkpoint is complete and its params file matches its checksum ([`super::verify_params`]);
-/// the store's moments are left as they are. Returns the checkpoint's state.
-pub fn load_params(dir: &Path, store: &HostStore) -> Result<super::TrainState> {
-    super::verify_params(dir)?;
-    let state = super::open(dir)?;
-    if state.model != store.layout().config {
-        return Err(Error::bad_input(
-            "checkpoint",
-            dir.display().to_string(),
-            "was written for a different model configuration",
-            Some("load it with the checkpoint's own model settings"),
-        ));
-    }
-    let mut src = CheckpointParams::open(dir, store.layout())?;
-    let total = 4 * store.layout().num_params() as u64;
-    let meter = crate::util::progress::Meter::start(
-        "checkpoint read",
-        total,
-        crate::util::progress::Unit::Bytes,
-    );
-    let mut fp32 = Vec::new();
-    for u in 0..store.num_units() {
-        let mut g = store.take(u)?;
-        g.stage()?;
-        let numel = g.numel();
-        let mut sh = g.shards()?;
-        match sh.params.as_fp32() {
-            Some(p) => src.read(u, 0, p)?,
-            None => {
-                // Stored as planes: read whole, then split.
-                fp32.resize(numel, 0f32);
-                src.read(u, 0, &mut fp32)?;
-                sh.params.write(0, &fp32);
-            }
-        }
-        g.unstage();
-        meter.add(4 * numel as u64);
-    }
-    meter.finish();
-    Ok(state)
 }

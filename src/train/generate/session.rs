@@ -2,7 +2,7 @@
 //! a host store and streamed through the device of training, one sequence of the prompt plus the
 //! tokens asked for, continued by [`super::continue_ids`].
 
-use super::{continue_ids, eos_ids, Continuation, Sampling, TextCodec};
+use super::{continue_ids, Continuation, ModelDefaults, Sampling, TextCodec};
 use crate::device::Precision;
 use crate::engine::Activations;
 use crate::model::reference::Templates;
@@ -59,7 +59,7 @@ pub struct Generation {
     /// The new tokens and why they stopped.
     #[serde(flatten)]
     pub continuation: Continuation,
-    /// Their text.
+    /// Their text (what they add after the prompt's).
     pub text: String,
     /// New tokens per second (each a forward pass of the whole sequence).
     pub tokens_per_s: f64,
@@ -92,19 +92,44 @@ pub fn generate(args: &GenerateArgs, progress: &mut dyn Progress) -> Result<Gene
         (Some(t), _) => t.clone(),
         (None, Weights::Hf(dir)) => dir.clone(),
         (None, Weights::Checkpoint(dir, cfg)) => {
-            cfg.tokenizer.clone().or_else(|| cfg.init_from.clone()).ok_or_else(|| {
-                Error::bad_input(
-                    "--tokenizer",
-                    dir.display().to_string(),
-                    "the checkpoint's run named no tokenizer (nor an --init-from directory)",
-                    Some("pass --tokenizer DIR (the model's tokenizer.json), or `--tokenizer bytes` for a byte-level model"),
-                )
-            })?
+            let recorded = cfg.tokenizer.clone().or_else(|| cfg.init_from.clone());
+            match recorded {
+                Some(t) if t.as_os_str() == "bytes" || t.exists() => t,
+                Some(t) => {
+                    return Err(Error::bad_input(
+                        "--tokenizer",
+                        t.display().to_string(),
+                        format!(
+                            "the tokenizer the run of {} recorded is not there (a path relative to where it ran, or moved)",
+                            dir.display()
+                        ),
+                        Some("pass --tokenizer DIR (the model's tokenizer.json)"),
+                    ))
+                }
+                None => {
+                    return Err(Error::bad_input(
+                        "--tokenizer",
+                        dir.display().to_string(),
+                        "the checkpoint's run named no tokenizer (nor an --init-from directory)",
+                        Some("pass --tokenizer DIR (the model's tokenizer.json), or `--tokenizer bytes` for a byte-level model"),
+                    ))
+                }
+            }
         }
     };
     let codec = TextCodec::open(&tokenizer)?;
     let prompt_ids = codec.prompt_ids(&args.prompt, args.chat)?;
-    let eos = eos_ids(model_dir.as_deref().or(Some(tokenizer.as_path())), &codec);
+    let model_dir = model_dir.filter(|d| d.is_dir());
+    let defaults = ModelDefaults::read(model_dir.as_deref().or(Some(tokenizer.as_path())), &codec);
+    if defaults.eos.is_empty() {
+        progress.note("note: no end-of-sequence token is known (no generation_config.json, config.json or tokenizer EOS): generation stops at --max-new-tokens");
+    }
+    if !defaults.ignored.is_empty() && args.sampling.temperature == 0.0 {
+        progress.note(&format!(
+            "note: greedy (the model's generation_config.json sets {}; pass --temperature/--top-k to sample)",
+            defaults.ignored.join(", ")
+        ));
+    }
     let seq = prompt_ids.len() + args.sampling.max_new_tokens;
     if seq > model.max_position_embeddings {
         return Err(Error::bad_input(
@@ -177,9 +202,9 @@ pub fn generate(args: &GenerateArgs, progress: &mut dyn Progress) -> Result<Gene
     let params = store.layout().num_params();
     let mut streamer = build_streamer(&cfg, device, store, tm, Activations::Host)?;
     let started = std::time::Instant::now();
-    let continuation = continue_ids(&mut streamer, &prompt_ids, &args.sampling, &eos)?;
+    let continuation = continue_ids(&mut streamer, &prompt_ids, &args.sampling, &defaults)?;
     let secs = started.elapsed().as_secs_f64();
-    let text = codec.decode(&continuation.tokens)?;
+    let text = codec.continuation(&prompt_ids, &continuation.tokens)?;
     Ok(Generation {
         prompt_ids,
         tokens_per_s: continuation.tokens.len() as f64 / secs.max(1e-9),
