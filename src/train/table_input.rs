@@ -455,7 +455,7 @@ fn records(batch: &RecordBatch, columns: &[&str], at: &BatchAt) -> Result<Vec<Js
             let v = value(col.as_ref(), i).map_err(|why| {
                 bad(
                     format!("{}, column `{name}`", at.row(i)),
-                    why,
+                    why.to_string(),
                     Some("fix the dataset, or filter such rows out before preparing it"),
                 )
             })?;
@@ -465,30 +465,40 @@ fn records(batch: &RecordBatch, columns: &[&str], at: &BatchAt) -> Result<Vec<Js
     Ok(rows.into_iter().map(Json::Object).collect())
 }
 
+/// Why one cell cannot become a JSON value.
+#[derive(Debug, thiserror::Error)]
+enum CellError {
+    #[error("is null")]
+    Null,
+    #[error("is of type {0}, not text, a number or a list")]
+    Type(DataType),
+}
+
 /// Row `i` of `a` as JSON: strings, numbers, booleans, lists and structs of them (a chat's
 /// `messages`); a null is an error.
-fn value(a: &dyn Array, i: usize) -> std::result::Result<Json, String> {
+fn value(a: &dyn Array, i: usize) -> std::result::Result<Json, CellError> {
+    use arrow_array::types::{
+        Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type,
+        UInt32Type, UInt64Type, UInt8Type,
+    };
     if a.is_null(i) {
-        return Err("is null".into());
+        return Err(CellError::Null);
     }
     let json = match a.data_type() {
         DataType::Utf8 => Json::from(a.as_string::<i32>().value(i)),
         DataType::LargeUtf8 => Json::from(a.as_string::<i64>().value(i)),
         DataType::Utf8View => Json::from(a.as_string_view().value(i)),
         DataType::Boolean => Json::from(a.as_boolean().value(i)),
-        DataType::Int8 | DataType::Int16 | DataType::Int32 | DataType::Int64 => {
-            let v = arrow_cast_i64(a, i)?;
-            Json::from(v)
-        }
-        DataType::UInt8 | DataType::UInt16 | DataType::UInt32 | DataType::UInt64 => {
-            Json::from(arrow_cast_u64(a, i)?)
-        }
-        DataType::Float32 => Json::from(f64::from(
-            a.as_primitive::<arrow_array::types::Float32Type>().value(i),
-        )),
-        DataType::Float64 => {
-            Json::from(a.as_primitive::<arrow_array::types::Float64Type>().value(i))
-        }
+        DataType::Int8 => Json::from(a.as_primitive::<Int8Type>().value(i)),
+        DataType::Int16 => Json::from(a.as_primitive::<Int16Type>().value(i)),
+        DataType::Int32 => Json::from(a.as_primitive::<Int32Type>().value(i)),
+        DataType::Int64 => Json::from(a.as_primitive::<Int64Type>().value(i)),
+        DataType::UInt8 => Json::from(a.as_primitive::<UInt8Type>().value(i)),
+        DataType::UInt16 => Json::from(a.as_primitive::<UInt16Type>().value(i)),
+        DataType::UInt32 => Json::from(a.as_primitive::<UInt32Type>().value(i)),
+        DataType::UInt64 => Json::from(a.as_primitive::<UInt64Type>().value(i)),
+        DataType::Float32 => Json::from(f64::from(a.as_primitive::<Float32Type>().value(i))),
+        DataType::Float64 => Json::from(a.as_primitive::<Float64Type>().value(i)),
         DataType::List(_) => list(a.as_list::<i32>().value(i).as_ref())?,
         DataType::LargeList(_) => list(a.as_list::<i64>().value(i).as_ref())?,
         DataType::Struct(fields) => {
@@ -503,36 +513,14 @@ fn value(a: &dyn Array, i: usize) -> std::result::Result<Json, String> {
             }
             Json::Object(m)
         }
-        other => return Err(format!("is of type {other}, not text, a number or a list")),
+        other => return Err(CellError::Type(other.clone())),
     };
     Ok(json)
 }
 
-fn list(items: &dyn Array) -> std::result::Result<Json, String> {
+fn list(items: &dyn Array) -> std::result::Result<Json, CellError> {
     (0..items.len())
         .map(|j| value(items, j))
         .collect::<std::result::Result<Vec<_>, _>>()
         .map(Json::Array)
-}
-
-fn arrow_cast_i64(a: &dyn Array, i: usize) -> std::result::Result<i64, String> {
-    use arrow_array::types::{Int16Type, Int32Type, Int64Type, Int8Type};
-    Ok(match a.data_type() {
-        DataType::Int8 => i64::from(a.as_primitive::<Int8Type>().value(i)),
-        DataType::Int16 => i64::from(a.as_primitive::<Int16Type>().value(i)),
-        DataType::Int32 => i64::from(a.as_primitive::<Int32Type>().value(i)),
-        DataType::Int64 => a.as_primitive::<Int64Type>().value(i),
-        other => return Err(format!("is of type {other}")),
-    })
-}
-
-fn arrow_cast_u64(a: &dyn Array, i: usize) -> std::result::Result<u64, String> {
-    use arrow_array::types::{UInt16Type, UInt32Type, UInt64Type, UInt8Type};
-    Ok(match a.data_type() {
-        DataType::UInt8 => u64::from(a.as_primitive::<UInt8Type>().value(i)),
-        DataType::UInt16 => u64::from(a.as_primitive::<UInt16Type>().value(i)),
-        DataType::UInt32 => u64::from(a.as_primitive::<UInt32Type>().value(i)),
-        DataType::UInt64 => a.as_primitive::<UInt64Type>().value(i),
-        other => return Err(format!("is of type {other}")),
-    })
 }
