@@ -410,53 +410,7 @@ pub enum MomentsRestored {
 /// checked against its size and checksum on the way (a damaged file is refused naming the newest
 /// good older checkpoint). Returns the checkpoint's state.
 pub fn load_params(dir: &Path, store: &HostStore) -> Result<TrainState> {
-    let state = open(dir)?;
-    if state.model != store.layout().config {
-        return Err(Error::bad_input(
-            "checkpoint",
-            dir.display().to_string(),
-            "was written for a different model configuration",
-            Some("load it with the checkpoint's own model settings"),
-        ));
-    }
-    let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
-    let path = dir.join(PARAMS_FILE);
-    let r =
-        crate::util::direct::DirectReader::open(&path).map_err(|e| Error::io("open", &path, e))?;
-    let mut f = Checksummed::new(PARAMS_FILE.to_owned(), r);
-    let total = 4 * store.layout().num_params() as u64;
-    let meter = Meter::start("checkpoint read", total, Unit::Bytes);
-    for u in 0..store.num_units() {
-        let mut g = store.take(u)?;
-        g.stage()?;
-        let numel = g.numel();
-        let mut sh = g.shards()?;
-        let mut fp32 = Vec::new();
-        let params: &mut [f32] = match sh.params.as_fp32() {
-            Some(p) => p,
-            None => {
-                fp32.resize(numel, 0f32);
-                &mut fp32
-            }
-        };
-        // SAFETY: byte view of an f32 slice (any bytes form valid f32s).
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(params.as_mut_ptr().cast::<u8>(), params.len() * 4)
-        };
-        f.read_exact(bytes)
-            .map_err(|e| Error::io("read", path.as_path(), e))?;
-        if !fp32.is_empty() {
-            sh.params.write(0, &fp32);
-        }
-        g.unstage();
-        meter.add(4 * numel as u64);
-    }
-    f.finish(&listed).map_err(|d| match d {
-        Some(d) => refuse_naming_older(dir, &d),
-        None => Error::io("read", path.as_path(), std::io::Error::other("read failed")),
-    })?;
-    meter.finish();
-    Ok(state)
+    load_files(dir, store, Some(1)).map(|(state, _)| state)
 }
 
 /// The moment format a checkpoint's state records (checkpoints before `--adam-state`: fp32).
@@ -526,13 +480,19 @@ impl Checksummed {
 /// were converted (the checkpoint's `--adam-state` differs from the store's: fp32 → compact
 /// quantises, compact → fp32 dequantises).
 pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
-    load_files(dir, store).map_err(|e| match dir.is_dir() {
+    load_files(dir, store, None).map_err(|e| match dir.is_dir() {
         true => e,
         false => refuse(dir, &Damage::Gone, None),
     })
 }
 
-fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
+/// [`load`], or with `first: Some(n)` the first `n` of the checkpoint's files alone (1: the
+/// params, for [`load_params`]: the store's moments are left as they are).
+fn load_files(
+    dir: &Path,
+    store: &HostStore,
+    first: Option<usize>,
+) -> Result<(TrainState, MomentsRestored)> {
     let state = open(dir)?;
     if state.model != store.layout().config {
         return Err(Error::bad_input(
@@ -547,7 +507,7 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
     // back once.
     let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
     let mut readers = Vec::new();
-    for (name, _) in files(saved) {
+    for (name, _) in files(saved).into_iter().take(first.unwrap_or(usize::MAX)) {
         let path = dir.join(&name);
         // Past the page cache in 8 MiB blocks, the next read while this one is consumed; each
         // file's checksum is taken as it is read (the one read of a resume).
@@ -559,7 +519,7 @@ fn load_files(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsResto
     let total: u64 = listed
         .files
         .iter()
-        .filter(|(name, _, _)| files(saved).iter().any(|(f, _)| f == name))
+        .filter(|(name, _, _)| readers.iter().any(|(_, r)| r.name == *name))
         .map(|(_, size, _)| size)
         .sum();
     let meter = Meter::start("checkpoint read", total, Unit::Bytes);
