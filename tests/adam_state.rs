@@ -4,6 +4,8 @@
 //! an export reads a compact checkpoint.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use megatrain::store::layout::AdamState;
 use megatrain::store::placement::SpillPolicy;
 use megatrain::train::checkpoint;
@@ -233,7 +235,7 @@ fn an_int8_checkpoint_exports_like_an_fp32_one() {
         &mut Notes::default(),
     );
     let out = a.path().join("hf");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    let status = common::megatrain()
         .args(["export", "--checkpoint"])
         .arg(s.checkpoint.as_ref().unwrap())
         .arg("--out")

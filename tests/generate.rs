@@ -69,7 +69,7 @@ fn check_golden(case: &str, mut c: Command, extra: &[&str]) {
 }
 
 fn megatrain() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    common::megatrain()
 }
 
 #[test]

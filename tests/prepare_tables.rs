@@ -45,7 +45,7 @@ fn py(script: &str, args: &[&Path]) {
 }
 
 fn prepare(input: &Path, out: &Path, extra: &[&str]) -> (i32, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut c = common::megatrain();
     c.args(["prepare", "--tokenizer"])
         .arg(root().join("tests/fixtures/chat/gen"))
         .arg("--input")
@@ -87,7 +87,7 @@ fn parquet_text_equals_json_lines() {
     let want = prepare_ok(&d.join("docs.jsonl"), &d.join("a.bin"), &[]);
     assert!(want.len() > 1000);
     // Progress: every phase's end with MEGATRAIN_PROGRESS=all (here: not a terminal).
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    let out = common::megatrain()
         .env("MEGATRAIN_PROGRESS", "all")
         .args(["prepare", "--tokenizer"])
         .arg(root().join("tests/fixtures/chat/gen"))

@@ -8,7 +8,7 @@ mod common;
 use common::cli::{fixture, kill, last_line, run, s, steps_in_metrics, wait_for, MODEL};
 use megatrain::train::checkpoint;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// Issue item 1: A second run on a directory in use is refused at once, naming the holder's PID and host.
@@ -183,7 +183,7 @@ fn resume_keeps_every_earlier_metrics_line_without_duplicates() {
 fn the_demo_is_resumable() {
     let d = tempfile::tempdir().unwrap();
     let demo = |extra: &[&str]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+        let mut c = common::megatrain();
         c.args([
             "train",
             "--demo",
@@ -224,7 +224,7 @@ fn resume_refuses_another_model_and_records_changed_settings() {
         MODEL.replace("\"intermediate_size\":72", "\"intermediate_size\":80"),
     )
     .unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut c = common::megatrain();
     c.args([
         "train",
         "--model",
@@ -318,7 +318,7 @@ fn unusable_outputs_are_refused_before_training() {
         }
         args.extend(extra.iter().copied());
         let cmd = if extra[0] == "--model" {
-            let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+            let mut c = common::megatrain();
             c.args(["train", "--data", s(&f.data)]).args(&args);
             c
         } else {
@@ -405,7 +405,7 @@ fn a_late_failure_saves_the_trained_state_first_and_names_it() {
     checkpoint::verify(&saved).unwrap();
     assert!(!out.exists(), "no half-written export");
     // The rescue is a checkpoint directory like any other: it exports.
-    let mut e = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut e = common::megatrain();
     e.args(["export", "--checkpoint", s(&rescue), "--out", s(&out)]);
     let (rc, err) = run(e);
     assert_eq!(rc, 0, "{err}");
@@ -459,7 +459,7 @@ fn prepare_never_truncates_token_ids() {
     std::fs::write(&input, "hello world hello").unwrap();
     let out = d.path().join("out.bin");
     let prep = |extra: &[&str]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+        let mut c = common::megatrain();
         c.args([
             "prepare",
             "--tokenizer",
@@ -572,7 +572,7 @@ fn hostile_sizes_and_counts_are_clean_errors() {
         let mut v: serde_json::Value = serde_json::from_str(MODEL).unwrap();
         v[*key] = serde_json::from_str(value).unwrap();
         std::fs::write(&path, v.to_string()).unwrap();
-        let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+        let mut c = common::megatrain();
         c.args([
             "train",
             "--model",
@@ -593,7 +593,7 @@ fn hostile_sizes_and_counts_are_clean_errors() {
     let (rc, err) = run(f.train(&["--grad-accum", "1000000000000"]));
     assert_eq!(rc, 2);
     assert!(last_line(&err).contains("grad_accum"), "{err}");
-    let mut plan = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut plan = common::megatrain();
     plan.args([
         "plan",
         "--model",
@@ -622,7 +622,7 @@ fn a_topology_that_crashes_hwloc_is_an_error() {
     let re = regex_free_strip(&xml, " complete_nodeset=\"");
     let bad = f.path("no-complete-nodeset.xml");
     std::fs::write(&bad, re).unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut c = common::megatrain();
     c.args(["probe", "--topology", s(&bad)]);
     let (rc, err) = run(c);
     assert_eq!(rc, 2, "{err}");
@@ -707,7 +707,7 @@ fn checkpoint_problems_are_told_apart() {
             "restore the missing file",
         ),
     ] {
-        let mut e = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+        let mut e = common::megatrain();
         e.args(["export", "--checkpoint", s(dir), "--out", s(&f.path("x"))]);
         let (rc, err) = run(e);
         assert_eq!(rc, 2, "{err}");
@@ -768,7 +768,7 @@ fn bf16_gradients_without_the_bf16_recipe_are_refused() {
         last_line(&err).contains("grad_link") && last_line(&err).contains("--precision bf16"),
         "{err}"
     );
-    let mut plan = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut plan = common::megatrain();
     plan.args([
         "plan",
         "--model",

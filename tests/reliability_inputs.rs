@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::Command;
 
 fn megatrain() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    common::megatrain()
 }
 
 /// `megatrain prepare --tokenizer T --input I --out O`.

@@ -2,6 +2,8 @@
 //! checkpoint loadable, bad input is refused cleanly, and the outputs are written.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use megatrain::train::checkpoint;
 use megatrain::train::config::{LrSchedule, Resume, TrainConfig};
 use megatrain::train::{run, Progress};
@@ -293,10 +295,7 @@ fn damaged_checkpoints_are_refused_naming_the_newest_good_one() {
 }
 
 fn megatrain(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = common::megatrain().args(args).output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -305,7 +304,7 @@ fn megatrain(args: &[&str]) -> (i32, String) {
 
 /// `megatrain train` on the small model with a step count it will never reach (the test stops it).
 fn endless_run(m: &Path, d: &Path, ck: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    let mut c = common::megatrain();
     c.args([
         "train",
         "--model",

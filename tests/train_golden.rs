@@ -10,7 +10,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// `tests/golden/{case}` (e.g. `train_mha`, `sft_chat`).
 fn golden_dir(case: &str) -> PathBuf {
@@ -74,7 +73,7 @@ fn check_sft_on(case: &str, on: On) {
     let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
     let data = tmp.path().join("data.bin");
     let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/gen");
-    let output = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    let output = common::megatrain()
         .args(["prepare", "--format", s["format"].as_str().unwrap()])
         .args(["--tokenizer", tokenizer.to_str().unwrap()])
         .args(["--input", dir.join("data.jsonl").to_str().unwrap()])
@@ -112,7 +111,7 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
     // golden's micro-batch gradients are.
     let grad_link = ["--grad-link", s["grad_link"].as_str().unwrap_or("fp32")];
     let mut command = match on {
-        On::Cpu => Command::new(env!("CARGO_BIN_EXE_megatrain")),
+        On::Cpu => common::megatrain(),
         #[cfg(feature = "cuda")]
         On::Cuda { delays } => {
             let mut c = common::megatrain_cuda();
@@ -271,7 +270,7 @@ fn sft_prompt_completion_packed() {
 /// twice, and the generation goldens' greedy tokens are transformers'.
 #[test]
 fn the_goldens_command_passes_on_the_cpu_device() {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    let out = common::megatrain()
         .args(["selftest", "--device", "cpu", "--goldens"])
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden"))
         .output()
@@ -351,7 +350,7 @@ fn the_goldens_command_fails_a_moved_golden() {
             })
             .collect();
         safetensors::serialize_to_file(views, meta, &case.join("golden.safetensors")).unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        let out = common::megatrain()
             .args(["selftest", "--device", "cpu", "--goldens"])
             .arg(tmp.path())
             .output()

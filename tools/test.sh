@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: formatting, lints (default and `cuda` feature, and the CUDA emulator), every
 # test, every CUDA kernel compiled by NVRTC 12.9 and 13.0 (installed from PyPI wheels; no GPU or
-# toolkit needed), and the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh)
-# presenting CUDA 12 and CUDA 13, tools/gpu_check.sh --emulated among it.
+# toolkit needed), the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh)
+# presenting CUDA 12 and CUDA 13, tools/gpu_check.sh --emulated among it, and the aarch64 build
+# linted and tested under qemu-user (tools/test_aarch64.sh).
 # This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,14 +17,6 @@ echo "== $(date +%T) cargo clippy --all-targets --features cuda -- -D warnings (
 cargo clippy --all-targets --features cuda --quiet -- -D warnings
 echo "== $(date +%T) cargo clippy -p cuemu --all-targets -- -D warnings (the CUDA emulator)"
 cargo clippy -p cuemu --all-targets --quiet -- -D warnings
-echo "== $(date +%T) aarch64 (Grace) cross-check of the NEON paths"
-if rustup target list --installed 2>/dev/null | grep -q aarch64-unknown-linux-gnu \
-   || rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1; then
-  # `clippy` type-checks without linking, so the host's hwloc pkg-config entry is enough.
-  PKG_CONFIG_ALLOW_CROSS=1 cargo clippy --target aarch64-unknown-linux-gnu --lib --quiet -- -D warnings
-else
-  echo "SKIP: rustup could not add the aarch64-unknown-linux-gnu target (offline?); NEON paths not checked"
-fi
 echo "== $(date +%T) cargo test"
 cargo test --all-targets
 cargo test -p cuemu
@@ -42,3 +35,6 @@ CUEMU_SCHEDULES=3 cargo test --features cuda --test cuda_gpu
 cargo test --features cuda --test train_golden --test cuemu --test generate
 echo "== $(date +%T) the training goldens on the CUDA device with the emulator presenting CUDA 13"
 CUEMU_CUDA=13 cargo test --features cuda --test train_golden cuda::
+echo "== $(date +%T) aarch64 (Grace): cross-built, linted, and run under qemu-user (tools/test_aarch64.sh)"
+bash tools/test_aarch64.sh
+echo "== $(date +%T) done"

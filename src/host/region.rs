@@ -178,6 +178,11 @@ const MPOL_BIND: libc::c_int = 2;
 /// mbind flag: fail if existing pages are not on the node (there are none yet: we bind first).
 const MPOL_MF_STRICT: libc::c_uint = 1;
 
+/// The kernel has no NUMA memory policy calls (ENOSYS): built without NUMA, or qemu-user.
+fn without_numa(e: &std::io::Error) -> bool {
+    e.raw_os_error() == Some(libc::ENOSYS)
+}
+
 fn round_up(v: usize, to: usize) -> usize {
     v.div_ceil(to) * to
 }
@@ -286,6 +291,11 @@ impl Region {
         };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
+            if without_numa(&e) && node == 0 {
+                // A kernel without NUMA (CONFIG_NUMA off, or qemu-user, which does not emulate
+                // mbind) has one node, 0, that holds every page: the binding holds already.
+                return Ok(());
+            }
             return Err(Error::system(
                 "mbind",
                 format!("bind {} to NUMA node {node}", self.spec.label),
@@ -437,11 +447,12 @@ impl Region {
             )
         };
         if rc != 0 {
-            return Err(Error::system(
-                "get_mempolicy",
-                "query page node",
-                std::io::Error::last_os_error(),
-            ));
+            let e = std::io::Error::last_os_error();
+            if without_numa(&e) {
+                // One node, 0, holds every page (see `bind`).
+                return Ok(0);
+            }
+            return Err(Error::system("get_mempolicy", "query page node", e));
         }
         u32::try_from(node)
             .map_err(|_| Error::system("get_mempolicy", "query page node", "negative node"))

@@ -68,6 +68,11 @@ pub fn complete_live(m: &mut Machine) {
     };
     m.io_uring = Some(io_uring_status());
     let driver = nvidia_driver_version();
+    coherent_gpus(
+        m,
+        Path::new("/proc/driver/nvidia"),
+        Path::new("/sys/devices/system/node"),
+    );
     for gpu in &mut m.gpus {
         gpu.driver_version.clone_from(&driver);
         if gpu.link.kind == LinkKind::CoherentNvlink {
@@ -83,6 +88,49 @@ pub fn complete_live(m: &mut Machine) {
     if let Some(devs) = block_devices() {
         m.block_devices = devs;
     }
+}
+
+/// GPUs whose memory the NVIDIA driver onlined as a NUMA node (`driver/gpus/<bus id>/numa_status`
+/// names it: `Node: N`) reach the host over cache-coherent NVLink-C2C (GH200, GB200). hwloc 2.11
+/// marks such a node `GPUMemory` (read in `hwloc.rs`), but hwloc before 2.11 — Debian 12 ships
+/// 2.9 — hides it on Grace Hopper, and the GPU then looks like a PCIe device; the driver's file
+/// says what it is either way, as hwloc itself reads it. `nodes`: sysfs's node directory (the
+/// node must exist, as hwloc requires).
+fn coherent_gpus(m: &mut Machine, driver: &Path, nodes: &Path) {
+    for gpu in &mut m.gpus {
+        if gpu.link.kind == LinkKind::CoherentNvlink {
+            continue;
+        }
+        let status = driver
+            .join("gpus")
+            .join(gpu.pci_bus_id.to_lowercase())
+            .join("numa_status");
+        let Some(node) = fs::read_to_string(status)
+            .ok()
+            .and_then(|t| numa_status_node(&t))
+            .filter(|n| nodes.join(format!("node{n}")).is_dir())
+        else {
+            continue;
+        };
+        gpu.memory_numa_node = Some(node);
+        gpu.link = super::GpuLink {
+            kind: LinkKind::CoherentNvlink,
+            pcie_generation: None,
+            pcie_width: None,
+            gbytes_per_s: None,
+            inferred: false,
+        };
+    }
+}
+
+/// The node of a `numa_status` file's `Node: N` line (`-1`, or no such line: none).
+fn numa_status_node(text: &str) -> Option<u32> {
+    let value = text.lines().find_map(|l| l.trim().strip_prefix("Node:"))?;
+    value
+        .trim()
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// The memory limit of the cgroup this process runs in (`cgroup_file`: `/proc/self/cgroup`),
@@ -405,6 +453,37 @@ mod tests {
     fn write(p: &Path, text: &str) {
         fs::create_dir_all(p.parent().unwrap()).unwrap();
         fs::write(p, text).unwrap();
+    }
+
+    /// A GPU whose memory the driver onlined as a NUMA node is on NVLink-C2C with that node as its
+    /// memory, though the hwloc description (2.9 hides the node on GH200) had it on PCIe; a
+    /// `Node: -1`, a node sysfs does not have and a missing file change nothing.
+    #[test]
+    fn the_drivers_numa_status_marks_a_coherent_gpu() {
+        let fixture =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/topologies/ipa20.xml");
+        let mut m =
+            crate::topology::probe(&crate::topology::TopologySource::XmlFile(fixture)).unwrap();
+        assert!(m.gpus.len() >= 3 && m.gpus.iter().all(|g| g.link.kind == LinkKind::Pcie));
+        let t = tempfile::tempdir().unwrap();
+        let (driver, nodes) = (t.path().join("nvidia"), t.path().join("node"));
+        fs::create_dir_all(nodes.join("node1")).unwrap();
+        let status = |i: usize, text: &str| {
+            let bus = &m.gpus[i].pci_bus_id;
+            write(&driver.join("gpus").join(bus).join("numa_status"), text);
+        };
+        status(0, "Node: 1\nStatus: online\n");
+        status(1, "Node: -1\nStatus: disabled\n");
+        status(2, "Node: 7\n");
+        coherent_gpus(&mut m, &driver, &nodes);
+        assert_eq!(m.gpus[0].link.kind, LinkKind::CoherentNvlink);
+        assert_eq!(m.gpus[0].memory_numa_node, Some(1));
+        assert_eq!(m.gpus[0].link.pcie_generation, None);
+        for g in &m.gpus[1..] {
+            assert_eq!((g.link.kind, g.memory_numa_node), (LinkKind::Pcie, None));
+        }
+        assert_eq!(numa_status_node("  Node:\t3 \n"), Some(3));
+        assert_eq!(numa_status_node("Status: online"), None);
     }
 
     #[test]

@@ -51,7 +51,7 @@ impl Fixture {
 
     /// `megatrain train` on the small model with `extra` flags.
     pub fn train(&self, extra: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+        let mut c = super::megatrain();
         c.current_dir(self.dir.path())
             .args(["train", "--model"])
             .arg(&self.model)
@@ -107,7 +107,7 @@ pub fn steps_in_metrics(p: &Path) -> Vec<u64> {
 
 /// `megatrain ARGS` in `dir`, which must succeed; its stderr.
 pub fn megatrain_ok(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+    let out = super::megatrain()
         .current_dir(dir)
         .args(args)
         .output()

@@ -6,6 +6,20 @@ pub mod cli;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+/// The `megatrain` binary under test as a command, through `MEGATRAIN_TEST_RUNNER` when it is
+/// set (tools/test_aarch64.sh sets `qemu-aarch64-static` to run the aarch64 build's tests).
+pub fn megatrain() -> std::process::Command {
+    let bin = env!("CARGO_BIN_EXE_megatrain");
+    match std::env::var_os("MEGATRAIN_TEST_RUNNER") {
+        Some(runner) if !runner.is_empty() => {
+            let mut c = std::process::Command::new(runner);
+            c.arg(bin);
+            c
+        }
+        _ => std::process::Command::new(bin),
+    }
+}
+
 /// Magic string in every golden file's metadata.
 pub const MAGIC: &str = "megatrain-golden";
 /// Golden format version this code reads.

@@ -22,6 +22,13 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
             return unsafe { exp_shifted_avx2(x, shift) };
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            // SAFETY: the CPU has NEON (checked).
+            return unsafe { neon::exp_shifted(x, shift) };
+        }
+    }
     exp_shifted_body(x, shift)
 }
 
@@ -51,6 +58,68 @@ fn exp_shifted_body(x: &mut [f32], shift: f32) -> f32 {
     }
     let tail: f32 = chunks.remainder().iter().sum();
     lanes.iter().sum::<f32>() + tail
+}
+
+/// NEON in intrinsics: [`exp_neg`] four lanes at a time, with the body's 16 summing lanes as four
+/// vectors (no fused multiply-add, as in the scalar code: the same bits).
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{exp_neg, LN2_HI, LN2_LO};
+    use std::arch::aarch64::*;
+
+    #[target_feature(enable = "neon")]
+    pub unsafe fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
+        let n = x.len();
+        let body = n - n % 16;
+        let s = vdupq_n_f32(shift);
+        let mut acc = [vdupq_n_f32(0.0); 4];
+        let mut i = 0;
+        while i < body {
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 4k + 4 ≤ body ≤ n.
+                unsafe {
+                    let p = x.as_mut_ptr().add(i + 4 * k);
+                    let e = exp_neg4(vsubq_f32(vld1q_f32(p), s));
+                    vst1q_f32(p, e);
+                    *a = vaddq_f32(*a, e);
+                }
+            }
+            i += 16;
+        }
+        let tail = &mut x[body..];
+        for v in tail.iter_mut() {
+            *v = exp_neg(*v - shift);
+        }
+        let mut lanes = [0.0f32; 16];
+        for (k, a) in acc.iter().enumerate() {
+            // SAFETY: 4 lanes into lanes[4k..4k + 4].
+            unsafe { vst1q_f32(lanes.as_mut_ptr().add(4 * k), *a) };
+        }
+        let tail: f32 = tail.iter().sum();
+        lanes.iter().sum::<f32>() + tail
+    }
+
+    /// [`exp_neg`] of 4 lanes, operation for operation.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn exp_neg4(x: float32x4_t) -> float32x4_t {
+        let c = vdupq_n_f32;
+        let x = vminq_f32(vmaxq_f32(x, c(-87.0)), c(0.5));
+        let n = vrndmq_f32(vaddq_f32(vmulq_f32(x, c(std::f32::consts::LOG2_E)), c(0.5)));
+        let r = vsubq_f32(
+            vsubq_f32(x, vmulq_f32(n, c(LN2_HI))),
+            vmulq_f32(n, c(LN2_LO)),
+        );
+        let mut p = vaddq_f32(c(1.0 / 120.0), vmulq_f32(r, c(1.0 / 720.0)));
+        for k in [1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = vaddq_f32(c(k), vmulq_f32(r, p));
+        }
+        let biased = vsubq_u32(
+            vreinterpretq_u32_f32(vaddq_f32(n, c(127.0 + 8_388_608.0))),
+            vdupq_n_u32(0x4B00_0000),
+        );
+        vmulq_f32(p, vreinterpretq_f32_u32(vshlq_n_u32::<23>(biased)))
+    }
 }
 
 /// `f` compiled for the widest vector unit the CPU has (AVX-512, else AVX2 + FMA), so the
@@ -97,6 +166,10 @@ pub fn sigmoid(x: f32) -> f32 {
     }
 }
 
+/// ln 2 in two parts: `n · LN2_HI` is exact for the n of [`exp_neg`]'s range.
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+
 /// e^x for x ≤ 0 (a small positive x from rounding is fine), branch-free so it vectorises:
 /// x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its degree-6 Taylor polynomial (relative error
 /// < 2e-7), 2^n from the exponent bits; at or below −87 it returns ≈ 1.6e-38 (callers only
@@ -104,8 +177,6 @@ pub fn sigmoid(x: f32) -> f32 {
 #[inline(always)]
 fn exp_neg(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.clamp(-87.0, 0.5);
     let n = (x * LOG2E + 0.5).floor();
     let r = x - n * LN2_HI - n * LN2_LO;

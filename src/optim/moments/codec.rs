@@ -4,8 +4,8 @@
 //!
 //! The bf16 codecs and the int8 absmax are the scalar code compiled for the ISA (the compiler
 //! vectorises them); the int8 codes and their expansion gather from the quantiser's tables with
-//! explicit intrinsics. On aarch64 the scalar code is the NEON path (NEON is its baseline, so the
-//! compiler vectorises the bf16 codecs; int8 has no gather there and stays scalar).
+//! explicit intrinsics. On aarch64 every codec has a NEON path in intrinsics (NEON has no gather:
+//! the int8 table lookups are per lane, the arithmetic around them in vectors).
 
 use super::{bf16_stochastic, hash32, Quantizer};
 use crate::optim::adamw::{self, Isa};
@@ -20,6 +20,9 @@ pub fn bf16_expand(isa: Isa, src: &[u16], dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::bf16_expand_avx2(src, dst) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::bf16_expand(src, dst) },
         _ => scalar::bf16_expand(src, dst),
     }
 }
@@ -34,6 +37,9 @@ pub fn bf16_compress(isa: Isa, src: &[f32], dst: &mut [u16], index0: u32, salt: 
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::bf16_compress_avx2(src, dst, index0, salt) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::bf16_compress(src, dst, index0, salt) },
         _ => scalar::bf16_compress(src, dst, index0, salt),
     }
 }
@@ -47,6 +53,9 @@ pub fn planes_join(isa: Isa, hi: &[u16], lo: &[u16], dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::planes_join_avx2(hi, lo, dst) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::planes_join(hi, lo, dst) },
         _ => scalar::planes_join(hi, lo, dst),
     }
 }
@@ -60,6 +69,9 @@ pub fn planes_split(isa: Isa, src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::planes_split_avx2(src, hi, lo) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::planes_split(src, hi, lo) },
         _ => scalar::planes_split(src, hi, lo),
     }
 }
@@ -73,6 +85,9 @@ pub fn int8_expand(isa: Isa, q: &Quantizer, codes: &[u8], absmax: f32, dst: &mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::int8_expand_avx2(q, codes, absmax, dst) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::int8_expand(q, codes, absmax, dst) },
         _ => scalar::int8_expand(q, codes, absmax, dst, 0),
     }
 }
@@ -89,6 +104,9 @@ pub fn int8_compress(isa: Isa, q: &Quantizer, x: &[f32], codes: &mut [u8]) -> f3
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::absmax_avx2(x) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::absmax(x) },
         _ => scalar::absmax(x),
     };
     if absmax == 0.0 {
@@ -103,6 +121,9 @@ pub fn int8_compress(isa: Isa, q: &Quantizer, x: &[f32], codes: &mut [u8]) -> f3
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2 is present (checked by `usable`).
         Isa::Avx2 => unsafe { x86::int8_codes_avx2(q, x, inv, codes) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: neon is present (checked by `usable`).
+        Isa::Neon => unsafe { neon::int8_codes(q, x, inv, codes) },
         _ => scalar::int8_codes(q, x, inv, codes, 0),
     }
     absmax
@@ -305,6 +326,221 @@ mod x86 {
                 _mm_storel_epi64(codes.as_mut_ptr().add(i).cast(), joined);
             }
             i += 8;
+        }
+        scalar::int8_codes(q, &x[..n], inv, &mut codes[..n], body);
+    }
+}
+
+/// NEON (aarch64): 8 lanes of u16 or two vectors of 4 f32/u32 per iteration, the tails by the
+/// scalar reference. Integer operations, single IEEE multiplies and comparisons only, in the
+/// reference's order, so every result is its bits.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::*;
+    use std::arch::aarch64::*;
+
+    #[target_feature(enable = "neon")]
+    pub unsafe fn bf16_expand(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let body = n - n % 8;
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 ≤ n, the length of both slices' used part.
+            unsafe {
+                let h = vld1q_u16(src.as_ptr().add(i));
+                let d = dst.as_mut_ptr().add(i);
+                vst1q_u32(d.cast(), vshll_n_u16::<16>(vget_low_u16(h)));
+                vst1q_u32(d.add(4).cast(), vshll_high_n_u16::<16>(h));
+            }
+            i += 8;
+        }
+        scalar::bf16_expand(&src[body..n], &mut dst[body..n]);
+    }
+
+    /// [`bf16_stochastic`] of 4 lanes whose element indices are `idx`.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn stochastic4(b: uint32x4_t, idx: uint32x4_t, salt: uint32x4_t) -> uint16x4_t {
+        // hash32 (lowbias32) of idx ^ salt, as [`hash32`].
+        let mut h = veorq_u32(idx, salt);
+        h = veorq_u32(h, vshrq_n_u32::<16>(h));
+        h = vmulq_u32(h, vdupq_n_u32(0x7feb_352d));
+        h = veorq_u32(h, vshrq_n_u32::<15>(h));
+        h = vmulq_u32(h, vdupq_n_u32(0x846c_a68b));
+        h = veorq_u32(h, vshrq_n_u32::<16>(h));
+        let magnitude = vandq_u32(b, vdupq_n_u32(0x7fff_ffff));
+        let finite = vcltq_u32(magnitude, vdupq_n_u32(0x7f80_0000));
+        let noise = vandq_u32(vshrq_n_u32::<16>(h), finite);
+        let rounded = vshrq_n_u32::<16>(vaddq_u32(b, noise));
+        let nan = vcgtq_u32(magnitude, vdupq_n_u32(0x7f80_0000));
+        vmovn_u32(vorrq_u32(rounded, vandq_u32(nan, vdupq_n_u32(0x0040))))
+    }
+
+    #[target_feature(enable = "neon")]
+    pub unsafe fn bf16_compress(src: &[f32], dst: &mut [u16], index0: u32, salt: u32) {
+        let n = src.len().min(dst.len());
+        let body = n - n % 8;
+        let lanes: [u32; 4] = [0, 1, 2, 3];
+        // SAFETY: a 4-element array.
+        let lanes = unsafe { vld1q_u32(lanes.as_ptr()) };
+        let salt_v = vdupq_n_u32(salt);
+        let mut i = 0;
+        while i < body {
+            let idx = vaddq_u32(vdupq_n_u32(index0.wrapping_add(i as u32)), lanes);
+            let idx_hi = vaddq_u32(idx, vdupq_n_u32(4));
+            // SAFETY: i + 8 ≤ n, the length of both slices' used part.
+            unsafe {
+                let x = src.as_ptr().add(i).cast::<u32>();
+                let lo = stochastic4(vld1q_u32(x), idx, salt_v);
+                let hi = stochastic4(vld1q_u32(x.add(4)), idx_hi, salt_v);
+                vst1q_u16(dst.as_mut_ptr().add(i), vcombine_u16(lo, hi));
+            }
+            i += 8;
+        }
+        scalar::bf16_compress(
+            &src[body..n],
+            &mut dst[body..n],
+            index0.wrapping_add(body as u32),
+            salt,
+        );
+    }
+
+    #[target_feature(enable = "neon")]
+    pub unsafe fn planes_join(hi: &[u16], lo: &[u16], dst: &mut [f32]) {
+        let n = hi.len().min(lo.len()).min(dst.len());
+        let body = n - n % 8;
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 ≤ n, the length of every slice's used part.
+            unsafe {
+                let h = vld1q_u16(hi.as_ptr().add(i));
+                let l = vld1q_u16(lo.as_ptr().add(i));
+                // All ones (−1) where lo > 0x8000: adding it takes the borrow from hi.
+                let h = vaddq_u16(h, vcgtq_u16(l, vdupq_n_u16(0x8000)));
+                // (lo, hi) pairs are little-endian u32s: hi << 16 | lo.
+                let d = dst.as_mut_ptr().add(i).cast::<u16>();
+                vst1q_u16(d, vzip1q_u16(l, h));
+                vst1q_u16(d.add(8), vzip2q_u16(l, h));
+            }
+            i += 8;
+        }
+        scalar::planes_join(&hi[body..n], &lo[body..n], &mut dst[body..n]);
+    }
+
+    /// [`planes::split`] of 4 lanes: (hi, lo).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn split4(b: uint32x4_t) -> (uint16x4_t, uint16x4_t) {
+        let magnitude = vandq_u32(b, vdupq_n_u32(0x7fff_ffff));
+        let nan = vcgtq_u32(magnitude, vdupq_n_u32(0x7f80_0000));
+        let quiet = vandq_u32(
+            vorrq_u32(b, vdupq_n_u32(0x0040_0000)),
+            vdupq_n_u32(0xffff_0000),
+        );
+        let b = vbslq_u32(nan, quiet, b);
+        (
+            vshrn_n_u32::<16>(vaddq_u32(b, vdupq_n_u32(0x7fff))),
+            vmovn_u32(b),
+        )
+    }
+
+    #[target_feature(enable = "neon")]
+    pub unsafe fn planes_split(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+        let n = src.len().min(hi.len()).min(lo.len());
+        let body = n - n % 8;
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 ≤ n, the length of every slice's used part.
+            unsafe {
+                let x = src.as_ptr().add(i).cast::<u32>();
+                let (h0, l0) = split4(vld1q_u32(x));
+                let (h1, l1) = split4(vld1q_u32(x.add(4)));
+                vst1q_u16(hi.as_mut_ptr().add(i), vcombine_u16(h0, h1));
+                vst1q_u16(lo.as_mut_ptr().add(i), vcombine_u16(l0, l1));
+            }
+            i += 8;
+        }
+        scalar::planes_split(&src[body..n], &mut hi[body..n], &mut lo[body..n]);
+    }
+
+    /// The largest magnitude's bits (max is order-free: the scalar fold's result).
+    #[target_feature(enable = "neon")]
+    pub unsafe fn absmax(x: &[f32]) -> f32 {
+        let n = x.len();
+        let body = n - n % 8;
+        let mask = vdupq_n_u32(0x7fff_ffff);
+        let (mut a0, mut a1) = (vdupq_n_u32(0), vdupq_n_u32(0));
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 ≤ n.
+            unsafe {
+                let p = x.as_ptr().add(i).cast::<u32>();
+                a0 = vmaxq_u32(a0, vandq_u32(vld1q_u32(p), mask));
+                a1 = vmaxq_u32(a1, vandq_u32(vld1q_u32(p.add(4)), mask));
+            }
+            i += 8;
+        }
+        let body_max = vmaxvq_u32(vmaxq_u32(a0, a1));
+        f32::from_bits(body_max.max(scalar::absmax(&x[body..]).to_bits()))
+    }
+
+    /// `q.value(code) · absmax`: the values read per lane (no gather), multiplied 4 at a time.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn int8_expand(q: &Quantizer, codes: &[u8], absmax: f32, dst: &mut [f32]) {
+        let n = dst.len().min(codes.len());
+        let body = n - n % 4;
+        let scale = vdupq_n_f32(absmax);
+        let mut i = 0;
+        while i < body {
+            let v = [
+                q.value(codes[i]),
+                q.value(codes[i + 1]),
+                q.value(codes[i + 2]),
+                q.value(codes[i + 3]),
+            ];
+            // SAFETY: a 4-element array; i + 4 ≤ n.
+            unsafe {
+                vst1q_f32(
+                    dst.as_mut_ptr().add(i),
+                    vmulq_f32(vld1q_f32(v.as_ptr()), scale),
+                )
+            };
+            i += 4;
+        }
+        scalar::int8_expand(q, &codes[..n], absmax, &mut dst[..n], body);
+    }
+
+    /// [`Quantizer::code`] of `x · inv`, 4 lanes: the product, its order key and LUT slot in
+    /// vectors, the LUT and midpoint reads per lane, the comparison in a vector.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn int8_codes(q: &Quantizer, x: &[f32], inv: f32, codes: &mut [u8]) {
+        let n = x.len().min(codes.len());
+        let body = n - n % 4;
+        let inv_v = vdupq_n_f32(inv);
+        let sign = vdupq_n_u32(0x8000_0000);
+        let (mut slots, mut c, mut mids) = ([0u32; 4], [0u32; 4], [0f32; 4]);
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 4 ≤ n; 4-element arrays.
+            unsafe {
+                let y = vmulq_f32(vld1q_f32(x.as_ptr().add(i)), inv_v);
+                let b = vreinterpretq_u32_f32(y);
+                let negative = vreinterpretq_u32_s32(vshrq_n_s32::<31>(vreinterpretq_s32_u32(b)));
+                let key = veorq_u32(b, vorrq_u32(negative, sign));
+                vst1q_u32(slots.as_mut_ptr(), vshrq_n_u32::<16>(key));
+                for l in 0..4 {
+                    c[l] = u32::from(q.lut[slots[l] as usize]);
+                    mids[l] = q.mids[c[l] as usize];
+                }
+                // All ones (−1) where the midpoint is below: subtracting adds 1.
+                let up = vcltq_f32(vld1q_f32(mids.as_ptr()), y);
+                let code = vsubq_u32(vld1q_u32(c.as_ptr()), up);
+                let bytes = vmovn_u16(vcombine_u16(vmovn_u32(code), vdup_n_u16(0)));
+                let mut out = [0u8; 8];
+                vst1_u8(out.as_mut_ptr(), bytes);
+                codes[i..i + 4].copy_from_slice(&out[..4]);
+            }
+            i += 4;
         }
         scalar::int8_codes(q, &x[..n], inv, &mut codes[..n], body);
     }
