@@ -513,13 +513,7 @@ fn gpus(topo: &Topology, numa: &[NumaNode]) -> Vec<GpuScan> {
             pci_ids::nvidia_model(attr.device_id()).filter(|_| attr.vendor_id() == NVIDIA_VENDOR);
         let speed = f64::from(attr.link_speed());
         let link = if memory_node.is_some() {
-            GpuLink {
-                kind: LinkKind::CoherentNvlink,
-                pcie_generation: None,
-                pcie_width: None,
-                gbytes_per_s: None,
-                inferred: false,
-            }
+            GpuLink::coherent_nvlink()
         } else {
             let inferred = pci_ids::infer_pcie(speed);
             GpuLink {

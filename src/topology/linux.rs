@@ -113,13 +113,7 @@ fn coherent_gpus(m: &mut Machine, driver: &Path, nodes: &Path) {
             continue;
         };
         gpu.memory_numa_node = Some(node);
-        gpu.link = super::GpuLink {
-            kind: LinkKind::CoherentNvlink,
-            pcie_generation: None,
-            pcie_width: None,
-            gbytes_per_s: None,
-            inferred: false,
-        };
+        gpu.link = super::GpuLink::coherent_nvlink();
     }
 }
 

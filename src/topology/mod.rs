@@ -273,6 +273,19 @@ pub struct GpuLink {
     pub inferred: bool,
 }
 
+impl GpuLink {
+    /// Cache-coherent NVLink to the CPU: the GPU's memory is a NUMA node (no PCIe figures).
+    pub fn coherent_nvlink() -> Self {
+        GpuLink {
+            kind: LinkKind::CoherentNvlink,
+            pcie_generation: None,
+            pcie_width: None,
+            gbytes_per_s: None,
+            inferred: false,
+        }
+    }
+}
+
 /// An NVIDIA GPU.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Gpu {
