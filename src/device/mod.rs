@@ -194,6 +194,19 @@ impl<T> HostRef<T> {
         }
     }
 
+    /// From a shared slice, for a copy that only reads it (a host-to-device source): others
+    /// may read the memory meanwhile (a checkpoint snapshot), nobody may write it.
+    ///
+    /// # Safety
+    /// The slice's memory must outlive the copies and not be written meanwhile; the view must
+    /// only be a copy's source.
+    pub unsafe fn from_shared(s: &[T]) -> Self {
+        HostRef {
+            ptr: s.as_ptr().cast_mut(),
+            len: s.len(),
+        }
+    }
+
     /// Elements.
     pub fn len(&self) -> usize {
         self.len

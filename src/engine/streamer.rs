@@ -23,7 +23,7 @@ use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{piece_segments, unit_segments, AdamJob, AdamPool, Salts};
 use crate::store::layout::{MasterFormat, Mode, StateLayout};
-use crate::store::{HostBuffer, HostStore, Master, UnitGuard};
+use crate::store::{HostBuffer, HostStore, MasterRef, UnitGuard};
 use crate::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -758,21 +758,23 @@ impl Streamer {
                 let dst = self.buf(*to);
                 let g = self.guard(*unit)?;
                 let label = format!("weights unit {unit}");
-                match g.master() {
-                    Master::Fp32(params) => Cmd::HtoD {
+                // Read-only: a checkpoint snapshot of the previous step may be reading them too.
+                match g.master_ref() {
+                    MasterRef::Fp32(params) => Cmd::HtoD {
                         dst,
                         offset: 0,
                         // SAFETY: the guard stays in `self.guards` until an AdamW op takes it,
-                        // and the schedule orders that op after this copy's completion event.
-                        src: unsafe { HostRef::from_slice(params) },
+                        // and the schedule orders that op after this copy's completion event;
+                        // the copy only reads.
+                        src: unsafe { HostRef::from_shared(params) },
                         label,
                     },
                     // The high plane is the bf16 copy: it streams as is.
-                    Master::Planes { hi, .. } => Cmd::HtoDBf16 {
+                    MasterRef::Planes { hi, .. } => Cmd::HtoDBf16 {
                         dst,
                         offset: 0,
                         // SAFETY: as for fp32 params.
-                        src: unsafe { HostRef::from_slice(hi) },
+                        src: unsafe { HostRef::from_shared(hi) },
                         label,
                     },
                 }

@@ -81,6 +81,17 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         "  gradients   {}\n",
         grad_link::grad_link_line(&p.grad_link, ms)
     );
+    let c = &p.checkpoint;
+    s += &format!(
+        "  checkpoint  {} at {:.1} GB/s{}: {} to write beside the next step, whose first update comes {} in: {:.0}% hidden, {} added per checkpoint\n",
+        hb(c.bytes),
+        c.disk_gbps,
+        if c.disk_assumed { " (assumed: one NVMe drive; `bench nvme --json` as --calibration measures it)" } else { "" },
+        ms(c.write_s),
+        ms(c.window_s),
+        100.0 * c.hidden,
+        ms(c.stall_s),
+    );
     if p.active_params < p.params {
         s += match req.bf16 {
             true => "  note        the experts' GEMMs run one expert at a time (bf16 operands, cublasGemmEx), predicted at the dense GEMMs' \

@@ -342,6 +342,15 @@ impl StateLayout {
         }
     }
 
+    /// Bytes of a checkpoint's tensor files: fp32 params (whatever the master's format) and
+    /// Adam m and v as held.
+    pub fn checkpoint_bytes(&self) -> u64 {
+        self.units
+            .iter()
+            .map(|u| 4 * u.numel as u64 + 2 * self.adam.moment_bytes_unaligned(u.numel) as u64)
+            .sum()
+    }
+
     /// All host bytes the state needs.
     pub fn total_bytes(&self) -> u64 {
         self.kinds().map(|k| self.kind_bytes(k)).sum::<u64>() + self.lean_grad_buffer_bytes()

@@ -17,12 +17,27 @@ pub enum Master<'a> {
     },
 }
 
-impl Master<'_> {
+/// A read-only view of a unit's fp32 master: what device copies and checkpoint snapshots read
+/// (several readers at once; see [`super::snapshot`]).
+#[derive(Debug, Clone, Copy)]
+pub enum MasterRef<'a> {
+    /// One fp32 array.
+    Fp32(&'a [f32]),
+    /// The high and low planes.
+    Planes {
+        /// High halves (the bf16 copy).
+        hi: &'a [u16],
+        /// Low halves.
+        lo: &'a [u16],
+    },
+}
+
+impl MasterRef<'_> {
     /// Elements.
     pub fn len(&self) -> usize {
         match self {
-            Master::Fp32(p) => p.len(),
-            Master::Planes { hi, .. } => hi.len(),
+            MasterRef::Fp32(p) => p.len(),
+            MasterRef::Planes { hi, .. } => hi.len(),
         }
     }
 
@@ -35,8 +50,8 @@ impl Master<'_> {
     pub fn read(&self, start: usize, dst: &mut [f32]) {
         let r = start..start + dst.len();
         match self {
-            Master::Fp32(p) => dst.copy_from_slice(&p[r]),
-            Master::Planes { hi, lo } => planes::join_into(&hi[r.clone()], &lo[r], dst),
+            MasterRef::Fp32(p) => dst.copy_from_slice(&p[r]),
+            MasterRef::Planes { hi, lo } => planes::join_into(&hi[r.clone()], &lo[r], dst),
         }
     }
 
@@ -45,6 +60,36 @@ impl Master<'_> {
         let mut v = vec![0f32; self.len()];
         self.read(0, &mut v);
         v
+    }
+}
+
+impl Master<'_> {
+    /// The same memory, read-only.
+    pub fn view(&self) -> MasterRef<'_> {
+        match self {
+            Master::Fp32(p) => MasterRef::Fp32(p),
+            Master::Planes { hi, lo } => MasterRef::Planes { hi, lo },
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.view().len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `start..start + dst.len()` as fp32 into `dst`.
+    pub fn read(&self, start: usize, dst: &mut [f32]) {
+        self.view().read(start, dst)
+    }
+
+    /// Every element as fp32.
+    pub fn to_vec(&self) -> Vec<f32> {
+        self.view().to_vec()
     }
 
     /// Set elements `start..start + src.len()` to `src`.

@@ -12,6 +12,7 @@ mod master;
 mod mxfp4;
 pub mod placement;
 pub mod planes;
+mod snapshot;
 
 use crate::host::{HostRegistrar, PageKind, Region, RegionSpec};
 use crate::spill::extents::SpillConfig;
@@ -20,11 +21,13 @@ use crate::spill::tier::{Lease, SpillStats, SpillTier, TierConfig, TierUnit};
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use layout::{MasterFormat, ShardKind, StateLayout};
-pub use master::Master;
+pub use master::{Master, MasterRef};
 use placement::Placement;
+pub use snapshot::{FrozenUnit, Snapshot};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Options for allocating the store.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -105,6 +108,8 @@ struct Inner {
     /// `locs[unit][kind]`.
     locs: Vec<UnitLocs>,
     busy: Vec<AtomicBool>,
+    /// Units a [`Snapshot`] is reading: their params and moments are not written until thawed.
+    frozen: snapshot::Frozen,
     spill: Option<SpillTier>,
 }
 
@@ -138,6 +143,7 @@ impl HostStore {
             .map(|_| AtomicBool::new(false))
             .collect();
         let spill = open_spill_tier(&layout, &placement, opts)?;
+        let frozen = snapshot::Frozen::new(layout.units.len());
         Ok(HostStore {
             inner: Arc::new(Inner {
                 layout,
@@ -145,6 +151,7 @@ impl HostStore {
                 regions,
                 locs,
                 busy,
+                frozen,
                 spill,
             }),
         })
@@ -220,7 +227,44 @@ impl HostStore {
             })
     }
 
-    /// Exclusive access to `unit`'s shards. Fails if another guard for it is out.
+    /// Time writers of frozen units have waited for a snapshot to thaw them, in total.
+    pub fn snapshot_wait(&self) -> Duration {
+        self.inner.frozen.waited()
+    }
+
+    /// Where `unit`'s Adam moment `kind` lies: its RAM shard, else its slot in `lease` (its
+    /// staged NVMe shards); `None` for a unit without that shard.
+    fn moment_ptr(
+        &self,
+        unit: usize,
+        kind: ShardKind,
+        lease: Option<&Lease>,
+    ) -> Result<Option<*mut u8>> {
+        if let Ok(loc) = self.loc(unit, kind) {
+            let region = &self.inner.regions[loc.region];
+            // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
+            return Ok(Some(unsafe { region.as_ptr().add(loc.offset) }));
+        }
+        match lease {
+            Some(l) => Ok(self
+                .placement()
+                .spill
+                .as_ref()
+                .and_then(|p| p.kinds.iter().position(|k| *k == kind))
+                .and_then(|i| l.shard_ptr(i))
+                .map(|p| p.cast())),
+            None if self.is_spilled(unit) => Err(Error::system(
+                "host store",
+                format!("access unit {unit}"),
+                "its optimizer state is on NVMe and not staged",
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// Exclusive access to `unit`'s shards. Fails if another guard for it is out. A guard of a
+    /// unit a [`Snapshot`] holds frozen may read its params ([`UnitGuard::master_ref`]); what
+    /// writes them waits for the thaw.
     pub fn take(&self, unit: usize) -> Result<UnitGuard> {
         let flag = self.inner.busy.get(unit).ok_or_else(|| {
             Error::bad_input(
@@ -368,6 +412,9 @@ impl UnitGuard {
     /// Stage the unit's spilled shards (Adam m/v on NVMe) into RAM, waiting for the read.
     /// No-op for a unit whose shards are all in RAM or that is already staged.
     pub fn stage(&mut self) -> Result<()> {
+        // Staging is the first step of an update: it waits, like the update, for a snapshot
+        // reading the unit (which also leases its staged shards).
+        self.store.inner.frozen.wait(self.unit);
         if self.lease.is_none() {
             if let Some(t) = self.store.spill().filter(|t| t.holds(self.unit)) {
                 self.lease = Some(t.lease(self.unit)?);
@@ -388,37 +435,19 @@ impl UnitGuard {
         }
     }
 
-    /// All shards as slices. Spilled shards must be staged first ([`UnitGuard::stage`]).
+    /// All shards as slices, to write them: waits while a [`Snapshot`] holds the unit frozen.
+    /// Spilled shards must be staged first ([`UnitGuard::stage`]).
     pub fn shards(&mut self) -> Result<UnitShards<'_>> {
+        self.store.inner.frozen.wait(self.unit);
         let n = self.numel();
         let f32s = |p: Option<*mut u8>| {
             // SAFETY: the shard holds ≥ n elements (shard_bytes rounds numel·size up), is 4 KiB
             // aligned, lives as long as the store (or the lease, for a staged shard), and this
-            // guard is the unit's only accessor; distinct kinds are distinct, non-overlapping
-            // shards.
+            // guard is the unit's only accessor (no snapshot reads it: it is thawed); distinct
+            // kinds are distinct, non-overlapping shards.
             p.map(|p| unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) })
         };
-        let moment = |kind: ShardKind| -> Result<Option<*mut u8>> {
-            if let Some(p) = self.ptr(kind) {
-                return Ok(Some(p));
-            }
-            match &self.lease {
-                Some(l) => Ok(self
-                    .store
-                    .placement()
-                    .spill
-                    .as_ref()
-                    .and_then(|p| p.kinds.iter().position(|k| *k == kind))
-                    .and_then(|i| l.shard_ptr(i))
-                    .map(|p| p.cast())),
-                None if self.store.is_spilled(self.unit) => Err(Error::system(
-                    "host store",
-                    format!("access unit {}", self.unit),
-                    "its optimizer state is on NVMe and not staged",
-                )),
-                None => Ok(None),
-            }
-        };
+        let moment = |kind| self.store.moment_ptr(self.unit, kind, self.lease.as_ref());
         let (pm, pv) = (moment(ShardKind::AdamM)?, moment(ShardKind::AdamV)?);
         let params = self.master_at(self.ptr(ShardKind::Params));
         let grads = f32s(self.ptr(ShardKind::Grads));
@@ -475,14 +504,54 @@ impl UnitGuard {
         }
     }
 
-    /// The fp32 master params.
+    /// The fp32 master params, to write them: waits while a [`Snapshot`] holds the unit frozen.
     pub fn master(&mut self) -> Master<'_> {
+        self.store.inner.frozen.wait(self.unit);
         self.master_at(self.ptr(ShardKind::Params))
+    }
+
+    /// The fp32 master params, to read them (a device copy of the weights): no wait, since a
+    /// snapshot only reads them too.
+    pub fn master_ref(&self) -> MasterRef<'_> {
+        self.store.master_ref(self.unit)
     }
 
     /// The fp32 grads, in exact mode.
     pub fn grads(&mut self) -> Option<&mut [f32]> {
         self.f32_view(ShardKind::Grads)
+    }
+}
+
+impl HostStore {
+    /// `unit`'s params read-only. The caller holds the unit's guard or its frozen snapshot
+    /// entry: nobody writes them while the view lives.
+    fn master_ref(&self, unit: usize) -> MasterRef<'_> {
+        let Ok(loc) = self.loc(unit, ShardKind::Params) else {
+            return MasterRef::Fp32(&[]);
+        };
+        // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
+        let p = unsafe { self.inner.regions[loc.region].as_ptr().add(loc.offset) };
+        let n = self.inner.layout.units[unit].numel;
+        match self.layout().master {
+            MasterFormat::Fp32 => {
+                // SAFETY: the params shard holds ≥ n f32s, is 4 KiB aligned and lives as long
+                // as the store; writers (an update through `shards`/`master`) are excluded by
+                // the caller's guard or snapshot, readers may share it.
+                let p = unsafe { std::slice::from_raw_parts(p.cast::<f32>(), n) };
+                MasterRef::Fp32(p)
+            }
+            MasterFormat::Planes => {
+                let lo_at = self.layout().lo_plane_offset(unit);
+                // SAFETY: as `master_at`: two planes of ≥ 2·n bytes each, in bounds and
+                // aligned; shared as for fp32.
+                unsafe {
+                    MasterRef::Planes {
+                        hi: std::slice::from_raw_parts(p.cast::<u16>(), n),
+                        lo: std::slice::from_raw_parts(p.add(lo_at).cast::<u16>(), n),
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -650,7 +719,8 @@ mod tests {
     use crate::model::config::ModelConfig;
     use crate::topology::{probe, TopologySource};
 
-    fn store(mode: Mode) -> HostStore {
+    /// A 3-layer store of `mode`, placed on this machine.
+    pub(super) fn store(mode: Mode) -> HostStore {
         let cfg = ModelConfig::from_json_str(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
             "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300}"#,

@@ -11,11 +11,11 @@ use super::data::Cursor;
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, ShardKind, StateLayout};
-use crate::store::{HostStore, Master};
+use crate::store::HostStore;
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Checkpoint format version written (2: run identity and configuration history; 3: moment
@@ -23,10 +23,12 @@ use std::path::{Path, PathBuf};
 pub const FORMAT: u32 = 3;
 mod params;
 mod verify;
+mod write;
 
 pub use params::CheckpointParams;
 pub use verify::{check_complete, verify, verify_params, Damage};
 use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
+pub use write::{owns, remove_leftovers, save, start, InFlight, Written};
 
 const PARAMS_FILE: &str = "params.f32";
 
@@ -47,11 +49,7 @@ fn files(state: AdamState) -> [(String, ShardKind); 3] {
 
 /// Bytes of a checkpoint's tensor files for `layout`.
 pub fn tensor_bytes(layout: &StateLayout) -> u64 {
-    layout
-        .units
-        .iter()
-        .map(|u| 4 * u.numel as u64 + 2 * layout.adam.moment_bytes_unaligned(u.numel) as u64)
-        .sum()
+    layout.checkpoint_bytes()
 }
 
 /// One setting changed when a run was resumed.
@@ -88,210 +86,6 @@ pub struct TrainState {
     /// Settings changed on each resume, oldest first.
     #[serde(default)]
     pub changes: Vec<ConfigChange>,
-}
-
-/// True for the entries of a checkpoint directory that its run creates, replaces and deletes:
-/// checkpoints (`step-*`), their temporary and pruned forms (`.step-*`), the lock file.
-pub fn owns(name: &str) -> bool {
-    name.starts_with("step-") || name.starts_with(".step-") || name == crate::util::lock::LOCK_FILE
-}
-
-fn dir_name(step: u64) -> String {
-    format!("step-{step:08}")
-}
-
-fn fsync_dir(d: &Path) {
-    if let Ok(f) = std::fs::File::open(d) {
-        let _ = f.sync_all();
-    }
-}
-
-/// Write a checkpoint of `store` and `state` under `root`; keep the newest `keep` of this run
-/// (`state.run_id`); checkpoints of other runs are never deleted. The caller owns `root` (holds
-/// its [`crate::util::lock::DirLock`]), so unfinished temporary directories there belong to
-/// dead writers and are removed.
-pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> Result<PathBuf> {
-    std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
-    let final_dir = root.join(dir_name(state.step));
-    let tmp = root.join(format!(
-        ".{}.tmp-{}",
-        dir_name(state.step),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&tmp);
-    let result = (|| -> Result<()> {
-        std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-        // One pass over the units, all three files at once: a spilled unit's m/v are staged
-        // (read from NVMe) once, not once per file.
-        // Written past the page cache (O_DIRECT) where the filesystem allows.
-        struct Out {
-            path: PathBuf,
-            w: crate::util::direct::DirectWriter,
-            crc: u32,
-            size: u64,
-        }
-        let mut outs = Vec::new();
-        let names = files(store.layout().adam);
-        for (name, _) in &names {
-            let path = tmp.join(name);
-            let w = crate::util::direct::DirectWriter::create(&path)
-                .map_err(|e| Error::io("create", &path, e))?;
-            outs.push(Out {
-                path,
-                w,
-                crc: 0,
-                size: 0,
-            });
-        }
-        let meter = Meter::start(
-            "checkpoint write",
-            tensor_bytes(store.layout()),
-            Unit::Bytes,
-        );
-        for u in 0..store.num_units() {
-            let mut g = store.take(u)?;
-            g.stage()?; // optimizer state on NVMe: read it in (no-op in RAM)
-            let sh = g.shards()?;
-            // The file holds fp32 params whatever the master's format: planes are joined.
-            let joined;
-            let params: &[f32] = match &sh.params {
-                Master::Fp32(p) => p,
-                planes => {
-                    joined = planes.to_vec();
-                    &joined
-                }
-            };
-            // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
-            // the file is little-endian like the host (see hf.rs's guard).
-            let params = unsafe {
-                std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4)
-            };
-            for (o, bytes) in outs.iter_mut().zip([params, &*sh.m, &*sh.v]) {
-                o.crc = crc32c::crc32c_append(o.crc, bytes);
-                o.size += bytes.len() as u64;
-                crate::util::failpoint::check("checkpoint")
-                    .and_then(|()| o.w.write_all(bytes))
-                    .map_err(|e| Error::io("write", &o.path, e))?;
-                meter.add(bytes.len() as u64);
-            }
-            g.unstage_clean();
-        }
-        let mut files = Vec::new();
-        for (o, (name, _)) in outs.into_iter().zip(names) {
-            o.w.finish()
-                .map_err(|e| Error::io("write and fsync", &o.path, e))?;
-            files.push((name, o.size, o.crc));
-        }
-        meter.finish();
-        let state_json = serde_json::to_vec_pretty(state)
-            .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
-        let sp = tmp.join("state.json");
-        crate::util::write_atomic(&sp, &state_json)?;
-        files.push((
-            "state.json".into(),
-            state_json.len() as u64,
-            crc32c::crc32c(&state_json),
-        ));
-        let manifest = serde_json::to_vec_pretty(&Manifest {
-            format: FORMAT,
-            files,
-        })
-        .map_err(|e| Error::system("serde_json", "manifest", e))?;
-        crate::util::write_atomic(&tmp.join(MANIFEST), &manifest)?;
-        fsync_dir(&tmp);
-        // An existing checkpoint of this step is renamed aside, the new one renamed into place,
-        // and only then the old one deleted: no moment without a `step-N`.
-        let old = final_dir
-            .exists()
-            .then(|| aside(root, &final_dir, "replaced"));
-        if let Some(old) = &old {
-            let _ = std::fs::remove_dir_all(old);
-            std::fs::rename(&final_dir, old)
-                .map_err(|e| Error::io("replace checkpoint", &final_dir, e))?;
-        }
-        if let Err(e) = std::fs::rename(&tmp, &final_dir) {
-            if let Some(old) = &old {
-                let _ = std::fs::rename(old, &final_dir);
-            }
-            return Err(Error::io("rename checkpoint into place", &final_dir, e));
-        }
-        fsync_dir(root);
-        if let Some(old) = &old {
-            let _ = std::fs::remove_dir_all(old);
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    result?;
-    // Keep this run's newest `keep` checkpoints, and clean temporary directories of dead writers.
-    let mut ours: Vec<(u64, PathBuf)> = list(root)?
-        .into_iter()
-        .filter(|(_, d)| {
-            read_state(d).is_ok_and(|st| st.run_id.is_some() && st.run_id == state.run_id)
-        })
-        .collect();
-    ours.sort();
-    while ours.len() > keep.max(1) {
-        let (_, d) = ours.remove(0);
-        let _ = discard(root, &d);
-    }
-    remove_leftovers(root, Some(std::process::id()));
-    Ok(final_dir)
-}
-
-/// Delete the checkpoint `dir` under `root` so that no kill leaves half of it under its name:
-/// renamed away first (`.step-….pruned-PID`, which [`remove_leftovers`] finishes if this
-/// process dies), then removed.
-fn discard(root: &Path, dir: &Path) -> std::io::Result<()> {
-    let away = aside(root, dir, "pruned");
-    let _ = std::fs::remove_dir_all(&away);
-    std::fs::rename(dir, &away)?;
-    fsync_dir(root);
-    std::fs::remove_dir_all(&away)
-}
-
-/// Where the checkpoint `dir` under `root` goes while it is deleted (`why` "pruned":
-/// `.step-….pruned-PID`, deleted next) or while a new checkpoint of its step takes its name
-/// ("replaced": whole until the new one is in place).
-fn aside(root: &Path, dir: &Path, why: &str) -> PathBuf {
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    root.join(format!(".{name}.{why}-{}", std::process::id()))
-}
-
-/// Remove what dead writers of `root` left: unfinished checkpoints (`.step-….tmp-PID`),
-/// half-pruned ones (`.step-….pruned-PID`) and replaced ones (`.step-N.replaced-PID`) —
-/// except that a replaced checkpoint whose `step-N` never arrived is renamed back (it is whole)
-/// — and nothing of this process's own (`own_pid`) when it may be writing. The caller holds
-/// `root`'s lock, so no live process is writing there. Returns how many entries it removed.
-pub fn remove_leftovers(root: &Path, own_pid: Option<u32>) -> usize {
-    let mut removed = 0;
-    let own = own_pid.map(|p| format!("-{p}"));
-    let Ok(rd) = std::fs::read_dir(root) else {
-        return 0;
-    };
-    for e in rd.flatten() {
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !n.starts_with(".step-") || own.as_ref().is_some_and(|o| n.ends_with(o.as_str())) {
-            continue;
-        }
-        if let Some((step_name, _)) = n[1..].split_once(".replaced-") {
-            let step_dir = root.join(step_name);
-            if !step_dir.exists() && std::fs::rename(e.path(), &step_dir).is_ok() {
-                continue;
-            }
-        } else if !(n.contains(".tmp-") || n.contains(".pruned-")) {
-            continue;
-        }
-        if std::fs::remove_dir_all(e.path()).is_ok() {
-            removed += 1;
-        }
-    }
-    removed
 }
 
 /// Finished checkpoint directories under `root`, as (step, path), in no particular order.
@@ -591,6 +385,7 @@ mod tests {
     use crate::store::placement::{place, RamBudget};
     use crate::store::StoreOptions;
     use crate::topology::{probe, TopologySource};
+    use write::discard;
 
     fn store(master: MasterFormat) -> HostStore {
         let cfg = ModelConfig::from_json_str(

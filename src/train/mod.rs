@@ -133,8 +133,20 @@ pub fn run(
     progress.start(s.start_step + 1, s.cfg.steps, s.model.num_params());
     match train_loop(&mut s, &interrupt, progress, &mut summary) {
         Ok(()) => {}
-        Err(Stop::Step(e)) => return Err(e),
-        Err(Stop::AfterStep(e)) => return Err(rescue(&mut s, summary.steps, e, progress)),
+        Err(Stop::Step(e)) => {
+            // The checkpoint being written holds the state before the failed step, whole: it
+            // is finished (or, failing, named) before the error is reported.
+            if let Err(w) = settle_checkpoint(&mut s, true, progress, &mut summary) {
+                progress.note(&format!("  the checkpoint being written failed too: {w}"));
+            }
+            return Err(e);
+        }
+        Err(Stop::AfterStep(e)) => {
+            if let Err(w) = settle_checkpoint(&mut s, true, progress, &mut summary) {
+                progress.note(&format!("  the checkpoint being written failed: {w}"));
+            }
+            return Err(rescue(&mut s, summary.steps, e, progress));
+        }
     }
     if let Err(e) = write_final_outputs(&mut s, &mut summary) {
         return Err(rescue(&mut s, summary.steps, e, progress));
@@ -189,11 +201,15 @@ fn train_loop(
         }
         step_log::log_step(s, &m, val, progress);
         progress.step(&m, val);
+        // The previous step's checkpoint, if its write has ended meanwhile.
+        settle_checkpoint(s, false, progress, summary).map_err(Stop::AfterStep)?;
         let stop = interrupt.load(Ordering::SeqCst);
         let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);
-        if due || step == s.cfg.steps || stop {
-            if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
+        if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
+            if step == s.cfg.steps || stop {
+                // The last one: nothing to overlap it with.
                 let t0 = std::time::Instant::now();
+                settle_checkpoint(s, true, progress, summary).map_err(Stop::AfterStep)?;
                 let d = save_checkpoint(s, &root, step).map_err(Stop::AfterStep)?;
                 let secs = t0.elapsed().as_secs_f64();
                 progress.checkpoint(&d);
@@ -204,6 +220,8 @@ fn train_loop(
                     bytes as f64 / secs.max(1e-9) / 1e9
                 ));
                 summary.checkpoint = Some(d);
+            } else if due {
+                start_checkpoint(s, &root, step, progress, summary).map_err(Stop::AfterStep)?;
             }
         }
         if stop {
@@ -211,7 +229,60 @@ fn train_loop(
             break;
         }
     }
+    settle_checkpoint(s, true, progress, summary).map_err(Stop::AfterStep)?;
     s.streamer.finish().map_err(Stop::Step)
+}
+
+/// Start writing the checkpoint of the state after `step` under `root` while the next steps
+/// run (the previous one, if still being written, is finished first).
+fn start_checkpoint(
+    s: &mut Session,
+    root: &Path,
+    step: u64,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) -> Result<()> {
+    settle_checkpoint(s, true, progress, summary)?;
+    // Every update of `step` ends before its units are frozen.
+    s.streamer.finish()?;
+    let state = train_state(s, step);
+    s.writing = Some(checkpoint::start(
+        root,
+        s.streamer.store(),
+        state,
+        s.cfg.keep_checkpoints,
+    )?);
+    Ok(())
+}
+
+/// Finish the checkpoint being written, if any: when its write has ended, or (`wait`) waiting
+/// for it. Reports it (bytes, rate, how much of it training did not wait for).
+fn settle_checkpoint(
+    s: &mut Session,
+    wait: bool,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) -> Result<()> {
+    if !s.writing.as_ref().is_some_and(|w| wait || w.is_finished()) {
+        return Ok(());
+    }
+    let Some(w) = s.writing.take() else {
+        return Ok(());
+    };
+    let step = w.step();
+    let done = w.join()?;
+    progress.checkpoint(&done.dir);
+    progress.note(&format!(
+        "  {} written in {:.2} s ({:.2} GB/s) while training went on; it waited {:.3} s for the write ({:.0}% hidden)",
+        crate::util::human_bytes(done.bytes),
+        done.secs,
+        done.bytes as f64 / done.secs.max(1e-9) / 1e9,
+        done.waited,
+        100.0 * done.hidden()
+    ));
+    s.saved = Some((step, done.dir.clone()));
+    summary.checkpoint = Some(done.dir);
+    Ok(())
 }
 
 /// Validation loss when it is due at `step`.
@@ -251,10 +322,18 @@ fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) {
     }
 }
 
-/// Write a checkpoint of the current state (after `step`) under `root`.
+/// Write a checkpoint of the current state (after `step`) under `root`, waiting for it.
 fn save_checkpoint(s: &mut Session, root: &Path, step: u64) -> Result<PathBuf> {
     s.streamer.finish()?;
-    let state = TrainState {
+    let state = train_state(s, step);
+    let d = checkpoint::save(root, s.streamer.store(), &state, s.cfg.keep_checkpoints)?;
+    s.saved = Some((step, d.clone()));
+    Ok(d)
+}
+
+/// Everything a checkpoint of the state after `step` holds besides the tensors.
+fn train_state(s: &Session, step: u64) -> TrainState {
+    TrainState {
         format: checkpoint::FORMAT,
         run_id: Some(s.run_id.clone()),
         step,
@@ -263,10 +342,7 @@ fn save_checkpoint(s: &mut Session, root: &Path, step: u64) -> Result<PathBuf> {
         model: s.model.clone(),
         config: s.cfg.clone(),
         changes: s.changes.clone(),
-    };
-    let d = checkpoint::save(root, s.streamer.store(), &state, s.cfg.keep_checkpoints)?;
-    s.saved = Some((step, d.clone()));
-    Ok(d)
+    }
 }
 
 /// The HF export, the loss curve and the trace.

@@ -50,6 +50,8 @@ pub(super) struct Session {
     pub(super) start_step: u64,
     /// The last step whose state is in a checkpoint on disk, and where.
     pub(super) saved: Option<(u64, PathBuf)>,
+    /// The checkpoint being written while the next step runs.
+    pub(super) writing: Option<super::checkpoint::InFlight>,
     /// `--sample-every`'s samples.
     pub(super) samples: Option<TrainingSamples>,
 }
@@ -179,6 +181,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     };
     Ok(Session {
         saved: resumed.map(|(d, st)| (st.step, d.clone())),
+        writing: None,
         cfg,
         model: inputs.model,
         run_id: inputs.run_id,

@@ -1,8 +1,9 @@
 //! Failure injection for tests of the paths real faults take (a full disk, a refused write),
 //! in the spirit of TiKV's `fail` crate but always compiled: a process started with
 //! `MEGATRAIN_FAILPOINTS=export=ENOSPC,checkpoint=EIO:1` fails those named points with that OS
-//! error (`:N`: only the first N times). Unset (every normal run), a point costs one lookup in
-//! an empty list.
+//! error (`:N`: only the first N times); `checkpoint-unit=sleep40` makes a [`pause`] point wait
+//! 40 ms (a slow disk, to test what overlaps it). Unset (every normal run), a point costs one
+//! lookup in an empty list.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -10,7 +11,8 @@ use std::sync::OnceLock;
 /// The environment variable that arms failure points.
 pub const ENV: &str = "MEGATRAIN_FAILPOINTS";
 
-/// An armed point: its name, the OS error, and how many more times it fires.
+/// An armed point: its name, the OS error (or, negative, the milliseconds a [`pause`] waits),
+/// and how many more times it fires.
 type Point = (String, i32, AtomicU64);
 
 fn armed() -> &'static [Point] {
@@ -26,6 +28,7 @@ fn armed() -> &'static [Point] {
                     None => (spec, u64::MAX),
                 };
                 let code = match err.trim() {
+                    sleep if sleep.starts_with("sleep") => -sleep[5..].parse::<i32>().ok()?.abs(),
                     "ENOSPC" => libc::ENOSPC,
                     "EIO" => libc::EIO,
                     "EACCES" => libc::EACCES,
@@ -40,7 +43,7 @@ fn armed() -> &'static [Point] {
 
 /// `Err` with the armed OS error if point `name` is armed (and has firings left), else `Ok`.
 pub fn check(name: &str) -> std::io::Result<()> {
-    let Some((_, code, left)) = armed().iter().find(|(n, _, _)| n == name) else {
+    let Some((_, code, left)) = armed().iter().find(|(n, code, _)| n == name && *code >= 0) else {
         return Ok(());
     };
     let fire = left
@@ -50,5 +53,12 @@ pub fn check(name: &str) -> std::io::Result<()> {
         Err(std::io::Error::from_raw_os_error(*code))
     } else {
         Ok(())
+    }
+}
+
+/// Wait as long as point `name` is armed to (`sleepMS`), if it is.
+pub fn pause(name: &str) {
+    if let Some((_, code, _)) = armed().iter().find(|(n, code, _)| n == name && *code < 0) {
+        std::thread::sleep(std::time::Duration::from_millis(code.unsigned_abs().into()));
     }
 }

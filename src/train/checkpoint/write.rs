@@ -1,0 +1,336 @@
+//! Writing checkpoints: into a temporary directory, every file fsynced and checksummed in a
+//! manifest written last, renamed into place, the run's last K kept. Either waited for
+//! ([`save`]) or overlapped with the next step ([`start`]): a [`Snapshot`] freezes every unit
+//! between the steps and the writer thread reads them in order, each unit's next update waiting
+//! only for its own unit's write, so the checkpoint is exactly the step's state with no second
+//! copy of it. A kill at any point leaves the previous checkpoints whole (the temporary
+//! directory is removed by the directory's next owner).
+
+use super::{files, list, read_state, tensor_bytes, Manifest, TrainState, FORMAT, MANIFEST};
+use crate::store::{HostStore, MasterRef, Snapshot};
+use crate::util::progress::{Meter, Unit};
+use crate::{Error, Result};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// True for the entries of a checkpoint directory that its run creates, replaces and deletes:
+/// checkpoints (`step-*`), their temporary and pruned forms (`.step-*`), the lock file.
+pub fn owns(name: &str) -> bool {
+    name.starts_with("step-") || name.starts_with(".step-") || name == crate::util::lock::LOCK_FILE
+}
+
+fn dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+fn fsync_dir(d: &Path) {
+    if let Ok(f) = std::fs::File::open(d) {
+        let _ = f.sync_all();
+    }
+}
+
+/// Write a checkpoint of `store` and `state` under `root`, waiting for it; keep the newest
+/// `keep` of this run (`state.run_id`); checkpoints of other runs are never deleted. Every unit
+/// must be idle (no update running). The caller owns `root` (holds its
+/// [`crate::util::lock::DirLock`]), so unfinished temporary directories there belong to dead
+/// writers and are removed.
+pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> Result<PathBuf> {
+    let snapshot = store.snapshot()?;
+    write(root, snapshot, state, keep, true)
+}
+
+/// A checkpoint being written while training goes on ([`start`]).
+#[derive(Debug)]
+pub struct InFlight {
+    step: u64,
+    bytes: u64,
+    store: HostStore,
+    started: Instant,
+    /// The store's snapshot wait when the write started.
+    waited_before: Duration,
+    thread: JoinHandle<Result<PathBuf>>,
+}
+
+/// A finished checkpoint write.
+#[derive(Debug, Clone)]
+pub struct Written {
+    /// The checkpoint.
+    pub dir: PathBuf,
+    /// Its step.
+    pub step: u64,
+    /// Tensor bytes written.
+    pub bytes: u64,
+    /// From the snapshot to the rename into place.
+    pub secs: f64,
+    /// How long training waited for it meanwhile: updates waiting for their unit's write, and
+    /// the wait for the end of the write in [`InFlight::join`] (an upper bound on what it cost
+    /// the run: an update's wait may overlap device work).
+    pub waited: f64,
+}
+
+impl Written {
+    /// The fraction of the write training did not wait for.
+    pub fn hidden(&self) -> f64 {
+        if self.secs > 0.0 {
+            (1.0 - self.waited / self.secs).clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+}
+
+/// Start writing a checkpoint of `store` and `state` under `root` on a thread of its own, as
+/// [`save`] does, while training goes on: every unit is frozen now (a
+/// [`crate::store::Snapshot`]) and written in order; the next step's update of a unit waits
+/// only until that unit is written. Every unit must be idle (no update running).
+pub fn start(root: &Path, store: &HostStore, state: TrainState, keep: usize) -> Result<InFlight> {
+    let snapshot = store.snapshot()?;
+    let (root, step) = (root.to_owned(), state.step);
+    let thread = std::thread::Builder::new()
+        .name("checkpoint".into())
+        .spawn(move || write(&root, snapshot, &state, keep, false))
+        .map_err(|e| Error::system("checkpoint", "start the writer thread", e))?;
+    Ok(InFlight {
+        step,
+        bytes: tensor_bytes(store.layout()),
+        store: store.clone(),
+        started: Instant::now(),
+        waited_before: store.snapshot_wait(),
+        thread,
+    })
+}
+
+impl InFlight {
+    /// The step it holds.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Whether the write has ended (joining will not wait).
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Wait for the write to end.
+    pub fn join(self) -> Result<Written> {
+        let t0 = Instant::now();
+        let dir = self
+            .thread
+            .join()
+            .map_err(|_| Error::internal("checkpoint", "the writer thread panicked"))??;
+        let joined = t0.elapsed();
+        let updates = self
+            .store
+            .snapshot_wait()
+            .saturating_sub(self.waited_before);
+        Ok(Written {
+            dir,
+            step: self.step,
+            bytes: self.bytes,
+            secs: self.started.elapsed().as_secs_f64(),
+            waited: (updates + joined).as_secs_f64(),
+        })
+    }
+}
+
+/// Write `snapshot` as the checkpoint of `state` (see [`save`]); `meter`: report progress.
+fn write(
+    root: &Path,
+    mut snapshot: Snapshot,
+    state: &TrainState,
+    keep: usize,
+    meter: bool,
+) -> Result<PathBuf> {
+    let store = snapshot.store().clone();
+    std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
+    let final_dir = root.join(dir_name(state.step));
+    let tmp = root.join(format!(
+        ".{}.tmp-{}",
+        dir_name(state.step),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let result = (|| -> Result<()> {
+        std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        // One pass over the units, all three files at once: a spilled unit's m/v are staged
+        // (read from NVMe) once, not once per file.
+        // Written past the page cache (O_DIRECT) where the filesystem allows.
+        struct Out {
+            path: PathBuf,
+            w: crate::util::direct::DirectWriter,
+            crc: u32,
+            size: u64,
+        }
+        let mut outs = Vec::new();
+        let names = files(store.layout().adam);
+        for (name, _) in &names {
+            let path = tmp.join(name);
+            let w = crate::util::direct::DirectWriter::create(&path)
+                .map_err(|e| Error::io("create", &path, e))?;
+            outs.push(Out {
+                path,
+                w,
+                crc: 0,
+                size: 0,
+            });
+        }
+        let meter = meter.then(|| {
+            Meter::start(
+                "checkpoint write",
+                tensor_bytes(store.layout()),
+                Unit::Bytes,
+            )
+        });
+        for u in 0..store.num_units() {
+            crate::util::failpoint::pause("checkpoint-unit");
+            // Optimizer state on NVMe is staged (read in) with the unit.
+            let unit = snapshot.read(u)?;
+            let (m, v) = unit.moments()?;
+            // The file holds fp32 params whatever the master's format: planes are joined.
+            let joined;
+            let params: &[f32] = match unit.params() {
+                MasterRef::Fp32(p) => p,
+                planes => {
+                    joined = planes.to_vec();
+                    &joined
+                }
+            };
+            // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
+            // the file is little-endian like the host (see hf.rs's guard).
+            let params = unsafe {
+                std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4)
+            };
+            for (o, bytes) in outs.iter_mut().zip([params, m, v]) {
+                o.crc = crc32c::crc32c_append(o.crc, bytes);
+                o.size += bytes.len() as u64;
+                crate::util::failpoint::check("checkpoint")
+                    .and_then(|()| o.w.write_all(bytes))
+                    .map_err(|e| Error::io("write", &o.path, e))?;
+                if let Some(meter) = &meter {
+                    meter.add(bytes.len() as u64);
+                }
+            }
+            // Thawed: step k+1 may update it now.
+            drop(unit);
+        }
+        let mut files = Vec::new();
+        for (o, (name, _)) in outs.into_iter().zip(names) {
+            o.w.finish()
+                .map_err(|e| Error::io("write and fsync", &o.path, e))?;
+            files.push((name, o.size, o.crc));
+        }
+        if let Some(meter) = meter {
+            meter.finish();
+        }
+        let state_json = serde_json::to_vec_pretty(state)
+            .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
+        let sp = tmp.join("state.json");
+        crate::util::write_atomic(&sp, &state_json)?;
+        files.push((
+            "state.json".into(),
+            state_json.len() as u64,
+            crc32c::crc32c(&state_json),
+        ));
+        let manifest = serde_json::to_vec_pretty(&Manifest {
+            format: FORMAT,
+            files,
+        })
+        .map_err(|e| Error::system("serde_json", "manifest", e))?;
+        crate::util::write_atomic(&tmp.join(MANIFEST), &manifest)?;
+        fsync_dir(&tmp);
+        // An existing checkpoint of this step is renamed aside, the new one renamed into place,
+        // and only then the old one deleted: no moment without a `step-N`.
+        let old = final_dir
+            .exists()
+            .then(|| aside(root, &final_dir, "replaced"));
+        if let Some(old) = &old {
+            let _ = std::fs::remove_dir_all(old);
+            std::fs::rename(&final_dir, old)
+                .map_err(|e| Error::io("replace checkpoint", &final_dir, e))?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, &final_dir) {
+            if let Some(old) = &old {
+                let _ = std::fs::rename(old, &final_dir);
+            }
+            return Err(Error::io("rename checkpoint into place", &final_dir, e));
+        }
+        fsync_dir(root);
+        if let Some(old) = &old {
+            let _ = std::fs::remove_dir_all(old);
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result?;
+    // Keep this run's newest `keep` checkpoints, and clean temporary directories of dead writers.
+    let mut ours: Vec<(u64, PathBuf)> = list(root)?
+        .into_iter()
+        .filter(|(_, d)| {
+            read_state(d).is_ok_and(|st| st.run_id.is_some() && st.run_id == state.run_id)
+        })
+        .collect();
+    ours.sort();
+    while ours.len() > keep.max(1) {
+        let (_, d) = ours.remove(0);
+        let _ = discard(root, &d);
+    }
+    remove_leftovers(root, Some(std::process::id()));
+    Ok(final_dir)
+}
+
+/// Delete the checkpoint `dir` under `root` so that no kill leaves half of it under its name:
+/// renamed away first (`.step-….pruned-PID`, which [`remove_leftovers`] finishes if this
+/// process dies), then removed.
+pub(super) fn discard(root: &Path, dir: &Path) -> std::io::Result<()> {
+    let away = aside(root, dir, "pruned");
+    let _ = std::fs::remove_dir_all(&away);
+    std::fs::rename(dir, &away)?;
+    fsync_dir(root);
+    std::fs::remove_dir_all(&away)
+}
+
+/// Where the checkpoint `dir` under `root` goes while it is deleted (`why` "pruned":
+/// `.step-….pruned-PID`, deleted next) or while a new checkpoint of its step takes its name
+/// ("replaced": whole until the new one is in place).
+fn aside(root: &Path, dir: &Path, why: &str) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    root.join(format!(".{name}.{why}-{}", std::process::id()))
+}
+
+/// Remove what dead writers of `root` left: unfinished checkpoints (`.step-….tmp-PID`),
+/// half-pruned ones (`.step-….pruned-PID`) and replaced ones (`.step-N.replaced-PID`) —
+/// except that a replaced checkpoint whose `step-N` never arrived is renamed back (it is whole)
+/// — and nothing of this process's own (`own_pid`) when it may be writing. The caller holds
+/// `root`'s lock, so no live process is writing there. Returns how many entries it removed.
+pub fn remove_leftovers(root: &Path, own_pid: Option<u32>) -> usize {
+    let mut removed = 0;
+    let own = own_pid.map(|p| format!("-{p}"));
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if !n.starts_with(".step-") || own.as_ref().is_some_and(|o| n.ends_with(o.as_str())) {
+            continue;
+        }
+        if let Some((step_name, _)) = n[1..].split_once(".replaced-") {
+            let step_dir = root.join(step_name);
+            if !step_dir.exists() && std::fs::rename(e.path(), &step_dir).is_ok() {
+                continue;
+            }
+        } else if !(n.contains(".tmp-") || n.contains(".pruned-")) {
+            continue;
+        }
+        if std::fs::remove_dir_all(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
