@@ -487,3 +487,55 @@ fn datasheet_peaks_are_found_by_device_name_most_specific_first() {
     assert_eq!(datasheet_peak("cpu"), None);
     assert_eq!(datasheet_peak("cuda:cuemu (sm_90)"), None);
 }
+
+/// A checkpoint beside a step: its bytes are the checkpoint files' (fp32 params, m and v as
+/// held), the next step's first update comes after all but the last micro-batch's backward,
+/// and what the write needs beyond that is added to the step.
+#[test]
+fn a_checkpoint_is_hidden_up_to_the_next_steps_first_update() {
+    let m = presets::model("llama-3-8b").unwrap();
+    let mut hw = presets::machine("h200-1.5tb").unwrap();
+    let r = PlanRequest {
+        micro_batch_tokens: Some(16384),
+        bf16: true,
+        ..req(65536)
+    };
+    let p = plan(&m, &hw, &r);
+    let c = &p.checkpoint;
+    assert_eq!(c.bytes, r.layout(&m).checkpoint_bytes());
+    assert_eq!(c.bytes, 12 * p.params);
+    assert!(c.disk_assumed && c.disk_gbps == ASSUMED_CHECKPOINT_GBPS);
+    // Four micro-batches: the last one's backward (2/3 of a quarter) follows the first update.
+    assert!((c.window_s - p.time.step_s * (1.0 - 2.0 / 12.0)).abs() < 1e-9);
+    assert!((c.write_s - c.bytes as f64 / 3e9).abs() < 1e-9);
+    assert!(
+        c.hidden < 1.0 && (c.stall_s - (c.write_s - c.window_s)).abs() < 1e-9,
+        "{c:?}"
+    );
+    // A disk fast enough hides it whole.
+    hw.nvme_gbps = Some(c.bytes as f64 / c.window_s / 1e9 * 1.01);
+    let fast = plan(
+        &m,
+        &hw,
+        &PlanRequest {
+            spill_moments: false,
+            ..r
+        },
+    )
+    .checkpoint;
+    assert!(
+        !fast.disk_assumed && fast.hidden == 1.0 && fast.stall_s == 0.0,
+        "{fast:?}"
+    );
+    // int8 moments: 4 + 2 × ~1.03 bytes per parameter.
+    let i8 = plan(
+        &m,
+        &presets::machine("h200-1.5tb").unwrap(),
+        &PlanRequest {
+            adam_state: AdamState::Int8,
+            ..r
+        },
+    );
+    let per_param = i8.checkpoint.bytes as f64 / p.params as f64;
+    assert!((6.0..6.2).contains(&per_param), "{per_param}");
+}

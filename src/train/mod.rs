@@ -244,6 +244,7 @@ fn start_checkpoint(
 ) -> Result<()> {
     settle_checkpoint(s, true, progress, summary)?;
     // Every update of `step` ends before its units are frozen.
+    let t0 = std::time::Instant::now();
     s.streamer.finish()?;
     let state = train_state(s, step);
     s.writing = Some(checkpoint::start(
@@ -251,6 +252,7 @@ fn start_checkpoint(
         s.streamer.store(),
         state,
         s.cfg.keep_checkpoints,
+        t0.elapsed(),
     )?);
     Ok(())
 }
@@ -273,7 +275,7 @@ fn settle_checkpoint(
     let done = w.join()?;
     progress.checkpoint(&done.dir);
     progress.note(&format!(
-        "  {} written in {:.2} s ({:.2} GB/s) while training went on; it waited {:.3} s for the write ({:.0}% hidden)",
+        "  {} written in {:.3} s ({:.2} GB/s) while training went on; it waited {:.3} s for the write ({:.0}% hidden)",
         crate::util::human_bytes(done.bytes),
         done.secs,
         done.bytes as f64 / done.secs.max(1e-9) / 1e9,
