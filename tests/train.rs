@@ -164,8 +164,9 @@ fn overlapped_checkpoints_hold_exactly_their_step() {
                 "{tag}: the overlapped step-3 checkpoint's {f} differs from step 3's state"
             );
         }
-        // The same run through the CLI with a writer slowed to 25 ms per unit: every update of
-        // the next step has to wait for its unit, and still both checkpoints are exact.
+        // The same run through the CLI with a writer slowed to 80 ms per unit: updates of the
+        // next step have to wait for their unit (how many depends on the machine's speed:
+        // under qemu a step can outlast the write), and still both checkpoints are exact.
         let slow = dir.path().join(format!("slow-{tag}"));
         std::fs::create_dir_all(&slow).unwrap();
         let toml_path = slow.join("train.toml");
@@ -179,7 +180,7 @@ fn overlapped_checkpoints_hold_exactly_their_step() {
         std::fs::write(&toml_path, toml::to_string(&c).unwrap()).unwrap();
         let out = common::megatrain()
             .args(["train", toml_path.to_str().unwrap()])
-            .env("MEGATRAIN_FAILPOINTS", "checkpoint-unit=sleep25")
+            .env("MEGATRAIN_FAILPOINTS", "checkpoint-unit=sleep80")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -201,7 +202,7 @@ fn overlapped_checkpoints_hold_exactly_their_step() {
             "{tag}: 4 overlapped checkpoints in {stderr}"
         );
         assert!(
-            waits.iter().all(|&w| w > 0.01),
+            waits.iter().filter(|&&w| w > 0.01).count() >= 2,
             "{tag}: updates waited for the slowed writer: {waits:?}"
         );
         for (step, want) in [(3, &short), (5, &long)] {
