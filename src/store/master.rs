@@ -1,7 +1,8 @@
 //! A unit's fp32 master parameters as the layout stores them: one fp32 array, or the bf16
 //! planes of [`super::planes`] — read and written as fp32 either way.
 
-use super::planes;
+use super::layout::{MasterFormat, ShardKind};
+use super::{planes, HostStore};
 
 /// A unit's fp32 master parameters, as the layout stores them ([`super::layout::MasterFormat`]).
 #[derive(Debug)]
@@ -116,6 +117,37 @@ impl Master<'_> {
         match self {
             Master::Fp32(_) => None,
             Master::Planes { hi, .. } => Some(hi),
+        }
+    }
+}
+
+impl HostStore {
+    /// `unit`'s params read-only. The caller holds the unit's guard or its frozen snapshot
+    /// entry: nobody writes them while the view lives.
+    pub(super) fn master_ref(&self, unit: usize) -> MasterRef<'_> {
+        let Some(p) = self.shard_ptr(unit, ShardKind::Params) else {
+            return MasterRef::Fp32(&[]);
+        };
+        let n = self.inner.layout.units[unit].numel;
+        match self.layout().master {
+            MasterFormat::Fp32 => {
+                // SAFETY: the params shard holds ≥ n f32s, is 4 KiB aligned and lives as long
+                // as the store; writers (an update through `shards`/`master`) are excluded by
+                // the caller's guard or snapshot, readers may share it.
+                let p = unsafe { std::slice::from_raw_parts(p.cast::<f32>(), n) };
+                MasterRef::Fp32(p)
+            }
+            MasterFormat::Planes => {
+                let lo_at = self.layout().lo_plane_offset(unit);
+                // SAFETY: as `master_at`: two planes of ≥ 2·n bytes each, in bounds and
+                // aligned; shared as for fp32.
+                unsafe {
+                    MasterRef::Planes {
+                        hi: std::slice::from_raw_parts(p.cast::<u16>(), n),
+                        lo: std::slice::from_raw_parts(p.add(lo_at).cast::<u16>(), n),
+                    }
+                }
+            }
         }
     }
 }

@@ -232,6 +232,14 @@ impl HostStore {
         self.inner.frozen.waited()
     }
 
+    /// The start of `unit`'s `kind` shard in RAM (`None`: spilled, or no such shard).
+    fn shard_ptr(&self, unit: usize, kind: ShardKind) -> Option<*mut u8> {
+        let loc = self.loc(unit, kind).ok()?;
+        let region = &self.inner.regions[loc.region];
+        // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
+        Some(unsafe { region.as_ptr().add(loc.offset) })
+    }
+
     /// Where `unit`'s Adam moment `kind` lies: its RAM shard, else its slot in `lease` (its
     /// staged NVMe shards); `None` for a unit without that shard.
     fn moment_ptr(
@@ -240,10 +248,8 @@ impl HostStore {
         kind: ShardKind,
         lease: Option<&Lease>,
     ) -> Result<Option<*mut u8>> {
-        if let Ok(loc) = self.loc(unit, kind) {
-            let region = &self.inner.regions[loc.region];
-            // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
-            return Ok(Some(unsafe { region.as_ptr().add(loc.offset) }));
+        if let Some(p) = self.shard_ptr(unit, kind) {
+            return Ok(Some(p));
         }
         match lease {
             Some(l) => Ok(self
@@ -403,10 +409,7 @@ impl UnitGuard {
     }
 
     fn ptr(&self, kind: ShardKind) -> Option<*mut u8> {
-        let loc = self.store.loc(self.unit, kind).ok()?;
-        let region = &self.store.inner.regions[loc.region];
-        // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
-        Some(unsafe { region.as_ptr().add(loc.offset) })
+        self.store.shard_ptr(self.unit, kind)
     }
 
     /// Stage the unit's spilled shards (Adam m/v on NVMe) into RAM, waiting for the read.
@@ -519,39 +522,6 @@ impl UnitGuard {
     /// The fp32 grads, in exact mode.
     pub fn grads(&mut self) -> Option<&mut [f32]> {
         self.f32_view(ShardKind::Grads)
-    }
-}
-
-impl HostStore {
-    /// `unit`'s params read-only. The caller holds the unit's guard or its frozen snapshot
-    /// entry: nobody writes them while the view lives.
-    fn master_ref(&self, unit: usize) -> MasterRef<'_> {
-        let Ok(loc) = self.loc(unit, ShardKind::Params) else {
-            return MasterRef::Fp32(&[]);
-        };
-        // SAFETY: offset + shard bytes ≤ region length by construction in `allocate`.
-        let p = unsafe { self.inner.regions[loc.region].as_ptr().add(loc.offset) };
-        let n = self.inner.layout.units[unit].numel;
-        match self.layout().master {
-            MasterFormat::Fp32 => {
-                // SAFETY: the params shard holds ≥ n f32s, is 4 KiB aligned and lives as long
-                // as the store; writers (an update through `shards`/`master`) are excluded by
-                // the caller's guard or snapshot, readers may share it.
-                let p = unsafe { std::slice::from_raw_parts(p.cast::<f32>(), n) };
-                MasterRef::Fp32(p)
-            }
-            MasterFormat::Planes => {
-                let lo_at = self.layout().lo_plane_offset(unit);
-                // SAFETY: as `master_at`: two planes of ≥ 2·n bytes each, in bounds and
-                // aligned; shared as for fp32.
-                unsafe {
-                    MasterRef::Planes {
-                        hi: std::slice::from_raw_parts(p.cast::<u16>(), n),
-                        lo: std::slice::from_raw_parts(p.add(lo_at).cast::<u16>(), n),
-                    }
-                }
-            }
-        }
     }
 }
 

@@ -10,7 +10,7 @@ use super::config::TrainConfig;
 use super::data::Cursor;
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
-use crate::store::layout::{AdamState, ShardKind, StateLayout};
+use crate::store::layout::{AdamState, ShardKind};
 use crate::store::HostStore;
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
@@ -45,11 +45,6 @@ fn files(state: AdamState) -> [(String, ShardKind); 3] {
         (format!("adam_m.{ext}"), ShardKind::AdamM),
         (format!("adam_v.{ext}"), ShardKind::AdamV),
     ]
-}
-
-/// Bytes of a checkpoint's tensor files for `layout`.
-pub fn tensor_bytes(layout: &StateLayout) -> u64 {
-    layout.checkpoint_bytes()
 }
 
 /// One setting changed when a run was resumed.
@@ -381,7 +376,7 @@ fn load_files(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::layout::{MasterFormat, Mode};
+    use crate::store::layout::{MasterFormat, Mode, StateLayout};
     use crate::store::placement::{place, RamBudget};
     use crate::store::StoreOptions;
     use crate::topology::{probe, TopologySource};

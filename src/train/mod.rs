@@ -213,7 +213,7 @@ fn train_loop(
                 let d = save_checkpoint(s, &root, step).map_err(Stop::AfterStep)?;
                 let secs = t0.elapsed().as_secs_f64();
                 progress.checkpoint(&d);
-                let bytes = checkpoint::tensor_bytes(s.streamer.store().layout());
+                let bytes = s.streamer.store().layout().checkpoint_bytes();
                 progress.note(&format!(
                     "  {} written in {secs:.1} s ({:.2} GB/s; training waited for it)",
                     crate::util::human_bytes(bytes),

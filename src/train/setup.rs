@@ -292,7 +292,7 @@ fn check_before_allocating(
     run_id: &str,
 ) -> Result<()> {
     let params = layout.num_params() as u64;
-    let checkpoint_bytes = checkpoint::tensor_bytes(layout) + (1 << 20);
+    let checkpoint_bytes = layout.checkpoint_bytes() + (1 << 20);
     outputs::check(cfg, run_id, checkpoint_bytes, 4 * params + (1 << 20))?;
     let prelim = crate::store::placement::place_advised(
         machine,

@@ -6,7 +6,7 @@
 //! copy of it. A kill at any point leaves the previous checkpoints whole (the temporary
 //! directory is removed by the directory's next owner).
 
-use super::{files, list, read_state, tensor_bytes, Manifest, TrainState, FORMAT, MANIFEST};
+use super::{files, list, read_state, Manifest, TrainState, FORMAT, MANIFEST};
 use crate::store::{HostStore, MasterRef, Snapshot};
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
@@ -109,7 +109,7 @@ pub fn start(
         .map_err(|e| Error::system("checkpoint", "start the writer thread", e))?;
     Ok(InFlight {
         step,
-        bytes: tensor_bytes(store.layout()),
+        bytes: store.layout().checkpoint_bytes(),
         store: store.clone(),
         waited_before: store.snapshot_wait(),
         waited_to_start,
@@ -207,7 +207,7 @@ fn write(
         let meter = meter.then(|| {
             Meter::start(
                 "checkpoint write",
-                tensor_bytes(store.layout()),
+                store.layout().checkpoint_bytes(),
                 Unit::Bytes,
             )
         });
