@@ -7,7 +7,7 @@ use megatrain::device::cpu::{CpuDevice, CpuDeviceConfig};
 use megatrain::device::program::Shape;
 use megatrain::device::{Device, Precision};
 use megatrain::engine::schedule::Op;
-use megatrain::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
+use megatrain::engine::{ActivationDtype, Activations, MicroBatch, Streamer, StreamerConfig};
 use megatrain::model::config::ModelConfig;
 use megatrain::model::layers::Workspace;
 use megatrain::model::reference::{eval_loss, step_resident, Templates};
@@ -123,7 +123,7 @@ fn rig(
         c,
         mode,
         mbs,
-        cp,
+        (cp, ActivationDtype::Fp32),
         clip,
         jitter,
         params,
@@ -146,7 +146,7 @@ fn rig_spill(
     c: &ModelConfig,
     mode: Mode,
     mbs: usize,
-    cp: Activations,
+    (cp, dtype): (Activations, ActivationDtype),
     clip: f64,
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
@@ -216,6 +216,7 @@ fn rig_spill(
             seq: shape.t,
             micro_batches: mbs,
             activations: cp,
+            activation_dtype: dtype,
             adam: AdamWConfig {
                 weight_decay: 0.1,
                 ..Default::default()
@@ -392,7 +393,7 @@ fn device_peak_grows_with_the_sequence_only_by_what_attention_keeps() {
             &c,
             Mode::Exact,
             1,
-            Activations::Host,
+            (Activations::Host, ActivationDtype::Fp32),
             0.0,
             None,
             &params,
@@ -565,7 +566,7 @@ fn spilled_state_trains_bit_identically(vocab: usize) {
             &c,
             mode,
             1,
-            Activations::Host,
+            (Activations::Host, ActivationDtype::Fp32),
             0.5,
             None,
             &params,
@@ -654,7 +655,7 @@ fn bf16_streams_half_the_weight_bytes_and_tracks_fp32() {
             &c,
             Mode::Exact,
             1,
-            Activations::Host,
+            (Activations::Host, ActivationDtype::Fp32),
             1.0,
             None,
             &params,
@@ -763,6 +764,7 @@ fn device_precision_and_master_format_must_agree() {
                 seq: T,
                 micro_batches: 1,
                 activations: Activations::Host,
+                activation_dtype: ActivationDtype::Fp32,
                 adam: AdamWConfig::default(),
                 grad_clip: 0.0,
                 decay_norms: true,
@@ -824,7 +826,7 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
                 &c,
                 Mode::Exact,
                 1,
-                activations,
+                (activations, ActivationDtype::Fp32),
                 0.0,
                 None,
                 &params,
@@ -835,7 +837,7 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
             let workspace = workspace_bytes(&c, Shape::whole(B, T), precision);
             assert_eq!(r.device.workspace_bytes(), workspace, "{what}");
             let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
-            let planned = device_bytes(&layout, B, T, 1, activations);
+            let planned = device_bytes(&layout, B, T, 1, (activations, ActivationDtype::Fp32));
             let up_front = r.device.memory().in_use - workspace;
             assert_eq!(up_front, planned, "{what}");
             let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
@@ -928,7 +930,7 @@ fn evaluation_on_the_device_is_the_reference_loss_and_changes_nothing() {
         &c,
         Mode::Exact,
         1,
-        Activations::Host,
+        (Activations::Host, ActivationDtype::Fp32),
         1.0,
         None,
         &params,

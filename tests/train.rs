@@ -335,7 +335,15 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
     // A device with room for the host-offloaded working set but not for all checkpoints.
     let layout =
         megatrain::store::layout::StateLayout::new(&model, megatrain::store::layout::Mode::Exact);
-    let need = |cp| megatrain::engine::device_bytes(&layout, 2, 16, 1, cp);
+    let need = |cp| {
+        megatrain::engine::device_bytes(
+            &layout,
+            2,
+            16,
+            1,
+            (cp, megatrain::engine::ActivationDtype::Fp32),
+        )
+    };
     let (keep, dev, host) = (
         need(megatrain::engine::Activations::Keep),
         need(megatrain::engine::Activations::Device),
@@ -631,7 +639,7 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits() {
 fn token_chunks_change_no_bit() {
     use megatrain::device::program::{workspace_bytes, Shape};
     use megatrain::device::Precision;
-    use megatrain::engine::{device_bytes, Activations};
+    use megatrain::engine::{device_bytes, ActivationDtype, Activations};
     use megatrain::model::config::ModelConfig;
     use megatrain::store::layout::{Mode, StateLayout};
     struct Notes(Vec<String>);
@@ -659,7 +667,7 @@ fn token_chunks_change_no_bit() {
     let run_with = |dir: &Path, device_memory: u64| run_as(dir, device_memory, Activations::Host);
     let model = ModelConfig::from_json_str(MODEL, "model.json").unwrap();
     let layout = StateLayout::new(&model, Mode::Exact);
-    let buffers = device_bytes(&layout, b, t, 1, Activations::Host);
+    let buffers = device_bytes(&layout, b, t, 1, (Activations::Host, ActivationDtype::Fp32));
     let chunked = Shape::chunked(b, t, 256).unwrap();
     let tight = workspace_bytes(&model, chunked, Precision::Fp32) + buffers;
     assert!(tight < workspace_bytes(&model, Shape::whole(b, t), Precision::Fp32) + buffers);
@@ -698,7 +706,7 @@ fn token_chunks_change_no_bit() {
     // refused, naming the fix.
     let keep = tempfile::tempdir().unwrap();
     let keep_tight = workspace_bytes(&model, chunked, Precision::Fp32)
-        + device_bytes(&layout, b, t, 1, Activations::Keep);
+        + device_bytes(&layout, b, t, 1, (Activations::Keep, ActivationDtype::Fp32));
     let e = run_as(keep.path(), keep_tight, Activations::Keep)
         .0
         .unwrap_err()

@@ -198,6 +198,8 @@ fn calibrate_kernels(tm: &Templates, layout: &StateLayout, b: usize, t: usize) -
         block_bwd,
         embed_bwd,
         zero,
+        // The engine bench stores fp32 layer inputs: no casts are scheduled.
+        cast: 0.0,
     }
 }
 
@@ -377,6 +379,7 @@ fn build_streamer(
             seq: case.seq,
             micro_batches: 1,
             activations: Activations::Host,
+            activation_dtype: crate::engine::ActivationDtype::Fp32,
             adam: AdamWConfig::default(),
             grad_clip: 1.0,
             decay_norms: true,
@@ -472,6 +475,7 @@ fn predict(
         micro_batches: 1,
         mode: case.mode,
         activations: Activations::Host,
+        activation_dtype: crate::engine::ActivationDtype::Fp32,
         lean_pieces: LeanPieces::of(layout),
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))

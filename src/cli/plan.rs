@@ -164,6 +164,14 @@ pub struct PlanArgs {
     /// where the plan is bf16 and it shortens the step by 5% or more, else fp32.
     #[arg(long, value_enum)]
     grad_link: Option<megatrain::device::GradLink>,
+    /// Where the layer-input checkpoints go: device (the GPU) or host; unset: the GPU when
+    /// they fit beside its working set, else host memory (as `train` chooses).
+    #[arg(long, value_enum)]
+    activations: Option<megatrain::engine::Activations>,
+    /// How they are stored: fp32 or bf16 (`train --activation-dtype`); unset: bf16 under
+    /// --precision bf16, else fp32.
+    #[arg(long, value_enum)]
+    activation_dtype: Option<megatrain::engine::ActivationDtype>,
     #[arg(long, value_enum, default_value = "exact")]
     mode: megatrain::store::layout::Mode,
     /// How Adam m and v are stored: fp32 (8 B/param), bf16 (4 B/param), int8 (≈ 2 B/param).
@@ -201,6 +209,11 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         spill_moments: hw.nvme_gbps.is_some(),
         micro_batch_tokens: a.micro_batch_tokens,
         grad_link: a.grad_link,
+        activations: a.activations,
+        activation_dtype: a.activation_dtype.unwrap_or(match a.precision {
+            megatrain::train::config::Precision::Bf16 => megatrain::engine::ActivationDtype::Bf16,
+            megatrain::train::config::Precision::Fp32 => megatrain::engine::ActivationDtype::Fp32,
+        }),
     };
     req.validate()?;
     let p = pl::plan(&model, &hw, &req);

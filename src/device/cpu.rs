@@ -433,6 +433,29 @@ fn execute(
             pace(link, began, bytes, false);
             Ok(Some((format!("dtoh {label}"), bytes)))
         }
+        // A bf16 buffer holds its values widened: each is its high half exactly.
+        Cmd::DtoHBf16 {
+            dst,
+            src,
+            offset,
+            label,
+        } => {
+            let began = Instant::now();
+            let buf = shared.buffer(src)?;
+            let guard = buf.read()?;
+            let s = &*guard;
+            super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, s.len())?;
+            // SAFETY: HostRef's contract: valid and unaliased until this command completes.
+            let h = unsafe { dst.slice() };
+            let s = &s[offset..offset + dst.len()];
+            h.iter_mut()
+                .zip(s)
+                .for_each(|(a, v)| *a = (v.to_bits() >> 16) as u16);
+            drop(guard);
+            let bytes = 2 * dst.len() as u64;
+            pace(link, began, bytes, false);
+            Ok(Some((format!("dtoh {label}"), bytes)))
+        }
         Cmd::Kernel(k) => {
             if stream != StreamKind::Compute {
                 return Err(Error::internal(

@@ -300,6 +300,20 @@ impl Backend for HostBackend<'_> {
         Ok(())
     }
 
+    fn load_bf16(&mut self, dst: HostP, src: HostP, len: usize) -> Result<()> {
+        let (src, keep16) = src.plain();
+        if !keep16 || dst.plain().1 {
+            return Err(Error::internal(
+                "CPU backend",
+                "load_bf16: the source must be a bf16 region and the destination fp32",
+            ));
+        }
+        // The region holds the bf16 values as fp32 already: widening is a copy.
+        let ([d], [s]) = views("load_bf16", [(dst, len)], [(src, len)])?;
+        d.copy_from_slice(s);
+        Ok(())
+    }
+
     fn rmsnorm_fwd(
         &mut self,
         y: HostP,

@@ -264,7 +264,10 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         file: "cast.cu",
         source: include_str!("../../kernels/cast.cu"),
-        kernels: &[sig("cast_fwd_f32_bf16", PTR2_N64)],
+        kernels: &[
+            sig("cast_fwd_f32_bf16", PTR2_N64),
+            sig("cast_bwd_bf16_f32", PTR2_N64),
+        ],
     },
     KernelFile {
         file: "reduce.cu",

@@ -389,6 +389,22 @@ pub enum Kernel<B, D> {
         /// The buffer.
         buf: B,
     },
+    /// `to = bf16(x)` (nearest even) over the micro-batch's `[N, C]`: a layer input stored
+    /// in bf16 for the backward that recomputes from it (`--activation-dtype bf16`); `to` a
+    /// buffer of bf16 values.
+    Narrow {
+        /// The fp32 layer input `[N, C]`.
+        x: B,
+        /// Its bf16 copy.
+        to: B,
+    },
+    /// `x = from` widened exactly to fp32 over `[N, C]`: the stored layer input, read back.
+    Widen {
+        /// The bf16 layer input.
+        from: B,
+        /// The fp32 buffer the backward reads.
+        x: B,
+    },
 }
 
 impl<B: Copy, D> Kernel<B, D> {
@@ -402,6 +418,8 @@ impl<B: Copy, D> Kernel<B, D> {
             Kernel::BlockBwd { layer, .. } => format!("block{layer}_bwd"),
             Kernel::EmbedBwd { .. } => "embed_bwd".into(),
             Kernel::Zero { .. } => "zero".into(),
+            Kernel::Narrow { .. } => "narrow_input".into(),
+            Kernel::Widen { .. } => "widen_input".into(),
         }
     }
 
@@ -450,6 +468,8 @@ impl<B: Copy, D> Kernel<B, D> {
             }
             Kernel::EmbedBwd { g, dx, .. } => vec![(*dx, Read), (*g, Write)],
             Kernel::Zero { buf } => vec![(*buf, Write)],
+            Kernel::Narrow { x, to } => vec![(*x, Read), (*to, Write)],
+            Kernel::Widen { from, x } => vec![(*from, Read), (*x, Write)],
         }
     }
 
@@ -522,6 +542,14 @@ impl<B: Copy, D> Kernel<B, D> {
                 dx: fb(dx),
             },
             Kernel::Zero { buf } => Kernel::Zero { buf: fb(buf) },
+            Kernel::Narrow { x, to } => Kernel::Narrow {
+                x: fb(x),
+                to: fb(to),
+            },
+            Kernel::Widen { from, x } => Kernel::Widen {
+                from: fb(from),
+                x: fb(x),
+            },
         }
     }
 }
@@ -557,6 +585,14 @@ pub enum Cmd {
         offset: usize,
         accumulate: bool,
         link: GradLink,
+        label: String,
+    },
+    /// Device → host: `dst.len()` bf16 values of bf16 buffer `src` from element `offset`, as
+    /// stored (2 B each, nothing rounded or widened): a layer input stored in bf16, offloaded.
+    DtoHBf16 {
+        dst: HostRef<u16>,
+        src: BufId,
+        offset: usize,
         label: String,
     },
     /// A layer op.

@@ -7,5 +7,5 @@ pub mod streamer;
 pub mod trace;
 
 pub use metrics::{LayerLoad, StepMetrics};
-pub use schedule::Activations;
+pub use schedule::{ActivationDtype, Activations};
 pub use streamer::{clip_coef, device_bytes, HostMemory, MicroBatch, Streamer, StreamerConfig};

@@ -11,7 +11,7 @@
 
 use super::metrics::StepMetrics;
 use super::schedule::{
-    evaluation, evaluation_fits, schedule, Activations, DevBuf, Lane, LeanPieces, Op, Schedule,
+    evaluation, evaluation_fits, schedule, ActivationDtype, Activations, DevBuf, Lane, LeanPieces, Op, Schedule,
     ScheduleSpec, Task,
 };
 use super::trace::{Span, Timeline};
@@ -45,6 +45,8 @@ pub struct StreamerConfig {
     pub micro_batches: usize,
     /// Where the layer-boundary activations live.
     pub activations: Activations,
+    /// How the layer inputs are stored (bf16 only on a bf16 device).
+    pub activation_dtype: ActivationDtype,
     /// AdamW hyperparameters (lr is overridden per step by [`Streamer::step`]).
     pub adam: AdamWConfig,
     /// Global-norm clipping threshold (0 = off).
@@ -173,7 +175,7 @@ pub fn buffer_len(layout: &StateLayout, n: usize, b: DevBuf) -> usize {
     match b {
         DevBuf::W(_) | DevBuf::G(_) => layout.max_unit_numel(),
         DevBuf::GEmb => layout.units[0].numel,
-        DevBuf::D(_) | DevBuf::A(_) => n * layout.config.hidden_size,
+        DevBuf::D(_) | DevBuf::A(_) | DevBuf::S(_) => n * layout.config.hidden_size,
         DevBuf::K(_) => {
             crate::device::program::internals_len(&layout.config, n, device_precision(layout))
         }
@@ -187,7 +189,7 @@ pub fn device_bytes(
     batch: usize,
     seq: usize,
     micro_batches: usize,
-    activations: Activations,
+    (activations, activation_dtype): (Activations, ActivationDtype),
 ) -> u64 {
     let spec = ScheduleSpec {
         layers: layout.config.num_layers,
@@ -195,6 +197,7 @@ pub fn device_bytes(
         micro_batches,
         mode: layout.mode,
         activations,
+        activation_dtype,
         lean_pieces: LeanPieces::of(layout),
     };
     // A bf16 device (a planes master streams bf16) holds its weights in bf16.
@@ -208,6 +211,7 @@ pub fn device_bytes(
         .map(|b| {
             let elem = match b {
                 DevBuf::W(_) => weight_bytes,
+                DevBuf::S(_) => 2,
                 _ => 4,
             };
             elem * buffer_len(layout, batch * seq, *b) as u64
@@ -262,8 +266,17 @@ impl Streamer {
             micro_batches: cfg.micro_batches,
             mode: layout.mode,
             activations: cfg.activations,
+            activation_dtype: cfg.activation_dtype,
             lean_pieces: LeanPieces::of(&layout),
         };
+        if cfg.activation_dtype == ActivationDtype::Bf16 && !streams_bf16 {
+            return Err(Error::bad_input(
+                "--activation-dtype",
+                "bf16",
+                "layer inputs are stored in bf16 only by the bf16 recipe, and this run computes in fp32",
+                Some("pass --precision bf16, or --activation-dtype fp32"),
+            ));
+        }
         let schedule = schedule(&spec);
         let evaluation = evaluation(&spec);
         if !evaluation_fits(&evaluation, &schedule) {
@@ -280,7 +293,10 @@ impl Streamer {
             let config = &layout.config;
             // Kept internals are sized by the device's storage, not by the planned GPU's.
             let id = match b {
-                DevBuf::W(_) => device.alloc_weights(buffer_len(&layout, n, *b), &label)?,
+                // Stored layer inputs are bf16 values, as a bf16 device holds its weights.
+                DevBuf::W(_) | DevBuf::S(_) => {
+                    device.alloc_weights(buffer_len(&layout, n, *b), &label)?
+                }
                 DevBuf::K(_) => device.alloc_stored(
                     &|stored| crate::device::program::internals_len(config, n, stored),
                     &label,
@@ -300,9 +316,14 @@ impl Streamer {
             }
             Ok(b)
         };
+        // bf16 inputs take half the words.
+        let saved_words = match spec.stores_bf16() {
+            true => (n * c.hidden_size).div_ceil(2),
+            false => n * c.hidden_size,
+        };
         let saved = match cfg.activations {
             Activations::Host => (0..c.num_layers)
-                .map(|i| host_buffer(format!("activation of layer {i}"), n * c.hidden_size))
+                .map(|i| host_buffer(format!("activation of layer {i}"), saved_words))
                 .collect::<Result<_>>()?,
             Activations::Device | Activations::Keep => Vec::new(),
         };
@@ -779,28 +800,50 @@ impl Streamer {
                     },
                 }
             }
+            // A stored bf16 input crosses as its bf16 values, into and out of a bf16 buffer.
             Op::LoadActivation { index, to } => {
-                // SAFETY: the host buffer lives in `self`; the schedule orders its writer
-                // (SaveActivation) before this read.
-                let src = unsafe { HostRef::from_slice(self.saved[*index].as_mut_slice()) };
-                Cmd::HtoD {
-                    dst: self.buf(*to),
-                    offset: 0,
-                    src,
-                    label: format!("activation x{index}"),
+                let label = format!("activation x{index}");
+                let dst = self.buf(*to);
+                let host = &mut self.saved[*index];
+                match to {
+                    // SAFETY: the host buffer lives in `self`; the schedule orders its writer
+                    // (SaveActivation) before this read.
+                    DevBuf::S(_) => Cmd::HtoDBf16 {
+                        dst,
+                        offset: 0,
+                        src: unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) },
+                        label,
+                    },
+                    // SAFETY: as above.
+                    _ => Cmd::HtoD {
+                        dst,
+                        offset: 0,
+                        src: unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) },
+                        label,
+                    },
                 }
             }
             Op::SaveActivation { index, from } => {
-                // SAFETY: as above; readers of this activation are ordered after this copy.
-                let dst =
-                    unsafe { HostRef::from_slice(&mut self.saved[*index].as_mut_slice()[..n * c]) };
-                Cmd::DtoH {
-                    dst,
-                    src: self.buf(*from),
-                    offset: 0,
-                    accumulate: false,
-                    link: GradLink::Fp32,
-                    label: format!("activation x{index}"),
+                let label = format!("activation x{index}");
+                let src = self.buf(*from);
+                let host = &mut self.saved[*index];
+                match from {
+                    // SAFETY: as above; readers of this activation are ordered after this copy.
+                    DevBuf::S(_) => Cmd::DtoHBf16 {
+                        dst: unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) },
+                        src,
+                        offset: 0,
+                        label,
+                    },
+                    // SAFETY: as above.
+                    _ => Cmd::DtoH {
+                        dst: unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) },
+                        src,
+                        offset: 0,
+                        accumulate: false,
+                        link: GradLink::Fp32,
+                        label,
+                    },
                 }
             }
             Op::CopyGrads {

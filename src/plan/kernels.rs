@@ -190,6 +190,8 @@ pub(super) struct KernelParts {
     pub(super) block_bwd: [f64; 3],
     /// The head (forward and backward): GEMMs, logit passes.
     pub(super) head: [f64; 2],
+    /// Storing a layer input in bf16, or widening it back: an fp32 and a bf16 pass.
+    pub(super) cast: f64,
 }
 
 impl KernelParts {
@@ -229,6 +231,7 @@ impl KernelParts {
             true => (model.intermediate_size * model.hidden_size) as f64,
             false => 0.0,
         };
+        let cast = 6.0 * model.hidden_size as f64 * tk / memory;
         KernelParts {
             block_fwd: [2.0 * block * tk / gemm, attn / attn_fwd, elementwise],
             // The recompute (a forward) and the backward.
@@ -238,6 +241,7 @@ impl KernelParts {
                 3.0 * elementwise,
             ],
             head: [6.0 * head * tk / gemm, logits],
+            cast,
         }
     }
 

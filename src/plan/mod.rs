@@ -21,6 +21,7 @@ use crate::device::program::{
     bf16_device_bytes, bf16_staging_bytes, workspace_bytes, Shape, CHUNK_ALIGN,
 };
 use crate::device::{GradLink, Precision};
+use crate::engine::schedule::{ActivationDtype, Activations};
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
 use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout};
@@ -82,6 +83,11 @@ pub struct PlanRequest {
     pub micro_batch_tokens: Option<u64>,
     /// How gradients cross back to the host; `None` lets [`plan`] pick ([`pick_grad_link`]).
     pub grad_link: Option<GradLink>,
+    /// Where the layer-input checkpoints go (`Device` or `Host`); `None` lets [`plan`] choose
+    /// as the trainer does: the GPU when they fit beside its working set, else host memory.
+    pub activations: Option<Activations>,
+    /// How they are stored: bf16 (half the bytes) only under bf16.
+    pub activation_dtype: ActivationDtype,
 }
 
 impl PlanRequest {
@@ -119,6 +125,22 @@ impl PlanRequest {
                 "--grad-link bf16",
                 "bf16 gradients on the link belong to the bf16 recipe, and this plan is for fp32",
                 Some("pass --precision bf16, or drop --grad-link"),
+            ));
+        }
+        if self.activation_dtype == ActivationDtype::Bf16 && !self.bf16 {
+            return Err(crate::Error::bad_input(
+                "plan",
+                "--activation-dtype bf16",
+                "bf16 layer inputs belong to the bf16 recipe, and this plan is for fp32",
+                Some("pass --precision bf16, or drop --activation-dtype"),
+            ));
+        }
+        if self.activations == Some(Activations::Keep) {
+            return Err(crate::Error::bad_input(
+                "plan",
+                "--activations keep",
+                "the plan models steps that recompute each block from its input (keeping every block's internals is for models far smaller than the GPU)",
+                Some("pass --activations device or host, or leave it unset"),
             ));
         }
         if !self.tokens_per_step.is_multiple_of(self.seq_len) {
@@ -177,12 +199,17 @@ impl PlanRequest {
 pub struct MemoryPlan {
     /// Host bytes of the training state (params, grads, m, v, lean buffers).
     pub host_state_bytes: u64,
-    /// Host bytes of the offloaded layer-boundary activations (the layer-input checkpoints).
+    /// Where the layer-input checkpoints go: on the GPU when they fit beside its working set
+    /// (or as asked), else to host memory.
+    pub activations: Activations,
+    /// How they are stored.
+    pub activation_dtype: ActivationDtype,
+    /// Their bytes, wherever they are.
+    pub activation_bytes: u64,
+    /// Host bytes of the checkpoints when offloaded (0 on the GPU).
     pub host_activation_bytes: u64,
-    /// Whether those checkpoints would also fit on the GPU beside the working set (the trainer
-    /// then keeps them there); when not, they must go to host memory.
-    pub activations_fit_device: bool,
-    /// Device working set: double buffers of weights and gradients, one layer's activations, the layer workspace.
+    /// Device working set: double buffers of weights and gradients, one layer's activations,
+    /// the layer workspace, and the checkpoints when they are on the GPU.
     pub device_bytes: u64,
     /// Tokens a layer runs at once on the device: the micro-batch, or the largest token chunk
     /// whose workspace fits.
@@ -350,9 +377,20 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
     if !req.spill_moments {
         return (Vec::new(), 0);
     }
+    spilled_beside(model, req, hw, device_side(model, req, hw).host_activation_bytes)
+}
+
+/// [`spilled_units`] beside `activations` bytes of host-kept checkpoints.
+fn spilled_beside(
+    model: &ModelConfig,
+    req: &PlanRequest,
+    hw: &Hardware,
+    activations: u64,
+) -> (Vec<usize>, u64) {
+    if !req.spill_moments {
+        return (Vec::new(), 0);
+    }
     let layout = req.layout(model);
-    let activations =
-        (model.num_layers as u64 + 1) * req.micro_tokens() * model.hidden_size as u64 * 4;
     let capacity = ((hw.host_ram_bytes as f64 * USABLE) as u64).saturating_sub(activations);
     crate::store::placement::choose_spill(
         &layout,
@@ -369,17 +407,24 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
     .unwrap_or_default()
 }
 
-/// Memory per tier for `model` under `req` on `hw`.
-pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPlan {
+/// The device side of a plan: the working set with the checkpoints where they go, and their
+/// host bytes when offloaded.
+struct DeviceSide {
+    activations: Activations,
+    activation_bytes: u64,
+    host_activation_bytes: u64,
+    device_bytes: u64,
+    layer_chunk_tokens: u64,
+}
+
+/// Where the layer-input checkpoints go and what the GPU holds: the layer workspace is fitted
+/// beside the buffers of offloaded checkpoints (as the trainer fits it), then the checkpoints
+/// stay on the GPU if the rest holds them (or as `req` asks).
+fn device_side(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> DeviceSide {
     let layout = req.layout(model);
     let c = model.hidden_size as u64;
+    let l = model.num_layers as u64;
     let tokens_mb = req.micro_tokens();
-    let mut host = layout.total_bytes();
-    let (spilled, staging) = spilled_units(model, req, hw);
-    let nvme: u64 = spilled.iter().map(|&u| layout.moment_bytes(u)).sum();
-    // The spill tier's staging slots (read ahead, update, write back) replace what spills.
-    host = host - nvme + staging;
-    let activations = (model.num_layers as u64 + 1) * tokens_mb * c * 4;
     // Two buffers of weights (bf16 under bf16: the device holds them as they cross) and of
     // fp32 gradients.
     let precision = if req.bf16 {
@@ -395,27 +440,67 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     // bf16: the gradient staging is set aside; the GEMM operand buffers grow with the chunk and
     // are fitted with it, as the CUDA device does.
     let staging = bf16_staging_bytes(model, precision);
-    // dx/dy and the two buffers of host-offloaded activations, then the device program's layer
-    // workspace (what the devices allocate) in the largest token chunks that fit beside them.
-    let boundary = 4 * tokens_mb * c * 4;
+    // dx/dy and the two fp32 boundary buffers; under bf16 inputs two bf16 staging buffers of
+    // the copies to and from the host. Then the device program's layer workspace (what the
+    // devices allocate) in the largest token chunks that fit beside them.
+    let input = tokens_mb * c * req.activation_dtype.elem_bytes();
+    let offload_staging = match req.activation_dtype {
+        ActivationDtype::Fp32 => 0,
+        ActivationDtype::Bf16 => 2 * input,
+    };
+    let boundary = 4 * tokens_mb * c * 4 + offload_staging;
     let gpu_budget = (hw.gpu_memory_bytes as f64 * USABLE) as u64;
     let shape = layer_chunks(
         model,
         (req, precision),
         gpu_budget.saturating_sub(double_buffers + boundary + staging),
     );
-    let act = workspace_bytes(model, shape, precision)
+    let offloaded = double_buffers
+        + workspace_bytes(model, shape, precision)
         + boundary
         + bf16_device_bytes(model, shape, precision);
-    // On the device the L+1 checkpoints replace the two buffers of offloaded ones.
-    let activations_fit_device =
-        double_buffers + act - 2 * tokens_mb * c * 4 + activations <= gpu_budget;
+    // On the GPU: fp32 inputs are the L+1 boundary buffers themselves (replacing the two),
+    // bf16 ones L bf16 buffers beside the two (replacing the staging).
+    let stored = l * input;
+    let on_gpu = match req.activation_dtype {
+        ActivationDtype::Fp32 => offloaded - 2 * tokens_mb * c * 4 + (l + 1) * input,
+        ActivationDtype::Bf16 => offloaded - offload_staging + stored,
+    };
+    let activations = req.activations.unwrap_or(if on_gpu <= gpu_budget {
+        Activations::Device
+    } else {
+        Activations::Host
+    });
+    let (host_activation_bytes, device_bytes) = match activations {
+        Activations::Host => (stored, offloaded),
+        _ => (0, on_gpu),
+    };
+    DeviceSide {
+        activations,
+        activation_bytes: stored,
+        host_activation_bytes,
+        device_bytes,
+        layer_chunk_tokens: shape.chunk_rows() as u64,
+    }
+}
+
+/// Memory per tier for `model` under `req` on `hw`.
+pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPlan {
+    let layout = req.layout(model);
+    let mut host = layout.total_bytes();
+    let dev = device_side(model, req, hw);
+    let (spilled, staging) = spilled_beside(model, req, hw, dev.host_activation_bytes);
+    let nvme: u64 = spilled.iter().map(|&u| layout.moment_bytes(u)).sum();
+    // The spill tier's staging slots (read ahead, update, write back) replace what spills.
+    host = host - nvme + staging;
     MemoryPlan {
         host_state_bytes: host,
-        host_activation_bytes: activations,
-        activations_fit_device,
-        device_bytes: double_buffers + act,
-        layer_chunk_tokens: shape.chunk_rows() as u64,
+        activations: dev.activations,
+        activation_dtype: req.activation_dtype,
+        activation_bytes: dev.activation_bytes,
+        host_activation_bytes: dev.host_activation_bytes,
+        device_bytes: dev.device_bytes,
+        layer_chunk_tokens: dev.layer_chunk_tokens,
         nvme_bytes: nvme,
         nvme_units: spilled.len(),
         units: layout.units.len(),
@@ -480,7 +565,7 @@ fn sim_costs(
     sim::Costs {
         weight_elem_bytes: if req.bf16 { 2.0 } else { 4.0 },
         grad_elem_bytes: req.grad_link.unwrap_or_default().elem_bytes() as f64,
-        activation_bytes: tk * model.hidden_size as f64 * 4.0,
+        activation_bytes: tk * model.hidden_size as f64 * req.activation_dtype.elem_bytes() as f64,
         htod_bps: hw.htod_gbps * 1e9,
         dtoh_bps: hw.dtoh_gbps * 1e9,
         copy_latency_s: 10e-6,
@@ -493,6 +578,7 @@ fn sim_costs(
             block_bwd: parts.block_bwd.iter().sum(),
             embed_bwd: 0.0,
             zero: 0.0,
+            cast: parts.cast,
         },
         adam_s: numel
             .iter()
@@ -537,13 +623,15 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     }
     let kernels = KernelParts::new(model, hw, req, req.micro_tokens());
     let costs = sim_costs(model, hw, req, req.micro_tokens(), &kernels);
+    let activations = device_side(model, req, hw).activations;
     let run = |m: u64| {
         let spec = crate::engine::schedule::ScheduleSpec {
             layers: model.num_layers,
             tied: model.tie_word_embeddings,
             micro_batches: m as usize,
             mode: req.mode,
-            activations: crate::engine::schedule::Activations::Host,
+            activations,
+            activation_dtype: req.activation_dtype,
             lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
         };
         sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)

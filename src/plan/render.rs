@@ -1,6 +1,7 @@
 //! A plan as the text `megatrain plan` prints: the model and its features, memory per tier,
 //! the predicted step and its parts, the assumptions and their sources.
 
+use crate::engine::schedule::Activations;
 use super::{grad_link, Hardware, Plan, PlanRequest};
 
 /// The plan as text.
@@ -18,7 +19,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         "megatrain plan — {model_name} ({:.2}B params{}) on {} ({})\n\
          model: {}\n\
          {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
-         memory\n  host state       {:>12}  ({:.1} B/param)\n  host activations {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
+         memory\n  host state       {:>12}  ({:.1} B/param)\n  activations      {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         match p.active_params < p.params {
             true => format!(", {:.2}B active", p.active_params as f64 / 1e9),
@@ -40,12 +41,17 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         },
         hb(p.memory.host_state_bytes),
         p.memory.host_bytes_per_param,
-        hb(p.memory.host_activation_bytes),
-        if p.memory.activations_fit_device {
-            "layer-input checkpoints; they would also fit the GPU"
-        } else {
-            "layer-input checkpoints, fp32; they must go to host: the GPU lacks room"
-        },
+        hb(p.memory.activation_bytes),
+        format!(
+            "layer-input checkpoints in {}, {}",
+            p.memory.activation_dtype.name(),
+            match (p.memory.activations, req.activations.is_some()) {
+                (Activations::Host, true) => "in host memory, as asked",
+                (Activations::Host, false) => "in host memory: the GPU lacks room for them",
+                (_, true) => "on the GPU, as asked",
+                (_, false) => "on the GPU: they fit beside its working set",
+            }
+        ),
         hb(p.memory.device_bytes),
         hb(hw.gpu_memory_bytes),
         if p.memory.layer_chunk_tokens < p.micro_batch_tokens {

@@ -30,6 +30,8 @@ pub struct KernelCosts {
     pub embed_bwd: f64,
     /// Zeroing one gradient buffer.
     pub zero: f64,
+    /// Storing one layer input in bf16, or widening it back.
+    pub cast: f64,
 }
 
 /// The duration of everything the plan does.
@@ -207,6 +209,7 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
                 Op::Kernel(Kernel::BlockBwd { .. }) => k.block_bwd,
                 Op::Kernel(Kernel::EmbedBwd { .. }) => k.embed_bwd,
                 Op::Kernel(Kernel::Zero { .. }) => k.zero,
+                Op::Kernel(Kernel::Narrow { .. } | Kernel::Widen { .. }) => k.cast,
                 _ => 0.0,
             };
             (res, dur)
@@ -491,6 +494,7 @@ mod tests {
                 block_bwd: 0.0,
                 embed_bwd: 0.0,
                 zero: 0.0,
+                cast: 0.0,
             },
             adam_s: vec![0.0; units],
             norm_s: vec![0.0; units],
@@ -508,6 +512,7 @@ mod tests {
             micro_batches: 1,
             mode,
             activations: Activations::Host,
+            activation_dtype: crate::engine::ActivationDtype::Fp32,
             lean_pieces: crate::engine::schedule::LeanPieces::WHOLE,
         }
     }

@@ -10,6 +10,8 @@ fn req(tokens: u64) -> PlanRequest {
         spill_moments: false,
         micro_batch_tokens: Some(tokens),
         grad_link: None,
+        activations: None,
+        activation_dtype: ActivationDtype::Fp32,
     }
 }
 
@@ -193,6 +195,8 @@ fn every_suggestion_fits_when_applied() {
                         spill_moments: false,
                         micro_batch_tokens: None,
                         grad_link: None,
+                        activations: None,
+                        activation_dtype: ActivationDtype::Fp32,
                     };
                     let p = plan(&model, &hw, &r);
                     if p.fits {
@@ -277,7 +281,7 @@ fn half_a_million_tokens_fit_a_gh200_in_token_chunks() {
         let whole = workspace_bytes(&m, Shape::whole(1, 524288), Precision::Bf16);
         assert!(whole > hw.gpu_memory_bytes, "{name}: {whole}");
         // The layer-input checkpoints (264 GiB for Llama-3-8B) must go to host memory.
-        assert!(!p.memory.activations_fit_device);
+        assert_eq!(p.memory.activations, Activations::Host);
         // K, V, dK, dV (fp32) of every token are in the working set.
         assert!(p.memory.device_bytes > 16 * 524288 * m.kv_dim() as u64);
     }

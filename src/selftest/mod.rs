@@ -9,7 +9,7 @@ pub mod generation;
 pub mod goldens;
 
 use crate::device::Device;
-use crate::engine::{Activations, MicroBatch, Streamer, StreamerConfig};
+use crate::engine::{ActivationDtype, Activations, MicroBatch, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
@@ -301,6 +301,11 @@ pub fn train_steps(
             seq: SEQ,
             micro_batches: MICRO_BATCHES,
             activations: Activations::Host,
+            // Under bf16 the layer inputs cross stored in bf16, as `train` does by default.
+            activation_dtype: match master {
+                crate::store::layout::MasterFormat::Planes => ActivationDtype::Bf16,
+                crate::store::layout::MasterFormat::Fp32 => ActivationDtype::Fp32,
+            },
             adam: AdamWConfig {
                 weight_decay: 0.1,
                 ..AdamWConfig::default()

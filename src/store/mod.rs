@@ -299,7 +299,7 @@ impl HostStore {
     }
 }
 
-/// A NUMA-bound, device-registered fp32 host buffer: a lean-mode gradient buffer (the device
+/// A NUMA-bound, device-registered host buffer of fp32 words (or twice as many bf16 values): a lean-mode gradient buffer (the device
 /// drains one unit's gradients into it, the AdamW pool consumes it) or a host-kept layer
 /// activation.
 #[derive(Debug)]
@@ -347,6 +347,13 @@ impl HostBuffer {
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         // SAFETY: the region holds ≥ len·4 bytes, is page aligned, and `&mut self` is exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr().cast(), self.len) }
+    }
+
+    /// The buffer as `2 · len` 16-bit values (bf16 data: a layer input stored in bf16).
+    pub fn as_mut_halves(&mut self) -> &mut [u16] {
+        // SAFETY: the region holds ≥ len·4 bytes = 2·len u16, page aligned (so u16 aligned),
+        // and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr().cast(), 2 * self.len) }
     }
 }
 

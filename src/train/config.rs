@@ -130,7 +130,7 @@ impl<'de> Deserialize<'de> for Resume {
     }
 }
 
-pub use crate::engine::Activations;
+pub use crate::engine::{ActivationDtype, Activations};
 
 /// Declares every training setting once: [`TrainConfig`] (the resolved configuration, recorded
 /// in checkpoints), its defaults, and [`TrainOverrides`] — the same settings, each optional, read
@@ -290,6 +290,12 @@ settings! {
     /// `device` (the layer inputs on the device) or `host` (offloaded); unset: the first that fits
     /// the device memory beside the working set (`keep` only when the layers run unchunked).
     some activations: Option<Activations> = None => Option<Activations> [value_enum];
+    /// How the layer inputs the backward recomputes from are stored (device and host
+    /// activations): fp32, or bf16 (half the device, link and host bytes; the backward of each
+    /// block recomputes from the bf16 rounding of its input: docs/precision.md); unset: the
+    /// resumed run's, else bf16 under --precision bf16 and fp32 under fp32 (which takes only
+    /// fp32). `keep` stores no inputs.
+    some activation_dtype: Option<ActivationDtype> = None => Option<ActivationDtype> [value_enum];
     /// What the device computes in: fp32, or bf16 (bf16 weights streamed from an exact fp32
     /// master, GEMMs on bf16 operands with fp32 sums, tensor-core attention, fp32 gradients;
     /// docs/precision.md); unset: bf16 on the CUDA device, fp32 on the CPU device.
@@ -386,6 +392,29 @@ impl TrainConfig {
                 "grad_link",
                 "bf16 gradients on the link belong to the bf16 recipe, and this run computes in fp32",
                 "pass --precision bf16, or drop --grad-link",
+            );
+        }
+        Ok(())
+    }
+
+    /// `activation_dtype`, or the precision's: bf16 layer inputs under the bf16 recipe.
+    pub fn resolved_activation_dtype(&self) -> ActivationDtype {
+        self.activation_dtype
+            .unwrap_or(match self.resolved_precision() {
+                Precision::Bf16 => ActivationDtype::Bf16,
+                Precision::Fp32 => ActivationDtype::Fp32,
+            })
+    }
+
+    /// bf16 layer inputs belong to the bf16 recipe, like bf16 gradients on the link.
+    pub fn check_activation_dtype(&self) -> Result<()> {
+        if self.resolved_activation_dtype() == ActivationDtype::Bf16
+            && self.resolved_precision() == Precision::Fp32
+        {
+            return bad_setting(
+                "activation_dtype",
+                "bf16 layer inputs belong to the bf16 recipe, and this run computes in fp32",
+                "pass --precision bf16, or drop --activation-dtype",
             );
         }
         Ok(())

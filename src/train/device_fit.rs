@@ -51,7 +51,10 @@ pub(super) fn step_buffers(cfg: &TrainConfig, layout: &StateLayout) -> u64 {
         cfg.batch_size,
         cfg.seq_len,
         cfg.grad_accum,
-        cfg.activations.unwrap_or(Activations::Host),
+        (
+            cfg.activations.unwrap_or(Activations::Host),
+            cfg.resolved_activation_dtype(),
+        ),
     )
 }
 
@@ -130,7 +133,13 @@ pub(super) fn choose_activations(
     let mem = device.memory();
     let free = mem.capacity.saturating_sub(mem.in_use);
     let need = |a: Activations| {
-        crate::engine::device_bytes(layout, cfg.batch_size, cfg.seq_len, cfg.grad_accum, a)
+        crate::engine::device_bytes(
+            layout,
+            cfg.batch_size,
+            cfg.seq_len,
+            cfg.grad_accum,
+            (a, cfg.resolved_activation_dtype()),
+        )
     };
     let s = device.shape();
     let cp = if !s.is_chunked() && need(Activations::Keep) <= free {
@@ -179,7 +188,7 @@ pub(super) fn check_working_set(
         cfg.batch_size,
         cfg.seq_len,
         cfg.grad_accum,
-        activations,
+        (activations, cfg.resolved_activation_dtype()),
     );
     let free = mem.capacity.saturating_sub(mem.in_use);
     if need <= free {

@@ -101,7 +101,17 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         precision: Some(precision),
         ..cfg.clone()
     };
+    // So do its layer inputs' storage (else the precision's).
+    let activation_dtype = cfg
+        .activation_dtype
+        .or_else(|| resumed.and_then(|(_, st)| st.config.activation_dtype))
+        .unwrap_or_else(|| cfg.resolved_activation_dtype());
+    let cfg = TrainConfig {
+        activation_dtype: Some(activation_dtype),
+        ..cfg
+    };
     cfg.check_grad_link()?;
+    cfg.check_activation_dtype()?;
     let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
     let cfg = TrainConfig {
         mode: Some(mode),
@@ -445,6 +455,7 @@ pub(super) fn build_streamer(
             seq: cfg.seq_len,
             micro_batches: cfg.grad_accum,
             activations,
+            activation_dtype: cfg.resolved_activation_dtype(),
             adam: AdamWConfig {
                 lr: cfg.lr,
                 beta1: cfg.beta1,

@@ -404,6 +404,15 @@ impl Backend for CudaBackend {
         self.k().cast_f32_bf16(l, dst.addr, src, len as i64)
     }
 
+    fn load_bf16(&mut self, dst: DevP, src: DevP, len: usize) -> Result<()> {
+        if !src.bf16 {
+            return Err(Error::internal("CUDA backend", "load_bf16: an fp32 source"));
+        }
+        let [dst] = f32s([dst], "load_bf16")?;
+        let l = launch::elementwise(len, self.sms());
+        self.k().cast_bf16_f32(l, dst, src.addr, len as i64)
+    }
+
     fn rmsnorm_fwd(
         &mut self,
         y: DevP,

@@ -341,6 +341,12 @@ impl CudaDevice {
                 src,
                 label,
             } => self.htod_bf16(g, stream, dst, offset, &src, &label)?,
+            Cmd::DtoHBf16 {
+                dst,
+                src,
+                offset,
+                label,
+            } => self.dtoh_bf16(g, stream, (&dst, src, offset), &label)?,
             Cmd::DtoH {
                 dst,
                 src,

@@ -587,6 +587,11 @@ impl Launcher<'_> {
         self.launch("cast_fwd_f32_bf16", l, &[Ptr(out), Ptr(x), I64(n)])
     }
 
+    /// bf16 → fp32, exact.
+    pub fn cast_bf16_f32(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
+        self.launch("cast_bwd_bf16_f32", l, &[Ptr(out), Ptr(x), I64(n)])
+    }
+
     /// `*out += Σ x²` (f64 accumulator).
     pub fn sumsq(&self, l: Launch, out: DevPtr, x: DevPtr, n: i64) -> Result<()> {
         self.launch("sumsq_fwd_f32", l, &[Ptr(out), Ptr(x), I64(n)])
@@ -669,6 +674,7 @@ pub const WRAPPED: &[&str] = &[
     "attn_sinks_fwd",
     "attn_sinks_bwd",
     "cast_fwd_f32_bf16",
+    "cast_bwd_bf16_f32",
     "sumsq_fwd_f32",
     "bias_fwd",
     "bias_bwd",

@@ -117,6 +117,10 @@ pub trait Backend {
     /// bf16 recipe stores it ([`Backend::as_bf16`]), `src` fp32. Only called under
     /// [`Precision::Bf16`].
     fn store_bf16(&mut self, dst: Self::P, src: Self::P, len: usize) -> Result<()>;
+    /// `dst = src` widened exactly to fp32 over `len` elements, `src` a region as the bf16
+    /// recipe stores it ([`Backend::as_bf16`]), `dst` fp32: a layer input stored in bf16, read
+    /// back for the backward that recomputes from it. Only called under [`Precision::Bf16`].
+    fn load_bf16(&mut self, dst: Self::P, src: Self::P, len: usize) -> Result<()>;
     /// Whether weight-gradient GEMMs run in the fixed row blocks of
     /// [`crate::model::ops::grad_blocks`] (the CPU: bits that do not depend on the chunking) or
     /// as one GEMM over a chunk's rows (a GPU: fewer, larger GEMMs).
@@ -320,6 +324,16 @@ pub fn run<B: Backend>(
         Kernel::Zero { buf: id } => {
             let (p, have) = buf(*id)?;
             be.zero(p, have)
+        }
+        Kernel::Narrow { x, to } => {
+            let x = at.range(*x, 0, n * c, "x")?;
+            let to = B::as_bf16(at.range(*to, 0, n * c, "bf16 x")?);
+            be.store_bf16(to, x, n * c)
+        }
+        Kernel::Widen { from, x } => {
+            let from = B::as_bf16(at.range(*from, 0, n * c, "bf16 x")?);
+            let x = at.range(*x, 0, n * c, "x")?;
+            be.load_bf16(x, from, n * c)
         }
         Kernel::EmbedFwd { batch, w, x } => {
             at.ids(&batch.tokens, n, "tokens")?;

@@ -38,6 +38,42 @@ pub enum Activations {
     Keep,
 }
 
+/// How the layer inputs the backward recomputes from are stored (`--activation-dtype`): as the
+/// forward computed them, or rounded to bf16 (nearest even) — half the bytes, on the device, on
+/// the link and on the host. Under bf16 the backward of every block then recomputes from the
+/// bf16 rounding of its input (the forward is unchanged): a recipe of its own, golden-tested
+/// against PyTorch storing the same (tools/golden_train_bf16.py). Kept internals
+/// ([`Activations::Keep`]) store no inputs, so the dtype does not apply to them.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationDtype {
+    /// fp32: the backward recomputes from exactly the forward's input.
+    #[default]
+    Fp32,
+    /// bf16 (nearest even): 2 B per element (only with `--precision bf16`).
+    Bf16,
+}
+
+impl ActivationDtype {
+    /// The name the flag takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            ActivationDtype::Fp32 => "fp32",
+            ActivationDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per stored element.
+    pub fn elem_bytes(self) -> u64 {
+        match self {
+            ActivationDtype::Fp32 => 4,
+            ActivationDtype::Bf16 => 2,
+        }
+    }
+}
+
 /// A device buffer of the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum DevBuf {
@@ -53,6 +89,9 @@ pub enum DevBuf {
     A(usize),
     /// Block `i`'s forward internals, kept for its backward ([`Activations::Keep`]).
     K(usize),
+    /// Layer input `i` stored in bf16 ([`ActivationDtype::Bf16`]): kept there (device
+    /// activations), or staging buffer `i % 2` of the copies to and from the host (host ones).
+    S(usize),
 }
 
 /// A resource an op touches.
@@ -190,8 +229,18 @@ pub struct ScheduleSpec {
     pub mode: Mode,
     /// Where the layer-boundary activations live.
     pub activations: Activations,
+    /// How the layer inputs are stored (device and host activations).
+    pub activation_dtype: ActivationDtype,
     /// Lean mode: how many pieces each unit's gradients leave the device and are updated in.
     pub lean_pieces: LeanPieces,
+}
+
+impl ScheduleSpec {
+    /// Whether the layer inputs are stored in bf16 (device or host activations under
+    /// [`ActivationDtype::Bf16`]; kept internals store no inputs).
+    pub fn stores_bf16(&self) -> bool {
+        self.activation_dtype == ActivationDtype::Bf16 && self.activations != Activations::Keep
+    }
 }
 
 /// Lean mode: the pieces of each kind of unit ([`StateLayout::lean_pieces`]); one each in
@@ -505,9 +554,16 @@ fn with_prefetches(tasks: Vec<Task>, order: &[usize]) -> Vec<Task> {
 fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     let l = spec.layers;
     let head = l + 1;
+    let narrow = spec.stores_bf16();
+    // Inputs stored apart (host, or bf16 on the device) leave two fp32 working buffers.
     let act = |i: usize| match spec.activations {
-        Activations::Device | Activations::Keep => DevBuf::A(i),
-        Activations::Host => DevBuf::A(i % 2),
+        Activations::Keep => DevBuf::A(i),
+        Activations::Device if !narrow => DevBuf::A(i),
+        _ => DevBuf::A(i % 2),
+    };
+    let stored = |i: usize| match spec.activations {
+        Activations::Host => DevBuf::S(i % 2),
+        _ => DevBuf::S(i),
     };
     let kept = |i: usize| (spec.activations == Activations::Keep).then_some(DevBuf::K(i));
     let w = b.weights(0, None);
@@ -517,14 +573,21 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
         x: act(0),
     });
     for i in 0..l {
+        // Block i's input is kept before block i + 1's output overwrites its buffer.
+        let from = if narrow {
+            b.kernel(Kernel::Narrow {
+                x: act(i),
+                to: stored(i),
+            });
+            stored(i)
+        } else {
+            act(i)
+        };
         if spec.activations == Activations::Host {
             b.push(
                 Lane::Stream(StreamKind::CopyOut),
-                Op::SaveActivation {
-                    index: i,
-                    from: act(i),
-                },
-                vec![Res::Dev(act(i))],
+                Op::SaveActivation { index: i, from },
+                vec![Res::Dev(from)],
                 vec![Res::Act(i)],
             );
         }
@@ -558,14 +621,20 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     let mut d = 0;
     for i in (0..l).rev() {
         let x = act(i);
+        // The last block's input is still on the device (in its staging buffer when stored
+        // in bf16).
         let resident = spec.activations != Activations::Host || i + 1 == l;
+        let to = if narrow { stored(i) } else { x };
         if !resident {
             b.push(
                 Lane::Stream(StreamKind::CopyIn),
-                Op::LoadActivation { index: i, to: x },
+                Op::LoadActivation { index: i, to },
                 vec![Res::Act(i)],
-                vec![Res::Dev(x)],
+                vec![Res::Dev(to)],
             );
+        }
+        if narrow {
+            b.kernel(Kernel::Widen { from: to, x });
         }
         let w = b.weights(1 + i, None);
         let g = b.zeroed_grads();

@@ -8,6 +8,7 @@ fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> Sch
         micro_batches: mb,
         mode,
         activations: a,
+        activation_dtype: ActivationDtype::Fp32,
     }
 }
 
@@ -19,6 +20,11 @@ fn all_specs() -> Vec<ScheduleSpec> {
                 v.push(spec(layers, tied, 1, Mode::Exact, a));
                 v.push(spec(layers, tied, 3, Mode::Exact, a));
                 v.push(spec(layers, tied, 1, Mode::Lean, a));
+                // Layer inputs stored in bf16.
+                v.push(ScheduleSpec {
+                    activation_dtype: ActivationDtype::Bf16,
+                    ..spec(layers, tied, 2, Mode::Exact, a)
+                });
                 // A large vocabulary's embedding and head drained and updated in pieces.
                 v.push(ScheduleSpec {
                     lean_pieces: LeanPieces {

@@ -82,6 +82,40 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// `dst.len()` bf16 values of bf16 buffer `src` from `offset` to `dst`: one copy, 2 B per
+    /// element, as stored.
+    pub(super) fn dtoh_bf16(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        (dst, src, offset): (&HostRef<u16>, BufId, usize),
+        label: &str,
+    ) -> Result<Option<Span>> {
+        let (p, len) = g.buf(src)?;
+        crate::device::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, len)?;
+        if !p.bf16 {
+            return Err(Error::internal(
+                "CUDA device",
+                format!("{label}: bf16 values out of an fp32 buffer"),
+            ));
+        }
+        let start = span(g, stream, format!("dtoh {label}"), 2 * dst.len() as u64)?;
+        // SAFETY: HostRef's contract keeps the destination valid and untouched until the
+        // stream's next event fires; the source range was checked (bf16 elements).
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                dst.as_ptr().cast(),
+                p.addr + 2 * offset as u64,
+                2 * dst.len(),
+                stream.cu_stream(),
+            )
+        };
+        drv(r.result(), &format!("device to host copy of {label}"))?;
+        Ok(Some(start))
+    }
+}
+
 /// `src` into device buffer `dst` at element `offset`.
 pub(super) fn htod(
     g: &mut Inner,
