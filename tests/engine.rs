@@ -858,6 +858,51 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
         assert_eq!(buf32 - buf16, 2 * 2 * unit + kept, "{activations:?}");
         assert!(ws16 < ws32, "{ws16} {ws32}");
     }
+    // Layer inputs stored in bf16: the device charges what the plan counts (2 B per stored
+    // element), L of them on the device beside two fp32 boundary buffers, two staging buffers
+    // when offloaded; and the step's bf16 recipe gives the same on both.
+    let layout = StateLayout::new(&c, Mode::Exact).with_master(MasterFormat::Planes);
+    let input = (B * T * c.hidden_size) as u64;
+    let mut runs = Vec::new();
+    for activations in [Activations::Device, Activations::Host] {
+        let planned = |dtype| device_bytes(&layout, B, T, 1, (activations, dtype));
+        let mut r = rig_spill(
+            &c,
+            Mode::Exact,
+            1,
+            (activations, ActivationDtype::Bf16),
+            0.0,
+            None,
+            &params,
+            None,
+            (Shape::whole(B, T), Precision::Bf16),
+        );
+        let workspace = workspace_bytes(&c, Shape::whole(B, T), Precision::Bf16);
+        let up_front = r.device.memory().in_use - workspace;
+        assert_eq!(up_front, planned(ActivationDtype::Bf16), "{activations:?}");
+        let saved = match activations {
+            // L + 1 fp32 inputs become 2 fp32 buffers and L bf16 ones.
+            Activations::Device => {
+                4 * input * (c.num_layers as u64 + 1)
+                    - (8 * input + 2 * input * c.num_layers as u64)
+            }
+            // Two bf16 staging buffers more.
+            _ => 0,
+        };
+        let extra = planned(ActivationDtype::Bf16) as i64 - planned(ActivationDtype::Fp32) as i64;
+        match activations {
+            Activations::Device => assert_eq!(extra, -(saved as i64)),
+            _ => assert_eq!(extra, 4 * input as i64),
+        }
+        let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
+        assert_eq!(
+            m.device_peak_bytes,
+            r.device.memory().in_use,
+            "{activations:?}"
+        );
+        runs.push((m.loss, m.grad_norm));
+    }
+    assert_eq!(runs[0], runs[1]);
 }
 
 /// Validation streams through the training device ([`Streamer::evaluate`]): its forward-only

@@ -52,12 +52,21 @@ fn check(case: &str) {
 }
 
 fn check_on(case: &str, on: On) {
+    check_placed(case, on, None);
+}
+
+/// A case with its layer inputs where `activations` says (else where its settings say).
+fn check_placed(case: &str, on: On, activations: Option<&str>) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = golden_dir(&format!("train_{case}"));
+    let placed: Vec<String> = match activations {
+        Some(a) => vec!["--activations".into(), a.into()],
+        None => vec![],
+    };
     run_against_golden(
         &format!("train_{case}"),
         &dir.join("data.bin"),
-        &[],
+        &placed,
         &tmp,
         on,
     );
@@ -110,6 +119,18 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
     // Gradients rounded to bf16 before they cross the link (`--grad-link bf16`), as the
     // golden's micro-batch gradients are.
     let grad_link = ["--grad-link", s["grad_link"].as_str().unwrap_or("fp32")];
+    // Layer inputs stored as the golden stores them: fp32 unless it says (a golden without a
+    // recompute, plain autograd, keeps them exactly), where it says unless the test places them.
+    let mut stored = vec![
+        "--activation-dtype".to_owned(),
+        s["activation_dtype"].as_str().unwrap_or("fp32").to_owned(),
+    ];
+    if let (Some(a), false) = (
+        s["activations"].as_str(),
+        extra.iter().any(|e| e == "--activations"),
+    ) {
+        stored.extend(["--activations".to_owned(), a.to_owned()]);
+    }
     let mut command = match on {
         On::Cpu => common::megatrain(),
         #[cfg(feature = "cuda")]
@@ -166,6 +187,7 @@ fn run_against_golden(name: &str, data: &Path, extra: &[String], tmp: &tempfile:
         .args(["--device-memory", "268435456"])
         .args(precision)
         .args(grad_link)
+        .args(&stored)
         .args(device)
         .output()
         .unwrap();
@@ -507,6 +529,64 @@ fn bf16_qwen3_moe() {
 fn bf16_gpt_oss() {
     check("bf16_gpt_oss");
 }
+/// Layer inputs stored in bf16 (`--activation-dtype bf16`): each block's backward recomputes
+/// from its input rounded to bf16, against torch doing the same — with the inputs offloaded to
+/// the host (bf16 over the link) and kept on the device.
+#[test]
+fn bf16_stored_inputs_on_the_host() {
+    check_placed("bf16_stored_inputs", On::Cpu, Some("host"));
+}
+#[test]
+fn bf16_stored_inputs_on_the_device() {
+    check_placed("bf16_stored_inputs", On::Cpu, Some("device"));
+}
+/// The golden tests the rounding: with the inputs stored in fp32 the first step's gradient norm
+/// is off by more than the tolerance (1e-3 here, against 5e-5).
+#[test]
+fn bf16_stored_inputs_golden_needs_the_rounding() {
+    use megatrain::selftest::goldens::step_tolerance;
+    let name = "train_bf16_stored_inputs";
+    let dir = golden_dir(name);
+    let g = common::Golden::open(&format!("{name}/golden.safetensors"));
+    let s: serde_json::Value = serde_json::from_str(&g.meta["settings"]).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let metrics = tmp.path().join("m.jsonl");
+    let arg = |k: &str| s[k].to_string();
+    let out = common::megatrain()
+        .args(["train", "--init-from", dir.join("init").to_str().unwrap()])
+        .args(["--data", dir.join("data.bin").to_str().unwrap()])
+        .args(["--seq-len", &arg("T"), "--batch-size", &arg("B")])
+        .args([
+            "--grad-accum",
+            &arg("M"),
+            "--steps",
+            "1",
+            "--lr",
+            &arg("lr"),
+        ])
+        .args(["--weight-decay", &arg("wd"), "--grad-clip", &arg("clip")])
+        .args(["--precision", "bf16", "--activation-dtype", "fp32"])
+        .args(["--activations", "host", "--device-memory", "268435456"])
+        .args(["--metrics", metrics.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let want = f64::from(g.get("grad_norm")[0]);
+    let off = ((line["grad_norm"].as_f64().unwrap() - want) / want).abs();
+    assert!(off > 10.0 * step_tolerance(true, false, 0), "{off}");
+}
 
 /// The same cases on the CUDA device.
 #[cfg(feature = "cuda")]
@@ -549,6 +629,24 @@ mod cuda {
     #[test]
     fn mha() {
         check_on("mha", On::Cuda { delays: false });
+    }
+    /// bf16 layer inputs: narrowed and widened by the CUDA kernels, crossing the link as bf16
+    /// (host) or kept in bf16 buffers (device).
+    #[test]
+    fn bf16_stored_inputs_on_the_host_with_random_stream_delays() {
+        super::check_placed(
+            "bf16_stored_inputs",
+            On::Cuda { delays: true },
+            Some("host"),
+        );
+    }
+    #[test]
+    fn bf16_stored_inputs_on_the_device() {
+        super::check_placed(
+            "bf16_stored_inputs",
+            On::Cuda { delays: false },
+            Some("device"),
+        );
     }
     #[test]
     fn llama31_rope_scaling() {

@@ -124,10 +124,11 @@ def lr_at(c, t):
 
 
 def run(case, c, seed, attn_implementation="eager", generator="tools/golden_train.py", settings=None,
-        micro_grads=None):
+        micro_grads=None, model_hook=None):
     """Train case `case` with settings `c` from seed `seed` and write its golden directory;
     `settings` (default `c`) is what the golden records; `micro_grads`, if given, maps each
-    micro-batch's gradient before it is added to the step's (fp32) sum."""
+    micro-batch's gradient before it is added to the step's (fp32) sum; `model_hook`, if given,
+    is applied to the model once its initial weights are saved."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", f"train_{case}")
     os.makedirs(root, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -160,6 +161,8 @@ def run(case, c, seed, attn_implementation="eager", generator="tools/golden_trai
             else:
                 p.copy_(center + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else 0.1 * torch.randn(p.shape, generator=g))
     model.save_pretrained(os.path.join(root, "init"), safe_serialization=True)
+    if model_hook is not None:
+        model_hook(model)
     B, T, M, S = c["B"], c["T"], c["M"], c["steps"]
     rows = B * M * S + 1
     tokens = torch.randint(0, cfg.vocab_size, (rows * (T + 1),), generator=g)

@@ -24,6 +24,12 @@ megatrain's bf16 recipe (docs/precision.md) over an fp32 master:
     fp32. GPT-OSS's sinks are used as their high plane inside the fp32 softmax, and the
     attention output's gradient, rounded to bf16, reaches them as it reaches Q, K and V.
 
+  - a case with activation_dtype "bf16" (`--activation-dtype bf16`, the default under bf16 when
+    the layer inputs are stored for a recompute): every decoder layer runs its forward on its
+    fp32 input without keeping anything, stores that input rounded to bf16 (nearest even), and
+    its backward recomputes the layer from the stored bf16 input (torch.utils.checkpoint's
+    reentrant scheme with the saved input rounded).
+
 Data, loss and optimizer semantics are tools/golden_train.py's. A case with grad_link "bf16"
 (`--grad-link bf16`) rounds each micro-batch's gradients to bf16 (nearest even, as the device
 does before they cross the link) and sums them in fp32 (as the host does). For each case writes
@@ -69,6 +75,11 @@ CASES = {
     # At lr 3e-3 the emulated GPU's 4th step (its different summation order through the top-2
     # of 8 logits and the clamp at 0.3) differed by 7e-3 in grad norm (the CPU device: 3e-8).
     "bf16_gpt_oss": dict(golden_train.CASES["gpt_oss"], lr=1e-3),
+    # Layer inputs stored in bf16 and recomputed from (3 layers, 2 micro-batches); the trainer
+    # runs it with the inputs on the host (as recorded) and on the device.
+    "bf16_stored_inputs": dict(heads=4, kv=2, tied=False, B=2, T=20, M=2, steps=3, clip=1.0, lr=3e-3, warmup=0,
+                               wd=0.1, config=dict(num_hidden_layers=3), activation_dtype="bf16",
+                               activations="host"),
 }
 
 
@@ -201,6 +212,38 @@ def gemma_rmsnorm_forward(self, h):
     return (h * torch.rsqrt(var + self.eps)) * (1.0 + Param.apply(self.weight))
 
 
+class StoredInput(torch.autograd.Function):
+    """A decoder layer whose input is stored in bf16 for its backward, which recomputes the
+    layer from that stored input (the forward itself runs on the fp32 input)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(rne(x))
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (stored,) = ctx.saved_tensors
+        x = stored.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.layer(x)
+        # The layer's parameters are leaves: their gradients accumulate here.
+        torch.autograd.backward(y, dy)
+        return x.grad, None
+
+
+def store_inputs_in_bf16(model):
+    """Every decoder layer through `StoredInput` (its other arguments, the RoPE tables and
+    masks, as the model passes them). No KV cache: a recompute would append to it."""
+    model.config.use_cache = False
+    for layer in model.model.layers:
+        def forward(hidden_states, *args, _forward=layer.forward, **kwargs):
+            return StoredInput.apply(hidden_states, lambda x: _forward(x, *args, **kwargs))
+        layer.forward = forward
+
+
 def bf16_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Eager attention in fp32 on bf16-stored Q (after RoPE), K (after RoPE) and V; the output's
     gradient is stored in bf16."""
@@ -259,7 +302,8 @@ def run(case, c, seed):
     recipe's Linear, Embedding and RMSNorm are installed by `install_recipe`)."""
     golden_train.run(case, c, seed, attn_implementation="megatrain_bf16",
                      generator="tools/golden_train_bf16.py", settings=dict(c, precision="bf16"),
-                     micro_grads=rne if c.get("grad_link") == "bf16" else None)
+                     micro_grads=rne if c.get("grad_link") == "bf16" else None,
+                     model_hook=store_inputs_in_bf16 if c.get("activation_dtype") == "bf16" else None)
 
 
 def main():

@@ -11,8 +11,8 @@
 
 use super::metrics::StepMetrics;
 use super::schedule::{
-    evaluation, evaluation_fits, schedule, ActivationDtype, Activations, DevBuf, Lane, LeanPieces, Op, Schedule,
-    ScheduleSpec, Task,
+    evaluation, evaluation_fits, schedule, ActivationDtype, Activations, DevBuf, Lane, LeanPieces,
+    Op, Schedule, ScheduleSpec, Task,
 };
 use super::trace::{Span, Timeline};
 use crate::device::{
@@ -805,45 +805,51 @@ impl Streamer {
                 let label = format!("activation x{index}");
                 let dst = self.buf(*to);
                 let host = &mut self.saved[*index];
-                match to {
+                if matches!(to, DevBuf::S(_)) {
                     // SAFETY: the host buffer lives in `self`; the schedule orders its writer
                     // (SaveActivation) before this read.
-                    DevBuf::S(_) => Cmd::HtoDBf16 {
+                    let src = unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) };
+                    Cmd::HtoDBf16 {
                         dst,
                         offset: 0,
-                        src: unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) },
+                        src,
                         label,
-                    },
+                    }
+                } else {
                     // SAFETY: as above.
-                    _ => Cmd::HtoD {
+                    let src = unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) };
+                    Cmd::HtoD {
                         dst,
                         offset: 0,
-                        src: unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) },
+                        src,
                         label,
-                    },
+                    }
                 }
             }
             Op::SaveActivation { index, from } => {
                 let label = format!("activation x{index}");
                 let src = self.buf(*from);
                 let host = &mut self.saved[*index];
-                match from {
+                if matches!(from, DevBuf::S(_)) {
                     // SAFETY: as above; readers of this activation are ordered after this copy.
-                    DevBuf::S(_) => Cmd::DtoHBf16 {
-                        dst: unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) },
+                    let dst = unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) };
+                    Cmd::DtoHBf16 {
+                        dst,
                         src,
                         offset: 0,
                         label,
-                    },
+                    }
+                } else {
                     // SAFETY: as above.
-                    _ => Cmd::DtoH {
-                        dst: unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) },
+                    let dst = unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) };
+                    Cmd::DtoH {
+                        dst,
                         src,
                         offset: 0,
                         accumulate: false,
                         link: GradLink::Fp32,
                         label,
-                    },
+                    }
                 }
             }
             Op::CopyGrads {

@@ -377,7 +377,12 @@ pub fn spilled_units(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> (
     if !req.spill_moments {
         return (Vec::new(), 0);
     }
-    spilled_beside(model, req, hw, device_side(model, req, hw).host_activation_bytes)
+    spilled_beside(
+        model,
+        req,
+        hw,
+        device_side(model, req, hw).host_activation_bytes,
+    )
 }
 
 /// [`spilled_units`] beside `activations` bytes of host-kept checkpoints.

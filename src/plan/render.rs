@@ -1,8 +1,8 @@
 //! A plan as the text `megatrain plan` prints: the model and its features, memory per tier,
 //! the predicted step and its parts, the assumptions and their sources.
 
-use crate::engine::schedule::Activations;
 use super::{grad_link, Hardware, Plan, PlanRequest};
+use crate::engine::schedule::Activations;
 
 /// The plan as text.
 pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> String {
@@ -15,6 +15,16 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
             "∞ (no NVMe given)".into()
         }
     };
+    let placed = format!(
+        "layer-input checkpoints in {}, {}",
+        p.memory.activation_dtype.name(),
+        match (p.memory.activations, req.activations.is_some()) {
+            (Activations::Host, true) => "in host memory, as asked",
+            (Activations::Host, false) => "in host memory: the GPU lacks room for them",
+            (_, true) => "on the GPU, as asked",
+            (_, false) => "on the GPU: they fit beside its working set",
+        }
+    );
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params{}) on {} ({})\n\
          model: {}\n\
@@ -42,16 +52,7 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         hb(p.memory.host_state_bytes),
         p.memory.host_bytes_per_param,
         hb(p.memory.activation_bytes),
-        format!(
-            "layer-input checkpoints in {}, {}",
-            p.memory.activation_dtype.name(),
-            match (p.memory.activations, req.activations.is_some()) {
-                (Activations::Host, true) => "in host memory, as asked",
-                (Activations::Host, false) => "in host memory: the GPU lacks room for them",
-                (_, true) => "on the GPU, as asked",
-                (_, false) => "on the GPU: they fit beside its working set",
-            }
-        ),
+        placed,
         hb(p.memory.device_bytes),
         hb(hw.gpu_memory_bytes),
         if p.memory.layer_chunk_tokens < p.micro_batch_tokens {

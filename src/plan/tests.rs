@@ -543,3 +543,55 @@ fn a_checkpoint_is_hidden_up_to_the_next_steps_first_update() {
     let per_param = i8.checkpoint.bytes as f64 / p.params as f64;
     assert!((6.0..6.2).contains(&per_param), "{per_param}");
 }
+
+/// Mistral-Large-2 (123B dense) on one H200 + 1.5 TB with bf16 moments and 64k tokens per step:
+/// the layer inputs in bf16 on the GPU leave the host its room for the state and let
+/// micro-batches of 32k tokens fit, so the step is bound by GPU compute. fp32 inputs on the GPU
+/// fit micro-batches of half the size (twice the weight traffic); offloaded to the host, as
+/// before the planner placed them, they do not fit at all.
+#[test]
+fn mistral_large_2_with_bf16_moments_is_gpu_bound() {
+    let hw = presets::machine("h200-1.5tb").unwrap();
+    let m = presets::model("mistral-large-2").unwrap();
+    let r = PlanRequest {
+        bf16: true,
+        adam_state: AdamState::Bf16,
+        micro_batch_tokens: None,
+        activation_dtype: ActivationDtype::Bf16,
+        ..req(65536)
+    };
+    let p = plan(&m, &hw, &r);
+    assert!(p.fits, "{:?}", p.missing);
+    assert_eq!(p.memory.activations, Activations::Device);
+    assert_eq!(p.memory.host_activation_bytes, 0);
+    assert_eq!(p.micro_batch_tokens, 32768);
+    assert_eq!(p.time.bottleneck, "GPU compute");
+    assert!(p.time.tokens_per_s > 600.0, "{}", p.time.tokens_per_s);
+    let fp32 = plan(
+        &m,
+        &hw,
+        &PlanRequest {
+            activation_dtype: ActivationDtype::Fp32,
+            ..r.clone()
+        },
+    );
+    assert!(fp32.fits, "{:?}", fp32.missing);
+    assert_eq!(fp32.micro_batch_tokens, 16384);
+    assert!(fp32.time.htod_s > 1.9 * p.time.htod_s);
+    let offloaded = |activation_dtype| {
+        plan(
+            &m,
+            &hw,
+            &PlanRequest {
+                activation_dtype,
+                activations: Some(Activations::Host),
+                ..r.clone()
+            },
+        )
+    };
+    assert!(!offloaded(ActivationDtype::Fp32).fits);
+    assert_eq!(
+        offloaded(ActivationDtype::Bf16).memory.activations,
+        Activations::Host
+    );
+}

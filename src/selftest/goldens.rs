@@ -193,6 +193,20 @@ fn config(case: &Path, g: &Golden, device: DeviceKind, scratch: &Path) -> Result
                 .into(),
         ),
     );
+    // Layer inputs stored as the golden stores them (fp32 unless it says: a golden without a
+    // recompute keeps them exactly), where it says.
+    t.insert(
+        "activation_dtype".into(),
+        toml::Value::String(
+            s.get("activation_dtype")
+                .and_then(|p| p.as_str())
+                .unwrap_or("fp32")
+                .into(),
+        ),
+    );
+    if let Some(a) = s.get("activations").and_then(|p| p.as_str()) {
+        t.insert("activations".into(), toml::Value::String(a.into()));
+    }
     t.insert(
         "device".into(),
         toml::Value::String(
