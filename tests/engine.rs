@@ -123,7 +123,7 @@ fn rig(
         c,
         mode,
         mbs,
-        (cp, ActivationDtype::Fp32),
+        (cp, ActivationDtype::Fp32, 0),
         clip,
         jitter,
         params,
@@ -146,7 +146,7 @@ fn rig_spill(
     c: &ModelConfig,
     mode: Mode,
     mbs: usize,
-    (cp, dtype): (Activations, ActivationDtype),
+    (cp, dtype, device_inputs): (Activations, ActivationDtype, usize),
     clip: f64,
     jitter: Option<(u64, u64)>,
     params: &[Vec<f32>],
@@ -217,6 +217,7 @@ fn rig_spill(
             micro_batches: mbs,
             activations: cp,
             activation_dtype: dtype,
+            device_inputs,
             adam: AdamWConfig {
                 weight_decay: 0.1,
                 ..Default::default()
@@ -393,7 +394,7 @@ fn device_peak_grows_with_the_sequence_only_by_what_attention_keeps() {
             &c,
             Mode::Exact,
             1,
-            (Activations::Host, ActivationDtype::Fp32),
+            (Activations::Host, ActivationDtype::Fp32, 0),
             0.0,
             None,
             &params,
@@ -566,7 +567,7 @@ fn spilled_state_trains_bit_identically(vocab: usize) {
             &c,
             mode,
             1,
-            (Activations::Host, ActivationDtype::Fp32),
+            (Activations::Host, ActivationDtype::Fp32, 0),
             0.5,
             None,
             &params,
@@ -655,7 +656,7 @@ fn bf16_streams_half_the_weight_bytes_and_tracks_fp32() {
             &c,
             Mode::Exact,
             1,
-            (Activations::Host, ActivationDtype::Fp32),
+            (Activations::Host, ActivationDtype::Fp32, 0),
             1.0,
             None,
             &params,
@@ -765,6 +766,7 @@ fn device_precision_and_master_format_must_agree() {
                 micro_batches: 1,
                 activations: Activations::Host,
                 activation_dtype: ActivationDtype::Fp32,
+                device_inputs: 0,
                 adam: AdamWConfig::default(),
                 grad_clip: 0.0,
                 decay_norms: true,
@@ -826,7 +828,7 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
                 &c,
                 Mode::Exact,
                 1,
-                (activations, ActivationDtype::Fp32),
+                (activations, ActivationDtype::Fp32, 0),
                 0.0,
                 None,
                 &params,
@@ -837,7 +839,7 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
             let workspace = workspace_bytes(&c, Shape::whole(B, T), precision);
             assert_eq!(r.device.workspace_bytes(), workspace, "{what}");
             let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
-            let planned = device_bytes(&layout, B, T, 1, (activations, ActivationDtype::Fp32));
+            let planned = device_bytes(&layout, B, T, 1, (activations, ActivationDtype::Fp32, 0));
             let up_front = r.device.memory().in_use - workspace;
             assert_eq!(up_front, planned, "{what}");
             let m = r.streamer.step(&[batch(1, 61)], 1e-3).unwrap();
@@ -865,12 +867,12 @@ fn bf16_devices_hold_weights_and_stored_activations_in_bf16() {
     let input = (B * T * c.hidden_size) as u64;
     let mut runs = Vec::new();
     for activations in [Activations::Device, Activations::Host] {
-        let planned = |dtype| device_bytes(&layout, B, T, 1, (activations, dtype));
+        let planned = |dtype| device_bytes(&layout, B, T, 1, (activations, dtype, 0));
         let mut r = rig_spill(
             &c,
             Mode::Exact,
             1,
-            (activations, ActivationDtype::Bf16),
+            (activations, ActivationDtype::Bf16, 0),
             0.0,
             None,
             &params,
@@ -975,7 +977,7 @@ fn evaluation_on_the_device_is_the_reference_loss_and_changes_nothing() {
         &c,
         Mode::Exact,
         1,
-        (Activations::Host, ActivationDtype::Fp32),
+        (Activations::Host, ActivationDtype::Fp32, 0),
         1.0,
         None,
         &params,
@@ -988,4 +990,83 @@ fn evaluation_on_the_device_is_the_reference_loss_and_changes_nothing() {
     );
     let rel = ((got - want) / want).abs();
     assert!(rel > 0.0 && rel < 1e-2, "bf16 {got} vs fp32 {want}");
+}
+
+/// Host activations with the last blocks' inputs kept on the device (as many as it holds): any
+/// split gives the bits of all offloaded and of all on the device, in fp32 and with bf16 inputs
+/// (the bf16 recipe), over accumulated micro-batches and steps; the device charges what
+/// `engine::device_bytes` plans, which grows with the inputs kept; only the offloaded inputs
+/// cross the link.
+#[test]
+fn inputs_split_between_device_and_host_change_no_bit() {
+    let c = cfg(4, false);
+    let l = c.num_layers;
+    for (precision, master, dtype) in [
+        (Precision::Fp32, MasterFormat::Fp32, ActivationDtype::Fp32),
+        (Precision::Bf16, MasterFormat::Planes, ActivationDtype::Bf16),
+        (Precision::Bf16, MasterFormat::Planes, ActivationDtype::Fp32),
+    ] {
+        let layout = StateLayout::new(&c, Mode::Exact).with_master(master);
+        let params = init(&layout);
+        let mut runs = Vec::new();
+        let mut planned_bytes = Vec::new();
+        let mut loads = Vec::new();
+        let placements = [
+            (Activations::Host, 0),
+            (Activations::Host, 1),
+            (Activations::Host, l - 1),
+            (Activations::Device, 0),
+        ];
+        for (activations, kept) in placements {
+            let what = format!("{precision:?} {dtype:?} {activations:?} {kept}");
+            let mut r = rig_spill(
+                &c,
+                Mode::Exact,
+                2,
+                (activations, dtype, kept),
+                1.0,
+                Some((7, 50)),
+                &params,
+                None,
+                (Shape::whole(B, T), precision),
+            );
+            let workspace =
+                megatrain::device::program::workspace_bytes(&c, Shape::whole(B, T), precision);
+            let planned =
+                megatrain::engine::device_bytes(&layout, B, T, 2, (activations, dtype, kept));
+            assert_eq!(r.device.memory().in_use - workspace, planned, "{what}");
+            planned_bytes.push(planned);
+            let mut steps = Vec::new();
+            for s in 0..2u64 {
+                let m = r
+                    .streamer
+                    .step(&[batch(10 + s, 61), batch(20 + s, 61)], 1e-3)
+                    .unwrap();
+                // Each offloaded input goes out and comes back, but the last one's (still on
+                // the device): the host→device bytes beyond the weights'.
+                let offloaded = match activations {
+                    Activations::Host => (l - kept) as u64,
+                    _ => 0,
+                };
+                let elem = match dtype {
+                    ActivationDtype::Fp32 => 4,
+                    ActivationDtype::Bf16 => 2,
+                };
+                let input = (B * T * c.hidden_size) as u64 * elem;
+                steps.push((m.loss, m.grad_norm));
+                loads.push((m.htod_bytes, 2 * offloaded.saturating_sub(1) * input));
+                steps.push((m.loss, m.grad_norm));
+            }
+            runs.push((what, steps));
+        }
+        for (what, steps) in &runs[1..] {
+            assert_eq!(steps, &runs[0].1, "{what} vs {}", runs[0].0);
+        }
+        // The weights' bytes are the device placement's (the last entry per step).
+        let weights = loads[loads.len() - 1].0;
+        for (htod, inputs) in &loads {
+            assert_eq!(*htod, weights + inputs, "{precision:?} {dtype:?}");
+        }
+        assert!(planned_bytes[0] < planned_bytes[1] && planned_bytes[1] < planned_bytes[2]);
+    }
 }

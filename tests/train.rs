@@ -341,7 +341,7 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
             2,
             16,
             1,
-            (cp, megatrain::engine::ActivationDtype::Fp32),
+            (cp, megatrain::engine::ActivationDtype::Fp32, 0),
         )
     };
     let (keep, dev, host) = (
@@ -373,6 +373,55 @@ fn the_planner_chooses_the_mode_when_it_is_unset() {
         assert_eq!(
             serde_json::to_value(st.config.activations).unwrap(),
             serde_json::json!(want)
+        );
+    }
+    // Four layers: room for the offloaded working set and one input more keeps the last
+    // block's input on the device and offloads the rest; room for the offloaded set only,
+    // every input.
+    struct Notes(Vec<String>);
+    impl Progress for Notes {
+        fn note(&mut self, line: &str) {
+            self.0.push(line.to_owned());
+        }
+    }
+    let deep = MODEL.replace("\"num_hidden_layers\":2", "\"num_hidden_layers\":4");
+    let deep_model = a.path().join("deep.json");
+    std::fs::write(&deep_model, &deep).unwrap();
+    let layout = megatrain::store::layout::StateLayout::new(
+        &megatrain::model::config::ModelConfig::from_json_str(&deep, "t").unwrap(),
+        megatrain::store::layout::Mode::Exact,
+    );
+    let place = |a, k| {
+        megatrain::engine::device_bytes(
+            &layout,
+            2,
+            16,
+            1,
+            (a, megatrain::engine::ActivationDtype::Fp32, k),
+        )
+    };
+    let host = megatrain::engine::Activations::Host;
+    assert!(place(host, 0) < place(host, 1) && place(host, 1) < place(host, 2));
+    assert!(place(host, 3) <= place(megatrain::engine::Activations::Device, 0));
+    for (room, says) in [
+        (place(host, 1), "the last 1 of 4 blocks' on the device"),
+        (place(host, 0), "layer inputs offloaded to host"),
+    ] {
+        let b = tempfile::tempdir().unwrap();
+        let small = TrainConfig {
+            device_memory: workspace + room,
+            grad_accum: 1,
+            ..cfg(b.path(), deep_model.clone(), d.clone(), 2)
+        };
+        let mut notes = Notes(Vec::new());
+        run(&small, Arc::new(AtomicBool::new(false)), &mut notes).unwrap();
+        assert!(
+            notes
+                .0
+                .iter()
+                .any(|n| n.starts_with("activations:") && n.contains(says)),
+            "{says}: {:?}",
+            notes.0
         );
     }
 }
@@ -667,7 +716,13 @@ fn token_chunks_change_no_bit() {
     let run_with = |dir: &Path, device_memory: u64| run_as(dir, device_memory, Activations::Host);
     let model = ModelConfig::from_json_str(MODEL, "model.json").unwrap();
     let layout = StateLayout::new(&model, Mode::Exact);
-    let buffers = device_bytes(&layout, b, t, 1, (Activations::Host, ActivationDtype::Fp32));
+    let buffers = device_bytes(
+        &layout,
+        b,
+        t,
+        1,
+        (Activations::Host, ActivationDtype::Fp32, 0),
+    );
     let chunked = Shape::chunked(b, t, 256).unwrap();
     let tight = workspace_bytes(&model, chunked, Precision::Fp32) + buffers;
     assert!(tight < workspace_bytes(&model, Shape::whole(b, t), Precision::Fp32) + buffers);
@@ -706,7 +761,13 @@ fn token_chunks_change_no_bit() {
     // refused, naming the fix.
     let keep = tempfile::tempdir().unwrap();
     let keep_tight = workspace_bytes(&model, chunked, Precision::Fp32)
-        + device_bytes(&layout, b, t, 1, (Activations::Keep, ActivationDtype::Fp32));
+        + device_bytes(
+            &layout,
+            b,
+            t,
+            1,
+            (Activations::Keep, ActivationDtype::Fp32, 0),
+        );
     let e = run_as(keep.path(), keep_tight, Activations::Keep)
         .0
         .unwrap_err()

@@ -380,6 +380,7 @@ fn build_streamer(
             micro_batches: 1,
             activations: Activations::Host,
             activation_dtype: crate::engine::ActivationDtype::Fp32,
+            device_inputs: 0,
             adam: AdamWConfig::default(),
             grad_clip: 1.0,
             decay_norms: true,
@@ -476,6 +477,7 @@ fn predict(
         mode: case.mode,
         activations: Activations::Host,
         activation_dtype: crate::engine::ActivationDtype::Fp32,
+        device_inputs: 0,
         lean_pieces: LeanPieces::of(layout),
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))

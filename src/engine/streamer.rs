@@ -47,6 +47,9 @@ pub struct StreamerConfig {
     pub activations: Activations,
     /// How the layer inputs are stored (bf16 only on a bf16 device).
     pub activation_dtype: ActivationDtype,
+    /// Host activations: the last blocks whose inputs stay on the device all the same
+    /// ([`ScheduleSpec::device_inputs`]).
+    pub device_inputs: usize,
     /// AdamW hyperparameters (lr is overridden per step by [`Streamer::step`]).
     pub adam: AdamWConfig,
     /// Global-norm clipping threshold (0 = off).
@@ -189,7 +192,7 @@ pub fn device_bytes(
     batch: usize,
     seq: usize,
     micro_batches: usize,
-    (activations, activation_dtype): (Activations, ActivationDtype),
+    (activations, activation_dtype, device_inputs): (Activations, ActivationDtype, usize),
 ) -> u64 {
     let spec = ScheduleSpec {
         layers: layout.config.num_layers,
@@ -198,6 +201,7 @@ pub fn device_bytes(
         mode: layout.mode,
         activations,
         activation_dtype,
+        device_inputs,
         lean_pieces: LeanPieces::of(layout),
     };
     // A bf16 device (a planes master streams bf16) holds its weights in bf16.
@@ -267,6 +271,7 @@ impl Streamer {
             mode: layout.mode,
             activations: cfg.activations,
             activation_dtype: cfg.activation_dtype,
+            device_inputs: cfg.device_inputs,
             lean_pieces: LeanPieces::of(&layout),
         };
         if cfg.activation_dtype == ActivationDtype::Bf16 && !streams_bf16 {
@@ -321,12 +326,10 @@ impl Streamer {
             true => (n * c.hidden_size).div_ceil(2),
             false => n * c.hidden_size,
         };
-        let saved = match cfg.activations {
-            Activations::Host => (0..c.num_layers)
-                .map(|i| host_buffer(format!("activation of layer {i}"), saved_words))
-                .collect::<Result<_>>()?,
-            Activations::Device | Activations::Keep => Vec::new(),
-        };
+        // The offloaded inputs: the first blocks'.
+        let saved = (0..spec.offloaded_inputs())
+            .map(|i| host_buffer(format!("activation of layer {i}"), saved_words))
+            .collect::<Result<_>>()?;
         let lean = match layout.mode {
             Mode::Lean => (0..super::schedule::LEAN_BUFFERS)
                 .map(|k| host_buffer(format!("lean gradient buffer {k}"), piece).map(Some))

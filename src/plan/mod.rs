@@ -202,6 +202,9 @@ pub struct MemoryPlan {
     /// Where the layer-input checkpoints go: on the GPU when they fit beside its working set
     /// (or as asked), else to host memory.
     pub activations: Activations,
+    /// Under host activations, how many of the last blocks' inputs stay on the GPU all the
+    /// same (as many as its memory holds beside the working set).
+    pub device_inputs: usize,
     /// How they are stored.
     pub activation_dtype: ActivationDtype,
     /// Their bytes, wherever they are.
@@ -416,6 +419,7 @@ fn spilled_beside(
 /// host bytes when offloaded.
 struct DeviceSide {
     activations: Activations,
+    device_inputs: usize,
     activation_bytes: u64,
     host_activation_bytes: u64,
     device_bytes: u64,
@@ -471,17 +475,33 @@ fn device_side(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> DeviceS
         ActivationDtype::Fp32 => offloaded - 2 * tokens_mb * c * 4 + (l + 1) * input,
         ActivationDtype::Bf16 => offloaded - offload_staging + stored,
     };
-    let activations = req.activations.unwrap_or(if on_gpu <= gpu_budget {
-        Activations::Device
-    } else {
-        Activations::Host
-    });
+    // Under host activations, the last k blocks' inputs kept on the GPU beside the offloaded
+    // ones' buffers: k buffers of their own (fp32: and the head's input).
+    let kept_bytes = |k: u64| match (req.activation_dtype, k) {
+        (_, 0) => 0,
+        (ActivationDtype::Fp32, k) => (k + 1) * input,
+        (ActivationDtype::Bf16, k) => k * input,
+    };
+    let (activations, kept) = match req.activations {
+        Some(Activations::Host) => (Activations::Host, 0),
+        Some(a) => (a, l),
+        None if on_gpu <= gpu_budget => (Activations::Device, l),
+        None => {
+            let room = gpu_budget.saturating_sub(offloaded) / input.max(1);
+            let k = match req.activation_dtype {
+                ActivationDtype::Fp32 => room.saturating_sub(1),
+                ActivationDtype::Bf16 => room,
+            };
+            (Activations::Host, k.min(l.saturating_sub(1)))
+        }
+    };
     let (host_activation_bytes, device_bytes) = match activations {
-        Activations::Host => (stored, offloaded),
+        Activations::Host => ((l - kept) * input, offloaded + kept_bytes(kept)),
         _ => (0, on_gpu),
     };
     DeviceSide {
         activations,
+        device_inputs: kept as usize,
         activation_bytes: stored,
         host_activation_bytes,
         device_bytes,
@@ -501,6 +521,7 @@ pub fn memory(model: &ModelConfig, req: &PlanRequest, hw: &Hardware) -> MemoryPl
     MemoryPlan {
         host_state_bytes: host,
         activations: dev.activations,
+        device_inputs: dev.device_inputs,
         activation_dtype: req.activation_dtype,
         activation_bytes: dev.activation_bytes,
         host_activation_bytes: dev.host_activation_bytes,
@@ -628,15 +649,16 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     }
     let kernels = KernelParts::new(model, hw, req, req.micro_tokens());
     let costs = sim_costs(model, hw, req, req.micro_tokens(), &kernels);
-    let activations = device_side(model, req, hw).activations;
+    let placed = device_side(model, req, hw);
     let run = |m: u64| {
         let spec = crate::engine::schedule::ScheduleSpec {
             layers: model.num_layers,
             tied: model.tie_word_embeddings,
             micro_batches: m as usize,
             mode: req.mode,
-            activations,
+            activations: placed.activations,
             activation_dtype: req.activation_dtype,
+            device_inputs: placed.device_inputs,
             lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
         };
         sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)

@@ -513,6 +513,7 @@ mod tests {
             mode,
             activations: Activations::Host,
             activation_dtype: crate::engine::ActivationDtype::Fp32,
+            device_inputs: 0,
             lean_pieces: crate::engine::schedule::LeanPieces::WHOLE,
         }
     }

@@ -595,3 +595,39 @@ fn mistral_large_2_with_bf16_moments_is_gpu_bound() {
         Activations::Host
     );
 }
+
+/// Checkpoints that do not all fit the GPU: the last blocks' stay there, as many as fit beside
+/// the working set, the rest go to host memory — fewer host bytes and less link time than
+/// offloading them all.
+#[test]
+fn checkpoints_split_between_gpu_and_host_when_not_all_fit() {
+    let hw = presets::machine("h100-512gb").unwrap();
+    let m = presets::model("llama-3-70b").unwrap();
+    let r = PlanRequest {
+        bf16: true,
+        seq_len: 8192,
+        activation_dtype: ActivationDtype::Bf16,
+        ..req(65536)
+    };
+    let p = plan(&m, &hw, &r);
+    let k = p.memory.device_inputs;
+    let l = m.num_layers;
+    assert_eq!(p.memory.activations, Activations::Host);
+    assert!(0 < k && k < l, "{k} of {l}");
+    let input = 65536 * m.hidden_size as u64 * 2;
+    assert_eq!(p.memory.host_activation_bytes, (l - k) as u64 * input);
+    assert!(p.memory.device_bytes <= (hw.gpu_memory_bytes as f64 * USABLE) as u64);
+    // One input more would not fit.
+    assert!(p.memory.device_bytes + input > (hw.gpu_memory_bytes as f64 * USABLE) as u64);
+    let all = plan(
+        &m,
+        &hw,
+        &PlanRequest {
+            activations: Some(Activations::Host),
+            ..r
+        },
+    );
+    assert_eq!(all.memory.device_inputs, 0);
+    assert_eq!(all.memory.host_activation_bytes, l as u64 * input);
+    assert!(p.time.htod_s < all.time.htod_s);
+}

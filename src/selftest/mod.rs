@@ -306,6 +306,9 @@ pub fn train_steps(
                 crate::store::layout::MasterFormat::Planes => ActivationDtype::Bf16,
                 crate::store::layout::MasterFormat::Fp32 => ActivationDtype::Fp32,
             },
+            // The last block's input stays on the device, the others cross the link: both
+            // ways of keeping an input run.
+            device_inputs: 1,
             adam: AdamWConfig {
                 weight_decay: 0.1,
                 ..AdamWConfig::default()

@@ -54,6 +54,7 @@ pub(super) fn step_buffers(cfg: &TrainConfig, layout: &StateLayout) -> u64 {
         (
             cfg.activations.unwrap_or(Activations::Host),
             cfg.resolved_activation_dtype(),
+            0,
         ),
     )
 }
@@ -120,46 +121,58 @@ pub(super) fn note_chunks(device: &dyn crate::device::Device, progress: &mut dyn
 
 /// Layer-boundary activations: as set, else every block's internals kept on the device when the
 /// layers run unchunked and they fit (no recompute), else the layer inputs on the device when
-/// they fit, else offloaded to host.
+/// they fit, else offloaded to host — all but the last blocks' inputs that the device still has
+/// room for. Returns the choice and how many blocks' inputs stay on the device under `host`.
 pub(super) fn choose_activations(
     cfg: &TrainConfig,
     device: &dyn crate::device::Device,
     layout: &StateLayout,
     progress: &mut dyn Progress,
-) -> Activations {
+) -> (Activations, usize) {
     if let Some(a) = cfg.activations {
-        return a;
+        return (a, 0);
     }
     let mem = device.memory();
     let free = mem.capacity.saturating_sub(mem.in_use);
-    let need = |a: Activations| {
+    let need = |a: Activations, kept: usize| {
         crate::engine::device_bytes(
             layout,
             cfg.batch_size,
             cfg.seq_len,
             cfg.grad_accum,
-            (a, cfg.resolved_activation_dtype()),
+            (a, cfg.resolved_activation_dtype(), kept),
         )
     };
     let s = device.shape();
-    let cp = if !s.is_chunked() && need(Activations::Keep) <= free {
-        Activations::Keep
-    } else if need(Activations::Device) <= free {
-        Activations::Device
+    let layers = layout.config.num_layers;
+    let (cp, kept) = if !s.is_chunked() && need(Activations::Keep, 0) <= free {
+        (Activations::Keep, 0)
+    } else if need(Activations::Device, 0) <= free {
+        (Activations::Device, 0)
     } else {
-        Activations::Host
+        // The most last blocks' inputs that fit beside the offloaded ones' buffers (the bytes
+        // grow with the count).
+        let kept = (0..layers)
+            .rev()
+            .find(|&k| need(Activations::Host, k) <= free)
+            .unwrap_or(0);
+        (Activations::Host, kept)
     };
+    let dtype = cfg.resolved_activation_dtype().name();
     progress.note(&format!(
         "activations: {} (chosen: {} needed with them there, {} available)",
-        match cp {
-            Activations::Keep => "every layer's internals kept on the device (no recompute)",
-            Activations::Device => "layer inputs on the device (the backward recomputes)",
-            Activations::Host => "offloaded to host (the backward recomputes)",
+        match (cp, kept) {
+            (Activations::Keep, _) => "every layer's internals kept on the device (no recompute)".to_owned(),
+            (Activations::Device, _) => format!("layer inputs on the device in {dtype} (the backward recomputes)"),
+            (Activations::Host, 0) => format!("layer inputs offloaded to host in {dtype} (the backward recomputes)"),
+            (Activations::Host, k) => format!(
+                "layer inputs in {dtype}: the last {k} of {layers} blocks' on the device, the rest offloaded to host (the backward recomputes)"
+            ),
         },
-        human_bytes(need(cp)),
+        human_bytes(need(cp, kept)),
         human_bytes(free)
     ));
-    cp
+    (cp, kept)
 }
 
 /// The step's working set must fit the device beside its layer workspace.
@@ -167,7 +180,7 @@ pub(super) fn check_working_set(
     cfg: &TrainConfig,
     device: &dyn crate::device::Device,
     layout: &StateLayout,
-    activations: Activations,
+    (activations, device_inputs): (Activations, usize),
 ) -> Result<()> {
     let s = device.shape();
     if activations == Activations::Keep && s.is_chunked() {
@@ -188,7 +201,7 @@ pub(super) fn check_working_set(
         cfg.batch_size,
         cfg.seq_len,
         cfg.grad_accum,
-        (activations, cfg.resolved_activation_dtype()),
+        (activations, cfg.resolved_activation_dtype(), device_inputs),
     );
     let free = mem.capacity.saturating_sub(mem.in_use);
     if need <= free {

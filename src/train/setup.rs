@@ -143,14 +143,16 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         progress,
     )?;
     let (start_step, cursor, prev_norm) = restore(&cfg, resumed, &store, progress)?;
-    let activations = choose_activations(&cfg, device.as_ref(), store.layout(), progress);
+    let (activations, device_inputs) =
+        choose_activations(&cfg, device.as_ref(), store.layout(), progress);
     // Recorded, so a resumed run and the checkpoint's configuration say what was used.
     let cfg = TrainConfig {
         activations: Some(activations),
         ..cfg
     };
-    check_working_set(&cfg, device.as_ref(), store.layout(), activations)?;
-    let mut streamer = build_streamer(&cfg, device, store, tm.clone(), activations)?;
+    let placed = (activations, device_inputs);
+    check_working_set(&cfg, device.as_ref(), store.layout(), placed)?;
+    let mut streamer = build_streamer(&cfg, device, store, tm.clone(), placed)?;
     streamer.resume_at(start_step, prev_norm);
     let (b, t) = (cfg.batch_size, cfg.seq_len);
     let rows = RowSpec {
@@ -442,7 +444,7 @@ pub(super) fn build_streamer(
     device: Arc<dyn crate::device::Device>,
     store: HostStore,
     tm: Arc<Templates>,
-    activations: Activations,
+    (activations, device_inputs): (Activations, usize),
 ) -> Result<Streamer> {
     let pool = AdamPool::for_placement(store.placement(), None)?;
     Streamer::new(
@@ -456,6 +458,7 @@ pub(super) fn build_streamer(
             micro_batches: cfg.grad_accum,
             activations,
             activation_dtype: cfg.resolved_activation_dtype(),
+            device_inputs,
             adam: AdamWConfig {
                 lr: cfg.lr,
                 beta1: cfg.beta1,

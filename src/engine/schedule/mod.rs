@@ -231,6 +231,11 @@ pub struct ScheduleSpec {
     pub activations: Activations,
     /// How the layer inputs are stored (device and host activations).
     pub activation_dtype: ActivationDtype,
+    /// Host activations: how many of the last blocks' inputs stay on the device all the same
+    /// (as many as its memory holds; 0: every input offloaded). The last blocks' are the ones
+    /// the backward needs first, so they cost no wait; the earlier ones' copies overlap the
+    /// forward and the later blocks' backward. Ignored by device and kept activations.
+    pub device_inputs: usize,
     /// Lean mode: how many pieces each unit's gradients leave the device and are updated in.
     pub lean_pieces: LeanPieces,
 }
@@ -240,6 +245,14 @@ impl ScheduleSpec {
     /// [`ActivationDtype::Bf16`]; kept internals store no inputs).
     pub fn stores_bf16(&self) -> bool {
         self.activation_dtype == ActivationDtype::Bf16 && self.activations != Activations::Keep
+    }
+
+    /// Blocks whose inputs are offloaded to the host: the first ones.
+    pub fn offloaded_inputs(&self) -> usize {
+        match self.activations {
+            Activations::Host => self.layers.saturating_sub(self.device_inputs),
+            Activations::Device | Activations::Keep => 0,
+        }
     }
 }
 
@@ -555,15 +568,22 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     let l = spec.layers;
     let head = l + 1;
     let narrow = spec.stores_bf16();
-    // Inputs stored apart (host, or bf16 on the device) leave two fp32 working buffers.
-    let act = |i: usize| match spec.activations {
-        Activations::Keep => DevBuf::A(i),
-        Activations::Device if !narrow => DevBuf::A(i),
-        _ => DevBuf::A(i % 2),
+    // Blocks below `offloaded` keep their inputs on the host, in two fp32 boundary buffers
+    // (or, in bf16, two staging buffers) taken in turn; the rest keep theirs on the device,
+    // each in its own buffer (in bf16, beside two fp32 working buffers). The two sets of
+    // buffers never meet: an offloaded block's index is below every kept one's.
+    let offloaded = spec.offloaded_inputs();
+    let on_device = |i: usize| i >= offloaded;
+    let act = |i: usize| match (narrow, i == l) {
+        (true, _) => DevBuf::A(i % 2),
+        (false, true) if offloaded == l => DevBuf::A(l % 2),
+        (false, true) => DevBuf::A(l),
+        (false, false) if on_device(i) => DevBuf::A(i),
+        (false, false) => DevBuf::A(i % 2),
     };
-    let stored = |i: usize| match spec.activations {
-        Activations::Host => DevBuf::S(i % 2),
-        _ => DevBuf::S(i),
+    let stored = |i: usize| match on_device(i) {
+        true => DevBuf::S(i),
+        false => DevBuf::S(i % 2),
     };
     let kept = |i: usize| (spec.activations == Activations::Keep).then_some(DevBuf::K(i));
     let w = b.weights(0, None);
@@ -583,7 +603,7 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
         } else {
             act(i)
         };
-        if spec.activations == Activations::Host {
+        if !on_device(i) {
             b.push(
                 Lane::Stream(StreamKind::CopyOut),
                 Op::SaveActivation { index: i, from },
@@ -621,9 +641,9 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     let mut d = 0;
     for i in (0..l).rev() {
         let x = act(i);
-        // The last block's input is still on the device (in its staging buffer when stored
-        // in bf16).
-        let resident = spec.activations != Activations::Host || i + 1 == l;
+        // The last offloaded block's input is still on the device too (in its staging buffer
+        // when stored in bf16): nothing after it wrote that buffer.
+        let resident = on_device(i) || i + 1 == offloaded;
         let to = if narrow { stored(i) } else { x };
         if !resident {
             b.push(

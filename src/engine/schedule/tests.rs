@@ -9,6 +9,7 @@ fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> Sch
         mode,
         activations: a,
         activation_dtype: ActivationDtype::Fp32,
+        device_inputs: 0,
     }
 }
 
@@ -25,6 +26,18 @@ fn all_specs() -> Vec<ScheduleSpec> {
                     activation_dtype: ActivationDtype::Bf16,
                     ..spec(layers, tied, 2, Mode::Exact, a)
                 });
+                // Host activations with the last inputs kept on the device, in fp32 and bf16.
+                if a == Activations::Host {
+                    for k in 1..=layers {
+                        for dtype in [ActivationDtype::Fp32, ActivationDtype::Bf16] {
+                            v.push(ScheduleSpec {
+                                activation_dtype: dtype,
+                                device_inputs: k,
+                                ..spec(layers, tied, 2, Mode::Exact, a)
+                            });
+                        }
+                    }
+                }
                 // A large vocabulary's embedding and head drained and updated in pieces.
                 v.push(ScheduleSpec {
                     lean_pieces: LeanPieces {

@@ -198,9 +198,14 @@ pub fn generate(args: &GenerateArgs, progress: &mut dyn Progress) -> Result<Gene
             ));
         }
     }
-    check_working_set(&cfg, device.as_ref(), store.layout(), Activations::Host)?;
+    check_working_set(
+        &cfg,
+        device.as_ref(),
+        store.layout(),
+        (Activations::Host, 0),
+    )?;
     let params = store.layout().num_params();
-    let mut streamer = build_streamer(&cfg, device, store, tm, Activations::Host)?;
+    let mut streamer = build_streamer(&cfg, device, store, tm, (Activations::Host, 0))?;
     let started = std::time::Instant::now();
     let continuation = continue_ids(&mut streamer, &prompt_ids, &args.sampling, &defaults)?;
     let secs = started.elapsed().as_secs_f64();
