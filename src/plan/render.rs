@@ -18,11 +18,21 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     let placed = format!(
         "layer-input checkpoints in {}, {}",
         p.memory.activation_dtype.name(),
-        match (p.memory.activations, req.activations.is_some(), p.memory.device_inputs) {
+        match (
+            p.memory.activations,
+            req.activations.is_some(),
+            p.memory.device_inputs
+        ) {
             (Activations::Host, true, _) => "in host memory, as asked".to_owned(),
-            (Activations::Host, false, 0) => "in host memory: the GPU lacks room for them".to_owned(),
+            (Activations::Host, false, 0) =>
+                "in host memory: the GPU lacks room for them".to_owned(),
             (Activations::Host, false, k) => format!(
-                "the last {k} blocks' on the GPU, the rest in host memory: the GPU lacks room for all"
+                "{} on the GPU, the rest ({}) in host memory: the GPU lacks room for all",
+                match k {
+                    1 => "the last block's".to_owned(),
+                    k => format!("the last {k} blocks'"),
+                },
+                crate::util::human_bytes(p.memory.host_activation_bytes)
             ),
             (_, true, _) => "on the GPU, as asked".to_owned(),
             (_, false, _) => "on the GPU: they fit beside its working set".to_owned(),
