@@ -410,28 +410,20 @@ fn execute(
             link: wire,
             label,
         } => {
-            let began = Instant::now();
-            let buf = shared.buffer(src)?;
-            let guard = buf.read()?;
-            let s = &*guard;
-            super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, s.len())?;
-            // SAFETY: HostRef's contract: valid and unaliased until this command completes.
-            let h = unsafe { dst.slice() };
-            let s = &s[offset..offset + dst.len()];
             // What lands on the host: the device's values, or their bf16 roundings.
             let crossed = |v: f32| match wire {
                 GradLink::Fp32 => v,
                 GradLink::Bf16 => bf16_value(v),
             };
-            if accumulate {
-                h.iter_mut().zip(s).for_each(|(a, v)| *a += crossed(*v));
-            } else {
-                h.iter_mut().zip(s).for_each(|(a, v)| *a = crossed(*v));
+            let at = (label.as_str(), wire.elem_bytes());
+            match accumulate {
+                true => copy_out(shared, link, (src, offset), &dst, at, |a, v| {
+                    *a += crossed(v)
+                }),
+                false => copy_out(shared, link, (src, offset), &dst, at, |a, v| {
+                    *a = crossed(v)
+                }),
             }
-            drop(guard);
-            let bytes = wire.elem_bytes() * dst.len() as u64;
-            pace(link, began, bytes, false);
-            Ok(Some((format!("dtoh {label}"), bytes)))
         }
         // A bf16 buffer holds its values widened: each is its high half exactly.
         Cmd::DtoHBf16 {
@@ -439,23 +431,9 @@ fn execute(
             src,
             offset,
             label,
-        } => {
-            let began = Instant::now();
-            let buf = shared.buffer(src)?;
-            let guard = buf.read()?;
-            let s = &*guard;
-            super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, s.len())?;
-            // SAFETY: HostRef's contract: valid and unaliased until this command completes.
-            let h = unsafe { dst.slice() };
-            let s = &s[offset..offset + dst.len()];
-            h.iter_mut()
-                .zip(s)
-                .for_each(|(a, v)| *a = (v.to_bits() >> 16) as u16);
-            drop(guard);
-            let bytes = 2 * dst.len() as u64;
-            pace(link, began, bytes, false);
-            Ok(Some((format!("dtoh {label}"), bytes)))
-        }
+        } => copy_out(shared, link, (src, offset), &dst, (&label, 2), |a, v| {
+            *a = (v.to_bits() >> 16) as u16
+        }),
         Cmd::Kernel(k) => {
             if stream != StreamKind::Compute {
                 return Err(Error::internal(
@@ -495,6 +473,32 @@ fn copy_in<T: Copy>(
     let bytes = std::mem::size_of_val(s) as u64;
     pace(link, began, bytes, true);
     Ok(Some((format!("htod {label}"), bytes)))
+}
+
+/// `dst.len()` elements of device buffer `src` from `offset`, each landed on its host element
+/// by `land`; paced on the link at `elem_bytes` per element.
+fn copy_out<T>(
+    shared: &Shared,
+    link: Option<LinkModel>,
+    (src, offset): (BufId, usize),
+    dst: &super::HostRef<T>,
+    (label, elem_bytes): (&str, u64),
+    land: impl Fn(&mut T, f32),
+) -> Result<Option<(String, u64)>> {
+    let began = Instant::now();
+    let buf = shared.buffer(src)?;
+    let guard = buf.read()?;
+    let s = &*guard;
+    super::check_copy(&format!("dtoh {label}"), dst.len(), offset, src, s.len())?;
+    // SAFETY: HostRef's contract: valid and unaliased until this command completes.
+    let h = unsafe { dst.slice() };
+    h.iter_mut()
+        .zip(&s[offset..offset + dst.len()])
+        .for_each(|(a, v)| land(a, *v));
+    drop(guard);
+    let bytes = elem_bytes * dst.len() as u64;
+    pace(link, began, bytes, false);
+    Ok(Some((format!("dtoh {label}"), bytes)))
 }
 
 /// Hold a copy of `bytes` begun at `began` until the emulated link (if any) would have carried
