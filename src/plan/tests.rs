@@ -1,4 +1,6 @@
 use super::*;
+use crate::device::program::{workspace_bytes, Shape, CHUNK_ALIGN};
+use crate::device::Precision;
 
 fn req(tokens: u64) -> PlanRequest {
     PlanRequest {
