@@ -167,26 +167,8 @@ else
 fi
 
 # ---- steps of an 8B-wide model and of a mixture of experts, beside the plan --------------------
-# llama_config LAYERS HIDDEN FFN HEADS KV VOCAB → config.json
-llama_config() {
-  cat <<EOF
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $2,
- "intermediate_size": $3, "num_hidden_layers": $1, "num_attention_heads": $4,
- "num_key_value_heads": $5, "vocab_size": $6, "max_position_embeddings": 131072,
- "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "hidden_act": "silu"}
-EOF
-}
-# qwen3_moe_config LAYERS HIDDEN EXPERT_FFN EXPERTS TOP_K HEADS KV HEAD_DIM VOCAB → config.json
-qwen3_moe_config() {
-  cat <<EOF
-{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": $2,
- "intermediate_size": $(( 8 * $3 )), "moe_intermediate_size": $3, "num_experts": $4,
- "num_experts_per_tok": $5, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
- "num_hidden_layers": $1, "num_attention_heads": $6, "num_key_value_heads": $7, "head_dim": $8,
- "vocab_size": $9, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
- "tie_word_embeddings": false, "hidden_act": "silu", "output_router_logits": false}
-EOF
-}
+# llama_config and qwen3_moe_config: the step models' config.json files.
+. "$root/tools/gpu_configs.sh"
 # steps_stage NAME FILE LIMIT_S STEPS SEQ BATCH ACCUM PRECISION CONFIG DESCRIPTION: train CONFIG
 # on random tokens, sample GPU memory, and predict the same with the planner.
 steps_stage() {

@@ -75,10 +75,13 @@ pub fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// splitmix64's increment: the `n`-th draw from `seed` is a function of `seed + n·γ` alone.
+pub const SPLITMIX64_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
 /// splitmix64: a tiny, well-known deterministic generator (the data's shuffle, the random init,
 /// sampling), advancing `state`.
 pub fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    *state = state.wrapping_add(SPLITMIX64_GAMMA);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
