@@ -126,23 +126,32 @@ __device__ __forceinline__ int nth_slot(const unsigned* ex, int k, int j) {
 }
 
 // out[t, :] = Σ over t's slots in ascending expert order of weight · y[row of the slot, :]
-// (weight 1 when `weight` is null: the backward's sum of the rows' input gradients).
+// (weight 1 when `weight` is null: the backward's sum of the rows' input gradients). A block per
+// token at a time: the token's slot order is found once (into shared memory, up to
+// MOE_ORDER_MAX slots; beyond, per column) and its threads run over the columns.
+#define MOE_ORDER_MAX 64
 extern "C" __global__ void moe_combine_fwd_f32(float* __restrict__ out,             /* [N, C] */
                                                const float* __restrict__ y,         /* [R, C] */
                                                const unsigned* __restrict__ row_of, /* [N, k] */
                                                const unsigned* __restrict__ expert, /* [N, k] */
                                                const float* __restrict__ weight,    /* [N, k] */
                                                int n, int c, int k) {
-    FOR_EACH(i, (long long)n * c) {
-        const long long t = i / c, col = i % c;
+    __shared__ int order[MOE_ORDER_MAX];
+    for (long long t = blockIdx.x; t < n; t += gridDim.x) {
         const unsigned* ex = expert + t * k;
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) {
-            const int s = nth_slot(ex, k, j);
-            const float v = y[(long long)row_of[t * k + s] * c + col];
-            acc = __fadd_rn(acc, weight ? __fmul_rn(v, weight[t * k + s]) : v);
+        __syncthreads();  // the previous token's columns are done with `order`
+        if (k <= MOE_ORDER_MAX)
+            for (int j = threadIdx.x; j < k; j += blockDim.x) order[j] = nth_slot(ex, k, j);
+        __syncthreads();
+        for (int col = threadIdx.x; col < c; col += blockDim.x) {
+            float acc = 0.0f;
+            for (int j = 0; j < k; j++) {
+                const int s = k <= MOE_ORDER_MAX ? order[j] : nth_slot(ex, k, j);
+                const float v = y[(long long)row_of[t * k + s] * c + col];
+                acc = __fadd_rn(acc, weight ? __fmul_rn(v, weight[t * k + s]) : v);
+            }
+            out[t * (long long)c + col] = acc;
         }
-        out[i] = acc;
     }
 }
 

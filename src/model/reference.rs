@@ -303,7 +303,7 @@ pub fn eval_loss(
     tm.check_batch(tokens, targets, positions, b, t)?;
     let (x, w) = forward_hidden(tm, params, tokens, positions, b, t, ws)?;
     let p_head = params[tm.blocks.len() + 1];
-    let rows = super::ops::CE_CHUNK_ROWS;
+    let rows = super::ops::ce_chunk_rows(tm.config.vocab_size);
     let mut total = 0.0;
     for r0 in (0..n).step_by(rows) {
         let r1 = (r0 + rows).min(n);

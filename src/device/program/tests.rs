@@ -372,7 +372,7 @@ fn bf16_workspace_halves_the_stored_regions() {
         cfg.q_dim(),
         cfg.kv_dim(),
     );
-    let mh = m.max(n.min(crate::model::ops::CE_CHUNK_ROWS));
+    let mh = m.max(n.min(crate::model::ops::ce_chunk_rows(cfg.vocab_size)));
     // (region, elements): h1, q, k, v, h2, act, d_i2, d_i3, d_att.
     let stored = [
         (0, mh * c),
@@ -401,7 +401,8 @@ fn bf16_workspace_halves_the_stored_regions() {
 }
 
 /// With token chunks a GPU's workspace grows with the sequence only by what attention keeps for
-/// all of it: K and V (2 B per element under bf16), dK and dV (4 B) and a loss (4 B) per token.
+/// all of it: K and V (2 B per element under bf16), dK and dV (4 B) and a loss (4 B) per token
+/// — once the micro-batch fills the head's chunk ([`crate::model::ops::ce_chunk_rows`] rows).
 #[test]
 fn workspace_grows_with_the_sequence_by_keys_values_and_their_gradients() {
     let cfg = model(false);
@@ -409,7 +410,8 @@ fn workspace_grows_with_the_sequence_by_keys_values_and_their_gradients() {
     for (precision, kv_bytes) in [(Precision::Fp32, 4), (Precision::Bf16, 2)] {
         let bytes = |t: usize| workspace_bytes(&cfg, Shape::chunked(2, t, 256).unwrap(), precision);
         let per_token = 2 * kv_bytes * kvd + 2 * 4 * kvd + 4;
-        for (t1, t2) in [(512, 1024), (1024, 4096)] {
+        let full = crate::model::ops::ce_chunk_rows(cfg.vocab_size) / 2;
+        for (t1, t2) in [(full, 2 * full), (2 * full, 8 * full)] {
             assert_eq!(
                 bytes(t2) - bytes(t1),
                 2 * (t2 - t1) as u64 * per_token,

@@ -30,7 +30,7 @@ pub struct Workspace {
     pub(super) dq: Vec<f32>,    // [N, NH·HD] dL/d q
     pub(super) dk: Vec<f32>,    // [N, NKV·HD] dL/d k
     pub(super) dv: Vec<f32>,    // [N, NKV·HD] dL/d v
-    pub(super) ce: Vec<f32>,    // [CE_CHUNK_ROWS, V] one chunk of logits, then their gradients
+    pub(super) ce: Vec<f32>,    // [ce_chunk_rows(V), V] one chunk of logits, then their gradients
     // QK-norm only (else empty)
     pub(super) q_raw: Vec<f32>,  // [N, NH·HD] queries before their norm
     pub(super) k_raw: Vec<f32>,  // [N, NKV·HD] keys before their norm

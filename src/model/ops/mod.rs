@@ -459,8 +459,18 @@ pub use moe::{
 pub use rope::{Rope, RopeScaling};
 pub use sinks::{sinks_bwd, sinks_fwd};
 
-/// Rows of logits materialised at once by [`lm_head_ce`]: chunk × V floats.
-pub const CE_CHUNK_ROWS: usize = 256;
+/// About the fp32 logits materialised at once by the head ([`ce_chunk_rows`]).
+pub const CE_CHUNK_BYTES: usize = 1 << 30;
+
+/// The head's chunk (the reference's [`lm_head_ce`] and the device program's alike): the rows
+/// whose logits exist at once, a power of two from 256 to 4096 with about [`CE_CHUNK_BYTES`]
+/// of logits (`rows × V` floats). Each chunk reads and writes the LM head's whole fp32
+/// gradient (`dW += dlogitsᵀ·h`): 256-row chunks of a 152k vocabulary moved 2.5 GB a chunk,
+/// a fifth of an H100's MoE step (docs/gpu.md).
+pub fn ce_chunk_rows(vocab: usize) -> usize {
+    let fit = CE_CHUNK_BYTES / (4 * vocab.max(1));
+    (1usize << fit.max(1).ilog2()).clamp(256, 4096)
+}
 
 /// Fused LM head + cross-entropy, chunked over tokens so B·T·V logits never exist at once.
 ///
@@ -479,9 +489,9 @@ pub fn lm_head_ce(
     grad_scale: f32,
     scratch: &mut Vec<f32>,
 ) -> f64 {
-    let rows = CE_CHUNK_ROWS.min(n.max(1));
+    let rows = ce_chunk_rows(vocab).min(n.max(1));
     scratch.resize(rows * vocab, 0.0);
-    let mut losses = [0.0f32; CE_CHUNK_ROWS];
+    let mut losses = vec![0.0f32; rows];
     let mut total = 0.0f64;
     for r0 in (0..n).step_by(rows) {
         let r1 = (r0 + rows).min(n);

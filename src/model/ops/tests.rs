@@ -213,7 +213,7 @@ fn chunked_ce_matches_naive_and_finite_differences() {
 }
 
 fn chunked_ce_case(softcap: Option<f32>) {
-    let (n, c, vocab) = (CE_CHUNK_ROWS + 37, 12, 50);
+    let (n, c, vocab) = (ce_chunk_rows(50) + 37, 12, 50);
     let (mut h, w) = (rnd(n * c, 1), rnd(vocab * c, 2));
     // Every seventh row is masked out (trains nothing, counts nothing).
     let targets: Vec<u32> = (0..n)
