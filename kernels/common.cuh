@@ -91,10 +91,12 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned a[4
 #define FOR_WEIGHT_DTYPES(M) M(f32, float, float) M(bf16, bf16, bf16) M(f32w16, float, bf16)
 
 // Column sums in a fixed order (no atomics, the same bits on every run): a block of COL_TILE ×
-// ROW_LANES threads owns COL_TILE consecutive columns (a warp reads them coalesced); lane `ty` sums
-// rows ty, ty + ROW_LANES, …, then lane 0 adds the ROW_LANES partial sums in order.
-#define COL_TILE 32
-#define ROW_LANES 8
+// ROW_LANES threads owns COL_TILE consecutive columns (a half-warp reads them coalesced); lane
+// `ty` sums rows ty, ty + ROW_LANES, …, then lane 0 adds the ROW_LANES partial sums in order.
+// 16 × 64: a 2048-wide sum is 128 blocks of 1024 threads, about one per SM of an H100 (32 × 8
+// left half its SMs idle and each thread a 4096-row loop at 32k rows: 6 ms where 0.2 would do).
+#define COL_TILE 16
+#define ROW_LANES 64
 template <typename Term>
 __device__ __forceinline__ void column_sum(float* __restrict__ dst, int n, int c, Term term) {
     __shared__ float part[ROW_LANES][COL_TILE];

@@ -9,8 +9,9 @@
 #         the bf16 recipe (the check's moe stage)
 #   step  4 layers of Llama-3-8B's width, 8 × 4096 tokens in one micro-batch, bf16
 #
-# Writes OUT_DIR/profile-NAME.md (the table, the kernels' sum against the step's compute time)
-# and OUT_DIR/profile-NAME.csv (ncu's raw per-launch rows). Needs `ncu` with access to the
+# Writes OUT_DIR/profile-NAME.md (the table, the kernels' sum against the step's compute time),
+# OUT_DIR/profile-NAME.csv (ncu's raw per-launch rows) and OUT_DIR/trace-NAME.json (the run
+# without ncu as `megatrain train --trace` records it: every stream's ops, chrome://tracing). Needs `ncu` with access to the
 # hardware counters (a Firecracker VM of the lent machines has it, gVisor does not) and the
 # binary as tools/gpu_check.sh finds it. The kernels are timed one at a time (ncu serialises
 # them): their sum is the GPU's busy time; the step's compute time beyond it is the host's
@@ -42,12 +43,12 @@ head -c $(( 2 * (batch * (steps + 4) + 1) * (seq + 1) )) /dev/urandom > "$dir/da
 train() {  # STEPS METRICS [WRAPPER...]
   local n="$1" m="$2"; shift 2
   "$@" "$bin" train --model "$dir/config.json" --data "$dir/data.bin" --seq-len $seq --batch-size $batch \
-    --grad-accum 1 --steps "$n" --device cuda --precision bf16 --lr 1e-4 --metrics "$m"
+    --grad-accum 1 --steps "$n" --device cuda --precision bf16 --lr 1e-4 --metrics "$m" ${MEGATRAIN_TRACE_ARGS:-}
 }
 t0=$(date +%s)
 echo "== $which: $((steps + 2)) steps without ncu" >&2
 stamp() { while IFS= read -r l; do printf '[%s] %s\n' "$(date +%T.%N | cut -c1-12)" "$l"; done; }
-train $((steps + 2)) "$dir/plain.jsonl" 2>&1 | stamp >&2 || exit 1
+MEGATRAIN_TRACE_ARGS="--trace $out/trace-$which.json" train $((steps + 2)) "$dir/plain.jsonl" 2>&1 | stamp >&2 || exit 1
 t1=$(date +%s)
 echo "== the same under ncu ($((t1 - t0)) s without)" >&2
 train "$steps" "$dir/ncu.jsonl" timeout 300 ncu --clock-control none --cache-control none \

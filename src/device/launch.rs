@@ -60,11 +60,11 @@ pub fn per_row(rows: usize, cols: usize) -> Result<Launch> {
 }
 
 /// Columns per block of the column reductions (`COL_TILE` in common.cuh).
-const COL_TILE: usize = 32;
+const COL_TILE: usize = 16;
 /// Row lanes per column of the column reductions (`ROW_LANES` in common.cuh).
-const ROW_LANES: u32 = 8;
+const ROW_LANES: u32 = 64;
 
-/// Column reductions (bias and RMSNorm weight gradients): a block of 32 columns × 8 row lanes.
+/// Column reductions (bias and RMSNorm weight gradients): a block of 16 columns × 64 row lanes.
 pub fn per_column(cols: usize) -> Launch {
     Launch {
         grid: (cols.div_ceil(COL_TILE).max(1) as u32, 1, 1),
