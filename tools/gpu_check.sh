@@ -46,16 +46,8 @@ done
 mkdir -p "$out" || exit 2
 out="$(cd "$out" && pwd)"
 
-bin="${MEGATRAIN_BIN:-}"
-if [ -z "$bin" ]; then
-  for c in "$root/dist/megatrain-cuda/megatrain" "$root/target/release/megatrain"; do
-    [ -x "$c" ] && { bin="$c"; break; }
-  done
-fi
-[ -n "$bin" ] && [ -x "$bin" ] || {
-  echo "error: no megatrain binary (set MEGATRAIN_BIN, or build one: tools/build_gpu_bundle.sh)" >&2; exit 2; }
-bindir="$(cd "$(dirname "$bin")" && pwd)"
-[ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. "$root/tools/gpu_common.sh"
+megatrain_bin
 
 summary="$out/summary.md" log="$out/run.log"
 for f in summary.md env.txt selftest.txt goldens.txt bench.json step.txt run.log; do rm -f "$out/$f"; done
@@ -167,8 +159,7 @@ else
 fi
 
 # ---- steps of an 8B-wide model and of a mixture of experts, beside the plan --------------------
-# llama_config and qwen3_moe_config: the step models' config.json files.
-. "$root/tools/gpu_configs.sh"
+# llama_config and qwen3_moe_config (tools/gpu_common.sh): the step models' config.json files.
 # steps_stage NAME FILE LIMIT_S STEPS SEQ BATCH ACCUM PRECISION CONFIG DESCRIPTION: train CONFIG
 # on random tokens, sample GPU memory, and predict the same with the planner.
 steps_stage() {

@@ -20,17 +20,9 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:?usage: tools/gpu_kernel_profile.sh OUT_DIR [moe|step] [STEPS]}" which="${2:-moe}" steps="${3:-1}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)" || exit 2
-bin="${MEGATRAIN_BIN:-}"
-if [ -z "$bin" ]; then
-  for c in "$root/dist/megatrain-cuda/megatrain" "$root/target/release/megatrain"; do
-    [ -x "$c" ] && { bin="$c"; break; }
-  done
-fi
-[ -n "$bin" ] && [ -x "$bin" ] || { echo "error: no megatrain binary (tools/build_gpu_bundle.sh)" >&2; exit 2; }
-bindir="$(cd "$(dirname "$bin")" && pwd)"
-[ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. "$root/tools/gpu_common.sh"
+megatrain_bin
 command -v ncu >/dev/null || { echo "error: no ncu (Nsight Compute) on PATH" >&2; exit 2; }
-. "$root/tools/gpu_configs.sh"
 dir="$(mktemp -d "${TMPDIR:-/tmp}/megatrain-profile.XXXXXX")"
 trap 'rm -rf "$dir"' EXIT
 case "$which" in

@@ -29,15 +29,8 @@ mkdir -p "$out" && out="$(cd "$out" && pwd)" || exit 2
 [ ${#variants[@]} -gt 0 ] || variants=(
   "b1a8:1:8" "b1a8-bf16link:1:8:--grad-link,bf16" "b2a4:2:4" "b8a1:8:1" "b8a1-lean:8:1:--mode,lean")
 
-bin="${MEGATRAIN_BIN:-}"
-if [ -z "$bin" ]; then
-  for c in "$root/dist/megatrain-cuda/megatrain" "$root/target/release/megatrain"; do
-    [ -x "$c" ] && { bin="$c"; break; }
-  done
-fi
-[ -n "$bin" ] && [ -x "$bin" ] || { echo "error: no megatrain binary (tools/build_gpu_bundle.sh)" >&2; exit 2; }
-bindir="$(cd "$(dirname "$bin")" && pwd)"
-[ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. "$root/tools/gpu_common.sh"
+megatrain_bin
 run=("$bin")
 [ -n "$emulated" ] && run=("$root/tools/cuemu.sh" "$bin")
 
@@ -51,12 +44,7 @@ else
   seq=4096 layers=4 hidden=4096 ffn=14336 heads=32 kv=8 vocab=128256 tokens=$((4096 * 8))
 fi
 steps="${MEGATRAIN_MATRIX_STEPS:-4}"
-cat > "$scratch/config.json" <<EOF
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $hidden,
- "intermediate_size": $ffn, "num_hidden_layers": $layers, "num_attention_heads": $heads,
- "num_key_value_heads": $kv, "vocab_size": $vocab, "max_position_embeddings": 131072,
- "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "hidden_act": "silu"}
-EOF
+llama_config "$layers" "$hidden" "$ffn" "$heads" "$kv" "$vocab" > "$scratch/config.json"
 rows=$(( tokens / seq * (steps + 1) + 1 ))
 head -c $(( 2 * rows * (seq + 1) )) /dev/urandom > "$scratch/data.bin"
 

@@ -62,18 +62,24 @@ def ints(values):
     return (ctypes.c_int * len(values))(*values)
 
 
+def per_expert(counts, call):
+    """One column-major GEMM per expert with rows: `call(e, lo, m)` gives its arguments."""
+    calls, lo = [], 0
+    for e, m in enumerate(counts):
+        if m:
+            calls.append(call(e, lo, m))
+        lo += m
+    return calls
+
+
 def forward(counts, dtype):
     """Y_e[m_e, I] = X_e[m_e, C] . W_e[I, C]^T: column-major Y^T[I, m_e] = W_e^T' . X_e^T."""
     rows = int(sum(counts))
     x = torch.randn(rows, C, device="cuda").to(dtype)
     w = (torch.randn(E, I, C, device="cuda") / C ** 0.5).to(dtype)
     y = torch.full((rows, I), float("nan"), device="cuda")
-    calls, lo = [], 0
-    for e, m in enumerate(counts):
-        if m:
-            calls.append(dict(ta=OP_T, tb=OP_N, m=I, n=m, k=C, a=w[e], lda=C, b=x[lo:lo + m], ldb=C,
-                              c=y[lo:lo + m], ldc=I, beta=0.0))
-        lo += m
+    calls = per_expert(counts, lambda e, lo, m: dict(
+        ta=OP_T, tb=OP_N, m=I, n=m, k=C, a=w[e], lda=C, b=x[lo:lo + m], ldb=C, c=y[lo:lo + m], ldc=I, beta=0.0))
     return calls, (x, w[0], (rows, C, I))
 
 
@@ -83,12 +89,8 @@ def backward_data(counts, dtype):
     dg = torch.randn(rows, I, device="cuda").to(dtype)
     w = (torch.randn(E, I, C, device="cuda") / I ** 0.5).to(dtype)
     dx = torch.full((rows, C), float("nan"), device="cuda")
-    calls, lo = [], 0
-    for e, m in enumerate(counts):
-        if m:
-            calls.append(dict(ta=OP_N, tb=OP_N, m=C, n=m, k=I, a=w[e], lda=C, b=dg[lo:lo + m], ldb=I,
-                              c=dx[lo:lo + m], ldc=C, beta=0.0))
-        lo += m
+    calls = per_expert(counts, lambda e, lo, m: dict(
+        ta=OP_N, tb=OP_N, m=C, n=m, k=I, a=w[e], lda=C, b=dg[lo:lo + m], ldb=I, c=dx[lo:lo + m], ldc=C, beta=0.0))
     return calls, (dg, w[0], (rows, I, C))
 
 
@@ -98,12 +100,8 @@ def backward_weight(counts, dtype):
     x = torch.randn(rows, C, device="cuda").to(dtype)
     dg = (torch.randn(rows, I, device="cuda") / 64).to(dtype)
     gw = torch.randn(E, I, C, device="cuda")
-    calls, lo = [], 0
-    for e, m in enumerate(counts):
-        if m:
-            calls.append(dict(ta=OP_N, tb=OP_T, m=C, n=I, k=m, a=x[lo:lo + m], lda=C, b=dg[lo:lo + m], ldb=I,
-                              c=gw[e], ldc=C, beta=1.0))
-        lo += m
+    calls = per_expert(counts, lambda e, lo, m: dict(
+        ta=OP_N, tb=OP_T, m=C, n=I, k=m, a=x[lo:lo + m], lda=C, b=dg[lo:lo + m], ldb=I, c=gw[e], ldc=C, beta=1.0))
     return calls, (x, dg, (I, rows, C))
 
 

@@ -1,4 +1,22 @@
-# The GPU tools' model configs (sourced by tools/gpu_check.sh and tools/gpu_kernel_profile.sh).
+# What the GPU tools share (sourced by tools/gpu_check.sh, tools/gpu_step_matrix.sh and
+# tools/gpu_kernel_profile.sh, with `root` set to the repository): the binary and the models.
+
+# megatrain_bin: `bin` (MEGATRAIN_BIN, else the bundle of tools/build_gpu_bundle.sh, else the
+# release build) and its bundled libraries on the loader's path; exits 2 when there is none.
+megatrain_bin() {
+  bin="${MEGATRAIN_BIN:-}"
+  if [ -z "$bin" ]; then
+    for c in "$root/dist/megatrain-cuda/megatrain" "$root/target/release/megatrain"; do
+      [ -x "$c" ] && { bin="$c"; break; }
+    done
+  fi
+  [ -n "$bin" ] && [ -x "$bin" ] || {
+    echo "error: no megatrain binary (set MEGATRAIN_BIN, or build one: tools/build_gpu_bundle.sh)" >&2; exit 2; }
+  bindir="$(cd "$(dirname "$bin")" && pwd)"
+  [ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  return 0
+}
+
 # llama_config LAYERS HIDDEN FFN HEADS KV VOCAB → config.json
 llama_config() {
   cat <<EOF
