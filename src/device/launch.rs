@@ -391,8 +391,8 @@ mod tests {
         assert_eq!(per_row(10, 1).unwrap().block, 32);
         assert_eq!(per_row(10, 100).unwrap().block, 128);
         assert!(per_row(usize::MAX, 8).is_err());
-        assert_eq!(per_column(4097).grid.0, 129);
-        assert_eq!(per_column(4097).block, 256);
+        assert_eq!(per_column(4097).grid.0, 257);
+        assert_eq!(per_column(4097).block, 1024);
     }
 
     #[test]

@@ -3,9 +3,9 @@
 //!
 //! [`schedule`] lists the ops of one optimizer step in submission order, each with the resources
 //! it reads and writes (device buffers, host shards, the norm and the clip coefficient). A hazard
-//! tracker then derives every dependency: an op waits for the last writer of what it reads and
-//! for the readers and writer of what it writes, unless FIFO order on the same lane already
-//! implies it. Run over two consecutive steps, the same tracker derives the waits *across*
+//! tracker (`hazards.rs`) then derives every dependency: an op waits for the last writer of what
+//! it reads and for the readers and writer of what it writes, unless FIFO order on the same lane
+//! already implies it. Run over two consecutive steps, the same tracker derives the waits *across*
 //! steps ([`Task::prev_waits`]): the next step's copy of a unit's weights waits for its previous
 //! update, a lean gradient buffer is refilled only after the update that used it, the clip
 //! coefficient of a lean step waits for the previous step's norm. Nothing about ordering is
@@ -16,13 +16,14 @@
 //! step returns, so the device ops a next step waits for are already done.
 
 mod evaluation;
+mod hazards;
 
 pub use evaluation::{evaluation, evaluation_fits};
+use hazards::track_hazards;
 
 use crate::device::{Access, Kernel, StreamKind};
 use crate::store::layout::{Mode, StateLayout};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 
 /// Where the layer-boundary activations (the inputs each block's backward recomputes from) live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -690,114 +691,6 @@ fn micro_batch(b: &mut Builder, spec: &ScheduleSpec, mb: usize) {
     // The last kernel of the micro-batch is queued: the rest drain now.
     b.flush_deferred(usize::MAX);
     b.w_content = [None, None];
-}
-
-/// Per resource, its last writer and the readers since.
-#[derive(Default, Clone)]
-struct Holders {
-    writer: Option<usize>,
-    readers: Vec<usize>,
-}
-
-/// The waits of task `i` given the holders so far, and the holders updated by it.
-fn hazards(tasks: &[Task], i: usize, st: &mut HashMap<Res, Holders>) -> Vec<usize> {
-    let lane = tasks[i].lane;
-    let mut waits: Vec<usize> = Vec::new();
-    let mut need = |j: usize| {
-        if tasks[j].lane != lane {
-            waits.push(j);
-        }
-    };
-    for r in &tasks[i].reads {
-        if let Some(w) = st.get(r).and_then(|s| s.writer) {
-            need(w);
-        }
-    }
-    for r in &tasks[i].writes {
-        if let Some(s) = st.get(r) {
-            if let Some(w) = s.writer {
-                need(w);
-            }
-            for &rd in &s.readers {
-                need(rd);
-            }
-        }
-    }
-    for r in &tasks[i].reads {
-        st.entry(*r).or_default().readers.push(i);
-    }
-    for r in &tasks[i].writes {
-        let s = st.entry(*r).or_default();
-        s.writer = Some(i);
-        s.readers.clear();
-    }
-    waits.sort_unstable();
-    waits.dedup();
-    waits
-}
-
-/// Fill in `waits` (read-after-write, write-after-read and write-after-write across lanes; each
-/// lane runs in submission order) and `prev_waits`: the same tracking over this step following
-/// another, keeping the waits that point into the previous one. The host lane counts as one
-/// lane, but an `Adam` wait means its job's completion, so host tasks wait on it too.
-fn track_hazards(tasks: &mut [Task]) {
-    let n = tasks.len();
-    let mut st: HashMap<Res, Holders> = HashMap::new();
-    for i in 0..n {
-        let mut w = hazards(tasks, i, &mut st);
-        w.extend(adam_waits_on_host(tasks, i));
-        w.sort_unstable();
-        w.dedup();
-        tasks[i].waits = w;
-    }
-    // A second step, as indices n..2n, after the state the first one left.
-    let twice: Vec<Task> = tasks.iter().chain(tasks.iter()).cloned().collect();
-    for i in 0..n {
-        let w = hazards(&twice, n + i, &mut st);
-        let mut prev: Vec<usize> = w.iter().copied().filter(|&j| j < n).collect();
-        prev.extend(
-            adam_holders(tasks, i)
-                .into_iter()
-                .filter(|&j| matches!(tasks[j].op, Op::Adam { .. })),
-        );
-        prev.sort_unstable();
-        prev.dedup();
-        tasks[i].prev_waits = prev;
-    }
-}
-
-/// What an AdamW job holds while it runs: what its task reads and writes, except the clip
-/// coefficient (read once, when the job is submitted).
-fn job_holds(t: &Task) -> impl Iterator<Item = &Res> {
-    t.reads.iter().chain(&t.writes).filter(|r| **r != Res::Coef)
-}
-
-/// Whether task `t` reads or overwrites what the job of `adam` holds.
-fn touches_job(adam: &Task, t: &Task) -> bool {
-    adam.writes.iter().any(|r| t.reads.contains(r)) || job_holds(adam).any(|r| t.writes.contains(r))
-}
-
-/// On the host lane, lane order implies an Adam task was *submitted* before a later host task
-/// runs, not that its job finished: a host task that reads or overwrites what an Adam job holds
-/// must wait for that job explicitly.
-fn adam_waits_on_host(tasks: &[Task], i: usize) -> Vec<usize> {
-    if tasks[i].lane != Lane::Host {
-        return Vec::new();
-    }
-    (0..i)
-        .filter(|&j| matches!(tasks[j].op, Op::Adam { .. }) && touches_job(&tasks[j], &tasks[i]))
-        .collect()
-}
-
-/// The previous step's Adam tasks whose jobs host task `i` of the next step touches: the host
-/// lane's order does not cover a job still running.
-fn adam_holders(tasks: &[Task], i: usize) -> Vec<usize> {
-    if tasks[i].lane != Lane::Host {
-        return Vec::new();
-    }
-    (0..tasks.len())
-        .filter(|&j| matches!(tasks[j].op, Op::Adam { .. }) && touches_job(&tasks[j], &tasks[i]))
-        .collect()
 }
 
 #[cfg(test)]

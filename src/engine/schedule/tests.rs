@@ -1,3 +1,4 @@
+use super::hazards::touches_job;
 use super::*;
 
 fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> ScheduleSpec {
