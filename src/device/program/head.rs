@@ -1,11 +1,11 @@
 //! The head: final norm, LM head and the loss, with its backward (training) or alone
-//! (validation), in chunks of [`ce_chunk_rows`] rows.
+//! (validation), in chunks of [`ce_chunk`] rows.
 
 use super::layers::stored;
 use super::{Backend, Gemm, Ranges, Ws};
 use crate::device::{Batch, BufId, LogitsRow};
 use crate::model::config::ModelConfig;
-use crate::model::ops::ce_chunk_rows;
+use crate::model::ops::ce_chunk;
 use crate::model::reference::Templates;
 use crate::{Error, Result};
 
@@ -125,7 +125,7 @@ pub(super) fn run_head<B: Backend>(
 }
 
 /// Final norm + LM head + loss over the rows of `x` (as `Head::loss_backward`), in chunks of
-/// [`ce_chunk_rows`] rows: per-row losses into `ws.losses`, `dx` written, gradients `+=`.
+/// [`ce_chunk`] rows: per-row losses into `ws.losses`, `dx` written, gradients `+=`.
 #[allow(clippy::too_many_arguments)]
 pub fn head_loss_bwd<B: Backend>(
     be: &mut B,
@@ -143,7 +143,7 @@ pub fn head_loss_bwd<B: Backend>(
 ) -> Result<()> {
     let (c, vocab) = (cfg.hidden_size, cfg.vocab_size);
     let norm = (norm_w, cfg.norm_weight.offset());
-    let rows = ce_chunk_rows(vocab).min(n.max(1));
+    let rows = ce_chunk(vocab, n);
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
         logits_and_loss(
@@ -209,7 +209,7 @@ pub fn head_loss_fwd<B: Backend>(
             format!("logits of row {} of {n}", r.row),
         ));
     }
-    let rows = ce_chunk_rows(cfg.vocab_size).min(n.max(1));
+    let rows = ce_chunk(cfg.vocab_size, n);
     for r0 in (0..n).step_by(rows) {
         let m = (r0 + rows).min(n) - r0;
         // The loss's gradient lands in the logits' scratch, unread.

@@ -3,7 +3,7 @@
 
 use super::{Backend, Precision, Shape};
 use crate::model::config::ModelConfig;
-use crate::model::ops::ce_chunk_rows;
+use crate::model::ops::ce_chunk;
 
 /// Alignment of workspace regions, in elements (256 bytes: what cuBLAS and vector loads like).
 const ALIGN: usize = 64;
@@ -28,7 +28,7 @@ impl Regions {
 /// of `N = B·T` tokens run in chunks of at most `M` rows ([`Shape::chunk_rows`]), hidden size
 /// `C`, MLP size `I`, `nh` query and `nkv` key/value heads of `hd` dimensions and a vocabulary
 /// of `V`. Only K, V, their gradients and the per-row losses span the micro-batch; the head
-/// runs in chunks of `H = min(N, ce_chunk_rows(V))` rows.
+/// runs in chunks of `H = ce_chunk(V, N)` rows.
 ///
 /// The regions marked *stored* hold what the recipe stores in bf16 under
 /// [`Precision::Bf16`] ([`Backend::as_bf16`]): a GPU holds them in 2-byte elements, half the
@@ -117,7 +117,7 @@ impl Ws<usize> {
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
-        let ce_rows = ce_chunk_rows(cfg.vocab_size).min(n.max(1));
+        let ce_rows = ce_chunk(cfg.vocab_size, n);
         let mh = m.max(ce_rows);
         let mut regions = Regions::default();
         let half = |len: usize| words(len, stored);
@@ -398,7 +398,7 @@ pub fn bf16_operand_bytes(cfg: &ModelConfig, s: Shape, precision: Precision) -> 
 pub fn bf16_operand_elems(cfg: &ModelConfig, s: Shape) -> usize {
     let (c, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
     let rows = s.chunk_rows();
-    let ce_rows = ce_chunk_rows(cfg.vocab_size).min(s.n().max(1));
+    let ce_rows = ce_chunk(cfg.vocab_size, s.n());
     let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
     let widest = c.max(qd).max(kvd).max(experts);
     [rows * widest, ce_rows * cfg.vocab_size]

@@ -472,6 +472,11 @@ pub fn ce_chunk_rows(vocab: usize) -> usize {
     (1usize << fit.max(1).ilog2()).clamp(256, 4096)
 }
 
+/// The head's chunk for `n` rows: [`ce_chunk_rows`], or all `n` when fewer (at least one).
+pub fn ce_chunk(vocab: usize, n: usize) -> usize {
+    ce_chunk_rows(vocab).min(n.max(1))
+}
+
 /// Fused LM head + cross-entropy, chunked over tokens so B·T·V logits never exist at once.
 ///
 /// h [N, C], w [V, C]; the logits soft-capped at `softcap` where given. Returns Σ loss over the N rows (caller divides by the step's token count).
@@ -489,7 +494,7 @@ pub fn lm_head_ce(
     grad_scale: f32,
     scratch: &mut Vec<f32>,
 ) -> f64 {
-    let rows = ce_chunk_rows(vocab).min(n.max(1));
+    let rows = ce_chunk(vocab, n);
     scratch.resize(rows * vocab, 0.0);
     let mut losses = vec![0.0f32; rows];
     let mut total = 0.0f64;
