@@ -37,3 +37,15 @@ qwen3_moe_config() {
  "tie_word_embeddings": false, "hidden_act": "silu", "output_router_logits": false}
 EOF
 }
+
+# profile_model moe|step DIR: the profiled models' config.json into DIR/config.json and their
+# micro-batch into `batch` (sequences of 4096 tokens, one micro-batch a step).
+#   moe   2 layers as wide as Qwen3-30B-A3B's (128 experts of 768, top-8), 8 × 4096 tokens
+#   step  4 layers of Llama-3-8B's width, 8 × 4096 tokens
+profile_model() {
+  case "$1" in
+    moe) qwen3_moe_config 2 2048 768 128 8 32 4 128 151936 > "$2/config.json"; batch=8 ;;
+    step) llama_config 4 4096 14336 32 8 128256 > "$2/config.json"; batch=8 ;;
+    *) echo "error: unknown model $1 (moe or step)" >&2; return 2 ;;
+  esac
+}

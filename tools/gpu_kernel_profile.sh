@@ -25,11 +25,7 @@ megatrain_bin
 command -v ncu >/dev/null || { echo "error: no ncu (Nsight Compute) on PATH" >&2; exit 2; }
 dir="$(mktemp -d "${TMPDIR:-/tmp}/megatrain-profile.XXXXXX")"
 trap 'rm -rf "$dir"' EXIT
-case "$which" in
-  moe) qwen3_moe_config 2 2048 768 128 8 32 4 128 151936 > "$dir/config.json"; batch=8 ;;
-  step) llama_config 4 4096 14336 32 8 128256 > "$dir/config.json"; batch=8 ;;
-  *) echo "error: unknown model $which (moe or step)" >&2; exit 2 ;;
-esac
+profile_model "$which" "$dir" || exit 2
 seq=4096
 head -c $(( 2 * (batch * (steps + 4) + 1) * (seq + 1) )) /dev/urandom > "$dir/data.bin"
 train() {  # STEPS METRICS [WRAPPER...]

@@ -201,6 +201,22 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        file: "expert_gemm.cu",
+        source: include_str!("../../kernels/expert_gemm.cu"),
+        kernels: &[
+            // c, a, b, offsets; groups, n, k, b_stride, b_kmajor, accumulate, vec.
+            sig(
+                "expert_gemm_fwd_f32i16",
+                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I64, I32, I32, I32],
+            ),
+            // c, a, b, offsets; m, n, c_stride, accumulate, vec.
+            sig(
+                "expert_gemm_bwd_f32i16",
+                &[Ptr, Ptr, Ptr, Ptr, I32, I32, I64, I32, I32],
+            ),
+        ],
+    },
+    KernelFile {
         file: "sinks.cu",
         source: include_str!("../../kernels/sinks.cu"),
         kernels: &[

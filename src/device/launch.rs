@@ -73,6 +73,51 @@ pub fn per_column(cols: usize) -> Launch {
     }
 }
 
+/// The rows and columns of one block's output tile in the experts' GEMMs (`EG_BM`, `EG_BN` in
+/// kernels/expert_gemm.cu), and its threads.
+const EXPERT_TILE: usize = 128;
+const EXPERT_THREADS: u32 = 256;
+
+/// `expert_gemm_fwd_f32i16` over `rows` grouped rows of `groups` experts, `n` output columns:
+/// blockIdx.x counts the experts' row tiles (at most ⌈rows/128⌉ + groups, whatever the counts:
+/// the host need not know them), blockIdx.y the column tiles.
+pub fn expert_gemm_rows(rows: usize, groups: usize, n: usize) -> Result<Launch> {
+    let tiles = rows.div_ceil(EXPERT_TILE) + groups;
+    let cols = n.div_ceil(EXPERT_TILE);
+    if tiles > GRID_X_MAX || cols > GRID_YZ_MAX {
+        return Err(Error::bad_input(
+            "expert GEMM",
+            format!("{rows} rows of {groups} experts, {n} columns"),
+            format!("exceeds the grid limits ({GRID_X_MAX} row tiles, {GRID_YZ_MAX} column tiles of {EXPERT_TILE})"),
+            None,
+        ));
+    }
+    Ok(Launch {
+        grid: (tiles.max(1) as u32, cols.max(1) as u32, 1),
+        block: EXPERT_THREADS,
+        smem: 0,
+    })
+}
+
+/// `expert_gemm_bwd_f32i16`: each expert's `[m, n]` weight gradient in 128 × 128 tiles
+/// (blockIdx.x), one expert per blockIdx.z.
+pub fn expert_gemm_sums(m: usize, n: usize, groups: usize) -> Result<Launch> {
+    let tiles = m.div_ceil(EXPERT_TILE) * n.div_ceil(EXPERT_TILE);
+    if tiles > GRID_X_MAX || groups > GRID_YZ_MAX {
+        return Err(Error::bad_input(
+            "expert GEMM",
+            format!("{groups} experts' [{m}, {n}] gradients"),
+            format!("exceeds the grid limits ({GRID_X_MAX} tiles, {GRID_YZ_MAX} experts)"),
+            None,
+        ));
+    }
+    Ok(Launch {
+        grid: (tiles.max(1) as u32, 1, groups.max(1) as u32),
+        block: EXPERT_THREADS,
+        smem: 0,
+    })
+}
+
 pub use crate::model::ops::AttnShape;
 
 /// Geometry of the three attention kernels for one shape.

@@ -11,6 +11,7 @@ use crate::{Error, Result};
 use cudarc::driver::CudaStream;
 
 mod moe;
+pub use moe::{ExpertRows, ExpertSums};
 
 /// The storage type of a kernel family (the symbol's `_f32`/`_bf16`/`_f32w16` suffix); math is
 /// fp32.
@@ -671,6 +672,8 @@ pub const WRAPPED: &[&str] = &[
     "moe_combine_bwd",
     "moe_clamped_swiglu_fwd",
     "moe_clamped_swiglu_bwd",
+    "expert_gemm_fwd",
+    "expert_gemm_bwd",
     "attn_sinks_fwd",
     "attn_sinks_bwd",
     "cast_fwd_f32_bf16",

@@ -15,7 +15,7 @@
 //! Scratch lives in [`MoeScratch`], sized for the largest call so far.
 
 use super::{CudaBackend, DevP, F32};
-use crate::device::cuda::launches::Dtype;
+use crate::device::cuda::launches::{Dtype, ExpertRows, ExpertSums};
 use crate::device::cuda::runtime::{drv, DevPtr};
 use crate::device::launch;
 use crate::device::program::{Backend, Gemm, MoeAt};
@@ -304,24 +304,30 @@ impl CudaBackend {
         let gather = if bf16 { Dtype::Bf16 } else { F32 };
         self.k()
             .moe_gather(gather, l, at.x, h.addr, at.slots, (r, c, k))?;
-        let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
         let interleaved = s.layout == ExpertLayout::InterleavedColumns;
-        for ex in 0..e {
-            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
-            if m == 0 {
-                continue;
-            }
-            let wgu = Self::off(w.gate_up, ex * 2 * i * c);
-            let x = operand((at.x, at.x), lo, c, bf16);
-            if interleaved {
-                // gu [m, 2I] = x · W [C, 2I] + b.
-                let gu = rows_at(at.gate, lo, 2 * i);
-                self.gemm(gemm(gu.addr, x, wgu, false, (m, c, 2 * i)))?;
-                continue;
-            }
-            self.gemm(gemm(rows_at(at.gate, lo, i).addr, x, wgu, true, (m, c, i)))?;
-            let wu = Self::off(wgu, i * c);
-            self.gemm(gemm(rows_at(at.up, lo, i).addr, x, wu, true, (m, c, i)))?;
+        let x = operand((at.x, at.x), bf16);
+        if interleaved {
+            // gu [m, 2I] = x · W [C, 2I] (+ b, below).
+            self.expert_rows(
+                &offsets,
+                at.gate,
+                x,
+                (w.gate_up, 2 * i * c, false),
+                (2 * i, c),
+                false,
+            )?;
+        } else {
+            // gate, up [m, I] = x · Wgᵀ, x · Wuᵀ (W [2I, C]: gate's rows, then up's).
+            let wu = Self::off(w.gate_up, i * c);
+            self.expert_rows(
+                &offsets,
+                at.gate,
+                x,
+                (w.gate_up, 2 * i * c, true),
+                (i, c),
+                false,
+            )?;
+            self.expert_rows(&offsets, at.up, x, (wu, 2 * i * c, true), (i, c), false)?;
         }
         // GPT-OSS's gate/up biases, every expert's rows in one launch.
         if let Some([_, bgu, _]) = w.biases {
@@ -338,23 +344,130 @@ impl CudaBackend {
         if bf16 {
             self.cast_rows(at.act16, at.act, r * i)?;
         }
-        for ex in 0..e {
-            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
-            if m == 0 {
-                continue;
-            }
-            let wd = Self::off(w.down, ex * c * i);
-            let (act, y) = (
-                operand((at.act, at.act16), lo, i, bf16),
-                rows_at(at.y, lo, c),
-            );
-            // y = act · Wdᵀ (Wd [C, I]), or GPT-OSS's act · Wd (Wd [I, C]) + b.
-            self.gemm(gemm(y.addr, act, wd, !interleaved, (m, i, c)))?;
-        }
+        // y = act · Wdᵀ (Wd [C, I]), or GPT-OSS's act · Wd (Wd [I, C]) + b.
+        let act = operand((at.act, at.act16), bf16);
+        self.expert_rows(
+            &offsets,
+            at.y,
+            act,
+            (w.down, c * i, !interleaved),
+            (c, i),
+            false,
+        )?;
         if let Some([_, _, bd]) = w.biases {
             self.expert_bias(at, (at.y, bd), r, c)?;
         }
         Ok(offsets)
+    }
+
+    /// Every expert's `c[rows of g] (+)= a[rows of g] · B_gᵀ` (`B_g = b + g·stride`, `[n, k]`
+    /// when `kmajor` — a weight as nn.Linear holds it — else `[k, n]`); `a` `[R, k]` and `c`
+    /// `[R, n]` fp32 hold the grouped rows, `offsets` each expert's first (`E + 1`). Under the
+    /// bf16 recipe one launch of the grouped kernel (`expert_gemm_fwd_f32i16`); fp32 takes one
+    /// cuBLAS GEMM per expert, each long enough on the GPU to hide its launch (an fp32 expert
+    /// GEMM of the step's shapes runs ~20× longer than its bf16 twin).
+    fn expert_rows(
+        &mut self,
+        offsets: &[usize],
+        c: DevPtr,
+        a: DevP,
+        (b, stride, kmajor): (DevP, usize, bool),
+        (n, k): (usize, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        let groups = offsets.len().saturating_sub(1);
+        let rows = offsets.last().copied().unwrap_or(0);
+        if a.bf16 {
+            let moe = self
+                .moe
+                .as_ref()
+                .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+            let at = moe.offsets.device_ptr(&self.stream).0;
+            let g = ExpertRows {
+                c,
+                a: a.addr,
+                b: b.addr,
+                b_stride: stride,
+                b_kmajor: kmajor,
+                n,
+                k,
+                accumulate,
+            };
+            return self.k().expert_gemm_rows(g, at, rows, groups);
+        }
+        for ex in 0..groups {
+            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
+            if m == 0 {
+                continue;
+            }
+            self.gemm(Gemm {
+                c: DevP::f32(c + 4 * (lo * n) as u64),
+                a: Self::off(a, lo * k),
+                ta: false,
+                b: Self::off(b, ex * stride),
+                tb: kmajor,
+                m,
+                k,
+                n,
+                accumulate,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Every expert's weight gradient `C_g += a[rows of g]ᵀ · b[rows of g]` (`C_g = c + g·stride`,
+    /// `[m, n]` fp32; `a` `[R, m]`, `b` `[R, n]`). Under the bf16 recipe one launch
+    /// (`expert_gemm_bwd_f32i16`), else one cuBLAS GEMM per expert (see [`Self::expert_rows`]).
+    fn expert_sums(
+        &mut self,
+        offsets: &[usize],
+        (c, stride): (DevP, usize),
+        a: DevP,
+        b: DevP,
+        (m, n): (usize, usize),
+    ) -> Result<()> {
+        if c.bf16 {
+            return Err(Error::internal(
+                "CUDA backend",
+                "a bf16 expert weight gradient",
+            ));
+        }
+        let groups = offsets.len().saturating_sub(1);
+        if a.bf16 {
+            let moe = self
+                .moe
+                .as_ref()
+                .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+            let at = moe.offsets.device_ptr(&self.stream).0;
+            let g = ExpertSums {
+                c: c.addr,
+                c_stride: stride,
+                a: a.addr,
+                b: b.addr,
+                m,
+                n,
+                accumulate: true,
+            };
+            return self.k().expert_gemm_sums(g, at, groups);
+        }
+        for ex in 0..groups {
+            let (lo, rows) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
+            if rows == 0 {
+                continue;
+            }
+            self.gemm(Gemm {
+                c: Self::off(c, ex * stride),
+                a: Self::off(a, lo * m),
+                ta: true,
+                b: Self::off(b, lo * n),
+                tb: false,
+                m,
+                k: rows,
+                n,
+                accumulate: true,
+            })?;
+        }
+        Ok(())
     }
 
     /// `y[r] += b[expert of r]` over the `rows` grouped rows of width `w` at `y` (one launch).
@@ -492,7 +605,6 @@ impl CudaBackend {
         let (e, k, c, i) = (s.experts, s.top_k, s.c, s.inter);
         let (r, bf16) = (n * k, self.bf16.is_some());
         let f = DevP::f32;
-        let rows_at = |p: DevPtr, row: usize, width: usize| f(p + 4 * (row * width) as u64);
         let l = launch::elementwise(r * c, self.sms());
         self.k().moe_combine_bwd(
             l,
@@ -516,24 +628,22 @@ impl CudaBackend {
             accumulate: acc,
         };
         let interleaved = s.layout == ExpertLayout::InterleavedColumns;
-        // Per expert: d activation = dY·Wd; dWd += dYᵀ·A (GPT-OSS: dY·Wdᵀ; dWd += Aᵀ·dY; db).
-        for ex in 0..e {
-            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
-            if m == 0 {
-                continue;
-            }
-            let (wd, gd) = (Self::off(w.down, ex * c * i), Self::off(g.down, ex * c * i));
-            // The GEMMs read dY and the activation as the recipe rounds them; the bias
-            // gradient sums dY in fp32.
-            let dy = operand((at.dy, at.dy16), lo, c, bf16);
-            let act = operand((at.act, at.act16), lo, i, bf16);
-            let da = rows_at(at.da, lo, i);
-            self.gemm(gemm(da, (dy, false), (wd, interleaved), m, c, i, false))?;
-            if interleaved {
-                self.gemm(gemm(gd, (act, true), (dy, false), i, m, c, true))?;
-            } else {
-                self.gemm(gemm(gd, (dy, true), (act, false), c, m, i, true))?;
-            }
+        // d activation = dY·Wd; dWd += dYᵀ·A (GPT-OSS: dY·Wdᵀ; dWd += Aᵀ·dY; db below). The
+        // GEMMs read dY and the activation as the recipe rounds them; the bias gradient sums
+        // dY in fp32.
+        let dy = operand((at.dy, at.dy16), bf16);
+        let act = operand((at.act, at.act16), bf16);
+        self.expert_rows(
+            &offsets,
+            at.da,
+            dy,
+            (w.down, c * i, interleaved),
+            (i, c),
+            false,
+        )?;
+        match interleaved {
+            true => self.expert_sums(&offsets, (g.down, c * i), act, dy, (i, c))?,
+            false => self.expert_sums(&offsets, (g.down, c * i), dy, act, (c, i))?,
         }
         // The down biases' gradient (GPT-OSS) from dY in fp32, before dX takes its rows.
         if let Some([_, _, gbd]) = g.biases {
@@ -574,31 +684,36 @@ impl CudaBackend {
                 }
             }
         }
-        // Per expert: dWg += dGᵀ·X, dWu += dUᵀ·X, dX = dG·Wg + dU·Wu (into dy's rows); GPT-OSS:
-        // dW += Xᵀ·dGU, db += Σ dGU, dX = dGU·Wᵀ.
-        for ex in 0..e {
-            let (lo, m) = (offsets[ex], offsets[ex + 1] - offsets[ex]);
-            if m == 0 {
-                continue;
-            }
-            let (wg, gg) = (
-                Self::off(w.gate_up, ex * 2 * i * c),
-                Self::off(g.gate_up, ex * 2 * i * c),
-            );
-            let (x, dx) = (operand((at.x, at.x), lo, c, bf16), rows_at(at.dy, lo, c));
-            if interleaved {
-                let dgu = operand((at.dg, at.dgu16), lo, 2 * i, bf16);
-                self.gemm(gemm(gg, (x, true), (dgu, false), c, m, 2 * i, true))?;
-                self.gemm(gemm(dx, (dgu, false), (wg, true), m, 2 * i, c, false))?;
-                continue;
-            }
-            let (wu, gu) = (Self::off(wg, i * c), Self::off(gg, i * c));
-            let dg = operand((at.dg, at.dgu16), lo, i, bf16);
-            let du = operand((at.du, du16), lo, i, bf16);
-            self.gemm(gemm(gg, (dg, true), (x, false), i, m, c, true))?;
-            self.gemm(gemm(gu, (du, true), (x, false), i, m, c, true))?;
-            self.gemm(gemm(dx, (dg, false), (wg, false), m, i, c, false))?;
-            self.gemm(gemm(dx, (du, false), (wu, false), m, i, c, true))?;
+        // dWg += dGᵀ·X, dWu += dUᵀ·X, dX = dG·Wg + dU·Wu (into dy's rows); GPT-OSS: dW += Xᵀ·dGU,
+        // db += Σ dGU (above), dX = dGU·Wᵀ.
+        let x = operand((at.x, at.x), bf16);
+        let stride = 2 * i * c;
+        if interleaved {
+            let dgu = operand((at.dg, at.dgu16), bf16);
+            self.expert_sums(&offsets, (g.gate_up, stride), x, dgu, (c, 2 * i))?;
+            self.expert_rows(
+                &offsets,
+                at.dy,
+                dgu,
+                (w.gate_up, stride, true),
+                (c, 2 * i),
+                false,
+            )?;
+        } else {
+            let (wu, gu) = (Self::off(w.gate_up, i * c), Self::off(g.gate_up, i * c));
+            let dg = operand((at.dg, at.dgu16), bf16);
+            let du = operand((at.du, du16), bf16);
+            self.expert_sums(&offsets, (g.gate_up, stride), dg, x, (i, c))?;
+            self.expert_sums(&offsets, (gu, stride), du, x, (i, c))?;
+            self.expert_rows(
+                &offsets,
+                at.dy,
+                dg,
+                (w.gate_up, stride, false),
+                (c, i),
+                false,
+            )?;
+            self.expert_rows(&offsets, at.dy, du, (wu, stride, false), (c, i), true)?;
         }
         // The router: d logits (into the logits' scratch), dWr += dZᵀ·h; dh = Σ the rows' dx
         // (ascending expert) + dZ·Wr.
@@ -623,11 +738,11 @@ impl CudaBackend {
     }
 }
 
-/// Row `row` of an expert GEMM operand of width `w`: its fp32 rows, or under the bf16 recipe
-/// their bf16 copy (the gathered rows: the same buffer, gathered in bf16).
-fn operand((f32_rows, bf16_rows): (DevPtr, DevPtr), row: usize, w: usize, bf16: bool) -> DevP {
+/// An expert GEMM operand: its fp32 rows, or under the bf16 recipe their bf16 copy (the
+/// gathered rows: the same buffer, gathered in bf16).
+fn operand((f32_rows, bf16_rows): (DevPtr, DevPtr), bf16: bool) -> DevP {
     match bf16 {
-        true => DevP::bf16(bf16_rows + 2 * (row * w) as u64),
-        false => DevP::f32(f32_rows + 4 * (row * w) as u64),
+        true => DevP::bf16(bf16_rows),
+        false => DevP::f32(f32_rows),
     }
 }

@@ -307,3 +307,102 @@ impl Launcher<'_> {
         )
     }
 }
+
+/// One grouped GEMM over every expert's rows (`kernels/expert_gemm.cu`,
+/// `expert_gemm_fwd_f32i16`): `c[rows of g] (+)= a[rows of g] · B_gᵀ` with `a` `[R, k]`, `c`
+/// `[R, n]` and `B_g = b + g·b_stride` `[n, k]` (`b_kmajor`) or `[k, n]`; bf16 `a` and `b`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRows {
+    pub c: DevPtr,
+    pub a: DevPtr,
+    pub b: DevPtr,
+    pub b_stride: usize,
+    pub b_kmajor: bool,
+    pub n: usize,
+    pub k: usize,
+    pub accumulate: bool,
+}
+
+/// One grouped weight gradient (`expert_gemm_bwd_f32i16`): `C_g (+)= a[rows of g]ᵀ · b[rows of
+/// g]` with `a` `[R, m]`, `b` `[R, n]` (bf16) and `C_g = c + g·c_stride` `[m, n]` (fp32).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertSums {
+    pub c: DevPtr,
+    pub c_stride: usize,
+    pub a: DevPtr,
+    pub b: DevPtr,
+    pub m: usize,
+    pub n: usize,
+    pub accumulate: bool,
+}
+
+/// Whether every row of the operands starts 16-byte aligned (the kernels' `vec`): the bf16
+/// operands' addresses and every width and stride a multiple of 8 elements.
+fn rows_aligned(addrs: &[DevPtr], widths: &[usize]) -> bool {
+    addrs.iter().all(|a| a % 16 == 0) && widths.iter().all(|w| w % 8 == 0)
+}
+
+fn i64_of(v: usize, what: &str) -> Result<i64> {
+    i64::try_from(v).map_err(|_| {
+        crate::Error::bad_input(
+            "CUDA kernel argument",
+            what.to_owned(),
+            format!("{v} exceeds a 64-bit index"),
+            None,
+        )
+    })
+}
+
+impl Launcher<'_> {
+    /// [`ExpertRows`] over `rows` grouped rows of `groups` experts whose first rows are at
+    /// `offsets` (`[groups + 1]` u32, on the device).
+    pub fn expert_gemm_rows(
+        &self,
+        g: ExpertRows,
+        offsets: DevPtr,
+        rows: usize,
+        groups: usize,
+    ) -> Result<()> {
+        let l = crate::device::launch::expert_gemm_rows(rows, groups, g.n)?;
+        let b_width = if g.b_kmajor { g.k } else { g.n };
+        let vec = rows_aligned(&[g.a, g.b], &[g.k, b_width, g.b_stride]);
+        self.launch(
+            "expert_gemm_fwd_f32i16",
+            l,
+            &[
+                Ptr(g.c),
+                Ptr(g.a),
+                Ptr(g.b),
+                Ptr(offsets),
+                I32(i32_of(groups, "moe experts")?),
+                I32(i32_of(g.n, "expert GEMM columns")?),
+                I32(i32_of(g.k, "expert GEMM depth")?),
+                I64(i64_of(g.b_stride, "expert weight stride")?),
+                I32(g.b_kmajor as i32),
+                I32(g.accumulate as i32),
+                I32(vec as i32),
+            ],
+        )
+    }
+
+    /// [`ExpertSums`] for `groups` experts whose first rows are at `offsets` (on the device).
+    pub fn expert_gemm_sums(&self, g: ExpertSums, offsets: DevPtr, groups: usize) -> Result<()> {
+        let l = crate::device::launch::expert_gemm_sums(g.m, g.n, groups)?;
+        let vec = rows_aligned(&[g.a, g.b], &[g.m, g.n]);
+        self.launch(
+            "expert_gemm_bwd_f32i16",
+            l,
+            &[
+                Ptr(g.c),
+                Ptr(g.a),
+                Ptr(g.b),
+                Ptr(offsets),
+                I32(i32_of(g.m, "expert gradient rows")?),
+                I32(i32_of(g.n, "expert gradient columns")?),
+                I64(i64_of(g.c_stride, "expert gradient stride")?),
+                I32(g.accumulate as i32),
+                I32(vec as i32),
+            ],
+        )
+    }
+}

@@ -3,6 +3,7 @@
 
 mod attention;
 mod bf16;
+mod expert_gemm;
 
 use super::super::{compare, compare_bounded, Check};
 use crate::device::cuda::launches::{Dtype, Launcher};
@@ -15,6 +16,7 @@ use crate::{Error, Result};
 use attention::{attention_bf16, attention_bf16_inputs, attention_f32};
 use bf16::{bf16_stored_activations, bf16_weights};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use expert_gemm::expert_gemms;
 
 /// fp32 kernels differ from the CPU only in summation order and FMA.
 const TOL_F32: f64 = 1e-4;
@@ -35,6 +37,10 @@ const TOL_ATTN_BWD: f64 = 1e-3;
 /// ~2·10⁻³ for entries near zero on these shapes (measured 1.2–2.1·10⁻³; the SIMT kernels' 64×
 /// finer rounding gives 4·10⁻⁵–2·10⁻⁴ on the same inputs). A wrong mask or tile is O(1).
 const TOL_FLASH: f64 = 5e-3;
+/// The experts' grouped GEMMs multiply bf16 values exactly and sum in fp32 in another order
+/// than the f64 reference: relative to Σ|a·b| an element's error is a few fp32 ulps (≤ 2⁻²⁴
+/// per sum of the ≤ 300 terms here). A wrong fragment, tile or expert is O(1).
+const TOL_EXPERT_GEMM: f64 = 1e-5;
 /// What the CPU reference sees of a bf16-stored input: the value rounded to bf16 (RNE).
 fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| bf16_to_f32(f32_to_bf16(*x))).collect()
@@ -237,6 +243,11 @@ const CASES: &[Case] = &[
         name: "gemm bf16 (fp32 accumulate)",
         tolerance: 10.0 * TOL_F32,
         run: gemm_bf16,
+    },
+    Case {
+        name: "expert GEMMs, grouped (tensor cores)",
+        tolerance: TOL_EXPERT_GEMM,
+        run: expert_gemms,
     },
 ];
 

@@ -1,0 +1,244 @@
+// The experts' GEMMs of a mixture-of-experts layer, every expert in one launch (bf16 operands,
+// fp32 sums and results: the bf16 recipe's GEMMs). The grouped rows of a layer are partitioned
+// by expert: expert g owns rows offsets[g] .. offsets[g+1] (offsets [G + 1], on the device).
+//
+// - `expert_gemm_fwd_f32i16`: for each expert g, C[rows of g] (+)= A[rows of g] · B_gᵀ, with
+//   A [R, K] and C [R, N] row-major and B_g = b + g·b_stride either [N, K] (`b_kmajor`: a
+//   weight as nn.Linear holds it) or [K, N]. The forward's projections and the backward's
+//   d inputs. A block owns a 128 × 128 tile of one expert's rows × N; blockIdx.x counts the
+//   experts' row tiles in order (a bound the host computes without the counts: ⌈R/128⌉ + G;
+//   blocks past the last tile return at once), blockIdx.y the column tiles.
+// - `expert_gemm_bwd_f32i16`: for each expert g, C_g (+)= A[rows of g]ᵀ · B[rows of g], with
+//   A [R, M] and B [R, N] row-major and C_g = c + g·c_stride [M, N]: the weight gradients (the
+//   sum over the expert's rows, in row order). An expert without rows adds nothing (writes
+//   zeros without `accumulate`). blockIdx.x: M × N tiles, blockIdx.z: the expert.
+//
+// Shared tiles follow the operand's layout in memory (16-byte loads and stores, coalesced): a
+// k-contiguous operand as [128][32 + 8] (rows, k), one contiguous along its rows as
+// [32][128 + 8] (k, rows); fragments of the first are 32-bit reads, of the second two halfword
+// reads packed (what ldmatrix.trans does on hardware; the emulator models mma.sync, not
+// ldmatrix). Both pitches make the fragment reads of a warp conflict-free. Every product runs
+// on mma.sync.m16n8k16 (bf16 × bf16, fp32 sums); the k loop is in order, so every run gives the
+// same bits. 8 warps as 2 × 4, each 64 × 32 of the tile; the next k tile is loaded into
+// registers while the current one is multiplied, and stored into the other shared buffer.
+//
+// `vec`: every row start of every operand is 16-byte aligned (the host checks the pointers and
+// widths), so eight elements load as one uint4; else element by element.
+#include "common.cuh"
+
+#define EG_BM 128
+#define EG_BN 128
+#define EG_BK 32
+#define EG_THREADS 256
+#define EG_KPITCH (EG_BK + 8)   // halfwords per row of a k-contiguous tile
+#define EG_RPITCH (EG_BM + 8)   // halfwords per k of a row-contiguous tile
+#define EG_TILE (EG_BM * EG_KPITCH > EG_BK * EG_RPITCH ? EG_BM * EG_KPITCH : EG_BK * EG_RPITCH)
+
+typedef unsigned short u16;
+
+// Eight elements of one operand tile chunk: (row r0 + j or k k0 + j) as the layout says.
+struct Chunk8 {
+    uint4 v;
+};
+
+__device__ __forceinline__ u16 bits_of(bf16 x) { return static_cast<__nv_bfloat16_raw>(x).x; }
+
+// One 128 × 32 tile of an operand into registers (two chunks of eight per thread). The operand's
+// element (row r, k) is at src[r·ld + k] when `KC` (k-contiguous), else at src[k·ld + r]; rows
+// r ≥ rows and k ≥ ks read as zero (both relative to the tile's first row and k, whose element
+// `src` addresses).
+template <bool KC>
+__device__ __forceinline__ void load_tile(Chunk8 out[2], const bf16* __restrict__ src, long long ld,
+                                          int rows, int ks, bool vec) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int c = threadIdx.x + h * EG_THREADS;
+        // KC: row c / 4, k (c % 4)·8 .. +8; else k c / 16, rows (c % 16)·8 .. +8.
+        const int a = KC ? c / 4 : c / 16;          // the row (KC) or the k
+        const int b = KC ? (c % 4) * 8 : (c % 16) * 8;  // the first k (KC) or row of the eight
+        const int a_lim = KC ? rows : ks, b_lim = KC ? ks : rows;
+        const bf16* p = src + (long long)a * ld + b;
+        if (vec && a < a_lim && b + 8 <= b_lim) {
+            out[h].v = *reinterpret_cast<const uint4*>(p);
+        } else {
+            u16 e[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) e[j] = (a < a_lim && b + j < b_lim) ? bits_of(p[j]) : 0;
+            out[h].v = make_uint4(e[0] | (unsigned)e[1] << 16, e[2] | (unsigned)e[3] << 16,
+                                  e[4] | (unsigned)e[5] << 16, e[6] | (unsigned)e[7] << 16);
+        }
+    }
+}
+
+// The registers of load_tile into a shared tile of the same layout.
+template <bool KC>
+__device__ __forceinline__ void store_tile(u16* s, const Chunk8 in[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int c = threadIdx.x + h * EG_THREADS;
+        const int at = KC ? (c / 4) * EG_KPITCH + (c % 4) * 8 : (c / 16) * EG_RPITCH + (c % 16) * 8;
+        *reinterpret_cast<uint4*>(s + at) = in[h].v;
+    }
+}
+
+// The bf16 pair (row r, k) and (row r, k + 1) of a shared tile, (r, k) in the low half.
+template <bool KC>
+__device__ __forceinline__ unsigned frag_pair(const u16* s, int r, int k) {
+    if (KC) return *reinterpret_cast<const unsigned*>(s + r * EG_KPITCH + k);
+    return (unsigned)s[k * EG_RPITCH + r] | ((unsigned)s[(k + 1) * EG_RPITCH + r] << 16);
+}
+
+// acc += the block's A tile · B tile over one k tile: A rows × k from `sa`, B columns × k from
+// `sb` (a B column is an output column), each in its layout.
+template <bool AKC, bool BKC>
+__device__ __forceinline__ void mma_tile(float acc[4][4][4], const u16* sa, const u16* sb) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int grp = lane / 4, tig = lane % 4;
+    const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+#pragma unroll
+    for (int kk = 0; kk < EG_BK; kk += 16) {
+        unsigned a[4][4], b[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = wm + i * 16 + grp, k = kk + 2 * tig;
+            a[i][0] = frag_pair<AKC>(sa, r, k);
+            a[i][1] = frag_pair<AKC>(sa, r + 8, k);
+            a[i][2] = frag_pair<AKC>(sa, r, k + 8);
+            a[i][3] = frag_pair<AKC>(sa, r + 8, k + 8);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int n = wn + j * 8 + grp, k = kk + 2 * tig;
+            b[j][0] = frag_pair<BKC>(sb, n, k);
+            b[j][1] = frag_pair<BKC>(sb, n, k + 8);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) mma_m16n8k16_bf16(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+}
+
+// The block's 128 × 128 product over `ks` k (A's tile at `a`, B's at `b`, their element (0, 0);
+// `lda`/`ldb` their row pitches; `m_rows`/`n_rows` the valid rows of A and of B's columns),
+// into acc.
+// `sa`, `sb`: two shared tiles each (EG_TILE halfwords apiece), the kernel's.
+template <bool AKC, bool BKC>
+__device__ __forceinline__ void block_product(float acc[4][4][4], u16 (*sa)[EG_TILE],
+                                              u16 (*sb)[EG_TILE], const bf16* __restrict__ a,
+                                              long long lda, int m_rows,
+                                              const bf16* __restrict__ b, long long ldb,
+                                              int n_rows, int ks, bool vec) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+    // The step from one k tile to the next in each operand.
+    const long long a_step = AKC ? EG_BK : EG_BK * lda, b_step = BKC ? EG_BK : EG_BK * ldb;
+    Chunk8 ra[2], rb[2];
+    load_tile<AKC>(ra, a, lda, m_rows, ks, vec);
+    load_tile<BKC>(rb, b, ldb, n_rows, ks, vec);
+    store_tile<AKC>(sa[0], ra);
+    store_tile<BKC>(sb[0], rb);
+    __syncthreads();
+    int cur = 0;
+    for (int k0 = 0; k0 < ks; k0 += EG_BK) {
+        const bool next = k0 + EG_BK < ks;
+        if (next) {
+            const long long t = (long long)(k0 / EG_BK + 1);
+            load_tile<AKC>(ra, a + t * a_step, lda, m_rows, ks - k0 - EG_BK, vec);
+            load_tile<BKC>(rb, b + t * b_step, ldb, n_rows, ks - k0 - EG_BK, vec);
+        }
+        mma_tile<AKC, BKC>(acc, sa[cur], sb[cur]);
+        if (next) {
+            store_tile<AKC>(sa[cur ^ 1], ra);
+            store_tile<BKC>(sb[cur ^ 1], rb);
+        }
+        __syncthreads();
+        cur ^= 1;
+    }
+}
+
+// acc into C (row pitch ldc; `rows`/`cols` valid from the tile's element (0, 0) at `c`), added to
+// what is there when `accumulate`.
+__device__ __forceinline__ void store_acc(float* __restrict__ c, long long ldc, int rows, int cols,
+                                          const float acc[4][4][4], int accumulate) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int grp = lane / 4, tig = lane % 4;
+    const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = wm + i * 16 + grp + 8 * h;
+                if (r >= rows) continue;
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    const int col = wn + j * 8 + 2 * tig + q;
+                    if (col >= cols) continue;
+                    float* p = c + (long long)r * ldc + col;
+                    const float v = acc[i][j][2 * h + q];
+                    *p = accumulate ? *p + v : v;
+                }
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(EG_THREADS)
+    expert_gemm_fwd_f32i16(float* __restrict__ c,              /* [R, N] */
+                           const bf16* __restrict__ a,         /* [R, K] */
+                           const bf16* __restrict__ b,         /* G × ([N, K] or [K, N]) */
+                           const unsigned* __restrict__ offsets, /* [G + 1] */
+                           int groups, int n, int k, long long b_stride, int b_kmajor,
+                           int accumulate, int vec) {
+    // This block's expert and row tile: the experts' tiles counted in order.
+    int grp = -1;
+    unsigned tile = blockIdx.x, lo = 0, rows = 0;
+    for (int g = 0; g < groups; g++) {
+        const unsigned first = offsets[g], count = offsets[g + 1] - first;
+        const unsigned tiles = (count + EG_BM - 1) / EG_BM;
+        if (tile < tiles) {
+            grp = g;
+            lo = first + tile * EG_BM;
+            rows = min(count - tile * EG_BM, (unsigned)EG_BM);
+            break;
+        }
+        tile -= tiles;
+    }
+    if (grp < 0) return;  // past the last tile: the same for the whole block
+    const int n0 = blockIdx.y * EG_BN;
+    const bf16* a0 = a + (long long)lo * k;
+    const bf16* bg = b + (long long)grp * b_stride;
+    __shared__ __align__(16) u16 sa[2][EG_TILE];
+    __shared__ __align__(16) u16 sb[2][EG_TILE];
+    float acc[4][4][4];
+    if (b_kmajor)
+        block_product<true, true>(acc, sa, sb, a0, k, rows, bg + (long long)n0 * k, k, n - n0, k,
+                                  vec != 0);
+    else
+        block_product<true, false>(acc, sa, sb, a0, k, rows, bg + n0, n, n - n0, k, vec != 0);
+    store_acc(c + (long long)lo * n + n0, n, rows, n - n0, acc, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(EG_THREADS)
+    expert_gemm_bwd_f32i16(float* __restrict__ c,              /* G × [M, N] */
+                           const bf16* __restrict__ a,         /* [R, M] */
+                           const bf16* __restrict__ b,         /* [R, N] */
+                           const unsigned* __restrict__ offsets, /* [G + 1] */
+                           int m, int n, long long c_stride, int accumulate, int vec) {
+    const int grp = blockIdx.z;
+    const int m_tiles = (m + EG_BM - 1) / EG_BM;
+    const int m0 = (blockIdx.x % m_tiles) * EG_BM, n0 = (blockIdx.x / m_tiles) * EG_BN;
+    const unsigned lo = offsets[grp], rows = offsets[grp + 1] - lo;
+    __shared__ __align__(16) u16 sa[2][EG_TILE];
+    __shared__ __align__(16) u16 sb[2][EG_TILE];
+    float acc[4][4][4];
+    // k runs over the expert's rows: A and B are contiguous along m and n.
+    block_product<false, false>(acc, sa, sb, a + (long long)lo * m + m0, m, m - m0,
+                                b + (long long)lo * n + n0, n, n - n0, (int)rows, vec != 0);
+    store_acc(c + (long long)grp * c_stride + (long long)m0 * n + n0, n, m - m0, n - n0, acc,
+              accumulate);
+}
