@@ -77,6 +77,9 @@ pub fn per_column(cols: usize) -> Launch {
 /// kernels/expert_gemm.cu), and its threads.
 const EXPERT_TILE: usize = 128;
 const EXPERT_THREADS: u32 = 256;
+/// Their dynamic shared memory: `EG_STAGES` (3) stages of an A and a B tile of `EG_TILE`
+/// (128 × 40) halfwords each.
+const EXPERT_SMEM: u32 = 3 * 2 * 128 * 40 * 2;
 
 /// `expert_gemm_fwd_f32i16` over `rows` grouped rows of `groups` experts, `n` output columns:
 /// blockIdx.x counts the experts' row tiles (at most ⌈rows/128⌉ + groups, whatever the counts:
@@ -95,7 +98,7 @@ pub fn expert_gemm_rows(rows: usize, groups: usize, n: usize) -> Result<Launch> 
     Ok(Launch {
         grid: (tiles.max(1) as u32, cols.max(1) as u32, 1),
         block: EXPERT_THREADS,
-        smem: 0,
+        smem: EXPERT_SMEM,
     })
 }
 
@@ -114,7 +117,7 @@ pub fn expert_gemm_sums(m: usize, n: usize, groups: usize) -> Result<Launch> {
     Ok(Launch {
         grid: (tiles.max(1) as u32, 1, groups.max(1) as u32),
         block: EXPERT_THREADS,
-        smem: 0,
+        smem: EXPERT_SMEM,
     })
 }
 
