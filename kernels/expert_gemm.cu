@@ -15,9 +15,9 @@
 //
 // Shared tiles follow the operand's layout in memory (16-byte loads and stores, coalesced): a
 // k-contiguous operand as [128][32 + 8] (rows, k), one contiguous along its rows as
-// [32][128 + 8] (k, rows); fragments of the first are 32-bit reads, of the second two halfword
-// reads packed (what ldmatrix.trans does on hardware; the emulator models mma.sync, not
-// ldmatrix). Both pitches make the fragment reads of a warp conflict-free. Every product runs
+// [32][128 + 8] (k, rows); fragments come by ldmatrix.x4 from the first and ldmatrix.x4.trans
+// from the second (four 8 × 8 matrices an instruction). Both pitches put a matrix's eight
+// 16-byte rows in distinct banks. Every product runs
 // on mma.sync.m16n8k16 (bf16 × bf16, fp32 sums); the k loop is in order, so every run gives the
 // same bits. 8 warps as 2 × 4, each 64 × 32 of the tile; k tiles arrive by cp.async through
 // EG_STAGES shared stages (dynamic shared memory: 60 KiB), two k tiles ahead of the one being
@@ -93,41 +93,94 @@ __device__ __forceinline__ void load_tile(u16* s, const bf16* __restrict__ src, 
     }
 }
 
-// The bf16 pair (row r, k) and (row r, k + 1) of a shared tile, (r, k) in the low half.
+// Four 8 × 8 bf16 matrices of a shared tile into one register each (ldmatrix.x4): lane l gives
+// the address `base + off` of row l % 8 of matrix l / 8 (16-byte aligned); lane t gets, of matrix
+// j, row t / 4, elements 2·(t % 4) and +1 — an mma.sync fragment's word. The emulator, which
+// models mma.sync but not ldmatrix, gathers the same words through warp shuffles.
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const u16* base, int off) {
+#ifdef __CUEMU__
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int o = __shfl_sync(FULL_MASK, off, 8 * j + lane / 4);
+        r[j] = (unsigned)base[o + 2 * (lane % 4)] | ((unsigned)base[o + 2 * (lane % 4) + 1] << 16);
+    }
+#else
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(base + off));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+#endif
+}
+
+// The same, transposed (ldmatrix.x4.trans): lane t gets, of matrix j, column t / 4 of rows
+// 2·(t % 4) and +1 (the lower row in the low half).
+__device__ __forceinline__ void ldsm_x4_trans(unsigned r[4], const u16* base, int off) {
+#ifdef __CUEMU__
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int o0 = __shfl_sync(FULL_MASK, off, 8 * j + 2 * (lane % 4));
+        const int o1 = __shfl_sync(FULL_MASK, off, 8 * j + 2 * (lane % 4) + 1);
+        r[j] = (unsigned)base[o0 + lane / 4] | ((unsigned)base[o1 + lane / 4] << 16);
+    }
+#else
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(base + off));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+#endif
+}
+
+// The A fragment of rows m0 .. m0 + 15, k k0 .. k0 + 15 (matrix q: rows + 8·(q % 2), k + 8·(q / 2)).
 template <bool KC>
-__device__ __forceinline__ unsigned frag_pair(const u16* s, int r, int k) {
-    if (KC) return *reinterpret_cast<const unsigned*>(s + r * EG_KPITCH + k);
-    return (unsigned)s[k * EG_RPITCH + r] | ((unsigned)s[(k + 1) * EG_RPITCH + r] << 16);
+__device__ __forceinline__ void frag_a(unsigned a[4], const u16* s, int m0, int k0) {
+    const int lane = threadIdx.x % WARP, q = lane / 8, r = lane % 8;
+    const int m = m0 + 8 * (q & 1), k = k0 + 8 * (q >> 1);
+    if (KC)
+        ldsm_x4(a, s, (m + r) * EG_KPITCH + k);
+    else
+        ldsm_x4_trans(a, s, (k + r) * EG_RPITCH + m);
+}
+
+// The B fragments of columns n0 .. n0 + 15 (two n8 tiles), k k0 .. k0 + 15: b0 = {tile 0 k 0–7,
+// k 8–15}, b1 = the same of tile 1 (matrix q: columns + 8·(q / 2), k + 8·(q % 2)).
+template <bool KC>
+__device__ __forceinline__ void frag_b(unsigned b0[2], unsigned b1[2], const u16* s, int n0, int k0) {
+    const int lane = threadIdx.x % WARP, q = lane / 8, r = lane % 8;
+    const int n = n0 + 8 * (q >> 1), k = k0 + 8 * (q & 1);
+    unsigned w[4];
+    if (KC)
+        ldsm_x4(w, s, (n + r) * EG_KPITCH + k);
+    else
+        ldsm_x4_trans(w, s, (k + r) * EG_RPITCH + n);
+    b0[0] = w[0], b0[1] = w[1], b1[0] = w[2], b1[1] = w[3];
 }
 
 // acc += the block's A tile · B tile over one k tile: A rows × k from `sa`, B columns × k from
 // `sb` (a B column is an output column), each in its layout.
 template <bool AKC, bool BKC>
 __device__ __forceinline__ void mma_tile(float acc[4][4][4], const u16* sa, const u16* sb) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int grp = lane / 4, tig = lane % 4;
+    const int warp = threadIdx.x / WARP;
     const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
 #pragma unroll
     for (int kk = 0; kk < EG_BK; kk += 16) {
-        unsigned a[4][4], b[4][2];
+        unsigned a[4][4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = wm + i * 16 + grp, k = kk + 2 * tig;
-            a[i][0] = frag_pair<AKC>(sa, r, k);
-            a[i][1] = frag_pair<AKC>(sa, r + 8, k);
-            a[i][2] = frag_pair<AKC>(sa, r, k + 8);
-            a[i][3] = frag_pair<AKC>(sa, r + 8, k + 8);
+        for (int i = 0; i < 4; i++) frag_a<AKC>(a[i], sa, wm + i * 16, kk);
+        // B two n8 tiles at a time: fewer live registers (no spill under 128).
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+            unsigned b0[2], b1[2];
+            frag_b<BKC>(b0, b1, sb, wn + j * 8, kk);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                mma_m16n8k16_bf16(acc[i][j], a[i], b0, acc[i][j]);
+                mma_m16n8k16_bf16(acc[i][j + 1], a[i], b1, acc[i][j + 1]);
+            }
         }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int n = wn + j * 8 + grp, k = kk + 2 * tig;
-            b[j][0] = frag_pair<BKC>(sb, n, k);
-            b[j][1] = frag_pair<BKC>(sb, n, k + 8);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) mma_m16n8k16_bf16(acc[i][j], a[i], b[j], acc[i][j]);
     }
 }
 
