@@ -5,9 +5,10 @@
 // - `expert_gemm_fwd_f32i16`: for each expert g, C[rows of g] (+)= A[rows of g] · B_gᵀ, with
 //   A [R, K] and C [R, N] row-major and B_g = b + g·b_stride either [N, K] (`b_kmajor`: a
 //   weight as nn.Linear holds it) or [K, N]. The forward's projections and the backward's
-//   d inputs. A block owns a 128 × 128 tile of one expert's rows × N; blockIdx.x counts the
-//   experts' row tiles in order (a bound the host computes without the counts: ⌈R/128⌉ + G;
-//   blocks past the last tile return at once), blockIdx.y the column tiles.
+//   d inputs. A block owns a 128 × 128 tile of one expert's rows × N; blockIdx.x counts
+//   (row tile, column tile) pairs, column tiles fastest, the experts' row tiles in order (a
+//   bound the host computes without the counts: ⌈R/128⌉ + G; blocks past the last tile return
+//   at once).
 // - `expert_gemm_bwd_f32i16`: for each expert g, C_g (+)= A[rows of g]ᵀ · B[rows of g], with
 //   A [R, M] and B [R, N] row-major and C_g = c + g·c_stride [M, N]: the weight gradients (the
 //   sum over the expert's rows, in row order). An expert without rows adds nothing (writes
@@ -260,7 +261,12 @@ extern "C" __global__ void __launch_bounds__(EG_THREADS, 2)
                            int accumulate, int vec) {
     // This block's expert and row tile: the experts' tiles counted in order.
     int grp = -1;
-    unsigned tile = blockIdx.x, lo = 0, rows = 0;
+    // Column tiles vary fastest: a row tile's blocks run together, its rows read from DRAM once
+    // and from L2 by the rest (the expert's weight stays in L2 across its row tiles). Row tiles
+    // fastest read every row from DRAM once per column tile: ~2 of the 4.6 ms a 128-expert
+    // projection of 262,144 rows took on an H100.
+    const unsigned col_tiles = (n + EG_BN - 1) / EG_BN;
+    unsigned tile = blockIdx.x / col_tiles, lo = 0, rows = 0;
     for (int g = 0; g < groups; g++) {
         const unsigned first = offsets[g], count = offsets[g + 1] - first;
         const unsigned tiles = (count + EG_BM - 1) / EG_BM;
@@ -273,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(EG_THREADS, 2)
         tile -= tiles;
     }
     if (grp < 0) return;  // past the last tile: the same for the whole block
-    const int n0 = blockIdx.y * EG_BN;
+    const int n0 = (blockIdx.x % col_tiles) * EG_BN;
     const bf16* a0 = a + (long long)lo * k;
     const bf16* bg = b + (long long)grp * b_stride;
     extern __shared__ __align__(16) u16 smem[];

@@ -82,21 +82,21 @@ const EXPERT_THREADS: u32 = 256;
 const EXPERT_SMEM: u32 = 3 * 2 * 128 * 40 * 2;
 
 /// `expert_gemm_fwd_f32i16` over `rows` grouped rows of `groups` experts, `n` output columns:
-/// blockIdx.x counts the experts' row tiles (at most ⌈rows/128⌉ + groups, whatever the counts:
-/// the host need not know them), blockIdx.y the column tiles.
+/// blockIdx.x counts (row tile, column tile) pairs, column tiles fastest, over at most
+/// ⌈rows/128⌉ + groups row tiles whatever the counts (the host need not know them).
 pub fn expert_gemm_rows(rows: usize, groups: usize, n: usize) -> Result<Launch> {
-    let tiles = rows.div_ceil(EXPERT_TILE) + groups;
-    let cols = n.div_ceil(EXPERT_TILE);
-    if tiles > GRID_X_MAX || cols > GRID_YZ_MAX {
+    let tiles =
+        (rows.div_ceil(EXPERT_TILE) + groups).saturating_mul(n.div_ceil(EXPERT_TILE).max(1));
+    if tiles > GRID_X_MAX {
         return Err(Error::bad_input(
             "expert GEMM",
             format!("{rows} rows of {groups} experts, {n} columns"),
-            format!("exceeds the grid limits ({GRID_X_MAX} row tiles, {GRID_YZ_MAX} column tiles of {EXPERT_TILE})"),
+            format!("exceeds the grid limit ({GRID_X_MAX} tiles of {EXPERT_TILE} × {EXPERT_TILE})"),
             None,
         ));
     }
     Ok(Launch {
-        grid: (tiles.max(1) as u32, cols.max(1) as u32, 1),
+        grid: (tiles.max(1) as u32, 1, 1),
         block: EXPERT_THREADS,
         smem: EXPERT_SMEM,
     })
