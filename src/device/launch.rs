@@ -549,4 +549,20 @@ mod tests {
         assert_eq!(g.groups, 2);
         assert_eq!(g.packed, vec![1, 4, 3, 0, 2, 0, 2, 3, 1, 2]);
     }
+
+    /// The grouped expert GEMMs' grids: every row tile any split of the rows can need (⌈R/128⌉
+    /// full tiles plus one partial per expert) times the column tiles, in one dimension; a
+    /// launch past the grid is refused by name, not truncated.
+    #[test]
+    fn expert_gemm_grids_cover_any_split_of_the_rows() {
+        let l = expert_gemm_rows(262_144, 128, 768).unwrap();
+        assert_eq!(l.grid, ((2048 + 128) * 6, 1, 1));
+        assert_eq!((l.block, l.smem), (256, 3 * 2 * 128 * 40 * 2));
+        // 300 rows over 6 experts, one of them all 300: 3 + 6 row tiles, 2 column tiles.
+        assert_eq!(expert_gemm_rows(300, 6, 136).unwrap().grid, (18, 1, 1));
+        assert!(expert_gemm_rows(1 << 40, 8, 4096).is_err());
+        let s = expert_gemm_sums(2048, 768, 128).unwrap();
+        assert_eq!(s.grid, (16 * 6, 1, 128));
+        assert!(expert_gemm_sums(64, 64, 70_000).is_err());
+    }
 }
