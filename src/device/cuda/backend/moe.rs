@@ -377,6 +377,12 @@ impl CudaBackend {
     ) -> Result<()> {
         let groups = offsets.len().saturating_sub(1);
         let rows = offsets.last().copied().unwrap_or(0);
+        if a.bf16 != b.bf16 {
+            return Err(Error::internal(
+                "CUDA backend",
+                "an expert GEMM's rows and weights in different types",
+            ));
+        }
         if a.bf16 {
             let moe = self
                 .moe
@@ -426,10 +432,10 @@ impl CudaBackend {
         b: DevP,
         (m, n): (usize, usize),
     ) -> Result<()> {
-        if c.bf16 {
+        if c.bf16 || a.bf16 != b.bf16 {
             return Err(Error::internal(
                 "CUDA backend",
-                "a bf16 expert weight gradient",
+                "an expert weight gradient: fp32, from operands of one type",
             ));
         }
         let groups = offsets.len().saturating_sub(1);
