@@ -360,6 +360,15 @@ impl CudaBackend {
         Ok(offsets)
     }
 
+    /// Each expert's first grouped row (`E + 1` u32) on the device, as the last call grouped them.
+    fn expert_offsets(&self) -> Result<DevPtr> {
+        let moe = self
+            .moe
+            .as_ref()
+            .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
+        Ok(moe.offsets.device_ptr(&self.stream).0)
+    }
+
     /// Every expert's `c[rows of g] (+)= a[rows of g] · B_gᵀ` (`B_g = b + g·stride`, `[n, k]`
     /// when `kmajor` — a weight as nn.Linear holds it — else `[k, n]`); `a` `[R, k]` and `c`
     /// `[R, n]` fp32 hold the grouped rows, `offsets` each expert's first (`E + 1`). Under the
@@ -384,11 +393,7 @@ impl CudaBackend {
             ));
         }
         if a.bf16 {
-            let moe = self
-                .moe
-                .as_ref()
-                .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
-            let at = moe.offsets.device_ptr(&self.stream).0;
+            let at = self.expert_offsets()?;
             let g = ExpertRows {
                 c,
                 a: a.addr,
@@ -440,11 +445,7 @@ impl CudaBackend {
         }
         let groups = offsets.len().saturating_sub(1);
         if a.bf16 {
-            let moe = self
-                .moe
-                .as_ref()
-                .ok_or_else(|| Error::internal("CUDA backend", "moe scratch"))?;
-            let at = moe.offsets.device_ptr(&self.stream).0;
+            let at = self.expert_offsets()?;
             let g = ExpertSums {
                 c: c.addr,
                 c_stride: stride,
