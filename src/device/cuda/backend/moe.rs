@@ -1,16 +1,18 @@
 //! The mixture-of-experts MLP on the GPU: the router's GEMM (cuBLAS), softmax and top-k
 //! (`moe_route`), the tokens grouped by expert on the host from the chosen experts (one small
-//! device→host copy per call: each expert's row count sizes its GEMMs), the rows gathered, each
-//! expert's three GEMMs on its rows, GPT-OSS's expert biases and the activation over all rows
-//! at once, and the weighted sum per token in ascending expert order — the CPU reference's order (`model::ops::moe`). The
-//! backward recomputes the forward and runs the same steps in reverse.
+//! device→host copy per call: the grouping, and the load the metrics report), the rows
+//! gathered, the experts' GEMMs on their rows (`expert_rows`, `expert_sums`), GPT-OSS's expert
+//! biases and the activation over all rows at once, and the weighted sum per token in ascending
+//! expert order — the CPU reference's order (`model::ops::moe`). The backward recomputes the
+//! forward and runs the same steps in reverse.
 //!
 //! Under the bf16 recipe the input `h` (the norm's output) and the weights are bf16, the
 //! gathered rows are gathered in bf16 (the first half of the `x` scratch's bytes), and the
 //! experts' other GEMM operands — the activation, dY, d gate/up — are cast to bf16 once for all
-//! rows (one launch each, not one per expert), so every expert's GEMMs read bf16 as held
-//! (`cublasGemmEx`, fp32 sums and results); the router's d logits are cast per GEMM: the CPU's
-//! [`crate::model::ops::MoeWeights::bf16_recipe`].
+//! rows (one launch each), so the experts' GEMMs read bf16 as held: one launch per projection
+//! for every expert (`kernels/expert_gemm.cu`, fp32 sums and results, each expert's rows from
+//! the offsets on the device); in fp32 one cuBLAS GEMM per expert. The router's d logits are
+//! cast per GEMM: the CPU's [`crate::model::ops::MoeWeights::bf16_recipe`].
 //!
 //! Scratch lives in [`MoeScratch`], sized for the largest call so far.
 
@@ -250,8 +252,8 @@ impl CudaBackend {
             let l = launch::elementwise(e, self.sms());
             self.k().moe_prob_sums(l, at.sums, (at.probs, pad), n, e)?;
         }
-        // Each expert's row count sizes its GEMMs: the chosen experts come to the host (with,
-        // in the forward, the probability sums the load-balancing loss reads).
+        // The chosen experts come to the host for the grouping (and the fp32 GEMMs' row counts;
+        // with, in the forward, the probability sums the load-balancing loss reads).
         let m = self
             .moe
             .as_mut()
