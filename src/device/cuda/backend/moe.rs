@@ -376,7 +376,7 @@ impl CudaBackend {
     /// `[R, n]` fp32 hold the grouped rows, `offsets` each expert's first (`E + 1`). Under the
     /// bf16 recipe one launch of the grouped kernel (`expert_gemm_fwd_f32i16`); fp32 takes one
     /// cuBLAS GEMM per expert, each long enough on the GPU to hide its launch (an fp32 expert
-    /// GEMM of the step's shapes runs ~20× longer than its bf16 twin).
+    /// GEMM of the step's shapes runs ~10× longer than its bf16 twin: 20 ms against 2 on an H100).
     fn expert_rows(
         &mut self,
         offsets: &[usize],
