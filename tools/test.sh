@@ -2,8 +2,9 @@
 # The test suite: formatting, lints (default and `cuda` feature, and the CUDA emulator), every
 # test, every CUDA kernel compiled by NVRTC 12.9 and 13.0 (installed from PyPI wheels; no GPU or
 # toolkit needed), the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh)
-# presenting CUDA 12 and CUDA 13, tools/gpu_check.sh --emulated among it, and the aarch64 build
-# linted and tested under qemu-user (tools/test_aarch64.sh).
+# presenting CUDA 12 and CUDA 13, tools/gpu_check.sh --emulated among it, the x86_64 pip wheel
+# built, installed into a fresh venv and run (tools/build_wheels.sh, tools/test_wheel.sh), and the
+# aarch64 build linted and tested under qemu-user (tools/test_aarch64.sh).
 # This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,11 @@ CUEMU_SCHEDULES=3 cargo test --features cuda --test cuda_gpu
 cargo test --features cuda --test train_golden --test cuemu --test generate
 echo "== $(date +%T) the training goldens on the CUDA device with the emulator presenting CUDA 13"
 CUEMU_CUDA=13 cargo test --features cuda --test train_golden cuda::
+echo "== $(date +%T) the pip wheel (x86_64): maturin, hwloc and udev bundled by auditwheel (manylinux_2_34), installed into a fresh venv, demo and probe"
+# The dev profile reuses the binary the CUDA tests above built (same features): the packaging is
+# the release wheel's, the binary unoptimised.
+bash tools/build_wheels.sh --arch x86_64 --profile dev --out target/wheels-ci
+bash tools/test_wheel.sh target/wheels-ci/megatrain-*-manylinux_2_34_x86_64.whl
 echo "== $(date +%T) aarch64 (Grace): cross-built, linted, and run under qemu-user (tools/test_aarch64.sh)"
 bash tools/test_aarch64.sh
 echo "== $(date +%T) done"

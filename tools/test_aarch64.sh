@@ -42,13 +42,8 @@ TESTS=(adam_pool adamw_golden adam8bit_golden adam_state model_golden train_gold
 
 bash tools/setup-deps.sh --aarch64
 
-export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
-export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64-static
-export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
-# hwloc and udev from Debian's arm64 packages (multiarch), not the host's; named for the target,
-# so that the x86-64 build below keeps the host's.
-export PKG_CONFIG_ALLOW_CROSS_aarch64_unknown_linux_gnu=1
-export PKG_CONFIG_LIBDIR_aarch64_unknown_linux_gnu=/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/share/pkgconfig
+# shellcheck source=tools/aarch64-env.sh
+source tools/aarch64-env.sh
 # The workspace's crates through clippy-driver: lints and code in one build. The flags are the
 # same on every call, so the dependencies are built once.
 RUSTC_WORKSPACE_WRAPPER=$(rustup which clippy-driver)

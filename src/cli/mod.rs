@@ -59,7 +59,7 @@ enum Command {
     /// Continue a prompt with a Hugging Face model or a training checkpoint (greedy or sampled,
     /// on the training device, no KV cache: each token is a forward pass of the sequence).
     Generate(generate::GenerateArgs),
-    /// Tokenize text (.txt, or .jsonl with one document per line) into a token file for --data.
+    /// Tokenize a dataset (.txt, JSON Lines, Parquet shards, Arrow / `save_to_disk` folders) into a token or document file for --data.
     Prepare(prepare::PrepareArgs),
     /// Will it fit, and how fast will it go: memory per tier and a predicted step time.
     Plan(plan::PlanArgs),

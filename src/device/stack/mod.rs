@@ -9,8 +9,8 @@
 //! 3. the CUDA toolkit: `$CUDA_HOME`, `$CUDA_PATH`, `/usr/local/cuda`, then `/usr/local/cuda-13*`
 //!    and `/usr/local/cuda-12*`, newest first (`lib64`, `lib`, `targets/<arch>-linux/lib`);
 //! 4. the dynamic linker's own search by soname (`LD_LIBRARY_PATH`, `ld.so.cache`);
-//! 5. NVIDIA's pip wheels in the Python environments of this machine: `$VIRTUAL_ENV`,
-//!    `$CONDA_PREFIX`, every `python3` on `PATH` (PyTorch's venv among them), `~/.local`, the
+//! 5. NVIDIA's pip wheels in the Python environments of this machine: the one the megatrain
+//!    wheel is installed in (activated or not), `$VIRTUAL_ENV`, `$CONDA_PREFIX`, every `python3` on `PATH` (PyTorch's venv among them), `~/.local`, the
 //!    system's `dist-packages`, and the environments `tools/setup-cuda-wheels.sh` makes
 //!    (`~/.cache/megatrain/cuda{13,12}-wheels`).
 //!

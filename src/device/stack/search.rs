@@ -151,6 +151,13 @@ pub fn sites_of(prefix: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The `site-packages` a binary installed by the megatrain wheel lives in: the wheel puts it at
+/// `SITE/megatrain.scripts/megatrain` (pyproject.toml, tools/build_wheels.sh).
+pub fn wheel_site(exe: &Path) -> Option<PathBuf> {
+    let dir = exe.parent()?;
+    (dir.file_name()? == "megatrain.scripts").then(|| dir.parent().map(Path::to_path_buf))?
+}
+
 fn push_unique(v: &mut Vec<PathBuf>, p: PathBuf) {
     if !v.contains(&p) {
         v.push(p);
@@ -213,6 +220,12 @@ impl Places {
                 .collect();
         }
         let mut sites = Vec::new();
+        // The environment the megatrain wheel was installed into: NVIDIA's wheels beside it
+        // (`pip install megatrain nvidia-cublas…`, or a venv with PyTorch) are found even when
+        // that environment is not activated.
+        if let Some(site) = std::env::current_exe().ok().as_deref().and_then(wheel_site) {
+            push_unique(&mut sites, site);
+        }
         for v in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
             if let Some(r) = var(v) {
                 for s in sites_of(Path::new(&r)) {
@@ -569,6 +582,21 @@ mod tests {
 
     fn none(_: &str) -> Option<PathBuf> {
         None
+    }
+
+    #[test]
+    fn the_wheels_environment_is_the_site_packages_above_its_binary() {
+        let site = Path::new("/opt/venv/lib/python3.12/site-packages");
+        assert_eq!(
+            wheel_site(&site.join("megatrain.scripts/megatrain")).as_deref(),
+            Some(site)
+        );
+        // A binary anywhere else (cargo's target/, /usr/local/bin) is not a wheel's.
+        assert_eq!(
+            wheel_site(Path::new("/work/target/release/megatrain")),
+            None
+        );
+        assert_eq!(wheel_site(Path::new("megatrain")), None);
     }
 
     #[test]
