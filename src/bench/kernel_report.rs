@@ -114,6 +114,8 @@ pub fn measured_efficiency(
     };
     Some(KernelEfficiency {
         gemm,
+        // Not among the kernels it times: the plan assumes them (`plan::efficiency`).
+        expert_gemm: None,
         attention_fwd,
         attention_bwd,
         memory_tbps,

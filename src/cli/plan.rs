@@ -237,8 +237,12 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             println!("  assumption: {n}");
         }
         let eff = pl::efficiency(&hw, req.bf16);
+        let experts = match eff.expert_gemm {
+            Some(e) if p.active_params < p.params => format!(", experts' GEMMs {:.1}%", 100.0 * e),
+            _ => String::new(),
+        };
         println!(
-            "  kernels: GEMM {:.1}%, attention forward {:.1}%, backward {:.1}% of peak; elementwise at {:.2} TB/s ({})",
+            "  kernels: GEMM {:.1}%{experts}, attention forward {:.1}%, backward {:.1}% of peak; elementwise at {:.2} TB/s ({})",
             100.0 * eff.gemm,
             100.0 * eff.attention_fwd,
             100.0 * eff.attention_bwd,

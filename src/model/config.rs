@@ -691,6 +691,16 @@ impl ModelConfig {
         }
     }
 
+    /// Expert weights one token computes with in decoder layer `layer`: its `top_k` experts'
+    /// gate, up and down projections (biases aside), what the experts' GEMMs multiply by; 0 on a
+    /// dense layer.
+    pub fn active_expert_params(&self, layer: usize) -> usize {
+        match &self.moe {
+            Some(m) if m.is_sparse(layer) => m.top_k * 3 * m.expert_intermediate * self.hidden_size,
+            _ => 0,
+        }
+    }
+
     /// Parameters one token computes with (the embedding counted once, as
     /// [`ModelConfig::num_params`] does): all of a dense model, the active part of an MoE one.
     pub fn active_params(&self) -> usize {

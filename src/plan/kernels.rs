@@ -13,6 +13,11 @@ use serde::{Deserialize, Serialize};
 pub struct KernelEfficiency {
     /// The layers' GEMMs (cuBLAS).
     pub gemm: f64,
+    /// A mixture of experts' expert GEMMs: under bf16 the grouped kernels
+    /// (`kernels/expert_gemm.cu`), under fp32 one cuBLAS SGEMM per expert. Absent from a
+    /// measurement that did not time them: [`efficiency`] then takes the assumed figure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_gemm: Option<f64>,
     /// Attention forward, useful FLOPs (the causal half) over the peak.
     pub attention_fwd: f64,
     /// Attention backward, likewise.
@@ -87,6 +92,35 @@ const ATTENTION_BWD_PER_FWD: f64 = 2.5;
 /// Share of the fp32 peak assumed for fp32 SGEMM and the SIMT attention (no sourced figure).
 const FP32_ASSUMED: f64 = 0.6;
 
+/// The grouped expert GEMMs (`kernels/expert_gemm.cu`: mma.sync, cp.async, ldmatrix) measured on
+/// an H100 in a step of two Qwen3-30B-A3B-wide layers (docs/gpu.md, "The experts' GEMMs in one
+/// launch", 2026-11-27): 24 launches of 824 GFLOP, 18 of the forward kernel at 3.78 ms and 6 of
+/// the weight-gradient kernel at 3.35 ms, 224 TFLOP/s together, of the 989 peak.
+const EXPERT_GEMM_H100_TFLOPS: f64 = 224.0;
+/// The dense bf16 GEMMs' rate on an H100 the plan assumes (MAMF, [`mamf_share`]): the grouped
+/// kernels' ratio to it is carried to GPUs they were not measured on.
+const DENSE_GEMM_H100_TFLOPS: f64 = 792.1;
+
+/// The share of the bf16 peak the grouped expert GEMMs reach on `gpu`, and its source, for a GPU
+/// whose dense GEMMs reach `gemm`.
+fn expert_gemm_share(gpu: &str, gemm: f64) -> (f64, String) {
+    let n = gpu.to_ascii_lowercase();
+    if ["gh200", "h200", "h100"].iter().any(|k| n.contains(k)) {
+        (
+            EXPERT_GEMM_H100_TFLOPS / 989.0,
+            format!("experts' GEMMs: the grouped kernels measured at {EXPERT_GEMM_H100_TFLOPS} of 989 TF on an H100 (docs/gpu.md)"),
+        )
+    } else {
+        let ratio = EXPERT_GEMM_H100_TFLOPS / DENSE_GEMM_H100_TFLOPS;
+        (
+            gemm * ratio,
+            format!(
+                "experts' GEMMs: {ratio:.3}× the dense share, the ratio an H100 measured (assumed)"
+            ),
+        )
+    }
+}
+
 /// Maximum achievable matmul FLOPS (bf16, best shape) over the datasheet peak, by GPU: Stas
 /// Bekman's MAMF table (ml-engineering, compute/accelerator, measured with mamf-finder.py).
 fn mamf_share(gpu: &str) -> Option<(f64, &'static str)> {
@@ -118,37 +152,53 @@ pub fn kernel_efficiency(gpu: &str, bf16: bool) -> KernelEfficiency {
     if !bf16 {
         return KernelEfficiency {
             gemm: FP32_ASSUMED,
+            // One SGEMM per expert, long enough to hide its launch: an H100 ran two
+            // Qwen3-30B-A3B-wide layers at 0.97–1.02× this plan, gpt-oss-20b's at 0.79–0.82×.
+            expert_gemm: Some(FP32_ASSUMED),
             attention_fwd: FP32_ASSUMED,
             attention_bwd: FP32_ASSUMED,
             memory_tbps,
-            source: format!("fp32: {FP32_ASSUMED} of the fp32 peak assumed for every kernel (no sourced figure); {memory_src}"),
+            source: format!("fp32: {FP32_ASSUMED} of the fp32 peak assumed for every kernel (no sourced figure; the experts' GEMMs, one SGEMM per expert, too); {memory_src}"),
         };
     }
     let (gemm, gemm_src) =
         mamf_share(gpu).unwrap_or((FP32_ASSUMED, "no MAMF figure for this GPU: 0.6 assumed"));
     let fa2 = FA2_H100_CAUSAL_FWD_TFLOPS / 989.0;
+    let (expert_gemm, expert_src) = expert_gemm_share(gpu, gemm);
     KernelEfficiency {
         gemm,
+        expert_gemm: Some(expert_gemm),
         attention_fwd: fa2 / FLASH_MMA_FACTOR_FWD,
         attention_bwd: fa2 / FLASH_MMA_FACTOR_BWD,
         memory_tbps,
         source: format!(
-            "GEMM: {gemm_src}; attention: FlashAttention-2's causal forward on an H100 ({FA2_H100_CAUSAL_FWD_TFLOPS} TF, FlashAttention-3 paper) over the peak, divided by our kernels' extra MMAs ({FLASH_MMA_FACTOR_FWD}× forward, {FLASH_MMA_FACTOR_BWD}× backward); the backward is assumed to reach the forward's share; {memory_src}"
+            "GEMM: {gemm_src}; {expert_src}; attention: FlashAttention-2's causal forward on an H100 ({FA2_H100_CAUSAL_FWD_TFLOPS} TF, FlashAttention-3 paper) over the peak, divided by our kernels' extra MMAs ({FLASH_MMA_FACTOR_FWD}× forward, {FLASH_MMA_FACTOR_BWD}× backward); the backward is assumed to reach the forward's share; {memory_src}"
         ),
     }
 }
 
 /// The kernel efficiencies for `hw` in bf16 or fp32: what `bench kernels` measured on it, where
-/// the hardware carries that, else the sourced assumptions of [`kernel_efficiency`].
+/// the hardware carries that, else the sourced assumptions of [`kernel_efficiency`]; the experts'
+/// GEMMs, which `bench kernels` does not time, always have a figure.
 pub fn efficiency(hw: &Hardware, bf16: bool) -> KernelEfficiency {
     let measured = if bf16 {
         &hw.measured_bf16
     } else {
         &hw.measured_fp32
     };
-    measured
-        .clone()
-        .unwrap_or_else(|| kernel_efficiency(&hw.gpu, bf16))
+    let assumed = kernel_efficiency(&hw.gpu, bf16);
+    match measured {
+        None => assumed,
+        Some(m) if m.expert_gemm.is_some() => m.clone(),
+        Some(m) => KernelEfficiency {
+            expert_gemm: assumed.expert_gemm,
+            source: format!(
+                "{}; experts' GEMMs assumed as without a calibration",
+                m.source
+            ),
+            ..m.clone()
+        },
+    }
 }
 
 /// The step's GPU kernel time by kind of kernel (they add up to the kernels' sum, which the
@@ -207,8 +257,9 @@ impl KernelParts {
             hw.fp32_tflops
         } * 1e12;
         let eff = efficiency(hw, req.bf16);
-        let (gemm, attn_fwd, attn_bwd, memory) = (
+        let (gemm, expert_gemm, attn_fwd, attn_bwd, memory) = (
             peak * eff.gemm,
+            peak * eff.expert_gemm.unwrap_or(eff.gemm),
             peak * eff.attention_fwd,
             peak * eff.attention_bwd,
             eff.memory_tbps * 1e12,
@@ -221,8 +272,12 @@ impl KernelParts {
         // What one token's GEMMs compute with in a mean block (the router and its top-k
         // experts of an MoE layer).
         let layers = model.num_layers.max(1);
-        let active: usize = (0..layers).map(|l| model.active_layer_params(l)).sum();
-        let block = active as f64 / layers as f64;
+        let mean =
+            |f: &dyn Fn(usize) -> usize| (0..layers).map(f).sum::<usize>() as f64 / layers as f64;
+        // Of those, the experts' weights run through the expert GEMMs, the rest (attention's
+        // projections, the router, a dense MLP) through the dense ones.
+        let experts = mean(&|l| model.active_expert_params(l));
+        let block = mean(&|l| model.active_layer_params(l)) - experts;
         let attn = 4.0 * mean_keys_per_query(model, req.seq_len) * model.q_dim() as f64 * tk;
         let head = (model.vocab_size * model.hidden_size) as f64;
         // Under sandwich norms the MLP's backward recomputes its down projection (for the
@@ -233,10 +288,14 @@ impl KernelParts {
         };
         let cast = 6.0 * model.hidden_size as f64 * tk / memory;
         KernelParts {
-            block_fwd: [2.0 * block * tk / gemm, attn / attn_fwd, elementwise],
+            block_fwd: [
+                2.0 * block * tk / gemm + 2.0 * experts * tk / expert_gemm,
+                attn / attn_fwd,
+                elementwise,
+            ],
             // The recompute (a forward) and the backward.
             block_bwd: [
-                (6.0 * block + 2.0 * down) * tk / gemm,
+                (6.0 * block + 2.0 * down) * tk / gemm + 6.0 * experts * tk / expert_gemm,
                 attn / attn_fwd + ATTENTION_BWD_PER_FWD * attn / attn_bwd,
                 3.0 * elementwise,
             ],

@@ -114,9 +114,9 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     );
     if p.active_params < p.params {
         s += match req.bf16 {
-            true => "  note        the experts' GEMMs (one grouped launch per projection for all experts) are predicted at the dense GEMMs' \
-                     efficiency from the FLOPs of the active parameters; an H100 measured them at 218–246 TFLOP/s, ~0.3× a dense GEMM \
-                     (docs/gpu.md), so for them this is a target, not a measured speed\n",
+            true => "  note        the experts' GEMMs (one grouped launch per projection for all experts) are predicted at the rate an \
+                     H100 measured for them, 224 TFLOP/s (23% of its peak, 0.28× a dense GEMM; docs/gpu.md), from the FLOPs of the \
+                     active experts: the GEMM time above is mostly theirs, and Hopper's wgmma path would shorten it\n",
             false => "  note        the experts' GEMMs run one expert at a time, predicted at the dense GEMMs' efficiency from the FLOPs \
                       of the active parameters (docs/gpu.md: an H100 measured 0.97–1.02× this for Qwen3-30B-A3B's layers, 0.79–0.82× for gpt-oss-20b's)\n",
         };

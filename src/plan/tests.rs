@@ -334,9 +334,66 @@ fn kernel_efficiencies_are_the_sourced_figures() {
     );
     let fp32 = kernel_efficiency("H100 SXM 80GB", false);
     assert_eq!((fp32.gemm, fp32.attention_fwd), (0.6, 0.6));
+    assert_eq!(h100.expert_gemm, Some(224.0 / 989.0));
+    let a100 = kernel_efficiency("NVIDIA A100-SXM4-80GB", true);
+    assert_eq!(a100.expert_gemm, Some(a100.gemm * (224.0 / 792.1)));
     let unknown = kernel_efficiency("Some Future GPU", true);
     assert_eq!(unknown.gemm, 0.6);
     assert!(unknown.source.contains("assumed"));
+}
+
+/// The experts' GEMMs are priced at their own share of the peak: with a calibration that says
+/// they run as fast as dense GEMMs, a mixture of experts' GEMM time falls by exactly their FLOPs
+/// (forward, recompute, backward: 8 per weight and token) times the difference of the two
+/// rates, and a dense model's does not move.
+#[test]
+fn expert_gemms_are_priced_at_their_own_share() {
+    let hw = presets::machine("h200-1.5tb").unwrap();
+    let r = PlanRequest {
+        bf16: true,
+        ..req(65536)
+    };
+    let assumed = kernel_efficiency(&hw.gpu, true);
+    let (dense, expert) = (assumed.gemm, assumed.expert_gemm.unwrap());
+    assert_eq!(expert, 224.0 / 989.0);
+    assert!(
+        assumed.source.contains("experts' GEMMs"),
+        "{}",
+        assumed.source
+    );
+    let mut as_dense = hw.clone();
+    as_dense.measured_bf16 = Some(KernelEfficiency {
+        expert_gemm: Some(dense),
+        ..assumed.clone()
+    });
+    let moe = presets::model("qwen3-30b-a3b").unwrap();
+    let experts: f64 = (0..moe.num_layers)
+        .map(|l| moe.active_expert_params(l) as f64)
+        .sum();
+    assert_eq!(experts, 48.0 * 8.0 * 3.0 * 768.0 * 2048.0);
+    let peak = hw.bf16_tflops * 1e12;
+    let want = 8.0 * experts * 65536.0 * (1.0 / (peak * expert) - 1.0 / (peak * dense));
+    let got =
+        time(&moe, &hw, &r).compute_split.gemm_s - time(&moe, &as_dense, &r).compute_split.gemm_s;
+    assert!(
+        (got - want).abs() <= 1e-9 * want,
+        "{got} s against {want} s"
+    );
+    let llama = presets::model("llama-3-8b").unwrap();
+    assert_eq!(
+        time(&llama, &hw, &r).compute_split,
+        time(&llama, &as_dense, &r).compute_split
+    );
+    // A calibration without the experts' figure (`bench kernels` does not time them) keeps the
+    // assumed one; fp32 prices them as dense SGEMMs.
+    let mut calibrated = hw.clone();
+    calibrated.measured_bf16 = Some(KernelEfficiency {
+        expert_gemm: None,
+        ..assumed.clone()
+    });
+    assert_eq!(efficiency(&calibrated, true).expert_gemm, Some(expert));
+    let fp32 = kernel_efficiency(&hw.gpu, false);
+    assert_eq!(fp32.expert_gemm, Some(fp32.gemm));
 }
 
 /// Qwen2.5-7B on the H100 preset in bf16, 65,536 tokens per step in one micro-batch.
