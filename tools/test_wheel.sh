@@ -8,9 +8,9 @@
 # An aarch64 wheel cannot be installed here: it is unpacked and its binary runs `probe` under
 # qemu-user, with Debian's arm64 hwloc and udev hidden.
 #
-# Hiding the system's libraries takes a mount namespace (root, `unshare`): each is bind-mounted
-# over with /dev/null for the run. Where that is refused the script says so and falls back to
-# checking with ldd that the loader resolves both into the wheel's megatrain.libs/.
+# ldd must resolve hwloc and udev into the wheel's megatrain.libs/. Hiding the system's copies
+# takes a mount namespace (root, `unshare`): each is bind-mounted over with /dev/null for the
+# run; where that is refused the script says so, and the ldd check is what remains.
 set -euo pipefail
 whl="$1"
 steps="${2:-20}"

@@ -10,9 +10,9 @@
 //!    and `/usr/local/cuda-12*`, newest first (`lib64`, `lib`, `targets/<arch>-linux/lib`);
 //! 4. the dynamic linker's own search by soname (`LD_LIBRARY_PATH`, `ld.so.cache`);
 //! 5. NVIDIA's pip wheels in the Python environments of this machine: the one the megatrain
-//!    wheel is installed in (activated or not), `$VIRTUAL_ENV`, `$CONDA_PREFIX`, every `python3` on `PATH` (PyTorch's venv among them), `~/.local`, the
-//!    system's `dist-packages`, and the environments `tools/setup-cuda-wheels.sh` makes
-//!    (`~/.cache/megatrain/cuda{13,12}-wheels`).
+//!    wheel is installed in (activated or not), `$VIRTUAL_ENV`, `$CONDA_PREFIX`, every `python3`
+//!    on `PATH` (PyTorch's venv among them), `~/.local`, the system's `dist-packages`, and the
+//!    environments `tools/setup-cuda-wheels.sh` makes (`~/.cache/megatrain/cuda{13,12}-wheels`).
 //!
 //! In a wheel, CUDA 13 keeps everything in `nvidia/cu13/{lib,include}`; CUDA 12 keeps each
 //! library in its own folder (`nvidia/cuda_nvrtc/lib`, `nvidia/cublas/lib`, headers in
