@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod device;
+pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod host;

@@ -9,7 +9,10 @@ AARCH64=0
 
 # g++: the CUDA emulator (tools/cuemu.sh) compiles CUDA kernels for the host with it.
 # python3-venv: tools/setup-cuda-wheels.sh installs NVIDIA's PyPI wheels into a venv.
-APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev gcc g++ libc6-dev python3-venv)
+# Open MPI and libclang: the `mpi` feature (data parallelism; the mpi crate's bindgen needs
+# libclang) and its tests under mpirun.
+APT_PACKAGES=(libhwloc-dev pkg-config libudev-dev gcc g++ libc6-dev python3-venv
+              libopenmpi-dev openmpi-bin libclang-dev)
 
 if [ "$AARCH64" = 1 ]; then
   APT_PACKAGES+=(qemu-user-static gcc-aarch64-linux-gnu libc6-dev-arm64-cross binutils-aarch64-linux-gnu

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The test suite: formatting, lints (default and `cuda` feature, and the CUDA emulator), every
-# test, every CUDA kernel compiled by NVRTC 12.9 and 13.0 (installed from PyPI wheels; no GPU or
-# toolkit needed), the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh)
-# presenting CUDA 12 and CUDA 13, tools/gpu_check.sh --emulated among it, the x86_64 pip wheel
-# built, installed into a fresh venv and run (tools/build_wheels.sh, tools/test_wheel.sh), and the
-# aarch64 build linted and tested under qemu-user (tools/test_aarch64.sh).
+# The test suite: formatting, lints (default and `cuda` + `mpi` features, and the CUDA emulator),
+# every test, data parallelism through the CLI under mpirun (feature `mpi`, tests/dist.rs), every
+# CUDA kernel compiled by NVRTC 12.9 and 13.0 (installed from PyPI wheels; no GPU or toolkit
+# needed), the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh) presenting CUDA 12
+# and CUDA 13, tools/gpu_check.sh --emulated among it, the x86_64 pip wheel built, installed into
+# a fresh venv and run (tools/build_wheels.sh, tools/test_wheel.sh), and the aarch64 build linted
+# and tested under qemu-user (tools/test_aarch64.sh).
 # This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,13 +15,15 @@ echo "== $(date +%T) cargo fmt --check"
 cargo fmt --all -- --check
 echo "== $(date +%T) cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
-echo "== $(date +%T) cargo clippy --all-targets --features cuda -- -D warnings (no CUDA toolkit needed)"
-cargo clippy --all-targets --features cuda --quiet -- -D warnings
+echo "== $(date +%T) cargo clippy --all-targets --features cuda,mpi -- -D warnings (no CUDA toolkit needed)"
+cargo clippy --all-targets --features cuda,mpi --quiet -- -D warnings
 echo "== $(date +%T) cargo clippy -p cuemu --all-targets -- -D warnings (the CUDA emulator)"
 cargo clippy -p cuemu --all-targets --quiet -- -D warnings
 echo "== $(date +%T) cargo test"
 cargo test --all-targets
 cargo test -p cuemu
+echo "== $(date +%T) data parallelism: the CLI under mpirun, 2 and 3 ranks (feature mpi, Open MPI)"
+cargo test --features mpi --test dist
 echo "== $(date +%T) the CUDA feature's unit tests (the kernel cache)"
 cargo test --features cuda --lib device::cuda
 echo "== $(date +%T) CUDA kernels through NVRTC 13.0 for sm_80 and sm_90 (NVRTC + headers from PyPI wheels, no GPU)"

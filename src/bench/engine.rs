@@ -479,6 +479,7 @@ fn predict(
         activation_dtype: crate::engine::ActivationDtype::Fp32,
         device_inputs: 0,
         lean_pieces: LeanPieces::of(layout),
+        ranks: 1,
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))
 }

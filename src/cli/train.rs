@@ -41,6 +41,11 @@ pub struct TrainArgs {
     no_direct_io: bool,
 }
 
+/// The progress of a rank other than 0: nothing (rank 0 reports the job's).
+struct Quiet;
+
+impl megatrain::train::Progress for Quiet {}
+
 struct Reporter {
     bar: Option<indicatif::ProgressBar>,
     total: u64,
@@ -128,6 +133,7 @@ impl megatrain::train::Progress for Reporter {
 fn watch_signals(
     interrupt: std::sync::Arc<std::sync::atomic::AtomicBool>,
     saves: bool,
+    speaks: bool,
 ) -> Result<std::sync::Arc<std::sync::atomic::AtomicI32>> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     use std::sync::atomic::Ordering;
@@ -158,6 +164,9 @@ fn watch_signals(
                 std::process::exit(128 + sig);
             }
             seen.store(sig, Ordering::SeqCst);
+            if !speaks {
+                continue;
+            }
             say!(
                 "\n{name}: finishing this step, then {} (send it again to stop now)",
                 if saves {
@@ -187,18 +196,20 @@ fn detach(fds: &[i32]) {
 }
 
 /// The configuration: the TOML file, the demo's, or the defaults, with the flags over it.
-fn configuration(args: &TrainArgs) -> Result<TrainConfig> {
+fn configuration(args: &TrainArgs, speaks: bool) -> Result<TrainConfig> {
     let base = match (&args.config, args.demo) {
         (Some(p), _) => TrainConfig::from_toml_file(p)?,
         (None, true) => {
             let d = megatrain::train::corpus::demo(&args.demo_dir)?;
-            say!(
+            if speaks {
+                say!(
                 "demo: {} bytes of this repository's docs and source as byte tokens ({} train / {} validation) in {}",
                 d.split.0 + d.split.1,
                 d.split.0,
                 d.split.1,
                 d.dir.display()
-            );
+                );
+            }
             d.config
         }
         (None, false) => TrainConfig::default(),
@@ -212,17 +223,55 @@ fn configuration(args: &TrainArgs) -> Result<TrainConfig> {
 
 /// Train; the exit status is 0, or 128+signal when a signal stopped the run.
 pub fn run(args: &TrainArgs) -> Result<u8> {
-    let cfg = configuration(args)?;
+    // A launcher (mpirun, srun) may have started this process as one rank of several.
+    let world = megatrain::dist::from_env()?;
+    if world.size() == 1 {
+        return run_rank(args, world);
+    }
+    let (rank, size) = (world.rank(), world.size());
+    match run_rank(args, world.clone()) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            // Every other rank would wait for this one forever: end the job, naming the rank.
+            say!("error: rank {rank} of {size} (on {}): {e}", world.host());
+            world.abort(i32::from(e.exit_code()))
+        }
+    }
+}
+
+/// Train as rank `world.rank()`: rank 0 prints the progress and the summary, the others only
+/// their errors.
+fn run_rank(
+    args: &TrainArgs,
+    world: std::sync::Arc<dyn megatrain::dist::Collective>,
+) -> Result<u8> {
+    let cfg = configuration(args, world.rank() == 0)?;
     cfg.validate()?;
+    if world.rank() != 0 {
+        let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        watch_signals(interrupt.clone(), false, false)?;
+        let s = megatrain::train::run_in(&cfg, world, interrupt, &mut Quiet)?;
+        return Ok(if s.interrupted { 130 } else { 0 });
+    }
     eprint!("{}", cfg.table());
+    if world.size() > 1 {
+        say!(
+            "data parallel: {} ranks ({}), each {} micro-batch(es) a step: {} sequences of {} tokens a step",
+            world.size(),
+            megatrain::dist::Launch::from_env()?.map_or("?", |l| l.launcher),
+            cfg.grad_accum,
+            cfg.grad_accum * cfg.batch_size * world.size(),
+            cfg.seq_len
+        );
+    }
     let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let signal = watch_signals(interrupt.clone(), cfg.checkpoint_dir.is_some())?;
+    let signal = watch_signals(interrupt.clone(), cfg.checkpoint_dir.is_some(), true)?;
     let mut rep = Reporter {
         bar: None,
         total: 0,
         last_plain: std::time::Instant::now(),
     };
-    let s = megatrain::train::run(&cfg, interrupt, &mut rep)?;
+    let s = megatrain::train::run_in(&cfg, world, interrupt, &mut rep)?;
     if let Some(b) = &rep.bar {
         b.finish();
     }
@@ -308,7 +357,7 @@ mod tests {
     fn parse(args: &[&str]) -> TrainConfig {
         let mut v = vec!["megatrain"];
         v.extend_from_slice(args);
-        configuration(&Cli::try_parse_from(v).unwrap().train).unwrap()
+        configuration(&Cli::try_parse_from(v).unwrap().train, false).unwrap()
     }
 
     /// Flags land in the configuration: values, switches with and without a value, optional

@@ -19,6 +19,7 @@ use crate::device::{
     Batch, BufId, Cmd, Device, DeviceKernel, Event, GradLink, HostRef, Kernel, Precision,
     StreamKind,
 };
+use crate::dist::Collective;
 use crate::model::reference::Templates;
 use crate::optim::adamw::AdamWConfig;
 use crate::optim::{piece_segments, unit_segments, AdamJob, AdamPool, Salts};
@@ -114,6 +115,8 @@ pub struct Streamer {
     pool: AdamPool,
     templates: Arc<Templates>,
     cfg: StreamerConfig,
+    /// What the step schedule was built for (`ranks` set by [`Streamer::with_world`]).
+    spec: ScheduleSpec,
     schedule: Schedule,
     /// The forward-only pass of one micro-batch on the step's buffers ([`Streamer::evaluate`]).
     evaluation: Schedule,
@@ -131,6 +134,8 @@ pub struct Streamer {
     /// finish in any order; the norm, and the next step's clipping, must not depend on it).
     lean_sumsq: Vec<f64>,
     spill_seen: crate::spill::tier::SpillStats,
+    /// The data-parallel job this streamer is a rank of ([`crate::dist::Solo`] alone).
+    world: Arc<dyn Collective>,
 }
 
 /// What one step is doing while it runs: its tasks' events, which host tasks ran, the norm
@@ -215,6 +220,7 @@ impl Streamer {
             activation_dtype: cfg.activation_dtype,
             device_inputs: cfg.device_inputs,
             lean_pieces: LeanPieces::of(&layout),
+            ranks: 1,
         };
         if cfg.activation_dtype == ActivationDtype::Bf16 && !streams_bf16 {
             return Err(Error::bad_input(
@@ -287,6 +293,7 @@ impl Streamer {
             pool,
             templates,
             cfg,
+            spec,
             schedule,
             evaluation,
             bufs,
@@ -300,6 +307,7 @@ impl Streamer {
             adam_spans: Vec::new(),
             lean_sumsq: Vec::new(),
             spill_seen,
+            world: crate::dist::solo(),
         })
     }
 
@@ -392,6 +400,21 @@ impl Streamer {
         Ok(())
     }
 
+    /// Make this streamer rank `world.rank()` of a data-parallel job: each step's gradients are
+    /// summed across the ranks ([`Op::Reduce`]) before their norm and update, and the step's
+    /// loss and trained tokens are the job's. Every rank must run the same steps.
+    pub fn with_world(mut self, world: Arc<dyn Collective>) -> Self {
+        self.spec.ranks = world.size();
+        self.schedule = schedule(&self.spec);
+        self.world = world;
+        self
+    }
+
+    /// The data-parallel job this streamer is a rank of.
+    pub fn world(&self) -> &Arc<dyn Collective> {
+        &self.world
+    }
+
     /// Run one optimizer step over `batches` (one per micro-batch) with learning rate `lr`.
     pub fn step(&mut self, batches: &[MicroBatch], lr: f64) -> Result<StepMetrics> {
         let wall = Instant::now();
@@ -420,7 +443,7 @@ impl Streamer {
             Mode::Exact => run.norm_sq.sqrt(),
         };
         self.prev_norm = Some(grad_norm);
-        let mut m = self.metrics(&run, grad_norm, lr);
+        let mut m = self.metrics(&run, grad_norm, lr)?;
         self.store.check_spill()?;
         m.wall_s = wall.elapsed().as_secs_f64();
         Ok(m)
@@ -458,7 +481,13 @@ impl Streamer {
         }
         // The loss is the mean over every trained token of the step, across its micro-batches
         // (as transformers' Trainer since 4.46), not a mean of per-micro-batch means.
-        let trained: usize = batches.iter().map(MicroBatch::trained_tokens).sum();
+        // Data parallel: the job's trained tokens, so every rank scales its gradients alike.
+        let mut job_trained = [batches
+            .iter()
+            .map(MicroBatch::trained_tokens)
+            .sum::<usize>() as f64];
+        self.world.sum_f64(&mut job_trained)?;
+        let trained = job_trained[0] as usize;
         if trained == 0 {
             return Err(Error::bad_input(
                 "training step",
@@ -485,7 +514,9 @@ impl Streamer {
             .moe
             .as_ref()
             .filter(|m| m.aux_loss)
-            .map_or(0.0, |m| m.router_aux_loss_coef / batches.len() as f64);
+            .map_or(0.0, |m| {
+                m.router_aux_loss_coef / (batches.len() * self.world.size()) as f64
+            });
         let nt = self.schedule.tasks.len();
         Ok(StepRun {
             events: vec![None; nt],
@@ -624,6 +655,7 @@ impl Streamer {
                 run.coef = norm.map_or(1.0, |n| clip_coef(self.cfg.grad_clip, n));
             }
             Op::Adam { unit, lean, piece } => self.submit_adam(*unit, (*lean, *piece), run)?,
+            Op::Reduce { unit, lean, piece } => self.reduce(*unit, (*lean, *piece))?,
             // The schedule made this wait for every update of the step; their Σg² is summed.
             Op::LeanNorm => {}
             other => {
@@ -634,6 +666,27 @@ impl Streamer {
             }
         }
         Ok(())
+    }
+
+    /// Sum unit u's step gradients across the ranks: its shard, or (lean mode) piece `piece` of
+    /// them in lean buffer `lean`.
+    fn reduce(&mut self, unit: usize, (lean, piece): (Option<usize>, usize)) -> Result<()> {
+        let world = self.world.clone();
+        match lean {
+            Some(k) => {
+                let len = self.store.layout().lean_piece(unit, piece).len();
+                let b = self.lean[k].as_mut().ok_or_else(|| {
+                    Error::internal("streamer", format!("lean buffer {k} is owned by AdamW"))
+                })?;
+                world.sum_f32(&mut b.as_mut_slice()[..len])
+            }
+            None => {
+                let grads = self.guard(unit)?.grads().ok_or_else(|| {
+                    Error::internal("streamer", "exact mode without a gradient shard")
+                })?;
+                world.sum_f32(grads)
+            }
+        }
     }
 
     /// Start unit u's AdamW update on its node's pool: in lean mode of piece `piece`, from lean
@@ -680,18 +733,27 @@ impl Streamer {
     }
 
     /// The step's metrics from the device's records and the spill tier's counters.
-    fn metrics(&mut self, run: &StepRun, grad_norm: f64, lr: f64) -> StepMetrics {
+    fn metrics(&mut self, run: &StepRun, grad_norm: f64, lr: f64) -> Result<StepMetrics> {
         let records = self.device.take_records();
-        let total_tokens = (self.cfg.batch * self.cfg.seq * run.batches.len()) as f64;
+        let ranks = self.world.size();
+        let total_tokens = (self.cfg.batch * self.cfg.seq * run.batches.len() * ranks) as f64;
         let loss = run
             .batches
             .first()
             .map_or(0.0, |b| *crate::util::lock(&b.loss));
-        let routing = super::metrics::StepRouting::of(&run.batches);
+        let mut routing = super::metrics::StepRouting::of(&run.batches);
+        // The job's: summed over the ranks (each rank's aux loss is a mean over as many
+        // micro-batches as every other's). The expert loads stay this rank's.
+        let mut job = [
+            loss,
+            super::metrics::StepRouting::trained_aux(&run.batches),
+            routing.aux_loss.unwrap_or(0.0),
+        ];
+        self.world.sum_f64(&mut job)?;
+        routing.aux_loss = routing.aux_loss.map(|_| job[2] / ranks as f64);
         let mut m = StepMetrics {
             step: self.step,
-            loss: loss / run.trained as f64
-                + super::metrics::StepRouting::trained_aux(&run.batches),
+            loss: job[0] / run.trained as f64 + job[1],
             grad_norm,
             clip_coef: run.coef,
             lr,
@@ -712,7 +774,7 @@ impl Streamer {
         m.nvme_wait_s = spill.wait_seconds - self.spill_seen.wait_seconds;
         m.nvme_busy_s = spill.io_seconds - self.spill_seen.io_seconds;
         self.spill_seen = spill;
-        m
+        Ok(m)
     }
 
     /// The device command of a device task.

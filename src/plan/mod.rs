@@ -443,6 +443,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             activation_dtype: req.activation_dtype,
             device_inputs: placed.device_inputs,
             lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
+            ranks: 1,
         };
         sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)
     };

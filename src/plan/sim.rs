@@ -515,6 +515,7 @@ mod tests {
             activation_dtype: crate::engine::ActivationDtype::Fp32,
             device_inputs: 0,
             lean_pieces: crate::engine::schedule::LeanPieces::WHOLE,
+            ranks: 1,
         }
     }
 

@@ -123,7 +123,22 @@ pub fn run(
     interrupt: Arc<AtomicBool>,
     progress: &mut dyn Progress,
 ) -> Result<Summary> {
-    let mut s = setup(cfg, progress)?;
+    run_in(cfg, crate::dist::solo(), interrupt, progress)
+}
+
+/// [`run`] as rank `world.rank()` of a data-parallel job (every rank runs this with the same
+/// configuration). Each step's micro-batches are the job's: `grad_accum × world.size()` drawn in
+/// order, rank r training the r-th `grad_accum` of them, their gradients summed across ranks in
+/// rank order before the (replicated) update — so N ranks equal one process accumulating N
+/// times as many micro-batches. Rank 0 writes every output (checkpoints, metrics, validation,
+/// samples, the export); the others write nothing and resume from rank 0's checkpoint.
+pub fn run_in(
+    cfg: &TrainConfig,
+    world: Arc<dyn crate::dist::Collective>,
+    interrupt: Arc<AtomicBool>,
+    progress: &mut dyn Progress,
+) -> Result<Summary> {
+    let mut s = setup(cfg, world, progress)?;
     let mut summary = Summary {
         steps: s.start_step,
         metrics: s.metrics.as_ref().map(|m| m.path().to_owned()),
@@ -167,10 +182,16 @@ fn train_loop(
     summary: &mut Summary,
 ) -> std::result::Result<(), Stop> {
     let (mut tokens, mut secs) = (0u64, 0.0f64);
+    let world = s.streamer.world().clone();
+    let (rank, ranks) = (world.rank(), world.size());
     for step in s.start_step + 1..=s.cfg.steps {
-        let batches: Vec<MicroBatch> = (0..s.cfg.grad_accum)
+        // The job's micro-batches in order (every rank draws them all, so every rank's cursor
+        // is the job's); this rank trains its own `grad_accum` of them.
+        let mut batches: Vec<MicroBatch> = (0..s.cfg.grad_accum * ranks)
             .map(|_| s.loader.next_batch())
             .collect();
+        batches.drain(..rank * s.cfg.grad_accum);
+        batches.truncate(s.cfg.grad_accum);
         let m = s
             .streamer
             .step(&batches, s.cfg.lr_at(step))
@@ -203,7 +224,9 @@ fn train_loop(
         progress.step(&m, val);
         // The previous step's checkpoint, if its write has ended meanwhile.
         settle_checkpoint(s, false, progress, summary).map_err(Stop::AfterStep)?;
-        let stop = interrupt.load(Ordering::SeqCst);
+        // An interrupt seen by any rank stops every rank after this same step.
+        let stop = crate::dist::any(world.as_ref(), interrupt.load(Ordering::SeqCst))
+            .map_err(Stop::Step)?;
         let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);
         if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
             if step == s.cfg.steps || stop {
@@ -386,7 +409,8 @@ fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
 /// run's own if it already is or can be written, else a rescue directory beside the working
 /// directory), then return the error naming where.
 fn rescue(s: &mut Session, step: u64, error: Error, progress: &mut dyn Progress) -> Error {
-    if step <= s.start_step {
+    // Rank 0 holds the same state and saves it; the other ranks write nothing.
+    if step <= s.start_step || s.streamer.world().rank() != 0 {
         return error;
     }
     if let Some((saved_step, dir)) = &s.saved {

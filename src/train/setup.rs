@@ -16,6 +16,7 @@ use super::tensorboard::TensorBoardLog;
 use super::Progress;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::device::Precision;
+use crate::dist::Collective;
 use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
@@ -69,10 +70,15 @@ struct Inputs {
 
 /// Check the configuration, claim the checkpoint directory, resolve the model and the mode,
 /// check the outputs and the memory, then build the device, the store and the streamer.
-pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Session> {
+pub(super) fn setup(
+    cfg: &TrainConfig,
+    world: Arc<dyn Collective>,
+    progress: &mut dyn Progress,
+) -> Result<Session> {
     cfg.validate()?;
+    let cfg = &rank_outputs(cfg, world.rank());
     outputs::check_paths(cfg)?;
-    let inputs = inputs(cfg, progress)?;
+    let inputs = inputs(cfg, world.as_ref(), progress)?;
     let machine = probe(&TopologySource::Live)?;
     let budget = RamBudget {
         total_bytes: cfg.ram_budget,
@@ -117,6 +123,20 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
         mode: Some(mode),
         ..cfg
     };
+    // What decides the order and sizes of the ranks' collectives must be the same on all.
+    crate::dist::check_same(
+        world.as_ref(),
+        "the step",
+        &format!(
+            "{} mode, {} micro-batch(es) of {}×{}, {} parameters, start at step {}",
+            mode.name(),
+            cfg.grad_accum,
+            cfg.batch_size,
+            cfg.seq_len,
+            inputs.model.num_params(),
+            resumed.map_or(0, |(_, st)| st.step)
+        ),
+    )?;
     let changes = settings_changed(&cfg, resumed, progress);
     let samples = TrainingSamples::for_run(&cfg, inputs.model.vocab_size)?;
     // Every output, and the host and device memory, before anything big is allocated.
@@ -152,7 +172,7 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
     };
     let placed = (activations, device_inputs);
     check_working_set(&cfg, device.as_ref(), store.layout(), placed)?;
-    let mut streamer = build_streamer(&cfg, device, store, tm.clone(), placed)?;
+    let mut streamer = build_streamer(&cfg, device, store, tm.clone(), placed)?.with_world(world);
     streamer.resume_at(start_step, prev_norm);
     let (b, t) = (cfg.batch_size, cfg.seq_len);
     let rows = RowSpec {
@@ -212,7 +232,11 @@ pub(super) fn setup(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Se
 
 /// The checkpoint directory (claimed), what it resumes, the model, the data (opened and scanned
 /// before anything big is allocated) and the run's identity.
-fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
+fn inputs(
+    cfg: &TrainConfig,
+    world: &dyn Collective,
+    progress: &mut dyn Progress,
+) -> Result<Inputs> {
     let data_path = cfg.data.clone().ok_or_else(|| {
         Error::bad_input(
             "setting",
@@ -221,8 +245,23 @@ fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
             Some("pass --data FILE (or run `megatrain train --demo`)"),
         )
     })?;
-    let run_dir = run_dir::claim(cfg)?;
-    let resumed = run_dir.as_ref().and_then(|r| r.resume_from.clone());
+    // Rank 0 owns the checkpoint directory; the others resume from what it chose.
+    let run_dir = match world.rank() {
+        0 => run_dir::claim(cfg)?,
+        _ => None,
+    };
+    let mut resumed = run_dir.as_ref().and_then(|r| r.resume_from.clone());
+    let lead_id = resumed
+        .as_ref()
+        .and_then(|(_, st)| st.run_id.clone())
+        .unwrap_or_else(crate::util::lock::random_id);
+    let (run_id, resume_path) = share_start(world, &lead_id, resumed.as_ref().map(|(d, _)| d))?;
+    if world.rank() != 0 {
+        resumed = match resume_path {
+            Some(dir) => Some((dir.clone(), checkpoint::open(&dir)?)),
+            None => None,
+        };
+    }
     if cfg.resume == config::Resume::Auto && resumed.is_none() {
         progress.note("resume auto: no checkpoint yet, starting fresh");
     }
@@ -250,10 +289,6 @@ fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
         Some(p) => Some(DataFile::open(p, cfg.data_dtype, model.vocab_size)?),
         None => None,
     };
-    let run_id = resumed
-        .as_ref()
-        .and_then(|(_, st)| st.run_id.clone())
-        .unwrap_or_else(crate::util::lock::random_id);
     Ok(Inputs {
         run_dir,
         resumed,
@@ -262,6 +297,54 @@ fn inputs(cfg: &TrainConfig, progress: &mut dyn Progress) -> Result<Inputs> {
         val_file,
         run_id,
     })
+}
+
+/// Rank 0's run id and the checkpoint it resumes, told to every rank. Rank 0 keeps the id; the
+/// others take it with their rank appended (their spill files, named by it, must not collide).
+fn share_start(
+    world: &dyn Collective,
+    id: &str,
+    resume: Option<&PathBuf>,
+) -> Result<(String, Option<PathBuf>)> {
+    if world.size() == 1 {
+        return Ok((id.to_owned(), resume.cloned()));
+    }
+    let mine = match world.rank() {
+        0 => serde_json::json!({ "run_id": id, "resume": resume }).to_string(),
+        _ => String::new(),
+    };
+    let all = world.all_gather_bytes(mine.as_bytes())?;
+    let lead: serde_json::Value = all
+        .first()
+        .and_then(|b| serde_json::from_slice(b).ok())
+        .ok_or_else(|| Error::internal("data-parallel start", "rank 0 sent no start"))?;
+    let run_id = lead["run_id"].as_str().unwrap_or(id).to_owned();
+    let resume = lead["resume"].as_str().map(PathBuf::from);
+    Ok(match world.rank() {
+        0 => (run_id, resume),
+        r => (format!("{run_id}.{r}"), resume),
+    })
+}
+
+/// The configuration rank `rank` runs: rank 0 (and a process on its own) as given; any other
+/// rank without outputs — no metrics, TensorBoard, trace, export, validation or samples; the
+/// checkpoint directory only read (rank 0 writes the job's checkpoints, the state being the same
+/// on every rank).
+fn rank_outputs(cfg: &TrainConfig, rank: usize) -> TrainConfig {
+    if rank == 0 {
+        return cfg.clone();
+    }
+    TrainConfig {
+        metrics: None,
+        tensorboard: None,
+        trace: None,
+        export_hf: None,
+        val_data: None,
+        val_every: 0,
+        sample_every: 0,
+        sample_prompt: None,
+        ..cfg.clone()
+    }
 }
 
 /// The settings this resumed run changes, printed, added to the checkpoint's history.

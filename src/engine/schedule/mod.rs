@@ -180,6 +180,18 @@ pub enum Op {
     },
     /// Host, lean mode: the step's norm from its AdamW jobs (so waits for all of them).
     LeanNorm,
+    /// Host, data parallel: sum unit u's step gradients across the ranks, in rank order
+    /// ([`crate::dist::Collective::sum_f32`]): its shard (exact mode) or piece `piece` of them in
+    /// lean buffer `lean`. Every rank runs the same schedule, so the ranks' collectives come in
+    /// the same order.
+    Reduce {
+        /// The unit.
+        unit: usize,
+        /// Lean buffer holding its gradients, in lean mode.
+        lean: Option<usize>,
+        /// The piece (0: the whole unit in exact mode).
+        piece: usize,
+    },
 }
 
 /// Where an op runs.
@@ -239,6 +251,9 @@ pub struct ScheduleSpec {
     pub device_inputs: usize,
     /// Lean mode: how many pieces each unit's gradients leave the device and are updated in.
     pub lean_pieces: LeanPieces,
+    /// Data-parallel ranks (1: one process). With more, each unit's step gradients are summed
+    /// across ranks ([`Op::Reduce`]) once they are on the host, before their norm or update.
+    pub ranks: usize,
 }
 
 impl ScheduleSpec {
@@ -312,6 +327,8 @@ struct Builder {
     deferred: std::collections::VecDeque<(usize, DevBuf, usize)>,
     /// Units in update order (lean: as their gradients land; exact: 0..=L+1 after the clip).
     updates: Vec<usize>,
+    /// Data-parallel ranks ([`ScheduleSpec::ranks`]).
+    ranks: usize,
 }
 
 impl Builder {
@@ -324,6 +341,7 @@ impl Builder {
             next_lean: 0,
             deferred: std::collections::VecDeque::new(),
             updates: Vec::new(),
+            ranks: 1,
         }
     }
 
@@ -423,6 +441,17 @@ impl Builder {
             vec![Res::Grads(unit)],
         );
         if mb + 1 == spec.micro_batches {
+            if spec.ranks > 1 {
+                self.host(
+                    Op::Reduce {
+                        unit,
+                        lean: None,
+                        piece: 0,
+                    },
+                    vec![Res::Grads(unit)],
+                    vec![Res::Grads(unit)],
+                );
+            }
             self.host(
                 Op::Norm { unit },
                 vec![Res::Grads(unit), Res::Norm],
@@ -447,6 +476,17 @@ impl Builder {
             vec![Res::Dev(from)],
             vec![Res::Lean(k)],
         );
+        if self.ranks > 1 {
+            self.host(
+                Op::Reduce {
+                    unit,
+                    lean: Some(k),
+                    piece,
+                },
+                vec![Res::Lean(k)],
+                vec![Res::Lean(k)],
+            );
+        }
         self.adam(unit, Some(k), piece);
     }
 
@@ -492,6 +532,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     let l = spec.layers;
     let head = l + 1;
     let mut b = Builder::new();
+    b.ranks = spec.ranks;
     let order = update_order(spec);
     // The first unit to be updated: its m/v can come in from NVMe during the forward.
     b.host(Op::Prefetch { unit: order[0] }, vec![], vec![]);

@@ -4,6 +4,7 @@ use super::*;
 fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> ScheduleSpec {
     ScheduleSpec {
         lean_pieces: LeanPieces::WHOLE,
+        ranks: 1,
         layers,
         tied,
         micro_batches: mb,
@@ -39,6 +40,15 @@ fn all_specs() -> Vec<ScheduleSpec> {
                         }
                     }
                 }
+                // Data parallel: each unit's gradients summed across ranks.
+                v.push(ScheduleSpec {
+                    ranks: 3,
+                    ..spec(layers, tied, 2, Mode::Exact, a)
+                });
+                v.push(ScheduleSpec {
+                    ranks: 2,
+                    ..spec(layers, tied, 1, Mode::Lean, a)
+                });
                 // A large vocabulary's embedding and head drained and updated in pieces.
                 v.push(ScheduleSpec {
                     lean_pieces: LeanPieces {
@@ -297,5 +307,58 @@ fn a_copy_waiting_for_adamw_has_a_kernel_queued_before_it() {
                 }
             }
         }
+    }
+}
+
+/// Data parallel: every gradient copy of the step is summed across ranks exactly once, after
+/// its last copy to the host and before anything reads it (the norm, the update); one rank's
+/// schedule has no sum.
+#[test]
+fn data_parallel_sums_each_gradient_once_before_it_is_read() {
+    for base in all_specs() {
+        let one = schedule(&ScheduleSpec { ranks: 1, ..base });
+        assert!(!one.tasks.iter().any(|t| matches!(t.op, Op::Reduce { .. })));
+        let s = schedule(&ScheduleSpec { ranks: 2, ..base });
+        let ord = ordered(&s);
+        let reduces: Vec<usize> = (0..s.tasks.len())
+            .filter(|&i| matches!(s.tasks[i].op, Op::Reduce { .. }))
+            .collect();
+        assert!(!reduces.is_empty());
+        for &r in &reduces {
+            let Op::Reduce { unit, lean, piece } = s.tasks[r].op else {
+                unreachable!()
+            };
+            let res = lean.map_or(Res::Grads(unit), Res::Lean);
+            // The last copy into what it sums is ordered before it …
+            let copy = (0..r)
+                .rev()
+                .find(|&j| {
+                    s.tasks[j].writes.contains(&res)
+                        && matches!(s.tasks[j].op, Op::CopyGrads { .. })
+                })
+                .expect("a copy before the sum");
+            assert!(ord[r][copy], "{base:?}: sum {r} not after copy {copy}");
+            // … and the norm or update reading the sum after it.
+            let reader = (r + 1..s.tasks.len())
+                .find(|&j| {
+                    matches!(s.tasks[j].op, Op::Norm { unit: u } if u == unit)
+                        || matches!(s.tasks[j].op, Op::Adam { unit: u, piece: p, .. } if u == unit && p == piece)
+                })
+                .expect("a reader after the sum");
+            assert!(
+                ord[reader][r],
+                "{base:?}: reader {reader} not after sum {r}"
+            );
+        }
+        // As many sums as there are gradient copies that end a unit's step.
+        let last_copies = match base.mode {
+            Mode::Exact => base.layers + 2,
+            Mode::Lean => s
+                .tasks
+                .iter()
+                .filter(|t| matches!(t.op, Op::CopyGrads { lean: Some(_), .. }))
+                .count(),
+        };
+        assert_eq!(reduces.len(), last_copies, "{base:?}");
     }
 }

@@ -1,0 +1,185 @@
+//! Data parallelism across processes: where this process stands in a job its launcher started
+//! (`mpirun`, `srun`: [`launch`]), and the few collectives the trainer needs, each with a fixed
+//! reduction order so every rank and every run computes the same bits.
+//!
+//! The trainer sees one trait, [`Collective`]: [`Solo`] for a process on its own, and the MPI
+//! world (feature `mpi`, [`join`]) for a job of several. The engine moves bytes through the
+//! engine it is given and does every sum itself, in rank order: MPI only transports, so the
+//! result does not depend on which algorithm the MPI library picks for a message size.
+
+pub mod launch;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod order;
+
+pub use launch::Launch;
+pub use order::sum_in_rank_order;
+
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// The collectives of a data-parallel job. Every rank calls the same ones in the same order
+/// (the schedule and the training loop are the same on every rank); a call blocks until every
+/// rank made it.
+pub trait Collective: Send + Sync + std::fmt::Debug {
+    /// This process's rank, 0-based.
+    fn rank(&self) -> usize;
+    /// How many ranks the job has.
+    fn size(&self) -> usize;
+    /// The host this rank runs on (for messages naming a rank).
+    fn host(&self) -> &str;
+    /// Replace `buf` on every rank by the element-wise sum of every rank's `buf`, added in rank
+    /// order: `((x₀ + x₁) + x₂) + …` in f32, the same bits on every rank and in every run. Every
+    /// rank passes the same length.
+    fn sum_f32(&self, buf: &mut [f32]) -> Result<()>;
+    /// The same for a few f64 values (losses, token counts, flags).
+    fn sum_f64(&self, buf: &mut [f64]) -> Result<()>;
+    /// Every rank's `bytes`, in rank order, on every rank (small values: settings, identities).
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// End every rank of the job with exit status `code` (a failed rank's last act, so no other
+    /// rank waits for it forever). Only the binary calls this, after printing its error.
+    fn abort(&self, code: i32) -> !;
+}
+
+/// A process on its own: rank 0 of 1; every collective is the identity.
+#[derive(Debug, Clone)]
+pub struct Solo {
+    host: String,
+}
+
+impl Default for Solo {
+    fn default() -> Self {
+        Solo { host: hostname() }
+    }
+}
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn host(&self) -> &str {
+        &self.host
+    }
+    fn sum_f32(&self, _buf: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+    fn sum_f64(&self, _buf: &mut [f64]) -> Result<()> {
+        Ok(())
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Ok(vec![bytes.to_vec()])
+    }
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
+}
+
+/// The collective of a process on its own.
+pub fn solo() -> Arc<dyn Collective> {
+    Arc::new(Solo::default())
+}
+
+/// Join the job `launch` describes: initialise MPI (its launcher's rendezvous, PMI/PMIx) and
+/// check that MPI sees the world the launcher announced.
+#[cfg(feature = "mpi")]
+pub fn join(launch: &Launch) -> Result<Arc<dyn Collective>> {
+    let world = mpi::MpiWorld::init()?;
+    if world.size() != launch.size || world.rank() != launch.rank {
+        return Err(Error::bad_input(
+            "launch",
+            launch.launcher,
+            format!(
+                "announced rank {} of {}, but MPI sees rank {} of {}: the processes were not started by an MPI launcher",
+                launch.rank,
+                launch.size,
+                world.rank(),
+                world.size()
+            ),
+            Some("start the job with `mpirun -np N megatrain train …` or `srun --mpi=pmix megatrain train …`"),
+        ));
+    }
+    Ok(Arc::new(world))
+}
+
+/// Join the job `launch` describes: this build has no MPI, so a job of several ranks is refused.
+#[cfg(not(feature = "mpi"))]
+pub fn join(launch: &Launch) -> Result<Arc<dyn Collective>> {
+    Err(Error::bad_input(
+        "launch",
+        launch.launcher,
+        format!(
+            "started this process as rank {} of {}, but this megatrain was built without MPI",
+            launch.rank, launch.size
+        ),
+        Some("build with `cargo build --release --features mpi` (needs libopenmpi-dev or libmpich-dev and libclang-dev), or run one process"),
+    ))
+}
+
+/// The collective of this process: [`solo`] when no launcher started several, else the job's.
+pub fn from_env() -> Result<Arc<dyn Collective>> {
+    match Launch::from_env()? {
+        Some(l) if l.size > 1 => join(&l),
+        _ => Ok(solo()),
+    }
+}
+
+/// Check that every rank agrees on `what`'s value `mine` (a setting that decides the
+/// collectives' order or sizes): the first rank that differs from rank 0 is named.
+pub fn check_same(world: &dyn Collective, what: &str, mine: &str) -> Result<()> {
+    let all = world.all_gather_bytes(mine.as_bytes())?;
+    let first = all.first().map(|b| String::from_utf8_lossy(b).into_owned());
+    for (r, b) in all.iter().enumerate().skip(1) {
+        let theirs = String::from_utf8_lossy(b);
+        if Some(theirs.as_ref()) != first.as_deref() {
+            return Err(Error::bad_input(
+                "data-parallel ranks",
+                format!("rank {r}"),
+                format!(
+                    "has {what} {theirs}, rank 0 has {}",
+                    first.as_deref().unwrap_or("")
+                ),
+                Some("give every rank the same command line and inputs (each rank's free memory can pick a different mode: pass --mode and --activations)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether any rank says yes (an interrupt seen by one rank stops all after the same step).
+pub fn any(world: &dyn Collective, mine: bool) -> Result<bool> {
+    let mut v = [f64::from(u8::from(mine))];
+    world.sum_f64(&mut v)?;
+    Ok(v[0] > 0.0)
+}
+
+/// This machine's host name (empty if it has none).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its length; gethostname writes at most that many bytes.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn solo_is_the_identity() {
+        let s = Solo::default();
+        let mut x = vec![1.5f32, -2.0];
+        s.sum_f32(&mut x).unwrap();
+        assert_eq!(x, [1.5, -2.0]);
+        assert_eq!(s.all_gather_bytes(b"ab").unwrap(), vec![b"ab".to_vec()]);
+        assert!(any(&s, true).unwrap());
+        assert!(!any(&s, false).unwrap());
+        check_same(&s, "mode", "exact").unwrap();
+    }
+}

@@ -1,0 +1,184 @@
+//! The MPI world (feature `mpi`, the `mpi` crate over the distribution's Open MPI or MPICH): MPI
+//! moves the bytes, the sums are ours ([`super::sum_in_rank_order`]).
+//!
+//! `sum_f32` is a reduce-scatter then an all-gather, both as data movement: the buffer is cut
+//! into one slice per rank ([`super::order::slice_of`]); `MPI_Alltoallv` hands rank r every
+//! rank's copy of slice r; rank r adds them in rank order; `MPI_Allgatherv` hands every rank
+//! every summed slice. Each rank sends and receives (N−1)/N of the buffer twice, as a ring
+//! all-reduce does, and the result is the same bits whatever algorithm MPI picks. Buffers go in
+//! chunks of [`CHUNK`] elements, so the receive buffer is one chunk whatever the unit's size.
+
+use super::order::{slice_of, sum_in_rank_order};
+use super::Collective;
+use crate::{Error, Result};
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::{Count, Threading};
+use std::sync::Mutex;
+
+/// Elements summed per exchange (16 MiB of f32).
+const CHUNK: usize = 1 << 22;
+
+/// The job's world communicator.
+pub(super) struct MpiWorld {
+    world: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    host: String,
+    /// Every MPI call holds it: MPI is initialised `MPI_THREAD_SERIALIZED`.
+    lock: Mutex<()>,
+    /// Finalises MPI when dropped, after the communicator's last use.
+    _universe: Universe,
+}
+
+// SAFETY: MPI was initialised with MPI_THREAD_SERIALIZED (checked in `init`), which allows calls
+// from any thread as long as no two are concurrent; every call through `MpiWorld` holds `lock`.
+// The communicator handle is a plain value valid on every thread until MPI is finalised, which
+// happens only when this value (owning the `Universe`) is dropped.
+unsafe impl Send for MpiWorld {}
+// SAFETY: as for `Send`: shared use is serialised by `lock`.
+unsafe impl Sync for MpiWorld {}
+
+impl std::fmt::Debug for MpiWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MpiWorld(rank {} of {} on {})",
+            self.rank, self.size, self.host
+        )
+    }
+}
+
+fn count(n: usize) -> Result<Count> {
+    Count::try_from(n).map_err(|_| Error::internal("mpi", format!("{n} elements in one call")))
+}
+
+impl MpiWorld {
+    /// Initialise MPI (once per process) and take its world.
+    pub(super) fn init() -> Result<Self> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| Error::internal("mpi", "MPI was already initialised"))?;
+        if provided < Threading::Serialized {
+            return Err(Error::system(
+                "mpi",
+                "MPI_Init_thread",
+                format!("the MPI library provides {provided:?} threading, below the Serialized megatrain needs"),
+            )
+            .with_fix("use an MPI library built with thread support (Debian's Open MPI and MPICH are)"));
+        }
+        let world = universe.world();
+        let rank = usize::try_from(world.rank()).unwrap_or(0);
+        let size = usize::try_from(world.size()).unwrap_or(1);
+        let host = mpi::environment::processor_name().unwrap_or_else(|_| super::hostname());
+        Ok(MpiWorld {
+            world,
+            rank,
+            size,
+            host,
+            lock: Mutex::new(()),
+            _universe: universe,
+        })
+    }
+
+    /// One chunk of `sum_f32`.
+    fn sum_chunk(&self, chunk: &mut [f32], recv: &mut Vec<f32>) -> Result<()> {
+        let (m, n) = (chunk.len(), self.size);
+        let mut counts = Vec::with_capacity(n);
+        let mut displs = Vec::with_capacity(n);
+        for r in 0..n {
+            let s = slice_of(m, n, r);
+            counts.push(count(s.len())?);
+            displs.push(count(s.start)?);
+        }
+        let mine = slice_of(m, n, self.rank).len();
+        recv.clear();
+        recv.resize(mine * n, 0.0);
+        let recv_counts = vec![count(mine)?; n];
+        let recv_displs = (0..n)
+            .map(|k| count(k * mine))
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let send = Partition::new(&*chunk, &counts[..], &displs[..]);
+            let mut into = PartitionMut::new(&mut recv[..], &recv_counts[..], &recv_displs[..]);
+            self.world.all_to_all_varcount_into(&send, &mut into);
+        }
+        let parts: Vec<&[f32]> = recv.chunks(mine.max(1)).take(n).collect();
+        let mut summed = vec![0.0f32; mine];
+        if mine > 0 {
+            sum_in_rank_order(&parts, &mut summed);
+        }
+        let mut into = PartitionMut::new(chunk, &counts[..], &displs[..]);
+        self.world.all_gather_varcount_into(&summed[..], &mut into);
+        Ok(())
+    }
+}
+
+impl Collective for MpiWorld {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn host(&self) -> &str {
+        &self.host
+    }
+
+    fn sum_f32(&self, buf: &mut [f32]) -> Result<()> {
+        let _serial = crate::util::lock(&self.lock);
+        let mut recv = Vec::new();
+        for chunk in buf.chunks_mut(CHUNK) {
+            self.sum_chunk(chunk, &mut recv)?;
+        }
+        Ok(())
+    }
+
+    fn sum_f64(&self, buf: &mut [f64]) -> Result<()> {
+        let _serial = crate::util::lock(&self.lock);
+        let n = buf.len();
+        let mut all = vec![0.0f64; n * self.size];
+        self.world.all_gather_into(&*buf, &mut all[..]);
+        buf.fill(0.0);
+        for part in all.chunks(n.max(1)).take(self.size) {
+            for (b, x) in buf.iter_mut().zip(part) {
+                *b += *x;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let _serial = crate::util::lock(&self.lock);
+        let mut lens = vec![0u64; self.size];
+        self.world
+            .all_gather_into(&(bytes.len() as u64), &mut lens[..]);
+        let counts = lens
+            .iter()
+            .map(|&l| count(l as usize))
+            .collect::<Result<Vec<_>>>()?;
+        let mut displs = Vec::with_capacity(self.size);
+        let mut total = 0usize;
+        for &l in &lens {
+            displs.push(count(total)?);
+            total += l as usize;
+        }
+        let mut all = vec![0u8; total];
+        {
+            let mut into = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+            self.world.all_gather_varcount_into(bytes, &mut into);
+        }
+        let mut out = Vec::with_capacity(self.size);
+        let mut at = 0usize;
+        for &l in &lens {
+            out.push(all[at..at + l as usize].to_vec());
+            at += l as usize;
+        }
+        Ok(out)
+    }
+
+    fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+}

@@ -1,0 +1,363 @@
+//! Data parallelism through the real CLI under `mpirun` (Open MPI or MPICH from the distribution):
+//! N ranks of one micro-batch equal one process accumulating N, bit for bit run to run; a
+//! checkpoint of 3 ranks resumes on 2 and on 1; a rank that dies ends the job with its
+//! checkpoints intact, and `--resume auto` carries on. Needs the `mpi` feature.
+#![cfg(feature = "mpi")]
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":72,
+  "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":61,"tie_word_embeddings":true}"#;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_megatrain")
+}
+
+/// A model and token file in `dir`.
+fn inputs(dir: &Path) -> (PathBuf, PathBuf) {
+    let model = dir.join("model.json");
+    std::fs::write(&model, MODEL).unwrap();
+    let data = dir.join("train.bin");
+    let mut s = 12345u64;
+    // A learnable pattern (steps of 3), one token in 8 random.
+    let bytes: Vec<u8> = (0..20_000u64)
+        .flat_map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let t = if i % 8 == 7 { s % 61 } else { (3 * i) % 61 };
+            (t as u16).to_le_bytes()
+        })
+        .collect();
+    std::fs::write(&data, bytes).unwrap();
+    (model, data)
+}
+
+/// `megatrain train` flags of a run writing into `out` (checkpoints every 2 steps, metrics).
+/// Clipping at 0.5 is active in these steps, so the norm (of the summed gradients) matters.
+fn train_args(dir: &Path, out: &Path, steps: u64, grad_accum: usize) -> Vec<String> {
+    let (model, data) = (dir.join("model.json"), dir.join("train.bin"));
+    [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        &grad_accum.to_string(),
+        "--steps",
+        &steps.to_string(),
+        "--lr",
+        "3e-3",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--grad-clip",
+        "0.5",
+        "--shuffle",
+        "--seed",
+        "7",
+        "--mode",
+        "exact",
+        "--device-memory",
+        "256MiB",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        out.join("ckpt").to_str().unwrap(),
+        "--metrics",
+        out.join("metrics.jsonl").to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// `mpirun -np N` (as root it needs leave; oversubscribed on a small machine).
+fn mpirun(n: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &n.to_string(),
+    ]);
+    // Each rank on one thread: the machine's cores are shared by the ranks.
+    c.env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+fn check(out: Output, what: &str) -> Output {
+    assert!(
+        out.status.success(),
+        "{what}: {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn run_ranks(n: usize, args: &[String]) -> Output {
+    let out = mpirun(n).arg(bin()).args(args).output().unwrap();
+    check(out, &format!("mpirun -np {n}"))
+}
+
+fn run_one(args: &[String]) -> Output {
+    let out = Command::new(bin())
+        .env("RAYON_NUM_THREADS", "1")
+        .args(args)
+        .output()
+        .unwrap();
+    check(out, "one process")
+}
+
+/// (step, loss, grad norm) per metrics line.
+fn metrics(out: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The newest checkpoint under `out/ckpt`.
+fn newest(out: &Path) -> PathBuf {
+    megatrain::train::checkpoint::latest(&out.join("ckpt"))
+        .unwrap()
+        .unwrap()
+}
+
+fn floats(p: &Path) -> Vec<f32> {
+    std::fs::read(p)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol * a.abs().max(b.abs()).max(1e-30)
+}
+
+/// Losses, norms and final weights of two runs agree to 1e-6 relative; returns whether they
+/// are the same bits.
+fn assert_equal_runs(a: &Path, b: &Path, what: &str) -> bool {
+    let (ma, mb) = (metrics(a), metrics(b));
+    assert_eq!(ma.len(), mb.len(), "{what}: steps");
+    for (x, y) in ma.iter().zip(&mb) {
+        assert_eq!(x.0, y.0);
+        assert!(
+            close(x.1, y.1, 1e-6),
+            "{what}: loss at step {}: {} vs {}",
+            x.0,
+            x.1,
+            y.1
+        );
+        assert!(
+            close(x.2, y.2, 1e-6),
+            "{what}: norm at step {}: {} vs {}",
+            x.0,
+            x.2,
+            y.2
+        );
+    }
+    let (ca, cb) = (newest(a), newest(b));
+    let mut same = true;
+    for f in ["params.f32", "adam_m.f32", "adam_v.f32"] {
+        let (pa, pb) = (floats(&ca.join(f)), floats(&cb.join(f)));
+        assert_eq!(pa.len(), pb.len());
+        let scale = pa.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+        for (i, (x, y)) in pa.iter().zip(&pb).enumerate() {
+            assert!(
+                ((*x as f64) - (*y as f64)).abs() <= 1e-6 * scale.max(1e-30),
+                "{what}: {f}[{i}] {x} vs {y}"
+            );
+        }
+        same &= pa
+            .iter()
+            .map(|x| x.to_bits())
+            .eq(pb.iter().map(|x| x.to_bits()));
+    }
+    same
+}
+
+#[test]
+fn ranks_equal_gradient_accumulation_and_repeat_bit_for_bit() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    for n in [2usize, 3] {
+        let (ranks, one) = (
+            d.path().join(format!("ranks{n}")),
+            d.path().join(format!("accum{n}")),
+        );
+        let out = run_ranks(n, &train_args(d.path(), &ranks, 6, 1));
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            said.contains(&format!("data parallel: {n} ranks")),
+            "{said}"
+        );
+        run_one(&train_args(d.path(), &one, 6, n));
+        // The same sums in the same order: the same bits.
+        assert!(
+            assert_equal_runs(&ranks, &one, &format!("{n} ranks vs accumulation {n}")),
+            "{n} ranks are within 1e-6 of accumulating {n} but not the same bits"
+        );
+        let m = metrics(&ranks);
+        assert!(m.last().unwrap().1 < m[0].1, "the loss falls: {m:?}");
+    }
+    // Run to run: the same bits.
+    let again = d.path().join("ranks2-again");
+    run_ranks(2, &train_args(d.path(), &again, 6, 1));
+    assert!(assert_equal_runs(
+        &again,
+        &d.path().join("ranks2"),
+        "two runs of 2 ranks"
+    ));
+}
+
+#[test]
+fn a_checkpoint_of_three_ranks_resumes_on_two_and_on_one() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    // A constant rate: the runs stopping at step 4 and going to 8 share their first steps.
+    let train_args = |dir: &Path, out: &Path, steps: u64, accum: usize| -> Vec<String> {
+        train_args(dir, out, steps, accum)
+            .into_iter()
+            .map(|a| if a == "cosine" { "constant".into() } else { a })
+            .collect()
+    };
+    let three = d.path().join("three");
+    run_ranks(3, &train_args(d.path(), &three, 4, 1));
+    let copy = |to: &str| {
+        let to = d.path().join(to);
+        std::fs::create_dir_all(to.join("ckpt")).unwrap();
+        let c = newest(&three);
+        let dst = to.join("ckpt").join(c.file_name().unwrap());
+        std::fs::create_dir_all(&dst).unwrap();
+        for e in std::fs::read_dir(&c).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+        std::fs::copy(three.join("metrics.jsonl"), to.join("metrics.jsonl")).unwrap();
+        to
+    };
+    let resume = |args: Vec<String>| -> Vec<String> {
+        args.into_iter().chain(["--resume".to_string()]).collect()
+    };
+    // On one process accumulating 3: the same as 3 ranks all along.
+    let on_one = copy("on-one");
+    run_one(&resume(train_args(d.path(), &on_one, 8, 3)));
+    let straight = d.path().join("straight");
+    run_ranks(3, &train_args(d.path(), &straight, 8, 1));
+    assert_equal_runs(&on_one, &straight, "resumed on 1 vs 3 ranks straight");
+    // On two ranks (a batch of 2 from here): as one process accumulating 2 from the checkpoint.
+    let on_two = copy("on-two");
+    run_ranks(2, &resume(train_args(d.path(), &on_two, 8, 1)));
+    let two_ref = copy("two-ref");
+    run_one(&resume(train_args(d.path(), &two_ref, 8, 2)));
+    assert_equal_runs(&on_two, &two_ref, "resumed on 2 ranks vs accumulation 2");
+    assert_eq!(metrics(&on_two).last().unwrap().0, 8);
+}
+
+#[test]
+fn ranks_that_disagree_are_refused_naming_the_rank() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "-np", "1", bin()])
+        .args(train_args(d.path(), &a, 4, 1))
+        .args([":", "-np", "1", bin()])
+        .args(train_args(d.path(), &b, 4, 2));
+    let out = c.output().unwrap();
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("rank 1") && said.contains("micro-batch"),
+        "{said}"
+    );
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    let out = d.path().join("run");
+    let pid_file = d.path().join("rank1.pid");
+    let args = train_args(d.path(), &out, 400, 1);
+    // Rank 1 through a shell that records its pid.
+    let script = format!(
+        "echo $$ > {}; exec {} {}",
+        pid_file.display(),
+        bin(),
+        args.iter()
+            .map(|a| format!("'{a}'"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let mut job = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "1", bin()])
+        .args(&args)
+        .args([":", "-np", "1", "sh", "-c", &script])
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kill rank 1 once a checkpoint exists and training is past it.
+    let t0 = Instant::now();
+    loop {
+        let steps = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0);
+        if steps >= 5 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill only sends a signal to the rank's process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let t1 = Instant::now();
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(60),
+            "the job outlived its killed rank by 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success());
+    // The checkpoints on disk are whole, and `--resume auto` finishes the job.
+    let c = newest(&out);
+    megatrain::train::checkpoint::verify(&c).unwrap();
+    let resumed: Vec<String> = train_args(d.path(), &out, 40, 1)
+        .into_iter()
+        .chain(["--resume".into(), "auto".into()])
+        .collect();
+    run_ranks(2, &resumed);
+    assert_eq!(metrics(&out).last().unwrap().0, 40);
+}
