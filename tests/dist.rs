@@ -294,14 +294,21 @@ fn ranks_that_disagree_are_refused_naming_the_rank() {
     );
 }
 
-#[test]
-fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
-    let d = tempfile::tempdir().unwrap();
-    inputs(d.path());
-    let out = d.path().join("run");
-    let pid_file = d.path().join("rank1.pid");
-    let args = train_args(d.path(), &out, 400, 1);
-    // Rank 1 through a shell that records its pid.
+/// A 2-rank job of `steps` steps writing into `out`, rank 1 started through a shell that records
+/// its pid; once 5 steps are logged, rank 1 gets `signal`. Returns the job's exit status, its
+/// stderr, and the seconds from the signal to the job's end.
+fn signal_rank_one(
+    d: &Path,
+    out: &Path,
+    extra: &[&str],
+    signal: i32,
+) -> (std::process::ExitStatus, String, f64) {
+    let pid_file = d.join("rank1.pid");
+    let _ = std::fs::remove_file(&pid_file);
+    let args: Vec<String> = train_args(d, out, 400, 1)
+        .into_iter()
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect();
     let script = format!(
         "echo $$ > {}; exec {} {}",
         pid_file.display(),
@@ -320,7 +327,6 @@ fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Kill rank 1 once a checkpoint exists and training is past it.
     let t0 = Instant::now();
     loop {
         let steps = std::fs::read_to_string(out.join("metrics.jsonl"))
@@ -338,18 +344,34 @@ fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
         .parse()
         .unwrap();
     // SAFETY: kill only sends a signal to the rank's process.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
     let t1 = Instant::now();
     let status = loop {
         if let Some(s) = job.try_wait().unwrap() {
             break s;
         }
-        assert!(
-            t1.elapsed() < Duration::from_secs(60),
-            "the job outlived its killed rank by 60 s"
-        );
+        if t1.elapsed() > Duration::from_secs(60) {
+            let _ = job.kill();
+            // SAFETY: as above (a stopped rank left behind is killed).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the job outlived its signalled rank by 60 s");
+        }
         std::thread::sleep(Duration::from_millis(100));
     };
+    let secs = t1.elapsed().as_secs_f64();
+    // SAFETY: as above: a stopped rank must not outlive the test.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut err).unwrap();
+    (status, err, secs)
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    let out = d.path().join("run");
+    let (status, _, _) = signal_rank_one(d.path(), &out, &[], libc::SIGKILL);
     assert!(!status.success());
     // The checkpoints on disk are whole, and `--resume auto` finishes the job.
     let c = newest(&out);
@@ -360,4 +382,28 @@ fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
         .collect();
     run_ranks(2, &resumed);
     assert_eq!(metrics(&out).last().unwrap().0, 40);
+}
+
+#[test]
+fn a_hung_rank_ends_the_job_within_the_collective_timeout() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    let out = d.path().join("run");
+    // Rank 1 stopped (SIGSTOP: alive, silent): rank 0 waits in its next collective.
+    let (status, err, secs) = signal_rank_one(
+        d.path(),
+        &out,
+        &["--collective-timeout", "3"],
+        libc::SIGSTOP,
+    );
+    assert!(!status.success());
+    assert!(
+        err.contains("rank 0 of 2") && err.contains("--collective-timeout 3"),
+        "{err}"
+    );
+    assert!(
+        (2.0..30.0).contains(&secs),
+        "the job ended {secs:.1} s after the hang"
+    );
+    megatrain::train::checkpoint::verify(&newest(&out)).unwrap();
 }

@@ -180,6 +180,29 @@ fn watch_signals(
     Ok(which)
 }
 
+/// A data-parallel rank's watchdog: when this rank has waited `timeout_s` seconds in one
+/// collective (another rank hangs, or died without its launcher noticing), say so and end this
+/// process at once; its launcher then ends the others. `_exit`: the main thread is inside MPI,
+/// which must not be entered again nor finalised from here. The checkpoints on disk are whole
+/// (each is written beside, then renamed).
+fn watch_collectives(world: &dyn megatrain::dist::Collective, timeout_s: u64) {
+    let watch = world.watch();
+    let (rank, size, host) = (world.rank(), world.size(), world.host().to_owned());
+    std::thread::spawn(move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        if let Some((what, waited)) = watch.stalled() {
+            if waited.as_secs() >= timeout_s {
+                say!(
+                    "error: rank {rank} of {size} (on {host}): waited {} s in {what} for the other ranks (--collective-timeout {timeout_s}): a rank hangs or died; ending the job (the checkpoints on disk are whole: continue with --resume auto)",
+                    waited.as_secs()
+                );
+                // SAFETY: _exit ends the process without running handlers or touching MPI.
+                unsafe { libc::_exit(1) }
+            }
+        }
+    });
+}
+
 /// Point the descriptors `fds` (those that were terminals) at /dev/null.
 fn detach(fds: &[i32]) {
     use std::os::fd::AsRawFd;
@@ -247,6 +270,9 @@ fn run_rank(
 ) -> Result<u8> {
     let cfg = configuration(args, world.rank() == 0)?;
     cfg.validate()?;
+    if world.size() > 1 {
+        watch_collectives(world.as_ref(), cfg.collective_timeout);
+    }
     if world.rank() != 0 {
         let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         watch_signals(interrupt.clone(), false, false)?;

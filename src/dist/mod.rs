@@ -39,6 +39,65 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// End every rank of the job with exit status `code` (a failed rank's last act, so no other
     /// rank waits for it forever). Only the binary calls this, after printing its error.
     fn abort(&self, code: i32) -> !;
+    /// What this rank is waiting in, for a watchdog on another thread (a rank that hangs
+    /// without dying leaves the others waiting in a collective). The handle does not keep the
+    /// job open.
+    fn watch(&self) -> StallWatch {
+        StallWatch::default()
+    }
+}
+
+/// The collective a rank is waiting in and since when, readable from any thread.
+#[derive(Debug, Clone, Default)]
+pub struct StallWatch(Arc<std::sync::Mutex<Option<(&'static str, std::time::Instant)>>>);
+
+impl StallWatch {
+    /// The collective being waited in, and for how long; `None` outside collectives.
+    pub fn stalled(&self) -> Option<(&'static str, std::time::Duration)> {
+        crate::util::lock(&self.0).map(|(what, t0)| (what, t0.elapsed()))
+    }
+
+    /// Mark the start (`Some`) or the end (`None`) of a wait.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn set(&self, what: Option<&'static str>) {
+        *crate::util::lock(&self.0) = what.map(|w| (w, std::time::Instant::now()));
+    }
+}
+
+/// Where this rank stands among the ranks on its host: which of them it is (in rank order)
+/// and how many there are. Ranks sharing a host share its CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostShare {
+    /// This rank's index among its host's ranks.
+    pub index: usize,
+    /// Ranks on this host.
+    pub count: usize,
+}
+
+impl HostShare {
+    /// A process alone on its host.
+    pub const ALONE: HostShare = HostShare { index: 0, count: 1 };
+
+    /// The ranks' host names, in rank order, into each rank's share.
+    pub fn of(world: &dyn Collective) -> Result<HostShare> {
+        let all = world.all_gather_bytes(world.host().as_bytes())?;
+        let mine = world.host().as_bytes();
+        let same: Vec<usize> = (0..all.len()).filter(|&r| all[r] == mine).collect();
+        Ok(HostShare {
+            index: same.iter().position(|&r| r == world.rank()).unwrap_or(0),
+            count: same.len().max(1),
+        })
+    }
+
+    /// This rank's part of `cpus` (a host's, or a node's): contiguous, in order, at least one.
+    pub fn cpus(&self, cpus: &[usize]) -> Vec<usize> {
+        if cpus.len() < self.count {
+            return cpus
+                .get(self.index % cpus.len().max(1))
+                .map_or_else(Vec::new, |c| vec![*c]);
+        }
+        cpus[order::slice_of(cpus.len(), self.count, self.index)].to_vec()
+    }
 }
 
 /// A process on its own: rank 0 of 1; every collective is the identity.
@@ -170,6 +229,21 @@ pub fn hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_on_a_host_split_its_cpus() {
+        let cpus: Vec<usize> = (0..10).collect();
+        let parts: Vec<Vec<usize>> = (0..3)
+            .map(|index| HostShare { index, count: 3 }.cpus(&cpus))
+            .collect();
+        assert_eq!(parts, [vec![0, 1, 2, 3], vec![4, 5, 6], vec![7, 8, 9]]);
+        // More ranks than CPUs: one each, shared round-robin.
+        assert_eq!(HostShare { index: 3, count: 4 }.cpus(&[5, 6]), [6]);
+        assert_eq!(
+            HostShare::of(&Solo::default()).unwrap(),
+            HostShare { index: 0, count: 1 }
+        );
+    }
 
     #[test]
     fn solo_is_the_identity() {

@@ -9,7 +9,7 @@
 //! chunks of [`CHUNK`] elements, so the receive buffer is one chunk whatever the unit's size.
 
 use super::order::{slice_of, sum_in_rank_order};
-use super::Collective;
+use super::{Collective, StallWatch};
 use crate::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
@@ -29,6 +29,8 @@ pub(super) struct MpiWorld {
     host: String,
     /// Every MPI call holds it: MPI is initialised `MPI_THREAD_SERIALIZED`.
     lock: Mutex<()>,
+    /// The collective being waited in and since when ([`Collective::watch`]).
+    busy: StallWatch,
     /// Finalises MPI when dropped, after the communicator's last use.
     _universe: Universe,
 }
@@ -78,8 +80,19 @@ impl MpiWorld {
             size,
             host,
             lock: Mutex::new(()),
+            busy: StallWatch::default(),
             _universe: universe,
         })
+    }
+
+    /// Hold the MPI lock for collective `what`, marked busy (for the watchdog) until dropped.
+    fn enter(&self, what: &'static str) -> Busy<'_> {
+        let serial = crate::util::lock(&self.lock);
+        self.busy.set(Some(what));
+        Busy {
+            world: self,
+            _serial: serial,
+        }
     }
 
     /// One chunk of `sum_f32`.
@@ -115,6 +128,18 @@ impl MpiWorld {
     }
 }
 
+/// A collective in progress: the MPI lock held, the watchdog told.
+struct Busy<'a> {
+    world: &'a MpiWorld,
+    _serial: std::sync::MutexGuard<'a, ()>,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.world.busy.set(None);
+    }
+}
+
 impl Collective for MpiWorld {
     fn rank(&self) -> usize {
         self.rank
@@ -127,7 +152,7 @@ impl Collective for MpiWorld {
     }
 
     fn sum_f32(&self, buf: &mut [f32]) -> Result<()> {
-        let _serial = crate::util::lock(&self.lock);
+        let _busy = self.enter("the gradients' sum");
         let mut recv = Vec::new();
         for chunk in buf.chunks_mut(CHUNK) {
             self.sum_chunk(chunk, &mut recv)?;
@@ -136,7 +161,7 @@ impl Collective for MpiWorld {
     }
 
     fn sum_f64(&self, buf: &mut [f64]) -> Result<()> {
-        let _serial = crate::util::lock(&self.lock);
+        let _busy = self.enter("a step's totals");
         let n = buf.len();
         let mut all = vec![0.0f64; n * self.size];
         self.world.all_gather_into(&*buf, &mut all[..]);
@@ -150,7 +175,7 @@ impl Collective for MpiWorld {
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let _serial = crate::util::lock(&self.lock);
+        let _busy = self.enter("an exchange of settings");
         let mut lens = vec![0u64; self.size];
         self.world
             .all_gather_into(&(bytes.len() as u64), &mut lens[..]);
@@ -180,5 +205,9 @@ impl Collective for MpiWorld {
 
     fn abort(&self, code: i32) -> ! {
         self.world.abort(code)
+    }
+
+    fn watch(&self) -> StallWatch {
+        self.busy.clone()
     }
 }

@@ -330,6 +330,9 @@ settings! {
     /// The tokenizer of samples and `megatrain generate` (`bytes`: one token per byte, the
     /// demo's); unset: the `init_from` directory's.
     some tokenizer: Option<PathBuf> = None => Option<PathBuf> [value_name = "DIR"];
+    /// Data parallel: seconds a rank waits in one collective before it ends the job (a rank that
+    /// hangs without dying; rank 0's validation, checkpoints and export make the others wait).
+    value collective_timeout: u64 = 1800 => Option<u64> [value_name = "SECONDS"];
 }
 
 impl TrainConfig {
@@ -508,6 +511,7 @@ impl TrainConfig {
             limits::MAX_VAL_BATCHES as u64,
         )?;
         count("keep_checkpoints", self.keep_checkpoints as u64, 1 << 20)?;
+        count("collective_timeout", self.collective_timeout, 7 * 24 * 3600)?;
         count(
             "spill_staging",
             self.spill_staging as u64,

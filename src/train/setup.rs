@@ -16,7 +16,7 @@ use super::tensorboard::TensorBoardLog;
 use super::Progress;
 use crate::device::cpu::{CpuDevice, CpuDeviceConfig};
 use crate::device::Precision;
-use crate::dist::Collective;
+use crate::dist::{Collective, HostShare};
 use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
@@ -76,6 +76,8 @@ pub(super) fn setup(
     progress: &mut dyn Progress,
 ) -> Result<Session> {
     cfg.validate()?;
+    let share = HostShare::of(world.as_ref())?;
+    share_cpus(share)?;
     let cfg = &rank_outputs(cfg, world.rank());
     outputs::check_paths(cfg)?;
     let inputs = inputs(cfg, world.as_ref(), progress)?;
@@ -297,6 +299,26 @@ fn inputs(
         val_file,
         run_id,
     })
+}
+
+/// Ranks sharing a host share its CPUs, as `torchrun` users set `OMP_NUM_THREADS` to the cores
+/// per process: this rank is bound to its own contiguous part of the CPUs it may use — the
+/// threads started from here on inherit it (the CPU device's kernels, sized to it unless
+/// `RAYON_NUM_THREADS` says otherwise), and the AdamW workers take their node's CPUs within it
+/// ([`build_streamer`]).
+fn share_cpus(share: HostShare) -> Result<()> {
+    if share.count == 1 {
+        return Ok(());
+    }
+    let cpus = share.cpus(&crate::host::affinity::current_affinity()?);
+    crate::host::affinity::pin_current_thread(&cpus)?;
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // Fails only if the pool already started, which setup does not do before this.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(cpus.len())
+            .build_global();
+    }
+    Ok(())
 }
 
 /// Rank 0's run id and the checkpoint it resumes, told to every rank. Rank 0 keeps the id; the
@@ -529,7 +551,19 @@ pub(super) fn build_streamer(
     tm: Arc<Templates>,
     (activations, device_inputs): (Activations, usize),
 ) -> Result<Streamer> {
-    let pool = AdamPool::for_placement(store.placement(), None)?;
+    // The AdamW workers run on the CPUs this process was bound to (`taskset`, a launcher's
+    // binding, a rank's share of its host: `share_cpus`) where a node has some of them.
+    let bound = crate::host::affinity::current_affinity().unwrap_or_default();
+    let nodes: Vec<(u32, Vec<usize>)> = store
+        .placement()
+        .adam_nodes()
+        .into_iter()
+        .map(|(node, cpus)| {
+            let mine: Vec<usize> = cpus.iter().copied().filter(|c| bound.contains(c)).collect();
+            (node, if mine.is_empty() { cpus } else { mine })
+        })
+        .collect();
+    let pool = AdamPool::new(&nodes, None)?;
     Streamer::new(
         device,
         store,
