@@ -436,3 +436,31 @@ fn lean_mode_ranks_equal_one_process_with_their_rows() {
     // necessarily the same bits.
     assert_equal_runs(&ranks, &one, "2 lean ranks vs one process with their rows");
 }
+
+#[test]
+fn bench_collective_checks_and_times_both_sums() {
+    let out = mpirun(3)
+        .arg(bin())
+        .args([
+            "bench",
+            "collective",
+            "--sizes",
+            "4K,1M",
+            "--reps",
+            "2",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let out = check(out, "mpirun -np 3 bench collective");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["ranks"], 3);
+    assert_eq!(r["hosts"], 1);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        for k in ["ours_busbw_gbs", "library_busbw_gbs"] {
+            assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
+        }
+    }
+}

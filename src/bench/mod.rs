@@ -3,6 +3,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod collective;
 pub mod engine;
 pub mod io;
 pub mod kernel_report;

@@ -18,6 +18,7 @@ pub fn run(c: &BenchCommand) -> Result<()> {
         BenchCommand::Link(a) => bench_link(a),
         BenchCommand::Attention(a) => bench_attention(a),
         BenchCommand::Kernels(a) => bench_kernels(a),
+        BenchCommand::Collective(a) => bench_collective(a),
     }
 }
 
@@ -43,6 +44,44 @@ pub enum BenchCommand {
     /// attention kernels (SIMT fp32, tensor cores), TFLOP/s per shape next to the datasheet peak.
     /// Under tools/cuemu.sh it runs and labels every number emulated.
     Kernels(BenchKernelsArgs),
+    /// The data-parallel gradient sum (reduce-scatter + all-gather, summed in rank order) next to
+    /// the MPI library's own all-reduce, bus GB/s per size. Run it under the launcher:
+    /// `mpirun -np 2 megatrain bench collective` (a `--features mpi` build).
+    Collective(BenchCollectiveArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCollectiveArgs {
+    /// Bytes per rank (comma-separated; K/M/G suffixes, powers of 1000).
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M", value_parser = megatrain::util::size::parse_count)]
+    sizes: Vec<usize>,
+    /// Timed repetitions per size and side (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_collective(a: &BenchCollectiveArgs) -> Result<()> {
+    let world = megatrain::dist::from_env()?;
+    let sizes: Vec<u64> = a.sizes.iter().map(|&s| s as u64).collect();
+    let r = match megatrain::bench::collective::run(world.as_ref(), &sizes, a.reps) {
+        Ok(r) => r,
+        Err(e) if world.size() > 1 => {
+            eprintln!("error: rank {} of {}: {e}", world.rank(), world.size());
+            world.abort(i32::from(e.exit_code()))
+        }
+        Err(e) => return Err(e),
+    };
+    if world.rank() == 0 {
+        let text = if a.json {
+            serde_json::to_string_pretty(&r).unwrap_or_default()
+        } else {
+            megatrain::bench::collective::render(&r)
+        };
+        println!("{}", text.trim_end());
+    }
+    Ok(())
 }
 
 #[derive(Debug, Args)]

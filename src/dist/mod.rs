@@ -39,6 +39,12 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// End every rank of the job with exit status `code` (a failed rank's last act, so no other
     /// rank waits for it forever). Only the binary calls this, after printing its error.
     fn abort(&self, code: i32) -> !;
+    /// The transport library's own all-reduce of f32 sums (its order and algorithm, so its bits
+    /// may differ by rank count and size): the peer `megatrain bench collective` times
+    /// [`Collective::sum_f32`] against. Not used in training.
+    fn library_sum_f32(&self, buf: &mut [f32]) -> Result<()>;
+    /// The transport library and its version ("none" alone).
+    fn library(&self) -> String;
     /// What this rank is waiting in, for a watchdog on another thread (a rank that hangs
     /// without dying leaves the others waiting in a collective). The handle does not keep the
     /// job open.
@@ -130,6 +136,12 @@ impl Collective for Solo {
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         Ok(vec![bytes.to_vec()])
+    }
+    fn library_sum_f32(&self, _buf: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+    fn library(&self) -> String {
+        "none (one process)".into()
     }
     fn abort(&self, code: i32) -> ! {
         std::process::exit(code)

@@ -203,6 +203,23 @@ impl Collective for MpiWorld {
         Ok(out)
     }
 
+    fn library_sum_f32(&self, buf: &mut [f32]) -> Result<()> {
+        let _busy = self.enter("the library's all-reduce");
+        let mut out = vec![0.0f32; buf.len()];
+        for (src, dst) in buf.chunks(CHUNK).zip(out.chunks_mut(CHUNK)) {
+            self.world
+                .all_reduce_into(src, dst, mpi::collective::SystemOperation::sum());
+        }
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn library(&self) -> String {
+        let v = mpi::environment::library_version().unwrap_or_default();
+        // Open MPI's first line names it and its version; MPICH's first line too.
+        v.lines().next().unwrap_or("MPI").trim().to_owned()
+    }
+
     fn abort(&self, code: i32) -> ! {
         self.world.abort(code)
     }

@@ -1,0 +1,183 @@
+//! `megatrain bench collective`: the data-parallel gradient sum ([`Collective::sum_f32`]: a
+//! reduce-scatter then an all-gather, summed by us in rank order) against the transport library's
+//! own all-reduce (`MPI_Allreduce`) on the same buffers in the same run, as bus bandwidth the
+//! way nccl-tests reports it (`busbw = bytes / time × 2(N−1)/N`: what each rank's link carries).
+//! Run under the job's launcher (`mpirun -np N megatrain bench collective`); every rank times,
+//! the slowest rank's median is the figure. The sums are checked, not only timed.
+
+use crate::dist::Collective;
+use crate::{Error, Result};
+use serde::Serialize;
+use std::time::Instant;
+
+/// One buffer size.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectiveRow {
+    /// Bytes per rank.
+    pub bytes: u64,
+    /// The rank-order sum: seconds (median, slowest rank) and bus GB/s.
+    pub ours_s: f64,
+    /// Bus GB/s of the rank-order sum.
+    pub ours_busbw_gbs: f64,
+    /// The library's all-reduce: seconds (median, slowest rank).
+    pub library_s: f64,
+    /// Bus GB/s of the library's all-reduce.
+    pub library_busbw_gbs: f64,
+}
+
+/// What `bench collective` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectiveReport {
+    /// Ranks in the job.
+    pub ranks: usize,
+    /// Hosts they ran on.
+    pub hosts: usize,
+    /// The transport library.
+    pub library: String,
+    /// Per buffer size.
+    pub rows: Vec<CollectiveRow>,
+}
+
+/// Bus bandwidth in GB/s of an all-reduce of `bytes` per rank over `ranks` in `secs`.
+pub fn bus_gbs(bytes: u64, ranks: usize, secs: f64) -> f64 {
+    let n = ranks.max(1) as f64;
+    bytes as f64 / secs.max(1e-12) / 1e9 * 2.0 * (n - 1.0) / n
+}
+
+/// The slowest rank's value.
+fn slowest(world: &dyn Collective, mine: f64) -> Result<f64> {
+    let all = world.all_gather_bytes(&mine.to_le_bytes())?;
+    Ok(all
+        .iter()
+        .filter_map(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+        .map(f64::from_le_bytes)
+        .fold(0.0, f64::max))
+}
+
+/// Rank r's values: small integers, so every order of summing them gives the same exact sum.
+fn fill(buf: &mut [f32], rank: usize) {
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = ((i % 61) * (rank + 1)) as f32;
+    }
+}
+
+fn check_sum(buf: &[f32], ranks: usize, what: &str) -> Result<()> {
+    let scale = (ranks * (ranks + 1) / 2) as f32;
+    match buf
+        .iter()
+        .enumerate()
+        .find(|(i, x)| **x != (i % 61) as f32 * scale)
+    {
+        None => Ok(()),
+        Some((i, x)) => Err(Error::internal(
+            "bench collective",
+            format!(
+                "{what}: element {i} is {x}, not {}",
+                (i % 61) as f32 * scale
+            ),
+        )),
+    }
+}
+
+/// Time both sums over buffers of `sizes` bytes per rank, `reps` times each.
+pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<CollectiveReport> {
+    super::check_count("--reps", reps, 1, super::MAX_REPS)?;
+    let hosts = {
+        let all = world.all_gather_bytes(world.host().as_bytes())?;
+        let mut h = all;
+        h.sort();
+        h.dedup();
+        h.len()
+    };
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        let n = usize::try_from(bytes / 4).unwrap_or(usize::MAX);
+        super::check_memory(
+            &format!("a collective of {}", crate::util::human_bytes(bytes)),
+            (bytes).checked_mul(3),
+            "pass smaller --sizes",
+        )?;
+        let mut buf = vec![0.0f32; n];
+        let mut time = |library: bool| -> Result<f64> {
+            let mut t = Vec::with_capacity(reps);
+            for rep in 0..=reps {
+                fill(&mut buf, world.rank());
+                let t0 = Instant::now();
+                if library {
+                    world.library_sum_f32(&mut buf)?;
+                } else {
+                    world.sum_f32(&mut buf)?;
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                let what = match library {
+                    true => "the library's all-reduce",
+                    false => "the rank-order sum",
+                };
+                check_sum(&buf, world.size(), what)?;
+                // The first is a warm-up (pages faulted, connections made).
+                if rep > 0 {
+                    t.push(secs);
+                }
+            }
+            slowest(world, crate::util::median(t))
+        };
+        let ours_s = time(false)?;
+        let library_s = time(true)?;
+        rows.push(CollectiveRow {
+            bytes,
+            ours_s,
+            ours_busbw_gbs: bus_gbs(bytes, world.size(), ours_s),
+            library_s,
+            library_busbw_gbs: bus_gbs(bytes, world.size(), library_s),
+        });
+    }
+    Ok(CollectiveReport {
+        ranks: world.size(),
+        hosts,
+        library: world.library(),
+        rows,
+    })
+}
+
+/// The report as a table.
+pub fn render(r: &CollectiveReport) -> String {
+    let mut s = format!(
+        "all-reduce of f32 sums, {} ranks on {} host(s), {}\n(bus bandwidth as nccl-tests reports it: bytes / time × 2(N−1)/N; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>6}\n",
+        r.ranks, r.hosts, r.library, "bytes", "rank-order sum (ours)", "library all-reduce", "ratio"
+    );
+    for row in &r.rows {
+        s.push_str(&format!(
+            "{:>10}  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s  {:>5.2}×\n",
+            crate::util::human_bytes(row.bytes),
+            row.ours_s * 1e3,
+            row.ours_busbw_gbs,
+            row.library_s * 1e3,
+            row.library_busbw_gbs,
+            row.library_s / row.ours_s.max(1e-12)
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_bandwidth_is_nccl_tests_formula() {
+        // 1 GB in 1 s over 4 ranks: each link carries 2·3/4 of it.
+        assert!((bus_gbs(1_000_000_000, 4, 1.0) - 1.5).abs() < 1e-12);
+        assert_eq!(bus_gbs(1_000_000_000, 1, 1.0), 0.0);
+    }
+
+    #[test]
+    fn one_process_runs_and_checks_its_sums() {
+        let r = run(&crate::dist::Solo::default(), &[4096, 1 << 20], 2).unwrap();
+        assert_eq!(r.rows.len(), 2);
+        assert!(render(&r).contains("1 ranks"));
+        let mut bad = vec![1.0f32; 8];
+        assert!(check_sum(&bad, 1, "x").is_err());
+        fill(&mut bad, 0);
+        check_sum(&bad, 1, "x").unwrap();
+    }
+}
