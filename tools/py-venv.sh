@@ -6,6 +6,10 @@
 # The tools/setup-*.sh scripts call it; it needs the package registry the first time.
 set -euo pipefail
 dir="$1"; own="$2"; imports="$3"; shift 3
+# Tests run in parallel may ask for the same venv at once: one makes it, the others wait for it.
+mkdir -p "$(dirname "$dir")"
+exec 9>"$dir.lock"
+flock 9
 if [ "$own" = 1 ] && [ ! -x "$dir/bin/pip" ] && [ -f "$dir/pyvenv.cfg" ]; then
     rm -rf "$dir" # our own cache venv left without pip: made again
 fi
