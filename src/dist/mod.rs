@@ -81,9 +81,6 @@ pub struct HostShare {
 }
 
 impl HostShare {
-    /// A process alone on its host.
-    pub const ALONE: HostShare = HostShare { index: 0, count: 1 };
-
     /// The ranks' host names, in rank order, into each rank's share.
     pub fn of(world: &dyn Collective) -> Result<HostShare> {
         let all = world.all_gather_bytes(world.host().as_bytes())?;
