@@ -11,7 +11,7 @@
 # with Debian's cross toolchain and arm64 hwloc/udev (tools/aarch64-env.sh). Each is tagged
 # manylinux_2_34 (glibc 2.34: Ubuntu 22.04/24.04, Debian 12, RHEL 9 and newer); the script fails if
 # auditwheel finds the wheel inconsistent with that tag. `--profile dev` (what CI uses, reusing the
-# test build) packs the unoptimised binary the same way. tools/test_wheel.sh installs and runs one.
+# test build) packs the dev-profile binary the same way. tools/test_wheel.sh installs and runs one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

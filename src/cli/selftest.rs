@@ -7,6 +7,7 @@ use megatrain::Result;
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:
   megatrain selftest --device cuda                             kernels, GEMMs, steps vs the CPU, the link
+  megatrain selftest --device cuda --only kernels,landings     the kernels alone (seconds on a GPU)
   megatrain selftest --device cuda --goldens tests/golden      the training goldens vs PyTorch")]
 pub struct SelftestArgs {
     /// The device to check.
@@ -27,6 +28,23 @@ pub struct SelftestArgs {
     /// and run the first case twice for the same bits. Also on `--device cpu`.
     #[arg(long, value_name = "DIR")]
     goldens: Option<std::path::PathBuf>,
+    /// Run only these parts of the check (comma-separated; default: all of them, in this order).
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "PART", conflicts_with_all = ["goldens", "stack_only"])]
+    only: Vec<Part>,
+}
+
+/// A part of `selftest --device cuda`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    /// Every kernel and cuBLAS GEMM against the CPU reference, and the mixture-of-experts op.
+    Kernels,
+    /// A few training steps of a dense and two mixture-of-experts models, fp32 and bf16,
+    /// against the CPU device.
+    Training,
+    /// Device→host copies landing bit for bit.
+    Landings,
+    /// The page-locked link's bandwidth each way.
+    Link,
 }
 
 /// One self-test line.
@@ -153,38 +171,49 @@ pub fn run(a: &SelftestArgs) -> Result<()> {
         return Ok(());
     }
     let print = print_checks;
+    let part = |p: Part| a.only.is_empty() || a.only.contains(&p);
     println!(
         "{:<60} {:>12} {:>10}  result",
         "check", "max rel err", "tolerance"
     );
-    let mut checks = cuda::kernels(&rt, a.seed)?;
-    checks.extend(cuda::moe_ops(a.gpu, a.seed)?);
-    print(&checks);
-    // Training steps through the streaming CUDA device against the CPU device; an error there
-    // is a failed check, printed, and the link is still measured.
-    let training = match cuda::training(a.gpu, a.seed) {
-        Ok(c) => c,
-        Err(e) => {
-            println!("training steps on the CUDA device stopped: {e}");
-            vec![Check {
-                name: "training: steps ran".into(),
-                max_rel_err: f64::INFINITY,
-                tolerance: cuda::TOL_TRAINING,
-                pass: false,
-            }]
-        }
-    };
-    print(&training);
-    checks.extend(training);
-    let landings = cuda::landings(a.gpu, a.seed)?;
-    print(&landings);
-    checks.extend(landings);
-    let (htod, dtoh) = cuda::link(&rt)?;
-    let label = if rt.emulated() {
-        "emulated by cuemu: host memory copies, not a GPU link"
-    } else {
-        "256 MiB, page-locked, median of 5"
-    };
-    println!("\nlink ({label}): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
+    let mut checks = Vec::new();
+    if part(Part::Kernels) {
+        let mut kernels = cuda::kernels(&rt, a.seed)?;
+        kernels.extend(cuda::moe_ops(a.gpu, a.seed)?);
+        print(&kernels);
+        checks.extend(kernels);
+    }
+    if part(Part::Training) {
+        // Training steps through the streaming CUDA device against the CPU device; an error
+        // there is a failed check, printed, and the rest still runs.
+        let training = match cuda::training(a.gpu, a.seed) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("training steps on the CUDA device stopped: {e}");
+                vec![Check {
+                    name: "training: steps ran".into(),
+                    max_rel_err: f64::INFINITY,
+                    tolerance: cuda::TOL_TRAINING,
+                    pass: false,
+                }]
+            }
+        };
+        print(&training);
+        checks.extend(training);
+    }
+    if part(Part::Landings) {
+        let landings = cuda::landings(a.gpu, a.seed)?;
+        print(&landings);
+        checks.extend(landings);
+    }
+    if part(Part::Link) {
+        let (htod, dtoh) = cuda::link(&rt)?;
+        let label = if rt.emulated() {
+            "emulated by cuemu: host memory copies, not a GPU link"
+        } else {
+            "256 MiB, page-locked, median of 5"
+        };
+        println!("\nlink ({label}): host→device {htod:.1} GB/s, device→host {dtoh:.1} GB/s");
+    }
     verdict(&checks)
 }

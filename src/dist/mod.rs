@@ -265,4 +265,22 @@ mod tests {
         assert!(!any(&s, false).unwrap());
         check_same(&s, "mode", "exact").unwrap();
     }
+
+    /// A build without MPI refuses a job of several ranks, naming the launcher and the build
+    /// flag (run by the default-feature builds: the aarch64 tests).
+    #[cfg(not(feature = "mpi"))]
+    #[test]
+    fn a_build_without_mpi_refuses_several_ranks() {
+        let l = Launch {
+            launcher: "torchrun",
+            rank: 1,
+            size: 2,
+            local_rank: 1,
+        };
+        let e = join(&l).err().unwrap().to_string();
+        assert!(
+            e.contains("torchrun") && e.contains("rank 1 of 2") && e.contains("--features mpi"),
+            "{e}"
+        );
+    }
 }
