@@ -16,6 +16,7 @@ mod input_text;
 pub mod outputs;
 pub mod plot;
 pub mod prepare;
+mod ranks;
 pub mod run_dir;
 mod setup;
 mod step_log;
