@@ -1,14 +1,16 @@
 //! The MPI world (feature `mpi`, the `mpi` crate over the distribution's Open MPI or MPICH): MPI
-//! moves the bytes, the sums are ours ([`super::sum_in_rank_order`]).
+//! moves the bytes, the sums are ours ([`super::sum_in_rank_order`], in place).
 //!
 //! `sum_f32` is a reduce-scatter then an all-gather, both as data movement: the buffer is cut
 //! into one slice per rank ([`super::order::slice_of`]); `MPI_Alltoallv` hands rank r every
 //! rank's copy of slice r; rank r adds them in rank order; `MPI_Allgatherv` hands every rank
 //! every summed slice. Each rank sends and receives (N−1)/N of the buffer twice, as a ring
 //! all-reduce does, and the result is the same bits whatever algorithm MPI picks. Buffers go in
-//! chunks of [`CHUNK`] elements, so the receive buffer is one chunk whatever the unit's size.
+//! chunks of [`CHUNK`] elements into one receive buffer kept for the job's life (one chunk, 16
+//! MiB, whatever the unit's size): a fresh buffer per call cost more in page faults and zeroing
+//! than the exchange.
 
-use super::order::{slice_of, sum_in_rank_order};
+use super::order::{slice_of, sum_in_rank_order_in_place};
 use super::{Collective, StallWatch};
 use crate::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
@@ -27,8 +29,9 @@ pub(super) struct MpiWorld {
     rank: usize,
     size: usize,
     host: String,
-    /// Every MPI call holds it: MPI is initialised `MPI_THREAD_SERIALIZED`.
-    lock: Mutex<()>,
+    /// Every MPI call holds it (MPI is initialised `MPI_THREAD_SERIALIZED`), and with it the
+    /// receive buffer of `sum_f32`.
+    lock: Mutex<Vec<f32>>,
     /// The collective being waited in and since when ([`Collective::watch`]).
     busy: StallWatch,
     /// Finalises MPI when dropped, after the communicator's last use.
@@ -79,7 +82,7 @@ impl MpiWorld {
             rank,
             size,
             host,
-            lock: Mutex::new(()),
+            lock: Mutex::new(Vec::new()),
             busy: StallWatch::default(),
             _universe: universe,
         })
@@ -91,7 +94,7 @@ impl MpiWorld {
         self.busy.set(Some(what));
         Busy {
             world: self,
-            _serial: serial,
+            serial,
         }
     }
 
@@ -106,24 +109,24 @@ impl MpiWorld {
             displs.push(count(s.start)?);
         }
         let mine = slice_of(m, n, self.rank).len();
-        recv.clear();
-        recv.resize(mine * n, 0.0);
+        // Grown once (its zeroing and page faults paid once); every element is written below.
+        if recv.len() < mine * n {
+            recv.resize(mine * n, 0.0);
+        }
+        let recv = &mut recv[..mine * n];
         let recv_counts = vec![count(mine)?; n];
         let recv_displs = (0..n)
             .map(|k| count(k * mine))
             .collect::<Result<Vec<_>>>()?;
         {
             let send = Partition::new(&*chunk, &counts[..], &displs[..]);
-            let mut into = PartitionMut::new(&mut recv[..], &recv_counts[..], &recv_displs[..]);
+            let mut into = PartitionMut::new(&mut *recv, &recv_counts[..], &recv_displs[..]);
             self.world.all_to_all_varcount_into(&send, &mut into);
         }
-        let parts: Vec<&[f32]> = recv.chunks(mine.max(1)).take(n).collect();
-        let mut summed = vec![0.0f32; mine];
-        if mine > 0 {
-            sum_in_rank_order(&parts, &mut summed);
-        }
+        sum_in_rank_order_in_place(recv, mine);
         let mut into = PartitionMut::new(chunk, &counts[..], &displs[..]);
-        self.world.all_gather_varcount_into(&summed[..], &mut into);
+        self.world
+            .all_gather_varcount_into(&recv[..mine], &mut into);
         Ok(())
     }
 }
@@ -131,7 +134,8 @@ impl MpiWorld {
 /// A collective in progress: the MPI lock held, the watchdog told.
 struct Busy<'a> {
     world: &'a MpiWorld,
-    _serial: std::sync::MutexGuard<'a, ()>,
+    /// The lock, and `sum_f32`'s receive buffer.
+    serial: std::sync::MutexGuard<'a, Vec<f32>>,
 }
 
 impl Drop for Busy<'_> {
@@ -152,10 +156,9 @@ impl Collective for MpiWorld {
     }
 
     fn sum_f32(&self, buf: &mut [f32]) -> Result<()> {
-        let _busy = self.enter("the gradients' sum");
-        let mut recv = Vec::new();
+        let mut busy = self.enter("the gradients' sum");
         for chunk in buf.chunks_mut(CHUNK) {
-            self.sum_chunk(chunk, &mut recv)?;
+            self.sum_chunk(chunk, &mut busy.serial)?;
         }
         Ok(())
     }

@@ -19,6 +19,20 @@ pub fn sum_in_rank_order(parts: &[&[f32]], out: &mut [f32]) {
     }
 }
 
+/// [`sum_in_rank_order`] of the `parts.len() / len` parts of `len` elements laid end to end in
+/// `parts`, into the first: the same bits, with no buffer of its own.
+pub fn sum_in_rank_order_in_place(parts: &mut [f32], len: usize) {
+    if len == 0 {
+        return;
+    }
+    let (out, rest) = parts.split_at_mut(len);
+    for p in rest.chunks_exact(len) {
+        for (o, x) in out.iter_mut().zip(p) {
+            *o += *x;
+        }
+    }
+}
+
 /// Rank r's slice of an `n`-element buffer cut among `ranks`: contiguous, in rank order, the
 /// first `n % ranks` one element longer.
 pub fn slice_of(n: usize, ranks: usize, r: usize) -> Range<usize> {
@@ -82,5 +96,12 @@ mod tests {
             }
         }
         assert_ne!(reversed, out);
+        // The in-place sum (the MPI world's, over its receive buffer) is the same bits.
+        let mut laid: Vec<f32> = parts.concat();
+        sum_in_rank_order_in_place(&mut laid, 257);
+        assert_eq!(
+            laid[..257].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 }
