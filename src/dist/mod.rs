@@ -13,7 +13,7 @@ mod mpi;
 mod order;
 
 pub use launch::Launch;
-pub use order::sum_in_rank_order;
+pub use order::{sum_in_rank_order, sum_in_rank_order_in_place};
 
 use crate::{Error, Result};
 use std::sync::Arc;
