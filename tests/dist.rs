@@ -302,6 +302,7 @@ fn signal_rank_one(
     out: &Path,
     extra: &[&str],
     signal: i32,
+    ranks: usize,
 ) -> (std::process::ExitStatus, String, f64) {
     let pid_file = d.join("rank1.pid");
     let _ = std::fs::remove_file(&pid_file);
@@ -318,10 +319,15 @@ fn signal_rank_one(
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let mut job = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "1", bin()])
+    let mut job = Command::new("mpirun");
+    job.args(["--allow-run-as-root", "--oversubscribe", "-np", "1", bin()])
         .args(&args)
-        .args([":", "-np", "1", "sh", "-c", &script])
+        .args([":", "-np", "1", "sh", "-c", &script]);
+    if ranks > 2 {
+        let more = (ranks - 2).to_string();
+        job.args([":", "-np", more.as_str(), bin()]).args(&args);
+    }
+    let mut job = job
         .env("RAYON_NUM_THREADS", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -371,7 +377,7 @@ fn a_killed_rank_ends_the_job_and_resume_auto_carries_on() {
     let d = tempfile::tempdir().unwrap();
     inputs(d.path());
     let out = d.path().join("run");
-    let (status, _, _) = signal_rank_one(d.path(), &out, &[], libc::SIGKILL);
+    let (status, _, _) = signal_rank_one(d.path(), &out, &[], libc::SIGKILL, 2);
     assert!(!status.success());
     // The checkpoints on disk are whole, and `--resume auto` finishes the job.
     let c = newest(&out);
@@ -389,17 +395,23 @@ fn a_hung_rank_ends_the_job_within_the_collective_timeout() {
     let d = tempfile::tempdir().unwrap();
     inputs(d.path());
     let out = d.path().join("run");
-    // Rank 1 stopped (SIGSTOP: alive, silent): rank 0 waits in its next collective.
+    // Rank 1 of 3 stopped (SIGSTOP: alive, silent): ranks 0 and 2 wait in their next
+    // collective, time out, and ask who still answers: they name rank 1.
     let (status, err, secs) = signal_rank_one(
         d.path(),
         &out,
         &["--collective-timeout", "3"],
         libc::SIGSTOP,
+        3,
     );
     assert!(!status.success());
     assert!(
-        err.contains("rank 0 of 2") && err.contains("--collective-timeout 3"),
+        err.contains(" of 3 (on ") && err.contains("--collective-timeout 3"),
         "{err}"
+    );
+    assert!(
+        err.contains("rank 1 (on ") && err.contains("did not answer"),
+        "the hung rank is not named: {err}"
     );
     assert!(
         (2.0..30.0).contains(&secs),

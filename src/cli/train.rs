@@ -182,26 +182,79 @@ fn watch_signals(
 
 /// A data-parallel rank's watchdog: when this rank has waited `timeout_s` seconds in one
 /// collective (another rank hangs, or died without its launcher noticing), say so and end this
-/// process at once; its launcher then ends the others. `_exit`: the main thread is inside MPI,
-/// which must not be entered again nor finalised from here. The checkpoints on disk are whole
-/// (each is written beside, then renamed).
-fn watch_collectives(world: &dyn megatrain::dist::Collective, timeout_s: u64) {
+/// process at once; its launcher then ends the others. First it asks the other ranks which of
+/// them still answer (a roll call on its own communicator, under `MPI_THREAD_MULTIPLE`), to name
+/// the ranks that hang; meanwhile it answers theirs. `_exit`: the main thread is inside MPI,
+/// which must not be finalised from here. The checkpoints on disk are whole (each is written
+/// beside, then renamed).
+///
+/// It holds the world until the returned guard drops, which stops and joins it: MPI is then
+/// finalised by the main thread, as it must be.
+fn watch_collectives(
+    world: std::sync::Arc<dyn megatrain::dist::Collective>,
+    timeout_s: u64,
+) -> Watchdog {
     let watch = world.watch();
     let (rank, size, host) = (world.rank(), world.size(), world.host().to_owned());
-    std::thread::spawn(move || loop {
-        std::thread::sleep(std::time::Duration::from_millis(250));
-        if let Some((what, waited)) = watch.stalled() {
-            if waited.as_secs() >= timeout_s {
-                say!(
-                    "error: rank {rank} of {size} (on {host}): waited {} s in {what} for the other ranks (--collective-timeout {timeout_s}): a rank hangs or died; ending the job (the checkpoints on disk are whole: continue with --resume auto)",
-                    waited.as_secs()
-                );
-                // SAFETY: _exit ends the process without running handlers or touching MPI.
-                unsafe { libc::_exit(1) }
-            }
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || loop {
+        match stopped.recv_timeout(std::time::Duration::from_millis(250)) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        let Some((what, waited)) = watch.stalled() else {
+            continue;
+        };
+        // A rank waiting a while tells the ranks that time out which ranks still take part.
+        if waited.as_secs() >= 1 {
+            world.answer_roll_calls();
+        }
+        if waited.as_secs() >= timeout_s {
+            let cause = match world.roll_call(std::time::Duration::from_secs(ROLL_CALL_S)) {
+                Some(gone) if !gone.is_empty() => {
+                    let named: Vec<String> = gone
+                        .iter()
+                        .map(|(r, h)| format!("rank {r} (on {h})"))
+                        .collect();
+                    format!(
+                        "{} did not answer within {ROLL_CALL_S} s while the others wait: hung, stopped or dead",
+                        named.join(", ")
+                    )
+                }
+                Some(_) => "every rank answered, waiting too: the ranks disagree on the collectives' order (a bug: please report it)".to_owned(),
+                None => "a rank hangs or died (this MPI cannot ask which: no MPI_THREAD_MULTIPLE)".to_owned(),
+            };
+            say!(
+                "error: rank {rank} of {size} (on {host}): waited {} s in {what} for the other ranks (--collective-timeout {timeout_s}): {cause}; ending the job (the checkpoints on disk are whole: continue with --resume auto)",
+                waited.as_secs()
+            );
+            // SAFETY: _exit ends the process without running handlers or touching MPI.
+            unsafe { libc::_exit(1) }
         }
     });
+    Watchdog {
+        stop: Some(stop),
+        thread: Some(thread),
+    }
 }
+
+/// A running [`watch_collectives`]: stopped and joined when dropped.
+struct Watchdog {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// How long a rank that timed out waits for the others to answer its roll call.
+const ROLL_CALL_S: u64 = 2;
 
 /// Point the descriptors `fds` (those that were terminals) at /dev/null.
 fn detach(fds: &[i32]) {
@@ -270,9 +323,8 @@ fn run_rank(
 ) -> Result<u8> {
     let cfg = configuration(args, world.rank() == 0)?;
     cfg.validate()?;
-    if world.size() > 1 {
-        watch_collectives(world.as_ref(), cfg.collective_timeout);
-    }
+    let _watchdog =
+        (world.size() > 1).then(|| watch_collectives(world.clone(), cfg.collective_timeout));
     if world.rank() != 0 {
         let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         watch_signals(interrupt.clone(), false, false)?;

@@ -51,6 +51,16 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn watch(&self) -> StallWatch {
         StallWatch::default()
     }
+    /// Answer the other ranks' [`Collective::roll_call`]s: "I wait in a collective too". A
+    /// watchdog calls it while this rank waits in one. Nothing where there is no roll call.
+    fn answer_roll_calls(&self) {}
+    /// Ask every other rank whether it waits in a collective too, answering theirs meanwhile,
+    /// for up to `within`: the ranks that did not answer — hung, stopped or dead — with their
+    /// hosts. `None` where the library cannot be called while a collective is in progress (an
+    /// MPI without `MPI_THREAD_MULTIPLE`), or for one process. From a watchdog's thread only.
+    fn roll_call(&self, _within: std::time::Duration) -> Option<Vec<(usize, String)>> {
+        None
+    }
 }
 
 /// The collective a rank is waiting in and since when, readable from any thread.

@@ -15,6 +15,7 @@ use super::{Collective, StallWatch};
 use crate::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
+use mpi::request::StaticScope;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use mpi::{Count, Threading};
@@ -34,16 +35,22 @@ pub(super) struct MpiWorld {
     lock: Mutex<Vec<f32>>,
     /// The collective being waited in and since when ([`Collective::watch`]).
     busy: StallWatch,
+    /// A duplicate of the world for the watchdogs' roll calls, which run while a collective
+    /// is in progress on the main thread: present when MPI provides `MPI_THREAD_MULTIPLE`.
+    roll: Option<SimpleCommunicator>,
+    /// Every rank's host, in rank order.
+    hosts: Vec<String>,
     /// Finalises MPI when dropped, after the communicator's last use.
     _universe: Universe,
 }
 
-// SAFETY: MPI was initialised with MPI_THREAD_SERIALIZED (checked in `init`), which allows calls
-// from any thread as long as no two are concurrent; every call through `MpiWorld` holds `lock`.
-// The communicator handle is a plain value valid on every thread until MPI is finalised, which
-// happens only when this value (owning the `Universe`) is dropped.
+// SAFETY: MPI was initialised with at least MPI_THREAD_SERIALIZED (checked in `init`), which
+// allows calls from any thread as long as no two are concurrent: every call on `world` holds
+// `lock`. `roll` exists only when MPI provided MPI_THREAD_MULTIPLE, under which calls on it may
+// run beside those. The communicator handles are plain values valid on every thread until MPI
+// is finalised, which happens only when this value (owning the `Universe`) is dropped.
 unsafe impl Send for MpiWorld {}
-// SAFETY: as for `Send`: shared use is serialised by `lock`.
+// SAFETY: as for `Send`: shared use of `world` is serialised by `lock`; `roll` needs none.
 unsafe impl Sync for MpiWorld {}
 
 impl std::fmt::Debug for MpiWorld {
@@ -63,7 +70,7 @@ fn count(n: usize) -> Result<Count> {
 impl MpiWorld {
     /// Initialise MPI (once per process) and take its world.
     pub(super) fn init() -> Result<Self> {
-        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| Error::internal("mpi", "MPI was already initialised"))?;
         if provided < Threading::Serialized {
             return Err(Error::system(
@@ -77,15 +84,25 @@ impl MpiWorld {
         let rank = usize::try_from(world.rank()).unwrap_or(0);
         let size = usize::try_from(world.size()).unwrap_or(1);
         let host = mpi::environment::processor_name().unwrap_or_else(|_| super::hostname());
-        Ok(MpiWorld {
+        // Collective: every rank duplicates the world, or none does (the same library).
+        let roll = (provided >= Threading::Multiple).then(|| world.duplicate());
+        let mut w = MpiWorld {
             world,
             rank,
             size,
-            host,
+            host: host.clone(),
             lock: Mutex::new(Vec::new()),
             busy: StallWatch::default(),
+            roll,
+            hosts: Vec::new(),
             _universe: universe,
-        })
+        };
+        w.hosts = w
+            .all_gather_bytes(host.as_bytes())?
+            .iter()
+            .map(|h| String::from_utf8_lossy(h).into_owned())
+            .collect();
+        Ok(w)
     }
 
     /// Hold the MPI lock for collective `what`, marked busy (for the watchdog) until dropped.
@@ -230,4 +247,68 @@ impl Collective for MpiWorld {
     fn watch(&self) -> StallWatch {
         self.busy.clone()
     }
+
+    fn answer_roll_calls(&self) {
+        let Some(roll) = &self.roll else { return };
+        while let Some((msg, status)) = roll.any_process().immediate_matched_probe_with_tag(CALL) {
+            let _: (u8, _) = msg.matched_receive();
+            let req = roll
+                .process_at_rank(status.source_rank())
+                .immediate_send_with_tag(StaticScope, &HERE, ANSWER);
+            // A tiny message to a rank that is waiting: sent at once (eagerly), or never needed
+            // (that rank is ending its process).
+            if let Err(pending) = req.test() {
+                std::mem::forget(pending);
+            }
+        }
+    }
+
+    fn roll_call(&self, within: std::time::Duration) -> Option<Vec<(usize, String)>> {
+        let roll = self.roll.as_ref()?;
+        let mut pending = Vec::new();
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let Ok(to) = Count::try_from(r) else { continue };
+            pending.push(roll.process_at_rank(to).immediate_send_with_tag(
+                StaticScope,
+                &HERE,
+                CALL,
+            ));
+        }
+        let mut answered = vec![false; self.size];
+        answered[self.rank] = true;
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < within && answered.iter().any(|a| !a) {
+            self.answer_roll_calls();
+            while let Some((msg, status)) =
+                roll.any_process().immediate_matched_probe_with_tag(ANSWER)
+            {
+                let _: (u8, _) = msg.matched_receive();
+                if let Some(a) = usize::try_from(status.source_rank())
+                    .ok()
+                    .and_then(|r| answered.get_mut(r))
+                {
+                    *a = true;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // Calls to a rank that never took them stay queued; this process is ending.
+        for p in pending {
+            if let Err(p) = p.test() {
+                std::mem::forget(p);
+            }
+        }
+        Some(
+            (0..self.size)
+                .filter(|&r| !answered[r])
+                .map(|r| (r, self.hosts.get(r).cloned().unwrap_or_default()))
+                .collect(),
+        )
+    }
 }
+
+/// Tags of the roll call on its own communicator: a waiting rank's call, and the answer.
+const CALL: mpi::Tag = 1;
+const ANSWER: mpi::Tag = 2;
+/// The one byte a call or an answer carries.
+static HERE: u8 = 1;
