@@ -28,6 +28,8 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn size(&self) -> usize;
     /// The host this rank runs on (for messages naming a rank).
     fn host(&self) -> &str;
+    /// Every rank's host, in rank order (learnt when the job was joined).
+    fn hosts(&self) -> &[String];
     /// Replace `buf` on every rank by the element-wise sum of every rank's `buf`, added in rank
     /// order: `((x₀ + x₁) + x₂) + …` in f32, the same bits on every rank and in every run. Every
     /// rank passes the same length.
@@ -92,14 +94,13 @@ pub struct HostShare {
 
 impl HostShare {
     /// The ranks' host names, in rank order, into each rank's share.
-    pub fn of(world: &dyn Collective) -> Result<HostShare> {
-        let all = world.all_gather_bytes(world.host().as_bytes())?;
-        let mine = world.host().as_bytes();
-        let same: Vec<usize> = (0..all.len()).filter(|&r| all[r] == mine).collect();
-        Ok(HostShare {
+    pub fn of(world: &dyn Collective) -> HostShare {
+        let all = world.hosts();
+        let same: Vec<usize> = (0..all.len()).filter(|&r| all[r] == world.host()).collect();
+        HostShare {
             index: same.iter().position(|&r| r == world.rank()).unwrap_or(0),
             count: same.len().max(1),
-        })
+        }
     }
 
     /// This rank's part of `cpus` (a host's, or a node's): contiguous, in order, at least one.
@@ -134,6 +135,9 @@ impl Collective for Solo {
     }
     fn host(&self) -> &str {
         &self.host
+    }
+    fn hosts(&self) -> &[String] {
+        std::slice::from_ref(&self.host)
     }
     fn sum_f32(&self, _buf: &mut [f32]) -> Result<()> {
         Ok(())
@@ -259,7 +263,7 @@ mod tests {
         // More ranks than CPUs: one each, shared round-robin.
         assert_eq!(HostShare { index: 3, count: 4 }.cpus(&[5, 6]), [6]);
         assert_eq!(
-            HostShare::of(&Solo::default()).unwrap(),
+            HostShare::of(&Solo::default()),
             HostShare { index: 0, count: 1 }
         );
     }

@@ -30,8 +30,8 @@ pub(super) struct MpiWorld {
     rank: usize,
     size: usize,
     host: String,
-    /// Every MPI call holds it (MPI is initialised `MPI_THREAD_SERIALIZED`), and with it the
-    /// receive buffer of `sum_f32`.
+    /// Every call on `world` holds it (MPI provides at least `MPI_THREAD_SERIALIZED`), and with
+    /// it the receive buffer of `sum_f32`.
     lock: Mutex<Vec<f32>>,
     /// The collective being waited in and since when ([`Collective::watch`]).
     busy: StallWatch,
@@ -170,6 +170,9 @@ impl Collective for MpiWorld {
     }
     fn host(&self) -> &str {
         &self.host
+    }
+    fn hosts(&self) -> &[String] {
+        &self.hosts
     }
 
     fn sum_f32(&self, buf: &mut [f32]) -> Result<()> {

@@ -77,7 +77,7 @@ pub(super) fn setup(
     progress: &mut dyn Progress,
 ) -> Result<Session> {
     cfg.validate()?;
-    ranks::share_cpus(HostShare::of(world.as_ref())?)?;
+    ranks::share_cpus(HostShare::of(world.as_ref()))?;
     let cfg = &ranks::rank_outputs(cfg, world.rank());
     outputs::check_paths(cfg)?;
     let inputs = inputs(cfg, world.as_ref(), progress)?;
