@@ -476,3 +476,49 @@ fn bench_collective_checks_and_times_both_sums() {
         }
     }
 }
+
+/// CUDA ranks: `tools/gpu_dp_check.sh` (`--emulated` here: every rank under the CUDA emulator;
+/// on GPUs with `MEGATRAIN_GPU=1`): 2 ranks of one micro-batch equal one process accumulating 2
+/// bit for bit, in fp32 and in the bf16 recipe, and repeat their bits. The ranks share the one
+/// (emulated) GPU, each with its share of the memory.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_ranks_equal_gradient_accumulation() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let real = std::env::var("MEGATRAIN_GPU").is_ok_and(|v| v == "1");
+    let mut c = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/gpu_dp_check.sh"));
+    if !real {
+        c.arg("--emulated");
+    }
+    let out = c
+        .arg(out_dir.path())
+        .env("MEGATRAIN_BIN", bin())
+        .env_remove("CUEMU_SCHEDULES")
+        .output()
+        .unwrap();
+    let summary = std::fs::read_to_string(out_dir.path().join("summary.md")).unwrap_or_default();
+    let log = std::fs::read_to_string(out_dir.path().join("dp.log")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "gpu_dp_check failed:\n{summary}\n{}\n{log}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for precision in ["fp32", "bf16"] {
+        for what in ["2 ranks vs 1 process accumulating 2", "2 ranks, run twice"] {
+            assert!(
+                summary.contains(&format!("| {precision}: {what} | PASS | same bits")),
+                "{precision}: {what}:\n{summary}"
+            );
+        }
+    }
+    if !real {
+        assert!(
+            log.contains("shared by 2 ranks"),
+            "the ranks did not find they share the GPU:\n{log}"
+        );
+        assert!(
+            !log.contains("cuemu: error"),
+            "the emulator reported defects:\n{log}"
+        );
+    }
+}

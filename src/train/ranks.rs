@@ -91,12 +91,134 @@ pub(super) fn check_step_agrees(
         world,
         "the step",
         &format!(
-            "{} mode, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
+            "{} mode on the {} device, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
             mode.name(),
+            format!("{:?}", cfg.device).to_lowercase(),
             cfg.grad_accum,
             cfg.batch_size,
             cfg.seq_len,
             model.num_params(),
         ),
     )
+}
+
+/// The GPU a rank computes on, and how many ranks of the job compute on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GpuSlot {
+    /// The GPU's ordinal among those this process sees.
+    pub ordinal: usize,
+    /// Ranks of the job on this GPU (they split its memory), 1 alone.
+    pub shared_by: usize,
+}
+
+impl GpuSlot {
+    /// A process on its own: the first GPU it sees, all of it.
+    pub const ALONE: GpuSlot = GpuSlot {
+        ordinal: 0,
+        shared_by: 1,
+    };
+}
+
+/// Ranks of one host take the GPUs they see in turn: local rank `i` takes GPU `i mod visible`,
+/// as torchrun's `cuda:LOCAL_RANK` does where there are enough. A launcher that gives each
+/// rank its own GPU (`CUDA_VISIBLE_DEVICES`, Slurm's `--gpus-per-task`) leaves each one GPU 0.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn ordinal_of(share: HostShare, visible: usize) -> usize {
+    share.index % visible.max(1)
+}
+
+/// How many of the ranks' GPU keys (`host/UUID`, in rank order) are `rank`'s.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn sharing(keys: &[String], rank: usize) -> usize {
+    keys.get(rank)
+        .map_or(1, |mine| keys.iter().filter(|k| *k == mine).count())
+}
+
+/// This rank's GPU ([`ordinal_of`]) and how many ranks share it: every rank tells the others
+/// its GPU's UUID and host, so ranks that the launcher or the rule above put on one GPU — a
+/// UUID names a GPU, where `CUDA_VISIBLE_DEVICES` renumbers them — each take their share of its
+/// memory. Collective: every rank of a CUDA job calls it ([`check_step_agrees`] has checked
+/// they all run on the CUDA device); a rank that cannot list its GPUs is named to the others.
+#[cfg(feature = "cuda")]
+pub(super) fn gpu_slot(world: &dyn Collective) -> Result<GpuSlot> {
+    if world.size() == 1 {
+        return Ok(GpuSlot::ALONE);
+    }
+    let share = HostShare::of(world);
+    let mine = crate::device::cuda::CudaRuntime::visible_gpus().and_then(|gpus| {
+        if gpus.is_empty() {
+            return Err(Error::bad_input(
+                "GPU",
+                format!("rank {} on {}", world.rank(), world.host()),
+                "the driver sees no GPU",
+                Some("check nvidia-smi and CUDA_VISIBLE_DEVICES"),
+            ));
+        }
+        let ordinal = ordinal_of(share, gpus.len());
+        Ok((ordinal, format!("{}/{}", world.host(), gpus[ordinal])))
+    });
+    let said = match &mine {
+        Ok((_, key)) => format!("ok {key}"),
+        Err(e) => format!("error {e}"),
+    };
+    let all = world.all_gather_bytes(said.as_bytes())?;
+    let (ordinal, _) = mine?;
+    let mut keys = Vec::with_capacity(all.len());
+    for (r, b) in all.iter().enumerate() {
+        let s = String::from_utf8_lossy(b);
+        match s.split_once(' ') {
+            Some(("ok", key)) => keys.push(key.to_owned()),
+            _ => {
+                return Err(Error::system(
+                    "CUDA",
+                    format!("rank {r} (on {}) opening its GPU", world.hosts()[r]),
+                    s.trim_start_matches("error "),
+                ))
+            }
+        }
+    }
+    Ok(GpuSlot {
+        ordinal,
+        shared_by: sharing(&keys, world.rank()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_take_their_hosts_gpus_in_turn() {
+        let share = |index, count| HostShare { index, count };
+        // Enough GPUs: local rank i on GPU i.
+        assert_eq!(
+            (0..4)
+                .map(|i| ordinal_of(share(i, 4), 8))
+                .collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        // One visible each (the launcher's choice), or fewer than ranks: in turn.
+        assert_eq!(ordinal_of(share(3, 4), 1), 0);
+        assert_eq!(
+            (0..4)
+                .map(|i| ordinal_of(share(i, 4), 3))
+                .collect::<Vec<_>>(),
+            [0, 1, 2, 0]
+        );
+        assert_eq!(ordinal_of(share(0, 1), 0), 0);
+    }
+
+    #[test]
+    fn ranks_on_one_gpu_count_each_other() {
+        let keys: Vec<String> = ["a/GPU-1", "a/GPU-2", "a/GPU-1", "b/GPU-1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        // The same UUID on another host is another GPU.
+        assert_eq!(
+            (0..4).map(|r| sharing(&keys, r)).collect::<Vec<_>>(),
+            [2, 1, 2, 1]
+        );
+        assert_eq!(sharing(&keys, 9), 1);
+    }
 }

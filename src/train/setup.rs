@@ -145,7 +145,24 @@ pub(super) fn setup(
         .with_master(master);
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
-    let device = open_device(&cfg, &tm, &layout)?;
+    #[cfg(feature = "cuda")]
+    let gpu = match cfg.device {
+        config::DeviceKind::Cuda => ranks::gpu_slot(world.as_ref())?,
+        config::DeviceKind::Cpu => ranks::GpuSlot::ALONE,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let gpu = ranks::GpuSlot::ALONE;
+    if gpu != ranks::GpuSlot::ALONE {
+        progress.note(&format!(
+            "GPU {} of this host's visible ones{}",
+            gpu.ordinal,
+            match gpu.shared_by {
+                1 => String::new(),
+                n => format!(", shared by {n} ranks (each takes 1/{n} of its memory)"),
+            }
+        ));
+    }
+    let device = open_device(&cfg, &tm, &layout, gpu)?;
     note_chunks(device.as_ref(), progress);
     let flop_rate = FlopRate::of(&inputs.model, &cfg, &device.name());
     let store = allocate_store(
@@ -611,11 +628,13 @@ fn choose_mode(
 }
 
 /// The compute device the configuration names, for its micro-batches, in the largest token
-/// chunks that fit.
+/// chunks that fit; a GPU is `gpu` (which one, and how many ranks share it: a data-parallel
+/// rank's is `ranks::gpu_slot`'s).
 pub(super) fn open_device(
     cfg: &TrainConfig,
     tm: &Arc<Templates>,
     layout: &StateLayout,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] gpu: ranks::GpuSlot,
 ) -> Result<Arc<dyn crate::device::Device>> {
     match cfg.device {
         config::DeviceKind::Cpu => Ok(Arc::new(CpuDevice::new(
@@ -631,10 +650,11 @@ pub(super) fn open_device(
         #[cfg(feature = "cuda")]
         config::DeviceKind::Cuda => Ok(Arc::new(crate::device::cuda::CudaDevice::open(
             crate::device::cuda::CudaDeviceConfig {
-                ordinal: 0,
+                ordinal: gpu.ordinal,
                 shape: crate::device::program::Shape::whole(cfg.batch_size, cfg.seq_len),
                 reserve_bytes: super::device_fit::step_buffers(cfg, layout),
                 capacity_bytes: None,
+                shared_by: gpu.shared_by,
                 tf32: cfg.tf32,
                 precision: cfg.resolved_precision(),
             },

@@ -58,8 +58,12 @@ pub struct CudaDeviceConfig {
     pub shape: Shape,
     /// Device memory the engine allocates beside the layer workspace.
     pub reserve_bytes: u64,
-    /// Capacity in bytes; `None`: free memory at start-up less [`RESERVE_BYTES`].
+    /// Capacity in bytes; `None`: free memory at start-up less [`RESERVE_BYTES`], and no more
+    /// than this process's share of the GPU (`shared_by`).
     pub capacity_bytes: Option<u64>,
+    /// Processes using this GPU at once (data-parallel ranks that share one): each takes at
+    /// most `1/shared_by` of its memory, whichever rank starts first. 1 alone.
+    pub shared_by: usize,
     /// TF32 tensor cores for the fp32 GEMMs (cuBLAS `CUBLAS_TF32_TENSOR_OP_MATH`).
     pub tf32: bool,
     /// The precision the kernels compute in.
@@ -217,9 +221,10 @@ impl CudaDevice {
         let rt = Arc::new(CudaRuntime::open(cfg.ordinal)?);
         drv(rt.ctx.bind_to_thread(), "bind the context")?;
         let (free, total) = free_memory()?;
-        let capacity = cfg
-            .capacity_bytes
-            .unwrap_or(free.saturating_sub(RESERVE_BYTES));
+        let capacity = cfg.capacity_bytes.unwrap_or(
+            free.min(total / cfg.shared_by.max(1) as u64)
+                .saturating_sub(RESERVE_BYTES),
+        );
         // Under bf16 the gradient staging is set aside, and the workspace is fitted with the
         // GEMM operand buffers (they grow with the chunk).
         let staging = program::bf16_staging_bytes(&templates.config, cfg.precision);
@@ -228,9 +233,13 @@ impl CudaDevice {
             cfg.precision,
             capacity.saturating_sub(cfg.reserve_bytes + staging),
             &format!(
-                "{} usable of {}, {} of it for the step's buffers",
+                "{} usable of {}{}, {} of it for the step's buffers",
                 crate::util::human_bytes(capacity),
                 crate::util::human_bytes(total),
+                match cfg.shared_by {
+                    0 | 1 => String::new(),
+                    n => format!(" (this rank's share: {n} ranks use this GPU)"),
+                },
                 crate::util::human_bytes(cfg.reserve_bytes)
             ),
         )?;

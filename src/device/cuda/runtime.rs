@@ -215,6 +215,35 @@ impl CudaRuntime {
         Self::context(ordinal, driver)
     }
 
+    /// The GPUs the driver shows this process, in ordinal order, each by its UUID (as
+    /// `nvidia-smi -L` writes it, `GPU-…`): what data-parallel ranks compare to learn which of
+    /// them share a GPU — `CUDA_VISIBLE_DEVICES` renumbers GPUs, a UUID names one.
+    pub fn visible_gpus() -> Result<Vec<String>> {
+        use cudarc::driver::result;
+        let driver = stack::supported_driver()?;
+        binding::bind(&binding::DRIVER, &driver.path)?;
+        drv(result::init(), "initialise the driver")?;
+        let count = drv(CudaContext::device_count(), "count devices")?;
+        (0..count)
+            .map(|i| {
+                let dev = drv(result::device::get(i), "get the device")?;
+                let id = drv(result::device::get_uuid(dev), "read the device's UUID")?;
+                let b: Vec<u8> = id.bytes.iter().map(|&c| c as u8).collect();
+                let hex = |r: std::ops::Range<usize>| {
+                    b[r].iter().map(|x| format!("{x:02x}")).collect::<String>()
+                };
+                Ok(format!(
+                    "GPU-{}-{}-{}-{}-{}",
+                    hex(0..4),
+                    hex(4..6),
+                    hex(6..8),
+                    hex(8..10),
+                    hex(10..16)
+                ))
+            })
+            .collect()
+    }
+
     /// The context on GPU `ordinal` (an sm_80+ GPU), with the synchronisation mode set.
     fn context(ordinal: usize, driver: Driver) -> Result<Self> {
         let count = drv(CudaContext::device_count(), "count devices")?;
