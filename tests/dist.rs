@@ -221,6 +221,24 @@ fn ranks_equal_gradient_accumulation_and_repeat_bit_for_bit() {
         let m = metrics(&ranks);
         assert!(m.last().unwrap().1 < m[0].1, "the loss falls: {m:?}");
     }
+    // The exchange through MPI's messages (what a job across hosts takes) sums the same bits
+    // as the shared window these ranks on one host take.
+    let messages = d.path().join("ranks3-messages");
+    let out = mpirun(3)
+        .env("MEGATRAIN_SHARED_SUM", "0")
+        .arg(bin())
+        .args(train_args(d.path(), &messages, 6, 1))
+        .output()
+        .unwrap();
+    check(out, "mpirun -np 3, MEGATRAIN_SHARED_SUM=0");
+    assert!(
+        assert_equal_runs(
+            &messages,
+            &d.path().join("ranks3"),
+            "3 ranks: MPI's messages vs the shared window"
+        ),
+        "the two sums are within 1e-6 but not the same bits"
+    );
     // Run to run: the same bits.
     let again = d.path().join("ranks2-again");
     run_ranks(2, &train_args(d.path(), &again, 6, 1));
@@ -457,7 +475,9 @@ fn bench_collective_checks_and_times_both_sums() {
             "bench",
             "collective",
             "--sizes",
-            "4K,1M",
+            // Slices of unequal length (not a multiple of 3 elements), several blocks of the
+            // shared window's threads, and two chunks (over 16 MiB).
+            "4K,4100K,17M",
             "--reps",
             "2",
             "--json",
@@ -468,8 +488,16 @@ fn bench_collective_checks_and_times_both_sums() {
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["ranks"], 3);
     assert_eq!(r["hosts"], 1);
+    // Ranks on one host sum through the shared window.
+    assert!(
+        r["ours_path"]
+            .as_str()
+            .unwrap()
+            .contains("shared-memory window"),
+        "{r}"
+    );
     let rows = r["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2);
+    assert_eq!(rows.len(), 3);
     for row in rows {
         for k in ["ours_busbw_gbs", "library_busbw_gbs"] {
             assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");

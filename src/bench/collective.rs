@@ -1,5 +1,6 @@
 //! `megatrain bench collective`: the data-parallel gradient sum ([`Collective::sum_f32`]: a
-//! reduce-scatter then an all-gather, summed by us in rank order) against the transport library's
+//! reduce-scatter then an all-gather, summed by us in rank order — through a shared-memory
+//! window when every rank runs on one host, else through MPI's messages) against the transport library's
 //! own all-reduce (`MPI_Allreduce`) on the same buffers in the same run, as bus bandwidth the
 //! way nccl-tests reports it (`busbw = bytes / time × 2(N−1)/N`: what each rank's link carries).
 //! Run under the job's launcher (`mpirun -np N megatrain bench collective`); every rank times,
@@ -34,6 +35,8 @@ pub struct CollectiveReport {
     pub hosts: usize,
     /// The transport library.
     pub library: String,
+    /// How the rank-order sum moves the buffers ([`Collective::sum_path`]).
+    pub ours_path: String,
     /// Per buffer size.
     pub rows: Vec<CollectiveRow>,
 }
@@ -135,6 +138,7 @@ pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<Collect
         ranks: world.size(),
         hosts,
         library: world.library(),
+        ours_path: world.sum_path().to_owned(),
         rows,
     })
 }
@@ -142,8 +146,8 @@ pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<Collect
 /// The report as a table.
 pub fn render(r: &CollectiveReport) -> String {
     let mut s = format!(
-        "all-reduce of f32 sums, {} ranks on {} host(s), {}\n(bus bandwidth as nccl-tests reports it: bytes / time × 2(N−1)/N; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>6}\n",
-        r.ranks, r.hosts, r.library, "bytes", "rank-order sum (ours)", "library all-reduce", "ratio"
+        "all-reduce of f32 sums, {} ranks on {} host(s), {}\nours through {}\n(bus bandwidth as nccl-tests reports it: bytes / time × 2(N−1)/N; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>6}\n",
+        r.ranks, r.hosts, r.library, r.ours_path, "bytes", "rank-order sum (ours)", "library all-reduce", "ratio"
     );
     for row in &r.rows {
         s.push_str(&format!(

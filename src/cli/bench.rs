@@ -64,6 +64,8 @@ pub struct BenchCollectiveArgs {
 
 fn bench_collective(a: &BenchCollectiveArgs) -> Result<()> {
     let world = megatrain::dist::from_env()?;
+    // As in training: ranks on one host each take their part of its CPUs.
+    megatrain::dist::HostShare::of(world.as_ref()).bind()?;
     let sizes: Vec<u64> = a.sizes.iter().map(|&s| s as u64).collect();
     let r = match megatrain::bench::collective::run(world.as_ref(), &sizes, a.reps) {
         Ok(r) => r,

@@ -11,6 +11,8 @@ pub mod launch;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod order;
+#[cfg(feature = "mpi")]
+mod shared;
 
 pub use launch::Launch;
 pub use order::{sum_in_rank_order, sum_in_rank_order_in_place};
@@ -47,6 +49,10 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn library_sum_f32(&self, buf: &mut [f32]) -> Result<()>;
     /// The transport library and its version ("none" alone).
     fn library(&self) -> String;
+    /// How [`Collective::sum_f32`] moves the ranks' buffers (for reports).
+    fn sum_path(&self) -> &'static str {
+        "none (one process)"
+    }
     /// What this rank is waiting in, for a watchdog on another thread (a rank that hangs
     /// without dying leaves the others waiting in a collective). The handle does not keep the
     /// job open.
@@ -101,6 +107,26 @@ impl HostShare {
             index: same.iter().position(|&r| r == world.rank()).unwrap_or(0),
             count: same.len().max(1),
         }
+    }
+
+    /// Bind this process to its part of the CPUs it may use, and size the global thread pool to
+    /// it (unless `RAYON_NUM_THREADS` says otherwise), when ranks share the host — as `torchrun`
+    /// users set `OMP_NUM_THREADS` to the cores per process. Threads started from here on
+    /// inherit the binding (the CPU device's kernels, the AdamW workers, the shared-memory
+    /// sum's threads). Alone on the host: nothing.
+    pub fn bind(&self) -> Result<()> {
+        if self.count == 1 {
+            return Ok(());
+        }
+        let cpus = self.cpus(&crate::host::affinity::current_affinity()?);
+        crate::host::affinity::pin_current_thread(&cpus)?;
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            // Fails only if the pool already started, which no caller does before this.
+            let _ = rayon::ThreadPoolBuilder::new()
+                .num_threads(cpus.len())
+                .build_global();
+        }
+        Ok(())
     }
 
     /// This rank's part of `cpus` (a host's, or a node's): contiguous, in order, at least one.

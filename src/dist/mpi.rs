@@ -11,6 +11,7 @@
 //! than the exchange.
 
 use super::order::{slice_of, sum_in_rank_order_in_place};
+use super::shared::SharedSum;
 use super::{Collective, StallWatch};
 use crate::{Error, Result};
 use mpi::datatype::{Partition, PartitionMut};
@@ -40,13 +41,16 @@ pub(super) struct MpiWorld {
     roll: Option<SimpleCommunicator>,
     /// Every rank's host, in rank order.
     hosts: Vec<String>,
+    /// The sum through a shared window, when every rank runs on this host (dropped — the
+    /// window freed — before MPI is finalised: fields drop in order).
+    shared: Option<SharedSum>,
     /// Finalises MPI when dropped, after the communicator's last use.
     _universe: Universe,
 }
 
 // SAFETY: MPI was initialised with at least MPI_THREAD_SERIALIZED (checked in `init`), which
 // allows calls from any thread as long as no two are concurrent: every call on `world` holds
-// `lock`. `roll` exists only when MPI provided MPI_THREAD_MULTIPLE, under which calls on it may
+// `lock`, and so does every use of `shared` (its communicator, window and segments). `roll` exists only when MPI provided MPI_THREAD_MULTIPLE, under which calls on it may
 // run beside those. The communicator handles are plain values valid on every thread until MPI
 // is finalised, which happens only when this value (owning the `Universe`) is dropped.
 unsafe impl Send for MpiWorld {}
@@ -95,6 +99,7 @@ impl MpiWorld {
             busy: StallWatch::default(),
             roll,
             hosts: Vec::new(),
+            shared: None,
             _universe: universe,
         };
         w.hosts = w
@@ -102,6 +107,16 @@ impl MpiWorld {
             .iter()
             .map(|h| String::from_utf8_lossy(h).into_owned())
             .collect();
+        // Through shared memory unless a rank's MEGATRAIN_SHARED_SUM=0 says otherwise (every
+        // rank must take the same path: they agree on it first).
+        let off = std::env::var("MEGATRAIN_SHARED_SUM").is_ok_and(|v| v == "0");
+        let all_on = w
+            .all_gather_bytes(&[u8::from(!off)])?
+            .iter()
+            .all(|b| b.first() == Some(&1));
+        if all_on {
+            w.shared = SharedSum::map(&w.world, CHUNK)?;
+        }
         Ok(w)
     }
 
@@ -177,8 +192,17 @@ impl Collective for MpiWorld {
 
     fn sum_f32(&self, buf: &mut [f32]) -> Result<()> {
         let mut busy = self.enter("the gradients' sum");
-        for chunk in buf.chunks_mut(CHUNK) {
-            self.sum_chunk(chunk, &mut busy.serial)?;
+        match &self.shared {
+            Some(shared) => {
+                for chunk in buf.chunks_mut(shared.capacity()) {
+                    shared.sum(chunk)?;
+                }
+            }
+            None => {
+                for chunk in buf.chunks_mut(CHUNK) {
+                    self.sum_chunk(chunk, &mut busy.serial)?;
+                }
+            }
         }
         Ok(())
     }
@@ -241,6 +265,13 @@ impl Collective for MpiWorld {
         let v = mpi::environment::library_version().unwrap_or_default();
         // Open MPI's first line names it and its version; MPICH's first line too.
         v.lines().next().unwrap_or("MPI").trim().to_owned()
+    }
+
+    fn sum_path(&self) -> &'static str {
+        match self.shared {
+            Some(_) => "a shared-memory window (every rank on one host)",
+            None => "MPI_Alltoallv + MPI_Allgatherv",
+        }
     }
 
     fn abort(&self, code: i32) -> ! {

@@ -1,6 +1,6 @@
-//! What a run does differently as one rank of a data-parallel job: its part of the host's CPUs,
-//! its outputs (rank 0 writes the job's), the start every rank takes from rank 0, and the
-//! settings every rank must share.
+//! What a run does differently as one rank of a data-parallel job: its outputs (rank 0 writes
+//! the job's), the start every rank takes from rank 0, the settings every rank must share, and
+//! its GPU. (Its part of the host's CPUs: [`crate::dist::HostShare::bind`].)
 
 use super::config::TrainConfig;
 use crate::dist::{Collective, HostShare};
@@ -8,26 +8,6 @@ use crate::model::config::ModelConfig;
 use crate::store::layout::Mode;
 use crate::{Error, Result};
 use std::path::PathBuf;
-
-/// Ranks sharing a host share its CPUs, as `torchrun` users set `OMP_NUM_THREADS` to the cores
-/// per process: this rank is bound to its own contiguous part of the CPUs it may use — the
-/// threads started from here on inherit it (the CPU device's kernels, sized to it unless
-/// `RAYON_NUM_THREADS` says otherwise), and the AdamW workers take their node's CPUs within it
-/// ([`super::setup::build_streamer`]).
-pub(super) fn share_cpus(share: HostShare) -> Result<()> {
-    if share.count == 1 {
-        return Ok(());
-    }
-    let cpus = share.cpus(&crate::host::affinity::current_affinity()?);
-    crate::host::affinity::pin_current_thread(&cpus)?;
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // Fails only if the pool already started, which setup does not do before this.
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(cpus.len())
-            .build_global();
-    }
-    Ok(())
-}
 
 /// Rank 0's run id and the checkpoint it resumes, told to every rank. Rank 0 keeps the id; the
 /// others take it with their rank appended (their spill files, named by it, must not collide).

@@ -77,7 +77,9 @@ pub(super) fn setup(
     progress: &mut dyn Progress,
 ) -> Result<Session> {
     cfg.validate()?;
-    ranks::share_cpus(HostShare::of(world.as_ref()))?;
+    // Ranks sharing a host share its CPUs (the AdamW workers take their node's CPUs within
+    // this rank's part: `build_streamer`).
+    HostShare::of(world.as_ref()).bind()?;
     let cfg = &ranks::rank_outputs(cfg, world.rank());
     outputs::check_paths(cfg)?;
     let inputs = inputs(cfg, world.as_ref(), progress)?;
@@ -494,7 +496,7 @@ pub(super) fn build_streamer(
     (activations, device_inputs): (Activations, usize),
 ) -> Result<Streamer> {
     // The AdamW workers run on the CPUs this process was bound to (`taskset`, a launcher's
-    // binding, a rank's share of its host: `share_cpus`) where a node has some of them.
+    // binding, a rank's share of its host: `HostShare::bind`) where a node has some of them.
     let bound = crate::host::affinity::current_affinity().unwrap_or_default();
     let nodes: Vec<(u32, Vec<usize>)> = store
         .placement()
