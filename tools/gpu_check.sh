@@ -210,8 +210,7 @@ steps_stage() {
   cat "$dir/plan.json" >> "$file"
   # Measured: the median tokens/s of the steps after the first (start-up), the peak device bytes.
   local tps peak params ptps pdev smi util
-  tps="$(grep -o '"tokens_per_s": *[0-9.eE+-]*' "$dir/m.jsonl" 2>/dev/null | sed 's/.*: *//' | tail -n +2 | sort -g \
-         | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }')"
+  tps="$(step_median tokens_per_s "$dir/m.jsonl")"
   peak="$(grep -o '"device_peak_bytes": *[0-9]*' "$dir/m.jsonl" 2>/dev/null | sed 's/.*: *//' | sort -g | tail -1)"
   # 6·N with N the parameters a token meets: the active ones (a mixture of experts' chosen experts).
   params="$(jnum "$dir/plan.json" active_params)"

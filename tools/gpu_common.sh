@@ -1,5 +1,6 @@
-# What the GPU tools share (sourced by tools/gpu_check.sh, tools/gpu_step_matrix.sh and
-# tools/gpu_kernel_profile.sh, with `root` set to the repository): the binary and the models.
+# What the GPU tools share (sourced by tools/gpu_check.sh, tools/gpu_step_matrix.sh,
+# tools/gpu_kernel_profile.sh and tools/gpu_dp_check.sh, with `root` set to the repository): the
+# binary, the models and the steps' medians.
 
 # megatrain_bin: `bin` (MEGATRAIN_BIN, else the bundle of tools/build_gpu_bundle.sh, else the
 # release build) and its bundled libraries on the loader's path; exits 2 when there is none.
@@ -15,6 +16,13 @@ megatrain_bin() {
   bindir="$(cd "$(dirname "$bin")" && pwd)"
   [ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   return 0
+}
+
+# step_median KEY METRICS.jsonl: the median of KEY over the steps after the first (start-up), as
+# megatrain wrote it; nothing when there is none.
+step_median() {
+  grep -o "\"$1\": *[0-9.eE+-]*" "$2" 2>/dev/null | sed 's/.*: *//' | tail -n +2 | sort -g \
+    | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }'
 }
 
 # llama_config LAYERS HIDDEN FFN HEADS KV VOCAB → config.json

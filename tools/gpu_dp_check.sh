@@ -6,8 +6,8 @@
 #
 #   tools/gpu_dp_check.sh [--emulated] OUT_DIR
 #
-# The binary: MEGATRAIN_BIN, built with the features cuda and mpi
-# (`tools/build_gpu_bundle.sh --mpi`); mpirun from the PATH (Open MPI 4/5 or MPICH, the one the
+# The binary: MEGATRAIN_BIN, built with the features cuda and mpi, else the bundle of
+# `tools/build_gpu_bundle.sh --mpi` (dist/megatrain-cuda-mpi); mpirun from the PATH (Open MPI 4/5 or MPICH, the one the
 # binary links). On a server with one GPU the ranks share it, each taking its share of the
 # memory; with several, local rank i takes GPU i. N is 2 and 3 (2 alone with --emulated, where
 # every rank runs under the CUDA emulator, tools/cuemu.sh, on a tiny model: what the test suite
@@ -26,13 +26,14 @@ for a in "$@"; do
   esac
 done
 [ -n "$out" ] || { echo "usage: tools/gpu_dp_check.sh [--emulated] OUT_DIR" >&2; exit 2; }
-bin="${MEGATRAIN_BIN:-}"
-[ -n "$bin" ] && [ -x "$bin" ] || {
-  echo "error: MEGATRAIN_BIN names no binary (build one with features cuda and mpi: tools/build_gpu_bundle.sh --mpi)" >&2; exit 2; }
+. "$root/tools/gpu_common.sh"
+# The binary and its bundled libraries (megatrain_bin); the bundle of `--mpi` when none is named.
+: "${MEGATRAIN_BIN:=$root/dist/megatrain-cuda-mpi/megatrain}"
+[ -x "$MEGATRAIN_BIN" ] || {
+  echo "error: no binary at $MEGATRAIN_BIN (build one with features cuda and mpi: tools/build_gpu_bundle.sh --mpi; or set MEGATRAIN_BIN)" >&2; exit 2; }
+megatrain_bin
 command -v mpirun >/dev/null || { echo "error: no mpirun on the PATH (install Open MPI or MPICH)" >&2; exit 2; }
 command -v python3 >/dev/null || { echo "error: no python3 (it writes the tokens and compares the checkpoints)" >&2; exit 2; }
-bindir="$(cd "$(dirname "$bin")" && pwd)"
-[ -d "$bindir/lib" ] && export LD_LIBRARY_PATH="$bindir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 mkdir -p "$out" || exit 2
 out="$(cd "$out" && pwd)"
 log="$out/dp.log" summary="$out/summary.md"
@@ -53,12 +54,7 @@ else
   shape=(4 1024 2816 16 4 32000 512 4 4)
 fi
 read -r layers hidden ffn heads kv vocab seq batch steps <<< "${shape[*]}"
-cat > "$scratch/config.json" <<EOF
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $hidden,
- "intermediate_size": $ffn, "num_hidden_layers": $layers, "num_attention_heads": $heads,
- "num_key_value_heads": $kv, "vocab_size": $vocab, "max_position_embeddings": 8192,
- "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "hidden_act": "silu"}
-EOF
+llama_config "$layers" "$hidden" "$ffn" "$heads" "$kv" "$vocab" > "$scratch/config.json"
 # u16 tokens: a learnable pattern (steps of 3), one in 8 random; enough rows for 3 ranks.
 python3 - "$scratch/data.bin" "$vocab" $(( 3 * batch * (steps + 1) * (seq + 1) )) <<'EOF'
 import random, struct, sys
@@ -141,8 +137,7 @@ EOF
 }
 
 tps() {  # DIR: the median tokens/s of the steps after the first
-  grep -o '"tokens_per_s": *[0-9.eE+-]*' "$1/metrics.jsonl" 2>/dev/null | sed 's/.*: *//' | tail -n +2 | sort -g \
-    | awk '{ v[NR] = $1 } END { if (NR) printf "%.0f", v[int((NR + 1) / 2)]; else print "n/a" }'
+  awk -v x="$(step_median tokens_per_s "$1/metrics.jsonl")" 'BEGIN { if (x == "") print "n/a"; else printf "%.0f", x }'
 }
 
 write_summary

@@ -60,8 +60,7 @@ matrix="$out/matrix.md" detail="$out/matrix.txt"
 
 # median FIELD FILE: the median of FIELD over the steps after the first.
 median() {
-  grep -o "\"$1\": *[0-9.eE+-]*" "$2" 2>/dev/null | sed 's/.*: *//' | tail -n +2 | sort -g \
-    | awk '{ v[NR] = $1 } END { if (NR) printf "%.4g", v[int((NR + 1) / 2)]; else printf "n/a" }'
+  awk -v x="$(step_median "$1" "$2")" 'BEGIN { if (x == "") printf "n/a"; else printf "%.4g", x }'
 }
 
 failed=0

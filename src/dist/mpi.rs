@@ -50,8 +50,9 @@ pub(super) struct MpiWorld {
 
 // SAFETY: MPI was initialised with at least MPI_THREAD_SERIALIZED (checked in `init`), which
 // allows calls from any thread as long as no two are concurrent: every call on `world` holds
-// `lock`, and so does every use of `shared` (its communicator, window and segments). `roll` exists only when MPI provided MPI_THREAD_MULTIPLE, under which calls on it may
-// run beside those. The communicator handles are plain values valid on every thread until MPI
+// `lock`, and so does every use of `shared` (its communicator, window and segments). `roll`
+// exists only when MPI provided MPI_THREAD_MULTIPLE, under which calls on it may run beside
+// those. The communicator handles are plain values valid on every thread until MPI
 // is finalised, which happens only when this value (owning the `Universe`) is dropped.
 unsafe impl Send for MpiWorld {}
 // SAFETY: as for `Send`: shared use of `world` is serialised by `lock`; `roll` needs none.

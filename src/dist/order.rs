@@ -13,9 +13,14 @@ pub fn sum_in_rank_order(parts: &[&[f32]], out: &mut [f32]) {
     };
     out.copy_from_slice(first);
     for p in rest {
-        for (o, x) in out.iter_mut().zip(p.iter()) {
-            *o += *x;
-        }
+        add_into(out, p);
+    }
+}
+
+/// `out[i] += part[i]`: one step of the fold.
+fn add_into(out: &mut [f32], part: &[f32]) {
+    for (o, x) in out.iter_mut().zip(part) {
+        *o += *x;
     }
 }
 
@@ -27,9 +32,7 @@ pub fn sum_in_rank_order_in_place(parts: &mut [f32], len: usize) {
     }
     let (out, rest) = parts.split_at_mut(len);
     for p in rest.chunks_exact(len) {
-        for (o, x) in out.iter_mut().zip(p) {
-            *o += *x;
-        }
+        add_into(out, p);
     }
 }
 

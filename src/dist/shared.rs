@@ -7,16 +7,24 @@
 //! order as [`super::sum_in_rank_order`], element by element: the same bits as the exchange
 //! through MPI and as one process accumulating, for any number of threads.
 
-use super::order::slice_of;
+use super::order::{slice_of, sum_in_rank_order};
 use crate::{Error, Result};
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use rayon::prelude::*;
+use std::ops::Range;
 use std::os::raw::{c_int, c_void};
 
 /// Elements a thread adds or copies at a time.
 const BLOCK: usize = 1 << 14;
+
+/// `r` in consecutive blocks of at most [`BLOCK`] elements.
+fn blocks(r: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    (r.start..r.end)
+        .step_by(BLOCK)
+        .map(move |a| a..(a + BLOCK).min(r.end))
+}
 
 /// Every rank's segment of one shared window, and the communicator of the ranks (the world's,
 /// in its rank order).
@@ -24,7 +32,7 @@ pub(super) struct SharedSum {
     comm: SimpleCommunicator,
     win: ffi::MPI_Win,
     /// Every rank's segment, in rank order, `capacity` f32 each.
-    segments: Vec<*mut f32>,
+    segments: Vec<Segment>,
     capacity: usize,
     rank: usize,
 }
@@ -124,7 +132,7 @@ impl SharedSum {
                     ),
                 ));
             }
-            segments.push(at);
+            segments.push(Segment(at));
         }
         // One passive epoch for the window's life: loads and stores, ordered by `phase`.
         // SAFETY: `win` is live; MPI_MODE_NOCHECK: no rank locks it otherwise.
@@ -166,7 +174,7 @@ impl SharedSum {
                 format!("{m} elements in a window of {}", self.capacity),
             ));
         }
-        let segs: Vec<Segment> = self.segments.iter().map(|&p| Segment(p)).collect();
+        let segs = &self.segments;
         let mine = segs[self.rank];
         // 1. This rank's chunk into its segment (no rank reads it before the phase).
         chunk.par_chunks(BLOCK).enumerate().for_each(|(b, src)| {
@@ -177,41 +185,32 @@ impl SharedSum {
         });
         self.phase()?;
         // 2. This rank's slice: Σ over ranks in order, into its own segment.
-        let s = slice_of(m, n, self.rank);
-        let blocks: Vec<std::ops::Range<usize>> = (s.start..s.end)
-            .step_by(BLOCK)
-            .map(|a| a..(a + BLOCK).min(s.end))
-            .collect();
-        blocks.par_iter().for_each(|r| {
-            let len = r.len();
-            // SAFETY: elements `r` of every segment lie in this rank's slice: in this phase
-            // the other ranks read and write only their own slices, and of this rank's
-            // threads only this one touches `r` (the blocks are disjoint). `acc` is a copy, so
-            // reading this rank's own elements `r` and writing them below do not overlap.
-            let mut acc: Vec<f32> =
-                unsafe { std::slice::from_raw_parts(segs[0].at(r.start), len) }.to_vec();
-            for seg in &segs[1..] {
-                // SAFETY: as above: rank k's elements `r`, written by no one meanwhile.
-                let part = unsafe { std::slice::from_raw_parts(seg.at(r.start), len) };
-                for (a, x) in acc.iter_mut().zip(part) {
-                    *a += *x;
-                }
-            }
-            // SAFETY: this rank's elements `r`, which only this thread writes now.
-            unsafe { std::slice::from_raw_parts_mut(mine.at(r.start), len) }.copy_from_slice(&acc);
+        let mine_blocks: Vec<Range<usize>> = blocks(slice_of(m, n, self.rank)).collect();
+        mine_blocks.par_iter().for_each(|r| {
+            let parts: Vec<&[f32]> = segs
+                .iter()
+                .map(|seg| {
+                    // SAFETY: elements `r` of every segment lie in this rank's slice: in this
+                    // phase the other ranks read and write only their own slices, and of this
+                    // rank's threads only this one touches `r` (the blocks are disjoint).
+                    unsafe { std::slice::from_raw_parts(seg.at(r.start), r.len()) }
+                })
+                .collect();
+            // Into a buffer of its own: this rank's elements `r` are one of the parts.
+            let mut acc = vec![0.0f32; r.len()];
+            sum_in_rank_order(&parts, &mut acc);
+            // SAFETY: this rank's elements `r`, which only this thread writes, now that no
+            // part is read any more.
+            unsafe { std::slice::from_raw_parts_mut(mine.at(r.start), r.len()) }
+                .copy_from_slice(&acc);
         });
         self.phase()?;
         // 3. Every rank's summed slice back into the chunk.
-        let bounds: Vec<(usize, std::ops::Range<usize>)> = (0..n)
-            .flat_map(|k| {
-                let s = slice_of(m, n, k);
-                (s.start..s.end)
-                    .step_by(BLOCK)
-                    .map(move |a| (k, a..(a + BLOCK).min(s.end)))
-            })
+        let every_block: Vec<(usize, Range<usize>)> = (0..n)
+            .flat_map(|k| blocks(slice_of(m, n, k)).map(move |r| (k, r)))
             .collect();
         let out = Segment(chunk.as_mut_ptr());
-        bounds.par_iter().for_each(|(k, r)| {
+        every_block.par_iter().for_each(|(k, r)| {
             // SAFETY: rank k's summed elements `r`, written before the phase and by no one
             // after it until the next call's first phase; `out` is `chunk`, whose elements `r`
             // only this thread writes (the blocks do not overlap).

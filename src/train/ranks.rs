@@ -2,7 +2,7 @@
 //! the job's), the start every rank takes from rank 0, the settings every rank must share, and
 //! its GPU. (Its part of the host's CPUs: [`crate::dist::HostShare::bind`].)
 
-use super::config::TrainConfig;
+use super::config::{DeviceKind, TrainConfig};
 use crate::dist::{Collective, HostShare};
 use crate::model::config::ModelConfig;
 use crate::store::layout::Mode;
@@ -114,16 +114,26 @@ fn sharing(keys: &[String], rank: usize) -> usize {
         .map_or(1, |mine| keys.iter().filter(|k| *k == mine).count())
 }
 
-/// This rank's GPU ([`ordinal_of`]) and how many ranks share it: every rank tells the others
-/// its GPU's UUID and host, so ranks that the launcher or the rule above put on one GPU — a
-/// UUID names a GPU, where `CUDA_VISIBLE_DEVICES` renumbers them — each take their share of its
-/// memory. Collective: every rank of a CUDA job calls it ([`check_step_agrees`] has checked
-/// they all run on the CUDA device); a rank that cannot list its GPUs is named to the others.
-#[cfg(feature = "cuda")]
-pub(super) fn gpu_slot(world: &dyn Collective) -> Result<GpuSlot> {
-    if world.size() == 1 {
+/// This rank's GPU ([`ordinal_of`]) and how many ranks share it, on the `device` the run
+/// trains on: every rank of a CUDA job tells the others its GPU's UUID and host, so ranks that
+/// the launcher or the rule above put on one GPU — a UUID names a GPU, where
+/// `CUDA_VISIBLE_DEVICES` renumbers them — each take their share of its memory. Collective for
+/// a CUDA job ([`check_step_agrees`] has checked every rank runs on the same device); a rank
+/// that cannot list its GPUs is named to the others. Alone, or on the CPU device:
+/// [`GpuSlot::ALONE`] (as in a build without CUDA, which refuses the CUDA device).
+pub(super) fn gpu_slot(world: &dyn Collective, device: DeviceKind) -> Result<GpuSlot> {
+    if device != DeviceKind::Cuda || world.size() == 1 {
         return Ok(GpuSlot::ALONE);
     }
+    #[cfg(feature = "cuda")]
+    return shared_gpu(world);
+    #[cfg(not(feature = "cuda"))]
+    Ok(GpuSlot::ALONE)
+}
+
+/// [`gpu_slot`] of a rank of a CUDA job.
+#[cfg(feature = "cuda")]
+fn shared_gpu(world: &dyn Collective) -> Result<GpuSlot> {
     let share = HostShare::of(world);
     let mine = crate::device::cuda::CudaRuntime::visible_gpus().and_then(|gpus| {
         if gpus.is_empty() {

@@ -147,13 +147,7 @@ pub(super) fn setup(
         .with_master(master);
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
-    #[cfg(feature = "cuda")]
-    let gpu = match cfg.device {
-        config::DeviceKind::Cuda => ranks::gpu_slot(world.as_ref())?,
-        config::DeviceKind::Cpu => ranks::GpuSlot::ALONE,
-    };
-    #[cfg(not(feature = "cuda"))]
-    let gpu = ranks::GpuSlot::ALONE;
+    let gpu = ranks::gpu_slot(world.as_ref(), cfg.device)?;
     if gpu != ranks::GpuSlot::ALONE {
         progress.note(&format!(
             "GPU {} of this host's visible ones{}",
