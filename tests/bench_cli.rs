@@ -506,3 +506,89 @@ fn bench_arguments_are_checked_before_anything_runs() {
         );
     }
 }
+
+/// `plan --gpus G --nodes M`: Llama-3.1-405B on 4 machines of 8 H200s, as the README shows it.
+/// Each rank holds the whole host state, so the plan states it per rank and per machine, and
+/// says it does not fit; its time has the ranks' gradient sum. Refusals name their flag.
+#[test]
+fn plan_spreads_over_gpus_and_machines() {
+    let v = json(&[
+        "plan",
+        "--model",
+        "llama-3.1-405b",
+        "--machine",
+        "h200-1.5tb",
+        "--gpus",
+        "8",
+        "--nodes",
+        "4",
+        "--json",
+    ]);
+    let d = &v["plan"]["data_parallel"];
+    assert_eq!(d["ranks"], 32);
+    // One sequence per rank by default.
+    assert_eq!(v["request"]["tokens_per_step"], 32 * 4096);
+    assert_eq!(d["tokens_per_rank"], 4096);
+    let per_rank = d["host_bytes_per_rank"].as_u64().unwrap();
+    assert!(per_rank as f64 >= 16.0 * 405e9, "{d}");
+    assert_eq!(d["host_bytes_per_node"].as_u64().unwrap(), 8 * per_rank);
+    assert_eq!(v["plan"]["fits"], false);
+    assert!(v["plan"]["time"]["sum_s"].as_f64().unwrap() > 0.0);
+    // Text: the machine's share said.
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["plan", "--model", "llama-3.1-8b", "--machine", "h200-1.5tb"])
+        .args(["--gpus", "8", "--tokens-per-step", "262144"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "32768 per rank on each of 8 ranks",
+        "host per machine",
+        "grad sum",
+        "tokens/s (the job's)",
+        "fits: yes",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    let refused = |args: &[&str], want: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+            .args(["plan", "--model", "llama-3.1-8b"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    };
+    refused(&["--machine", "h200-1.5tb", "--gpus", "9"], "--gpus 9");
+    refused(
+        &["--machine", "rtx4090-256gb", "--nodes", "2"],
+        "--nic-gbps",
+    );
+    refused(
+        &[
+            "--machine",
+            "h200-1.5tb",
+            "--gpus",
+            "3",
+            "--tokens-per-step",
+            "16384",
+        ],
+        "for each of the 3 ranks",
+    );
+    // A network given makes several machines plannable.
+    let v = json(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--machine",
+        "rtx4090-256gb",
+        "--nodes",
+        "2",
+        "--nic-gbps",
+        "12.5",
+        "--json",
+    ]);
+    assert_eq!(v["plan"]["data_parallel"]["nic_gbps"], 12.5);
+}

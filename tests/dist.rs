@@ -503,6 +503,26 @@ fn bench_collective_checks_and_times_both_sums() {
             assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
         }
     }
+    // `plan --calibration` takes the report: the largest buffer's bus bandwidth becomes the
+    // ranks' gradient sum of the plan.
+    assert_eq!(r["bench"], "collective");
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("collective.json");
+    std::fs::write(&report, &out.stdout).unwrap();
+    let out = Command::new(bin())
+        .args(["plan", "--model", "llama-3.1-8b", "--machine", "h200-1.5tb"])
+        .args(["--gpus", "3", "--tokens-per-step", "12288", "--json"])
+        .arg("--calibration")
+        .arg(&report)
+        .output()
+        .unwrap();
+    let out = check(out, "plan --calibration collective.json");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["machine"]["host_sum_gbps"], rows[2]["ours_busbw_gbs"]);
+    assert_eq!(
+        v["plan"]["data_parallel"]["host_sum_gbps"],
+        rows[2]["ours_busbw_gbs"]
+    );
 }
 
 /// CUDA ranks: `tools/gpu_dp_check.sh` (`--emulated` here: every rank under the CUDA emulator;

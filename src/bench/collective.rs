@@ -8,11 +8,11 @@
 
 use crate::dist::Collective;
 use crate::{Error, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// One buffer size.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CollectiveRow {
     /// Bytes per rank.
     pub bytes: u64,
@@ -27,7 +27,7 @@ pub struct CollectiveRow {
 }
 
 /// What `bench collective` measured.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CollectiveReport {
     /// Ranks in the job.
     pub ranks: usize,

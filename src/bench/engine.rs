@@ -459,6 +459,8 @@ fn predict(
         // m + v of each unit, both zero rates without a spill.
         nvme_read_s: per_unit(8.0 * r_per_byte),
         nvme_write_s: per_unit(8.0 * w_per_byte),
+        // One process: nothing to sum across ranks.
+        reduce_s: Vec::new(),
         staging_slots: 3,
         unit_numel: numel,
         lean_piece_elems: (layout.mode == Mode::Lean).then(|| layout.lean_piece_elems()),

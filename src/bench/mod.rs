@@ -57,7 +57,7 @@ pub fn check_memory(what: &str, bytes: Option<u64>, fix: &str) -> Result<()> {
 }
 
 /// A benchmark report in JSON, tagged by the benchmark (`"bench": "adam"`): what `megatrain bench
-/// adam|nvme|link|kernels --json` prints and `megatrain plan --calibration` reads back, by type.
+/// adam|nvme|link|kernels|collective --json` prints and `megatrain plan --calibration` reads back, by type.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "bench", rename_all = "lowercase")]
 pub enum Report {
@@ -69,6 +69,8 @@ pub enum Report {
     Link(link::LinkReport),
     /// `bench kernels` (a CUDA build on a GPU).
     Kernels(kernel_report::KernelReport),
+    /// `bench collective` (ranks of a `--features mpi` build under their launcher).
+    Collective(collective::CollectiveReport),
 }
 
 impl Report {
@@ -79,6 +81,7 @@ impl Report {
             Report::Nvme(r) => nvme::render(r),
             Report::Link(r) => link::render(r),
             Report::Kernels(r) => kernel_report::render(r),
+            Report::Collective(r) => collective::render(r),
         }
     }
 }

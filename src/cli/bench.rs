@@ -76,10 +76,12 @@ fn bench_collective(a: &BenchCollectiveArgs) -> Result<()> {
         Err(e) => return Err(e),
     };
     if world.rank() == 0 {
+        // Tagged like every bench report, so `plan --calibration` takes it.
+        let r = megatrain::bench::Report::Collective(r);
         let text = if a.json {
             serde_json::to_string_pretty(&r).unwrap_or_default()
         } else {
-            megatrain::bench::collective::render(&r)
+            r.render()
         };
         println!("{}", text.trim_end());
     }

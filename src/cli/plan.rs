@@ -19,6 +19,9 @@ struct Calibration {
     link_gbps: Option<(f64, f64)>,
     /// The GPU's kernels (`bench kernels` on it).
     kernels: Option<(PathBuf, megatrain::bench::kernel_report::KernelReport)>,
+    /// Bus GB/s of the ranks' gradient sum within one machine (`bench collective` there): the
+    /// largest buffer's, and the ranks it was measured with.
+    host_sum: Option<(f64, usize)>,
 }
 
 impl Calibration {
@@ -92,6 +95,19 @@ impl Calibration {
                     }
                     c.kernels = Some((p.clone(), r));
                 }
+                Report::Collective(r) => {
+                    if r.hosts != 1 {
+                        return Err(bad_calibration(
+                            p,
+                            "a report of ranks on several machines: the plan takes the sum within one (run `mpirun -np N megatrain bench collective --json` on one machine)",
+                        ));
+                    }
+                    // The trainer sums whole units: the largest buffer measured is the closest.
+                    let row = r.rows.iter().max_by_key(|x| x.bytes).ok_or_else(|| {
+                        bad_calibration(p, "a collective report without a measured size")
+                    })?;
+                    c.host_sum = Some((row.ours_busbw_gbs, r.ranks));
+                }
             }
         }
         Ok(c)
@@ -103,7 +119,7 @@ fn bad_calibration(p: &Path, why: &str) -> megatrain::Error {
         "calibration",
         p.display().to_string(),
         why,
-        Some("pass the JSON of `megatrain bench adam|nvme|link|kernels --json`"),
+        Some("pass the JSON of `megatrain bench adam|nvme|link|kernels|collective --json`"),
     )
 }
 
@@ -115,7 +131,7 @@ fn read_reports(p: &Path) -> Result<Vec<Report>> {
     let bad = |e: serde_json::Error| {
         bad_calibration(
             p,
-            &format!("not a `megatrain bench adam|nvme|link|kernels --json` report, nor an array of them: {e}"),
+            &format!("not a `megatrain bench adam|nvme|link|kernels|collective --json` report, nor an array of them: {e}"),
         )
     };
     match serde_json::from_str::<serde_json::Value>(&text).map_err(bad)? {
@@ -134,7 +150,9 @@ fn read_reports(p: &Path) -> Result<Vec<Report>> {
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:
   megatrain plan --model llama-120b --machine h200-1.5tb --adam-state int8 --tokens-per-step 16384
-  megatrain plan --model config.json --machine probe.json --calibration bench-adam.json")]
+  megatrain plan --model config.json --machine probe.json --calibration bench-adam.json
+  megatrain plan --model llama-3.1-8b --machine h200-1.5tb --gpus 8 --tokens-per-step 262144
+  megatrain plan --model llama-3.1-405b --machine h200-1.5tb --gpus 8 --nodes 4")]
 pub struct PlanArgs {
     /// A model preset (llama-3-8b, llama-3.1-70b, qwen2.5-72b, qwen3-32b, gemma-3-27b,
     /// mistral-large-2, llama-120b, mixtral-8x7b, qwen3-30b-a3b, gpt-oss-120b, … : README lists
@@ -148,13 +166,25 @@ pub struct PlanArgs {
     /// GPU index within a probed machine.
     #[arg(long, default_value_t = 0)]
     gpu: usize,
-    /// Tokens per optimizer step.
-    #[arg(long, default_value_t = 65536)]
-    tokens_per_step: u64,
+    /// Tokens per optimizer step (of the whole job: each of --gpus × --nodes ranks trains its
+    /// share) [default: 65536, or one sequence per rank where that is more]
+    #[arg(long)]
+    tokens_per_step: Option<u64>,
+    /// GPUs per machine, one data-parallel rank each (as `mpirun -np N megatrain train` runs
+    /// them: every rank holds the whole host state).
+    #[arg(long, default_value_t = 1)]
+    gpus: u64,
+    /// Machines, each with --gpus ranks.
+    #[arg(long, default_value_t = 1)]
+    nodes: u64,
+    /// The network between machines, GB/s per direction per machine (all its NICs); a preset
+    /// names its own.
+    #[arg(long, value_name = "GB/s")]
+    nic_gbps: Option<f64>,
     /// Sequence length.
     #[arg(long, default_value_t = 4096)]
     seq_len: u64,
-    /// Tokens per micro-batch (default: the largest that fits the GPU).
+    /// Tokens per micro-batch of a rank (default: the largest that fits the GPU).
     #[arg(long)]
     micro_batch_tokens: Option<u64>,
     /// What the GPU computes in: bf16 (the default on a GPU, as `train --device cuda`) or fp32.
@@ -183,8 +213,9 @@ pub struct PlanArgs {
     /// Measurements from the machine (repeatable): `megatrain bench adam --json` sets the AdamW
     /// rate, `megatrain bench nvme --json` the NVMe rate (and allows spilling m/v),
     /// `megatrain bench link --json` on a GPU machine the host↔device rates, `megatrain bench
-    /// kernels --json` on the GPU its GEMM and attention efficiencies; a file may hold an array
-    /// of reports (tools/gpu_check.sh's bench.json: a recorded GPU run's three).
+    /// kernels --json` on the GPU its GEMM and attention efficiencies, `mpirun -np N megatrain
+    /// bench collective --json` the ranks' gradient sum within a machine; a file may hold an
+    /// array of reports (tools/gpu_check.sh's bench.json: a recorded GPU run's three).
     #[arg(long, value_name = "bench.json")]
     calibration: Vec<PathBuf>,
     #[arg(long)]
@@ -201,7 +232,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let cal = Calibration::read(&a.calibration)?;
     let (hw, described, notes) = hardware(a, &cal)?;
     let req = pl::PlanRequest {
-        tokens_per_step: a.tokens_per_step,
+        tokens_per_step: a.tokens_per_step.unwrap_or_else(|| {
+            65536u64.max(a.seq_len.saturating_mul(a.gpus.saturating_mul(a.nodes)))
+        }),
         seq_len: a.seq_len,
         bf16: a.precision == megatrain::train::config::Precision::Bf16,
         mode: a.mode,
@@ -214,12 +247,19 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             megatrain::train::config::Precision::Bf16 => megatrain::engine::ActivationDtype::Bf16,
             megatrain::train::config::Precision::Fp32 => megatrain::engine::ActivationDtype::Fp32,
         }),
+        data_parallel: pl::DataParallel {
+            gpus: a.gpus,
+            nodes: a.nodes,
+        },
     };
+    req.data_parallel.check(&hw)?;
     req.validate()?;
     let p = pl::plan(&model, &hw, &req);
-    // Per NUMA node, where the machine is described (a probe), by the trainer's placement.
+    // Per NUMA node, where the machine is described (a probe), by the trainer's placement (of
+    // one process: ranks each place theirs on their share of the CPUs).
     let nodes = described
         .as_ref()
+        .filter(|_| req.data_parallel.ranks() == 1)
         .map(|m| pl::per_node(m, a.gpu, &model, &req).map_err(|e| e.to_string()));
     if a.json {
         let per_node = match &nodes {
@@ -232,7 +272,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
         print!("{}", pl::render(&a.model, &hw, &req, &p));
-        print_nodes(nodes.as_ref());
+        if req.data_parallel.ranks() == 1 {
+            print_nodes(nodes.as_ref());
+        }
         for n in &notes {
             println!("  assumption: {n}");
         }
@@ -331,6 +373,30 @@ fn hardware(
                 format!(" — not the planned GPU ({})", hw.gpu)
             }
         ));
+    }
+    if let Some(nic) = a.nic_gbps {
+        if !(nic.is_finite() && nic > 0.0) {
+            return Err(megatrain::Error::bad_input(
+                "plan",
+                format!("--nic-gbps {nic}"),
+                "must be a positive number of GB/s",
+                Some("pass the machine's network bandwidth per direction, e.g. --nic-gbps 400"),
+            ));
+        }
+        hw.nic_gbps = Some(nic);
+    }
+    match cal.host_sum {
+        Some((g, ranks)) => {
+            hw.host_sum_gbps = g;
+            notes.push(format!(
+                "gradient sum calibrated: {g:.2} GB/s bus in host memory (`bench collective`, {ranks} ranks)"
+            ));
+        }
+        None if a.gpus * a.nodes > 1 => notes.push(format!(
+            "gradient sum in host memory assumed {} GB/s bus; pass --calibration from `mpirun -np {} megatrain bench collective --json` on the machine",
+            hw.host_sum_gbps, a.gpus
+        )),
+        None => {}
     }
     if nvme.is_some() {
         hw.nvme_gbps = nvme;

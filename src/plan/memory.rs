@@ -229,18 +229,30 @@ fn layer_chunks(
 }
 
 /// What `m` lacks on `hw`, one line per exhausted memory (empty when it fits).
-pub(super) fn shortfalls(m: &MemoryPlan, hw: &Hardware) -> Vec<String> {
+pub(super) fn shortfalls(m: &MemoryPlan, hw: &Hardware, ranks_per_node: u64) -> Vec<String> {
     let host_cap = (hw.host_ram_bytes as f64 * USABLE) as u64;
     let dev_cap = (hw.gpu_memory_bytes as f64 * USABLE) as u64;
     let host_need = m.host_state_bytes + m.host_activation_bytes;
     let mut why = Vec::new();
+    let hb = crate::util::human_bytes;
     if host_need > host_cap {
-        why.push(format!(
-            "host needs {} of {} usable: {} missing",
-            crate::util::human_bytes(host_need),
-            crate::util::human_bytes(host_cap),
-            crate::util::human_bytes(host_need - host_cap)
-        ));
+        // `hw` is one rank's share of its machine: say it for the machine's ranks together.
+        let k = ranks_per_node.max(1);
+        why.push(match k {
+            1 => format!(
+                "host needs {} of {} usable: {} missing",
+                hb(host_need),
+                hb(host_cap),
+                hb(host_need - host_cap)
+            ),
+            k => format!(
+                "host needs {} per rank, {} for the {k} ranks of a machine, of {} usable: {} missing (every rank holds the whole host state)",
+                hb(host_need),
+                hb(host_need.saturating_mul(k)),
+                hb(host_cap.saturating_mul(k)),
+                hb((host_need - host_cap).saturating_mul(k))
+            ),
+        });
     }
     if m.device_bytes > dev_cap {
         why.push(format!(

@@ -3,6 +3,7 @@
 //! below (or from a calibration measured with `megatrain bench`), never a measurement.
 
 mod checkpoint;
+pub mod data_parallel;
 pub mod grad_link;
 pub mod kernels;
 mod memory;
@@ -10,6 +11,7 @@ pub mod presets;
 mod render;
 pub mod sim;
 pub use checkpoint::{checkpoint, CheckpointPlan, ASSUMED_CHECKPOINT_GBPS};
+pub use data_parallel::{DataParallel, DataParallelPlan};
 use memory::{device_side, shortfalls};
 pub use memory::{memory, spilled_units, MemoryPlan};
 pub use render::render;
@@ -59,6 +61,30 @@ pub struct Hardware {
     /// The same in fp32.
     #[serde(default)]
     pub measured_fp32: Option<KernelEfficiency>,
+    /// GPUs in one machine (`plan --gpus` takes up to this many).
+    #[serde(default = "one_gpu")]
+    pub gpus: usize,
+    /// Bus GB/s (as nccl-tests counts it) of the ranks' gradient sum in host memory within one
+    /// machine (`megatrain bench collective` measures it).
+    #[serde(default = "assumed_host_sum_gbps")]
+    pub host_sum_gbps: f64,
+    /// The machine's network GB/s per direction, all its NICs together (`plan --nodes` above 1
+    /// needs it).
+    #[serde(default)]
+    pub nic_gbps: Option<f64>,
+}
+
+fn one_gpu() -> usize {
+    1
+}
+
+/// Bus GB/s assumed for the ranks' gradient sum in host memory where it was not measured:
+/// `bench collective` measured 1.1–5.1 GB/s with 2–8 ranks on an H200 host's 16 cores
+/// (docs/gpu.md), so a figure near its low end.
+pub const ASSUMED_HOST_SUM_GBPS: f64 = 2.0;
+
+fn assumed_host_sum_gbps() -> f64 {
+    ASSUMED_HOST_SUM_GBPS
 }
 
 /// What to plan.
@@ -88,6 +114,9 @@ pub struct PlanRequest {
     pub activations: Option<Activations>,
     /// How they are stored: bf16 (half the bytes) only under bf16.
     pub activation_dtype: ActivationDtype,
+    /// GPUs per machine and machines, one rank per GPU ([`data_parallel`]): `tokens_per_step`
+    /// is the job's, `micro_batch_tokens` a rank's.
+    pub data_parallel: DataParallel,
 }
 
 impl PlanRequest {
@@ -143,31 +172,48 @@ impl PlanRequest {
                 Some("pass --activations device or host, or leave it unset"),
             ));
         }
-        if !self.tokens_per_step.is_multiple_of(self.seq_len) {
+        // Each rank trains whole sequences, as many as every other.
+        let ranks = self.data_parallel.ranks();
+        let grain = self.seq_len.saturating_mul(ranks);
+        if !self.tokens_per_step.is_multiple_of(grain) {
             return bad(
                 "--tokens-per-step",
                 self.tokens_per_step,
                 format!(
-                    "is not a whole number of sequences of --seq-len {} (a step trains whole sequences): use {} or {}",
+                    "is not a whole number of sequences of --seq-len {}{} (a step trains whole sequences): use {}",
                     self.seq_len,
-                    self.tokens_per_step / self.seq_len * self.seq_len,
-                    self.tokens_per_step.div_ceil(self.seq_len) * self.seq_len
+                    if ranks > 1 { format!(" for each of the {ranks} ranks") } else { String::new() },
+                    match self.tokens_per_step / grain * grain {
+                        0 => format!("{grain} or more"),
+                        below => format!("{below} or {}", self.tokens_per_step.div_ceil(grain) * grain),
+                    }
                 ),
             );
         }
+        let per_rank = self.tokens_per_step / ranks;
         if let Some(m) = self.micro_batch_tokens {
-            if m < self.seq_len || m > self.tokens_per_step || !m.is_multiple_of(self.seq_len) {
+            if m < self.seq_len || m > per_rank || !m.is_multiple_of(self.seq_len) {
                 return bad(
                     "--micro-batch-tokens",
                     m,
                     format!(
-                        "must be a whole number of sequences of --seq-len {}, at most --tokens-per-step {}",
-                        self.seq_len, self.tokens_per_step
+                        "must be a whole number of sequences of --seq-len {}, at most {} {per_rank}",
+                        self.seq_len,
+                        if ranks > 1 { "a rank's share of the step," } else { "--tokens-per-step" },
                     ),
                 );
             }
         }
         Ok(())
+    }
+
+    /// One rank's request: its share of the job's tokens per step (the request itself for a
+    /// job of one rank). [`time`], [`memory`] and the micro-batch choice plan a rank.
+    pub fn rank_share(&self) -> PlanRequest {
+        PlanRequest {
+            tokens_per_step: self.tokens_per_step / self.data_parallel.ranks(),
+            ..self.clone()
+        }
     }
 
     fn micro_tokens(&self) -> u64 {
@@ -207,11 +253,13 @@ pub struct TimePlan {
     pub adam_s: f64,
     /// NVMe traffic of spilled moments.
     pub nvme_s: f64,
+    /// Summing the gradients across the ranks (data parallel; 0 for one rank).
+    pub sum_s: f64,
     /// Predicted step: the slowest component (the pipeline overlaps the rest).
     pub step_s: f64,
     /// Which component bounds it.
     pub bottleneck: String,
-    /// Tokens per second.
+    /// Tokens per second (of the whole job, from [`plan`]; of a rank, from [`time`]).
     pub tokens_per_s: f64,
     /// Model FLOPs utilization: 6·N·tokens / (step · peak).
     pub mfu: f64,
@@ -243,6 +291,8 @@ pub struct Plan {
     pub checkpoint: CheckpointPlan,
     /// How gradients cross the link, and why.
     pub grad_link: GradLinkChoice,
+    /// Several ranks: the machine's memory, the gradient sum and the job's speed.
+    pub data_parallel: Option<DataParallelPlan>,
     /// The model's architecture features (attention heads, RoPE and its scaling, biases, …).
     pub features: Vec<String>,
     /// Always "prediction".
@@ -332,6 +382,10 @@ pub fn hardware_from_machine(
             sources: "probe description + datasheet peaks".into(),
             measured_bf16: None,
             measured_fp32: None,
+            gpus: m.gpus.len(),
+            host_sum_gbps: ASSUMED_HOST_SUM_GBPS,
+            // A probe describes no network between machines: `plan --nic-gbps` gives it.
+            nic_gbps: None,
         },
         notes,
     ))
@@ -396,6 +450,11 @@ fn sim_costs(
         norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
         nvme_read_s: (0..numel.len()).map(nvme).collect(),
         nvme_write_s: (0..numel.len()).map(nvme).collect(),
+        // The ranks sum fp32 gradients in host memory, whatever crossed the link.
+        reduce_s: numel
+            .iter()
+            .map(|&k| req.data_parallel.sum_s(hw, 4.0 * k as f64))
+            .collect(),
         staging_slots: 3,
         unit_numel: numel,
         lean_piece_elems: (req.mode == Mode::Lean).then(|| layout.lean_piece_elems()),
@@ -423,6 +482,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             dtoh_s: 0.0,
             adam_s: 0.0,
             nvme_s: f64::INFINITY,
+            sum_s: 0.0,
             step_s: f64::INFINITY,
             bottleneck: "NVMe".into(),
             tokens_per_s: 0.0,
@@ -443,7 +503,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             activation_dtype: req.activation_dtype,
             device_inputs: placed.device_inputs,
             lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
-            ranks: 1,
+            ranks: req.data_parallel.ranks() as usize,
         };
         sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)
     };
@@ -464,12 +524,15 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             bottleneck: p2.bottleneck,
         }
     };
+    // Every unit's gradients are summed once a step, on the host thread.
+    let sum_s: f64 = costs.reduce_s.iter().sum();
     let parts = [
         ("GPU compute", p.compute_s),
         ("host→device", p.htod_s),
         ("device→host", p.dtoh_s),
         ("CPU AdamW", p.adam_s),
         ("NVMe", p.nvme_s),
+        ("gradient sum", sum_s),
     ];
     let bottleneck = parts
         .iter()
@@ -481,6 +544,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
         dtoh_s: p.dtoh_s,
         adam_s: p.adam_s,
         nvme_s: p.nvme_s,
+        sum_s,
         step_s: p.step_s,
         bottleneck: bottleneck.to_owned(),
         tokens_per_s: req.tokens_per_step as f64 / p.step_s,
@@ -511,7 +575,8 @@ fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Pl
         d += 1;
     }
     divisors.sort_unstable();
-    let fits_with = |k: u64| shortfalls(&memory(model, &with(k), hw), hw).is_empty();
+    let per_node = req.data_parallel.gpus;
+    let fits_with = |k: u64| shortfalls(&memory(model, &with(k), hw), hw, per_node).is_empty();
     // The largest index whose divisor fits, if any.
     let (mut lo, mut hi) = (0usize, divisors.len());
     if !fits_with(divisors[0]) {
@@ -528,9 +593,10 @@ fn pick_micro_batch(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Pl
     with(divisors[lo])
 }
 
-/// The smallest change to `req` (as the user asked it, micro-batch unresolved) that makes it
-/// fit `hw`, as the flags that say it and the request with it applied and resolved (each
-/// alternative alone first, then combined); `None` if nothing tried fits.
+/// The smallest change to `req` (as the user asked it, micro-batch unresolved; a rank's:
+/// [`PlanRequest::rank_share`]) that makes it fit `hw` (the rank's share of its machine:
+/// [`DataParallel::rank_share`]), as the flags that say it and the request with it applied and
+/// resolved (each alternative alone first, then combined); `None` if nothing tried fits.
 pub fn suggest(
     model: &ModelConfig,
     hw: &Hardware,
@@ -584,7 +650,8 @@ pub fn suggest(
             format!(
                 "--seq-len {} --tokens-per-step {}",
                 req.seq_len / 2,
-                req.tokens_per_step / 2
+                // The flag takes the job's tokens.
+                req.tokens_per_step / 2 * req.data_parallel.ranks()
             ),
             PlanRequest {
                 seq_len: req.seq_len / 2,
@@ -601,7 +668,7 @@ pub fn suggest(
             ..hw.clone()
         };
         let r = resolve(model, &hw, &r);
-        shortfalls(&memory(model, &r, &hw), &hw)
+        shortfalls(&memory(model, &r, &hw), &hw, r.data_parallel.gpus)
             .is_empty()
             .then_some((what, r))
     })
@@ -620,38 +687,79 @@ pub fn resolve(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> PlanReq
     }
 }
 
-/// Plan `model` on `hw`.
+/// Plan `model` on `hw`: one rank of the job `req.data_parallel` describes (its share of the
+/// machine, its share of the step's tokens), with the job's tokens per second and, for several
+/// ranks, the machine's memory and the gradient sum ([`DataParallelPlan`]).
 pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
-    let asked = req;
-    let (req, grad_link) = pick_grad_link(model, hw, &resolve(model, hw, req));
-    let req = &req;
-    let mem = memory(model, req, hw);
-    let shortfalls = shortfalls(&mem, hw);
+    let dp = req.data_parallel;
+    let node = hw;
+    let hw = &dp.rank_share(node);
+    let asked = &req.rank_share();
+    let (rank, grad_link) = pick_grad_link(model, hw, &resolve(model, hw, asked));
+    let rank = &rank;
+    let mem = memory(model, rank, hw);
+    let shortfalls = shortfalls(&mem, hw, dp.gpus);
     let fits = shortfalls.is_empty();
     let suggestion = (!fits).then(|| {
-        suggest(model, hw, asked).map_or_else(
-            || {
+        suggest(model, hw, asked)
+            .map(|(what, _)| what)
+            .or_else(|| fewer_gpus(model, node, req))
+            .unwrap_or_else(|| {
                 "nothing tried fits: a machine with more host RAM or GPU memory is needed"
                     .to_owned()
-            },
-            |(what, _)| what,
-        )
+            })
     });
-    let time = time(model, hw, req);
+    let mut time = time(model, hw, rank);
+    time.tokens_per_s *= dp.ranks() as f64;
+    let host_per_rank = mem.host_state_bytes + mem.host_activation_bytes;
+    let data_parallel = (dp.ranks() > 1).then(|| DataParallelPlan {
+        gpus_per_node: dp.gpus,
+        nodes: dp.nodes,
+        ranks: dp.ranks(),
+        tokens_per_rank: rank.tokens_per_step,
+        host_bytes_per_rank: host_per_rank,
+        host_bytes_per_node: host_per_rank.saturating_mul(dp.gpus),
+        node_ram_bytes: node.host_ram_bytes,
+        sum_bytes_per_step: 4 * model.num_params() as u64,
+        host_sum_gbps: node.host_sum_gbps,
+        nic_gbps: (dp.nodes > 1).then_some(node.nic_gbps).flatten(),
+        job_tokens_per_s: time.tokens_per_s,
+    });
     Plan {
         params: model.num_params() as u64,
         active_params: model.active_params() as u64,
-        micro_batch_tokens: req.micro_tokens(),
-        checkpoint: checkpoint(model, hw, req, &time),
+        micro_batch_tokens: rank.micro_tokens(),
+        checkpoint: checkpoint(model, hw, rank, &time),
         time,
         grad_link,
         fits,
         missing: (!fits).then(|| shortfalls.join("; ")),
         suggestion,
         memory: mem,
+        data_parallel,
         features: model.features(),
         kind: "prediction",
     }
+}
+
+/// For a job of several GPUs per machine that does not fit: the most GPUs per machine whose
+/// ranks' host state fits (each rank holds all of it), as the flag that says it.
+fn fewer_gpus(model: &ModelConfig, node: &Hardware, req: &PlanRequest) -> Option<String> {
+    (1..req.data_parallel.gpus).rev().find_map(|gpus| {
+        let r = PlanRequest {
+            data_parallel: DataParallel {
+                gpus,
+                ..req.data_parallel
+            },
+            ..req.clone()
+        };
+        r.validate().ok()?;
+        let hw = r.data_parallel.rank_share(node);
+        let rank = resolve(model, &hw, &r.rank_share());
+        shortfalls(&memory(model, &rank, &hw), &hw, gpus)
+            .is_empty()
+            .then(|| format!("--gpus {gpus}"))
+    })
 }
 
 /// Host bytes per NUMA node of a described machine: the trainer's own placement of `model`

@@ -34,8 +34,11 @@ pub fn machine(name: &str) -> Option<Hardware> {
         sources: src.into(),
         measured_bf16: None,
         measured_fp32: None,
+        gpus: 1,
+        host_sum_gbps: super::ASSUMED_HOST_SUM_GBPS,
+        nic_gbps: None,
     };
-    Some(match name {
+    let hw = match name {
         "h200-1.5tb" => h(
             name,
             "H200 SXM 141GB",
@@ -85,6 +88,24 @@ pub fn machine(name: &str) -> Option<Hardware> {
             "GPU: NVIDIA Ada whitepaper (fp32 82.6 TF, bf16 with fp32 accumulate 165 TF dense); link: PCIe4 x16 ~25 GB/s; host: workstation DDR5 256 GB, AdamW assumed 0.9 × ~80 GB/s",
         ),
         _ => return None,
+    };
+    // GPUs per machine and its network (what `plan --gpus/--nodes` spreads over), and the
+    // gradient sum in host memory (`bench collective`; assumed, not measured on these machines).
+    let (gpus, nic, src) = match name {
+        "h200-1.5tb" => (8, Some(400.0), "8 GPUs and 8 × 400 Gb/s NICs (400 GB/s per direction) as in NVIDIA's HGX H200 reference design"),
+        "gh200-480gb" => (1, Some(50.0), "one GH200 per machine with one 400 Gb/s NIC (50 GB/s), assumed"),
+        "h100-512gb" => (4, Some(100.0), "4 GPUs and 2 × 400 Gb/s NICs (100 GB/s), assumed"),
+        _ => (2, None, "2 GPUs, no network between machines, assumed"),
+    };
+    Some(Hardware {
+        gpus,
+        nic_gbps: nic,
+        sources: format!(
+            "{}; {src}; ranks' gradient sum in host memory assumed {} GB/s bus (`bench collective` measured 1.1–5.1 on an H200 host, docs/gpu.md)",
+            hw.sources,
+            super::ASSUMED_HOST_SUM_GBPS
+        ),
+        ..hw
     })
 }
 

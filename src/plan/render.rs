@@ -41,8 +41,8 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     let mut s = format!(
         "megatrain plan — {model_name} ({:.2}B params{}) on {} ({})\n\
          model: {}\n\
-         {} tokens/step in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
-         memory\n  host state       {:>12}  ({:.1} B/param)\n  activations      {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
+         {} tokens/step{} in micro-batches of {}, seq {}, {}, {} mode, {} Adam state{}\n\n\
+         memory{}\n  host state       {:>12}  ({:.1} B/param)\n  activations      {:>12}  ({})\n  GPU working set  {:>12}  of {}{}\n  NVMe             {:>12}\n  fits: {}\n",
         p.params as f64 / 1e9,
         match p.active_params < p.params {
             true => format!(", {:.2}B active", p.active_params as f64 / 1e9),
@@ -52,6 +52,13 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         hw.gpu,
         p.features.join(", "),
         req.tokens_per_step,
+        match &p.data_parallel {
+            Some(d) => format!(
+                " ({} per rank on each of {} ranks: {} GPU(s) × {} machine(s))",
+                d.tokens_per_rank, d.ranks, d.gpus_per_node, d.nodes
+            ),
+            None => String::new(),
+        },
         p.micro_batch_tokens,
         req.seq_len,
         if req.bf16 { "bf16 streaming" } else { "fp32" },
@@ -61,6 +68,11 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
             format!(", Adam m/v of {} of {} units on NVMe", p.memory.nvme_units, p.memory.units)
         } else {
             String::new()
+        },
+        if p.data_parallel.is_some() {
+            " (of one rank)"
+        } else {
+            ""
         },
         hb(p.memory.host_state_bytes),
         p.memory.host_bytes_per_param,
@@ -82,8 +94,18 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     if let Some(sg) = &p.suggestion {
         s += &format!("  smallest change that fits: {sg}\n");
     }
+    if let Some(d) = &p.data_parallel {
+        s += &format!(
+            "\ndata parallel: {} ranks, every rank holding the whole host state (it is not sharded)\n  host per rank    {:>12}\n  host per machine {:>12}  of {} ({} ranks)\n",
+            d.ranks,
+            hb(d.host_bytes_per_rank),
+            hb(d.host_bytes_per_node),
+            hb(d.node_ram_bytes),
+            d.gpus_per_node,
+        );
+    }
     s += &format!(
-        "\npredicted step (a model, not a measurement)\n  GPU compute {}  (GEMM {}, attention {}, elementwise {})\n  host→device {}\n  device→host {}\n  CPU AdamW   {}\n  NVMe        {}\n  step        {}  bound by {}\n  {:.0} tokens/s, MFU {:.1}%\n",
+        "\npredicted step (a model, not a measurement)\n  GPU compute {}  (GEMM {}, attention {}, elementwise {})\n  host→device {}\n  device→host {}\n  CPU AdamW   {}\n  NVMe        {}\n{}  step        {}  bound by {}\n  {:.0} tokens/s{}, MFU {:.1}%\n",
         ms(t.compute_s),
         ms(t.compute_split.gemm_s),
         ms(t.compute_split.attention_s),
@@ -92,9 +114,25 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         ms(t.dtoh_s),
         ms(t.adam_s),
         ms(t.nvme_s),
+        match &p.data_parallel {
+            Some(d) => format!(
+                "  grad sum    {}  ({} of fp32 gradients per rank in host memory at {} GB/s bus{}, on each rank's host thread)\n",
+                ms(t.sum_s),
+                hb(d.sum_bytes_per_step),
+                d.host_sum_gbps,
+                d.nic_gbps
+                    .map_or_else(String::new, |n| format!(", across machines at {n} GB/s each"))
+            ),
+            None => String::new(),
+        },
         ms(t.step_s),
         t.bottleneck,
         t.tokens_per_s,
+        if p.data_parallel.is_some() {
+            " (the job's)"
+        } else {
+            ""
+        },
         100.0 * t.mfu
     );
     s += &format!(

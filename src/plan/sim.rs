@@ -71,6 +71,9 @@ pub struct Costs {
     pub nvme_read_s: Vec<f64>,
     /// NVMe write seconds per unit.
     pub nvme_write_s: Vec<f64>,
+    /// Seconds to sum each unit's gradients across the ranks (data parallel, on the host
+    /// thread; empty or zeros for one rank).
+    pub reduce_s: Vec<f64>,
     /// Staging slots of the NVMe tier.
     pub staging_slots: usize,
     /// When compute kernels and AdamW run on the same CPU cores (the CPU device), how they
@@ -215,6 +218,11 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
             (res, dur)
         }
         (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
+        (Lane::Host, Op::Reduce { unit, piece, .. }) => {
+            let share =
+                costs.piece_len(*unit, *piece) as f64 / costs.unit_numel[*unit].max(1) as f64;
+            (HOST, costs.reduce_s.get(*unit).map_or(0.0, |s| s * share))
+        }
         (Lane::Host, _) => (HOST, 0.0),
     }
 }
@@ -500,6 +508,7 @@ mod tests {
             norm_s: vec![0.0; units],
             nvme_read_s: vec![0.0; units],
             nvme_write_s: vec![0.0; units],
+            reduce_s: Vec::new(),
             staging_slots: 3,
             shared_cores: None,
         }
@@ -540,6 +549,49 @@ mod tests {
         // resident when the backward starts), one unit per second.
         assert!(p.step_s >= 9.0 && p.step_s <= 12.0, "{p:?}");
         assert_eq!(p.bottleneck, "host→device");
+    }
+
+    /// Data parallel: each unit's sum runs on the host thread between its gradients' landing
+    /// and its update, once a step (lean mode: a piece at a time, the same total), and nothing
+    /// runs on the host thread meanwhile.
+    #[test]
+    fn the_ranks_sum_is_on_the_host_thread_once_per_unit() {
+        let mut c = costs(6);
+        c.kernels.block_fwd = 0.1;
+        c.kernels.block_bwd = 0.1;
+        c.reduce_s = vec![1.0; 6];
+        for mode in [Mode::Exact, Mode::Lean] {
+            let one = simulate(&schedule(&spec(4, mode)), &c);
+            let two = simulate(
+                &schedule(&ScheduleSpec {
+                    ranks: 2,
+                    ..spec(4, mode)
+                }),
+                &c,
+            );
+            // One rank schedules no sum; two sum 6 units, 1 s each, back to back at most.
+            assert!(one.step_s < 1.0, "{mode:?}: {one:?}");
+            assert!(
+                two.step_s >= 6.0 && two.step_s < 6.0 + 1.0,
+                "{mode:?}: {two:?}"
+            );
+        }
+        let mut lean = c.clone();
+        lean.lean_piece_elems = Some(400_000);
+        let p = simulate(
+            &schedule(&ScheduleSpec {
+                ranks: 2,
+                lean_pieces: crate::engine::schedule::LeanPieces {
+                    embedding: 3,
+                    block: 3,
+                    head: 3,
+                },
+                ..spec(4, Mode::Lean)
+            }),
+            &lean,
+        );
+        // Three pieces a unit (0.4 + 0.4 + 0.2 of its sum): still 6 s in all.
+        assert!(p.step_s >= 6.0 && p.step_s < 7.0, "{p:?}");
     }
 
     #[test]
