@@ -116,12 +116,12 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
         ms(t.nvme_s),
         match &p.data_parallel {
             Some(d) => format!(
-                "  grad sum    {}  ({} of fp32 gradients per rank in host memory at {} GB/s bus{}, on each rank's host thread)\n",
+                "  grad sum    {}  ({} of fp32 gradients per rank in host memory at {:.2} GB/s bus{}, on each rank's host thread)\n",
                 ms(t.sum_s),
                 hb(d.sum_bytes_per_step),
                 d.host_sum_gbps,
                 d.nic_gbps
-                    .map_or_else(String::new, |n| format!(", across machines at {n} GB/s each"))
+                    .map_or_else(String::new, |n| format!(", across machines at {n:.1} GB/s each"))
             ),
             None => String::new(),
         },
