@@ -577,6 +577,39 @@ fn plan_spreads_over_gpus_and_machines() {
         ],
         "for each of the 3 ranks",
     );
+    refused(
+        &[
+            "--machine",
+            "h200-1.5tb",
+            "--gpus",
+            "8",
+            "--nodes",
+            "4611686018427387904",
+        ],
+        "--nodes",
+    );
+    // Unset, the step is whole sequences for each rank.
+    let v = json(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--machine",
+        "h200-1.5tb",
+        "--gpus",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(v["request"]["tokens_per_step"], 73728);
+    // A collective report of one rank sums nothing: refused, not a rate of 0.
+    let dir = tempfile::tempdir().unwrap();
+    let solo = dir.path().join("solo.json");
+    std::fs::write(
+        &solo,
+        r#"{"bench":"collective","ranks":1,"hosts":1,"library":"none","ours_path":"one process",
+            "rows":[{"bytes":16000000,"ours_s":0.001,"ours_busbw_gbs":0.0,"library_s":0.001,"library_busbw_gbs":0.0}]}"#,
+    )
+    .unwrap();
+    assert!(plan_refuses(&solo).contains("a report of one rank"));
     // A network given makes several machines plannable.
     let v = json(&[
         "plan",

@@ -96,6 +96,12 @@ impl Calibration {
                     c.kernels = Some((p.clone(), r));
                 }
                 Report::Collective(r) => {
+                    if r.ranks < 2 {
+                        return Err(bad_calibration(
+                            p,
+                            "a report of one rank, which sums nothing (run it under the launcher: `mpirun -np 2 megatrain bench collective --json` or more ranks)",
+                        ));
+                    }
                     if r.hosts != 1 {
                         return Err(bad_calibration(
                             p,
@@ -106,6 +112,15 @@ impl Calibration {
                     let row = r.rows.iter().max_by_key(|x| x.bytes).ok_or_else(|| {
                         bad_calibration(p, "a collective report without a measured size")
                     })?;
+                    if !(row.ours_busbw_gbs.is_finite() && row.ours_busbw_gbs > 0.0) {
+                        return Err(bad_calibration(
+                            p,
+                            &format!(
+                                "a collective report whose sum measured {} GB/s",
+                                row.ours_busbw_gbs
+                            ),
+                        ));
+                    }
                     c.host_sum = Some((row.ours_busbw_gbs, r.ranks));
                 }
             }
@@ -167,7 +182,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 0)]
     gpu: usize,
     /// Tokens per optimizer step (of the whole job: each of --gpus × --nodes ranks trains its
-    /// share) [default: 65536, or one sequence per rank where that is more]
+    /// share) [default: 65536 rounded up to whole sequences for each rank]
     #[arg(long)]
     tokens_per_step: Option<u64>,
     /// GPUs per machine, one data-parallel rank each (as `mpirun -np N megatrain train` runs
@@ -233,7 +248,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let (hw, described, notes) = hardware(a, &cal)?;
     let req = pl::PlanRequest {
         tokens_per_step: a.tokens_per_step.unwrap_or_else(|| {
-            65536u64.max(a.seq_len.saturating_mul(a.gpus.saturating_mul(a.nodes)))
+            pl::PlanRequest::default_tokens_per_step(a.seq_len, a.gpus.saturating_mul(a.nodes))
         }),
         seq_len: a.seq_len,
         bf16: a.precision == megatrain::train::config::Precision::Bf16,
@@ -385,16 +400,26 @@ fn hardware(
         }
         hw.nic_gbps = Some(nic);
     }
+    let ranks = a.gpus.saturating_mul(a.nodes);
     match cal.host_sum {
-        Some((g, ranks)) => {
+        Some((g, measured)) => {
             hw.host_sum_gbps = g;
             notes.push(format!(
-                "gradient sum calibrated: {g:.2} GB/s bus in host memory (`bench collective`, {ranks} ranks)"
+                "gradient sum calibrated: {g:.2} GB/s bus in host memory (`bench collective`, {measured} ranks{})",
+                if measured as u64 == a.gpus {
+                    String::new()
+                } else {
+                    format!(
+                        "; this plan has {} per machine, and the rate changes with the ranks",
+                        a.gpus
+                    )
+                }
             ));
         }
-        None if a.gpus * a.nodes > 1 => notes.push(format!(
+        None if ranks > 1 => notes.push(format!(
             "gradient sum in host memory assumed {} GB/s bus; pass --calibration from `mpirun -np {} megatrain bench collective --json` on the machine",
-            hw.host_sum_gbps, a.gpus
+            hw.host_sum_gbps,
+            a.gpus.max(2)
         )),
         None => {}
     }

@@ -11,6 +11,9 @@
 use super::Hardware;
 use serde::Serialize;
 
+/// The most machines a plan spreads over.
+pub const MAX_NODES: u64 = 1 << 16;
+
 /// How many GPUs and machines a plan spreads over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct DataParallel {
@@ -27,7 +30,7 @@ impl Default for DataParallel {
 }
 
 impl DataParallel {
-    /// Ranks in the job.
+    /// Ranks in the job (at least one: [`DataParallel::check`] refuses a job of none).
     pub fn ranks(&self) -> u64 {
         self.gpus.saturating_mul(self.nodes).max(1)
     }
@@ -45,7 +48,14 @@ impl DataParallel {
                 "pass --gpus 1 or more and --nodes 1 or more",
             );
         }
-        if self.gpus > hw.gpus as u64 {
+        if self.nodes > MAX_NODES {
+            return bad(
+                format!("--nodes {}", self.nodes),
+                format!("plans at most {MAX_NODES} machines"),
+                "pass fewer machines",
+            );
+        }
+        if self.gpus > hw.gpus {
             return bad(
                 format!("--gpus {}", self.gpus),
                 format!("{} has {} GPU(s) per machine", hw.name, hw.gpus),

@@ -228,7 +228,9 @@ fn layer_chunks(
         })
 }
 
-/// What `m` lacks on `hw`, one line per exhausted memory (empty when it fits).
+/// What `m` lacks on `hw`, one line per exhausted memory (empty when it fits). `hw` is one
+/// rank's share of its machine; `ranks_per_node` only changes how the host's lack is said (for
+/// the machine's ranks together).
 pub(super) fn shortfalls(m: &MemoryPlan, hw: &Hardware, ranks_per_node: u64) -> Vec<String> {
     let host_cap = (hw.host_ram_bytes as f64 * USABLE) as u64;
     let dev_cap = (hw.gpu_memory_bytes as f64 * USABLE) as u64;

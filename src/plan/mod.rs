@@ -63,7 +63,7 @@ pub struct Hardware {
     pub measured_fp32: Option<KernelEfficiency>,
     /// GPUs in one machine (`plan --gpus` takes up to this many).
     #[serde(default = "one_gpu")]
-    pub gpus: usize,
+    pub gpus: u64,
     /// Bus GB/s (as nccl-tests counts it) of the ranks' gradient sum in host memory within one
     /// machine (`megatrain bench collective` measures it).
     #[serde(default = "assumed_host_sum_gbps")]
@@ -74,7 +74,7 @@ pub struct Hardware {
     pub nic_gbps: Option<f64>,
 }
 
-fn one_gpu() -> usize {
+fn one_gpu() -> u64 {
     1
 }
 
@@ -138,14 +138,22 @@ impl PlanRequest {
                 "must be between 1 and 16777216".into(),
             );
         }
-        if self.tokens_per_step < self.seq_len || self.tokens_per_step > 1 << 40 {
+        // At least one sequence for each rank.
+        let ranks = self.data_parallel.ranks();
+        let grain = self.seq_len.saturating_mul(ranks);
+        if self.tokens_per_step < grain || self.tokens_per_step > 1 << 40 {
             return bad(
                 "--tokens-per-step",
                 self.tokens_per_step,
-                format!(
-                    "must be between the sequence length ({}) and 2^40",
-                    self.seq_len
-                ),
+                match ranks {
+                    1 => format!(
+                        "must be between the sequence length ({}) and 2^40",
+                        self.seq_len
+                    ),
+                    _ => format!(
+                        "must be between one sequence for each of the {ranks} ranks ({grain}) and 2^40"
+                    ),
+                },
             );
         }
         if self.grad_link == Some(GradLink::Bf16) && !self.bf16 {
@@ -173,20 +181,16 @@ impl PlanRequest {
             ));
         }
         // Each rank trains whole sequences, as many as every other.
-        let ranks = self.data_parallel.ranks();
-        let grain = self.seq_len.saturating_mul(ranks);
         if !self.tokens_per_step.is_multiple_of(grain) {
             return bad(
                 "--tokens-per-step",
                 self.tokens_per_step,
                 format!(
-                    "is not a whole number of sequences of --seq-len {}{} (a step trains whole sequences): use {}",
+                    "is not a whole number of sequences of --seq-len {}{} (a step trains whole sequences): use {} or {}",
                     self.seq_len,
                     if ranks > 1 { format!(" for each of the {ranks} ranks") } else { String::new() },
-                    match self.tokens_per_step / grain * grain {
-                        0 => format!("{grain} or more"),
-                        below => format!("{below} or {}", self.tokens_per_step.div_ceil(grain) * grain),
-                    }
+                    self.tokens_per_step / grain * grain,
+                    self.tokens_per_step.div_ceil(grain) * grain
                 ),
             );
         }
@@ -205,6 +209,13 @@ impl PlanRequest {
             }
         }
         Ok(())
+    }
+
+    /// The default `--tokens-per-step` of a job of `ranks` ranks of `seq_len`-token sequences:
+    /// 65,536 rounded up to whole sequences for each rank.
+    pub fn default_tokens_per_step(seq_len: u64, ranks: u64) -> u64 {
+        let grain = seq_len.saturating_mul(ranks).max(1);
+        65536u64.div_ceil(grain).saturating_mul(grain)
     }
 
     /// One rank's request: its share of the job's tokens per step (the request itself for a
@@ -382,7 +393,7 @@ pub fn hardware_from_machine(
             sources: "probe description + datasheet peaks".into(),
             measured_bf16: None,
             measured_fp32: None,
-            gpus: m.gpus.len(),
+            gpus: m.gpus.len() as u64,
             host_sum_gbps: ASSUMED_HOST_SUM_GBPS,
             // A probe describes no network between machines: `plan --nic-gbps` gives it.
             nic_gbps: None,
@@ -722,14 +733,16 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         node_ram_bytes: node.host_ram_bytes,
         sum_bytes_per_step: 4 * model.num_params() as u64,
         host_sum_gbps: node.host_sum_gbps,
-        nic_gbps: (dp.nodes > 1).then_some(node.nic_gbps).flatten(),
+        nic_gbps: node.nic_gbps.filter(|_| dp.nodes > 1),
         job_tokens_per_s: time.tokens_per_s,
     });
     Plan {
         params: model.num_params() as u64,
         active_params: model.active_params() as u64,
         micro_batch_tokens: rank.micro_tokens(),
-        checkpoint: checkpoint(model, hw, rank, &time),
+        // Rank 0 writes the job's checkpoints with the machine's disk; the other ranks wait for
+        // it at their next sum.
+        checkpoint: checkpoint(model, node, rank, &time),
         time,
         grad_link,
         fits,
@@ -743,22 +756,30 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
 }
 
 /// For a job of several GPUs per machine that does not fit: the most GPUs per machine whose
-/// ranks' host state fits (each rank holds all of it), as the flag that says it.
+/// ranks' host state fits (each rank holds all of it), as the flags that say it — with the job's
+/// tokens rounded down to whole sequences for each rank where they must change.
 fn fewer_gpus(model: &ModelConfig, node: &Hardware, req: &PlanRequest) -> Option<String> {
     (1..req.data_parallel.gpus).rev().find_map(|gpus| {
+        let dp = DataParallel {
+            gpus,
+            ..req.data_parallel
+        };
+        let grain = req.seq_len.saturating_mul(dp.ranks()).max(1);
+        let tokens = (req.tokens_per_step / grain).max(1).saturating_mul(grain);
         let r = PlanRequest {
-            data_parallel: DataParallel {
-                gpus,
-                ..req.data_parallel
-            },
+            data_parallel: dp,
+            tokens_per_step: tokens,
             ..req.clone()
         };
         r.validate().ok()?;
-        let hw = r.data_parallel.rank_share(node);
+        let hw = dp.rank_share(node);
         let rank = resolve(model, &hw, &r.rank_share());
         shortfalls(&memory(model, &rank, &hw), &hw, gpus)
             .is_empty()
-            .then(|| format!("--gpus {gpus}"))
+            .then(|| match tokens == req.tokens_per_step {
+                true => format!("--gpus {gpus}"),
+                false => format!("--gpus {gpus} --tokens-per-step {tokens}"),
+            })
     })
 }
 

@@ -20,6 +20,8 @@ pub fn machine(name: &str) -> Option<Hardware> {
              dtoh: f64,
              ram: u64,
              adam: f64,
+             gpus: u64,
+             nic: Option<f64>,
              src: &str| Hardware {
         name: name.into(),
         gpu: gpu.into(),
@@ -34,11 +36,11 @@ pub fn machine(name: &str) -> Option<Hardware> {
         sources: src.into(),
         measured_bf16: None,
         measured_fp32: None,
-        gpus: 1,
+        gpus,
         host_sum_gbps: super::ASSUMED_HOST_SUM_GBPS,
-        nic_gbps: None,
+        nic_gbps: nic,
     };
-    let hw = match name {
+    Some(match name {
         "h200-1.5tb" => h(
             name,
             "H200 SXM 141GB",
@@ -49,7 +51,9 @@ pub fn machine(name: &str) -> Option<Hardware> {
             55.0,
             1536 * GIB,
             400.0,
-            "GPU: NVIDIA H200 datasheet (dense fp32 67 TF, bf16 989 TF); link: ~55 GB/s pinned H2D on PCIe5 H100/H200 hosts (nvbandwidth, DESIGN.md §1); host: 2-socket DDR5, AdamW assumed 0.9 × ~450 GB/s triad",
+            8,
+            Some(400.0),
+            "GPU: NVIDIA H200 datasheet (dense fp32 67 TF, bf16 989 TF); link: ~55 GB/s pinned H2D on PCIe5 H100/H200 hosts (nvbandwidth, DESIGN.md §1); host: 2-socket DDR5, AdamW assumed 0.9 × ~450 GB/s triad; 8 GPUs and 8 × 400 Gb/s NICs (400 GB/s per direction) as in NVIDIA's HGX H200 reference design",
         ),
         "gh200-480gb" => h(
             name,
@@ -61,7 +65,9 @@ pub fn machine(name: &str) -> Option<Hardware> {
             300.0,
             480 * GB,
             350.0,
-            "GPU: NVIDIA GH200 datasheet; link: NVLink-C2C ~340 GB/s H2D measured (nvbandwidth reports, DESIGN.md §1), D2H assumed 300; host: Grace LPDDR5X 480 GB, AdamW assumed 0.9 × ~390 GB/s triad",
+            1,
+            Some(50.0),
+            "GPU: NVIDIA GH200 datasheet; link: NVLink-C2C ~340 GB/s H2D measured (nvbandwidth reports, DESIGN.md §1), D2H assumed 300; host: Grace LPDDR5X 480 GB, AdamW assumed 0.9 × ~390 GB/s triad; one GH200 per machine with one 400 Gb/s NIC (50 GB/s), assumed",
         ),
         "h100-512gb" => h(
             name,
@@ -73,7 +79,9 @@ pub fn machine(name: &str) -> Option<Hardware> {
             55.0,
             512 * GIB,
             200.0,
-            "GPU: NVIDIA H100 SXM datasheet; link: ~55 GB/s PCIe5 (nvbandwidth); host: 1-socket DDR5 512 GB, AdamW assumed 0.9 × ~220 GB/s triad",
+            4,
+            Some(100.0),
+            "GPU: NVIDIA H100 SXM datasheet; link: ~55 GB/s PCIe5 (nvbandwidth); host: 1-socket DDR5 512 GB, AdamW assumed 0.9 × ~220 GB/s triad; 4 GPUs and 2 × 400 Gb/s NICs (100 GB/s), assumed",
         ),
         "rtx4090-256gb" => h(
             name,
@@ -85,27 +93,11 @@ pub fn machine(name: &str) -> Option<Hardware> {
             25.0,
             256 * GIB,
             70.0,
-            "GPU: NVIDIA Ada whitepaper (fp32 82.6 TF, bf16 with fp32 accumulate 165 TF dense); link: PCIe4 x16 ~25 GB/s; host: workstation DDR5 256 GB, AdamW assumed 0.9 × ~80 GB/s",
+            2,
+            None,
+            "GPU: NVIDIA Ada whitepaper (fp32 82.6 TF, bf16 with fp32 accumulate 165 TF dense); link: PCIe4 x16 ~25 GB/s; host: workstation DDR5 256 GB, AdamW assumed 0.9 × ~80 GB/s; 2 GPUs and no network between machines, assumed",
         ),
         _ => return None,
-    };
-    // GPUs per machine and its network (what `plan --gpus/--nodes` spreads over), and the
-    // gradient sum in host memory (`bench collective`; assumed, not measured on these machines).
-    let (gpus, nic, src) = match name {
-        "h200-1.5tb" => (8, Some(400.0), "8 GPUs and 8 × 400 Gb/s NICs (400 GB/s per direction) as in NVIDIA's HGX H200 reference design"),
-        "gh200-480gb" => (1, Some(50.0), "one GH200 per machine with one 400 Gb/s NIC (50 GB/s), assumed"),
-        "h100-512gb" => (4, Some(100.0), "4 GPUs and 2 × 400 Gb/s NICs (100 GB/s), assumed"),
-        _ => (2, None, "2 GPUs, no network between machines, assumed"),
-    };
-    Some(Hardware {
-        gpus,
-        nic_gbps: nic,
-        sources: format!(
-            "{}; {src}; ranks' gradient sum in host memory assumed {} GB/s bus (`bench collective` measured 1.1–5.1 on an H200 host, docs/gpu.md)",
-            hw.sources,
-            super::ASSUMED_HOST_SUM_GBPS
-        ),
-        ..hw
     })
 }
 

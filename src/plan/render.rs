@@ -96,11 +96,11 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     }
     if let Some(d) = &p.data_parallel {
         s += &format!(
-            "\ndata parallel: {} ranks, every rank holding the whole host state (it is not sharded)\n  host per rank    {:>12}\n  host per machine {:>12}  of {} ({} ranks)\n",
+            "\ndata parallel: {} ranks, every rank holding the whole host state (it is not sharded)\n  host per rank    {:>12}\n  host per machine {:>12}  of {} usable ({} ranks)\n",
             d.ranks,
             hb(d.host_bytes_per_rank),
             hb(d.host_bytes_per_node),
-            hb(d.node_ram_bytes),
+            hb((d.node_ram_bytes as f64 * super::USABLE) as u64),
             d.gpus_per_node,
         );
     }

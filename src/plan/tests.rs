@@ -834,6 +834,18 @@ fn fewer_gpus_is_suggested_when_only_that_fits() {
     // Llama-3.1-8B fits 8 times.
     let small = presets::model("llama-3.1-8b").unwrap();
     assert!(plan(&small, &node, &ranks(8, 1, 8 * 4096)).fits);
+    // Gemma-3-27B's 432 GB fits 3 times (not 4): 3 ranks need whole sequences each, so the
+    // job's 32,768 tokens become 24,576 — and the flags, applied, fit.
+    let gemma = presets::model("gemma-3-27b").unwrap();
+    let job = ranks(8, 1, 8 * 4096);
+    assert_eq!(
+        fewer_gpus(&gemma, &node, &job).as_deref(),
+        Some("--gpus 3 --tokens-per-step 24576")
+    );
+    let applied = ranks(3, 1, 24576);
+    applied.validate().unwrap();
+    assert!(plan(&gemma, &node, &applied).fits);
+    assert!(!plan(&gemma, &node, &ranks(4, 1, 4 * 4096)).fits);
 }
 
 /// The job is checked against the machine and its tokens against its ranks, each flag named.
@@ -859,7 +871,24 @@ fn data_parallel_requests_are_checked() {
         "{e}"
     );
     let e = err(ranks(8, 4, 4096).validate());
-    assert!(e.contains("131072 or more"), "{e}");
+    assert!(
+        e.contains("one sequence for each of the 32 ranks (131072)"),
+        "{e}"
+    );
+    let e = err(DataParallel {
+        gpus: 8,
+        nodes: u64::MAX,
+    }
+    .check(&node));
+    assert!(e.contains("--nodes") && e.contains("at most"), "{e}");
+    // The default step: 65,536 tokens rounded up to whole sequences for each rank.
+    assert_eq!(PlanRequest::default_tokens_per_step(4096, 1), 65536);
+    assert_eq!(PlanRequest::default_tokens_per_step(4096, 3), 73728);
+    assert_eq!(PlanRequest::default_tokens_per_step(4096, 32), 131072);
+    for n in 1..=64 {
+        let t = PlanRequest::default_tokens_per_step(4096, n);
+        ranks(n, 1, t).validate().unwrap();
+    }
     // A micro-batch is a rank's: at most its share.
     let e = err(PlanRequest {
         micro_batch_tokens: Some(16384),
