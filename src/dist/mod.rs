@@ -40,6 +40,9 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn sum_f64(&self, buf: &mut [f64]) -> Result<()>;
     /// Every rank's `bytes`, in rank order, on every rank (small values: settings, identities).
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Replace `buf` on every rank by rank `root`'s `buf` (a unit's updated params from the rank
+    /// that updated it, a unit's moments for a checkpoint). Every rank passes the same length.
+    fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) -> Result<()>;
     /// End every rank of the job with exit status `code` (a failed rank's last act, so no other
     /// rank waits for it forever). Only the binary calls this, after printing its error.
     fn abort(&self, code: i32) -> !;
@@ -173,6 +176,9 @@ impl Collective for Solo {
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         Ok(vec![bytes.to_vec()])
+    }
+    fn broadcast_bytes(&self, _root: usize, _buf: &mut [u8]) -> Result<()> {
+        Ok(())
     }
     fn library_sum_f32(&self, _buf: &mut [f32]) -> Result<()> {
         Ok(())

@@ -251,6 +251,22 @@ impl Collective for MpiWorld {
         Ok(out)
     }
 
+    fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) -> Result<()> {
+        let _busy = self.enter("a broadcast of a unit's state");
+        if root >= self.size {
+            return Err(Error::internal(
+                "broadcast",
+                format!("root rank {root} of {} ranks", self.size),
+            ));
+        }
+        let from = self.world.process_at_rank(count(root)?);
+        // Counts are 32-bit: 1 GiB at a time.
+        for chunk in buf.chunks_mut(1 << 30) {
+            from.broadcast_into(chunk);
+        }
+        Ok(())
+    }
+
     fn library_sum_f32(&self, buf: &mut [f32]) -> Result<()> {
         let _busy = self.enter("the library's all-reduce");
         let mut out = vec![0.0f32; buf.len()];

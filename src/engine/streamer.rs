@@ -437,6 +437,9 @@ impl Streamer {
         if let Some(e) = self.device.take_error() {
             return Err(e);
         }
+        if let Some(owners) = self.store.layout().owners.clone() {
+            self.share_updates(&owners.owner)?;
+        }
         let grad_norm = match self.store.layout().mode {
             // The norm came out of the AdamW pass (the schedule's LeanNorm waited for it).
             Mode::Lean => self.lean_sumsq.iter().sum::<f64>().sqrt(),
@@ -447,6 +450,26 @@ impl Streamer {
         self.store.check_spill()?;
         m.wall_s = wall.elapsed().as_secs_f64();
         Ok(m)
+    }
+
+    /// ZeRO stage 1, at the end of a step: each unit's updated params go from the rank that
+    /// updated it (`owner[u]`, which waits for its update here) to every other rank, last unit
+    /// first (the order the updates start in); in lean mode the units' Σg², each from its
+    /// owner's update and 0 elsewhere, are summed across the ranks (adding zeros: the same bits
+    /// as one process's).
+    fn share_updates(&mut self, owner: &[usize]) -> Result<()> {
+        let world = self.world.clone();
+        for u in (0..self.store.num_units()).rev() {
+            let root = owner
+                .get(u)
+                .copied()
+                .ok_or_else(|| Error::internal("streamer", format!("unit {u} has no owner")))?;
+            world.broadcast_bytes(root, self.guard(u)?.params_bytes())?;
+        }
+        if self.store.layout().mode == Mode::Lean {
+            world.sum_f64(&mut self.lean_sumsq)?;
+        }
+        Ok(())
     }
 
     /// Check a micro-batch against the model and the streamer's shape.
@@ -697,6 +720,10 @@ impl Streamer {
         (lean, piece): (Option<usize>, usize),
         run: &StepRun,
     ) -> Result<()> {
+        if !self.store.layout().holds_moments(unit) {
+            // ZeRO stage 1: the rank holding its moments updates it ([`Streamer::share_updates`]).
+            return Ok(());
+        }
         // The schedule ordered every copy of this unit's params and gradients before this.
         let guard = match self.guards[unit].take() {
             Some(g) => g,

@@ -186,6 +186,44 @@ pub struct StateLayout {
     pub units: Vec<UnitLayout>,
     /// HF tensor name → location.
     pub manifest: BTreeMap<String, TensorLoc>,
+    /// Data parallel with the Adam state sharded (`--zero-stage 1`): which rank holds and
+    /// updates each unit's moments; `None`: this process holds every unit's.
+    #[serde(default)]
+    pub owners: Option<MomentOwners>,
+}
+
+/// ZeRO stage 1 across data-parallel ranks: each unit's Adam moments live on one rank, which
+/// alone updates the unit and then gives the other ranks its new params.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MomentOwners {
+    /// This process's rank.
+    pub rank: usize,
+    /// The rank that holds each unit's moments.
+    pub owner: Vec<usize>,
+}
+
+impl MomentOwners {
+    /// `layout`'s units dealt to `ranks` ranks, as rank `rank` sees it: largest unit first
+    /// (ties: the lower index), each to the rank holding the fewest moment elements so far
+    /// (ties: the lower rank) — every rank computes the same deal.
+    pub fn deal(layout: &StateLayout, ranks: usize, rank: usize) -> Self {
+        let ranks = ranks.max(1);
+        let mut order: Vec<usize> = (0..layout.units.len()).collect();
+        order.sort_by_key(|&u| (std::cmp::Reverse(layout.units[u].numel), u));
+        let mut load = vec![0usize; ranks];
+        let mut owner = vec![0usize; layout.units.len()];
+        for u in order {
+            let r = (0..ranks).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+            owner[u] = r;
+            load[r] += layout.units[u].numel;
+        }
+        MomentOwners { rank, owner }
+    }
+
+    /// Whether this rank holds `unit`'s moments.
+    pub fn holds(&self, unit: usize) -> bool {
+        self.owner.get(unit) == Some(&self.rank)
+    }
 }
 
 impl StateLayout {
@@ -209,7 +247,27 @@ impl StateLayout {
             master: MasterFormat::Fp32,
             units,
             manifest,
+            owners: None,
         }
+    }
+
+    /// This layout with each unit's moments held only by the rank `owners` names.
+    pub fn with_owners(self, owners: MomentOwners) -> Self {
+        StateLayout {
+            owners: Some(owners),
+            ..self
+        }
+    }
+
+    /// Whether this process holds (and updates) `unit`'s Adam moments.
+    pub fn holds_moments(&self, unit: usize) -> bool {
+        self.owners.as_ref().is_none_or(|o| o.holds(unit))
+    }
+
+    /// Whether this process keeps `unit`'s shard of `kind`.
+    pub fn holds(&self, unit: usize, kind: ShardKind) -> bool {
+        self.has(kind)
+            && (!matches!(kind, ShardKind::AdamM | ShardKind::AdamV) || self.holds_moments(unit))
     }
 
     /// This layout with the moments stored as `adam`.
@@ -228,7 +286,8 @@ impl StateLayout {
         (2 * self.units[unit].numel).div_ceil(SHARD_ALIGN).max(1) * SHARD_ALIGN
     }
 
-    /// Bytes of unit `unit`'s shard of `kind` (a multiple of [`SHARD_ALIGN`]).
+    /// Bytes of unit `unit`'s shard of `kind` (a multiple of [`SHARD_ALIGN`]; 0 for moments
+    /// another rank holds).
     pub fn shard_bytes(&self, unit: usize, kind: ShardKind) -> usize {
         let u = &self.units[unit];
         match kind {
@@ -236,6 +295,8 @@ impl StateLayout {
                 2 * self.lo_plane_offset(unit)
             }
             ShardKind::Params | ShardKind::Grads => u.shard_bytes(),
+            // Another rank's (ZeRO stage 1).
+            ShardKind::AdamM | ShardKind::AdamV if !self.holds_moments(unit) => 0,
             ShardKind::AdamM | ShardKind::AdamV => {
                 self.adam
                     .moment_bytes_unaligned(u.numel)
@@ -343,7 +404,7 @@ impl StateLayout {
     }
 
     /// Bytes of a checkpoint's tensor files: fp32 params (whatever the master's format) and
-    /// Adam m and v as held.
+    /// Adam m and v as held — the job's, every unit's, whichever rank holds its moments.
     pub fn checkpoint_bytes(&self) -> u64 {
         self.units
             .iter()
@@ -455,6 +516,47 @@ mod tests {
             }
             let d = planes.bytes_per_param() - fp32.bytes_per_param();
             assert!((0.0..1e-4).contains(&d), "{mode:?}: {d}");
+        }
+    }
+
+    /// Every rank deals the same owners; each unit's moments are held once; the ranks' loads
+    /// differ by at most the largest unit; a layout's moment bytes are its held units'.
+    #[test]
+    fn owners_deal_every_unit_once_and_balance_the_moments() {
+        let l = StateLayout::new(&cfg(false, 6), Mode::Exact);
+        let moments =
+            |l: &StateLayout| l.kind_bytes(ShardKind::AdamM) + l.kind_bytes(ShardKind::AdamV);
+        let largest = l.max_unit_numel();
+        for ranks in 1..=9 {
+            let deals: Vec<MomentOwners> = (0..ranks)
+                .map(|r| MomentOwners::deal(&l, ranks, r))
+                .collect();
+            let mut sum = 0;
+            let mut loads = Vec::new();
+            for d in &deals {
+                assert_eq!(d.owner, deals[0].owner);
+                let mine = l.clone().with_owners(d.clone());
+                sum += moments(&mine);
+                loads.push(
+                    (0..l.units.len())
+                        .filter(|&u| d.holds(u))
+                        .map(|u| l.units[u].numel)
+                        .sum::<usize>(),
+                );
+                for u in 0..l.units.len() {
+                    assert_eq!(mine.holds(u, ShardKind::AdamM), d.holds(u));
+                    assert!(mine.holds(u, ShardKind::Params) && mine.holds(u, ShardKind::Grads));
+                }
+            }
+            for u in 0..l.units.len() {
+                assert_eq!(deals.iter().filter(|d| d.holds(u)).count(), 1, "unit {u}");
+            }
+            assert_eq!(sum, moments(&l), "{ranks} ranks");
+            let (lo, hi) = (loads.iter().min().unwrap(), loads.iter().max().unwrap());
+            assert!(hi - lo <= largest, "{ranks} ranks: {loads:?}");
+            // The checkpoint is the job's whatever a rank holds.
+            let mine = l.clone().with_owners(deals[0].clone());
+            assert_eq!(mine.checkpoint_bytes(), l.checkpoint_bytes());
         }
     }
 

@@ -520,6 +520,24 @@ impl UnitGuard {
         self.master_at(self.ptr(ShardKind::Params))
     }
 
+    /// The params shard's bytes as stored (fp32, or both planes with their padding), to read or
+    /// replace them whole (ZeRO stage 1: a unit's updated params from the rank that updated
+    /// it): waits while a [`Snapshot`] holds the unit frozen.
+    pub fn params_bytes(&mut self) -> &mut [u8] {
+        self.store.inner.frozen.wait(self.unit);
+        let len = self
+            .store
+            .layout()
+            .shard_bytes(self.unit, ShardKind::Params);
+        match self.ptr(ShardKind::Params) {
+            // SAFETY: the params shard is `len` bytes (`shard_bytes`), lives as long as the
+            // store, and this guard is the unit's only accessor (`&mut self`; no snapshot reads
+            // it: it is thawed).
+            Some(p) => unsafe { std::slice::from_raw_parts_mut(p, len) },
+            None => &mut [],
+        }
+    }
+
     /// The fp32 master params, to read them (a device copy of the weights): no wait, since a
     /// snapshot only reads them too.
     pub fn master_ref(&self) -> MasterRef<'_> {
@@ -560,7 +578,7 @@ fn allocate_regions(
     };
     for u in 0..layout.units.len() {
         for k in layout.kinds() {
-            if spilled(u, k) {
+            if spilled(u, k) || !layout.holds(u, k) {
                 continue;
             }
             let node = placement.node_of(u, k).ok_or_else(|| {
@@ -708,6 +726,39 @@ mod tests {
         let machine = probe(&TopologySource::Live).unwrap();
         let p = place(&machine, &layout, None, RamBudget::default()).unwrap();
         HostStore::allocate(layout, p, &StoreOptions::default()).unwrap()
+    }
+
+    /// ZeRO stage 1: a rank maps only the moments of the units it holds; another rank's units
+    /// have no moment views, and their params are whole (what a broadcast replaces).
+    #[test]
+    fn a_rank_maps_only_the_moments_it_holds() {
+        let whole = store(Mode::Exact);
+        let layout = whole.layout().clone();
+        let mut mapped = 0u64;
+        for rank in 0..2 {
+            let owners = layout::MomentOwners::deal(&layout, 2, rank);
+            let mine = layout.clone().with_owners(owners.clone());
+            let machine = probe(&TopologySource::Live).unwrap();
+            let p = place(&machine, &mine, None, RamBudget::default()).unwrap();
+            let s = HostStore::allocate(mine, p, &StoreOptions::default()).unwrap();
+            assert!(s.mapped_bytes() < whole.mapped_bytes());
+            mapped += s.mapped_bytes();
+            for u in 0..s.num_units() {
+                let mut g = s.take(u).unwrap();
+                let want = s.layout().shard_bytes(u, ShardKind::Params);
+                assert_eq!(g.params_bytes().len(), want);
+                let sh = g.shards().unwrap();
+                let n = s.layout().adam.moment_bytes_unaligned(sh.params.len());
+                match owners.holds(u) {
+                    true => assert_eq!((sh.m.len(), sh.v.len()), (n, n)),
+                    false => assert!(sh.m.is_empty() && sh.v.is_empty()),
+                }
+            }
+        }
+        // The two ranks together map the moments once and the rest twice.
+        let moments = whole.layout().kind_bytes(ShardKind::AdamM)
+            + whole.layout().kind_bytes(ShardKind::AdamV);
+        assert_eq!(mapped, 2 * whole.mapped_bytes() - moments);
     }
 
     /// A registrar that records each registration's start, length and liveness (the CUDA one

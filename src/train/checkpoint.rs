@@ -28,7 +28,7 @@ mod write;
 pub use params::CheckpointParams;
 pub use verify::{check_complete, verify, verify_params, Damage};
 use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
-pub use write::{owns, remove_leftovers, save, start, InFlight, Written};
+pub use write::{owns, remove_leftovers, save, save_job, send_moments, start, InFlight, Written};
 
 const PARAMS_FILE: &str = "params.f32";
 
@@ -339,6 +339,11 @@ fn load_files(
                     .map_err(|e| Error::io("read", path.as_path(), e))
             };
             match moment {
+                // Moments another rank holds (ZeRO stage 1): read past, checksummed.
+                Some(_) if !store.layout().holds_moments(u) => {
+                    scratch.resize(saved.moment_bytes_unaligned(numel), 0);
+                    read(f, &mut scratch)?;
+                }
                 Some(signed) if saved != held => {
                     scratch.resize(saved.moment_bytes_unaligned(numel), 0);
                     read(f, &mut scratch)?;

@@ -333,6 +333,11 @@ settings! {
     /// Data parallel: seconds a rank waits in one collective before it ends the job (a rank that
     /// hangs without dying; rank 0's validation, checkpoints and export make the others wait).
     value collective_timeout: u64 = 1800 => Option<u64> [value_name = "SECONDS"];
+    /// Data parallel: 1 shards the Adam state across the ranks (ZeRO stage 1: each unit's
+    /// moments live on one rank, which alone updates the unit and sends the others its params;
+    /// the same bits as 0), 0 keeps all of it on every rank. Checkpoints of a sharded job are
+    /// written while training waits.
+    value zero_stage: u8 = 0 => Option<u8> [value_name = "0|1"];
 }
 
 impl TrainConfig {
@@ -475,6 +480,13 @@ impl TrainConfig {
                 "sample_temperature",
                 "must be a number ≥ 0 (0: greedy)",
                 "e.g. --sample-temperature 0.8",
+            );
+        }
+        if self.zero_stage > 1 {
+            return bad_setting(
+                "zero_stage",
+                "must be 0 (every rank holds the whole state) or 1 (the Adam state sharded)",
+                "--zero-stage 1",
             );
         }
         Ok(())

@@ -229,7 +229,13 @@ fn train_loop(
         let stop = crate::dist::any(world.as_ref(), interrupt.load(Ordering::SeqCst))
             .map_err(Stop::Step)?;
         let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);
-        if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
+        if s.streamer.store().layout().owners.is_some() {
+            // Sharded Adam state: every rank takes part in each checkpoint, written while
+            // training waits.
+            if s.joint_checkpoints && (due || step == s.cfg.steps || stop) {
+                joint_checkpoint(s, step, progress, summary).map_err(Stop::AfterStep)?;
+            }
+        } else if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
             if step == s.cfg.steps || stop {
                 // The last one: nothing to overlap it with.
                 let t0 = std::time::Instant::now();
@@ -348,6 +354,43 @@ fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) {
     }
 }
 
+/// A checkpoint of a job whose Adam state is sharded (ZeRO stage 1), by every rank at once:
+/// rank 0 writes it, in the one-process format, taking each unit's moments from the rank that
+/// holds them; the others send theirs. Training waits for it.
+fn joint_checkpoint(
+    s: &mut Session,
+    step: u64,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    s.streamer.finish()?;
+    let world = s.streamer.world().clone();
+    let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) else {
+        return checkpoint::send_moments(s.streamer.store(), world.as_ref());
+    };
+    let state = train_state(s, step);
+    let d = checkpoint::save_job(
+        &root,
+        s.streamer.store(),
+        &state,
+        s.cfg.keep_checkpoints,
+        world.as_ref(),
+    )?;
+    s.saved = Some((step, d.clone()));
+    let secs = t0.elapsed().as_secs_f64();
+    progress.checkpoint(&d);
+    let bytes = s.streamer.store().layout().checkpoint_bytes();
+    progress.note(&format!(
+        "  {} written in {secs:.1} s ({:.2} GB/s, the moments gathered from the {} ranks; training waited for it)",
+        crate::util::human_bytes(bytes),
+        bytes as f64 / secs.max(1e-9) / 1e9,
+        world.size()
+    ));
+    summary.checkpoint = Some(d);
+    Ok(())
+}
+
 /// Write a checkpoint of the current state (after `step`) under `root`, waiting for it.
 fn save_checkpoint(s: &mut Session, root: &Path, step: u64) -> Result<PathBuf> {
     s.streamer.finish()?;
@@ -410,8 +453,13 @@ fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
 /// run's own if it already is or can be written, else a rescue directory beside the working
 /// directory), then return the error naming where.
 fn rescue(s: &mut Session, step: u64, error: Error, progress: &mut dyn Progress) -> Error {
-    // Rank 0 holds the same state and saves it; the other ranks write nothing.
-    if step <= s.start_step || s.streamer.world().rank() != 0 {
+    // Rank 0 holds the same state and saves it; the other ranks write nothing. A job whose
+    // Adam state is sharded cannot: rank 0 lacks the others' moments, and they may be gone
+    // (its last checkpoint stays whole).
+    if step <= s.start_step
+        || s.streamer.world().rank() != 0
+        || s.streamer.store().layout().owners.is_some()
+    {
         return error;
     }
     if let Some((saved_step, dir)) = &s.saved {

@@ -71,9 +71,10 @@ pub(super) fn check_step_agrees(
         world,
         "the step",
         &format!(
-            "{} mode on the {} device, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
+            "{} mode on the {} device, ZeRO stage {}, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
             mode.name(),
             format!("{:?}", cfg.device).to_lowercase(),
+            cfg.zero_stage,
             cfg.grad_accum,
             cfg.batch_size,
             cfg.seq_len,

@@ -22,7 +22,7 @@ use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
 use crate::optim::{AdamPool, AdamWConfig};
-use crate::store::layout::{MasterFormat, Mode, StateLayout};
+use crate::store::layout::{MasterFormat, Mode, MomentOwners, ShardKind, StateLayout};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, Machine, TopologySource};
@@ -54,6 +54,9 @@ pub(super) struct Session {
     pub(super) saved: Option<(u64, PathBuf)>,
     /// The checkpoint being written while the next step runs.
     pub(super) writing: Option<super::checkpoint::InFlight>,
+    /// A job with its Adam state sharded (`--zero-stage 1`) whose rank 0 writes checkpoints:
+    /// every rank takes part in each (rank 0 lacks the other ranks' moments).
+    pub(super) joint_checkpoints: bool,
     /// `--sample-every`'s samples.
     pub(super) samples: Option<TrainingSamples>,
 }
@@ -142,9 +145,27 @@ pub(super) fn setup(
         Precision::Fp32 => MasterFormat::Fp32,
         Precision::Bf16 => MasterFormat::Planes,
     };
-    let layout = StateLayout::new(&inputs.model, mode)
+    let mut layout = StateLayout::new(&inputs.model, mode)
         .with_adam_state(adam_state)
         .with_master(master);
+    let sharded = cfg.zero_stage == 1 && world.size() > 1;
+    if sharded {
+        let owners = MomentOwners::deal(&layout, world.size(), world.rank());
+        let moments =
+            |l: &StateLayout| l.kind_bytes(ShardKind::AdamM) + l.kind_bytes(ShardKind::AdamV);
+        let job = moments(&layout);
+        let held = (0..layout.units.len()).filter(|&u| owners.holds(u)).count();
+        layout = layout.with_owners(owners);
+        progress.note(&format!(
+            "ZeRO stage 1: rank {} holds and updates the Adam moments of {held} of {} units ({} of the job's {} bytes)",
+            world.rank(),
+            layout.units.len(),
+            moments(&layout),
+            job
+        ));
+    }
+    // Whether rank 0 writes checkpoints, told to every rank (a sharded job's all take part).
+    let joint_checkpoints = sharded && crate::dist::any(world.as_ref(), inputs.run_dir.is_some())?;
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
     let gpu = ranks::gpu_slot(world.as_ref(), cfg.device)?;
@@ -222,6 +243,7 @@ pub(super) fn setup(
     Ok(Session {
         saved: resumed.map(|(d, st)| (st.step, d.clone())),
         writing: None,
+        joint_checkpoints,
         cfg,
         model: inputs.model,
         run_id: inputs.run_id,

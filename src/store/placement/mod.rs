@@ -147,7 +147,11 @@ pub fn choose_spill(
 ) -> Option<(Vec<usize>, u64)> {
     let mv = |u: usize| layout.moment_bytes(u);
     let need = layout.total_bytes();
-    let order = spill_order(layout);
+    // Only moments this process holds can spill (ZeRO stage 1: another rank's are not here).
+    let order: Vec<usize> = spill_order(layout)
+        .into_iter()
+        .filter(|&u| layout.holds_moments(u))
+        .collect();
     let slots = req.slots.max(1) as u64;
     match req.policy {
         SpillPolicy::Never => None,

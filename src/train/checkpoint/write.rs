@@ -7,6 +7,7 @@
 //! directory is removed by the directory's next owner).
 
 use super::{files, list, read_state, Manifest, TrainState, FORMAT, MANIFEST};
+use crate::dist::Collective;
 use crate::store::{HostStore, MasterRef, Snapshot};
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
@@ -38,7 +39,53 @@ fn fsync_dir(d: &Path) {
 /// writers and are removed.
 pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> Result<PathBuf> {
     let snapshot = store.snapshot()?;
-    write(root, snapshot, state, keep, true)
+    write(root, snapshot, state, keep, true, None)
+}
+
+/// [`save`] by rank 0 of a job whose Adam state is sharded (ZeRO stage 1): the checkpoint is
+/// the job's, in the one-process format (so it resumes on any number of ranks, sharded or not,
+/// and exports without any rank), each unit's moments taken from the rank that holds them as
+/// the write reaches it. Every other rank runs [`send_moments`] at the same time.
+pub fn save_job(
+    root: &Path,
+    store: &HostStore,
+    state: &TrainState,
+    keep: usize,
+    world: &dyn Collective,
+) -> Result<PathBuf> {
+    let snapshot = store.snapshot()?;
+    write(root, snapshot, state, keep, true, Some(world))
+}
+
+/// A sharded job's rank other than 0, while rank 0 runs [`save_job`]: give it the moments of
+/// every unit this rank holds, in unit order (every unit whose moments rank 0 lacks is
+/// broadcast by its holder). Every unit must be idle.
+pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
+    let layout = store.layout();
+    let Some(owners) = layout.owners.as_ref() else {
+        return Ok(());
+    };
+    let mut buf = Vec::new();
+    for u in 0..store.num_units() {
+        let owner = owners.owner[u];
+        if owner == 0 {
+            continue;
+        }
+        let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
+        buf.resize(2 * bytes, 0);
+        if owner == world.rank() {
+            let mut g = store.take(u)?;
+            g.stage()?;
+            {
+                let sh = g.shards()?;
+                buf[..bytes].copy_from_slice(sh.m);
+                buf[bytes..].copy_from_slice(sh.v);
+            }
+            g.unstage_clean();
+        }
+        world.broadcast_bytes(owner, &mut buf)?;
+    }
+    Ok(())
 }
 
 /// A checkpoint being written while training goes on ([`start`]).
@@ -104,7 +151,7 @@ pub fn start(
         .spawn(move || {
             yield_to_training();
             let t0 = Instant::now();
-            write(&root, snapshot, &state, keep, false).map(|dir| (dir, t0.elapsed()))
+            write(&root, snapshot, &state, keep, false, None).map(|dir| (dir, t0.elapsed()))
         })
         .map_err(|e| Error::system("checkpoint", "start the writer thread", e))?;
     Ok(InFlight {
@@ -163,15 +210,24 @@ impl InFlight {
     }
 }
 
-/// Write `snapshot` as the checkpoint of `state` (see [`save`]); `meter`: report progress.
+/// Write `snapshot` as the checkpoint of `state` (see [`save`]); `meter`: report progress;
+/// `world`: a sharded job's, from whose ranks the moments this process lacks come
+/// ([`save_job`]).
 fn write(
     root: &Path,
     mut snapshot: Snapshot,
     state: &TrainState,
     keep: usize,
     meter: bool,
+    world: Option<&dyn Collective>,
 ) -> Result<PathBuf> {
     let store = snapshot.store().clone();
+    if world.is_none() && store.layout().owners.is_some() {
+        return Err(Error::internal(
+            "checkpoint",
+            "a job with sharded Adam state writes its checkpoints with its ranks (save_job)",
+        ));
+    }
     std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
     let final_dir = root.join(dir_name(state.step));
     let tmp = root.join(format!(
@@ -216,6 +272,19 @@ fn write(
             // Optimizer state on NVMe is staged (read in) with the unit.
             let unit = snapshot.read(u)?;
             let (m, v) = unit.moments()?;
+            // Moments another rank holds (ZeRO stage 1) come from it.
+            let received;
+            let (m, v) = match (world, store.layout().owners.as_ref()) {
+                (Some(world), Some(owners)) if !owners.holds(u) => {
+                    let layout = store.layout();
+                    let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
+                    let mut buf = vec![0u8; 2 * bytes];
+                    world.broadcast_bytes(owners.owner[u], &mut buf)?;
+                    received = buf;
+                    received.split_at(bytes)
+                }
+                _ => (m, v),
+            };
             // The file holds fp32 params whatever the master's format: planes are joined.
             let joined;
             let params: &[f32] = match unit.params() {
