@@ -632,6 +632,23 @@ fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
         assert_equal_runs(&sharded, &whole, "2 lean ranks, sharded vs whole"),
         "sharded lean ranks are within 1e-6 of whole ones but not the same bits"
     );
+    // The bf16 recipe's master (two 16-bit planes: the broadcast carries both) and bf16
+    // moments (stochastic rounding salted by step and unit, whichever rank updates it).
+    let bf16 = |mut args: Vec<String>| -> Vec<String> {
+        args.extend(["--precision", "bf16", "--adam-state", "bf16"].map(String::from));
+        args
+    };
+    let (sharded, whole) = (d.path().join("bf16-zero"), d.path().join("bf16-whole"));
+    run_ranks(2, &zero(bf16(train_args(d.path(), &sharded, 4, 1))));
+    run_ranks(2, &bf16(train_args(d.path(), &whole, 4, 1)));
+    for f in ["params.f32", "adam_m.bf16", "adam_v.bf16"] {
+        let (a, b) = (newest(&sharded).join(f), newest(&whole).join(f));
+        assert!(
+            std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+            "bf16: {f} differs between sharded and whole ranks"
+        );
+    }
+    assert_eq!(metrics(&sharded), metrics(&whole));
     // The 3 sharded ranks' checkpoint at step 6 resumes on 2 sharded ranks (a batch of 2 from
     // there) as on one process accumulating 2, and on one process accumulating 3 as the 3
     // ranks' own run to step 8.

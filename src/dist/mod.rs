@@ -43,6 +43,12 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// Replace `buf` on every rank by rank `root`'s `buf` (a unit's updated params from the rank
     /// that updated it, a unit's moments for a checkpoint). Every rank passes the same length.
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) -> Result<()>;
+    /// Send `buf` to rank `to`, which takes it with [`Collective::recv_bytes`] of the same
+    /// length (a unit's moments, to the rank writing a checkpoint). Not collective: only the two
+    /// ranks take part.
+    fn send_bytes(&self, to: usize, buf: &[u8]) -> Result<()>;
+    /// Receive into `buf` what rank `from` sends with [`Collective::send_bytes`].
+    fn recv_bytes(&self, from: usize, buf: &mut [u8]) -> Result<()>;
     /// End every rank of the job with exit status `code` (a failed rank's last act, so no other
     /// rank waits for it forever). Only the binary calls this, after printing its error.
     fn abort(&self, code: i32) -> !;
@@ -179,6 +185,18 @@ impl Collective for Solo {
     }
     fn broadcast_bytes(&self, _root: usize, _buf: &mut [u8]) -> Result<()> {
         Ok(())
+    }
+    fn send_bytes(&self, to: usize, _buf: &[u8]) -> Result<()> {
+        Err(Error::internal(
+            "collective",
+            format!("a process alone has no rank {to} to send to"),
+        ))
+    }
+    fn recv_bytes(&self, from: usize, _buf: &mut [u8]) -> Result<()> {
+        Err(Error::internal(
+            "collective",
+            format!("a process alone has no rank {from} to receive from"),
+        ))
     }
     fn library_sum_f32(&self, _buf: &mut [f32]) -> Result<()> {
         Ok(())

@@ -22,6 +22,9 @@ use mpi::traits::*;
 use mpi::{Count, Threading};
 use std::sync::Mutex;
 
+/// Bytes per message of a broadcast or send (counts are 32-bit).
+const MESSAGE: usize = 1 << 30;
+
 /// Elements summed per exchange (16 MiB of f32).
 const CHUNK: usize = 1 << 22;
 
@@ -119,6 +122,17 @@ impl MpiWorld {
             w.shared = SharedSum::map(&w.world, CHUNK)?;
         }
         Ok(w)
+    }
+
+    /// Rank `r` of the job, as MPI counts ranks.
+    fn peer(&self, r: usize) -> Result<Count> {
+        match r < self.size {
+            true => count(r),
+            false => Err(Error::internal(
+                "mpi",
+                format!("rank {r} of a job of {} ranks", self.size),
+            )),
+        }
     }
 
     /// Hold the MPI lock for collective `what`, marked busy (for the watchdog) until dropped.
@@ -253,16 +267,27 @@ impl Collective for MpiWorld {
 
     fn broadcast_bytes(&self, root: usize, buf: &mut [u8]) -> Result<()> {
         let _busy = self.enter("a broadcast of a unit's state");
-        if root >= self.size {
-            return Err(Error::internal(
-                "broadcast",
-                format!("root rank {root} of {} ranks", self.size),
-            ));
-        }
-        let from = self.world.process_at_rank(count(root)?);
-        // Counts are 32-bit: 1 GiB at a time.
-        for chunk in buf.chunks_mut(1 << 30) {
+        let from = self.world.process_at_rank(self.peer(root)?);
+        for chunk in buf.chunks_mut(MESSAGE) {
             from.broadcast_into(chunk);
+        }
+        Ok(())
+    }
+
+    fn send_bytes(&self, to: usize, buf: &[u8]) -> Result<()> {
+        let _busy = self.enter("sending a unit's state to another rank");
+        let dest = self.world.process_at_rank(self.peer(to)?);
+        for chunk in buf.chunks(MESSAGE) {
+            dest.send(chunk);
+        }
+        Ok(())
+    }
+
+    fn recv_bytes(&self, from: usize, buf: &mut [u8]) -> Result<()> {
+        let _busy = self.enter("receiving a unit's state from another rank");
+        let src = self.world.process_at_rank(self.peer(from)?);
+        for chunk in buf.chunks_mut(MESSAGE) {
+            src.receive_into(chunk);
         }
         Ok(())
     }

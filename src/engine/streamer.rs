@@ -455,8 +455,9 @@ impl Streamer {
     /// ZeRO stage 1, at the end of a step: each unit's updated params go from the rank that
     /// updated it (`owner[u]`, which waits for its update here) to every other rank, last unit
     /// first (the order the updates start in); in lean mode the units' Σg², each from its
-    /// owner's update and 0 elsewhere, are summed across the ranks (adding zeros: the same bits
-    /// as one process's).
+    /// owner's update and 0 elsewhere, are summed across the ranks (adding zeros is exact; a
+    /// unit's Σg² itself is its owner's, whose bits follow its AdamW workers' split as in any
+    /// process).
     fn share_updates(&mut self, owner: &[usize]) -> Result<()> {
         let world = self.world.clone();
         for u in (0..self.store.num_units()).rev() {

@@ -745,8 +745,6 @@ mod tests {
             mapped += s.mapped_bytes();
             for u in 0..s.num_units() {
                 let mut g = s.take(u).unwrap();
-                let want = s.layout().shard_bytes(u, ShardKind::Params);
-                assert_eq!(g.params_bytes().len(), want);
                 let sh = g.shards().unwrap();
                 let n = s.layout().adam.moment_bytes_unaligned(sh.params.len());
                 match owners.holds(u) {
@@ -759,6 +757,39 @@ mod tests {
         let moments = whole.layout().kind_bytes(ShardKind::AdamM)
             + whole.layout().kind_bytes(ShardKind::AdamV);
         assert_eq!(mapped, 2 * whole.mapped_bytes() - moments);
+    }
+
+    /// A params shard's bytes carry the whole master: copied into another store's (what the
+    /// ZeRO stage 1 broadcast does), both planes of a bf16-planes master arrive, every bit.
+    #[test]
+    fn params_bytes_carry_both_planes() {
+        let planes = |seed: u64| {
+            let l = store(Mode::Exact)
+                .layout()
+                .clone()
+                .with_master(MasterFormat::Planes);
+            let machine = probe(&TopologySource::Live).unwrap();
+            let p = place(&machine, &l, None, RamBudget::default()).unwrap();
+            let s = HostStore::allocate(l, p, &StoreOptions::default()).unwrap();
+            for u in 0..s.num_units() {
+                let mut g = s.take(u).unwrap();
+                let n = g.numel();
+                g.master()
+                    .write(0, &crate::util::uniform(n, seed + u as u64, 3.0));
+            }
+            s
+        };
+        let (from, to) = (planes(1), planes(2));
+        for u in 0..from.num_units() {
+            let (mut a, mut b) = (from.take(u).unwrap(), to.take(u).unwrap());
+            assert_ne!(a.master().to_vec(), b.master().to_vec());
+            b.params_bytes().copy_from_slice(a.params_bytes());
+            let (x, y) = (a.master().to_vec(), b.master().to_vec());
+            assert!(
+                x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "unit {u}"
+            );
+        }
     }
 
     /// A registrar that records each registration's start, length and liveness (the CUDA one

@@ -130,7 +130,7 @@ pub fn run(
 /// [`run`] as rank `world.rank()` of a data-parallel job (every rank runs this with the same
 /// configuration). Each step's micro-batches are the job's: `grad_accum × world.size()` drawn in
 /// order, rank r training the r-th `grad_accum` of them, their gradients summed across ranks in
-/// rank order before the (replicated) update — so N ranks equal one process accumulating N
+/// rank order before the update (every rank's, or with `--zero-stage 1` the unit's owner's) — so N ranks equal one process accumulating N
 /// times as many micro-batches. Rank 0 writes every output (checkpoints, metrics, validation,
 /// samples, the export); the others write nothing and resume from rank 0's checkpoint.
 pub fn run_in(

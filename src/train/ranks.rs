@@ -71,9 +71,11 @@ pub(super) fn check_step_agrees(
         world,
         "the step",
         &format!(
-            "{} mode on the {} device, ZeRO stage {}, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
+            "{} mode on the {} device in {}, {} Adam state, ZeRO stage {}, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
             mode.name(),
             format!("{:?}", cfg.device).to_lowercase(),
+            cfg.resolved_precision().name(),
+            cfg.adam_state.unwrap_or_default().name(),
             cfg.zero_stage,
             cfg.grad_accum,
             cfg.batch_size,

@@ -125,7 +125,19 @@ pub(super) fn setup(
     };
     cfg.check_grad_link()?;
     cfg.check_activation_dtype()?;
-    let mode = choose_mode(&cfg, resumed, &machine, &inputs.model, budget, progress);
+    let sharded = cfg.zero_stage == 1 && world.size() > 1;
+    if cfg.zero_stage == 1 && !sharded {
+        progress.note("--zero-stage 1: one process holds the whole state (sharding needs ranks)");
+    }
+    let mode = choose_mode(
+        &cfg,
+        resumed,
+        &machine,
+        &inputs.model,
+        budget,
+        sharded.then(|| world.size()),
+        progress,
+    );
     let cfg = TrainConfig {
         mode: Some(mode),
         ..cfg
@@ -148,7 +160,6 @@ pub(super) fn setup(
     let mut layout = StateLayout::new(&inputs.model, mode)
         .with_adam_state(adam_state)
         .with_master(master);
-    let sharded = cfg.zero_stage == 1 && world.size() > 1;
     if sharded {
         let owners = MomentOwners::deal(&layout, world.size(), world.rank());
         let moments =
@@ -612,19 +623,34 @@ fn choose_mode(
     machine: &Machine,
     model: &ModelConfig,
     budget: RamBudget,
+    sharded_ranks: Option<usize>,
     progress: &mut dyn Progress,
 ) -> Mode {
     if let Some(m) = cfg.mode.or(resumed.and_then(|(_, st)| st.config.mode)) {
         return m;
     }
     let fits = |m: Mode| {
-        crate::store::placement::fits(
-            machine,
-            &StateLayout::new(model, m).with_adam_state(cfg.adam_state.unwrap_or_default()),
-            None,
-            budget,
-            SpillRequest::default(),
-        )
+        let layout = StateLayout::new(model, m).with_adam_state(cfg.adam_state.unwrap_or_default());
+        // A sharded job (ZeRO stage 1) fits where its fullest rank does (every rank then
+        // chooses the same mode).
+        let layout = match sharded_ranks {
+            Some(ranks) => {
+                let fullest = (0..ranks)
+                    .map(|r| MomentOwners::deal(&layout, ranks, r))
+                    .max_by_key(|o| {
+                        (0..layout.units.len())
+                            .filter(|&u| o.holds(u))
+                            .map(|u| layout.moment_bytes(u))
+                            .sum::<u64>()
+                    });
+                match fullest {
+                    Some(o) => layout.with_owners(o),
+                    None => layout,
+                }
+            }
+            None => layout,
+        };
+        crate::store::placement::fits(machine, &layout, None, budget, SpillRequest::default())
     };
     let exact_fits = fits(Mode::Exact);
     let m = if exact_fits || cfg.grad_accum > 1 || !fits(Mode::Lean) {

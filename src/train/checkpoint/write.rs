@@ -57,33 +57,30 @@ pub fn save_job(
     write(root, snapshot, state, keep, true, Some(world))
 }
 
-/// A sharded job's rank other than 0, while rank 0 runs [`save_job`]: give it the moments of
-/// every unit this rank holds, in unit order (every unit whose moments rank 0 lacks is
-/// broadcast by its holder). Every unit must be idle.
+/// Bytes per message of a unit's moments on their way to rank 0 ([`send_moments`]): what the
+/// writer holds of another rank's state at once.
+const MOMENT_CHUNK: usize = 64 << 20;
+
+/// A sharded job's rank other than 0, while rank 0 runs [`save_job`]: send rank 0 the moments of
+/// every unit this rank holds, in unit order, m then v, in [`MOMENT_CHUNK`] messages straight
+/// from the store. Every unit must be idle.
 pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
     let layout = store.layout();
     let Some(owners) = layout.owners.as_ref() else {
         return Ok(());
     };
-    let mut buf = Vec::new();
-    for u in 0..store.num_units() {
-        let owner = owners.owner[u];
-        if owner == 0 {
-            continue;
-        }
-        let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
-        buf.resize(2 * bytes, 0);
-        if owner == world.rank() {
-            let mut g = store.take(u)?;
-            g.stage()?;
-            {
-                let sh = g.shards()?;
-                buf[..bytes].copy_from_slice(sh.m);
-                buf[bytes..].copy_from_slice(sh.v);
+    for u in (0..store.num_units()).filter(|&u| owners.holds(u) && owners.rank != 0) {
+        let mut g = store.take(u)?;
+        g.stage()?;
+        {
+            let sh = g.shards()?;
+            for moment in [&*sh.m, &*sh.v] {
+                for chunk in moment.chunks(MOMENT_CHUNK) {
+                    world.send_bytes(0, chunk)?;
+                }
             }
-            g.unstage_clean();
         }
-        world.broadcast_bytes(owner, &mut buf)?;
+        g.unstage_clean();
     }
     Ok(())
 }
@@ -247,6 +244,20 @@ fn write(
             crc: u32,
             size: u64,
         }
+        impl Out {
+            /// Append `bytes`, checksummed, counted on `meter`.
+            fn put(&mut self, bytes: &[u8], meter: Option<&Meter>) -> Result<()> {
+                self.crc = crc32c::crc32c_append(self.crc, bytes);
+                self.size += bytes.len() as u64;
+                crate::util::failpoint::check("checkpoint")
+                    .and_then(|()| self.w.write_all(bytes))
+                    .map_err(|e| Error::io("write", &self.path, e))?;
+                if let Some(meter) = meter {
+                    meter.add(bytes.len() as u64);
+                }
+                Ok(())
+            }
+        }
         let mut outs = Vec::new();
         let names = files(store.layout().adam);
         for (name, _) in &names {
@@ -267,24 +278,12 @@ fn write(
                 Unit::Bytes,
             )
         });
+        // Another rank's moments pass through here a message at a time.
+        let mut chunk = Vec::new();
         for u in 0..store.num_units() {
             crate::util::failpoint::pause("checkpoint-unit");
             // Optimizer state on NVMe is staged (read in) with the unit.
             let unit = snapshot.read(u)?;
-            let (m, v) = unit.moments()?;
-            // Moments another rank holds (ZeRO stage 1) come from it.
-            let received;
-            let (m, v) = match (world, store.layout().owners.as_ref()) {
-                (Some(world), Some(owners)) if !owners.holds(u) => {
-                    let layout = store.layout();
-                    let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
-                    let mut buf = vec![0u8; 2 * bytes];
-                    world.broadcast_bytes(owners.owner[u], &mut buf)?;
-                    received = buf;
-                    received.split_at(bytes)
-                }
-                _ => (m, v),
-            };
             // The file holds fp32 params whatever the master's format: planes are joined.
             let joined;
             let params: &[f32] = match unit.params() {
@@ -299,14 +298,33 @@ fn write(
             let params = unsafe {
                 std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4)
             };
-            for (o, bytes) in outs.iter_mut().zip([params, m, v]) {
-                o.crc = crc32c::crc32c_append(o.crc, bytes);
-                o.size += bytes.len() as u64;
-                crate::util::failpoint::check("checkpoint")
-                    .and_then(|()| o.w.write_all(bytes))
-                    .map_err(|e| Error::io("write", &o.path, e))?;
-                if let Some(meter) = &meter {
-                    meter.add(bytes.len() as u64);
+            let [p_out, m_out, v_out] = &mut outs[..] else {
+                return Err(Error::internal("checkpoint", "three tensor files"));
+            };
+            p_out.put(params, meter.as_ref())?;
+            match (world, store.layout().owners.as_ref()) {
+                // Another rank holds them (ZeRO stage 1): its `send_moments` sends them, m then
+                // v, in the same messages.
+                (Some(world), Some(owners)) if !owners.holds(u) => {
+                    let layout = store.layout();
+                    let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
+                    for o in [m_out, v_out] {
+                        let mut left = bytes;
+                        while left > 0 {
+                            let n = left.min(MOMENT_CHUNK);
+                            if chunk.len() < n {
+                                chunk.resize(n, 0);
+                            }
+                            world.recv_bytes(owners.owner[u], &mut chunk[..n])?;
+                            o.put(&chunk[..n], meter.as_ref())?;
+                            left -= n;
+                        }
+                    }
+                }
+                _ => {
+                    let (m, v) = unit.moments()?;
+                    m_out.put(m, meter.as_ref())?;
+                    v_out.put(v, meter.as_ref())?;
                 }
             }
             // Thawed: step k+1 may update it now.
