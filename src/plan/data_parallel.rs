@@ -8,7 +8,9 @@
 //! ranks reach in host memory (`bench collective`), and across nodes a node's network carries
 //! its G ranks' share of the traffic that leaves it.
 
-use super::Hardware;
+use super::memory::{memory, shortfalls};
+use super::{resolve, Hardware, PlanRequest};
+use crate::model::config::ModelConfig;
 use serde::Serialize;
 
 /// The most machines a plan spreads over.
@@ -132,4 +134,257 @@ pub struct DataParallelPlan {
     pub nic_gbps: Option<f64>,
     /// Tokens per second of the whole job.
     pub job_tokens_per_s: f64,
+}
+
+/// For a job of several GPUs per machine that does not fit: the most GPUs per machine whose
+/// ranks' host state fits (each rank holds all of it), as the flags that say it — with the job's
+/// tokens rounded down to whole sequences for each rank where they must change.
+pub(super) fn fewer_gpus(
+    model: &ModelConfig,
+    node: &Hardware,
+    req: &PlanRequest,
+) -> Option<String> {
+    (1..req.data_parallel.gpus).rev().find_map(|gpus| {
+        let dp = DataParallel {
+            gpus,
+            ..req.data_parallel
+        };
+        let grain = req.seq_len.saturating_mul(dp.ranks()).max(1);
+        let tokens = (req.tokens_per_step / grain).max(1).saturating_mul(grain);
+        let r = PlanRequest {
+            data_parallel: dp,
+            tokens_per_step: tokens,
+            ..req.clone()
+        };
+        r.validate().ok()?;
+        let hw = dp.rank_share(node);
+        let rank = resolve(model, &hw, &r.rank_share());
+        shortfalls(&memory(model, &rank, &hw), &hw, gpus)
+            .is_empty()
+            .then(|| match tokens == req.tokens_per_step {
+                true => format!("--gpus {gpus}"),
+                false => format!("--gpus {gpus} --tokens-per-step {tokens}"),
+            })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::schedule::ActivationDtype;
+    use crate::plan::{plan, presets};
+    use crate::store::layout::{AdamState, Mode};
+
+    fn ranks(gpus: u64, nodes: u64, tokens: u64) -> PlanRequest {
+        PlanRequest {
+            micro_batch_tokens: None,
+            data_parallel: DataParallel { gpus, nodes },
+            tokens_per_step: tokens,
+            seq_len: 4096,
+            bf16: false,
+            mode: Mode::Exact,
+            adam_state: AdamState::Fp32,
+            spill_moments: false,
+            grad_link: None,
+            activations: None,
+            activation_dtype: ActivationDtype::Fp32,
+        }
+    }
+
+    /// A job of one rank is the single-GPU plan: no data-parallel part, nothing summed.
+    #[test]
+    fn one_rank_sums_nothing() {
+        let hw = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-8b").unwrap();
+        let p = plan(&m, &hw, &ranks(1, 1, 65536));
+        assert!(p.data_parallel.is_none());
+        assert_eq!(p.time.sum_s, 0.0);
+        assert_eq!(
+            p.time.tokens_per_s,
+            65536.0 / p.time.step_s,
+            "the job's tokens/s is the rank's"
+        );
+    }
+
+    /// N ranks: each is the single-GPU plan of its share of the tokens on its share of the machine
+    /// (RAM, AdamW bandwidth), plus the sum of every unit's fp32 gradients on its host thread; the
+    /// machine holds its ranks' host state side by side, and the job trains N ranks' tokens.
+    #[test]
+    fn ranks_share_the_machine_and_sum_their_gradients() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-8b").unwrap();
+        let job = ranks(4, 1, 4 * 16384);
+        let p = plan(&m, &node, &job);
+        let d = p.data_parallel.clone().unwrap();
+        assert_eq!((d.ranks, d.gpus_per_node, d.tokens_per_rank), (4, 4, 16384));
+        // The rank alone, on a quarter of the machine, with a sum as free as nothing.
+        let share = Hardware {
+            host_ram_bytes: node.host_ram_bytes / 4,
+            adam_gbps: node.adam_gbps / 4.0,
+            host_sum_gbps: 1e12,
+            ..node.clone()
+        };
+        let alone = plan(&m, &share, &ranks(1, 1, 16384));
+        assert_eq!(p.memory, alone.memory);
+        assert_eq!(d.host_bytes_per_rank, alone.memory.host_state_bytes);
+        assert_eq!(d.host_bytes_per_node, 4 * d.host_bytes_per_rank);
+        assert_eq!(d.sum_bytes_per_step, 4 * m.num_params() as u64);
+        // 2(N−1)/N of each unit's bytes at the bus bandwidth, every unit once a step.
+        let layout = job.layout(&m);
+        let want: f64 = layout
+            .units
+            .iter()
+            .map(|u| 1.5 * 4.0 * u.numel as f64 / (node.host_sum_gbps * 1e9))
+            .sum();
+        assert!(
+            (p.time.sum_s - want).abs() < 1e-9 * want,
+            "{} vs {want}",
+            p.time.sum_s
+        );
+        // The sum blocks the rank's host thread (the device runs on through what was submitted
+        // before it): the step is at least the sum, and longer than the rank's step without it.
+        assert!(p.time.step_s >= p.time.sum_s, "{:?}", p.time);
+        assert!(
+            p.time.step_s > alone.time.step_s + 0.1 * p.time.sum_s,
+            "{:?} vs {:?}",
+            p.time,
+            alone.time
+        );
+        assert!((p.time.tokens_per_s - 4.0 * 16384.0 / p.time.step_s).abs() < 1e-6);
+        // With a sum as fast as nothing the job is 4 ranks of the rank's step.
+        let free = Hardware {
+            host_sum_gbps: 1e12,
+            ..node.clone()
+        };
+        let q = plan(&m, &free, &job);
+        assert!(q.time.sum_s < 1e-6);
+        let r = (q.time.step_s / alone.time.step_s - 1.0).abs();
+        assert!(r < 1e-3, "{} vs {}", q.time.step_s, alone.time.step_s);
+    }
+
+    /// Across machines, a machine's network carries its ranks' share of what leaves it:
+    /// G·2(N−G)/N of the bytes; the sum takes the slower of that and the host's part.
+    #[test]
+    fn machines_sum_over_their_network() {
+        let node = Hardware {
+            nic_gbps: Some(1.0),
+            host_sum_gbps: 100.0,
+            ..presets::machine("h200-1.5tb").unwrap()
+        };
+        let dp = DataParallel { gpus: 2, nodes: 2 };
+        let b = 1e9;
+        // N = 4, G = 2: the network moves 2·2·2/4 = 2 B at 1 GB/s, the host 1.5 B at 100 GB/s.
+        assert!((dp.sum_s(&node, b) - 2.0).abs() < 1e-12);
+        let fast_net = Hardware {
+            nic_gbps: Some(1e6),
+            ..node.clone()
+        };
+        assert!((dp.sum_s(&fast_net, b) - 1.5 / 100.0).abs() < 1e-12);
+        // One machine never crosses the network.
+        let one = DataParallel { gpus: 4, nodes: 1 };
+        assert!((one.sum_s(&node, b) - 1.5 / 100.0).abs() < 1e-12);
+        let m = presets::model("llama-3.1-8b").unwrap();
+        let slow = plan(&m, &node, &ranks(2, 2, 4 * 4096));
+        let fast = plan(&m, &fast_net, &ranks(2, 2, 4 * 4096));
+        assert!(slow.time.sum_s > 100.0 * fast.time.sum_s);
+        assert_eq!(slow.data_parallel.unwrap().nic_gbps, Some(1.0));
+    }
+
+    /// Llama-3.1-405B on 4 machines of 8 H200s: every rank holds the whole 16 B/param host state,
+    /// so a machine would need 8 of them; the plan says so, per rank and per machine, and finds no
+    /// flag that fits (the host state is not sharded).
+    #[test]
+    fn replicated_state_of_405b_on_32_gpus_does_not_fit_and_says_per_machine() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-405b").unwrap();
+        let job = ranks(8, 4, 32 * 4096);
+        job.validate().unwrap();
+        job.data_parallel.check(&node).unwrap();
+        let p = plan(&m, &node, &job);
+        let d = p.data_parallel.clone().unwrap();
+        assert!(!p.fits);
+        assert!(d.host_bytes_per_rank >= 16 * m.num_params() as u64);
+        assert_eq!(d.host_bytes_per_node, 8 * d.host_bytes_per_rank);
+        assert_eq!(d.nic_gbps, Some(400.0));
+        let why = p.missing.unwrap();
+        assert!(why.contains("for the 8 ranks of a machine"), "{why}");
+        assert!(p.suggestion.unwrap().starts_with("nothing tried fits"));
+    }
+
+    /// Fewer GPUs per machine is offered when it is what fits: Llama-3.1-70B's 1 TiB of host state
+    /// fits an H200 machine once, not 8 times.
+    #[test]
+    fn fewer_gpus_is_suggested_when_only_that_fits() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-70b").unwrap();
+        let p = plan(&m, &node, &ranks(8, 1, 8 * 4096));
+        assert!(!p.fits);
+        assert_eq!(p.suggestion.as_deref(), Some("--gpus 1"));
+        assert!(plan(&m, &node, &ranks(1, 1, 8 * 4096)).fits);
+        // Llama-3.1-8B fits 8 times.
+        let small = presets::model("llama-3.1-8b").unwrap();
+        assert!(plan(&small, &node, &ranks(8, 1, 8 * 4096)).fits);
+        // Gemma-3-27B's 432 GB fits 3 times (not 4): 3 ranks need whole sequences each, so the
+        // job's 32,768 tokens become 24,576 — and the flags, applied, fit.
+        let gemma = presets::model("gemma-3-27b").unwrap();
+        let job = ranks(8, 1, 8 * 4096);
+        assert_eq!(
+            fewer_gpus(&gemma, &node, &job).as_deref(),
+            Some("--gpus 3 --tokens-per-step 24576")
+        );
+        let applied = ranks(3, 1, 24576);
+        applied.validate().unwrap();
+        assert!(plan(&gemma, &node, &applied).fits);
+        assert!(!plan(&gemma, &node, &ranks(4, 1, 4 * 4096)).fits);
+    }
+
+    /// The job is checked against the machine and its tokens against its ranks, each flag named.
+    #[test]
+    fn data_parallel_requests_are_checked() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let err = |r: crate::Result<()>| r.unwrap_err().to_string();
+        let e = err(DataParallel { gpus: 9, nodes: 1 }.check(&node));
+        assert!(e.contains("--gpus 9") && e.contains("8 GPU(s)"), "{e}");
+        let e = err(DataParallel { gpus: 0, nodes: 1 }.check(&node));
+        assert!(e.contains("at least one GPU"), "{e}");
+        let no_net = Hardware {
+            nic_gbps: None,
+            ..node.clone()
+        };
+        let e = err(DataParallel { gpus: 1, nodes: 2 }.check(&no_net));
+        assert!(e.contains("--nodes 2") && e.contains("--nic-gbps"), "{e}");
+        DataParallel { gpus: 8, nodes: 2 }.check(&node).unwrap();
+        // 3 ranks of 4096-token sequences: 16384 tokens are not whole sequences for each.
+        let e = err(ranks(3, 1, 16384).validate());
+        assert!(
+            e.contains("for each of the 3 ranks") && e.contains("12288 or 24576"),
+            "{e}"
+        );
+        let e = err(ranks(8, 4, 4096).validate());
+        assert!(
+            e.contains("one sequence for each of the 32 ranks (131072)"),
+            "{e}"
+        );
+        let e = err(DataParallel {
+            gpus: 8,
+            nodes: u64::MAX,
+        }
+        .check(&node));
+        assert!(e.contains("--nodes") && e.contains("at most"), "{e}");
+        // The default step: 65,536 tokens rounded up to whole sequences for each rank.
+        assert_eq!(PlanRequest::default_tokens_per_step(4096, 1), 65536);
+        assert_eq!(PlanRequest::default_tokens_per_step(4096, 3), 73728);
+        assert_eq!(PlanRequest::default_tokens_per_step(4096, 32), 131072);
+        for n in 1..=64 {
+            let t = PlanRequest::default_tokens_per_step(4096, n);
+            ranks(n, 1, t).validate().unwrap();
+        }
+        // A micro-batch is a rank's: at most its share.
+        let e = err(PlanRequest {
+            micro_batch_tokens: Some(16384),
+            ..ranks(2, 1, 16384)
+        }
+        .validate());
+        assert!(e.contains("a rank's share of the step, 8192"), "{e}");
+    }
 }

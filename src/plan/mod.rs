@@ -714,7 +714,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     let suggestion = (!fits).then(|| {
         suggest(model, hw, asked)
             .map(|(what, _)| what)
-            .or_else(|| fewer_gpus(model, node, req))
+            .or_else(|| data_parallel::fewer_gpus(model, node, req))
             .unwrap_or_else(|| {
                 "nothing tried fits: a machine with more host RAM or GPU memory is needed"
                     .to_owned()
@@ -753,34 +753,6 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         features: model.features(),
         kind: "prediction",
     }
-}
-
-/// For a job of several GPUs per machine that does not fit: the most GPUs per machine whose
-/// ranks' host state fits (each rank holds all of it), as the flags that say it — with the job's
-/// tokens rounded down to whole sequences for each rank where they must change.
-fn fewer_gpus(model: &ModelConfig, node: &Hardware, req: &PlanRequest) -> Option<String> {
-    (1..req.data_parallel.gpus).rev().find_map(|gpus| {
-        let dp = DataParallel {
-            gpus,
-            ..req.data_parallel
-        };
-        let grain = req.seq_len.saturating_mul(dp.ranks()).max(1);
-        let tokens = (req.tokens_per_step / grain).max(1).saturating_mul(grain);
-        let r = PlanRequest {
-            data_parallel: dp,
-            tokens_per_step: tokens,
-            ..req.clone()
-        };
-        r.validate().ok()?;
-        let hw = dp.rank_share(node);
-        let rank = resolve(model, &hw, &r.rank_share());
-        shortfalls(&memory(model, &rank, &hw), &hw, gpus)
-            .is_empty()
-            .then(|| match tokens == req.tokens_per_step {
-                true => format!("--gpus {gpus}"),
-                false => format!("--gpus {gpus} --tokens-per-step {tokens}"),
-            })
-    })
 }
 
 /// Host bytes per NUMA node of a described machine: the trainer's own placement of `model`

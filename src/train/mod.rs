@@ -241,15 +241,7 @@ fn train_loop(
                 let t0 = std::time::Instant::now();
                 settle_checkpoint(s, true, progress, summary).map_err(Stop::AfterStep)?;
                 let d = save_checkpoint(s, &root, step).map_err(Stop::AfterStep)?;
-                let secs = t0.elapsed().as_secs_f64();
-                progress.checkpoint(&d);
-                let bytes = s.streamer.store().layout().checkpoint_bytes();
-                progress.note(&format!(
-                    "  {} written in {secs:.1} s ({:.2} GB/s; training waited for it)",
-                    crate::util::human_bytes(bytes),
-                    bytes as f64 / secs.max(1e-9) / 1e9
-                ));
-                summary.checkpoint = Some(d);
+                waited_for(s, &d, t0, "", progress, summary);
             } else if due {
                 start_checkpoint(s, &root, step, progress, summary).map_err(Stop::AfterStep)?;
             }
@@ -378,17 +370,29 @@ fn joint_checkpoint(
         world.as_ref(),
     )?;
     s.saved = Some((step, d.clone()));
+    let how = format!(", the moments gathered from the {} ranks", world.size());
+    waited_for(s, &d, t0, &how, progress, summary);
+    Ok(())
+}
+
+/// Report checkpoint `d`, written since `t0` while training waited (`how`: said after its rate).
+fn waited_for(
+    s: &Session,
+    d: &Path,
+    t0: std::time::Instant,
+    how: &str,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) {
     let secs = t0.elapsed().as_secs_f64();
-    progress.checkpoint(&d);
+    progress.checkpoint(d);
     let bytes = s.streamer.store().layout().checkpoint_bytes();
     progress.note(&format!(
-        "  {} written in {secs:.1} s ({:.2} GB/s, the moments gathered from the {} ranks; training waited for it)",
+        "  {} written in {secs:.1} s ({:.2} GB/s{how}; training waited for it)",
         crate::util::human_bytes(bytes),
-        bytes as f64 / secs.max(1e-9) / 1e9,
-        world.size()
+        bytes as f64 / secs.max(1e-9) / 1e9
     ));
-    summary.checkpoint = Some(d);
-    Ok(())
+    summary.checkpoint = Some(d.to_path_buf());
 }
 
 /// Write a checkpoint of the current state (after `step`) under `root`, waiting for it.
