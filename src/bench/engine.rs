@@ -482,6 +482,7 @@ fn predict(
         device_inputs: 0,
         lean_pieces: LeanPieces::of(layout),
         ranks: 1,
+        gather: false,
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))
 }

@@ -124,6 +124,9 @@ pub struct Streamer {
     /// Host copies of the layer-boundary activations (host activations).
     saved: Vec<HostBuffer>,
     lean: Vec<Option<HostBuffer>>,
+    /// ZeRO stage 3: the host buffers other ranks' params are gathered into, one per weight
+    /// buffer ([`Op::Gather`]).
+    gathered: Vec<HostBuffer>,
     guards: Vec<Option<UnitGuard>>,
     pending: HashMap<usize, PendingAdam>,
     step: u64,
@@ -221,6 +224,7 @@ impl Streamer {
             device_inputs: cfg.device_inputs,
             lean_pieces: LeanPieces::of(&layout),
             ranks: 1,
+            gather: layout.gathers_params(),
         };
         if cfg.activation_dtype == ActivationDtype::Bf16 && !streams_bf16 {
             return Err(Error::bad_input(
@@ -284,6 +288,18 @@ impl Streamer {
                 .collect::<Result<_>>()?,
             Mode::Exact => Vec::new(),
         };
+        let gathered = match layout.gathers_params() {
+            true => {
+                let words = (0..layout.units.len())
+                    .map(|u| layout.streamed_bytes(u).div_ceil(4))
+                    .max()
+                    .unwrap_or(0);
+                (0..crate::store::layout::GATHER_BUFFERS)
+                    .map(|k| host_buffer(format!("gathered params buffer {k}"), words))
+                    .collect::<Result<_>>()?
+            }
+            false => Vec::new(),
+        };
         let units = store.num_units();
         let timeline = Timeline::new(device.epoch());
         let spill_seen = store.spill_stats();
@@ -299,6 +315,7 @@ impl Streamer {
             bufs,
             saved,
             lean,
+            gathered,
             guards: (0..units).map(|_| None).collect(),
             pending: HashMap::new(),
             step: 0,
@@ -457,10 +474,12 @@ impl Streamer {
     /// first (the order the updates start in); in lean mode the units' Σg², each from its
     /// owner's update and 0 elsewhere, are summed across the ranks (adding zeros is exact; a
     /// unit's Σg² itself is its owner's, whose bits follow its AdamW workers' split as in any
-    /// process).
+    /// process). Stage 3 sends no params here: each rank gathers a unit's when it next needs
+    /// them ([`Op::Gather`]).
     fn share_updates(&mut self, owner: &[usize]) -> Result<()> {
         let world = self.world.clone();
-        for u in (0..self.store.num_units()).rev() {
+        let params = !self.store.layout().gathers_params();
+        for u in (0..self.store.num_units()).rev().filter(|_| params) {
             let root = owner
                 .get(u)
                 .copied()
@@ -680,6 +699,7 @@ impl Streamer {
             }
             Op::Adam { unit, lean, piece } => self.submit_adam(*unit, (*lean, *piece), run)?,
             Op::Reduce { unit, lean, piece } => self.reduce(*unit, (*lean, *piece))?,
+            Op::Gather { unit, slot } => self.gather(*unit, *slot)?,
             // The schedule made this wait for every update of the step; their Σg² is summed.
             Op::LeanNorm => {}
             other => {
@@ -711,6 +731,35 @@ impl Streamer {
                 world.sum_f32(grads)
             }
         }
+    }
+
+    /// ZeRO stage 3: unit u's params as the device streams them (fp32, or the high plane of
+    /// planes), from the rank holding them into host buffer `slot` of every other rank. The
+    /// holder sends straight from its store (the schedule ordered the unit's update before).
+    fn gather(&mut self, unit: usize, slot: usize) -> Result<()> {
+        let world = self.world.clone();
+        let layout = self.store.layout();
+        let (root, bytes) = (layout.owner(unit), layout.streamed_bytes(unit));
+        if layout.holds_params(unit) {
+            let held = self.guard(unit)?.params_bytes();
+            let held = held.get_mut(..bytes).ok_or_else(|| {
+                Error::internal("streamer", format!("unit {unit}'s params are short"))
+            })?;
+            return world.broadcast_bytes(root, held);
+        }
+        let buf = self.gathered.get_mut(slot).ok_or_else(|| {
+            Error::internal("streamer", format!("no gathered params buffer {slot}"))
+        })?;
+        let words = buf.as_mut_slice();
+        // SAFETY: byte view of the buffer's f32 words (any bytes form valid f32s; the buffer
+        // holds at least the largest unit's streamed bytes).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4)
+        };
+        let dst = dst.get_mut(..bytes).ok_or_else(|| {
+            Error::internal("streamer", format!("gathered params buffer {slot} is short"))
+        })?;
+        world.broadcast_bytes(root, dst)
     }
 
     /// Start unit u's AdamW update on its node's pool: in lean mode of piece `piece`, from lean
@@ -810,6 +859,45 @@ impl Streamer {
         let n = self.cfg.batch * self.cfg.seq;
         let c = self.store.layout().config.hidden_size;
         Ok(match op {
+            Op::CopyWeights { unit, to } if !self.store.layout().holds_params(*unit) => {
+                // ZeRO stage 3: from the host buffer the Gather before filled.
+                let dst = self.buf(*to);
+                let label = format!("weights unit {unit} (gathered)");
+                let numel = self.store.layout().units[*unit].numel;
+                let planes = self.store.layout().master == MasterFormat::Planes;
+                let slot = match to {
+                    DevBuf::W(s) => *s,
+                    other => {
+                        return Err(Error::internal(
+                            "streamer",
+                            format!("weights copied into {other:?}"),
+                        ))
+                    }
+                };
+                let buf = self.gathered.get_mut(slot).ok_or_else(|| {
+                    Error::internal("streamer", format!("no gathered params buffer {slot}"))
+                })?;
+                if planes {
+                    // SAFETY: the buffer lives in `self`; the schedule orders the next Gather
+                    // into it after this copy's completion.
+                    let src = unsafe { HostRef::from_slice(&mut buf.as_mut_halves()[..numel]) };
+                    Cmd::HtoDBf16 {
+                        dst,
+                        offset: 0,
+                        src,
+                        label,
+                    }
+                } else {
+                    // SAFETY: as above.
+                    let src = unsafe { HostRef::from_slice(&mut buf.as_mut_slice()[..numel]) };
+                    Cmd::HtoD {
+                        dst,
+                        offset: 0,
+                        src,
+                        label,
+                    }
+                }
+            }
             Op::CopyWeights { unit, to } => {
                 let dst = self.buf(*to);
                 let g = self.guard(*unit)?;

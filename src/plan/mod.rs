@@ -515,6 +515,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             device_inputs: placed.device_inputs,
             lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
             ranks: req.data_parallel.ranks() as usize,
+            gather: false,
         };
         sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)
     };

@@ -358,6 +358,8 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                 let (experts, out_rows, groups) =
                     (view.shape()[0], view.shape()[1], view.shape()[2]);
                 let per_expert = stored.numel() / experts.max(1);
+                // ZeRO stage 3: another rank's unit is loaded by that rank.
+                let experts = if layout.holds_params(unit) { experts } else { 0 };
                 let mut master = guards[unit].master();
                 for e in 0..experts {
                     let w = mxfp4::dequantize_expert(
@@ -416,6 +418,10 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                     None,
                 )
             };
+            if !layout.holds_params(unit) {
+                // ZeRO stage 3: another rank's unit, loaded (and checked) by that rank.
+                continue;
+            }
             let mut master = guards[unit].master();
             let start = spec.offset + stored.offset;
             let range = start..start + stored.numel();

@@ -169,6 +169,10 @@ pub struct TensorLoc {
     pub index: usize,
 }
 
+/// ZeRO stage 3: host buffers another rank's params are gathered into (one per device weight
+/// buffer).
+pub const GATHER_BUFFERS: usize = 2;
+
 /// The whole layout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StateLayout {
@@ -186,23 +190,30 @@ pub struct StateLayout {
     pub units: Vec<UnitLayout>,
     /// HF tensor name → location.
     pub manifest: BTreeMap<String, TensorLoc>,
-    /// Data parallel with the Adam state sharded (`--zero-stage 1`): which rank holds and
-    /// updates each unit's moments; `None`: this process holds every unit's.
+    /// Data parallel with the state sharded (`--zero-stage 1|3`): which rank holds and
+    /// updates each unit's moments (and params, stage 3); `None`: this process holds every
+    /// unit's.
     #[serde(default)]
-    pub owners: Option<MomentOwners>,
+    pub owners: Option<UnitOwners>,
 }
 
-/// ZeRO stage 1 across data-parallel ranks: each unit's Adam moments live on one rank, which
-/// alone updates the unit and then gives the other ranks its new params.
+/// ZeRO across data-parallel ranks, unit by unit: each unit's Adam moments live on one rank,
+/// which alone updates the unit. Stage 1 ([`UnitOwners::params`] false): every rank keeps every
+/// unit's params, and the owner sends the others its update at the end of a step. Stage 3: the
+/// params live on the owner only, and every rank takes a unit's params from it each time its
+/// device needs them ([`crate::engine::schedule::Op::Gather`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MomentOwners {
+pub struct UnitOwners {
     /// This process's rank.
     pub rank: usize,
     /// The rank that holds each unit's moments.
     pub owner: Vec<usize>,
+    /// Stage 3: the params live only on their unit's owner too.
+    #[serde(default)]
+    pub params: bool,
 }
 
-impl MomentOwners {
+impl UnitOwners {
     /// `layout`'s units dealt to `ranks` ranks, as rank `rank` sees it: largest unit first
     /// (ties: the lower index), each to the rank holding the fewest moment elements so far
     /// (ties: the lower rank) — every rank computes the same deal.
@@ -217,7 +228,19 @@ impl MomentOwners {
             owner[u] = r;
             load[r] += layout.units[u].numel;
         }
-        MomentOwners { rank, owner }
+        UnitOwners {
+            rank,
+            owner,
+            params: false,
+        }
+    }
+
+    /// These owners holding the params too (ZeRO stage 3).
+    pub fn with_params(self) -> Self {
+        UnitOwners {
+            params: true,
+            ..self
+        }
     }
 
     /// Whether this rank holds `unit`'s moments.
@@ -252,7 +275,7 @@ impl StateLayout {
     }
 
     /// This layout with each unit's moments held only by the rank `owners` names.
-    pub fn with_owners(self, owners: MomentOwners) -> Self {
+    pub fn with_owners(self, owners: UnitOwners) -> Self {
         StateLayout {
             owners: Some(owners),
             ..self
@@ -264,10 +287,43 @@ impl StateLayout {
         self.owners.as_ref().is_none_or(|o| o.holds(unit))
     }
 
+    /// Whether this process holds `unit`'s params (all but another rank's under ZeRO stage 3).
+    pub fn holds_params(&self, unit: usize) -> bool {
+        self.owners.as_ref().is_none_or(|o| !o.params || o.holds(unit))
+    }
+
+    /// Whether the params are sharded across ranks (ZeRO stage 3): a unit another rank holds
+    /// is gathered from it each time the device needs it.
+    pub fn gathers_params(&self) -> bool {
+        self.owners.as_ref().is_some_and(|o| o.params)
+    }
+
+    /// The rank holding `unit`'s moments (and, stage 3, params); 0 where nothing is sharded.
+    pub fn owner(&self, unit: usize) -> usize {
+        self.owners
+            .as_ref()
+            .and_then(|o| o.owner.get(unit).copied())
+            .unwrap_or(0)
+    }
+
     /// Whether this process keeps `unit`'s shard of `kind`.
     pub fn holds(&self, unit: usize, kind: ShardKind) -> bool {
         self.has(kind)
-            && (!matches!(kind, ShardKind::AdamM | ShardKind::AdamV) || self.holds_moments(unit))
+            && match kind {
+                ShardKind::AdamM | ShardKind::AdamV => self.holds_moments(unit),
+                ShardKind::Params => self.holds_params(unit),
+                ShardKind::Grads => true,
+            }
+    }
+
+    /// Bytes of unit `unit`'s params the device streams: fp32, or the high plane of
+    /// [`MasterFormat::Planes`] (what a stage-3 gather moves).
+    pub fn streamed_bytes(&self, unit: usize) -> usize {
+        let n = self.units[unit].numel;
+        match self.master {
+            MasterFormat::Fp32 => 4 * n,
+            MasterFormat::Planes => 2 * n,
+        }
     }
 
     /// This layout with the moments stored as `adam`.
@@ -286,11 +342,13 @@ impl StateLayout {
         (2 * self.units[unit].numel).div_ceil(SHARD_ALIGN).max(1) * SHARD_ALIGN
     }
 
-    /// Bytes of unit `unit`'s shard of `kind` (a multiple of [`SHARD_ALIGN`]; 0 for moments
-    /// another rank holds).
+    /// Bytes of unit `unit`'s shard of `kind` (a multiple of [`SHARD_ALIGN`]; 0 for moments,
+    /// or stage 3 params, another rank holds).
     pub fn shard_bytes(&self, unit: usize, kind: ShardKind) -> usize {
         let u = &self.units[unit];
         match kind {
+            // Another rank's (ZeRO stage 3).
+            ShardKind::Params if !self.holds_params(unit) => 0,
             ShardKind::Params if self.master == MasterFormat::Planes => {
                 2 * self.lo_plane_offset(unit)
             }
@@ -412,9 +470,24 @@ impl StateLayout {
             .sum()
     }
 
+    /// ZeRO stage 3: the host buffers another rank's params are gathered into, one per device
+    /// weight buffer, each of the largest unit's streamed bytes. Zero otherwise.
+    pub fn gather_buffer_bytes(&self) -> u64 {
+        if !self.gathers_params() {
+            return 0;
+        }
+        let largest = (0..self.units.len())
+            .map(|u| self.streamed_bytes(u))
+            .max()
+            .unwrap_or(0);
+        (GATHER_BUFFERS * largest.div_ceil(SHARD_ALIGN).max(1) * SHARD_ALIGN) as u64
+    }
+
     /// All host bytes the state needs.
     pub fn total_bytes(&self) -> u64 {
-        self.kinds().map(|k| self.kind_bytes(k)).sum::<u64>() + self.lean_grad_buffer_bytes()
+        self.kinds().map(|k| self.kind_bytes(k)).sum::<u64>()
+            + self.lean_grad_buffer_bytes()
+            + self.gather_buffer_bytes()
     }
 
     /// Host bytes per parameter.
@@ -528,8 +601,8 @@ mod tests {
             |l: &StateLayout| l.kind_bytes(ShardKind::AdamM) + l.kind_bytes(ShardKind::AdamV);
         let largest = l.max_unit_numel();
         for ranks in 1..=9 {
-            let deals: Vec<MomentOwners> = (0..ranks)
-                .map(|r| MomentOwners::deal(&l, ranks, r))
+            let deals: Vec<UnitOwners> = (0..ranks)
+                .map(|r| UnitOwners::deal(&l, ranks, r))
                 .collect();
             let mut sum = 0;
             let mut loads = Vec::new();

@@ -736,7 +736,7 @@ mod tests {
         let layout = whole.layout().clone();
         let mut mapped = 0u64;
         for rank in 0..2 {
-            let owners = layout::MomentOwners::deal(&layout, 2, rank);
+            let owners = layout::UnitOwners::deal(&layout, 2, rank);
             let mine = layout.clone().with_owners(owners.clone());
             let machine = probe(&TopologySource::Live).unwrap();
             let p = place(&machine, &mine, None, RamBudget::default()).unwrap();

@@ -339,6 +339,11 @@ fn load_files(
                     .map_err(|e| Error::io("read", path.as_path(), e))
             };
             match moment {
+                // Params another rank holds (ZeRO stage 3): read past, checksummed.
+                None if !store.layout().holds_params(u) => {
+                    scratch.resize(4 * numel, 0);
+                    read(f, &mut scratch)?;
+                }
                 // Moments another rank holds (ZeRO stage 1): read past, checksummed.
                 Some(_) if !store.layout().holds_moments(u) => {
                     scratch.resize(saved.moment_bytes_unaligned(numel), 0);
@@ -354,7 +359,7 @@ fn load_files(
             }
             meter.add(f.bytes - before);
         }
-        if !fp32.is_empty() {
+        if !fp32.is_empty() && store.layout().holds_params(u) {
             sh.params.write(0, &fp32);
         }
         g.unstage(); // written back to NVMe if spilled

@@ -335,9 +335,10 @@ settings! {
     value collective_timeout: u64 = 1800 => Option<u64> [value_name = "SECONDS"];
     /// Data parallel: 1 shards the Adam state across the ranks (ZeRO stage 1: each unit's
     /// moments live on one rank, which alone updates the unit and sends the others its params;
-    /// the same bits as 0), 0 keeps all of it on every rank. Checkpoints of a sharded job are
-    /// written while training waits.
-    value zero_stage: u8 = 0 => Option<u8> [value_name = "0|1"];
+    /// the same bits as 0), 3 the params too (each rank takes a unit's params from its owner
+    /// each time its device needs them; the same bits), 0 keeps all of it on every rank.
+    /// Checkpoints of a sharded job are written while training waits.
+    value zero_stage: u8 = 0 => Option<u8> [value_name = "0|1|3"];
 }
 
 impl TrainConfig {
@@ -482,10 +483,10 @@ impl TrainConfig {
                 "e.g. --sample-temperature 0.8",
             );
         }
-        if self.zero_stage > 1 {
+        if !matches!(self.zero_stage, 0 | 1 | 3) {
             return bad_setting(
                 "zero_stage",
-                "must be 0 (every rank holds the whole state) or 1 (the Adam state sharded)",
+                "must be 0 (every rank holds the whole state), 1 (the Adam state sharded) or 3 (the params and the Adam state sharded)",
                 "--zero-stage 1",
             );
         }

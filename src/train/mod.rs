@@ -432,7 +432,23 @@ fn write_final_outputs(s: &mut Session, summary: &mut Summary) -> Result<()> {
             // A model started from a Hugging Face directory is served with its tokenizer.
             serving_files_from: s.cfg.init_from.as_deref().filter(|p| p.is_dir()),
         };
-        crate::store::hf::export_store(store, out, 2 << 30, opts)?;
+        if store.layout().gathers_params() {
+            // ZeRO stage 3: this rank holds only its units' params; the final checkpoint holds
+            // the job's (written at the last step by every rank).
+            let dir = match &s.saved {
+                Some((step, dir)) if *step == summary.steps => dir.clone(),
+                _ => {
+                    return Err(Error::internal(
+                        "export",
+                        "a job with sharded params has no checkpoint of its final state",
+                    ))
+                }
+            };
+            let mut params = checkpoint::CheckpointParams::open(&dir, store.layout())?;
+            crate::store::hf::export(&mut params, store.layout(), out, 2 << 30, opts)?;
+        } else {
+            crate::store::hf::export_store(store, out, 2 << 30, opts)?;
+        }
         summary.export = Some(out.clone());
     }
     let curve = s

@@ -39,18 +39,23 @@ pub(super) fn share_start(
 /// The configuration rank `rank` runs: rank 0 (and a process on its own) as given; any other
 /// rank without outputs — no metrics, TensorBoard, trace, export, validation or samples; the
 /// checkpoint directory only read (rank 0 writes the job's checkpoints, the state being the same
-/// on every rank).
-pub(super) fn rank_outputs(cfg: &TrainConfig, rank: usize) -> TrainConfig {
+/// on every rank). `gathers_params` (ZeRO stage 3): every rank validates, since each pass
+/// gathers every unit's params from the rank holding them.
+pub(super) fn rank_outputs(cfg: &TrainConfig, rank: usize, gathers_params: bool) -> TrainConfig {
     if rank == 0 {
         return cfg.clone();
     }
+    let (val_data, val_every) = match gathers_params {
+        true => (cfg.val_data.clone(), cfg.val_every),
+        false => (None, 0),
+    };
     TrainConfig {
         metrics: None,
         tensorboard: None,
         trace: None,
         export_hf: None,
-        val_data: None,
-        val_every: 0,
+        val_data,
+        val_every,
         sample_every: 0,
         sample_prompt: None,
         ..cfg.clone()

@@ -22,7 +22,7 @@ use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
 use crate::optim::{AdamPool, AdamWConfig};
-use crate::store::layout::{MasterFormat, Mode, MomentOwners, ShardKind, StateLayout};
+use crate::store::layout::{MasterFormat, Mode, UnitOwners, ShardKind, StateLayout};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, Machine, TopologySource};
@@ -83,7 +83,11 @@ pub(super) fn setup(
     // Ranks sharing a host share its CPUs (the AdamW workers take their node's CPUs within
     // this rank's part: `build_streamer`).
     HostShare::of(world.as_ref()).bind()?;
-    let cfg = &ranks::rank_outputs(cfg, world.rank());
+    let gathers_params = cfg.zero_stage == 3 && world.size() > 1;
+    if gathers_params {
+        check_sharded_outputs(cfg)?;
+    }
+    let cfg = &ranks::rank_outputs(cfg, world.rank(), gathers_params);
     outputs::check_paths(cfg)?;
     let inputs = inputs(cfg, world.as_ref(), progress)?;
     let machine = probe(&TopologySource::Live)?;
@@ -125,9 +129,12 @@ pub(super) fn setup(
     };
     cfg.check_grad_link()?;
     cfg.check_activation_dtype()?;
-    let sharded = cfg.zero_stage == 1 && world.size() > 1;
-    if cfg.zero_stage == 1 && !sharded {
-        progress.note("--zero-stage 1: one process holds the whole state (sharding needs ranks)");
+    let sharded = cfg.zero_stage > 0 && world.size() > 1;
+    if cfg.zero_stage > 0 && !sharded {
+        progress.note(&format!(
+            "--zero-stage {}: one process holds the whole state (sharding needs ranks)",
+            cfg.zero_stage
+        ));
     }
     let mode = choose_mode(
         &cfg,
@@ -135,7 +142,7 @@ pub(super) fn setup(
         &machine,
         &inputs.model,
         budget,
-        sharded.then(|| world.size()),
+        sharded.then(|| (world.size(), cfg.zero_stage)),
         progress,
     );
     let cfg = TrainConfig {
@@ -161,17 +168,30 @@ pub(super) fn setup(
         .with_adam_state(adam_state)
         .with_master(master);
     if sharded {
-        let owners = MomentOwners::deal(&layout, world.size(), world.rank());
-        let moments =
-            |l: &StateLayout| l.kind_bytes(ShardKind::AdamM) + l.kind_bytes(ShardKind::AdamV);
-        let job = moments(&layout);
+        let owners = UnitOwners::deal(&layout, world.size(), world.rank());
+        let owners = match cfg.zero_stage {
+            3 => owners.with_params(),
+            _ => owners,
+        };
+        let kinds: &[ShardKind] = match owners.params {
+            true => &[ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV],
+            false => &[ShardKind::AdamM, ShardKind::AdamV],
+        };
+        let sharded_bytes =
+            |l: &StateLayout| kinds.iter().map(|&k| l.kind_bytes(k)).sum::<u64>();
+        let job = sharded_bytes(&layout);
         let held = (0..layout.units.len()).filter(|&u| owners.holds(u)).count();
         layout = layout.with_owners(owners);
         progress.note(&format!(
-            "ZeRO stage 1: rank {} holds and updates the Adam moments of {held} of {} units ({} of the job's {} bytes)",
+            "ZeRO stage {}: rank {} holds and updates the {} of {held} of {} units ({} of the job's {} bytes)",
+            cfg.zero_stage,
             world.rank(),
+            match cfg.zero_stage {
+                3 => "params and Adam moments",
+                _ => "Adam moments",
+            },
             layout.units.len(),
-            moments(&layout),
+            sharded_bytes(&layout),
             job
         ));
     }
@@ -615,6 +635,29 @@ fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<Mode
     }
 }
 
+/// What rank 0 of a job whose params are sharded (ZeRO stage 3) cannot do alone: draw samples
+/// (the other ranks' params are theirs), export from the store (it exports from the final
+/// checkpoint instead, which needs a checkpoint directory).
+fn check_sharded_outputs(cfg: &TrainConfig) -> Result<()> {
+    if cfg.sample_every > 0 {
+            return Err(Error::bad_input(
+                "setting",
+                "sample_every",
+                "samples are not drawn from a job whose params are sharded (--zero-stage 3): rank 0 alone draws them and lacks the other ranks' params",
+                Some("drop --sample-every, or use --zero-stage 1"),
+            ));
+    }
+    if cfg.export_hf.is_some() && cfg.checkpoint_dir.is_none() {
+            return Err(Error::bad_input(
+                "setting",
+                "export_hf",
+                "a job whose params are sharded (--zero-stage 3) exports from its final checkpoint, so it needs --checkpoint-dir",
+                Some("add --checkpoint-dir DIR"),
+            ));
+        }
+    Ok(())
+}
+
 /// The mode: as set, as the resumed run had it, or the planner's choice (exact if its state
 /// fits the RAM budget, else lean if that fits and nothing accumulates, else exact with spill).
 fn choose_mode(
@@ -623,7 +666,7 @@ fn choose_mode(
     machine: &Machine,
     model: &ModelConfig,
     budget: RamBudget,
-    sharded_ranks: Option<usize>,
+    sharded_ranks: Option<(usize, u8)>,
     progress: &mut dyn Progress,
 ) -> Mode {
     if let Some(m) = cfg.mode.or(resumed.and_then(|(_, st)| st.config.mode)) {
@@ -631,16 +674,25 @@ fn choose_mode(
     }
     let fits = |m: Mode| {
         let layout = StateLayout::new(model, m).with_adam_state(cfg.adam_state.unwrap_or_default());
-        // A sharded job (ZeRO stage 1) fits where its fullest rank does (every rank then
-        // chooses the same mode).
+        // A sharded job (ZeRO stage 1 or 3) fits where its fullest rank does (every rank
+        // then chooses the same mode).
         let layout = match sharded_ranks {
-            Some(ranks) => {
+            Some((ranks, stage)) => {
                 let fullest = (0..ranks)
-                    .map(|r| MomentOwners::deal(&layout, ranks, r))
+                    .map(|r| {
+                        let o = UnitOwners::deal(&layout, ranks, r);
+                        match stage {
+                            3 => o.with_params(),
+                            _ => o,
+                        }
+                    })
                     .max_by_key(|o| {
                         (0..layout.units.len())
                             .filter(|&u| o.holds(u))
-                            .map(|u| layout.moment_bytes(u))
+                            .map(|u| {
+                                let params = o.params as u64 * (4 * layout.units[u].numel) as u64;
+                                layout.moment_bytes(u) + params
+                            })
                             .sum::<u64>()
                     });
                 match fullest {
@@ -754,7 +806,9 @@ fn normal_fill(x: &mut [f32], seed: u64, std: f32) {
 /// 0 for biases; seeded per tensor.
 fn random_init(store: &HostStore, seed: u64) -> Result<()> {
     let layout = store.layout().clone();
-    for (u, unit) in layout.units.iter().enumerate() {
+    // ZeRO stage 3: each rank fills the units it holds (each tensor's draw is its own).
+    let held = layout.units.iter().enumerate();
+    for (u, unit) in held.filter(|&(u, _)| layout.holds_params(u)) {
         let mut g = store.take(u)?;
         let mut master = g.master();
         for (i, t) in unit.tensors.iter().enumerate() {

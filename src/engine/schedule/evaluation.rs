@@ -6,11 +6,13 @@ use crate::device::Kernel;
 
 /// The ops of one forward-only micro-batch (index 0): the embedding, every block from the two
 /// boundary buffers `A(0)`/`A(1)` in turn (whatever the step keeps: a forward needs only its
-/// input and output), the final norm, LM head and loss. Its buffers are a subset of the step's
+/// input and output), the final norm, LM head and loss; each unit's params gathered first
+/// under ZeRO stage 3. Its buffers are a subset of the step's
 /// ([`evaluation_fits`]), so it runs on the step's allocation.
 pub fn evaluation(spec: &ScheduleSpec) -> Schedule {
     let l = spec.layers;
     let mut b = Builder::new();
+    b.gather = spec.gather;
     let act = |i: usize| DevBuf::A(i % 2);
     let w = b.weights(0, None);
     b.kernel(Kernel::EmbedFwd {

@@ -112,17 +112,30 @@ pub enum Res {
     Norm,
     /// The clip coefficient the step's updates use.
     Coef,
+    /// Host buffer `k` another rank's params are gathered into (ZeRO stage 3).
+    Gathered(usize),
 }
 
 /// One op of the schedule.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Op {
-    /// Copy unit u's params into weight buffer `to`.
+    /// Copy unit u's params into weight buffer `to` (ZeRO stage 3: from the host buffer the
+    /// [`Op::Gather`] before it filled, on every rank but the unit's owner).
     CopyWeights {
         /// The unit.
         unit: usize,
         /// A `W` buffer.
         to: DevBuf,
+    },
+    /// Host, ZeRO stage 3: unit u's params (as the device streams them) from the rank holding
+    /// them into host buffer `slot` of every other rank
+    /// ([`crate::dist::Collective::broadcast_bytes`]), before each copy of them to the device.
+    /// Every rank runs the same schedule, so the ranks' broadcasts come in the same order.
+    Gather {
+        /// The unit.
+        unit: usize,
+        /// The host buffer (the weight buffer's index).
+        slot: usize,
     },
     /// Copy activation `index` from the host into device buffer `to`.
     LoadActivation {
@@ -254,6 +267,9 @@ pub struct ScheduleSpec {
     /// Data-parallel ranks (1: one process). With more, each unit's step gradients are summed
     /// across ranks ([`Op::Reduce`]) once they are on the host, before their norm or update.
     pub ranks: usize,
+    /// ZeRO stage 3: each copy of a unit's params to the device is preceded by its gather from
+    /// the rank holding them ([`Op::Gather`]).
+    pub gather: bool,
 }
 
 impl ScheduleSpec {
@@ -329,6 +345,8 @@ struct Builder {
     updates: Vec<usize>,
     /// Data-parallel ranks ([`ScheduleSpec::ranks`]).
     ranks: usize,
+    /// Params gathered before each copy ([`ScheduleSpec::gather`]).
+    gather: bool,
 }
 
 impl Builder {
@@ -342,6 +360,7 @@ impl Builder {
             deferred: std::collections::VecDeque::new(),
             updates: Vec::new(),
             ranks: 1,
+            gather: false,
         }
     }
 
@@ -375,10 +394,19 @@ impl Builder {
         self.next_w = 1 - s;
         self.w_content[s] = Some(unit);
         let to = DevBuf::W(s);
+        let mut reads = vec![Res::Params(unit)];
+        if self.gather {
+            self.host(
+                Op::Gather { unit, slot: s },
+                vec![Res::Params(unit)],
+                vec![Res::Gathered(s)],
+            );
+            reads.push(Res::Gathered(s));
+        }
         self.push(
             Lane::Stream(StreamKind::CopyIn),
             Op::CopyWeights { unit, to },
-            vec![Res::Params(unit)],
+            reads,
             vec![Res::Dev(to)],
         );
         to
@@ -533,6 +561,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     let head = l + 1;
     let mut b = Builder::new();
     b.ranks = spec.ranks;
+    b.gather = spec.gather;
     let order = update_order(spec);
     // The first unit to be updated: its m/v can come in from NVMe during the forward.
     b.host(Op::Prefetch { unit: order[0] }, vec![], vec![]);

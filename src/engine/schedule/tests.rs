@@ -5,6 +5,7 @@ fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> Sch
     ScheduleSpec {
         lean_pieces: LeanPieces::WHOLE,
         ranks: 1,
+        gather: false,
         layers,
         tied,
         micro_batches: mb,
@@ -47,6 +48,17 @@ fn all_specs() -> Vec<ScheduleSpec> {
                 });
                 v.push(ScheduleSpec {
                     ranks: 2,
+                    ..spec(layers, tied, 1, Mode::Lean, a)
+                });
+                // ZeRO stage 3: each copy of a unit's params after its gather.
+                v.push(ScheduleSpec {
+                    ranks: 3,
+                    gather: true,
+                    ..spec(layers, tied, 2, Mode::Exact, a)
+                });
+                v.push(ScheduleSpec {
+                    ranks: 2,
+                    gather: true,
                     ..spec(layers, tied, 1, Mode::Lean, a)
                 });
                 // A large vocabulary's embedding and head drained and updated in pieces.

@@ -48,6 +48,7 @@ pub fn device_bytes(
         device_inputs,
         lean_pieces: LeanPieces::of(layout),
         ranks: 1,
+        gather: false,
     };
     // A bf16 device (a planes master streams bf16) holds its weights in bf16.
     let weight_bytes = match device_precision(layout) {

@@ -4,7 +4,7 @@
 
 use super::{MicroBatch, StepRun, Streamer};
 use crate::device::{Batch, LogitsRow};
-use crate::engine::schedule::Lane;
+use crate::engine::schedule::{Lane, Op};
 use crate::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -82,16 +82,25 @@ impl Streamer {
         };
         let mut submitted = Ok(());
         for (i, t) in tasks.iter().enumerate() {
-            submitted = match t.lane {
-                Lane::Stream(stream) => self.submit(&tasks, i, stream, &mut run),
-                Lane::Host => Err(Error::internal(
+            submitted = match (t.lane, &t.op) {
+                (Lane::Stream(stream), _) => self.submit(&tasks, i, stream, &mut run),
+                // ZeRO stage 3: a unit's params gathered before their copy.
+                (Lane::Host, Op::Gather { .. }) => {
+                    run.host_queue.push_back(i);
+                    Ok(())
+                }
+                (Lane::Host, op) => Err(Error::internal(
                     "streamer",
-                    format!("{:?} in the forward-only schedule", t.op),
+                    format!("{op:?} in the forward-only schedule"),
                 )),
-            };
+            }
+            .and_then(|()| self.run_host(&tasks, &mut run, None));
             if submitted.is_err() {
                 break;
             }
+        }
+        if submitted.is_ok() {
+            submitted = self.run_host(&tasks, &mut run, Some(tasks.len()));
         }
         // Every copy from the host store is done before its unit is released.
         for e in run.events.iter().flatten() {

@@ -9,7 +9,8 @@ use super::Streamer;
 pub struct HostMemory {
     /// The host store's regions (master, gradients, moments in RAM).
     pub state: u64,
-    /// The streamer's host buffers: offloaded activations, lean gradient buffers.
+    /// The streamer's host buffers: offloaded activations, lean gradient buffers, gathered
+    /// params (ZeRO stage 3).
     pub buffers: u64,
     /// The device's peak allocation when it lives in host memory (the CPU device); 0 for a GPU.
     pub device: u64,
@@ -31,7 +32,8 @@ impl Streamer {
                 .iter()
                 .flatten()
                 .map(|b| 4 * b.len() as u64)
-                .sum::<u64>();
+                .sum::<u64>()
+            + self.gathered.iter().map(|b| 4 * b.len() as u64).sum::<u64>();
         HostMemory {
             state: self.store.mapped_bytes(),
             buffers,

@@ -577,7 +577,9 @@ impl<'a> Packer<'a> {
     /// stream order; the lean buffers' node.
     fn place_streamed(&mut self) -> std::result::Result<Option<u32>, Shortage> {
         let layout = self.layout;
-        let lean = layout.lean_grad_buffer_bytes();
+        // ZeRO stage 3's gathered params buffers sit beside the lean buffers (both near the
+        // GPU: the device copies from them).
+        let lean = layout.lean_grad_buffer_bytes() + layout.gather_buffer_bytes();
         let lean_node = if lean > 0 {
             Some(self.first_fit(lean)?)
         } else {

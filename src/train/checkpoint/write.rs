@@ -42,10 +42,11 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
     write(root, snapshot, state, keep, true, None)
 }
 
-/// [`save`] by rank 0 of a job whose Adam state is sharded (ZeRO stage 1): the checkpoint is
+/// [`save`] by rank 0 of a job whose state is sharded (ZeRO stage 1 or 3): the checkpoint is
 /// the job's, in the one-process format (so it resumes on any number of ranks, sharded or not,
-/// and exports without any rank), each unit's moments taken from the rank that holds them as
-/// the write reaches it. Every other rank runs [`send_moments`] at the same time.
+/// and exports without any rank), each unit's moments (stage 3: and params) taken from the rank
+/// that holds them as the write reaches it. Every other rank runs [`send_moments`] at the same
+/// time.
 pub fn save_job(
     root: &Path,
     store: &HostStore,
@@ -57,13 +58,14 @@ pub fn save_job(
     write(root, snapshot, state, keep, true, Some(world))
 }
 
-/// Bytes per message of a unit's moments on their way to rank 0 ([`send_moments`]): what the
+/// Bytes per message of a unit's state on its way to rank 0 ([`send_moments`]): what the
 /// writer holds of another rank's state at once.
 const MOMENT_CHUNK: usize = 64 << 20;
 
-/// A sharded job's rank other than 0, while rank 0 runs [`save_job`]: send rank 0 the moments of
-/// every unit this rank holds, in unit order, m then v, in [`MOMENT_CHUNK`] messages straight
-/// from the store. Every unit must be idle.
+/// A sharded job's rank other than 0, while rank 0 runs [`save_job`]: send rank 0 the state of
+/// every unit this rank holds, in unit order — its fp32 params (stage 3; planes joined), then m,
+/// then v — in [`MOMENT_CHUNK`] messages, the moments straight from the store. Every unit must
+/// be idle.
 pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
     let layout = store.layout();
     let Some(owners) = layout.owners.as_ref() else {
@@ -74,6 +76,22 @@ pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
         g.stage()?;
         {
             let sh = g.shards()?;
+            if owners.params {
+                let mut joined = vec![0f32; MOMENT_CHUNK / 4];
+                let params = sh.params.view();
+                let mut at = 0;
+                while at < params.len() {
+                    let n = (params.len() - at).min(joined.len());
+                    params.read(at, &mut joined[..n]);
+                    // SAFETY: byte view of an f32 slice (no padding; the file is
+                    // little-endian like the host).
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(joined.as_ptr().cast::<u8>(), n * 4)
+                    };
+                    world.send_bytes(0, bytes)?;
+                    at += n;
+                }
+            }
             for moment in [&*sh.m, &*sh.v] {
                 for chunk in moment.chunks(MOMENT_CHUNK) {
                     world.send_bytes(0, chunk)?;
@@ -301,7 +319,22 @@ fn write(
             let [p_out, m_out, v_out] = &mut outs[..] else {
                 return Err(Error::internal("checkpoint", "three tensor files"));
             };
-            p_out.put(params, meter.as_ref())?;
+            match (world, store.layout().owners.as_ref()) {
+                // Another rank holds them (ZeRO stage 3): its `send_moments` sends them first.
+                (Some(world), Some(owners)) if !store.layout().holds_params(u) => {
+                    let mut left = 4 * store.layout().units[u].numel;
+                    while left > 0 {
+                        let n = left.min(MOMENT_CHUNK);
+                        if chunk.len() < n {
+                            chunk.resize(n, 0);
+                        }
+                        world.recv_bytes(owners.owner[u], &mut chunk[..n])?;
+                        p_out.put(&chunk[..n], meter.as_ref())?;
+                        left -= n;
+                    }
+                }
+                _ => p_out.put(params, meter.as_ref())?,
+            }
             match (world, store.layout().owners.as_ref()) {
                 // Another rank holds them (ZeRO stage 1): its `send_moments` sends them, m then
                 // v, in the same messages.
