@@ -694,3 +694,176 @@ fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
         "resumed on 1 vs 3 sharded ranks straight"
     ));
 }
+
+/// `--val-data` (the training tokens) checked every 2 steps, and `--export-hf` into `out/hf`.
+fn with_outputs(dir: &Path, out: &Path, mut args: Vec<String>) -> Vec<String> {
+    let data = dir.join("train.bin");
+    args.extend([
+        "--val-data".to_string(),
+        data.to_str().unwrap().to_string(),
+        "--val-every".to_string(),
+        "2".to_string(),
+        "--val-batches".to_string(),
+        "2".to_string(),
+        "--export-hf".to_string(),
+        out.join("hf").to_str().unwrap().to_string(),
+    ]);
+    args
+}
+
+/// Each metrics line's validation loss (`None` where none was taken).
+fn val_losses(out: &Path) -> Vec<Option<f64>> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64())
+        .collect()
+}
+
+/// The same bytes in file `f` of two directories.
+fn same_file(a: &Path, b: &Path, f: &str, what: &str) {
+    assert!(
+        std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
+        "{what}: {f} differs"
+    );
+}
+
+#[test]
+fn sharded_params_train_the_same_bits_validate_export_and_resume() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    let zero3 = |mut args: Vec<String>| -> Vec<String> {
+        args.extend(["--zero-stage".to_string(), "3".to_string()]);
+        args
+    };
+    let constant = |args: Vec<String>| -> Vec<String> {
+        args.into_iter()
+            .map(|a| if a == "cosine" { "constant".into() } else { a })
+            .collect()
+    };
+    // Exact mode, clipping active: N ranks holding 1/N of the params and moments each equal one
+    // process accumulating N, bit for bit; validation (every rank gathers) and the export (from
+    // the final checkpoint) equal the process's too.
+    for n in [2usize, 3] {
+        let (ranks, one) = (
+            d.path().join(format!("p{n}")),
+            d.path().join(format!("p-accum{n}")),
+        );
+        let args = with_outputs(d.path(), &ranks, train_args(d.path(), &ranks, 6, 1));
+        let out = run_ranks(n, &zero3(constant(args)));
+        let said = String::from_utf8_lossy(&out.stderr);
+        let line = said
+            .lines()
+            .find(|l| l.contains("ZeRO stage 3: rank 0 holds and updates the params and Adam"))
+            .unwrap_or_else(|| panic!("{said}"));
+        let nums: Vec<u64> = line
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        let (held, job) = (nums[nums.len() - 2], nums[nums.len() - 1]);
+        assert!(held > 0 && held < job, "{line}");
+        let args = with_outputs(d.path(), &one, train_args(d.path(), &one, 6, n));
+        run_one(&constant(args));
+        assert!(
+            assert_equal_runs(&ranks, &one, &format!("{n} ranks, params sharded")),
+            "{n} ranks with sharded params are within 1e-6 of accumulating {n} but not the same bits"
+        );
+        let vals = val_losses(&ranks);
+        assert!(vals.iter().filter(|v| v.is_some()).count() == 3, "{vals:?}");
+        assert_eq!(vals, val_losses(&one), "{n} ranks: validation losses");
+        for f in std::fs::read_dir(one.join("hf")).unwrap() {
+            let name = f.unwrap().file_name().into_string().unwrap();
+            if name.ends_with(".safetensors") {
+                same_file(&ranks.join("hf"), &one.join("hf"), &name, "export");
+            }
+        }
+    }
+    // Lean mode (no gradient shard on any rank: each rank holds 1/N of the state) and the bf16
+    // recipe (the gather carries the high plane the device streams; the checkpoint the joined
+    // fp32) with bf16 moments: the same bytes as whole ranks.
+    let lean = |args: Vec<String>| -> Vec<String> {
+        args.into_iter()
+            .map(|a| if a == "exact" { "lean".into() } else { a })
+            .collect()
+    };
+    let bf16 = |mut args: Vec<String>| -> Vec<String> {
+        args.extend(["--precision", "bf16", "--adam-state", "bf16"].map(String::from));
+        args
+    };
+    let (sharded, whole) = (d.path().join("lean-p"), d.path().join("lean-whole"));
+    run_ranks(2, &zero3(lean(train_args(d.path(), &sharded, 6, 1))));
+    run_ranks(2, &lean(train_args(d.path(), &whole, 6, 1)));
+    assert!(
+        assert_equal_runs(&sharded, &whole, "2 lean ranks, params sharded vs whole"),
+        "lean ranks with sharded params are within 1e-6 of whole ones but not the same bits"
+    );
+    let (sharded, whole) = (d.path().join("bf16-p"), d.path().join("bf16-whole"));
+    run_ranks(2, &zero3(bf16(train_args(d.path(), &sharded, 4, 1))));
+    run_ranks(2, &bf16(train_args(d.path(), &whole, 4, 1)));
+    for f in ["params.f32", "adam_m.bf16", "adam_v.bf16"] {
+        same_file(
+            &newest(&sharded),
+            &newest(&whole),
+            f,
+            "bf16, params sharded",
+        );
+    }
+    assert_eq!(metrics(&sharded), metrics(&whole));
+    // The 3 ranks' checkpoint at step 6 resumes on 2 ranks with sharded params as on one process
+    // accumulating 2.
+    let copy = |to: &str| {
+        let to = d.path().join(to);
+        let c = newest(&d.path().join("p3"));
+        let dst = to.join("ckpt").join(c.file_name().unwrap());
+        std::fs::create_dir_all(&dst).unwrap();
+        for e in std::fs::read_dir(&c).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+        std::fs::copy(d.path().join("p3/metrics.jsonl"), to.join("metrics.jsonl")).unwrap();
+        to
+    };
+    let resume = |args: Vec<String>| -> Vec<String> {
+        args.into_iter().chain(["--resume".to_string()]).collect()
+    };
+    let on_two = copy("p-on-two");
+    run_ranks(
+        2,
+        &zero3(resume(constant(train_args(d.path(), &on_two, 8, 1)))),
+    );
+    let two_ref = copy("p-two-ref");
+    run_one(&resume(constant(train_args(d.path(), &two_ref, 8, 2))));
+    assert!(assert_equal_runs(
+        &on_two,
+        &two_ref,
+        "resumed on 2 ranks with sharded params vs accumulation 2"
+    ));
+    assert_eq!(metrics(&on_two).last().unwrap().0, 8);
+    // What rank 0 cannot do alone with sharded params is refused on every rank, naming the flag.
+    let bad = mpirun(2)
+        .arg(bin())
+        .args(zero3(
+            train_args(d.path(), &d.path().join("refused"), 2, 1)
+                .into_iter()
+                .chain(
+                    [
+                        "--sample-every",
+                        "1",
+                        "--sample-prompt",
+                        "ab",
+                        "--sample-tokens",
+                        "4",
+                    ]
+                    .map(String::from),
+                )
+                .collect(),
+        ))
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let said = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        said.contains("sample_every") && said.contains("--zero-stage 1"),
+        "{said}"
+    );
+}

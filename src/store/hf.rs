@@ -359,7 +359,11 @@ pub fn load_into_store(path: &Path, store: &HostStore) -> Result<LoadReport> {
                     (view.shape()[0], view.shape()[1], view.shape()[2]);
                 let per_expert = stored.numel() / experts.max(1);
                 // ZeRO stage 3: another rank's unit is loaded by that rank.
-                let experts = if layout.holds_params(unit) { experts } else { 0 };
+                let experts = if layout.holds_params(unit) {
+                    experts
+                } else {
+                    0
+                };
                 let mut master = guards[unit].master();
                 for e in 0..experts {
                     let w = mxfp4::dequantize_expert(

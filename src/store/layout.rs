@@ -289,7 +289,9 @@ impl StateLayout {
 
     /// Whether this process holds `unit`'s params (all but another rank's under ZeRO stage 3).
     pub fn holds_params(&self, unit: usize) -> bool {
-        self.owners.as_ref().is_none_or(|o| !o.params || o.holds(unit))
+        self.owners
+            .as_ref()
+            .is_none_or(|o| !o.params || o.holds(unit))
     }
 
     /// Whether the params are sharded across ranks (ZeRO stage 3): a unit another rank holds
@@ -601,9 +603,8 @@ mod tests {
             |l: &StateLayout| l.kind_bytes(ShardKind::AdamM) + l.kind_bytes(ShardKind::AdamV);
         let largest = l.max_unit_numel();
         for ranks in 1..=9 {
-            let deals: Vec<UnitOwners> = (0..ranks)
-                .map(|r| UnitOwners::deal(&l, ranks, r))
-                .collect();
+            let deals: Vec<UnitOwners> =
+                (0..ranks).map(|r| UnitOwners::deal(&l, ranks, r)).collect();
             let mut sum = 0;
             let mut loads = Vec::new();
             for d in &deals {

@@ -22,7 +22,7 @@ use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
 use crate::optim::{AdamPool, AdamWConfig};
-use crate::store::layout::{MasterFormat, Mode, UnitOwners, ShardKind, StateLayout};
+use crate::store::layout::{MasterFormat, Mode, ShardKind, StateLayout, UnitOwners};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, Machine, TopologySource};
@@ -177,8 +177,7 @@ pub(super) fn setup(
             true => &[ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV],
             false => &[ShardKind::AdamM, ShardKind::AdamV],
         };
-        let sharded_bytes =
-            |l: &StateLayout| kinds.iter().map(|&k| l.kind_bytes(k)).sum::<u64>();
+        let sharded_bytes = |l: &StateLayout| kinds.iter().map(|&k| l.kind_bytes(k)).sum::<u64>();
         let job = sharded_bytes(&layout);
         let held = (0..layout.units.len()).filter(|&u| owners.holds(u)).count();
         layout = layout.with_owners(owners);
@@ -640,7 +639,7 @@ fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<Mode
 /// checkpoint instead, which needs a checkpoint directory).
 fn check_sharded_outputs(cfg: &TrainConfig) -> Result<()> {
     if cfg.sample_every > 0 {
-            return Err(Error::bad_input(
+        return Err(Error::bad_input(
                 "setting",
                 "sample_every",
                 "samples are not drawn from a job whose params are sharded (--zero-stage 3): rank 0 alone draws them and lacks the other ranks' params",
@@ -648,13 +647,13 @@ fn check_sharded_outputs(cfg: &TrainConfig) -> Result<()> {
             ));
     }
     if cfg.export_hf.is_some() && cfg.checkpoint_dir.is_none() {
-            return Err(Error::bad_input(
+        return Err(Error::bad_input(
                 "setting",
                 "export_hf",
                 "a job whose params are sharded (--zero-stage 3) exports from its final checkpoint, so it needs --checkpoint-dir",
                 Some("add --checkpoint-dir DIR"),
             ));
-        }
+    }
     Ok(())
 }
 

@@ -33,7 +33,11 @@ impl Streamer {
                 .flatten()
                 .map(|b| 4 * b.len() as u64)
                 .sum::<u64>()
-            + self.gathered.iter().map(|b| 4 * b.len() as u64).sum::<u64>();
+            + self
+                .gathered
+                .iter()
+                .map(|b| 4 * b.len() as u64)
+                .sum::<u64>();
         HostMemory {
             state: self.store.mapped_bytes(),
             buffers,

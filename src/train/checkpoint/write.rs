@@ -85,9 +85,8 @@ pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
                     params.read(at, &mut joined[..n]);
                     // SAFETY: byte view of an f32 slice (no padding; the file is
                     // little-endian like the host).
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(joined.as_ptr().cast::<u8>(), n * 4)
-                    };
+                    let bytes =
+                        unsafe { std::slice::from_raw_parts(joined.as_ptr().cast::<u8>(), n * 4) };
                     world.send_bytes(0, bytes)?;
                     at += n;
                 }
