@@ -508,8 +508,9 @@ fn bench_arguments_are_checked_before_anything_runs() {
 }
 
 /// `plan --gpus G --nodes M`: Llama-3.1-405B on 4 machines of 8 H200s, as the README shows it.
-/// Each rank holds the whole host state, so the plan states it per rank and per machine, and
-/// says it does not fit; its time has the ranks' gradient sum. Refusals name their flag.
+/// Replicated, each rank holds the whole host state, so the plan states it per rank and per
+/// machine, says it does not fit and offers the sharded job, which fits; its time has the ranks'
+/// gradient sum (and, sharded, the params between ranks). Refusals name their flag.
 #[test]
 fn plan_spreads_over_gpus_and_machines() {
     let v = json(&[
@@ -534,6 +535,43 @@ fn plan_spreads_over_gpus_and_machines() {
     assert_eq!(d["host_bytes_per_node"].as_u64().unwrap(), 8 * per_rank);
     assert_eq!(v["plan"]["fits"], false);
     assert!(v["plan"]["time"]["sum_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        v["plan"]["suggestion"],
+        "--zero-stage 3 --mode lean --adam-state bf16"
+    );
+    // Sharded as suggested, it fits: each rank holds its share, the machine 8 of them.
+    let v = json(&[
+        "plan",
+        "--model",
+        "llama-3.1-405b",
+        "--machine",
+        "h200-1.5tb",
+        "--gpus",
+        "8",
+        "--nodes",
+        "4",
+        "--zero-stage",
+        "3",
+        "--mode",
+        "lean",
+        "--adam-state",
+        "bf16",
+        "--json",
+    ]);
+    let d = &v["plan"]["data_parallel"];
+    assert_eq!(v["plan"]["fits"], true, "{v}");
+    assert_eq!(d["zero_stage"], 3);
+    let per_rank = d["host_bytes_per_rank"].as_u64().unwrap();
+    assert!((per_rank as f64) < 1.5 * 8.0 * 405e9 / 32.0, "{d}");
+    assert_eq!(d["host_bytes_per_node"].as_u64().unwrap(), 8 * per_rank);
+    assert!(v["plan"]["time"]["params_s"].as_f64().unwrap() > 0.0);
+    let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["plan", "--model", "llama-3.1-8b", "--machine", "h200-1.5tb"])
+        .args(["--gpus", "2", "--zero-stage", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("0 (replicated), 1"));
     // Text: the machine's share said.
     let out = Command::new(env!("CARGO_BIN_EXE_megatrain"))
         .args(["plan", "--model", "llama-3.1-8b", "--machine", "h200-1.5tb"])

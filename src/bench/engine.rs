@@ -461,6 +461,7 @@ fn predict(
         nvme_write_s: per_unit(8.0 * w_per_byte),
         // One process: nothing to sum across ranks.
         reduce_s: Vec::new(),
+        gather_s: Vec::new(),
         staging_slots: 3,
         unit_numel: numel,
         lean_piece_elems: (layout.mode == Mode::Lean).then(|| layout.lean_piece_elems()),

@@ -186,12 +186,16 @@ pub struct PlanArgs {
     #[arg(long)]
     tokens_per_step: Option<u64>,
     /// GPUs per machine, one data-parallel rank each (as `mpirun -np N megatrain train` runs
-    /// them: every rank holds the whole host state).
+    /// them: every rank holds the whole host state unless --zero-stage shards it).
     #[arg(long, default_value_t = 1)]
     gpus: u64,
     /// Machines, each with --gpus ranks.
     #[arg(long, default_value_t = 1)]
     nodes: u64,
+    /// Shard the host state across the ranks, as `train --zero-stage` does: 1 the Adam moments,
+    /// 3 the params too (each rank gathers a unit's params before each copy to its GPU).
+    #[arg(long, default_value_t = 0, value_name = "0|1|3", value_parser = zero_stage)]
+    zero_stage: u8,
     /// The network between machines, GB/s per direction per machine (all its NICs); a preset
     /// names its own.
     #[arg(long, value_name = "GB/s")]
@@ -263,6 +267,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             megatrain::train::config::Precision::Fp32 => megatrain::engine::ActivationDtype::Fp32,
         }),
         data_parallel: pl::DataParallel {
+            zero_stage: a.zero_stage,
             gpus: a.gpus,
             nodes: a.nodes,
         },
@@ -460,5 +465,17 @@ fn print_nodes(
         None => println!(
             "  host state per NUMA node: give a `megatrain probe --json` machine to see it"
         ),
+    }
+}
+
+/// `--zero-stage`: 0, 1 or 3, as the trainer takes it.
+fn zero_stage(s: &str) -> std::result::Result<u8, String> {
+    match s {
+        "0" => Ok(0),
+        "1" => Ok(1),
+        "3" => Ok(3),
+        _ => Err(format!(
+            "{s} is not a ZeRO stage megatrain runs: 0 (replicated), 1 (Adam moments sharded) or 3 (params too)"
+        )),
     }
 }

@@ -757,7 +757,10 @@ impl Streamer {
             std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4)
         };
         let dst = dst.get_mut(..bytes).ok_or_else(|| {
-            Error::internal("streamer", format!("gathered params buffer {slot} is short"))
+            Error::internal(
+                "streamer",
+                format!("gathered params buffer {slot} is short"),
+            )
         })?;
         world.broadcast_bytes(root, dst)
     }

@@ -16,22 +16,53 @@ use serde::Serialize;
 /// The most machines a plan spreads over.
 pub const MAX_NODES: u64 = 1 << 16;
 
-/// How many GPUs and machines a plan spreads over.
+/// How many GPUs and machines a plan spreads over, and how the host state is spread over
+/// their ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct DataParallel {
     /// GPUs (ranks) per machine.
     pub gpus: u64,
     /// Machines.
     pub nodes: u64,
+    /// `--zero-stage`: 0 every rank holds the whole state; 1 each unit's Adam moments on one
+    /// rank, which broadcasts the unit's params after its update; 3 its params there too, each
+    /// rank gathering a unit's params before each copy to its GPU
+    /// ([`crate::store::layout::UnitOwners`]).
+    pub zero_stage: u8,
 }
 
 impl Default for DataParallel {
     fn default() -> Self {
-        DataParallel { gpus: 1, nodes: 1 }
+        DataParallel::new(1, 1)
     }
 }
 
 impl DataParallel {
+    /// `gpus` ranks on each of `nodes` machines, every rank holding the whole state.
+    pub fn new(gpus: u64, nodes: u64) -> Self {
+        DataParallel {
+            gpus,
+            nodes,
+            zero_stage: 0,
+        }
+    }
+
+    /// The stage that applies: none for one rank (sharding needs ranks, as the trainer says).
+    pub fn sharding(&self) -> u8 {
+        match self.ranks() {
+            1 => 0,
+            _ => self.zero_stage,
+        }
+    }
+
+    /// Seconds to broadcast `bytes` from one rank to every other: each rank receives
+    /// (N−1)/N of them through host memory at `host_sum_gbps` of bus bandwidth, and a
+    /// machine's network carries its ranks' share of what comes from other machines,
+    /// G·(N−G)/N of them. The slower of the two (half an all-reduce's traffic).
+    pub fn broadcast_s(&self, hw: &Hardware, bytes: f64) -> f64 {
+        self.sum_s(hw, bytes) / 2.0
+    }
+
     /// Ranks in the job (at least one: [`DataParallel::check`] refuses a job of none).
     pub fn ranks(&self) -> u64 {
         self.gpus.saturating_mul(self.nodes).max(1)
@@ -120,7 +151,10 @@ pub struct DataParallelPlan {
     pub ranks: u64,
     /// Tokens each rank trains per step.
     pub tokens_per_rank: u64,
-    /// Host bytes one rank holds (its whole host state and host activations).
+    /// `--zero-stage`: 0 replicated, 1 Adam moments sharded, 3 params too.
+    pub zero_stage: u8,
+    /// Host bytes one rank holds (its host state — all of it, or its share when sharded — and
+    /// host activations).
     pub host_bytes_per_rank: u64,
     /// Host bytes of one machine: its ranks' together.
     pub host_bytes_per_node: u64,
@@ -128,6 +162,9 @@ pub struct DataParallelPlan {
     pub node_ram_bytes: u64,
     /// fp32 gradient bytes each rank sums per step.
     pub sum_bytes_per_step: u64,
+    /// Param bytes each rank receives per step from the ranks holding them (stage 1: every
+    /// unit's update once; stage 3: every unit's streamed params before each copy to the GPU).
+    pub params_bytes_per_step: u64,
     /// Bus GB/s of the sum in host memory within a machine.
     pub host_sum_gbps: f64,
     /// A machine's network GB/s, when several machines are planned.
@@ -168,6 +205,28 @@ pub(super) fn fewer_gpus(
     })
 }
 
+/// For a job of several ranks that does not fit: `--zero-stage 3` (each rank holds 1/N of the
+/// params and moments), alone or with the smallest further change that fits
+/// ([`super::suggest`]), as the flags that say it.
+pub(super) fn sharded(model: &ModelConfig, node: &Hardware, req: &PlanRequest) -> Option<String> {
+    if req.data_parallel.ranks() < 2 || req.data_parallel.zero_stage == 3 {
+        return None;
+    }
+    let r = PlanRequest {
+        data_parallel: DataParallel {
+            zero_stage: 3,
+            ..req.data_parallel
+        },
+        ..req.clone()
+    };
+    let hw = r.data_parallel.rank_share(node);
+    let rank = resolve(model, &hw, &r.rank_share());
+    if shortfalls(&memory(model, &rank, &hw), &hw, r.data_parallel.gpus).is_empty() {
+        return Some("--zero-stage 3".to_owned());
+    }
+    super::suggest(model, &hw, &r.rank_share()).map(|(what, _)| format!("--zero-stage 3 {what}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,7 +237,7 @@ mod tests {
     fn ranks(gpus: u64, nodes: u64, tokens: u64) -> PlanRequest {
         PlanRequest {
             micro_batch_tokens: None,
-            data_parallel: DataParallel { gpus, nodes },
+            data_parallel: DataParallel::new(gpus, nodes),
             tokens_per_step: tokens,
             seq_len: 4096,
             bf16: false,
@@ -271,7 +330,7 @@ mod tests {
             host_sum_gbps: 100.0,
             ..presets::machine("h200-1.5tb").unwrap()
         };
-        let dp = DataParallel { gpus: 2, nodes: 2 };
+        let dp = DataParallel::new(2, 2);
         let b = 1e9;
         // N = 4, G = 2: the network moves 2·2·2/4 = 2 B at 1 GB/s, the host 1.5 B at 100 GB/s.
         assert!((dp.sum_s(&node, b) - 2.0).abs() < 1e-12);
@@ -281,7 +340,7 @@ mod tests {
         };
         assert!((dp.sum_s(&fast_net, b) - 1.5 / 100.0).abs() < 1e-12);
         // One machine never crosses the network.
-        let one = DataParallel { gpus: 4, nodes: 1 };
+        let one = DataParallel::new(4, 1);
         assert!((one.sum_s(&node, b) - 1.5 / 100.0).abs() < 1e-12);
         let m = presets::model("llama-3.1-8b").unwrap();
         let slow = plan(&m, &node, &ranks(2, 2, 4 * 4096));
@@ -290,11 +349,12 @@ mod tests {
         assert_eq!(slow.data_parallel.unwrap().nic_gbps, Some(1.0));
     }
 
-    /// Llama-3.1-405B on 4 machines of 8 H200s: every rank holds the whole 16 B/param host state,
-    /// so a machine would need 8 of them; the plan says so, per rank and per machine, and finds no
-    /// flag that fits (the host state is not sharded).
+    /// Llama-3.1-405B on 4 machines of 8 H200s: replicated, every rank holds the whole 16 B/param
+    /// host state, so a machine would need 8 of them; the plan says so, per rank and per machine,
+    /// and offers the sharded job that fits — which, applied, fits with its host state per
+    /// machine stated.
     #[test]
-    fn replicated_state_of_405b_on_32_gpus_does_not_fit_and_says_per_machine() {
+    fn the_405b_on_32_gpus_fits_sharded_and_says_per_machine() {
         let node = presets::machine("h200-1.5tb").unwrap();
         let m = presets::model("llama-3.1-405b").unwrap();
         let job = ranks(8, 4, 32 * 4096);
@@ -308,18 +368,111 @@ mod tests {
         assert_eq!(d.nic_gbps, Some(400.0));
         let why = p.missing.unwrap();
         assert!(why.contains("for the 8 ranks of a machine"), "{why}");
-        assert!(p.suggestion.unwrap().starts_with("nothing tried fits"));
+        assert_eq!(
+            p.suggestion.as_deref(),
+            Some("--zero-stage 3 --mode lean --adam-state bf16")
+        );
+        let sharded = PlanRequest {
+            data_parallel: DataParallel {
+                zero_stage: 3,
+                ..job.data_parallel
+            },
+            mode: Mode::Lean,
+            adam_state: AdamState::Bf16,
+            ..job
+        };
+        let q = plan(&m, &node, &sharded);
+        assert!(q.fits, "{:?}", q.missing);
+        let d = q.data_parallel.unwrap();
+        assert_eq!(d.zero_stage, 3);
+        // A rank holds ~1/32 of the 8 B/param (params 4, bf16 m and v 2 + 2) plus its buffers
+        // (two lean gradient pieces of a 3.2B-param block, two gathered 2.1B-param embeddings:
+        // ~43 GB), a machine 8 ranks' of them, within its usable RAM.
+        let share = 8 * m.num_params() as u64 / 32;
+        assert!(d.host_bytes_per_rank > share, "{}", d.host_bytes_per_rank);
+        assert!(
+            d.host_bytes_per_rank < share + 60_000_000_000,
+            "{}",
+            d.host_bytes_per_rank
+        );
+        assert_eq!(d.host_bytes_per_node, 8 * d.host_bytes_per_rank);
+        assert!(d.host_bytes_per_node as f64 <= node.host_ram_bytes as f64 * super::super::USABLE);
+        // Sharded less, it does not fit.
+        let stage1 = PlanRequest {
+            data_parallel: DataParallel {
+                zero_stage: 1,
+                ..sharded.data_parallel
+            },
+            ..sharded.clone()
+        };
+        assert!(!plan(&m, &node, &stage1).fits);
     }
 
-    /// Fewer GPUs per machine is offered when it is what fits: Llama-3.1-70B's 1 TiB of host state
-    /// fits an H200 machine once, not 8 times.
+    /// What the stages cost: stage 1 broadcasts every unit's params (4 B/param) after the step,
+    /// stage 3 gathers a unit's streamed params before each copy of it, on the host thread; a
+    /// sharded rank updates only its units, and holds less.
+    #[test]
+    fn sharded_stages_hold_less_and_move_params() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-8b").unwrap();
+        let at = |zero_stage: u8, bf16: bool| {
+            let mut r = ranks(4, 1, 4 * 4096);
+            r.data_parallel.zero_stage = zero_stage;
+            r.bf16 = bf16;
+            plan(&m, &node, &r)
+        };
+        let (s0, s1, s3) = (at(0, false), at(1, false), at(3, false));
+        let held = |p: &crate::plan::Plan| p.data_parallel.as_ref().unwrap().host_bytes_per_rank;
+        assert!(held(&s3) < held(&s1) && held(&s1) < held(&s0));
+        assert!(s1.time.adam_s < 0.5 * s0.time.adam_s, "{:?}", s1.time);
+        let p = m.num_params() as f64;
+        assert_eq!(s0.time.params_s, 0.0);
+        // Stage 1: every unit's fp32 params once, after the schedule.
+        assert_eq!(s1.time.params_bytes, 4 * m.num_params() as u64);
+        let dp = DataParallel::new(4, 1);
+        let want: f64 = s1_units(&m)
+            .iter()
+            .map(|&k| dp.broadcast_s(&node, 4.0 * k as f64))
+            .sum();
+        assert!((s1.time.params_s - want).abs() < 1e-9 * want);
+        // Stage 3: each copy of a unit's weights (forward and backward), as the GPU streams
+        // them: fp32 or the bf16 plane.
+        let b3 = at(3, true);
+        for (q, elem) in [(&s3, 4.0), (&b3, 2.0)] {
+            let moved = q.time.params_bytes as f64 / elem;
+            assert!(moved > p && moved < 2.0 * p + 1.0, "{moved} vs {p}");
+            assert!(q.time.params_s > 0.0);
+        }
+        assert!((b3.time.params_bytes as f64 / s3.time.params_bytes as f64 - 0.5).abs() < 1e-9);
+        // The gathers hold up the host thread: with a faster host the step is not longer.
+        let fast = Hardware {
+            host_sum_gbps: 1e6,
+            ..node.clone()
+        };
+        let mut r = ranks(4, 1, 4 * 4096);
+        r.data_parallel.zero_stage = 3;
+        assert!(plan(&m, &fast, &r).time.step_s <= s3.time.step_s);
+    }
+
+    fn s1_units(m: &ModelConfig) -> Vec<usize> {
+        crate::store::layout::StateLayout::new(m, Mode::Exact)
+            .units
+            .iter()
+            .map(|u| u.numel)
+            .collect()
+    }
+
+    /// Sharding is offered first where it fits, then fewer GPUs per machine: Llama-3.1-70B's
+    /// 1 TiB of host state fits an H200 machine once, not 8 times.
     #[test]
     fn fewer_gpus_is_suggested_when_only_that_fits() {
         let node = presets::machine("h200-1.5tb").unwrap();
         let m = presets::model("llama-3.1-70b").unwrap();
-        let p = plan(&m, &node, &ranks(8, 1, 8 * 4096));
+        let job = ranks(8, 1, 8 * 4096);
+        let p = plan(&m, &node, &job);
         assert!(!p.fits);
-        assert_eq!(p.suggestion.as_deref(), Some("--gpus 1"));
+        assert_eq!(p.suggestion.as_deref(), Some("--zero-stage 3 --mode lean"));
+        assert_eq!(fewer_gpus(&m, &node, &job).as_deref(), Some("--gpus 1"));
         assert!(plan(&m, &node, &ranks(1, 1, 8 * 4096)).fits);
         // Llama-3.1-8B fits 8 times.
         let small = presets::model("llama-3.1-8b").unwrap();
@@ -343,17 +496,17 @@ mod tests {
     fn data_parallel_requests_are_checked() {
         let node = presets::machine("h200-1.5tb").unwrap();
         let err = |r: crate::Result<()>| r.unwrap_err().to_string();
-        let e = err(DataParallel { gpus: 9, nodes: 1 }.check(&node));
+        let e = err(DataParallel::new(9, 1).check(&node));
         assert!(e.contains("--gpus 9") && e.contains("8 GPU(s)"), "{e}");
-        let e = err(DataParallel { gpus: 0, nodes: 1 }.check(&node));
+        let e = err(DataParallel::new(0, 1).check(&node));
         assert!(e.contains("at least one GPU"), "{e}");
         let no_net = Hardware {
             nic_gbps: None,
             ..node.clone()
         };
-        let e = err(DataParallel { gpus: 1, nodes: 2 }.check(&no_net));
+        let e = err(DataParallel::new(1, 2).check(&no_net));
         assert!(e.contains("--nodes 2") && e.contains("--nic-gbps"), "{e}");
-        DataParallel { gpus: 8, nodes: 2 }.check(&node).unwrap();
+        DataParallel::new(8, 2).check(&node).unwrap();
         // 3 ranks of 4096-token sequences: 16384 tokens are not whole sequences for each.
         let e = err(ranks(3, 1, 16384).validate());
         assert!(
@@ -365,11 +518,7 @@ mod tests {
             e.contains("one sequence for each of the 32 ranks (131072)"),
             "{e}"
         );
-        let e = err(DataParallel {
-            gpus: 8,
-            nodes: u64::MAX,
-        }
-        .check(&node));
+        let e = err(DataParallel::new(8, u64::MAX).check(&node));
         assert!(e.contains("--nodes") && e.contains("at most"), "{e}");
         // The default step: 65,536 tokens rounded up to whole sequences for each rank.
         assert_eq!(PlanRequest::default_tokens_per_step(4096, 1), 65536);

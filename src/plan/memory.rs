@@ -248,7 +248,7 @@ pub(super) fn shortfalls(m: &MemoryPlan, hw: &Hardware, ranks_per_node: u64) -> 
                 hb(host_need - host_cap)
             ),
             k => format!(
-                "host needs {} per rank, {} for the {k} ranks of a machine, of {} usable: {} missing (every rank holds the whole host state)",
+                "host needs {} per rank, {} for the {k} ranks of a machine, of {} usable: {} missing",
                 hb(host_need),
                 hb(host_need.saturating_mul(k)),
                 hb(host_cap.saturating_mul(k)),

@@ -26,7 +26,7 @@ use crate::device::GradLink;
 use crate::engine::schedule::{ActivationDtype, Activations};
 use crate::model::config::ModelConfig;
 use crate::optim::moments;
-use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout};
+use crate::store::layout::{AdamState, MasterFormat, Mode, StateLayout, UnitOwners};
 use serde::{Deserialize, Serialize};
 
 /// What the performance model needs to know about a machine.
@@ -245,9 +245,18 @@ impl PlanRequest {
         } else {
             MasterFormat::Fp32
         };
-        StateLayout::new(model, self.mode)
+        let layout = StateLayout::new(model, self.mode)
             .with_adam_state(self.adam_state)
-            .with_master(master)
+            .with_master(master);
+        // A sharded job: the rank holding the most (a plan of one rank is for the fullest).
+        match self.data_parallel.sharding() {
+            0 => layout,
+            stage => {
+                let ranks = self.data_parallel.ranks() as usize;
+                let fullest = UnitOwners::fullest(&layout, ranks, stage == 3);
+                layout.with_owners(fullest)
+            }
+        }
     }
 }
 
@@ -266,6 +275,12 @@ pub struct TimePlan {
     pub nvme_s: f64,
     /// Summing the gradients across the ranks (data parallel; 0 for one rank).
     pub sum_s: f64,
+    /// Params moved between ranks (ZeRO stage 1: the owners' updates broadcast after the
+    /// step's schedule, added to it; stage 3: the gathers before each copy to the GPU, on the
+    /// host thread within the schedule).
+    pub params_s: f64,
+    /// The bytes of params a rank takes from other ranks per step, for [`Self::params_s`].
+    pub params_bytes: u64,
     /// Predicted step: the slowest component (the pipeline overlaps the rest).
     pub step_s: f64,
     /// Which component bounds it.
@@ -428,6 +443,7 @@ fn sim_costs(
     let layout = req.layout(model);
     let tk = tokens_mb as f64;
     let numel: Vec<usize> = layout.units.iter().map(|u| u.numel).collect();
+    let weight_bytes = if req.bf16 { 2.0 } else { 4.0 };
     // A planes master moves the bytes of an fp32 one, and its high plane is the bf16 copy.
     let adam_bytes = moments::update_bytes_per_param(req.adam_state);
     let adam_bps = hw.adam_gbps * 1e9;
@@ -437,7 +453,7 @@ fn sim_costs(
         _ => 0.0,
     };
     sim::Costs {
-        weight_elem_bytes: if req.bf16 { 2.0 } else { 4.0 },
+        weight_elem_bytes: weight_bytes,
         grad_elem_bytes: req.grad_link.unwrap_or_default().elem_bytes() as f64,
         activation_bytes: tk * model.hidden_size as f64 * req.activation_dtype.elem_bytes() as f64,
         htod_bps: hw.htod_gbps * 1e9,
@@ -454,9 +470,14 @@ fn sim_costs(
             zero: 0.0,
             cast: parts.cast,
         },
+        // A sharded rank updates only the units it holds the moments of.
         adam_s: numel
             .iter()
-            .map(|&k| k as f64 * adam_bytes / adam_bps)
+            .enumerate()
+            .map(|(u, &k)| match layout.holds_moments(u) {
+                true => k as f64 * adam_bytes / adam_bps,
+                false => 0.0,
+            })
             .collect(),
         norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
         nvme_read_s: (0..numel.len()).map(nvme).collect(),
@@ -466,6 +487,14 @@ fn sim_costs(
             .iter()
             .map(|&k| req.data_parallel.sum_s(hw, 4.0 * k as f64))
             .collect(),
+        // Stage 3: a unit's params as the GPU streams them, from the rank holding them.
+        gather_s: match req.data_parallel.sharding() {
+            3 => numel
+                .iter()
+                .map(|&k| req.data_parallel.broadcast_s(hw, weight_bytes * k as f64))
+                .collect(),
+            _ => Vec::new(),
+        },
         staging_slots: 3,
         unit_numel: numel,
         lean_piece_elems: (req.mode == Mode::Lean).then(|| layout.lean_piece_elems()),
@@ -494,6 +523,8 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             adam_s: 0.0,
             nvme_s: f64::INFINITY,
             sum_s: 0.0,
+            params_s: 0.0,
+            params_bytes: 0,
             step_s: f64::INFINITY,
             bottleneck: "NVMe".into(),
             tokens_per_s: 0.0,
@@ -504,21 +535,19 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     let kernels = KernelParts::new(model, hw, req, req.micro_tokens());
     let costs = sim_costs(model, hw, req, req.micro_tokens(), &kernels);
     let placed = device_side(model, req, hw);
-    let run = |m: u64| {
-        let spec = crate::engine::schedule::ScheduleSpec {
-            layers: model.num_layers,
-            tied: model.tie_word_embeddings,
-            micro_batches: m as usize,
-            mode: req.mode,
-            activations: placed.activations,
-            activation_dtype: req.activation_dtype,
-            device_inputs: placed.device_inputs,
-            lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
-            ranks: req.data_parallel.ranks() as usize,
-            gather: false,
-        };
-        sim::simulate(&crate::engine::schedule::schedule(&spec), &costs)
+    let spec_of = |m: u64| crate::engine::schedule::ScheduleSpec {
+        layers: model.num_layers,
+        tied: model.tie_word_embeddings,
+        micro_batches: m as usize,
+        mode: req.mode,
+        activations: placed.activations,
+        activation_dtype: req.activation_dtype,
+        device_inputs: placed.device_inputs,
+        lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
+        ranks: req.data_parallel.ranks() as usize,
+        gather: req.data_parallel.sharding() == 3,
     };
+    let run = |m: u64| sim::simulate(&crate::engine::schedule::schedule(&spec_of(m)), &costs);
     let p1 = run(1);
     let p = if micro <= 1 {
         p1
@@ -538,6 +567,45 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     };
     // Every unit's gradients are summed once a step, on the host thread.
     let sum_s: f64 = costs.reduce_s.iter().sum();
+    // Params between ranks: stage 3's gathers (in the schedule: each copy of a unit), or stage
+    // 1's broadcast of every unit's update (params shard: 4 B/param either master format)
+    // after it, which the step waits for.
+    let (params_s, params_bytes) = match req.data_parallel.sharding() {
+        3 => {
+            // (seconds, elements) of the gathers of a step of `m` micro-batches.
+            let gathers = |m: u64| -> (f64, f64) {
+                let s = crate::engine::schedule::schedule(&spec_of(m));
+                s.tasks
+                    .iter()
+                    .filter_map(|t| match t.op {
+                        crate::engine::schedule::Op::Gather { unit, .. } => Some((
+                            costs.gather_s.get(unit).copied().unwrap_or(0.0),
+                            costs.unit_numel[unit] as f64,
+                        )),
+                        _ => None,
+                    })
+                    .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+            };
+            let (g1, g2) = (gathers(1), gathers(2));
+            let k = micro.saturating_sub(1) as f64;
+            let elems = g1.1 + k * (g2.1 - g1.1);
+            (g1.0 + k * (g2.0 - g1.0), elems * costs.weight_elem_bytes)
+        }
+        1 => (
+            costs
+                .unit_numel
+                .iter()
+                .map(|&k| req.data_parallel.broadcast_s(hw, 4.0 * k as f64))
+                .sum(),
+            4.0 * costs.unit_numel.iter().sum::<usize>() as f64,
+        ),
+        _ => (0.0, 0.0),
+    };
+    let params_bytes = params_bytes as u64;
+    let step_s = match req.data_parallel.sharding() {
+        1 => p.step_s + params_s,
+        _ => p.step_s,
+    };
     let parts = [
         ("GPU compute", p.compute_s),
         ("host→device", p.htod_s),
@@ -545,6 +613,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
         ("CPU AdamW", p.adam_s),
         ("NVMe", p.nvme_s),
         ("gradient sum", sum_s),
+        ("params between ranks", params_s),
     ];
     let bottleneck = parts
         .iter()
@@ -557,10 +626,12 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
         adam_s: p.adam_s,
         nvme_s: p.nvme_s,
         sum_s,
-        step_s: p.step_s,
+        params_s,
+        params_bytes,
+        step_s,
         bottleneck: bottleneck.to_owned(),
-        tokens_per_s: req.tokens_per_step as f64 / p.step_s,
-        mfu: useful / (p.step_s * peak),
+        tokens_per_s: req.tokens_per_step as f64 / step_s,
+        mfu: useful / (step_s * peak),
         compute_split: kernels.split(model.num_layers, micro as f64),
     }
 }
@@ -715,6 +786,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
     let suggestion = (!fits).then(|| {
         suggest(model, hw, asked)
             .map(|(what, _)| what)
+            .or_else(|| data_parallel::sharded(model, node, req))
             .or_else(|| data_parallel::fewer_gpus(model, node, req))
             .unwrap_or_else(|| {
                 "nothing tried fits: a machine with more host RAM or GPU memory is needed"
@@ -729,6 +801,8 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         nodes: dp.nodes,
         ranks: dp.ranks(),
         tokens_per_rank: rank.tokens_per_step,
+        zero_stage: dp.sharding(),
+        params_bytes_per_step: time.params_bytes,
         host_bytes_per_rank: host_per_rank,
         host_bytes_per_node: host_per_rank.saturating_mul(dp.gpus),
         node_ram_bytes: node.host_ram_bytes,

@@ -96,8 +96,14 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
     }
     if let Some(d) = &p.data_parallel {
         s += &format!(
-            "\ndata parallel: {} ranks, every rank holding the whole host state (it is not sharded)\n  host per rank    {:>12}\n  host per machine {:>12}  of {} usable ({} ranks)\n",
+            "\ndata parallel: {} ranks, {}\n  host per rank    {:>12}\n  host per machine {:>12}  of {} usable ({} ranks)\n",
             d.ranks,
+            match d.zero_stage {
+                1 => "ZeRO stage 1: each unit's Adam moments on one rank (the fullest rank planned)",
+                3 if req.mode == crate::store::layout::Mode::Exact => "ZeRO stage 3: each unit's params and Adam moments on one rank (the fullest rank planned; exact mode keeps every unit's gradients on every rank)",
+                3 => "ZeRO stage 3: each unit's params and Adam moments on one rank (the fullest rank planned)",
+                _ => "every rank holding the whole host state (--zero-stage 1 or 3 shards it)",
+            },
             hb(d.host_bytes_per_rank),
             hb(d.host_bytes_per_node),
             hb((d.node_ram_bytes as f64 * super::USABLE) as u64),
@@ -122,6 +128,17 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
                 d.host_sum_gbps,
                 d.nic_gbps
                     .map_or_else(String::new, |n| format!(", across machines at {n:.1} GB/s each"))
+            ),
+            None => String::new(),
+        } + &match p.data_parallel.as_ref().filter(|d| d.zero_stage > 0) {
+            Some(d) => format!(
+                "  params      {}  ({} per rank from the ranks holding them, {})\n",
+                ms(t.params_s),
+                hb(d.params_bytes_per_step),
+                match d.zero_stage {
+                    3 => "gathered before each copy to the GPU, on the host thread",
+                    _ => "the owners' updates broadcast after the step",
+                }
             ),
             None => String::new(),
         },

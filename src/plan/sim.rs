@@ -74,6 +74,9 @@ pub struct Costs {
     /// Seconds to sum each unit's gradients across the ranks (data parallel, on the host
     /// thread; empty or zeros for one rank).
     pub reduce_s: Vec<f64>,
+    /// Per unit: seconds to gather its params from the rank holding them (ZeRO stage 3, on the
+    /// host thread before each copy of them; empty: free).
+    pub gather_s: Vec<f64>,
     /// Staging slots of the NVMe tier.
     pub staging_slots: usize,
     /// When compute kernels and AdamW run on the same CPU cores (the CPU device), how they
@@ -222,6 +225,9 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
             let share =
                 costs.piece_len(*unit, *piece) as f64 / costs.unit_numel[*unit].max(1) as f64;
             (HOST, costs.reduce_s.get(*unit).map_or(0.0, |s| s * share))
+        }
+        (Lane::Host, Op::Gather { unit, .. }) => {
+            (HOST, costs.gather_s.get(*unit).map_or(0.0, |s| *s))
         }
         (Lane::Host, _) => (HOST, 0.0),
     }
@@ -509,6 +515,7 @@ mod tests {
             nvme_read_s: vec![0.0; units],
             nvme_write_s: vec![0.0; units],
             reduce_s: Vec::new(),
+            gather_s: Vec::new(),
             staging_slots: 3,
             shared_cores: None,
         }

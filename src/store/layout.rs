@@ -235,6 +235,28 @@ impl UnitOwners {
         }
     }
 
+    /// The owners of the rank that holds the most bytes of `layout` (its moments, and its
+    /// params when `params`): where a sharded job fits if it fits at all.
+    pub fn fullest(layout: &StateLayout, ranks: usize, params: bool) -> Self {
+        let deal = |r: usize| {
+            let o = UnitOwners::deal(layout, ranks, r);
+            match params {
+                true => o.with_params(),
+                false => o,
+            }
+        };
+        let held = |o: &UnitOwners| -> u64 {
+            let l = layout.clone().with_owners(o.clone());
+            l.total_bytes()
+        };
+        (1..ranks.max(1))
+            .map(deal)
+            .fold(deal(0), |best, o| match held(&o) > held(&best) {
+                true => o,
+                false => best,
+            })
+    }
+
     /// These owners holding the params too (ZeRO stage 3).
     pub fn with_params(self) -> Self {
         UnitOwners {

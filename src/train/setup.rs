@@ -677,27 +677,8 @@ fn choose_mode(
         // then chooses the same mode).
         let layout = match sharded_ranks {
             Some((ranks, stage)) => {
-                let fullest = (0..ranks)
-                    .map(|r| {
-                        let o = UnitOwners::deal(&layout, ranks, r);
-                        match stage {
-                            3 => o.with_params(),
-                            _ => o,
-                        }
-                    })
-                    .max_by_key(|o| {
-                        (0..layout.units.len())
-                            .filter(|&u| o.holds(u))
-                            .map(|u| {
-                                let params = o.params as u64 * (4 * layout.units[u].numel) as u64;
-                                layout.moment_bytes(u) + params
-                            })
-                            .sum::<u64>()
-                    });
-                match fullest {
-                    Some(o) => layout.with_owners(o),
-                    None => layout,
-                }
+                let fullest = UnitOwners::fullest(&layout, ranks, stage == 3);
+                layout.with_owners(fullest)
             }
             None => layout,
         };
