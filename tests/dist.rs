@@ -554,7 +554,11 @@ fn cuda_ranks_equal_gradient_accumulation() {
         String::from_utf8_lossy(&out.stderr)
     );
     for precision in ["fp32", "bf16"] {
-        for what in ["2 ranks vs 1 process accumulating 2", "2 ranks, run twice"] {
+        for what in [
+            "2 ranks vs 1 process accumulating 2",
+            "2 ranks, run twice",
+            "2 ranks with sharded params (--zero-stage 3) vs 1 process accumulating 2",
+        ] {
             assert!(
                 summary.contains(&format!("| {precision}: {what} | PASS | same bits")),
                 "{precision}: {what}:\n{summary}"

@@ -2,7 +2,9 @@
 # Data parallelism on the CUDA device, through the real CLI under mpirun: N ranks of one
 # micro-batch each against one process accumulating N micro-batches of the same rows — the
 # losses, the gradient norms and the final checkpoint (weights and both Adam moments) must be
-# the same bits — in fp32 and in the bf16 recipe, and a second run of 2 ranks must repeat them.
+# the same bits — in fp32 and in the bf16 recipe, and a second run of 2 ranks must repeat them;
+# and N ranks holding 1/N of the params and Adam state each (--zero-stage 3: every rank gathers
+# a unit's params from its owner before each copy to its GPU) against the same process.
 #
 #   tools/gpu_dp_check.sh [--emulated] OUT_DIR
 #
@@ -90,7 +92,9 @@ row() {  # WHAT RESULT DETAIL SECONDS
   echo "$1: $2 — $3 (${4}s)" >&2
 }
 
-# train DIR PRECISION ACCUM [mpirun -np N]: a run writing metrics and checkpoints into DIR.
+# train DIR PRECISION ACCUM [mpirun -np N]: a run writing metrics and checkpoints into DIR (with
+# the flags in `extra`).
+extra=()
 train() {
   local dir="$1" precision="$2" accum="$3"; shift 3
   local launch=("$@")
@@ -101,7 +105,7 @@ train() {
     --batch-size "$batch" --grad-accum "$accum" --steps "$steps" --device cuda \
     --precision "$precision" --lr 3e-3 --lr-schedule cosine --warmup-steps 2 --grad-clip 0.5 \
     --shuffle --seed 7 --mode exact --checkpoint-every "$steps" \
-    --checkpoint-dir "$dir/ckpt" --metrics "$dir/metrics.jsonl" >> "$log" 2>&1
+    --checkpoint-dir "$dir/ckpt" --metrics "$dir/metrics.jsonl" ${extra[@]+"${extra[@]}"} >> "$log" 2>&1
 }
 ranks() { echo mpirun --allow-run-as-root --oversubscribe -np "$1"; }
 
@@ -155,6 +159,13 @@ for precision in fp32 bf16; do
     fi
     if said="$(same "$r" "$a" 2>&1)"; then res=PASS; else res=FAIL; fi
     row "$precision: $n ranks vs 1 process accumulating $n" $res "$said; tokens/s (job) $(tps "$r") vs $(tps "$a")" $(( $(date +%s) - t0 ))
+    t0=$(date +%s)
+    z="$scratch/$precision-zero3-ranks$n"
+    extra=(--zero-stage 3)
+    if train "$z" "$precision" 1 $(ranks "$n") && said="$(same "$z" "$a" 2>&1)"; then res=PASS; else res=FAIL; fi
+    extra=()
+    row "$precision: $n ranks with sharded params (--zero-stage 3) vs 1 process accumulating $n" $res "${said:-mpirun failed (see dp.log)}; tokens/s (job) $(tps "$z")" $(( $(date +%s) - t0 ))
+    said=""
   done
   t0=$(date +%s)
   again="$scratch/$precision-ranks2-again"
