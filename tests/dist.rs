@@ -782,6 +782,15 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
             }
         }
     }
+    // Micro-batches accumulated on each rank gather every unit again for each of them: 2 ranks
+    // accumulating 2 equal 2 whole ranks accumulating 2.
+    let (ranks, whole) = (d.path().join("p2x2"), d.path().join("whole2x2"));
+    run_ranks(2, &zero3(constant(train_args(d.path(), &ranks, 4, 2))));
+    run_ranks(2, &constant(train_args(d.path(), &whole, 4, 2)));
+    assert!(
+        assert_equal_runs(&ranks, &whole, "2 ranks accumulating 2, params sharded vs whole"),
+        "2 ranks accumulating 2 with sharded params are within 1e-6 of whole ones but not the same bits"
+    );
     // Lean mode (no gradient shard on any rank: each rank holds 1/N of the state) and the bf16
     // recipe (the gather carries the high plane the device streams; the checkpoint the joined
     // fp32) with bf16 moments: the same bytes as whole ranks.
