@@ -289,3 +289,49 @@ fn pieces_give_the_whole_update_in_every_format() {
         }
     }
 }
+
+/// A job's Σ g² is the same bits however many workers split it (blocks of the job's elements
+/// summed in order): ranks on different CPU shares compute the same lean-mode norm. The
+/// updates themselves are element-wise, so they match too.
+#[test]
+fn sumsq_is_the_same_bits_for_any_worker_count() {
+    let cfg = AdamWConfig::default();
+    let mut seen: Option<Vec<(u64, Vec<u32>)>> = None;
+    for threads in [1, 2, 3, 5] {
+        let s = store(Mode::Lean, AdamState::Fp32, MasterFormat::Fp32);
+        let pool = AdamPool::for_placement(s.placement(), Some(threads)).unwrap();
+        let mut got = Vec::new();
+        for u in 0..s.num_units() {
+            let mut guard = s.take(u).unwrap();
+            let n = guard.numel();
+            let (p0, g0) = (rand(n, 3 * u as u64), rand(n, 3 * u as u64 + 1));
+            guard.shards().unwrap().params.write(0, &p0);
+            let mut b = HostBuffer::allocate("lean gradient buffer", n, None, vec![]).unwrap();
+            // Magnitudes spread over decades, so the order of the additions shows in the bits.
+            for (i, (d, g)) in b.as_mut_slice().iter_mut().zip(&g0).enumerate() {
+                *d = g * 10f32.powi((i % 7) as i32 - 3);
+            }
+            let segs = unit_segments(s.layout(), u, &cfg, 1, 1.0, true);
+            let node = s.placement().worker_node(u).unwrap();
+            let job = pool
+                .submit(node, guard, Some(b), segs, Salts::default())
+                .unwrap();
+            let mut done = job.wait().unwrap();
+            let p = done.guard.shards().unwrap().params.to_vec();
+            got.push((
+                done.sumsq.to_bits(),
+                p.iter().map(|x| x.to_bits()).collect(),
+            ));
+        }
+        match &seen {
+            None => seen = Some(got),
+            Some(first) => {
+                for (u, (a, b)) in first.iter().zip(&got).enumerate() {
+                    assert_eq!(a.0, b.0, "unit {u}: Σg² with 1 worker vs {threads}");
+                    assert!(a.1 == b.1, "unit {u}: params with 1 worker vs {threads}");
+                }
+            }
+        }
+    }
+    assert!(seen.is_some_and(|s| s.len() > 2));
+}

@@ -22,6 +22,14 @@ use std::time::{Duration, Instant};
 /// and SIMD vectors, so workers never share a line).
 const CHUNK_ALIGN: usize = 64;
 
+/// An update's Σg² is taken per block of this many elements from the job's first (a multiple
+/// of every chunk alignment), and the blocks' sums are added in order: the same bits however
+/// many workers split the job — so ranks with different CPU shares, and a run on another
+/// machine, compute the same lean-mode norm. Workers' chunks are whole blocks.
+const SUM_BLOCK: usize = 1 << 14;
+const _: () =
+    assert!(SUM_BLOCK.is_multiple_of(INT8_BLOCK) && SUM_BLOCK.is_multiple_of(CHUNK_ALIGN));
+
 /// The chunk alignment of an update with moments stored as `state`: int8 moments at whole
 /// quantisation blocks.
 fn chunk_align(state: AdamState) -> usize {
@@ -118,21 +126,24 @@ struct Task {
     isa: Isa,
     /// Its index in the job: partial sums are added in this order, whatever order tasks end in.
     part: usize,
+    /// The job's first element: Σg² blocks ([`SUM_BLOCK`]) count from it.
+    first: usize,
     done: Arc<Completion>,
 }
 
 #[derive(Debug, Default)]
 struct State {
     remaining: usize,
-    /// Each task's Σ g², by part.
-    sums: Vec<f64>,
+    /// Each task's Σ g² of each of its [`SUM_BLOCK`]s, by part.
+    sums: Vec<Vec<f64>>,
     failure: Option<String>,
     /// The unit, when the job handed it to the stager (spilled units).
     guard: Option<UnitGuard>,
 }
 
-/// What runs when the last task of a job finishes (staged jobs: unstage and hand back).
-type OnDone = Box<dyn FnOnce(f64, Option<String>) + Send>;
+/// What runs when the last task of a job finishes (staged jobs: unstage and hand back), with the
+/// job's blocks' Σ g² in order.
+type OnDone = Box<dyn FnOnce(Vec<f64>, Option<String>) + Send>;
 
 struct Completion {
     state: Mutex<State>,
@@ -156,7 +167,7 @@ impl Completion {
         Arc::new(Completion {
             state: Mutex::new(State {
                 remaining: tasks,
-                sums: vec![0.0; tasks],
+                sums: vec![Vec::new(); tasks],
                 ..State::default()
             }),
             cv: Condvar::new(),
@@ -165,8 +176,8 @@ impl Completion {
         })
     }
 
-    /// Task `part` is done.
-    fn finish(&self, part: usize, sumsq: f64, failure: Option<String>) {
+    /// Task `part` is done, with the Σ g² of each of its blocks.
+    fn finish(&self, part: usize, sumsq: Vec<f64>, failure: Option<String>) {
         let mut s = crate::util::lock(&self.state);
         s.remaining -= 1;
         if let Some(x) = s.sums.get_mut(part) {
@@ -179,7 +190,7 @@ impl Completion {
             let cb = crate::util::lock(&self.on_done).take();
             match cb {
                 Some(cb) => {
-                    let (sumsq, failure) = (s.sums.iter().sum(), s.failure.take());
+                    let (sumsq, failure) = (s.sums.concat(), s.failure.take());
                     drop(s);
                     cb(sumsq, failure);
                 }
@@ -202,7 +213,8 @@ impl Completion {
         while s.remaining > 0 {
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }
-        (s.sums.iter().sum(), s.failure.take())
+        // Block by block, in order (a left fold): the same bits whatever the split.
+        (s.sums.iter().flatten().sum(), s.failure.take())
     }
 
     fn is_done(&self) -> bool {
@@ -210,7 +222,8 @@ impl Completion {
     }
 }
 
-fn run_task(task: &Task) -> f64 {
+/// Task `task`'s work, with the Σ g² of each of its [`SUM_BLOCK`]s (none for a triad).
+fn run_task(task: &Task) -> Vec<f64> {
     match &task.work {
         Work::Adam { ptrs, segments } => {
             let pieces: Vec<Piece<'_>> = segments
@@ -221,20 +234,28 @@ fn run_task(task: &Task) -> f64 {
                     scalars: &seg.scalars,
                 })
                 .collect();
-            // SAFETY: the task's range lies inside the job's (segments tile it), so its gradients
-            // are `task.start - first` past the job's first; it starts on a chunk boundary (whole
-            // int8 blocks), and no other task touches it; the memory is kept alive and exclusive
-            // by the job.
-            unsafe {
-                moments::step_range(
-                    task.isa,
-                    ptrs.p,
-                    ptrs.g.add(task.start - ptrs.first),
-                    ptrs.moments,
-                    task.start..task.end,
-                    &pieces,
-                )
+            let mut sums = Vec::with_capacity((task.end - task.start).div_ceil(SUM_BLOCK));
+            let mut at = task.start;
+            while at < task.end {
+                let end =
+                    (task.first + ((at - task.first) / SUM_BLOCK + 1) * SUM_BLOCK).min(task.end);
+                // SAFETY: the task's range lies inside the job's (segments tile it), so its
+                // gradients are `at - first` past the job's first; each block starts on a chunk
+                // boundary or a SUM_BLOCK boundary from the job's first (whole int8 blocks), and
+                // no other task touches it; the memory is kept alive and exclusive by the job.
+                sums.push(unsafe {
+                    moments::step_range(
+                        task.isa,
+                        ptrs.p,
+                        ptrs.g.add(at - ptrs.first),
+                        ptrs.moments,
+                        at..end,
+                        &pieces,
+                    )
+                });
+                at = end;
             }
+            sums
         }
         Work::Triad { a, b, c, s } => {
             let n = task.end - task.start;
@@ -247,7 +268,7 @@ fn run_task(task: &Task) -> f64 {
                 )
             };
             adamw::triad(task.isa, a, b, c, *s);
-            0.0
+            Vec::new()
         }
     }
 }
@@ -314,7 +335,7 @@ fn dispatch_on(
         .collect();
     let completion = Completion::with_on_done(ranges.len().max(1), on_done);
     if ranges.is_empty() {
-        completion.finish(0, 0.0, None);
+        completion.finish(0, Vec::new(), None);
     }
     for (i, (start, end)) in ranges.into_iter().enumerate() {
         let task = Task {
@@ -323,10 +344,11 @@ fn dispatch_on(
             end,
             isa,
             part: i,
+            first: range.start,
             done: completion.clone(),
         };
         if senders[i].send(task).is_err() {
-            completion.finish(i, 0.0, Some("worker thread is gone".into()));
+            completion.finish(i, Vec::new(), Some("worker thread is gone".into()));
         }
     }
     completion
@@ -396,16 +418,14 @@ fn stager_loop(rx: &std::sync::mpsc::Receiver<StageJob>) {
                     job.guard.unstage_clean();
                 }
                 job.outer.put_guard(job.guard);
-                job.outer.finish(0, 0.0, Some(e.to_string()));
+                job.outer.finish(0, Vec::new(), Some(e.to_string()));
                 continue;
             }
         };
         // A piece before the unit's last leaves it staged for the next: it is written back once.
         let last = job.range.end == job.guard.numel();
-        let sizes = (
-            job.range.clone(),
-            chunk_align(job.guard.store().layout().adam),
-        );
+        // Whole Σg² blocks from the job's first element (which starts on a chunk boundary).
+        let sizes = (job.range.clone(), SUM_BLOCK);
         let (mut guard, outer) = (job.guard, job.outer.clone());
         let on_done: OnDone = Box::new(move |sumsq, failure| {
             if last || failure.is_some() {
@@ -530,10 +550,11 @@ impl AdamPool {
                             }));
                             match r {
                                 Ok(s) => task.done.finish(task.part, s, None),
-                                Err(_) => {
-                                    task.done
-                                        .finish(task.part, 0.0, Some("worker panicked".into()))
-                                }
+                                Err(_) => task.done.finish(
+                                    task.part,
+                                    Vec::new(),
+                                    Some("worker panicked".into()),
+                                ),
                             }
                         }
                     })
@@ -662,7 +683,8 @@ impl AdamPool {
         }
         let lean = grads.as_ref().map(|b| b.as_ptr());
         let ptrs = unit_ptrs(&mut guard, (lean, range.start), salts)?;
-        let done = self.dispatch(node, (range, align), || Work::Adam {
+        // Whole Σg² blocks from the job's first element (checked on a chunk boundary above).
+        let done = self.dispatch(node, (range, SUM_BLOCK), || Work::Adam {
             ptrs,
             segments: segments.clone(),
         })?;
