@@ -570,6 +570,9 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     // Params between ranks: stage 3's gathers (in the schedule: each copy of a unit), or stage
     // 1's broadcast of every unit's update (params shard: 4 B/param either master format)
     // after it, which the step waits for.
+    // The rank planned receives the params of the units it does not hold.
+    let layout = req.layout(model);
+    let received = |u: usize| !layout.holds_moments(u);
     let (params_s, params_bytes) = match req.data_parallel.sharding() {
         3 => {
             // (seconds, elements) of the gathers of a step of `m` micro-batches.
@@ -580,7 +583,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
                     .filter_map(|t| match t.op {
                         crate::engine::schedule::Op::Gather { unit, .. } => Some((
                             costs.gather_s.get(unit).copied().unwrap_or(0.0),
-                            costs.unit_numel[unit] as f64,
+                            received(unit) as u8 as f64 * costs.unit_numel[unit] as f64,
                         )),
                         _ => None,
                     })
@@ -597,7 +600,10 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
                 .iter()
                 .map(|&k| req.data_parallel.broadcast_s(hw, 4.0 * k as f64))
                 .sum(),
-            4.0 * costs.unit_numel.iter().sum::<usize>() as f64,
+            4.0 * (0..costs.unit_numel.len())
+                .filter(|&u| received(u))
+                .map(|u| costs.unit_numel[u])
+                .sum::<usize>() as f64,
         ),
         _ => (0.0, 0.0),
     };

@@ -32,6 +32,9 @@ pub use write::{owns, remove_leftovers, save, save_job, send_moments, start, InF
 
 const PARAMS_FILE: &str = "params.f32";
 
+/// Bytes a resuming rank reads at once of a shard another rank holds (sharded jobs).
+const READ_PAST_CHUNK: usize = 64 << 20;
+
 /// The tensor files of a checkpoint whose moments are stored as `state`: the params, then m and
 /// v (per unit, the bytes the host store holds: fp32, bf16, or int8 codes then block scales).
 fn files(state: AdamState) -> [(String, ShardKind); 3] {
@@ -338,16 +341,23 @@ fn load_files(
                 f.read_exact(buf)
                     .map_err(|e| Error::io("read", path.as_path(), e))
             };
-            match moment {
-                // Params another rank holds (ZeRO stage 3): read past, checksummed.
-                None if !store.layout().holds_params(u) => {
-                    scratch.resize(4 * numel, 0);
-                    read(f, &mut scratch)?;
+            // Another rank's shard, read past (checksummed) a bounded piece at a time: a rank
+            // holds no more of what it does not keep than that.
+            let mut read_past = |f: &mut Checksummed, mut left: usize| -> Result<()> {
+                while left > 0 {
+                    let n = left.min(READ_PAST_CHUNK);
+                    scratch.resize(n, 0);
+                    read(f, &mut scratch[..n])?;
+                    left -= n;
                 }
-                // Moments another rank holds (ZeRO stage 1): read past, checksummed.
+                Ok(())
+            };
+            match moment {
+                // Params another rank holds (ZeRO stage 3).
+                None if !store.layout().holds_params(u) => read_past(f, 4 * numel)?,
+                // Moments another rank holds (ZeRO stage 1 or 3).
                 Some(_) if !store.layout().holds_moments(u) => {
-                    scratch.resize(saved.moment_bytes_unaligned(numel), 0);
-                    read(f, &mut scratch)?;
+                    read_past(f, saved.moment_bytes_unaligned(numel))?
                 }
                 Some(signed) if saved != held => {
                     scratch.resize(saved.moment_bytes_unaligned(numel), 0);
