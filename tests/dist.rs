@@ -745,9 +745,10 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
             .map(|a| if a == "cosine" { "constant".into() } else { a })
             .collect()
     };
-    // Exact mode, clipping active: N ranks holding 1/N of the params and moments each equal one
-    // process accumulating N, bit for bit; validation (every rank gathers) and the export (from
-    // the final checkpoint) equal the process's too.
+    // Exact mode, clipping active: N ranks holding 1/N of the params, gradients and moments each
+    // (the others' gradients landed, summed and dropped; the norm from each unit's owner) equal
+    // one process accumulating N, bit for bit; validation (every rank gathers) and the export
+    // (from the final checkpoint) equal the process's too.
     for n in [2usize, 3] {
         let (ranks, one) = (
             d.path().join(format!("p{n}")),
@@ -758,7 +759,9 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
         let said = String::from_utf8_lossy(&out.stderr);
         let line = said
             .lines()
-            .find(|l| l.contains("ZeRO stage 3: rank 0 holds and updates the params and Adam"))
+            .find(|l| {
+                l.contains("ZeRO stage 3: rank 0 holds and updates the params, gradients and Adam")
+            })
             .unwrap_or_else(|| panic!("{said}"));
         let nums: Vec<u64> = line
             .split(|c: char| !c.is_ascii_digit())
@@ -782,10 +785,13 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
             }
         }
     }
-    // Micro-batches accumulated on each rank gather every unit again for each of them: 2 ranks
-    // accumulating 2 equal 2 whole ranks accumulating 2.
+    // Micro-batches accumulated on each rank gather every unit again for each of them (and
+    // keep every unit's gradients, accumulated across them): 2 ranks accumulating 2 equal 2
+    // whole ranks accumulating 2.
     let (ranks, whole) = (d.path().join("p2x2"), d.path().join("whole2x2"));
-    run_ranks(2, &zero3(constant(train_args(d.path(), &ranks, 4, 2))));
+    let out = run_ranks(2, &zero3(constant(train_args(d.path(), &ranks, 4, 2))));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("holds and updates the params and Adam moments"), "{said}");
     run_ranks(2, &constant(train_args(d.path(), &whole, 4, 2)));
     assert!(
         assert_equal_runs(&ranks, &whole, "2 ranks accumulating 2, params sharded vs whole"),

@@ -484,6 +484,7 @@ fn predict(
         lean_pieces: LeanPieces::of(layout),
         ranks: 1,
         gather: false,
+        land: false,
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))
 }

@@ -127,6 +127,11 @@ pub struct Streamer {
     /// ZeRO stage 3: the host buffers other ranks' params are gathered into, one per weight
     /// buffer ([`Op::Gather`]).
     gathered: Vec<HostBuffer>,
+    /// ZeRO stage 3 with sharded gradients: the host buffers another rank's unit's gradients
+    /// land in ([`Res::Landed`](super::schedule::Res::Landed)), and which one each unit's last
+    /// landed in (its [`Op::Reduce`] sums them there).
+    landing: Vec<HostBuffer>,
+    landed: Vec<Option<usize>>,
     guards: Vec<Option<UnitGuard>>,
     pending: HashMap<usize, PendingAdam>,
     step: u64,
@@ -148,6 +153,9 @@ struct StepRun {
     host_done: Vec<bool>,
     host_queue: VecDeque<usize>,
     norm_sq: f64,
+    /// Sharded gradients: each unit's Σg² in the order the norm adds them (this rank's units';
+    /// 0 for the others until the clip sums them across the ranks).
+    norm_parts: Vec<(usize, f64)>,
     coef: f64,
     host_wait: f64,
     adam: AdamWConfig,
@@ -225,6 +233,7 @@ impl Streamer {
             lean_pieces: LeanPieces::of(&layout),
             ranks: 1,
             gather: layout.gathers_params(),
+            land: layout.lands_grads(),
         };
         if cfg.activation_dtype == ActivationDtype::Bf16 && !streams_bf16 {
             return Err(Error::bad_input(
@@ -300,6 +309,12 @@ impl Streamer {
             }
             false => Vec::new(),
         };
+        let landing = match layout.lands_grads() {
+            true => (0..crate::store::layout::LANDING_BUFFERS)
+                .map(|k| host_buffer(format!("gradient landing buffer {k}"), layout.max_unit_numel()))
+                .collect::<Result<_>>()?,
+            false => Vec::new(),
+        };
         let units = store.num_units();
         let timeline = Timeline::new(device.epoch());
         let spill_seen = store.spill_stats();
@@ -316,6 +331,8 @@ impl Streamer {
             saved,
             lean,
             gathered,
+            landing,
+            landed: vec![None; units],
             guards: (0..units).map(|_| None).collect(),
             pending: HashMap::new(),
             step: 0,
@@ -566,6 +583,7 @@ impl Streamer {
             host_done: vec![false; nt],
             host_queue: VecDeque::new(),
             norm_sq: 0.0,
+            norm_parts: Vec::new(),
             coef: 1.0,
             host_wait: 0.0,
             adam: AdamWConfig {
@@ -685,11 +703,16 @@ impl Streamer {
             Op::Prefetch { unit } => self.store.prefetch(*unit),
             Op::Norm { unit } => {
                 let g = self.guard(*unit)?;
-                run.norm_sq += g
+                let s = g
                     .grads()
                     .map_or(0.0, |x| crate::optim::adamw::sumsq_parallel(x));
+                run.norm_sq += s;
+                run.norm_parts.push((*unit, s));
             }
             Op::Clip => {
+                if self.store.layout().lands_grads() {
+                    self.job_norm(run)?;
+                }
                 let norm = match self.store.layout().mode {
                     Mode::Exact => Some(run.norm_sq.sqrt()),
                     // The previous step's norm (none yet on the first step: no clipping).
@@ -724,6 +747,17 @@ impl Streamer {
                 })?;
                 world.sum_f32(&mut b.as_mut_slice()[..len])
             }
+            // Sharded gradients: another rank's unit's, where they landed.
+            None if !self.store.layout().holds_grads(unit) => {
+                let numel = self.store.layout().units[unit].numel;
+                let k = self.landed.get(unit).copied().flatten().ok_or_else(|| {
+                    Error::internal("streamer", format!("unit {unit}'s gradients did not land"))
+                })?;
+                let b = self.landing.get_mut(k).ok_or_else(|| {
+                    Error::internal("streamer", format!("no landing buffer {k}"))
+                })?;
+                world.sum_f32(&mut b.as_mut_slice()[..numel])
+            }
             None => {
                 let grads = self.guard(unit)?.grads().ok_or_else(|| {
                     Error::internal("streamer", "exact mode without a gradient shard")
@@ -731,6 +765,21 @@ impl Streamer {
                 world.sum_f32(grads)
             }
         }
+    }
+
+    /// Sharded gradients, before the clip: every unit's Σg² from the rank holding it (0 from the
+    /// others: adding zeros is exact) summed across the ranks, then added in the order the norm
+    /// adds them — the bits of a rank holding every unit.
+    fn job_norm(&mut self, run: &mut StepRun) -> Result<()> {
+        let mut by_unit = vec![0.0f64; self.store.num_units()];
+        for &(u, s) in &run.norm_parts {
+            if let Some(x) = by_unit.get_mut(u) {
+                *x = s;
+            }
+        }
+        self.world.sum_f64(&mut by_unit)?;
+        run.norm_sq = run.norm_parts.iter().map(|&(u, _)| by_unit[u]).sum();
+        Ok(())
     }
 
     /// ZeRO stage 3: unit u's params as the device streams them (fp32, or the high plane of
@@ -984,7 +1033,8 @@ impl Streamer {
                 accumulate,
                 lean,
                 piece,
-            } => self.grads_command(*unit, *from, *accumulate, (*lean, *piece))?,
+                landing,
+            } => self.grads_command(*unit, *from, *accumulate, (*lean, *piece), *landing)?,
             Op::Kernel(k) => Cmd::Kernel(self.kernel(k, batches)?),
             other => {
                 return Err(Error::internal(
@@ -1003,10 +1053,24 @@ impl Streamer {
         from: DevBuf,
         accumulate: bool,
         (lean, piece): (Option<usize>, usize),
+        landing: Option<usize>,
     ) -> Result<Cmd> {
         let elems = self.store.layout().lean_piece(unit, piece);
         let src = self.buf(from);
-        let dst = match lean {
+        let dst = match (lean, landing) {
+            // Sharded gradients: another rank's unit's land in buffer k.
+            (None, Some(k)) if !self.store.layout().holds_grads(unit) => {
+                let b = self.landing.get_mut(k).ok_or_else(|| {
+                    Error::internal("streamer", format!("no landing buffer {k}"))
+                })?;
+                if let Some(x) = self.landed.get_mut(unit) {
+                    *x = Some(k);
+                }
+                // SAFETY: the buffer lives in `self`; the schedule orders the next copy into it
+                // after the Reduce that reads this one.
+                unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..elems.len()]) }
+            }
+            _ => match lean {
             Some(k) => {
                 let b = self.lean[k].as_mut().ok_or_else(|| {
                     Error::internal(
@@ -1026,6 +1090,7 @@ impl Streamer {
                 // SAFETY: as for CopyWeights: the guard outlives the copy.
                 unsafe { HostRef::from_slice(grads) }
             }
+            },
         };
         let label = match lean {
             Some(_) if self.store.layout().lean_pieces(unit) > 1 => {

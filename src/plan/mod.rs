@@ -253,7 +253,9 @@ impl PlanRequest {
             0 => layout,
             stage => {
                 let ranks = self.data_parallel.ranks() as usize;
-                let fullest = UnitOwners::fullest(&layout, ranks, stage == 3);
+                // Stage 3 in exact mode with one micro-batch shards the gradients too.
+                let grads = stage == 3 && self.mode == Mode::Exact && self.micro_batches() == 1;
+                let fullest = UnitOwners::fullest(&layout, ranks, (stage == 3, grads));
                 layout.with_owners(fullest)
             }
         }
@@ -535,6 +537,7 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     let kernels = KernelParts::new(model, hw, req, req.micro_tokens());
     let costs = sim_costs(model, hw, req, req.micro_tokens(), &kernels);
     let placed = device_side(model, req, hw);
+    let layout = req.layout(model);
     let spec_of = |m: u64| crate::engine::schedule::ScheduleSpec {
         layers: model.num_layers,
         tied: model.tie_word_embeddings,
@@ -543,9 +546,10 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
         activations: placed.activations,
         activation_dtype: req.activation_dtype,
         device_inputs: placed.device_inputs,
-        lean_pieces: crate::engine::schedule::LeanPieces::of(&req.layout(model)),
+        lean_pieces: crate::engine::schedule::LeanPieces::of(&layout),
         ranks: req.data_parallel.ranks() as usize,
         gather: req.data_parallel.sharding() == 3,
+        land: layout.lands_grads(),
     };
     let run = |m: u64| sim::simulate(&crate::engine::schedule::schedule(&spec_of(m)), &costs);
     let p1 = run(1);
@@ -571,7 +575,6 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
     // 1's broadcast of every unit's update (params shard: 4 B/param either master format)
     // after it, which the step waits for.
     // The rank planned receives the params of the units it does not hold.
-    let layout = req.layout(model);
     let received = |u: usize| !layout.holds_moments(u);
     let (params_s, params_bytes) = match req.data_parallel.sharding() {
         3 => {

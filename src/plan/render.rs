@@ -100,7 +100,8 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
             d.ranks,
             match d.zero_stage {
                 1 => "ZeRO stage 1: each unit's Adam moments on one rank (the fullest rank planned)",
-                3 if req.mode == crate::store::layout::Mode::Exact => "ZeRO stage 3: each unit's params and Adam moments on one rank (the fullest rank planned; exact mode keeps every unit's gradients on every rank)",
+                3 if req.mode == crate::store::layout::Mode::Exact && p.micro_batch_tokens < d.tokens_per_rank => "ZeRO stage 3: each unit's params and Adam moments on one rank (the fullest rank planned; with several micro-batches every rank keeps every unit's gradients)",
+                3 if req.mode == crate::store::layout::Mode::Exact => "ZeRO stage 3: each unit's params, gradients and Adam moments on one rank (the fullest rank planned)",
                 3 => "ZeRO stage 3: each unit's params and Adam moments on one rank (the fullest rank planned)",
                 _ => "every rank holding the whole host state (--zero-stage 1 or 3 shards it)",
             },

@@ -533,6 +533,7 @@ mod tests {
             lean_pieces: crate::engine::schedule::LeanPieces::WHOLE,
             ranks: 1,
             gather: false,
+            land: false,
         }
     }
 

@@ -173,6 +173,9 @@ pub struct TensorLoc {
 /// buffer).
 pub const GATHER_BUFFERS: usize = 2;
 
+/// ZeRO stage 3 with sharded gradients: host buffers another rank's unit's gradients land in.
+pub const LANDING_BUFFERS: usize = 2;
+
 /// The whole layout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StateLayout {
@@ -211,6 +214,11 @@ pub struct UnitOwners {
     /// Stage 3: the params live only on their unit's owner too.
     #[serde(default)]
     pub params: bool,
+    /// Stage 3 in exact mode with one micro-batch a step: the gradient shards too (another
+    /// rank's unit's gradients land in one of [`LANDING_BUFFERS`] host buffers, are summed
+    /// across the ranks there, and are dropped).
+    #[serde(default)]
+    pub grads: bool,
 }
 
 impl UnitOwners {
@@ -232,17 +240,28 @@ impl UnitOwners {
             rank,
             owner,
             params: false,
+            grads: false,
         }
     }
 
-    /// The owners of the rank that holds the most bytes of `layout` (its moments, and its
-    /// params when `params`): where a sharded job fits if it fits at all.
-    pub fn fullest(layout: &StateLayout, ranks: usize, params: bool) -> Self {
+    /// These owners holding the gradients too (ZeRO stage 3, exact mode, one micro-batch).
+    pub fn with_grads(self) -> Self {
+        UnitOwners {
+            grads: true,
+            ..self
+        }
+    }
+
+    /// The owners of the rank that holds the most bytes of `layout` (its moments, its params
+    /// when `params`, its gradients when `grads`): where a sharded job fits if it fits at all.
+    pub fn fullest(layout: &StateLayout, ranks: usize, (params, grads): (bool, bool)) -> Self {
         let deal = |r: usize| {
             let o = UnitOwners::deal(layout, ranks, r);
-            match params {
-                true => o.with_params(),
-                false => o,
+            let o = if params { o.with_params() } else { o };
+            if grads {
+                o.with_grads()
+            } else {
+                o
             }
         };
         let held = |o: &UnitOwners| -> u64 {
@@ -316,6 +335,18 @@ impl StateLayout {
             .is_none_or(|o| !o.params || o.holds(unit))
     }
 
+    /// Whether this process keeps `unit`'s gradient shard (exact mode; all but another rank's
+    /// when the gradients are sharded).
+    pub fn holds_grads(&self, unit: usize) -> bool {
+        self.mode == Mode::Exact && self.owners.as_ref().is_none_or(|o| !o.grads || o.holds(unit))
+    }
+
+    /// Whether another rank's unit's gradients land in a landing buffer, are summed there and
+    /// dropped (ZeRO stage 3, exact mode, one micro-batch).
+    pub fn lands_grads(&self) -> bool {
+        self.mode == Mode::Exact && self.owners.as_ref().is_some_and(|o| o.grads)
+    }
+
     /// Whether the params are sharded across ranks (ZeRO stage 3): a unit another rank holds
     /// is gathered from it each time the device needs it.
     pub fn gathers_params(&self) -> bool {
@@ -336,7 +367,7 @@ impl StateLayout {
             && match kind {
                 ShardKind::AdamM | ShardKind::AdamV => self.holds_moments(unit),
                 ShardKind::Params => self.holds_params(unit),
-                ShardKind::Grads => true,
+                ShardKind::Grads => self.holds_grads(unit),
             }
     }
 
@@ -373,6 +404,7 @@ impl StateLayout {
         match kind {
             // Another rank's (ZeRO stage 3).
             ShardKind::Params if !self.holds_params(unit) => 0,
+            ShardKind::Grads if !self.holds_grads(unit) => 0,
             ShardKind::Params if self.master == MasterFormat::Planes => {
                 2 * self.lo_plane_offset(unit)
             }
@@ -507,11 +539,22 @@ impl StateLayout {
         (GATHER_BUFFERS * largest.div_ceil(SHARD_ALIGN).max(1) * SHARD_ALIGN) as u64
     }
 
+    /// ZeRO stage 3 with sharded gradients: the host buffers another rank's unit's gradients
+    /// land in, each of the largest unit's fp32 bytes. Zero otherwise.
+    pub fn landing_buffer_bytes(&self) -> u64 {
+        match self.lands_grads() {
+            true => (LANDING_BUFFERS * (4 * self.max_unit_numel()).div_ceil(SHARD_ALIGN).max(1)
+                * SHARD_ALIGN) as u64,
+            false => 0,
+        }
+    }
+
     /// All host bytes the state needs.
     pub fn total_bytes(&self) -> u64 {
         self.kinds().map(|k| self.kind_bytes(k)).sum::<u64>()
             + self.lean_grad_buffer_bytes()
             + self.gather_buffer_bytes()
+            + self.landing_buffer_bytes()
     }
 
     /// Host bytes per parameter.
@@ -650,6 +693,52 @@ mod tests {
             assert_eq!(sum, moments(&l), "{ranks} ranks");
             let (lo, hi) = (loads.iter().min().unwrap(), loads.iter().max().unwrap());
             assert!(hi - lo <= largest, "{ranks} ranks: {loads:?}");
+        }
+    }
+
+    /// Stage 3: a rank keeps its units' params (and, exact mode with sharded gradients, their
+    /// gradients) and none of the others', each kept by exactly one rank; its buffers are two of
+    /// the largest unit's (gathered params as streamed, landed fp32 gradients).
+    #[test]
+    fn stage_3_ranks_keep_their_units_and_buffers_for_the_others() {
+        for (mode, master) in [
+            (Mode::Exact, MasterFormat::Fp32),
+            (Mode::Exact, MasterFormat::Planes),
+            (Mode::Lean, MasterFormat::Fp32),
+        ] {
+            let l = StateLayout::new(&cfg(false, 5), mode).with_master(master);
+            let whole = |k: ShardKind| l.kind_bytes(k);
+            let ranks = 3;
+            let mine: Vec<StateLayout> = (0..ranks)
+                .map(|r| {
+                    let o = UnitOwners::deal(&l, ranks, r).with_params();
+                    let o = if mode == Mode::Exact { o.with_grads() } else { o };
+                    l.clone().with_owners(o)
+                })
+                .collect();
+            for k in ShardKind::ALL {
+                let sum: u64 = mine.iter().map(|m| m.kind_bytes(k)).sum();
+                assert_eq!(sum, whole(k), "{mode:?} {master:?} {k:?}");
+                for u in 0..l.units.len() {
+                    let held = mine.iter().filter(|m| m.holds(u, k)).count();
+                    assert_eq!(held, l.has(k) as usize, "{mode:?} unit {u} {k:?}");
+                }
+            }
+            let m = &mine[0];
+            assert!(m.gathers_params());
+            assert_eq!(m.lands_grads(), mode == Mode::Exact);
+            let streamed = match master {
+                MasterFormat::Fp32 => 4,
+                MasterFormat::Planes => 2,
+            } * l.max_unit_numel();
+            let aligned = |b: usize| (b.div_ceil(SHARD_ALIGN) * SHARD_ALIGN) as u64;
+            assert_eq!(m.gather_buffer_bytes(), 2 * aligned(streamed));
+            let landing = match mode {
+                Mode::Exact => 2 * aligned(4 * l.max_unit_numel()),
+                Mode::Lean => 0,
+            };
+            assert_eq!(m.landing_buffer_bytes(), landing);
+            assert!(m.total_bytes() < l.total_bytes());
         }
     }
 

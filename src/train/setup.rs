@@ -173,9 +173,21 @@ pub(super) fn setup(
             3 => owners.with_params(),
             _ => owners,
         };
-        let kinds: &[ShardKind] = match owners.params {
-            true => &[ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV],
-            false => &[ShardKind::AdamM, ShardKind::AdamV],
+        // Exact mode with one micro-batch a step: the gradients too (with more, each rank
+        // accumulates every unit's across its micro-batches, so it keeps all of them).
+        let owners = match owners.params && mode == Mode::Exact && cfg.grad_accum == 1 {
+            true => owners.with_grads(),
+            false => owners,
+        };
+        let kinds: &[ShardKind] = match (owners.params, owners.grads) {
+            (true, true) => &[
+                ShardKind::Params,
+                ShardKind::Grads,
+                ShardKind::AdamM,
+                ShardKind::AdamV,
+            ],
+            (true, false) => &[ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV],
+            _ => &[ShardKind::AdamM, ShardKind::AdamV],
         };
         let sharded_bytes = |l: &StateLayout| kinds.iter().map(|&k| l.kind_bytes(k)).sum::<u64>();
         let job = sharded_bytes(&layout);
@@ -185,8 +197,9 @@ pub(super) fn setup(
             "ZeRO stage {}: rank {} holds and updates the {} of {held} of {} units ({} of the job's {} bytes)",
             cfg.zero_stage,
             world.rank(),
-            match cfg.zero_stage {
-                3 => "params and Adam moments",
+            match (cfg.zero_stage, layout.lands_grads()) {
+                (3, true) => "params, gradients and Adam moments",
+                (3, false) => "params and Adam moments",
                 _ => "Adam moments",
             },
             layout.units.len(),
@@ -677,7 +690,9 @@ fn choose_mode(
         // then chooses the same mode).
         let layout = match sharded_ranks {
             Some((ranks, stage)) => {
-                let fullest = UnitOwners::fullest(&layout, ranks, stage == 3);
+                // Stage 3 in exact mode with one micro-batch shards the gradients too.
+                let grads = stage == 3 && m == Mode::Exact && cfg.grad_accum == 1;
+                let fullest = UnitOwners::fullest(&layout, ranks, (stage == 3, grads));
                 layout.with_owners(fullest)
             }
             None => layout,

@@ -114,6 +114,9 @@ pub enum Res {
     Coef,
     /// Host buffer `k` another rank's params are gathered into (ZeRO stage 3).
     Gathered(usize),
+    /// Host buffer `k` another rank's unit's gradients land in (ZeRO stage 3, sharded
+    /// gradients).
+    Landed(usize),
 }
 
 /// One op of the schedule.
@@ -165,6 +168,9 @@ pub enum Op {
         lean: Option<usize>,
         /// The piece (0: the whole unit in exact mode).
         piece: usize,
+        /// Sharded gradients (exact mode): the landing buffer they go to on a rank that does
+        /// not hold the unit's gradient shard (its owner takes them into its shard).
+        landing: Option<usize>,
     },
     /// A layer op of micro-batch `batch`.
     Kernel(Kernel<DevBuf, usize>),
@@ -270,6 +276,10 @@ pub struct ScheduleSpec {
     /// ZeRO stage 3: each copy of a unit's params to the device is preceded by its gather from
     /// the rank holding them ([`Op::Gather`]).
     pub gather: bool,
+    /// ZeRO stage 3 with sharded gradients (exact mode, one micro-batch): each unit's gradients
+    /// leave the device into its shard on its owner and a landing buffer on the other ranks
+    /// ([`Res::Landed`], two in turn), where they are summed across the ranks and dropped.
+    pub land: bool,
 }
 
 impl ScheduleSpec {
@@ -347,6 +357,9 @@ struct Builder {
     ranks: usize,
     /// Params gathered before each copy ([`ScheduleSpec::gather`]).
     gather: bool,
+    /// Gradients landed in turn ([`ScheduleSpec::land`]).
+    land: bool,
+    next_landing: usize,
 }
 
 impl Builder {
@@ -361,6 +374,8 @@ impl Builder {
             updates: Vec::new(),
             ranks: 1,
             gather: false,
+            land: false,
+            next_landing: 0,
         }
     }
 
@@ -456,6 +471,16 @@ impl Builder {
             }
             return;
         }
+        // Sharded gradients (one micro-batch): into landing buffer k on the ranks without the
+        // unit's shard.
+        let landed = self.land.then(|| {
+            let k = self.next_landing;
+            self.next_landing = 1 - k;
+            k
+        });
+        let held: Vec<Res> = std::iter::once(Res::Grads(unit))
+            .chain(landed.map(Res::Landed))
+            .collect();
         self.push(
             Lane::Stream(StreamKind::CopyOut),
             Op::CopyGrads {
@@ -464,9 +489,10 @@ impl Builder {
                 accumulate: mb > 0,
                 lean: None,
                 piece: 0,
+                landing: landed,
             },
             vec![Res::Dev(from)],
-            vec![Res::Grads(unit)],
+            held.clone(),
         );
         if mb + 1 == spec.micro_batches {
             if spec.ranks > 1 {
@@ -476,8 +502,8 @@ impl Builder {
                         lean: None,
                         piece: 0,
                     },
-                    vec![Res::Grads(unit)],
-                    vec![Res::Grads(unit)],
+                    held.clone(),
+                    held,
                 );
             }
             self.host(
@@ -500,6 +526,7 @@ impl Builder {
                 accumulate: false,
                 lean: Some(k),
                 piece,
+                landing: None,
             },
             vec![Res::Dev(from)],
             vec![Res::Lean(k)],
@@ -562,6 +589,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     let mut b = Builder::new();
     b.ranks = spec.ranks;
     b.gather = spec.gather;
+    b.land = spec.land && spec.mode == Mode::Exact && spec.micro_batches == 1;
     let order = update_order(spec);
     // The first unit to be updated: its m/v can come in from NVMe during the forward.
     b.host(Op::Prefetch { unit: order[0] }, vec![], vec![]);

@@ -6,6 +6,7 @@ fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> Sch
         lean_pieces: LeanPieces::WHOLE,
         ranks: 1,
         gather: false,
+        land: false,
         layers,
         tied,
         micro_batches: mb,
@@ -55,6 +56,13 @@ fn all_specs() -> Vec<ScheduleSpec> {
                     ranks: 3,
                     gather: true,
                     ..spec(layers, tied, 2, Mode::Exact, a)
+                });
+                // Sharded gradients: each unit's landed in one of two buffers in turn.
+                v.push(ScheduleSpec {
+                    ranks: 3,
+                    gather: true,
+                    land: true,
+                    ..spec(layers, tied, 1, Mode::Exact, a)
                 });
                 v.push(ScheduleSpec {
                     ranks: 2,

@@ -49,6 +49,7 @@ pub fn device_bytes(
         lean_pieces: LeanPieces::of(layout),
         ranks: 1,
         gather: false,
+        land: false,
     };
     // A bf16 device (a planes master streams bf16) holds its weights in bf16.
     let weight_bytes = match device_precision(layout) {

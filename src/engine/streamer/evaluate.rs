@@ -74,6 +74,7 @@ impl Streamer {
             host_done: vec![false; tasks.len()],
             host_queue: VecDeque::new(),
             norm_sq: 0.0,
+            norm_parts: Vec::new(),
             coef: 1.0,
             host_wait: 0.0,
             adam: self.cfg.adam,

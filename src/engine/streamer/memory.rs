@@ -10,7 +10,7 @@ pub struct HostMemory {
     /// The host store's regions (master, gradients, moments in RAM).
     pub state: u64,
     /// The streamer's host buffers: offloaded activations, lean gradient buffers, gathered
-    /// params (ZeRO stage 3).
+    /// params and landed gradients (ZeRO stage 3).
     pub buffers: u64,
     /// The device's peak allocation when it lives in host memory (the CPU device); 0 for a GPU.
     pub device: u64,
@@ -36,6 +36,7 @@ impl Streamer {
             + self
                 .gathered
                 .iter()
+                .chain(&self.landing)
                 .map(|b| 4 * b.len() as u64)
                 .sum::<u64>();
         HostMemory {

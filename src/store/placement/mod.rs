@@ -579,7 +579,9 @@ impl<'a> Packer<'a> {
         let layout = self.layout;
         // ZeRO stage 3's gathered params buffers sit beside the lean buffers (both near the
         // GPU: the device copies from them).
-        let lean = layout.lean_grad_buffer_bytes() + layout.gather_buffer_bytes();
+        let lean = layout.lean_grad_buffer_bytes()
+            + layout.gather_buffer_bytes()
+            + layout.landing_buffer_bytes();
         let lean_node = if lean > 0 {
             Some(self.first_fit(lean)?)
         } else {
