@@ -535,10 +535,7 @@ fn plan_spreads_over_gpus_and_machines() {
     assert_eq!(d["host_bytes_per_node"].as_u64().unwrap(), 8 * per_rank);
     assert_eq!(v["plan"]["fits"], false);
     assert!(v["plan"]["time"]["sum_s"].as_f64().unwrap() > 0.0);
-    assert_eq!(
-        v["plan"]["suggestion"],
-        "--zero-stage 3 --mode lean --adam-state bf16"
-    );
+    assert_eq!(v["plan"]["suggestion"], "--zero-stage 3 --adam-state int8");
     // Sharded as suggested, it fits: each rank holds its share, the machine 8 of them.
     let v = json(&[
         "plan",

@@ -791,7 +791,10 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
     let (ranks, whole) = (d.path().join("p2x2"), d.path().join("whole2x2"));
     let out = run_ranks(2, &zero3(constant(train_args(d.path(), &ranks, 4, 2))));
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(said.contains("holds and updates the params and Adam moments"), "{said}");
+    assert!(
+        said.contains("holds and updates the params and Adam moments"),
+        "{said}"
+    );
     run_ranks(2, &constant(train_args(d.path(), &whole, 4, 2)));
     assert!(
         assert_equal_runs(&ranks, &whole, "2 ranks accumulating 2, params sharded vs whole"),

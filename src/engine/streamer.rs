@@ -311,7 +311,12 @@ impl Streamer {
         };
         let landing = match layout.lands_grads() {
             true => (0..crate::store::layout::LANDING_BUFFERS)
-                .map(|k| host_buffer(format!("gradient landing buffer {k}"), layout.max_unit_numel()))
+                .map(|k| {
+                    host_buffer(
+                        format!("gradient landing buffer {k}"),
+                        layout.max_unit_numel(),
+                    )
+                })
                 .collect::<Result<_>>()?,
             false => Vec::new(),
         };
@@ -753,9 +758,10 @@ impl Streamer {
                 let k = self.landed.get(unit).copied().flatten().ok_or_else(|| {
                     Error::internal("streamer", format!("unit {unit}'s gradients did not land"))
                 })?;
-                let b = self.landing.get_mut(k).ok_or_else(|| {
-                    Error::internal("streamer", format!("no landing buffer {k}"))
-                })?;
+                let b = self
+                    .landing
+                    .get_mut(k)
+                    .ok_or_else(|| Error::internal("streamer", format!("no landing buffer {k}")))?;
                 world.sum_f32(&mut b.as_mut_slice()[..numel])
             }
             None => {
@@ -1060,9 +1066,10 @@ impl Streamer {
         let dst = match (lean, landing) {
             // Sharded gradients: another rank's unit's land in buffer k.
             (None, Some(k)) if !self.store.layout().holds_grads(unit) => {
-                let b = self.landing.get_mut(k).ok_or_else(|| {
-                    Error::internal("streamer", format!("no landing buffer {k}"))
-                })?;
+                let b = self
+                    .landing
+                    .get_mut(k)
+                    .ok_or_else(|| Error::internal("streamer", format!("no landing buffer {k}")))?;
                 if let Some(x) = self.landed.get_mut(unit) {
                     *x = Some(k);
                 }
@@ -1071,25 +1078,25 @@ impl Streamer {
                 unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..elems.len()]) }
             }
             _ => match lean {
-            Some(k) => {
-                let b = self.lean[k].as_mut().ok_or_else(|| {
-                    Error::internal(
-                        "streamer",
-                        format!("lean buffer {k} is still owned by AdamW"),
-                    )
-                })?;
-                // SAFETY: the buffer stays in `self.lean` until the AdamW op that consumes it,
-                // which the schedule orders after this copy.
-                unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..elems.len()]) }
-            }
-            None => {
-                let g = self.guard(unit)?;
-                let grads = g.grads().ok_or_else(|| {
-                    Error::internal("streamer", "exact mode without a gradient shard")
-                })?;
-                // SAFETY: as for CopyWeights: the guard outlives the copy.
-                unsafe { HostRef::from_slice(grads) }
-            }
+                Some(k) => {
+                    let b = self.lean[k].as_mut().ok_or_else(|| {
+                        Error::internal(
+                            "streamer",
+                            format!("lean buffer {k} is still owned by AdamW"),
+                        )
+                    })?;
+                    // SAFETY: the buffer stays in `self.lean` until the AdamW op that consumes it,
+                    // which the schedule orders after this copy.
+                    unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..elems.len()]) }
+                }
+                None => {
+                    let g = self.guard(unit)?;
+                    let grads = g.grads().ok_or_else(|| {
+                        Error::internal("streamer", "exact mode without a gradient shard")
+                    })?;
+                    // SAFETY: as for CopyWeights: the guard outlives the copy.
+                    unsafe { HostRef::from_slice(grads) }
+                }
             },
         };
         let label = match lean {

@@ -368,10 +368,25 @@ mod tests {
         assert_eq!(d.nic_gbps, Some(400.0));
         let why = p.missing.unwrap();
         assert!(why.contains("for the 8 ranks of a machine"), "{why}");
+        // Exact mode, each rank 1/32 of 10 B/param (params 4, gradients 4, int8 moments 2).
         assert_eq!(
             p.suggestion.as_deref(),
-            Some("--zero-stage 3 --mode lean --adam-state bf16")
+            Some("--zero-stage 3 --adam-state int8")
         );
+        let exact = PlanRequest {
+            data_parallel: DataParallel {
+                zero_stage: 3,
+                ..job.data_parallel
+            },
+            adam_state: AdamState::Int8,
+            ..job.clone()
+        };
+        let q = plan(&m, &node, &exact);
+        assert!(q.fits, "{:?}", q.missing);
+        let d = q.data_parallel.unwrap();
+        let share = 10 * m.num_params() as u64 / 32;
+        assert!(d.host_bytes_per_rank > share, "{}", d.host_bytes_per_rank);
+        // Lean mode with bf16 moments fits too (8 B/param, no gradient shard).
         let sharded = PlanRequest {
             data_parallel: DataParallel {
                 zero_stage: 3,
@@ -480,7 +495,8 @@ mod tests {
         let job = ranks(8, 1, 8 * 4096);
         let p = plan(&m, &node, &job);
         assert!(!p.fits);
-        assert_eq!(p.suggestion.as_deref(), Some("--zero-stage 3 --mode lean"));
+        // Sharded over 8 ranks, exact mode fits (16 B/param / 8 each, gradients included).
+        assert_eq!(p.suggestion.as_deref(), Some("--zero-stage 3"));
         assert_eq!(fewer_gpus(&m, &node, &job).as_deref(), Some("--gpus 1"));
         assert!(plan(&m, &node, &ranks(1, 1, 8 * 4096)).fits);
         // Llama-3.1-8B fits 8 times.

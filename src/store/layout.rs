@@ -338,7 +338,11 @@ impl StateLayout {
     /// Whether this process keeps `unit`'s gradient shard (exact mode; all but another rank's
     /// when the gradients are sharded).
     pub fn holds_grads(&self, unit: usize) -> bool {
-        self.mode == Mode::Exact && self.owners.as_ref().is_none_or(|o| !o.grads || o.holds(unit))
+        self.mode == Mode::Exact
+            && self
+                .owners
+                .as_ref()
+                .is_none_or(|o| !o.grads || o.holds(unit))
     }
 
     /// Whether another rank's unit's gradients land in a landing buffer, are summed there and
@@ -543,8 +547,11 @@ impl StateLayout {
     /// land in, each of the largest unit's fp32 bytes. Zero otherwise.
     pub fn landing_buffer_bytes(&self) -> u64 {
         match self.lands_grads() {
-            true => (LANDING_BUFFERS * (4 * self.max_unit_numel()).div_ceil(SHARD_ALIGN).max(1)
-                * SHARD_ALIGN) as u64,
+            true => {
+                (LANDING_BUFFERS
+                    * (4 * self.max_unit_numel()).div_ceil(SHARD_ALIGN).max(1)
+                    * SHARD_ALIGN) as u64
+            }
             false => 0,
         }
     }
@@ -712,7 +719,11 @@ mod tests {
             let mine: Vec<StateLayout> = (0..ranks)
                 .map(|r| {
                     let o = UnitOwners::deal(&l, ranks, r).with_params();
-                    let o = if mode == Mode::Exact { o.with_grads() } else { o };
+                    let o = if mode == Mode::Exact {
+                        o.with_grads()
+                    } else {
+                        o
+                    };
                     l.clone().with_owners(o)
                 })
                 .collect();
