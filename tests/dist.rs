@@ -577,6 +577,53 @@ fn cuda_ranks_equal_gradient_accumulation() {
     }
 }
 
+/// `args` with `flags` appended.
+fn with(mut args: Vec<String>, flags: &[&str]) -> Vec<String> {
+    args.extend(flags.iter().map(|f| f.to_string()));
+    args
+}
+
+/// `args` with `from` replaced by `to` (a flag's value).
+fn swap(args: Vec<String>, from: &str, to: &str) -> Vec<String> {
+    args.into_iter()
+        .map(|a| if a == from { to.into() } else { a })
+        .collect()
+}
+
+/// A constant learning rate (the cosine schedule's depends on the run's length).
+fn constant(args: Vec<String>) -> Vec<String> {
+    swap(args, "cosine", "constant")
+}
+
+/// A new run directory `to` under `d` holding the newest checkpoint and the metrics of run
+/// `from`, to resume from.
+fn resumable_copy(d: &Path, from: &str, to: &str) -> PathBuf {
+    let to = d.join(to);
+    let c = newest(&d.join(from));
+    let dst = to.join("ckpt").join(c.file_name().unwrap());
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(&c).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    std::fs::copy(d.join(from).join("metrics.jsonl"), to.join("metrics.jsonl")).unwrap();
+    to
+}
+
+/// The "(X of the job's Y bytes)" rank 0 says it holds after `prefix`, checked to be a part.
+fn holds_a_part(said: &str, prefix: &str) {
+    let line = said
+        .lines()
+        .find(|l| l.contains(prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} in:\n{said}"));
+    let nums: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (held, job) = (nums[nums.len() - 2], nums[nums.len() - 1]);
+    assert!(held > 0 && held < job, "{line}");
+}
+
 /// `--zero-stage 1`: each unit's Adam moments live on one rank, which alone updates the unit
 /// and sends its params to the others. Sharded ranks train the same bits as gradient
 /// accumulation (2 and 3 ranks, exact mode) and as replicated ranks (lean mode); a rank holds
@@ -586,33 +633,18 @@ fn cuda_ranks_equal_gradient_accumulation() {
 fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
     let d = tempfile::tempdir().unwrap();
     inputs(d.path());
-    let zero = |mut args: Vec<String>| -> Vec<String> {
-        args.extend(["--zero-stage".to_string(), "1".to_string()]);
-        args
-    };
-    let constant = |args: Vec<String>| -> Vec<String> {
-        args.into_iter()
-            .map(|a| if a == "cosine" { "constant".into() } else { a })
-            .collect()
-    };
+    let zero = |args: Vec<String>| with(args, &["--zero-stage", "1"]);
     for n in [2usize, 3] {
         let (ranks, one) = (
             d.path().join(format!("zero{n}")),
             d.path().join(format!("accum{n}")),
         );
         let out = run_ranks(n, &zero(constant(train_args(d.path(), &ranks, 6, 1))));
-        let said = String::from_utf8_lossy(&out.stderr);
-        let line = said
-            .lines()
-            .find(|l| l.contains("ZeRO stage 1: rank 0 holds"))
-            .unwrap_or_else(|| panic!("{said}"));
         // "(X of the job's Y bytes)": a part, not all, and not nothing.
-        let nums: Vec<u64> = line
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        let (held, job) = (nums[nums.len() - 2], nums[nums.len() - 1]);
-        assert!(held > 0 && held < job, "{line}");
+        holds_a_part(
+            &String::from_utf8_lossy(&out.stderr),
+            "ZeRO stage 1: rank 0 holds",
+        );
         run_one(&constant(train_args(d.path(), &one, 6, n)));
         assert!(
             assert_equal_runs(
@@ -624,11 +656,7 @@ fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
         );
     }
     // Lean mode: its norm's Σg² come from each unit's owner.
-    let lean = |args: Vec<String>| -> Vec<String> {
-        args.into_iter()
-            .map(|a| if a == "exact" { "lean".into() } else { a })
-            .collect()
-    };
+    let lean = |args: Vec<String>| swap(args, "exact", "lean");
     let (sharded, whole) = (d.path().join("lean-zero"), d.path().join("lean-whole"));
     run_ranks(2, &zero(lean(train_args(d.path(), &sharded, 6, 1))));
     run_ranks(2, &lean(train_args(d.path(), &whole, 6, 1)));
@@ -638,10 +666,7 @@ fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
     );
     // The bf16 recipe's master (two 16-bit planes: the broadcast carries both) and bf16
     // moments (stochastic rounding salted by step and unit, whichever rank updates it).
-    let bf16 = |mut args: Vec<String>| -> Vec<String> {
-        args.extend(["--precision", "bf16", "--adam-state", "bf16"].map(String::from));
-        args
-    };
+    let bf16 = |args: Vec<String>| with(args, &["--precision", "bf16", "--adam-state", "bf16"]);
     let (sharded, whole) = (d.path().join("bf16-zero"), d.path().join("bf16-whole"));
     run_ranks(2, &zero(bf16(train_args(d.path(), &sharded, 4, 1))));
     run_ranks(2, &bf16(train_args(d.path(), &whole, 4, 1)));
@@ -656,25 +681,8 @@ fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
     // The 3 sharded ranks' checkpoint at step 6 resumes on 2 sharded ranks (a batch of 2 from
     // there) as on one process accumulating 2, and on one process accumulating 3 as the 3
     // ranks' own run to step 8.
-    let copy = |to: &str| {
-        let to = d.path().join(to);
-        let c = newest(&d.path().join("zero3"));
-        let dst = to.join("ckpt").join(c.file_name().unwrap());
-        std::fs::create_dir_all(&dst).unwrap();
-        for e in std::fs::read_dir(&c).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
-        std::fs::copy(
-            d.path().join("zero3/metrics.jsonl"),
-            to.join("metrics.jsonl"),
-        )
-        .unwrap();
-        to
-    };
-    let resume = |args: Vec<String>| -> Vec<String> {
-        args.into_iter().chain(["--resume".to_string()]).collect()
-    };
+    let copy = |to: &str| resumable_copy(d.path(), "zero3", to);
+    let resume = |args: Vec<String>| with(args, &["--resume"]);
     let on_two = copy("on-two");
     run_ranks(
         2,
@@ -700,19 +708,21 @@ fn sharded_adam_state_trains_the_same_bits_and_resumes_on_any_ranks() {
 }
 
 /// `--val-data` (the training tokens) checked every 2 steps, and `--export-hf` into `out/hf`.
-fn with_outputs(dir: &Path, out: &Path, mut args: Vec<String>) -> Vec<String> {
-    let data = dir.join("train.bin");
-    args.extend([
-        "--val-data".to_string(),
-        data.to_str().unwrap().to_string(),
-        "--val-every".to_string(),
-        "2".to_string(),
-        "--val-batches".to_string(),
-        "2".to_string(),
-        "--export-hf".to_string(),
-        out.join("hf").to_str().unwrap().to_string(),
-    ]);
-    args
+fn with_outputs(dir: &Path, out: &Path, args: Vec<String>) -> Vec<String> {
+    let (data, hf) = (dir.join("train.bin"), out.join("hf"));
+    with(
+        args,
+        &[
+            "--val-data",
+            data.to_str().unwrap(),
+            "--val-every",
+            "2",
+            "--val-batches",
+            "2",
+            "--export-hf",
+            hf.to_str().unwrap(),
+        ],
+    )
 }
 
 /// Each metrics line's validation loss (`None` where none was taken).
@@ -736,15 +746,7 @@ fn same_file(a: &Path, b: &Path, f: &str, what: &str) {
 fn sharded_params_train_the_same_bits_validate_export_and_resume() {
     let d = tempfile::tempdir().unwrap();
     inputs(d.path());
-    let zero3 = |mut args: Vec<String>| -> Vec<String> {
-        args.extend(["--zero-stage".to_string(), "3".to_string()]);
-        args
-    };
-    let constant = |args: Vec<String>| -> Vec<String> {
-        args.into_iter()
-            .map(|a| if a == "cosine" { "constant".into() } else { a })
-            .collect()
-    };
+    let zero3 = |args: Vec<String>| with(args, &["--zero-stage", "3"]);
     // Exact mode, clipping active: N ranks holding 1/N of the params, gradients and moments each
     // (the others' gradients landed, summed and dropped; the norm from each unit's owner) equal
     // one process accumulating N, bit for bit; validation (every rank gathers) and the export
@@ -756,19 +758,10 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
         );
         let args = with_outputs(d.path(), &ranks, train_args(d.path(), &ranks, 6, 1));
         let out = run_ranks(n, &zero3(constant(args)));
-        let said = String::from_utf8_lossy(&out.stderr);
-        let line = said
-            .lines()
-            .find(|l| {
-                l.contains("ZeRO stage 3: rank 0 holds and updates the params, gradients and Adam")
-            })
-            .unwrap_or_else(|| panic!("{said}"));
-        let nums: Vec<u64> = line
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        let (held, job) = (nums[nums.len() - 2], nums[nums.len() - 1]);
-        assert!(held > 0 && held < job, "{line}");
+        holds_a_part(
+            &String::from_utf8_lossy(&out.stderr),
+            "ZeRO stage 3: rank 0 holds and updates the params, gradients and Adam",
+        );
         let args = with_outputs(d.path(), &one, train_args(d.path(), &one, 6, n));
         run_one(&constant(args));
         assert!(
@@ -803,15 +796,8 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
     // Lean mode (no gradient shard on any rank: each rank holds 1/N of the state) and the bf16
     // recipe (the gather carries the high plane the device streams; the checkpoint the joined
     // fp32) with bf16 moments: the same bytes as whole ranks.
-    let lean = |args: Vec<String>| -> Vec<String> {
-        args.into_iter()
-            .map(|a| if a == "exact" { "lean".into() } else { a })
-            .collect()
-    };
-    let bf16 = |mut args: Vec<String>| -> Vec<String> {
-        args.extend(["--precision", "bf16", "--adam-state", "bf16"].map(String::from));
-        args
-    };
+    let lean = |args: Vec<String>| swap(args, "exact", "lean");
+    let bf16 = |args: Vec<String>| with(args, &["--precision", "bf16", "--adam-state", "bf16"]);
     let (sharded, whole) = (d.path().join("lean-p"), d.path().join("lean-whole"));
     run_ranks(2, &zero3(lean(train_args(d.path(), &sharded, 6, 1))));
     run_ranks(2, &lean(train_args(d.path(), &whole, 6, 1)));
@@ -833,21 +819,8 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
     assert_eq!(metrics(&sharded), metrics(&whole));
     // The 3 ranks' checkpoint at step 6 resumes on 2 ranks with sharded params as on one process
     // accumulating 2.
-    let copy = |to: &str| {
-        let to = d.path().join(to);
-        let c = newest(&d.path().join("p3"));
-        let dst = to.join("ckpt").join(c.file_name().unwrap());
-        std::fs::create_dir_all(&dst).unwrap();
-        for e in std::fs::read_dir(&c).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
-        std::fs::copy(d.path().join("p3/metrics.jsonl"), to.join("metrics.jsonl")).unwrap();
-        to
-    };
-    let resume = |args: Vec<String>| -> Vec<String> {
-        args.into_iter().chain(["--resume".to_string()]).collect()
-    };
+    let copy = |to: &str| resumable_copy(d.path(), "p3", to);
+    let resume = |args: Vec<String>| with(args, &["--resume"]);
     let on_two = copy("p-on-two");
     run_ranks(
         2,
@@ -864,22 +837,17 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
     // What rank 0 cannot do alone with sharded params is refused on every rank, naming the flag.
     let bad = mpirun(2)
         .arg(bin())
-        .args(zero3(
-            train_args(d.path(), &d.path().join("refused"), 2, 1)
-                .into_iter()
-                .chain(
-                    [
-                        "--sample-every",
-                        "1",
-                        "--sample-prompt",
-                        "ab",
-                        "--sample-tokens",
-                        "4",
-                    ]
-                    .map(String::from),
-                )
-                .collect(),
-        ))
+        .args(zero3(with(
+            train_args(d.path(), &d.path().join("refused"), 2, 1),
+            &[
+                "--sample-every",
+                "1",
+                "--sample-prompt",
+                "ab",
+                "--sample-tokens",
+                "4",
+            ],
+        )))
         .output()
         .unwrap();
     assert!(!bad.status.success());

@@ -935,26 +935,9 @@ impl Streamer {
                 let buf = self.gathered.get_mut(slot).ok_or_else(|| {
                     Error::internal("streamer", format!("no gathered params buffer {slot}"))
                 })?;
-                if planes {
-                    // SAFETY: the buffer lives in `self`; the schedule orders the next Gather
-                    // into it after this copy's completion.
-                    let src = unsafe { HostRef::from_slice(&mut buf.as_mut_halves()[..numel]) };
-                    Cmd::HtoDBf16 {
-                        dst,
-                        offset: 0,
-                        src,
-                        label,
-                    }
-                } else {
-                    // SAFETY: as above.
-                    let src = unsafe { HostRef::from_slice(&mut buf.as_mut_slice()[..numel]) };
-                    Cmd::HtoD {
-                        dst,
-                        offset: 0,
-                        src,
-                        label,
-                    }
-                }
+                // SAFETY: the buffer lives in `self`; the schedule orders the next Gather into
+                // it after this copy's completion.
+                unsafe { htod_from(buf, numel, planes, dst, label) }
             }
             Op::CopyWeights { unit, to } => {
                 let dst = self.buf(*to);
@@ -986,26 +969,9 @@ impl Streamer {
                 let label = format!("activation x{index}");
                 let dst = self.buf(*to);
                 let host = &mut self.saved[*index];
-                if matches!(to, DevBuf::S(_)) {
-                    // SAFETY: the host buffer lives in `self`; the schedule orders its writer
-                    // (SaveActivation) before this read.
-                    let src = unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..n * c]) };
-                    Cmd::HtoDBf16 {
-                        dst,
-                        offset: 0,
-                        src,
-                        label,
-                    }
-                } else {
-                    // SAFETY: as above.
-                    let src = unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..n * c]) };
-                    Cmd::HtoD {
-                        dst,
-                        offset: 0,
-                        src,
-                        label,
-                    }
-                }
+                // SAFETY: the host buffer lives in `self`; the schedule orders its writer
+                // (SaveActivation) before this read, and its next writer after this copy.
+                unsafe { htod_from(host, n * c, matches!(to, DevBuf::S(_)), dst, label) }
             }
             Op::SaveActivation { index, from } => {
                 let label = format!("activation x{index}");
@@ -1140,6 +1106,39 @@ impl Drop for Streamer {
         self.device.synchronize();
         for (_, id) in self.bufs.drain() {
             self.device.free(id);
+        }
+    }
+}
+
+/// A copy of the first `len` values of host buffer `host` into device buffer `dst`: bf16 values
+/// (the buffer's 16-bit halves) into a bf16 buffer when `bf16`, else fp32.
+///
+/// # Safety
+/// `host` must be neither written nor freed before the copy completes.
+unsafe fn htod_from(
+    host: &mut HostBuffer,
+    len: usize,
+    bf16: bool,
+    dst: BufId,
+    label: String,
+) -> Cmd {
+    if bf16 {
+        // SAFETY: the caller keeps the buffer alive and unwritten until the copy completes.
+        let src = unsafe { HostRef::from_slice(&mut host.as_mut_halves()[..len]) };
+        Cmd::HtoDBf16 {
+            dst,
+            offset: 0,
+            src,
+            label,
+        }
+    } else {
+        // SAFETY: as above.
+        let src = unsafe { HostRef::from_slice(&mut host.as_mut_slice()[..len]) };
+        Cmd::HtoD {
+            dst,
+            offset: 0,
+            src,
+            label,
         }
     }
 }

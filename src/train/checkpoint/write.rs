@@ -318,20 +318,29 @@ fn write(
             let [p_out, m_out, v_out] = &mut outs[..] else {
                 return Err(Error::internal("checkpoint", "three tensor files"));
             };
+            // Another rank's shard, from its `send_moments`: `bytes` of it into `out`, a
+            // MOMENT_CHUNK message at a time.
+            let mut receive = |world: &dyn Collective, from: usize, bytes: usize, out: &mut Out| {
+                let mut left = bytes;
+                while left > 0 {
+                    let n = left.min(MOMENT_CHUNK);
+                    if chunk.len() < n {
+                        chunk.resize(n, 0);
+                    }
+                    world.recv_bytes(from, &mut chunk[..n])?;
+                    out.put(&chunk[..n], meter.as_ref())?;
+                    left -= n;
+                }
+                Ok::<(), Error>(())
+            };
             match (world, store.layout().owners.as_ref()) {
                 // Another rank holds them (ZeRO stage 3): its `send_moments` sends them first.
-                (Some(world), Some(owners)) if !store.layout().holds_params(u) => {
-                    let mut left = 4 * store.layout().units[u].numel;
-                    while left > 0 {
-                        let n = left.min(MOMENT_CHUNK);
-                        if chunk.len() < n {
-                            chunk.resize(n, 0);
-                        }
-                        world.recv_bytes(owners.owner[u], &mut chunk[..n])?;
-                        p_out.put(&chunk[..n], meter.as_ref())?;
-                        left -= n;
-                    }
-                }
+                (Some(world), Some(owners)) if !store.layout().holds_params(u) => receive(
+                    world,
+                    owners.owner[u],
+                    4 * store.layout().units[u].numel,
+                    p_out,
+                )?,
                 _ => p_out.put(params, meter.as_ref())?,
             }
             match (world, store.layout().owners.as_ref()) {
@@ -341,16 +350,7 @@ fn write(
                     let layout = store.layout();
                     let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
                     for o in [m_out, v_out] {
-                        let mut left = bytes;
-                        while left > 0 {
-                            let n = left.min(MOMENT_CHUNK);
-                            if chunk.len() < n {
-                                chunk.resize(n, 0);
-                            }
-                            world.recv_bytes(owners.owner[u], &mut chunk[..n])?;
-                            o.put(&chunk[..n], meter.as_ref())?;
-                            left -= n;
-                        }
+                        receive(world, owners.owner[u], bytes, o)?;
                     }
                 }
                 _ => {
