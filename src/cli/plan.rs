@@ -469,13 +469,16 @@ fn print_nodes(
 }
 
 /// `--zero-stage`: 0, 1 or 3, as the trainer takes it.
-fn zero_stage(s: &str) -> std::result::Result<u8, String> {
+fn zero_stage(s: &str) -> megatrain::Result<u8> {
     match s {
         "0" => Ok(0),
         "1" => Ok(1),
         "3" => Ok(3),
-        _ => Err(format!(
-            "{s} is not a ZeRO stage megatrain runs: 0 (replicated), 1 (Adam moments sharded) or 3 (params too)"
+        _ => Err(megatrain::Error::bad_input(
+            "--zero-stage",
+            s,
+            "is not a ZeRO stage megatrain runs: 0 (replicated), 1 (Adam moments sharded) or 3 (params too)",
+            Some("pass --zero-stage 0, 1 or 3"),
         )),
     }
 }

@@ -33,6 +33,7 @@ use std::time::Instant;
 mod buffers;
 mod evaluate;
 mod memory;
+mod ranks;
 
 pub use buffers::{buffer_len, device_bytes};
 pub use memory::HostMemory;
@@ -491,29 +492,6 @@ impl Streamer {
         Ok(m)
     }
 
-    /// ZeRO stage 1, at the end of a step: each unit's updated params go from the rank that
-    /// updated it (`owner[u]`, which waits for its update here) to every other rank, last unit
-    /// first (the order the updates start in); in lean mode the units' Σg², each from its
-    /// owner's update and 0 elsewhere, are summed across the ranks (adding zeros is exact; a
-    /// unit's Σg² itself is its owner's, whose bits follow its AdamW workers' split as in any
-    /// process). Stage 3 sends no params here: each rank gathers a unit's when it next needs
-    /// them ([`Op::Gather`]).
-    fn share_updates(&mut self, owner: &[usize]) -> Result<()> {
-        let world = self.world.clone();
-        let params = !self.store.layout().gathers_params();
-        for u in (0..self.store.num_units()).rev().filter(|_| params) {
-            let root = owner
-                .get(u)
-                .copied()
-                .ok_or_else(|| Error::internal("streamer", format!("unit {u} has no owner")))?;
-            world.broadcast_bytes(root, self.guard(u)?.params_bytes())?;
-        }
-        if self.store.layout().mode == Mode::Lean {
-            world.sum_f64(&mut self.lean_sumsq)?;
-        }
-        Ok(())
-    }
-
     /// Check a micro-batch against the model and the streamer's shape.
     fn check(&self, mb: &MicroBatch) -> Result<()> {
         let (b, t) = (self.cfg.batch, self.cfg.seq);
@@ -738,86 +716,6 @@ impl Streamer {
             }
         }
         Ok(())
-    }
-
-    /// Sum unit u's step gradients across the ranks: its shard, or (lean mode) piece `piece` of
-    /// them in lean buffer `lean`.
-    fn reduce(&mut self, unit: usize, (lean, piece): (Option<usize>, usize)) -> Result<()> {
-        let world = self.world.clone();
-        match lean {
-            Some(k) => {
-                let len = self.store.layout().lean_piece(unit, piece).len();
-                let b = self.lean[k].as_mut().ok_or_else(|| {
-                    Error::internal("streamer", format!("lean buffer {k} is owned by AdamW"))
-                })?;
-                world.sum_f32(&mut b.as_mut_slice()[..len])
-            }
-            // Sharded gradients: another rank's unit's, where they landed.
-            None if !self.store.layout().holds_grads(unit) => {
-                let numel = self.store.layout().units[unit].numel;
-                let k = self.landed.get(unit).copied().flatten().ok_or_else(|| {
-                    Error::internal("streamer", format!("unit {unit}'s gradients did not land"))
-                })?;
-                let b = self
-                    .landing
-                    .get_mut(k)
-                    .ok_or_else(|| Error::internal("streamer", format!("no landing buffer {k}")))?;
-                world.sum_f32(&mut b.as_mut_slice()[..numel])
-            }
-            None => {
-                let grads = self.guard(unit)?.grads().ok_or_else(|| {
-                    Error::internal("streamer", "exact mode without a gradient shard")
-                })?;
-                world.sum_f32(grads)
-            }
-        }
-    }
-
-    /// Sharded gradients, before the clip: every unit's Σg² from the rank holding it (0 from the
-    /// others: adding zeros is exact) summed across the ranks, then added in the order the norm
-    /// adds them — the bits of a rank holding every unit.
-    fn job_norm(&mut self, run: &mut StepRun) -> Result<()> {
-        let mut by_unit = vec![0.0f64; self.store.num_units()];
-        for &(u, s) in &run.norm_parts {
-            if let Some(x) = by_unit.get_mut(u) {
-                *x = s;
-            }
-        }
-        self.world.sum_f64(&mut by_unit)?;
-        run.norm_sq = run.norm_parts.iter().map(|&(u, _)| by_unit[u]).sum();
-        Ok(())
-    }
-
-    /// ZeRO stage 3: unit u's params as the device streams them (fp32, or the high plane of
-    /// planes), from the rank holding them into host buffer `slot` of every other rank. The
-    /// holder sends straight from its store (the schedule ordered the unit's update before).
-    fn gather(&mut self, unit: usize, slot: usize) -> Result<()> {
-        let world = self.world.clone();
-        let layout = self.store.layout();
-        let (root, bytes) = (layout.owner(unit), layout.streamed_bytes(unit));
-        if layout.holds_params(unit) {
-            let held = self.guard(unit)?.params_bytes();
-            let held = held.get_mut(..bytes).ok_or_else(|| {
-                Error::internal("streamer", format!("unit {unit}'s params are short"))
-            })?;
-            return world.broadcast_bytes(root, held);
-        }
-        let buf = self.gathered.get_mut(slot).ok_or_else(|| {
-            Error::internal("streamer", format!("no gathered params buffer {slot}"))
-        })?;
-        let words = buf.as_mut_slice();
-        // SAFETY: byte view of the buffer's f32 words (any bytes form valid f32s; the buffer
-        // holds at least the largest unit's streamed bytes).
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 4)
-        };
-        let dst = dst.get_mut(..bytes).ok_or_else(|| {
-            Error::internal(
-                "streamer",
-                format!("gathered params buffer {slot} is short"),
-            )
-        })?;
-        world.broadcast_bytes(root, dst)
     }
 
     /// Start unit u's AdamW update on its node's pool: in lean mode of piece `piece`, from lean
