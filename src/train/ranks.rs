@@ -62,6 +62,29 @@ pub(super) fn rank_outputs(cfg: &TrainConfig, rank: usize, gathers_params: bool)
     }
 }
 
+/// What rank 0 of a job whose params are sharded (ZeRO stage 3) cannot do alone: draw samples
+/// (the other ranks' params are theirs), export from the store (it exports from the final
+/// checkpoint instead, which needs a checkpoint directory).
+pub(super) fn check_sharded_outputs(cfg: &TrainConfig) -> Result<()> {
+    if cfg.sample_every > 0 {
+        return Err(Error::bad_input(
+                "setting",
+                "sample_every",
+                "samples are not drawn from a job whose params are sharded (--zero-stage 3): rank 0 alone draws them and lacks the other ranks' params",
+                Some("drop --sample-every, or use --zero-stage 1"),
+            ));
+    }
+    if cfg.export_hf.is_some() && cfg.checkpoint_dir.is_none() {
+        return Err(Error::bad_input(
+                "setting",
+                "export_hf",
+                "a job whose params are sharded (--zero-stage 3) exports from its final checkpoint, so it needs --checkpoint-dir",
+                Some("add --checkpoint-dir DIR"),
+            ));
+    }
+    Ok(())
+}
+
 /// What decides the order and sizes of the ranks' collectives — the mode, the micro-batches and
 /// their shape, the parameters, the step they start at — must be the same on all: the first
 /// rank that differs is named.

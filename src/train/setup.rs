@@ -85,7 +85,7 @@ pub(super) fn setup(
     HostShare::of(world.as_ref()).bind()?;
     let gathers_params = cfg.zero_stage == 3 && world.size() > 1;
     if gathers_params {
-        check_sharded_outputs(cfg)?;
+        ranks::check_sharded_outputs(cfg)?;
     }
     let cfg = &ranks::rank_outputs(cfg, world.rank(), gathers_params);
     outputs::check_paths(cfg)?;
@@ -645,29 +645,6 @@ fn resolve_model(cfg: &TrainConfig, resumed: Option<&TrainState>) -> Result<Mode
             Some("pass --model config.json (random init) or --init-from HF_DIR"),
         )),
     }
-}
-
-/// What rank 0 of a job whose params are sharded (ZeRO stage 3) cannot do alone: draw samples
-/// (the other ranks' params are theirs), export from the store (it exports from the final
-/// checkpoint instead, which needs a checkpoint directory).
-fn check_sharded_outputs(cfg: &TrainConfig) -> Result<()> {
-    if cfg.sample_every > 0 {
-        return Err(Error::bad_input(
-                "setting",
-                "sample_every",
-                "samples are not drawn from a job whose params are sharded (--zero-stage 3): rank 0 alone draws them and lacks the other ranks' params",
-                Some("drop --sample-every, or use --zero-stage 1"),
-            ));
-    }
-    if cfg.export_hf.is_some() && cfg.checkpoint_dir.is_none() {
-        return Err(Error::bad_input(
-                "setting",
-                "export_hf",
-                "a job whose params are sharded (--zero-stage 3) exports from its final checkpoint, so it needs --checkpoint-dir",
-                Some("add --checkpoint-dir DIR"),
-            ));
-    }
-    Ok(())
 }
 
 /// The mode: as set, as the resumed run had it, or the planner's choice (exact if its state
