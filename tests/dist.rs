@@ -529,8 +529,9 @@ fn bench_collective_checks_and_times_both_sums() {
 
 /// CUDA ranks: `tools/gpu_dp_check.sh` (`--emulated` here: every rank under the CUDA emulator;
 /// on GPUs with `MEGATRAIN_GPU=1`): 2 ranks of one micro-batch equal one process accumulating 2
-/// bit for bit, in fp32 and in the bf16 recipe, and repeat their bits. The ranks share the one
-/// (emulated) GPU, each with its share of the memory.
+/// bit for bit, in fp32 and in the bf16 recipe, and repeat their bits; so do 2 ranks with the
+/// params sharded, gathered through host memory and (a GPU per rank, or emulated) over NCCL. The
+/// emulated ranks share the one GPU, each with its share of the memory.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_ranks_equal_gradient_accumulation() {
@@ -566,6 +567,17 @@ fn cuda_ranks_equal_gradient_accumulation() {
         }
     }
     if !real {
+        // The emulator's NCCL runs the ranks of its one GPU (a real NCCL needs a GPU per
+        // rank): the params gathered GPU to GPU, each rank copying only its own units across
+        // its link.
+        for precision in ["fp32", "bf16"] {
+            let what = "2 ranks with params gathered over NCCL (--zero-stage 3 --param-gather nccl) vs 1 process accumulating 2";
+            assert!(
+                summary.contains(&format!("| {precision}: {what} | PASS | same bits"))
+                    && summary.contains("copies"),
+                "{precision}: {what}:\n{summary}"
+            );
+        }
         assert!(
             log.contains("shared by 2 ranks"),
             "the ranks did not find they share the GPU:\n{log}"
@@ -574,6 +586,59 @@ fn cuda_ranks_equal_gradient_accumulation() {
             !log.contains("cuemu: error"),
             "the emulator reported defects:\n{log}"
         );
+    }
+}
+
+/// `bench collective --device cuda` under the CUDA emulator: NCCL's reduce-scatter, all-gather
+/// and all-reduce between 3 ranks' (emulated) GPUs, the libnccl.so.2 found on the loader's path,
+/// every result checked by the bench, with the host sums beside them.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_ranks_measure_nccl_collectives_in_bench_collective() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let build = Command::new(root.join("tools/cuemu.sh"))
+        .arg("true")
+        .output()
+        .unwrap();
+    check(build, "tools/cuemu.sh true (build the emulator)");
+    let out = mpirun(3)
+        .arg(root.join("tools/cuemu.sh"))
+        .arg(bin())
+        .args(["bench", "collective", "--device", "cuda"])
+        // Not a multiple of 3 elements; over the emulator's 1 MiB chunk.
+        .args(["--sizes", "4K,3M", "--reps", "1", "--json"])
+        .env("CUEMU_SKIP_BUILD", "1")
+        .env_remove("CUEMU_SCHEDULES")
+        .output()
+        .unwrap();
+    let out = check(
+        out,
+        "mpirun -np 3 cuemu.sh megatrain bench collective --device cuda",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("cuemu: error"), "{stderr}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["ranks"], 3);
+    let nccl = &r["nccl"];
+    assert!(
+        nccl["library"].as_str().unwrap().starts_with("NCCL 2.")
+            && nccl["library"].as_str().unwrap().contains("libnccl.so.2"),
+        "{nccl}"
+    );
+    assert_eq!(nccl["emulated"], true);
+    assert_eq!(nccl["gpus"].as_array().unwrap().len(), 3);
+    let rows = nccl["rows"].as_array().unwrap();
+    // Whole f32 elements, a multiple of the 3 ranks.
+    let bytes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(bytes, [3996, 3_000_000]);
+    for row in rows {
+        for k in [
+            "reduce_scatter_busbw_gbs",
+            "all_gather_busbw_gbs",
+            "all_reduce_busbw_gbs",
+        ] {
+            assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 #   CUEMU_CUDA=13 tools/cuemu.sh target/debug/megatrain selftest --device cuda
 # Builds the emulator if needed (cargo, release profile), installs the CUDA wheels it compiles
 # kernels with (tools/setup-cuda-wheels.sh, of CUDA 12.9 or 13.0), then runs CMD with
-# libcuda.so.1, libcublas.so.12|13 and libnvrtc.so.12|13 resolved to it. Settings (CUEMU_CUDA,
+# libcuda.so.1, libcublas.so.12|13, libnvrtc.so.12|13 and libnccl.so.2 resolved to it. Settings (CUEMU_CUDA,
 # CUEMU_DEVICE, CUEMU_MEMORY, CUEMU_DRIVER, CUEMU_MEMORY_POOLS,
 # CUEMU_SCHEDULES, CUEMU_DELAYS, CUEMU_SEED, CUEMU_REPORT, CUEMU_FAIL, …) are described in
 # tools/cuemu/README.md. With CUEMU_NO_CUBLAS=1 the cuBLAS stand-in is left out (a machine
@@ -43,10 +43,10 @@ lib="$target/release/libcuemu.so"
 stage="$target/cuemu/cuda$major${CUEMU_NO_CUBLAS:+-no-cublas}/lib"
 mkdir -p "$stage"
 if [ "$major" = 13 ]; then
-  names=(libcuda.so.1 libnvrtc.so.13)
+  names=(libcuda.so.1 libnvrtc.so.13 libnccl.so.2)
   [ -n "${CUEMU_NO_CUBLAS:-}" ] || names+=(libcublas.so.13)
 else
-  names=(libcuda.so libcuda.so.1 libnvrtc.so libnvrtc.so.12)
+  names=(libcuda.so libcuda.so.1 libnvrtc.so libnvrtc.so.12 libnccl.so.2)
   [ -n "${CUEMU_NO_CUBLAS:-}" ] || names+=(libcublas.so libcublas.so.12)
 fi
 # Links are only ever created, never replaced while another run may be loading them.
@@ -55,8 +55,8 @@ for n in "${names[@]}"; do
 done
 
 export CUEMU_SIMT="$root/tools/cuemu/simt"
-# megatrain finds NVRTC and cuBLAS the way it does on a GPU server: on the loader's path (the
+# megatrain finds NVRTC, cuBLAS and NCCL the way it does on a GPU server: on the loader's path (the
 # stage), with the headers of their release named, and nothing named explicitly.
-unset MEGATRAIN_NVRTC_LIB MEGATRAIN_CUBLAS_LIB
+unset MEGATRAIN_NVRTC_LIB MEGATRAIN_CUBLAS_LIB MEGATRAIN_NCCL_LIB
 export LD_LIBRARY_PATH="$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 exec "$@"

@@ -4,7 +4,8 @@
 # losses, the gradient norms and the final checkpoint (weights and both Adam moments) must be
 # the same bits — in fp32 and in the bf16 recipe, and a second run of 2 ranks must repeat them;
 # and N ranks holding 1/N of the params and Adam state each (--zero-stage 3: every rank gathers
-# a unit's params from its owner before each copy to its GPU) against the same process.
+# a unit's params from its owner before each copy to its GPU) against the same process, through
+# host memory and (--param-gather nccl, where there is a GPU per rank) GPU to GPU over NCCL.
 #
 #   tools/gpu_dp_check.sh [--emulated] OUT_DIR
 #
@@ -22,7 +23,7 @@ emulated="" out=""
 for a in "$@"; do
   case "$a" in
     --emulated) emulated=1 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $a (usage: tools/gpu_dp_check.sh [--emulated] OUT_DIR)" >&2; exit 2 ;;
     *) [ -z "$out" ] || { echo "error: one OUT_DIR" >&2; exit 2; }; out="$a" ;;
   esac
@@ -140,6 +141,20 @@ print(f"same bits: {len(ma)} losses and norms, {newest(a).rsplit('/', 1)[1]} (pa
 EOF
 }
 
+# link_bytes NCCL_DIR HOST_DIR: rank 0's bytes across its link per step with the params gathered
+# over NCCL (its own units only, the rest broadcast GPU to GPU) against through host memory
+# (every unit): rc 1 unless fewer, with broadcasts.
+link_bytes() {
+  python3 - "$1" "$2" <<'EOF'
+import json, os, sys
+def last(d, k):
+    return [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))][-1].get(k, 0)
+nccl, host, bcast = last(sys.argv[1], "htod_bytes"), last(sys.argv[2], "htod_bytes"), last(sys.argv[1], "broadcast_bytes")
+print(f"rank 0 copies {nccl / 1024:.0f} KiB a step across its link (its own units; every unit broadcast GPU to GPU: {bcast / 1024:.0f} KiB) vs {host / 1024:.0f} KiB through host memory")
+sys.exit(0 if 0 < nccl < host and bcast > 0 else 1)
+EOF
+}
+
 tps() {  # DIR: the median tokens/s of the steps after the first
   awk -v x="$(step_median tokens_per_s "$1/metrics.jsonl")" 'BEGIN { if (x == "") print "n/a"; else printf "%.0f", x }'
 }
@@ -166,6 +181,23 @@ for precision in fp32 bf16; do
     extra=()
     row "$precision: $n ranks with sharded params (--zero-stage 3) vs 1 process accumulating $n" $res "${said:-mpirun failed (see dp.log)}; tokens/s (job) $(tps "$z")" $(( $(date +%s) - t0 ))
     said=""
+    # The params gathered GPU to GPU: each unit's owner copies it in, NCCL broadcasts it. NCCL
+    # needs a GPU per rank (the emulator's NCCL runs the ranks of one emulated GPU).
+    t0=$(date +%s)
+    what="$precision: $n ranks with params gathered over NCCL (--zero-stage 3 --param-gather nccl) vs 1 process accumulating $n"
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    if [ -n "$emulated" ] || [ "$gpus" -ge "$n" ]; then
+      zn="$scratch/$precision-zero3-nccl-ranks$n"
+      extra=(--zero-stage 3 --param-gather nccl)
+      if train "$zn" "$precision" 1 $(ranks "$n") && said="$(same "$zn" "$a" 2>&1)" \
+         && link="$(link_bytes "$zn" "$z" 2>&1)"; then res=PASS; else res=FAIL; fi
+      extra=()
+      row "$what" $res "${said:-mpirun failed (see dp.log)}; ${link:-}; tokens/s (job) $(tps "$zn")" $(( $(date +%s) - t0 ))
+      link=""
+      said=""
+    else
+      row "$what" SKIP "$gpus GPU(s) for $n ranks: NCCL needs a GPU per rank" 0
+    fi
   done
   t0=$(date +%s)
   again="$scratch/$precision-ranks2-again"

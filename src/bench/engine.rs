@@ -483,7 +483,7 @@ fn predict(
         device_inputs: 0,
         lean_pieces: LeanPieces::of(layout),
         ranks: 1,
-        gather: false,
+        gather: crate::engine::schedule::Gather::No,
         land: false,
     };
     Ok(sim::simulate(&schedule::schedule(&spec), &costs))

@@ -45,8 +45,10 @@ pub enum BenchCommand {
     /// Under tools/cuemu.sh it runs and labels every number emulated.
     Kernels(BenchKernelsArgs),
     /// The data-parallel gradient sum (reduce-scatter + all-gather, summed in rank order) next to
-    /// the MPI library's own all-reduce, bus GB/s per size. Run it under the launcher:
-    /// `mpirun -np 2 megatrain bench collective` (a `--features mpi` build).
+    /// the MPI library's own all-reduce, bus GB/s per size; with `--device cuda`, NCCL's
+    /// reduce-scatter, all-gather and all-reduce between the ranks' GPUs too. Run it under the
+    /// launcher: `mpirun -np 2 megatrain bench collective` (a `--features mpi` build; `cuda,mpi`
+    /// for the GPUs).
     Collective(BenchCollectiveArgs),
 }
 
@@ -58,6 +60,10 @@ pub struct BenchCollectiveArgs {
     /// Timed repetitions per size and side (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// `cuda`: also NCCL between the ranks' GPUs (local rank i on visible GPU i mod their count;
+    /// NCCL needs a GPU per rank).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: megatrain::train::config::DeviceKind,
     #[arg(long)]
     json: bool,
 }
@@ -67,7 +73,14 @@ fn bench_collective(a: &BenchCollectiveArgs) -> Result<()> {
     // As in training: ranks on one host each take their part of its CPUs.
     megatrain::dist::HostShare::of(world.as_ref()).bind()?;
     let sizes: Vec<u64> = a.sizes.iter().map(|&s| s as u64).collect();
-    let r = match megatrain::bench::collective::run(world.as_ref(), &sizes, a.reps) {
+    let measured =
+        megatrain::bench::collective::run(world.as_ref(), &sizes, a.reps).and_then(|mut r| {
+            if a.device == megatrain::train::config::DeviceKind::Cuda {
+                r.nccl = Some(nccl_collectives(world.as_ref(), &sizes, a.reps)?);
+            }
+            Ok(r)
+        });
+    let r = match measured {
         Ok(r) => r,
         Err(e) if world.size() > 1 => {
             eprintln!("error: rank {} of {}: {e}", world.rank(), world.size());
@@ -86,6 +99,29 @@ fn bench_collective(a: &BenchCollectiveArgs) -> Result<()> {
         println!("{}", text.trim_end());
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_collectives(
+    world: &dyn megatrain::dist::Collective,
+    sizes: &[u64],
+    reps: usize,
+) -> Result<megatrain::bench::collective::nccl::NcclReport> {
+    megatrain::bench::collective::nccl::run(world, sizes, reps)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_collectives(
+    _: &dyn megatrain::dist::Collective,
+    _: &[u64],
+    _: usize,
+) -> Result<megatrain::bench::collective::nccl::NcclReport> {
+    Err(megatrain::Error::bad_input(
+        "bench collective --device cuda",
+        "NCCL between the GPUs",
+        "this binary was built without CUDA support",
+        Some("build with `cargo build --release --features cuda,mpi` (no toolkit needed to build) and run on a GPU machine, or under tools/cuemu.sh"),
+    ))
 }
 
 #[derive(Debug, Args)]

@@ -434,6 +434,11 @@ fn execute(
         } => copy_out(shared, link, (src, offset), &dst, (&label, 2), |a, v| {
             *a = (v.to_bits() >> 16) as u16
         }),
+        // Never scheduled for it: its `join_ranks` refuses.
+        Cmd::Broadcast { label, .. } => Err(Error::internal(
+            "CPU device",
+            format!("broadcast {label}: the CPU device has no collective engine"),
+        )),
         Cmd::Kernel(k) => {
             if stream != StreamKind::Compute {
                 return Err(Error::internal(

@@ -597,11 +597,25 @@ pub enum Cmd {
     },
     /// A layer op.
     Kernel(DeviceKernel),
+    /// Every rank's `buf` (its first `len` elements, as the buffer holds them) = rank `root`'s,
+    /// device to device through the engine [`Device::join_ranks`] set up: ZeRO stage 3's params,
+    /// copied in by the one rank that holds them. Every rank submits the same broadcasts in
+    /// the same order.
+    Broadcast {
+        buf: BufId,
+        len: usize,
+        root: usize,
+        label: String,
+    },
     /// Signal the event when everything before it on this stream is done.
     Record(Event),
     /// Hold this stream until the event fires.
     Wait(Event),
 }
+
+/// How a device's record of a [`Cmd::Broadcast`] begins (`broadcast weights unit 3 …`):
+/// metrics count them apart from the copies across the link.
+pub const BROADCAST_RECORD: &str = "broadcast ";
 
 /// One executed command, for metrics and traces.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -684,5 +698,19 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// use with their files); empty for the CPU device.
     fn describe(&self) -> Vec<String> {
         Vec::new()
+    }
+    /// Connect this device to the other ranks' devices, so that [`Cmd::Broadcast`] runs
+    /// between them (a GPU: an NCCL communicator, its unique id sent from rank 0 over `world`,
+    /// the job's engine). Collective: every rank calls it. Returns the engine ("NCCL 2.28.9
+    /// (file)"). A device without one of its own refuses (its ranks exchange through host
+    /// memory).
+    fn join_ranks(&self, world: &dyn crate::dist::Collective) -> Result<String> {
+        let _ = world;
+        Err(Error::bad_input(
+            "device",
+            self.name(),
+            "it has no collective engine of its own: its ranks exchange through host memory",
+            None,
+        ))
     }
 }

@@ -138,6 +138,14 @@ impl HostShare {
         Ok(())
     }
 
+    /// The GPU this rank takes among the `visible` ones of its host: local rank `i` takes GPU
+    /// `i mod visible`, as torchrun's `cuda:LOCAL_RANK` does where there are enough. A
+    /// launcher that gives each rank its own GPU (`CUDA_VISIBLE_DEVICES`, Slurm's
+    /// `--gpus-per-task`) leaves each one GPU 0.
+    pub fn gpu(&self, visible: usize) -> usize {
+        self.index % visible.max(1)
+    }
+
     /// This rank's part of `cpus` (a host's, or a node's): contiguous, in order, at least one.
     pub fn cpus(&self, cpus: &[usize]) -> Vec<usize> {
         if cpus.len() < self.count {

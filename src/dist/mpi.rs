@@ -251,9 +251,20 @@ impl Collective for MpiWorld {
             displs.push(count(total)?);
             total += l as usize;
         }
-        let mut all = vec![0u8; total];
+        // Neither buffer may be an empty slice's dangling pointer: 0x1 is Open MPI's
+        // MPI_IN_PLACE, and a receive buffer "in place" is an invalid argument. Empty slices
+        // of real allocations instead.
+        let mut all = vec![0u8; total.max(1)];
+        let send = match bytes.is_empty() {
+            true => vec![0u8; 1],
+            false => Vec::new(),
+        };
+        let bytes = match bytes.is_empty() {
+            true => &send[..0],
+            false => bytes,
+        };
         {
-            let mut into = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+            let mut into = PartitionMut::new(&mut all[..total], &counts[..], &displs[..]);
             self.world.all_gather_varcount_into(bytes, &mut into);
         }
         let mut out = Vec::with_capacity(self.size);

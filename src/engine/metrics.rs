@@ -42,6 +42,11 @@ pub struct StepMetrics {
     pub htod_bytes: u64,
     /// Bytes device→host.
     pub dtoh_bytes: u64,
+    /// ZeRO stage 3 with the devices gathering: Σ time of the broadcasts between the ranks'
+    /// GPUs (NCCL, on the weight stream), seconds; not in `htod_s`.
+    pub broadcast_s: f64,
+    /// Bytes those broadcasts delivered to this rank's GPU (not in `htod_bytes`).
+    pub broadcast_bytes: u64,
     /// Device memory high-water mark, bytes.
     pub device_peak_bytes: u64,
     /// Bytes read from the NVMe spill tier during the step.
@@ -137,6 +142,10 @@ impl StepMetrics {
             let d = r.end - r.start;
             match r.stream {
                 StreamKind::Compute => self.compute_s += d,
+                StreamKind::CopyIn if r.name.starts_with(crate::device::BROADCAST_RECORD) => {
+                    self.broadcast_s += d;
+                    self.broadcast_bytes += r.bytes;
+                }
                 StreamKind::CopyIn => {
                     self.htod_s += d;
                     self.htod_bytes += r.bytes;

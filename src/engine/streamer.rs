@@ -11,8 +11,8 @@
 
 use super::metrics::StepMetrics;
 use super::schedule::{
-    evaluation, evaluation_fits, schedule, ActivationDtype, Activations, DevBuf, Lane, LeanPieces,
-    Op, Schedule, ScheduleSpec, Task,
+    evaluation, evaluation_fits, schedule, ActivationDtype, Activations, DevBuf, Gather, Lane,
+    LeanPieces, Op, Schedule, ScheduleSpec, Task,
 };
 use super::trace::{Span, Timeline};
 use crate::device::{
@@ -233,7 +233,11 @@ impl Streamer {
             device_inputs: cfg.device_inputs,
             lean_pieces: LeanPieces::of(&layout),
             ranks: 1,
-            gather: layout.gathers_params(),
+            gather: match (layout.gathers_params(), layout.gathers_on_device()) {
+                (false, _) => Gather::No,
+                (true, false) => Gather::Host,
+                (true, true) => Gather::Device,
+            },
             land: layout.lands_grads(),
         };
         if cfg.activation_dtype == ActivationDtype::Bf16 && !streams_bf16 {
@@ -298,7 +302,7 @@ impl Streamer {
                 .collect::<Result<_>>()?,
             Mode::Exact => Vec::new(),
         };
-        let gathered = match layout.gathers_params() {
+        let gathered = match layout.gathers_params() && !layout.gathers_on_device() {
             true => {
                 let words = (0..layout.units.len())
                     .map(|u| layout.streamed_bytes(u).div_ceil(4))
@@ -625,8 +629,9 @@ impl Streamer {
                 }
             }
         }
-        let cmd = self.command(&t.op, &run.batches)?;
-        self.device.submit(stream, cmd);
+        for cmd in self.commands(&t.op, &run.batches)? {
+            self.device.submit(stream, cmd);
+        }
         let e = Event::new();
         self.device.submit(stream, Cmd::Record(e.clone()));
         run.events[i] = Some(e);
@@ -810,12 +815,44 @@ impl Streamer {
         Ok(m)
     }
 
+    /// The device commands of a device task: one — or, for weights the devices gather (ZeRO
+    /// stage 3, [`Gather::Device`]), the copy on the unit's owner and the broadcast on every
+    /// rank.
+    fn commands(&mut self, op: &Op, batches: &[Batch]) -> Result<Vec<Cmd>> {
+        let &Op::CopyWeights {
+            unit,
+            to,
+            broadcast: true,
+        } = op
+        else {
+            return Ok(vec![self.command(op, batches)?]);
+        };
+        let layout = self.store.layout();
+        let (root, len) = (layout.owner(unit), layout.units[unit].numel);
+        let mut cmds = Vec::with_capacity(2);
+        if layout.holds_params(unit) {
+            let copy = Op::CopyWeights {
+                unit,
+                to,
+                broadcast: false,
+            };
+            cmds.push(self.command(&copy, batches)?);
+        }
+        cmds.push(Cmd::Broadcast {
+            buf: self.buf(to),
+            len,
+            root,
+            label: format!("weights unit {unit} from rank {root}"),
+        });
+        Ok(cmds)
+    }
+
     /// The device command of a device task.
     fn command(&mut self, op: &Op, batches: &[Batch]) -> Result<Cmd> {
         let n = self.cfg.batch * self.cfg.seq;
         let c = self.store.layout().config.hidden_size;
         Ok(match op {
-            Op::CopyWeights { unit, to } if !self.store.layout().holds_params(*unit) => {
+            Op::CopyWeights { unit, to, .. } if !self.store.layout().holds_params(*unit) => {
                 // ZeRO stage 3: from the host buffer the Gather before filled.
                 let dst = self.buf(*to);
                 let label = format!("weights unit {unit} (gathered)");
@@ -837,7 +874,7 @@ impl Streamer {
                 // it after this copy's completion.
                 unsafe { htod_from(buf, numel, planes, dst, label) }
             }
-            Op::CopyWeights { unit, to } => {
+            Op::CopyWeights { unit, to, .. } => {
                 let dst = self.buf(*to);
                 let g = self.guard(*unit)?;
                 let label = format!("weights unit {unit}");

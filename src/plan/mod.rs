@@ -548,7 +548,10 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
         device_inputs: placed.device_inputs,
         lean_pieces: crate::engine::schedule::LeanPieces::of(&layout),
         ranks: req.data_parallel.ranks() as usize,
-        gather: req.data_parallel.sharding() == 3,
+        gather: match req.data_parallel.sharding() {
+            3 => crate::engine::schedule::Gather::Host,
+            _ => crate::engine::schedule::Gather::No,
+        },
         land: layout.lands_grads(),
     };
     let run = |m: u64| sim::simulate(&crate::engine::schedule::schedule(&spec_of(m)), &costs);

@@ -532,7 +532,7 @@ mod tests {
             device_inputs: 0,
             lean_pieces: crate::engine::schedule::LeanPieces::WHOLE,
             ranks: 1,
-            gather: false,
+            gather: crate::engine::schedule::Gather::No,
             land: false,
         }
     }

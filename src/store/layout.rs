@@ -219,6 +219,12 @@ pub struct UnitOwners {
     /// across the ranks there, and are dropped).
     #[serde(default)]
     pub grads: bool,
+    /// Stage 3: the devices gather the params themselves — the owner copies a unit to its
+    /// device and the device's collective engine (NCCL) broadcasts it to the others' — so no
+    /// host buffer receives another rank's params ([`StateLayout::gather_buffer_bytes`] is
+    /// zero). Else every rank takes them through host memory.
+    #[serde(default)]
+    pub device_gather: bool,
 }
 
 impl UnitOwners {
@@ -241,6 +247,15 @@ impl UnitOwners {
             owner,
             params: false,
             grads: false,
+            device_gather: false,
+        }
+    }
+
+    /// These owners with the params gathered by the devices (stage 3 on GPUs with NCCL).
+    pub fn with_device_gather(self) -> Self {
+        UnitOwners {
+            device_gather: self.params,
+            ..self
         }
     }
 
@@ -355,6 +370,13 @@ impl StateLayout {
     /// is gathered from it each time the device needs it.
     pub fn gathers_params(&self) -> bool {
         self.owners.as_ref().is_some_and(|o| o.params)
+    }
+
+    /// Whether the devices gather the params ([`UnitOwners::device_gather`]).
+    pub fn gathers_on_device(&self) -> bool {
+        self.owners
+            .as_ref()
+            .is_some_and(|o| o.params && o.device_gather)
     }
 
     /// The rank holding `unit`'s moments (and, stage 3, params); 0 where nothing is sharded.
@@ -531,9 +553,10 @@ impl StateLayout {
     }
 
     /// ZeRO stage 3: the host buffers another rank's params are gathered into, one per device
-    /// weight buffer, each of the largest unit's streamed bytes. Zero otherwise.
+    /// weight buffer, each of the largest unit's streamed bytes. Zero otherwise, and where the
+    /// devices gather.
     pub fn gather_buffer_bytes(&self) -> u64 {
-        if !self.gathers_params() {
+        if !self.gathers_params() || self.gathers_on_device() {
             return 0;
         }
         let largest = (0..self.units.len())
@@ -744,6 +767,11 @@ mod tests {
             } * l.max_unit_numel();
             let aligned = |b: usize| (b.div_ceil(SHARD_ALIGN) * SHARD_ALIGN) as u64;
             assert_eq!(m.gather_buffer_bytes(), 2 * aligned(streamed));
+            let on_device = l
+                .clone()
+                .with_owners(m.owners.clone().unwrap().with_device_gather());
+            assert!(on_device.gathers_on_device());
+            assert_eq!(on_device.gather_buffer_bytes(), 0);
             let landing = match mode {
                 Mode::Exact => 2 * aligned(4 * l.max_unit_numel()),
                 Mode::Lean => 0,

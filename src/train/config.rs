@@ -82,6 +82,21 @@ pub enum DeviceKind {
 
 pub use crate::device::{GradLink, Precision};
 
+/// How the GPUs of a job with sharded params (`--zero-stage 3`) get a unit's params from the
+/// rank holding them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ParamGather {
+    /// NCCL where every rank has a GPU of its own and every rank finds NCCL, else host.
+    #[default]
+    Auto,
+    /// The owner copies the unit to its GPU, which broadcasts it to the others' over NCCL:
+    /// each rank copies only its own units across its link. Needs a GPU per rank.
+    Nccl,
+    /// Every rank takes the unit into host memory over MPI and copies it to its GPU.
+    Host,
+}
+
 /// Whether a run continues from the newest checkpoint in its checkpoint directory.
 ///
 /// In TOML: `resume = true` (always), `resume = false` (never, the default) or
@@ -339,6 +354,11 @@ settings! {
     /// each time its device needs them; the same bits), 0 keeps all of it on every rank.
     /// Checkpoints of a sharded job are written while training waits.
     value zero_stage: u8 = 0 => Option<u8> [value_name = "0|1|3"];
+    /// With --zero-stage 3 on GPUs: `nccl` has the unit's owner copy it to its GPU and NCCL
+    /// broadcast it GPU to GPU (each rank copies only its own units across its link; a GPU per
+    /// rank), `host` has every rank take it through host memory over MPI; `auto` takes NCCL
+    /// where every rank has a GPU of its own and finds NCCL. The same bits either way.
+    value param_gather: ParamGather = ParamGather::Auto => Option<ParamGather> [value_enum];
 }
 
 impl TrainConfig {
@@ -481,6 +501,15 @@ impl TrainConfig {
                 "sample_temperature",
                 "must be a number ≥ 0 (0: greedy)",
                 "e.g. --sample-temperature 0.8",
+            );
+        }
+        if self.param_gather == ParamGather::Nccl
+            && (self.zero_stage != 3 || self.device != DeviceKind::Cuda)
+        {
+            return bad_setting(
+                "param_gather",
+                "nccl gathers the params of a job that shards them (--zero-stage 3) on GPUs (--device cuda)",
+                "drop --param-gather, or pass --zero-stage 3 --device cuda",
             );
         }
         if !matches!(self.zero_stage, 0 | 1 | 3) {

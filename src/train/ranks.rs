@@ -2,8 +2,8 @@
 //! the job's), the start every rank takes from rank 0, the settings every rank must share, and
 //! its GPU. (Its part of the host's CPUs: [`crate::dist::HostShare::bind`].)
 
-use super::config::{DeviceKind, TrainConfig};
-use crate::dist::{Collective, HostShare};
+use super::config::{DeviceKind, ParamGather, TrainConfig};
+use crate::dist::Collective;
 use crate::model::config::ModelConfig;
 use crate::store::layout::Mode;
 use crate::{Error, Result};
@@ -99,12 +99,13 @@ pub(super) fn check_step_agrees(
         world,
         "the step",
         &format!(
-            "{} mode on the {} device in {}, {} Adam state, ZeRO stage {}, {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
+            "{} mode on the {} device in {}, {} Adam state, ZeRO stage {} (params gathered: {:?}), {} micro-batch(es) of {}×{}, {} parameters, start at step {start_step}",
             mode.name(),
             format!("{:?}", cfg.device).to_lowercase(),
             cfg.resolved_precision().name(),
             cfg.adam_state.unwrap_or_default().name(),
             cfg.zero_stage,
+            cfg.param_gather,
             cfg.grad_accum,
             cfg.batch_size,
             cfg.seq_len,
@@ -130,14 +131,6 @@ impl GpuSlot {
     };
 }
 
-/// Ranks of one host take the GPUs they see in turn: local rank `i` takes GPU `i mod visible`,
-/// as torchrun's `cuda:LOCAL_RANK` does where there are enough. A launcher that gives each
-/// rank its own GPU (`CUDA_VISIBLE_DEVICES`, Slurm's `--gpus-per-task`) leaves each one GPU 0.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn ordinal_of(share: HostShare, visible: usize) -> usize {
-    share.index % visible.max(1)
-}
-
 /// How many of the ranks' GPU keys (`host/UUID`, in rank order) are `rank`'s.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn sharing(keys: &[String], rank: usize) -> usize {
@@ -145,7 +138,7 @@ fn sharing(keys: &[String], rank: usize) -> usize {
         .map_or(1, |mine| keys.iter().filter(|k| *k == mine).count())
 }
 
-/// This rank's GPU ([`ordinal_of`]) and how many ranks share it, on the `device` the run
+/// This rank's GPU ([`crate::dist::HostShare::gpu`]) and how many ranks share it, on the `device` the run
 /// trains on: every rank of a CUDA job tells the others its GPU's UUID and host, so ranks that
 /// the launcher or the rule above put on one GPU — a UUID names a GPU, where
 /// `CUDA_VISIBLE_DEVICES` renumbers them — each take their share of its memory. Collective for
@@ -165,7 +158,7 @@ pub(super) fn gpu_slot(world: &dyn Collective, device: DeviceKind) -> Result<Gpu
 /// [`gpu_slot`] of a rank of a CUDA job.
 #[cfg(feature = "cuda")]
 fn shared_gpu(world: &dyn Collective) -> Result<GpuSlot> {
-    let share = HostShare::of(world);
+    let share = crate::dist::HostShare::of(world);
     let mine = crate::device::cuda::CudaRuntime::visible_gpus().and_then(|gpus| {
         if gpus.is_empty() {
             return Err(Error::bad_input(
@@ -175,7 +168,7 @@ fn shared_gpu(world: &dyn Collective) -> Result<GpuSlot> {
                 Some("check nvidia-smi and CUDA_VISIBLE_DEVICES"),
             ));
         }
-        let ordinal = ordinal_of(share, gpus.len());
+        let ordinal = share.gpu(gpus.len());
         Ok((ordinal, format!("{}/{}", world.host(), gpus[ordinal])))
     });
     let said = match &mine {
@@ -204,29 +197,65 @@ fn shared_gpu(world: &dyn Collective) -> Result<GpuSlot> {
     })
 }
 
+/// Whether a job with sharded params gathers them GPU to GPU over NCCL (`--param-gather`),
+/// and why not where it does not. Every rank must take the same path (the schedule is the
+/// job's), so each says whether it can — a GPU of its own (under `auto`), NCCL found — and the
+/// job takes NCCL only if every rank can; `nccl` insists, naming the first rank that cannot.
+/// Collective for a CUDA job with `--zero-stage 3`.
+pub(super) fn gathers_on_device(
+    world: &dyn Collective,
+    cfg: &TrainConfig,
+    gpu: GpuSlot,
+) -> Result<(bool, Option<String>)> {
+    if cfg.device != DeviceKind::Cuda || cfg.zero_stage != 3 || world.size() == 1 {
+        return Ok((false, None));
+    }
+    if cfg.param_gather == ParamGather::Host {
+        return Ok((false, Some("--param-gather host".into())));
+    }
+    let why_not = if cfg.param_gather == ParamGather::Auto && gpu.shared_by > 1 {
+        format!(
+            "its GPU is shared by {} ranks (NCCL needs a GPU per rank)",
+            gpu.shared_by
+        )
+    } else {
+        crate::device::stack::nccl::find().map_or_else(|e| e.to_string(), |_| String::new())
+    };
+    let all = world.all_gather_bytes(why_not.as_bytes())?;
+    let Some((rank, why)) = all.iter().enumerate().find(|(_, b)| !b.is_empty()) else {
+        return Ok((true, None));
+    };
+    let why = format!("rank {rank}: {}", String::from_utf8_lossy(why));
+    match cfg.param_gather {
+        ParamGather::Nccl => Err(Error::bad_input(
+            "--param-gather",
+            "nccl",
+            why,
+            Some("pass --param-gather host (through host memory), or give every rank a GPU of its own and NCCL (`pip install nvidia-nccl-cu13`, or MEGATRAIN_NCCL_LIB)"),
+        )),
+        _ => Ok((false, Some(why))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn ranks_take_their_hosts_gpus_in_turn() {
-        let share = |index, count| HostShare { index, count };
+        let share = |index, count| crate::dist::HostShare { index, count };
         // Enough GPUs: local rank i on GPU i.
         assert_eq!(
-            (0..4)
-                .map(|i| ordinal_of(share(i, 4), 8))
-                .collect::<Vec<_>>(),
+            (0..4).map(|i| share(i, 4).gpu(8)).collect::<Vec<_>>(),
             [0, 1, 2, 3]
         );
         // One visible each (the launcher's choice), or fewer than ranks: in turn.
-        assert_eq!(ordinal_of(share(3, 4), 1), 0);
+        assert_eq!(share(3, 4).gpu(1), 0);
         assert_eq!(
-            (0..4)
-                .map(|i| ordinal_of(share(i, 4), 3))
-                .collect::<Vec<_>>(),
+            (0..4).map(|i| share(i, 4).gpu(3)).collect::<Vec<_>>(),
             [0, 1, 2, 0]
         );
-        assert_eq!(ordinal_of(share(0, 1), 0), 0);
+        assert_eq!(share(0, 1).gpu(0), 0);
     }
 
     #[test]

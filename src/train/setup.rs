@@ -167,10 +167,13 @@ pub(super) fn setup(
     let mut layout = StateLayout::new(&inputs.model, mode)
         .with_adam_state(adam_state)
         .with_master(master);
+    let gpu = ranks::gpu_slot(world.as_ref(), cfg.device)?;
+    let (device_gather, host_gather_why) = ranks::gathers_on_device(world.as_ref(), &cfg, gpu)?;
     if sharded {
         let owners = UnitOwners::deal(&layout, world.size(), world.rank());
-        let owners = match cfg.zero_stage {
-            3 => owners.with_params(),
+        let owners = match (cfg.zero_stage, device_gather) {
+            (3, true) => owners.with_params().with_device_gather(),
+            (3, false) => owners.with_params(),
             _ => owners,
         };
         // Exact mode with one micro-batch a step: the gradients too (with more, each rank
@@ -206,12 +209,17 @@ pub(super) fn setup(
             sharded_bytes(&layout),
             job
         ));
+        if layout.gathers_params() {
+            progress.note(&match host_gather_why {
+                None => "params gathered GPU to GPU: each unit's owner copies it to its GPU, NCCL broadcasts it to the others'".to_owned(),
+                Some(why) => format!("params gathered through host memory (MPI): {why}"),
+            });
+        }
     }
     // Whether rank 0 writes checkpoints, told to every rank (a sharded job's all take part).
     let joint_checkpoints = sharded && crate::dist::any(world.as_ref(), inputs.run_dir.is_some())?;
     check_before_allocating(&cfg, &layout, &machine, budget, spill_req, &inputs.run_id)?;
     let tm = Arc::new(Templates::new(&layout.config, cfg.seq_len)?);
-    let gpu = ranks::gpu_slot(world.as_ref(), cfg.device)?;
     if gpu != ranks::GpuSlot::ALONE {
         progress.note(&format!(
             "GPU {} of this host's visible ones{}",
@@ -223,6 +231,10 @@ pub(super) fn setup(
         ));
     }
     let device = open_device(&cfg, &tm, &layout, gpu)?;
+    if layout.gathers_on_device() {
+        let engine = device.join_ranks(world.as_ref())?;
+        progress.note(&format!("the GPUs joined: {engine}"));
+    }
     note_chunks(device.as_ref(), progress);
     let flop_rate = FlopRate::of(&inputs.model, &cfg, &device.name());
     let store = allocate_store(

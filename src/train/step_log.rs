@@ -65,6 +65,10 @@ pub(super) fn log_step(
             "io_wait_s": m.host_wait_s, "wall_s": m.wall_s, "clip_coef": m.clip_coef,
             "htod_bytes": m.htod_bytes, "dtoh_bytes": m.dtoh_bytes, "val_loss": val,
         });
+        if m.broadcast_bytes > 0 {
+            line["broadcast_bytes"] = m.broadcast_bytes.into();
+            line["broadcast_s"] = m.broadcast_s.into();
+        }
         if let Some(aux) = m.aux_loss {
             line["aux_loss"] = aux.into();
             line["expert_load"] = serde_json::json!(m.expert_load);

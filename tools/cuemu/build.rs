@@ -1,8 +1,8 @@
-//! Generates a stub for every driver, cuBLAS and NVRTC function the pinned cudarc binds and
+//! Generates a stub for every driver, cuBLAS, NVRTC and NCCL function the pinned cudarc binds and
 //! cuemu does not implement. cudarc resolves each symbol the first time it is called and panics
 //! when it is missing, so the stand-in must export them all; a stub logs its name once and
 //! returns the library's "not supported" code. The names come from cudarc's own bindings
-//! (`src/{driver,cublas,nvrtc}/sys/mod.rs`), found in cargo's registry at the version
+//! (`src/{driver,cublas,nvrtc,nccl}/sys/mod.rs`), found in cargo's registry at the version
 //! Cargo.lock pins (or under `CUEMU_CUDARC_SRC`).
 
 use std::collections::BTreeSet;
@@ -22,6 +22,7 @@ fn main() {
         ("driver", "Driver", "CUresult"),
         ("cublas", "Cublas", "cublasStatus_t"),
         ("nvrtc", "Nvrtc", "nvrtcResult"),
+        ("nccl", "Nccl", "ncclResult_t"),
     ];
     let mut count = 0;
     for (dir, lib, status) in libs {
@@ -112,7 +113,7 @@ fn bound_functions(text: &str) -> Vec<(String, String)> {
         };
         let name = &rest[..paren];
         if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-            || !(name.starts_with("cu") || name.starts_with("nvrtc"))
+            || !(name.starts_with("cu") || name.starts_with("nvrtc") || name.starts_with("nccl"))
             || name == "culib"
             || name.starts_with("is_")
         {

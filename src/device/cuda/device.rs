@@ -29,6 +29,7 @@ use super::pinned::{CudaRegistrar, Pinned};
 
 mod bounce;
 mod copies;
+mod ranks;
 mod watchdog;
 use super::runtime::{drv, CudaRuntime, DevPtr, TIMED};
 use crate::device::program::{self, Shape, Ws};
@@ -166,6 +167,8 @@ pub struct CudaDevice {
     anchor: Mutex<Option<(CudaEvent, f64)>>,
     /// Where bounced copies (accumulating, or bf16 gradients) land.
     bounce: Bounce,
+    /// The NCCL communicator of a data-parallel job's GPUs ([`Device::join_ranks`]).
+    ranks: Mutex<Option<super::nccl::NcclComm>>,
 }
 
 /// A device allocation freed on drop unless released: what `open` holds until it succeeds.
@@ -322,6 +325,7 @@ impl CudaDevice {
             epoch_event,
             anchor: Mutex::new(None),
             bounce,
+            ranks: Mutex::new(None),
         })
     }
 
@@ -381,6 +385,12 @@ impl CudaDevice {
                 )?
             }
             Cmd::Kernel(k) => self.kernel(g, stream, kind, &k)?,
+            Cmd::Broadcast {
+                buf,
+                len,
+                root,
+                label,
+            } => self.broadcast(g, stream, (buf, len, root), &label)?,
         };
         if let Some(Span { name, bytes, start }) = timed {
             let end = g.event_on(stream, true)?;
@@ -636,6 +646,10 @@ impl Device for CudaDevice {
     fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {
         Some(Arc::new(CudaRegistrar(self.rt.ctx.clone())))
     }
+
+    fn join_ranks(&self, world: &dyn crate::dist::Collective) -> Result<String> {
+        self.connect(world)
+    }
 }
 
 impl Drop for CudaDevice {
@@ -646,6 +660,8 @@ impl Drop for CudaDevice {
             let _ = w.join();
         }
         self.synchronize();
+        // NCCL's resources go while the context is whole.
+        drop(lock(&self.ranks).take());
         // Every landing done before the bounce chunks go (the streams are idle).
         self.bounce.stop();
         let _ = self.rt.ctx.bind_to_thread();

@@ -12,6 +12,7 @@ pub mod blas;
 mod device;
 pub mod kernel_cache;
 pub mod launches;
+pub mod nccl;
 pub mod nvrtc;
 pub mod pinned;
 pub mod runtime;

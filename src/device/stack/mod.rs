@@ -28,6 +28,7 @@
 //! driver's, and simulates cudarc's lookup; this module puts them together ([`load`], [`Stack`]).
 
 mod loader;
+pub mod nccl;
 mod search;
 #[cfg(test)]
 mod test_files;

@@ -119,16 +119,33 @@ pub enum Res {
     Landed(usize),
 }
 
+/// How ZeRO stage 3 brings a unit's params from the rank holding them to every rank's device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Gather {
+    /// Nothing to gather: every rank holds every unit's params.
+    No,
+    /// Into a host buffer over the job's engine ([`Op::Gather`], MPI), then across the link
+    /// as usual: every rank copies every unit in.
+    Host,
+    /// Device to device: the owner copies the unit in, and its device broadcasts it to the
+    /// others' ([`crate::device::Cmd::Broadcast`], NCCL) — each rank copies only its own units
+    /// across its link.
+    Device,
+}
+
 /// One op of the schedule.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Op {
     /// Copy unit u's params into weight buffer `to` (ZeRO stage 3: from the host buffer the
-    /// [`Op::Gather`] before it filled, on every rank but the unit's owner).
+    /// [`Op::Gather`] before it filled, on every rank but the unit's owner; or, with
+    /// `broadcast`, on the owner alone, its device then broadcasting `to` to every rank's).
     CopyWeights {
         /// The unit.
         unit: usize,
         /// A `W` buffer.
         to: DevBuf,
+        /// [`Gather::Device`]: the owner copies, the devices broadcast.
+        broadcast: bool,
     },
     /// Host, ZeRO stage 3: unit u's params (as the device streams them) from the rank holding
     /// them into host buffer `slot` of every other rank
@@ -273,9 +290,9 @@ pub struct ScheduleSpec {
     /// Data-parallel ranks (1: one process). With more, each unit's step gradients are summed
     /// across ranks ([`Op::Reduce`]) once they are on the host, before their norm or update.
     pub ranks: usize,
-    /// ZeRO stage 3: each copy of a unit's params to the device is preceded by its gather from
-    /// the rank holding them ([`Op::Gather`]).
-    pub gather: bool,
+    /// ZeRO stage 3: how each copy of a unit's params to the device gets them from the rank
+    /// holding them.
+    pub gather: Gather,
     /// ZeRO stage 3 with sharded gradients (exact mode, one micro-batch): each unit's gradients
     /// leave the device into its shard on its owner and a landing buffer on the other ranks
     /// ([`Res::Landed`], two in turn), where they are summed across the ranks and dropped.
@@ -355,8 +372,8 @@ struct Builder {
     updates: Vec<usize>,
     /// Data-parallel ranks ([`ScheduleSpec::ranks`]).
     ranks: usize,
-    /// Params gathered before each copy ([`ScheduleSpec::gather`]).
-    gather: bool,
+    /// How params are gathered ([`ScheduleSpec::gather`]).
+    gather: Gather,
     /// Gradients landed in turn ([`ScheduleSpec::land`]).
     land: bool,
     next_landing: usize,
@@ -373,7 +390,7 @@ impl Builder {
             deferred: std::collections::VecDeque::new(),
             updates: Vec::new(),
             ranks: 1,
-            gather: false,
+            gather: Gather::No,
             land: false,
             next_landing: 0,
         }
@@ -410,7 +427,7 @@ impl Builder {
         self.w_content[s] = Some(unit);
         let to = DevBuf::W(s);
         let mut reads = vec![Res::Params(unit)];
-        if self.gather {
+        if self.gather == Gather::Host {
             self.host(
                 Op::Gather { unit, slot: s },
                 vec![Res::Params(unit)],
@@ -420,7 +437,11 @@ impl Builder {
         }
         self.push(
             Lane::Stream(StreamKind::CopyIn),
-            Op::CopyWeights { unit, to },
+            Op::CopyWeights {
+                unit,
+                to,
+                broadcast: self.gather == Gather::Device,
+            },
             reads,
             vec![Res::Dev(to)],
         );

@@ -5,7 +5,7 @@ fn spec(layers: usize, tied: bool, mb: usize, mode: Mode, a: Activations) -> Sch
     ScheduleSpec {
         lean_pieces: LeanPieces::WHOLE,
         ranks: 1,
-        gather: false,
+        gather: Gather::No,
         land: false,
         layers,
         tied,
@@ -54,19 +54,31 @@ fn all_specs() -> Vec<ScheduleSpec> {
                 // ZeRO stage 3: each copy of a unit's params after its gather.
                 v.push(ScheduleSpec {
                     ranks: 3,
-                    gather: true,
+                    gather: Gather::Host,
                     ..spec(layers, tied, 2, Mode::Exact, a)
                 });
                 // Sharded gradients: each unit's landed in one of two buffers in turn.
                 v.push(ScheduleSpec {
                     ranks: 3,
-                    gather: true,
+                    gather: Gather::Host,
                     land: true,
                     ..spec(layers, tied, 1, Mode::Exact, a)
                 });
                 v.push(ScheduleSpec {
                     ranks: 2,
-                    gather: true,
+                    gather: Gather::Host,
+                    ..spec(layers, tied, 1, Mode::Lean, a)
+                });
+                // The devices gather: the owner's copy, then the broadcast, one device op.
+                v.push(ScheduleSpec {
+                    ranks: 3,
+                    gather: Gather::Device,
+                    land: true,
+                    ..spec(layers, tied, 1, Mode::Exact, a)
+                });
+                v.push(ScheduleSpec {
+                    ranks: 2,
+                    gather: Gather::Device,
                     ..spec(layers, tied, 1, Mode::Lean, a)
                 });
                 // A large vocabulary's embedding and head drained and updated in pieces.
@@ -380,5 +392,40 @@ fn data_parallel_sums_each_gradient_once_before_it_is_read() {
                 .count(),
         };
         assert_eq!(reduces.len(), last_copies, "{base:?}");
+    }
+}
+
+/// ZeRO stage 3: through the host, every copy of a unit's params follows its gather into the
+/// copy's host buffer; on the devices, every copy is the owner's copy and broadcast, with no
+/// host gather; unsharded, neither.
+#[test]
+fn params_are_gathered_before_every_copy_by_the_host_or_the_devices() {
+    for s in all_specs() {
+        let p = schedule(&s);
+        for (i, t) in p.tasks.iter().enumerate() {
+            let Op::CopyWeights {
+                unit, broadcast, ..
+            } = t.op
+            else {
+                continue;
+            };
+            assert_eq!(broadcast, s.gather == Gather::Device, "{s:?}: {:?}", t.op);
+            let gathered = t.waits.iter().any(|&w| {
+                matches!(p.tasks[w].op, Op::Gather { unit: u, .. } if u == unit)
+                    && t.reads.contains(&p.tasks[w].writes[0])
+            });
+            assert_eq!(
+                gathered,
+                s.gather == Gather::Host,
+                "{s:?}: task {i} {:?}",
+                t.op
+            );
+        }
+        if s.gather != Gather::Host {
+            assert!(
+                !p.tasks.iter().any(|t| matches!(t.op, Op::Gather { .. })),
+                "{s:?}"
+            );
+        }
     }
 }

@@ -48,7 +48,7 @@ pub fn device_bytes(
         device_inputs,
         lean_pieces: LeanPieces::of(layout),
         ranks: 1,
-        gather: false,
+        gather: crate::engine::schedule::Gather::No,
         land: false,
     };
     // A bf16 device (a planes master streams bf16) holds its weights in bf16.

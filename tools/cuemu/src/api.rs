@@ -42,6 +42,17 @@ pub mod blas {
     pub const NOT_SUPPORTED: i32 = 15;
 }
 
+/// `ncclResult_t` values.
+pub mod nccl {
+    pub const SUCCESS: i32 = 0;
+    pub const UNHANDLED_CUDA_ERROR: i32 = 1;
+    pub const SYSTEM_ERROR: i32 = 2;
+    pub const INTERNAL_ERROR: i32 = 3;
+    pub const INVALID_ARGUMENT: i32 = 4;
+    pub const INVALID_USAGE: i32 = 5;
+    pub const REMOTE_ERROR: i32 = 6;
+}
+
 /// `nvrtcResult` values.
 pub mod nv {
     pub const SUCCESS: i32 = 0;
@@ -56,6 +67,7 @@ pub enum Lib {
     Driver,
     Cublas,
     Nvrtc,
+    Nccl,
 }
 
 impl Lib {
@@ -64,6 +76,7 @@ impl Lib {
             Lib::Driver => "libcuda",
             Lib::Cublas => "libcublas",
             Lib::Nvrtc => "libnvrtc",
+            Lib::Nccl => "libnccl",
         }
     }
 
@@ -72,6 +85,7 @@ impl Lib {
             Lib::Driver => cu::NOT_SUPPORTED,
             Lib::Cublas => blas::NOT_SUPPORTED,
             Lib::Nvrtc => nv::INTERNAL_ERROR,
+            Lib::Nccl => nccl::INVALID_USAGE,
         }
     }
 }
@@ -211,6 +225,7 @@ pub fn call(name: &str, lib: Lib, sticky: Sticky, f: impl FnOnce() -> Result<(),
         Lib::Driver => cu::SUCCESS,
         Lib::Cublas => blas::SUCCESS,
         Lib::Nvrtc => nv::SUCCESS,
+        Lib::Nccl => nccl::SUCCESS,
     };
     if lib != Lib::Nvrtc {
         if let Some(what) = IN_HOST_FN.with(|c| c.borrow().clone()) {
@@ -223,6 +238,7 @@ pub fn call(name: &str, lib: Lib, sticky: Sticky, f: impl FnOnce() -> Result<(),
             );
             return match lib {
                 Lib::Cublas => blas::EXECUTION_FAILED,
+                Lib::Nccl => nccl::INVALID_USAGE,
                 _ => cu::NOT_PERMITTED,
             };
         }
@@ -238,6 +254,7 @@ pub fn call(name: &str, lib: Lib, sticky: Sticky, f: impl FnOnce() -> Result<(),
     if let (Some(code), Sticky::Fail) = (pending, sticky) {
         return match lib {
             Lib::Cublas => blas::EXECUTION_FAILED,
+            Lib::Nccl => nccl::UNHANDLED_CUDA_ERROR,
             _ => code,
         };
     }
@@ -259,6 +276,7 @@ pub fn call(name: &str, lib: Lib, sticky: Sticky, f: impl FnOnce() -> Result<(),
                 Lib::Driver => cu::UNKNOWN,
                 Lib::Cublas => blas::EXECUTION_FAILED,
                 Lib::Nvrtc => nv::INTERNAL_ERROR,
+                Lib::Nccl => nccl::INTERNAL_ERROR,
             }
         }
     };

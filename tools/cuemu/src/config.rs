@@ -63,6 +63,9 @@ pub struct Config {
     /// `CUEMU_COUNTS=1`: count every call by entry point and print the counts at exit
     /// (host functions, synchronisations, stream waits: what a pipeline costs the host).
     pub counts: bool,
+    /// `CUEMU_NCCL_TIMEOUT`: seconds an emulated NCCL rank waits for the others (to join a
+    /// communicator, or to reach a collective) before its call fails (600).
+    pub nccl_timeout: std::time::Duration,
 }
 
 pub fn get() -> &'static Config {
@@ -135,6 +138,12 @@ fn read() -> Config {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0.0),
         counts: var("CUEMU_COUNTS").is_some_and(|v| v == "1"),
+        nccl_timeout: std::time::Duration::from_secs_f64(
+            var("CUEMU_NCCL_TIMEOUT")
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .unwrap_or(600.0),
+        ),
         profile,
     }
 }

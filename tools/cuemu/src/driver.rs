@@ -40,7 +40,7 @@ fn initialised() -> Result<(), i32> {
 }
 
 /// The calling thread must have the context current (as on a real driver).
-fn context() -> Result<(), i32> {
+pub fn context() -> Result<(), i32> {
     initialised()?;
     if CURRENT.with(Cell::get) == PRIMARY {
         Ok(())

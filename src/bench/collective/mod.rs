@@ -4,7 +4,10 @@
 //! own all-reduce (`MPI_Allreduce`) on the same buffers in the same run, as bus bandwidth the
 //! way nccl-tests reports it (`busbw = bytes / time × 2(N−1)/N`: what each rank's link carries).
 //! Run under the job's launcher (`mpirun -np N megatrain bench collective`); every rank times,
-//! the slowest rank's median is the figure. The sums are checked, not only timed.
+//! the slowest rank's median is the figure. The sums are checked, not only timed. With
+//! `--device cuda` ([`nccl`]) NCCL's collectives between the ranks' GPUs are measured too.
+
+pub mod nccl;
 
 use crate::dist::Collective;
 use crate::{Error, Result};
@@ -39,6 +42,10 @@ pub struct CollectiveReport {
     pub ours_path: String,
     /// Per buffer size.
     pub rows: Vec<CollectiveRow>,
+    /// NCCL between the ranks' GPUs (`--device cuda`), as `megatrain bench collective
+    /// --device cuda --json` writes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<nccl::NcclReport>,
 }
 
 /// Bus bandwidth in GB/s of an all-reduce of `bytes` per rank over `ranks` in `secs`.
@@ -48,7 +55,7 @@ pub fn bus_gbs(bytes: u64, ranks: usize, secs: f64) -> f64 {
 }
 
 /// The slowest rank's value.
-fn slowest(world: &dyn Collective, mine: f64) -> Result<f64> {
+pub(crate) fn slowest(world: &dyn Collective, mine: f64) -> Result<f64> {
     let all = world.all_gather_bytes(&mine.to_le_bytes())?;
     Ok(all
         .iter()
@@ -140,6 +147,7 @@ pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<Collect
         library: world.library(),
         ours_path: world.sum_path().to_owned(),
         rows,
+        nccl: None,
     })
 }
 
@@ -159,6 +167,10 @@ pub fn render(r: &CollectiveReport) -> String {
             row.library_busbw_gbs,
             row.library_s / row.ours_s.max(1e-12)
         ));
+    }
+    if let Some(n) = &r.nccl {
+        s.push('\n');
+        s.push_str(&nccl::render(n, r.ranks));
     }
     s
 }

@@ -1,0 +1,83 @@
+//! The GPUs of a data-parallel job, connected: an NCCL communicator (rank 0's unique id sent to
+//! the others over the job's engine, MPI) and the broadcast ZeRO stage 3 gathers params with.
+
+use super::{span, CudaDevice, Inner, Span};
+use crate::device::cuda::nccl::{unique_id, NcclComm};
+use crate::device::BufId;
+use crate::dist::Collective;
+use crate::util::lock;
+use crate::{Error, Result};
+use cudarc::driver::CudaStream;
+
+impl CudaDevice {
+    /// Join the job's NCCL communicator (every rank calls it, in the same place).
+    pub(super) fn connect(&self, world: &dyn Collective) -> Result<String> {
+        // Rank 0's id, or why it has none: every rank learns either, so none is left waiting
+        // in NCCL's initialisation for a rank that failed before it.
+        let made = match world.rank() {
+            0 => unique_id().map_err(|e| e.to_string()),
+            _ => Ok([0; 128]),
+        };
+        let mut msg = match &made {
+            Ok(id) => [&[1u8][..], &id[..]].concat(),
+            Err(why) => [&[0u8][..], why.as_bytes()].concat(),
+        };
+        let len = world.all_gather_bytes(&(msg.len() as u64).to_le_bytes())?;
+        let root_len = len
+            .first()
+            .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+            .map_or(0, u64::from_le_bytes) as usize;
+        msg.resize(root_len, 0);
+        world.broadcast_bytes(0, &mut msg)?;
+        let id: [u8; 128] = match msg.split_first() {
+            Some((1, id)) => id
+                .try_into()
+                .map_err(|_| Error::internal("NCCL", "rank 0's unique id is not 128 bytes"))?,
+            _ => {
+                return Err(Error::system(
+                    "NCCL",
+                    format!("rank {}: join the job's communicator", world.rank()),
+                    format!(
+                        "rank 0 could not make its unique id: {}",
+                        String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
+                    ),
+                ))
+            }
+        };
+        let comm = NcclComm::join(&self.rt.ctx, id, world.rank(), world.size())?;
+        let lib = comm.library();
+        let engine = format!("NCCL {} ({})", lib.version, lib.found.path.display());
+        *lock(&self.ranks) = Some(comm);
+        Ok(engine)
+    }
+
+    /// Rank `root`'s first `len` elements of `buf` into every rank's, in place on `stream`.
+    pub(super) fn broadcast(
+        &self,
+        g: &mut Inner,
+        stream: &CudaStream,
+        (buf, len, root): (BufId, usize, usize),
+        label: &str,
+    ) -> Result<Option<Span>> {
+        let (p, have) = g.buf(buf)?;
+        crate::device::check_copy(&format!("broadcast {label}"), len, 0, buf, have)?;
+        let bytes = len * if p.bf16 { 2 } else { 4 };
+        let ranks = lock(&self.ranks);
+        let comm = ranks.as_ref().ok_or_else(|| {
+            Error::internal(
+                "CUDA device",
+                format!("broadcast {label}: the GPU has not joined the other ranks' (join_ranks)"),
+            )
+        })?;
+        let start = span(
+            g,
+            stream,
+            format!("{}{label}", crate::device::BROADCAST_RECORD),
+            bytes as u64,
+        )?;
+        // SAFETY: the range was checked against the buffer; the schedule orders the buffer's
+        // other users around this command with events (it is a copy into the buffer).
+        unsafe { comm.broadcast_bytes(p.addr, bytes, root, stream)? };
+        Ok(Some(start))
+    }
+}
