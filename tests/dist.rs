@@ -642,6 +642,73 @@ fn cuda_ranks_measure_nccl_collectives_in_bench_collective() {
     }
 }
 
+/// CUDA ranks gathering params over NCCL (under the emulator): a GPU fault on rank 1 in step 3
+/// ends the job within seconds, naming the rank (its peer's broadcast fails instead of waiting
+/// forever), the step-2 checkpoint stays whole, and `--resume auto` finishes the run.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_ranks_with_nccl_end_the_job_when_one_faults_and_resume() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let build = Command::new(root.join("tools/cuemu.sh"))
+        .arg("true")
+        .output()
+        .unwrap();
+    check(build, "tools/cuemu.sh true (build the emulator)");
+    let dir = tempfile::tempdir().unwrap();
+    inputs(dir.path());
+    let out = dir.path().join("out");
+    let args = with(
+        train_args(dir.path(), &out, 4, 1),
+        &[
+            "--device",
+            "cuda",
+            "--zero-stage",
+            "3",
+            "--param-gather",
+            "nccl",
+            "--resume",
+            "auto",
+        ],
+    );
+    let emu = root.join("tools/cuemu.sh");
+    let ranks = |fault: Option<&str>| {
+        let mut c = mpirun(1);
+        c.arg(&emu).arg(bin()).args(&args);
+        c.args([":", "-np", "1"]);
+        if let Some(f) = fault {
+            c.args(["-x", &format!("CUEMU_FAIL={f}")]);
+        }
+        c.arg(&emu).arg(bin()).args(&args);
+        c.env("CUEMU_SKIP_BUILD", "1").env_remove("CUEMU_SCHEDULES");
+        c
+    };
+    let t0 = Instant::now();
+    // Launch 150 of rank 1 is in step 3 (2 steps of this model are fewer launches).
+    let failed = ranks(Some("launch:150")).output().unwrap();
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success(), "{stderr}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "took {:?}",
+        t0.elapsed()
+    );
+    // Named by itself, or by its peer (mpirun may cut one process's line with another's).
+    assert!(
+        stderr.contains("error: rank 1 of 2") || stderr.contains("rank 1 aborted the communicator"),
+        "{stderr}"
+    );
+    let ckpts: Vec<String> = std::fs::read_dir(out.join("ckpt"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(ckpts, ["step-00000002"], "{stderr}");
+    let resumed = ranks(None).output().unwrap();
+    check(resumed, "the NCCL job resumed with --resume auto");
+    let steps: Vec<u64> = metrics(&out).iter().map(|m| m.0).collect();
+    assert_eq!(steps.last(), Some(&4), "{steps:?}");
+}
+
 /// `args` with `flags` appended.
 fn with(mut args: Vec<String>, flags: &[&str]) -> Vec<String> {
     args.extend(flags.iter().map(|f| f.to_string()));

@@ -434,7 +434,7 @@ fn execute(
         } => copy_out(shared, link, (src, offset), &dst, (&label, 2), |a, v| {
             *a = (v.to_bits() >> 16) as u16
         }),
-        // Never scheduled for it: its `join_ranks` refuses.
+        // Never scheduled for it: its ranks exchange through host memory.
         Cmd::Broadcast { label, .. } => Err(Error::internal(
             "CPU device",
             format!("broadcast {label}: the CPU device has no collective engine"),

@@ -598,9 +598,10 @@ pub enum Cmd {
     /// A layer op.
     Kernel(DeviceKernel),
     /// Every rank's `buf` (its first `len` elements, as the buffer holds them) = rank `root`'s,
-    /// device to device through the engine [`Device::join_ranks`] set up: ZeRO stage 3's params,
-    /// copied in by the one rank that holds them. Every rank submits the same broadcasts in
-    /// the same order.
+    /// device to device (a GPU that joined its job's NCCL communicator as it opened): ZeRO
+    /// stage 3's params, copied in by the one rank that holds them. Every rank submits the same
+    /// broadcasts in the same order. The CPU device has none (its ranks exchange through host
+    /// memory).
     Broadcast {
         buf: BufId,
         len: usize,
@@ -699,18 +700,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn describe(&self) -> Vec<String> {
         Vec::new()
     }
-    /// Connect this device to the other ranks' devices, so that [`Cmd::Broadcast`] runs
-    /// between them (a GPU: an NCCL communicator, its unique id sent from rank 0 over `world`,
-    /// the job's engine). Collective: every rank calls it. Returns the engine ("NCCL 2.28.9
-    /// (file)"). A device without one of its own refuses (its ranks exchange through host
-    /// memory).
-    fn join_ranks(&self, world: &dyn crate::dist::Collective) -> Result<String> {
-        let _ = world;
-        Err(Error::bad_input(
-            "device",
-            self.name(),
-            "it has no collective engine of its own: its ranks exchange through host memory",
-            None,
-        ))
-    }
+    /// A rank that failed: end the device's exchanges with the other ranks' devices at once
+    /// ([`Cmd::Broadcast`]s still waiting for a peer end), so its streams drain and the rank can
+    /// report and end the job. Nothing for a device without such exchanges.
+    fn abort_exchanges(&self) {}
 }

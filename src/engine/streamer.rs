@@ -461,6 +461,16 @@ impl Streamer {
 
     /// Run one optimizer step over `batches` (one per micro-batch) with learning rate `lr`.
     pub fn step(&mut self, batches: &[MicroBatch], lr: f64) -> Result<StepMetrics> {
+        let r = self.run_step(batches, lr);
+        if r.is_err() {
+            // The other ranks' devices may wait for this one's broadcasts: end them, so this
+            // rank's streams drain and it can report and end the job.
+            self.device.abort_exchanges();
+        }
+        r
+    }
+
+    fn run_step(&mut self, batches: &[MicroBatch], lr: f64) -> Result<StepMetrics> {
         let wall = Instant::now();
         let mut run = self.start_step(batches, lr)?;
         let tasks = self.schedule.tasks.clone();

@@ -230,11 +230,8 @@ pub(super) fn setup(
             }
         ));
     }
-    let device = open_device(&cfg, &tm, &layout, gpu)?;
-    if layout.gathers_on_device() {
-        let engine = device.join_ranks(world.as_ref())?;
-        progress.note(&format!("the GPUs joined: {engine}"));
-    }
+    let joined = layout.gathers_on_device().then(|| world.clone());
+    let device = open_device(&cfg, &tm, &layout, (gpu, joined))?;
     note_chunks(device.as_ref(), progress);
     let flop_rate = FlopRate::of(&inputs.model, &cfg, &device.name());
     let store = allocate_store(
@@ -714,7 +711,10 @@ pub(super) fn open_device(
     cfg: &TrainConfig,
     tm: &Arc<Templates>,
     layout: &StateLayout,
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] gpu: ranks::GpuSlot,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] (gpu, ranks): (
+        ranks::GpuSlot,
+        Option<Arc<dyn crate::dist::Collective>>,
+    ),
 ) -> Result<Arc<dyn crate::device::Device>> {
     match cfg.device {
         config::DeviceKind::Cpu => Ok(Arc::new(CpuDevice::new(
@@ -737,6 +737,7 @@ pub(super) fn open_device(
                 shared_by: gpu.shared_by,
                 tf32: cfg.tf32,
                 precision: cfg.resolved_precision(),
+                ranks,
             },
             tm.clone(),
         )?)),

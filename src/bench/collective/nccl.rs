@@ -95,6 +95,17 @@ mod measure {
         for &bytes in sizes {
             // Whole f32 elements, a multiple of the ranks (each rank's part of the scatter).
             let count = usize::try_from(bytes / 4).unwrap_or(usize::MAX) / n * n;
+            if count == 0 {
+                return Err(Error::bad_input(
+                    "benchmark size",
+                    format!("--sizes {bytes}"),
+                    format!(
+                        "NCCL's rows need at least one f32 per rank: {} bytes for {n} ranks",
+                        4 * n
+                    ),
+                    Some("pass larger --sizes"),
+                ));
+            }
             let part = count / n;
             let need = (count as u64)
                 .checked_mul(4)

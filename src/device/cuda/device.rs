@@ -69,6 +69,10 @@ pub struct CudaDeviceConfig {
     pub tf32: bool,
     /// The precision the kernels compute in.
     pub precision: Precision,
+    /// A data-parallel job whose GPUs exchange device to device ([`Cmd::Broadcast`]): the GPU
+    /// joins the job's NCCL communicator as it opens, before its memory is sized, so NCCL's own
+    /// buffers are already taken. `None`: the GPU exchanges nothing.
+    pub ranks: Option<Arc<dyn crate::dist::Collective>>,
 }
 
 #[derive(Debug)]
@@ -167,7 +171,7 @@ pub struct CudaDevice {
     anchor: Mutex<Option<(CudaEvent, f64)>>,
     /// Where bounced copies (accumulating, or bf16 gradients) land.
     bounce: Bounce,
-    /// The NCCL communicator of a data-parallel job's GPUs ([`Device::join_ranks`]).
+    /// The NCCL communicator of a data-parallel job's GPUs ([`CudaDeviceConfig::ranks`]).
     ranks: Mutex<Option<super::nccl::NcclComm>>,
 }
 
@@ -223,6 +227,10 @@ impl CudaDevice {
     pub fn open(cfg: CudaDeviceConfig, templates: Arc<Templates>) -> Result<Self> {
         let rt = Arc::new(CudaRuntime::open(cfg.ordinal)?);
         drv(rt.ctx.bind_to_thread(), "bind the context")?;
+        let ranks = match &cfg.ranks {
+            Some(world) => Some(ranks::join(&rt.ctx, world.as_ref())?),
+            None => None,
+        };
         let (free, total) = free_memory()?;
         let capacity = cfg.capacity_bytes.unwrap_or(
             free.min(total / cfg.shared_by.max(1) as u64)
@@ -325,7 +333,7 @@ impl CudaDevice {
             epoch_event,
             anchor: Mutex::new(None),
             bounce,
-            ranks: Mutex::new(None),
+            ranks: Mutex::new(ranks),
         })
     }
 
@@ -640,15 +648,28 @@ impl Device for CudaDevice {
     }
 
     fn describe(&self) -> Vec<String> {
-        self.rt.describe()
+        let mut v = self.rt.describe();
+        if let Some(c) = lock(&self.ranks).as_ref() {
+            let lib = c.library();
+            v.push(format!(
+                "NCCL          {:<22} {} (rank {} of {})",
+                lib.version,
+                lib.found.path.display(),
+                c.rank(),
+                c.size()
+            ));
+        }
+        v
     }
 
     fn registrar(&self) -> Option<Arc<dyn HostRegistrar + Send + Sync>> {
         Some(Arc::new(CudaRegistrar(self.rt.ctx.clone())))
     }
 
-    fn join_ranks(&self, world: &dyn crate::dist::Collective) -> Result<String> {
-        self.connect(world)
+    fn abort_exchanges(&self) {
+        if let Some(c) = lock(&self.ranks).as_mut() {
+            c.abort();
+        }
     }
 }
 

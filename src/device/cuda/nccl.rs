@@ -33,6 +33,7 @@ struct Api {
     get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> c_int,
     comm_init_rank: unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> c_int,
     comm_destroy: unsafe extern "C" fn(ncclComm_t) -> c_int,
+    comm_abort: unsafe extern "C" fn(ncclComm_t) -> c_int,
     get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     all_reduce: Reduce,
     reduce_scatter: Reduce,
@@ -97,6 +98,7 @@ pub fn library() -> Result<&'static Nccl> {
         get_unique_id: sym!("ncclGetUniqueId"),
         comm_init_rank: sym!("ncclCommInitRank"),
         comm_destroy: sym!("ncclCommDestroy"),
+        comm_abort: sym!("ncclCommAbort"),
         get_error_string: sym!("ncclGetErrorString"),
         all_reduce: sym!("ncclAllReduce"),
         reduce_scatter: sym!("ncclReduceScatter"),
@@ -152,6 +154,8 @@ pub struct NcclComm {
     comm: ncclComm_t,
     rank: usize,
     size: usize,
+    /// Ended by [`NcclComm::abort`]: nothing more is enqueued, nothing destroyed on drop.
+    aborted: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time: it is moved
@@ -166,6 +170,9 @@ impl std::fmt::Debug for NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        if self.aborted {
+            return;
+        }
         // NCCL finalises first: the collectives already enqueued complete.
         // SAFETY: the communicator made in `join`, destroyed once.
         unsafe { (self.nccl.api.comm_destroy)(self.comm) };
@@ -213,7 +220,28 @@ impl NcclComm {
             comm,
             rank,
             size,
+            aborted: false,
         })
+    }
+
+    /// End the communicator at once (a rank that failed): its collectives still waiting for
+    /// other ranks end, so its streams drain; no collective runs on it afterwards.
+    pub fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            // SAFETY: the communicator made in `join`, aborted once and never destroyed after.
+            unsafe { (self.nccl.api.comm_abort)(self.comm) };
+        }
+    }
+
+    fn live(&self, what: &str) -> Result<()> {
+        match self.aborted {
+            false => Ok(()),
+            true => Err(Error::internal(
+                "NCCL",
+                format!("{what} on an aborted communicator"),
+            )),
+        }
     }
 
     /// The library.
@@ -284,6 +312,7 @@ impl NcclComm {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
+        self.live("ncclReduceScatter")?;
         let ok = send.len() == recv.len() * self.size;
         self.lengths("ncclReduceScatter", send.len(), recv.len(), ok)?;
         let count = recv.len();
@@ -311,6 +340,7 @@ impl NcclComm {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
+        self.live("ncclAllGather")?;
         let ok = recv.len() == send.len() * self.size;
         self.lengths("ncclAllGather", send.len(), recv.len(), ok)?;
         let count = send.len();
@@ -343,6 +373,7 @@ impl NcclComm {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
+        self.live("ncclBroadcast")?;
         let root_c = c_int::try_from(root)
             .ok()
             .filter(|_| root < self.size)

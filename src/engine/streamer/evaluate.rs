@@ -103,6 +103,10 @@ impl Streamer {
         if submitted.is_ok() {
             submitted = self.run_host(&tasks, &mut run, Some(tasks.len()));
         }
+        if submitted.is_err() {
+            // As a failed step: broadcasts waiting for other ranks end, so the events fire.
+            self.device.abort_exchanges();
+        }
         // Every copy from the host store is done before its unit is released.
         for e in run.events.iter().flatten() {
             e.synchronize();

@@ -87,6 +87,7 @@ fn training_at(
             shared_by: 1,
             tf32: false,
             precision,
+            ranks: None,
         },
         tm.clone(),
     )?);
@@ -121,6 +122,7 @@ pub fn landings(ordinal: usize, seed: u64) -> Result<Vec<Check>> {
             shared_by: 1,
             tf32: false,
             precision: Precision::Bf16,
+            ranks: None,
         },
         tm,
     )?;

@@ -166,7 +166,12 @@ pub fn generate(args: &GenerateArgs, progress: &mut dyn Progress) -> Result<Gene
         .with_master(master);
     let machine = crate::topology::probe(&crate::topology::TopologySource::Live)?;
     let tm = Arc::new(Templates::new(&layout.config, seq)?);
-    let device = open_device(&cfg, &tm, &layout, crate::train::ranks::GpuSlot::ALONE)?;
+    let device = open_device(
+        &cfg,
+        &tm,
+        &layout,
+        (crate::train::ranks::GpuSlot::ALONE, None),
+    )?;
     let budget = RamBudget {
         total_bytes: cfg.ram_budget,
         ..RamBudget::default()

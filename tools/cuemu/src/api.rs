@@ -109,6 +109,9 @@ pub fn set_sticky(code: i32) {
     let mut g = STICKY.lock().unwrap_or_else(|e| e.into_inner());
     if g.is_none() {
         *g = Some(code);
+        drop(g);
+        // Its collectives will not run now: the other ranks' fail instead of waiting for them.
+        crate::nccl::abort_all();
     }
 }
 

@@ -17,8 +17,11 @@
 //!   rank order, `((x₀ ∘ x₁) ∘ x₂) ∘ …`, the same bits on every rank; NCCL's own order depends
 //!   on its algorithm (ring, tree) and the rank count, and is not this one.
 //! - `ncclCommAbort` on one rank makes the others' waiting collectives fail (`ncclRemoteError`)
-//!   instead of hanging; a rank that waits longer than `CUEMU_NCCL_TIMEOUT` seconds (600) for
-//!   the others fails its call and aborts the communicator, naming the ranks it waited for.
+//!   instead of hanging, as does a rank whose context fails (its collectives will not run); a
+//!   rank that waits longer than `CUEMU_NCCL_TIMEOUT` seconds (600) for the others fails its
+//!   call and aborts the communicator, naming the ranks it waited for.
+//! - A rank's collectives run one at a time in the order they were called, whichever streams
+//!   they are on (NCCL's rule for one communicator).
 //! - A failed collective is reported on stderr and makes the context fail, as a GPU fault
 //!   would (a real one would hang or leave the comm's asynchronous error set, which
 //!   `ncclCommGetAsyncError` also returns here).
@@ -58,6 +61,8 @@ struct Header {
     aborted: AtomicU64,
     /// Each rank's current call: `[seq + 1, kind, count, type, op, root, send, recv]`.
     posts: [[AtomicU64; POST]; MAX_RANKS],
+    /// 1 once a process joined as that rank.
+    claimed: [AtomicU64; MAX_RANKS],
 }
 
 fn data_offset() -> usize {
@@ -72,6 +77,9 @@ struct Comm {
     nranks: usize,
     /// Collectives enqueued on it so far.
     calls: AtomicU64,
+    /// Collectives run so far: the next to run is the one called as this (one at a time, in
+    /// call order, whatever their streams).
+    turn: AtomicU64,
     /// `ncclCommGetAsyncError`'s answer.
     async_error: AtomicI32,
 }
@@ -102,8 +110,17 @@ impl Comm {
         unsafe { self.map.add(data_offset() + r * CHUNK) }
     }
 
-    /// Wait until every rank has arrived here (or fail: an abort, the timeout).
-    fn barrier(&self) -> Result<(), String> {
+    /// Mark the communicator aborted by this rank (the others' waits fail).
+    fn abort(&self) {
+        self.header()
+            .aborted
+            .compare_exchange(0, self.rank as u64 + 1, Ordering::AcqRel, Ordering::Acquire)
+            .ok();
+    }
+
+    /// Wait until every rank has arrived here (or fail: an abort, the timeout), within call
+    /// `seq`.
+    fn barrier(&self, seq: u64) -> Result<(), String> {
         let h = self.header();
         let gen = h.generation.load(Ordering::Acquire);
         if h.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.nranks as u64 {
@@ -111,14 +128,33 @@ impl Comm {
             h.generation.fetch_add(1, Ordering::AcqRel);
             return Ok(());
         }
-        self.wait(
+        self.wait_for(
             || h.generation.load(Ordering::Acquire) != gen,
-            "reach the same call",
+            "reach the same collective",
+            Some(seq),
         )
+    }
+
+    /// The ranks whose posted call is behind `seq` (the ones a waiting rank waits for).
+    fn behind(&self, seq: u64) -> Vec<usize> {
+        let h = self.header();
+        (0..self.nranks)
+            .filter(|&r| h.posts[r][0].load(Ordering::Acquire) < seq + 1)
+            .collect()
     }
 
     /// Spin, then sleep, until `done`; fail on an abort or after the timeout (which aborts).
     fn wait(&self, done: impl Fn() -> bool, what: &str) -> Result<(), String> {
+        self.wait_for(done, what, None)
+    }
+
+    /// [`Comm::wait`], naming on a timeout the ranks behind call `seq` (a collective's wait).
+    fn wait_for(
+        &self,
+        done: impl Fn() -> bool,
+        what: &str,
+        seq: Option<u64>,
+    ) -> Result<(), String> {
         let h = self.header();
         let timeout = config::get().nccl_timeout;
         let t0 = Instant::now();
@@ -130,16 +166,25 @@ impl Comm {
             let a = h.aborted.load(Ordering::Acquire);
             if a != 0 {
                 return Err(format!(
-                    "rank {} aborted the communicator (ncclCommAbort, or its own timeout)",
+                    "rank {} aborted the communicator (ncclCommAbort, its context failed, or its own timeout)",
                     a - 1
                 ));
             }
             if t0.elapsed() > timeout {
-                h.aborted
-                    .compare_exchange(0, self.rank as u64 + 1, Ordering::AcqRel, Ordering::Acquire)
-                    .ok();
+                self.abort();
+                let behind = match seq.map(|s| self.behind(s)) {
+                    Some(b) if !b.is_empty() => format!(
+                        " (rank{} {} not there yet)",
+                        if b.len() > 1 { "s" } else { "" },
+                        b.iter()
+                            .map(|r| r.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    _ => String::new(),
+                };
                 return Err(format!(
-                    "rank {} waited {:.0} s (CUEMU_NCCL_TIMEOUT) for the other ranks to {what}",
+                    "rank {} waited {:.0} s (CUEMU_NCCL_TIMEOUT) for the other ranks to {what}{behind} (the emulated NCCL joins only processes of one host: its ranks meet in /dev/shm)",
                     self.rank,
                     timeout.as_secs_f64()
                 ));
@@ -161,6 +206,14 @@ fn comms() -> MutexGuard<'static, HashMap<usize, Arc<Comm>>> {
     C.get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Abort every live communicator of this process: its context failed, so its collectives will
+/// not run, and the other ranks' fail instead of waiting for them.
+pub fn abort_all() {
+    for c in comms().values() {
+        c.abort();
+    }
 }
 
 fn comm(handle: *mut c_void, name: &str) -> Result<Arc<Comm>, i32> {
@@ -223,6 +276,13 @@ pub extern "C" fn ncclGetUniqueId(id: *mut [u8; 128]) -> c_int {
         // SAFETY: a 16-byte buffer for getrandom to fill.
         let got = unsafe { libc::getrandom(token.as_mut_ptr().cast(), token.len(), 0) };
         if got != token.len() as isize {
+            report::error(
+                "NCCL unique id",
+                &format!(
+                    "ncclGetUniqueId: getrandom: {}",
+                    std::io::Error::last_os_error()
+                ),
+            );
             return Err(code::SYSTEM_ERROR);
         }
         let mut v = [0u8; 128];
@@ -308,21 +368,34 @@ pub extern "C" fn ncclCommInitRank(
             rank,
             nranks,
             calls: AtomicU64::new(0),
+            turn: AtomicU64::new(0),
             async_error: AtomicI32::new(0),
         };
         let h = c.header();
+        let refused = |why: String| {
+            // The others fail at once instead of waiting for a rank that will not join.
+            c.abort();
+            // SAFETY: a valid name; the other ranks' mappings stay valid without it.
+            unsafe { libc::shm_unlink(name.as_ptr()) };
+            invalid(NAME, why)
+        };
         if let Err(theirs) =
             h.nranks
                 .compare_exchange(0, nranks as u64, Ordering::AcqRel, Ordering::Acquire)
         {
             if theirs != nranks as u64 {
-                return Err(invalid(
-                    NAME,
-                    format!(
-                        "rank {rank} gives nranks {nranks}, another rank of this id gave {theirs}"
-                    ),
-                ));
+                return Err(refused(format!(
+                    "rank {rank} gives nranks {nranks}, another rank of this id gave {theirs}"
+                )));
             }
+        }
+        if h.claimed[rank]
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(refused(format!(
+                "two processes joined this id as rank {rank} (each must be another rank)"
+            )));
         }
         h.joined.fetch_add(1, Ordering::AcqRel);
         let joined = c.wait(
@@ -354,10 +427,17 @@ fn map_segment(fd: c_int, len: usize) -> Result<*mut u8, String> {
     }
     // SAFETY: filled by fstat.
     let size = unsafe { st.assume_init() }.st_size as usize;
-    // Only ever grown: shrinking it under another rank's mapping would fault there.
-    // SAFETY: ftruncate on an open descriptor.
-    if size < len && unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-        return Err(format!("ftruncate: {}", std::io::Error::last_os_error()));
+    // Only ever grown: shrinking it under another rank's mapping would fault there. Allocated,
+    // not only sized: a full /dev/shm is an error here, not a SIGBUS at the first write.
+    if size < len {
+        // SAFETY: posix_fallocate on an open descriptor; it returns the error number.
+        let e = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+        if e != 0 {
+            return Err(format!(
+                "allocating {len} bytes of shared memory: {} (enlarge /dev/shm: docker run --shm-size)",
+                std::io::Error::from_raw_os_error(e)
+            ));
+        }
     }
     // SAFETY: a shared mapping of `len` bytes of the segment, at least that long now.
     let p = unsafe {
@@ -387,10 +467,7 @@ fn release(handle: *mut c_void, name: &str, abort: bool) -> Result<(), i32> {
         code::INVALID_ARGUMENT
     })?;
     if abort {
-        c.header()
-            .aborted
-            .compare_exchange(0, c.rank as u64 + 1, Ordering::AcqRel, Ordering::Acquire)
-            .ok();
+        c.abort();
     }
     // SAFETY: the handle was made by Box::into_raw in ncclCommInitRank and is freed once (it
     // was just removed from the registry).
@@ -641,6 +718,19 @@ impl Collective {
 
     fn exchange(&self) -> Result<(), String> {
         let c = &self.comm;
+        // This communicator's collectives one at a time, in call order (two streams may hold
+        // them); the turn passes on when this one fails too.
+        c.wait(
+            || c.turn.load(Ordering::Acquire) == self.seq,
+            "run this rank's earlier collectives",
+        )?;
+        let r = self.exchange_turn();
+        c.turn.fetch_add(1, Ordering::AcqRel);
+        r
+    }
+
+    fn exchange_turn(&self) -> Result<(), String> {
+        let c = &self.comm;
         let h = c.header();
         let mine: [u64; POST] = [
             self.seq + 1,
@@ -658,7 +748,7 @@ impl Collective {
         for (slot, v) in h.posts[c.rank].iter().zip(mine) {
             slot.store(v, Ordering::Release);
         }
-        c.barrier()?;
+        c.barrier(self.seq)?;
         for r in 0..c.nranks {
             let theirs: [u64; POST] =
                 std::array::from_fn(|i| h.posts[r].get(i).map_or(0, |w| w.load(Ordering::Acquire)));
@@ -671,7 +761,7 @@ impl Collective {
                 ));
             }
         }
-        c.barrier()?;
+        c.barrier(self.seq)?;
         let size = self.ty.bytes();
         let bytes = self.count * size;
         // Chunks hold whole elements.
@@ -683,7 +773,7 @@ impl Collective {
                     let len = chunk.min(bytes - off);
                     self.post_from(self.send as usize + off, len)?;
                     self.reduce_into(self.recv as usize + off, len);
-                    c.barrier()?;
+                    c.barrier(self.seq)?;
                     off += len;
                 }
             }
@@ -696,7 +786,7 @@ impl Collective {
                         if dest == c.rank {
                             self.reduce_into(self.recv as usize + off, len);
                         }
-                        c.barrier()?;
+                        c.barrier(self.seq)?;
                         off += len;
                     }
                 }
@@ -716,7 +806,7 @@ impl Collective {
                             )
                         };
                     }
-                    c.barrier()?;
+                    c.barrier(self.seq)?;
                     off += len;
                 }
             }
@@ -726,7 +816,7 @@ impl Collective {
                     if c.rank == self.root {
                         self.post_from(self.send as usize + off, len)?;
                     } else {
-                        c.barrier()?;
+                        c.barrier(self.seq)?;
                     }
                     // SAFETY: the root's chunk holds `len` bytes posted before the barrier;
                     // the receive range was checked at the call.
@@ -737,7 +827,7 @@ impl Collective {
                             len,
                         )
                     };
-                    c.barrier()?;
+                    c.barrier(self.seq)?;
                     off += len;
                 }
             }
@@ -781,7 +871,7 @@ impl Collective {
         unsafe {
             std::ptr::copy_nonoverlapping(from.as_ptr(), self.comm.slot(self.comm.rank), len)
         };
-        self.comm.barrier()
+        self.comm.barrier(self.seq)
     }
 
     /// Reduce every rank's chunk (`len` bytes), in rank order, into device address `dst`.
@@ -957,14 +1047,14 @@ fn enqueue(
         return Err(invalid(name, format!("root {root} of {} ranks", c.nranks)));
     }
     let n = c.nranks;
-    let bytes = count
-        .checked_mul(ty.bytes())
-        .ok_or_else(|| invalid(name, format!("count {count}: too large")))?;
+    let too_large = || invalid(name, format!("count {count} × {n} ranks: too large"));
+    let bytes = count.checked_mul(ty.bytes()).ok_or_else(too_large)?;
+    let all = bytes.checked_mul(n).ok_or_else(too_large)?;
     // What each side spans, as NCCL documents it.
     let (send_bytes, recv_bytes) = match kind {
         Kind::AllReduce => (bytes, bytes),
-        Kind::ReduceScatter => (bytes * n, bytes),
-        Kind::AllGather => (bytes, bytes * n),
+        Kind::ReduceScatter => (all, bytes),
+        Kind::AllGather => (bytes, all),
         Kind::Broadcast => (if c.rank == root as usize { bytes } else { 0 }, bytes),
     };
     let what: Arc<str> = Arc::from(format!(
@@ -1022,9 +1112,15 @@ fn enqueue(
         seq,
         what: what.clone(),
     };
-    s.enqueue(Cmd::Work(Box::new(work)), what, &touches, &[])
+    s.enqueue(Cmd::Work(Box::new(work)), what.clone(), &touches, &[])
         .map(|_| ())
-        .map_err(|_| code::UNHANDLED_CUDA_ERROR)
+        .map_err(|e| {
+            report::error(
+                "NCCL collective not enqueued",
+                &format!("{what} on {}: the stream refused it (CUresult {e})", s.name),
+            );
+            code::UNHANDLED_CUDA_ERROR
+        })
 }
 
 #[no_mangle]
@@ -1180,6 +1276,7 @@ mod tests {
             rank: 0,
             nranks,
             calls: AtomicU64::new(0),
+            turn: AtomicU64::new(0),
             async_error: AtomicI32::new(0),
         })
     }

@@ -2,55 +2,77 @@
 //! the others over the job's engine, MPI) and the broadcast ZeRO stage 3 gathers params with.
 
 use super::{span, CudaDevice, Inner, Span};
+use crate::device::cuda::drv;
 use crate::device::cuda::nccl::{unique_id, NcclComm};
 use crate::device::BufId;
 use crate::dist::Collective;
 use crate::util::lock;
 use crate::{Error, Result};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
+use std::sync::Arc;
+
+/// Join the job's NCCL communicator on `ctx`'s GPU (every rank calls it, in the same place).
+pub(super) fn join(ctx: &Arc<CudaContext>, world: &dyn Collective) -> Result<NcclComm> {
+    // Rank 0's id, or why it has none: every rank learns either, so none is left waiting
+    // in NCCL's initialisation for a rank that failed before it.
+    let made = match world.rank() {
+        0 => unique_id().map_err(|e| e.to_string()),
+        _ => Ok([0; 128]),
+    };
+    let mut msg = match &made {
+        Ok(id) => [&[1u8][..], &id[..]].concat(),
+        Err(why) => [&[0u8][..], why.as_bytes()].concat(),
+    };
+    let len = world.all_gather_bytes(&(msg.len() as u64).to_le_bytes())?;
+    let root_len = len
+        .first()
+        .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+        .map_or(0, u64::from_le_bytes) as usize;
+    msg.resize(root_len, 0);
+    world.broadcast_bytes(0, &mut msg)?;
+    let id: [u8; 128] = match msg.split_first() {
+        Some((1, id)) => id
+            .try_into()
+            .map_err(|_| Error::internal("NCCL", "rank 0's unique id is not 128 bytes"))?,
+        _ => {
+            return Err(Error::system(
+                "NCCL",
+                format!("rank {}: join the job's communicator", world.rank()),
+                format!(
+                    "rank 0 could not make its unique id: {}",
+                    String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
+                ),
+            ))
+        }
+    };
+    let comm = NcclComm::join(ctx, id, world.rank(), world.size())?;
+    check_reached(ctx, &comm)?;
+    Ok(comm)
+}
+
+/// One all-reduce of a 1 from every rank, waited for: every GPU reached the communicator (NCCL
+/// connects its peers at the first collective: here, where every rank is known to be, rather
+/// than inside a step), and the sum is the rank count.
+fn check_reached(ctx: &Arc<CudaContext>, comm: &NcclComm) -> Result<()> {
+    let stream = drv(ctx.new_stream(), "create a stream")?;
+    let one = drv(stream.clone_htod(&[1.0f32]), "copy to the GPU")?;
+    let mut sum = drv(stream.alloc_zeros::<f32>(1), "allocate on the GPU")?;
+    comm.all_reduce_sum(&one, &mut sum, &stream)?;
+    let got = drv(stream.clone_dtoh(&sum), "copy the sum to the host")?;
+    match got.first() {
+        Some(&s) if s == comm.size() as f32 => Ok(()),
+        other => Err(Error::system(
+            "NCCL",
+            format!(
+                "rank {}: a first all-reduce of 1 from every rank",
+                comm.rank()
+            ),
+            format!("it summed to {other:?}, not {}", comm.size()),
+        )),
+    }
+}
 
 impl CudaDevice {
-    /// Join the job's NCCL communicator (every rank calls it, in the same place).
-    pub(super) fn connect(&self, world: &dyn Collective) -> Result<String> {
-        // Rank 0's id, or why it has none: every rank learns either, so none is left waiting
-        // in NCCL's initialisation for a rank that failed before it.
-        let made = match world.rank() {
-            0 => unique_id().map_err(|e| e.to_string()),
-            _ => Ok([0; 128]),
-        };
-        let mut msg = match &made {
-            Ok(id) => [&[1u8][..], &id[..]].concat(),
-            Err(why) => [&[0u8][..], why.as_bytes()].concat(),
-        };
-        let len = world.all_gather_bytes(&(msg.len() as u64).to_le_bytes())?;
-        let root_len = len
-            .first()
-            .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
-            .map_or(0, u64::from_le_bytes) as usize;
-        msg.resize(root_len, 0);
-        world.broadcast_bytes(0, &mut msg)?;
-        let id: [u8; 128] = match msg.split_first() {
-            Some((1, id)) => id
-                .try_into()
-                .map_err(|_| Error::internal("NCCL", "rank 0's unique id is not 128 bytes"))?,
-            _ => {
-                return Err(Error::system(
-                    "NCCL",
-                    format!("rank {}: join the job's communicator", world.rank()),
-                    format!(
-                        "rank 0 could not make its unique id: {}",
-                        String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
-                    ),
-                ))
-            }
-        };
-        let comm = NcclComm::join(&self.rt.ctx, id, world.rank(), world.size())?;
-        let lib = comm.library();
-        let engine = format!("NCCL {} ({})", lib.version, lib.found.path.display());
-        *lock(&self.ranks) = Some(comm);
-        Ok(engine)
-    }
-
     /// Rank `root`'s first `len` elements of `buf` into every rank's, in place on `stream`.
     pub(super) fn broadcast(
         &self,
@@ -66,7 +88,9 @@ impl CudaDevice {
         let comm = ranks.as_ref().ok_or_else(|| {
             Error::internal(
                 "CUDA device",
-                format!("broadcast {label}: the GPU has not joined the other ranks' (join_ranks)"),
+                format!(
+                    "broadcast {label}: the GPU joined no other ranks' (CudaDeviceConfig::ranks)"
+                ),
             )
         })?;
         let start = span(
