@@ -525,6 +525,43 @@ fn bench_collective_checks_and_times_both_sums() {
         v["plan"]["data_parallel"]["host_sum_gbps"],
         largest["ours_busbw_gbs"]
     );
+    // With NCCL's rows (`--device cuda` on GPUs; here written in), the largest all-gather's
+    // bus bandwidth becomes the GPUs' broadcasts of a stage-3 plan; emulated rows are not a GPU's.
+    let row = |bytes: u64, gbs: f64| {
+        serde_json::json!({"bytes": bytes, "reduce_scatter_s": 1.0, "reduce_scatter_busbw_gbs": 1.0,
+            "all_gather_s": 1.0, "all_gather_busbw_gbs": gbs, "all_reduce_s": 1.0, "all_reduce_busbw_gbs": 1.0})
+    };
+    for (emulated, want) in [
+        (false, serde_json::json!(123.5)),
+        (true, serde_json::Value::Null),
+    ] {
+        let mut with_nccl = r.clone();
+        with_nccl["nccl"] = serde_json::json!({"library": "NCCL 2.28.9", "gpus": ["H200", "H200", "H200"],
+            "emulated": emulated, "rows": [row(1 << 20, 50.0), row(64 << 20, 123.5)]});
+        std::fs::write(&report, with_nccl.to_string()).unwrap();
+        let out = Command::new(bin())
+            .args(["plan", "--model", "llama-3.1-8b", "--machine", "h200-1.5tb"])
+            .args([
+                "--gpus",
+                "3",
+                "--zero-stage",
+                "3",
+                "--json",
+                "--calibration",
+            ])
+            .arg(&report)
+            .output()
+            .unwrap();
+        let out = check(out, "plan --calibration with NCCL rows");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let nvlink = &v["machine"]["nvlink_gbps"];
+        match emulated {
+            false => assert_eq!(nvlink, &want, "{v}"),
+            // The preset's assumption stays.
+            true => assert_eq!(nvlink, &serde_json::json!(350.0), "{v}"),
+        }
+        assert_eq!(v["plan"]["data_parallel"]["gpu_gather"], true);
+    }
 }
 
 /// CUDA ranks: `tools/gpu_dp_check.sh` (`--emulated` here: every rank under the CUDA emulator;

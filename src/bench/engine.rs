@@ -462,6 +462,7 @@ fn predict(
         // One process: nothing to sum across ranks.
         reduce_s: Vec::new(),
         gather_s: Vec::new(),
+        held: Vec::new(),
         staging_slots: 3,
         unit_numel: numel,
         lean_piece_elems: (layout.mode == Mode::Lean).then(|| layout.lean_piece_elems()),

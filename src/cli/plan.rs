@@ -22,6 +22,8 @@ struct Calibration {
     /// Bus GB/s of the ranks' gradient sum within one machine (`bench collective` there): the
     /// largest buffer's, and the ranks it was measured with.
     host_sum: Option<(f64, usize)>,
+    /// NCCL's all-gather bus GB/s between a machine's GPUs, and the ranks that measured it.
+    nccl_gbps: Option<(f64, usize)>,
 }
 
 impl Calibration {
@@ -122,6 +124,20 @@ impl Calibration {
                         ));
                     }
                     c.host_sum = Some((row.ours_busbw_gbs, r.ranks));
+                    // NCCL between the GPUs (`--device cuda`): its all-gather at the largest
+                    // size stands for the broadcasts that gather params (both move each byte
+                    // to every rank once). An emulated report is not a GPU's.
+                    if let Some(n) = r.nccl.as_ref().filter(|n| !n.emulated) {
+                        if let Some(g) = n
+                            .rows
+                            .iter()
+                            .max_by_key(|x| x.bytes)
+                            .map(|x| x.all_gather_busbw_gbs)
+                            .filter(|g| g.is_finite() && *g > 0.0)
+                        {
+                            c.nccl_gbps = Some((g, r.ranks));
+                        }
+                    }
                 }
             }
         }
@@ -196,10 +212,21 @@ pub struct PlanArgs {
     /// 3 the params too (each rank gathers a unit's params before each copy to its GPU).
     #[arg(long, default_value_t = 0, value_name = "0|1|3", value_parser = zero_stage)]
     zero_stage: u8,
+    /// With --zero-stage 3, how each rank gets a unit's params, as `train --param-gather`:
+    /// `nccl` (the default `auto` on a plan, whose ranks each have a GPU) has the owner copy it
+    /// to its GPU and NCCL broadcast it (over NVLink where the machine has it, else the PCIe
+    /// link; across machines their network); `host` through host memory.
+    #[arg(long, value_enum, default_value = "auto")]
+    param_gather: megatrain::train::config::ParamGather,
     /// The network between machines, GB/s per direction per machine (all its NICs); a preset
     /// names its own.
     #[arg(long, value_name = "GB/s")]
     nic_gbps: Option<f64>,
+    /// NCCL's bus GB/s between a machine's GPUs over NVLink (nccl-tests' busbw; `bench
+    /// collective --device cuda` measures it); a preset names its own, a probed machine none
+    /// (NCCL planned at the PCIe link's rate).
+    #[arg(long, value_name = "GB/s")]
+    nvlink_gbps: Option<f64>,
     /// Sequence length.
     #[arg(long, default_value_t = 4096)]
     seq_len: u64,
@@ -270,6 +297,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             zero_stage: a.zero_stage,
             gpus: a.gpus,
             nodes: a.nodes,
+            gpu_gather: a.param_gather != megatrain::train::config::ParamGather::Host,
         },
     };
     req.data_parallel.check(&hw)?;
@@ -405,6 +433,41 @@ fn hardware(
         }
         hw.nic_gbps = Some(nic);
     }
+    if let Some((g, measured)) = cal.nccl_gbps {
+        hw.nvlink_gbps = Some(g);
+        notes.push(format!(
+            "NCCL between the GPUs calibrated: {g:.1} GB/s bus (`bench collective --device cuda`'s all-gather, {measured} ranks)"
+        ));
+    }
+    if let Some(nv) = a.nvlink_gbps {
+        if !(nv.is_finite() && nv > 0.0) {
+            return Err(megatrain::Error::bad_input(
+                "plan",
+                format!("--nvlink-gbps {nv}"),
+                "must be a positive number of GB/s",
+                Some(
+                    "pass NCCL's bus bandwidth between the machine's GPUs, e.g. --nvlink-gbps 350",
+                ),
+            ));
+        }
+        hw.nvlink_gbps = Some(nv);
+    }
+    if a.zero_stage == 3 && ranks_of(a) > 1 {
+        notes.push(match a.param_gather {
+            megatrain::train::config::ParamGather::Host => {
+                "params gathered through host memory (--param-gather host)".to_owned()
+            }
+            _ => format!(
+                "params gathered GPU to GPU: each owner's copy, then NCCL's broadcast at {} GB/s{}",
+                hw.nvlink_gbps
+                    .unwrap_or_else(|| hw.htod_gbps.min(hw.dtoh_gbps)),
+                match hw.nvlink_gbps {
+                    Some(_) => " (NVLink)",
+                    None => " (no NVLink described: the PCIe link's rate)",
+                }
+            ),
+        });
+    }
     let ranks = a.gpus.saturating_mul(a.nodes);
     match cal.host_sum {
         Some((g, measured)) => {
@@ -469,6 +532,10 @@ fn print_nodes(
 }
 
 /// `--zero-stage`: 0, 1 or 3, as the trainer takes it.
+fn ranks_of(a: &PlanArgs) -> u64 {
+    a.gpus.saturating_mul(a.nodes)
+}
+
 fn zero_stage(s: &str) -> megatrain::Result<u8> {
     match s {
         "0" => Ok(0),

@@ -29,6 +29,9 @@ pub struct DataParallel {
     /// rank gathering a unit's params before each copy to its GPU
     /// ([`crate::store::layout::UnitOwners`]).
     pub zero_stage: u8,
+    /// Stage 3: the GPUs gather the params (the owner copies a unit to its GPU, NCCL broadcasts
+    /// it: `train --param-gather nccl`), else through host memory.
+    pub gpu_gather: bool,
 }
 
 impl Default for DataParallel {
@@ -44,6 +47,7 @@ impl DataParallel {
             gpus,
             nodes,
             zero_stage: 0,
+            gpu_gather: false,
         }
     }
 
@@ -61,6 +65,25 @@ impl DataParallel {
     /// G·(N−G)/N of them. The slower of the two (half an all-reduce's traffic).
     pub fn broadcast_s(&self, hw: &Hardware, bytes: f64) -> f64 {
         self.sum_s(hw, bytes) / 2.0
+    }
+
+    /// Seconds for NCCL to broadcast `bytes` from one GPU to every other (the GPUs gathering a
+    /// unit's params): within a machine at NVLink's bus bandwidth (a broadcast's bus bandwidth
+    /// is its algorithm bandwidth, as nccl-tests counts it), or, without NVLink, the PCIe
+    /// link's; across machines each receives the bytes once through its network. The slower.
+    pub fn gpu_broadcast_s(&self, hw: &Hardware, bytes: f64) -> f64 {
+        if self.ranks() <= 1 {
+            return 0.0;
+        }
+        let within = hw
+            .nvlink_gbps
+            .unwrap_or_else(|| hw.htod_gbps.min(hw.dtoh_gbps));
+        let inside = bytes / (within.max(1e-9) * 1e9);
+        let net = match (self.nodes > 1, hw.nic_gbps) {
+            (true, Some(nic)) => bytes / (nic.max(1e-9) * 1e9),
+            _ => 0.0,
+        };
+        inside.max(net)
     }
 
     /// Ranks in the job (at least one: [`DataParallel::check`] refuses a job of none).
@@ -165,6 +188,8 @@ pub struct DataParallelPlan {
     /// Param bytes each rank receives per step from the ranks holding them (stage 1: every
     /// unit's update once; stage 3: every unit's streamed params before each copy to the GPU).
     pub params_bytes_per_step: u64,
+    /// Stage 3's params gathered GPU to GPU (NCCL), not through host memory.
+    pub gpu_gather: bool,
     /// Bus GB/s of the sum in host memory within a machine.
     pub host_sum_gbps: f64,
     /// A machine's network GB/s, when several machines are planned.
@@ -476,6 +501,54 @@ mod tests {
         let mut r = ranks(4, 1, 4 * 4096);
         r.data_parallel.zero_stage = 3;
         assert!(plan(&m, &fast, &r).time.step_s <= s3.time.step_s);
+    }
+
+    /// Stage 3 with the GPUs gathering: the rank planned copies only the units it holds across
+    /// its link (the others come by NCCL's broadcast at NVLink's rate, on the weight stream), so
+    /// its host→device time falls by about its share of the units; the same bytes arrive, and
+    /// without NVLink the broadcast runs at the PCIe link's rate.
+    #[test]
+    fn gpus_gathering_copy_only_their_units_across_the_link() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-8b").unwrap();
+        let at = |gpu_gather: bool, hw: &Hardware| {
+            let mut r = ranks(4, 1, 4 * 4096);
+            r.data_parallel.zero_stage = 3;
+            r.data_parallel.gpu_gather = gpu_gather;
+            plan(&m, hw, &r)
+        };
+        let (host, gpus) = (at(false, &node), at(true, &node));
+        assert!(gpus.data_parallel.as_ref().unwrap().gpu_gather);
+        assert!(!host.data_parallel.as_ref().unwrap().gpu_gather);
+        assert_eq!(gpus.time.params_bytes, host.time.params_bytes);
+        // The fullest of 4 ranks holds about a quarter of the units: under half of the link's
+        // copies are left (the broadcasts are on the same stream, but at NVLink's rate).
+        assert!(
+            gpus.time.htod_s < 0.6 * host.time.htod_s,
+            "{:?} vs {:?}",
+            gpus.time,
+            host.time
+        );
+        let dp = DataParallel {
+            zero_stage: 3,
+            gpu_gather: true,
+            ..DataParallel::new(4, 1)
+        };
+        let b = 4.0 * 1e9;
+        assert!((dp.gpu_broadcast_s(&node, b) - b / 350e9).abs() < 1e-12);
+        let pcie = Hardware {
+            nvlink_gbps: None,
+            ..node.clone()
+        };
+        assert!((dp.gpu_broadcast_s(&pcie, b) - b / 55e9).abs() < 1e-12);
+        assert!(at(true, &pcie).time.params_s > gpus.time.params_s);
+        // Across machines each receives the bytes once through its network.
+        let two = DataParallel { nodes: 2, ..dp };
+        let slow_net = Hardware {
+            nic_gbps: Some(10.0),
+            ..node.clone()
+        };
+        assert!((two.gpu_broadcast_s(&slow_net, b) - b / 10e9).abs() < 1e-12);
     }
 
     fn s1_units(m: &ModelConfig) -> Vec<usize> {

@@ -72,6 +72,10 @@ pub struct Hardware {
     /// needs it).
     #[serde(default)]
     pub nic_gbps: Option<f64>,
+    /// Bus GB/s NCCL reaches between the machine's GPUs over NVLink (nccl-tests' busbw);
+    /// `None`: no NVLink (NCCL goes through PCIe, at the link's rate).
+    #[serde(default)]
+    pub nvlink_gbps: Option<f64>,
 }
 
 fn one_gpu() -> u64 {
@@ -414,6 +418,8 @@ pub fn hardware_from_machine(
             host_sum_gbps: ASSUMED_HOST_SUM_GBPS,
             // A probe describes no network between machines: `plan --nic-gbps` gives it.
             nic_gbps: None,
+            // Nor NVLink's bandwidth: NCCL planned at the PCIe link's.
+            nvlink_gbps: None,
         },
         notes,
     ))
@@ -489,14 +495,23 @@ fn sim_costs(
             .iter()
             .map(|&k| req.data_parallel.sum_s(hw, 4.0 * k as f64))
             .collect(),
-        // Stage 3: a unit's params as the GPU streams them, from the rank holding them.
-        gather_s: match req.data_parallel.sharding() {
-            3 => numel
+        // Stage 3: a unit's params as the GPU streams them, from the rank holding them:
+        // through host memory, or GPU to GPU (NCCL).
+        gather_s: match (req.data_parallel.sharding(), req.data_parallel.gpu_gather) {
+            (3, false) => numel
                 .iter()
                 .map(|&k| req.data_parallel.broadcast_s(hw, weight_bytes * k as f64))
                 .collect(),
+            (3, true) => numel
+                .iter()
+                .map(|&k| {
+                    req.data_parallel
+                        .gpu_broadcast_s(hw, weight_bytes * k as f64)
+                })
+                .collect(),
             _ => Vec::new(),
         },
+        held: (0..numel.len()).map(|u| layout.holds_params(u)).collect(),
         staging_slots: 3,
         unit_numel: numel,
         lean_piece_elems: (req.mode == Mode::Lean).then(|| layout.lean_piece_elems()),
@@ -548,8 +563,9 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
         device_inputs: placed.device_inputs,
         lean_pieces: crate::engine::schedule::LeanPieces::of(&layout),
         ranks: req.data_parallel.ranks() as usize,
-        gather: match req.data_parallel.sharding() {
-            3 => crate::engine::schedule::Gather::Host,
+        gather: match (req.data_parallel.sharding(), req.data_parallel.gpu_gather) {
+            (3, false) => crate::engine::schedule::Gather::Host,
+            (3, true) => crate::engine::schedule::Gather::Device,
             _ => crate::engine::schedule::Gather::No,
         },
         land: layout.lands_grads(),
@@ -587,7 +603,12 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
                 s.tasks
                     .iter()
                     .filter_map(|t| match t.op {
-                        crate::engine::schedule::Op::Gather { unit, .. } => Some((
+                        crate::engine::schedule::Op::Gather { unit, .. }
+                        | crate::engine::schedule::Op::CopyWeights {
+                            unit,
+                            broadcast: true,
+                            ..
+                        } => Some((
                             costs.gather_s.get(unit).copied().unwrap_or(0.0),
                             received(unit) as u8 as f64 * costs.unit_numel[unit] as f64,
                         )),
@@ -815,6 +836,7 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         tokens_per_rank: rank.tokens_per_step,
         zero_stage: dp.sharding(),
         params_bytes_per_step: time.params_bytes,
+        gpu_gather: dp.sharding() == 3 && dp.gpu_gather,
         host_bytes_per_rank: host_per_rank,
         host_bytes_per_node: host_per_rank.saturating_mul(dp.gpus),
         node_ram_bytes: node.host_ram_bytes,

@@ -22,6 +22,7 @@ pub fn machine(name: &str) -> Option<Hardware> {
              adam: f64,
              gpus: u64,
              nic: Option<f64>,
+             nvlink: Option<f64>,
              src: &str| Hardware {
         name: name.into(),
         gpu: gpu.into(),
@@ -39,6 +40,7 @@ pub fn machine(name: &str) -> Option<Hardware> {
         gpus,
         host_sum_gbps: super::ASSUMED_HOST_SUM_GBPS,
         nic_gbps: nic,
+        nvlink_gbps: nvlink,
     };
     Some(match name {
         "h200-1.5tb" => h(
@@ -53,7 +55,8 @@ pub fn machine(name: &str) -> Option<Hardware> {
             400.0,
             8,
             Some(400.0),
-            "GPU: NVIDIA H200 datasheet (dense fp32 67 TF, bf16 989 TF); link: ~55 GB/s pinned H2D on PCIe5 H100/H200 hosts (nvbandwidth, DESIGN.md §1); host: 2-socket DDR5, AdamW assumed 0.9 × ~450 GB/s triad; 8 GPUs and 8 × 400 Gb/s NICs (400 GB/s per direction) as in NVIDIA's HGX H200 reference design",
+            Some(350.0),
+            "GPU: NVIDIA H200 datasheet (dense fp32 67 TF, bf16 989 TF); link: ~55 GB/s pinned H2D on PCIe5 H100/H200 hosts (nvbandwidth, DESIGN.md §1); host: 2-socket DDR5, AdamW assumed 0.9 × ~450 GB/s triad; 8 GPUs and 8 × 400 Gb/s NICs (400 GB/s per direction) as in NVIDIA's HGX H200 reference design; NCCL over NVLink 4 (900 GB/s per GPU) assumed 350 GB/s bus",
         ),
         "gh200-480gb" => h(
             name,
@@ -67,6 +70,7 @@ pub fn machine(name: &str) -> Option<Hardware> {
             350.0,
             1,
             Some(50.0),
+            None,
             "GPU: NVIDIA GH200 datasheet; link: NVLink-C2C ~340 GB/s H2D measured (nvbandwidth reports, DESIGN.md §1), D2H assumed 300; host: Grace LPDDR5X 480 GB, AdamW assumed 0.9 × ~390 GB/s triad; one GH200 per machine with one 400 Gb/s NIC (50 GB/s), assumed",
         ),
         "h100-512gb" => h(
@@ -81,7 +85,8 @@ pub fn machine(name: &str) -> Option<Hardware> {
             200.0,
             4,
             Some(100.0),
-            "GPU: NVIDIA H100 SXM datasheet; link: ~55 GB/s PCIe5 (nvbandwidth); host: 1-socket DDR5 512 GB, AdamW assumed 0.9 × ~220 GB/s triad; 4 GPUs and 2 × 400 Gb/s NICs (100 GB/s), assumed",
+            Some(350.0),
+            "GPU: NVIDIA H100 SXM datasheet; link: ~55 GB/s PCIe5 (nvbandwidth); host: 1-socket DDR5 512 GB, AdamW assumed 0.9 × ~220 GB/s triad; 4 GPUs and 2 × 400 Gb/s NICs (100 GB/s), assumed; NCCL over NVLink 4 assumed 350 GB/s bus",
         ),
         "rtx4090-256gb" => h(
             name,
@@ -94,6 +99,7 @@ pub fn machine(name: &str) -> Option<Hardware> {
             256 * GIB,
             70.0,
             2,
+            None,
             None,
             "GPU: NVIDIA Ada whitepaper (fp32 82.6 TF, bf16 with fp32 accumulate 165 TF dense); link: PCIe4 x16 ~25 GB/s; host: workstation DDR5 256 GB, AdamW assumed 0.9 × ~80 GB/s; 2 GPUs and no network between machines, assumed",
         ),

@@ -136,8 +136,9 @@ pub fn render(model_name: &str, hw: &Hardware, req: &PlanRequest, p: &Plan) -> S
                 "  params      {}  ({} per rank from the ranks holding them, {})\n",
                 ms(t.params_s),
                 hb(d.params_bytes_per_step),
-                match d.zero_stage {
-                    3 => "gathered before each copy to the GPU, on the host thread",
+                match (d.zero_stage, d.gpu_gather) {
+                    (3, true) => "each owner's copy broadcast GPU to GPU by NCCL, on the weight stream",
+                    (3, false) => "gathered before each copy to the GPU, on the host thread",
                     _ => "the owners' updates broadcast after the step",
                 }
             ),

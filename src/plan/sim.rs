@@ -74,9 +74,13 @@ pub struct Costs {
     /// Seconds to sum each unit's gradients across the ranks (data parallel, on the host
     /// thread; empty or zeros for one rank).
     pub reduce_s: Vec<f64>,
-    /// Per unit: seconds to gather its params from the rank holding them (ZeRO stage 3, on the
-    /// host thread before each copy of them; empty: free).
+    /// Per unit: seconds to gather its params from the rank holding them (ZeRO stage 3: on the
+    /// host thread before each copy of them, or, gathered by the GPUs, NCCL's broadcast on the
+    /// weight stream after the owner's copy; empty: free).
     pub gather_s: Vec<f64>,
+    /// Per unit: whether the rank planned holds its params (empty: every unit). Where the GPUs
+    /// gather, only those cross its link.
+    pub held: Vec<bool>,
     /// Staging slots of the NVMe tier.
     pub staging_slots: usize,
     /// When compute kernels and AdamW run on the same CPU cores (the CPU device), how they
@@ -188,8 +192,18 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
             };
             let k = &costs.kernels;
             let dur = match op {
+                Op::CopyWeights {
+                    unit,
+                    broadcast: false,
+                    ..
+                } => copy(unit_bytes(*unit, costs.weight_elem_bytes), costs.htod_bps),
+                // The owner's copy, then every rank's broadcast, on the weight stream.
                 Op::CopyWeights { unit, .. } => {
-                    copy(unit_bytes(*unit, costs.weight_elem_bytes), costs.htod_bps)
+                    let own = match costs.held.get(*unit).copied().unwrap_or(true) {
+                        true => copy(unit_bytes(*unit, costs.weight_elem_bytes), costs.htod_bps),
+                        false => 0.0,
+                    };
+                    own + costs.gather_s.get(*unit).map_or(0.0, |s| *s)
                 }
                 Op::LoadActivation { .. } => copy(costs.activation_bytes, costs.htod_bps),
                 Op::SaveActivation { .. } => copy(costs.activation_bytes, costs.dtoh_bps),
@@ -516,6 +530,7 @@ mod tests {
             nvme_write_s: vec![0.0; units],
             reduce_s: Vec::new(),
             gather_s: Vec::new(),
+            held: Vec::new(),
             staging_slots: 3,
             shared_cores: None,
         }
