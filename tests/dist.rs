@@ -525,11 +525,12 @@ fn bench_collective_checks_and_times_both_sums() {
         v["plan"]["data_parallel"]["host_sum_gbps"],
         largest["ours_busbw_gbs"]
     );
-    // With NCCL's rows (`--device cuda` on GPUs; here written in), the largest all-gather's
+    // With NCCL's rows (`--device cuda` on GPUs; here written in), the largest broadcast's
     // bus bandwidth becomes the GPUs' broadcasts of a stage-3 plan; emulated rows are not a GPU's.
     let row = |bytes: u64, gbs: f64| {
         serde_json::json!({"bytes": bytes, "reduce_scatter_s": 1.0, "reduce_scatter_busbw_gbs": 1.0,
-            "all_gather_s": 1.0, "all_gather_busbw_gbs": gbs, "all_reduce_s": 1.0, "all_reduce_busbw_gbs": 1.0})
+            "all_gather_s": 1.0, "all_gather_busbw_gbs": 1.0, "all_reduce_s": 1.0, "all_reduce_busbw_gbs": 1.0,
+            "broadcast_s": 1.0, "broadcast_busbw_gbs": gbs})
     };
     for (emulated, want) in [
         (false, serde_json::json!(123.5)),
@@ -632,14 +633,9 @@ fn cuda_ranks_equal_gradient_accumulation() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_ranks_measure_nccl_collectives_in_bench_collective() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let build = Command::new(root.join("tools/cuemu.sh"))
-        .arg("true")
-        .output()
-        .unwrap();
-    check(build, "tools/cuemu.sh true (build the emulator)");
+    let emu = emulator();
     let out = mpirun(3)
-        .arg(root.join("tools/cuemu.sh"))
+        .arg(&emu)
         .arg(bin())
         .args(["bench", "collective", "--device", "cuda"])
         // Not a multiple of 3 elements; over the emulator's 1 MiB chunk.
@@ -673,6 +669,7 @@ fn cuda_ranks_measure_nccl_collectives_in_bench_collective() {
             "reduce_scatter_busbw_gbs",
             "all_gather_busbw_gbs",
             "all_reduce_busbw_gbs",
+            "broadcast_busbw_gbs",
         ] {
             assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
         }
@@ -685,12 +682,7 @@ fn cuda_ranks_measure_nccl_collectives_in_bench_collective() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_ranks_with_nccl_end_the_job_when_one_faults_and_resume() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let build = Command::new(root.join("tools/cuemu.sh"))
-        .arg("true")
-        .output()
-        .unwrap();
-    check(build, "tools/cuemu.sh true (build the emulator)");
+    let emu = emulator();
     let dir = tempfile::tempdir().unwrap();
     inputs(dir.path());
     let out = dir.path().join("out");
@@ -707,7 +699,6 @@ fn cuda_ranks_with_nccl_end_the_job_when_one_faults_and_resume() {
             "auto",
         ],
     );
-    let emu = root.join("tools/cuemu.sh");
     let ranks = |fault: Option<&str>| {
         let mut c = mpirun(1);
         c.arg(&emu).arg(bin()).args(&args);
@@ -744,6 +735,16 @@ fn cuda_ranks_with_nccl_end_the_job_when_one_faults_and_resume() {
     check(resumed, "the NCCL job resumed with --resume auto");
     let steps: Vec<u64> = metrics(&out).iter().map(|m| m.0).collect();
     assert_eq!(steps.last(), Some(&4), "{steps:?}");
+}
+
+/// `tools/cuemu.sh`, the emulator built once before the ranks start (each then finds it:
+/// `CUEMU_SKIP_BUILD`).
+#[cfg(feature = "cuda")]
+fn emulator() -> PathBuf {
+    let emu = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/cuemu.sh");
+    let build = Command::new(&emu).arg("true").output().unwrap();
+    check(build, "tools/cuemu.sh true (build the emulator)");
+    emu
 }
 
 /// `args` with `flags` appended.

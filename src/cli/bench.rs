@@ -46,7 +46,7 @@ pub enum BenchCommand {
     Kernels(BenchKernelsArgs),
     /// The data-parallel gradient sum (reduce-scatter + all-gather, summed in rank order) next to
     /// the MPI library's own all-reduce, bus GB/s per size; with `--device cuda`, NCCL's
-    /// reduce-scatter, all-gather and all-reduce between the ranks' GPUs too. Run it under the
+    /// reduce-scatter, all-gather, all-reduce and broadcast between the ranks' GPUs too. Run it under the
     /// launcher: `mpirun -np 2 megatrain bench collective` (a `--features mpi` build; `cuda,mpi`
     /// for the GPUs).
     Collective(BenchCollectiveArgs),

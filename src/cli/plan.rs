@@ -124,15 +124,14 @@ impl Calibration {
                         ));
                     }
                     c.host_sum = Some((row.ours_busbw_gbs, r.ranks));
-                    // NCCL between the GPUs (`--device cuda`): its all-gather at the largest
-                    // size stands for the broadcasts that gather params (both move each byte
-                    // to every rank once). An emulated report is not a GPU's.
+                    // NCCL between the GPUs (`--device cuda`): its broadcast at the largest size
+                    // is how stage 3's GPUs gather params. An emulated report is not a GPU's.
                     if let Some(n) = r.nccl.as_ref().filter(|n| !n.emulated) {
                         if let Some(g) = n
                             .rows
                             .iter()
                             .max_by_key(|x| x.bytes)
-                            .map(|x| x.all_gather_busbw_gbs)
+                            .map(|x| x.broadcast_busbw_gbs)
                             .filter(|g| g.is_finite() && *g > 0.0)
                         {
                             c.nccl_gbps = Some((g, r.ranks));
@@ -436,7 +435,7 @@ fn hardware(
     if let Some((g, measured)) = cal.nccl_gbps {
         hw.nvlink_gbps = Some(g);
         notes.push(format!(
-            "NCCL between the GPUs calibrated: {g:.1} GB/s bus (`bench collective --device cuda`'s all-gather, {measured} ranks)"
+            "NCCL between the GPUs calibrated: {g:.1} GB/s bus (`bench collective --device cuda`'s broadcast, {measured} ranks)"
         ));
     }
     if let Some(nv) = a.nvlink_gbps {

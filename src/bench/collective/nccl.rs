@@ -1,5 +1,5 @@
-//! `megatrain bench collective --device cuda`: NCCL's reduce-scatter, all-gather and
-//! all-reduce between the ranks' GPUs (each rank on its own, as in training: local rank `i`
+//! `megatrain bench collective --device cuda`: NCCL's reduce-scatter, all-gather, all-reduce
+//! and broadcast between the ranks' GPUs (each rank on its own, as in training: local rank `i`
 //! takes visible GPU `i` mod their count), in bus GB/s by nccl-tests' formulas, every result
 //! checked. The communicator is made the NCCL way: rank 0's unique id broadcast over MPI.
 //!
@@ -27,6 +27,12 @@ pub struct NcclRow {
     pub all_reduce_s: f64,
     /// Its bus GB/s (`bytes / time × 2(N−1)/N`).
     pub all_reduce_busbw_gbs: f64,
+    /// `ncclBroadcast` from rank 0 (how stage 3's GPUs gather a unit's params): seconds.
+    #[serde(default)]
+    pub broadcast_s: f64,
+    /// Its bus GB/s (`bytes / time`: a broadcast's bus bandwidth is its algorithm bandwidth).
+    #[serde(default)]
+    pub broadcast_busbw_gbs: f64,
 }
 
 /// What the NCCL side measured.
@@ -179,6 +185,20 @@ mod measure {
                     return Err(mismatch("ncclAllReduce", i, g, want));
                 }
             }
+            // Rank 0's buffer to every rank's (what stage 3's gathers do).
+            if rank == 0 {
+                drv(
+                    stream.memcpy_htod(&whole, &mut full),
+                    "copy the buffer to the GPU",
+                )?;
+            }
+            let broadcast_s = time(&mut || comm.broadcast(0, &mut full, &stream))?;
+            let got = drv(stream.clone_dtoh(&full), "copy the result to the host")?;
+            for (i, &g) in got.iter().enumerate() {
+                if g != value(i, 0) {
+                    return Err(mismatch("ncclBroadcast", i, g, value(i, 0)));
+                }
+            }
             let size = count as u64 * 4;
             rows.push(NcclRow {
                 bytes: size,
@@ -188,6 +208,8 @@ mod measure {
                 all_gather_busbw_gbs: scatter_gather_bus_gbs(size, n, all_gather_s),
                 all_reduce_s,
                 all_reduce_busbw_gbs: crate::bench::collective::bus_gbs(size, n, all_reduce_s),
+                broadcast_s,
+                broadcast_busbw_gbs: size as f64 / broadcast_s.max(1e-12) / 1e9,
             });
         }
         let lib = comm.library();
@@ -210,7 +232,7 @@ pub fn render(r: &NcclReport, ranks: usize) -> String {
     let mut gpus = r.gpus.clone();
     gpus.dedup();
     let mut s = format!(
-        "NCCL between the ranks' GPUs ({}), {}{}\n(bus bandwidth as nccl-tests reports it: reduce-scatter and all-gather bytes / time × (N−1)/N, all-reduce × 2(N−1)/N, N = {ranks}; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>22}\n",
+        "NCCL between the ranks' GPUs ({}), {}{}\n(bus bandwidth as nccl-tests reports it: reduce-scatter and all-gather bytes / time × (N−1)/N, all-reduce × 2(N−1)/N, broadcast bytes / time, N = {ranks}; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>22}  {:>22}\n",
         gpus.join(", "),
         r.library,
         if r.emulated {
@@ -221,11 +243,12 @@ pub fn render(r: &NcclReport, ranks: usize) -> String {
         "bytes",
         "ncclReduceScatter",
         "ncclAllGather",
-        "ncclAllReduce"
+        "ncclAllReduce",
+        "ncclBroadcast"
     );
     for row in &r.rows {
         s.push_str(&format!(
-            "{:>10}  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s\n",
+            "{:>10}  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s\n",
             crate::util::human_bytes(row.bytes),
             row.reduce_scatter_s * 1e3,
             row.reduce_scatter_busbw_gbs,
@@ -233,6 +256,8 @@ pub fn render(r: &NcclReport, ranks: usize) -> String {
             row.all_gather_busbw_gbs,
             row.all_reduce_s * 1e3,
             row.all_reduce_busbw_gbs,
+            row.broadcast_s * 1e3,
+            row.broadcast_busbw_gbs,
         ));
     }
     s

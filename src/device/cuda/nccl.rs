@@ -272,6 +272,24 @@ impl NcclComm {
         ))
     }
 
+    /// Enqueue `call(send, recv, stream)` — one collective on the slices' device addresses —
+    /// once `what`'s lengths are `ok`; its result checked.
+    fn enqueue<T: NcclElement>(
+        &self,
+        what: &str,
+        (send, recv): (&CudaSlice<T>, &mut CudaSlice<T>),
+        stream: &Arc<CudaStream>,
+        ok: bool,
+        call: impl FnOnce(*const c_void, *mut c_void, cudaStream_t) -> c_int,
+    ) -> Result<()> {
+        self.live(what)?;
+        self.lengths(what, send.len(), recv.len(), ok)?;
+        let (s, _gs) = send.device_ptr(stream);
+        let (r, _gr) = recv.device_ptr_mut(stream);
+        let code = call(s as *const c_void, r as *mut c_void, raw(stream));
+        self.nccl.check(code, what)
+    }
+
     /// `recv = Σ over ranks of send`, element-wise, on `stream` (NCCL's order: its
     /// algorithm's, not rank order).
     pub fn all_reduce_sum<T: NcclElement>(
@@ -280,29 +298,22 @@ impl NcclComm {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.lengths(
-            "ncclAllReduce",
-            send.len(),
-            recv.len(),
-            send.len() == recv.len(),
-        )?;
-        let count = send.len();
-        let (s, _gs) = send.device_ptr(stream);
-        let (r, _gr) = recv.device_ptr_mut(stream);
-        // SAFETY: two device buffers of `count` elements on this communicator's GPU, of the
-        // type NCCL is told; the guards order `stream` with their other uses.
-        let code = unsafe {
-            (self.nccl.api.all_reduce)(
-                s as *const c_void,
-                r as *mut c_void,
-                count,
-                T::TYPE,
-                ncclRedOp_t::ncclSum,
-                self.comm,
-                raw(stream),
-            )
-        };
-        self.nccl.check(code, "ncclAllReduce")
+        let (count, ok) = (send.len(), send.len() == recv.len());
+        self.enqueue("ncclAllReduce", (send, recv), stream, ok, |s, r, st| {
+            // SAFETY: two device buffers of `count` elements on this communicator's GPU, of
+            // the type NCCL is told; their guards order `stream` with their other uses.
+            unsafe {
+                (self.nccl.api.all_reduce)(
+                    s,
+                    r,
+                    count,
+                    T::TYPE,
+                    ncclRedOp_t::ncclSum,
+                    self.comm,
+                    st,
+                )
+            }
+        })
     }
 
     /// Rank r's `recv` = Σ over ranks of `send[r·n .. (r+1)·n]` (`n = recv.len()`), on `stream`.
@@ -312,25 +323,21 @@ impl NcclComm {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.live("ncclReduceScatter")?;
-        let ok = send.len() == recv.len() * self.size;
-        self.lengths("ncclReduceScatter", send.len(), recv.len(), ok)?;
-        let count = recv.len();
-        let (s, _gs) = send.device_ptr(stream);
-        let (r, _gr) = recv.device_ptr_mut(stream);
-        // SAFETY: as in all_reduce_sum, with the lengths NCCL requires checked above.
-        let code = unsafe {
-            (self.nccl.api.reduce_scatter)(
-                s as *const c_void,
-                r as *mut c_void,
-                count,
-                T::TYPE,
-                ncclRedOp_t::ncclSum,
-                self.comm,
-                raw(stream),
-            )
-        };
-        self.nccl.check(code, "ncclReduceScatter")
+        let (count, ok) = (recv.len(), send.len() == recv.len() * self.size);
+        self.enqueue("ncclReduceScatter", (send, recv), stream, ok, |s, r, st| {
+            // SAFETY: as in all_reduce_sum, with the lengths NCCL requires checked.
+            unsafe {
+                (self.nccl.api.reduce_scatter)(
+                    s,
+                    r,
+                    count,
+                    T::TYPE,
+                    ncclRedOp_t::ncclSum,
+                    self.comm,
+                    st,
+                )
+            }
+        })
     }
 
     /// `recv[r·n .. (r+1)·n]` = rank r's `send` (`n = send.len()`), on `stream`.
@@ -340,24 +347,25 @@ impl NcclComm {
         recv: &mut CudaSlice<T>,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.live("ncclAllGather")?;
-        let ok = recv.len() == send.len() * self.size;
-        self.lengths("ncclAllGather", send.len(), recv.len(), ok)?;
-        let count = send.len();
-        let (s, _gs) = send.device_ptr(stream);
-        let (r, _gr) = recv.device_ptr_mut(stream);
-        // SAFETY: as in all_reduce_sum, with the lengths NCCL requires checked above.
-        let code = unsafe {
-            (self.nccl.api.all_gather)(
-                s as *const c_void,
-                r as *mut c_void,
-                count,
-                T::TYPE,
-                self.comm,
-                raw(stream),
-            )
-        };
-        self.nccl.check(code, "ncclAllGather")
+        let (count, ok) = (send.len(), recv.len() == send.len() * self.size);
+        self.enqueue("ncclAllGather", (send, recv), stream, ok, |s, r, st| {
+            // SAFETY: as in all_reduce_sum, with the lengths NCCL requires checked.
+            unsafe { (self.nccl.api.all_gather)(s, r, count, T::TYPE, self.comm, st) }
+        })
+    }
+
+    /// `buf` on every rank = rank `root`'s, in place, on `stream`.
+    pub fn broadcast<T: NcclElement>(
+        &self,
+        root: usize,
+        buf: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let bytes = buf.len() * std::mem::size_of::<T>();
+        let (p, _g) = buf.device_ptr_mut(stream);
+        // SAFETY: the slice's whole range on this communicator's GPU; the guard orders `stream`
+        // with its other uses.
+        unsafe { self.broadcast_bytes(p, bytes, root, stream) }
     }
 
     /// `bytes` bytes at device address `at` on every rank = rank `root`'s, in place, on
