@@ -190,6 +190,8 @@ fn gpu_check_passes_every_stage() {
             "the emulator reported defects:\n{log}"
         );
         assert!(summary.contains("| big | PASS |"), "{summary}");
+        // The emulator's NCCL (a GPU server may have none: SKIP there).
+        assert!(summary.contains("| nccl | PASS | NCCL 2."), "{summary}");
         assert!(summary.contains("**emulated**"), "{summary}");
         assert!(summary.contains("NVRTC 13.0, cuBLAS 13.1"), "{summary}");
     }
@@ -224,7 +226,7 @@ fn gpu_check_reports_a_refused_gpu() {
         summary.contains("| stack | FAIL |") && summary.contains("sm_80 or newer"),
         "{summary}"
     );
-    for stage in ["selftest", "goldens", "bench", "step", "moe", "big"] {
+    for stage in ["selftest", "goldens", "bench", "nccl", "step", "moe", "big"] {
         assert!(
             summary.contains(&format!("| {stage} | SKIP |")),
             "{summary}"

@@ -20,6 +20,9 @@
 #   bench     bench kernels, bench link, bench adam (bench.json, an array of their reports): the
 #             kernels' efficiencies and the link and AdamW rates calibrate the next stage's plan —
 #             and any later plan: `megatrain plan --calibration OUT_DIR/bench.json`
+#   nccl      NCCL found, joined and every collective checked on this GPU (one rank: its rates
+#             need a GPU per rank, `mpirun -np N megatrain bench collective --device cuda`);
+#             SKIP where the machine has no NCCL
 #   step      a few steps of a model as wide as Llama-3-8B (4 layers, bf16 recipe): tokens/s,
 #             TFLOP/s and GPU memory (sampled from nvidia-smi) beside what `megatrain plan`
 #             predicts (step.txt)
@@ -37,7 +40,7 @@ for a in "$@"; do
   case "$a" in
     --emulated) emulated=1 ;;
     --big) big=1 ;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $a (usage: tools/gpu_check.sh [--emulated] [--big] OUT_DIR)" >&2; exit 2 ;;
     *) [ -z "$out" ] || { echo "error: one OUT_DIR" >&2; exit 2; }; out="$a" ;;
   esac
@@ -265,8 +268,23 @@ bench_stage() {
   row bench $r "GEMM bf16 $(fmt "$gemm" '%.3g') TFLOP/s, attention (tensor cores) $(fmt "$attn" '%.3g') TFLOP/s, link pinned H→D $(fmt "$htod" '%.1f') / D→H $(fmt "$dtoh" '%.1f') GB/s, AdamW fp32 $(fmt "$adam" '%.1f') GB/s$label" $(( $(date +%s) - t0 ))
 }
 
+# ---- nccl: the library the data-parallel GPUs use, proven on one rank ---------------------------
+nccl_stage() {
+  local t0; t0=$(date +%s)
+  local f="$scratch/bench-nccl.json" lib
+  if stage_run 120 "$f" bench collective --device cuda --sizes 4M --reps 2 --json; then
+    lib="$(grep -o '"library": *"NCCL[^"]*"' "$f" | head -1 | sed 's/^"library": *"//; s/"$//')"
+    row nccl PASS "${lib:-NCCL}: joined, reduce-scatter, all-gather, all-reduce and broadcast checked on one rank (rates need a GPU per rank: mpirun -np N megatrain bench collective --device cuda)" $(( $(date +%s) - t0 ))
+  elif grep -q 'libnccl.so.2.*not found' "$log"; then
+    row nccl SKIP "no NCCL on this machine (pip install nvidia-nccl-cu13, or MEGATRAIN_NCCL_LIB=…/libnccl.so.2)" $(( $(date +%s) - t0 ))
+  else
+    row nccl FAIL "$(grep -m1 '^error' "$log" | cut -c1-200)" $(( $(date +%s) - t0 ))
+  fi
+}
+
 if [ -n "$stage_ok" ]; then
   bench_stage
+  nccl_stage
   if [ -n "$emulated" ]; then
     # Small shapes: the emulator runs every thread of every block on the host.
     llama_config 2 128 256 4 2 65536 > "$scratch/step.json"
@@ -296,7 +314,7 @@ if [ -n "$stage_ok" ]; then
     row big SKIP "not asked for (--big)" 0
   fi
 else
-  skip_rest bench step moe big
+  skip_rest bench nccl step moe big
 fi
 
 total=$(( $(date +%s) - t_start ))
