@@ -1004,26 +1004,43 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
         "resumed on 2 ranks with sharded params vs accumulation 2"
     ));
     assert_eq!(metrics(&on_two).last().unwrap().0, 8);
-    // What rank 0 cannot do alone with sharded params is refused on every rank, naming the flag.
-    let bad = mpirun(2)
-        .arg(bin())
-        .args(zero3(with(
-            train_args(d.path(), &d.path().join("refused"), 2, 1),
+    // Samples: every rank draws them (each pass gathers), rank 0 says them — the same text as
+    // ranks holding every param, and training unchanged by them.
+    let sampled = |dir: &str, flags: &[&str]| {
+        let out = d.path().join(dir);
+        let args = with(
+            with(constant(train_args(d.path(), &out, 4, 1)), flags),
             &[
                 "--sample-every",
-                "1",
+                "2",
                 "--sample-prompt",
-                "ab",
+                "0123",
                 "--sample-tokens",
-                "4",
+                "6",
+                "--tokenizer",
+                "bytes",
             ],
-        )))
-        .output()
-        .unwrap();
-    assert!(!bad.status.success());
-    let said = String::from_utf8_lossy(&bad.stderr);
-    assert!(
-        said.contains("sample_every") && said.contains("--zero-stage 1"),
-        "{said}"
-    );
+        );
+        let o = run_ranks(2, &args);
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let samples: Vec<String> = said
+            .lines()
+            .filter(|l| l.contains("sample at step"))
+            .map(str::to_owned)
+            .collect();
+        (out, samples)
+    };
+    let (whole_out, whole) = sampled("s-whole", &[]);
+    let (sharded_out, sharded) = sampled("s-sharded", &["--zero-stage", "3"]);
+    assert_eq!(whole.len(), 2, "{whole:?}");
+    assert_eq!(sharded, whole);
+    assert!(assert_equal_runs(
+        &sharded_out,
+        &whole_out,
+        "sampled with sharded params vs whole ranks"
+    ));
 }

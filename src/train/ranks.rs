@@ -39,16 +39,24 @@ pub(super) fn share_start(
 /// The configuration rank `rank` runs: rank 0 (and a process on its own) as given; any other
 /// rank without outputs — no metrics, TensorBoard, trace, export, validation or samples; the
 /// checkpoint directory only read (rank 0 writes the job's checkpoints, the state being the same
-/// on every rank). `gathers_params` (ZeRO stage 3): every rank validates, since each pass
-/// gathers every unit's params from the rank holding them.
+/// on every rank). `gathers_params` (ZeRO stage 3): every rank validates and draws the samples
+/// (rank 0 alone reports them), since each pass gathers every unit's params from the rank
+/// holding them; the ranks compute the same logits, so they draw the same tokens and make the
+/// same passes.
 pub(super) fn rank_outputs(cfg: &TrainConfig, rank: usize, gathers_params: bool) -> TrainConfig {
     if rank == 0 {
         return cfg.clone();
     }
-    let (val_data, val_every) = match gathers_params {
-        true => (cfg.val_data.clone(), cfg.val_every),
-        false => (None, 0),
+    let passes = match gathers_params {
+        true => (
+            cfg.val_data.clone(),
+            cfg.val_every,
+            cfg.sample_every,
+            cfg.sample_prompt.clone(),
+        ),
+        false => (None, 0, 0, None),
     };
+    let (val_data, val_every, sample_every, sample_prompt) = passes;
     TrainConfig {
         metrics: None,
         tensorboard: None,
@@ -56,24 +64,16 @@ pub(super) fn rank_outputs(cfg: &TrainConfig, rank: usize, gathers_params: bool)
         export_hf: None,
         val_data,
         val_every,
-        sample_every: 0,
-        sample_prompt: None,
+        sample_every,
+        sample_prompt,
         ..cfg.clone()
     }
 }
 
-/// What rank 0 of a job whose params are sharded (ZeRO stage 3) cannot do alone: draw samples
-/// (the other ranks' params are theirs), export from the store (it exports from the final
-/// checkpoint instead, which needs a checkpoint directory).
+/// What rank 0 of a job whose params are sharded (ZeRO stage 3) cannot do alone: export from
+/// the store (it exports from the final checkpoint instead, which needs a checkpoint
+/// directory).
 pub(super) fn check_sharded_outputs(cfg: &TrainConfig) -> Result<()> {
-    if cfg.sample_every > 0 {
-        return Err(Error::bad_input(
-                "setting",
-                "sample_every",
-                "samples are not drawn from a job whose params are sharded (--zero-stage 3): rank 0 alone draws them and lacks the other ranks' params",
-                Some("drop --sample-every, or use --zero-stage 1"),
-            ));
-    }
     if cfg.export_hf.is_some() && cfg.checkpoint_dir.is_none() {
         return Err(Error::bad_input(
                 "setting",
