@@ -458,8 +458,7 @@ fn hardware(
             }
             _ => format!(
                 "params gathered GPU to GPU: each owner's copy, then NCCL's broadcast at {} GB/s{}",
-                hw.nvlink_gbps
-                    .unwrap_or_else(|| hw.htod_gbps.min(hw.dtoh_gbps)),
+                hw.gpu_to_gpu_gbps(),
                 match hw.nvlink_gbps {
                     Some(_) => " (NVLink)",
                     None => " (no NVLink described: the PCIe link's rate)",

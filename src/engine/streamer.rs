@@ -826,35 +826,16 @@ impl Streamer {
     }
 
     /// The device commands of a device task: one — or, for weights the devices gather (ZeRO
-    /// stage 3, [`Gather::Device`]), the copy on the unit's owner and the broadcast on every
-    /// rank.
+    /// stage 3, [`Gather::Device`]), the owner's copy and every rank's broadcast.
     fn commands(&mut self, op: &Op, batches: &[Batch]) -> Result<Vec<Cmd>> {
-        let &Op::CopyWeights {
-            unit,
-            to,
-            broadcast: true,
-        } = op
-        else {
-            return Ok(vec![self.command(op, batches)?]);
-        };
-        let layout = self.store.layout();
-        let (root, len) = (layout.owner(unit), layout.units[unit].numel);
-        let mut cmds = Vec::with_capacity(2);
-        if layout.holds_params(unit) {
-            let copy = Op::CopyWeights {
+        match *op {
+            Op::CopyWeights {
                 unit,
                 to,
-                broadcast: false,
-            };
-            cmds.push(self.command(&copy, batches)?);
+                broadcast: true,
+            } => self.gathered_weights(unit, to, batches),
+            _ => Ok(vec![self.command(op, batches)?]),
         }
-        cmds.push(Cmd::Broadcast {
-            buf: self.buf(to),
-            len,
-            root,
-            label: format!("weights unit {unit} from rank {root}"),
-        });
-        Ok(cmds)
     }
 
     /// The device command of a device task.

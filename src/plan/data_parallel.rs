@@ -75,10 +75,7 @@ impl DataParallel {
         if self.ranks() <= 1 {
             return 0.0;
         }
-        let within = hw
-            .nvlink_gbps
-            .unwrap_or_else(|| hw.htod_gbps.min(hw.dtoh_gbps));
-        let inside = bytes / (within.max(1e-9) * 1e9);
+        let inside = bytes / (hw.gpu_to_gpu_gbps().max(1e-9) * 1e9);
         let net = match (self.nodes > 1, hw.nic_gbps) {
             (true, Some(nic)) => bytes / (nic.max(1e-9) * 1e9),
             _ => 0.0,

@@ -4,6 +4,8 @@
 //! job's norm from each unit's owner (stage 3 with sharded gradients).
 
 use super::{StepRun, Streamer};
+use crate::device::{Batch, Cmd};
+use crate::engine::schedule::{DevBuf, Op};
 use crate::store::layout::Mode;
 use crate::{Error, Result};
 
@@ -113,5 +115,34 @@ impl Streamer {
             )
         })?;
         world.broadcast_bytes(root, dst)
+    }
+
+    /// ZeRO stage 3 with the devices gathering ([`crate::engine::schedule::Gather::Device`]):
+    /// unit u's copy into weight buffer `to` on the rank holding it, then the broadcast of
+    /// that buffer from it on every rank.
+    pub(super) fn gathered_weights(
+        &mut self,
+        unit: usize,
+        to: DevBuf,
+        batches: &[Batch],
+    ) -> Result<Vec<Cmd>> {
+        let layout = self.store.layout();
+        let (root, len) = (layout.owner(unit), layout.units[unit].numel);
+        let mut cmds = Vec::with_capacity(2);
+        if layout.holds_params(unit) {
+            let copy = Op::CopyWeights {
+                unit,
+                to,
+                broadcast: false,
+            };
+            cmds.push(self.command(&copy, batches)?);
+        }
+        cmds.push(Cmd::Broadcast {
+            buf: self.buf(to),
+            len,
+            root,
+            label: format!("weights unit {unit} from rank {root}"),
+        });
+        Ok(cmds)
     }
 }

@@ -558,18 +558,18 @@ pub extern "C" fn ncclGroupEnd() -> c_int {
 /// An element type (`ncclDataType_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ty {
-    I8,
-    U8,
-    I32,
-    U32,
-    I64,
-    U64,
-    F16,
-    F32,
-    F64,
-    Bf16,
-    F8e4m3,
-    F8e5m2,
+    I8 = 0,
+    U8 = 1,
+    I32 = 2,
+    U32 = 3,
+    I64 = 4,
+    U64 = 5,
+    F16 = 6,
+    F32 = 7,
+    F64 = 8,
+    Bf16 = 9,
+    F8e4m3 = 10,
+    F8e5m2 = 11,
 }
 
 impl Ty {
@@ -736,7 +736,7 @@ impl Collective {
             self.seq + 1,
             self.kind as u64,
             self.count as u64,
-            self.ty_code(),
+            self.ty as u64,
             self.op.map_or(u64::MAX, |o| o as u64),
             match self.kind {
                 Kind::Broadcast => self.root as u64,
@@ -833,24 +833,6 @@ impl Collective {
             }
         }
         Ok(())
-    }
-
-    fn ty_code(&self) -> u64 {
-        use Ty::*;
-        match self.ty {
-            I8 => 0,
-            U8 => 1,
-            I32 => 2,
-            U32 => 3,
-            I64 => 4,
-            U64 => 5,
-            F16 => 6,
-            F32 => 7,
-            F64 => 8,
-            Bf16 => 9,
-            F8e4m3 => 10,
-            F8e5m2 => 11,
-        }
     }
 
     /// Copy `len` bytes at device address `src` into this rank's chunk and wait for the others'.
