@@ -1044,3 +1044,82 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
         "sampled with sharded params vs whole ranks"
     ));
 }
+
+/// A sharded job's checkpoint is written by its ranks, each writing the units it holds into the
+/// one-process files. Where a rank does not see the directory, rank 0 writes it all from the
+/// units the ranks send: the same bytes, the ranks named. A rank whose write fails fails the
+/// checkpoint, naming itself; the earlier checkpoint stays whole and `--resume auto` carries on.
+#[test]
+fn sharded_checkpoints_are_written_by_every_rank() {
+    let d = tempfile::tempdir().unwrap();
+    inputs(d.path());
+    let zero3 = |args: Vec<String>| with(args, &["--zero-stage", "3"]);
+    let said = |out: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let (own, gathered) = (d.path().join("own"), d.path().join("gathered"));
+    let out = run_ranks(3, &zero3(constant(train_args(d.path(), &own, 4, 1))));
+    let text = said(&out);
+    assert!(
+        text.contains("each of the 3 ranks writing the units it holds"),
+        "{text}"
+    );
+    // CPU ranks gather their params through host memory, and say so.
+    assert!(
+        text.contains("params gathered through host memory (MPI)") && !text.contains("GPU to GPU"),
+        "{text}"
+    );
+    // Ranks 1 and 2 refused the probe: rank 0 gathers.
+    let out = mpirun(3)
+        .env("MEGATRAIN_FAILPOINTS", "checkpoint-shared=EACCES")
+        .arg(bin())
+        .args(zero3(constant(train_args(d.path(), &gathered, 4, 1))))
+        .output()
+        .unwrap();
+    let text = said(&check(out, "3 ranks, rank 0 gathering"));
+    for r in [1, 2] {
+        assert!(
+            text.contains(&format!("rank {r} (on ")) && text.contains("does not see"),
+            "{text}"
+        );
+    }
+    assert!(text.contains("rank 0 writing the units the 3 ranks sent"));
+    for f in ["params.f32", "adam_m.f32", "adam_v.f32"] {
+        same_file(
+            &newest(&own),
+            &newest(&gathered),
+            f,
+            "written by the ranks vs gathered",
+        );
+    }
+    megatrain::train::checkpoint::verify(&newest(&own)).unwrap();
+    // Rank 1's disk fails as it writes the step-6 checkpoint (on 2 ranks: the units dealt anew).
+    let out_dir = resumable_copy(d.path(), "own", "failing");
+    let args = with(
+        zero3(constant(train_args(d.path(), &out_dir, 6, 1))),
+        &["--resume", "auto"],
+    );
+    let mut c = mpirun(1);
+    c.arg(bin()).args(&args).args([":", "-np", "1"]);
+    c.args(["-x", "MEGATRAIN_FAILPOINTS=checkpoint=ENOSPC"]);
+    let failed = c.arg(bin()).args(&args).output().unwrap();
+    let text = said(&failed);
+    assert!(!failed.status.success(), "{text}");
+    assert!(
+        text.contains("rank 1 (on ") && text.contains("No space left"),
+        "{text}"
+    );
+    let entries: Vec<String> = std::fs::read_dir(out_dir.join("ckpt"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("step-"))
+        .collect();
+    assert_eq!(entries, ["step-00000004"], "{text}");
+    megatrain::train::checkpoint::verify(&newest(&out_dir)).unwrap();
+    run_ranks(2, &args);
+    assert_eq!(metrics(&out_dir).last().unwrap().0, 6);
+}

@@ -22,13 +22,15 @@ use std::path::{Path, PathBuf};
 /// files named by their format).
 pub const FORMAT: u32 = 3;
 mod params;
+mod shards;
 mod verify;
 mod write;
 
 pub use params::CheckpointParams;
+pub use shards::{save_job, send_moments, write_job_shard, JobWrite};
 pub use verify::{check_complete, verify, verify_params, Damage};
 use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
-pub use write::{owns, remove_leftovers, save, save_job, send_moments, start, InFlight, Written};
+pub use write::{owns, remove_leftovers, save, start, InFlight, Written};
 
 const PARAMS_FILE: &str = "params.f32";
 

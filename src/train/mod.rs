@@ -346,9 +346,10 @@ fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) {
     }
 }
 
-/// A checkpoint of a job whose Adam state is sharded (ZeRO stage 1), by every rank at once:
-/// rank 0 writes it, in the one-process format, taking each unit's moments from the rank that
-/// holds them; the others send theirs. Training waits for it.
+/// A checkpoint of a job whose state is sharded (ZeRO stage 1 or 3), by every rank at once, in
+/// the one-process format: each rank writes the units it holds into it where every rank sees
+/// its directory, else rank 0 writes it all, taking each unit it lacks from the rank that
+/// holds it (`checkpoint::save_job`). Training waits for it.
 fn joint_checkpoint(
     s: &mut Session,
     step: u64,
@@ -359,10 +360,10 @@ fn joint_checkpoint(
     s.streamer.finish()?;
     let world = s.streamer.world().clone();
     let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) else {
-        return checkpoint::send_moments(s.streamer.store(), world.as_ref());
+        return checkpoint::write_job_shard(s.streamer.store(), world.as_ref());
     };
     let state = train_state(s, step);
-    let d = checkpoint::save_job(
+    let (d, how) = checkpoint::save_job(
         &root,
         s.streamer.store(),
         &state,
@@ -370,7 +371,7 @@ fn joint_checkpoint(
         world.as_ref(),
     )?;
     s.saved = Some((step, d.clone()));
-    let how = format!(", the moments gathered from the {} ranks", world.size());
+    let how = format!(", {}", how.describe(world.size()));
     waited_for(s, &d, t0, &how, progress, summary);
     Ok(())
 }

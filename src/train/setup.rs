@@ -210,9 +210,10 @@ pub(super) fn setup(
             job
         ));
         if layout.gathers_params() {
-            progress.note(&match host_gather_why {
-                None => "params gathered GPU to GPU: each unit's owner copies it to its GPU, NCCL broadcasts it to the others'".to_owned(),
-                Some(why) => format!("params gathered through host memory (MPI): {why}"),
+            progress.note(&match (layout.gathers_on_device(), host_gather_why) {
+                (true, _) => "params gathered GPU to GPU: each unit's owner copies it to its GPU, NCCL broadcasts it to the others'".to_owned(),
+                (false, Some(why)) => format!("params gathered through host memory (MPI): {why}"),
+                (false, None) => "params gathered through host memory (MPI)".to_owned(),
             });
         }
     }

@@ -116,12 +116,31 @@ fn open(path: &Path, options: &std::fs::OpenOptions) -> io::Result<(File, bool)>
 /// A block for the I/O thread: the buffer, its bytes to write, the file offset.
 type WriteJob = (Aligned, usize, u64);
 
+/// The range a [`DirectWriter::region`] writes: its unaligned head and tail go through the page
+/// cache (a second descriptor without `O_DIRECT`), so no aligned block reaches past the range
+/// into bytes another writer owns; the blocks between them go direct.
+#[derive(Debug)]
+struct Region {
+    buffered: File,
+    /// The range's first byte and its length.
+    at: u64,
+    len: u64,
+    /// The bytes up to the first aligned offset (all of them in a short range), staged.
+    head: Vec<u8>,
+    head_len: usize,
+}
+
 /// A new file written front to back, with `O_DIRECT` where the filesystem takes it; an I/O
-/// thread writes one block while the caller fills the next.
+/// thread writes one block while the caller fills the next. Or ([`DirectWriter::region`]) one
+/// byte range of an existing file, which other writers (other processes) fill around it.
 #[derive(Debug)]
 pub struct DirectWriter {
     file: Arc<File>,
     direct: bool,
+    /// The file offset of the first block.
+    start: u64,
+    /// Writing a range of an existing file, not a whole new one.
+    region: Option<Region>,
     /// The block being filled (none once an I/O error ended the thread).
     cur: Option<Aligned>,
     /// Bytes staged in `cur`.
@@ -140,6 +159,33 @@ impl DirectWriter {
         let mut o = std::fs::OpenOptions::new();
         o.write(true).create(true).truncate(true);
         let (file, direct) = open(path, &o)?;
+        Self::start(file, direct, 0, None)
+    }
+
+    /// Write the `len` bytes of the existing file `path` at offset `at`, and nothing else:
+    /// the writers of the other ranges (other processes, other hosts on a shared filesystem)
+    /// fill the rest. The caller writes exactly `len` bytes; [`DirectWriter::finish`] makes
+    /// them durable and leaves the file's length as it was.
+    pub fn region(path: &Path, at: u64, len: u64) -> io::Result<Self> {
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true);
+        let (file, direct) = open(path, &o)?;
+        let buffered = o.open(path)?;
+        let head_len = match direct {
+            true => ((ALIGN as u64 - at % ALIGN as u64) % ALIGN as u64).min(len) as usize,
+            false => 0,
+        };
+        let region = Region {
+            buffered,
+            at,
+            len,
+            head: Vec::with_capacity(head_len),
+            head_len,
+        };
+        Self::start(file, direct, at + head_len as u64, Some(region))
+    }
+
+    fn start(file: File, direct: bool, start: u64, region: Option<Region>) -> io::Result<Self> {
         let file = Arc::new(file);
         let (to_io, jobs) = sync_channel::<WriteJob>(1);
         let (done, free) = sync_channel::<Aligned>(2);
@@ -161,6 +207,8 @@ impl DirectWriter {
         Ok(DirectWriter {
             file,
             direct,
+            start,
+            region,
             cur: Some(Aligned::block()?),
             fill: 0,
             queued: 0,
@@ -191,15 +239,26 @@ impl DirectWriter {
         let Some(mut buf) = self.cur.take() else {
             return Err(self.io_error());
         };
-        let len = match last {
-            true => self.fill.div_ceil(ALIGN) * ALIGN,
-            false => self.fill,
+        let len = match (last, &self.region) {
+            (false, _) => self.fill,
+            // A range's last bytes past the last aligned offset go through the page cache.
+            (true, Some(r)) => {
+                let direct = match self.direct {
+                    true => self.fill / ALIGN * ALIGN,
+                    false => self.fill,
+                };
+                let tail = &buf.as_slice()[direct..self.fill];
+                r.buffered
+                    .write_all_at(tail, self.start + self.queued + direct as u64)?;
+                direct
+            }
+            (true, None) => self.fill.div_ceil(ALIGN) * ALIGN,
         };
-        buf.as_mut_slice()[self.fill..len].fill(0);
+        buf.as_mut_slice()[self.fill.min(len)..len].fill(0);
         let sent = self
             .to_io
             .as_ref()
-            .is_some_and(|t| t.send((buf, len, self.queued)).is_ok());
+            .is_some_and(|t| t.send((buf, len, self.start + self.queued)).is_ok());
         if !sent {
             return Err(self.io_error());
         }
@@ -217,6 +276,19 @@ impl DirectWriter {
     /// Write what is staged, wait for every block, cut the file to the bytes written, make it
     /// durable; the file.
     pub fn finish(mut self) -> io::Result<File> {
+        if let Some(r) = &self.region {
+            let written = r.head.len() as u64 + self.queued + self.fill as u64;
+            if written != r.len {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("a range of {} bytes was given {written}", r.len),
+                ));
+            }
+            if r.head.len() < r.head_len {
+                // A range shorter than its head: all of it staged there.
+                r.buffered.write_all_at(&r.head, r.at)?;
+            }
+        }
         if self.fill > 0 {
             self.submit(true)?;
         }
@@ -226,7 +298,10 @@ impl DirectWriter {
             Some(Err(_)) => return Err(io::Error::other("direct writer: the I/O thread panicked")),
             None => return Err(io::Error::other("direct writer: the I/O thread stopped")),
         }
-        self.file.set_len(self.queued)?;
+        if self.region.is_none() {
+            self.file.set_len(self.queued)?;
+        }
+        // Every dirty page of the file, the range's head and tail in the page cache included.
         self.file.sync_all()?;
         let file = Arc::clone(&self.file);
         drop(self); // its thread is joined: `file` is the last handle
@@ -237,6 +312,23 @@ impl DirectWriter {
 impl Write for DirectWriter {
     fn write(&mut self, mut data: &[u8]) -> io::Result<usize> {
         let n = data.len();
+        if let Some(r) = self.region.as_mut() {
+            if r.head.len() < r.head_len {
+                let take = (r.head_len - r.head.len()).min(data.len());
+                r.head.extend_from_slice(&data[..take]);
+                data = &data[take..];
+                if r.head.len() == r.head_len {
+                    r.buffered.write_all_at(&r.head, r.at)?;
+                }
+            }
+            let written = r.head.len() as u64 + self.queued + (self.fill + data.len()) as u64;
+            if written > r.len {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("a range of {} bytes was given {written}", r.len),
+                ));
+            }
+        }
         while !data.is_empty() {
             let Some(buf) = self.cur.as_mut() else {
                 return Err(self.io_error());
@@ -455,6 +547,64 @@ mod tests {
             }
         }
         assert!(failed || w.finish().is_err());
+    }
+
+    /// Ranges of one file written by writers at once (as the ranks of a job write a
+    /// checkpoint's units), at offsets and lengths off the alignment and across blocks, short
+    /// ranges inside one aligned block shared with their neighbours: the file holds every byte
+    /// of each, and its length is left alone.
+    #[test]
+    fn ranges_written_at_once_fill_a_file() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("f");
+        let lens = [
+            5usize,
+            4091,
+            3,
+            8192,
+            BLOCK + 4100,
+            17,
+            2 * BLOCK - 1,
+            1,
+            0,
+            9000,
+        ];
+        let total: usize = lens.iter().sum();
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(total as u64)
+            .unwrap();
+        let want: Vec<u8> = (0..total).map(|j| (j * 7 % 251) as u8 + 1).collect();
+        let mut at = 0;
+        let ranges: Vec<(usize, usize)> = lens
+            .iter()
+            .map(|&n| {
+                at += n;
+                (at - n, n)
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for (k, &(at, n)) in ranges.iter().enumerate() {
+                let (path, want) = (&path, &want);
+                s.spawn(move || {
+                    let mut w = DirectWriter::region(path, at as u64, n as u64).unwrap();
+                    // In uneven pieces, as a unit's tensors arrive.
+                    for piece in want[at..at + n].chunks(1000 + k * 777) {
+                        w.write_all(piece).unwrap();
+                    }
+                    w.finish().unwrap();
+                });
+            }
+        });
+        let got = std::fs::read(&path).unwrap();
+        assert_eq!(got.len(), total);
+        assert!(got == want);
+        // A range given more or fewer bytes than its length is refused.
+        let mut w = DirectWriter::region(&path, 3, 10).unwrap();
+        assert!(w.write_all(&[1u8; 11]).is_err());
+        let mut w = DirectWriter::region(&path, 3, 10).unwrap();
+        w.write_all(&[1u8; 9]).unwrap();
+        assert!(w.finish().is_err());
     }
 
     /// A file that exists is replaced.

@@ -42,65 +42,9 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
     write(root, snapshot, state, keep, true, None)
 }
 
-/// [`save`] by rank 0 of a job whose state is sharded (ZeRO stage 1 or 3): the checkpoint is
-/// the job's, in the one-process format (so it resumes on any number of ranks, sharded or not,
-/// and exports without any rank), each unit's moments (stage 3: and params) taken from the rank
-/// that holds them as the write reaches it. Every other rank runs [`send_moments`] at the same
-/// time.
-pub fn save_job(
-    root: &Path,
-    store: &HostStore,
-    state: &TrainState,
-    keep: usize,
-    world: &dyn Collective,
-) -> Result<PathBuf> {
-    let snapshot = store.snapshot()?;
-    write(root, snapshot, state, keep, true, Some(world))
-}
-
-/// Bytes per message of a unit's state on its way to rank 0 ([`send_moments`]): what the
-/// writer holds of another rank's state at once.
-const MOMENT_CHUNK: usize = 64 << 20;
-
-/// A sharded job's rank other than 0, while rank 0 runs [`save_job`]: send rank 0 the state of
-/// every unit this rank holds, in unit order — its fp32 params (stage 3; planes joined), then m,
-/// then v — in [`MOMENT_CHUNK`] messages, the moments straight from the store. Every unit must
-/// be idle.
-pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
-    let layout = store.layout();
-    let Some(owners) = layout.owners.as_ref() else {
-        return Ok(());
-    };
-    for u in (0..store.num_units()).filter(|&u| owners.holds(u) && owners.rank != 0) {
-        let mut g = store.take(u)?;
-        g.stage()?;
-        {
-            let sh = g.shards()?;
-            if owners.params {
-                let mut joined = vec![0f32; MOMENT_CHUNK / 4];
-                let params = sh.params.view();
-                let mut at = 0;
-                while at < params.len() {
-                    let n = (params.len() - at).min(joined.len());
-                    params.read(at, &mut joined[..n]);
-                    // SAFETY: byte view of an f32 slice (no padding; the file is
-                    // little-endian like the host).
-                    let bytes =
-                        unsafe { std::slice::from_raw_parts(joined.as_ptr().cast::<u8>(), n * 4) };
-                    world.send_bytes(0, bytes)?;
-                    at += n;
-                }
-            }
-            for moment in [&*sh.m, &*sh.v] {
-                for chunk in moment.chunks(MOMENT_CHUNK) {
-                    world.send_bytes(0, chunk)?;
-                }
-            }
-        }
-        g.unstage_clean();
-    }
-    Ok(())
-}
+/// Bytes per message of a unit's state on its way to rank 0 ([`super::send_moments`]): what
+/// the writer holds of another rank's state at once.
+pub(super) const MOMENT_CHUNK: usize = 64 << 20;
 
 /// A checkpoint being written while training goes on ([`start`]).
 #[derive(Debug)]
@@ -226,8 +170,8 @@ impl InFlight {
 
 /// Write `snapshot` as the checkpoint of `state` (see [`save`]); `meter`: report progress;
 /// `world`: a sharded job's, from whose ranks the moments this process lacks come
-/// ([`save_job`]).
-fn write(
+/// ([`super::save_job`] where the ranks cannot write into one directory).
+pub(super) fn write(
     root: &Path,
     mut snapshot: Snapshot,
     state: &TrainState,
@@ -243,12 +187,7 @@ fn write(
         ));
     }
     std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
-    let final_dir = root.join(dir_name(state.step));
-    let tmp = root.join(format!(
-        ".{}.tmp-{}",
-        dir_name(state.step),
-        std::process::id()
-    ));
+    let (tmp, final_dir) = temporary(root, state.step);
     let _ = std::fs::remove_dir_all(&tmp);
     let result = (|| -> Result<()> {
         std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
@@ -371,49 +310,75 @@ fn write(
         if let Some(meter) = meter {
             meter.finish();
         }
-        let state_json = serde_json::to_vec_pretty(state)
-            .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
-        let sp = tmp.join("state.json");
-        crate::util::write_atomic(&sp, &state_json)?;
-        files.push((
-            "state.json".into(),
-            state_json.len() as u64,
-            crc32c::crc32c(&state_json),
-        ));
-        let manifest = serde_json::to_vec_pretty(&Manifest {
-            format: FORMAT,
-            files,
-        })
-        .map_err(|e| Error::system("serde_json", "manifest", e))?;
-        crate::util::write_atomic(&tmp.join(MANIFEST), &manifest)?;
-        fsync_dir(&tmp);
-        // An existing checkpoint of this step is renamed aside, the new one renamed into place,
-        // and only then the old one deleted: no moment without a `step-N`.
-        let old = final_dir
-            .exists()
-            .then(|| aside(root, &final_dir, "replaced"));
-        if let Some(old) = &old {
-            let _ = std::fs::remove_dir_all(old);
-            std::fs::rename(&final_dir, old)
-                .map_err(|e| Error::io("replace checkpoint", &final_dir, e))?;
-        }
-        if let Err(e) = std::fs::rename(&tmp, &final_dir) {
-            if let Some(old) = &old {
-                let _ = std::fs::rename(old, &final_dir);
-            }
-            return Err(Error::io("rename checkpoint into place", &final_dir, e));
-        }
-        fsync_dir(root);
-        if let Some(old) = &old {
-            let _ = std::fs::remove_dir_all(old);
-        }
-        Ok(())
+        seal(root, &tmp, state, files)
     })();
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result?;
-    // Keep this run's newest `keep` checkpoints, and clean temporary directories of dead writers.
+    prune(root, state, keep)?;
+    Ok(final_dir)
+}
+
+/// The temporary directory a checkpoint of `step` is written into by this process, and the
+/// checkpoint's name once renamed into place.
+pub(super) fn temporary(root: &Path, step: u64) -> (PathBuf, PathBuf) {
+    let tmp = root.join(format!(".{}.tmp-{}", dir_name(step), std::process::id()));
+    (tmp, root.join(dir_name(step)))
+}
+
+/// Finish the checkpoint of `state` in `tmp`, whose tensor files (`files`: name, size, crc32c)
+/// are written and durable: its state.json, the manifest, then renamed into place as
+/// `root/step-N` (an existing one of the step replaced only once the new one is in place).
+pub(super) fn seal(
+    root: &Path,
+    tmp: &Path,
+    state: &TrainState,
+    mut files: Vec<(String, u64, u32)>,
+) -> Result<()> {
+    let final_dir = temporary(root, state.step).1;
+    let state_json = serde_json::to_vec_pretty(state)
+        .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
+    let sp = tmp.join("state.json");
+    crate::util::write_atomic(&sp, &state_json)?;
+    files.push((
+        "state.json".into(),
+        state_json.len() as u64,
+        crc32c::crc32c(&state_json),
+    ));
+    let manifest = serde_json::to_vec_pretty(&Manifest {
+        format: FORMAT,
+        files,
+    })
+    .map_err(|e| Error::system("serde_json", "manifest", e))?;
+    crate::util::write_atomic(&tmp.join(MANIFEST), &manifest)?;
+    fsync_dir(tmp);
+    // An existing checkpoint of this step is renamed aside, the new one renamed into place,
+    // and only then the old one deleted: no moment without a `step-N`.
+    let old = final_dir
+        .exists()
+        .then(|| aside(root, &final_dir, "replaced"));
+    if let Some(old) = &old {
+        let _ = std::fs::remove_dir_all(old);
+        std::fs::rename(&final_dir, old)
+            .map_err(|e| Error::io("replace checkpoint", &final_dir, e))?;
+    }
+    if let Err(e) = std::fs::rename(tmp, &final_dir) {
+        if let Some(old) = &old {
+            let _ = std::fs::rename(old, &final_dir);
+        }
+        return Err(Error::io("rename checkpoint into place", &final_dir, e));
+    }
+    fsync_dir(root);
+    if let Some(old) = &old {
+        let _ = std::fs::remove_dir_all(old);
+    }
+    Ok(())
+}
+
+/// Keep this run's newest `keep` checkpoints under `root` (`state`'s run), and remove the
+/// temporary directories of dead writers.
+pub(super) fn prune(root: &Path, state: &TrainState, keep: usize) -> Result<()> {
     let mut ours: Vec<(u64, PathBuf)> = list(root)?
         .into_iter()
         .filter(|(_, d)| {
@@ -426,7 +391,7 @@ fn write(
         let _ = discard(root, &d);
     }
     remove_leftovers(root, Some(std::process::id()));
-    Ok(final_dir)
+    Ok(())
 }
 
 /// Delete the checkpoint `dir` under `root` so that no kill leaves half of it under its name:
