@@ -1122,4 +1122,22 @@ fn sharded_checkpoints_are_written_by_every_rank() {
     megatrain::train::checkpoint::verify(&newest(&out_dir)).unwrap();
     run_ranks(2, &args);
     assert_eq!(metrics(&out_dir).last().unwrap().0, 6);
+    // A resuming rank reads only the units it holds, and the ranks check each file together:
+    // a byte changed anywhere in a moment file is caught, whichever rank read it.
+    for at in [0.1, 0.5, 0.99] {
+        let bad = resumable_copy(d.path(), "own", &format!("corrupt-{at}"));
+        let f = newest(&bad).join("adam_v.f32");
+        let mut bytes = std::fs::read(&f).unwrap();
+        let i = (bytes.len() as f64 * at) as usize;
+        bytes[i] ^= 0x10;
+        std::fs::write(&f, bytes).unwrap();
+        let args = with(
+            zero3(constant(train_args(d.path(), &bad, 6, 1))),
+            &["--resume"],
+        );
+        let out = mpirun(2).arg(bin()).args(&args).output().unwrap();
+        let text = said(&out);
+        assert!(!out.status.success(), "{text}");
+        assert!(text.contains("adam_v.f32 fails its crc32c check"), "{text}");
+    }
 }

@@ -204,7 +204,68 @@ pub enum MomentsRestored {
 /// checked against its size and checksum on the way (a damaged file is refused naming the newest
 /// good older checkpoint). Returns the checkpoint's state.
 pub fn load_params(dir: &Path, store: &HostStore) -> Result<TrainState> {
-    load_files(dir, store, Some(1)).map(|(state, _)| state)
+    load_files(dir, store, Some(1), &crate::dist::Solo::default()).map(|(state, _)| state)
+}
+
+/// The files the ranks read their own units of ([`Source::Held`]), checked by the ranks
+/// together: every unit's crc32c from the rank that read it, combined in unit order, against
+/// the manifest's checksum of the file. Collective (every rank reads the same files this way).
+fn check_held(
+    dir: &Path,
+    sources: &[(PathBuf, String, Source)],
+    ranges: &[[(u64, u64); 3]],
+    listed: &Manifest,
+    world: &dyn crate::dist::Collective,
+) -> Result<()> {
+    if !sources.iter().any(|s| matches!(s.2, Source::Held(_))) {
+        return Ok(());
+    }
+    let mine: Vec<(usize, usize, u32)> = sources
+        .iter()
+        .enumerate()
+        .flat_map(|(k, (_, _, source))| match source {
+            Source::Held(crcs) => crcs.iter().map(|&(u, c)| (k, u, c)).collect(),
+            Source::Whole(_) => Vec::new(),
+        })
+        .collect();
+    let mine = serde_json::to_vec(&mine)
+        .map_err(|e| Error::system("serde_json", "the units' checksums", e))?;
+    let mut crcs = vec![[None::<u32>; 3]; ranges.len()];
+    for (r, theirs) in world.all_gather_bytes(&mine)?.iter().enumerate() {
+        let theirs: Vec<(usize, usize, u32)> = serde_json::from_slice(theirs)
+            .map_err(|e| Error::internal("checkpoint", format!("rank {r}'s checksums: {e}")))?;
+        for (k, u, c) in theirs {
+            match crcs.get_mut(u).and_then(|x| x.get_mut(k)) {
+                Some(slot @ None) => *slot = Some(c),
+                _ => {
+                    return Err(Error::internal(
+                        "checkpoint",
+                        format!("rank {r} read unit {u} of file {k}, which another rank read"),
+                    ))
+                }
+            }
+        }
+    }
+    for (k, (_, name, source)) in sources.iter().enumerate() {
+        if !matches!(source, Source::Held(_)) {
+            continue;
+        }
+        let mut crc = 0u32;
+        for (u, range) in ranges.iter().enumerate() {
+            let c = crcs[u][k].ok_or_else(|| {
+                Error::internal("checkpoint", format!("no rank read unit {u} of {name}"))
+            })?;
+            crc = crc32c::crc32c_combine(crc, c, range[k].1 as usize);
+        }
+        match listed.files.iter().find(|f| f.0 == *name) {
+            None => return Err(refuse_naming_older(dir, &Damage::Incomplete(name.clone()))),
+            Some(f) if f.2 != crc => {
+                return Err(refuse_naming_older(dir, &Damage::Corrupt(name.clone())))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// The moment format a checkpoint's state records (checkpoints before `--adam-state`: fp32).
@@ -274,10 +335,32 @@ impl Checksummed {
 /// were converted (the checkpoint's `--adam-state` differs from the store's: fp32 → compact
 /// quantises, compact → fp32 dequantises).
 pub fn load(dir: &Path, store: &HostStore) -> Result<(TrainState, MomentsRestored)> {
-    load_files(dir, store, None).map_err(|e| match dir.is_dir() {
+    load_job(dir, store, &crate::dist::Solo::default())
+}
+
+/// [`load`] by every rank of a job (`world`) at once. A rank whose store holds part of a
+/// file's units (ZeRO stage 1's moments; stage 3's params too) reads only those units' bytes,
+/// whatever number of ranks wrote the checkpoint (the units dealt anew: re-sharded as it
+/// loads), and the ranks check the file's checksum together: each unit's crc32c from the rank
+/// that read it, combined in unit order. The job reads each such file once, not once per rank.
+pub fn load_job(
+    dir: &Path,
+    store: &HostStore,
+    world: &dyn crate::dist::Collective,
+) -> Result<(TrainState, MomentsRestored)> {
+    load_files(dir, store, None, world).map_err(|e| match dir.is_dir() {
         true => e,
         false => refuse(dir, &Damage::Gone, None),
     })
+}
+
+/// How a rank reads one of a checkpoint's files.
+enum Source {
+    /// Every byte, front to back, checked here.
+    Whole(Checksummed),
+    /// The units this rank holds, each through its own range; each one's crc32c, to combine
+    /// with the other ranks'.
+    Held(Vec<(usize, u32)>),
 }
 
 /// [`load`], or with `first: Some(n)` the first `n` of the checkpoint's files alone (1: the
@@ -286,6 +369,7 @@ fn load_files(
     dir: &Path,
     store: &HostStore,
     first: Option<usize>,
+    world: &dyn crate::dist::Collective,
 ) -> Result<(TrainState, MomentsRestored)> {
     let state = open(dir)?;
     if state.model != store.layout().config {
@@ -297,24 +381,61 @@ fn load_files(
         ));
     }
     let (saved, held) = (adam_state_of(&state), store.layout().adam);
+    let layout = store.layout();
+    // Each unit's bytes in each file, as the checkpoint holds them.
+    let ranges = shards::ranges(layout, saved);
+    // Whether this rank reads only its own units of a file (0 params, 1 m, 2 v).
+    let owned = |k: usize| {
+        world.size() > 1 && layout.owners.as_ref().is_some_and(|o| k > 0 || o.params)
+    };
     // One pass over the units with the three files open: a spilled unit is staged and written
     // back once.
     let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
-    let mut readers = Vec::new();
-    for (name, _) in files(saved).into_iter().take(first.unwrap_or(usize::MAX)) {
+    let mut sources = Vec::new();
+    for (k, (name, _)) in files(saved).into_iter().take(first.unwrap_or(usize::MAX)).enumerate() {
         let path = dir.join(&name);
-        // Past the page cache in 8 MiB blocks, the next read while this one is consumed; each
-        // file's checksum is taken as it is read (the one read of a resume).
-        let r = crate::util::direct::DirectReader::open(&path)
-            .map_err(|e| Error::io("open", &path, e))?;
-        readers.push((path, Checksummed::new(name, r)));
+        let source = match owned(k) {
+            // Its size first: a range past a cut-short file's end is damage, not an I/O error.
+            true => {
+                let have = std::fs::metadata(&path)
+                    .map_err(|e| Error::io("open", &path, e))?
+                    .len();
+                let want = ranges.last().map_or(0, |r| r[k].0 + r[k].1);
+                if have != want {
+                    let d = Damage::WrongSize {
+                        file: name.clone(),
+                        have,
+                        want,
+                    };
+                    return Err(refuse_naming_older(dir, &d));
+                }
+                Source::Held(Vec::new())
+            }
+            // Past the page cache in 8 MiB blocks, the next read while this one is consumed;
+            // each file's checksum is taken as it is read (the one read of a resume).
+            false => Source::Whole(Checksummed::new(
+                name.clone(),
+                crate::util::direct::DirectReader::open(&path)
+                    .map_err(|e| Error::io("open", &path, e))?,
+            )),
+        };
+        sources.push((path, name, source));
     }
     let mut scratch = Vec::new();
-    let total: u64 = listed
-        .files
+    let total: u64 = sources
         .iter()
-        .filter(|(name, _, _)| readers.iter().any(|(_, r)| r.name == *name))
-        .map(|(_, size, _)| size)
+        .enumerate()
+        .map(|(k, (_, name, source))| match source {
+            Source::Whole(_) => listed
+                .files
+                .iter()
+                .find(|(n, _, _)| n == name)
+                .map_or(0, |f| f.1),
+            Source::Held(_) => (0..ranges.len())
+                .filter(|&u| layout.holds(u, [ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV][k]))
+                .map(|u| ranges[u][k].1)
+                .sum(),
+        })
         .sum();
     let meter = Meter::start("checkpoint read", total, Unit::Bytes);
     for u in 0..store.num_units() {
@@ -337,7 +458,26 @@ fn load_files(
         };
         // The moments' map (signed for m, unsigned for v); none for the params.
         let targets = [(params, None), (sh.m, Some(true)), (sh.v, Some(false))];
-        for ((path, f), (dst, moment)) in readers.iter_mut().zip(targets) {
+        for (k, ((path, name, source), (dst, moment))) in sources.iter_mut().zip(targets).enumerate() {
+            let mine = match moment {
+                None => store.layout().holds_params(u),
+                Some(_) => store.layout().holds_moments(u),
+            };
+            // A file this rank reads its own units of: this unit's range, if it holds it.
+            let mut range;
+            let f = match source {
+                Source::Whole(f) => f,
+                Source::Held(_) if !mine => continue,
+                Source::Held(_) => {
+                    let (at, len) = ranges[u][k];
+                    range = Checksummed::new(
+                        name.clone(),
+                        crate::util::direct::DirectReader::range(path, at, len)
+                            .map_err(|e| Error::io("open", path.as_path(), e))?,
+                    );
+                    &mut range
+                }
+            };
             let before = f.bytes;
             let read = |f: &mut Checksummed, buf: &mut [u8]| {
                 f.read_exact(buf)
@@ -356,11 +496,9 @@ fn load_files(
             };
             match moment {
                 // Params another rank holds (ZeRO stage 3).
-                None if !store.layout().holds_params(u) => read_past(f, 4 * numel)?,
+                None if !mine => read_past(f, 4 * numel)?,
                 // Moments another rank holds (ZeRO stage 1 or 3).
-                Some(_) if !store.layout().holds_moments(u) => {
-                    read_past(f, saved.moment_bytes_unaligned(numel))?
-                }
+                Some(_) if !mine => read_past(f, saved.moment_bytes_unaligned(numel))?,
                 Some(signed) if saved != held => {
                     scratch.resize(saved.moment_bytes_unaligned(numel), 0);
                     read(f, &mut scratch)?;
@@ -370,6 +508,10 @@ fn load_files(
                 _ => read(f, dst)?,
             }
             meter.add(f.bytes - before);
+            let crc = f.crc;
+            if let Source::Held(crcs) = source {
+                crcs.push((u, crc));
+            }
         }
         if !fp32.is_empty() && store.layout().holds_params(u) {
             sh.params.write(0, &fp32);
@@ -377,12 +519,15 @@ fn load_files(
         g.unstage(); // written back to NVMe if spilled
     }
     // Every byte of each file read, and what the manifest says it holds.
-    for (path, f) in &mut readers {
-        f.finish(&listed).map_err(|d| match d {
-            Some(d) => refuse_naming_older(dir, &d),
-            None => Error::io("read", path.as_path(), std::io::Error::other("read failed")),
-        })?;
+    for (path, _, source) in &mut sources {
+        if let Source::Whole(f) = source {
+            f.finish(&listed).map_err(|d| match d {
+                Some(d) => refuse_naming_older(dir, &d),
+                None => Error::io("read", path.as_path(), std::io::Error::other("read failed")),
+            })?;
+        }
     }
+    check_held(dir, &sources, &ranges, &listed, world)?;
     meter.finish();
     let how = if saved == held {
         MomentsRestored::Exact

@@ -244,7 +244,7 @@ pub(super) fn setup(
         &inputs.run_id,
         progress,
     )?;
-    let (start_step, cursor, prev_norm) = restore(&cfg, resumed, &store, progress)?;
+    let (start_step, cursor, prev_norm) = restore(&cfg, resumed, &store, world.as_ref(), progress)?;
     let (activations, device_inputs) =
         choose_activations(&cfg, device.as_ref(), store.layout(), progress);
     // Recorded, so a resumed run and the checkpoint's configuration say what was used.
@@ -519,10 +519,11 @@ fn restore(
     cfg: &TrainConfig,
     resumed: Option<&(PathBuf, TrainState)>,
     store: &HostStore,
+    world: &dyn crate::dist::Collective,
     progress: &mut dyn Progress,
 ) -> Result<(u64, Cursor, Option<f64>)> {
     if let Some((dir, _)) = resumed {
-        let (st, moments) = checkpoint::load(dir, store)?;
+        let (st, moments) = checkpoint::load_job(dir, store, world)?;
         progress.note(&format!(
             "resumed from {} (step {})",
             dir.display(),

@@ -373,12 +373,32 @@ pub struct DirectReader {
     recycle: Option<SyncSender<Aligned>>,
     /// The block being consumed, its length and the position in it.
     cur: Option<(Aligned, usize, usize)>,
+    /// Bytes of the first block before the range ([`DirectReader::range`]), not returned.
+    skip: usize,
+    /// Bytes left to return (the range's length; unbounded for a whole file).
+    left: u64,
     io: Option<JoinHandle<()>>,
 }
 
 impl DirectReader {
     /// Open `path`, direct if the filesystem allows it.
     pub fn open(path: &Path) -> io::Result<Self> {
+        Self::start(path, 0, 0, u64::MAX)
+    }
+
+    /// Read the `len` bytes of `path` at offset `at` (a unit's bytes in a checkpoint file that
+    /// other ranks read the rest of): the aligned blocks around the range are read, no more.
+    pub fn range(path: &Path, at: u64, len: u64) -> io::Result<Self> {
+        let first = at / ALIGN as u64 * ALIGN as u64;
+        let skip = (at - first) as usize;
+        let stop = first + (skip as u64 + len).div_ceil(ALIGN as u64) * ALIGN as u64;
+        let mut r = Self::start(path, first, skip, stop)?;
+        r.left = len;
+        Ok(r)
+    }
+
+    /// Read from the aligned offset `first` up to `stop`, the first `skip` bytes dropped.
+    fn start(path: &Path, first: u64, skip: usize, stop: u64) -> io::Result<Self> {
         let mut o = std::fs::OpenOptions::new();
         o.read(true);
         let (file, _) = open(path, &o)?;
@@ -392,23 +412,24 @@ impl DirectReader {
         let io = std::thread::Builder::new()
             .name("direct-read".into())
             .spawn(move || {
-                let mut offset = 0u64;
+                let mut offset = first;
                 for mut buf in free {
+                    let want = (stop - offset).min(BLOCK as u64) as usize;
                     let mut got = 0;
                     let r = loop {
                         // A direct read continues only at aligned offsets: a short read that is
                         // not a whole number of blocks is the end of the file.
-                        if got == BLOCK || got % ALIGN != 0 {
+                        if got == want || got % ALIGN != 0 {
                             break Ok(got);
                         }
-                        match file.read_at(&mut buf.as_mut_slice()[got..], offset + got as u64) {
+                        match file.read_at(&mut buf.as_mut_slice()[got..want], offset + got as u64) {
                             Ok(0) => break Ok(got),
                             Ok(n) => got += n,
                             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                             Err(e) => break Err(e),
                         }
                     };
-                    let end = !matches!(r, Ok(n) if n == BLOCK);
+                    let end = !matches!(r, Ok(n) if n == BLOCK) || offset + BLOCK as u64 >= stop;
                     if filled.send(r.map(|n| (buf, n))).is_err() || end {
                         break;
                     }
@@ -419,6 +440,8 @@ impl DirectReader {
             blocks: Some(blocks),
             recycle: Some(recycle),
             cur: None,
+            skip,
+            left: u64::MAX,
             io: Some(io),
         })
     }
@@ -427,11 +450,15 @@ impl DirectReader {
 impl Read for DirectReader {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         loop {
+            if self.left == 0 {
+                return Ok(0);
+            }
             if let Some((buf, len, pos)) = self.cur.as_mut() {
                 if *pos < *len {
-                    let n = (*len - *pos).min(out.len());
+                    let n = (*len - *pos).min(out.len()).min(self.left as usize);
                     out[..n].copy_from_slice(&buf.as_slice()[*pos..*pos + n]);
                     *pos += n;
+                    self.left -= n as u64;
                     return Ok(n);
                 }
                 let (buf, len, _) = self.cur.take().unwrap_or_else(|| unreachable!());
@@ -443,7 +470,11 @@ impl Read for DirectReader {
                 }
             }
             match self.blocks.as_ref().map(Receiver::recv) {
-                Some(Ok(Ok((buf, len)))) => self.cur = Some((buf, len, 0)),
+                Some(Ok(Ok((buf, len)))) => {
+                    let pos = self.skip.min(len);
+                    self.skip -= pos;
+                    self.cur = Some((buf, len, pos));
+                }
                 Some(Ok(Err(e))) => return Err(e),
                 // The thread ended after the last block.
                 Some(Err(_)) | None => return Ok(0),
@@ -531,6 +562,38 @@ mod tests {
             let _ = r.read(&mut piece[..10]).unwrap();
             drop(r);
         }
+    }
+
+    /// A range comes back byte for byte, whatever its offset and length around the alignment
+    /// and block boundaries, and nothing past it; a range past the end of the file comes back
+    /// short.
+    #[test]
+    fn a_range_reader_returns_the_range() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("f");
+        let total = 2 * BLOCK + 9_999;
+        let want: Vec<u8> = (0..total).map(|j| (j * 7 % 253) as u8).collect();
+        std::fs::write(&path, &want).unwrap();
+        for (at, len) in [
+            (0usize, 0usize),
+            (0, 1),
+            (3, 4090),
+            (4095, 2),
+            (4096, 4096),
+            (5, BLOCK),
+            (BLOCK - 1, BLOCK + 2),
+            (17, total - 17),
+            (total - 1, 1),
+        ] {
+            let mut r = DirectReader::range(&path, at as u64, len as u64).unwrap();
+            let mut got = Vec::new();
+            r.read_to_end(&mut got).unwrap();
+            assert!(got == want[at..at + len], "range {at}+{len}");
+        }
+        let mut r = DirectReader::range(&path, total as u64 - 3, 10).unwrap();
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).unwrap();
+        assert_eq!(got, want[total - 3..]);
     }
 
     /// A write the disk refuses (/dev/full: ENOSPC) is an error from `write` or `finish`, never

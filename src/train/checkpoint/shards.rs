@@ -13,7 +13,7 @@
 use super::write::{prune, seal, temporary, write, MOMENT_CHUNK};
 use super::{files, TrainState};
 use crate::dist::Collective;
-use crate::store::layout::{ShardKind, StateLayout};
+use crate::store::layout::{AdamState, ShardKind, StateLayout};
 use crate::store::HostStore;
 use crate::util::direct::DirectWriter;
 use crate::util::progress::{Meter, Unit};
@@ -63,15 +63,16 @@ struct Offer {
 /// could not.
 type Wrote = std::result::Result<Vec<(usize, [u32; 3])>, String>;
 
-/// Each unit's byte range (offset, length) in each of the three files: the params (fp32), m,
-/// v — units in order, as a process alone writes them.
-fn ranges(layout: &StateLayout) -> Vec<[(u64, u64); 3]> {
+/// Each unit's byte range (offset, length) in each of the three files of a checkpoint whose
+/// moments are stored as `adam`: the params (fp32), m, v — units in order, as a process alone
+/// writes them.
+pub(super) fn ranges(layout: &StateLayout, adam: AdamState) -> Vec<[(u64, u64); 3]> {
     let mut at = [0u64; 3];
     layout
         .units
         .iter()
         .map(|u| {
-            let moment = layout.adam.moment_bytes_unaligned(u.numel) as u64;
+            let moment = adam.moment_bytes_unaligned(u.numel) as u64;
             let lens = [4 * u.numel as u64, moment, moment];
             std::array::from_fn(|k| {
                 at[k] += lens[k];
@@ -95,7 +96,7 @@ pub fn save_job(
     std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
     let (tmp, final_dir) = temporary(root, state.step);
     let names = files(store.layout().adam);
-    let ranges = ranges(store.layout());
+    let ranges = ranges(store.layout(), store.layout().adam);
     let token = crate::util::lock::random_id();
     let _ = std::fs::remove_dir_all(&tmp);
     let prepared = (|| -> Result<()> {
@@ -215,7 +216,7 @@ pub fn write_job_shard(store: &HostStore, world: &dyn Collective) -> Result<()> 
     if verdicts.iter().any(|v| !v.is_empty()) {
         return send_moments(store, world);
     }
-    let ranges = ranges(store.layout());
+    let ranges = ranges(store.layout(), store.layout().adam);
     let mine = write_units(store, &offer.dir, &names, &ranges, false).map_err(|e| e.to_string());
     world.all_gather_bytes(&encode(&mine)?)?;
     Ok(())
@@ -361,7 +362,7 @@ mod tests {
     /// The units' ranges tile each file in unit order, of the sizes a process alone writes.
     #[test]
     fn ranges_tile_each_file() {
-        use crate::store::layout::{AdamState, Mode};
+        use crate::store::layout::Mode;
         let cfg = crate::model::config::ModelConfig::from_json_str(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":100,
             "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,
@@ -371,7 +372,7 @@ mod tests {
         .unwrap();
         for adam in [AdamState::Fp32, AdamState::Bf16, AdamState::Int8] {
             let layout = StateLayout::new(&cfg, Mode::Exact).with_adam_state(adam);
-            let r = ranges(&layout);
+            let r = ranges(&layout, adam);
             assert_eq!(r.len(), layout.units.len());
             let total: u64 = r.iter().flat_map(|u| u.iter().map(|x| x.1)).sum();
             assert_eq!(total, layout.checkpoint_bytes());
