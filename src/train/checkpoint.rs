@@ -385,14 +385,17 @@ fn load_files(
     // Each unit's bytes in each file, as the checkpoint holds them.
     let ranges = shards::ranges(layout, saved);
     // Whether this rank reads only its own units of a file (0 params, 1 m, 2 v).
-    let owned = |k: usize| {
-        world.size() > 1 && layout.owners.as_ref().is_some_and(|o| k > 0 || o.params)
-    };
+    let owned =
+        |k: usize| world.size() > 1 && layout.owners.as_ref().is_some_and(|o| k > 0 || o.params);
     // One pass over the units with the three files open: a spilled unit is staged and written
     // back once.
     let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
     let mut sources = Vec::new();
-    for (k, (name, _)) in files(saved).into_iter().take(first.unwrap_or(usize::MAX)).enumerate() {
+    for (k, (name, _)) in files(saved)
+        .into_iter()
+        .take(first.unwrap_or(usize::MAX))
+        .enumerate()
+    {
         let path = dir.join(&name);
         let source = match owned(k) {
             // Its size first: a range past a cut-short file's end is damage, not an I/O error.
@@ -432,7 +435,12 @@ fn load_files(
                 .find(|(n, _, _)| n == name)
                 .map_or(0, |f| f.1),
             Source::Held(_) => (0..ranges.len())
-                .filter(|&u| layout.holds(u, [ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV][k]))
+                .filter(|&u| {
+                    layout.holds(
+                        u,
+                        [ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV][k],
+                    )
+                })
                 .map(|u| ranges[u][k].1)
                 .sum(),
         })
@@ -458,7 +466,9 @@ fn load_files(
         };
         // The moments' map (signed for m, unsigned for v); none for the params.
         let targets = [(params, None), (sh.m, Some(true)), (sh.v, Some(false))];
-        for (k, ((path, name, source), (dst, moment))) in sources.iter_mut().zip(targets).enumerate() {
+        for (k, ((path, name, source), (dst, moment))) in
+            sources.iter_mut().zip(targets).enumerate()
+        {
             let mine = match moment {
                 None => store.layout().holds_params(u),
                 Some(_) => store.layout().holds_moments(u),

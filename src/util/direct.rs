@@ -422,7 +422,8 @@ impl DirectReader {
                         if got == want || got % ALIGN != 0 {
                             break Ok(got);
                         }
-                        match file.read_at(&mut buf.as_mut_slice()[got..want], offset + got as u64) {
+                        match file.read_at(&mut buf.as_mut_slice()[got..want], offset + got as u64)
+                        {
                             Ok(0) => break Ok(got),
                             Ok(n) => got += n,
                             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
