@@ -446,7 +446,7 @@ fn load_files(
         })
         .sum();
     let meter = Meter::start("checkpoint read", total, Unit::Bytes);
-    for u in 0..store.num_units() {
+    for (u, unit_ranges) in ranges.iter().enumerate() {
         let mut g = store.take(u)?;
         g.stage()?;
         let numel = g.numel();
@@ -479,7 +479,7 @@ fn load_files(
                 Source::Whole(f) => f,
                 Source::Held(_) if !mine => continue,
                 Source::Held(_) => {
-                    let (at, len) = ranges[u][k];
+                    let (at, len) = unit_ranges[k];
                     range = Checksummed::new(
                         name.clone(),
                         crate::util::direct::DirectReader::range(path, at, len)
