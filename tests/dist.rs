@@ -1064,8 +1064,13 @@ fn sharded_checkpoints_are_written_by_every_rank() {
     let (own, gathered) = (d.path().join("own"), d.path().join("gathered"));
     let out = run_ranks(3, &zero3(constant(train_args(d.path(), &own, 4, 1))));
     let text = said(&out);
+    // Step 2's beside steps 3 and 4; step 4's, the last, waited for.
     assert!(
-        text.contains("each of the 3 ranks writing the units it holds"),
+        text.contains("each of the 3 ranks writing the units it holds) while training went on"),
+        "{text}"
+    );
+    assert!(
+        text.contains("each of the 3 ranks writing the units it holds; training waited for it"),
         "{text}"
     );
     // CPU ranks gather their params through host memory, and say so.

@@ -88,6 +88,12 @@ impl HostStore {
     /// Freeze every unit. No unit may be in use (its update running): call between steps,
     /// once every update has finished.
     pub fn snapshot(&self) -> Result<Snapshot> {
+        self.snapshot_units(|_| true)
+    }
+
+    /// Freeze the units `which` says (a sharded job's rank: the units it writes into a
+    /// checkpoint); the others stay writable. As [`HostStore::snapshot`], between steps.
+    pub fn snapshot_units(&self, which: impl Fn(usize) -> bool) -> Result<Snapshot> {
         let frozen = &self.inner.frozen;
         if let Some(u) = (0..self.num_units()).find(|&u| frozen.is_frozen(u)) {
             return Err(Error::internal(
@@ -102,12 +108,13 @@ impl HostStore {
                 format!("snapshot while unit {u} is in use (its update may be running)"),
             ));
         }
-        for f in &frozen.units {
+        let holds: Vec<bool> = (0..self.num_units()).map(which).collect();
+        for (f, _) in frozen.units.iter().zip(&holds).filter(|(_, &h)| h) {
             f.store(true, Ordering::Release);
         }
         Ok(Snapshot {
             store: self.clone(),
-            holds: vec![true; self.num_units()],
+            holds,
         })
     }
 }
@@ -252,6 +259,25 @@ mod tests {
         drop(snap);
         other.join().unwrap();
         assert_eq!(store.take(0).unwrap().master_ref().to_vec()[0], 3.0);
+    }
+
+    /// A snapshot of some units (a sharded job's rank: the units it writes) freezes those
+    /// alone: another unit's update goes on, the chosen one's waits; the others cannot be read.
+    #[test]
+    fn a_snapshot_of_some_units_freezes_those_alone() {
+        let store = store();
+        let mut snap = store.snapshot_units(|u| u == 1).unwrap();
+        store.take(0).unwrap().master().write(0, &[4.0]);
+        assert!(snap.read(0).is_err(), "unit 0 is not in the snapshot");
+        let writer = {
+            let store = store.clone();
+            std::thread::spawn(move || store.take(1).unwrap().master().write(0, &[5.0]))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!writer.is_finished(), "unit 1 is frozen");
+        drop(snap.read(1).unwrap());
+        writer.join().unwrap();
+        assert_eq!(store.take(1).unwrap().master_ref().to_vec()[0], 5.0);
     }
 
     #[test]

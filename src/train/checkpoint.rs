@@ -27,7 +27,7 @@ mod verify;
 mod write;
 
 pub use params::CheckpointParams;
-pub use shards::{save_job, send_moments, write_job_shard, JobWrite};
+pub use shards::{send_moments, start_job, JobCheckpoint, JobInFlight, JobStarted};
 pub use verify::{check_complete, verify, verify_params, Damage};
 use verify::{manifest, refuse, refuse_naming_older, Manifest, MANIFEST};
 pub use write::{owns, remove_leftovers, save, start, InFlight, Written};

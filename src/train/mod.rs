@@ -151,15 +151,23 @@ pub fn run_in(
         Ok(()) => {}
         Err(Stop::Step(e)) => {
             // The checkpoint being written holds the state before the failed step, whole: it
-            // is finished (or, failing, named) before the error is reported.
+            // is finished (or, failing, named) before the error is reported. A sharded job's
+            // rank finishes its own writes (the other ranks may be gone): the rank whose
+            // writes end last seals it.
             if let Err(w) = settle_checkpoint(&mut s, true, progress, &mut summary) {
                 progress.note(&format!("  the checkpoint being written failed too: {w}"));
+            }
+            if let Some(w) = s.job_writing.take() {
+                w.end_alone();
             }
             return Err(e);
         }
         Err(Stop::AfterStep(e)) => {
             if let Err(w) = settle_checkpoint(&mut s, true, progress, &mut summary) {
                 progress.note(&format!("  the checkpoint being written failed: {w}"));
+            }
+            if let Some(w) = s.job_writing.take() {
+                w.end_alone();
             }
             return Err(rescue(&mut s, summary.steps, e, progress));
         }
@@ -230,10 +238,19 @@ fn train_loop(
             .map_err(Stop::Step)?;
         let due = s.cfg.checkpoint_every > 0 && step.is_multiple_of(s.cfg.checkpoint_every);
         if s.streamer.store().layout().owners.is_some() {
-            // Sharded Adam state: every rank takes part in each checkpoint, written while
-            // training waits.
-            if s.joint_checkpoints && (due || step == s.cfg.steps || stop) {
-                joint_checkpoint(s, step, progress, summary).map_err(Stop::AfterStep)?;
+            // Sharded Adam state: every rank takes part in each checkpoint, each writing its
+            // own units beside the next steps; the last one is waited for.
+            if s.joint_checkpoints {
+                settle_job_checkpoint(s, false, false, progress, summary)
+                    .map_err(Stop::AfterStep)?;
+                let last = step == s.cfg.steps || stop;
+                if due || last {
+                    start_job_checkpoint(s, step, progress, summary).map_err(Stop::AfterStep)?;
+                }
+                if last {
+                    settle_job_checkpoint(s, true, true, progress, summary)
+                        .map_err(Stop::AfterStep)?;
+                }
             }
         } else if let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) {
             if step == s.cfg.steps || stop {
@@ -252,6 +269,7 @@ fn train_loop(
         }
     }
     settle_checkpoint(s, true, progress, summary).map_err(Stop::AfterStep)?;
+    settle_job_checkpoint(s, true, false, progress, summary).map_err(Stop::AfterStep)?;
     s.streamer.finish().map_err(Stop::Step)
 }
 
@@ -293,20 +311,40 @@ fn settle_checkpoint(
     let Some(w) = s.writing.take() else {
         return Ok(());
     };
-    let step = w.step();
     let done = w.join()?;
-    progress.checkpoint(&done.dir);
-    progress.note(&format!(
-        "  {} written in {:.3} s ({:.2} GB/s) while training went on; it waited {:.3} s for the write ({:.0}% hidden)",
-        crate::util::human_bytes(done.bytes),
-        done.secs,
-        done.bytes as f64 / done.secs.max(1e-9) / 1e9,
-        done.waited,
-        100.0 * done.hidden()
-    ));
-    s.saved = Some((step, done.dir.clone()));
-    summary.checkpoint = Some(done.dir);
+    report_written(s, done, "", false, progress, summary);
     Ok(())
+}
+
+/// Report checkpoint `done`, written while training went on, or (`at_once`: the last one)
+/// waited for as soon as it started (`how`: said after its rate).
+fn report_written(
+    s: &mut Session,
+    done: checkpoint::Written,
+    how: &str,
+    at_once: bool,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) {
+    progress.checkpoint(&done.dir);
+    let (size, rate) = (
+        crate::util::human_bytes(done.bytes),
+        done.bytes as f64 / done.secs.max(1e-9) / 1e9,
+    );
+    progress.note(&match at_once {
+        true => format!(
+            "  {size} written in {:.3} s ({rate:.2} GB/s{how}; training waited for it)",
+            done.secs
+        ),
+        false => format!(
+            "  {size} written in {:.3} s ({rate:.2} GB/s{how}) while training went on; it waited {:.3} s for the write ({:.0}% hidden)",
+            done.secs,
+            done.waited,
+            100.0 * done.hidden()
+        ),
+    });
+    s.saved = Some((done.step, done.dir.clone()));
+    summary.checkpoint = Some(done.dir);
 }
 
 /// Validation loss when it is due at `step`.
@@ -346,33 +384,76 @@ fn sample_if_due(s: &mut Session, step: u64, progress: &mut dyn Progress) {
     }
 }
 
-/// A checkpoint of a job whose state is sharded (ZeRO stage 1 or 3), by every rank at once, in
-/// the one-process format: each rank writes the units it holds into it where every rank sees
-/// its directory, else rank 0 writes it all, taking each unit it lacks from the rank that
-/// holds it (`checkpoint::save_job`). Training waits for it.
-fn joint_checkpoint(
+/// Start the checkpoint of the state after `step` of a job whose state is sharded (ZeRO stage 1
+/// or 3), on every rank at once (the previous one, if still being written, is finished first):
+/// each rank writes the units it holds into it beside the next steps where every rank sees its
+/// directory, else rank 0 writes it all now, taking each unit it lacks from the rank that holds
+/// it, while training waits (`checkpoint::start_job`).
+fn start_job_checkpoint(
     s: &mut Session,
     step: u64,
     progress: &mut dyn Progress,
     summary: &mut Summary,
 ) -> Result<()> {
+    settle_job_checkpoint(s, true, false, progress, summary)?;
     let t0 = std::time::Instant::now();
+    // Every update of `step` ends before its units are frozen.
     s.streamer.finish()?;
     let world = s.streamer.world().clone();
-    let Some(root) = s.run_dir.as_ref().map(|r| r.root.clone()) else {
-        return checkpoint::write_job_shard(s.streamer.store(), world.as_ref());
+    let writer = s.run_dir.as_ref().map(|r| checkpoint::JobCheckpoint {
+        root: r.root.clone(),
+        state: train_state(s, step),
+        keep: s.cfg.keep_checkpoints,
+    });
+    match checkpoint::start_job(writer, s.streamer.store(), world.as_ref(), t0.elapsed())? {
+        checkpoint::JobStarted::Writing(w) => s.job_writing = Some(*w),
+        checkpoint::JobStarted::Gathered { dir: Some(d), why } => {
+            s.saved = Some((step, d.clone()));
+            let how = format!(
+                ", rank 0 writing the units the {} ranks sent: {why}, so they could not write \
+                 their own",
+                world.size()
+            );
+            waited_for(s, &d, t0, &how, progress, summary);
+        }
+        checkpoint::JobStarted::Gathered { dir: None, .. } => {}
+    }
+    Ok(())
+}
+
+/// Finish a sharded job's checkpoint being written, if any, on every rank at once: when every
+/// rank's writes have ended (asked of all ranks), or (`wait`) waiting for them. Rank 0 reports it
+/// (`at_once`: the last one, waited for as soon as it started).
+fn settle_job_checkpoint(
+    s: &mut Session,
+    wait: bool,
+    at_once: bool,
+    progress: &mut dyn Progress,
+    summary: &mut Summary,
+) -> Result<()> {
+    let Some(w) = s.job_writing.as_ref() else {
+        return Ok(());
     };
-    let state = train_state(s, step);
-    let (d, how) = checkpoint::save_job(
-        &root,
-        s.streamer.store(),
-        &state,
-        s.cfg.keep_checkpoints,
-        world.as_ref(),
-    )?;
-    s.saved = Some((step, d.clone()));
-    let how = format!(", {}", how.describe(world.size()));
-    waited_for(s, &d, t0, &how, progress, summary);
+    let world = s.streamer.world().clone();
+    if !wait && crate::dist::any(world.as_ref(), !w.is_finished())? {
+        return Ok(());
+    }
+    let Some(w) = s.job_writing.take() else {
+        return Ok(());
+    };
+    if let Some(done) = w.finish(world.as_ref())? {
+        report_written(
+            s,
+            done,
+            &format!(
+                ", each of the {} ranks writing the units it holds",
+                world.size()
+            ),
+            at_once,
+            progress,
+            summary,
+        );
+    }
     Ok(())
 }
 

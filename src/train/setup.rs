@@ -54,6 +54,8 @@ pub(super) struct Session {
     pub(super) saved: Option<(u64, PathBuf)>,
     /// The checkpoint being written while the next step runs.
     pub(super) writing: Option<super::checkpoint::InFlight>,
+    /// A sharded job's checkpoint being written by every rank (the same on every rank).
+    pub(super) job_writing: Option<super::checkpoint::JobInFlight>,
     /// A job with its Adam state sharded (`--zero-stage 1`) whose rank 0 writes checkpoints:
     /// every rank takes part in each (rank 0 lacks the other ranks' moments).
     pub(super) joint_checkpoints: bool,
@@ -296,6 +298,7 @@ pub(super) fn setup(
     Ok(Session {
         saved: resumed.map(|(d, st)| (st.step, d.clone())),
         writing: None,
+        job_writing: None,
         joint_checkpoints,
         cfg,
         model: inputs.model,

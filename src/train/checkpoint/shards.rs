@@ -2,7 +2,9 @@
 //! once. Where every rank sees the checkpoint's directory (ranks of one host, or hosts sharing a
 //! filesystem, as DeepSpeed's sharded checkpoints ask), each rank writes the units it holds —
 //! their params, m and v — straight into the checkpoint's three files at the units' offsets
-//! ([`DirectWriter::region`]) and tells rank 0 each unit's crc32c per file; rank 0 combines them
+//! ([`DirectWriter::region`]), on a thread of its own beside the next steps (each unit frozen
+//! until written, as a process alone writes beside them), and then tells rank 0 each unit's
+//! crc32c per file ([`JobInFlight::finish`], collective); rank 0 combines them
 //! into each file's checksum and seals the checkpoint (state, manifest, rename) as a process
 //! alone does. So the checkpoint is the one-process format byte for byte — it resumes on any
 //! number of ranks, re-sharded as it loads, and exports without any rank — and each rank writes
@@ -10,58 +12,46 @@
 //! does not see the directory (hosts with disks of their own), rank 0 takes the units it lacks
 //! from their ranks and writes them itself ([`send_moments`]), and the report names the rank.
 
-use super::write::{prune, seal, temporary, write, MOMENT_CHUNK};
+use super::write::{
+    prune, seal, temporary, write, write_state, yield_to_training, Written, MOMENT_CHUNK,
+    STATE_FILE,
+};
 use super::{files, TrainState};
 use crate::dist::Collective;
 use crate::store::layout::{AdamState, ShardKind, StateLayout};
-use crate::store::HostStore;
+use crate::store::{FrozenUnit, HostStore, MasterRef, Snapshot};
 use crate::util::direct::DirectWriter;
-use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-
-/// How a sharded job's checkpoint was written.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JobWrite {
-    /// Every rank wrote the units it holds into the checkpoint's files.
-    ByRanks,
-    /// Rank 0 wrote it all, the units it lacks sent by their ranks: `why` names the ranks that
-    /// could not write into the directory.
-    Gathered {
-        /// Which ranks did not see the directory, and why.
-        why: String,
-    },
-}
-
-impl JobWrite {
-    /// How the checkpoint of a job of `ranks` was written, for the line reporting it.
-    pub fn describe(&self, ranks: usize) -> String {
-        match self {
-            JobWrite::ByRanks => format!("each of the {ranks} ranks writing the units it holds"),
-            JobWrite::Gathered { why } => format!(
-                "rank 0 writing the units the {ranks} ranks sent: {why}, so they could not \
-                 write their own"
-            ),
-        }
-    }
-}
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// The file rank 0 leaves in the temporary directory for the others to find: a filesystem they
 /// share holds it with rank 0's token.
 const PROBE: &str = ".ranks-probe";
 
-/// Rank 0's offer: where the checkpoint is being written and the token its probe holds.
-#[derive(Debug, Serialize, Deserialize)]
+/// Rank 0's offer: where the checkpoint of which step is being written, and the token its
+/// probe holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Offer {
     dir: PathBuf,
+    step: u64,
     token: String,
 }
 
-/// What a rank wrote: each unit it holds with the crc32c of its bytes in each file, or why it
-/// could not.
-type Wrote = std::result::Result<Vec<(usize, [u32; 3])>, String>;
+/// A rank's report in the temporary directory once its writes have ended: `part-R.json`.
+fn part_file(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("part-{rank}.json"))
+}
+
+/// Claimed (created, exclusively) by the rank that seals the checkpoint.
+const SEALING: &str = ".sealing";
+
+/// What a rank wrote: each unit it holds with the crc32c of its bytes in each file, and the
+/// seconds its writes took; or why it could not.
+type Wrote = std::result::Result<(Vec<(usize, [u32; 3])>, f64), String>;
 
 /// Each unit's byte range (offset, length) in each of the three files of a checkpoint whose
 /// moments are stored as `adam`: the params (fp32), m, v — units in order, as a process alone
@@ -82,47 +72,72 @@ pub(super) fn ranges(layout: &StateLayout, adam: AdamState) -> Vec<[(u64, u64); 
         .collect()
 }
 
-/// A checkpoint of a sharded job by its rank 0, while every other rank runs
-/// [`write_job_shard`]: the job's whole state in the one-process format, written by the ranks
-/// into one directory where they all see it, else gathered by rank 0 (see the module). Every
-/// unit must be idle on every rank.
-pub fn save_job(
-    root: &Path,
+/// What rank 0 brings to a sharded job's checkpoint: where, the state it holds, how many of
+/// the run's to keep.
+#[derive(Debug)]
+pub struct JobCheckpoint {
+    /// The checkpoint directory (`step-N` goes under it).
+    pub root: PathBuf,
+    /// Everything besides the tensors.
+    pub state: TrainState,
+    /// The run's newest checkpoints kept.
+    pub keep: usize,
+}
+
+/// A sharded job's checkpoint as [`start_job`] left it.
+#[derive(Debug)]
+pub enum JobStarted {
+    /// Every rank is writing the units it holds beside the next steps;
+    /// [`JobInFlight::finish`] ends it.
+    Writing(Box<JobInFlight>),
+    /// A rank does not see the directory (`why`: which, and why): rank 0 wrote it all (`dir`,
+    /// on rank 0) from the units the others sent, while training waited.
+    Gathered {
+        /// The checkpoint (rank 0).
+        dir: Option<PathBuf>,
+        /// The ranks that could not write into the directory, and why.
+        why: String,
+    },
+}
+
+/// Start the checkpoint of a sharded job (ZeRO stage 1 or 3) on every rank at once (`writer`:
+/// rank 0's part; `None` on the others): rank 0 makes the checkpoint's three files and a probe
+/// in a temporary directory, each rank checks it sees them, and then every rank writes the
+/// units it holds into them on a thread of its own beside the next steps, each unit frozen
+/// until written ([`HostStore::snapshot_units`]) — or, where a rank does not see them, rank 0
+/// writes it all now from the units the others send. Every unit must be idle on every rank.
+/// `waited_to_start`: what the caller waited for the units to be idle.
+pub fn start_job(
+    writer: Option<JobCheckpoint>,
     store: &HostStore,
-    state: &TrainState,
-    keep: usize,
     world: &dyn Collective,
-) -> Result<(PathBuf, JobWrite)> {
-    std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
-    let (tmp, final_dir) = temporary(root, state.step);
+    waited_to_start: Duration,
+) -> Result<JobStarted> {
     let names = files(store.layout().adam);
     let ranges = ranges(store.layout(), store.layout().adam);
-    let token = crate::util::lock::random_id();
-    let _ = std::fs::remove_dir_all(&tmp);
-    let prepared = (|| -> Result<()> {
-        std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-        for (k, (name, _)) in names.iter().enumerate() {
-            let path = tmp.join(name);
-            let total = ranges.last().map_or(0, |r| r[k].0 + r[k].1);
-            std::fs::File::create(&path)
-                .and_then(|f| f.set_len(total))
-                .map_err(|e| Error::io("create", &path, e))?;
-        }
-        let probe = tmp.join(PROBE);
-        std::fs::write(&probe, &token).map_err(|e| Error::io("write", &probe, e))
-    })();
-    if let Err(e) = prepared {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    let offer = serde_json::to_vec(&Offer {
-        dir: tmp.clone(),
-        token,
-    })
-    .map_err(|e| Error::system("serde_json", "the checkpoint's offer", e))?;
-    world.all_gather_bytes(&offer)?;
-    let verdicts = world.all_gather_bytes(&[])?;
-    let _ = std::fs::remove_file(tmp.join(PROBE));
+    let owners = store.layout().owners.clone().ok_or_else(|| {
+        Error::internal("checkpoint", "a job's checkpoint needs the units' owners")
+    })?;
+    let sealing = match writer {
+        Some(w) => Some(prepare(w, &names, &ranges)?),
+        None => None,
+    };
+    let offer = match &sealing {
+        Some(s) => serde_json::to_vec(&s.offer)
+            .map_err(|e| Error::system("serde_json", "the checkpoint's offer", e))?,
+        None => Vec::new(),
+    };
+    let offers = world.all_gather_bytes(&offer)?;
+    let offer: Offer = serde_json::from_slice(offers.first().map_or(&[][..], |o| &o[..]))
+        .map_err(|e| Error::internal("checkpoint", format!("rank 0's offer: {e}")))?;
+    let verdict = match sealing.is_some() {
+        true => String::new(),
+        false => sees(&offer, &names).err().unwrap_or_default(),
+    };
+    let verdicts = world.all_gather_bytes(verdict.as_bytes())?;
+    let _ = sealing
+        .as_ref()
+        .map(|s| std::fs::remove_file(s.tmp.join(PROBE)));
     let hosts = world.hosts();
     let refused: Vec<String> = verdicts
         .iter()
@@ -134,92 +149,299 @@ pub fn save_job(
         })
         .collect();
     if !refused.is_empty() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        let dir = write(root, store.snapshot()?, state, keep, true, Some(world))?;
-        return Ok((
-            dir,
-            JobWrite::Gathered {
-                why: refused.join("; "),
-            },
-        ));
+        let why = refused.join("; ");
+        let Some(s) = sealing else {
+            send_moments(store, world)?;
+            return Ok(JobStarted::Gathered { dir: None, why });
+        };
+        let _ = std::fs::remove_dir_all(&s.tmp);
+        let dir = write(
+            &s.root,
+            store.snapshot()?,
+            &s.state,
+            s.keep,
+            true,
+            Some(world),
+        )?;
+        return Ok(JobStarted::Gathered {
+            dir: Some(dir),
+            why,
+        });
     }
-    let mine = write_units(store, &tmp, &names, &ranges, true).map_err(|e| e.to_string());
-    let all = world.all_gather_bytes(&encode(&mine)?)?;
-    let result = (|| -> Result<()> {
-        let mut crcs: Vec<Option<[u32; 3]>> = vec![None; ranges.len()];
-        for (r, bytes) in all.iter().enumerate() {
-            let wrote: Wrote = serde_json::from_slice(bytes)
-                .map_err(|e| Error::internal("checkpoint", format!("rank {r}'s report: {e}")))?;
-            let host = hosts.get(r).map_or("?", String::as_str);
-            let units = wrote.map_err(|why| {
-                Error::system(
-                    "checkpoint",
-                    format!(
-                        "rank {r} (on {host}) write its units into {}",
-                        tmp.display()
-                    ),
-                    why,
-                )
-                .with_fix(format!(
-                    "make room on (or repair) the disk rank {r} writes to on {host}; the earlier \
-                     checkpoints are whole, and `--resume auto` carries on from the newest"
-                ))
-            })?;
-            for (u, c) in units {
-                match crcs.get_mut(u) {
-                    Some(slot @ None) => *slot = Some(c),
-                    _ => {
-                        return Err(Error::internal(
-                            "checkpoint",
-                            format!("rank {r} wrote unit {u}, which is not its to write"),
-                        ))
-                    }
+    let snapshot = store.snapshot_units(|u| owners.holds(u))?;
+    let waited_before = store.snapshot_wait();
+    let (rank, ranks) = (world.rank(), world.size());
+    let (offer_, names_, ranges_) = (offer.clone(), names.clone(), ranges.clone());
+    let thread = std::thread::Builder::new()
+        .name("checkpoint".into())
+        .spawn(move || {
+            yield_to_training();
+            let t0 = Instant::now();
+            let wrote: Wrote = write_units(snapshot, &offer_.dir, &names_, &ranges_)
+                .map(|w| (w, t0.elapsed().as_secs_f64()))
+                .map_err(|e| e.to_string());
+            // Told through the directory too: the rank whose writes end last seals it there
+            // and then, so it is whole even if a later step fails before the ranks meet.
+            let told = encode(&wrote)
+                .and_then(|b| crate::util::write_atomic(&part_file(&offer_.dir, rank), &b));
+            if told.is_ok() && wrote.is_ok() {
+                let _ = seal_if_last(&offer_, ranks, &names_, &ranges_);
+            }
+            wrote
+        })
+        .map_err(|e| Error::system("checkpoint", "start the writer thread", e))?;
+    Ok(JobStarted::Writing(Box::new(JobInFlight {
+        store: store.clone(),
+        thread,
+        waited_before,
+        waited_to_start,
+        sealing,
+    })))
+}
+
+/// Seal the checkpoint `offer` names if every one of the `ranks` has reported writing its
+/// units, each without error, and no other rank has claimed the sealing: the files' checksums
+/// combined from the reports, the manifest written, the directory renamed into place. Whether
+/// this call sealed it.
+fn seal_if_last(
+    offer: &Offer,
+    ranks: usize,
+    names: &[(String, ShardKind); 3],
+    ranges: &[[(u64, u64); 3]],
+) -> Result<bool> {
+    let mut reports = Vec::new();
+    for r in 0..ranks {
+        match std::fs::read(part_file(&offer.dir, r)) {
+            Ok(b) => reports.push(b),
+            Err(_) => return Ok(false),
+        }
+    }
+    let reports: Vec<Wrote> = reports
+        .iter()
+        .map(|b| serde_json::from_slice(b))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| Error::internal("checkpoint", format!("a rank's report: {e}")))?;
+    if reports.iter().any(|w| w.is_err()) {
+        return Ok(false);
+    }
+    let claim = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(offer.dir.join(SEALING));
+    if claim.is_err() {
+        return Ok(false);
+    }
+    let root = offer.dir.parent().unwrap_or(Path::new("."));
+    let mut files = combine(&reports, names, ranges, &[])?.1;
+    tidy(&offer.dir, ranks);
+    let state = std::fs::read(offer.dir.join(STATE_FILE))
+        .map_err(|e| Error::io("read", offer.dir.join(STATE_FILE), e))?;
+    files.push((
+        STATE_FILE.into(),
+        state.len() as u64,
+        crc32c::crc32c(&state),
+    ));
+    seal(root, &offer.dir, offer.step, files)?;
+    Ok(true)
+}
+
+/// A file's manifest entry: name, size, crc32c.
+type ManifestEntry = (String, u64, u32);
+
+/// Remove the ranks' reports and the sealing claim from the temporary directory `dir`: a
+/// checkpoint holds the files its manifest lists, no others.
+fn tidy(dir: &Path, ranks: usize) {
+    for r in 0..ranks {
+        let _ = std::fs::remove_file(part_file(dir, r));
+    }
+    let _ = std::fs::remove_file(dir.join(SEALING));
+}
+
+/// Every rank's report (in rank order) into each tensor file's (name, size, crc32c), the units'
+/// checksums combined in unit order; and the slowest rank's seconds. A rank that failed is named
+/// (`hosts`: every rank's host).
+fn combine(
+    reports: &[Wrote],
+    names: &[(String, ShardKind); 3],
+    ranges: &[[(u64, u64); 3]],
+    hosts: &[String],
+) -> Result<(f64, Vec<ManifestEntry>)> {
+    let mut crcs: Vec<Option<[u32; 3]>> = vec![None; ranges.len()];
+    let mut secs = 0f64;
+    for (r, wrote) in reports.iter().enumerate() {
+        let host = hosts.get(r).map_or("?", String::as_str);
+        let (units, took) = wrote.as_ref().map_err(|why| {
+            Error::system(
+                "checkpoint",
+                format!("rank {r} (on {host}) write its units into the checkpoint"),
+                why,
+            )
+            .with_fix(format!(
+                "make room on (or repair) the disk rank {r} writes to on {host}; the earlier \
+                 checkpoints are whole, and `--resume auto` carries on from the newest"
+            ))
+        })?;
+        secs = secs.max(*took);
+        for &(u, c) in units {
+            match crcs.get_mut(u) {
+                Some(slot @ None) => *slot = Some(c),
+                _ => {
+                    return Err(Error::internal(
+                        "checkpoint",
+                        format!("rank {r} wrote unit {u}, which is not its to write"),
+                    ))
                 }
             }
         }
-        let mut files = Vec::new();
-        for (k, (name, _)) in names.iter().enumerate() {
-            let (mut crc, mut size) = (0u32, 0u64);
-            for (u, range) in ranges.iter().enumerate() {
-                let c = crcs[u].ok_or_else(|| {
-                    Error::internal("checkpoint", format!("no rank wrote unit {u}"))
-                })?;
-                crc = crc32c::crc32c_combine(crc, c[k], range[k].1 as usize);
-                size += range[k].1;
-            }
-            files.push((name.clone(), size, crc));
-        }
-        seal(root, &tmp, state, files)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
     }
-    result?;
-    prune(root, state, keep)?;
-    Ok((final_dir, JobWrite::ByRanks))
+    let mut files = Vec::new();
+    for (k, (name, _)) in names.iter().enumerate() {
+        let (mut crc, mut size) = (0u32, 0u64);
+        for (u, range) in ranges.iter().enumerate() {
+            let c = crcs[u]
+                .ok_or_else(|| Error::internal("checkpoint", format!("no rank wrote unit {u}")))?;
+            crc = crc32c::crc32c_combine(crc, c[k], range[k].1 as usize);
+            size += range[k].1;
+        }
+        files.push((name.clone(), size, crc));
+    }
+    Ok((secs, files))
 }
 
-/// A rank other than 0 of a sharded job while rank 0 runs [`save_job`]: see rank 0's directory
-/// and write the units this rank holds into it, or, where any rank cannot, send them to rank 0
-/// ([`send_moments`]). A failure to write is reported to rank 0, which fails the checkpoint
-/// naming this rank. Every unit must be idle.
-pub fn write_job_shard(store: &HostStore, world: &dyn Collective) -> Result<()> {
-    let offers = world.all_gather_bytes(&[])?;
-    let offer: Offer = serde_json::from_slice(offers.first().map_or(&[][..], |o| &o[..]))
-        .map_err(|e| Error::internal("checkpoint", format!("rank 0's offer: {e}")))?;
-    let names = files(store.layout().adam);
-    let verdict = match sees(&offer, &names) {
-        Ok(()) => String::new(),
-        Err(why) => why,
-    };
-    let verdicts = world.all_gather_bytes(verdict.as_bytes())?;
-    if verdicts.iter().any(|v| !v.is_empty()) {
-        return send_moments(store, world);
+/// Rank 0's part of a checkpoint being written: the temporary directory offered to the
+/// others, and what sealing it takes.
+#[derive(Debug)]
+struct Sealing {
+    root: PathBuf,
+    tmp: PathBuf,
+    final_dir: PathBuf,
+    state: TrainState,
+    keep: usize,
+    names: [(String, ShardKind); 3],
+    ranges: Vec<[(u64, u64); 3]>,
+    offer: Offer,
+}
+
+/// Rank 0: the temporary directory with the three files at their full lengths (the ranks fill
+/// them) and the probe holding a fresh token.
+fn prepare(
+    w: JobCheckpoint,
+    names: &[(String, ShardKind); 3],
+    ranges: &[[(u64, u64); 3]],
+) -> Result<Sealing> {
+    let root = &w.root;
+    std::fs::create_dir_all(root).map_err(|e| Error::io("create checkpoint directory", root, e))?;
+    let (tmp, final_dir) = temporary(root, w.state.step);
+    let token = crate::util::lock::random_id();
+    let _ = std::fs::remove_dir_all(&tmp);
+    let made = (|| -> Result<()> {
+        std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+        for (k, (name, _)) in names.iter().enumerate() {
+            let path = tmp.join(name);
+            let total = ranges.last().map_or(0, |r| r[k].0 + r[k].1);
+            std::fs::File::create(&path)
+                .and_then(|f| f.set_len(total))
+                .map_err(|e| Error::io("create", &path, e))?;
+        }
+        write_state(&tmp, &w.state)?;
+        let probe = tmp.join(PROBE);
+        std::fs::write(&probe, &token).map_err(|e| Error::io("write", &probe, e))
+    })();
+    if let Err(e) = made {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    let ranges = ranges(store.layout(), store.layout().adam);
-    let mine = write_units(store, &offer.dir, &names, &ranges, false).map_err(|e| e.to_string());
-    world.all_gather_bytes(&encode(&mine)?)?;
-    Ok(())
+    Ok(Sealing {
+        offer: Offer {
+            dir: tmp.clone(),
+            step: w.state.step,
+            token,
+        },
+        root: w.root,
+        tmp,
+        final_dir,
+        state: w.state,
+        keep: w.keep,
+        names: names.clone(),
+        ranges: ranges.to_vec(),
+    })
+}
+
+/// A sharded job's checkpoint being written by every rank beside the next steps
+/// ([`start_job`]).
+#[derive(Debug)]
+pub struct JobInFlight {
+    store: HostStore,
+    /// This rank's units' checksums and how long it took, or why it failed.
+    thread: JoinHandle<Wrote>,
+    /// The store's snapshot wait when the write started.
+    waited_before: Duration,
+    /// What training waited before the snapshot could be taken.
+    waited_to_start: Duration,
+    /// Rank 0's part.
+    sealing: Option<Sealing>,
+}
+
+impl JobInFlight {
+    /// Whether this rank's writes have ended (its [`JobInFlight::finish`] will not wait).
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Wait for this rank's writes alone, without the other ranks (a rank ending with an
+    /// error): its report goes into the directory, and if its writes ended last the checkpoint
+    /// is sealed there, whole. Whether they succeeded.
+    pub fn end_alone(self) -> bool {
+        matches!(self.thread.join(), Ok(Ok(_)))
+    }
+
+    /// End the checkpoint, on every rank at once: wait for this rank's writes, gather every
+    /// rank's checksums; rank 0 combines them, seals the checkpoint (state, manifest, rename)
+    /// and reports it (`Some`; the others `None`), or fails it naming a rank whose writes
+    /// failed — the earlier checkpoints whole.
+    pub fn finish(self, world: &dyn Collective) -> Result<Option<Written>> {
+        let t0 = Instant::now();
+        let mine: Wrote = self
+            .thread
+            .join()
+            .unwrap_or_else(|_| Err("its checkpoint writer thread panicked".into()));
+        let joined = t0.elapsed();
+        let all = world.all_gather_bytes(&encode(&mine)?)?;
+        let Some(s) = self.sealing else {
+            return Ok(None);
+        };
+        let sealed = (|| -> Result<f64> {
+            let reports: Vec<Wrote> = all
+                .iter()
+                .map(|b| serde_json::from_slice(b))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|e| Error::internal("checkpoint", format!("a rank's report: {e}")))?;
+            let (secs, mut files) = combine(&reports, &s.names, &s.ranges, world.hosts())?;
+            // Sealed already by the rank whose writes ended last, unless that failed.
+            if s.tmp.exists() {
+                tidy(&s.tmp, reports.len());
+                files.push(write_state(&s.tmp, &s.state)?);
+                seal(&s.root, &s.tmp, s.state.step, files)?;
+            }
+            Ok(secs)
+        })();
+        if sealed.is_err() {
+            let _ = std::fs::remove_dir_all(&s.tmp);
+        }
+        let secs = sealed?;
+        prune(&s.root, &s.state, s.keep)?;
+        let updates = self
+            .store
+            .snapshot_wait()
+            .saturating_sub(self.waited_before);
+        Ok(Some(Written {
+            dir: s.final_dir,
+            step: s.state.step,
+            bytes: self.store.layout().checkpoint_bytes(),
+            secs,
+            waited: (self.waited_to_start + updates + joined).as_secs_f64(),
+        }))
+    }
 }
 
 fn encode(wrote: &Wrote) -> Result<Vec<u8>> {
@@ -249,27 +471,19 @@ fn sees(offer: &Offer, names: &[(String, ShardKind); 3]) -> std::result::Result<
     Ok(())
 }
 
-/// Write every unit this rank holds into the three files under `dir` at its ranges (`meter`:
-/// report progress); each unit's crc32c per file.
+/// Write every unit `snapshot` holds (this rank's) into the three files under `dir` at their
+/// ranges, each unit thawed once written; each unit's crc32c per file.
 fn write_units(
-    store: &HostStore,
+    mut snapshot: Snapshot,
     dir: &Path,
     names: &[(String, ShardKind); 3],
     ranges: &[[(u64, u64); 3]],
-    meter: bool,
 ) -> Result<Vec<(usize, [u32; 3])>> {
-    let owners = store.layout().owners.as_ref().ok_or_else(|| {
+    let owners = snapshot.store().layout().owners.clone().ok_or_else(|| {
         Error::internal("checkpoint", "a job's checkpoint needs the units' owners")
     })?;
-    let mine: Vec<usize> = (0..ranges.len()).filter(|&u| owners.holds(u)).collect();
-    let meter = meter.then(|| {
-        let bytes = mine
-            .iter()
-            .map(|&u| ranges[u].iter().map(|r| r.1).sum::<u64>());
-        Meter::start("checkpoint write", bytes.sum(), Unit::Bytes)
-    });
     let mut wrote = Vec::new();
-    for u in mine {
+    for u in (0..ranges.len()).filter(|&u| owners.holds(u)) {
         crate::util::failpoint::pause("checkpoint-unit");
         let paths: [PathBuf; 3] = std::array::from_fn(|k| dir.join(&names[k].0));
         let mut out = Vec::new();
@@ -278,26 +492,49 @@ fn write_units(
             out.push(DirectWriter::region(path, at, len).map_err(|e| Error::io("open", path, e))?);
         }
         let mut crcs = [0u32; 3];
-        unit_pieces(store, u, true, |k, bytes| {
+        let unit = snapshot.read(u)?;
+        frozen_pieces(&unit, |k, bytes| {
             crcs[k] = crc32c::crc32c_append(crcs[k], bytes);
             crate::util::failpoint::check("checkpoint")
                 .and_then(|()| out[k].write_all(bytes))
-                .map_err(|e| Error::io("write", &paths[k], e))?;
-            if let Some(meter) = &meter {
-                meter.add(bytes.len() as u64);
-            }
-            Ok(())
+                .map_err(|e| Error::io("write", &paths[k], e))
         })?;
         for (w, path) in out.into_iter().zip(&paths) {
             w.finish()
                 .map_err(|e| Error::io("write and fsync", path, e))?;
         }
+        // Thawed: its next update may run.
+        drop(unit);
         wrote.push((u, crcs));
     }
-    if let Some(meter) = meter {
-        meter.finish();
-    }
     Ok(wrote)
+}
+
+/// Every byte of a frozen unit a checkpoint holds, in file order, to `put(file, bytes)`: its
+/// fp32 params (file 0; planes joined), m (1), v (2), in pieces of at most [`MOMENT_CHUNK`].
+fn frozen_pieces(
+    unit: &FrozenUnit<'_>,
+    mut put: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let joined;
+    let params: &[f32] = match unit.params() {
+        MasterRef::Fp32(p) => p,
+        planes => {
+            joined = planes.to_vec();
+            &joined
+        }
+    };
+    // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid); the
+    // file is little-endian like the host.
+    let params =
+        unsafe { std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4) };
+    let (m, v) = unit.moments()?;
+    for (k, bytes) in [(0, params), (1, m), (2, v)] {
+        for chunk in bytes.chunks(MOMENT_CHUNK) {
+            put(k, chunk)?;
+        }
+    }
+    Ok(())
 }
 
 /// Every byte of `unit` a checkpoint holds, in file order, to `put(file, bytes)`: its fp32

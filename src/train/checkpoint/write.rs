@@ -126,7 +126,7 @@ pub fn start(
 /// is background work, and where cores are short (the CPU device computes on all of them) it
 /// should take what training leaves rather than an equal share. An update that then has to
 /// wait for its unit still waits (and is reported).
-fn yield_to_training() {
+pub(super) fn yield_to_training() {
     // SAFETY: gettid has no preconditions; setpriority on this thread's own id only changes its
     // nice value (a failure leaves it as it was, which is harmless).
     unsafe {
@@ -310,7 +310,8 @@ pub(super) fn write(
         if let Some(meter) = meter {
             meter.finish();
         }
-        seal(root, &tmp, state, files)
+        files.push(write_state(&tmp, state)?);
+        seal(root, &tmp, state.step, files)
     })();
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -327,25 +328,32 @@ pub(super) fn temporary(root: &Path, step: u64) -> (PathBuf, PathBuf) {
     (tmp, root.join(dir_name(step)))
 }
 
-/// Finish the checkpoint of `state` in `tmp`, whose tensor files (`files`: name, size, crc32c)
-/// are written and durable: its state.json, the manifest, then renamed into place as
+/// Write `state` as the state.json of the checkpoint in `tmp`; its manifest entry.
+pub(super) fn write_state(tmp: &Path, state: &TrainState) -> Result<(String, u64, u32)> {
+    let state_json = serde_json::to_vec_pretty(state)
+        .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
+    let sp = tmp.join(STATE_FILE);
+    crate::util::write_atomic(&sp, &state_json)?;
+    Ok((
+        STATE_FILE.into(),
+        state_json.len() as u64,
+        crc32c::crc32c(&state_json),
+    ))
+}
+
+/// The checkpoint's state file.
+pub(super) const STATE_FILE: &str = "state.json";
+
+/// Finish the checkpoint of `step` in `tmp`, whose files (`files`: name, size, crc32c — the
+/// tensors and state.json) are written and durable: the manifest, then renamed into place as
 /// `root/step-N` (an existing one of the step replaced only once the new one is in place).
 pub(super) fn seal(
     root: &Path,
     tmp: &Path,
-    state: &TrainState,
-    mut files: Vec<(String, u64, u32)>,
+    step: u64,
+    files: Vec<(String, u64, u32)>,
 ) -> Result<()> {
-    let final_dir = temporary(root, state.step).1;
-    let state_json = serde_json::to_vec_pretty(state)
-        .map_err(|e| Error::system("serde_json", "checkpoint state", e))?;
-    let sp = tmp.join("state.json");
-    crate::util::write_atomic(&sp, &state_json)?;
-    files.push((
-        "state.json".into(),
-        state_json.len() as u64,
-        crc32c::crc32c(&state_json),
-    ));
+    let final_dir = temporary(root, step).1;
     let manifest = serde_json::to_vec_pretty(&Manifest {
         format: FORMAT,
         files,
