@@ -1078,6 +1078,32 @@ fn sharded_checkpoints_are_written_by_every_rank() {
         text.contains("params gathered through host memory (MPI)") && !text.contains("GPU to GPU"),
         "{text}"
     );
+    // A checkpoint holds the files its manifest lists, and nothing of the writing is left
+    // beside them (the ranks' reports, the probe, the sealing claim).
+    let listing = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        listing(&own.join("ckpt")),
+        [".megatrain.lock", "step-00000002", "step-00000004"]
+    );
+    for step in ["step-00000002", "step-00000004"] {
+        assert_eq!(
+            listing(&own.join("ckpt").join(step)),
+            [
+                "MANIFEST.json",
+                "adam_m.f32",
+                "adam_v.f32",
+                "params.f32",
+                "state.json"
+            ]
+        );
+    }
     // Ranks 1 and 2 refused the probe: rank 0 gathers.
     let out = mpirun(3)
         .env("MEGATRAIN_FAILPOINTS", "checkpoint-shared=EACCES")

@@ -588,10 +588,13 @@ mod tests {
             std::fs::create_dir(r.join(d)).unwrap();
             std::fs::write(r.join(d).join("adam_m.f32"), [1u8; 8]).unwrap();
         }
+        // A sharded job's sealing claim of that unfinished write (a file).
+        std::fs::write(r.join(".step-00000003.sealing-4242"), []).unwrap();
         let mine = format!(".step-00000005.tmp-{}", std::process::id());
         std::fs::create_dir(r.join(&mine)).unwrap();
         std::fs::create_dir(r.join("step-00000001")).unwrap();
-        assert_eq!(remove_leftovers(r, Some(std::process::id())), 2);
+        assert_eq!(remove_leftovers(r, Some(std::process::id())), 3);
+        assert!(!r.join(".step-00000003.sealing-4242").exists());
         assert!(r.join(&mine).exists() && r.join("step-00000001").exists());
         assert_eq!(remove_leftovers(r, None), 1);
         assert!(!r.join(&mine).exists() && r.join("step-00000001").exists());

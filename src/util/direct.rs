@@ -125,9 +125,23 @@ struct Region {
     /// The range's first byte and its length.
     at: u64,
     len: u64,
-    /// The bytes up to the first aligned offset (all of them in a short range), staged.
+    /// The bytes up to the first page boundary (all of them in a short range), staged.
     head: Vec<u8>,
     head_len: usize,
+    /// The page boundary the head and tail end at ([`page_boundary`]).
+    boundary: usize,
+}
+
+/// The larger of the direct-I/O alignment and the page size: a multiple of both (powers of
+/// two), and a divisor of [`BLOCK`].
+fn page_boundary() -> usize {
+    // SAFETY: sysconf has no preconditions; a failure returns -1, handled below.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = usize::try_from(page).unwrap_or(ALIGN);
+    match page.is_power_of_two() && page <= BLOCK {
+        true => page.max(ALIGN),
+        false => ALIGN,
+    }
 }
 
 /// A new file written front to back, with `O_DIRECT` where the filesystem takes it; an I/O
@@ -171,8 +185,13 @@ impl DirectWriter {
         o.write(true);
         let (file, direct) = open(path, &o)?;
         let buffered = o.open(path)?;
+        // The head and tail end at page boundaries, not only at the alignment: bytes written
+        // through the page cache never share a page with this range's direct blocks (64 KiB
+        // pages on some aarch64 kernels), where the direct write's invalidation and a
+        // neighbour's partial-page write could race.
+        let boundary = page_boundary() as u64;
         let head_len = match direct {
-            true => ((ALIGN as u64 - at % ALIGN as u64) % ALIGN as u64).min(len) as usize,
+            true => ((boundary - at % boundary) % boundary).min(len) as usize,
             false => 0,
         };
         let region = Region {
@@ -181,6 +200,7 @@ impl DirectWriter {
             len,
             head: Vec::with_capacity(head_len),
             head_len,
+            boundary: boundary as usize,
         };
         Self::start(file, direct, at + head_len as u64, Some(region))
     }
@@ -244,7 +264,7 @@ impl DirectWriter {
             // A range's last bytes past the last aligned offset go through the page cache.
             (true, Some(r)) => {
                 let direct = match self.direct {
-                    true => self.fill / ALIGN * ALIGN,
+                    true => self.fill / r.boundary * r.boundary,
                     false => self.fill,
                 };
                 let tail = &buf.as_slice()[direct..self.fill];

@@ -46,12 +46,29 @@ fn part_file(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("part-{rank}.json"))
 }
 
-/// Claimed (created, exclusively) by the rank that seals the checkpoint.
-const SEALING: &str = ".sealing";
+/// The claim of the rank that seals the checkpoint being written in `tmp`
+/// (`.step-N.tmp-PID` → `.step-N.sealing-PID`, beside it in the checkpoint root): created
+/// exclusively, and kept until every rank has reported (rank 0 removes it then; a dead job's,
+/// [`super::remove_leftovers`]), so one rank alone seals.
+fn claim_path(tmp: &Path) -> PathBuf {
+    let name = tmp
+        .file_name()
+        .map(|n| n.to_string_lossy().replace(".tmp-", ".sealing-"))
+        .unwrap_or_default();
+    tmp.with_file_name(name)
+}
 
 /// What a rank wrote: each unit it holds with the crc32c of its bytes in each file, and the
 /// seconds its writes took; or why it could not.
 type Wrote = std::result::Result<(Vec<(usize, [u32; 3])>, f64), String>;
+
+/// A rank's report when the ranks meet ([`JobInFlight::finish`]): what it wrote, and whether it
+/// sealed the checkpoint (its writes ended last).
+#[derive(Debug, Serialize, Deserialize)]
+struct Report {
+    wrote: Wrote,
+    sealed: bool,
+}
 
 /// Each unit's byte range (offset, length) in each of the three files of a checkpoint whose
 /// moments are stored as `adam`: the params (fp32), m, v — units in order, as a process alone
@@ -184,10 +201,10 @@ pub fn start_job(
             // and then, so it is whole even if a later step fails before the ranks meet.
             let told = encode(&wrote)
                 .and_then(|b| crate::util::write_atomic(&part_file(&offer_.dir, rank), &b));
-            if told.is_ok() && wrote.is_ok() {
-                let _ = seal_if_last(&offer_, ranks, &names_, &ranges_);
-            }
-            wrote
+            let sealed = told.is_ok()
+                && wrote.is_ok()
+                && seal_if_last(&offer_, ranks, &names_, &ranges_).unwrap_or(false);
+            Report { wrote, sealed }
         })
         .map_err(|e| Error::system("checkpoint", "start the writer thread", e))?;
     Ok(JobStarted::Writing(Box::new(JobInFlight {
@@ -227,7 +244,7 @@ fn seal_if_last(
     let claim = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
-        .open(offer.dir.join(SEALING));
+        .open(claim_path(&offer.dir));
     if claim.is_err() {
         return Ok(false);
     }
@@ -248,13 +265,13 @@ fn seal_if_last(
 /// A file's manifest entry: name, size, crc32c.
 type ManifestEntry = (String, u64, u32);
 
-/// Remove the ranks' reports and the sealing claim from the temporary directory `dir`: a
-/// checkpoint holds the files its manifest lists, no others.
+/// Remove the ranks' reports and the probe from the temporary directory `dir`: a checkpoint
+/// holds the files its manifest lists, no others.
 fn tidy(dir: &Path, ranks: usize) {
     for r in 0..ranks {
         let _ = std::fs::remove_file(part_file(dir, r));
     }
-    let _ = std::fs::remove_file(dir.join(SEALING));
+    let _ = std::fs::remove_file(dir.join(PROBE));
 }
 
 /// Every rank's report (in rank order) into each tensor file's (name, size, crc32c), the units'
@@ -372,8 +389,8 @@ fn prepare(
 #[derive(Debug)]
 pub struct JobInFlight {
     store: HostStore,
-    /// This rank's units' checksums and how long it took, or why it failed.
-    thread: JoinHandle<Wrote>,
+    /// This rank's units' checksums and how long it took, or why it failed; whether it sealed.
+    thread: JoinHandle<Report>,
     /// The store's snapshot wait when the write started.
     waited_before: Duration,
     /// What training waited before the snapshot could be taken.
@@ -389,10 +406,12 @@ impl JobInFlight {
     }
 
     /// Wait for this rank's writes alone, without the other ranks (a rank ending with an
-    /// error): its report goes into the directory, and if its writes ended last the checkpoint
-    /// is sealed there, whole. Whether they succeeded.
+    /// error): its report goes into the directory, and if the other ranks' writes had ended
+    /// already, the checkpoint is sealed there, whole. (The job's abort that follows ends the
+    /// others' writes wherever they are: a checkpoint they had not finished is left unsealed,
+    /// and the earlier ones stand.) Whether this rank's writes succeeded.
     pub fn end_alone(self) -> bool {
-        matches!(self.thread.join(), Ok(Ok(_)))
+        self.thread.join().is_ok_and(|r| r.wrote.is_ok())
     }
 
     /// End the checkpoint, on every rank at once: wait for this rank's writes, gather every
@@ -401,30 +420,34 @@ impl JobInFlight {
     /// failed — the earlier checkpoints whole.
     pub fn finish(self, world: &dyn Collective) -> Result<Option<Written>> {
         let t0 = Instant::now();
-        let mine: Wrote = self
-            .thread
-            .join()
-            .unwrap_or_else(|_| Err("its checkpoint writer thread panicked".into()));
+        let mine = self.thread.join().unwrap_or_else(|_| Report {
+            wrote: Err("its checkpoint writer thread panicked".into()),
+            sealed: false,
+        });
         let joined = t0.elapsed();
-        let all = world.all_gather_bytes(&encode(&mine)?)?;
+        let mine = serde_json::to_vec(&mine)
+            .map_err(|e| Error::system("serde_json", "a rank's report", e))?;
+        let all = world.all_gather_bytes(&mine)?;
         let Some(s) = self.sealing else {
             return Ok(None);
         };
         let sealed = (|| -> Result<f64> {
-            let reports: Vec<Wrote> = all
+            let reports: Vec<Report> = all
                 .iter()
                 .map(|b| serde_json::from_slice(b))
                 .collect::<std::result::Result<_, _>>()
                 .map_err(|e| Error::internal("checkpoint", format!("a rank's report: {e}")))?;
-            let (secs, mut files) = combine(&reports, &s.names, &s.ranges, world.hosts())?;
+            let wrote: Vec<Wrote> = reports.iter().map(|r| r.wrote.clone()).collect();
+            let (secs, mut files) = combine(&wrote, &s.names, &s.ranges, world.hosts())?;
             // Sealed already by the rank whose writes ended last, unless that failed.
-            if s.tmp.exists() {
+            if !reports.iter().any(|r| r.sealed) {
                 tidy(&s.tmp, reports.len());
                 files.push(write_state(&s.tmp, &s.state)?);
                 seal(&s.root, &s.tmp, s.state.step, files)?;
             }
             Ok(secs)
         })();
+        let _ = std::fs::remove_file(claim_path(&s.tmp));
         if sealed.is_err() {
             let _ = std::fs::remove_dir_all(&s.tmp);
         }
@@ -499,12 +522,12 @@ fn write_units(
                 .and_then(|()| out[k].write_all(bytes))
                 .map_err(|e| Error::io("write", &paths[k], e))
         })?;
+        // Its bytes are in the writers' blocks: thawed, its next update may run.
+        drop(unit);
         for (w, path) in out.into_iter().zip(&paths) {
             w.finish()
                 .map_err(|e| Error::io("write and fsync", path, e))?;
         }
-        // Thawed: its next update may run.
-        drop(unit);
         wrote.push((u, crcs));
     }
     Ok(wrote)

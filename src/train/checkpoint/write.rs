@@ -440,6 +440,13 @@ pub fn remove_leftovers(root: &Path, own_pid: Option<u32>) -> usize {
         if !n.starts_with(".step-") || own.as_ref().is_some_and(|o| n.ends_with(o.as_str())) {
             continue;
         }
+        if n.contains(".sealing-") {
+            // A sharded job's sealing claim (a file).
+            if std::fs::remove_file(e.path()).is_ok() {
+                removed += 1;
+            }
+            continue;
+        }
         if let Some((step_name, _)) = n[1..].split_once(".replaced-") {
             let step_dir = root.join(step_name);
             if !step_dir.exists() && std::fs::rename(e.path(), &step_dir).is_ok() {
