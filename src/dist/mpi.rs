@@ -316,8 +316,10 @@ impl Collective for MpiWorld {
 
     fn library(&self) -> String {
         let v = mpi::environment::library_version().unwrap_or_default();
-        // Open MPI's first line names it and its version; MPICH's first line too.
-        v.lines().next().unwrap_or("MPI").trim().to_owned()
+        // Open MPI's first line names it and its version; MPICH's first line too, with a tab
+        // ("MPICH Version:\t4.0.2"): whitespace runs as one space.
+        let first = v.lines().next().unwrap_or("MPI");
+        first.split_whitespace().collect::<Vec<_>>().join(" ")
     }
 
     fn sum_path(&self) -> &'static str {
