@@ -725,9 +725,8 @@ fn cuda_ranks_with_nccl_end_the_job_when_one_faults_and_resume() {
         stderr.contains("error: rank 1 of 2") || stderr.contains("rank 1 aborted the communicator"),
         "{stderr}"
     );
-    let ckpts: Vec<String> = std::fs::read_dir(out.join("ckpt"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+    let ckpts: Vec<String> = listing(&out.join("ckpt"))
+        .into_iter()
         .filter(|n| n.starts_with("step-"))
         .collect();
     assert_eq!(ckpts, ["step-00000002"], "{stderr}");
@@ -778,6 +777,16 @@ fn resumable_copy(d: &Path, from: &str, to: &str) -> PathBuf {
     }
     std::fs::copy(d.join(from).join("metrics.jsonl"), to.join("metrics.jsonl")).unwrap();
     to
+}
+
+/// The names in directory `d`, sorted.
+fn listing(d: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
 }
 
 /// The "(X of the job's Y bytes)" rank 0 says it holds after `prefix`, checked to be a part.
@@ -1080,14 +1089,6 @@ fn sharded_checkpoints_are_written_by_every_rank() {
     );
     // A checkpoint holds the files its manifest lists, and nothing of the writing is left
     // beside them (the ranks' reports, the probe, the sealing claim).
-    let listing = |d: &Path| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    };
     assert_eq!(
         listing(&own.join("ckpt")),
         [".megatrain.lock", "step-00000002", "step-00000004"]
@@ -1144,9 +1145,8 @@ fn sharded_checkpoints_are_written_by_every_rank() {
         text.contains("rank 1 (on ") && text.contains("No space left"),
         "{text}"
     );
-    let entries: Vec<String> = std::fs::read_dir(out_dir.join("ckpt"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+    let entries: Vec<String> = listing(&out_dir.join("ckpt"))
+        .into_iter()
         .filter(|n| n.contains("step-"))
         .collect();
     assert_eq!(entries, ["step-00000004"], "{text}");

@@ -19,7 +19,7 @@ use super::write::{
 use super::{files, TrainState};
 use crate::dist::Collective;
 use crate::store::layout::{AdamState, ShardKind, StateLayout};
-use crate::store::{FrozenUnit, HostStore, MasterRef, Snapshot};
+use crate::store::{FrozenUnit, HostStore, Snapshot};
 use crate::util::direct::DirectWriter;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -539,14 +539,7 @@ fn frozen_pieces(
     unit: &FrozenUnit<'_>,
     mut put: impl FnMut(usize, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    let joined;
-    let params: &[f32] = match unit.params() {
-        MasterRef::Fp32(p) => p,
-        planes => {
-            joined = planes.to_vec();
-            &joined
-        }
-    };
+    let params = unit.params_fp32();
     // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid); the
     // file is little-endian like the host.
     let params =

@@ -8,7 +8,7 @@
 
 use super::{files, list, read_state, Manifest, TrainState, FORMAT, MANIFEST};
 use crate::dist::Collective;
-use crate::store::{HostStore, MasterRef, Snapshot};
+use crate::store::{HostStore, Snapshot};
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use std::io::Write;
@@ -241,14 +241,7 @@ pub(super) fn write(
             // Optimizer state on NVMe is staged (read in) with the unit.
             let unit = snapshot.read(u)?;
             // The file holds fp32 params whatever the master's format: planes are joined.
-            let joined;
-            let params: &[f32] = match unit.params() {
-                MasterRef::Fp32(p) => p,
-                planes => {
-                    joined = planes.to_vec();
-                    &joined
-                }
-            };
+            let params = unit.params_fp32();
             // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
             // the file is little-endian like the host (see hf.rs's guard).
             let params = unsafe {
