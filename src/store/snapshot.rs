@@ -177,15 +177,6 @@ impl FrozenUnit<'_> {
         self.store.master_ref(self.unit)
     }
 
-    /// Its params in fp32, as a checkpoint's params file holds them: the master itself, or its
-    /// bf16 planes joined (a copy).
-    pub fn params_fp32(&self) -> std::borrow::Cow<'_, [f32]> {
-        match self.params() {
-            MasterRef::Fp32(p) => std::borrow::Cow::Borrowed(p),
-            planes => std::borrow::Cow::Owned(planes.to_vec()),
-        }
-    }
-
     /// Adam m and v, stored as the layout's [`AdamState`](super::layout::AdamState) says.
     pub fn moments(&self) -> Result<(&[u8], &[u8])> {
         let n = self.store.inner.layout.units[self.unit].numel;

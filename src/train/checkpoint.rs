@@ -34,9 +34,6 @@ pub use write::{owns, remove_leftovers, save, start, InFlight, Written};
 
 const PARAMS_FILE: &str = "params.f32";
 
-/// Bytes a resuming rank reads at once of a shard another rank holds (sharded jobs).
-const READ_PAST_CHUNK: usize = 64 << 20;
-
 /// The tensor files of a checkpoint whose moments are stored as `state`: the params, then m and
 /// v (per unit, the bytes the host store holds: fp32, bf16, or int8 codes then block scales).
 fn files(state: AdamState) -> [(String, ShardKind); 3] {
@@ -384,9 +381,11 @@ fn load_files(
     let layout = store.layout();
     // Each unit's bytes in each file, as the checkpoint holds them.
     let ranges = shards::ranges(layout, saved);
-    // Whether this rank reads only its own units of a file (0 params, 1 m, 2 v).
-    let owned =
-        |k: usize| world.size() > 1 && layout.owners.as_ref().is_some_and(|o| k > 0 || o.params);
+    // Whether this rank holds unit u's bytes of file k (0 params, 1 m, 2 v); whether it holds
+    // only some units' of file k (reads them alone: every other file it reads whole).
+    let kinds = files(saved).map(|(_, kind)| kind);
+    let holds = |u: usize, k: usize| layout.holds(u, kinds[k]);
+    let owned = |k: usize| layout.owners.as_ref().is_some_and(|o| k > 0 || o.params);
     // One pass over the units with the three files open: a spilled unit is staged and written
     // back once.
     let listed = manifest(dir).map_err(|d| refuse(dir, &d, None))?;
@@ -435,12 +434,7 @@ fn load_files(
                 .find(|(n, _, _)| n == name)
                 .map_or(0, |f| f.1),
             Source::Held(_) => (0..ranges.len())
-                .filter(|&u| {
-                    layout.holds(
-                        u,
-                        [ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV][k],
-                    )
-                })
+                .filter(|&u| holds(u, k))
                 .map(|u| ranges[u][k].1)
                 .sum(),
         })
@@ -469,15 +463,11 @@ fn load_files(
         for (k, ((path, name, source), (dst, moment))) in
             sources.iter_mut().zip(targets).enumerate()
         {
-            let mine = match moment {
-                None => store.layout().holds_params(u),
-                Some(_) => store.layout().holds_moments(u),
-            };
             // A file this rank reads its own units of: this unit's range, if it holds it.
             let mut range;
             let f = match source {
                 Source::Whole(f) => f,
-                Source::Held(_) if !mine => continue,
+                Source::Held(_) if !holds(u, k) => continue,
                 Source::Held(_) => {
                     let (at, len) = unit_ranges[k];
                     range = Checksummed::new(
@@ -493,22 +483,8 @@ fn load_files(
                 f.read_exact(buf)
                     .map_err(|e| Error::io("read", path.as_path(), e))
             };
-            // Another rank's shard, read past (checksummed) a bounded piece at a time: a rank
-            // holds no more of what it does not keep than that.
-            let mut read_past = |f: &mut Checksummed, mut left: usize| -> Result<()> {
-                while left > 0 {
-                    let n = left.min(READ_PAST_CHUNK);
-                    scratch.resize(n, 0);
-                    read(f, &mut scratch[..n])?;
-                    left -= n;
-                }
-                Ok(())
-            };
+            // A file read whole is one this rank holds every unit of.
             match moment {
-                // Params another rank holds (ZeRO stage 3).
-                None if !mine => read_past(f, 4 * numel)?,
-                // Moments another rank holds (ZeRO stage 1 or 3).
-                Some(_) if !mine => read_past(f, saved.moment_bytes_unaligned(numel))?,
                 Some(signed) if saved != held => {
                     scratch.resize(saved.moment_bytes_unaligned(numel), 0);
                     read(f, &mut scratch)?;
@@ -523,7 +499,7 @@ fn load_files(
                 crcs.push((u, crc));
             }
         }
-        if !fp32.is_empty() && store.layout().holds_params(u) {
+        if !fp32.is_empty() && holds(u, 0) {
             sh.params.write(0, &fp32);
         }
         g.unstage(); // written back to NVMe if spilled

@@ -13,13 +13,12 @@
 //! from their ranks and writes them itself ([`send_moments`]), and the report names the rank.
 
 use super::write::{
-    prune, seal, temporary, write, write_state, yield_to_training, Written, MOMENT_CHUNK,
-    STATE_FILE,
+    prune, seal, temporary, unit_pieces, write, write_state, yield_to_training, Written, STATE_FILE,
 };
 use super::{files, TrainState};
 use crate::dist::Collective;
 use crate::store::layout::{AdamState, ShardKind, StateLayout};
-use crate::store::{FrozenUnit, HostStore, Snapshot};
+use crate::store::{HostStore, Snapshot};
 use crate::util::direct::DirectWriter;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -149,7 +148,9 @@ pub fn start_job(
         .map_err(|e| Error::internal("checkpoint", format!("rank 0's offer: {e}")))?;
     let verdict = match sealing.is_some() {
         true => String::new(),
-        false => sees(&offer, &names).err().unwrap_or_default(),
+        false => sees(&offer, &names)
+            .err()
+            .map_or_else(String::new, |e| e.to_string()),
     };
     let verdicts = world.all_gather_bytes(verdict.as_bytes())?;
     let _ = sealing
@@ -337,6 +338,8 @@ struct Sealing {
     names: [(String, ShardKind); 3],
     ranges: Vec<[(u64, u64); 3]>,
     offer: Offer,
+    /// state.json's manifest entry (written as the directory was made).
+    state_entry: ManifestEntry,
 }
 
 /// Rank 0: the temporary directory with the three files at their full lengths (the ranks fill
@@ -351,7 +354,7 @@ fn prepare(
     let (tmp, final_dir) = temporary(root, w.state.step);
     let token = crate::util::lock::random_id();
     let _ = std::fs::remove_dir_all(&tmp);
-    let made = (|| -> Result<()> {
+    let made = (|| -> Result<ManifestEntry> {
         std::fs::create_dir(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
         for (k, (name, _)) in names.iter().enumerate() {
             let path = tmp.join(name);
@@ -360,15 +363,16 @@ fn prepare(
                 .and_then(|f| f.set_len(total))
                 .map_err(|e| Error::io("create", &path, e))?;
         }
-        write_state(&tmp, &w.state)?;
+        let state_entry = write_state(&tmp, &w.state)?;
         let probe = tmp.join(PROBE);
-        std::fs::write(&probe, &token).map_err(|e| Error::io("write", &probe, e))
+        std::fs::write(&probe, &token).map_err(|e| Error::io("write", &probe, e))?;
+        Ok(state_entry)
     })();
-    if let Err(e) = made {
+    let state_entry = made.inspect_err(|_| {
         let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
+    })?;
     Ok(Sealing {
+        state_entry,
         offer: Offer {
             dir: tmp.clone(),
             step: w.state.step,
@@ -437,12 +441,13 @@ impl JobInFlight {
                 .map(|b| serde_json::from_slice(b))
                 .collect::<std::result::Result<_, _>>()
                 .map_err(|e| Error::internal("checkpoint", format!("a rank's report: {e}")))?;
-            let wrote: Vec<Wrote> = reports.iter().map(|r| r.wrote.clone()).collect();
+            let sealed = reports.iter().any(|r| r.sealed);
+            let wrote: Vec<Wrote> = reports.into_iter().map(|r| r.wrote).collect();
             let (secs, mut files) = combine(&wrote, &s.names, &s.ranges, world.hosts())?;
             // Sealed already by the rank whose writes ended last, unless that failed.
-            if !reports.iter().any(|r| r.sealed) {
-                tidy(&s.tmp, reports.len());
-                files.push(write_state(&s.tmp, &s.state)?);
+            if !sealed {
+                tidy(&s.tmp, wrote.len());
+                files.push(s.state_entry.clone());
                 seal(&s.root, &s.tmp, s.state.step, files)?;
             }
             Ok(secs)
@@ -472,16 +477,18 @@ fn encode(wrote: &Wrote) -> Result<Vec<u8>> {
 }
 
 /// Whether this rank sees rank 0's offered directory: its probe with rank 0's token, and the
-/// tensor files open for writing. `Err`: why not, said after "rank R (on HOST)".
-fn sees(offer: &Offer, names: &[(String, ShardKind); 3]) -> std::result::Result<(), String> {
+/// tensor files open for writing. Its error is said after "rank R (on HOST)".
+fn sees(offer: &Offer, names: &[(String, ShardKind); 3]) -> Result<()> {
     let probe = offer.dir.join(PROBE);
     let token = crate::util::failpoint::check("checkpoint-shared")
         .and_then(|()| std::fs::read_to_string(&probe))
-        .map_err(|e| format!("does not see {}: {e}", probe.display()))?;
+        .map_err(|e| Error::io("does not see", &probe, e))?;
     if token != offer.token {
-        return Err(format!(
-            "sees another {} there (its own filesystem at the same path)",
-            probe.display()
+        return Err(Error::bad_input(
+            "sees another probe",
+            probe.display().to_string(),
+            "not rank 0's: its own filesystem at the same path",
+            None,
         ));
     }
     for (name, _) in names {
@@ -489,7 +496,7 @@ fn sees(offer: &Offer, names: &[(String, ShardKind); 3]) -> std::result::Result<
         std::fs::OpenOptions::new()
             .write(true)
             .open(&path)
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            .map_err(|e| Error::io("cannot write", &path, e))?;
     }
     Ok(())
 }
@@ -516,7 +523,7 @@ fn write_units(
         }
         let mut crcs = [0u32; 3];
         let unit = snapshot.read(u)?;
-        frozen_pieces(&unit, |k, bytes| {
+        unit_pieces(&unit, true, true, |k, bytes| {
             crcs[k] = crc32c::crc32c_append(crcs[k], bytes);
             crate::util::failpoint::check("checkpoint")
                 .and_then(|()| out[k].write_all(bytes))
@@ -533,75 +540,20 @@ fn write_units(
     Ok(wrote)
 }
 
-/// Every byte of a frozen unit a checkpoint holds, in file order, to `put(file, bytes)`: its
-/// fp32 params (file 0; planes joined), m (1), v (2), in pieces of at most [`MOMENT_CHUNK`].
-fn frozen_pieces(
-    unit: &FrozenUnit<'_>,
-    mut put: impl FnMut(usize, &[u8]) -> Result<()>,
-) -> Result<()> {
-    let params = unit.params_fp32();
-    // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid); the
-    // file is little-endian like the host.
-    let params =
-        unsafe { std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4) };
-    let (m, v) = unit.moments()?;
-    for (k, bytes) in [(0, params), (1, m), (2, v)] {
-        for chunk in bytes.chunks(MOMENT_CHUNK) {
-            put(k, chunk)?;
-        }
-    }
-    Ok(())
-}
-
-/// Every byte of `unit` a checkpoint holds, in file order, to `put(file, bytes)`: its fp32
-/// params (file 0, when `params`; planes joined), then m (1), then v (2), the moments straight
-/// from the store, in pieces of at most [`MOMENT_CHUNK`] bytes. The unit must be idle.
-fn unit_pieces(
-    store: &HostStore,
-    unit: usize,
-    params: bool,
-    mut put: impl FnMut(usize, &[u8]) -> Result<()>,
-) -> Result<()> {
-    let mut g = store.take(unit)?;
-    g.stage()?;
-    {
-        let sh = g.shards()?;
-        if params {
-            let mut joined = vec![0f32; MOMENT_CHUNK / 4];
-            let params = sh.params.view();
-            let mut at = 0;
-            while at < params.len() {
-                let n = (params.len() - at).min(joined.len());
-                params.read(at, &mut joined[..n]);
-                // SAFETY: byte view of an f32 slice (no padding; the file is little-endian like
-                // the host).
-                let bytes =
-                    unsafe { std::slice::from_raw_parts(joined.as_ptr().cast::<u8>(), n * 4) };
-                put(0, bytes)?;
-                at += n;
-            }
-        }
-        for (k, moment) in [(1, &*sh.m), (2, &*sh.v)] {
-            for chunk in moment.chunks(MOMENT_CHUNK) {
-                put(k, chunk)?;
-            }
-        }
-    }
-    g.unstage_clean();
-    Ok(())
-}
-
 /// A sharded job's rank other than 0, when rank 0 writes the checkpoint alone (a rank does not
 /// see its directory): send rank 0 the state of every unit this rank holds, in unit order —
-/// its fp32 params (stage 3; planes joined), then m, then v — in [`MOMENT_CHUNK`] messages, as
+/// its fp32 params (stage 3; planes joined), then m, then v — in [`super::write::MOMENT_CHUNK`] messages, as
 /// rank 0's writer takes them. Every unit must be idle.
 pub fn send_moments(store: &HostStore, world: &dyn Collective) -> Result<()> {
     let layout = store.layout();
     let Some(owners) = layout.owners.as_ref() else {
         return Ok(());
     };
-    for u in (0..store.num_units()).filter(|&u| owners.holds(u) && owners.rank != 0) {
-        unit_pieces(store, u, owners.params, |_, bytes| {
+    let mine = |u: usize| owners.holds(u) && owners.rank != 0;
+    let mut snapshot = store.snapshot_units(mine)?;
+    for u in (0..store.num_units()).filter(|&u| mine(u)) {
+        let unit = snapshot.read(u)?;
+        unit_pieces(&unit, owners.params, true, |_, bytes| {
             world.send_bytes(0, bytes)
         })?;
     }

@@ -8,7 +8,7 @@
 
 use super::{files, list, read_state, Manifest, TrainState, FORMAT, MANIFEST};
 use crate::dist::Collective;
-use crate::store::{HostStore, Snapshot};
+use crate::store::{FrozenUnit, HostStore, MasterRef, Snapshot};
 use crate::util::progress::{Meter, Unit};
 use crate::{Error, Result};
 use std::io::Write;
@@ -45,6 +45,49 @@ pub fn save(root: &Path, store: &HostStore, state: &TrainState, keep: usize) -> 
 /// Bytes per message of a unit's state on its way to rank 0 ([`super::send_moments`]): what
 /// the writer holds of another rank's state at once.
 pub(super) const MOMENT_CHUNK: usize = 64 << 20;
+
+/// A frozen unit's bytes as a checkpoint holds them, to `put(file, bytes)` in pieces of at most
+/// [`MOMENT_CHUNK`]: its params in fp32 (file 0, when `params`; bf16 planes joined a piece at a
+/// time), then m (1) and v (2), as stored (when `moments`).
+pub(super) fn unit_pieces(
+    unit: &FrozenUnit<'_>,
+    params: bool,
+    moments: bool,
+    mut put: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let bytes = |f: &[f32]| {
+        // SAFETY: f32 → bytes of the same memory (no padding, any bit pattern valid); the file
+        // is little-endian like the host (see hf.rs's guard).
+        unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<u8>(), f.len() * 4) }
+    };
+    match unit.params() {
+        _ if !params => {}
+        MasterRef::Fp32(p) => {
+            for piece in bytes(p).chunks(MOMENT_CHUNK) {
+                put(0, piece)?;
+            }
+        }
+        planes => {
+            let mut joined = vec![0f32; (MOMENT_CHUNK / 4).min(planes.len())];
+            let mut at = 0;
+            while at < planes.len() {
+                let n = (planes.len() - at).min(joined.len());
+                planes.read(at, &mut joined[..n]);
+                put(0, bytes(&joined[..n]))?;
+                at += n;
+            }
+        }
+    }
+    if moments {
+        let (m, v) = unit.moments()?;
+        for (k, moment) in [(1, m), (2, v)] {
+            for piece in moment.chunks(MOMENT_CHUNK) {
+                put(k, piece)?;
+            }
+        }
+    }
+    Ok(())
+}
 
 /// A checkpoint being written while training goes on ([`start`]).
 #[derive(Debug)]
@@ -240,13 +283,6 @@ pub(super) fn write(
             crate::util::failpoint::pause("checkpoint-unit");
             // Optimizer state on NVMe is staged (read in) with the unit.
             let unit = snapshot.read(u)?;
-            // The file holds fp32 params whatever the master's format: planes are joined.
-            let params = unit.params_fp32();
-            // SAFETY: f32 → bytes view of the same memory (no padding, any bit pattern valid);
-            // the file is little-endian like the host (see hf.rs's guard).
-            let params = unsafe {
-                std::slice::from_raw_parts(params.as_ptr().cast::<u8>(), params.len() * 4)
-            };
             let [p_out, m_out, v_out] = &mut outs[..] else {
                 return Err(Error::internal("checkpoint", "three tensor files"));
             };
@@ -265,32 +301,28 @@ pub(super) fn write(
                 }
                 Ok::<(), Error>(())
             };
-            match (world, store.layout().owners.as_ref()) {
-                // Another rank holds them (ZeRO stage 3): its `send_moments` sends them first.
-                (Some(world), Some(owners)) if !store.layout().holds_params(u) => receive(
-                    world,
-                    owners.owner[u],
-                    4 * store.layout().units[u].numel,
-                    p_out,
-                )?,
-                _ => p_out.put(params, meter.as_ref())?,
-            }
-            match (world, store.layout().owners.as_ref()) {
-                // Another rank holds them (ZeRO stage 1): its `send_moments` sends them, m then
-                // v, in the same messages.
-                (Some(world), Some(owners)) if !owners.holds(u) => {
-                    let layout = store.layout();
-                    let bytes = layout.adam.moment_bytes_unaligned(layout.units[u].numel);
-                    for o in [m_out, v_out] {
-                        receive(world, owners.owner[u], bytes, o)?;
-                    }
+            // The rank holding this unit, where another does (a sharded job whose rank 0 writes
+            // it all): its `send_moments` sends the unit's params (stage 3), then m, then v.
+            let layout = store.layout();
+            let from = world
+                .zip(layout.owners.as_ref())
+                .filter(|(_, o)| !o.holds(u))
+                .map(|(w, o)| (w, o.owner[u]));
+            if let Some((world, owner)) = from {
+                let numel = layout.units[u].numel;
+                if !layout.holds_params(u) {
+                    receive(world, owner, 4 * numel, p_out)?;
                 }
-                _ => {
-                    let (m, v) = unit.moments()?;
-                    m_out.put(m, meter.as_ref())?;
-                    v_out.put(v, meter.as_ref())?;
+                let moment = layout.adam.moment_bytes_unaligned(numel);
+                for out in [&mut *m_out, &mut *v_out] {
+                    receive(world, owner, moment, out)?;
                 }
             }
+            // This process's own bytes of the unit.
+            let mut outs = [p_out, m_out, v_out];
+            unit_pieces(&unit, layout.holds_params(u), from.is_none(), |k, bytes| {
+                outs[k].put(bytes, meter.as_ref())
+            })?;
             // Thawed: step k+1 may update it now.
             drop(unit);
         }
