@@ -499,7 +499,7 @@ fn bench_collective_checks_and_times_both_sums() {
     let rows = r["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3);
     for row in rows {
-        for k in ["ours_busbw_gbs", "library_busbw_gbs"] {
+        for k in ["ours_busbw_gbs", "library_busbw_gbs", "reduce_s"] {
             assert!(row[k].as_f64().unwrap() > 0.0, "{k}: {row}");
         }
     }
@@ -582,6 +582,7 @@ fn cuda_ranks_equal_gradient_accumulation() {
     let out = c
         .arg(out_dir.path())
         .env("MEGATRAIN_BIN", bin())
+        .env("MEGATRAIN_TORCHRUN", torchrun())
         .env_remove("CUEMU_SCHEDULES")
         .output()
         .unwrap();
@@ -597,6 +598,8 @@ fn cuda_ranks_equal_gradient_accumulation() {
             "2 ranks vs 1 process accumulating 2",
             "2 ranks, run twice",
             "2 ranks with sharded params (--zero-stage 3) vs 1 process accumulating 2",
+            "2 ranks started by torchrun (its store, NCCL between the GPUs) vs 1 process accumulating 2",
+            "2 ranks started by torchrun with sharded params (--zero-stage 3) vs 1 process accumulating 2",
         ] {
             assert!(
                 summary.contains(&format!("| {precision}: {what} | PASS | same bits")),
@@ -633,25 +636,12 @@ fn cuda_ranks_equal_gradient_accumulation() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_ranks_measure_nccl_collectives_in_bench_collective() {
-    let emu = emulator();
-    let out = mpirun(3)
-        .arg(&emu)
-        .arg(bin())
-        .args(["bench", "collective", "--device", "cuda"])
-        // Not a multiple of 3 elements; over the emulator's 1 MiB chunk.
-        .args(["--sizes", "4K,3M", "--reps", "1", "--json"])
-        .env("CUEMU_SKIP_BUILD", "1")
-        .env_remove("CUEMU_SCHEDULES")
-        .output()
-        .unwrap();
-    let out = check(
-        out,
+    // Not a multiple of 3 elements; over the emulator's 1 MiB chunk.
+    let r = emulated_bench_collective(
+        mpirun(3),
+        "4K,3M",
         "mpirun -np 3 cuemu.sh megatrain bench collective --device cuda",
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("cuemu: error"), "{stderr}");
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(r["ranks"], 3);
     let nccl = &r["nccl"];
     assert!(
         nccl["library"].as_str().unwrap().starts_with("NCCL 2.")
@@ -734,6 +724,98 @@ fn cuda_ranks_with_nccl_end_the_job_when_one_faults_and_resume() {
     check(resumed, "the NCCL job resumed with --resume auto");
     let steps: Vec<u64> = metrics(&out).iter().map(|m| m.0).collect();
     assert_eq!(steps.last(), Some(&4), "{steps:?}");
+}
+
+/// PyTorch's `torchrun` (tools/setup-torchrun.sh installs it once).
+#[cfg(feature = "cuda")]
+fn torchrun() -> PathBuf {
+    let out = Command::new("bash")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/setup-torchrun.sh"))
+        .output()
+        .unwrap();
+    let out = check(
+        out,
+        "tools/setup-torchrun.sh (it needs the PyPI registry once)",
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// `torchrun --standalone --no-python --nproc-per-node N` (its store on a free port).
+#[cfg(feature = "cuda")]
+fn torchrun_ranks(n: usize) -> Command {
+    let mut c = Command::new(torchrun());
+    c.args([
+        "--standalone",
+        "--no-python",
+        "--nproc-per-node",
+        &n.to_string(),
+    ]);
+    c.env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+/// torchrun starts ranks without MPI: CUDA ranks meet at its store and exchange through NCCL
+/// (under the emulator: `bench collective` checks every sum, and says the store it met at);
+/// CPU-device ranks, which exchange through MPI, are refused by every rank with the reason and
+/// the launchers that work. (Training under torchrun equals accumulation bit for bit:
+/// `cuda_ranks_equal_gradient_accumulation`.)
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_ranks_under_torchrun_meet_at_its_store() {
+    let r = emulated_bench_collective(
+        torchrun_ranks(3),
+        "4K,5M",
+        "torchrun --nproc-per-node 3 cuemu.sh megatrain bench collective --device cuda",
+    );
+    let library = r["library"].as_str().unwrap();
+    assert!(
+        library.starts_with("NCCL 2.") && library.contains("torchrun's store"),
+        "{r}"
+    );
+    assert!(
+        r["ours_path"].as_str().unwrap().contains("rank order"),
+        "{r}"
+    );
+    assert_eq!(r["rows"].as_array().unwrap().len(), 2, "{r}");
+
+    let dir = tempfile::tempdir().unwrap();
+    inputs(dir.path());
+    let out = dir.path().join("out");
+    let refused = torchrun_ranks(2)
+        .arg(bin())
+        .args(train_args(dir.path(), &out, 2, 1))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    for rank in ["rank 0 of 2", "rank 1 of 2"] {
+        assert!(
+            stderr.contains(&format!("torchrun ({rank})")) && stderr.contains("mpirun -np N"),
+            "{stderr}"
+        );
+    }
+    assert!(!out.join("ckpt").exists(), "{stderr}");
+}
+
+/// `bench collective --device cuda --json` of 3 ranks `launcher` starts, each under the CUDA
+/// emulator, at `sizes`: its report, the run checked to succeed without the emulator's errors.
+#[cfg(feature = "cuda")]
+fn emulated_bench_collective(mut launcher: Command, sizes: &str, what: &str) -> serde_json::Value {
+    let out = launcher
+        .arg(emulator())
+        .arg(bin())
+        .args(["bench", "collective", "--device", "cuda"])
+        .args(["--sizes", sizes, "--reps", "1", "--json"])
+        .env("CUEMU_SKIP_BUILD", "1")
+        .env_remove("CUEMU_SCHEDULES")
+        .output()
+        .unwrap();
+    let out = check(out, what);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("cuemu: error"), "{stderr}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["ranks"], 3, "{r}");
+    r
 }
 
 /// `tools/cuemu.sh`, the emulator built once before the ranks start (each then finds it:
@@ -957,20 +1039,51 @@ fn sharded_params_train_the_same_bits_validate_export_and_resume() {
             }
         }
     }
-    // Micro-batches accumulated on each rank gather every unit again for each of them (and
-    // keep every unit's gradients, accumulated across them): 2 ranks accumulating 2 equal 2
-    // whole ranks accumulating 2.
-    let (ranks, whole) = (d.path().join("p2x2"), d.path().join("whole2x2"));
-    let out = run_ranks(2, &zero3(constant(train_args(d.path(), &ranks, 4, 2))));
-    let said = String::from_utf8_lossy(&out.stderr);
+    // Through MPI's messages (ranks on several hosts) each unit's sum is gathered to its owner
+    // alone (`MPI_Gatherv`; the shared window copies it back to the owner alone): the same
+    // bits.
+    let messages = d.path().join("p3-messages");
+    let out = mpirun(3)
+        .env("MEGATRAIN_SHARED_SUM", "0")
+        .arg(bin())
+        .args(zero3(constant(train_args(d.path(), &messages, 6, 1))))
+        .output()
+        .unwrap();
+    check(out, "mpirun -np 3 --zero-stage 3, MEGATRAIN_SHARED_SUM=0");
+    let one = d.path().join("p-accum3");
     assert!(
-        said.contains("holds and updates the params and Adam moments"),
-        "{said}"
+        assert_equal_runs(&messages, &one, "3 ranks, params sharded, MPI's messages"),
+        "3 sharded ranks through MPI's messages are within 1e-6 of accumulating 3 but not the same bits"
+    );
+    // Micro-batches accumulated on each rank gather every unit again for each of them, and
+    // each micro-batch's gradients are summed across the ranks at once onto their owner's
+    // shard (no rank keeps the others' across micro-batches): 2 ranks accumulating 2 are within
+    // 1e-6 of 2 whole ranks accumulating 2 (the sum's order differs: the micro-batches' sums
+    // accumulated, where whole ranks sum their accumulations) and repeat bit for bit.
+    let (ranks, again, whole) = (
+        d.path().join("p2x2"),
+        d.path().join("p2x2-again"),
+        d.path().join("whole2x2"),
+    );
+    let out = run_ranks(2, &zero3(constant(train_args(d.path(), &ranks, 4, 2))));
+    holds_a_part(
+        &String::from_utf8_lossy(&out.stderr),
+        "ZeRO stage 3: rank 0 holds and updates the params, gradients and Adam",
+    );
+    run_ranks(2, &zero3(constant(train_args(d.path(), &again, 4, 2))));
+    assert!(
+        assert_equal_runs(
+            &ranks,
+            &again,
+            "2 ranks accumulating 2, params sharded, twice"
+        ),
+        "2 sharded ranks accumulating 2 do not repeat their bits"
     );
     run_ranks(2, &constant(train_args(d.path(), &whole, 4, 2)));
-    assert!(
-        assert_equal_runs(&ranks, &whole, "2 ranks accumulating 2, params sharded vs whole"),
-        "2 ranks accumulating 2 with sharded params are within 1e-6 of whole ones but not the same bits"
+    assert_equal_runs(
+        &ranks,
+        &whole,
+        "2 ranks accumulating 2, params sharded vs whole",
     );
     // Lean mode (no gradient shard on any rank: each rank holds 1/N of the state) and the bf16
     // recipe (the gather carries the high plane the device streams; the checkpoint the joined

@@ -5,7 +5,9 @@
 # the same bits — in fp32 and in the bf16 recipe, and a second run of 2 ranks must repeat them;
 # and N ranks holding 1/N of the params and Adam state each (--zero-stage 3: every rank gathers
 # a unit's params from its owner before each copy to its GPU) against the same process, through
-# host memory and (--param-gather nccl, where there is a GPU per rank) GPU to GPU over NCCL.
+# host memory and (--param-gather nccl, where there is a GPU per rank) GPU to GPU over NCCL;
+# and N ranks started by torchrun (MEGATRAIN_TORCHRUN or the PATH's), which meet at its store
+# and exchange through NCCL, against the same process.
 #
 #   tools/gpu_dp_check.sh [--emulated] OUT_DIR
 #
@@ -23,7 +25,7 @@ emulated="" out=""
 for a in "$@"; do
   case "$a" in
     --emulated) emulated=1 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $a (usage: tools/gpu_dp_check.sh [--emulated] OUT_DIR)" >&2; exit 2 ;;
     *) [ -z "$out" ] || { echo "error: one OUT_DIR" >&2; exit 2; }; out="$a" ;;
   esac
@@ -36,6 +38,8 @@ done
   echo "error: no binary at $MEGATRAIN_BIN (build one with features cuda and mpi: tools/build_gpu_bundle.sh --mpi; or set MEGATRAIN_BIN)" >&2; exit 2; }
 megatrain_bin
 command -v mpirun >/dev/null || { echo "error: no mpirun on the PATH (install Open MPI or MPICH)" >&2; exit 2; }
+# torchrun (PyTorch's), for the rows of ranks it starts: MEGATRAIN_TORCHRUN, else the PATH's.
+torchrun="${MEGATRAIN_TORCHRUN:-$(command -v torchrun || true)}"
 command -v python3 >/dev/null || { echo "error: no python3 (it writes the tokens and compares the checkpoints)" >&2; exit 2; }
 mkdir -p "$out" || exit 2
 out="$(cd "$out" && pwd)"
@@ -160,6 +164,7 @@ tps() {  # DIR: the median tokens/s of the steps after the first
 }
 
 write_summary
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 for precision in fp32 bf16; do
   for n in "${ranks_n[@]}"; do
     t0=$(date +%s)
@@ -174,6 +179,26 @@ for precision in fp32 bf16; do
     fi
     if said="$(same "$r" "$a" 2>&1)"; then res=PASS; else res=FAIL; fi
     row "$precision: $n ranks vs 1 process accumulating $n" $res "$said; tokens/s (job) $(tps "$r") vs $(tps "$a")" $(( $(date +%s) - t0 ))
+    # torchrun's ranks: no MPI; they meet at its store and exchange through NCCL (with the
+    # params sharded, gathered through the same communicator).
+    for stage in 0 3; do
+      t0=$(date +%s) said=""
+      what="$precision: $n ranks started by torchrun (its store, NCCL between the GPUs) vs 1 process accumulating $n"
+      [ "$stage" = 3 ] && what="$precision: $n ranks started by torchrun with sharded params (--zero-stage 3) vs 1 process accumulating $n"
+      if [ -z "$torchrun" ]; then
+        row "$what" SKIP "no torchrun (set MEGATRAIN_TORCHRUN, or put PyTorch's torchrun on the PATH: tools/setup-torchrun.sh)" 0
+      elif [ -z "$emulated" ] && [ "$gpus" -lt "$n" ]; then
+        row "$what" SKIP "$gpus GPU(s) for $n ranks: NCCL needs a GPU per rank" 0
+      else
+        tr="$scratch/$precision-torchrun$n-zero$stage"
+        extra=(--zero-stage "$stage")
+        if train "$tr" "$precision" 1 "$torchrun" --standalone --no-python --nproc-per-node "$n" \
+           && said="$(same "$tr" "$a" 2>&1)"; then res=PASS; else res=FAIL; fi
+        extra=()
+        row "$what" $res "${said:-torchrun failed (see dp.log)}; tokens/s (job) $(tps "$tr")" $(( $(date +%s) - t0 ))
+        said=""
+      fi
+    done
     t0=$(date +%s)
     z="$scratch/$precision-zero3-ranks$n"
     extra=(--zero-stage 3)
@@ -185,7 +210,6 @@ for precision in fp32 bf16; do
     # needs a GPU per rank (the emulator's NCCL runs the ranks of one emulated GPU).
     t0=$(date +%s)
     what="$precision: $n ranks with params gathered over NCCL (--zero-stage 3 --param-gather nccl) vs 1 process accumulating $n"
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
     if [ -n "$emulated" ] || [ "$gpus" -ge "$n" ]; then
       zn="$scratch/$precision-zero3-nccl-ranks$n"
       extra=(--zero-stage 3 --param-gather nccl)

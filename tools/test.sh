@@ -4,7 +4,8 @@
 # CUDA kernel compiled by NVRTC 12.9 and 13.0 (installed from PyPI wheels; no GPU or toolkit
 # needed), the CUDA path run end to end under the CUDA emulator (tools/cuemu.sh) presenting CUDA 12
 # and CUDA 13, tools/gpu_check.sh --emulated among it, data-parallel CUDA ranks under the emulator
-# (tools/gpu_dp_check.sh --emulated), the x86_64 pip wheel built, installed into
+# (tools/gpu_dp_check.sh --emulated) under mpirun and torchrun (PyTorch's, installed from PyPI by
+# tools/setup-torchrun.sh), the x86_64 pip wheel built, installed into
 # a fresh venv and run (tools/build_wheels.sh, tools/test_wheel.sh), and the aarch64 build linted
 # and tested under qemu-user (tools/test_aarch64.sh).
 # This is the README's test command and what CI runs.
@@ -46,7 +47,7 @@ echo "== $(date +%T) the pip wheel (x86_64): maturin, hwloc and udev bundled by 
 # the release wheel's, the binary the dev profile's (opt-level 1).
 bash tools/build_wheels.sh --arch x86_64 --profile dev --out target/wheels-ci
 bash tools/test_wheel.sh target/wheels-ci/megatrain-*-manylinux_2_34_x86_64.whl
-echo "== $(date +%T) CUDA ranks: data parallel with every rank under the CUDA emulator (features cuda + mpi)"
+echo "== $(date +%T) CUDA ranks: data parallel with every rank under the CUDA emulator, under mpirun and torchrun (features cuda + mpi)"
 cargo test --features cuda,mpi --test dist cuda_ranks
 echo "== $(date +%T) aarch64 (Grace): cross-built, linted, and run under qemu-user (tools/test_aarch64.sh)"
 bash tools/test_aarch64.sh

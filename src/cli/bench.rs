@@ -69,7 +69,7 @@ pub struct BenchCollectiveArgs {
 }
 
 fn bench_collective(a: &BenchCollectiveArgs) -> Result<()> {
-    let world = megatrain::dist::from_env()?;
+    let world = megatrain::train::join(megatrain::dist::Launch::from_env()?.as_ref(), a.device)?;
     // As in training: ranks on one host each take their part of its CPUs.
     megatrain::dist::HostShare::of(world.as_ref()).bind()?;
     let sizes: Vec<u64> = a.sizes.iter().map(|&s| s as u64).collect();

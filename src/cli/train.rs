@@ -222,7 +222,7 @@ fn watch_collectives(
                     )
                 }
                 Some(_) => "every rank answered, waiting too: the ranks disagree on the collectives' order (a bug: please report it)".to_owned(),
-                None => "a rank hangs or died (this MPI cannot ask which: no MPI_THREAD_MULTIPLE)".to_owned(),
+                None => format!("a rank hangs or died ({})", world.no_roll_call()),
             };
             say!(
                 "error: rank {rank} of {size} (on {host}): waited {} s in {what} for the other ranks (--collective-timeout {timeout_s}): {cause}; ending the job (the checkpoints on disk are whole: continue with --resume auto)",
@@ -299,13 +299,16 @@ fn configuration(args: &TrainArgs, speaks: bool) -> Result<TrainConfig> {
 
 /// Train; the exit status is 0, or 128+signal when a signal stopped the run.
 pub fn run(args: &TrainArgs) -> Result<u8> {
-    // A launcher (mpirun, srun) may have started this process as one rank of several.
-    let world = megatrain::dist::from_env()?;
+    // A launcher (mpirun, srun, torchrun) may have started this process as one rank of
+    // several; how the ranks meet depends on the device they train on.
+    let launch = megatrain::dist::Launch::from_env()?;
+    let cfg = configuration(args, launch.as_ref().is_none_or(|l| l.rank == 0))?;
+    let world = megatrain::train::join(launch.as_ref(), cfg.device)?;
     if world.size() == 1 {
-        return run_rank(args, world);
+        return run_rank(cfg, world);
     }
     let (rank, size) = (world.rank(), world.size());
-    match run_rank(args, world.clone()) {
+    match run_rank(cfg, world.clone()) {
         Ok(code) => Ok(code),
         Err(e) => {
             // Every other rank would wait for this one forever: end the job, naming the rank.
@@ -318,10 +321,9 @@ pub fn run(args: &TrainArgs) -> Result<u8> {
 /// Train as rank `world.rank()`: rank 0 prints the progress and the summary, the others only
 /// their errors.
 fn run_rank(
-    args: &TrainArgs,
+    cfg: TrainConfig,
     world: std::sync::Arc<dyn megatrain::dist::Collective>,
 ) -> Result<u8> {
-    let cfg = configuration(args, world.rank() == 0)?;
     cfg.validate()?;
     let _watchdog =
         (world.size() > 1).then(|| watch_collectives(world.clone(), cfg.collective_timeout));

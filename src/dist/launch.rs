@@ -16,6 +16,9 @@ pub struct Launch {
     pub local_rank: usize,
 }
 
+/// The name of torchrun's entry in [`Launch::launcher`].
+pub const TORCHRUN: &str = "torchrun";
+
 /// Each launcher's variables: (launcher, rank, size, local rank), in the order they are tried.
 /// An MPI launcher's are tried first: `srun` under `mpirun` (or the reverse) leaves both, and the
 /// one that started this process is the innermost, MPI's.
@@ -33,7 +36,7 @@ const SOURCES: [(&str, &str, &str, &str); 4] = [
         "SLURM_NTASKS",
         "SLURM_LOCALID",
     ),
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    (TORCHRUN, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
 ];
 
 impl Launch {

@@ -13,6 +13,7 @@ mod mpi;
 mod order;
 #[cfg(feature = "mpi")]
 mod shared;
+pub mod store;
 
 pub use launch::Launch;
 pub use order::{sum_in_rank_order, sum_in_rank_order_in_place};
@@ -36,6 +37,15 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// order: `((x₀ + x₁) + x₂) + …` in f32, the same bits on every rank and in every run. Every
     /// rank passes the same length.
     fn sum_f32(&self, buf: &mut [f32]) -> Result<()>;
+    /// Rank `root`'s `buf` replaced by the sum [`Collective::sum_f32`] gives — every rank's
+    /// `buf`, element-wise, in rank order, the same bits — and the other ranks' `buf` left
+    /// holding anything (a unit's gradients, summed for the one rank that updates it: the
+    /// others skip receiving the sums). Every rank passes the same length and root. By default
+    /// the sum itself, on every rank.
+    fn reduce_f32(&self, root: usize, buf: &mut [f32]) -> Result<()> {
+        let _ = root;
+        self.sum_f32(buf)
+    }
     /// The same for a few f64 values (losses, token counts, flags).
     fn sum_f64(&self, buf: &mut [f64]) -> Result<()>;
     /// Every rank's `bytes`, in rank order, on every rank (small values: settings, identities).
@@ -78,6 +88,15 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn roll_call(&self, _within: std::time::Duration) -> Option<Vec<(usize, String)>> {
         None
     }
+    /// Why [`Collective::roll_call`] gives `None` (for the watchdog's message).
+    fn no_roll_call(&self) -> &'static str {
+        "one process has no other ranks to ask"
+    }
+    /// Whether the collectives run between the ranks' GPUs (NCCL, under torchrun): then a
+    /// second communicator on the device's streams is not taken unless asked for.
+    fn on_gpus(&self) -> bool {
+        false
+    }
 }
 
 /// The collective a rank is waiting in and since when, readable from any thread.
@@ -91,8 +110,8 @@ impl StallWatch {
     }
 
     /// Mark the start (`Some`) or the end (`None`) of a wait.
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    fn set(&self, what: Option<&'static str>) {
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn set(&self, what: Option<&'static str>) {
         *crate::util::lock(&self.0) = what.map(|w| (w, std::time::Instant::now()));
     }
 }
@@ -110,10 +129,17 @@ pub struct HostShare {
 impl HostShare {
     /// The ranks' host names, in rank order, into each rank's share.
     pub fn of(world: &dyn Collective) -> HostShare {
-        let all = world.hosts();
-        let same: Vec<usize> = (0..all.len()).filter(|&r| all[r] == world.host()).collect();
+        Self::among(world.hosts(), world.rank())
+    }
+
+    /// Rank `rank`'s share, from every rank's host name in rank order.
+    pub fn among(hosts: &[String], rank: usize) -> HostShare {
+        let mine = hosts.get(rank);
+        let same: Vec<usize> = (0..hosts.len())
+            .filter(|&r| Some(&hosts[r]) == mine)
+            .collect();
         HostShare {
-            index: same.iter().position(|&r| r == world.rank()).unwrap_or(0),
+            index: same.iter().position(|&r| r == rank).unwrap_or(0),
             count: same.len().max(1),
         }
     }
@@ -256,14 +282,6 @@ pub fn join(launch: &Launch) -> Result<Arc<dyn Collective>> {
         ),
         Some("build with `cargo build --release --features mpi` (needs libopenmpi-dev or libmpich-dev and libclang-dev), or run one process"),
     ))
-}
-
-/// The collective of this process: [`solo`] when no launcher started several, else the job's.
-pub fn from_env() -> Result<Arc<dyn Collective>> {
-    match Launch::from_env()? {
-        Some(l) if l.size > 1 => join(&l),
-        _ => Ok(solo()),
-    }
 }
 
 /// Check that every rank agrees on `what`'s value `mine` (a setting that decides the

@@ -4,7 +4,7 @@
 //! `sum_f32` is a reduce-scatter then an all-gather, both as data movement: the buffer is cut
 //! into one slice per rank ([`super::order::slice_of`]); `MPI_Alltoallv` hands rank r every
 //! rank's copy of slice r; rank r adds them in rank order; `MPI_Allgatherv` hands every rank
-//! every summed slice. Each rank sends and receives (N−1)/N of the buffer twice, as a ring
+//! every summed slice (`reduce_f32`: `MPI_Gatherv` hands them to its root alone). Each rank sends and receives (N−1)/N of the buffer twice, as a ring
 //! all-reduce does, and the result is the same bits whatever algorithm MPI picks. Buffers go in
 //! chunks of [`CHUNK`] elements into one receive buffer kept for the job's life (one chunk, 16
 //! MiB, whatever the unit's size): a fresh buffer per call cost more in page faults and zeroing
@@ -145,8 +145,9 @@ impl MpiWorld {
         }
     }
 
-    /// One chunk of `sum_f32`.
-    fn sum_chunk(&self, chunk: &mut [f32], recv: &mut Vec<f32>) -> Result<()> {
+    /// One chunk of `sum_f32` (`to`: `None`), or of `reduce_f32` to rank `to`: every rank's
+    /// summed slice handed to every rank, or gathered to that one.
+    fn sum_chunk(&self, chunk: &mut [f32], recv: &mut Vec<f32>, to: Option<usize>) -> Result<()> {
         let (m, n) = (chunk.len(), self.size);
         let mut counts = Vec::with_capacity(n);
         let mut displs = Vec::with_capacity(n);
@@ -171,9 +172,43 @@ impl MpiWorld {
             self.world.all_to_all_varcount_into(&send, &mut into);
         }
         sum_in_rank_order_in_place(recv, mine);
-        let mut into = PartitionMut::new(chunk, &counts[..], &displs[..]);
-        self.world
-            .all_gather_varcount_into(&recv[..mine], &mut into);
+        match to {
+            None => {
+                let mut into = PartitionMut::new(chunk, &counts[..], &displs[..]);
+                self.world
+                    .all_gather_varcount_into(&recv[..mine], &mut into);
+            }
+            Some(root) => {
+                let at = self.world.process_at_rank(self.peer(root)?);
+                match root == self.rank {
+                    true => {
+                        let mut into = PartitionMut::new(chunk, &counts[..], &displs[..]);
+                        at.gather_varcount_into_root(&recv[..mine], &mut into);
+                    }
+                    false => at.gather_varcount_into(&recv[..mine]),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl MpiWorld {
+    /// `sum_f32` (`to`: `None`) or `reduce_f32` to rank `to`, chunk by chunk.
+    fn sum_to(&self, buf: &mut [f32], to: Option<usize>) -> Result<()> {
+        let mut busy = self.enter("the gradients' sum");
+        match &self.shared {
+            Some(shared) => {
+                for chunk in buf.chunks_mut(shared.capacity()) {
+                    shared.sum(chunk, to)?;
+                }
+            }
+            None => {
+                for chunk in buf.chunks_mut(CHUNK) {
+                    self.sum_chunk(chunk, &mut busy.serial, to)?;
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -206,20 +241,12 @@ impl Collective for MpiWorld {
     }
 
     fn sum_f32(&self, buf: &mut [f32]) -> Result<()> {
-        let mut busy = self.enter("the gradients' sum");
-        match &self.shared {
-            Some(shared) => {
-                for chunk in buf.chunks_mut(shared.capacity()) {
-                    shared.sum(chunk)?;
-                }
-            }
-            None => {
-                for chunk in buf.chunks_mut(CHUNK) {
-                    self.sum_chunk(chunk, &mut busy.serial)?;
-                }
-            }
-        }
-        Ok(())
+        self.sum_to(buf, None)
+    }
+
+    fn reduce_f32(&self, root: usize, buf: &mut [f32]) -> Result<()> {
+        self.peer(root)?;
+        self.sum_to(buf, Some(root))
     }
 
     fn sum_f64(&self, buf: &mut [f64]) -> Result<()> {
@@ -350,6 +377,10 @@ impl Collective for MpiWorld {
                 std::mem::forget(pending);
             }
         }
+    }
+
+    fn no_roll_call(&self) -> &'static str {
+        "this MPI cannot ask which: no MPI_THREAD_MULTIPLE"
     }
 
     fn roll_call(&self, within: std::time::Duration) -> Option<Vec<(usize, String)>> {

@@ -165,8 +165,9 @@ impl SharedSum {
     }
 
     /// Replace `chunk` (at most [`SharedSum::capacity`] elements, the same length on every
-    /// rank) by the sum of every rank's, added in rank order.
-    pub(super) fn sum(&self, chunk: &mut [f32]) -> Result<()> {
+    /// rank) by the sum of every rank's, added in rank order — on every rank, or (`to`) on that
+    /// rank alone.
+    pub(super) fn sum(&self, chunk: &mut [f32], to: Option<usize>) -> Result<()> {
         let (m, n) = (chunk.len(), self.segments.len());
         if m > self.capacity {
             return Err(Error::internal(
@@ -205,10 +206,14 @@ impl SharedSum {
                 .copy_from_slice(&acc);
         });
         self.phase()?;
-        // 3. Every rank's summed slice back into the chunk.
-        let every_block: Vec<(usize, Range<usize>)> = (0..n)
-            .flat_map(|k| blocks(slice_of(m, n, k)).map(move |r| (k, r)))
-            .collect();
+        // 3. Every rank's summed slice back into the chunk (a reduce's root alone: the other
+        // ranks' chunks are left as they are).
+        let every_block: Vec<(usize, Range<usize>)> = match to.is_none_or(|r| r == self.rank) {
+            true => 0..n,
+            false => 0..0,
+        }
+        .flat_map(|k| blocks(slice_of(m, n, k)).map(move |r| (k, r)))
+        .collect();
         let out = Segment(chunk.as_mut_ptr());
         every_block.par_iter().for_each(|(k, r)| {
             // SAFETY: rank k's summed elements `r`, written before the phase and by no one

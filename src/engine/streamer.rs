@@ -128,11 +128,10 @@ pub struct Streamer {
     /// ZeRO stage 3: the host buffers other ranks' params are gathered into, one per weight
     /// buffer ([`Op::Gather`]).
     gathered: Vec<HostBuffer>,
-    /// ZeRO stage 3 with sharded gradients: the host buffers another rank's unit's gradients
-    /// land in ([`Res::Landed`](super::schedule::Res::Landed)), and which one each unit's last
-    /// landed in (its [`Op::Reduce`] sums them there).
+    /// ZeRO stage 3 with sharded gradients: the host buffers a micro-batch's gradients of a
+    /// unit land in ([`Res::Landed`](super::schedule::Res::Landed)) to be summed across the
+    /// ranks ([`Op::Reduce`]).
     landing: Vec<HostBuffer>,
-    landed: Vec<Option<usize>>,
     guards: Vec<Option<UnitGuard>>,
     pending: HashMap<usize, PendingAdam>,
     step: u64,
@@ -342,7 +341,6 @@ impl Streamer {
             lean,
             gathered,
             landing,
-            landed: vec![None; units],
             guards: (0..units).map(|_| None).collect(),
             pending: HashMap::new(),
             step: 0,
@@ -719,7 +717,13 @@ impl Streamer {
                 run.coef = norm.map_or(1.0, |n| clip_coef(self.cfg.grad_clip, n));
             }
             Op::Adam { unit, lean, piece } => self.submit_adam(*unit, (*lean, *piece), run)?,
-            Op::Reduce { unit, lean, piece } => self.reduce(*unit, (*lean, *piece))?,
+            Op::Reduce {
+                unit,
+                lean,
+                piece,
+                landing,
+                accumulate,
+            } => self.reduce(*unit, (*lean, *piece), (*landing, *accumulate))?,
             Op::Gather { unit, slot } => self.gather(*unit, *slot)?,
             // The schedule made this wait for every update of the step; their Σg² is summed.
             Op::LeanNorm => {}
@@ -956,15 +960,13 @@ impl Streamer {
         let elems = self.store.layout().lean_piece(unit, piece);
         let src = self.buf(from);
         let dst = match (lean, landing) {
-            // Sharded gradients: another rank's unit's land in buffer k.
-            (None, Some(k)) if !self.store.layout().holds_grads(unit) => {
+            // Sharded gradients: another rank's unit's land in buffer k, and so do the owner's
+            // after its first micro-batch (the sum is added to its shard then).
+            (None, Some(k)) if accumulate || !self.store.layout().holds_grads(unit) => {
                 let b = self
                     .landing
                     .get_mut(k)
                     .ok_or_else(|| Error::internal("streamer", format!("no landing buffer {k}")))?;
-                if let Some(x) = self.landed.get_mut(unit) {
-                    *x = Some(k);
-                }
                 // SAFETY: the buffer lives in `self`; the schedule orders the next copy into it
                 // after the Reduce that reads this one.
                 unsafe { HostRef::from_slice(&mut b.as_mut_slice()[..elems.len()]) }
@@ -1001,7 +1003,8 @@ impl Streamer {
             dst,
             src,
             offset: elems.start,
-            accumulate,
+            // Sharded gradients are summed (and accumulated) by their Reduce.
+            accumulate: accumulate && landing.is_none(),
             link: self.cfg.grad_link,
             label,
         })

@@ -160,6 +160,19 @@ impl DataParallel {
     }
 }
 
+impl DataParallel {
+    /// A rank's bytes in a sum delivered to another rank ([`crate::dist::Collective::reduce_f32`]:
+    /// its slices out, its own slice's sum sent on — `(N−1)/N + 1/N` of the buffer) as a share of
+    /// its bytes in the all-reduce (`2(N−1)/N`).
+    pub fn reduce_share(&self) -> f64 {
+        let n = self.ranks() as f64;
+        match n > 1.0 {
+            true => n / (2.0 * (n - 1.0)),
+            false => 1.0,
+        }
+    }
+}
+
 /// The data-parallel side of a plan of several ranks.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DataParallelPlan {
@@ -180,7 +193,7 @@ pub struct DataParallelPlan {
     pub host_bytes_per_node: u64,
     /// A machine's RAM.
     pub node_ram_bytes: u64,
-    /// fp32 gradient bytes each rank sums per step.
+    /// fp32 gradient bytes each rank sums per step (every micro-batch's with sharded gradients).
     pub sum_bytes_per_step: u64,
     /// Param bytes each rank receives per step from the ranks holding them (stage 1: every
     /// unit's update once; stage 3: every unit's streamed params before each copy to the GPU).
@@ -285,6 +298,36 @@ mod tests {
             65536.0 / p.time.step_s,
             "the job's tokens/s is the rank's"
         );
+    }
+
+    /// ZeRO stage 3 in exact mode sums every micro-batch's gradients at once (no rank keeps
+    /// another's across micro-batches): with 4 micro-batches a rank, the same host bytes as
+    /// with one, and 4 sums a step — the bytes and the seconds (each later micro-batch's sum
+    /// also added to the owner's shard) — where stage 1 sums once.
+    #[test]
+    fn sharded_gradients_are_summed_every_micro_batch() {
+        let node = presets::machine("h200-1.5tb").unwrap();
+        let m = presets::model("llama-3.1-8b").unwrap();
+        let job = |stage: u8, micro: u64| PlanRequest {
+            data_parallel: DataParallel {
+                zero_stage: stage,
+                ..DataParallel::new(4, 1)
+            },
+            micro_batch_tokens: Some(4096),
+            ..ranks(4, 1, 4 * 4096 * micro)
+        };
+        let (one, four) = (plan(&m, &node, &job(3, 1)), plan(&m, &node, &job(3, 4)));
+        let (d1, d4) = (one.data_parallel.unwrap(), four.data_parallel.unwrap());
+        assert_eq!(d1.host_bytes_per_rank, d4.host_bytes_per_rank);
+        assert_eq!(d4.sum_bytes_per_step, 4 * d1.sum_bytes_per_step);
+        let s = (one.time.sum_s, four.time.sum_s);
+        assert!(s.1 > 4.0 * s.0 && s.1 < 4.2 * s.0, "{s:?}");
+        let (z1, z4) = (plan(&m, &node, &job(1, 1)), plan(&m, &node, &job(1, 4)));
+        assert_eq!(
+            z4.data_parallel.unwrap().sum_bytes_per_step,
+            z1.data_parallel.unwrap().sum_bytes_per_step
+        );
+        assert!((z4.time.sum_s - z1.time.sum_s).abs() < 1e-9 * z1.time.sum_s);
     }
 
     /// N ranks: each is the single-GPU plan of its share of the tokens on its share of the machine

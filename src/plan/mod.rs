@@ -266,8 +266,8 @@ impl PlanRequest {
             0 => layout,
             stage => {
                 let ranks = self.data_parallel.ranks() as usize;
-                // Stage 3 in exact mode with one micro-batch shards the gradients too.
-                let grads = stage == 3 && self.mode == Mode::Exact && self.micro_batches() == 1;
+                // Stage 3 in exact mode shards the gradients too.
+                let grads = stage == 3 && self.mode == Mode::Exact;
                 let fullest = UnitOwners::fullest(&layout, ranks, (stage == 3, grads));
                 layout.with_owners(fullest)
             }
@@ -575,7 +575,13 @@ pub fn plan(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> Plan {
         host_bytes_per_rank: host_per_rank,
         host_bytes_per_node: host_per_rank.saturating_mul(dp.gpus),
         node_ram_bytes: node.host_ram_bytes,
-        sum_bytes_per_step: 4 * model.num_params() as u64,
+        // Every micro-batch's with sharded gradients (ZeRO stage 3, exact mode).
+        sum_bytes_per_step: 4
+            * model.num_params() as u64
+            * match rank.layout(model).lands_grads() {
+                true => rank.micro_batches(),
+                false => 1,
+            },
         host_sum_gbps: node.host_sum_gbps,
         nic_gbps: node.nic_gbps.filter(|_| dp.nodes > 1),
         job_tokens_per_s: time.tokens_per_s,

@@ -211,10 +211,15 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
                     unit,
                     piece,
                     accumulate,
+                    landing,
                     ..
                 } => {
                     let link = copy(piece_bytes(*unit, *piece), costs.dtoh_bps);
-                    let traffic = landing_bytes_per_elem(costs.grad_elem_bytes, *accumulate);
+                    // Sharded gradients land as they are (their Reduce accumulates).
+                    let traffic = landing_bytes_per_elem(
+                        costs.grad_elem_bytes,
+                        *accumulate && landing.is_none(),
+                    );
                     match costs.land_bps {
                         Some(bps) if traffic > 0.0 => link.max(
                             costs.copy_latency_s
@@ -235,16 +240,36 @@ fn op_cost(lane: &Lane, op: &Op, costs: &Costs) -> (usize, f64) {
             (res, dur)
         }
         (Lane::Host, Op::Norm { unit }) => (HOST, costs.norm_s[*unit]),
-        (Lane::Host, Op::Reduce { unit, piece, .. }) => {
-            let share =
-                costs.piece_len(*unit, *piece) as f64 / costs.unit_numel[*unit].max(1) as f64;
-            (HOST, costs.reduce_s.get(*unit).map_or(0.0, |s| s * share))
-        }
+        (Lane::Host, op @ Op::Reduce { .. }) => (HOST, host_seconds(op, costs)),
         (Lane::Host, Op::Gather { unit, .. }) => {
             (HOST, costs.gather_s.get(*unit).map_or(0.0, |s| *s))
         }
         (Lane::Host, _) => (HOST, 0.0),
     }
+}
+
+/// Seconds the host thread spends in a data-parallel [`Op::Reduce`]: its unit's (piece's) share
+/// of the sum and, for a later micro-batch's sum of a unit the rank holds (sharded gradients),
+/// adding it to the shard (read both, write one: 12 B/element at the landing rate).
+pub(super) fn host_seconds(op: &Op, costs: &Costs) -> f64 {
+    let Op::Reduce {
+        unit,
+        piece,
+        accumulate,
+        ..
+    } = op
+    else {
+        return 0.0;
+    };
+    let len = costs.piece_len(*unit, *piece) as f64;
+    let share = len / costs.unit_numel[*unit].max(1) as f64;
+    let sum = costs.reduce_s.get(*unit).map_or(0.0, |s| s * share);
+    let held = costs.held.get(*unit).copied().unwrap_or(true);
+    let add = match (accumulate, held, costs.land_bps) {
+        (true, true, Some(bps)) => len * 12.0 / bps,
+        _ => 0.0,
+    };
+    sum + add
 }
 
 /// Host memory bytes per gradient element that landing a bounced copy moves: the bounce

@@ -105,10 +105,19 @@ fn sim_costs(
         norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
         nvme_read_s: (0..numel.len()).map(nvme).collect(),
         nvme_write_s: (0..numel.len()).map(nvme).collect(),
-        // The ranks sum fp32 gradients in host memory, whatever crossed the link.
+        // The ranks sum fp32 gradients in host memory, whatever crossed the link; sharded
+        // gradients go to their owner alone (`Collective::reduce_f32`), so a unit the rank
+        // does not hold costs it the reduce-scatter and its slice's send, not the all-gather.
         reduce_s: numel
             .iter()
-            .map(|&k| req.data_parallel.sum_s(hw, 4.0 * k as f64))
+            .enumerate()
+            .map(|(u, &k)| {
+                let all = req.data_parallel.sum_s(hw, 4.0 * k as f64);
+                match layout.lands_grads() && !layout.holds_grads(u) {
+                    true => all * req.data_parallel.reduce_share(),
+                    false => all,
+                }
+            })
             .collect(),
         // Stage 3: a unit's params as the GPU streams them, from the rank holding them:
         // through host memory, or GPU to GPU (NCCL).
@@ -203,8 +212,24 @@ pub fn time(model: &ModelConfig, hw: &Hardware, req: &PlanRequest) -> TimePlan {
             bottleneck: p2.bottleneck,
         }
     };
-    // Every unit's gradients are summed once a step, on the host thread.
-    let sum_s: f64 = costs.reduce_s.iter().sum();
+    // The gradients' sums of a step, on the host thread: every unit's once, or (sharded
+    // gradients) every micro-batch's — the schedule's Reduce tasks, as the simulation costs
+    // them, for 1 and 2 micro-batches and extrapolated.
+    let sums = |m: u64| -> f64 {
+        crate::engine::schedule::schedule(&spec_of(m))
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.op, crate::engine::schedule::Op::Reduce { .. }))
+            .map(|t| sim::host_seconds(&t.op, &costs))
+            .sum()
+    };
+    let sum_s = match micro {
+        0 | 1 => sums(1),
+        _ => {
+            let (s1, s2) = (sums(1), sums(2));
+            s1 + micro.saturating_sub(1) as f64 * (s2 - s1)
+        }
+    };
     // Params between ranks: stage 3's gathers (in the schedule: each copy of a unit), or stage
     // 1's broadcast of every unit's update (params shard: 4 B/param either master format)
     // after it, which the step waits for.

@@ -214,9 +214,9 @@ pub struct UnitOwners {
     /// Stage 3: the params live only on their unit's owner too.
     #[serde(default)]
     pub params: bool,
-    /// Stage 3 in exact mode with one micro-batch a step: the gradient shards too (another
-    /// rank's unit's gradients land in one of [`LANDING_BUFFERS`] host buffers, are summed
-    /// across the ranks there, and are dropped).
+    /// Stage 3 in exact mode: the gradient shards too (each micro-batch's gradients of a unit
+    /// land in one of [`LANDING_BUFFERS`] host buffers, are summed across the ranks there,
+    /// added to the owner's shard and dropped elsewhere).
     #[serde(default)]
     pub grads: bool,
     /// Stage 3: the devices gather the params themselves — the owner copies a unit to its
@@ -259,7 +259,7 @@ impl UnitOwners {
         }
     }
 
-    /// These owners holding the gradients too (ZeRO stage 3, exact mode, one micro-batch).
+    /// These owners holding the gradients too (ZeRO stage 3, exact mode).
     pub fn with_grads(self) -> Self {
         UnitOwners {
             grads: true,
@@ -360,8 +360,8 @@ impl StateLayout {
                 .is_none_or(|o| !o.grads || o.holds(unit))
     }
 
-    /// Whether another rank's unit's gradients land in a landing buffer, are summed there and
-    /// dropped (ZeRO stage 3, exact mode, one micro-batch).
+    /// Whether a unit's gradients land in a landing buffer each micro-batch and are summed
+    /// there (ZeRO stage 3, exact mode).
     pub fn lands_grads(&self) -> bool {
         self.mode == Mode::Exact && self.owners.as_ref().is_some_and(|o| o.grads)
     }

@@ -17,6 +17,7 @@ pub mod outputs;
 pub mod plot;
 pub mod prepare;
 mod ranks;
+pub use ranks::join;
 pub mod run_dir;
 mod setup;
 mod step_log;

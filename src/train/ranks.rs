@@ -9,6 +9,38 @@ use crate::store::layout::Mode;
 use crate::{Error, Result};
 use std::path::PathBuf;
 
+/// Join the job a launcher started this process in, for ranks that train on `device`: alone
+/// ([`crate::dist::solo`]) when no launcher started several; over MPI under `mpirun` and
+/// `srun` ([`crate::dist::join`]); under `torchrun`, which starts its ranks without MPI, at its
+/// store and over NCCL between the ranks' GPUs (`--device cuda`,
+/// [`crate::device::cuda::world`]). CPU-device ranks need MPI: under torchrun they are
+/// refused with the reason.
+pub fn join(
+    launch: Option<&crate::dist::Launch>,
+    device: DeviceKind,
+) -> Result<std::sync::Arc<dyn Collective>> {
+    let Some(l) = launch.filter(|l| l.size > 1) else {
+        return Ok(crate::dist::solo());
+    };
+    if l.launcher != crate::dist::launch::TORCHRUN {
+        return crate::dist::join(l);
+    }
+    #[cfg(feature = "cuda")]
+    if device == DeviceKind::Cuda {
+        return crate::device::cuda::world::join_torchrun(l);
+    }
+    let why = match device {
+        DeviceKind::Cuda => "this megatrain was built without CUDA: torchrun's ranks reach each other through NCCL between their GPUs",
+        _ => "torchrun starts its ranks without MPI, and ranks on the CPU device exchange through MPI (torchrun's ranks reach each other through NCCL, between GPUs: --device cuda)",
+    };
+    Err(Error::bad_input(
+        "launch",
+        format!("torchrun (rank {} of {})", l.rank, l.size),
+        why,
+        Some("start CPU-device ranks with `mpirun -np N megatrain train …` or `srun megatrain train …` (a build with --features mpi); start GPU ranks with torchrun from a build with --features cuda"),
+    ))
+}
+
 /// Rank 0's run id and the checkpoint it resumes, told to every rank. Rank 0 keeps the id; the
 /// others take it with their rank appended (their spill files, named by it, must not collide).
 pub(super) fn share_start(
@@ -212,6 +244,11 @@ pub(super) fn gathers_on_device(
     }
     if cfg.param_gather == ParamGather::Host {
         return Ok((false, Some("--param-gather host".into())));
+    }
+    if cfg.param_gather == ParamGather::Auto && world.on_gpus() {
+        // Two communicators of the same GPUs, one on the device's streams and one on the
+        // world's, could each wait for the other on some rank: taken only when asked for.
+        return Ok((false, Some("the job's collectives already run over NCCL (torchrun): a second communicator for the params is taken only with --param-gather nccl".into())));
     }
     let why_not = if cfg.param_gather == ParamGather::Auto && gpu.shared_by > 1 {
         format!(

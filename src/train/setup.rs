@@ -178,9 +178,9 @@ pub(super) fn setup(
             (3, false) => owners.with_params(),
             _ => owners,
         };
-        // Exact mode with one micro-batch a step: the gradients too (with more, each rank
-        // accumulates every unit's across its micro-batches, so it keeps all of them).
-        let owners = match owners.params && mode == Mode::Exact && cfg.grad_accum == 1 {
+        // Exact mode: the gradients too (each micro-batch's summed across the ranks at once,
+        // on their owner's shard).
+        let owners = match owners.params && mode == Mode::Exact {
             true => owners.with_grads(),
             false => owners,
         };
@@ -212,10 +212,14 @@ pub(super) fn setup(
             job
         ));
         if layout.gathers_params() {
+            let through = match world.on_gpus() {
+                true => "host memory (NCCL, staged through the GPUs)",
+                false => "host memory (MPI)",
+            };
             progress.note(&match (layout.gathers_on_device(), host_gather_why) {
                 (true, _) => "params gathered GPU to GPU: each unit's owner copies it to its GPU, NCCL broadcasts it to the others'".to_owned(),
-                (false, Some(why)) => format!("params gathered through host memory (MPI): {why}"),
-                (false, None) => "params gathered through host memory (MPI)".to_owned(),
+                (false, Some(why)) => format!("params gathered through {through}: {why}"),
+                (false, None) => format!("params gathered through {through}"),
             });
         }
     }
@@ -681,8 +685,8 @@ fn choose_mode(
         // then chooses the same mode).
         let layout = match sharded_ranks {
             Some((ranks, stage)) => {
-                // Stage 3 in exact mode with one micro-batch shards the gradients too.
-                let grads = stage == 3 && m == Mode::Exact && cfg.grad_accum == 1;
+                // Stage 3 in exact mode shards the gradients too.
+                let grads = stage == 3 && m == Mode::Exact;
                 let fullest = UnitOwners::fullest(&layout, ranks, (stage == 3, grads));
                 layout.with_owners(fullest)
             }

@@ -27,6 +27,10 @@ pub struct CollectiveRow {
     pub library_s: f64,
     /// Bus GB/s of the library's all-reduce.
     pub library_busbw_gbs: f64,
+    /// The rank-order sum delivered to rank 0 alone ([`Collective::reduce_f32`]: a unit's
+    /// gradients for its owner): seconds (median, slowest rank).
+    #[serde(default)]
+    pub reduce_s: f64,
 }
 
 /// What `bench collective` measured.
@@ -108,22 +112,35 @@ pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<Collect
             "pass smaller --sizes",
         )?;
         let mut buf = vec![0.0f32; n];
-        let mut time = |library: bool| -> Result<f64> {
+        #[derive(Clone, Copy, PartialEq)]
+        enum Which {
+            Ours,
+            Library,
+            Reduce,
+        }
+        let mut time = |which: Which| -> Result<f64> {
             let mut t = Vec::with_capacity(reps);
             for rep in 0..=reps {
                 fill(&mut buf, world.rank());
+                // Every rank starts together: a rank's time is not another's check of the
+                // last result (a reduce's root checks alone).
+                world.sum_f64(&mut [0.0])?;
                 let t0 = Instant::now();
-                if library {
-                    world.library_sum_f32(&mut buf)?;
-                } else {
-                    world.sum_f32(&mut buf)?;
+                match which {
+                    Which::Library => world.library_sum_f32(&mut buf)?,
+                    Which::Ours => world.sum_f32(&mut buf)?,
+                    Which::Reduce => world.reduce_f32(0, &mut buf)?,
                 }
                 let secs = t0.elapsed().as_secs_f64();
-                let what = match library {
-                    true => "the library's all-reduce",
-                    false => "the rank-order sum",
+                let what = match which {
+                    Which::Library => "the library's all-reduce",
+                    Which::Ours => "the rank-order sum",
+                    Which::Reduce => "the rank-order sum to rank 0",
                 };
-                check_sum(&buf, world.size(), what)?;
+                // A reduce's sum is rank 0's alone.
+                if which != Which::Reduce || world.rank() == 0 {
+                    check_sum(&buf, world.size(), what)?;
+                }
                 // The first is a warm-up (pages faulted, connections made).
                 if rep > 0 {
                     t.push(secs);
@@ -131,14 +148,16 @@ pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<Collect
             }
             slowest(world, crate::util::median(t))
         };
-        let ours_s = time(false)?;
-        let library_s = time(true)?;
+        let ours_s = time(Which::Ours)?;
+        let library_s = time(Which::Library)?;
+        let reduce_s = time(Which::Reduce)?;
         rows.push(CollectiveRow {
             bytes,
             ours_s,
             ours_busbw_gbs: bus_gbs(bytes, world.size(), ours_s),
             library_s,
             library_busbw_gbs: bus_gbs(bytes, world.size(), library_s),
+            reduce_s,
         });
     }
     Ok(CollectiveReport {
@@ -154,18 +173,19 @@ pub fn run(world: &dyn Collective, sizes: &[u64], reps: usize) -> Result<Collect
 /// The report as a table.
 pub fn render(r: &CollectiveReport) -> String {
     let mut s = format!(
-        "all-reduce of f32 sums, {} ranks on {} host(s), {}\nours through {}\n(bus bandwidth as nccl-tests reports it: bytes / time × 2(N−1)/N; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>6}\n",
-        r.ranks, r.hosts, r.library, r.ours_path, "bytes", "rank-order sum (ours)", "library all-reduce", "ratio"
+        "all-reduce of f32 sums, {} ranks on {} host(s), {}\nours through {}\n(bus bandwidth as nccl-tests reports it: bytes / time × 2(N−1)/N; the slowest rank's median)\n{:>10}  {:>22}  {:>22}  {:>6}  {:>14}\n",
+        r.ranks, r.hosts, r.library, r.ours_path, "bytes", "rank-order sum (ours)", "library all-reduce", "ratio", "ours to rank 0"
     );
     for row in &r.rows {
         s.push_str(&format!(
-            "{:>10}  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s  {:>5.2}×\n",
+            "{:>10}  {:>9.3} ms {:>6.2} GB/s  {:>9.3} ms {:>6.2} GB/s  {:>5.2}×  {:>11.3} ms\n",
             crate::util::human_bytes(row.bytes),
             row.ours_s * 1e3,
             row.ours_busbw_gbs,
             row.library_s * 1e3,
             row.library_busbw_gbs,
-            row.library_s / row.ours_s.max(1e-12)
+            row.library_s / row.ours_s.max(1e-12),
+            row.reduce_s * 1e3
         ));
     }
     if let Some(n) = &r.nccl {

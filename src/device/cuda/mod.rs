@@ -16,6 +16,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod pinned;
 pub mod runtime;
+pub mod world;
 
 pub use backend::{CudaBackend, DevP};
 pub use device::{CudaDevice, CudaDeviceConfig, RESERVE_BYTES};

@@ -147,6 +147,33 @@ pub fn unique_id() -> Result<[u8; 128]> {
     Ok(id.internal.map(|c| c as u8))
 }
 
+/// Rank 0's unique id, or why it has none, as the bytes the job's rendezvous moves to every
+/// rank: every rank learns either, so none is left waiting in NCCL's initialisation for a rank
+/// 0 that failed. [`unique_id_from`] reads it.
+pub fn unique_id_message(made: &Result<[u8; 128]>) -> Vec<u8> {
+    match made {
+        Ok(id) => [&[1u8][..], &id[..]].concat(),
+        Err(why) => [&[0u8][..], why.to_string().as_bytes()].concat(),
+    }
+}
+
+/// The unique id in rank 0's [`unique_id_message`], or rank 0's reason as this rank's error.
+pub fn unique_id_from(msg: &[u8], rank: usize) -> Result<[u8; 128]> {
+    match msg.split_first() {
+        Some((1, id)) => id
+            .try_into()
+            .map_err(|_| Error::internal("NCCL", "rank 0's unique id is not 128 bytes")),
+        _ => Err(Error::system(
+            "NCCL",
+            format!("rank {rank}: join the job's communicator"),
+            format!(
+                "rank 0 could not make its unique id: {}",
+                String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
+            ),
+        )),
+    }
+}
+
 /// One rank's NCCL communicator. Its collectives are enqueued on the stream each call names
 /// (NCCL's ops on one communicator must be enqueued in the same order on every rank).
 pub struct NcclComm {
@@ -399,5 +426,62 @@ impl NcclComm {
             )
         };
         self.nccl.check(code, "ncclBroadcast")
+    }
+
+    /// `bytes` bytes at device address `send` of every rank, in rank order, at `recv`
+    /// (N × `bytes`), on `stream`.
+    ///
+    /// # Safety
+    /// `send..send + bytes` and `recv..recv + N·bytes` are device memory of this
+    /// communicator's GPU that nothing else uses until `stream` has passed this all-gather.
+    pub unsafe fn all_gather_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.live("ncclAllGather")?;
+        // SAFETY: the caller's contract.
+        let code = unsafe {
+            (self.nccl.api.all_gather)(
+                send as *const c_void,
+                recv as *mut c_void,
+                bytes,
+                ncclDataType_t::ncclUint8,
+                self.comm,
+                raw(stream),
+            )
+        };
+        self.nccl.check(code, "ncclAllGather")
+    }
+
+    /// `count` f32 at `recv` = Σ over ranks of their `count` f32 at `send` (NCCL's order), on
+    /// `stream`.
+    ///
+    /// # Safety
+    /// Both ranges of `count` f32 are device memory of this communicator's GPU that nothing
+    /// else uses until `stream` has passed this all-reduce.
+    pub unsafe fn all_reduce_f32_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.live("ncclAllReduce")?;
+        // SAFETY: the caller's contract.
+        let code = unsafe {
+            (self.nccl.api.all_reduce)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                ncclDataType_t::ncclFloat32,
+                ncclRedOp_t::ncclSum,
+                self.comm,
+                raw(stream),
+            )
+        };
+        self.nccl.check(code, "ncclAllReduce")
     }
 }

@@ -17,9 +17,11 @@
 
 mod evaluation;
 mod hazards;
+mod ops;
 
 pub use evaluation::{evaluation, evaluation_fits};
 use hazards::track_hazards;
+pub use ops::{DevBuf, Gather, Lane, Op, Res, Schedule, Task};
 
 use crate::device::{Access, Kernel, StreamKind};
 use crate::store::layout::{Mode, StateLayout};
@@ -75,196 +77,6 @@ impl ActivationDtype {
     }
 }
 
-/// A device buffer of the schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub enum DevBuf {
-    /// Weights of a unit (two, alternating).
-    W(usize),
-    /// Gradients of a unit (two, alternating).
-    G(usize),
-    /// The tied embedding's gradient, alive from the head's backward to the embedding's.
-    GEmb,
-    /// dx/dy of the backward (two, alternating).
-    D(usize),
-    /// Layer-boundary activation `i` (device activations) or buffer `i % 2` (host ones).
-    A(usize),
-    /// Block `i`'s forward internals, kept for its backward ([`Activations::Keep`]).
-    K(usize),
-    /// Layer input `i` stored in bf16 ([`ActivationDtype::Bf16`]): kept there (device
-    /// activations), or staging buffer `i % 2` of the copies to and from the host (host ones).
-    S(usize),
-}
-
-/// A resource an op touches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub enum Res {
-    /// A device buffer.
-    Dev(DevBuf),
-    /// Unit u's params in the host store.
-    Params(usize),
-    /// Unit u's gradient shard on the host (exact mode).
-    Grads(usize),
-    /// Lean gradient buffer k on the host.
-    Lean(usize),
-    /// The host copy of layer-boundary activation i.
-    Act(usize),
-    /// The step's Σg² (exact: from the gradient shards; lean: from the AdamW jobs).
-    Norm,
-    /// The clip coefficient the step's updates use.
-    Coef,
-    /// Host buffer `k` another rank's params are gathered into (ZeRO stage 3).
-    Gathered(usize),
-    /// Host buffer `k` another rank's unit's gradients land in (ZeRO stage 3, sharded
-    /// gradients).
-    Landed(usize),
-}
-
-/// How ZeRO stage 3 brings a unit's params from the rank holding them to every rank's device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Gather {
-    /// Nothing to gather: every rank holds every unit's params.
-    No,
-    /// Into a host buffer over the job's engine ([`Op::Gather`], MPI), then across the link
-    /// as usual: every rank copies every unit in.
-    Host,
-    /// Device to device: the owner copies the unit in, and its device broadcasts it to the
-    /// others' ([`crate::device::Cmd::Broadcast`], NCCL) — each rank copies only its own units
-    /// across its link.
-    Device,
-}
-
-/// One op of the schedule.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub enum Op {
-    /// Copy unit u's params into weight buffer `to` (ZeRO stage 3: from the host buffer the
-    /// [`Op::Gather`] before it filled, on every rank but the unit's owner; or, with
-    /// `broadcast`, on the owner alone, its device then broadcasting `to` to every rank's).
-    CopyWeights {
-        /// The unit.
-        unit: usize,
-        /// A `W` buffer.
-        to: DevBuf,
-        /// [`Gather::Device`]: the owner copies, the devices broadcast.
-        broadcast: bool,
-    },
-    /// Host, ZeRO stage 3: unit u's params (as the device streams them) from the rank holding
-    /// them into host buffer `slot` of every other rank
-    /// ([`crate::dist::Collective::broadcast_bytes`]), before each copy of them to the device.
-    /// Every rank runs the same schedule, so the ranks' broadcasts come in the same order.
-    Gather {
-        /// The unit.
-        unit: usize,
-        /// The host buffer (the weight buffer's index).
-        slot: usize,
-    },
-    /// Copy activation `index` from the host into device buffer `to`.
-    LoadActivation {
-        /// Layer-boundary index.
-        index: usize,
-        /// An `A` buffer.
-        to: DevBuf,
-    },
-    /// Copy activation `index` from device buffer `from` to the host.
-    SaveActivation {
-        /// Layer-boundary index.
-        index: usize,
-        /// An `A` buffer.
-        from: DevBuf,
-    },
-    /// Copy unit u's gradients to the host (`accumulate`: add to what is there, for micro-batches
-    /// after the first), into its shard or, in lean mode, piece `piece` of them into lean buffer
-    /// `lean` ([`crate::store::layout::StateLayout::lean_piece`]).
-    CopyGrads {
-        /// The unit.
-        unit: usize,
-        /// A `G` buffer (or `GEmb`).
-        from: DevBuf,
-        /// `+=` instead of `=`.
-        accumulate: bool,
-        /// Lean buffer, in lean mode.
-        lean: Option<usize>,
-        /// The piece (0: the whole unit in exact mode).
-        piece: usize,
-        /// Sharded gradients (exact mode): the landing buffer they go to on a rank that does
-        /// not hold the unit's gradient shard (its owner takes them into its shard).
-        landing: Option<usize>,
-    },
-    /// A layer op of micro-batch `batch`.
-    Kernel(Kernel<DevBuf, usize>),
-    /// Host: start reading unit u's optimizer state from NVMe if it is spilled (a hint: a no-op
-    /// for a unit in RAM).
-    Prefetch {
-        /// The unit.
-        unit: usize,
-    },
-    /// Host: add unit u's Σg² to the step's norm (exact mode).
-    Norm {
-        /// The unit.
-        unit: usize,
-    },
-    /// Host: the clip coefficient from the norm (exact: this step's; lean: the previous step's).
-    Clip,
-    /// Host: start unit u's AdamW update on its node's pool (asynchronous), of piece `piece`
-    /// in lean mode.
-    Adam {
-        /// The unit.
-        unit: usize,
-        /// Lean buffer holding its gradients, in lean mode.
-        lean: Option<usize>,
-        /// The piece (0: the whole unit in exact mode).
-        piece: usize,
-    },
-    /// Host, lean mode: the step's norm from its AdamW jobs (so waits for all of them).
-    LeanNorm,
-    /// Host, data parallel: sum unit u's step gradients across the ranks, in rank order
-    /// ([`crate::dist::Collective::sum_f32`]): its shard (exact mode) or piece `piece` of them in
-    /// lean buffer `lean`. Every rank runs the same schedule, so the ranks' collectives come in
-    /// the same order.
-    Reduce {
-        /// The unit.
-        unit: usize,
-        /// Lean buffer holding its gradients, in lean mode.
-        lean: Option<usize>,
-        /// The piece (0: the whole unit in exact mode).
-        piece: usize,
-    },
-}
-
-/// Where an op runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Lane {
-    /// A device stream.
-    Stream(StreamKind),
-    /// The host thread that drives the schedule.
-    Host,
-}
-
-/// An op with its resources and its dependencies.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Task {
-    /// Where it runs.
-    pub lane: Lane,
-    /// What it does.
-    pub op: Op,
-    /// What it reads.
-    pub reads: Vec<Res>,
-    /// What it writes.
-    pub writes: Vec<Res>,
-    /// Earlier tasks of this step it must wait for (not implied by lane order).
-    pub waits: Vec<usize>,
-    /// Tasks of the previous step it must wait for (by index in the schedule).
-    pub prev_waits: Vec<usize>,
-}
-
-/// The schedule of one optimizer step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Schedule {
-    /// Tasks in submission order.
-    pub tasks: Vec<Task>,
-    /// Device buffers the schedule uses.
-    pub buffers: Vec<DevBuf>,
-}
-
 /// What the schedule is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduleSpec {
@@ -293,9 +105,10 @@ pub struct ScheduleSpec {
     /// ZeRO stage 3: how each copy of a unit's params to the device gets them from the rank
     /// holding them.
     pub gather: Gather,
-    /// ZeRO stage 3 with sharded gradients (exact mode, one micro-batch): each unit's gradients
-    /// leave the device into its shard on its owner and a landing buffer on the other ranks
-    /// ([`Res::Landed`], two in turn), where they are summed across the ranks and dropped.
+    /// ZeRO stage 3 with sharded gradients (exact mode): each micro-batch's gradients of a unit
+    /// leave the device into a landing buffer ([`Res::Landed`], two in turn; the owner's first
+    /// micro-batch's into its shard), are summed across the ranks there at once, added to the
+    /// owner's shard and dropped elsewhere.
     pub land: bool,
 }
 
@@ -477,8 +290,9 @@ impl Builder {
         g
     }
 
-    /// Unit u's gradients leave the device. Exact mode: into its shard, and after the last
-    /// micro-batch its Σg² is added to the norm. Lean mode (one micro-batch): piece by piece,
+    /// Unit u's gradients leave the device. Exact mode: into its shard (sharded gradients: into
+    /// a landing buffer, summed across the ranks at once), and after the last micro-batch its
+    /// Σg² is added to the norm. Lean mode (one micro-batch): piece by piece,
     /// each into the next lean buffer and updated at once; pieces past the lean buffers wait
     /// for the next kernel ([`Builder::flush_deferred`]).
     fn drain(&mut self, unit: usize, from: DevBuf, spec: &ScheduleSpec, mb: usize) {
@@ -492,8 +306,9 @@ impl Builder {
             }
             return;
         }
-        // Sharded gradients (one micro-batch): into landing buffer k on the ranks without the
-        // unit's shard.
+        // Sharded gradients: into landing buffer k on the ranks without the unit's shard (and
+        // on its owner after the first micro-batch), summed across the ranks there at once —
+        // every micro-batch, so no rank keeps another's gradients across micro-batches.
         let landed = self.land.then(|| {
             let k = self.next_landing;
             self.next_landing = 1 - k;
@@ -515,18 +330,21 @@ impl Builder {
             vec![Res::Dev(from)],
             held.clone(),
         );
-        if mb + 1 == spec.micro_batches {
-            if spec.ranks > 1 {
-                self.host(
-                    Op::Reduce {
-                        unit,
-                        lean: None,
-                        piece: 0,
-                    },
-                    held.clone(),
-                    held,
-                );
-            }
+        let last = mb + 1 == spec.micro_batches;
+        if spec.ranks > 1 && (last || landed.is_some()) {
+            self.host(
+                Op::Reduce {
+                    unit,
+                    lean: None,
+                    piece: 0,
+                    landing: landed,
+                    accumulate: mb > 0 && landed.is_some(),
+                },
+                held.clone(),
+                held,
+            );
+        }
+        if last {
             self.host(
                 Op::Norm { unit },
                 vec![Res::Grads(unit), Res::Norm],
@@ -558,6 +376,8 @@ impl Builder {
                     unit,
                     lean: Some(k),
                     piece,
+                    landing: None,
+                    accumulate: false,
                 },
                 vec![Res::Lean(k)],
                 vec![Res::Lean(k)],
@@ -610,7 +430,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Schedule {
     let mut b = Builder::new();
     b.ranks = spec.ranks;
     b.gather = spec.gather;
-    b.land = spec.land && spec.mode == Mode::Exact && spec.micro_batches == 1;
+    b.land = spec.land && spec.mode == Mode::Exact && spec.ranks > 1;
     let order = update_order(spec);
     // The first unit to be updated: its m/v can come in from NVMe during the forward.
     b.host(Op::Prefetch { unit: order[0] }, vec![], vec![]);

@@ -57,13 +57,16 @@ fn all_specs() -> Vec<ScheduleSpec> {
                     gather: Gather::Host,
                     ..spec(layers, tied, 2, Mode::Exact, a)
                 });
-                // Sharded gradients: each unit's landed in one of two buffers in turn.
-                v.push(ScheduleSpec {
-                    ranks: 3,
-                    gather: Gather::Host,
-                    land: true,
-                    ..spec(layers, tied, 1, Mode::Exact, a)
-                });
+                // Sharded gradients: each unit's landed in one of two buffers in turn, every
+                // micro-batch's.
+                for micro in [1, 2] {
+                    v.push(ScheduleSpec {
+                        ranks: 3,
+                        gather: Gather::Host,
+                        land: true,
+                        ..spec(layers, tied, micro, Mode::Exact, a)
+                    });
+                }
                 v.push(ScheduleSpec {
                     ranks: 2,
                     gather: Gather::Host,
@@ -357,7 +360,10 @@ fn data_parallel_sums_each_gradient_once_before_it_is_read() {
             .collect();
         assert!(!reduces.is_empty());
         for &r in &reduces {
-            let Op::Reduce { unit, lean, piece } = s.tasks[r].op else {
+            let Op::Reduce {
+                unit, lean, piece, ..
+            } = s.tasks[r].op
+            else {
                 unreachable!()
             };
             let res = lean.map_or(Res::Grads(unit), Res::Lean);
@@ -382,7 +388,44 @@ fn data_parallel_sums_each_gradient_once_before_it_is_read() {
                 "{base:?}: reader {reader} not after sum {r}"
             );
         }
-        // As many sums as there are gradient copies that end a unit's step.
+        // As many sums as there are gradient copies that end a unit's step — with sharded
+        // gradients, as gradient copies (each micro-batch's summed at once, a later one's
+        // added to the owner's shard).
+        if base.land {
+            let copies: Vec<(usize, Option<usize>, bool)> = s
+                .tasks
+                .iter()
+                .filter_map(|t| match t.op {
+                    Op::CopyGrads {
+                        unit,
+                        landing,
+                        accumulate,
+                        ..
+                    } => Some((unit, landing, accumulate)),
+                    _ => None,
+                })
+                .collect();
+            let sums: Vec<(usize, Option<usize>, bool)> = reduces
+                .iter()
+                .map(|&r| match s.tasks[r].op {
+                    Op::Reduce {
+                        unit,
+                        landing,
+                        accumulate,
+                        ..
+                    } => (unit, landing, accumulate),
+                    _ => unreachable!(),
+                })
+                .collect();
+            assert_eq!(sums, copies, "{base:?}");
+            assert!(copies.iter().all(|c| c.1.is_some()), "{base:?}");
+            assert_eq!(
+                copies.iter().filter(|c| c.2).count(),
+                (base.layers + 2) * (base.micro_batches - 1),
+                "{base:?}"
+            );
+            continue;
+        }
         let last_copies = match base.mode {
             Mode::Exact => base.layers + 2,
             Mode::Lean => s

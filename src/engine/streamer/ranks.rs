@@ -34,38 +34,69 @@ impl Streamer {
     }
 
     /// Sum unit u's step gradients across the ranks: its shard, or (lean mode) piece `piece` of
-    /// them in lean buffer `lean`.
+    /// them in lean buffer `lean`, or (sharded gradients) one micro-batch's where they landed —
+    /// landing buffer `landing`, or the owner's shard for the first micro-batch — the sum added
+    /// to the owner's shard for a later micro-batch (`accumulate`).
     pub(super) fn reduce(
         &mut self,
         unit: usize,
         (lean, piece): (Option<usize>, usize),
+        (landing, accumulate): (Option<usize>, bool),
     ) -> Result<()> {
         let world = self.world.clone();
-        match lean {
-            Some(k) => {
+        let holds = self.store.layout().holds_grads(unit);
+        match (lean, landing) {
+            (Some(k), _) => {
                 let len = self.store.layout().lean_piece(unit, piece).len();
                 let b = self.lean[k].as_mut().ok_or_else(|| {
                     Error::internal("streamer", format!("lean buffer {k} is owned by AdamW"))
                 })?;
                 world.sum_f32(&mut b.as_mut_slice()[..len])
             }
-            // Sharded gradients: another rank's unit's, where they landed.
-            None if !self.store.layout().holds_grads(unit) => {
+            (None, Some(k)) if accumulate || !holds => {
                 let numel = self.store.layout().units[unit].numel;
-                let k = self.landed.get(unit).copied().flatten().ok_or_else(|| {
-                    Error::internal("streamer", format!("unit {unit}'s gradients did not land"))
-                })?;
                 let b = self
                     .landing
                     .get_mut(k)
                     .ok_or_else(|| Error::internal("streamer", format!("no landing buffer {k}")))?;
-                world.sum_f32(&mut b.as_mut_slice()[..numel])
+                let landed = &mut b.as_mut_slice()[..numel];
+                // Only the unit's owner needs the sum.
+                world.reduce_f32(self.store.layout().owner(unit), landed)?;
+                if !holds {
+                    return Ok(());
+                }
+                // The owner's later micro-batch: added to its shard, as a process alone adds
+                // its micro-batches' gradients.
+                self.guard(unit)?;
+                let grads = self.guards[unit]
+                    .as_mut()
+                    .and_then(|g| g.grads())
+                    .ok_or_else(|| {
+                        Error::internal("streamer", "exact mode without a gradient shard")
+                    })?;
+                let landed = &self.landing[k].as_mut_slice()[..numel];
+                // Element by element over the rank's threads: the same bits for any split.
+                use rayon::prelude::*;
+                grads
+                    .par_chunks_mut(1 << 16)
+                    .zip(landed.par_chunks(1 << 16))
+                    .for_each(|(g, x)| {
+                        for (g, x) in g.iter_mut().zip(x) {
+                            *g += *x;
+                        }
+                    });
+                Ok(())
             }
-            None => {
+            (None, landing) => {
+                let owner = self.store.layout().owner(unit);
                 let grads = self.guard(unit)?.grads().ok_or_else(|| {
                     Error::internal("streamer", "exact mode without a gradient shard")
                 })?;
-                world.sum_f32(grads)
+                match landing {
+                    // The owner's first micro-batch, in its shard: the others' landed.
+                    Some(_) => world.reduce_f32(owner, grads),
+                    None => world.sum_f32(grads),
+                }
             }
         }
     }

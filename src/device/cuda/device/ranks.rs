@@ -1,9 +1,9 @@
 //! The GPUs of a data-parallel job, connected: an NCCL communicator (rank 0's unique id sent to
-//! the others over the job's engine, MPI) and the broadcast ZeRO stage 3 gathers params with.
+//! the others through the job's collectives: MPI's, or NCCL's under torchrun) and the broadcast ZeRO stage 3 gathers params with.
 
 use super::{span, CudaDevice, Inner, Span};
 use crate::device::cuda::drv;
-use crate::device::cuda::nccl::{unique_id, NcclComm};
+use crate::device::cuda::nccl::{unique_id, unique_id_from, unique_id_message, NcclComm};
 use crate::device::BufId;
 use crate::dist::Collective;
 use crate::util::lock;
@@ -13,38 +13,12 @@ use std::sync::Arc;
 
 /// Join the job's NCCL communicator on `ctx`'s GPU (every rank calls it, in the same place).
 pub(super) fn join(ctx: &Arc<CudaContext>, world: &dyn Collective) -> Result<NcclComm> {
-    // Rank 0's id, or why it has none: every rank learns either, so none is left waiting
-    // in NCCL's initialisation for a rank that failed before it.
     let made = match world.rank() {
-        0 => unique_id().map_err(|e| e.to_string()),
+        0 => unique_id(),
         _ => Ok([0; 128]),
     };
-    let mut msg = match &made {
-        Ok(id) => [&[1u8][..], &id[..]].concat(),
-        Err(why) => [&[0u8][..], why.as_bytes()].concat(),
-    };
-    let len = world.all_gather_bytes(&(msg.len() as u64).to_le_bytes())?;
-    let root_len = len
-        .first()
-        .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
-        .map_or(0, u64::from_le_bytes) as usize;
-    msg.resize(root_len, 0);
-    world.broadcast_bytes(0, &mut msg)?;
-    let id: [u8; 128] = match msg.split_first() {
-        Some((1, id)) => id
-            .try_into()
-            .map_err(|_| Error::internal("NCCL", "rank 0's unique id is not 128 bytes"))?,
-        _ => {
-            return Err(Error::system(
-                "NCCL",
-                format!("rank {}: join the job's communicator", world.rank()),
-                format!(
-                    "rank 0 could not make its unique id: {}",
-                    String::from_utf8_lossy(msg.get(1..).unwrap_or_default())
-                ),
-            ))
-        }
-    };
+    let all = world.all_gather_bytes(&unique_id_message(&made))?;
+    let id = unique_id_from(all.first().map_or(&[][..], Vec::as_slice), world.rank())?;
     let comm = NcclComm::join(ctx, id, world.rank(), world.size())?;
     check_reached(ctx, &comm)?;
     Ok(comm)
