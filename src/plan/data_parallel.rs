@@ -160,19 +160,6 @@ impl DataParallel {
     }
 }
 
-impl DataParallel {
-    /// A rank's bytes in a sum delivered to another rank ([`crate::dist::Collective::reduce_f32`]:
-    /// its slices out, its own slice's sum sent on — `(N−1)/N + 1/N` of the buffer) as a share of
-    /// its bytes in the all-reduce (`2(N−1)/N`).
-    pub fn reduce_share(&self) -> f64 {
-        let n = self.ranks() as f64;
-        match n > 1.0 {
-            true => n / (2.0 * (n - 1.0)),
-            false => 1.0,
-        }
-    }
-}
-
 /// The data-parallel side of a plan of several ranks.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DataParallelPlan {

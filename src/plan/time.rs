@@ -105,19 +105,14 @@ fn sim_costs(
         norm_s: numel.iter().map(|&k| k as f64 * 4.0 / adam_bps).collect(),
         nvme_read_s: (0..numel.len()).map(nvme).collect(),
         nvme_write_s: (0..numel.len()).map(nvme).collect(),
-        // The ranks sum fp32 gradients in host memory, whatever crossed the link; sharded
-        // gradients go to their owner alone (`Collective::reduce_f32`), so a unit the rank
-        // does not hold costs it the reduce-scatter and its slice's send, not the all-gather.
+        // The ranks sum fp32 gradients in host memory, whatever crossed the link. Sharded
+        // gradients go to their owner alone (`Collective::reduce_f32`): a rank that does not
+        // hold the unit moves fewer bytes, but the ranks meet again at the next unit's sum, so
+        // each sum costs the job its owner's time, which moves an all-reduce's bytes (measured
+        // 0.80–0.91× of the sum's time, `bench collective`): priced as the sum.
         reduce_s: numel
             .iter()
-            .enumerate()
-            .map(|(u, &k)| {
-                let all = req.data_parallel.sum_s(hw, 4.0 * k as f64);
-                match layout.lands_grads() && !layout.holds_grads(u) {
-                    true => all * req.data_parallel.reduce_share(),
-                    false => all,
-                }
-            })
+            .map(|&k| req.data_parallel.sum_s(hw, 4.0 * k as f64))
             .collect(),
         // Stage 3: a unit's params as the GPU streams them, from the rank holding them:
         // through host memory, or GPU to GPU (NCCL).

@@ -282,8 +282,10 @@ impl Collective for NcclWorld {
         while at < longest {
             let m = gpu.part.min(longest - at);
             let mut mine = vec![0u8; m];
-            let have = bytes.len().saturating_sub(at).min(m);
-            mine[..have].copy_from_slice(&bytes[at..at + have]);
+            // A shorter message than the longest sends zeros once it has ended.
+            let rest = bytes.get(at..).unwrap_or_default();
+            let have = rest.len().min(m);
+            mine[..have].copy_from_slice(&rest[..have]);
             let mut all = vec![0u8; m * self.size];
             gpu.all_gather(&mine, &mut all)?;
             for ((o, &len), theirs) in out.iter_mut().zip(&lens).zip(all.chunks_exact(m)) {
