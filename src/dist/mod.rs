@@ -16,7 +16,7 @@ mod shared;
 pub mod store;
 
 pub use launch::Launch;
-pub use order::{sum_in_rank_order, sum_in_rank_order_in_place};
+pub use order::{sum_in_rank_order, sum_in_rank_order_in_place, totals_in_rank_order};
 
 use crate::{Error, Result};
 use std::sync::Arc;

@@ -10,7 +10,7 @@
 //! MiB, whatever the unit's size): a fresh buffer per call cost more in page faults and zeroing
 //! than the exchange.
 
-use super::order::{slice_of, sum_in_rank_order_in_place};
+use super::order::{slice_of, sum_in_rank_order_in_place, totals_in_rank_order};
 use super::shared::SharedSum;
 use super::{Collective, StallWatch};
 use crate::{Error, Result};
@@ -254,12 +254,7 @@ impl Collective for MpiWorld {
         let n = buf.len();
         let mut all = vec![0.0f64; n * self.size];
         self.world.all_gather_into(&*buf, &mut all[..]);
-        buf.fill(0.0);
-        for part in all.chunks(n.max(1)).take(self.size) {
-            for (b, x) in buf.iter_mut().zip(part) {
-                *b += *x;
-            }
-        }
+        totals_in_rank_order(&all, buf);
         Ok(())
     }
 

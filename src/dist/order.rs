@@ -24,6 +24,21 @@ fn add_into(out: &mut [f32], part: &[f32]) {
     }
 }
 
+/// A step's totals from every rank, laid end to end in `all` (`out.len()` each), added into
+/// `out` from zero in rank order, `((0 + x₀) + x₁) + …`: the same bits on every rank, whichever
+/// world gathered them.
+pub fn totals_in_rank_order(all: &[f64], out: &mut [f64]) {
+    out.fill(0.0);
+    if out.is_empty() {
+        return;
+    }
+    for part in all.chunks_exact(out.len()) {
+        for (o, x) in out.iter_mut().zip(part) {
+            *o += *x;
+        }
+    }
+}
+
 /// [`sum_in_rank_order`] of the `parts.len() / len` parts of `len` elements laid end to end in
 /// `parts`, into the first: the same bits, with no buffer of its own.
 pub fn sum_in_rank_order_in_place(parts: &mut [f32], len: usize) {

@@ -1,11 +1,13 @@
 //! What a run does differently as one rank of a data-parallel job: its outputs (rank 0 writes
-//! the job's), the start every rank takes from rank 0, the settings every rank must share, and
-//! its GPU. (Its part of the host's CPUs: [`crate::dist::HostShare::bind`].)
+//! the job's), the start every rank takes from rank 0, the settings every rank must share, its
+//! share of a sharded job's state, and its GPU. (Its part of the host's CPUs:
+//! [`crate::dist::HostShare::bind`].)
 
 use super::config::{DeviceKind, ParamGather, TrainConfig};
+use super::Progress;
 use crate::dist::Collective;
 use crate::model::config::ModelConfig;
-use crate::store::layout::Mode;
+use crate::store::layout::{Mode, ShardKind, StateLayout, UnitOwners};
 use crate::{Error, Result};
 use std::path::PathBuf;
 
@@ -227,6 +229,72 @@ fn shared_gpu(world: &dyn Collective) -> Result<GpuSlot> {
         ordinal,
         shared_by: sharing(&keys, world.rank()),
     })
+}
+
+/// This rank's share of a sharded job's state (`--zero-stage` over several ranks): the units
+/// [`UnitOwners::deal`] gives it, whose Adam moments it holds and updates — at stage 3 their
+/// params too (gathered GPU to GPU where `device_gather`, else through host memory for
+/// `host_gather_why`), and in exact mode their gradients — with notes of what it holds and how
+/// the params travel.
+pub(super) fn shard_state(
+    world: &dyn Collective,
+    cfg: &TrainConfig,
+    layout: StateLayout,
+    device_gather: bool,
+    host_gather_why: Option<String>,
+    progress: &mut dyn Progress,
+) -> StateLayout {
+    let owners = UnitOwners::deal(&layout, world.size(), world.rank());
+    let owners = match (cfg.zero_stage, device_gather) {
+        (3, true) => owners.with_params().with_device_gather(),
+        (3, false) => owners.with_params(),
+        _ => owners,
+    };
+    // Exact mode: the gradients too (each micro-batch's summed across the ranks at once,
+    // on their owner's shard).
+    let owners = match owners.params && layout.mode == Mode::Exact {
+        true => owners.with_grads(),
+        false => owners,
+    };
+    let kinds: &[ShardKind] = match (owners.params, owners.grads) {
+        (true, true) => &[
+            ShardKind::Params,
+            ShardKind::Grads,
+            ShardKind::AdamM,
+            ShardKind::AdamV,
+        ],
+        (true, false) => &[ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV],
+        _ => &[ShardKind::AdamM, ShardKind::AdamV],
+    };
+    let sharded_bytes = |l: &StateLayout| kinds.iter().map(|&k| l.kind_bytes(k)).sum::<u64>();
+    let job = sharded_bytes(&layout);
+    let held = (0..layout.units.len()).filter(|&u| owners.holds(u)).count();
+    let layout = layout.with_owners(owners);
+    progress.note(&format!(
+        "ZeRO stage {}: rank {} holds and updates the {} of {held} of {} units ({} of the job's {} bytes)",
+        cfg.zero_stage,
+        world.rank(),
+        match (cfg.zero_stage, layout.lands_grads()) {
+            (3, true) => "params, gradients and Adam moments",
+            (3, false) => "params and Adam moments",
+            _ => "Adam moments",
+        },
+        layout.units.len(),
+        sharded_bytes(&layout),
+        job
+    ));
+    if layout.gathers_params() {
+        let through = match world.on_gpus() {
+            true => "host memory (NCCL, staged through the GPUs)",
+            false => "host memory (MPI)",
+        };
+        progress.note(&match (layout.gathers_on_device(), host_gather_why) {
+            (true, _) => "params gathered GPU to GPU: each unit's owner copies it to its GPU, NCCL broadcasts it to the others'".to_owned(),
+            (false, Some(why)) => format!("params gathered through {through}: {why}"),
+            (false, None) => format!("params gathered through {through}"),
+        });
+    }
+    layout
 }
 
 /// Whether a job with sharded params gathers them GPU to GPU over NCCL (`--param-gather`),

@@ -22,7 +22,7 @@ use crate::engine::{Activations, Streamer, StreamerConfig};
 use crate::model::config::ModelConfig;
 use crate::model::reference::Templates;
 use crate::optim::{AdamPool, AdamWConfig};
-use crate::store::layout::{MasterFormat, Mode, ShardKind, StateLayout, UnitOwners};
+use crate::store::layout::{MasterFormat, Mode, StateLayout, UnitOwners};
 use crate::store::placement::{place_with_spill, RamBudget, SpillPolicy, SpillRequest};
 use crate::store::{HostStore, SpillOptions, StoreOptions};
 use crate::topology::{probe, Machine, TopologySource};
@@ -172,56 +172,14 @@ pub(super) fn setup(
     let gpu = ranks::gpu_slot(world.as_ref(), cfg.device)?;
     let (device_gather, host_gather_why) = ranks::gathers_on_device(world.as_ref(), &cfg, gpu)?;
     if sharded {
-        let owners = UnitOwners::deal(&layout, world.size(), world.rank());
-        let owners = match (cfg.zero_stage, device_gather) {
-            (3, true) => owners.with_params().with_device_gather(),
-            (3, false) => owners.with_params(),
-            _ => owners,
-        };
-        // Exact mode: the gradients too (each micro-batch's summed across the ranks at once,
-        // on their owner's shard).
-        let owners = match owners.params && mode == Mode::Exact {
-            true => owners.with_grads(),
-            false => owners,
-        };
-        let kinds: &[ShardKind] = match (owners.params, owners.grads) {
-            (true, true) => &[
-                ShardKind::Params,
-                ShardKind::Grads,
-                ShardKind::AdamM,
-                ShardKind::AdamV,
-            ],
-            (true, false) => &[ShardKind::Params, ShardKind::AdamM, ShardKind::AdamV],
-            _ => &[ShardKind::AdamM, ShardKind::AdamV],
-        };
-        let sharded_bytes = |l: &StateLayout| kinds.iter().map(|&k| l.kind_bytes(k)).sum::<u64>();
-        let job = sharded_bytes(&layout);
-        let held = (0..layout.units.len()).filter(|&u| owners.holds(u)).count();
-        layout = layout.with_owners(owners);
-        progress.note(&format!(
-            "ZeRO stage {}: rank {} holds and updates the {} of {held} of {} units ({} of the job's {} bytes)",
-            cfg.zero_stage,
-            world.rank(),
-            match (cfg.zero_stage, layout.lands_grads()) {
-                (3, true) => "params, gradients and Adam moments",
-                (3, false) => "params and Adam moments",
-                _ => "Adam moments",
-            },
-            layout.units.len(),
-            sharded_bytes(&layout),
-            job
-        ));
-        if layout.gathers_params() {
-            let through = match world.on_gpus() {
-                true => "host memory (NCCL, staged through the GPUs)",
-                false => "host memory (MPI)",
-            };
-            progress.note(&match (layout.gathers_on_device(), host_gather_why) {
-                (true, _) => "params gathered GPU to GPU: each unit's owner copies it to its GPU, NCCL broadcasts it to the others'".to_owned(),
-                (false, Some(why)) => format!("params gathered through {through}: {why}"),
-                (false, None) => format!("params gathered through {through}"),
-            });
-        }
+        layout = ranks::shard_state(
+            world.as_ref(),
+            &cfg,
+            layout,
+            device_gather,
+            host_gather_why,
+            progress,
+        );
     }
     // Whether rank 0 writes checkpoints, told to every rank (a sharded job's all take part).
     let joint_checkpoints = sharded && crate::dist::any(world.as_ref(), inputs.run_dir.is_some())?;

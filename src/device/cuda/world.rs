@@ -22,7 +22,9 @@
 use super::nccl::{unique_id, unique_id_from, unique_id_message, NcclComm};
 use super::{drv, CudaRuntime};
 use crate::dist::store::{Store, StoreAddress};
-use crate::dist::{sum_in_rank_order, Collective, HostShare, Launch, StallWatch};
+use crate::dist::{
+    sum_in_rank_order, totals_in_rank_order, Collective, HostShare, Launch, StallWatch,
+};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use std::sync::{Arc, Mutex};
@@ -260,13 +262,7 @@ impl Collective for NcclWorld {
             let n = part.len();
             let mut all = vec![0.0f64; n * self.size];
             gpu.all_gather(part, &mut all)?;
-            // As the MPI world adds them: from zero, in rank order.
-            part.fill(0.0);
-            for theirs in all.chunks_exact(n) {
-                for (p, x) in part.iter_mut().zip(theirs) {
-                    *p += *x;
-                }
-            }
+            totals_in_rank_order(&all, part);
         }
         Ok(())
     }
