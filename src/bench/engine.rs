@@ -66,8 +66,11 @@ pub struct EngineCase {
     pub ideal_s: f64,
     /// step / ideal.
     pub ratio_to_ideal: f64,
-    /// Lower bound that respects the step's dependencies: gradients only flow after the forward,
-    /// so max(ideal, htod before the loss + dtoh).
+    /// The dependency bound: the step's schedule replayed with the component times this run
+    /// measured (each resource's durations scaled to its measured total, no core sharing: the
+    /// measured times already include it), so the best step the schedule's dependencies allow
+    /// with these durations — exact mode's AdamW waits for the global norm, lean mode's next
+    /// forward for the last unit's update.
     pub bound_s: f64,
     /// step / bound.
     pub ratio_to_bound: f64,
@@ -305,8 +308,8 @@ fn run_case(
     let rows = build_streamer(machine, case, &layout, isa, &spill_dir)
         .and_then(|s| measure(s, case, steps, trace));
     let _ = std::fs::remove_dir_all(&spill_dir);
-    let prediction = predict(case, &layout, isa, nvme_dir)?;
-    Ok(summarize(case, &rows?, &prediction))
+    let planned = plan_case(case, &layout, isa, nvme_dir)?;
+    Ok(summarize(case, &rows?, &planned))
 }
 
 /// The streamer of `case`: its store (spilled under `spill_dir` if the case spills) with
@@ -419,14 +422,20 @@ fn measure(
     Ok(rows)
 }
 
-/// The planner's prediction of `case`: the same schedule replayed with component costs
-/// calibrated alone (kernels, AdamW and the norm's Σg² on the same threads, the spill store).
-fn predict(
+/// The planner's view of a case: its step schedule and component costs calibrated alone.
+struct Planned {
+    schedule: schedule::Schedule,
+    costs: Costs,
+}
+
+/// The planner's view of `case`: the same schedule, with component costs calibrated alone
+/// (kernels, AdamW and the norm's Σg² on the same threads, the spill store).
+fn plan_case(
     case: &Case,
     layout: &StateLayout,
     isa: Isa,
     nvme_dir: &std::path::Path,
-) -> Result<sim::Prediction> {
+) -> Result<Planned> {
     let cfg = &layout.config;
     let tm = Templates::new(cfg, case.seq)?;
     let kernels = calibrate_kernels(&tm, layout, case.batch, case.seq);
@@ -487,11 +496,15 @@ fn predict(
         gather: crate::engine::schedule::Gather::No,
         land: false,
     };
-    Ok(sim::simulate(&schedule::schedule(&spec), &costs))
+    Ok(Planned {
+        schedule: schedule::schedule(&spec),
+        costs,
+    })
 }
 
-/// `case`'s medians over `rows`, its bounds and ratios, beside `pred`.
-fn summarize(case: &Case, rows: &[StepMetrics], pred: &sim::Prediction) -> EngineCase {
+/// `case`'s medians over `rows`, its bounds and ratios, beside the planner's prediction.
+fn summarize(case: &Case, rows: &[StepMetrics], planned: &Planned) -> EngineCase {
+    let pred = sim::simulate(&planned.schedule, &planned.costs);
     let med = |f: fn(&StepMetrics) -> f64| median(rows.iter().map(f).collect());
     let (step_s, compute_s, htod_s, dtoh_s) = (
         med(|m| m.wall_s),
@@ -503,7 +516,32 @@ fn summarize(case: &Case, rows: &[StepMetrics], pred: &sim::Prediction) -> Engin
     let adam_s = med(|m| m.optimizer_s);
     let serial_s = compute_s + htod_s + dtoh_s + adam_s;
     let ideal_s = compute_s.max(htod_s).max(dtoh_s).max(adam_s);
-    let bound_s = ideal_s.max(med(|m| m.htod_before_loss_s) + dtoh_s);
+    let nvme_s = med(|m| m.nvme_busy_s);
+    // The dependency bound: the schedule replayed with each resource's calibrated durations
+    // scaled to what this run measured (AdamW without its waits for NVMe, which the I/O
+    // resource carries), without core sharing (the measured times already include it).
+    let alone = Costs {
+        shared_cores: None,
+        ..planned.costs.clone()
+    };
+    let costed = sim::simulate(&planned.schedule, &alone);
+    let factor = |measured: f64, costed: f64| {
+        if costed > 0.0 {
+            measured / costed
+        } else {
+            1.0
+        }
+    };
+    let scale = sim::Scale {
+        compute: factor(compute_s, costed.compute_s),
+        htod: factor(htod_s, costed.htod_s),
+        dtoh: factor(dtoh_s, costed.dtoh_s),
+        adam: factor((adam_s - med(|m| m.nvme_wait_s)).max(0.0), costed.adam_s),
+        nvme: factor(nvme_s, costed.nvme_s),
+    };
+    let bound_s = sim::simulate_scaled(&planned.schedule, &alone, scale)
+        .step_s
+        .max(ideal_s);
     EngineCase {
         name: case.name.to_owned(),
         bound: case.bound.to_owned(),
@@ -526,7 +564,7 @@ fn summarize(case: &Case, rows: &[StepMetrics], pred: &sim::Prediction) -> Engin
         device_peak_bytes: rows.iter().map(|m| m.device_peak_bytes).max().unwrap_or(0),
         spilled: case.spill,
         nvme_bytes: med(|m| (m.nvme_read_bytes + m.nvme_write_bytes) as f64) as u64,
-        nvme_s: med(|m| m.nvme_busy_s),
+        nvme_s,
         predicted_s: pred.step_s,
         predicted_bottleneck: pred.bottleneck.to_owned(),
         predicted_parts: [
@@ -634,19 +672,21 @@ pub fn render(cases: &[EngineCase]) -> String {
         "megatrain bench engine — CPU device, emulated link, model {} params in {} units \
          (moe: {} params, {} active), host activations\n\
          times are medians over the measured steps, in ms; ideal = max(compute, htod, dtoh, adamw);\n\
-         bound = max(ideal, htod before the loss + dtoh): gradients cannot leave before the forward ends;\n\
+         bound = the step's schedule replayed with the durations measured here: what its dependencies\n\
+         allow (exact: AdamW waits for the global norm, so it overlaps only the next forward; lean: the\n\
+         next forward waits for the first unit's update, the last of the step);\n\
          predicted = the planner's step model (megatrain plan) on the same plan, with each component\n\
          calibrated alone (kernels, AdamW, spill store, link) — a prediction, not a fit\n\n\
-         {:<14} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>10} {:>10} {:>13}\n",
+         {:<14} {:>6} {:>6} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>10} {:>10} {:>10} {:>13}\n",
         model().num_params(),
         model().num_layers + 2,
         moe.as_ref().map_or(0, |m| m.num_params()),
         moe.as_ref().map_or(0, |m| m.active_params()),
-        "case", "tokens", "GB/s", "compute", "htod", "dtoh", "adamw", "nvme MB", "ideal", "step", "predicted", "step/ideal", "step/pred", "pred. bound"
+        "case", "tokens", "GB/s", "compute", "htod", "dtoh", "adamw", "nvme MB", "ideal", "bound", "step", "predicted", "step/ideal", "step/bound", "step/pred", "pred. bound"
     );
     for c in cases {
         s += &format!(
-            "{:<14} {:>6} {:>6.1} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>7.1} {:>7.2} {:>8.2} {:>8.2} {:>10.3} {:>10.3} {:>13}\n",
+            "{:<14} {:>6} {:>6.1} {:>8.2} {:>7.2} {:>7.2} {:>7.2} {:>7.1} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>10.3} {:>10.3} {:>10.3} {:>13}\n",
             c.name,
             c.tokens,
             c.link_gbps,
@@ -656,12 +696,122 @@ pub fn render(cases: &[EngineCase]) -> String {
             c.adam_s * 1e3,
             c.nvme_bytes as f64 / 1e6,
             c.ideal_s * 1e3,
+            c.bound_s * 1e3,
             c.step_s * 1e3,
             c.predicted_s * 1e3,
             c.ratio_to_ideal,
+            c.ratio_to_bound,
             c.ratio_to_prediction,
             c.predicted_bottleneck
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 4-layer exact plan with round costs: 1 s a block forward, 3 a backward, 2 the head,
+    /// 2 s of AdamW a unit, a link too fast to matter.
+    fn planned() -> Planned {
+        let units = 6;
+        let kernels = KernelCosts {
+            embed_fwd: 0.0,
+            block_fwd: 1.0,
+            head: 2.0,
+            block_bwd: 3.0,
+            embed_bwd: 0.0,
+            zero: 0.0,
+            cast: 0.0,
+        };
+        let spec = ScheduleSpec {
+            layers: 4,
+            tied: false,
+            micro_batches: 1,
+            mode: Mode::Exact,
+            activations: Activations::Host,
+            activation_dtype: crate::engine::ActivationDtype::Fp32,
+            device_inputs: 0,
+            lean_pieces: LeanPieces::WHOLE,
+            ranks: 1,
+            gather: crate::engine::schedule::Gather::No,
+            land: false,
+        };
+        Planned {
+            schedule: schedule::schedule(&spec),
+            costs: Costs {
+                unit_numel: vec![1000; units],
+                lean_piece_elems: None,
+                weight_elem_bytes: 4.0,
+                grad_elem_bytes: 4.0,
+                activation_bytes: 0.0,
+                htod_bps: 1e15,
+                dtoh_bps: 1e15,
+                copy_latency_s: 0.0,
+                land_bps: None,
+                kernels,
+                adam_s: vec![2.0; units],
+                norm_s: vec![0.0; units],
+                nvme_read_s: vec![0.0; units],
+                nvme_write_s: vec![0.0; units],
+                reduce_s: Vec::new(),
+                gather_s: Vec::new(),
+                held: Vec::new(),
+                staging_slots: 3,
+                // The bound replays without sharing: this must not change it.
+                shared_cores: Some(sim::SharedCores {
+                    cores: 1.0,
+                    compute_threads: 1.0,
+                    adam_threads: 1.0,
+                    io_cpu_fraction: 0.0,
+                }),
+            },
+        }
+    }
+
+    fn case() -> Case {
+        Case {
+            name: "t",
+            bound: "",
+            model: model(),
+            batch: 1,
+            seq: 8,
+            link_gbps: 200.0,
+            adam_threads: 1,
+            scalar_adam: false,
+            mode: Mode::Exact,
+            spill: false,
+        }
+    }
+
+    #[test]
+    fn the_bound_replays_the_schedule_with_the_measured_durations() {
+        let p = planned();
+        // Compute measured at twice its calibration (18 s → 36 s a step), AdamW as calibrated
+        // (12 s): the exact step cannot start AdamW before the backward ends, so the bound is
+        // the forward and backward at the measured speed (8 + 24 + 4) plus the AdamW that the
+        // next forward does not hide, not the ideal max(36, 12).
+        let row = StepMetrics {
+            wall_s: 50.0,
+            compute_s: 36.0,
+            optimizer_s: 12.0,
+            ..StepMetrics::default()
+        };
+        let c = summarize(&case(), &[row.clone(), row], &p);
+        let mut doubled = Costs {
+            shared_cores: None,
+            ..p.costs.clone()
+        };
+        doubled.kernels.block_fwd *= 2.0;
+        doubled.kernels.block_bwd *= 2.0;
+        doubled.kernels.head *= 2.0;
+        let want = sim::simulate(&p.schedule, &doubled).step_s;
+        assert!((c.bound_s - want).abs() < 1e-9, "{} vs {want}", c.bound_s);
+        assert!(c.bound_s > c.ideal_s + 1.0, "{c:?}");
+        assert!((c.ideal_s - 36.0).abs() < 1e-9);
+        assert!((c.ratio_to_bound - 50.0 / c.bound_s).abs() < 1e-12);
+        // The prediction keeps the calibrated costs and their core sharing.
+        assert_eq!(c.predicted_s, sim::simulate(&p.schedule, &p.costs).step_s);
+    }
 }

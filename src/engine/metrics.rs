@@ -33,9 +33,6 @@ pub struct StepMetrics {
     /// Time the AdamW pools were busy with jobs that completed during this step (the union of the
     /// jobs' submit→done intervals: jobs queue on the same workers), seconds.
     pub optimizer_s: f64,
-    /// Σ host→device copy time before the loss (the forward's weight stream), seconds. Gradients
-    /// only flow after it, so `htod_before_loss_s + dtoh_s` bounds a link-bound step from below.
-    pub htod_before_loss_s: f64,
     /// Time the host thread spent blocked on the device or on AdamW, seconds.
     pub host_wait_s: f64,
     /// Bytes host→device.
@@ -126,18 +123,8 @@ impl StepRouting {
 }
 
 impl StepMetrics {
-    /// Add the device's records of a step: Σ time and bytes per stream, and the weight stream's
-    /// time before the loss (the head's kernel).
+    /// Add the device's records of a step: Σ time and bytes per stream.
     pub fn add_device_records(&mut self, records: &[OpRecord]) {
-        let loss_start = records
-            .iter()
-            .find(|r| r.name == "head_loss_bwd")
-            .map_or(f64::INFINITY, |r| r.start);
-        self.htod_before_loss_s = records
-            .iter()
-            .filter(|r| r.stream == StreamKind::CopyIn && r.start < loss_start)
-            .map(|r| r.end - r.start)
-            .sum();
         for r in records {
             let d = r.end - r.start;
             match r.stream {

@@ -297,8 +297,51 @@ fn in_submission_order(res: usize) -> bool {
     res <= HOST
 }
 
+/// Factors on each resource's task durations: the same schedule replayed with the component
+/// times a run measured instead of those calibrated alone (`bench engine`'s dependency bound).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Scale {
+    /// Compute kernels.
+    pub compute: f64,
+    /// Host→device copies.
+    pub htod: f64,
+    /// Device→host copies.
+    pub dtoh: f64,
+    /// AdamW jobs.
+    pub adam: f64,
+    /// NVMe reads and writes.
+    pub nvme: f64,
+}
+
+impl Scale {
+    /// Every duration as costed.
+    pub const ONE: Scale = Scale {
+        compute: 1.0,
+        htod: 1.0,
+        dtoh: 1.0,
+        adam: 1.0,
+        nvme: 1.0,
+    };
+
+    fn of(&self, res: usize) -> f64 {
+        match res {
+            COMPUTE => self.compute,
+            COPY_IN => self.htod,
+            COPY_OUT => self.dtoh,
+            POOL => self.adam,
+            IO => self.nvme,
+            _ => 1.0,
+        }
+    }
+}
+
 /// Replay `schedule` for six steps under `costs`.
 pub fn simulate(schedule: &Schedule, costs: &Costs) -> Prediction {
+    simulate_scaled(schedule, costs, Scale::ONE)
+}
+
+/// [`simulate`] with each resource's durations multiplied by its factor in `scale`.
+pub fn simulate_scaled(schedule: &Schedule, costs: &Costs, scale: Scale) -> Prediction {
     const STEPS: usize = 6;
     const WARM: usize = 3;
     let units = costs.unit_numel.len();
@@ -372,6 +415,9 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Prediction {
         // norm waits for its updates; an exact step's updates run on into the next).
         prev_done = done;
         prev_id = id_of;
+    }
+    for t in &mut tasks {
+        t.dur *= scale.of(t.res).max(0.0);
     }
     let (start_t, busy) = replay(&tasks, costs.shared_cores);
     let period = (start_t[starts[STEPS]] - start_t[starts[WARM]]) / (STEPS - WARM) as f64;
@@ -586,6 +632,30 @@ mod tests {
         let p = simulate(&schedule(&spec(4, Mode::Exact)), &c);
         assert!((p.step_s - (4.0 + 12.0 + 2.0)).abs() < 1e-3, "{p:?}");
         assert_eq!(p.bottleneck, "GPU compute");
+    }
+
+    #[test]
+    fn a_scaled_resource_replays_as_if_its_costs_were_scaled() {
+        let mut c = costs(6);
+        c.kernels.block_fwd = 1.0;
+        c.kernels.block_bwd = 3.0;
+        c.kernels.head = 2.0;
+        let s = schedule(&spec(4, Mode::Exact));
+        let scaled = simulate_scaled(
+            &s,
+            &c,
+            Scale {
+                compute: 2.0,
+                ..Scale::ONE
+            },
+        );
+        c.kernels.block_fwd = 2.0;
+        c.kernels.block_bwd = 6.0;
+        c.kernels.head = 4.0;
+        let costed = simulate(&s, &c);
+        assert!((scaled.step_s - 36.0).abs() < 1e-3, "{scaled:?}");
+        assert!((scaled.step_s - costed.step_s).abs() < 1e-9);
+        assert!((scaled.compute_s - costed.compute_s).abs() < 1e-9);
     }
 
     #[test]
