@@ -715,58 +715,21 @@ mod tests {
     /// A 4-layer exact plan with round costs: 1 s a block forward, 3 a backward, 2 the head,
     /// 2 s of AdamW a unit, a link too fast to matter.
     fn planned() -> Planned {
-        let units = 6;
-        let kernels = KernelCosts {
-            embed_fwd: 0.0,
-            block_fwd: 1.0,
-            head: 2.0,
-            block_bwd: 3.0,
-            embed_bwd: 0.0,
-            zero: 0.0,
-            cast: 0.0,
-        };
-        let spec = ScheduleSpec {
-            layers: 4,
-            tied: false,
-            micro_batches: 1,
-            mode: Mode::Exact,
-            activations: Activations::Host,
-            activation_dtype: crate::engine::ActivationDtype::Fp32,
-            device_inputs: 0,
-            lean_pieces: LeanPieces::WHOLE,
-            ranks: 1,
-            gather: crate::engine::schedule::Gather::No,
-            land: false,
-        };
+        let mut costs = sim::tests::costs(6);
+        costs.kernels.block_fwd = 1.0;
+        costs.kernels.block_bwd = 3.0;
+        costs.kernels.head = 2.0;
+        costs.adam_s = vec![2.0; 6];
+        // The bound replays without sharing: this must not change it.
+        costs.shared_cores = Some(sim::SharedCores {
+            cores: 1.0,
+            compute_threads: 1.0,
+            adam_threads: 1.0,
+            io_cpu_fraction: 0.0,
+        });
         Planned {
-            schedule: schedule::schedule(&spec),
-            costs: Costs {
-                unit_numel: vec![1000; units],
-                lean_piece_elems: None,
-                weight_elem_bytes: 4.0,
-                grad_elem_bytes: 4.0,
-                activation_bytes: 0.0,
-                htod_bps: 1e15,
-                dtoh_bps: 1e15,
-                copy_latency_s: 0.0,
-                land_bps: None,
-                kernels,
-                adam_s: vec![2.0; units],
-                norm_s: vec![0.0; units],
-                nvme_read_s: vec![0.0; units],
-                nvme_write_s: vec![0.0; units],
-                reduce_s: Vec::new(),
-                gather_s: Vec::new(),
-                held: Vec::new(),
-                staging_slots: 3,
-                // The bound replays without sharing: this must not change it.
-                shared_cores: Some(sim::SharedCores {
-                    cores: 1.0,
-                    compute_threads: 1.0,
-                    adam_threads: 1.0,
-                    io_cpu_fraction: 0.0,
-                }),
-            },
+            schedule: schedule::schedule(&sim::tests::spec(4, Mode::Exact)),
+            costs,
         }
     }
 
@@ -806,6 +769,9 @@ mod tests {
         doubled.kernels.block_fwd *= 2.0;
         doubled.kernels.block_bwd *= 2.0;
         doubled.kernels.head *= 2.0;
+        // The row measured no copy time: the bound's copies take none.
+        doubled.htod_bps = f64::INFINITY;
+        doubled.dtoh_bps = f64::INFINITY;
         let want = sim::simulate(&p.schedule, &doubled).step_s;
         assert!((c.bound_s - want).abs() < 1e-9, "{} vs {want}", c.bound_s);
         assert!(c.bound_s > c.ideal_s + 1.0, "{c:?}");

@@ -570,12 +570,13 @@ fn replay(tasks: &[Task], shared: Option<SharedCores>) -> (Vec<f64>, Vec<(usize,
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::engine::schedule::{schedule, Activations, ScheduleSpec};
     use crate::store::layout::Mode;
 
-    fn costs(units: usize) -> Costs {
+    /// `units` units of 1M elements, every duration zero, a link too fast to matter.
+    pub(crate) fn costs(units: usize) -> Costs {
         Costs {
             unit_numel: vec![1_000_000; units],
             lean_piece_elems: None,
@@ -607,7 +608,8 @@ mod tests {
         }
     }
 
-    fn spec(layers: usize, mode: Mode) -> ScheduleSpec {
+    /// One micro-batch of `layers` blocks, activations on the host, one rank.
+    pub(crate) fn spec(layers: usize, mode: Mode) -> ScheduleSpec {
         ScheduleSpec {
             layers,
             tied: false,
