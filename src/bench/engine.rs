@@ -525,9 +525,9 @@ fn summarize(case: &Case, rows: &[StepMetrics], planned: &Planned) -> EngineCase
         ..planned.costs.clone()
     };
     let costed = sim::simulate(&planned.schedule, &alone);
-    let factor = |measured: f64, costed: f64| {
-        if costed > 0.0 {
-            measured / costed
+    let factor = |measured: f64, calibrated: f64| {
+        if calibrated > 0.0 {
+            measured / calibrated
         } else {
             1.0
         }
